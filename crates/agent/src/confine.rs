@@ -1,0 +1,450 @@
+//! Confinement of file operations to the work directory.
+//!
+//! Owns three things, in the order a file request meets them:
+//!
+//! 1. The path grammar the file RPCs accept ([`RelPath::parse`]): checked
+//!    before anything touches the disk, so malformed requests never reach a
+//!    system call.
+//! 2. Opening the work directory itself ([`WorkDir::open`]) with
+//!    `RESOLVE_NO_SYMLINKS`, once per request, so a run that replaced the
+//!    work directory (or any of its ancestors) with a symlink is refused
+//!    instead of redirected.
+//! 3. Resolving request paths beneath that directory ([`open_beneath`]) with
+//!    `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`: the kernel, not this
+//!    code, decides whether a symlink or `..` planted by the sandbox leads
+//!    outside, which closes the check-then-use races a userspace walk has.
+//!
+//! It also owns [`FileError`], the error every file operation reports, and
+//! its mapping to a gRPC status carrying the `runbox-kind` metadata entry.
+//!
+//! It does not own the RPC streaming (see `files`), nor exec's working
+//! directory, which is deliberately not confined: a command may go anywhere
+//! inside the run.
+
+use std::io;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags, ResolveFlags};
+use rustix::io::Errno;
+use tonic::metadata::MetadataValue;
+use tonic::{Code, Status};
+
+/// Longest request path accepted, in bytes (Linux's `PATH_MAX`).
+pub const MAX_PATH_BYTES: usize = 4096;
+
+/// Longest single path component accepted, in bytes (Linux's `NAME_MAX`).
+pub const MAX_COMPONENT_BYTES: usize = 255;
+
+/// Name of the metadata entry that carries an error's [`FileError::kind`].
+pub const KIND_METADATA_KEY: &str = "runbox-kind";
+
+/// How often a resolution that the kernel aborted because of a concurrent
+/// rename (`EAGAIN`) is retried before giving up.
+const RESOLVE_RETRIES: usize = 16;
+
+/// Why a file operation failed. Every variant maps to one `runbox-kind`
+/// value and one gRPC code; messages never include file contents.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The request path breaks the grammar of [`RelPath::parse`].
+    #[error("invalid path {path:?}: {reason}")]
+    InvalidPath {
+        /// The path as the client sent it.
+        path: String,
+        /// What is wrong with it, phrased as what to fix.
+        reason: &'static str,
+    },
+    /// The request stream itself is malformed (for example no header first).
+    #[error("invalid request: {0}")]
+    InvalidRequest(&'static str),
+    /// Resolution left the work directory through a symlink or `..`.
+    #[error("path {path:?} leads outside the work directory through a symlink or '..'; use a path that stays inside it")]
+    Escape {
+        /// The path as the client sent it.
+        path: String,
+    },
+    /// The work directory cannot be opened as a plain directory.
+    #[error("cannot open the work directory {path:?} as a real directory (it must exist and must not be or pass through a symlink)")]
+    WorkDir {
+        /// The configured work directory.
+        path: PathBuf,
+        /// What `openat2` reported.
+        #[source]
+        source: Errno,
+    },
+    /// The path (or one of its parents) does not exist.
+    #[error("{path:?} does not exist in the work directory")]
+    NotFound {
+        /// The path as the client sent it.
+        path: String,
+    },
+    /// The path names something other than a regular file.
+    #[error("{path:?} is {what}, not a regular file")]
+    NotAFile {
+        /// The path as the client sent it.
+        path: String,
+        /// What it is instead, with an article ("a directory").
+        what: &'static str,
+    },
+    /// A parent of the target exists but is not a directory.
+    #[error("{path:?} is not a directory, so it cannot hold {target:?}")]
+    NotADirectory {
+        /// The offending parent, relative to the work directory.
+        path: String,
+        /// The path as the client sent it.
+        target: String,
+    },
+    /// The kernel refused access.
+    #[error("permission denied for {path:?}")]
+    Denied {
+        /// The path as the client sent it.
+        path: String,
+    },
+    /// A regular file became shorter while it was being read.
+    #[error("{path:?} shrank while it was being read; read it again")]
+    Shrank {
+        /// The path as the client sent it.
+        path: String,
+    },
+    /// A failure of the agent itself rather than of the file system.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// Any other failure.
+    #[error("cannot {op} {path:?}")]
+    Io {
+        /// What was being done, as a verb phrase ("write", "open").
+        op: &'static str,
+        /// The path as the client sent it.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl FileError {
+    /// Classifies an errno from a system call on `path`.
+    ///
+    /// `EXDEV` and `ELOOP` come from `RESOLVE_BENEATH` / `RESOLVE_NO_MAGICLINKS`
+    /// refusing a symlink or `..` that leaves the work directory, so both mean
+    /// an escape attempt rather than an ordinary I/O problem.
+    pub fn from_errno(errno: Errno, op: &'static str, path: &str) -> Self {
+        let path = path.to_owned();
+        match errno {
+            Errno::XDEV | Errno::LOOP => Self::Escape { path },
+            // ENOTDIR here means a parent is a file: the path cannot exist.
+            Errno::NOENT | Errno::NOTDIR => Self::NotFound { path },
+            Errno::ISDIR => Self::NotAFile {
+                path,
+                what: "a directory",
+            },
+            // Opening a socket fails with ENXIO.
+            Errno::NXIO => Self::NotAFile {
+                path,
+                what: "a socket or device",
+            },
+            Errno::ACCESS | Errno::PERM | Errno::ROFS | Errno::TXTBSY => Self::Denied { path },
+            Errno::NAMETOOLONG => Self::InvalidPath {
+                path,
+                reason: "it is too long for the kernel; shorten it",
+            },
+            other => Self::Io {
+                op,
+                path,
+                source: other.into(),
+            },
+        }
+    }
+
+    /// The `runbox-kind` value clients branch on.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::InvalidPath { .. } | Self::InvalidRequest(_) => "invalid_path",
+            Self::Escape { .. } => "escape",
+            Self::WorkDir { source, .. } => match *source {
+                Errno::LOOP | Errno::XDEV => "escape",
+                Errno::NOENT => "not_found",
+                Errno::NOTDIR => "not_a_file",
+                Errno::ACCESS | Errno::PERM => "denied",
+                _ => "io",
+            },
+            Self::NotFound { .. } => "not_found",
+            Self::NotAFile { .. } | Self::NotADirectory { .. } => "not_a_file",
+            Self::Denied { .. } => "denied",
+            Self::Shrank { .. } | Self::Internal(_) | Self::Io { .. } => "io",
+        }
+    }
+
+    /// The gRPC code that goes with [`Self::kind`].
+    pub fn code(&self) -> Code {
+        match self {
+            // A truncated read is the one `io` failure with a more precise code.
+            Self::Shrank { .. } => Code::DataLoss,
+            _ => match self.kind() {
+                "invalid_path" => Code::InvalidArgument,
+                "escape" | "denied" => Code::PermissionDenied,
+                "not_found" => Code::NotFound,
+                "not_a_file" => Code::FailedPrecondition,
+                _ => Code::Internal,
+            },
+        }
+    }
+}
+
+impl From<FileError> for Status {
+    fn from(err: FileError) -> Self {
+        // This is the edge where the error leaves the agent, so the whole
+        // source chain goes into the one message the client sees.
+        let mut message = err.to_string();
+        let mut source = std::error::Error::source(&err);
+        while let Some(cause) = source {
+            message.push_str(": ");
+            message.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        let mut status = Status::new(err.code(), message);
+        status
+            .metadata_mut()
+            .insert(KIND_METADATA_KEY, MetadataValue::from_static(err.kind()));
+        status
+    }
+}
+
+/// A request path that passed the grammar check: relative, free of `..`,
+/// and reduced to its normal components.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RelPath {
+    original: String,
+    components: Vec<String>,
+}
+
+impl RelPath {
+    /// Checks `path` against the grammar, without touching the disk.
+    ///
+    /// Accepted: non-empty, relative, no NUL, no `..` component, at most
+    /// [`MAX_PATH_BYTES`] bytes with components of at most
+    /// [`MAX_COMPONENT_BYTES`]. `.` components and repeated slashes are
+    /// dropped. A path that reduces to nothing (".") names the work
+    /// directory itself and is refused, as no file operation applies to it.
+    pub fn parse(path: &str) -> Result<Self, FileError> {
+        let invalid = |reason| FileError::InvalidPath {
+            path: path.to_owned(),
+            reason,
+        };
+        if path.is_empty() {
+            return Err(invalid(
+                "it is empty; name a file inside the work directory",
+            ));
+        }
+        if path.contains('\0') {
+            return Err(invalid("it contains a NUL byte"));
+        }
+        if path.len() > MAX_PATH_BYTES {
+            return Err(invalid("it is longer than 4096 bytes"));
+        }
+        if path.starts_with('/') {
+            return Err(invalid(
+                "it is absolute; give it relative to the work directory",
+            ));
+        }
+        let mut components = Vec::new();
+        for component in path.split('/') {
+            match component {
+                "" | "." => {}
+                ".." => return Err(invalid("it contains a '..' component")),
+                c if c.len() > MAX_COMPONENT_BYTES => {
+                    return Err(invalid("one of its components is longer than 255 bytes"))
+                }
+                c => components.push(c.to_owned()),
+            }
+        }
+        if components.is_empty() {
+            return Err(invalid(
+                "it names the work directory itself; name a file inside it",
+            ));
+        }
+        Ok(Self {
+            original: path.to_owned(),
+            components,
+        })
+    }
+
+    /// The path exactly as the client sent it, for error messages.
+    pub fn original(&self) -> &str {
+        &self.original
+    }
+
+    /// The normalized path ("a/b/c"), suitable for `openat2` beneath the
+    /// work directory.
+    pub fn normalized(&self) -> String {
+        self.components.join("/")
+    }
+
+    /// The components before the last one, outermost first.
+    pub fn parents(&self) -> &[String] {
+        &self.components[..self.components.len() - 1]
+    }
+
+    /// The last component: the name of the file itself.
+    pub fn file_name(&self) -> &str {
+        // `parse` guarantees at least one component.
+        &self.components[self.components.len() - 1]
+    }
+}
+
+/// The directory file operations are confined to.
+#[derive(Debug, Clone)]
+pub struct WorkDir {
+    path: PathBuf,
+}
+
+impl WorkDir {
+    /// Wraps an absolute path; nothing is opened until [`Self::open`].
+    pub fn new(path: PathBuf) -> Self {
+        Self { path }
+    }
+
+    /// The configured path (also the default working directory of commands).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Opens the work directory for one operation, as an `O_PATH` handle.
+    ///
+    /// Resolution follows no symlink at all: the sandbox can replace the
+    /// work directory between requests, and opening it afresh each time
+    /// with `RESOLVE_NO_SYMLINKS` makes such a swap fail loudly instead of
+    /// quietly redirecting the daemon's reads and writes.
+    pub fn open(&self) -> Result<OwnedFd, FileError> {
+        retry_resolve(|| {
+            rustix::fs::openat2(
+                rustix::fs::CWD,
+                &self.path,
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+            )
+        })
+        .map_err(|source| FileError::WorkDir {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}
+
+/// Opens `rel` relative to `dir` without ever leaving `dir`.
+///
+/// Symlinks are followed only while they stay beneath `dir`; absolute
+/// symlinks, `..` that climbs out, and `/proc` magic links fail with `EXDEV`
+/// or `ELOOP`. `O_CLOEXEC` is always added so no command inherits the fd.
+pub fn open_beneath(
+    dir: impl AsFd,
+    rel: &str,
+    flags: OFlags,
+    mode: Mode,
+) -> Result<OwnedFd, Errno> {
+    let dir = dir.as_fd();
+    retry_resolve(|| {
+        rustix::fs::openat2(
+            dir,
+            rel,
+            flags | OFlags::CLOEXEC,
+            mode,
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        )
+    })
+}
+
+/// Runs an `openat2` call again when the kernel aborted it because of a
+/// concurrent rename (`EAGAIN`, which `RESOLVE_BENEATH` reports instead of
+/// risking a wrong answer) or a signal (`EINTR`).
+fn retry_resolve(mut open: impl FnMut() -> Result<OwnedFd, Errno>) -> Result<OwnedFd, Errno> {
+    let mut attempts = 0;
+    loop {
+        match open() {
+            Err(Errno::AGAIN | Errno::INTR) if attempts < RESOLVE_RETRIES => attempts += 1,
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(path: &str) -> &'static str {
+        match RelPath::parse(path) {
+            Err(FileError::InvalidPath { reason, .. }) => reason,
+            other => panic!("{path:?} should be invalid, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn accepts_and_normalizes_relative_paths() {
+        let p = RelPath::parse("a//./b/c.txt").unwrap();
+        assert_eq!(p.normalized(), "a/b/c.txt");
+        assert_eq!(p.parents(), ["a", "b"]);
+        assert_eq!(p.file_name(), "c.txt");
+        assert_eq!(p.original(), "a//./b/c.txt");
+
+        let p = RelPath::parse("./file/").unwrap();
+        assert_eq!(p.normalized(), "file");
+        assert!(p.parents().is_empty());
+        // Names that merely start with dots are ordinary names.
+        assert_eq!(RelPath::parse("..a/...").unwrap().normalized(), "..a/...");
+    }
+
+    #[test]
+    fn refuses_bad_paths() {
+        assert!(reason("").contains("empty"));
+        assert!(reason("/etc/passwd").contains("absolute"));
+        assert!(reason("a\0b").contains("NUL"));
+        assert!(reason("..").contains(".."));
+        assert!(reason("a/../b").contains(".."));
+        assert!(reason("a/..").contains(".."));
+        assert!(reason(".").contains("work directory itself"));
+        assert!(reason("./").contains("work directory itself"));
+    }
+
+    #[test]
+    fn enforces_length_limits() {
+        let longest_name = "x".repeat(MAX_COMPONENT_BYTES);
+        assert!(RelPath::parse(&longest_name).is_ok());
+        assert!(reason(&format!("{longest_name}x")).contains("255"));
+
+        let at_limit = "a/".repeat(MAX_PATH_BYTES / 2);
+        assert_eq!(at_limit.len(), MAX_PATH_BYTES);
+        assert!(RelPath::parse(&at_limit).is_ok());
+        assert!(reason(&format!("{at_limit}a")).contains("4096"));
+    }
+
+    #[test]
+    fn errors_map_to_kinds_and_codes() {
+        let cases = [
+            (Errno::XDEV, "escape", Code::PermissionDenied),
+            (Errno::LOOP, "escape", Code::PermissionDenied),
+            (Errno::NOENT, "not_found", Code::NotFound),
+            (Errno::ISDIR, "not_a_file", Code::FailedPrecondition),
+            (Errno::ACCESS, "denied", Code::PermissionDenied),
+            (Errno::IO, "io", Code::Internal),
+        ];
+        for (errno, kind, code) in cases {
+            let err = FileError::from_errno(errno, "open", "x");
+            assert_eq!(err.kind(), kind, "{errno:?}");
+            let status = Status::from(err);
+            assert_eq!(status.code(), code, "{errno:?}");
+            assert_eq!(status.metadata().get(KIND_METADATA_KEY).unwrap(), kind);
+        }
+        let shrank = Status::from(FileError::Shrank { path: "x".into() });
+        assert_eq!(shrank.code(), Code::DataLoss);
+        assert_eq!(shrank.metadata().get(KIND_METADATA_KEY).unwrap(), "io");
+    }
+
+    #[test]
+    fn io_status_message_includes_the_cause() {
+        let status = Status::from(FileError::from_errno(Errno::IO, "write", "f"));
+        assert!(status.message().starts_with("cannot write \"f\": "));
+        assert!(status.message().len() > "cannot write \"f\": ".len());
+    }
+}

@@ -1,0 +1,762 @@
+//! The Exec RPC: runs one command and relays its I/O.
+//!
+//! Owns, for each call:
+//!
+//! 1. Validating `ExecStart` and resolving the program, cwd and environment
+//!    ([`prepare`]), so that the common mistakes come back as precise
+//!    `error` outputs (`NOT_FOUND`, `PERMISSION_DENIED`, `BAD_CWD`,
+//!    `INVALID`) instead of a generic spawn failure.
+//! 2. Starting the command in a new session, so its pid is also the id of a
+//!    process group that signals, timeouts and cancellation address as one.
+//! 3. A driver task that sends `started`, relays stdout and stderr through a
+//!    bounded channel (a slow client slows the command down instead of
+//!    growing our memory), forwards input, enforces the timeout, and sends
+//!    exactly one `exit` after the command ended and its pipes drained.
+//!
+//! Cancellation rule: when the client drops the call, the output channel
+//! closes and the driver kills the whole process group at once; the child is
+//! still reaped, by the reaper. The input stream ending is not a
+//! cancellation: the command keeps running (its stdin pipe is closed, as no
+//! more input can arrive).
+//!
+//! Waiting for the child is not done here: see `reaper`, which owns
+//! `waitpid` and hands each status over through a oneshot channel.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use runbox_agent_proto::pb::{
+    exec_input, exec_output, AgentError, EnvVar, ErrorKind, ExecExit, ExecInput, ExecOutput,
+    ExecStart, ExecStarted,
+};
+use runbox_agent_proto::CHUNK_SIZE;
+use rustix::fs::Access;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::pipe;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Status, Streaming};
+
+use crate::reaper::{ExitStatus, Reaper};
+
+/// The PATH a command gets when its environment has none; the usual Linux
+/// default, so images without a shell profile still find their tools.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Output messages buffered per call before the command's pipes stop being
+/// read (and the command blocks on write): the backpressure bound.
+const OUTPUT_CAPACITY: usize = 16;
+
+/// How long to keep reading the pipes after the command exited. Background
+/// processes it left behind may hold them open forever; this bounds the wait
+/// for their EOF while still catching output written just before exit.
+const DRAIN_LIMIT: Duration = Duration::from_millis(200);
+
+/// Highest signal number Linux knows (`SIGRTMAX`); larger ones are ignored.
+const MAX_SIGNAL: i32 = 64;
+
+/// The response stream of one Exec call.
+pub type OutputStream = ReceiverStream<Result<ExecOutput, Status>>;
+
+type OutputTx = mpsc::Sender<Result<ExecOutput, Status>>;
+
+/// Why a command could not be started. Each variant becomes one `error`
+/// output; nothing here is a gRPC status, because the call itself was fine.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The request is malformed.
+    #[error("invalid exec request: {0}")]
+    Invalid(&'static str),
+    /// The working directory is unusable.
+    #[error("working directory {cwd:?} {reason}")]
+    BadCwd {
+        /// The resolved working directory.
+        cwd: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// No PATH entry (or the given path) holds the program.
+    #[error("command not found: {0}")]
+    NotFound(String),
+    /// The program exists but cannot be executed.
+    #[error("not executable: {0}")]
+    NotExecutable(String),
+    /// Starting the command failed for another reason.
+    #[error("cannot start {program}")]
+    Spawn {
+        /// `argv[0]` as the client sent it.
+        program: String,
+        /// What `fork`/`exec` reported.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl ExecError {
+    /// Maps an error from `Command::spawn` the same way as the checks that
+    /// run before it, so a race (a file removed in between) reads the same.
+    fn from_spawn(program: &str, source: io::Error) -> Self {
+        match source.raw_os_error() {
+            Some(libc::ENOENT) => Self::NotFound(program.to_owned()),
+            Some(libc::EACCES | libc::ENOEXEC) => Self::NotExecutable(program.to_owned()),
+            _ => Self::Spawn {
+                program: program.to_owned(),
+                source,
+            },
+        }
+    }
+
+    fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Invalid(_) => ErrorKind::Invalid,
+            Self::BadCwd { .. } => ErrorKind::BadCwd,
+            Self::NotFound(_) => ErrorKind::NotFound,
+            Self::NotExecutable(_) => ErrorKind::PermissionDenied,
+            Self::Spawn { .. } => ErrorKind::Io,
+        }
+    }
+
+    /// The `error` output for this failure, with the source chain in the
+    /// message since this is where the error leaves the agent.
+    fn to_output(&self) -> ExecOutput {
+        let mut message = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            message.push_str(": ");
+            message.push_str(&cause.to_string());
+            source = cause.source();
+        }
+        ExecOutput {
+            kind: Some(exec_output::Kind::Error(AgentError {
+                kind: self.kind().into(),
+                message,
+            })),
+        }
+    }
+}
+
+/// Runs one Exec call: reads `start`, and returns the output stream while a
+/// task starts the command and relays the rest.
+///
+/// Fails with `invalid_argument` only when the first message is not
+/// `start`; everything that goes wrong with the command itself is reported
+/// as an `error` output on the stream.
+pub async fn exec(
+    reaper: Arc<Reaper>,
+    work_dir: PathBuf,
+    mut input: Streaming<ExecInput>,
+) -> Result<OutputStream, Status> {
+    let start = match input.message().await? {
+        Some(ExecInput {
+            kind: Some(exec_input::Kind::Start(start)),
+        }) => start,
+        _ => {
+            return Err(Status::invalid_argument(
+                "the first exec message must be start",
+            ))
+        }
+    };
+    let (tx, rx) = mpsc::channel(OUTPUT_CAPACITY);
+    // Everything from here on runs in its own task, not in this handler:
+    // if the client cancels while the command is being started, the handler
+    // future is dropped, and the command must still end up supervised (and
+    // then killed, as the driver sees the closed channel).
+    tokio::spawn(start_and_drive(reaper, work_dir, start, input, tx));
+    Ok(ReceiverStream::new(rx))
+}
+
+/// Starts the command and drives it, or reports why it could not start.
+async fn start_and_drive(
+    reaper: Arc<Reaper>,
+    work_dir: PathBuf,
+    start: ExecStart,
+    input: Streaming<ExecInput>,
+    tx: OutputTx,
+) {
+    let timeout_ms = start.timeout_ms;
+    // Resolving the program stats files and spawning forks and waits for
+    // exec: both block, so they run off the async workers.
+    let spawned = tokio::task::spawn_blocking(move || {
+        let plan = prepare(start, &work_dir)?;
+        plan.spawn(&reaper)
+    })
+    .await;
+    match spawned {
+        Ok(spawned) => match spawned.and_then(Running::from_spawned) {
+            Ok(running) => drive(running, input, tx, timeout_ms).await,
+            Err(err) => {
+                let _ = tx.send(Ok(err.to_output())).await;
+            }
+        },
+        // The setup task panicked: a bug. Say so instead of hanging the call.
+        Err(err) => {
+            let message = format!("exec setup failed: {err}");
+            let _ = tx.send(Err(Status::internal(message))).await;
+        }
+    }
+}
+
+/// A validated command, ready to spawn.
+#[derive(Debug)]
+struct Plan {
+    /// What to execute: `argv[0]` itself when it has a slash, otherwise the
+    /// PATH entry that holds it.
+    program: PathBuf,
+    argv: Vec<String>,
+    cwd: PathBuf,
+    env: Vec<(String, String)>,
+    stdin: bool,
+}
+
+/// Validates `start` and resolves what it names, without starting anything.
+fn prepare(start: ExecStart, work_dir: &Path) -> Result<Plan, ExecError> {
+    validate(&start)?;
+    let cwd = resolve_cwd(&start.cwd, work_dir);
+    check_cwd(&cwd)?;
+    let env = build_env(start.env);
+    let argv0 = &start.argv[0];
+    let program = if argv0.contains('/') {
+        // Relative paths with a slash are relative to the new cwd, as in a
+        // shell; `Command` changes directory before exec, so pass it as is.
+        PathBuf::from(argv0)
+    } else {
+        // The command's own PATH decides, not ours; std would pick the last
+        // duplicate, so do the same.
+        let path_var = env
+            .iter()
+            .rev()
+            .find(|(name, _)| name == "PATH")
+            .map_or(DEFAULT_PATH, |(_, value)| value.as_str());
+        lookup(argv0, path_var, &cwd, probe_file)?
+    };
+    Ok(Plan {
+        program,
+        argv: start.argv,
+        cwd,
+        env,
+        stdin: start.stdin,
+    })
+}
+
+impl Plan {
+    /// Starts the command in its own session through the reaper.
+    fn spawn(self, reaper: &Reaper) -> Result<Spawned, ExecError> {
+        let mut command = Command::new(&self.program);
+        command
+            .arg0(&self.argv[0])
+            .args(&self.argv[1..])
+            .current_dir(&self.cwd)
+            .env_clear()
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(if self.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: the closure runs in the child between fork and exec, where
+        // only async-signal-safe calls are allowed; `child_setup` makes only
+        // raw system calls (setsid, sigprocmask, sigaction) and allocates
+        // nothing.
+        unsafe {
+            command.pre_exec(child_setup);
+        }
+        let (mut child, exit) = reaper
+            .spawn(&mut command)
+            .map_err(|err| ExecError::from_spawn(&self.argv[0], err))?;
+        Ok(Spawned {
+            // Pids fit in i32 on Linux.
+            pid: child.id() as i32,
+            stdin: child.stdin.take().map(OwnedFd::from),
+            stdout: child.stdout.take().map(OwnedFd::from),
+            stderr: child.stderr.take().map(OwnedFd::from),
+            exit,
+        })
+        // `child` is dropped without waiting: the reaper owns that.
+    }
+}
+
+/// Runs in the child after fork: becomes a session (and so process group)
+/// leader, and undoes signal state the agent's runtime changed, so the
+/// command starts the way it would from a shell.
+fn child_setup() -> io::Result<()> {
+    rustix::process::setsid()?;
+    // SAFETY: `set` and `action` are zero-initialised plain C structs that
+    // live for the duration of the calls; sigemptyset, sigprocmask and
+    // sigaction are async-signal-safe and only read or write those structs.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigprocmask(libc::SIG_SETMASK, &set, std::ptr::null_mut());
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = libc::SIG_DFL;
+        for signal in 1..=MAX_SIGNAL {
+            // Ignored dispositions (std ignores SIGPIPE) survive exec, and
+            // handled ones would be reset anyway. SIGKILL, SIGSTOP and the
+            // libc-reserved real-time signals refuse the change, harmlessly.
+            libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+    Ok(())
+}
+
+/// A started command, with its pipe ends still as plain descriptors (they
+/// are registered with the runtime on the async side).
+struct Spawned {
+    pid: i32,
+    stdin: Option<OwnedFd>,
+    stdout: Option<OwnedFd>,
+    stderr: Option<OwnedFd>,
+    exit: oneshot::Receiver<ExitStatus>,
+}
+
+/// A started command whose pipes are ready for async use.
+struct Running {
+    pid: i32,
+    stdin: Option<pipe::Sender>,
+    stdout: pipe::Receiver,
+    stderr: pipe::Receiver,
+    exit: oneshot::Receiver<ExitStatus>,
+}
+
+impl Running {
+    fn from_spawned(spawned: Spawned) -> Result<Self, ExecError> {
+        let pid = spawned.pid;
+        let convert = || -> io::Result<Self> {
+            let missing = || io::Error::other("child pipe missing");
+            Ok(Self {
+                pid,
+                stdin: spawned.stdin.map(pipe::Sender::from_owned_fd).transpose()?,
+                stdout: pipe::Receiver::from_owned_fd(spawned.stdout.ok_or_else(missing)?)?,
+                stderr: pipe::Receiver::from_owned_fd(spawned.stderr.ok_or_else(missing)?)?,
+                exit: spawned.exit,
+            })
+        };
+        convert().map_err(|source| {
+            // The command runs but cannot be relayed: do not leave it behind.
+            signal_group(pid, libc::SIGKILL);
+            ExecError::Spawn {
+                program: format!("pid {pid}"),
+                source,
+            }
+        })
+    }
+}
+
+/// Relays one running command until it ended and its output drained.
+async fn drive(running: Running, input: Streaming<ExecInput>, tx: OutputTx, timeout_ms: u64) {
+    let Running {
+        pid: pgid,
+        stdin,
+        stdout,
+        stderr,
+        mut exit,
+    } = running;
+
+    let started = ExecOutput {
+        kind: Some(exec_output::Kind::Started(ExecStarted { pid: pgid as u32 })),
+    };
+    let mut cancelled = tx.send(Ok(started)).await.is_err();
+    if cancelled {
+        signal_group(pgid, libc::SIGKILL);
+    }
+
+    // Readers start after `started` went out, so it is always first.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let out_task = tokio::spawn(pump(
+        stdout,
+        tx.clone(),
+        exec_output::Kind::Stdout,
+        stop_rx.clone(),
+    ));
+    let err_task = tokio::spawn(pump(stderr, tx.clone(), exec_output::Kind::Stderr, stop_rx));
+    let input_task = tokio::spawn(forward_input(input, stdin, pgid));
+
+    let deadline = (timeout_ms > 0)
+        .then(|| Instant::now().checked_add(Duration::from_millis(timeout_ms)))
+        .flatten();
+    let timer = async move {
+        match deadline {
+            Some(deadline) => tokio::time::sleep_until(deadline).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(timer);
+    let mut timed_out = false;
+
+    let status = loop {
+        tokio::select! {
+            // Exit first: once the leader is reaped its pid may be recycled,
+            // so no further signal should be aimed at its group.
+            biased;
+            status = &mut exit => break status,
+            () = &mut timer, if !timed_out => {
+                timed_out = true;
+                signal_group(pgid, libc::SIGKILL);
+            }
+            () = tx.closed(), if !cancelled => {
+                cancelled = true;
+                signal_group(pgid, libc::SIGKILL);
+            }
+        }
+    };
+    input_task.abort();
+
+    // Background processes may keep the pipes open: give them a moment to
+    // finish writing, then stop reading. The readers finish the message in
+    // hand either way, so nothing already read is lost.
+    let readers = async {
+        let _ = out_task.await;
+        let _ = err_task.await;
+    };
+    tokio::pin!(readers);
+    if tokio::time::timeout(DRAIN_LIMIT, &mut readers)
+        .await
+        .is_err()
+    {
+        let _ = stop_tx.send(true);
+        readers.await;
+    }
+
+    if cancelled {
+        return;
+    }
+    let last = match status {
+        Ok(status) => Ok(ExecOutput {
+            kind: Some(exec_output::Kind::Exit(ExecExit {
+                exit_code: status.code,
+                signal: status.signal,
+                timed_out,
+            })),
+        }),
+        // Only possible if the reaper task died; say so rather than invent
+        // an exit code.
+        Err(_) => Err(Status::internal("lost track of the command's exit status")),
+    };
+    let _ = tx.send(last).await;
+}
+
+/// Copies one output pipe to the client until EOF, a stop request, or the
+/// client going away.
+async fn pump(
+    mut pipe: pipe::Receiver,
+    tx: OutputTx,
+    wrap: fn(Vec<u8>) -> exec_output::Kind,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; CHUNK_SIZE];
+    loop {
+        let n = tokio::select! {
+            // Stop wins over ready data: a process that never stops writing
+            // must not keep the call open.
+            biased;
+            _ = stop.wait_for(|stop| *stop) => return,
+            read = pipe.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+        };
+        let chunk = ExecOutput {
+            kind: Some(wrap(buf[..n].to_vec())),
+        };
+        if tx.send(Ok(chunk)).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Applies input messages in order until the client half-closes.
+///
+/// Order is kept on purpose: a signal sent after some stdin bytes arrives
+/// after they were written. A command that never reads its stdin can delay
+/// later messages, but never the timeout or cancellation, which the driver
+/// handles on its own.
+async fn forward_input(
+    mut input: Streaming<ExecInput>,
+    mut stdin: Option<pipe::Sender>,
+    pgid: i32,
+) {
+    // A broken input stream means the same as a finished one: no more input.
+    while let Ok(Some(message)) = input.message().await {
+        match message.kind {
+            Some(exec_input::Kind::Stdin(data)) => {
+                if let Some(pipe) = stdin.as_mut() {
+                    // EPIPE: the command closed its stdin; drop later bytes.
+                    if pipe.write_all(&data).await.is_err() {
+                        stdin = None;
+                    }
+                }
+            }
+            Some(exec_input::Kind::CloseStdin(_)) => stdin = None,
+            Some(exec_input::Kind::Signal(signal)) => {
+                if (1..=MAX_SIGNAL).contains(&signal.signal) {
+                    signal_group(pgid, signal.signal);
+                }
+            }
+            // A second `start` has no meaning; ignore it like an empty message.
+            Some(exec_input::Kind::Start(_)) | None => {}
+        }
+    }
+    // Dropping `stdin` here closes the pipe: nothing more can arrive.
+}
+
+/// Sends `signal` to the process group `pgid`, ignoring failure (the group
+/// may already be gone).
+fn signal_group(pgid: i32, signal: i32) {
+    // kill(0) and kill(-1) would hit our own group or every process in the
+    // run; a command's pgid is never 0 or 1, but make sure.
+    if pgid <= 1 {
+        return;
+    }
+    // SAFETY: kill takes no pointers and has no memory-safety
+    // preconditions; with pgid > 1, -pgid addresses exactly that group.
+    unsafe {
+        libc::kill(-pgid, signal);
+    }
+}
+
+/// Checks what the request can be checked for without the file system.
+fn validate(start: &ExecStart) -> Result<(), ExecError> {
+    let Some(argv0) = start.argv.first() else {
+        return Err(ExecError::Invalid("argv must not be empty"));
+    };
+    if argv0.is_empty() {
+        return Err(ExecError::Invalid("argv[0] must not be empty"));
+    }
+    let strings = start
+        .argv
+        .iter()
+        .chain(std::iter::once(&start.cwd))
+        .chain(start.env.iter().flat_map(|v| [&v.name, &v.value]));
+    for s in strings {
+        if s.contains('\0') {
+            return Err(ExecError::Invalid(
+                "argv, cwd and env must not contain NUL bytes",
+            ));
+        }
+    }
+    if start
+        .env
+        .iter()
+        .any(|v| v.name.is_empty() || v.name.contains('='))
+    {
+        return Err(ExecError::Invalid(
+            "environment variable names must be non-empty and must not contain '='",
+        ));
+    }
+    Ok(())
+}
+
+/// Empty means the work directory; relative is relative to it; absolute
+/// stays as is (exec is not confined to the work directory).
+fn resolve_cwd(cwd: &str, work_dir: &Path) -> PathBuf {
+    // `join` with an absolute path replaces the base, which is the intent.
+    work_dir.join(cwd)
+}
+
+fn check_cwd(cwd: &Path) -> Result<(), ExecError> {
+    let reason = match std::fs::metadata(cwd) {
+        Ok(meta) if meta.is_dir() => return Ok(()),
+        Ok(_) => "is not a directory".to_owned(),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => "does not exist".to_owned(),
+        Err(err) => format!("cannot be used: {err}"),
+    };
+    Err(ExecError::BadCwd {
+        cwd: cwd.to_owned(),
+        reason,
+    })
+}
+
+/// The command's environment: exactly what was given, plus a default PATH
+/// when none was.
+fn build_env(vars: Vec<EnvVar>) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = vars.into_iter().map(|v| (v.name, v.value)).collect();
+    if !env.iter().any(|(name, _)| name == "PATH") {
+        env.push(("PATH".to_owned(), DEFAULT_PATH.to_owned()));
+    }
+    env
+}
+
+/// What a PATH candidate turned out to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    Missing,
+    NotExecutable,
+    Executable,
+}
+
+/// Finds `name` in `path_var` like a shell does: the first entry holding an
+/// executable regular file wins. Empty entries mean the cwd; relative ones
+/// are relative to it. A file found but not executable only matters when
+/// nothing executable is found, and then turns "not found" into "not
+/// executable".
+fn lookup(
+    name: &str,
+    path_var: &str,
+    cwd: &Path,
+    probe: impl Fn(&Path) -> Probe,
+) -> Result<PathBuf, ExecError> {
+    let mut found_unexecutable = false;
+    for dir in path_var.split(':') {
+        let candidate = cwd.join(dir).join(name);
+        match probe(&candidate) {
+            Probe::Executable => return Ok(candidate),
+            Probe::NotExecutable => found_unexecutable = true,
+            Probe::Missing => {}
+        }
+    }
+    Err(if found_unexecutable {
+        ExecError::NotExecutable(name.to_owned())
+    } else {
+        ExecError::NotFound(name.to_owned())
+    })
+}
+
+/// Looks at one PATH candidate on disk. Directories are skipped like missing
+/// files, as shells do.
+fn probe_file(path: &Path) -> Probe {
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_file() => {
+            if rustix::fs::access(path, Access::EXEC_OK).is_ok() {
+                Probe::Executable
+            } else {
+                Probe::NotExecutable
+            }
+        }
+        _ => Probe::Missing,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    fn start(argv: &[&str]) -> ExecStart {
+        ExecStart {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn var(name: &str, value: &str) -> EnvVar {
+        EnvVar {
+            name: name.into(),
+            value: value.into(),
+        }
+    }
+
+    #[test]
+    fn validation_refuses_malformed_requests() {
+        assert!(validate(&start(&["ls"])).is_ok());
+        assert!(matches!(validate(&start(&[])), Err(ExecError::Invalid(_))));
+        assert!(matches!(
+            validate(&start(&[""])),
+            Err(ExecError::Invalid(_))
+        ));
+        assert!(matches!(
+            validate(&start(&["ls", "a\0b"])),
+            Err(ExecError::Invalid(_))
+        ));
+        let mut s = start(&["ls"]);
+        s.cwd = "x\0".into();
+        assert!(matches!(validate(&s), Err(ExecError::Invalid(_))));
+        for bad in [var("A", "\0"), var("", "x"), var("A=B", "x")] {
+            let mut s = start(&["ls"]);
+            s.env = vec![bad];
+            assert!(matches!(validate(&s), Err(ExecError::Invalid(_))));
+        }
+    }
+
+    #[test]
+    fn env_is_exact_plus_default_path() {
+        assert_eq!(
+            build_env(vec![var("A", "1")]),
+            [
+                ("A".into(), "1".into()),
+                ("PATH".into(), DEFAULT_PATH.into())
+            ]
+        );
+        assert_eq!(
+            build_env(vec![var("PATH", "/x"), var("B", "")]),
+            [("PATH".into(), "/x".into()), ("B".into(), "".into())]
+        );
+    }
+
+    #[test]
+    fn cwd_resolution() {
+        let work = Path::new("/work");
+        assert_eq!(resolve_cwd("", work), Path::new("/work"));
+        assert_eq!(resolve_cwd("sub/dir", work), Path::new("/work/sub/dir"));
+        assert_eq!(resolve_cwd("/tmp", work), Path::new("/tmp"));
+    }
+
+    #[test]
+    fn lookup_takes_first_executable() {
+        let probe = |p: &Path| match p.to_str().unwrap() {
+            "/a/tool" => Probe::NotExecutable,
+            "/b/tool" | "/c/tool" => Probe::Executable,
+            "/cwd/rel/tool" | "/cwd/here" => Probe::Executable,
+            _ => Probe::Missing,
+        };
+        let cwd = Path::new("/cwd");
+        assert_eq!(
+            lookup("tool", "/a:/b:/c", cwd, probe).unwrap(),
+            Path::new("/b/tool")
+        );
+        assert_eq!(
+            lookup("tool", "/x:rel", cwd, probe).unwrap(),
+            Path::new("/cwd/rel/tool")
+        );
+        // An empty entry means the working directory.
+        assert_eq!(
+            lookup("here", "/x::/y", cwd, probe).unwrap(),
+            Path::new("/cwd/here")
+        );
+        assert!(matches!(
+            lookup("tool", "/a:/x", cwd, probe),
+            Err(ExecError::NotExecutable(name)) if name == "tool"
+        ));
+        assert!(matches!(
+            lookup("nope", "/a:/b", cwd, probe),
+            Err(ExecError::NotFound(name)) if name == "nope"
+        ));
+    }
+
+    #[test]
+    fn probe_looks_at_type_and_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("exe");
+        let plain = dir.path().join("plain");
+        std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+        std::fs::write(&plain, "").unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_eq!(probe_file(&exe), Probe::Executable);
+        // Even root cannot execute a file without any execute bit.
+        assert_eq!(probe_file(&plain), Probe::NotExecutable);
+        assert_eq!(probe_file(dir.path()), Probe::Missing);
+        assert_eq!(probe_file(&dir.path().join("none")), Probe::Missing);
+    }
+
+    #[test]
+    fn spawn_errors_map_like_the_checks() {
+        let err = |errno| ExecError::from_spawn("x", io::Error::from_raw_os_error(errno));
+        assert_eq!(err(libc::ENOENT).kind(), ErrorKind::NotFound);
+        assert_eq!(err(libc::EACCES).kind(), ErrorKind::PermissionDenied);
+        assert_eq!(err(libc::ENOEXEC).kind(), ErrorKind::PermissionDenied);
+        assert_eq!(err(libc::ENOMEM).kind(), ErrorKind::Io);
+        let Some(exec_output::Kind::Error(e)) = err(libc::ENOMEM).to_output().kind else {
+            panic!("expected an error output");
+        };
+        assert!(e.message.starts_with("cannot start x: "), "{}", e.message);
+    }
+}

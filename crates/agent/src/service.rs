@@ -1,0 +1,78 @@
+//! The gRPC service: glue between the generated `Agent` trait and the
+//! modules that do the work.
+//!
+//! Owns nothing but the shared state every call needs (the reaper and the
+//! work directory); each method delegates to `exec` or `files`.
+
+use std::sync::Arc;
+
+use runbox_agent_proto::pb::agent_server::Agent;
+use runbox_agent_proto::pb::{
+    ExecInput, HelloReply, HelloRequest, ReadFileRequest, WriteFileChunk, WriteFileReply,
+};
+use runbox_agent_proto::PROTOCOL;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::confine::WorkDir;
+use crate::reaper::Reaper;
+use crate::{exec, files};
+
+/// The agent's implementation of the protocol.
+#[derive(Debug, Clone)]
+pub struct AgentService {
+    reaper: Arc<Reaper>,
+    work: Arc<WorkDir>,
+}
+
+impl AgentService {
+    /// Serves commands through `reaper` and files below `work`.
+    pub fn new(reaper: Arc<Reaper>, work: WorkDir) -> Self {
+        Self {
+            reaper,
+            work: Arc::new(work),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Agent for AgentService {
+    async fn hello(&self, _: Request<HelloRequest>) -> Result<Response<HelloReply>, Status> {
+        Ok(Response::new(HelloReply {
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            protocol: PROTOCOL,
+        }))
+    }
+
+    type ExecStream = exec::OutputStream;
+
+    async fn exec(
+        &self,
+        request: Request<Streaming<ExecInput>>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        let stream = exec::exec(
+            Arc::clone(&self.reaper),
+            self.work.path().to_owned(),
+            request.into_inner(),
+        )
+        .await?;
+        Ok(Response::new(stream))
+    }
+
+    async fn write_file(
+        &self,
+        request: Request<Streaming<WriteFileChunk>>,
+    ) -> Result<Response<WriteFileReply>, Status> {
+        let bytes_written = files::write_file(Arc::clone(&self.work), request.into_inner()).await?;
+        Ok(Response::new(WriteFileReply { bytes_written }))
+    }
+
+    type ReadFileStream = files::ReadStream;
+
+    async fn read_file(
+        &self,
+        request: Request<ReadFileRequest>,
+    ) -> Result<Response<Self::ReadFileStream>, Status> {
+        let stream = files::read_file(Arc::clone(&self.work), request.into_inner().path).await?;
+        Ok(Response::new(stream))
+    }
+}

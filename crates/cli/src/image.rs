@@ -1,0 +1,367 @@
+//! `runbox image import|ls|rm`.
+//!
+//! `import` of a directory streams a tar of it built on the fly: a blocking
+//! thread walks the tree and writes the archive into a bounded channel that
+//! feeds the request body, so memory use stays at a few chunks however large
+//! the tree. Symlinks are archived as symlinks (never followed, so nothing
+//! outside the directory is read through them), with modes, owners and
+//! mtimes. A file (a tarball, plain or gzip) is sent as is.
+
+use std::fs;
+use std::io::{self, BufWriter, Write};
+use std::os::unix::fs::FileTypeExt as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use runbox_client::{ClientError, UploadBody};
+use tokio::sync::mpsc;
+
+use crate::connect::ConnectOpts;
+use crate::table;
+
+/// Size of the chunks the tar thread hands over, and (times
+/// [`CHANNEL_CHUNKS`]) the most of the archive held in memory at once.
+const CHUNK: usize = 64 * 1024;
+/// Chunks in flight between the tar thread and the connection.
+const CHANNEL_CHUNKS: usize = 8;
+
+/// `runbox image ...`.
+#[derive(Debug, Subcommand)]
+pub enum ImageCommand {
+    /// Import a root filesystem from a directory or a tar archive
+    Import(ImportArgs),
+    /// List images
+    Ls(ImageLsArgs),
+    /// Delete images
+    Rm(ImageRmArgs),
+}
+
+/// `runbox image import`.
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    /// Name for the new image
+    pub name: String,
+    /// A directory holding the root filesystem, or a tar archive of one
+    /// (optionally gzip-compressed)
+    #[arg(value_name = "DIR|TARBALL")]
+    pub source: PathBuf,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox image ls`.
+#[derive(Debug, Args)]
+pub struct ImageLsArgs {
+    /// Print the image list as JSON
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox image rm`.
+#[derive(Debug, Args)]
+pub struct ImageRmArgs {
+    /// Names of the images to delete
+    #[arg(required = true, value_name = "NAME")]
+    pub names: Vec<String>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// Runs a `runbox image ...` subcommand.
+pub async fn run(command: ImageCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        ImageCommand::Import(args) => import(args).await,
+        ImageCommand::Ls(args) => ls(args).await,
+        ImageCommand::Rm(args) => rm(args).await,
+    }
+}
+
+async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
+    let source = &args.source;
+    let meta = tokio::fs::metadata(source)
+        .await
+        .with_context(|| format!("cannot read {}", source.display()))?;
+    let conn = args.conn.connect()?;
+    let image = if meta.is_dir() {
+        let (body, tar_thread) = stream_tree(source.clone());
+        let uploaded = conn.client.import_image(&args.name, body).await;
+        let archived = tar_thread.await.context("the tar thread panicked")?;
+        match (uploaded, archived) {
+            (Ok(image), Ok(())) => image,
+            // The server's verdict is the most precise when it gave one; a
+            // tar error after it is only the broken pipe it caused.
+            (Err(err @ ClientError::Api { .. }), _) => return Err(conn.explain(err)),
+            (_, Err(err)) => {
+                return Err(err).with_context(|| format!("cannot archive {}", source.display()))
+            }
+            (Err(err), Ok(())) => return Err(conn.explain(err)),
+        }
+    } else {
+        let file = tokio::fs::File::open(source)
+            .await
+            .with_context(|| format!("cannot open {}", source.display()))?;
+        let body = UploadBody::from_file(file).await?;
+        conn.check(conn.client.import_image(&args.name, body).await)?
+    };
+    println!("{}", image.name);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Starts archiving `root` on a blocking thread; returns the request body
+/// that streams the archive and the thread's handle.
+fn stream_tree(root: PathBuf) -> (UploadBody, tokio::task::JoinHandle<io::Result<()>>) {
+    let (chunks, thread) = spawn_tar(root);
+    (UploadBody::from_stream(chunks, None), thread)
+}
+
+/// Archives `root` on a blocking thread into a stream of chunks.
+///
+/// An archiving error is also sent down the stream as its last item, so an
+/// upload fed by it fails instead of importing a truncated tree.
+fn spawn_tar(
+    root: PathBuf,
+) -> (
+    impl futures::Stream<Item = io::Result<Bytes>> + Send + 'static,
+    tokio::task::JoinHandle<io::Result<()>>,
+) {
+    let (tx, rx) = mpsc::channel::<io::Result<Bytes>>(CHANNEL_CHUNKS);
+    let thread = tokio::task::spawn_blocking(move || {
+        let out = BufWriter::with_capacity(CHUNK, ChannelWriter { tx: tx.clone() });
+        let result = write_tree_tar(&root, out)
+            .and_then(|out| out.into_inner().map_err(|err| err.into_error()))
+            .map(drop);
+        if let Err(err) = &result {
+            // The receiver may be gone already (the server answered early);
+            // then there is nobody to tell.
+            let _ = tx.blocking_send(Err(io::Error::new(err.kind(), err.to_string())));
+        }
+        result
+    });
+    let chunks = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    (chunks, thread)
+}
+
+/// A `Write` that hands each write to an async receiver; blocks while the
+/// channel is full, which is what bounds memory.
+struct ChannelWriter {
+    tx: mpsc::Sender<io::Result<Bytes>>,
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.tx
+            .blocking_send(Ok(Bytes::copy_from_slice(buf)))
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the upload stopped"))?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes a tar of everything under `root` into `out`, entries named
+/// relative to `root` (which itself is not an entry), each directory before
+/// its contents, in name order so that the same tree gives the same archive.
+fn write_tree_tar<W: Write>(root: &Path, out: W) -> io::Result<W> {
+    let mut builder = tar::Builder::new(out);
+    builder.follow_symlinks(false);
+    builder.mode(tar::HeaderMode::Complete);
+    let mut pending = vec![PathBuf::new()];
+    while let Some(rel_dir) = pending.pop() {
+        let dir = root.join(&rel_dir);
+        let mut entries = fs::read_dir(&dir)
+            .and_then(|entries| entries.collect::<io::Result<Vec<_>>>())
+            .map_err(|err| at(&dir, err))?;
+        entries.sort_by_key(|entry| entry.file_name());
+        let mut subdirs = Vec::new();
+        for entry in entries {
+            let path = entry.path();
+            let name = rel_dir.join(entry.file_name());
+            let kind = entry.file_type().map_err(|err| at(&path, err))?;
+            if kind.is_socket() {
+                // A socket is only meaningful to the process that bound it.
+                tracing::warn!(path = %path.display(), "skipping a socket");
+                continue;
+            }
+            if kind.is_file() {
+                let mut file = fs::File::open(&path).map_err(|err| at(&path, err))?;
+                builder
+                    .append_file(&name, &mut file)
+                    .map_err(|err| at(&path, err))?;
+            } else {
+                // Directories (the header only), symlinks (as links) and
+                // device or fifo nodes.
+                builder
+                    .append_path_with_name(&path, &name)
+                    .map_err(|err| at(&path, err))?;
+            }
+            if kind.is_dir() {
+                subdirs.push(name);
+            }
+        }
+        // Reversed so that popping visits them in name order.
+        pending.extend(subdirs.into_iter().rev());
+    }
+    builder.into_inner()
+}
+
+/// Names the file an I/O error is about; `io::Error`s do not.
+fn at(path: &Path, err: io::Error) -> io::Error {
+    io::Error::new(err.kind(), format!("{}: {err}", path.display()))
+}
+
+async fn ls(args: ImageLsArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let list = conn.check(conn.client.list_images().await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else {
+        let rows: Vec<Vec<String>> = list
+            .images
+            .iter()
+            .map(|image| {
+                vec![
+                    image.name.clone(),
+                    table::size(image.size_bytes),
+                    table::date(image.created_at),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            table::render(&["NAME", "SIZE", "CREATED (UTC)"], &rows)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn rm(args: ImageRmArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let mut failed = false;
+    for name in &args.names {
+        match conn.check(conn.client.delete_image(name).await) {
+            Ok(()) => println!("{name}"),
+            Err(err) => {
+                eprintln!("runbox: cannot delete image {name}: {err:#}");
+                failed = true;
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::{symlink, PermissionsExt as _};
+
+    use futures::StreamExt as _;
+
+    use super::*;
+
+    fn sample_tree() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        fs::create_dir_all(root.join("bin")).unwrap();
+        fs::create_dir_all(root.join("etc/conf.d")).unwrap();
+        fs::write(root.join("bin/tool"), b"#!/bin/sh\necho hi\n").unwrap();
+        fs::set_permissions(root.join("bin/tool"), fs::Permissions::from_mode(0o755)).unwrap();
+        fs::write(root.join("etc/conf.d/a"), b"x").unwrap();
+        // A symlink that points outside the tree must be stored, not followed.
+        symlink("/etc/hostname", root.join("etc/hostname")).unwrap();
+        symlink("../bin/tool", root.join("etc/tool")).unwrap();
+        dir
+    }
+
+    fn entries(archive: &[u8]) -> Vec<(String, tar::EntryType, u32, Option<String>)> {
+        let mut archive = tar::Archive::new(archive);
+        archive
+            .entries()
+            .unwrap()
+            .map(|entry| {
+                let entry = entry.unwrap();
+                let header = entry.header();
+                (
+                    entry.path().unwrap().to_string_lossy().into_owned(),
+                    header.entry_type(),
+                    header.mode().unwrap() & 0o7777,
+                    entry
+                        .link_name()
+                        .unwrap()
+                        .map(|link| link.to_string_lossy().into_owned()),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn trees_are_archived_in_order_with_symlinks_and_modes() {
+        let tree = sample_tree();
+        let archive = write_tree_tar(tree.path(), Vec::new()).unwrap();
+        let entries = entries(&archive);
+        let names: Vec<&str> = entries.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "bin",
+                "etc",
+                "bin/tool",
+                "etc/conf.d",
+                "etc/hostname",
+                "etc/tool",
+                "etc/conf.d/a"
+            ]
+        );
+        let tool = entries.iter().find(|e| e.0 == "bin/tool").unwrap();
+        assert_eq!((tool.1, tool.2), (tar::EntryType::Regular, 0o755));
+        let link = entries.iter().find(|e| e.0 == "etc/hostname").unwrap();
+        assert_eq!(link.1, tar::EntryType::Symlink);
+        assert_eq!(link.3.as_deref(), Some("/etc/hostname"));
+        assert!(entries
+            .iter()
+            .all(|e| !e.0.starts_with('/') && !e.0.starts_with("./")));
+    }
+
+    #[tokio::test]
+    async fn the_streamed_archive_equals_the_direct_one() {
+        let tree = sample_tree();
+        let direct = write_tree_tar(tree.path(), Vec::new()).unwrap();
+        let (chunks, thread) = spawn_tar(tree.path().to_owned());
+        let chunks: Vec<io::Result<Bytes>> = chunks.collect().await;
+        thread.await.unwrap().unwrap();
+        let streamed: Vec<u8> = chunks.into_iter().flat_map(|c| c.unwrap()).collect();
+        assert_eq!(streamed, direct);
+    }
+
+    #[tokio::test]
+    async fn an_archiving_error_ends_the_stream() {
+        let (chunks, thread) = spawn_tar(PathBuf::from("/nonexistent/runbox-test"));
+        let chunks: Vec<io::Result<Bytes>> = chunks.collect().await;
+        let err = chunks.last().unwrap().as_ref().unwrap_err();
+        assert!(
+            err.to_string().contains("/nonexistent/runbox-test"),
+            "{err}"
+        );
+        assert!(thread.await.unwrap().is_err());
+    }
+
+    #[tokio::test]
+    async fn a_stopped_upload_stops_the_archiver() {
+        let tree = sample_tree();
+        let (chunks, thread) = spawn_tar(tree.path().to_owned());
+        drop(chunks);
+        let err = thread.await.unwrap().unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::BrokenPipe);
+    }
+}

@@ -1,0 +1,182 @@
+//! `runbox`: one binary for the daemon and its client.
+//!
+//! `runbox serve` runs the daemon (module `serve`, owned by the server work).
+//! Every other subcommand is a thin client over `runbox-client`: it parses
+//! arguments, makes one or a few API calls, and prints the result for humans
+//! (or as JSON with `--json`).
+//!
+//! The connection options (`--url`, `--token`, `--state-dir`) sit on each
+//! client subcommand rather than on `runbox` itself: `serve` has a
+//! `--state-dir` of its own, and clap cannot have a global option and a
+//! subcommand option of one name. So both `runbox serve --state-dir X` and
+//! `runbox ls --state-dir X` work, and the environment variables cover the
+//! usual case.
+//!
+//! Errors are printed once, with their whole chain, as `runbox: ...`; the
+//! exit status is 1 unless a subcommand says otherwise (`exec` passes the
+//! command's own status through).
+
+mod args;
+mod connect;
+mod cp;
+mod exec;
+mod image;
+mod runs;
+mod serve;
+mod table;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+
+/// Self-hosted sandboxes: create a run from an image, execute commands in it,
+/// copy files in and out, throw it away.
+#[derive(Debug, Parser)]
+#[command(
+    name = "runbox",
+    version,
+    after_help = "Client subcommands take the connection options --url, --token and --state-dir \
+                  after the subcommand name (`runbox ls --url http://host:7439`), or from \
+                  RUNBOX_URL, RUNBOX_TOKEN and RUNBOX_STATE_DIR. Without a token the client reads \
+                  <state-dir>/token, which `runbox serve` writes.\n\n\
+                  Logging goes to stderr; set RUST_LOG (e.g. RUST_LOG=debug) for more."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon
+    Serve(serve::ServeArgs),
+    /// Create runs
+    #[command(subcommand)]
+    Run(runs::RunCommand),
+    /// Run a command in a run, streaming its output; exits with its status
+    Exec(exec::ExecArgs),
+    /// Copy a file into or out of a run's /work
+    Cp(cp::CpArgs),
+    /// List runs
+    Ls(runs::LsArgs),
+    /// Delete runs
+    Rm(runs::RmArgs),
+    /// Give a run a new time to live
+    Renew(runs::RenewArgs),
+    /// Import, list and delete images
+    #[command(subcommand)]
+    Image(image::ImageCommand),
+    /// Check that the daemon answers
+    Health(runs::HealthArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let serving = matches!(cli.command, Command::Serve(_));
+    init_logging(if serving { "info" } else { "warn" });
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("runbox: cannot start the async runtime: {err}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(dispatch(cli.command));
+    if !serving {
+        // A blocking read of stdin (`cp - ID:file` cut short by a server
+        // error) would otherwise hold the exit until the user types EOF.
+        runtime.shutdown_timeout(Duration::from_millis(100));
+    }
+
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("runbox: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
+    match command {
+        Command::Serve(args) => serve::run(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Run(command) => runs::run_command(command).await,
+        Command::Exec(args) => exec::run(args).await,
+        Command::Cp(args) => cp::run(args).await,
+        Command::Ls(args) => runs::ls(args).await,
+        Command::Rm(args) => runs::rm(args).await,
+        Command::Renew(args) => runs::renew(args).await,
+        Command::Image(command) => image::run(command).await,
+        Command::Health(args) => runs::health(args).await,
+    }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` or else `default`. `try_init`
+/// leaves the door open for `serve` to install a subscriber of its own
+/// (whichever comes first wins, and nothing panics).
+fn init_logging(default: &str) {
+    use tracing_subscriber::EnvFilter;
+
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn state_dir_works_on_serve_and_on_client_subcommands() {
+        let cli = Cli::try_parse_from(["runbox", "serve", "--state-dir", "/tmp/a"]).unwrap();
+        assert!(
+            matches!(cli.command, Command::Serve(args) if args.state_dir.as_os_str() == "/tmp/a")
+        );
+        let cli = Cli::try_parse_from(["runbox", "ls", "--state-dir", "/tmp/b"]).unwrap();
+        assert!(
+            matches!(cli.command, Command::Ls(args) if args.conn.state_dir.as_os_str() == "/tmp/b")
+        );
+    }
+
+    #[test]
+    fn exec_takes_the_command_with_or_without_a_separator() {
+        let parse = |argv: &[&str]| match Cli::try_parse_from(argv).unwrap().command {
+            Command::Exec(args) => args,
+            other => panic!("parsed as {other:?}"),
+        };
+        let args = parse(&["runbox", "exec", "ID", "--timeout", "5", "--", "ls", "-la"]);
+        assert_eq!(args.id, "ID");
+        assert_eq!(args.timeout, Some(5));
+        assert_eq!(args.cmd, ["ls", "-la"]);
+        let args = parse(&[
+            "runbox",
+            "exec",
+            "ID",
+            "-e",
+            "A=1",
+            "sh",
+            "-c",
+            "echo --timeout",
+        ]);
+        assert_eq!(args.cmd, ["sh", "-c", "echo --timeout"]);
+        assert_eq!(args.env.len(), 1);
+        // Options after the command belong to the command.
+        let args = parse(&["runbox", "exec", "ID", "ls", "--timeout", "5"]);
+        assert_eq!(args.timeout, None);
+        assert_eq!(args.cmd, ["ls", "--timeout", "5"]);
+        assert!(Cli::try_parse_from(["runbox", "exec", "ID"]).is_err());
+    }
+}

@@ -1,0 +1,333 @@
+//! `runbox run create`, `ls`, `rm`, `renew` and `health`: the subcommands
+//! that are one API call and a printout.
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand, ValueEnum};
+use runbox_client::types::{CreateRunRequest, LimitsRequest, NetworkTier, Run, RunStatus};
+use time::format_description::well_known::Rfc3339;
+use time::OffsetDateTime;
+
+use crate::args::{env_map, parse_env_var, EnvVar};
+use crate::connect::ConnectOpts;
+use crate::table;
+
+/// `runbox run ...`.
+#[derive(Debug, Subcommand)]
+pub enum RunCommand {
+    /// Create a run from an image and print its id
+    Create(CreateArgs),
+}
+
+/// What a run may reach on the network.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum NetworkArg {
+    /// Loopback only
+    None,
+    /// Only allowlisted destinations, through runbox's proxy
+    #[value(alias = "egress")]
+    Allowlist,
+    /// Whatever the host routes
+    Open,
+}
+
+impl From<NetworkArg> for NetworkTier {
+    fn from(arg: NetworkArg) -> Self {
+        match arg {
+            NetworkArg::None => NetworkTier::None,
+            NetworkArg::Allowlist => NetworkTier::Allowlist,
+            NetworkArg::Open => NetworkTier::Open,
+        }
+    }
+}
+
+/// `runbox run create`.
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    /// Name of an imported image
+    #[arg(long, value_name = "IMAGE")]
+    pub image: String,
+    /// Time to live in seconds [default: the server's, 30 minutes]
+    #[arg(long, value_name = "SECS")]
+    pub ttl: Option<u64>,
+    /// CPU bandwidth in cores, fractions allowed (e.g. 0.5)
+    #[arg(long, value_name = "F")]
+    pub cpus: Option<f64>,
+    /// Memory limit in MiB
+    #[arg(long, value_name = "MB")]
+    pub memory: Option<u64>,
+    /// Maximum number of processes and threads
+    #[arg(long, value_name = "N")]
+    pub pids: Option<u64>,
+    /// Environment variable for every command in the run (repeatable)
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env_var)]
+    pub env: Vec<EnvVar>,
+    /// Network access [default: the server's, none]
+    #[arg(long, value_enum, value_name = "TIER")]
+    pub network: Option<NetworkArg>,
+    /// Print the whole run as JSON instead of its id
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+impl CreateArgs {
+    fn request(&self) -> CreateRunRequest {
+        let limits = (self.cpus.is_some() || self.memory.is_some() || self.pids.is_some())
+            .then_some(LimitsRequest {
+                cpus: self.cpus,
+                memory_mb: self.memory,
+                pids: self.pids,
+            });
+        CreateRunRequest {
+            image: self.image.clone(),
+            env: env_map(self.env.clone()),
+            ttl_sec: self.ttl,
+            network: self.network.map(NetworkTier::from),
+            limits,
+        }
+    }
+}
+
+/// `runbox ls`.
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// Print the run list as JSON
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox rm`.
+#[derive(Debug, Args)]
+pub struct RmArgs {
+    /// Ids of the runs to delete
+    #[arg(required = true, value_name = "ID")]
+    pub ids: Vec<String>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox renew`.
+#[derive(Debug, Args)]
+pub struct RenewArgs {
+    /// The run's id
+    pub id: String,
+    /// New time to live from now, in seconds (capped by the server)
+    #[arg(long, value_name = "SECS")]
+    pub ttl: u64,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox health`.
+#[derive(Debug, Args)]
+pub struct HealthArgs {
+    /// Print the answer as JSON
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// Runs a `runbox run ...` subcommand.
+pub async fn run_command(command: RunCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        RunCommand::Create(args) => create(args).await,
+    }
+}
+
+async fn create(args: CreateArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let run = conn.check(conn.client.create_run(&args.request()).await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&run)?);
+    } else {
+        println!("{}", run.id);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox ls`.
+pub async fn ls(args: LsArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let list = conn.check(conn.client.list_runs().await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else {
+        print!("{}", runs_table(&list.runs, OffsetDateTime::now_utc()));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|run| {
+            vec![
+                run.id.to_string(),
+                run.image.clone(),
+                status_name(run.status).to_owned(),
+                run.network.as_str().to_owned(),
+                run.limits.cpus.to_string(),
+                format!("{} MiB", run.limits.memory_mb),
+                table::until(run.expires_at, now),
+            ]
+        })
+        .collect();
+    table::render(
+        &["ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "EXPIRES"],
+        &rows,
+    )
+}
+
+fn status_name(status: RunStatus) -> &'static str {
+    match status {
+        RunStatus::Creating => "creating",
+        RunStatus::Running => "running",
+        RunStatus::Stopping => "stopping",
+    }
+}
+
+/// `runbox rm`: deletes every run given, reporting each failure, and fails
+/// if any failed.
+pub async fn rm(args: RmArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let mut failed = false;
+    for id in &args.ids {
+        match conn.check(conn.client.delete_run(id).await) {
+            Ok(()) => println!("{id}"),
+            Err(err) => {
+                eprintln!("runbox: cannot delete {id}: {err:#}");
+                failed = true;
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// `runbox renew`: prints the new expiry time.
+pub async fn renew(args: RenewArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let run = conn.check(conn.client.renew_run(&args.id, args.ttl).await)?;
+    println!("{} expires at {}", run.id, run.expires_at.format(&Rfc3339)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox health`: needs no token.
+pub async fn health(args: HealthArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect_anonymous()?;
+    let health = conn.check(conn.client.health().await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&health)?);
+    } else {
+        println!(
+            "{} (runbox {} on {})",
+            health.status, health.version, health.server
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
+    use runbox_client::types::Limits;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Wrap {
+        #[command(subcommand)]
+        command: RunCommand,
+    }
+
+    fn create_args(argv: &[&str]) -> CreateArgs {
+        let argv = ["run", "create"].iter().chain(argv);
+        match Wrap::try_parse_from(argv).unwrap().command {
+            RunCommand::Create(args) => args,
+        }
+    }
+
+    #[test]
+    fn create_sends_only_what_was_given() {
+        let req = create_args(&["--image", "base"]).request();
+        assert_eq!(req.image, "base");
+        assert!(req.limits.is_none() && req.env.is_none() && req.ttl_sec.is_none());
+        assert!(req.network.is_none());
+
+        let req = create_args(&[
+            "--image",
+            "base",
+            "--memory",
+            "512",
+            "--env",
+            "A=1",
+            "--network",
+            "allowlist",
+            "--ttl",
+            "60",
+        ])
+        .request();
+        let limits = req.limits.unwrap();
+        assert_eq!(
+            (limits.cpus, limits.memory_mb, limits.pids),
+            (None, Some(512), None)
+        );
+        assert_eq!(req.env.unwrap().0["A"], "1");
+        assert_eq!(req.network, Some(NetworkTier::Allowlist));
+        assert_eq!(req.ttl_sec, Some(60));
+    }
+
+    #[test]
+    fn create_refuses_env_without_equals_sign() {
+        let argv = ["run", "create", "--image", "base", "--env", "A"];
+        let err = Wrap::try_parse_from(argv).unwrap_err().to_string();
+        assert!(err.contains("NAME=VALUE"), "{err}");
+    }
+
+    #[test]
+    fn the_run_table_shows_one_line_per_run() {
+        let now = OffsetDateTime::UNIX_EPOCH;
+        let run = Run {
+            id: "01JABCDEFGHJKMNPQRSTVWXYZ0".parse().unwrap(),
+            server: "node".to_owned(),
+            image: "base".to_owned(),
+            network: NetworkTier::None,
+            limits: Limits {
+                cpus: 0.5,
+                memory_mb: 1024,
+                pids: 256,
+            },
+            runtime: "runc".to_owned(),
+            created_at: now,
+            expires_at: now + time::Duration::minutes(30),
+            status: RunStatus::Running,
+        };
+        let text = runs_table(&[run], now);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with("ID "));
+        for cell in [
+            "01JABCDEFGHJKMNPQRSTVWXYZ0",
+            "base",
+            "running",
+            "none",
+            "0.5",
+            "1024 MiB",
+            "in 30m00s",
+        ] {
+            assert!(
+                lines[1].contains(cell),
+                "{cell} missing from {:?}",
+                lines[1]
+            );
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! `runbox serve`: wires the state directory, the runtime backend, the run
+//! manager, the reaper and the HTTP server together, and runs until SIGINT or
+//! SIGTERM. Runs outlive the daemon: stopping it (or `kill -9`) leaves them
+//! running, and the next start re-adopts them.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use runbox_core::images::ImageStore;
+use runbox_core::store::Store;
+use runbox_core::{Backend, Config, Manager};
+use runbox_runtime::OciBackend;
+use tokio_util::sync::CancellationToken;
+
+/// Arguments of `runbox serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on. Anything but loopback also needs
+    /// --allow-non-loopback: the API can run commands as root in sandboxes.
+    #[arg(long, default_value = "127.0.0.1:7439", env = "RUNBOX_LISTEN")]
+    pub listen: SocketAddr,
+    /// Directory for runbox's state (token, database, images, runs).
+    #[arg(long, default_value = "/var/lib/runbox", env = "RUNBOX_STATE_DIR")]
+    pub state_dir: PathBuf,
+    /// OCI runtime to use (`runc`, `crun`, `runsc` or a path); default: the
+    /// first of crun and runc that starts a probe container.
+    #[arg(long, env = "RUNBOX_RUNTIME")]
+    pub runtime: Option<String>,
+    /// The static runbox-agent binary; default: beside this executable.
+    #[arg(long, env = "RUNBOX_AGENT")]
+    pub agent: Option<PathBuf>,
+    /// Listen on a non-loopback address (put TLS in front of it).
+    #[arg(long)]
+    pub allow_non_loopback: bool,
+    /// This node's id on every response; default: a ULID minted on first start.
+    #[arg(long, env = "RUNBOX_SERVER_ID")]
+    pub server_id: Option<String>,
+    /// Most runs at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_runs: usize,
+    /// Most CPUs one run may ask for.
+    #[arg(long, default_value_t = 16.0)]
+    pub max_cpus: f64,
+    /// Most memory (MiB) one run may ask for.
+    #[arg(long, default_value_t = 65536)]
+    pub max_memory_mb: u64,
+    /// Most processes one run may ask for.
+    #[arg(long, default_value_t = 32768)]
+    pub max_pids: u64,
+    /// Longest TTL (seconds) a run may ask for.
+    #[arg(long, default_value_t = 86400)]
+    pub max_ttl: u64,
+    /// Largest file upload in bytes.
+    #[arg(long, default_value_t = 16 << 30)]
+    pub max_upload_bytes: u64,
+    /// Destroy every run of this state directory and exit (for tests and
+    /// uninstalling); does not start the API.
+    #[arg(long, hide = true)]
+    pub teardown: bool,
+}
+
+/// Runs the daemon until SIGINT or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let state_dir = prepare_state_dir(&args.state_dir)?;
+    let _lock = lock_state_dir(&state_dir)?;
+    if args.teardown {
+        return teardown(&state_dir).await;
+    }
+    if !args.listen.ip().is_loopback() {
+        if !args.allow_non_loopback {
+            bail!(
+                "refusing to listen on {}: the API runs commands as root in sandboxes; \
+                 pass --allow-non-loopback (and put TLS in front) if you mean it",
+                args.listen
+            );
+        }
+        tracing::warn!(listen = %args.listen, "listening on a non-loopback address; anyone who can reach it and has the token controls every run");
+    }
+    let token = load_or_mint_token(&state_dir.join("token"))?;
+    let server_id = match args.server_id.clone() {
+        Some(id) => id,
+        None => load_or_mint(&state_dir.join("server-id"), || {
+            ulid::Ulid::new().to_string()
+        })?,
+    };
+    let agent =
+        runbox_runtime::agent_binary::locate(args.agent.as_deref()).map_err(anyhow::Error::msg)?;
+    let runtime = runbox_runtime::select(args.runtime.as_deref(), &state_dir, &agent).await?;
+    tracing::info!(runtime = %runtime.path.display(), agent = %agent.display(), "using runtime");
+    let backend: Arc<dyn Backend> = Arc::new(OciBackend::new(runtime, state_dir.clone(), agent)?);
+
+    let mut config = Config::new(server_id);
+    config.max_runs = args.max_runs;
+    config.max_limits = runbox_types::Limits {
+        cpus: args.max_cpus,
+        memory_mb: args.max_memory_mb,
+        pids: args.max_pids,
+    };
+    config.max_ttl = Duration::from_secs(args.max_ttl);
+    config.default_ttl = config.default_ttl.min(config.max_ttl);
+    config.max_upload_bytes = args.max_upload_bytes;
+    let store = Store::open(&state_dir.join("runbox.db"))?;
+    let images = ImageStore::open(state_dir.join("images"))?;
+    let manager = Manager::start(config, backend, store, images).await?;
+
+    let shutdown = CancellationToken::new();
+    let reaper = tokio::spawn(manager.clone().reaper(shutdown.clone()));
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let bound = listener.local_addr()?;
+    // Tests and scripts that ask for port 0 read the real address here.
+    std::fs::write(state_dir.join("serve.addr"), bound.to_string())
+        .context("writing serve.addr")?;
+    tracing::info!(listen = %bound, state_dir = %state_dir.display(), runs = manager.list().len(), "runbox is serving");
+    let router = runbox_server::router(runbox_server::AppState {
+        manager,
+        token: token.into(),
+    });
+    let stop = shutdown.clone();
+    runbox_server::serve(listener, router, async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down; runs keep running and are re-adopted at the next start");
+        stop.cancel();
+    })
+    .await?;
+    shutdown.cancel();
+    let _ = reaper.await;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        // Without signal handlers the daemon can still be stopped by kill -9.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+fn prepare_state_dir(dir: &Path) -> anyhow::Result<PathBuf> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating the state directory {}", dir.display()))?;
+    let dir = dir
+        .canonicalize()
+        .with_context(|| format!("resolving {}", dir.display()))?;
+    Ok(dir)
+}
+
+/// Holds an exclusive lock on the state directory for the daemon's lifetime:
+/// two daemons on one directory would destroy each other's runs.
+fn lock_state_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
+    let path = dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
+        |_| {
+            anyhow::anyhow!(
+                "another runbox daemon is using {}; stop it first or pick another --state-dir",
+                dir.display()
+            )
+        },
+    )?;
+    Ok(file)
+}
+
+/// Reads the token file, or mints a random token into it (mode 0600).
+fn load_or_mint_token(path: &Path) -> anyhow::Result<String> {
+    load_or_mint(path, || {
+        let mut bytes = [0u8; 32];
+        rand::fill(&mut bytes);
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    })
+}
+
+fn load_or_mint(path: &Path, mint: impl FnOnce() -> String) -> anyhow::Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(existing) if !existing.trim().is_empty() => return Ok(existing.trim().to_owned()),
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+    let value = mint();
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    writeln!(file, "{value}").with_context(|| format!("writing {}", path.display()))?;
+    Ok(value)
+}
+
+/// Destroys every run recorded in or left behind under `state_dir`.
+async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
+    let runtime = ["crun", "runc", "runsc"]
+        .iter()
+        .find_map(|name| runbox_runtime::Runtime::find(name))
+        .context("no OCI runtime installed to tear runs down with")?;
+    // The agent path is not used to destroy anything.
+    let backend = OciBackend::new(
+        runtime,
+        state_dir.to_path_buf(),
+        PathBuf::from("/nonexistent-agent"),
+    )?;
+    let db = state_dir.join("runbox.db");
+    let mut ids = std::collections::HashSet::new();
+    if db.exists() {
+        let store = Store::open(&db)?;
+        for record in store.list()? {
+            backend
+                .destroy(record.id)
+                .await
+                .with_context(|| format!("destroying run {}", record.id))?;
+            store.delete(record.id)?;
+            ids.insert(record.id);
+        }
+    }
+    let swept = backend.sweep(&std::collections::HashSet::new()).await?;
+    ids.extend(swept);
+    println!("destroyed {} run(s)", ids.len());
+    Ok(())
+}

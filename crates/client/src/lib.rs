@@ -1,0 +1,354 @@
+//! Rust SDK for runbox's HTTP API.
+//!
+//! [`Client`] wraps one daemon's base URL and bearer token and exposes one
+//! async method per route of the API (see `docs/api-draft-routes.md`). The
+//! wire types are `runbox-types`' own, re-exported here as [`types`], so a
+//! caller needs no second dependency.
+//!
+//! What this crate owns: URL building and percent-encoding, the bearer
+//! header, turning error bodies into [`ClientError::Api`], decoding the exec
+//! event stream, and streaming uploads and downloads without buffering them.
+//! What it does not: retries (uploads are streams and cannot be replayed),
+//! validation the server does anyway, TLS (the daemon speaks plain HTTP).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), runbox_client::ClientError> {
+//! use runbox_client::{types::{CreateRunRequest, ExecRequest}, Client};
+//!
+//! let client = Client::new("http://127.0.0.1:7439", "token")?;
+//! let run = client
+//!     .create_run(&CreateRunRequest { image: "base".into(), ..Default::default() })
+//!     .await?;
+//! let id = run.id.to_string();
+//! let req = ExecRequest { cmd: vec!["echo".into(), "hi".into()], ..Default::default() };
+//! let output = client.exec(&id, &req).await?.collect_output().await?;
+//! assert_eq!(output.stdout, b"hi\n");
+//! client.delete_run(&id).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod body;
+mod error;
+mod exec;
+mod paths;
+
+use std::time::Duration;
+
+use futures::TryStreamExt as _;
+use reqwest::header::{HeaderValue, ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
+use reqwest::{Method, RequestBuilder, Response};
+use serde::de::DeserializeOwned;
+
+pub use runbox_types as types;
+use runbox_types::{
+    CreateRunRequest, ExecRequest, Health, Image, ImageList, RenewRequest, Run, RunList,
+};
+
+pub use body::{FileDownload, UploadBody};
+pub use error::{BoxError, ClientError};
+pub use exec::{decode_event, decode_exec_events, ExecEvent, ExecOutput, ExecStream};
+
+/// How long to wait for a TCP connection. There is deliberately no overall
+/// request timeout: exec streams and file transfers last as long as they last.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Largest error body read; error bodies are a few hundred bytes.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+/// A connection to one runbox daemon.
+///
+/// Cheap to clone (the connection pool is shared). Every method is
+/// cancel-safe in the sense that dropping its future drops the request; an
+/// operation the server had already begun (a create, a delete) may still
+/// complete on the server.
+#[derive(Clone)]
+pub struct Client {
+    http: reqwest::Client,
+    base: String,
+    token: Option<String>,
+}
+
+impl std::fmt::Debug for Client {
+    // By hand so that the token never reaches a log line.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// A client for the daemon at `base_url` (e.g. `http://127.0.0.1:7439`,
+    /// optionally with a path prefix) that authenticates with `token`.
+    pub fn new(base_url: &str, token: impl Into<String>) -> Result<Client, ClientError> {
+        Self::with_http_client(default_http()?, base_url, Some(token.into()))
+    }
+
+    /// A client without a token; only [`Client::health`] works with it.
+    pub fn anonymous(base_url: &str) -> Result<Client, ClientError> {
+        Self::with_http_client(default_http()?, base_url, None)
+    }
+
+    /// A client on a caller-built `reqwest::Client` (for custom timeouts or
+    /// connection pooling). Redirects should stay disabled on it: streamed
+    /// bodies cannot be replayed.
+    pub fn with_http_client(
+        http: reqwest::Client,
+        base_url: &str,
+        token: Option<String>,
+    ) -> Result<Client, ClientError> {
+        Ok(Client {
+            http,
+            base: paths::parse_base(base_url)?,
+            token,
+        })
+    }
+
+    /// The base URL requests go to, without a trailing slash.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    /// `GET /health`: whether the daemon serves requests, and its version.
+    pub async fn health(&self) -> Result<Health, ClientError> {
+        let resp = self.send(self.request(Method::GET, "/health")).await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs`: creates a run and waits until it is usable.
+    pub async fn create_run(&self, req: &CreateRunRequest) -> Result<Run, ClientError> {
+        let resp = self
+            .send(self.request(Method::POST, "/v1/runs").json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs`: every run on the node.
+    pub async fn list_runs(&self) -> Result<RunList, ClientError> {
+        let resp = self.send(self.request(Method::GET, "/v1/runs")).await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}`.
+    pub async fn get_run(&self, id: &str) -> Result<Run, ClientError> {
+        let resp = self.send(self.request(Method::GET, &run_path(id)?)).await?;
+        json(resp).await
+    }
+
+    /// `DELETE /v1/runs/{id}`: destroys the run and everything in it.
+    pub async fn delete_run(&self, id: &str) -> Result<(), ClientError> {
+        self.send(self.request(Method::DELETE, &run_path(id)?))
+            .await?;
+        Ok(())
+    }
+
+    /// `POST /v1/runs/{id}/renew`: the run now expires `ttl_sec` seconds from
+    /// now (capped by the server).
+    pub async fn renew_run(&self, id: &str, ttl_sec: u64) -> Result<Run, ClientError> {
+        let path = format!("{}/renew", run_path(id)?);
+        let resp = self
+            .send(
+                self.request(Method::POST, &path)
+                    .json(&RenewRequest { ttl_sec }),
+            )
+            .await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs/{id}/exec`: starts a command and returns its events.
+    ///
+    /// A command that cannot start (not found, not executable, bad working
+    /// directory) is an `Err` here, with the API's code; once the stream is
+    /// returned the command runs, and its stream ends with
+    /// [`ExecEvent::Exit`] or an error.
+    pub async fn exec(&self, id: &str, req: &ExecRequest) -> Result<ExecStream, ClientError> {
+        let path = format!("{}/exec", run_path(id)?);
+        let request = self
+            .request(Method::POST, &path)
+            .header(ACCEPT, HeaderValue::from_static("text/event-stream"))
+            .json(req);
+        let resp = self.send(request).await?;
+        Ok(decode_exec_events(
+            resp.bytes_stream().map_err(ClientError::Http),
+        ))
+    }
+
+    /// `PUT /v1/runs/{id}/files/{path}`: writes `body` to `/work/<path>` in
+    /// the run, replacing any file there. `path` is relative to `/work`.
+    pub async fn put_file(
+        &self,
+        id: &str,
+        path: &str,
+        body: UploadBody,
+    ) -> Result<(), ClientError> {
+        let url_path = format!("{}/files/{}", run_path(id)?, paths::file_path(path)?);
+        let request = self.request(Method::PUT, &url_path);
+        self.send(with_body(request, body, "application/octet-stream"))
+            .await?;
+        Ok(())
+    }
+
+    /// `GET /v1/runs/{id}/files/{path}`: starts downloading `/work/<path>`.
+    /// `path` is relative to `/work`.
+    pub async fn get_file(&self, id: &str, path: &str) -> Result<FileDownload, ClientError> {
+        let url_path = format!("{}/files/{}", run_path(id)?, paths::file_path(path)?);
+        let resp = self.send(self.request(Method::GET, &url_path)).await?;
+        Ok(FileDownload::new(resp))
+    }
+
+    /// `POST /v1/images/{name}`: imports a root filesystem from a tar archive
+    /// (plain or gzip-compressed; the server tells them apart).
+    pub async fn import_image(&self, name: &str, tar: UploadBody) -> Result<Image, ClientError> {
+        let path = format!("/v1/images/{}", paths::segment("image name", name)?);
+        let request = self.request(Method::POST, &path);
+        let resp = self
+            .send(with_body(request, tar, "application/x-tar"))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/images`: every image on the node.
+    pub async fn list_images(&self) -> Result<ImageList, ClientError> {
+        let resp = self.send(self.request(Method::GET, "/v1/images")).await?;
+        json(resp).await
+    }
+
+    /// `DELETE /v1/images/{name}`; refused with `image_in_use` while a run
+    /// uses the image.
+    pub async fn delete_image(&self, name: &str) -> Result<(), ClientError> {
+        let path = format!("/v1/images/{}", paths::segment("image name", name)?);
+        self.send(self.request(Method::DELETE, &path)).await?;
+        Ok(())
+    }
+
+    /// A request to `path` (already encoded), with the bearer token if any.
+    fn request(&self, method: Method, path: &str) -> RequestBuilder {
+        let request = self.http.request(method, format!("{}{path}", self.base));
+        match &self.token {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    }
+
+    /// Sends a request; a non-2xx answer becomes [`ClientError::Api`].
+    async fn send(&self, request: RequestBuilder) -> Result<Response, ClientError> {
+        let resp = request.send().await?;
+        if resp.status().is_success() {
+            return Ok(resp);
+        }
+        Err(read_error(resp).await)
+    }
+}
+
+fn default_http() -> Result<reqwest::Client, ClientError> {
+    let http = reqwest::Client::builder()
+        .connect_timeout(CONNECT_TIMEOUT)
+        // An API does not redirect, and a streamed upload could not follow
+        // one anyway; a redirect is more likely a misconfigured proxy.
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("runbox-client/", env!("CARGO_PKG_VERSION")))
+        .build()?;
+    Ok(http)
+}
+
+fn run_path(id: &str) -> Result<String, ClientError> {
+    Ok(format!("/v1/runs/{}", paths::segment("run id", id)?))
+}
+
+fn with_body(
+    request: RequestBuilder,
+    body: UploadBody,
+    content_type: &'static str,
+) -> RequestBuilder {
+    let request = request.header(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    // A streamed body has no size of its own; an explicit Content-Length
+    // makes the HTTP layer send it unchunked and check the count.
+    let request = match body.len {
+        Some(len) => request.header(CONTENT_LENGTH, len),
+        None => request,
+    };
+    request.body(body.body)
+}
+
+async fn json<T: DeserializeOwned>(resp: Response) -> Result<T, ClientError> {
+    let bytes = resp.bytes().await?;
+    serde_json::from_slice(&bytes).map_err(ClientError::Decode)
+}
+
+/// Reads (a bounded prefix of) an error response's body and parses it.
+async fn read_error(mut resp: Response) -> ClientError {
+    let status = resp.status();
+    let mut body = Vec::new();
+    while body.len() < MAX_ERROR_BODY {
+        match resp.chunk().await {
+            Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+            // A body cut short still says something; use what arrived.
+            Ok(None) | Err(_) => break,
+        }
+    }
+    body.truncate(MAX_ERROR_BODY);
+    error::api_error(status.as_u16(), status.canonical_reason(), &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_go_to_encoded_urls() {
+        let client = Client::new("http://127.0.0.1:7439/", "t").unwrap();
+        let url = |rb: RequestBuilder| rb.build().unwrap().url().to_string();
+        assert_eq!(
+            url(client.request(Method::GET, &run_path("01J A").unwrap())),
+            "http://127.0.0.1:7439/v1/runs/01J%20A"
+        );
+        let path = format!(
+            "{}/files/{}",
+            run_path("01J").unwrap(),
+            paths::file_path("dir/ä?.txt").unwrap()
+        );
+        assert_eq!(
+            url(client.request(Method::PUT, &path)),
+            "http://127.0.0.1:7439/v1/runs/01J/files/dir/%C3%A4%3F.txt"
+        );
+    }
+
+    #[test]
+    fn a_path_prefix_is_kept() {
+        let client = Client::anonymous("http://host/runbox/").unwrap();
+        let request = client.request(Method::GET, "/health").build().unwrap();
+        assert_eq!(request.url().as_str(), "http://host/runbox/health");
+        assert!(request.headers().get("authorization").is_none());
+    }
+
+    #[test]
+    fn the_token_goes_in_a_bearer_header_and_never_in_debug() {
+        let client = Client::new("http://host", "s3cret").unwrap();
+        let request = client.request(Method::GET, "/v1/runs").build().unwrap();
+        assert_eq!(request.headers()["authorization"], "Bearer s3cret");
+        assert!(!format!("{client:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn known_lengths_are_sent_as_content_length() {
+        let client = Client::new("http://host", "t").unwrap();
+        let request = with_body(
+            client.request(Method::PUT, "/x"),
+            UploadBody::from_reader(&b"hello"[..], Some(5)),
+            "application/octet-stream",
+        )
+        .build()
+        .unwrap();
+        assert_eq!(request.headers()[CONTENT_LENGTH], "5");
+        let request = with_body(
+            client.request(Method::PUT, "/x"),
+            UploadBody::from_reader(&b"hello"[..], None),
+            "application/octet-stream",
+        )
+        .build()
+        .unwrap();
+        assert!(request.headers().get(CONTENT_LENGTH).is_none());
+    }
+}

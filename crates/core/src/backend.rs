@@ -1,0 +1,98 @@
+//! The boundary between runbox's core and an isolation lane.
+//!
+//! A backend creates and destroys sandboxes and says whether one is still
+//! alive. It does not run commands or move files: every lane starts the same
+//! agent inside the sandbox and tells the core where it listens, so exec and
+//! files behave the same whatever isolates the run.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use async_trait::async_trait;
+use runbox_types::{Limits, NetworkTier};
+use ulid::Ulid;
+
+/// What the core asks a backend to build.
+#[derive(Clone, Debug)]
+pub struct SandboxSpec {
+    /// The run's id; backends derive every resource name from it.
+    pub id: Ulid,
+    /// The image's root filesystem, used read-only as the lower layer.
+    pub image_rootfs: PathBuf,
+    /// Resource limits, already validated against the server maxima.
+    pub limits: Limits,
+    /// Network tier, already checked to be one the backend supports.
+    pub network: NetworkTier,
+}
+
+/// A started sandbox.
+#[derive(Clone, Debug)]
+pub struct Sandbox {
+    /// Which runtime isolates it (shown on the run, e.g. `runc`).
+    pub runtime: String,
+    /// The host-side Unix socket on which its agent serves.
+    pub agent_socket: PathBuf,
+}
+
+/// Errors from a backend. Messages are for operators; the API shows a generic
+/// message for them and logs this one.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// The backend cannot do this on this host (for example a network tier).
+    #[error("{0}")]
+    Unsupported(String),
+    /// Creating or destroying the sandbox failed.
+    #[error("{0}")]
+    Failed(String),
+    /// An I/O error while handling backend files.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl BackendError {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> BackendError {
+        let context = context.into();
+        move |source| BackendError::Io { context, source }
+    }
+}
+
+/// An isolation lane. Implementations must make every method idempotent and
+/// safe to call for ids they have never seen.
+///
+/// Cancellation: the core never drops these futures mid-way on purpose (it
+/// spawns them), but a daemon crash can stop any of them anywhere. A backend
+/// must therefore write down what it created before it creates it, so that
+/// [`Backend::sweep`] can remove half-made sandboxes after a restart.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// A short name for logs and the health endpoint, e.g. `oci/runc`.
+    fn name(&self) -> String;
+
+    /// Whether runs of this tier can be created.
+    fn supports_network(&self, tier: NetworkTier) -> bool {
+        tier == NetworkTier::None
+    }
+
+    /// Creates and starts a sandbox whose agent is serving (or about to) on
+    /// the returned socket. On error nothing of the sandbox is left behind.
+    async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError>;
+
+    /// Destroys a sandbox and everything the backend made for it. Succeeds
+    /// when there is nothing left to destroy.
+    async fn destroy(&self, id: Ulid) -> Result<(), BackendError>;
+
+    /// Whether the sandbox's init process (the agent) is still running.
+    async fn is_alive(&self, id: Ulid) -> Result<bool, BackendError>;
+
+    /// Destroys every sandbox this backend made that is not in `keep`, and
+    /// returns the ids it destroyed. Runs at start-up, after the store's
+    /// records have been reconciled.
+    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, BackendError>;
+}

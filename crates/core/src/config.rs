@@ -1,0 +1,56 @@
+//! Server-wide settings that bound what a run may ask for.
+
+use std::time::Duration;
+
+use runbox_types::Limits;
+
+/// Defaults and maxima the core applies to every request.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// This node's id, shown as `server` on every response.
+    pub server_id: String,
+    /// Limits a run gets when it asks for none.
+    pub default_limits: Limits,
+    /// The most a run may ask for.
+    pub max_limits: Limits,
+    /// TTL of a run that asks for none.
+    pub default_ttl: Duration,
+    /// The longest TTL a create or renew may ask for.
+    pub max_ttl: Duration,
+    /// How many runs may exist at once.
+    pub max_runs: usize,
+    /// The largest file an upload may write.
+    pub max_upload_bytes: u64,
+    /// The largest unpacked image an import may write.
+    pub max_image_bytes: u64,
+    /// How long a new sandbox's agent gets to answer its first call.
+    pub agent_ready_timeout: Duration,
+    /// How long the reaper sleeps between sweeps.
+    pub reap_interval: Duration,
+}
+
+impl Config {
+    /// The documented defaults for a node called `server_id`.
+    pub fn new(server_id: impl Into<String>) -> Config {
+        Config {
+            server_id: server_id.into(),
+            default_limits: Limits {
+                cpus: 1.0,
+                memory_mb: 1024,
+                pids: 256,
+            },
+            max_limits: Limits {
+                cpus: 16.0,
+                memory_mb: 64 * 1024,
+                pids: 32768,
+            },
+            default_ttl: Duration::from_secs(30 * 60),
+            max_ttl: Duration::from_secs(24 * 60 * 60),
+            max_runs: 256,
+            max_upload_bytes: 16 << 30,
+            max_image_bytes: 32 << 30,
+            agent_ready_timeout: Duration::from_secs(10),
+            reap_interval: Duration::from_secs(1),
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The core's error type and its mapping onto the API's stable codes.
+
+use runbox_types::ErrorCode;
+use ulid::Ulid;
+
+use crate::backend::BackendError;
+
+/// Everything a core operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    /// The caller's input breaks a rule; the message says which and how to fix it.
+    #[error("{message}")]
+    Invalid {
+        /// The stable code for the rule.
+        code: ErrorCode,
+        /// What to fix.
+        message: String,
+    },
+    /// No run with this id.
+    #[error("no run with id {0}")]
+    RunNotFound(Ulid),
+    /// No image with this name.
+    #[error("no image named {0:?}; import one with `runbox image import`")]
+    ImageNotFound(String),
+    /// The run exists but cannot take the operation now.
+    #[error("run {0} is {1}")]
+    RunNotRunning(Ulid, &'static str),
+    /// A conflict with existing state (name taken, image in use).
+    #[error("{message}")]
+    Conflict {
+        /// The stable code.
+        code: ErrorCode,
+        /// What conflicts.
+        message: String,
+    },
+    /// Too many runs already.
+    #[error("this server already has {0} runs, its maximum; delete some or raise --max-runs")]
+    Capacity(usize),
+    /// The run's agent misbehaved or did not answer.
+    #[error("the run's agent failed: {0}")]
+    Agent(String),
+    /// The isolation backend failed.
+    #[error("the isolation backend failed")]
+    Backend(#[from] BackendError),
+    /// The state store failed.
+    #[error("the state store failed: {0}")]
+    Store(String),
+    /// Local I/O failed.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl CoreError {
+    /// An input error with `code`.
+    pub fn invalid(code: ErrorCode, message: impl Into<String>) -> CoreError {
+        CoreError::Invalid {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> CoreError {
+        let context = context.into();
+        move |source| CoreError::Io { context, source }
+    }
+
+    /// The stable API code for this error.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            CoreError::Invalid { code, .. } | CoreError::Conflict { code, .. } => *code,
+            CoreError::RunNotFound(_) => ErrorCode::RunNotFound,
+            CoreError::ImageNotFound(_) => ErrorCode::ImageNotFound,
+            CoreError::RunNotRunning(..) => ErrorCode::RunNotRunning,
+            CoreError::Capacity(_) => ErrorCode::Capacity,
+            CoreError::Agent(_) => ErrorCode::AgentUnavailable,
+            CoreError::Backend(BackendError::Unsupported(_)) => ErrorCode::NetworkUnsupported,
+            CoreError::Backend(_) | CoreError::Store(_) | CoreError::Io { .. } => {
+                ErrorCode::Internal
+            }
+        }
+    }
+}

@@ -1,0 +1,25 @@
+//! runbox's core: everything about runs that does not depend on how they are
+//! isolated or how they are reached over HTTP.
+//!
+//! * [`runs::Manager`] owns the registry of live runs, their lifecycle, exec
+//!   and file operations (through each run's agent), renewals and the reaper.
+//! * [`backend::Backend`] is the boundary to an isolation lane (OCI runtimes
+//!   today, microVMs later); backends live in other crates.
+//! * [`store::Store`] persists run records so runs survive a daemon restart.
+//! * [`images::ImageStore`] holds imported root filesystems.
+//! * [`validate`] holds the input rules the API enforces.
+//!
+//! It does not own sockets to clients, HTTP, or any runtime binary.
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod images;
+pub mod runs;
+pub mod store;
+pub mod validate;
+
+pub use backend::Backend;
+pub use config::Config;
+pub use error::CoreError;
+pub use runs::Manager;

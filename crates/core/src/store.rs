@@ -1,0 +1,171 @@
+//! Persistent run records, so runs survive a daemon restart or `kill -9`.
+//!
+//! One embedded redb database, `<state-dir>/runbox.db`, with one table from
+//! run id to the record as JSON. JSON keeps the format readable with standard
+//! tools and lets fields be added without a migration. Every write commits
+//! durably before the call returns.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use runbox_types::{Env, Limits, NetworkTier, Run, RunStatus};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+use crate::error::CoreError;
+
+const RUNS: TableDefinition<&str, &[u8]> = TableDefinition::new("runs");
+
+/// Everything runbox remembers about a run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunRecord {
+    /// The run's id.
+    pub id: Ulid,
+    /// Image name.
+    pub image: String,
+    /// Network tier.
+    pub network: NetworkTier,
+    /// Limits in force.
+    pub limits: Limits,
+    /// The run's environment (values are secrets: never logged).
+    pub env: Env,
+    /// Creation time.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// Expiry time.
+    #[serde(with = "time::serde::rfc3339")]
+    pub expires_at: OffsetDateTime,
+    /// Lifecycle status.
+    pub status: RunStatus,
+    /// The runtime isolating it (empty until created).
+    pub runtime: String,
+    /// Host path of the agent socket (empty until created).
+    pub agent_socket: PathBuf,
+}
+
+impl RunRecord {
+    /// The API view of the record.
+    pub fn to_run(&self, server: &str) -> Run {
+        Run {
+            id: self.id,
+            server: server.to_owned(),
+            image: self.image.clone(),
+            network: self.network,
+            limits: self.limits,
+            runtime: self.runtime.clone(),
+            created_at: self.created_at,
+            expires_at: self.expires_at,
+            status: self.status,
+        }
+    }
+}
+
+/// The run record store. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    db: Arc<Database>,
+}
+
+fn store_err(e: impl std::fmt::Display) -> CoreError {
+    CoreError::Store(e.to_string())
+}
+
+impl Store {
+    /// Opens (or creates) the database at `path`.
+    pub fn open(path: &Path) -> Result<Store, CoreError> {
+        let db = Database::create(path).map_err(store_err)?;
+        // Make sure the table exists so that readers never see "no table".
+        let tx = db.begin_write().map_err(store_err)?;
+        tx.open_table(RUNS).map_err(store_err)?;
+        tx.commit().map_err(store_err)?;
+        Ok(Store { db: Arc::new(db) })
+    }
+
+    /// Inserts or replaces a record, durably.
+    pub fn put(&self, record: &RunRecord) -> Result<(), CoreError> {
+        let key = record.id.to_string();
+        let value = serde_json::to_vec(record).map_err(store_err)?;
+        let tx = self.db.begin_write().map_err(store_err)?;
+        {
+            let mut table = tx.open_table(RUNS).map_err(store_err)?;
+            table
+                .insert(key.as_str(), value.as_slice())
+                .map_err(store_err)?;
+        }
+        tx.commit().map_err(store_err)
+    }
+
+    /// Removes a record; no error if it is absent.
+    pub fn delete(&self, id: Ulid) -> Result<(), CoreError> {
+        let key = id.to_string();
+        let tx = self.db.begin_write().map_err(store_err)?;
+        {
+            let mut table = tx.open_table(RUNS).map_err(store_err)?;
+            table.remove(key.as_str()).map_err(store_err)?;
+        }
+        tx.commit().map_err(store_err)
+    }
+
+    /// Every record, ordered by id. A record that no longer parses is
+    /// skipped with a warning rather than taking the whole daemon down.
+    pub fn list(&self) -> Result<Vec<RunRecord>, CoreError> {
+        let tx = self.db.begin_read().map_err(store_err)?;
+        let table = tx.open_table(RUNS).map_err(store_err)?;
+        let mut out = Vec::new();
+        for entry in table.iter().map_err(store_err)? {
+            let (key, value) = entry.map_err(store_err)?;
+            match serde_json::from_slice::<RunRecord>(value.value()) {
+                Ok(record) => out.push(record),
+                Err(e) => {
+                    tracing::warn!(run = key.value(), error = %e, "skipping unreadable run record")
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> RunRecord {
+        let now = OffsetDateTime::now_utc();
+        RunRecord {
+            id: Ulid::new(),
+            image: "base".into(),
+            network: NetworkTier::None,
+            limits: Limits {
+                cpus: 1.0,
+                memory_mb: 1024,
+                pids: 256,
+            },
+            env: Env::default(),
+            created_at: now,
+            expires_at: now,
+            status: RunStatus::Creating,
+            runtime: String::new(),
+            agent_socket: PathBuf::new(),
+        }
+    }
+
+    #[test]
+    fn put_list_delete_survive_reopen() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let (a, b) = (record(), record());
+        {
+            let store = Store::open(&path).unwrap();
+            store.put(&a).unwrap();
+            store.put(&b).unwrap();
+            store.delete(a.id).unwrap();
+            store.delete(Ulid::new()).unwrap();
+        }
+        let store = Store::open(&path).unwrap();
+        let ids: Vec<Ulid> = store.list().unwrap().iter().map(|r| r.id).collect();
+        assert_eq!(ids, vec![b.id]);
+    }
+}

@@ -1,0 +1,391 @@
+//! Input rules the API enforces before anything touches a sandbox. Pure
+//! functions, tested without I/O.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use runbox_types::{Env, ErrorCode, Limits, LimitsRequest};
+
+use crate::error::CoreError;
+
+/// Most variables one `env` map may hold.
+pub const MAX_ENV_VARS: usize = 64;
+/// Most bytes (names + values) one `env` map may hold.
+pub const MAX_ENV_BYTES: usize = 64 * 1024;
+/// Longest file path below `/work`, in bytes.
+pub const MAX_PATH_BYTES: usize = 4096;
+/// Longest single path component, in bytes.
+pub const MAX_COMPONENT_BYTES: usize = 255;
+/// Most arguments an exec command may have.
+pub const MAX_ARGS: usize = 4096;
+/// Most bytes all arguments together may hold.
+pub const MAX_ARGS_BYTES: usize = 1 << 20;
+
+/// Checks an `env` map: POSIX names (`[A-Za-z_][A-Za-z0-9_]*`), no NUL or line
+/// breaks in values, at most [`MAX_ENV_VARS`] variables and [`MAX_ENV_BYTES`]
+/// in total. The error names the offending variable but never its value.
+pub fn env(env: &Env) -> Result<(), CoreError> {
+    if env.0.len() > MAX_ENV_VARS {
+        return Err(bad_env(format!(
+            "env has {} variables; the most allowed is {MAX_ENV_VARS}",
+            env.0.len()
+        )));
+    }
+    let mut total = 0usize;
+    for (name, value) in &env.0 {
+        if !is_posix_name(name) {
+            return Err(bad_env(format!(
+                "env variable name {:?} is not a POSIX name (letters, digits and _, not starting with a digit)",
+                truncate(name, 64)
+            )));
+        }
+        if let Some(bad) = value.chars().find(|c| matches!(c, '\0' | '\n' | '\r')) {
+            let what = match bad {
+                '\0' => "a NUL byte",
+                _ => "a line break",
+            };
+            return Err(bad_env(format!(
+                "env variable {name} has {what} in its value"
+            )));
+        }
+        total += name.len() + value.len();
+    }
+    if total > MAX_ENV_BYTES {
+        return Err(bad_env(format!(
+            "env holds {total} bytes; the most allowed is {MAX_ENV_BYTES}"
+        )));
+    }
+    Ok(())
+}
+
+fn bad_env(message: String) -> CoreError {
+    CoreError::invalid(ErrorCode::BadEnv, message)
+}
+
+fn is_posix_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    matches!(chars.next(), Some(c) if c == '_' || c.is_ascii_alphabetic())
+        && chars.all(|c| c == '_' || c.is_ascii_alphanumeric())
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// Checks a file path relative to `/work` and returns it normalised (no `.`
+/// components, no repeated slashes). Refuses empty, absolute, `..`, NUL and
+/// over-long paths. Symlinks are checked later, inside the run, by the agent.
+pub fn work_path(path: &str) -> Result<String, CoreError> {
+    let bad = |why: &str| CoreError::invalid(ErrorCode::BadPath, format!("file path {why}"));
+    if path.contains('\0') {
+        return Err(bad("contains a NUL byte"));
+    }
+    if path.starts_with('/') {
+        return Err(bad("must be relative to /work, not absolute"));
+    }
+    if path.len() > MAX_PATH_BYTES {
+        return Err(bad(&format!("is longer than {MAX_PATH_BYTES} bytes")));
+    }
+    let mut parts = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => return Err(bad("must not contain `..`")),
+            p if p.len() > MAX_COMPONENT_BYTES => {
+                return Err(bad(&format!(
+                    "has a component longer than {MAX_COMPONENT_BYTES} bytes"
+                )))
+            }
+            p => parts.push(p),
+        }
+    }
+    if parts.is_empty() {
+        return Err(bad("is empty; name a file below /work"));
+    }
+    Ok(parts.join("/"))
+}
+
+/// Checks an exec command line.
+pub fn command(cmd: &[String]) -> Result<(), CoreError> {
+    let bad = |m: String| CoreError::invalid(ErrorCode::BadCommand, m);
+    match cmd.first() {
+        None => {
+            return Err(bad(
+                "cmd is empty; give the program and its arguments".into()
+            ))
+        }
+        Some(first) if first.is_empty() => return Err(bad("cmd[0] is empty".into())),
+        _ => {}
+    }
+    if cmd.len() > MAX_ARGS {
+        return Err(bad(format!(
+            "cmd has {} arguments; the most is {MAX_ARGS}",
+            cmd.len()
+        )));
+    }
+    if let Some(i) = cmd.iter().position(|a| a.contains('\0')) {
+        return Err(bad(format!("cmd[{i}] contains a NUL byte")));
+    }
+    let total: usize = cmd.iter().map(String::len).sum();
+    if total > MAX_ARGS_BYTES {
+        return Err(bad(format!(
+            "cmd holds {total} bytes; the most is {MAX_ARGS_BYTES}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks an exec working directory (absolute, or relative to `/work`).
+pub fn cwd(cwd: &str) -> Result<(), CoreError> {
+    let bad = |m: &str| CoreError::invalid(ErrorCode::BadCwd, format!("cwd {m}"));
+    if cwd.contains('\0') {
+        return Err(bad("contains a NUL byte"));
+    }
+    if cwd.len() > MAX_PATH_BYTES {
+        return Err(bad(&format!("is longer than {MAX_PATH_BYTES} bytes")));
+    }
+    Ok(())
+}
+
+/// Resolves requested limits against the defaults and checks them against
+/// the maxima.
+pub fn limits(
+    req: Option<&LimitsRequest>,
+    default: &Limits,
+    max: &Limits,
+) -> Result<Limits, CoreError> {
+    let req = req.copied().unwrap_or_default();
+    let limits = Limits {
+        cpus: req.cpus.unwrap_or(default.cpus),
+        memory_mb: req.memory_mb.unwrap_or(default.memory_mb),
+        pids: req.pids.unwrap_or(default.pids),
+    };
+    let bad = |m: String| CoreError::invalid(ErrorCode::BadLimits, m);
+    if !limits.cpus.is_finite() || limits.cpus < 0.01 {
+        return Err(bad(format!(
+            "limits.cpus must be at least 0.01, got {}",
+            limits.cpus
+        )));
+    }
+    if limits.cpus > max.cpus {
+        return Err(bad(format!(
+            "limits.cpus {} is above this server's maximum of {}",
+            limits.cpus, max.cpus
+        )));
+    }
+    // Below a few MiB not even the agent and a shell fit; refuse instead of
+    // creating a run that cannot start.
+    if limits.memory_mb < 16 {
+        return Err(bad(format!(
+            "limits.memoryMb must be at least 16, got {}",
+            limits.memory_mb
+        )));
+    }
+    if limits.memory_mb > max.memory_mb {
+        return Err(bad(format!(
+            "limits.memoryMb {} is above this server's maximum of {}",
+            limits.memory_mb, max.memory_mb
+        )));
+    }
+    if limits.pids < 8 {
+        return Err(bad(format!(
+            "limits.pids must be at least 8, got {}",
+            limits.pids
+        )));
+    }
+    if limits.pids > max.pids {
+        return Err(bad(format!(
+            "limits.pids {} is above this server's maximum of {}",
+            limits.pids, max.pids
+        )));
+    }
+    Ok(limits)
+}
+
+/// Resolves a requested TTL: absent means `default`, zero is refused, above
+/// `max` is capped to `max`.
+pub fn ttl(req: Option<u64>, default: Duration, max: Duration) -> Result<Duration, CoreError> {
+    match req {
+        None => Ok(default),
+        Some(0) => Err(CoreError::invalid(
+            ErrorCode::BadTtl,
+            "ttlSec must be at least 1",
+        )),
+        Some(secs) => Ok(Duration::from_secs(secs).min(max)),
+    }
+}
+
+/// Checks an image name: 1-64 characters of `[a-z0-9._-]`, starting with a
+/// letter or digit (so it is always a safe directory name).
+pub fn image_name(name: &str) -> Result<(), CoreError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '_' | '-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(CoreError::invalid(
+            ErrorCode::BadImageName,
+            format!(
+                "image name {:?} is invalid: use 1-64 characters of a-z, 0-9, '.', '_' and '-', starting with a letter or digit",
+                truncate(name, 80)
+            ),
+        ))
+    }
+}
+
+/// Merges environments in order of precedence: later maps override earlier.
+pub fn merge_env<'a>(layers: impl IntoIterator<Item = &'a Env>) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    for layer in layers {
+        out.extend(layer.0.iter().map(|(k, v)| (k.clone(), v.clone())));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn env_of(pairs: &[(&str, &str)]) -> Env {
+        Env(pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect())
+    }
+
+    #[test]
+    fn env_rules() {
+        assert!(env(&env_of(&[("A", "1"), ("_B2", "x y")])).is_ok());
+        for bad in ["", "1A", "A-B", "A B", "Ä", "A=B"] {
+            let err = env(&env_of(&[(bad, "v")])).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadEnv, "{bad:?}");
+        }
+        let err = env(&env_of(&[("SECRET", "a\nb")])).unwrap_err();
+        assert!(err.to_string().contains("SECRET"));
+        assert!(!err.to_string().contains("a\nb"));
+        assert!(env(&env_of(&[("N", "a\0b")])).is_err());
+        assert!(env(&env_of(&[("N", "a\rb")])).is_err());
+        let many: Vec<(String, String)> =
+            (0..65).map(|i| (format!("V{i}"), String::new())).collect();
+        assert!(env(&Env(many.into_iter().collect())).is_err());
+        let big = "x".repeat(MAX_ENV_BYTES);
+        assert!(env(&env_of(&[("BIG", &big)])).is_err());
+    }
+
+    #[test]
+    fn work_path_rules() {
+        assert_eq!(work_path("a/./b//c").unwrap(), "a/b/c");
+        assert_eq!(work_path("f.txt").unwrap(), "f.txt");
+        for bad in ["", ".", "/etc/passwd", "a/../b", "..", "a\0b", "//x"] {
+            let err = work_path(bad).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadPath, "{bad:?}");
+        }
+        assert!(work_path(&"a".repeat(256)).is_err());
+        assert!(work_path(&"a/".repeat(2100)).is_err());
+    }
+
+    #[test]
+    fn limit_rules() {
+        let d = Limits {
+            cpus: 1.0,
+            memory_mb: 1024,
+            pids: 256,
+        };
+        let m = Limits {
+            cpus: 4.0,
+            memory_mb: 8192,
+            pids: 1024,
+        };
+        assert_eq!(limits(None, &d, &m).unwrap(), d);
+        let r = LimitsRequest {
+            cpus: Some(0.5),
+            memory_mb: Some(64),
+            pids: None,
+        };
+        assert_eq!(
+            limits(Some(&r), &d, &m).unwrap(),
+            Limits {
+                cpus: 0.5,
+                memory_mb: 64,
+                pids: 256
+            }
+        );
+        for r in [
+            LimitsRequest {
+                cpus: Some(0.0),
+                ..Default::default()
+            },
+            LimitsRequest {
+                cpus: Some(f64::NAN),
+                ..Default::default()
+            },
+            LimitsRequest {
+                cpus: Some(5.0),
+                ..Default::default()
+            },
+            LimitsRequest {
+                memory_mb: Some(1),
+                ..Default::default()
+            },
+            LimitsRequest {
+                memory_mb: Some(9000),
+                ..Default::default()
+            },
+            LimitsRequest {
+                pids: Some(0),
+                ..Default::default()
+            },
+            LimitsRequest {
+                pids: Some(2000),
+                ..Default::default()
+            },
+        ] {
+            assert_eq!(
+                limits(Some(&r), &d, &m).unwrap_err().code(),
+                ErrorCode::BadLimits,
+                "{r:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn ttl_rules() {
+        let d = Duration::from_secs(1800);
+        let m = Duration::from_secs(86400);
+        assert_eq!(ttl(None, d, m).unwrap(), d);
+        assert_eq!(ttl(Some(5), d, m).unwrap(), Duration::from_secs(5));
+        assert_eq!(ttl(Some(10_000_000), d, m).unwrap(), m);
+        assert!(ttl(Some(0), d, m).is_err());
+    }
+
+    #[test]
+    fn image_name_rules() {
+        for ok in ["base", "debian-12", "a.b_c", "0x"] {
+            assert!(image_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "Base", "-x", ".x", "a/b", "..", &"a".repeat(65)] {
+            assert!(image_name(bad).is_err(), "{bad}");
+        }
+    }
+
+    proptest! {
+        /// Whatever the input, an accepted path never climbs out of /work and
+        /// is never absolute.
+        #[test]
+        fn accepted_paths_stay_below_work(s in "[a-z./\\x00]{0,40}") {
+            if let Ok(p) = work_path(&s) {
+                prop_assert!(!p.starts_with('/'));
+                prop_assert!(!p.split('/').any(|c| c == ".." || c == "." || c.is_empty()));
+                prop_assert!(!p.contains('\0'));
+            }
+        }
+    }
+}

@@ -1,0 +1,346 @@
+//! Test harness for end-to-end tests: starts the real `runbox serve` binary
+//! with its own state directory, the real OCI runtime and the static agent,
+//! and tears everything down again — even when a test fails or panics.
+//!
+//! Needs root, runc and/or crun, and the binaries built first:
+//! `cargo build -p runbox-cli && scripts/build-agent` (scripts/test does both).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use runbox_client::{Client, ExecOutput};
+use runbox_types::{CreateRunRequest, ExecRequest, Run};
+
+/// The target directory the test binary runs from (`target/debug/deps/..`).
+fn target_profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile> directory")
+        .to_path_buf()
+}
+
+/// The `runbox` binary under test.
+pub fn runbox_bin() -> PathBuf {
+    let bin = target_profile_dir().join("runbox");
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build -p runbox-cli` first (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// The static agent under test.
+pub fn agent_bin() -> PathBuf {
+    let profile = target_profile_dir();
+    let name = profile.file_name().expect("profile name").to_owned();
+    let bin = profile
+        .parent()
+        .expect("target dir")
+        .join("x86_64-unknown-linux-gnu")
+        .join(name)
+        .join("runbox-agent");
+    assert!(
+        bin.exists(),
+        "{} is missing: run scripts/build-agent first (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .expect("workspace root")
+}
+
+/// A busybox root filesystem, built once per test process.
+pub fn busybox_rootfs() -> &'static Path {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| {
+        let dir = target_profile_dir()
+            .join("test-fixtures")
+            .join(format!("busybox-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let status = Command::new(workspace_root().join("scripts/mkimage-busybox"))
+            .arg(&dir)
+            .status()
+            .expect("running scripts/mkimage-busybox");
+        assert!(status.success(), "scripts/mkimage-busybox failed");
+        dir
+    })
+}
+
+/// A tarball of the busybox root filesystem.
+pub fn busybox_tar() -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    builder.follow_symlinks(false);
+    builder
+        .append_dir_all(".", busybox_rootfs())
+        .expect("taring the busybox rootfs");
+    builder.into_inner().expect("finishing the tarball")
+}
+
+/// The runtimes the suite exercises: `RUNBOX_TEST_RUNTIMES` (comma-separated),
+/// else every one of runc and crun that is installed.
+pub fn runtimes() -> Vec<String> {
+    match std::env::var("RUNBOX_TEST_RUNTIMES") {
+        Ok(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect(),
+        Err(_) => ["runc", "crun"]
+            .iter()
+            .filter(|r| {
+                Command::new(r)
+                    .arg("--version")
+                    .stdout(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+            })
+            .map(|r| r.to_string())
+            .collect(),
+    }
+}
+
+/// A running daemon with its own state directory.
+pub struct TestDaemon {
+    /// The state directory.
+    pub state: tempfile::TempDir,
+    /// A client with the daemon's token.
+    pub client: Client,
+    /// The API base URL.
+    pub url: String,
+    /// The bearer token.
+    pub token: String,
+    runtime: Option<String>,
+    child: Option<Child>,
+}
+
+impl TestDaemon {
+    /// Starts a daemon (runtime: `runtime`, else probe) and imports the
+    /// busybox image as `base`.
+    pub async fn start(runtime: Option<&str>) -> TestDaemon {
+        let state = tempfile::Builder::new()
+            .prefix("runbox-e2e-")
+            .tempdir_in("/tmp")
+            .expect("state dir");
+        let mut daemon = TestDaemon {
+            state,
+            client: Client::anonymous("http://127.0.0.1:1").expect("placeholder client"),
+            url: String::new(),
+            token: String::new(),
+            runtime: runtime.map(str::to_owned),
+            child: None,
+        };
+        daemon.spawn().await;
+        let tar = busybox_tar();
+        let len = tar.len() as u64;
+        let body = runbox_client::UploadBody::from_stream(
+            futures::stream::once(async move { Ok::<_, std::io::Error>(bytes::Bytes::from(tar)) }),
+            Some(len),
+        );
+        daemon
+            .client
+            .import_image("base", body)
+            .await
+            .expect("importing the base image");
+        daemon
+    }
+
+    /// Starts (or restarts) the daemon process and waits until it serves.
+    pub async fn spawn(&mut self) {
+        let addr_file = self.state.path().join("serve.addr");
+        let _ = std::fs::remove_file(&addr_file);
+        let mut cmd = Command::new(runbox_bin());
+        cmd.arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .arg("--agent")
+            .arg(agent_bin())
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(self.state.path().join("daemon.log")).expect("log file"));
+        if let Some(runtime) = &self.runtime {
+            cmd.arg("--runtime").arg(runtime);
+        }
+        let mut child = cmd.spawn().expect("spawning runbox serve");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let addr = loop {
+            if let Ok(addr) = std::fs::read_to_string(&addr_file) {
+                break addr;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("runbox serve exited with {status}; log:\n{}", self.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "runbox serve did not start; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        self.child = Some(child);
+        self.url = format!("http://{}", addr.trim());
+        self.token = std::fs::read_to_string(self.state.path().join("token"))
+            .expect("token")
+            .trim()
+            .to_owned();
+        self.client = Client::new(&self.url, self.token.clone()).expect("client");
+    }
+
+    /// The daemon's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.state.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// The daemon's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("daemon running").id()
+    }
+
+    /// `kill -9` the daemon (runs keep running).
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Creates a run of `base` with default settings.
+    pub async fn create(&self) -> Run {
+        self.create_with(CreateRunRequest {
+            image: "base".into(),
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Creates a run.
+    pub async fn create_with(&self, req: CreateRunRequest) -> Run {
+        match self.client.create_run(&req).await {
+            Ok(run) => run,
+            Err(e) => panic!("creating a run failed: {e}; daemon log:\n{}", self.log()),
+        }
+    }
+
+    /// Runs `cmd` in run `id` and collects its output.
+    pub async fn sh(&self, id: &str, script: &str) -> ExecOutput {
+        self.exec(
+            id,
+            ExecRequest {
+                cmd: vec!["sh".into(), "-c".into(), script.into()],
+                ..Default::default()
+            },
+        )
+        .await
+    }
+
+    /// Runs an exec request and collects its output.
+    pub async fn exec(&self, id: &str, req: ExecRequest) -> ExecOutput {
+        let stream = match self.client.exec(id, &req).await {
+            Ok(s) => s,
+            Err(e) => panic!(
+                "exec {:?} failed: {e}; daemon log:\n{}",
+                req.cmd,
+                self.log()
+            ),
+        };
+        stream
+            .collect_output()
+            .await
+            .expect("collecting exec output")
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        self.kill9();
+        // Tear down every run of this state directory, whatever the test did.
+        let out = Command::new(runbox_bin())
+            .arg("serve")
+            .arg("--teardown")
+            .arg("--state-dir")
+            .arg(self.state.path())
+            .output();
+        match out {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => eprintln!("teardown failed: {}", String::from_utf8_lossy(&o.stderr)),
+            Err(e) => eprintln!("teardown failed to start: {e}"),
+        }
+    }
+}
+
+/// Polls `check` every 50 ms until it returns true or `limit` passes.
+pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    check()
+}
+
+/// Whether a mount point under `dir` is still mounted.
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    let prefix = dir.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4).map(str::to_owned))
+        .filter(|m| m.starts_with(&prefix))
+        .collect()
+}
+
+/// Whether the network namespace of run `id` exists.
+pub fn netns_exists(id: &str) -> bool {
+    Path::new("/run/netns")
+        .join(format!("runbox-{id}"))
+        .exists()
+}
+
+/// Whether a cgroup of run `id` exists in any hierarchy.
+pub fn cgroup_exists(id: &str) -> bool {
+    let rel = format!("runbox/{id}");
+    if Path::new("/sys/fs/cgroup").join(&rel).exists() {
+        return true;
+    }
+    std::fs::read_dir("/sys/fs/cgroup")
+        .map(|d| d.flatten().any(|e| e.path().join(&rel).exists()))
+        .unwrap_or(false)
+}
+
+/// An upload body of `data`, with its length.
+pub fn body(data: Vec<u8>) -> runbox_client::UploadBody {
+    let len = data.len() as u64;
+    runbox_client::UploadBody::from_stream(
+        futures::stream::once(async move { Ok::<_, std::io::Error>(bytes::Bytes::from(data)) }),
+        Some(len),
+    )
+}
+
+/// The host's first global IPv4 address, if it has one.
+pub fn host_ipv4() -> Option<String> {
+    let out = Command::new("ip")
+        .args(["-4", "-o", "addr", "show", "scope", "global"])
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let addr = text.lines().next()?.split_whitespace().nth(3)?;
+    Some(addr.split('/').next()?.to_owned())
+}

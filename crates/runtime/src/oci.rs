@@ -1,0 +1,552 @@
+//! The OCI runtime lane: each run is an OCI bundle started by `runc`, `crun`
+//! or `runsc`, with runbox-agent as its PID 1.
+//!
+//! Per run, under `<state-dir>/runs/<id>/`:
+//!
+//! ```text
+//! runtime       which runtime started it (written first, read by destroy)
+//! upper/        the run's writable overlay layer
+//! ovl-work/     overlayfs' scratch directory
+//! rootfs/       the merged root: image (read-only lower) + upper
+//! config.json   the OCI runtime config
+//! agent.sock    the agent's listening socket (created here, passed as fd 3)
+//! runtime.log   the runtime's own log, read when it fails
+//! ```
+//!
+//! Plus, outside that directory: the network namespace `/run/netns/runbox-<id>`,
+//! the cgroup `/runbox/<id>` and the runtime's container `runbox-<id>` (state
+//! under `<state-dir>/oci/<runtime>`). Every one of them is named after the
+//! run id, so [`Backend::sweep`] can find and remove what a crash left behind.
+//!
+//! Creation steps, in order (each undone by `destroy`):
+//! 1. create the run directory and record the runtime name;
+//! 2. mount the overlay;
+//! 3. create the network namespace with loopback up;
+//! 4. bind the agent socket;
+//! 5. write config.json;
+//! 6. `<runtime> run --detach --preserve-fds 1`, handing the socket over as fd 3.
+//!
+//! The agent's socket is created by the daemon in a directory the sandbox
+//! cannot see, and the sandbox only gets the listening file descriptor. So no
+//! path inside the run leads to the socket, and a run cannot swap it for a
+//! symlink that would make the daemon talk to something else.
+
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use runbox_core::backend::{Backend, BackendError, Sandbox, SandboxSpec};
+use runbox_types::NetworkTier;
+use tokio::process::Command;
+use ulid::Ulid;
+
+use crate::probe::Runtime;
+use crate::spec::{self, SpecParams};
+
+/// How long one runtime command (`run -d`, `delete`, ...) may take.
+const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Environment of the agent process itself (commands get their own).
+const AGENT_ENV: &[&str] = &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"];
+
+/// The OCI runtime backend.
+pub struct OciBackend {
+    runtime: Runtime,
+    state_dir: PathBuf,
+    agent_binary: PathBuf,
+    swap_limit: bool,
+}
+
+impl OciBackend {
+    /// A backend that starts runs with `runtime` and keeps its files under
+    /// `state_dir`. `agent_binary` must be the static runbox-agent.
+    pub fn new(
+        runtime: Runtime,
+        state_dir: PathBuf,
+        agent_binary: PathBuf,
+    ) -> Result<OciBackend, BackendError> {
+        for path in [&state_dir, &agent_binary] {
+            check_mount_safe(path)?;
+        }
+        let runs = state_dir.join("runs");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&runs)
+            .map_err(BackendError::io(format!("creating {}", runs.display())))?;
+        Ok(OciBackend {
+            runtime,
+            state_dir,
+            agent_binary,
+            swap_limit: host_has_swap_accounting(),
+        })
+    }
+
+    /// The runtime new runs use.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    fn run_dir(&self, id: Ulid) -> PathBuf {
+        self.state_dir.join("runs").join(id.to_string())
+    }
+
+    fn runtime_root(&self, name: &str) -> PathBuf {
+        runtime_root(&self.state_dir, name)
+    }
+
+    /// The runtime that started run `id`: the one named in its directory,
+    /// else the current one.
+    fn runtime_of(&self, id: Ulid) -> Runtime {
+        let named = std::fs::read_to_string(self.run_dir(id).join("runtime")).ok();
+        match named.as_deref().map(str::trim) {
+            Some(name) if name != self.runtime.name => {
+                Runtime::find(name).unwrap_or_else(|| self.runtime.clone())
+            }
+            _ => self.runtime.clone(),
+        }
+    }
+
+    async fn create_steps(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
+        let id = spec.id;
+        let dir = self.run_dir(id);
+        // 1. The directory, and which runtime owns the run.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .map_err(BackendError::io(format!("creating {}", dir.display())))?;
+        write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
+        // 2. The overlay root.
+        let (upper, work, rootfs) = (dir.join("upper"), dir.join("ovl-work"), dir.join("rootfs"));
+        for d in [&upper, &work, &rootfs] {
+            std::fs::create_dir(d)
+                .map_err(BackendError::io(format!("creating {}", d.display())))?;
+        }
+        check_mount_safe(&spec.image_rootfs)?;
+        mount_overlay(&spec.image_rootfs, &upper, &work, &rootfs)?;
+        // 3. The network namespace.
+        let netns = match spec.network {
+            NetworkTier::None => create_netns(id).await?,
+            other => {
+                return Err(BackendError::Unsupported(format!(
+                    "network tier {} is not supported",
+                    other.as_str()
+                )))
+            }
+        };
+        // 4. The agent's socket.
+        let socket = dir.join("agent.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(BackendError::io(format!("binding {}", socket.display())))?;
+        std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
+            .map_err(BackendError::io("restricting the agent socket"))?;
+        // 5. The bundle config.
+        let agent_args = ["--listen-fd".to_owned(), "3".to_owned()];
+        let env: Vec<String> = AGENT_ENV.iter().map(|s| s.to_string()).collect();
+        let cgroups_path = format!("/runbox/{id}");
+        let params = SpecParams {
+            rootfs: &rootfs,
+            agent_binary: &self.agent_binary,
+            agent_args: &agent_args,
+            hostname: "runbox",
+            netns_path: Some(&netns),
+            cgroups_path: &cgroups_path,
+            limits: &spec.limits,
+            swap_limit: self.swap_limit,
+            env: &env,
+        };
+        let config = spec::build(&params)
+            .map_err(|e| BackendError::Failed(format!("building the OCI config: {e}")))?;
+        let json =
+            serde_json::to_vec_pretty(&config).map_err(|e| BackendError::Failed(e.to_string()))?;
+        write(&dir.join("config.json"), &json)?;
+        // 6. Start it, handing over the socket.
+        let log = dir.join("runtime.log");
+        let mut cmd = self
+            .runtime
+            .command(&self.runtime_root(&self.runtime.name), &log);
+        cmd.args(["run", "--detach", "--preserve-fds", "1", "--bundle"])
+            .arg(&dir)
+            .arg(container_id(id));
+        pass_fd_as_3(&mut cmd, listener.as_raw_fd());
+        run_checked(cmd, &log, "starting the container").await?;
+        drop(listener);
+        Ok(Sandbox {
+            runtime: self.runtime.name.clone(),
+            agent_socket: socket,
+        })
+    }
+
+    async fn destroy_steps(&self, id: Ulid) -> Result<(), BackendError> {
+        let dir = self.run_dir(id);
+        let runtime = self.runtime_of(id);
+        let root = self.runtime_root(&runtime.name);
+        let cid = container_id(id);
+        if runtime.has_container(&root, &cid).await {
+            // `delete --force` kills and removes in one step; a plain kill
+            // first makes runtimes that lack --force behave the same.
+            let mut kill = runtime.command(&root, Path::new("/dev/null"));
+            kill.args(["kill", &cid, "KILL"]);
+            let _ = run_quiet(kill).await;
+            let mut delete = runtime.command(&root, Path::new("/dev/null"));
+            delete.args(["delete", "--force", &cid]);
+            let out = run_quiet(delete).await;
+            if runtime.has_container(&root, &cid).await {
+                return Err(BackendError::Failed(format!(
+                    "{} could not delete container {cid}: {}",
+                    runtime.name,
+                    out.err().unwrap_or_default()
+                )));
+            }
+        }
+        let rootfs = dir.join("rootfs");
+        if is_mount_point(&rootfs) {
+            // Lazy: a process on the host holding a file open must not keep
+            // the run alive; the kernel frees the mount when it lets go.
+            rustix::mount::unmount(&rootfs, rustix::mount::UnmountFlags::DETACH).map_err(|e| {
+                BackendError::Failed(format!("unmounting {}: {e}", rootfs.display()))
+            })?;
+        }
+        delete_netns(id).await?;
+        remove_cgroups(id);
+        if is_mount_point(&rootfs) {
+            return Err(BackendError::Failed(format!(
+                "{} is still mounted",
+                rootfs.display()
+            )));
+        }
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(BackendError::io(format!("removing {}", dir.display()))(e)),
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for OciBackend {
+    fn name(&self) -> String {
+        format!("oci/{}", self.runtime.name)
+    }
+
+    async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
+        match self.create_steps(spec).await {
+            Ok(sandbox) => Ok(sandbox),
+            Err(e) => {
+                if let Err(cleanup) = self.destroy_steps(spec.id).await {
+                    tracing::error!(run = %spec.id, error = %cleanup, "cleaning up a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn destroy(&self, id: Ulid) -> Result<(), BackendError> {
+        self.destroy_steps(id).await
+    }
+
+    async fn is_alive(&self, id: Ulid) -> Result<bool, BackendError> {
+        let runtime = self.runtime_of(id);
+        let root = self.runtime_root(&runtime.name);
+        Ok(runtime.status(&root, &container_id(id)).await.as_deref() == Some("running"))
+    }
+
+    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, BackendError> {
+        let mut doomed = HashSet::new();
+        // Run directories nobody claims.
+        let runs = self.state_dir.join("runs");
+        for entry in std::fs::read_dir(&runs)
+            .map_err(BackendError::io(format!("reading {}", runs.display())))?
+        {
+            let entry = entry.map_err(BackendError::io("reading the runs directory"))?;
+            match entry
+                .file_name()
+                .to_str()
+                .and_then(|n| Ulid::from_string(n).ok())
+            {
+                Some(id) if !keep.contains(&id) => {
+                    doomed.insert(id);
+                }
+                Some(_) => {}
+                None => {
+                    tracing::warn!(path = %entry.path().display(), "ignoring a stray entry in the runs directory")
+                }
+            }
+        }
+        // Containers nobody claims, in any runtime's root of this state dir.
+        let oci = self.state_dir.join("oci");
+        if let Ok(entries) = std::fs::read_dir(&oci) {
+            for entry in entries.flatten() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some(runtime) = Runtime::find(&name) else {
+                    continue;
+                };
+                for cid in runtime.list(&entry.path()).await {
+                    if let Some(id) = cid
+                        .strip_prefix("runbox-")
+                        .and_then(|s| Ulid::from_string(s).ok())
+                    {
+                        if !keep.contains(&id) {
+                            doomed.insert(id);
+                        }
+                    }
+                }
+            }
+        }
+        let mut swept = Vec::new();
+        for id in doomed {
+            match self.destroy_steps(id).await {
+                Ok(()) => swept.push(id),
+                Err(e) => {
+                    tracing::error!(run = %id, error = %e, "could not remove a leftover sandbox")
+                }
+            }
+        }
+        Ok(swept)
+    }
+}
+
+/// The OCI container id of run `id`.
+pub fn container_id(id: Ulid) -> String {
+    format!("runbox-{id}")
+}
+
+/// The network namespace name of run `id`.
+pub fn netns_name(id: Ulid) -> String {
+    format!("runbox-{id}")
+}
+
+/// Where a runtime keeps the container state of runs under `state_dir`.
+pub fn runtime_root(state_dir: &Path, runtime: &str) -> PathBuf {
+    state_dir.join("oci").join(runtime)
+}
+
+fn write(path: &Path, data: &[u8]) -> Result<(), BackendError> {
+    std::fs::write(path, data).map_err(BackendError::io(format!("writing {}", path.display())))
+}
+
+/// Refuses paths that would corrupt an overlayfs option string.
+fn check_mount_safe(path: &Path) -> Result<(), BackendError> {
+    let s = path
+        .to_str()
+        .ok_or_else(|| BackendError::Failed(format!("{} is not UTF-8", path.display())))?;
+    if !path.is_absolute() || s.contains([',', ':', '\n', '\\']) {
+        return Err(BackendError::Failed(format!(
+            "{s} must be an absolute path without ',', ':' or '\\' (overlayfs options cannot carry them)"
+        )));
+    }
+    Ok(())
+}
+
+fn mount_overlay(
+    lower: &Path,
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+) -> Result<(), BackendError> {
+    let options = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    let options = std::ffi::CString::new(options)
+        .map_err(|_| BackendError::Failed("overlay options contain a NUL byte".into()))?;
+    rustix::mount::mount(
+        "overlay",
+        target,
+        "overlay",
+        rustix::mount::MountFlags::empty(),
+        Some(options.as_c_str()),
+    )
+    .map_err(|e| {
+        BackendError::Failed(format!(
+            "mounting the overlay root at {}: {e}",
+            target.display()
+        ))
+    })
+}
+
+/// Whether `path` is a mount point, by its parent's device differing or by
+/// /proc/self/mountinfo (bind mounts of the same device).
+fn is_mount_point(path: &Path) -> bool {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let Some(wanted) = path.to_str() else {
+        return false;
+    };
+    info.lines()
+        .any(|line| line.split(' ').nth(4).map(unescape_mountinfo).as_deref() == Some(wanted))
+}
+
+/// Undoes mountinfo's octal escapes (`\040` for a space, ...).
+fn unescape_mountinfo(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && bytes[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
+        {
+            let value =
+                (bytes[i + 1] - b'0') * 64 + (bytes[i + 2] - b'0') * 8 + (bytes[i + 3] - b'0');
+            out.push(value);
+            i += 4;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn create_netns(id: Ulid) -> Result<PathBuf, BackendError> {
+    let name = netns_name(id);
+    ip(&["netns", "add", &name]).await?;
+    ip(&["-n", &name, "link", "set", "lo", "up"]).await?;
+    Ok(Path::new("/run/netns").join(name))
+}
+
+async fn delete_netns(id: Ulid) -> Result<(), BackendError> {
+    let name = netns_name(id);
+    if Path::new("/run/netns").join(&name).exists() {
+        ip(&["netns", "delete", &name]).await?;
+    }
+    Ok(())
+}
+
+async fn ip(args: &[&str]) -> Result<(), BackendError> {
+    let mut cmd = Command::new("ip");
+    cmd.args(args);
+    run_quiet(cmd)
+        .await
+        .map_err(|e| BackendError::Failed(format!("ip {}: {e}", args.join(" "))))?;
+    Ok(())
+}
+
+/// Removes the run's cgroup directories if the runtime left any (a crash
+/// between create and delete can).
+fn remove_cgroups(id: Ulid) {
+    let Ok(controllers) = std::fs::read_dir("/sys/fs/cgroup") else {
+        return;
+    };
+    let rel = format!("runbox/{id}");
+    let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(&rel));
+    for entry in controllers.flatten() {
+        let _ = std::fs::remove_dir(entry.path().join(&rel));
+    }
+}
+
+fn host_has_swap_accounting() -> bool {
+    let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
+    v2 || Path::new("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes").exists()
+}
+
+/// Makes `fd` the child's fd 3, without close-on-exec, for `--preserve-fds 1`.
+fn pass_fd_as_3(cmd: &mut Command, fd: RawFd) {
+    // SAFETY: the closure runs between fork and exec and calls only
+    // async-signal-safe functions (dup2, fcntl) on descriptors it owns: `fd`
+    // is kept open by the caller until the child has exited.
+    unsafe {
+        cmd.pre_exec(move || {
+            if fd == 3 {
+                let flags = libc::fcntl(3, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(3, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            } else if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Runs a runtime command; on failure the error carries the runtime's own
+/// words from `log` (or its stderr).
+///
+/// All three standard streams are /dev/null: a detached container inherits
+/// them, so a pipe would keep the agent writing into the daemon (and keep
+/// this call waiting for an end of file that never comes). The runtime
+/// reports its errors through `--log` instead.
+async fn run_checked(mut cmd: Command, log: &Path, what: &str) -> Result<(), BackendError> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    let child = cmd
+        .spawn()
+        .map_err(BackendError::io(format!("{what}: spawning the runtime")))?;
+    let out = tokio::time::timeout(RUNTIME_TIMEOUT, child.wait_with_output())
+        .await
+        .map_err(|_| {
+            BackendError::Failed(format!(
+                "{what}: the runtime did not finish within {RUNTIME_TIMEOUT:?}"
+            ))
+        })?
+        .map_err(BackendError::io(format!("{what}: waiting for the runtime")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let mut detail = crate::probe::log_errors(log);
+    if detail.is_empty() {
+        detail = "no error in the runtime's log".to_owned();
+    }
+    Err(BackendError::Failed(format!(
+        "{what}: {} ({})",
+        crate::probe::bounded(&detail, 2000),
+        out.status
+    )))
+}
+
+/// Runs a helper command to completion; Err carries its stderr.
+async fn run_quiet(mut cmd: Command) -> Result<(), String> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(RUNTIME_TIMEOUT, cmd.output())
+        .await
+        .map_err(|_| "timed out".to_owned())?
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes() {
+        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
+        assert_eq!(unescape_mountinfo("/plain"), "/plain");
+        assert_eq!(unescape_mountinfo("/odd\\04"), "/odd\\04");
+    }
+
+    #[test]
+    fn overlay_unsafe_paths_are_refused() {
+        assert!(check_mount_safe(Path::new("/var/lib/runbox")).is_ok());
+        for bad in ["relative", "/a,b", "/a:b", "/a\\b"] {
+            assert!(check_mount_safe(Path::new(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn names_derive_from_the_id() {
+        let id = Ulid::new();
+        assert_eq!(container_id(id), format!("runbox-{id}"));
+        assert_eq!(netns_name(id), format!("runbox-{id}"));
+    }
+}

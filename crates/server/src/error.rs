@@ -1,0 +1,74 @@
+//! One error type for every response: `{"error": {"code", "message"}}` with
+//! the status that goes with the code. Faults of runbox itself (5xx) show a
+//! generic message; the detail goes to the log only.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use runbox_core::CoreError;
+use runbox_types::{ErrorBody, ErrorCode, ErrorDetail};
+
+/// An error response.
+#[derive(Debug)]
+pub struct ApiError {
+    code: ErrorCode,
+    message: String,
+}
+
+impl ApiError {
+    /// An error with `code` and a message for the client.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            code,
+            message: message.into(),
+        }
+    }
+
+    /// The error's code.
+    pub fn code(&self) -> ErrorCode {
+        self.code
+    }
+}
+
+impl From<CoreError> for ApiError {
+    fn from(e: CoreError) -> ApiError {
+        let code = e.code();
+        if code.status() >= 500 {
+            tracing::error!(error = %runbox_core::runs::error_chain(&e), code = %code, "request failed");
+            let message = match code {
+                ErrorCode::AgentUnavailable => {
+                    "the run's agent did not answer as expected; see the server log"
+                }
+                ErrorCode::Capacity => {
+                    return ApiError {
+                        code,
+                        message: e.to_string(),
+                    }
+                }
+                _ => "internal error; see the server log",
+            };
+            return ApiError {
+                code,
+                message: message.to_owned(),
+            };
+        }
+        ApiError {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = ErrorBody {
+            error: ErrorDetail {
+                code: self.code.as_str().to_owned(),
+                message: self.message,
+            },
+        };
+        (status, Json(body)).into_response()
+    }
+}

@@ -1,0 +1,245 @@
+//! Route handlers: parse, check, call the manager, map the answer.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{FromRequest, FromRequestParts, Path, State};
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use base64::Engine;
+use futures::{StreamExt, TryStreamExt};
+use runbox_core::runs::ExecEvent;
+use runbox_types::{
+    sse, CreateRunRequest, ErrorCode, ExecRequest, Health, ImageList, RenewRequest, RunList,
+    StartedEvent,
+};
+use ulid::Ulid;
+
+use crate::{ApiError, AppState};
+
+/// `Json` whose rejections use runbox's error shape.
+#[derive(FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct AppJson<T>(pub T);
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> ApiError {
+        let message = match &rejection {
+            JsonRejection::MissingJsonContentType(_) => {
+                "send the body as JSON with Content-Type: application/json".to_owned()
+            }
+            other => other.body_text(),
+        };
+        ApiError::new(ErrorCode::BadRequest, message)
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> ApiError {
+        ApiError::new(ErrorCode::BadRequest, rejection.body_text())
+    }
+}
+
+/// A run id from the path.
+pub struct RunId(pub Ulid);
+
+impl<S: Send + Sync> FromRequestParts<S> for RunId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        // Routes with a second parameter ({*path}) are matched by name.
+        let params: Path<Vec<(String, String)>> = Path::from_request_parts(parts, state).await?;
+        let raw = params
+            .0
+            .iter()
+            .find(|(k, _)| k == "id")
+            .map(|(_, v)| v.as_str())
+            .unwrap_or("");
+        Ulid::from_string(raw).map(RunId).map_err(|_| {
+            ApiError::new(
+                ErrorCode::RunNotFound,
+                format!("no run with id {raw:?} (run ids are ULIDs)"),
+            )
+        })
+    }
+}
+
+/// `GET /health`.
+pub async fn health(State(state): State<AppState>) -> Json<Health> {
+    Json(Health {
+        status: "ok".to_owned(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        server: state.manager.config().server_id.clone(),
+    })
+}
+
+/// `POST /v1/runs`.
+pub async fn create_run(
+    State(state): State<AppState>,
+    AppJson(req): AppJson<CreateRunRequest>,
+) -> Result<Response, ApiError> {
+    let run = state.manager.create(req).await?;
+    Ok((StatusCode::CREATED, Json(run)).into_response())
+}
+
+/// `GET /v1/runs`.
+pub async fn list_runs(State(state): State<AppState>) -> Json<RunList> {
+    Json(RunList {
+        server: state.manager.config().server_id.clone(),
+        runs: state.manager.list(),
+    })
+}
+
+/// `GET /v1/runs/{id}`.
+pub async fn get_run(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.manager.get(id)?).into_response())
+}
+
+/// `DELETE /v1/runs/{id}`.
+pub async fn delete_run(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+) -> Result<StatusCode, ApiError> {
+    state.manager.delete(id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `POST /v1/runs/{id}/renew`.
+pub async fn renew_run(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<RenewRequest>,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.manager.renew(id, req.ttl_sec)?).into_response())
+}
+
+/// `POST /v1/runs/{id}/exec`: a server-sent event stream of the command's
+/// output and its exit.
+pub async fn exec(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<ExecRequest>,
+) -> Result<Response, ApiError> {
+    let events = state.manager.exec(id, req).await?;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let stream = events.map(move |event| {
+        let sse_event = match event {
+            ExecEvent::Started(pid) => json_event(sse::STARTED, &StartedEvent { pid }),
+            ExecEvent::Stdout(data) => Event::default().event(sse::STDOUT).data(b64.encode(&data)),
+            ExecEvent::Stderr(data) => Event::default().event(sse::STDERR).data(b64.encode(&data)),
+            ExecEvent::Exit(exit) => json_event(sse::EXIT, &exit),
+        };
+        Ok::<_, Infallible>(sse_event)
+    });
+    let mut response = Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response();
+    // Proxies must not buffer the stream.
+    response
+        .headers_mut()
+        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(response)
+}
+
+fn json_event(name: &str, value: &impl serde::Serialize) -> Event {
+    // Serialising these plain structs cannot fail.
+    Event::default()
+        .event(name)
+        .data(serde_json::to_string(value).unwrap_or_default())
+}
+
+/// The file path from `/v1/runs/{id}/files/{*path}`.
+fn file_path(params: &[(String, String)]) -> &str {
+    params
+        .iter()
+        .find(|(k, _)| k == "path")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or("")
+}
+
+fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    match headers.get(CONTENT_LENGTH) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map(Some)
+            .ok_or_else(|| ApiError::new(ErrorCode::BadRequest, "Content-Length is not a number")),
+    }
+}
+
+/// `PUT /v1/runs/{id}/files/{*path}`: streams the body into `/work/<path>`.
+pub async fn put_file(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    Path(params): Path<Vec<(String, String)>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<StatusCode, ApiError> {
+    let length = content_length(&headers)?;
+    state
+        .manager
+        .put_file(id, file_path(&params), length, body.into_data_stream())
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /v1/runs/{id}/files/{*path}`: streams `/work/<path>` back.
+pub async fn get_file(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    Path(params): Path<Vec<(String, String)>>,
+) -> Result<Response, ApiError> {
+    let download = state.manager.get_file(id, file_path(&params)).await?;
+    let body = Body::from_stream(download.body.map_err(move |e| {
+        // The status line is gone by now; breaking the body is the only way
+        // left to tell the client, and the length check catches it.
+        tracing::warn!(run = %id, error = %e, "file download broke off");
+        std::io::Error::other(e.to_string())
+    }));
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(CONTENT_TYPE, "application/octet-stream")
+        .header(CONTENT_LENGTH, download.size)
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
+}
+
+/// `POST /v1/images/{name}`: imports a root filesystem tarball.
+pub async fn import_image(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let stream = body.into_data_stream().map_err(std::io::Error::other);
+    let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+    let image = state.manager.import_image(name, reader).await?;
+    Ok((StatusCode::CREATED, Json(image)).into_response())
+}
+
+/// `GET /v1/images`.
+pub async fn list_images(State(state): State<AppState>) -> Result<Json<ImageList>, ApiError> {
+    Ok(Json(ImageList {
+        server: state.manager.config().server_id.clone(),
+        images: state.manager.list_images()?,
+    }))
+}
+
+/// `DELETE /v1/images/{name}`.
+pub async fn delete_image(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.manager.delete_image(name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}

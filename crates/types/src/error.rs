@@ -1,0 +1,125 @@
+//! The one error shape every API response uses, and the stable codes in it.
+
+use serde::{Deserialize, Serialize};
+
+/// `{"error": {"code": "...", "message": "..."}}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// A machine-readable code and a human message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Stable code; see [`ErrorCode`].
+    pub code: String,
+    /// What went wrong and what to fix.
+    pub message: String,
+}
+
+macro_rules! codes {
+    ($($(#[$doc:meta])* $variant:ident = $code:literal, $status:literal;)*) => {
+        /// Stable error codes. Clients match on these; they never change meaning.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum ErrorCode {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl ErrorCode {
+            /// Every code, for documentation and tests.
+            pub const ALL: &'static [ErrorCode] = &[$(ErrorCode::$variant,)*];
+
+            /// The code's wire spelling.
+            pub fn as_str(self) -> &'static str {
+                match self { $(ErrorCode::$variant => $code,)* }
+            }
+
+            /// The HTTP status that goes with the code.
+            pub fn status(self) -> u16 {
+                match self { $(ErrorCode::$variant => $status,)* }
+            }
+
+            /// Parses a wire spelling.
+            pub fn parse(code: &str) -> Option<ErrorCode> {
+                match code { $($code => Some(ErrorCode::$variant),)* _ => None }
+            }
+        }
+    };
+}
+
+codes! {
+    /// The body is not valid JSON or does not match the schema.
+    BadRequest = "bad_request", 400;
+    /// An environment variable breaks the rules (name, size, count, characters).
+    BadEnv = "bad_env", 400;
+    /// A file path is empty, absolute, contains `..` or NUL, or is too long.
+    BadPath = "bad_path", 400;
+    /// A limit is out of range or above the server maximum.
+    BadLimits = "bad_limits", 400;
+    /// A TTL is zero or not a number.
+    BadTtl = "bad_ttl", 400;
+    /// An image name breaks the naming rules.
+    BadImageName = "bad_image_name", 400;
+    /// An archive could not be unpacked.
+    BadArchive = "bad_archive", 400;
+    /// The exec command is empty or malformed.
+    BadCommand = "bad_command", 400;
+    /// The working directory does not exist in the run.
+    BadCwd = "bad_cwd", 400;
+    /// The command was not found in the run.
+    CommandNotFound = "command_not_found", 400;
+    /// The command exists but could not be executed.
+    CommandNotExecutable = "command_not_executable", 400;
+    /// The requested network tier is not available on this server.
+    NetworkUnsupported = "network_unsupported", 400;
+    /// The path is not a regular file (a directory, a device, ...).
+    NotAFile = "not_a_file", 400;
+    /// No or wrong bearer token.
+    Unauthorized = "unauthorized", 401;
+    /// A path leads outside `/work` (for example through a symlink).
+    PathEscape = "path_escape", 403;
+    /// No such run.
+    RunNotFound = "run_not_found", 404;
+    /// No such image.
+    ImageNotFound = "image_not_found", 404;
+    /// No such file in the run.
+    FileNotFound = "file_not_found", 404;
+    /// No such route.
+    NotFound = "not_found", 404;
+    /// The method is not allowed on this route.
+    MethodNotAllowed = "method_not_allowed", 405;
+    /// The run is not in a state that allows the operation.
+    RunNotRunning = "run_not_running", 409;
+    /// An image with this name already exists.
+    ImageExists = "image_exists", 409;
+    /// The image is used by a run.
+    ImageInUse = "image_in_use", 409;
+    /// A body or file is larger than the server accepts.
+    TooLarge = "too_large", 413;
+    /// The server is at its run capacity.
+    Capacity = "capacity", 503;
+    /// The sandbox's agent did not answer as it should.
+    AgentUnavailable = "agent_unavailable", 502;
+    /// A fault in runbox itself; the detail is in the server log.
+    Internal = "internal", 500;
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_and_statuses_are_sane() {
+        for code in ErrorCode::ALL {
+            assert_eq!(ErrorCode::parse(code.as_str()), Some(*code));
+            assert!((400..600).contains(&code.status()), "{code}");
+        }
+    }
+}

@@ -1,0 +1,290 @@
+//! runbox's HTTP API wire types: request and response bodies, error codes and
+//! the exec event stream. Serde only — no I/O, no async runtime — so the
+//! server, the Rust client and any future front end share one definition.
+//!
+//! Field names are camelCase on the wire. Request types reject unknown fields
+//! so that a misspelt option is an error instead of a silently ignored wish.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+pub mod error;
+
+pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+
+/// Environment variables for a run or an exec.
+///
+/// Values are secrets as far as runbox is concerned: `Debug` prints names only,
+/// so a stray `{:?}` in a log line cannot leak them.
+#[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Env(pub BTreeMap<String, String>);
+
+impl fmt::Debug for Env {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.0.keys()).finish()
+    }
+}
+
+/// What a run may reach on the network.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NetworkTier {
+    /// A private network namespace with loopback only.
+    #[default]
+    None,
+    /// Only allowlisted destinations through runbox's proxy (`egress` is an alias).
+    #[serde(alias = "egress")]
+    Allowlist,
+    /// Whatever the host routes, except runbox's own endpoints.
+    Open,
+}
+
+impl NetworkTier {
+    /// The tier's name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NetworkTier::None => "none",
+            NetworkTier::Allowlist => "allowlist",
+            NetworkTier::Open => "open",
+        }
+    }
+}
+
+/// Resource limits as requested; absent fields take the server's defaults.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LimitsRequest {
+    /// CPU bandwidth in cores (fractions allowed, e.g. 0.5).
+    pub cpus: Option<f64>,
+    /// Memory limit in MiB; exceeding it gets the process OOM-killed.
+    pub memory_mb: Option<u64>,
+    /// Maximum number of processes and threads.
+    pub pids: Option<u64>,
+}
+
+/// Resource limits in force for a run.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Limits {
+    /// CPU bandwidth in cores.
+    pub cpus: f64,
+    /// Memory limit in MiB.
+    pub memory_mb: u64,
+    /// Maximum number of processes and threads.
+    pub pids: u64,
+}
+
+/// `POST /v1/runs`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateRunRequest {
+    /// Name of an imported image.
+    pub image: String,
+    /// Environment given to every exec in the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<Env>,
+    /// Time to live in seconds (default 30 minutes, capped by the server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_sec: Option<u64>,
+    /// Network tier (default `none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkTier>,
+    /// Resource limits (defaults: 1 CPU, 1024 MiB, 256 pids).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<LimitsRequest>,
+}
+
+/// Where a run is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RunStatus {
+    /// Resources are being set up; not yet usable.
+    Creating,
+    /// The sandbox and its agent are up.
+    Running,
+    /// Being destroyed.
+    Stopping,
+}
+
+/// A run as the API shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Run {
+    /// The run's ULID.
+    pub id: Ulid,
+    /// The node that hosts the run.
+    pub server: String,
+    /// The image the run was created from.
+    pub image: String,
+    /// The network tier in force.
+    pub network: NetworkTier,
+    /// The limits in force.
+    pub limits: Limits,
+    /// The OCI runtime that isolates the run (`runc`, `crun`, `runsc`).
+    pub runtime: String,
+    /// Creation time (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// When the reaper destroys the run unless it is renewed (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub expires_at: OffsetDateTime,
+    /// Lifecycle status.
+    pub status: RunStatus,
+}
+
+/// `GET /v1/runs`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunList {
+    /// The node that answered.
+    pub server: String,
+    /// Runs ordered by id (so by creation time).
+    pub runs: Vec<Run>,
+}
+
+/// `POST /v1/runs/{id}/renew`.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RenewRequest {
+    /// New time to live from now, in seconds (capped by the server maximum).
+    pub ttl_sec: u64,
+}
+
+/// `POST /v1/runs/{id}/exec`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExecRequest {
+    /// The command and its arguments; `cmd[0]` is looked up in `PATH`.
+    pub cmd: Vec<String>,
+    /// Working directory: absolute, or relative to `/work` (the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// Kill the command's process group after this many seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_sec: Option<u64>,
+    /// Extra environment for this command; overrides the run's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<Env>,
+}
+
+/// Why an exec stream ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitReason {
+    /// The command exited by itself.
+    Exited,
+    /// A signal ended the command.
+    Signaled,
+    /// `timeoutSec` elapsed and runbox killed the process group.
+    Timeout,
+    /// The run reached its TTL and was destroyed under the command.
+    RunExpired,
+    /// The run was deleted under the command.
+    RunDeleted,
+    /// The run's agent stopped answering; the command's fate is unknown.
+    AgentLost,
+}
+
+/// The final event of an exec stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExitEvent {
+    /// Exit status; 128 + signal when a signal ended the command; -1 when
+    /// unknown (`agentLost`).
+    pub exit_code: i32,
+    /// True when `timeoutSec` elapsed and the process group was killed.
+    pub timed_out: bool,
+    /// The signal that ended the command, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// Why the stream ended.
+    pub reason: ExitReason,
+}
+
+/// The first event of an exec stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartedEvent {
+    /// The command's pid inside the run.
+    pub pid: u32,
+}
+
+/// Names of the server-sent events of an exec stream.
+pub mod sse {
+    /// `data` is a [`super::StartedEvent`] as JSON.
+    pub const STARTED: &str = "started";
+    /// `data` is a chunk of standard output, base64 (standard alphabet, padded).
+    pub const STDOUT: &str = "stdout";
+    /// `data` is a chunk of standard error, base64 (standard alphabet, padded).
+    pub const STDERR: &str = "stderr";
+    /// `data` is an [`super::ExitEvent`] as JSON; always the last event.
+    pub const EXIT: &str = "exit";
+}
+
+/// An image as the API shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Image {
+    /// The image's name.
+    pub name: String,
+    /// The node that stores the image.
+    pub server: String,
+    /// Bytes unpacked on disk.
+    pub size_bytes: u64,
+    /// Import time (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+}
+
+/// `GET /v1/images`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageList {
+    /// The node that answered.
+    pub server: String,
+    /// Images ordered by name.
+    pub images: Vec<Image>,
+}
+
+/// `GET /health`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Health {
+    /// `ok` when the daemon serves requests.
+    pub status: String,
+    /// The daemon's version.
+    pub version: String,
+    /// The node's id.
+    pub server: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_debug_never_shows_values() {
+        let env = Env(BTreeMap::from([("TOKEN".to_owned(), "s3cret".to_owned())]));
+        let shown = format!("{env:?}");
+        assert!(shown.contains("TOKEN"));
+        assert!(!shown.contains("s3cret"));
+    }
+
+    #[test]
+    fn egress_is_an_alias_for_allowlist() {
+        let tier: NetworkTier = serde_json::from_str("\"egress\"").unwrap();
+        assert_eq!(tier, NetworkTier::Allowlist);
+        assert_eq!(serde_json::to_string(&tier).unwrap(), "\"allowlist\"");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = serde_json::from_str::<CreateRunRequest>(r#"{"image":"base","imgae":"x"}"#);
+        assert!(err.is_err());
+    }
+}
