@@ -115,8 +115,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_context(|| format!("listening on {}", args.listen))?;
     let bound = listener.local_addr()?;
     // Tests and scripts that ask for port 0 read the real address here.
-    std::fs::write(state_dir.join("serve.addr"), bound.to_string())
-        .context("writing serve.addr")?;
+    // Written then renamed, so a reader never sees a half-written file.
+    let tmp = state_dir.join("serve.addr.tmp");
+    std::fs::write(&tmp, bound.to_string()).context("writing serve.addr")?;
+    std::fs::rename(&tmp, state_dir.join("serve.addr")).context("writing serve.addr")?;
     tracing::info!(listen = %bound, state_dir = %state_dir.display(), runs = manager.list().len(), "runbox is serving");
     let router = runbox_server::router(runbox_server::AppState {
         manager,

@@ -344,3 +344,67 @@ pub fn host_ipv4() -> Option<String> {
     let addr = text.lines().next()?.split_whitespace().nth(3)?;
     Some(addr.split('/').next()?.to_owned())
 }
+
+/// Sends one raw HTTP/1.1 request, bypassing URL normalisation (so hostile
+/// paths reach the server exactly as written). Returns status and body.
+/// A non-empty body is sent as `application/json`.
+pub async fn raw_request(
+    url: &str,
+    method: &str,
+    path: &str,
+    token: &str,
+    body: &[u8],
+) -> (u16, String) {
+    let content_type = (!body.is_empty()).then_some("application/json");
+    raw_request_typed(url, method, path, token, body, content_type).await
+}
+
+/// [`raw_request`] with an explicit (or no) `Content-Type`.
+pub async fn raw_request_typed(
+    url: &str,
+    method: &str,
+    path: &str,
+    token: &str,
+    body: &[u8],
+    content_type: Option<&str>,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let content_type = content_type
+        .map(|c| format!("Content-Type: {c}\r\n"))
+        .unwrap_or_default();
+    let addr = url.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n{content_type}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.expect("write head");
+    stream.write_all(body).await.expect("write body");
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .await
+        .expect("read response");
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The resident-set peak (VmHWM) of process `pid`, in KiB.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}

@@ -1,0 +1,96 @@
+//! A `kill -9` of the daemon loses no live run: the restarted daemon
+//! re-adopts runs whose sandbox lives and cleans up the ones that died.
+
+use std::time::Duration;
+
+use runbox_e2e::{cgroup_exists, eventually, mounts_under, netns_exists, TestDaemon};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_then_restart_readopts_live_runs_and_cleans_dead_ones() {
+    let mut daemon = TestDaemon::start(None).await;
+    let live = daemon.create().await;
+    let dead = daemon.create().await;
+    let (live_id, dead_id) = (live.id.to_string(), dead.id.to_string());
+    daemon
+        .client
+        .put_file(
+            &live_id,
+            "state.txt",
+            runbox_e2e::body(b"survives".to_vec()),
+        )
+        .await
+        .unwrap();
+    daemon.sh(&live_id, "sleep 1000 > /dev/null 2>&1 &").await;
+
+    daemon.kill9();
+    // While the daemon is down, one sandbox dies (its PID 1 is killed).
+    let root = daemon.state.path().join("oci").join(&dead.runtime);
+    let status = std::process::Command::new(&dead.runtime)
+        .arg("--root")
+        .arg(&root)
+        .args(["kill", &format!("runbox-{dead_id}"), "KILL"])
+        .status()
+        .expect("runtime kill");
+    assert!(status.success());
+    let runtime = dead.runtime.clone();
+    let cid = format!("runbox-{dead_id}");
+    let stopped = eventually(Duration::from_secs(20), || {
+        let out = std::process::Command::new(&runtime)
+            .arg("--root")
+            .arg(&root)
+            .args(["state", &cid])
+            .output();
+        out.map(|o| !String::from_utf8_lossy(&o.stdout).contains("\"running\""))
+            .unwrap_or(true)
+    })
+    .await;
+    assert!(stopped, "the killed sandbox did not stop");
+
+    daemon.spawn().await;
+    let runs = daemon.client.list_runs().await.expect("list after restart");
+    let ids: Vec<String> = runs.runs.iter().map(|r| r.id.to_string()).collect();
+    assert_eq!(ids, vec![live_id.clone()], "daemon log:\n{}", daemon.log());
+    let adopted = daemon.client.get_run(&live_id).await.unwrap();
+    assert_eq!(adopted.expires_at, live.expires_at);
+    // The live run kept its files and its processes, and still works.
+    let out = daemon
+        .sh(
+            &live_id,
+            "cat /work/state.txt; echo; ps | grep -c '[s]leep 1000'",
+        )
+        .await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "survives\n1\n");
+    // The dead one left nothing behind.
+    assert!(!netns_exists(&dead_id));
+    assert!(!cgroup_exists(&dead_id));
+    assert!(!daemon.state.path().join("runs").join(&dead_id).exists());
+    let mounts = mounts_under(daemon.state.path());
+    assert!(mounts.iter().all(|m| !m.contains(&dead_id)), "{mounts:?}");
+    let err = daemon.client.get_run(&dead_id).await.unwrap_err();
+    assert_eq!(err.status(), Some(404));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_on_the_same_state_dir_is_refused() {
+    let daemon = TestDaemon::start(None).await;
+    let out = std::process::Command::new(runbox_e2e::runbox_bin())
+        .arg("serve")
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .arg("--state-dir")
+        .arg(daemon.state.path())
+        .output()
+        .expect("second daemon");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("another runbox daemon"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The first one is unaffected.
+    daemon
+        .client
+        .health()
+        .await
+        .expect("first daemon still serves");
+}
