@@ -229,7 +229,11 @@ impl ImageStore {
                         path.display()
                     )))
                 }
-                Err(e) => return Err(bad_archive(format!("unpacking {}: {e}", path.display()))),
+                Err(e) => {
+                    // tar's error hides its cause in `source`; show the chain.
+                    let cause = std::error::Error::source(&e).map(|c| format!(": {c}")).unwrap_or_default();
+                    return Err(bad_archive(format!("unpacking {}: {e}{cause}", path.display())));
+                }
             }
         }
         if count == 0 {
@@ -297,6 +301,9 @@ mod tests {
         let mut h = tar::Header::new_gnu();
         h.set_size(data.len() as u64);
         h.set_mode(0o644);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
         h.set_entry_type(tar::EntryType::Regular);
         // Write the name bytes directly so hostile names reach the unpacker.
         h.as_old_mut().name[..path.len()].copy_from_slice(path.as_bytes());
@@ -363,6 +370,9 @@ mod tests {
             let mut h = tar::Header::new_gnu();
             h.set_entry_type(tar::EntryType::Symlink);
             h.set_size(0);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
             b.append_link(&mut h, "link", outside.path()).unwrap();
             file(b, "link/owned", b"x");
         });
