@@ -17,6 +17,9 @@ use runbox_core::{Backend, Config, Manager};
 use runbox_runtime::OciBackend;
 use tokio_util::sync::CancellationToken;
 
+/// How long open connections get to finish after SIGINT or SIGTERM.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// Arguments of `runbox serve`.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -101,6 +104,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         memory_mb: args.max_memory_mb,
         pids: args.max_pids,
     };
+    // Defaults never exceed the maxima, so a create without limits always fits.
+    config.default_limits = runbox_types::Limits {
+        cpus: config.default_limits.cpus.min(args.max_cpus),
+        memory_mb: config.default_limits.memory_mb.min(args.max_memory_mb),
+        pids: config.default_limits.pids.min(args.max_pids),
+    };
     config.max_ttl = Duration::from_secs(args.max_ttl);
     config.default_ttl = config.default_ttl.min(config.max_ttl);
     config.max_upload_bytes = args.max_upload_bytes;
@@ -125,12 +134,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         token: token.into(),
     });
     let stop = shutdown.clone();
-    runbox_server::serve(listener, router, async move {
+    let server = runbox_server::serve(listener, router, async move {
         wait_for_signal().await;
         tracing::info!("shutting down; runs keep running and are re-adopted at the next start");
         stop.cancel();
-    })
-    .await?;
+    });
+    // Graceful shutdown waits for open connections, and an exec stream can
+    // stay open for as long as its command runs. Give them a few seconds,
+    // then stop anyway: the commands live on in their runs.
+    let grace = async {
+        shutdown.cancelled().await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = server => served?,
+        () = grace => tracing::warn!("open streams did not finish within {SHUTDOWN_GRACE:?}; stopping anyway"),
+    }
     shutdown.cancel();
     let _ = reaper.await;
     Ok(())

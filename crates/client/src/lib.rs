@@ -1,7 +1,7 @@
 //! Rust SDK for runbox's HTTP API.
 //!
 //! [`Client`] wraps one daemon's base URL and bearer token and exposes one
-//! async method per route of the API (see `docs/api-draft-routes.md`). The
+//! async method per route of the API (see `docs/api.md`). The
 //! wire types are `runbox-types`' own, re-exported here as [`types`], so a
 //! caller needs no second dependency.
 //!

@@ -231,8 +231,13 @@ impl ImageStore {
                 }
                 Err(e) => {
                     // tar's error hides its cause in `source`; show the chain.
-                    let cause = std::error::Error::source(&e).map(|c| format!(": {c}")).unwrap_or_default();
-                    return Err(bad_archive(format!("unpacking {}: {e}{cause}", path.display())));
+                    let cause = std::error::Error::source(&e)
+                        .map(|c| format!(": {c}"))
+                        .unwrap_or_default();
+                    return Err(bad_archive(format!(
+                        "unpacking {}: {e}{cause}",
+                        path.display()
+                    )));
                 }
             }
         }

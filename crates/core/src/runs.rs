@@ -532,18 +532,19 @@ impl Manager {
         )
         .await
         .map_err(|_| CoreError::Agent("the agent did not accept the exec call in time".into()))?
-        .map_err(|s| CoreError::Agent(format!("exec call refused: {}", s.message())))?;
+        .map_err(|s| CoreError::Agent(format!("exec call refused: {}", bounded(s.message()))))?;
         let mut output = response.into_inner();
         let first = tokio::time::timeout(AGENT_CALL_TIMEOUT, output.message())
             .await
             .map_err(|_| CoreError::Agent("the agent did not start the command in time".into()))?
-            .map_err(|s| CoreError::Agent(format!("exec failed: {}", s.message())))?;
+            .map_err(|s| CoreError::Agent(format!("exec failed: {}", bounded(s.message()))))?;
         let pid = match first.and_then(|m| m.kind) {
             Some(exec_output::Kind::Started(s)) => s.pid,
             Some(exec_output::Kind::Error(e)) => return Err(start_error(e)),
             other => {
                 return Err(CoreError::Agent(format!(
-                    "expected a started message, got {other:?}"
+                    "expected a started message, got {}",
+                    message_kind(other.is_some())
                 )))
             }
         };
@@ -665,7 +666,8 @@ impl Manager {
             Some(read_file_chunk::Kind::Header(h)) => h.size,
             other => {
                 return Err(CoreError::Agent(format!(
-                    "expected a file header, got {other:?}"
+                    "expected a file header, got {}",
+                    message_kind(other.is_some())
                 )))
             }
         };
@@ -750,7 +752,7 @@ async fn wait_ready(mut agent: AgentClient, limit: Duration) -> Result<(), Strin
                 }
                 return Ok(());
             }
-            Ok(Err(status)) => status.message().to_owned(),
+            Ok(Err(status)) => bounded(status.message()),
             Err(_) => "no answer within 2s".to_owned(),
         };
         if tokio::time::Instant::now() + delay > deadline {
@@ -789,10 +791,20 @@ fn file_error(status: tonic::Status) -> CoreError {
         "escape" => ErrorCode::PathEscape,
         "not_found" => ErrorCode::FileNotFound,
         "not_a_file" => ErrorCode::NotAFile,
-        "denied" => ErrorCode::PathEscape,
+        "denied" => ErrorCode::PermissionDenied,
         _ => return CoreError::Agent(format!("file operation failed: {message}")),
     };
     CoreError::invalid(code, message)
+}
+
+/// Names what an agent sent instead of the expected message, without
+/// echoing its (untrusted, possibly large) contents.
+fn message_kind(present: bool) -> &'static str {
+    if present {
+        "another message"
+    } else {
+        "nothing"
+    }
 }
 
 /// Caps a message that came from inside a run before it reaches a client or
@@ -909,4 +921,39 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// Keys of a map, for logs that must not show values.
 pub fn names(env: &BTreeMap<String, String>) -> Vec<&str> {
     env.keys().map(String::as_str).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(kind: &str) -> tonic::Status {
+        let mut status = tonic::Status::internal("agent says \u{7}no");
+        status
+            .metadata_mut()
+            .insert("runbox-kind", kind.parse().unwrap());
+        status
+    }
+
+    #[test]
+    fn agent_file_errors_map_to_stable_codes() {
+        for (kind, code) in [
+            ("invalid_path", ErrorCode::BadPath),
+            ("escape", ErrorCode::PathEscape),
+            ("not_found", ErrorCode::FileNotFound),
+            ("not_a_file", ErrorCode::NotAFile),
+            ("denied", ErrorCode::PermissionDenied),
+            ("io", ErrorCode::AgentUnavailable),
+            ("made-up", ErrorCode::AgentUnavailable),
+        ] {
+            assert_eq!(file_error(status(kind)).code(), code, "{kind}");
+        }
+    }
+
+    #[test]
+    fn agent_text_is_bounded_and_stripped() {
+        let long = "x".repeat(10_000);
+        assert!(bounded(&long).chars().count() <= 513);
+        assert_eq!(bounded("a\u{1b}[31mb\n"), "a[31mb");
+    }
 }

@@ -359,12 +359,49 @@ pub async fn raw_request(
     raw_request_typed(url, method, path, token, body, content_type).await
 }
 
+/// A bodiless request with a raw `Authorization` header value.
+pub async fn raw_request_auth(
+    url: &str,
+    method: &str,
+    path: &str,
+    authorization: &str,
+) -> (u16, String) {
+    raw_request_inner(
+        url,
+        method,
+        path,
+        &format!("Authorization: {authorization}\r\n"),
+        b"",
+        None,
+    )
+    .await
+}
+
 /// [`raw_request`] with an explicit (or no) `Content-Type`.
 pub async fn raw_request_typed(
     url: &str,
     method: &str,
     path: &str,
     token: &str,
+    body: &[u8],
+    content_type: Option<&str>,
+) -> (u16, String) {
+    raw_request_inner(
+        url,
+        method,
+        path,
+        &format!("Authorization: Bearer {token}\r\n"),
+        body,
+        content_type,
+    )
+    .await
+}
+
+async fn raw_request_inner(
+    url: &str,
+    method: &str,
+    path: &str,
+    auth_header: &str,
     body: &[u8],
     content_type: Option<&str>,
 ) -> (u16, String) {
@@ -375,7 +412,7 @@ pub async fn raw_request_typed(
     let addr = url.trim_start_matches("http://");
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\n{content_type}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth_header}{content_type}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
     stream.write_all(head.as_bytes()).await.expect("write head");

@@ -142,6 +142,37 @@ async fn authentication_and_error_shape() {
             String::from_utf8_lossy(body)
         );
     }
+    // An oversized JSON body is a 413, not a parse error.
+    let big = format!(
+        r#"{{"image":"base","env":{{"A":"{}"}}}}"#,
+        "x".repeat(2 << 20)
+    );
+    let (status, text) = raw_request(
+        &daemon.url,
+        "POST",
+        "/v1/runs",
+        &daemon.token,
+        big.as_bytes(),
+    )
+    .await;
+    assert_eq!((status, error_code(&text).as_str()), (413, "too_large"));
+    // The auth scheme name is case-insensitive; the token is not.
+    let (status, _) = runbox_e2e::raw_request_auth(
+        &daemon.url,
+        "GET",
+        "/v1/runs",
+        &format!("bearer {}", daemon.token),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let (status, _) = runbox_e2e::raw_request_auth(
+        &daemon.url,
+        "GET",
+        "/v1/runs",
+        &format!("Bearer {}", daemon.token.to_uppercase()),
+    )
+    .await;
+    assert_eq!(status, 401);
     // A JSON body without a content type gets the same shape.
     let (status, text) = runbox_e2e::raw_request_typed(
         &daemon.url,

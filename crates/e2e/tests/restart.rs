@@ -71,6 +71,39 @@ async fn kill9_then_restart_readopts_live_runs_and_cleans_dead_ones() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_daemon_despite_open_streams_and_runs_survive() {
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    let req = runbox_types::ExecRequest {
+        cmd: vec!["sleep".into(), "1000".into()],
+        ..Default::default()
+    };
+    let stream = daemon.client.exec(&id, &req).await.expect("exec");
+    // SAFETY: kill(2) on the daemon's pid, a child this test spawned.
+    let rc = unsafe { libc::kill(daemon.pid() as i32, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let pid = daemon.pid();
+    let exited = eventually(Duration::from_secs(30), || {
+        // A zombie counts as exited: its state letter is Z.
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.split_whitespace().nth(2) == Some("Z"))
+            .unwrap_or(true)
+    })
+    .await;
+    assert!(
+        exited,
+        "the daemon did not stop on SIGTERM with an open exec stream"
+    );
+    drop(stream);
+    daemon.kill9();
+    daemon.spawn().await;
+    assert_eq!(
+        daemon.sh(&id, "echo still here").await.stdout,
+        b"still here\n"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_daemon_on_the_same_state_dir_is_refused() {
     let daemon = TestDaemon::start(None).await;
     let out = std::process::Command::new(runbox_e2e::runbox_bin())

@@ -451,7 +451,7 @@ fn host_has_swap_accounting() -> bool {
 }
 
 /// Makes `fd` the child's fd 3, without close-on-exec, for `--preserve-fds 1`.
-fn pass_fd_as_3(cmd: &mut Command, fd: RawFd) {
+pub(crate) fn pass_fd_as_3(cmd: &mut Command, fd: RawFd) {
     // SAFETY: the closure runs between fork and exec and calls only
     // async-signal-safe functions (dup2, fcntl) on descriptors it owns: `fd`
     // is kept open by the caller until the child has exited.

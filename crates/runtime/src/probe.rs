@@ -217,8 +217,14 @@ async fn probe_in(
         .map_err(|e| format!("writing the probe config: {e}"))?;
     let root = crate::oci::runtime_root(state_dir, &runtime.name);
     let log = bundle.join("runtime.log");
+    // The probe hands over a socket exactly as a real run does, so a runtime
+    // that cannot pass file descriptors fails here, not at the first create.
+    let socket = bundle.join("probe.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket)
+        .map_err(|e| format!("binding {}: {e}", socket.display()))?;
     let mut cmd = runtime.command(&root, &log);
-    cmd.args(["run", "--bundle"])
+    crate::oci::pass_fd_as_3(&mut cmd, std::os::fd::AsRawFd::as_raw_fd(&listener));
+    cmd.args(["run", "--preserve-fds", "1", "--bundle"])
         .arg(bundle)
         .arg(format!("runbox-probe-{id}"))
         .stdin(Stdio::null())
@@ -230,6 +236,7 @@ async fn probe_in(
         .await
         .map_err(|_| format!("the probe container did not finish within {PROBE_TIMEOUT:?}"))?
         .map_err(|e| e.to_string())?;
+    drop(listener);
     let stdout = String::from_utf8_lossy(&out.stdout);
     if out.status.success() && stdout.contains("runbox-agent") {
         return Ok(());

@@ -30,6 +30,15 @@ pub struct AppJson<T>(pub T);
 
 impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> ApiError {
+        if rejection.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError::new(
+                ErrorCode::TooLarge,
+                format!(
+                    "the JSON body is larger than {} bytes",
+                    crate::MAX_JSON_BYTES
+                ),
+            );
+        }
         let message = match &rejection {
             JsonRejection::MissingJsonContentType(_) => {
                 "send the body as JSON with Content-Type: application/json".to_owned()

@@ -83,8 +83,10 @@ async fn require_token(State(state): State<AppState>, request: Request, next: Ne
         .headers()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        // The scheme name is case-insensitive (RFC 9110 §11.1).
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     let ok = match presented {
         // ct_eq compares in time that depends only on the lengths.
         Some(token) => bool::from(token.as_bytes().ct_eq(state.token.as_bytes())),

@@ -57,7 +57,7 @@ codes! {
     BadPath = "bad_path", 400;
     /// A limit is out of range or above the server maximum.
     BadLimits = "bad_limits", 400;
-    /// A TTL is zero or not a number.
+    /// A TTL is zero.
     BadTtl = "bad_ttl", 400;
     /// An image name breaks the naming rules.
     BadImageName = "bad_image_name", 400;
@@ -79,6 +79,9 @@ codes! {
     Unauthorized = "unauthorized", 401;
     /// A path leads outside `/work` (for example through a symlink).
     PathEscape = "path_escape", 403;
+    /// The run's own file permissions refuse the operation (read-only file
+    /// system, a busy executable, ...).
+    PermissionDenied = "permission_denied", 403;
     /// No such run.
     RunNotFound = "run_not_found", 404;
     /// No such image.
