@@ -237,6 +237,16 @@ impl TestDaemon {
         }
     }
 
+    /// Creates a run of `base` with `limits` and returns its id.
+    pub async fn create_limited(&self, limits: runbox_types::LimitsRequest) -> String {
+        let req = CreateRunRequest {
+            image: "base".into(),
+            limits: Some(limits),
+            ..Default::default()
+        };
+        self.create_with(req).await.id.to_string()
+    }
+
     /// Runs `cmd` in run `id` and collects its output.
     pub async fn sh(&self, id: &str, script: &str) -> ExecOutput {
         self.exec(

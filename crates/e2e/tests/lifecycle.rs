@@ -322,17 +322,12 @@ async fn ttl_reaper_destroys_expired_runs_and_ends_their_execs() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_limit_kills_the_hog_with_137() {
     let daemon = TestDaemon::start(None).await;
-    let run = daemon
-        .create_with(CreateRunRequest {
-            image: "base".into(),
-            limits: Some(LimitsRequest {
-                memory_mb: Some(64),
-                ..Default::default()
-            }),
+    let id = daemon
+        .create_limited(LimitsRequest {
+            memory_mb: Some(64),
             ..Default::default()
         })
         .await;
-    let id = run.id.to_string();
     // `tail` keeps everything after the last newline in memory; /dev/zero has none.
     let req = ExecRequest {
         cmd: vec!["tail".into(), "/dev/zero".into()],
@@ -349,17 +344,12 @@ async fn memory_limit_kills_the_hog_with_137() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pids_limit_contains_a_fork_bomb() {
     let daemon = TestDaemon::start(None).await;
-    let run = daemon
-        .create_with(CreateRunRequest {
-            image: "base".into(),
-            limits: Some(LimitsRequest {
-                pids: Some(64),
-                ..Default::default()
-            }),
+    let id = daemon
+        .create_limited(LimitsRequest {
+            pids: Some(64),
             ..Default::default()
         })
         .await;
-    let id = run.id.to_string();
     let req = ExecRequest {
         cmd: vec![
             "sh".into(),
