@@ -246,7 +246,13 @@ async fn probe_in(
         // A runtime that rejects a flag prints its whole usage after the
         // one line that matters; keep the first few lines.
         let stderr = String::from_utf8_lossy(&out.stderr);
-        why = stderr.lines().map(str::trim).filter(|l| !l.is_empty()).take(3).collect::<Vec<_>>().join("; ");
+        why = stderr
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .take(3)
+            .collect::<Vec<_>>()
+            .join("; ");
     }
     if why.is_empty() {
         why = format!(

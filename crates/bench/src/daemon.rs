@@ -1,0 +1,249 @@
+//! One `runbox serve` process under test, with its own state directory.
+//!
+//! Owns the daemon's life: starting the real binary on `127.0.0.1:0`,
+//! waiting for `<state>/serve.addr`, importing the benchmark's root
+//! filesystem, remembering every run it creates, and tearing all of it down
+//! again: runs deleted through the API, the daemon stopped by its pid, then
+//! `runbox serve --teardown` for whatever is left. [`Drop`] does the last two
+//! steps too, so an error or a panic does not leave containers behind.
+//!
+//! It does not time anything; `main` does.
+
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use runbox_client::{Client, UploadBody};
+use runbox_types::{CreateRunRequest, Run};
+use ulid::Ulid;
+
+/// How long the daemon may take to start (it starts a probe container).
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long the daemon gets to stop on SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Bound on any single API call made outside the timed sections.
+const API_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The image every run of the benchmark uses.
+pub const IMAGE: &str = "base";
+
+/// A running daemon.
+pub struct Daemon {
+    /// The OCI runtime it was told to use.
+    pub runtime: String,
+    /// A client holding the daemon's token.
+    pub client: Client,
+    runbox: PathBuf,
+    state: Option<tempfile::TempDir>,
+    child: Option<Child>,
+    /// Runs created and not yet deleted.
+    runs: Vec<Ulid>,
+}
+
+impl Daemon {
+    /// Starts `runbox serve --runtime <runtime>` with a fresh state directory
+    /// and waits until it serves.
+    pub async fn start(runbox: &Path, agent: &Path, runtime: &str) -> anyhow::Result<Daemon> {
+        let state = tempfile::Builder::new()
+            .prefix(&format!("runbox-bench-{runtime}-"))
+            .tempdir_in("/tmp")
+            .context("creating a state directory")?;
+        let log = std::fs::File::create(state.path().join("daemon.log"))
+            .context("creating the daemon log")?;
+        let child = Command::new(runbox)
+            .arg("serve")
+            .arg("--listen")
+            .arg("127.0.0.1:0")
+            .arg("--state-dir")
+            .arg(state.path())
+            .arg("--agent")
+            .arg(agent)
+            .arg("--runtime")
+            .arg(runtime)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            // Its own process group: a ctrl-c at the terminal reaches only
+            // the benchmark, which then deletes the runs through this daemon
+            // before stopping it.
+            .process_group(0)
+            .spawn()
+            .with_context(|| format!("spawning {}", runbox.display()))?;
+        let mut daemon = Daemon {
+            runtime: runtime.to_owned(),
+            client: Client::anonymous("http://127.0.0.1:1")?,
+            runbox: runbox.to_owned(),
+            state: Some(state),
+            child: Some(child),
+            runs: Vec::new(),
+        };
+        daemon.wait_until_serving().await?;
+        Ok(daemon)
+    }
+
+    async fn wait_until_serving(&mut self) -> anyhow::Result<()> {
+        let addr_file = self.state_dir().join("serve.addr");
+        let deadline = Instant::now() + START_TIMEOUT;
+        let addr = loop {
+            if let Ok(addr) = std::fs::read_to_string(&addr_file) {
+                break addr;
+            }
+            if let Some(child) = self.child.as_mut() {
+                if let Some(status) = child.try_wait()? {
+                    bail!(
+                        "runbox serve exited with {status}; log:\n{}",
+                        self.log_tail()
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "runbox serve did not start within {START_TIMEOUT:?}; log:\n{}",
+                    self.log_tail()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let token = std::fs::read_to_string(self.state_dir().join("token"))
+            .context("reading the daemon's token")?;
+        self.client = Client::new(&format!("http://{}", addr.trim()), token.trim())?;
+        Ok(())
+    }
+
+    /// The daemon's state directory.
+    pub fn state_dir(&self) -> &Path {
+        self.state
+            .as_ref()
+            .map(tempfile::TempDir::path)
+            .unwrap_or(Path::new("/nonexistent"))
+    }
+
+    /// Where the daemon's runtime keeps its containers' state (`--root`).
+    pub fn runtime_root(&self) -> PathBuf {
+        runbox_runtime::oci::runtime_root(self.state_dir(), &self.runtime)
+    }
+
+    /// The last lines of the daemon's log, for error messages.
+    pub fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.state_dir().join("daemon.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Imports `tar` (an uncompressed tarball) as [`IMAGE`].
+    pub async fn import(&self, tar: Vec<u8>) -> anyhow::Result<()> {
+        let len = tar.len() as u64;
+        let body = UploadBody::from_stream(
+            futures::stream::once(async move { Ok::<_, std::io::Error>(bytes::Bytes::from(tar)) }),
+            Some(len),
+        );
+        tokio::time::timeout(API_TIMEOUT, self.client.import_image(IMAGE, body))
+            .await
+            .context("importing the image timed out")?
+            .with_context(|| format!("importing the image; log:\n{}", self.log_tail()))?;
+        Ok(())
+    }
+
+    /// `POST /v1/runs` of [`IMAGE`] with default settings, remembering the
+    /// run for cleanup. Not bounded by a timeout: callers time it.
+    pub async fn create_run(&mut self) -> anyhow::Result<Run> {
+        let req = CreateRunRequest {
+            image: IMAGE.into(),
+            ..Default::default()
+        };
+        let run = self
+            .client
+            .create_run(&req)
+            .await
+            .with_context(|| format!("creating a run; log:\n{}", self.log_tail()))?;
+        self.runs.push(run.id);
+        Ok(run)
+    }
+
+    /// `DELETE /v1/runs/{id}`, forgetting the run once it is gone.
+    pub async fn delete_run(&mut self, id: Ulid) -> anyhow::Result<()> {
+        tokio::time::timeout(API_TIMEOUT, self.client.delete_run(&id.to_string()))
+            .await
+            .context("deleting a run timed out")?
+            .with_context(|| format!("deleting run {id}; log:\n{}", self.log_tail()))?;
+        self.runs.retain(|r| *r != id);
+        Ok(())
+    }
+
+    /// Deletes every remembered run, stops the daemon and tears down
+    /// whatever of its state is left. Reports problems on stderr and goes on:
+    /// cleanup must get as far as it can.
+    pub async fn shutdown(mut self) {
+        for id in self.runs.clone() {
+            if let Err(e) = self.delete_run(id).await {
+                eprintln!("runbox-bench: {e:#}");
+            }
+        }
+        if let Some(mut child) = self.child.take() {
+            stop(&mut child).await;
+        }
+        self.teardown();
+    }
+
+    /// `runbox serve --teardown`, then removes the state directory, unless
+    /// the teardown failed: then it is kept (mounts may remain under it) and
+    /// its path printed.
+    fn teardown(&mut self) {
+        let Some(state) = self.state.take() else {
+            return;
+        };
+        let out = Command::new(&self.runbox)
+            .arg("serve")
+            .arg("--teardown")
+            .arg("--state-dir")
+            .arg(state.path())
+            .stdin(Stdio::null())
+            .output();
+        let failure = match out {
+            Ok(o) if o.status.success() => None,
+            Ok(o) => Some(String::from_utf8_lossy(&o.stderr).trim().to_owned()),
+            Err(e) => Some(e.to_string()),
+        };
+        if let Some(why) = failure {
+            let kept = state.keep();
+            eprintln!(
+                "runbox-bench: tearing down {} failed, left in place: {why}",
+                kept.display()
+            );
+        }
+    }
+}
+
+impl Drop for Daemon {
+    /// The error and panic path: no API calls (there may be no runtime to
+    /// drive them), just kill the daemon and tear its runs down.
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.teardown();
+    }
+}
+
+/// SIGTERM, then SIGKILL if the daemon has not exited after [`STOP_TIMEOUT`].
+async fn stop(child: &mut Child) {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32);
+    if let Some(pid) = pid {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("runbox-bench: the daemon ignored SIGTERM; killing it");
+    let _ = child.kill();
+    let _ = child.wait();
+}

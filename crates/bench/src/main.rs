@@ -1,0 +1,613 @@
+//! `runbox-bench`: runbox's exec and start-up latency, measured side by side
+//! with the raw OCI runtimes it drives (and bubblewrap as a floor), on the
+//! same busybox root filesystem, in one invocation.
+//!
+//! Two phases, each a table:
+//!
+//! - **exec**: the round trip of `/bin/true` in a container that is already
+//!   running. runbox: `POST /v1/runs/{id}/exec` until the exit event
+//!   (HTTP → daemon → gRPC → agent), once after the other cases' turn and once
+//!   right after another exec on the same connection (a tight loop).
+//!   Baseline: `<runtime> exec` into the very same container (runbox's own,
+//!   `runbox-<id>` under `<state>/oci/<runtime>`).
+//! - **create**: from nothing to `/bin/true` having run. runbox: `POST
+//!   /v1/runs`, then the first exec until its exit event (the run's deletion
+//!   is timed on its own, outside the total). Baseline: `<runtime> run` of a
+//!   bundle built with runbox's own config builder whose process is
+//!   `/bin/true`. Reference: `bwrap --unshare-all`.
+//!
+//! Steps:
+//! 1. build the busybox rootfs (`scripts/mkimage-busybox`) in a work dir;
+//! 2. start one `runbox serve --runtime <rt>` per runtime, each with its own
+//!    state dir, import the rootfs, create the run the exec phase uses;
+//! 3. per phase: warm-up iterations, then measured ones; every iteration runs
+//!    each case once, in an order rotated by one each time, so drift on a
+//!    noisy host spreads over all cases alike;
+//! 4. clean up, also after an error or SIGINT/SIGTERM: delete the runs
+//!    through the API, stop each daemon by pid, `runbox serve --teardown`,
+//!    force-delete the bench's own containers, remove its cgroups;
+//! 5. print the tables, and write every sample as JSON with `--json FILE`.
+//!
+//! What it does not do: assert anything. The numbers are reported, never
+//! checked; no test runs this binary. Needs root, runc and/or crun, and the
+//! release binaries: `cargo build --release -p runbox-cli -p runbox-bench &&
+//! scripts/build-agent --release`.
+
+mod daemon;
+mod raw;
+mod report;
+mod stats;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use clap::Parser;
+use runbox_client::Client;
+use runbox_types::{ExecRequest, Limits};
+use ulid::Ulid;
+
+use crate::daemon::Daemon;
+use crate::raw::Bundle;
+use crate::report::{Host, Phase, Report, Role, Series};
+
+/// Bound on one timed runbox call; far above any sane latency, it only keeps
+/// a wedged daemon from hanging the benchmark.
+const CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Measures runbox's exec round trip and create-to-first-exec next to raw
+/// runc/crun (and bubblewrap). Needs root.
+#[derive(Debug, Parser)]
+#[command(name = "runbox-bench", version)]
+struct Args {
+    /// Measured iterations per case in both phases; the two flags below
+    /// override it per phase.
+    #[arg(long)]
+    iterations: Option<usize>,
+    /// Measured iterations per case of the exec phase [default: 200].
+    #[arg(long)]
+    exec_iterations: Option<usize>,
+    /// Measured iterations per case of the create phase [default: 30].
+    #[arg(long)]
+    create_iterations: Option<usize>,
+    /// Unmeasured iterations per case before each phase.
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// OCI runtimes to compare, comma-separated [default: those of runc and
+    /// crun that are installed].
+    #[arg(long, value_delimiter = ',')]
+    runtimes: Vec<String>,
+    /// Phases to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "exec,create")]
+    phases: Vec<PhaseName>,
+    /// The `runbox` binary [default: beside this one].
+    #[arg(long)]
+    runbox: Option<PathBuf>,
+    /// The static agent [default: target/x86_64-unknown-linux-gnu/<profile>/runbox-agent].
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// Leave out bubblewrap even when it is installed.
+    #[arg(long)]
+    no_bwrap: bool,
+    /// Also write the results, every sample included, as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum PhaseName {
+    Exec,
+    Create,
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("runbox-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Everything resolved from the arguments before anything starts.
+struct Plan {
+    runbox: PathBuf,
+    agent: PathBuf,
+    runtimes: Vec<String>,
+    bwrap: bool,
+    warmup: usize,
+    exec_iterations: Option<usize>,
+    create_iterations: Option<usize>,
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    ensure!(
+        rustix::process::geteuid().is_root(),
+        "runbox-bench needs root (it starts runbox and the OCI runtimes)"
+    );
+    let plan = plan(&args)?;
+    let work = tempfile::Builder::new()
+        .prefix("runbox-bench-work-")
+        .tempdir_in("/tmp")
+        .context("creating the work directory")?;
+    let mut bench = Bench {
+        work: work.path().to_owned(),
+        daemons: Vec::new(),
+        exec_runs: Vec::new(),
+        bundles: Vec::new(),
+    };
+    // The measurement is dropped mid-way on a signal; every resource it made
+    // is recorded in `bench` first, so cleanup finds it either way.
+    let outcome = tokio::select! {
+        result = bench.measure(&plan) => result,
+        signal = interrupted() => Err(anyhow::anyhow!("interrupted by {signal}")),
+    };
+    eprintln!("runbox-bench: cleaning up");
+    bench.cleanup().await;
+    drop(work);
+    let report = outcome?;
+    print!("{}", report::markdown(&report));
+    if let Some(path) = &args.json {
+        let json = serde_json::to_vec_pretty(&report)?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn plan(args: &Args) -> anyhow::Result<Plan> {
+    let exe = std::env::current_exe().context("locating this executable")?;
+    let profile_dir = exe.parent().context("this executable has no directory")?;
+    let runbox = args
+        .runbox
+        .clone()
+        .unwrap_or_else(|| profile_dir.join("runbox"));
+    ensure!(
+        runbox.is_file(),
+        "{} is missing: build it with `cargo build --release -p runbox-cli` or pass --runbox",
+        runbox.display()
+    );
+    let agent = match &args.agent {
+        Some(agent) => agent.clone(),
+        None => {
+            let profile = profile_dir.file_name().context("no profile directory")?;
+            let target = profile_dir.parent().context("no target directory")?;
+            target
+                .join("x86_64-unknown-linux-gnu")
+                .join(profile)
+                .join("runbox-agent")
+        }
+    };
+    ensure!(
+        agent.is_file(),
+        "{} is missing: build it with `scripts/build-agent --release` or pass --agent",
+        agent.display()
+    );
+    let agent = agent.canonicalize()?;
+    let runtimes: Vec<String> = if args.runtimes.is_empty() {
+        ["runc", "crun"]
+            .into_iter()
+            .filter(|r| raw::installed(r))
+            .map(str::to_owned)
+            .collect()
+    } else {
+        args.runtimes.clone()
+    };
+    ensure!(!runtimes.is_empty(), "neither runc nor crun is installed");
+    for rt in &runtimes {
+        ensure!(raw::installed(rt), "`{rt} --version` does not run");
+    }
+    let bwrap = !args.no_bwrap && raw::installed("bwrap");
+    if !bwrap && !args.no_bwrap {
+        eprintln!("runbox-bench: bwrap not found (apt-get install -y bubblewrap); leaving it out");
+    }
+    let exec_iterations = args.exec_iterations.or(args.iterations).unwrap_or(200);
+    let create_iterations = args.create_iterations.or(args.iterations).unwrap_or(30);
+    ensure!(
+        exec_iterations > 0 && create_iterations > 0,
+        "iterations must be at least 1"
+    );
+    Ok(Plan {
+        runbox,
+        agent,
+        runtimes,
+        bwrap,
+        warmup: args.warmup,
+        exec_iterations: args
+            .phases
+            .contains(&PhaseName::Exec)
+            .then_some(exec_iterations),
+        create_iterations: args
+            .phases
+            .contains(&PhaseName::Create)
+            .then_some(create_iterations),
+    })
+}
+
+/// SIGINT or SIGTERM, whichever comes first.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(term) => term,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return "SIGINT";
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// One timed operation of a phase.
+#[derive(Clone, Copy, Debug)]
+enum Case {
+    /// runbox exec of `/bin/true` in daemon `i`'s long-lived run.
+    RunboxExec(usize),
+    /// The same, timing the second of two execs sent back to back on one
+    /// connection: a client running commands in a tight loop.
+    RunboxExecBackToBack(usize),
+    /// `<runtime> exec` into that same run's container.
+    RuntimeExec(usize),
+    /// runbox create + first exec (+ delete, timed apart) on daemon `i`.
+    RunboxCreate(usize),
+    /// `<runtime> run` of bundle `i`.
+    RuntimeRun(usize),
+    /// `bwrap --unshare-all /bin/true`.
+    Bwrap,
+}
+
+/// What one step of a case measured: the total, and its parts where the
+/// case has any (always the same parts in the same order).
+struct Measured {
+    total: Duration,
+    parts: Vec<(&'static str, Duration)>,
+}
+
+impl From<Duration> for Measured {
+    fn from(total: Duration) -> Measured {
+        Measured {
+            total,
+            parts: Vec::new(),
+        }
+    }
+}
+
+/// The resources of one invocation.
+struct Bench {
+    work: PathBuf,
+    daemons: Vec<Daemon>,
+    /// Per daemon, the run the exec phase uses.
+    exec_runs: Vec<Ulid>,
+    /// Per runtime, the bundle the create phase runs.
+    bundles: Vec<Bundle>,
+}
+
+impl Bench {
+    fn rootfs(&self) -> PathBuf {
+        self.work.join("rootfs")
+    }
+
+    fn stderr_file(&self) -> PathBuf {
+        self.work.join("stderr.log")
+    }
+
+    /// Sets up, runs the phases, and returns the report. Cleanup is the
+    /// caller's.
+    async fn measure(&mut self, plan: &Plan) -> anyhow::Result<Report> {
+        let tar = self.make_rootfs()?;
+        let mut limits: Option<Limits> = None;
+        for rt in &plan.runtimes {
+            eprintln!("runbox-bench: starting runbox serve --runtime {rt}");
+            let daemon = Daemon::start(&plan.runbox, &plan.agent, rt).await?;
+            self.daemons.push(daemon);
+            let daemon = self.daemons.last_mut().context("no daemon")?;
+            daemon.import(tar.clone()).await?;
+            let run = tokio::time::timeout(CALL_TIMEOUT, daemon.create_run())
+                .await
+                .context("creating the exec run timed out")??;
+            self.exec_runs.push(run.id);
+            limits = Some(run.limits);
+        }
+        let limits = limits.context("no runtime to benchmark")?;
+        // The bundles take the limits runbox gave its run, so both start
+        // containers with the same cgroup settings.
+        for rt in &plan.runtimes {
+            let bundle = Bundle::new(rt, &self.work, &self.rootfs(), &plan.agent, &limits)?;
+            self.bundles.push(bundle);
+        }
+
+        let mut phases = Vec::new();
+        if let Some(iterations) = plan.exec_iterations {
+            let daemons = self.daemons.len();
+            let mut cases: Vec<Case> = (0..daemons).map(Case::RunboxExec).collect();
+            cases.extend((0..daemons).map(Case::RunboxExecBackToBack));
+            cases.extend((0..daemons).map(Case::RuntimeExec));
+            let series = self.phase("exec", &cases, plan.warmup, iterations).await?;
+            phases.push(Phase::new(
+                "exec",
+                "Exec round trip: `/bin/true` in a running container",
+                "runbox: `POST /v1/runs/{id}/exec` until the exit event (client → HTTP → daemon → \
+                 gRPC → agent); \"back to back\" times the second of two execs sent one right \
+                 after the other, the others follow the previous case. Raw: `<runtime> --root <state>/oci/<runtime> exec runbox-<id> \
+                 /bin/true` into the same container.",
+                plan.warmup,
+                iterations,
+                series,
+            ));
+        }
+        if let Some(iterations) = plan.create_iterations {
+            let mut cases: Vec<Case> = (0..self.daemons.len()).map(Case::RunboxCreate).collect();
+            cases.extend((0..self.bundles.len()).map(Case::RuntimeRun));
+            if plan.bwrap {
+                cases.push(Case::Bwrap);
+            }
+            let series = self
+                .phase("create", &cases, plan.warmup, iterations)
+                .await?;
+            phases.push(Phase::new(
+                "create",
+                "Create to first exec: from nothing to `/bin/true` having run",
+                "runbox: `POST /v1/runs` then exec `/bin/true` until the exit event (the \
+                 DELETE is timed apart, not in the total). Raw: `<runtime> run` of a bundle \
+                 built by runbox's own config builder with `/bin/true` as the process. bwrap: \
+                 `bwrap --ro-bind <rootfs> / --proc /proc --dev /dev --unshare-all /bin/true`.",
+                plan.warmup,
+                iterations,
+                series,
+            ));
+        }
+        Ok(Report {
+            host: host_info(plan),
+            phases,
+        })
+    }
+
+    /// Builds the busybox rootfs in the work dir and returns it as a tarball.
+    fn make_rootfs(&self) -> anyhow::Result<Vec<u8>> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/mkimage-busybox");
+        let status = std::process::Command::new(&script)
+            .arg(self.rootfs())
+            .stdout(std::process::Stdio::null())
+            .status()
+            .with_context(|| format!("running {}", script.display()))?;
+        ensure!(status.success(), "{} failed", script.display());
+        let mut builder = tar::Builder::new(Vec::new());
+        builder.follow_symlinks(false);
+        builder
+            .append_dir_all(".", self.rootfs())
+            .context("taring the rootfs")?;
+        Ok(builder.into_inner()?)
+    }
+
+    /// Runs `warmup + iterations` rounds of every case and returns one
+    /// series per case (and per part of a case), warm-up left out.
+    async fn phase(
+        &mut self,
+        name: &str,
+        cases: &[Case],
+        warmup: usize,
+        iterations: usize,
+    ) -> anyhow::Result<Vec<Series>> {
+        let mut series: Vec<Vec<Series>> = cases.iter().map(|c| vec![self.series(*c)]).collect();
+        let rounds = warmup + iterations;
+        let every = (rounds / 10).max(1);
+        let started = Instant::now();
+        for round in 0..rounds {
+            for k in 0..cases.len() {
+                let index = (round + k) % cases.len();
+                let case = cases[index];
+                let measured = self
+                    .step(case)
+                    .await
+                    .with_context(|| format!("{name} phase, round {round}, {case:?}"))?;
+                if round < warmup {
+                    continue;
+                }
+                let rows = &mut series[index];
+                rows[0].samples.push(measured.total);
+                for (i, (part, took)) in measured.parts.into_iter().enumerate() {
+                    if rows.len() <= i + 1 {
+                        let mut row = self.series(case);
+                        row.label = format!("{part} ({})", row.runtime.as_deref().unwrap_or(""));
+                        row.role = Role::Part;
+                        rows.push(row);
+                    }
+                    rows[i + 1].samples.push(took);
+                }
+            }
+            if (round + 1) % every == 0 || round + 1 == rounds {
+                eprintln!(
+                    "runbox-bench: {name}: round {}/{rounds} ({warmup} warm-up), {:.0?}",
+                    round + 1,
+                    started.elapsed()
+                );
+            }
+        }
+        Ok(series.into_iter().flatten().collect())
+    }
+
+    /// An empty series for `case`'s total.
+    fn series(&self, case: Case) -> Series {
+        let (label, role, runtime) = match case {
+            Case::RunboxExec(i) => {
+                let rt = self.daemons[i].runtime.as_str();
+                (format!("runbox exec ({rt})"), Role::Runbox, Some(rt))
+            }
+            Case::RunboxExecBackToBack(i) => {
+                let rt = self.daemons[i].runtime.as_str();
+                (
+                    format!("runbox exec, back to back ({rt})"),
+                    Role::Runbox,
+                    Some(rt),
+                )
+            }
+            Case::RuntimeExec(i) => {
+                let rt = self.daemons[i].runtime.as_str();
+                (format!("{rt} exec"), Role::Baseline, Some(rt))
+            }
+            Case::RunboxCreate(i) => {
+                let rt = self.daemons[i].runtime.as_str();
+                (
+                    format!("runbox create + first exec ({rt})"),
+                    Role::Runbox,
+                    Some(rt),
+                )
+            }
+            Case::RuntimeRun(i) => {
+                let rt = self.bundles[i].runtime();
+                (format!("{rt} run"), Role::Baseline, Some(rt))
+            }
+            Case::Bwrap => ("bwrap --unshare-all".to_owned(), Role::Reference, None),
+        };
+        Series {
+            label,
+            role,
+            runtime: runtime.map(str::to_owned),
+            samples: Vec::new(),
+        }
+    }
+
+    /// Runs one case once.
+    async fn step(&mut self, case: Case) -> anyhow::Result<Measured> {
+        let stderr = self.stderr_file();
+        match case {
+            Case::RunboxExec(i) => {
+                let id = self.exec_runs[i].to_string();
+                let daemon = &self.daemons[i];
+                runbox_true(&daemon.client, &id)
+                    .await
+                    .with_context(|| format!("daemon log:\n{}", daemon.log_tail()))
+                    .map(Measured::from)
+            }
+            Case::RunboxExecBackToBack(i) => {
+                let id = self.exec_runs[i].to_string();
+                let daemon = &self.daemons[i];
+                // Only the second exec's time is kept: it is sent the moment
+                // the first one's exit event arrives.
+                let pair = async {
+                    runbox_true(&daemon.client, &id).await?;
+                    runbox_true(&daemon.client, &id).await
+                };
+                pair.await
+                    .with_context(|| format!("daemon log:\n{}", daemon.log_tail()))
+                    .map(Measured::from)
+            }
+            Case::RuntimeExec(i) => {
+                let daemon = &self.daemons[i];
+                let cid = runbox_runtime::oci::container_id(self.exec_runs[i]);
+                raw::exec(&daemon.runtime, &daemon.runtime_root(), &cid, &stderr)
+                    .await
+                    .map(Measured::from)
+            }
+            Case::RunboxCreate(i) => {
+                let daemon = &mut self.daemons[i];
+                let start = Instant::now();
+                let run = tokio::time::timeout(CALL_TIMEOUT, daemon.create_run())
+                    .await
+                    .context("POST /v1/runs timed out")??;
+                let created = Instant::now();
+                let exec = runbox_true(&daemon.client, &run.id.to_string())
+                    .await
+                    .with_context(|| format!("daemon log:\n{}", daemon.log_tail()))?;
+                let total = created.duration_since(start) + exec;
+                let deleting = Instant::now();
+                daemon.delete_run(run.id).await?;
+                Ok(Measured {
+                    total,
+                    parts: vec![
+                        ("POST /v1/runs", created.duration_since(start)),
+                        ("first exec", exec),
+                        ("DELETE, not in the total", deleting.elapsed()),
+                    ],
+                })
+            }
+            Case::RuntimeRun(i) => self.bundles[i].run(&stderr).await.map(Measured::from),
+            Case::Bwrap => raw::bwrap(&self.rootfs(), &stderr)
+                .await
+                .map(Measured::from),
+        }
+    }
+
+    /// Removes everything this invocation made; reports problems and goes on.
+    async fn cleanup(&mut self) {
+        for daemon in self.daemons.drain(..) {
+            daemon.shutdown().await;
+        }
+        for bundle in &self.bundles {
+            bundle.cleanup();
+        }
+    }
+}
+
+/// Execs `/bin/true` in run `id` and times it from sending the request to
+/// receiving the exit event.
+async fn runbox_true(client: &Client, id: &str) -> anyhow::Result<Duration> {
+    let req = ExecRequest {
+        cmd: vec![raw::TRUE.to_owned()],
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let output = tokio::time::timeout(CALL_TIMEOUT, async {
+        client.exec(id, &req).await?.collect_output().await
+    })
+    .await
+    .context("exec timed out")?
+    .context("exec")?;
+    let elapsed = start.elapsed();
+    if output.exit.exit_code != 0 {
+        bail!(
+            "/bin/true exited with {:?}: {}",
+            output.exit,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(elapsed)
+}
+
+/// What the report says about the host.
+fn host_info(plan: &Plan) -> Host {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("model name")?.split_once(':'))
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    let os_release = read("/etc/os-release");
+    let mut os = os_release
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+        .map(|v| v.trim_matches('"').to_owned())
+        .unwrap_or_else(|| "unknown OS".to_owned());
+    let debian = read("/etc/debian_version");
+    if !debian.trim().is_empty() {
+        os = format!("{os} ({})", debian.trim());
+    }
+    let cgroups = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        "v2"
+    } else if Path::new("/sys/fs/cgroup/unified").exists() {
+        "v1 (hybrid, v2 mounted at /sys/fs/cgroup/unified)"
+    } else {
+        "v1"
+    };
+    let mut tools = BTreeMap::new();
+    for rt in &plan.runtimes {
+        tools.insert(rt.clone(), raw::version(rt));
+    }
+    if plan.bwrap {
+        tools.insert("bwrap".to_owned(), raw::version("bwrap"));
+    }
+    Host {
+        cpu,
+        cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        kernel: read("/proc/sys/kernel/osrelease").trim().to_owned(),
+        os,
+        cgroups: cgroups.to_owned(),
+        tools,
+    }
+}
