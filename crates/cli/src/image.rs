@@ -31,8 +31,13 @@ const CHANNEL_CHUNKS: usize = 8;
 /// `runbox image ...`.
 #[derive(Debug, Subcommand)]
 pub enum ImageCommand {
-    /// Import a root filesystem from a directory or a tar archive
+    /// Import an image from a directory or a tar archive: an OCI image
+    /// layout, a `docker save` tarball, or a root filesystem
     Import(ImportArgs),
+    /// Pull an image from a registry, with a progress bar per layer
+    Pull(PullArgs),
+    /// Show one image with its config
+    Inspect(InspectArgs),
     /// List images
     Ls(ImageLsArgs),
     /// Delete images
@@ -48,6 +53,31 @@ pub struct ImportArgs {
     /// (optionally gzip-compressed)
     #[arg(value_name = "DIR|TARBALL")]
     pub source: PathBuf,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox image pull`.
+#[derive(Debug, Args)]
+pub struct PullArgs {
+    /// What to pull, e.g. `busybox:1.36` or `127.0.0.1:5000/team/app@sha256:...`
+    pub reference: String,
+    /// Name for the image here; default: the repository's last part, plus
+    /// the tag unless it is `latest`
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Registry user; the password is read from standard input
+    #[arg(long)]
+    pub username: Option<String>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox image inspect`.
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    /// The image's name
+    pub name: String,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -76,9 +106,99 @@ pub struct ImageRmArgs {
 pub async fn run(command: ImageCommand) -> anyhow::Result<ExitCode> {
     match command {
         ImageCommand::Import(args) => import(args).await,
+        ImageCommand::Pull(args) => pull(args).await,
+        ImageCommand::Inspect(args) => inspect(args).await,
         ImageCommand::Ls(args) => ls(args).await,
         ImageCommand::Rm(args) => rm(args).await,
     }
+}
+
+async fn pull(args: PullArgs) -> anyhow::Result<ExitCode> {
+    use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+    use runbox_client::PullUpdate;
+    use runbox_types::PullEvent;
+
+    let password = match &args.username {
+        Some(_) => {
+            // Never on the command line, where other users could read it.
+            let mut line = String::new();
+            std::io::stdin()
+                .read_line(&mut line)
+                .context("reading the registry password from standard input")?;
+            Some(line.trim_end_matches(['\r', '\n']).to_owned())
+        }
+        None => None,
+    };
+    let conn = args.conn.connect()?;
+    let req = runbox_types::PullRequest {
+        reference: args.reference.clone(),
+        name: args.name.clone(),
+        username: args.username.clone(),
+        password,
+    };
+    let mut stream = conn
+        .client
+        .pull_image(&req)
+        .await
+        .map_err(|e| conn.explain(e))?;
+    let bars = MultiProgress::new();
+    let style = ProgressStyle::with_template("{prefix} {bar:30} {bytes}/{total_bytes} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar());
+    let mut by_digest = std::collections::HashMap::new();
+    let short = |d: &str| {
+        d.trim_start_matches("sha256:")
+            .chars()
+            .take(12)
+            .collect::<String>()
+    };
+    while let Some(update) = futures::StreamExt::next(&mut stream).await {
+        match update.map_err(|e| conn.explain(e))? {
+            PullUpdate::Progress(PullEvent::Resolved { digest, layers }) => {
+                let _ = bars.println(format!(
+                    "{}: {layers} layers ({})",
+                    args.reference,
+                    short(&digest)
+                ));
+            }
+            PullUpdate::Progress(PullEvent::LayerStarted { digest, size }) => {
+                let bar = bars.add(
+                    ProgressBar::new(size)
+                        .with_style(style.clone())
+                        .with_prefix(short(&digest)),
+                );
+                by_digest.insert(digest, bar);
+            }
+            PullUpdate::Progress(PullEvent::LayerProgress { digest, done, .. }) => {
+                if let Some(bar) = by_digest.get(&digest) {
+                    bar.set_position(done);
+                }
+            }
+            PullUpdate::Progress(PullEvent::LayerSkipped { digest }) => {
+                let _ = bars.println(format!("{} already present", short(&digest)));
+            }
+            PullUpdate::Progress(PullEvent::LayerDone { digest }) => {
+                if let Some(bar) = by_digest.get(&digest) {
+                    bar.finish_with_message("done");
+                }
+            }
+            PullUpdate::Done(image) => {
+                println!("{}", image.name);
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+    }
+    anyhow::bail!("the pull stream ended without a result")
+}
+
+async fn inspect(args: InspectArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let image = conn
+        .client
+        .get_image(&args.name)
+        .await
+        .map_err(|e| conn.explain(e))?;
+    println!("{}", serde_json::to_string_pretty(&image)?);
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {

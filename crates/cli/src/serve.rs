@@ -61,6 +61,10 @@ pub struct ServeArgs {
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
+    /// A registry (`HOST[:PORT]`) that may be pulled from over plain HTTP;
+    /// repeat for several. Loopback registries never need it.
+    #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
+    pub insecure_registries: Vec<String>,
     /// Destroy every run of this state directory and exit (for tests and
     /// uninstalling); does not start the API.
     #[arg(long, hide = true)]
@@ -113,8 +117,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.max_ttl = Duration::from_secs(args.max_ttl);
     config.default_ttl = config.default_ttl.min(config.max_ttl);
     config.max_upload_bytes = args.max_upload_bytes;
+    config.insecure_registries = args.insecure_registries.clone();
     let store = Store::open(&state_dir.join("runbox.db"))?;
-    let images = ImageStore::open(state_dir.join("images"))?;
+    let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
     let manager = Manager::start(config, backend, store, images).await?;
 
     let shutdown = CancellationToken::new();

@@ -32,6 +32,7 @@ mod body;
 mod error;
 mod exec;
 mod paths;
+mod pull;
 
 use std::time::Duration;
 
@@ -48,6 +49,7 @@ use runbox_types::{
 pub use body::{FileDownload, UploadBody};
 pub use error::{BoxError, ClientError};
 pub use exec::{decode_event, decode_exec_events, ExecEvent, ExecOutput, ExecStream};
+pub use pull::{decode_pull_events, PullStream, PullUpdate};
 
 /// How long to wait for a TCP connection. There is deliberately no overall
 /// request timeout: exec streams and file transfers last as long as they last.
@@ -198,8 +200,9 @@ impl Client {
         Ok(FileDownload::new(resp))
     }
 
-    /// `POST /v1/images/{name}`: imports a root filesystem from a tar archive
-    /// (plain or gzip-compressed; the server tells them apart).
+    /// `POST /v1/images/{name}`: imports a tar archive (plain, gzip or zstd)
+    /// of an OCI image layout, a `docker save` tarball, or a root file
+    /// system; the server tells them apart.
     pub async fn import_image(&self, name: &str, tar: UploadBody) -> Result<Image, ClientError> {
         let path = format!("/v1/images/{}", paths::segment("image name", name)?);
         let request = self.request(Method::POST, &path);
@@ -213,6 +216,28 @@ impl Client {
     pub async fn list_images(&self) -> Result<ImageList, ClientError> {
         let resp = self.send(self.request(Method::GET, "/v1/images")).await?;
         json(resp).await
+    }
+
+    /// `POST /v1/images/pull`: pulls an image from a registry, streaming
+    /// progress; the stream ends with [`PullUpdate::Done`] or an error.
+    pub async fn pull_image(
+        &self,
+        req: &runbox_types::PullRequest,
+    ) -> Result<PullStream, ClientError> {
+        let request = self
+            .request(Method::POST, "/v1/images/pull")
+            .header(ACCEPT, HeaderValue::from_static("text/event-stream"))
+            .json(req);
+        let resp = self.send(request).await?;
+        Ok(decode_pull_events(
+            resp.bytes_stream().map_err(ClientError::Http),
+        ))
+    }
+
+    /// `GET /v1/images/{name}`: one image, with its config document.
+    pub async fn get_image(&self, name: &str) -> Result<Image, ClientError> {
+        let path = format!("/v1/images/{}", paths::segment("image name", name)?);
+        json(self.send(self.request(Method::GET, &path)).await?).await
     }
 
     /// `DELETE /v1/images/{name}`; refused with `image_in_use` while a run

@@ -17,8 +17,9 @@ use ulid::Ulid;
 pub struct SandboxSpec {
     /// The run's id; backends derive every resource name from it.
     pub id: Ulid,
-    /// The image's root filesystem, used read-only as the lower layer.
-    pub image_rootfs: PathBuf,
+    /// The image's layer directories, base first, used read-only as the
+    /// overlay's lower layers.
+    pub image_layers: Vec<PathBuf>,
     /// Resource limits, already validated against the server maxima.
     pub limits: Limits,
     /// Network tier, already checked to be one the backend supports.

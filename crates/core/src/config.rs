@@ -27,6 +27,9 @@ pub struct Config {
     pub agent_ready_timeout: Duration,
     /// How long the reaper sleeps between sweeps.
     pub reap_interval: Duration,
+    /// Registries (`host[:port]`) that may be pulled from over plain HTTP;
+    /// loopback registries always may.
+    pub insecure_registries: Vec<String>,
 }
 
 impl Config {
@@ -51,6 +54,7 @@ impl Config {
             max_image_bytes: 32 << 30,
             agent_ready_timeout: Duration::from_secs(10),
             reap_interval: Duration::from_secs(1),
+            insecure_registries: Vec::new(),
         }
     }
 }

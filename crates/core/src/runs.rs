@@ -29,8 +29,8 @@ use futures::{Stream, StreamExt};
 use runbox_agent_proto::pb::{self, exec_input, exec_output, read_file_chunk, write_file_chunk};
 use runbox_agent_proto::{AgentClient, CHUNK_SIZE};
 use runbox_types::{
-    CreateRunRequest, Env, ErrorCode, ExecRequest, ExitEvent, ExitReason, Image, NetworkTier, Run,
-    RunStatus,
+    CreateRunRequest, Env, ErrorCode, ExecRequest, ExitEvent, ExitReason, Image, NetworkTier,
+    PullEvent, PullRequest, Run, RunStatus,
 };
 use time::OffsetDateTime;
 use tokio::sync::mpsc;
@@ -256,18 +256,20 @@ impl Manager {
             status: RunStatus::Creating,
             runtime: String::new(),
             agent_socket: Default::default(),
+            image_config: Default::default(),
         };
-        let image_rootfs = {
+        let image_layers = {
             // Holding the image lock until the record is stored means a
             // concurrent image delete either sees this run or runs first.
             let _guard = lock(&self.image_lock);
-            let rootfs = self.images.rootfs(&record.image)?;
+            let layers = self.images.layers(&record.image)?;
+            record.image_config = self.images.config(&record.image)?;
             self.store.put(&record)?;
-            rootfs
+            layers
         };
         let spec = SandboxSpec {
             id,
-            image_rootfs,
+            image_layers,
             limits,
             network,
         };
@@ -439,9 +441,108 @@ impl Manager {
             .map_err(|e| CoreError::Store(format!("image import task failed: {e}")))?
     }
 
+    /// Pulls an image from a registry into the layer store and records it.
+    /// Progress goes to `progress` (a closed receiver is not an error: the
+    /// pull goes on). Checks that can fail fast (reference, name, name taken)
+    /// are done before anything is fetched.
+    ///
+    /// Cancellation: dropping the future aborts the layer in flight; layers
+    /// already stored stay (and are reused by the next pull).
+    pub async fn pull_image(
+        &self,
+        req: PullRequest,
+        progress: mpsc::UnboundedSender<PullEvent>,
+    ) -> Result<Image, CoreError> {
+        let (reference, name) = self.check_pull(&req)?;
+        let opts = runbox_image::pull::PullOptions {
+            insecure_registries: self.config.insecure_registries.clone(),
+            auth: match (req.username, req.password) {
+                (Some(username), Some(password)) => {
+                    runbox_image::pull::RegistryAuth::Basic { username, password }
+                }
+                (None, None) => runbox_image::pull::RegistryAuth::Anonymous,
+                _ => {
+                    return Err(CoreError::invalid(
+                        ErrorCode::BadRequest,
+                        "give both username and password, or neither",
+                    ))
+                }
+            },
+            ..Default::default()
+        };
+        let sink = crate::images::StoreSink {
+            store: self.images.store().clone(),
+        };
+        let report = move |event: runbox_image::pull::ProgressEvent| {
+            use runbox_image::pull::ProgressEvent as P;
+            let event = match event {
+                P::Resolved { digest, layers } => PullEvent::Resolved { digest, layers },
+                P::LayerStarted { digest, size } => PullEvent::LayerStarted { digest, size },
+                P::LayerProgress { digest, done, size } => {
+                    PullEvent::LayerProgress { digest, done, size }
+                }
+                P::LayerSkipped { digest } => PullEvent::LayerSkipped { digest },
+                P::LayerDone { digest } => PullEvent::LayerDone { digest },
+            };
+            let _ = progress.send(event);
+        };
+        // Layers a pull has stored are not referenced until it records the
+        // image: hold off garbage collection until then.
+        let guard = self.images.import_guard();
+        let pulled = runbox_image::pull::pull(&reference, &opts, &sink, &report)
+            .await
+            .map_err(crate::images::pull_error)?;
+        let image = self
+            .images
+            .record_pulled(&name, &pulled, &self.config.server_id);
+        drop(guard);
+        let image = image?;
+        tracing::info!(image = %name, reference = %pulled.reference, digest = %pulled.manifest_digest, "image pulled");
+        Ok(image)
+    }
+
+    /// Validates a pull request; returns the reference and the local name.
+    pub fn check_pull(&self, req: &PullRequest) -> Result<(String, String), CoreError> {
+        let reference = req.reference.trim();
+        if reference.is_empty()
+            || reference.len() > 512
+            || reference
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(CoreError::invalid(
+                ErrorCode::BadReference,
+                "reference must be 1-512 characters without spaces, e.g. docker.io/library/busybox:1.36",
+            ));
+        }
+        let name = req
+            .name
+            .clone()
+            .unwrap_or_else(|| crate::images::default_name(reference));
+        validate::image_name(&name)?;
+        if self
+            .images
+            .get(&name, &self.config.server_id, false)
+            .is_ok()
+        {
+            return Err(CoreError::Conflict {
+                code: ErrorCode::ImageExists,
+                message: format!(
+                    "an image named {name:?} already exists; remove it or pull with another name"
+                ),
+            });
+        }
+        Ok((reference.to_owned(), name))
+    }
+
     /// Every image.
     pub fn list_images(&self) -> Result<Vec<Image>, CoreError> {
         self.images.list(&self.config.server_id)
+    }
+
+    /// One image, with its config document.
+    pub fn get_image(&self, name: &str) -> Result<Image, CoreError> {
+        self.images.get(name, &self.config.server_id, true)
     }
 
     /// Removes an image no run uses.
@@ -456,11 +557,11 @@ impl Manager {
                     message: format!("image {name:?} is used by a run; delete the run first"),
                 });
             }
-            // Existence is checked here so that a missing image is a 404
-            // even though the removal itself happens off the lock.
-            images.rootfs(&name)?;
+            // The record goes under the lock, so no run can start from the
+            // image once the in-use check passed; its layers go off the lock.
+            images.forget(&name)?;
         }
-        tokio::task::spawn_blocking(move || images.remove(&name))
+        tokio::task::spawn_blocking(move || images.collect_garbage())
             .await
             .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))?
     }
@@ -476,7 +577,9 @@ impl Manager {
         id: Ulid,
         req: ExecRequest,
     ) -> Result<impl Stream<Item = ExecEvent> + Send + 'static, CoreError> {
-        validate::command(&req.cmd)?;
+        if !req.cmd.is_empty() {
+            validate::command(&req.cmd)?;
+        }
         if let Some(cwd) = &req.cwd {
             validate::cwd(cwd)?;
         }
@@ -503,17 +606,36 @@ impl Manager {
         };
         let handle = self.handle(id)?;
         let record = handle.record();
+        let image = &record.image_config;
+        // An exec without a command runs the image's Entrypoint + Cmd.
+        let argv = if req.cmd.is_empty() {
+            let argv: Vec<String> = image.entrypoint.iter().chain(&image.cmd).cloned().collect();
+            if argv.is_empty() {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadCommand,
+                    "cmd is empty and the image has no Entrypoint or Cmd; give the program and its arguments",
+                ));
+            }
+            validate::command(&argv)?;
+            argv
+        } else {
+            req.cmd
+        };
         let base = Env(BASE_ENV
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect());
-        let env: Vec<pb::EnvVar> = validate::merge_env([&base, &record.env, &exec_env])
+        // Later layers win: runbox's defaults, the image's Env, the run's, the exec's.
+        let env: Vec<pb::EnvVar> = validate::merge_env([&base, &image.env, &record.env, &exec_env])
             .into_iter()
             .map(|(name, value)| pb::EnvVar { name, value })
             .collect();
         let start = pb::ExecStart {
-            argv: req.cmd,
-            cwd: req.cwd.unwrap_or_default(),
+            argv,
+            cwd: req
+                .cwd
+                .or_else(|| image.working_dir.clone())
+                .unwrap_or_default(),
             env,
             timeout_ms: timeout.map_or(0, |t| t.as_millis() as u64),
             stdin: false,

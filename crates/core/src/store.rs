@@ -44,6 +44,9 @@ pub struct RunRecord {
     pub runtime: String,
     /// Host path of the agent socket (empty until created).
     pub agent_socket: PathBuf,
+    /// The honoured parts of the image's config, fixed at creation.
+    #[serde(default)]
+    pub image_config: crate::images::ImageConfig,
 }
 
 impl RunRecord {
@@ -149,6 +152,7 @@ mod tests {
             status: RunStatus::Creating,
             runtime: String::new(),
             agent_socket: PathBuf::new(),
+            image_config: Default::default(),
         }
     }
 

@@ -221,6 +221,12 @@ pub fn ttl(req: Option<u64>, default: Duration, max: Duration) -> Result<Duratio
 /// Checks an image name: 1-64 characters of `[a-z0-9._-]`, starting with a
 /// letter or digit (so it is always a safe directory name).
 pub fn image_name(name: &str) -> Result<(), CoreError> {
+    if name == "pull" {
+        return Err(CoreError::invalid(
+            ErrorCode::BadImageName,
+            "\"pull\" is reserved (POST /v1/images/pull); pick another image name",
+        ));
+    }
     let ok = !name.is_empty()
         && name.len() <= 64
         && name.starts_with(|c: char| c.is_ascii_lowercase() || c.is_ascii_digit())

@@ -455,3 +455,142 @@ pub fn peak_rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
 }
+
+/// One entry of a hand-built image layer.
+pub enum LayerEntry<'a> {
+    /// A directory.
+    Dir(&'a str),
+    /// A regular file with its contents (mode 0644).
+    File(&'a str, &'a [u8]),
+    /// An OCI whiteout: `dir/.wh.name` deletes `dir/name` from lower layers.
+    Whiteout(&'a str),
+    /// An opaque-directory marker: hides everything lower layers put in `dir`.
+    Opaque(&'a str),
+}
+
+/// An uncompressed layer tarball.
+pub fn layer_tar(entries: &[LayerEntry]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut add = |path: &str, data: &[u8], kind: tar::EntryType, mode: u32| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_size(data.len() as u64);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        b.append_data(&mut h, path, data).expect("tar entry");
+    };
+    for entry in entries {
+        match entry {
+            LayerEntry::Dir(p) => add(p, b"", tar::EntryType::Directory, 0o755),
+            LayerEntry::File(p, data) => add(p, data, tar::EntryType::Regular, 0o644),
+            LayerEntry::Whiteout(p) => {
+                let (dir, name) = p.rsplit_once('/').map_or(("", *p), |(d, n)| (d, n));
+                let wh = if dir.is_empty() {
+                    format!(".wh.{name}")
+                } else {
+                    format!("{dir}/.wh.{name}")
+                };
+                add(&wh, b"", tar::EntryType::Regular, 0o644)
+            }
+            LayerEntry::Opaque(dir) => add(
+                &format!("{dir}/.wh..wh..opq"),
+                b"",
+                tar::EntryType::Regular,
+                0o644,
+            ),
+        }
+    }
+    b.into_inner().expect("tar")
+}
+
+/// `sha256:<hex>` of `bytes`.
+pub fn sha256(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    let hex: String = sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("sha256:{hex}")
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    enc.write_all(bytes).expect("gzip");
+    enc.finish().expect("gzip")
+}
+
+fn tar_of_files(files: &[(String, Vec<u8>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, data) in files {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_mtime(0);
+        b.append_data(&mut h, path, data.as_slice())
+            .expect("tar entry");
+    }
+    b.into_inner().expect("tar")
+}
+
+/// A tarball of an OCI image layout holding one image (gzip layers) for
+/// this host's platform.
+pub fn oci_layout_tar(layers: &[Vec<u8>], config: &serde_json::Value) -> Vec<u8> {
+    let mut files = vec![(
+        "oci-layout".to_owned(),
+        br#"{"imageLayoutVersion":"1.0.0"}"#.to_vec(),
+    )];
+    let mut blob = |bytes: Vec<u8>| {
+        let digest = sha256(&bytes);
+        let len = bytes.len();
+        files.push((format!("blobs/sha256/{}", &digest[7..]), bytes));
+        (digest, len)
+    };
+    let layer_descs: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|l| {
+            let (digest, size) = blob(gzip(l));
+            serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": size})
+        })
+        .collect();
+    let (config_digest, config_size) = blob(serde_json::to_vec(config).expect("config"));
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config_size},
+        "layers": layer_descs,
+    });
+    let (manifest_digest, manifest_size) = blob(serde_json::to_vec(&manifest).expect("manifest"));
+    let index = serde_json::json!({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": manifest_digest, "size": manifest_size,
+        "platform": {"os": "linux", "architecture": "amd64"}
+    }]});
+    files.push((
+        "index.json".to_owned(),
+        serde_json::to_vec(&index).expect("index"),
+    ));
+    tar_of_files(&files)
+}
+
+/// A classic `docker save` tarball (uncompressed `<id>/layer.tar` layers).
+pub fn docker_save_tar(layers: &[Vec<u8>], config: &serde_json::Value) -> Vec<u8> {
+    let config_bytes = serde_json::to_vec(config).expect("config");
+    let config_name = format!("{}.json", &sha256(&config_bytes)[7..]);
+    let mut files = vec![(config_name.clone(), config_bytes)];
+    let mut names = Vec::new();
+    for (i, layer) in layers.iter().enumerate() {
+        let name = format!("{i:064}/layer.tar");
+        files.push((name.clone(), layer.clone()));
+        names.push(name);
+    }
+    let manifest =
+        serde_json::json!([{"Config": config_name, "RepoTags": ["test:latest"], "Layers": names}]);
+    files.push((
+        "manifest.json".to_owned(),
+        serde_json::to_vec(&manifest).expect("manifest"),
+    ));
+    tar_of_files(&files)
+}

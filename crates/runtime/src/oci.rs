@@ -126,8 +126,16 @@ impl OciBackend {
             std::fs::create_dir(d)
                 .map_err(BackendError::io(format!("creating {}", d.display())))?;
         }
-        check_mount_safe(&spec.image_rootfs)?;
-        mount_overlay(&spec.image_rootfs, &upper, &work, &rootfs)?;
+        // /work is every run's default directory; it exists even when the
+        // image has none, and lives in the run's own layer.
+        std::fs::DirBuilder::new()
+            .mode(0o755)
+            .create(upper.join("work"))
+            .map_err(BackendError::io("creating /work in the run's layer"))?;
+        for layer in &spec.image_layers {
+            check_mount_safe(layer)?;
+        }
+        mount_overlay(&spec.image_layers, &upper, &work, &rootfs)?;
         // 3. The network namespace.
         let netns = match spec.network {
             NetworkTier::None => create_netns(id).await?,
@@ -342,18 +350,39 @@ fn check_mount_safe(path: &Path) -> Result<(), BackendError> {
     Ok(())
 }
 
+/// The kernel caps mount options at one page.
+const MAX_MOUNT_OPTIONS: usize = 4095;
+
 fn mount_overlay(
-    lower: &Path,
+    lowers: &[PathBuf],
     upper: &Path,
     work: &Path,
     target: &Path,
 ) -> Result<(), BackendError> {
+    if lowers.is_empty() {
+        return Err(BackendError::Failed(
+            "an image needs at least one layer".into(),
+        ));
+    }
+    // overlayfs lists lower layers topmost first; images list them base first.
+    let lowerdir: Vec<String> = lowers
+        .iter()
+        .rev()
+        .map(|l| l.display().to_string())
+        .collect();
     let options = format!(
         "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
+        lowerdir.join(":"),
         upper.display(),
         work.display()
     );
+    if options.len() > MAX_MOUNT_OPTIONS {
+        return Err(BackendError::Failed(format!(
+            "the image has too many layers ({}) for one overlay mount under this state directory; \
+             use a shorter --state-dir or flatten the image",
+            lowers.len()
+        )));
+    }
     let options = std::ffi::CString::new(options)
         .map_err(|_| BackendError::Failed("overlay options contain a NUL byte".into()))?;
     rustix::mount::mount(

@@ -28,6 +28,11 @@ impl ApiError {
     pub fn code(&self) -> ErrorCode {
         self.code
     }
+
+    /// The message for the client.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
 }
 
 impl From<CoreError> for ApiError {
@@ -39,7 +44,8 @@ impl From<CoreError> for ApiError {
                 ErrorCode::AgentUnavailable => {
                     "the run's agent did not answer as expected; see the server log"
                 }
-                ErrorCode::Capacity => {
+                // Not runbox's fault, and the message is what the user needs.
+                ErrorCode::Capacity | ErrorCode::RegistryError => {
                     return ApiError {
                         code,
                         message: e.to_string(),

@@ -16,8 +16,8 @@ use base64::Engine;
 use futures::{StreamExt, TryStreamExt};
 use runbox_core::runs::ExecEvent;
 use runbox_types::{
-    sse, CreateRunRequest, ErrorCode, ExecRequest, Health, ImageList, RenewRequest, RunList,
-    StartedEvent,
+    pull_sse, sse, CreateRunRequest, ErrorCode, ErrorDetail, ExecRequest, Health, ImageList,
+    PullEvent, PullRequest, RenewRequest, RunList, StartedEvent,
 };
 use ulid::Ulid;
 
@@ -236,12 +236,66 @@ pub async fn import_image(
     Ok((StatusCode::CREATED, Json(image)).into_response())
 }
 
+/// `POST /v1/images/pull`: a server-sent event stream of `progress` events,
+/// then one `done` (the Image) or one `error`. The pull runs in a task of
+/// its own: a client that disconnects does not stop it, and the image
+/// appears when it is done.
+pub async fn pull_image(
+    State(state): State<AppState>,
+    AppJson(req): AppJson<PullRequest>,
+) -> Result<Response, ApiError> {
+    // Fail fast, as a plain JSON error, on what can be checked up front.
+    state.manager.check_pull(&req)?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<PullEvent>();
+    let manager = state.manager.clone();
+    let task = tokio::spawn(async move { manager.pull_image(req, tx).await });
+    let progress = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+        .map(|event| json_event(pull_sse::PROGRESS, &event));
+    let last = futures::stream::once(async move {
+        match task.await {
+            Ok(Ok(image)) => json_event(pull_sse::DONE, &image),
+            Ok(Err(e)) => {
+                let e = ApiError::from(e);
+                json_event(
+                    pull_sse::ERROR,
+                    &ErrorDetail {
+                        code: e.code().as_str().to_owned(),
+                        message: e.message().to_owned(),
+                    },
+                )
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "pull task failed");
+                json_event(
+                    pull_sse::ERROR,
+                    &ErrorDetail {
+                        code: "internal".into(),
+                        message: "internal error; see the server log".into(),
+                    },
+                )
+            }
+        }
+    });
+    let stream = progress.chain(last).map(Ok::<_, Infallible>);
+    Ok(Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response())
+}
+
 /// `GET /v1/images`.
 pub async fn list_images(State(state): State<AppState>) -> Result<Json<ImageList>, ApiError> {
     Ok(Json(ImageList {
         server: state.manager.config().server_id.clone(),
         images: state.manager.list_images()?,
     }))
+}
+
+/// `GET /v1/images/{name}`: the image with its config document.
+pub async fn get_image(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.manager.get_image(&name)?).into_response())
 }
 
 /// `DELETE /v1/images/{name}`.

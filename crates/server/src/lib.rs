@@ -44,7 +44,9 @@ pub fn router(state: AppState) -> Router {
         )
         .route(
             "/v1/images/{name}",
-            post(handlers::import_image).delete(handlers::delete_image),
+            post(handlers::import_image)
+                .delete(handlers::delete_image)
+                .get(handlers::get_image),
         )
         // File and image bodies stream; their own maxima are enforced while
         // streaming, not by buffering.
@@ -61,6 +63,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/renew", post(handlers::renew_run))
         .route("/v1/runs/{id}/exec", post(handlers::exec))
         .route("/v1/images", get(handlers::list_images))
+        .route("/v1/images/pull", post(handlers::pull_image))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));

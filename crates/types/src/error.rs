@@ -63,6 +63,18 @@ codes! {
     BadImageName = "bad_image_name", 400;
     /// An archive could not be unpacked.
     BadArchive = "bad_archive", 400;
+    /// An image reference does not parse.
+    BadReference = "bad_reference", 400;
+    /// A registry would be reached over plain HTTP without the operator's leave.
+    InsecureRegistry = "insecure_registry", 400;
+    /// The registry has no image for this host's platform.
+    NoMatchingPlatform = "no_matching_platform", 400;
+    /// The registry refused the credentials (or asked for some).
+    RegistryAuthFailed = "registry_auth_failed", 403;
+    /// The registry has no such repository, tag or digest.
+    RemoteNotFound = "remote_not_found", 404;
+    /// The registry could not be reached or served something invalid.
+    RegistryError = "registry_error", 502;
     /// The exec command is empty or malformed.
     BadCommand = "bad_command", 400;
     /// The working directory does not exist in the run.

@@ -234,11 +234,103 @@ pub struct Image {
     pub name: String,
     /// The node that stores the image.
     pub server: String,
-    /// Bytes unpacked on disk.
+    /// Bytes of file data in its layers, unpacked.
     pub size_bytes: u64,
     /// Import time (RFC 3339).
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// Where it came from: `rootfs`, `oci-layout`, `docker-save`, or the
+    /// registry reference it was pulled from.
+    pub source: String,
+    /// Its layers' digests, base first. Layers are stored once and shared.
+    pub layers: Vec<String>,
+    /// The image config document (OCI image configuration); only on
+    /// `GET /v1/images/{name}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config: Option<serde_json::Value>,
+}
+
+/// `POST /v1/images/pull`.
+#[derive(Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PullRequest {
+    /// What to pull: `[registry/]repository[:tag][@digest]`; Docker Hub and
+    /// `:latest` are the defaults, as with `docker pull`.
+    pub reference: String,
+    /// The image's name here; default: derived from the repository and tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Registry user for basic or token auth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    /// Registry password or token; never logged or stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<String>,
+}
+
+impl fmt::Debug for PullRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PullRequest")
+            .field("reference", &self.reference)
+            .field("name", &self.name)
+            .field("username", &self.username)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+/// One progress event of a pull (`event: progress` on the pull stream).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "camelCase")]
+pub enum PullEvent {
+    /// The image manifest for this platform is known.
+    #[serde(rename_all = "camelCase")]
+    Resolved {
+        /// The manifest's digest.
+        digest: String,
+        /// How many layers it has.
+        layers: usize,
+    },
+    /// A layer starts downloading.
+    #[serde(rename_all = "camelCase")]
+    LayerStarted {
+        /// The layer's digest.
+        digest: String,
+        /// Its size in bytes.
+        size: u64,
+    },
+    /// More of a layer arrived.
+    #[serde(rename_all = "camelCase")]
+    LayerProgress {
+        /// The layer's digest.
+        digest: String,
+        /// Bytes so far.
+        done: u64,
+        /// Its size in bytes.
+        size: u64,
+    },
+    /// The layer was already stored; nothing was fetched.
+    #[serde(rename_all = "camelCase")]
+    LayerSkipped {
+        /// The layer's digest.
+        digest: String,
+    },
+    /// The layer arrived, was verified and unpacked.
+    #[serde(rename_all = "camelCase")]
+    LayerDone {
+        /// The layer's digest.
+        digest: String,
+    },
+}
+
+/// Names of the server-sent events of a pull stream.
+pub mod pull_sse {
+    /// `data` is a [`super::PullEvent`] as JSON.
+    pub const PROGRESS: &str = "progress";
+    /// `data` is the pulled [`super::Image`]; always the last event on success.
+    pub const DONE: &str = "done";
+    /// `data` is an [`super::ErrorDetail`]; always the last event on failure.
+    pub const ERROR: &str = "error";
 }
 
 /// `GET /v1/images`.

@@ -1,0 +1,201 @@
+//! Pulling from a real registry (Debian's `docker-registry`, the
+//! distribution registry) on loopback, pushed to with `skopeo`.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use runbox_client::PullUpdate;
+use runbox_e2e::{busybox_tar, layer_tar, oci_layout_tar, LayerEntry, TestDaemon};
+use runbox_types::{CreateRunRequest, ErrorCode, PullEvent, PullRequest};
+
+/// A registry on 127.0.0.1, killed and cleaned up on drop.
+struct Registry {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Registry {
+    fn start() -> Registry {
+        for tool in ["docker-registry", "skopeo"] {
+            assert!(
+                Command::new("sh")
+                    .arg("-c")
+                    .arg(format!("command -v {tool}"))
+                    .status()
+                    .is_ok_and(|s| s.success()),
+                "{tool} is missing: run scripts/test-registry"
+            );
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.path().join("config.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\n",
+                dir.path().join("data").display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting docker-registry");
+        let registry = Registry {
+            child,
+            port,
+            _dir: dir,
+        };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return registry;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("docker-registry did not start");
+    }
+
+    /// Pushes an OCI layout (as a tarball) to `repo:tag`.
+    fn push(&self, layout_tar: &[u8], repo_tag: &str) {
+        let dir = tempfile::tempdir().unwrap();
+        tar::Archive::new(layout_tar).unpack(dir.path()).unwrap();
+        let status = Command::new("skopeo")
+            .args(["copy", "--quiet", "--dest-tls-verify=false"])
+            .arg(format!("oci:{}", dir.path().display()))
+            .arg(format!("docker://127.0.0.1:{}/{repo_tag}", self.port))
+            .status()
+            .expect("skopeo");
+        assert!(status.success(), "skopeo copy failed");
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn image_layout() -> Vec<u8> {
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux",
+        "config": {"Env": ["PATH=/bin:/usr/bin", "FROM_REGISTRY=yes"], "WorkingDir": "/srv"},
+        "rootfs": {"type": "layers", "diff_ids": []}
+    });
+    let top = layer_tar(&[
+        LayerEntry::Dir("srv"),
+        LayerEntry::File("srv/data.txt", b"pulled\n"),
+    ]);
+    oci_layout_tar(&[busybox_tar(), top], &config)
+}
+
+async fn pull(
+    daemon: &TestDaemon,
+    reference: &str,
+    name: &str,
+) -> Result<(runbox_types::Image, Vec<PullEvent>), runbox_client::ClientError> {
+    let req = PullRequest {
+        reference: reference.into(),
+        name: Some(name.into()),
+        ..Default::default()
+    };
+    let mut stream = daemon.client.pull_image(&req).await?;
+    let mut events = Vec::new();
+    while let Some(item) = stream.next().await {
+        match item? {
+            PullUpdate::Progress(e) => events.push(e),
+            PullUpdate::Done(image) => return Ok((image, events)),
+        }
+    }
+    panic!("pull stream ended without a result")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_run_and_pull_again_without_transferring_layers() {
+    let registry = Registry::start();
+    registry.push(&image_layout(), "team/app:1");
+    let daemon = TestDaemon::start(None).await;
+    let reference = format!("127.0.0.1:{}/team/app:1", registry.port);
+
+    let (image, events) = pull(&daemon, &reference, "app").await.expect("pull");
+    assert_eq!(image.layers.len(), 2);
+    assert!(image.source.contains("team/app:1"), "{}", image.source);
+    assert!(
+        matches!(events.first(), Some(PullEvent::Resolved { layers: 2, .. })),
+        "{events:?}"
+    );
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, PullEvent::LayerDone { .. }))
+            .count(),
+        2
+    );
+
+    // A run from the pulled image sees its files and its config.
+    let run = daemon
+        .create_with(CreateRunRequest {
+            image: "app".into(),
+            ..Default::default()
+        })
+        .await;
+    let out = daemon
+        .sh(
+            &run.id.to_string(),
+            "echo $FROM_REGISTRY; pwd; cat data.txt",
+        )
+        .await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "yes\n/srv\npulled\n");
+
+    // The same image under another name: every layer is already stored.
+    let (again, events) = pull(&daemon, &reference, "app-again")
+        .await
+        .expect("second pull");
+    assert_eq!(again.layers, image.layers);
+    assert!(
+        events.iter().all(|e| !matches!(
+            e,
+            PullEvent::LayerStarted { .. } | PullEvent::LayerProgress { .. }
+        )),
+        "{events:?}"
+    );
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, PullEvent::LayerSkipped { .. }))
+            .count(),
+        2
+    );
+
+    // Errors: a missing tag, a taken name, a bad reference, a plain-HTTP
+    // registry that is not on loopback (refused before any connection).
+    let missing = format!("127.0.0.1:{}/team/app:nope", registry.port);
+    assert_eq!(
+        pull(&daemon, &missing, "x").await.unwrap_err().code(),
+        Some(ErrorCode::RemoteNotFound)
+    );
+    assert_eq!(
+        pull(&daemon, &reference, "app").await.unwrap_err().code(),
+        Some(ErrorCode::ImageExists)
+    );
+    assert_eq!(
+        pull(&daemon, "UPPER/case!", "y").await.unwrap_err().code(),
+        Some(ErrorCode::BadReference)
+    );
+    let err = pull(&daemon, "http://registry.invalid:5000/x:1", "z")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::InsecureRegistry), "{err}");
+    assert!(err.to_string().contains("--insecure-registry"), "{err}");
+    assert!(!Path::new(&daemon.state.path().join("images/images/x.json")).exists());
+}

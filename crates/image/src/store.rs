@@ -1,0 +1,590 @@
+//! The content-addressed layer store and the image records that point into it.
+//!
+//! Layout under the store's root:
+//!
+//! ```text
+//! layers/<hex>/        one unpacked layer (an overlayfs lower dir), named by
+//!                      the sha256 of its blob as distributed
+//! layers/<hex>.json    the layer's metadata, written last: a layer directory
+//!                      without it is an interrupted unpack, never used
+//! images/<name>.json   an image: its config and its ordered layer digests
+//! tmp/                 work in progress; emptied at open
+//! ```
+//!
+//! Every layer is unpacked once and shared read-only by every image and run
+//! that uses it. Adding a layer unpacks into `tmp/`, verifies the blob's
+//! digest, and renames the result into place; when two imports race for the
+//! same layer, the loser's rename fails harmlessly and its copy is dropped.
+//! A crash at any point leaves only `tmp/` entries and metadata-less layer
+//! directories, both of which `open` removes.
+//!
+//! Not here: how blobs arrive (see `layout` and `pull`), and anything about
+//! runs. The caller keeps images that runs use from being removed.
+
+use std::fs;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::layout::StagedImage;
+use crate::unpack::{self, UnpackLimits};
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A digest is not `sha256:<64 lowercase hex>`.
+    #[error("{0:?} is not a sha256 digest")]
+    BadDigest(String),
+    /// A blob's bytes do not hash to its digest.
+    #[error("layer {expected} hashes to {actual}")]
+    DigestMismatch {
+        /// The digest the blob was announced with.
+        expected: String,
+        /// What its bytes hash to.
+        actual: String,
+    },
+    /// The layer archive was refused by the unpacker.
+    #[error("layer {digest} was refused")]
+    Unpack {
+        /// The layer.
+        digest: String,
+        /// The rule it broke.
+        #[source]
+        source: unpack::UnpackError,
+    },
+    /// No image of that name.
+    #[error("no image named {0:?}")]
+    NoImage(String),
+    /// An image of that name exists already.
+    #[error("an image named {0:?} already exists")]
+    Exists(String),
+    /// A record on disk does not parse.
+    #[error("{path} is corrupt: {message}")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// The parse error.
+        message: String,
+    },
+    /// File system trouble.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
+    let context = context.into();
+    move |source| StoreError::Io { context, source }
+}
+
+/// Metadata of one stored layer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LayerRecord {
+    /// `sha256:<hex>` of the blob.
+    pub digest: String,
+    /// Bytes of file data unpacked.
+    pub unpacked_bytes: u64,
+    /// Entries unpacked.
+    pub entries: u64,
+}
+
+/// One stored image.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ImageRecord {
+    /// Its name in this store.
+    pub name: String,
+    /// Where it came from (`oci-layout`, `docker-save`, `rootfs`, or a registry reference).
+    pub source: String,
+    /// The image config (OCI image configuration JSON).
+    pub config: serde_json::Value,
+    /// Layer digests, base first.
+    pub layers: Vec<String>,
+    /// Unpacked bytes of all its layers.
+    pub size_bytes: u64,
+    /// Import time, seconds since the Unix epoch.
+    pub created_unix: i64,
+}
+
+/// The layer and image store.
+#[derive(Debug)]
+pub struct Store {
+    root: PathBuf,
+    limits: UnpackLimits,
+    tmp_seq: AtomicU64,
+}
+
+/// The hex part of a sha256 digest, checked.
+pub fn digest_hex(digest: &str) -> Result<&str, StoreError> {
+    digest
+        .strip_prefix("sha256:")
+        .filter(|h| {
+            h.len() == 64
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+        .ok_or_else(|| StoreError::BadDigest(digest.to_owned()))
+}
+
+impl Store {
+    /// Opens the store at `root`, creating it, and clears leftovers of
+    /// interrupted work.
+    pub fn open(root: PathBuf, limits: UnpackLimits) -> Result<Store, StoreError> {
+        for dir in ["layers", "images", "tmp"] {
+            fs::create_dir_all(root.join(dir))
+                .map_err(io_err(format!("creating {}", root.join(dir).display())))?;
+        }
+        let tmp = root.join("tmp");
+        for entry in fs::read_dir(&tmp).map_err(io_err("reading tmp"))?.flatten() {
+            let _ = remove_any(&entry.path());
+        }
+        // A layer directory without its metadata was never finished.
+        for entry in fs::read_dir(root.join("layers"))
+            .map_err(io_err("reading layers"))?
+            .flatten()
+        {
+            let path = entry.path();
+            if path.is_dir() && !path.with_extension("json").exists() {
+                tracing::info!(path = %path.display(), "removing an unfinished layer");
+                let _ = remove_any(&path);
+            }
+        }
+        Ok(Store {
+            root,
+            limits,
+            tmp_seq: AtomicU64::new(0),
+        })
+    }
+
+    /// A fresh directory under `tmp/`.
+    fn tmp_dir(&self) -> Result<PathBuf, StoreError> {
+        let n = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
+        let dir = self
+            .root
+            .join("tmp")
+            .join(format!("{}-{n}", std::process::id()));
+        fs::create_dir(&dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        Ok(dir)
+    }
+
+    /// The unpacked directory of layer `digest`.
+    pub fn layer_dir(&self, digest: &str) -> Result<PathBuf, StoreError> {
+        Ok(self.root.join("layers").join(digest_hex(digest)?))
+    }
+
+    /// Whether layer `digest` is stored (finished).
+    pub fn has_layer(&self, digest: &str) -> bool {
+        self.layer_dir(digest)
+            .is_ok_and(|d| d.with_extension("json").is_file())
+    }
+
+    /// Stores a layer from its blob (gzip, zstd or plain tar), verifying that
+    /// the blob's bytes hash to `digest`. A layer already stored is kept and
+    /// the blob is not read. Blocking.
+    pub fn add_layer(&self, digest: &str, blob: impl Read) -> Result<LayerRecord, StoreError> {
+        let dest = self.layer_dir(digest)?;
+        if let Some(existing) = self.layer_record(digest)? {
+            return Ok(existing);
+        }
+        let work = self.tmp_dir()?;
+        let result = self.unpack_verified(digest, blob, &work.join("layer"));
+        let record = match result {
+            Ok(record) => record,
+            Err(e) => {
+                let _ = remove_any(&work);
+                return Err(e);
+            }
+        };
+        // Rename the directory first, then write the metadata that makes it
+        // count; a racing import of the same layer loses the rename and
+        // uses the winner's copy.
+        match fs::rename(work.join("layer"), &dest) {
+            Ok(()) => {}
+            Err(_) if dest.is_dir() => {}
+            Err(e) => {
+                let _ = remove_any(&work);
+                return Err(io_err(format!("installing layer {digest}"))(e));
+            }
+        }
+        let _ = remove_any(&work);
+        let meta = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&dest, e))?;
+        write_atomic(&dest.with_extension("json"), &meta)?;
+        Ok(record)
+    }
+
+    fn unpack_verified(
+        &self,
+        digest: &str,
+        blob: impl Read,
+        dir: &Path,
+    ) -> Result<LayerRecord, StoreError> {
+        fs::create_dir(dir).map_err(io_err(format!("creating {}", dir.display())))?;
+        let mut hashing = HashingReader {
+            inner: blob,
+            hasher: Sha256::new(),
+        };
+        let stats = {
+            let reader = unpack::decompressed(&mut hashing)
+                .map_err(io_err(format!("reading layer {digest}")))?;
+            unpack::unpack_layer(reader, dir, &self.limits).map_err(|source| {
+                StoreError::Unpack {
+                    digest: digest.to_owned(),
+                    source,
+                }
+            })?
+        };
+        // The tar end marker may come before the end of the blob (padding,
+        // compression trailer): hash everything that is left.
+        io::copy(&mut hashing, &mut io::sink())
+            .map_err(io_err(format!("reading layer {digest}")))?;
+        let actual = format!("sha256:{}", hex(&hashing.hasher.finalize()));
+        if actual != digest {
+            return Err(StoreError::DigestMismatch {
+                expected: digest.to_owned(),
+                actual,
+            });
+        }
+        Ok(LayerRecord {
+            digest: digest.to_owned(),
+            unpacked_bytes: stats.bytes,
+            entries: stats.entries,
+        })
+    }
+
+    /// Unpacked bytes of stored layer `digest`.
+    pub fn layer_size(&self, digest: &str) -> Result<u64, StoreError> {
+        match self.layer_record(digest)? {
+            Some(record) => Ok(record.unpacked_bytes),
+            None => Err(io_err(format!("reading layer {digest}"))(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the layer is not stored",
+            ))),
+        }
+    }
+
+    fn layer_record(&self, digest: &str) -> Result<Option<LayerRecord>, StoreError> {
+        let path = self.layer_dir(digest)?.with_extension("json");
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| corrupt(&path, e)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(io_err(format!("reading {}", path.display()))(e)),
+        }
+    }
+
+    /// Stores every layer of a staged image and records it as `name`.
+    /// Blocking.
+    pub fn import_staged(
+        &self,
+        name: &str,
+        staged: &StagedImage,
+        source: &str,
+    ) -> Result<ImageRecord, StoreError> {
+        if self.image_path(name).exists() {
+            return Err(StoreError::Exists(name.to_owned()));
+        }
+        let mut size = 0;
+        for layer in &staged.layers {
+            let blob = fs::File::open(&layer.path)
+                .map_err(io_err(format!("opening {}", layer.path.display())))?;
+            size += self.add_layer(&layer.digest, blob)?.unpacked_bytes;
+        }
+        let config =
+            serde_json::from_slice(&staged.config).map_err(|e| corrupt(Path::new("config"), e))?;
+        let layers = staged.layers.iter().map(|l| l.digest.clone()).collect();
+        self.put_image(ImageRecord {
+            name: name.to_owned(),
+            source: source.to_owned(),
+            config,
+            layers,
+            size_bytes: size,
+            created_unix: now_unix(),
+        })
+    }
+
+    /// Records an image whose layers are all stored. Fails if the name is taken.
+    pub fn put_image(&self, record: ImageRecord) -> Result<ImageRecord, StoreError> {
+        for digest in &record.layers {
+            if !self.has_layer(digest) {
+                return Err(io_err(format!("recording image {}", record.name))(
+                    io::Error::new(
+                        io::ErrorKind::NotFound,
+                        format!("layer {digest} is not stored"),
+                    ),
+                ));
+            }
+        }
+        let path = self.image_path(&record.name);
+        let bytes = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&path, e))?;
+        // Written to a temporary name, then hard-linked into place: link(2)
+        // fails if the name exists, so two imports of one name cannot both win.
+        let tmp = self.tmp_dir()?.join("image.json");
+        fs::write(&tmp, bytes).map_err(io_err(format!("writing {}", tmp.display())))?;
+        let linked = fs::hard_link(&tmp, &path);
+        let _ = remove_any(tmp.parent().unwrap_or(&tmp));
+        match linked {
+            Ok(()) => Ok(record),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                Err(StoreError::Exists(record.name))
+            }
+            Err(e) => Err(io_err(format!("writing {}", path.display()))(e)),
+        }
+    }
+
+    fn image_path(&self, name: &str) -> PathBuf {
+        self.root.join("images").join(format!("{name}.json"))
+    }
+
+    /// Image `name`.
+    pub fn image(&self, name: &str) -> Result<ImageRecord, StoreError> {
+        let path = self.image_path(name);
+        match fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| corrupt(&path, e)),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                Err(StoreError::NoImage(name.to_owned()))
+            }
+            Err(e) => Err(io_err(format!("reading {}", path.display()))(e)),
+        }
+    }
+
+    /// Every image, by name.
+    pub fn images(&self) -> Result<Vec<ImageRecord>, StoreError> {
+        let mut names: Vec<String> = fs::read_dir(self.root.join("images"))
+            .map_err(io_err("reading images"))?
+            .flatten()
+            .filter_map(|e| {
+                e.file_name()
+                    .to_str()?
+                    .strip_suffix(".json")
+                    .map(str::to_owned)
+            })
+            .collect();
+        names.sort();
+        names.iter().map(|n| self.image(n)).collect()
+    }
+
+    /// The unpacked layer directories of image `name`, base first.
+    pub fn image_layer_dirs(&self, name: &str) -> Result<Vec<PathBuf>, StoreError> {
+        self.image(name)?
+            .layers
+            .iter()
+            .map(|d| self.layer_dir(d))
+            .collect()
+    }
+
+    /// Forgets image `name`; its layers stay until [`Store::gc`].
+    pub fn remove_image(&self, name: &str) -> Result<(), StoreError> {
+        match fs::remove_file(self.image_path(name)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                Err(StoreError::NoImage(name.to_owned()))
+            }
+            Err(e) => Err(io_err(format!("removing image {name}"))(e)),
+        }
+    }
+
+    /// Removes every layer no image references, except those in `keep`
+    /// (layers a run still mounts although its image was removed). Returns
+    /// the digests removed. Blocking.
+    pub fn gc(&self, keep: &[String]) -> Result<Vec<String>, StoreError> {
+        let mut used: std::collections::HashSet<String> = keep.iter().cloned().collect();
+        for image in self.images()? {
+            used.extend(image.layers);
+        }
+        let mut removed = Vec::new();
+        for entry in fs::read_dir(self.root.join("layers"))
+            .map_err(io_err("reading layers"))?
+            .flatten()
+        {
+            let Some(hex) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.strip_suffix(".json"))
+                .map(str::to_owned)
+            else {
+                continue;
+            };
+            let digest = format!("sha256:{hex}");
+            if used.contains(&digest) {
+                continue;
+            }
+            let dir = self.layer_dir(&digest)?;
+            // Metadata first: without it the directory no longer counts.
+            fs::remove_file(dir.with_extension("json"))
+                .map_err(io_err(format!("removing layer {digest}")))?;
+            remove_any(&dir).map_err(io_err(format!("removing layer {digest}")))?;
+            removed.push(digest);
+        }
+        Ok(removed)
+    }
+}
+
+struct HashingReader<R> {
+    inner: R,
+    hasher: Sha256,
+}
+
+impl<R: Read> Read for HashingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn corrupt(path: &Path, e: impl std::fmt::Display) -> StoreError {
+    StoreError::Corrupt {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let tmp = path.with_extension("json.tmp");
+    fs::write(&tmp, bytes).map_err(io_err(format!("writing {}", tmp.display())))?;
+    fs::rename(&tmp, path).map_err(io_err(format!("writing {}", path.display())))
+}
+
+fn remove_any(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn now_unix() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::StagedLayer;
+
+    fn layer_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, data) in files {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(data.len() as u64);
+            h.set_mode(0o644);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
+            h.set_entry_type(tar::EntryType::Regular);
+            b.append_data(&mut h, path, *data).unwrap();
+        }
+        b.into_inner().unwrap()
+    }
+
+    fn digest(bytes: &[u8]) -> String {
+        format!("sha256:{}", hex(&Sha256::digest(bytes)))
+    }
+
+    fn store(dir: &Path) -> Store {
+        Store::open(dir.to_path_buf(), UnpackLimits::default()).unwrap()
+    }
+
+    #[test]
+    fn layers_are_stored_once_and_verified() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let tar = layer_tar(&[("etc/hello", b"hi")]);
+        let d = digest(&tar);
+        let record = store.add_layer(&d, tar.as_slice()).unwrap();
+        assert_eq!(record.unpacked_bytes, 2);
+        assert!(store.has_layer(&d));
+        assert_eq!(
+            fs::read(store.layer_dir(&d).unwrap().join("etc/hello")).unwrap(),
+            b"hi"
+        );
+        // A second add does not read the blob at all.
+        store.add_layer(&d, io::empty()).unwrap();
+        // A blob that does not match its digest leaves nothing behind.
+        let other = layer_tar(&[("x", b"x")]);
+        let wrong = digest(b"something else");
+        assert!(matches!(
+            store.add_layer(&wrong, other.as_slice()),
+            Err(StoreError::DigestMismatch { .. })
+        ));
+        assert!(!store.has_layer(&wrong));
+        assert_eq!(fs::read_dir(dir.path().join("tmp")).unwrap().count(), 0);
+        assert!(matches!(
+            store.add_layer("md5:abc", other.as_slice()),
+            Err(StoreError::BadDigest(_))
+        ));
+    }
+
+    #[test]
+    fn images_share_layers_and_gc_keeps_what_is_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let base = layer_tar(&[("base", b"b")]);
+        let top = layer_tar(&[("top", b"t")]);
+        let blobs = tempfile::tempdir().unwrap();
+        let staged = |layers: &[&Vec<u8>]| StagedImage {
+            config: br#"{"config":{"Env":["A=1"]}}"#.to_vec(),
+            layers: layers
+                .iter()
+                .map(|bytes| {
+                    let d = digest(bytes);
+                    let path = blobs.path().join(&d[7..]);
+                    fs::write(&path, bytes).unwrap();
+                    StagedLayer { digest: d, path }
+                })
+                .collect(),
+            format: "oci-layout",
+        };
+        let one = store
+            .import_staged("one", &staged(&[&base]), "oci-layout")
+            .unwrap();
+        let two = store
+            .import_staged("two", &staged(&[&base, &top]), "oci-layout")
+            .unwrap();
+        assert_eq!(one.layers[0], two.layers[0]);
+        assert_eq!(store.image_layer_dirs("two").unwrap().len(), 2);
+        assert!(matches!(
+            store.import_staged("one", &staged(&[&base]), "x"),
+            Err(StoreError::Exists(_))
+        ));
+        assert_eq!(store.images().unwrap().len(), 2);
+        store.remove_image("two").unwrap();
+        // The top layer is kept while a run still uses it, then collected.
+        assert!(store.gc(&[digest(&top)]).unwrap().is_empty());
+        assert_eq!(store.gc(&[]).unwrap(), vec![digest(&top)]);
+        assert!(store.has_layer(&digest(&base)));
+        store.remove_image("one").unwrap();
+        assert_eq!(store.gc(&[]).unwrap(), vec![digest(&base)]);
+        assert!(matches!(store.image("one"), Err(StoreError::NoImage(_))));
+    }
+
+    #[test]
+    fn open_clears_unfinished_work() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(store(dir.path()));
+        let half = dir.path().join("layers").join("a".repeat(64));
+        fs::create_dir_all(&half).unwrap();
+        fs::create_dir_all(dir.path().join("tmp/leftover")).unwrap();
+        drop(store(dir.path()));
+        assert!(!half.exists());
+        assert!(!dir.path().join("tmp/leftover").exists());
+    }
+}
