@@ -225,8 +225,25 @@ async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
         let file = tokio::fs::File::open(source)
             .await
             .with_context(|| format!("cannot open {}", source.display()))?;
-        let body = UploadBody::from_file(file).await?;
-        conn.check(conn.client.import_image(&args.name, body).await)?
+        let len = file
+            .metadata()
+            .await
+            .ok()
+            .filter(|m| m.is_file())
+            .map(|m| m.len());
+        // Upload progress; the daemon then unpacks and answers when the
+        // image is stored.
+        let bar = indicatif::ProgressBar::new(len.unwrap_or(0)).with_style(
+            indicatif::ProgressStyle::with_template(
+                "{prefix} {bar:30} {bytes}/{total_bytes} {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar.set_prefix(format!("uploading {}", source.display()));
+        let body = UploadBody::from_reader(bar.wrap_async_read(file), len);
+        let result = conn.client.import_image(&args.name, body).await;
+        bar.finish_and_clear();
+        conn.check(result)?
     };
     println!("{}", image.name);
     Ok(ExitCode::SUCCESS)
