@@ -258,14 +258,8 @@ fn read_bounded(path: &Path, what: &str) -> Result<Vec<u8>, LayoutError> {
 
 /// The path of blob `digest` in an OCI layout, refusing anything but sha256.
 fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf, LayoutError> {
-    let hex = digest
-        .strip_prefix("sha256:")
-        .filter(|h| {
-            h.len() == 64
-                && h.bytes()
-                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        })
-        .ok_or_else(|| LayoutError::Bad(format!("digest {digest:?} is not a sha256 digest")))?;
+    let hex = crate::store::digest_hex(digest)
+        .map_err(|_| LayoutError::Bad(format!("digest {digest:?} is not a sha256 digest")))?;
     Ok(dir.join("blobs").join("sha256").join(hex))
 }
 
@@ -277,7 +271,8 @@ pub fn file_digest(path: &Path) -> Result<String, LayoutError> {
     Ok(format!("sha256:{}", hex(&hasher.finalize())))
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// Lower-case hex of `bytes`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::layout::StagedImage;
+use crate::layout::{hex, StagedImage};
 use crate::unpack::{self, UnpackLimits};
 
 /// Why a store operation failed.
@@ -440,10 +440,6 @@ impl<R: Read> Read for HashingReader<R> {
         self.hasher.update(&buf[..n]);
         Ok(n)
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn corrupt(path: &Path, e: impl std::fmt::Display) -> StoreError {
