@@ -73,9 +73,17 @@ fuzz_target!(|data: &[u8]| {
         .collect();
     names.sort();
     assert_eq!(names, ["dest", "sentinel", "victim"], "wrote next to dest");
-    assert_eq!(fs::read_dir(&sentinel).unwrap().count(), 0, "wrote into sentinel");
+    assert_eq!(
+        fs::read_dir(&sentinel).unwrap().count(),
+        0,
+        "wrote into sentinel"
+    );
     assert_eq!(fs::read(&victim).unwrap(), VICTIM_TEXT, "changed victim");
-    assert_eq!(fs::metadata(&victim).unwrap().nlink(), 1, "hard-linked victim");
+    assert_eq!(
+        fs::metadata(&victim).unwrap().nlink(),
+        1,
+        "hard-linked victim"
+    );
     check_tree(&dest);
 });
 
