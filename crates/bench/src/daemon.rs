@@ -5,7 +5,8 @@
 //! filesystem, remembering every run it creates, and tearing all of it down
 //! again: runs deleted through the API, the daemon stopped by its pid, then
 //! `runbox serve --teardown` for whatever is left. [`Drop`] does the last two
-//! steps too, so an error or a panic does not leave containers behind.
+//! steps too, so an error or a panic does not leave containers behind. The
+//! images phase also imports, pulls and deletes images through it.
 //!
 //! It does not time anything; `main` does.
 
@@ -15,8 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use runbox_client::{Client, UploadBody};
-use runbox_types::{CreateRunRequest, Run};
+use futures::StreamExt as _;
+use runbox_client::{Client, PullUpdate, UploadBody};
+use runbox_types::{CreateRunRequest, Image, PullEvent, PullRequest, Run};
 use ulid::Ulid;
 
 /// How long the daemon may take to start (it starts a probe container).
@@ -28,7 +30,11 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Bound on any single API call made outside the timed sections.
 const API_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The image every run of the benchmark uses.
+/// Bound on an import or a pull of a large image (hundreds of MiB on a slow,
+/// busy host), outside or inside the timed sections alike.
+pub const IMAGE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The image every run of the exec and create phases uses.
 pub const IMAGE: &str = "base";
 
 /// A running daemon.
@@ -148,11 +154,68 @@ impl Daemon {
         Ok(())
     }
 
+    /// Imports the image archive at `path` (an OCI layout tarball here) as
+    /// `name`, streaming it from the file.
+    pub async fn import_file(&self, name: &str, path: &Path) -> anyhow::Result<Image> {
+        let file = tokio::fs::File::open(path)
+            .await
+            .with_context(|| format!("opening {}", path.display()))?;
+        let body = UploadBody::from_file(file).await?;
+        tokio::time::timeout(IMAGE_TIMEOUT, self.client.import_image(name, body))
+            .await
+            .with_context(|| format!("importing image {name} timed out"))?
+            .with_context(|| format!("importing image {name}; log:\n{}", self.log_tail()))
+    }
+
+    /// `POST /v1/images/pull` of `reference` as `name`, until the `done`
+    /// event. Returns the image and every progress event, in order.
+    pub async fn pull(
+        &self,
+        reference: &str,
+        name: &str,
+    ) -> anyhow::Result<(Image, Vec<PullEvent>)> {
+        let req = PullRequest {
+            reference: reference.to_owned(),
+            name: Some(name.to_owned()),
+            ..Default::default()
+        };
+        let pull = async {
+            let mut stream = self.client.pull_image(&req).await?;
+            let mut events = Vec::new();
+            while let Some(update) = stream.next().await {
+                match update? {
+                    PullUpdate::Progress(event) => events.push(event),
+                    PullUpdate::Done(image) => return Ok((image, events)),
+                }
+            }
+            bail!("the pull stream ended without a result")
+        };
+        tokio::time::timeout(IMAGE_TIMEOUT, pull)
+            .await
+            .with_context(|| format!("pulling {reference} timed out"))?
+            .with_context(|| format!("pulling {reference}; log:\n{}", self.log_tail()))
+    }
+
+    /// `DELETE /v1/images/{name}`; the daemon then removes the layers no
+    /// other image uses before it answers.
+    pub async fn delete_image(&self, name: &str) -> anyhow::Result<()> {
+        tokio::time::timeout(IMAGE_TIMEOUT, self.client.delete_image(name))
+            .await
+            .with_context(|| format!("deleting image {name} timed out"))?
+            .with_context(|| format!("deleting image {name}; log:\n{}", self.log_tail()))
+    }
+
     /// `POST /v1/runs` of [`IMAGE`] with default settings, remembering the
     /// run for cleanup. Not bounded by a timeout: callers time it.
     pub async fn create_run(&mut self) -> anyhow::Result<Run> {
+        self.create_run_of(IMAGE).await
+    }
+
+    /// `POST /v1/runs` of `image` with default settings, remembering the
+    /// run for cleanup. Not bounded by a timeout: callers time it.
+    pub async fn create_run_of(&mut self, image: &str) -> anyhow::Result<Run> {
         let req = CreateRunRequest {
-            image: IMAGE.into(),
+            image: image.into(),
             ..Default::default()
         };
         let run = self

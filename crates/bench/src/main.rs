@@ -1,8 +1,8 @@
 //! `runbox-bench`: runbox's exec and start-up latency, measured side by side
 //! with the raw OCI runtimes it drives (and bubblewrap as a floor), on the
-//! same busybox root filesystem, in one invocation.
+//! same busybox root filesystem, and what images cost, in one invocation.
 //!
-//! Two phases, each a table:
+//! Three phases, each one or more tables:
 //!
 //! - **exec**: the round trip of `/bin/true` in a container that is already
 //!   running. runbox: `POST /v1/runs/{id}/exec` until the exit event
@@ -15,6 +15,15 @@
 //!   is timed on its own, outside the total). Baseline: `<runtime> run` of a
 //!   bundle built with runbox's own config builder whose process is
 //!   `/bin/true`. Reference: `bwrap --unshare-all`.
+//! - **images** (see `images` for the generated layer): (1) unpacking a
+//!   `--image-mib` layer, plain and gzip, with the image store's `add_layer`
+//!   into a fresh store, next to GNU `tar -xf` into a fresh directory;
+//!   (2) create + first exec from a busybox-only image and from busybox plus
+//!   that layer, on every daemon; (3) with `docker-registry` and `skopeo`
+//!   installed: `POST /v1/images/pull` of the large image from a registry on
+//!   loopback, with no layer stored (fresh) and with every layer stored
+//!   (cached), each followed by create + first exec from what it pulled, on a
+//!   daemon of its own.
 //!
 //! Steps:
 //! 1. build the busybox rootfs (`scripts/mkimage-busybox`) in a work dir;
@@ -22,10 +31,12 @@
 //!    state dir, import the rootfs, create the run the exec phase uses;
 //! 3. per phase: warm-up iterations, then measured ones; every iteration runs
 //!    each case once, in an order rotated by one each time, so drift on a
-//!    noisy host spreads over all cases alike;
+//!    noisy host spreads over all cases alike (the pull cases cannot rotate:
+//!    a cached pull needs the fresh one before it);
 //! 4. clean up, also after an error or SIGINT/SIGTERM: delete the runs
 //!    through the API, stop each daemon by pid, `runbox serve --teardown`,
-//!    force-delete the bench's own containers, remove its cgroups;
+//!    stop the registry by pid, force-delete the bench's own containers,
+//!    remove its cgroups and the work directory;
 //! 5. print the tables, and write every sample as JSON with `--json FILE`.
 //!
 //! What it does not do: assert anything. The numbers are reported, never
@@ -34,6 +45,8 @@
 //! scripts/build-agent --release`.
 
 mod daemon;
+mod image_tables;
+mod images;
 mod raw;
 mod report;
 mod stats;
@@ -50,6 +63,7 @@ use runbox_types::{ExecRequest, Limits};
 use ulid::Ulid;
 
 use crate::daemon::Daemon;
+use crate::images::{Fixture, Format, Registry, Unpack};
 use crate::raw::Bundle;
 use crate::report::{Host, Phase, Report, Role, Series};
 
@@ -58,21 +72,34 @@ use crate::report::{Host, Phase, Report, Role, Series};
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Measures runbox's exec round trip and create-to-first-exec next to raw
-/// runc/crun (and bubblewrap). Needs root.
+/// runc/crun (and bubblewrap), and what images cost: unpacking one next to
+/// GNU tar, starting from a small and a large one, pulling one. Needs root.
 #[derive(Debug, Parser)]
 #[command(name = "runbox-bench", version)]
 struct Args {
-    /// Measured iterations per case in both phases; the two flags below
-    /// override it per phase.
+    /// Measured iterations per case in the exec and create phases (and the
+    /// images phase's start-cost table); the two flags below override it.
     #[arg(long)]
     iterations: Option<usize>,
     /// Measured iterations per case of the exec phase [default: 200].
     #[arg(long)]
     exec_iterations: Option<usize>,
-    /// Measured iterations per case of the create phase [default: 30].
+    /// Measured iterations per case of the create phase, and of the images
+    /// phase's start-cost table [default: 30].
     #[arg(long)]
     create_iterations: Option<usize>,
-    /// Unmeasured iterations per case before each phase.
+    /// Measured iterations per case of the images phase's unpack and pull
+    /// tables (each takes seconds).
+    #[arg(long, default_value_t = 10)]
+    image_iterations: usize,
+    /// Unmeasured iterations per case before the unpack and pull tables.
+    #[arg(long, default_value_t = 1)]
+    image_warmup: usize,
+    /// MiB of file data in the images phase's generated layer.
+    #[arg(long, default_value_t = 200)]
+    image_mib: u64,
+    /// Unmeasured iterations per case before each phase (the images phase's
+    /// start-cost table included; see --image-warmup for the others).
     #[arg(long, default_value_t = 10)]
     warmup: usize,
     /// OCI runtimes to compare, comma-separated [default: those of runc and
@@ -80,7 +107,7 @@ struct Args {
     #[arg(long, value_delimiter = ',')]
     runtimes: Vec<String>,
     /// Phases to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "exec,create")]
+    #[arg(long, value_delimiter = ',', default_value = "exec,create,images")]
     phases: Vec<PhaseName>,
     /// The `runbox` binary [default: beside this one].
     #[arg(long)]
@@ -91,6 +118,10 @@ struct Args {
     /// Leave out bubblewrap even when it is installed.
     #[arg(long)]
     no_bwrap: bool,
+    /// Leave out the registry pulls even when docker-registry and skopeo
+    /// are installed.
+    #[arg(long)]
+    no_pull: bool,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -100,6 +131,7 @@ struct Args {
 enum PhaseName {
     Exec,
     Create,
+    Images,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -123,6 +155,21 @@ struct Plan {
     warmup: usize,
     exec_iterations: Option<usize>,
     create_iterations: Option<usize>,
+    images: Option<ImagePlan>,
+}
+
+/// What the images phase does, when it runs.
+struct ImagePlan {
+    /// Measured iterations of the unpack and pull tables.
+    iterations: usize,
+    /// Their warm-up iterations.
+    warmup: usize,
+    /// Measured iterations of the start-cost table.
+    start_iterations: usize,
+    /// MiB of file data in the generated layer.
+    mib: u64,
+    /// Whether to measure registry pulls.
+    pull: bool,
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
@@ -140,6 +187,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
         daemons: Vec::new(),
         exec_runs: Vec::new(),
         bundles: Vec::new(),
+        fixture: None,
+        registry: None,
+        pull_daemon: None,
+        unpacks: 0,
     };
     // The measurement is dropped mid-way on a signal; every resource it made
     // is recorded in `bench` first, so cleanup finds it either way.
@@ -208,9 +259,24 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
     let exec_iterations = args.exec_iterations.or(args.iterations).unwrap_or(200);
     let create_iterations = args.create_iterations.or(args.iterations).unwrap_or(30);
     ensure!(
-        exec_iterations > 0 && create_iterations > 0,
+        exec_iterations > 0 && create_iterations > 0 && args.image_iterations > 0,
         "iterations must be at least 1"
     );
+    ensure!(args.image_mib > 0, "--image-mib must be at least 1");
+    let images = args.phases.contains(&PhaseName::Images);
+    let pull = images && !args.no_pull && images::registry_tools();
+    if images && !args.no_pull && !pull {
+        eprintln!(
+            "runbox-bench: docker-registry or skopeo not found (scripts/test-registry); \
+             leaving out the pulls"
+        );
+    }
+    if images {
+        ensure!(
+            raw::installed("tar"),
+            "`tar --version` does not run (the images phase compares with GNU tar)"
+        );
+    }
     Ok(Plan {
         runbox,
         agent,
@@ -225,6 +291,13 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Create)
             .then_some(create_iterations),
+        images: images.then_some(ImagePlan {
+            iterations: args.image_iterations,
+            warmup: args.image_warmup,
+            start_iterations: create_iterations,
+            mib: args.image_mib,
+            pull,
+        }),
     })
 }
 
@@ -260,6 +333,11 @@ enum Case {
     RuntimeRun(usize),
     /// `bwrap --unshare-all /bin/true`.
     Bwrap,
+    /// Unpacking the generated layer once.
+    Unpack(Unpack),
+    /// runbox create + first exec (+ delete, timed apart) on daemon `i` of
+    /// the small (`false`) or the large (`true`) image.
+    StartFrom(usize, bool),
 }
 
 /// What one step of a case measured: the total, and its parts where the
@@ -286,6 +364,15 @@ struct Bench {
     exec_runs: Vec<Ulid>,
     /// Per runtime, the bundle the create phase runs.
     bundles: Vec<Bundle>,
+    /// The images phase's layer and layouts, once built.
+    fixture: Option<std::sync::Arc<Fixture>>,
+    /// The local registry of the pull cases.
+    registry: Option<Registry>,
+    /// The daemon the pull cases use: its own, so that no other image
+    /// shares the pulled layers.
+    pull_daemon: Option<Daemon>,
+    /// Unpacks done so far; each goes into `<work>/unpack/<n>`.
+    unpacks: usize,
 }
 
 impl Bench {
@@ -362,9 +449,14 @@ impl Bench {
                 series,
             ));
         }
+        let images = match &plan.images {
+            Some(images) => Some(self.images(plan, images, &tar).await?),
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             phases,
+            images,
         })
     }
 
@@ -394,6 +486,19 @@ impl Bench {
         warmup: usize,
         iterations: usize,
     ) -> anyhow::Result<Vec<Series>> {
+        let series = self.phase_by_case(name, cases, warmup, iterations).await?;
+        Ok(series.into_iter().flatten().collect())
+    }
+
+    /// [`Bench::phase`], with the series grouped by case: the total first,
+    /// then its parts.
+    async fn phase_by_case(
+        &mut self,
+        name: &str,
+        cases: &[Case],
+        warmup: usize,
+        iterations: usize,
+    ) -> anyhow::Result<Vec<Vec<Series>>> {
         let mut series: Vec<Vec<Series>> = cases.iter().map(|c| vec![self.series(*c)]).collect();
         let rounds = warmup + iterations;
         let every = (rounds / 10).max(1);
@@ -429,7 +534,7 @@ impl Bench {
                 );
             }
         }
-        Ok(series.into_iter().flatten().collect())
+        Ok(series)
     }
 
     /// An empty series for `case`'s total.
@@ -464,6 +569,29 @@ impl Bench {
                 (format!("{rt} run"), Role::Baseline, Some(rt))
             }
             Case::Bwrap => ("bwrap --unshare-all".to_owned(), Role::Reference, None),
+            Case::Unpack(how) => {
+                let label = match how {
+                    Unpack::AddLayer(Format::Plain) => "runbox Store::add_layer, plain",
+                    Unpack::Unpacker => "runbox unpack_layer alone (no digest), plain",
+                    Unpack::Tar(Format::Plain) => "tar -xf, plain",
+                    Unpack::AddLayer(Format::Gzip) => "runbox Store::add_layer, gzip",
+                    Unpack::Tar(Format::Gzip) => "tar -xzf, gzip",
+                };
+                let role = match how {
+                    Unpack::Tar(_) => Role::Baseline,
+                    _ => Role::Runbox,
+                };
+                (label.to_owned(), role, None)
+            }
+            Case::StartFrom(i, large) => {
+                let rt = self.daemons[i].runtime.as_str();
+                let image = if large { "large" } else { "small" };
+                (
+                    format!("create + first exec, {image} image ({rt})"),
+                    Role::Runbox,
+                    Some(rt),
+                )
+            }
         };
         Series {
             label,
@@ -505,32 +633,27 @@ impl Bench {
                     .await
                     .map(Measured::from)
             }
-            Case::RunboxCreate(i) => {
-                let daemon = &mut self.daemons[i];
-                let start = Instant::now();
-                let run = tokio::time::timeout(CALL_TIMEOUT, daemon.create_run())
-                    .await
-                    .context("POST /v1/runs timed out")??;
-                let created = Instant::now();
-                let exec = runbox_true(&daemon.client, &run.id.to_string())
-                    .await
-                    .with_context(|| format!("daemon log:\n{}", daemon.log_tail()))?;
-                let total = created.duration_since(start) + exec;
-                let deleting = Instant::now();
-                daemon.delete_run(run.id).await?;
-                Ok(Measured {
-                    total,
-                    parts: vec![
-                        ("POST /v1/runs", created.duration_since(start)),
-                        ("first exec", exec),
-                        ("DELETE, not in the total", deleting.elapsed()),
-                    ],
-                })
-            }
+            Case::RunboxCreate(i) => create_first_exec(&mut self.daemons[i], daemon::IMAGE).await,
             Case::RuntimeRun(i) => self.bundles[i].run(&stderr).await.map(Measured::from),
             Case::Bwrap => raw::bwrap(&self.rootfs(), &stderr)
                 .await
                 .map(Measured::from),
+            Case::Unpack(how) => {
+                let fixture = self.fixture.as_ref().context("no image fixture")?;
+                self.unpacks += 1;
+                let scratch = self.work.join("unpack").join(self.unpacks.to_string());
+                images::unpack_once(fixture, &scratch, how, &stderr)
+                    .await
+                    .map(Measured::from)
+            }
+            Case::StartFrom(i, large) => {
+                let image = if large {
+                    images::LARGE_IMAGE
+                } else {
+                    images::SMALL_IMAGE
+                };
+                create_first_exec(&mut self.daemons[i], image).await
+            }
         }
     }
 
@@ -539,10 +662,41 @@ impl Bench {
         for daemon in self.daemons.drain(..) {
             daemon.shutdown().await;
         }
+        if let Some(daemon) = self.pull_daemon.take() {
+            daemon.shutdown().await;
+        }
+        if let Some(mut registry) = self.registry.take() {
+            registry.stop();
+        }
         for bundle in &self.bundles {
             bundle.cleanup();
         }
     }
+}
+
+/// `POST /v1/runs` of `image` on `daemon`, then `/bin/true` in it until its
+/// exit event: the total and its two steps, and the run's `DELETE`, timed
+/// apart and not in the total.
+async fn create_first_exec(daemon: &mut Daemon, image: &str) -> anyhow::Result<Measured> {
+    let start = Instant::now();
+    let run = tokio::time::timeout(CALL_TIMEOUT, daemon.create_run_of(image))
+        .await
+        .context("POST /v1/runs timed out")??;
+    let created = Instant::now();
+    let exec = runbox_true(&daemon.client, &run.id.to_string())
+        .await
+        .with_context(|| format!("daemon log:\n{}", daemon.log_tail()))?;
+    let total = created.duration_since(start) + exec;
+    let deleting = Instant::now();
+    daemon.delete_run(run.id).await?;
+    Ok(Measured {
+        total,
+        parts: vec![
+            ("POST /v1/runs", created.duration_since(start)),
+            ("first exec", exec),
+            ("DELETE, not in the total", deleting.elapsed()),
+        ],
+    })
 }
 
 /// Execs `/bin/true` in run `id` and times it from sending the request to
@@ -601,6 +755,16 @@ fn host_info(plan: &Plan) -> Host {
     }
     if plan.bwrap {
         tools.insert("bwrap".to_owned(), raw::version("bwrap"));
+    }
+    if let Some(images) = &plan.images {
+        tools.insert("tar".to_owned(), raw::version("tar"));
+        if images.pull {
+            tools.insert("skopeo".to_owned(), raw::version("skopeo"));
+            tools.insert(
+                "docker-registry".to_owned(),
+                raw::version("docker-registry"),
+            );
+        }
     }
     Host {
         cpu,

@@ -70,8 +70,19 @@ pub fn version(program: &str) -> String {
 /// or an error carrying its stderr when it failed.
 ///
 /// Cancellation: dropping the future kills the command (`kill_on_drop`); a
-/// runtime killed half-way may leave a container, which [`cleanup`] removes.
-async fn timed(mut cmd: Command, stderr_file: &Path) -> anyhow::Result<Duration> {
+/// runtime killed half-way may leave a container, which [`Bundle::cleanup`]
+/// removes.
+async fn timed(cmd: Command, stderr_file: &Path) -> anyhow::Result<Duration> {
+    timed_within(cmd, stderr_file, COMMAND_TIMEOUT).await
+}
+
+/// [`timed`] with its own bound, for commands that take seconds (`tar -xf`
+/// of a large layer).
+pub async fn timed_within(
+    mut cmd: Command,
+    stderr_file: &Path,
+    limit: Duration,
+) -> anyhow::Result<Duration> {
     let stderr = std::fs::File::create(stderr_file).context("creating the stderr file")?;
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -79,9 +90,9 @@ async fn timed(mut cmd: Command, stderr_file: &Path) -> anyhow::Result<Duration>
         .process_group(0)
         .kill_on_drop(true);
     let start = Instant::now();
-    let status = tokio::time::timeout(COMMAND_TIMEOUT, cmd.status())
+    let status = tokio::time::timeout(limit, cmd.status())
         .await
-        .with_context(|| format!("{cmd:?} did not finish within {COMMAND_TIMEOUT:?}"))?
+        .with_context(|| format!("{cmd:?} did not finish within {limit:?}"))?
         .with_context(|| format!("spawning {cmd:?}"))?;
     let elapsed = start.elapsed();
     if !status.success() {

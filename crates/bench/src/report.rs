@@ -2,8 +2,11 @@
 //! phase on stdout, and optionally one JSON document with every sample
 //! (`--json FILE`).
 //!
-//! Owns the layout and the ratios: every row's median divided by the median
-//! of each raw runtime's own row in the same phase. It does not measure.
+//! Owns the layout and the ratios: in the exec and create phases, every
+//! row's median divided by the median of each raw runtime's own row in the
+//! same phase; in the image tables, a row's median divided by the one row it
+//! is compared with, and throughput (MB/s, 10^6 bytes per second) at the
+//! median. It does not measure.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -142,8 +145,147 @@ pub struct Host {
 pub struct Report {
     /// The host.
     pub host: Host,
-    /// The phases, in the order they ran.
+    /// The exec and create phases, in the order they ran.
     pub phases: Vec<Phase>,
+    /// The images phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub images: Option<ImageReport>,
+}
+
+/// What the images phase's generated layer holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LayerShape {
+    /// Files of 15 % of the data each.
+    pub large_files: u64,
+    /// Files of 64 KiB to 1 MiB.
+    pub medium_files: u64,
+    /// Files of 0 to 8 KiB.
+    pub small_files: u64,
+    /// Directories.
+    pub dirs: u64,
+    /// Bytes of file data: what the MB/s figures count.
+    pub file_bytes: u64,
+    /// Size of the uncompressed tarball.
+    pub plain_bytes: u64,
+    /// Size of the gzip blob.
+    pub gzip_bytes: u64,
+}
+
+/// The images phase: the layer it generated and its tables.
+#[derive(Debug, Serialize)]
+pub struct ImageReport {
+    /// The generated layer.
+    pub layer: LayerShape,
+    /// Unpack throughput, start cost, pulls; those that ran.
+    pub tables: Vec<Table>,
+}
+
+/// One row of an image table, before it is summarised.
+#[derive(Debug)]
+pub struct TableSeries {
+    /// The samples and what they are.
+    pub series: Series,
+    /// Bytes of file data each sample handled, for a MB/s figure.
+    pub bytes: Option<u64>,
+    /// The row (an index into the same table) whose median this row's
+    /// median is divided by.
+    pub versus: Option<usize>,
+}
+
+/// One summarised row of an image table.
+#[derive(Debug, Serialize)]
+pub struct TableRow {
+    /// What was timed.
+    pub label: String,
+    /// How to read it.
+    pub role: Role,
+    /// The figures.
+    #[serde(flatten)]
+    pub summary: Summary,
+    /// Bytes of file data each sample handled.
+    pub bytes: Option<u64>,
+    /// `bytes` divided by the median time, in 10^6 bytes per second.
+    pub mb_per_s_p50: Option<f64>,
+    /// The row this one is compared with.
+    pub versus: Option<String>,
+    /// This row's median divided by that row's.
+    pub p50_ratio: Option<f64>,
+    /// Every sample in milliseconds, in the order taken.
+    pub samples_ms: Vec<f64>,
+}
+
+/// One image table.
+#[derive(Debug, Serialize)]
+pub struct Table {
+    /// Short name (`unpack`, `start`, `pull`).
+    pub name: String,
+    /// Heading.
+    pub title: String,
+    /// What the table times, one paragraph.
+    pub description: String,
+    /// Warm-up iterations per case, not counted.
+    pub warmup: usize,
+    /// Measured iterations per case.
+    pub iterations: usize,
+    /// The rows, in the order given.
+    pub rows: Vec<TableRow>,
+}
+
+impl Table {
+    /// Summarises `rows`, computing throughput and ratios. A row without
+    /// samples is left out (and so is any ratio to it).
+    pub fn new(
+        name: &str,
+        title: &str,
+        description: &str,
+        warmup: usize,
+        iterations: usize,
+        rows: Vec<TableSeries>,
+    ) -> Table {
+        let summaries: Vec<Option<Summary>> =
+            rows.iter().map(|r| summarize(&r.series.samples)).collect();
+        let labels: Vec<String> = rows.iter().map(|r| r.series.label.clone()).collect();
+        let rows = rows
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, row)| {
+                let summary = summaries[i]?;
+                let reference = row
+                    .versus
+                    .and_then(|v| Some((labels.get(v)?.clone(), (*summaries.get(v)?)?)));
+                let p50_ratio = reference
+                    .as_ref()
+                    .filter(|(_, s)| s.p50_ms > 0.0)
+                    .map(|(_, s)| summary.p50_ms / s.p50_ms);
+                Some(TableRow {
+                    mb_per_s_p50: row
+                        .bytes
+                        .filter(|_| summary.p50_ms > 0.0)
+                        .map(|b| b as f64 / 1e6 / (summary.p50_ms / 1e3)),
+                    bytes: row.bytes,
+                    samples_ms: row
+                        .series
+                        .samples
+                        .iter()
+                        .map(|d| d.as_secs_f64() * 1e3)
+                        .collect(),
+                    label: row.series.label,
+                    role: row.series.role,
+                    summary,
+                    versus: reference.map(|(label, _)| label),
+                    p50_ratio,
+                })
+            })
+            .collect();
+        Table {
+            name: name.to_owned(),
+            title: title.to_owned(),
+            description: description.to_owned(),
+            warmup,
+            iterations,
+            rows,
+        }
+    }
 }
 
 /// The report as Markdown: a host line, then one table per phase.
@@ -200,7 +342,79 @@ pub fn markdown(report: &Report) -> String {
             out.push('\n');
         }
     }
+    if let Some(images) = &report.images {
+        images_markdown(&mut out, images);
+    }
     out
+}
+
+/// The images phase as Markdown: the layer, then one table per part.
+fn images_markdown(out: &mut String, images: &ImageReport) {
+    let l = &images.layer;
+    let mb = |b: u64| b as f64 / 1e6;
+    let _ = writeln!(
+        out,
+        "\n## Images\n\nGenerated layer: {} files ({} large, {} of 64 KiB to 1 MiB, {} of 0 to 8 KiB) \
+         in {} directories, {:.1} MB of file data; {:.1} MB as a plain tarball, {:.1} MB gzipped \
+         ({:.0} % of the tarball). MB/s is 10^6 bytes of file data per second, at the median.",
+        l.large_files + l.medium_files + l.small_files,
+        l.large_files,
+        l.medium_files,
+        l.small_files,
+        l.dirs,
+        mb(l.file_bytes),
+        mb(l.plain_bytes),
+        mb(l.gzip_bytes),
+        if l.plain_bytes > 0 {
+            100.0 * l.gzip_bytes as f64 / l.plain_bytes as f64
+        } else {
+            0.0
+        },
+    );
+    for table in &images.tables {
+        let _ = writeln!(out, "\n### {}\n", table.title);
+        let _ = writeln!(
+            out,
+            "{} {} measured iterations per case, after {} warm-up iterations.\n",
+            table.description, table.iterations, table.warmup
+        );
+        let throughput = table.rows.iter().any(|r| r.mb_per_s_p50.is_some());
+        let mut header = String::from("| case | n | p50 ms | p95 ms | mean ms |");
+        let mut rule = String::from("|---|--:|--:|--:|--:|");
+        if throughput {
+            header.push_str(" MB/s |");
+            rule.push_str("--:|");
+        }
+        header.push_str(" p50 ÷ the row compared with |");
+        rule.push_str("---|");
+        let _ = writeln!(out, "{header}\n{rule}");
+        for row in &table.rows {
+            let s = &row.summary;
+            let label = match row.role {
+                Role::Part => format!("&nbsp;&nbsp;↳ {}", row.label),
+                _ => row.label.clone(),
+            };
+            let _ = write!(
+                out,
+                "| {label} | {} | {:.2} | {:.2} | {:.2} |",
+                s.n, s.p50_ms, s.p95_ms, s.mean_ms
+            );
+            if throughput {
+                match row.mb_per_s_p50 {
+                    Some(v) => {
+                        let _ = write!(out, " {v:.1} |");
+                    }
+                    None => out.push_str(" – |"),
+                }
+            }
+            match (row.p50_ratio, &row.versus) {
+                (Some(ratio), Some(versus)) => {
+                    let _ = writeln!(out, " {ratio:.2}× {versus} |");
+                }
+                _ => out.push_str(" – |\n"),
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -245,10 +459,72 @@ mod tests {
                 tools: BTreeMap::new(),
             },
             phases: vec![phase],
+            images: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
         ));
         assert!(table.contains("| runbox exec (runc) | 3 | 2.00 | 2.00 | 2.00 | 0.50× | 2.00× |"));
+    }
+
+    #[test]
+    fn image_tables_compare_with_one_row_and_give_throughput() {
+        let row = |label: &str, role, ms: &[u64], bytes, versus| TableSeries {
+            series: series(label, role, None, ms),
+            bytes,
+            versus,
+        };
+        let table = Table::new(
+            "unpack",
+            "Unpack",
+            "x",
+            1,
+            2,
+            vec![
+                row(
+                    "add_layer",
+                    Role::Runbox,
+                    &[500, 500],
+                    Some(100_000_000),
+                    Some(2),
+                ),
+                row("nothing", Role::Runbox, &[], None, None),
+                row(
+                    "tar -xf",
+                    Role::Baseline,
+                    &[250, 250],
+                    Some(100_000_000),
+                    None,
+                ),
+                row("to nothing", Role::Runbox, &[1], None, Some(1)),
+            ],
+        );
+        assert_eq!(table.rows.len(), 3, "a series without samples has no row");
+        let add = &table.rows[0];
+        assert!((add.mb_per_s_p50.unwrap() - 200.0).abs() < 1e-9);
+        assert!((add.p50_ratio.unwrap() - 2.0).abs() < 1e-9);
+        assert_eq!(add.versus.as_deref(), Some("tar -xf"));
+        assert_eq!(table.rows[2].p50_ratio, None);
+        assert_eq!(table.rows[2].versus, None, "no ratio to a missing row");
+        let text = markdown(&Report {
+            host: Host {
+                cpu: "cpu".into(),
+                cpus: 2,
+                kernel: "k".into(),
+                os: "os".into(),
+                cgroups: "v2".into(),
+                tools: BTreeMap::new(),
+            },
+            phases: Vec::new(),
+            images: Some(ImageReport {
+                layer: LayerShape::default(),
+                tables: vec![table],
+            }),
+        });
+        assert!(
+            text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),
+            "{text}"
+        );
+        assert!(text.contains("| tar -xf | 2 | 250.00 | 250.00 | 250.00 | 400.0 | – |"));
     }
 }
