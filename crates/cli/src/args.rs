@@ -2,7 +2,41 @@
 
 use std::collections::BTreeMap;
 
+use clap::Args;
+use runbox_client::LeaseCredential;
 use runbox_types::Env;
+
+/// `--owner`/`--generation`: act under a writable lease. Needed while a lease
+/// is active on the run; `runbox lease acquire` prints both.
+#[derive(Clone, Debug, Default, Args)]
+pub struct LeaseOpts {
+    /// Lease holder to act as (with --generation)
+    #[arg(
+        long,
+        env = "RUNBOX_LEASE_OWNER",
+        value_name = "NAME",
+        requires = "generation"
+    )]
+    pub owner: Option<String>,
+    /// Generation of that holder's lease (with --owner)
+    #[arg(
+        long,
+        env = "RUNBOX_LEASE_GENERATION",
+        value_name = "N",
+        requires = "owner"
+    )]
+    pub generation: Option<u64>,
+}
+
+impl LeaseOpts {
+    /// The credential, when both parts were given.
+    pub fn credential(&self) -> Option<LeaseCredential> {
+        Some(LeaseCredential {
+            owner: self.owner.clone()?,
+            generation: self.generation?,
+        })
+    }
+}
 
 /// One `--env K=V` argument.
 #[derive(Clone, Debug, PartialEq, Eq)]

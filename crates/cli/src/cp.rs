@@ -15,8 +15,9 @@ use std::process::ExitCode;
 
 use anyhow::{anyhow, bail, Context as _};
 use clap::Args;
-use runbox_client::UploadBody;
+use runbox_client::{LeaseCredential, UploadBody};
 
+use crate::args::LeaseOpts;
 use crate::connect::{Conn, ConnectOpts};
 
 /// `runbox cp`.
@@ -30,6 +31,9 @@ pub struct CpArgs {
     pub src: String,
     /// Destination: a local file or directory, `-` for stdout, or ID:PATH in a run
     pub dst: String,
+    /// Needed for uploads while a lease is active (downloads are always open)
+    #[command(flatten)]
+    pub lease: LeaseOpts,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -70,7 +74,9 @@ pub async fn run(args: CpArgs) -> anyhow::Result<ExitCode> {
     let transfer = plan(&args.src, &args.dst)?;
     let conn = args.conn.connect()?;
     match transfer {
-        Transfer::Upload { from, to } => upload(&conn, from, to).await?,
+        Transfer::Upload { from, to } => {
+            upload(&conn, from, to, args.lease.credential().as_ref()).await?
+        }
         Transfer::Download { from, to } => download(&conn, from, to).await?,
     }
     Ok(ExitCode::SUCCESS)
@@ -147,7 +153,12 @@ fn base_name(path: &Path) -> anyhow::Result<&str> {
         .ok_or_else(|| anyhow!("{} has no usable file name", path.display()))
 }
 
-async fn upload(conn: &Conn, from: Side, to: Remote) -> anyhow::Result<()> {
+async fn upload(
+    conn: &Conn,
+    from: Side,
+    to: Remote,
+    lease: Option<&LeaseCredential>,
+) -> anyhow::Result<()> {
     let (body, name) = match &from {
         Side::Stdio => (UploadBody::from_reader(tokio::io::stdin(), None), None),
         Side::Local(path) => {
@@ -175,7 +186,7 @@ async fn upload(conn: &Conn, from: Side, to: Remote) -> anyhow::Result<()> {
             to.id
         ),
     };
-    conn.check(conn.client.put_file(&to.id, &path, body).await)
+    conn.check(conn.client.put_file_as(&to.id, &path, lease, body).await)
         .with_context(|| format!("cannot upload to {}:/work/{path}", to.id))
 }
 

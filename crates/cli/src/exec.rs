@@ -24,7 +24,7 @@ use runbox_client::types::{ErrorCode, ExecRequest, ExitEvent, ExitReason};
 use runbox_client::{ClientError, ExecEvent};
 use tokio::io::{AsyncWrite, AsyncWriteExt as _};
 
-use crate::args::{env_map, parse_env_var, EnvVar};
+use crate::args::{env_map, parse_env_var, EnvVar, LeaseOpts};
 use crate::connect::ConnectOpts;
 
 /// What a shell reports for a process killed by SIGPIPE; used when our own
@@ -53,6 +53,8 @@ pub struct ExecArgs {
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     pub cmd: Vec<String>,
     #[command(flatten)]
+    pub lease: LeaseOpts,
+    #[command(flatten)]
     pub conn: ConnectOpts,
 }
 
@@ -64,6 +66,8 @@ pub async fn run(args: ExecArgs) -> anyhow::Result<ExitCode> {
         cwd: args.cwd,
         timeout_sec: args.timeout,
         env: env_map(args.env),
+        owner: args.lease.owner,
+        generation: args.lease.generation,
     };
     let mut events = match conn.client.exec(&args.id, &req).await {
         Ok(events) => events,

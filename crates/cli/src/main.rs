@@ -21,6 +21,7 @@ mod connect;
 mod cp;
 mod exec;
 mod image;
+mod lease;
 mod runs;
 mod serve;
 mod table;
@@ -64,6 +65,9 @@ enum Command {
     Rm(runs::RmArgs),
     /// Give a run a new time to live
     Renew(runs::RenewArgs),
+    /// Take, renew or release a run's writable lease
+    #[command(subcommand)]
+    Lease(lease::LeaseCommand),
     /// Import, list and delete images
     #[command(subcommand)]
     Image(image::ImageCommand),
@@ -111,6 +115,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Ls(args) => runs::ls(args).await,
         Command::Rm(args) => runs::rm(args).await,
         Command::Renew(args) => runs::renew(args).await,
+        Command::Lease(command) => lease::run(command).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,
     }
@@ -178,5 +183,51 @@ mod tests {
         assert_eq!(args.timeout, None);
         assert_eq!(args.cmd, ["ls", "--timeout", "5"]);
         assert!(Cli::try_parse_from(["runbox", "exec", "ID"]).is_err());
+    }
+
+    #[test]
+    fn lease_credentials_come_in_pairs() {
+        let parse = |argv: &[&str]| Cli::try_parse_from(argv).map(|cli| cli.command);
+        let cmd = parse(&[
+            "runbox",
+            "exec",
+            "ID",
+            "--owner",
+            "al",
+            "--generation",
+            "3",
+            "true",
+        ])
+        .unwrap();
+        assert!(
+            matches!(cmd, Command::Exec(a) if a.lease.credential().is_some_and(|c| c.owner == "al" && c.generation == 3))
+        );
+        assert!(parse(&["runbox", "exec", "ID", "--owner", "al", "true"]).is_err());
+        assert!(parse(&["runbox", "cp", "a", "ID:b", "--generation", "3"]).is_err());
+        assert!(parse(&[
+            "runbox",
+            "exec",
+            "ID",
+            "--owner",
+            "al",
+            "--generation",
+            "x",
+            "true"
+        ])
+        .is_err());
+        let cmd = parse(&[
+            "runbox",
+            "lease",
+            "release",
+            "ID",
+            "--owner",
+            "al",
+            "--generation",
+            "2",
+        ])
+        .unwrap();
+        assert!(
+            matches!(cmd, Command::Lease(lease::LeaseCommand::Release(a)) if a.generation == 2)
+        );
     }
 }

@@ -174,11 +174,17 @@ fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
                 run.limits.cpus.to_string(),
                 format!("{} MiB", run.limits.memory_mb),
                 table::until(run.expires_at, now),
+                match &run.lease {
+                    Some(lease) => format!("{} (gen {})", lease.holder, lease.generation),
+                    None => "-".to_owned(),
+                },
             ]
         })
         .collect();
     table::render(
-        &["ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "EXPIRES"],
+        &[
+            "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "EXPIRES", "LEASE",
+        ],
         &rows,
     )
 }
@@ -309,6 +315,11 @@ mod tests {
             created_at: now,
             expires_at: now + time::Duration::minutes(30),
             status: RunStatus::Running,
+            lease: Some(runbox_client::types::Lease {
+                holder: "alice".to_owned(),
+                generation: 4,
+                expires_at: now + time::Duration::minutes(5),
+            }),
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();
@@ -322,6 +333,7 @@ mod tests {
             "0.5",
             "1024 MiB",
             "in 30m00s",
+            "alice (gen 4)",
         ] {
             assert!(
                 lines[1].contains(cell),

@@ -43,8 +43,29 @@ use serde::de::DeserializeOwned;
 
 pub use runbox_types as types;
 use runbox_types::{
-    CreateRunRequest, ExecRequest, Health, Image, ImageList, RenewRequest, Run, RunList,
+    CreateRunRequest, ExecRequest, Health, Image, ImageList, Lease, LeaseReleaseRequest,
+    LeaseRenewRequest, LeaseRequest, LeaseResponse, RenewRequest, Run, RunList,
 };
+
+/// A writable lease's credential: who holds it and the generation the grant
+/// returned. Execs carry it in their body (`ExecRequest::owner`/`generation`),
+/// file writes in their query string.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LeaseCredential {
+    /// The holder's name.
+    pub owner: String,
+    /// The generation of its grant.
+    pub generation: u64,
+}
+
+impl From<&Lease> for LeaseCredential {
+    fn from(lease: &Lease) -> LeaseCredential {
+        LeaseCredential {
+            owner: lease.holder.clone(),
+            generation: lease.generation,
+        }
+    }
+}
 
 pub use body::{FileDownload, UploadBody};
 pub use error::{BoxError, ClientError};
@@ -159,6 +180,60 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/runs/{id}/lease`: takes the run's writable lease for
+    /// `ttl_sec` seconds (server default when `None`).
+    pub async fn acquire_lease(
+        &self,
+        id: &str,
+        owner: &str,
+        ttl_sec: Option<u64>,
+    ) -> Result<Lease, ClientError> {
+        let path = format!("{}/lease", run_path(id)?);
+        let req = LeaseRequest {
+            owner: owner.to_owned(),
+            ttl_sec,
+        };
+        let resp = self
+            .send(self.request(Method::POST, &path).json(&req))
+            .await?;
+        Ok(json::<LeaseResponse>(resp).await?.lease)
+    }
+
+    /// `POST /v1/runs/{id}/lease/renew`: extends the lease `lease` names.
+    pub async fn renew_lease(
+        &self,
+        id: &str,
+        lease: &LeaseCredential,
+        ttl_sec: Option<u64>,
+    ) -> Result<Lease, ClientError> {
+        let path = format!("{}/lease/renew", run_path(id)?);
+        let req = LeaseRenewRequest {
+            owner: lease.owner.clone(),
+            generation: lease.generation,
+            ttl_sec,
+        };
+        let resp = self
+            .send(self.request(Method::POST, &path).json(&req))
+            .await?;
+        Ok(json::<LeaseResponse>(resp).await?.lease)
+    }
+
+    /// `POST /v1/runs/{id}/lease/release`: gives the lease up.
+    pub async fn release_lease(
+        &self,
+        id: &str,
+        lease: &LeaseCredential,
+    ) -> Result<(), ClientError> {
+        let path = format!("{}/lease/release", run_path(id)?);
+        let req = LeaseReleaseRequest {
+            owner: lease.owner.clone(),
+            generation: lease.generation,
+        };
+        self.send(self.request(Method::POST, &path).json(&req))
+            .await?;
+        Ok(())
+    }
+
     /// `POST /v1/runs/{id}/exec`: starts a command and returns its events.
     ///
     /// A command that cannot start (not found, not executable, bad working
@@ -185,7 +260,22 @@ impl Client {
         path: &str,
         body: UploadBody,
     ) -> Result<(), ClientError> {
-        let url_path = format!("{}/files/{}", run_path(id)?, paths::file_path(path)?);
+        self.put_file_as(id, path, None, body).await
+    }
+
+    /// [`Client::put_file`] under a writable lease: `lease` is the holder's
+    /// credential, needed while a lease is active on the run.
+    pub async fn put_file_as(
+        &self,
+        id: &str,
+        path: &str,
+        lease: Option<&LeaseCredential>,
+        body: UploadBody,
+    ) -> Result<(), ClientError> {
+        let mut url_path = format!("{}/files/{}", run_path(id)?, paths::file_path(path)?);
+        if let Some(lease) = lease {
+            url_path.push_str(&paths::lease_query(&lease.owner, lease.generation));
+        }
         let request = self.request(Method::PUT, &url_path);
         self.send(with_body(request, body, "application/octet-stream"))
             .await?;

@@ -48,6 +48,14 @@ pub(crate) fn parse_base(raw: &str) -> Result<String, ClientError> {
     Ok(url.as_str().trim_end_matches('/').to_owned())
 }
 
+/// The query string of a file write under a lease.
+pub(crate) fn lease_query(owner: &str, generation: u64) -> String {
+    format!(
+        "?owner={}&generation={generation}",
+        utf8_percent_encode(owner, SEGMENT)
+    )
+}
+
 /// Encodes a value that fills one path segment (a run id, an image name).
 pub(crate) fn segment(what: &'static str, value: &str) -> Result<String, ClientError> {
     check_segment(what, value, value)?;

@@ -24,6 +24,9 @@ pub struct SandboxSpec {
     pub limits: Limits,
     /// Network tier, already checked to be one the backend supports.
     pub network: NetworkTier,
+    /// Extra CA certificates (PEM) the run must trust, appended to the
+    /// image's system bundle (the egress proxy's interception CA).
+    pub trust_pem: Option<String>,
 }
 
 /// A started sandbox.
@@ -96,4 +99,15 @@ pub trait Backend: Send + Sync + 'static {
     /// returns the ids it destroyed. Runs at start-up, after the store's
     /// records have been reconciled.
     async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, BackendError>;
+
+    /// A listening TCP socket inside the `allowlist` run's network namespace,
+    /// on which the daemon serves that run's egress proxy. Called after
+    /// `create` and again after a restart re-adopts the run (the old socket
+    /// died with the old daemon).
+    async fn egress_listener(&self, id: Ulid) -> Result<std::net::TcpListener, BackendError> {
+        let _ = id;
+        Err(BackendError::Unsupported(
+            "this backend has no egress proxy listener".into(),
+        ))
+    }
 }

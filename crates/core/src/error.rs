@@ -4,6 +4,7 @@ use runbox_types::ErrorCode;
 use ulid::Ulid;
 
 use crate::backend::BackendError;
+use crate::lease::LeaseError;
 
 /// Everything a core operation can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +34,9 @@ pub enum CoreError {
         /// What conflicts.
         message: String,
     },
+    /// The run's writable lease refuses the operation.
+    #[error(transparent)]
+    Lease(#[from] crate::lease::LeaseError),
     /// Too many runs already.
     #[error("this server already has {0} runs, its maximum; delete some or raise --max-runs")]
     Capacity(usize),
@@ -79,6 +83,13 @@ impl CoreError {
             CoreError::ImageNotFound(_) => ErrorCode::ImageNotFound,
             CoreError::RunNotRunning(..) => ErrorCode::RunNotRunning,
             CoreError::Capacity(_) => ErrorCode::Capacity,
+            CoreError::Lease(e) => match e {
+                LeaseError::Busy(_) => ErrorCode::Busy,
+                LeaseError::Leased { .. } => ErrorCode::Leased,
+                LeaseError::Superseded { .. } => ErrorCode::Superseded,
+                LeaseError::Expired { .. } => ErrorCode::LeaseExpired,
+                LeaseError::NotLeased { .. } => ErrorCode::NotLeased,
+            },
             CoreError::Agent(_) => ErrorCode::AgentUnavailable,
             CoreError::Backend(BackendError::Unsupported(_)) => ErrorCode::NetworkUnsupported,
             CoreError::Backend(_) | CoreError::Store(_) | CoreError::Io { .. } => {

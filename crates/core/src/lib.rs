@@ -15,6 +15,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod images;
+pub mod lease;
 pub mod runs;
 pub mod store;
 pub mod validate;

@@ -29,8 +29,9 @@ use futures::{Stream, StreamExt};
 use runbox_agent_proto::pb::{self, exec_input, exec_output, read_file_chunk, write_file_chunk};
 use runbox_agent_proto::{AgentClient, CHUNK_SIZE};
 use runbox_types::{
-    CreateRunRequest, Env, ErrorCode, ExecRequest, ExitEvent, ExitReason, Image, NetworkTier,
-    PullEvent, PullRequest, Run, RunStatus,
+    CreateRunRequest, Env, ErrorCode, ExecRequest, ExitEvent, ExitReason, Image,
+    LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest, NetworkTier, PullEvent, PullRequest, Run,
+    RunStatus,
 };
 use time::OffsetDateTime;
 use tokio::sync::mpsc;
@@ -42,6 +43,7 @@ use crate::backend::{Backend, SandboxSpec};
 use crate::config::Config;
 use crate::error::CoreError;
 use crate::images::ImageStore;
+use crate::lease::{Credential, Fence, Lease, LeaseError};
 use crate::store::{RunRecord, Store};
 use crate::validate;
 
@@ -85,8 +87,14 @@ pub struct FileDownload {
 }
 
 /// A live run.
+///
+/// Lock order: `fence` before `record`; neither is held across an await.
 struct RunHandle {
     record: Mutex<RunRecord>,
+    /// The writable lease and the operations in flight. Admitting an
+    /// operation and granting a lease both happen under this lock, so they
+    /// never interleave.
+    fence: Mutex<Fence>,
     agent: AgentClient,
     /// Cancelled when the run is being destroyed; in-flight execs watch it.
     ended: CancellationToken,
@@ -257,6 +265,7 @@ impl Manager {
             runtime: String::new(),
             agent_socket: Default::default(),
             image_config: Default::default(),
+            lease: Default::default(),
         };
         let image_layers = {
             // Holding the image lock until the record is stored means a
@@ -272,6 +281,7 @@ impl Manager {
             image_layers,
             limits,
             network,
+            trust_pem: None,
         };
         let started = std::time::Instant::now();
         let outcome = async {
@@ -353,7 +363,13 @@ impl Manager {
 
     async fn end(&self, id: Ulid, handle: &RunHandle, reason: ExitReason) {
         let _ = handle.end_reason.set(reason);
-        handle.ended.cancel();
+        {
+            // Under the fence lock, so a lease change either lands before the
+            // run is marked as ending or sees it ended and stores nothing (a
+            // late store write would resurrect the deleted record).
+            let _fence = lock(&handle.fence);
+            handle.ended.cancel();
+        }
         {
             let mut record = lock(&handle.record);
             record.status = RunStatus::Stopping;
@@ -566,6 +582,67 @@ impl Manager {
             .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))?
     }
 
+    /// Grants the run's writable lease to `req.owner` (see [`crate::lease`]).
+    pub fn acquire_lease(&self, id: Ulid, req: LeaseRequest) -> Result<Lease, CoreError> {
+        validate::owner(&req.owner)?;
+        let ttl = validate::lease_ttl(req.ttl_sec)?;
+        let lease = self.update_fence(id, |fence, now| fence.acquire(&req.owner, ttl, now))?;
+        tracing::info!(run = %id, holder = %lease.holder, generation = lease.generation, "lease granted");
+        Ok(lease)
+    }
+
+    /// Extends the active lease named by `req.owner` and `req.generation`.
+    pub fn renew_lease(&self, id: Ulid, req: LeaseRenewRequest) -> Result<Lease, CoreError> {
+        validate::owner(&req.owner)?;
+        let ttl = validate::lease_ttl(req.ttl_sec)?;
+        let c = Credential {
+            owner: &req.owner,
+            generation: req.generation,
+        };
+        self.update_fence(id, |fence, now| fence.book.renew(c, ttl, now))
+    }
+
+    /// Releases the lease named by `req.owner` and `req.generation`.
+    pub fn release_lease(&self, id: Ulid, req: LeaseReleaseRequest) -> Result<(), CoreError> {
+        validate::owner(&req.owner)?;
+        let c = Credential {
+            owner: &req.owner,
+            generation: req.generation,
+        };
+        self.update_fence(id, |fence, now| fence.book.release(c, now))?;
+        tracing::info!(run = %id, holder = %req.owner, generation = req.generation, "lease released");
+        Ok(())
+    }
+
+    /// Applies a lease change to run `id` and stores the new lease state
+    /// before it takes effect: if the store fails, nothing changed.
+    fn update_fence<T>(
+        &self,
+        id: Ulid,
+        change: impl FnOnce(&mut Fence, OffsetDateTime) -> Result<T, LeaseError>,
+    ) -> Result<T, CoreError> {
+        let handle = self.handle(id)?;
+        let mut fence = lock(&handle.fence);
+        if handle.ended.is_cancelled() {
+            return Err(CoreError::RunNotFound(id));
+        }
+        let mut next = fence.clone();
+        let out = change(&mut next, OffsetDateTime::now_utc())?;
+        if next.book != fence.book {
+            let record = {
+                let mut record = lock(&handle.record);
+                record.lease = next.book.clone();
+                record.clone()
+            };
+            if let Err(e) = self.store.put(&record) {
+                lock(&handle.record).lease = fence.book.clone();
+                return Err(e);
+            }
+        }
+        *fence = next;
+        Ok(out)
+    }
+
     /// Starts a command in a run. Returns once the command has started (or
     /// failed to start); the stream then carries its output and ends with
     /// exactly one [`ExecEvent::Exit`].
@@ -604,7 +681,9 @@ impl Manager {
             Some(secs) => Some(Duration::from_secs(secs)),
             None => None,
         };
+        let credential = validate::credential(req.owner.as_deref(), req.generation)?;
         let handle = self.handle(id)?;
+        let in_flight = begin(&handle, credential.as_ref())?;
         let record = handle.record();
         let image = &record.image_config;
         // An exec without a command runs the image's Entrypoint + Cmd.
@@ -678,6 +757,7 @@ impl Manager {
             deadline: timeout.map(|t| tokio::time::Instant::now() + t + TIMEOUT_GRACE),
             started: Some(pid),
             done: false,
+            _in_flight: in_flight,
         };
         Ok(futures::stream::unfold(state, ExecState::next).boxed())
     }
@@ -691,6 +771,7 @@ impl Manager {
         &self,
         id: Ulid,
         path: &str,
+        credential: Option<(String, u64)>,
         content_length: Option<u64>,
         body: S,
     ) -> Result<u64, CoreError>
@@ -704,6 +785,8 @@ impl Manager {
             return Err(too_large(max));
         }
         let handle = self.handle(id)?;
+        // Counted in flight until this future ends or is dropped.
+        let _in_flight = begin(&handle, credential.as_ref())?;
         let (tx, rx) = mpsc::channel::<pb::WriteFileChunk>(4);
         let header = pb::WriteFileHeader { path, mode: 0 };
         tx.send(chunk(write_file_chunk::Kind::Header(header)))
@@ -837,11 +920,34 @@ impl Manager {
 
 fn new_handle(record: RunRecord, agent: AgentClient) -> RunHandle {
     RunHandle {
+        fence: Mutex::new(Fence::new(record.lease.clone())),
         record: Mutex::new(record),
         agent,
         ended: CancellationToken::new(),
         end_reason: OnceLock::new(),
     }
+}
+
+/// An exec or file write admitted by the run's fence; ends it when dropped.
+struct InFlight(Arc<RunHandle>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        lock(&self.0.fence).end();
+    }
+}
+
+/// Admits an exec or file write under the run's lease, if any.
+fn begin(
+    handle: &Arc<RunHandle>,
+    credential: Option<&(String, u64)>,
+) -> Result<InFlight, CoreError> {
+    let presented = credential.map(|(owner, generation)| Credential {
+        owner,
+        generation: *generation,
+    });
+    lock(&handle.fence).begin(presented, OffsetDateTime::now_utc())?;
+    Ok(InFlight(handle.clone()))
 }
 
 fn chunk(kind: write_file_chunk::Kind) -> pb::WriteFileChunk {
@@ -952,6 +1058,8 @@ struct ExecState {
     _input: mpsc::Sender<pb::ExecInput>,
     handle: Arc<RunHandle>,
     ended: CancellationToken,
+    /// Counts the exec in flight until the stream is dropped.
+    _in_flight: InFlight,
     /// When the daemon stops waiting for a timed-out command's exit report.
     deadline: Option<tokio::time::Instant>,
     started: Option<u32>,

@@ -47,6 +47,9 @@ pub struct RunRecord {
     /// The honoured parts of the image's config, fixed at creation.
     #[serde(default)]
     pub image_config: crate::images::ImageConfig,
+    /// The writable lease and the last generation issued.
+    #[serde(default)]
+    pub lease: crate::lease::LeaseBook,
 }
 
 impl RunRecord {
@@ -62,6 +65,7 @@ impl RunRecord {
             created_at: self.created_at,
             expires_at: self.expires_at,
             status: self.status,
+            lease: self.lease.active(OffsetDateTime::now_utc()).cloned(),
         }
     }
 }
@@ -153,6 +157,7 @@ mod tests {
             runtime: String::new(),
             agent_socket: PathBuf::new(),
             image_config: Default::default(),
+            lease: Default::default(),
         }
     }
 

@@ -218,6 +218,103 @@ pub fn ttl(req: Option<u64>, default: Duration, max: Duration) -> Result<Duratio
     }
 }
 
+/// Longest lease owner name, in bytes.
+pub const MAX_OWNER_BYTES: usize = 128;
+
+/// Lease lifetime when a request gives none.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);
+
+/// Longest lease lifetime one grant or renewal may ask for.
+pub const MAX_LEASE_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// Checks a lease owner: 1-128 bytes, no control characters, not only
+/// whitespace.
+pub fn owner(owner: &str) -> Result<(), CoreError> {
+    if owner.trim().is_empty() {
+        return Err(CoreError::invalid(
+            ErrorCode::BadOwner,
+            "owner must not be empty; name who takes the lease, e.g. \"alice@laptop\"",
+        ));
+    }
+    if owner.len() > MAX_OWNER_BYTES {
+        return Err(CoreError::invalid(
+            ErrorCode::BadOwner,
+            format!("owner must be at most {MAX_OWNER_BYTES} bytes"),
+        ));
+    }
+    if owner.chars().any(char::is_control) {
+        return Err(CoreError::invalid(
+            ErrorCode::BadOwner,
+            "owner must not contain control characters",
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a lease lifetime: 1 second to 24 hours; absent means 5 minutes.
+/// Unlike a run's TTL it is never capped silently: a holder must know how
+/// long it holds the run.
+pub fn lease_ttl(req: Option<u64>) -> Result<Duration, CoreError> {
+    match req {
+        None => Ok(DEFAULT_LEASE_TTL),
+        Some(secs) if secs == 0 || secs > MAX_LEASE_TTL.as_secs() => Err(CoreError::invalid(
+            ErrorCode::BadTtl,
+            format!(
+                "a lease's ttlSec must be between 1 and {}",
+                MAX_LEASE_TTL.as_secs()
+            ),
+        )),
+        Some(secs) => Ok(Duration::from_secs(secs)),
+    }
+}
+
+/// Checks the lease credential of an exec or file write: `owner` and
+/// `generation` come together or not at all.
+pub fn credential(
+    owner: Option<&str>,
+    generation: Option<u64>,
+) -> Result<Option<(String, u64)>, CoreError> {
+    match (owner, generation) {
+        (None, None) => Ok(None),
+        (Some(o), Some(g)) => {
+            self::owner(o)?;
+            Ok(Some((o.to_owned(), g)))
+        }
+        (Some(_), None) => Err(CoreError::invalid(
+            ErrorCode::BadGeneration,
+            "owner was given without generation; give both (the generation the lease grant returned) or neither",
+        )),
+        (None, Some(_)) => Err(CoreError::invalid(
+            ErrorCode::BadOwner,
+            "generation was given without owner; give both or neither",
+        )),
+    }
+}
+
+/// Parses a generation from a query string value.
+pub fn generation(text: &str) -> Result<u64, CoreError> {
+    // `u64::from_str` accepts a leading '+'; a fencing token is digits only.
+    if text.is_empty() || text.len() > 20 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(CoreError::invalid(
+            ErrorCode::BadGeneration,
+            format!(
+                "generation must be a non-negative integer, got {:?}",
+                bounded_text(text)
+            ),
+        ));
+    }
+    text.parse().map_err(|_| {
+        CoreError::invalid(
+            ErrorCode::BadGeneration,
+            "generation is larger than any generation runbox issues",
+        )
+    })
+}
+
+fn bounded_text(text: &str) -> String {
+    text.chars().take(40).collect()
+}
+
 /// Checks an image name: 1-64 characters of `[a-z0-9._-]`, starting with a
 /// letter or digit (so it is always a safe directory name).
 pub fn image_name(name: &str) -> Result<(), CoreError> {
@@ -257,6 +354,73 @@ pub fn merge_env<'a>(layers: impl IntoIterator<Item = &'a Env>) -> BTreeMap<Stri
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn lease_owners_are_checked() {
+        assert!(owner("alice@laptop").is_ok());
+        assert!(owner(&"é".repeat(64)).is_ok()); // 128 bytes
+        for bad in ["", "  ", "a\u{7}b", "tab\there", "line\nbreak"] {
+            let err = owner(bad).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadOwner, "{bad:?}");
+        }
+        assert_eq!(
+            owner(&"x".repeat(129)).unwrap_err().code(),
+            ErrorCode::BadOwner
+        );
+    }
+
+    #[test]
+    fn lease_ttls_are_bounded_not_capped() {
+        assert_eq!(lease_ttl(None).unwrap(), DEFAULT_LEASE_TTL);
+        assert_eq!(lease_ttl(Some(1)).unwrap(), Duration::from_secs(1));
+        assert_eq!(lease_ttl(Some(86_400)).unwrap(), MAX_LEASE_TTL);
+        for bad in [0, 86_401, u64::MAX] {
+            assert_eq!(lease_ttl(Some(bad)).unwrap_err().code(), ErrorCode::BadTtl);
+        }
+    }
+
+    #[test]
+    fn generations_are_plain_decimal_numbers() {
+        assert_eq!(generation("0").unwrap(), 0);
+        assert_eq!(generation("18446744073709551615").unwrap(), u64::MAX);
+        for bad in [
+            "",
+            "+1",
+            "-1",
+            "1.0",
+            "0x10",
+            " 1",
+            "abc",
+            "18446744073709551616",
+        ] {
+            assert_eq!(
+                generation(bad).unwrap_err().code(),
+                ErrorCode::BadGeneration,
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn credentials_come_whole_or_not_at_all() {
+        assert_eq!(credential(None, None).unwrap(), None);
+        assert_eq!(
+            credential(Some("al"), Some(2)).unwrap(),
+            Some(("al".to_owned(), 2))
+        );
+        assert_eq!(
+            credential(Some("al"), None).unwrap_err().code(),
+            ErrorCode::BadGeneration
+        );
+        assert_eq!(
+            credential(None, Some(2)).unwrap_err().code(),
+            ErrorCode::BadOwner
+        );
+        assert_eq!(
+            credential(Some(""), Some(2)).unwrap_err().code(),
+            ErrorCode::BadOwner
+        );
+    }
+
     use super::*;
     use proptest::prelude::*;
 

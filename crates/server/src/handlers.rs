@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{FromRequest, FromRequestParts, Path, State};
+use axum::extract::{FromRequest, FromRequestParts, Path, RawQuery, State};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -17,7 +17,8 @@ use futures::{StreamExt, TryStreamExt};
 use runbox_core::runs::ExecEvent;
 use runbox_types::{
     pull_sse, sse, CreateRunRequest, ErrorCode, ErrorDetail, ExecRequest, Health, ImageList,
-    PullEvent, PullRequest, RenewRequest, RunList, StartedEvent,
+    LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest, LeaseResponse, PullEvent, PullRequest,
+    RenewRequest, RunList, StartedEvent,
 };
 use ulid::Ulid;
 
@@ -131,6 +132,36 @@ pub async fn renew_run(
     Ok(Json(state.manager.renew(id, req.ttl_sec)?).into_response())
 }
 
+/// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
+pub async fn acquire_lease(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<LeaseRequest>,
+) -> Result<Json<LeaseResponse>, ApiError> {
+    let lease = state.manager.acquire_lease(id, req)?;
+    Ok(Json(LeaseResponse { lease }))
+}
+
+/// `POST /v1/runs/{id}/lease/renew`: extends the holder's lease.
+pub async fn renew_lease(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<LeaseRenewRequest>,
+) -> Result<Json<LeaseResponse>, ApiError> {
+    let lease = state.manager.renew_lease(id, req)?;
+    Ok(Json(LeaseResponse { lease }))
+}
+
+/// `POST /v1/runs/{id}/lease/release`: gives the lease up.
+pub async fn release_lease(
+    State(state): State<AppState>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<LeaseReleaseRequest>,
+) -> Result<StatusCode, ApiError> {
+    state.manager.release_lease(id, req)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// `POST /v1/runs/{id}/exec`: a server-sent event stream of the command's
 /// output and its exit.
 pub async fn exec(
@@ -192,15 +223,65 @@ pub async fn put_file(
     State(state): State<AppState>,
     RunId(id): RunId,
     Path(params): Path<Vec<(String, String)>>,
+    RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Body,
 ) -> Result<StatusCode, ApiError> {
     let length = content_length(&headers)?;
+    let credential = lease_credential(query.as_deref())?;
     state
         .manager
-        .put_file(id, file_path(&params), length, body.into_data_stream())
+        .put_file(
+            id,
+            file_path(&params),
+            credential,
+            length,
+            body.into_data_stream(),
+        )
         .await?;
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// The lease credential of a file write: `?owner=NAME&generation=N`, both
+/// or neither. Any other parameter, or one given twice, is refused rather
+/// than ignored: a misspelt `generation` must not turn into "no credential".
+fn lease_credential(query: Option<&str>) -> Result<Option<(String, u64)>, ApiError> {
+    let Some(query) = query.filter(|q| !q.is_empty()) else {
+        return Ok(None);
+    };
+    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query).map_err(|e| {
+        ApiError::new(
+            ErrorCode::BadRequest,
+            format!("the query string does not parse: {e}"),
+        )
+    })?;
+    let (mut owner, mut generation) = (None, None);
+    for (key, value) in pairs {
+        let slot = match key.as_str() {
+            "owner" => &mut owner,
+            "generation" => &mut generation,
+            other => {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    format!("unknown query parameter {other:?}; a file write takes only owner and generation"),
+                ))
+            }
+        };
+        if slot.replace(value).is_some() {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("query parameter {key:?} is given more than once"),
+            ));
+        }
+    }
+    let generation = generation
+        .as_deref()
+        .map(runbox_core::validate::generation)
+        .transpose()?;
+    Ok(runbox_core::validate::credential(
+        owner.as_deref(),
+        generation,
+    )?)
 }
 
 /// `GET /v1/runs/{id}/files/{*path}`: streams `/work/<path>` back.

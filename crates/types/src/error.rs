@@ -57,8 +57,12 @@ codes! {
     BadPath = "bad_path", 400;
     /// A limit is out of range or above the server maximum.
     BadLimits = "bad_limits", 400;
-    /// A TTL is zero.
+    /// A TTL is zero or above the maximum.
     BadTtl = "bad_ttl", 400;
+    /// A lease owner is empty, too long or has control characters.
+    BadOwner = "bad_owner", 400;
+    /// A lease generation is missing, not a number, or given without an owner.
+    BadGeneration = "bad_generation", 400;
     /// An image name breaks the naming rules.
     BadImageName = "bad_image_name", 400;
     /// An archive could not be unpacked.
@@ -110,6 +114,16 @@ codes! {
     ImageExists = "image_exists", 409;
     /// The image is used by a run.
     ImageInUse = "image_in_use", 409;
+    /// Another owner holds the run's writable lease (or no credential was given).
+    Leased = "leased", 409;
+    /// The lease generation presented was replaced by a later grant.
+    Superseded = "superseded", 409;
+    /// An exec or file write is in flight; a lease is granted only between operations.
+    Busy = "busy", 409;
+    /// The lease named lapsed; it must be acquired again.
+    LeaseExpired = "lease_expired", 409;
+    /// No lease with that generation is held.
+    NotLeased = "not_leased", 409;
     /// A body or file is larger than the server accepts.
     TooLarge = "too_large", 413;
     /// The server is at its run capacity.

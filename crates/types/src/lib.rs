@@ -135,6 +135,66 @@ pub struct Run {
     pub expires_at: OffsetDateTime,
     /// Lifecycle status.
     pub status: RunStatus,
+    /// The writable lease in force, if any (a lapsed lease is not shown).
+    #[serde(default)]
+    pub lease: Option<Lease>,
+}
+
+/// A writable lease: while it is active, only its holder, presenting this
+/// generation, may exec or write files in the run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Lease {
+    /// The owner the lease was granted to.
+    pub holder: String,
+    /// The fencing token issued with this grant; every grant issues a new,
+    /// higher one.
+    pub generation: u64,
+    /// When the lease lapses unless renewed (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub expires_at: OffsetDateTime,
+}
+
+/// `POST /v1/runs/{id}/lease`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseRequest {
+    /// Who takes the lease (1-128 characters, no control characters).
+    pub owner: String,
+    /// How long it lasts unless renewed, in seconds (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_sec: Option<u64>,
+}
+
+/// `POST /v1/runs/{id}/lease/renew`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseRenewRequest {
+    /// The holder.
+    pub owner: String,
+    /// The generation it was granted.
+    pub generation: u64,
+    /// New lifetime from now, in seconds (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_sec: Option<u64>,
+}
+
+/// `POST /v1/runs/{id}/lease/release`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LeaseReleaseRequest {
+    /// The holder.
+    pub owner: String,
+    /// The generation it was granted.
+    pub generation: u64,
+}
+
+/// The answer to a lease grant or renewal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LeaseResponse {
+    /// The lease in force.
+    pub lease: Lease,
 }
 
 /// `GET /v1/runs`.
@@ -170,6 +230,12 @@ pub struct ExecRequest {
     /// Extra environment for this command; overrides the run's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<Env>,
+    /// The lease holder this exec acts for; needed while a lease is active.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The generation of that holder's lease; given together with `owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
 }
 
 /// Why an exec stream ended.
