@@ -1,8 +1,9 @@
 //! `runbox-bench`: runbox's exec and start-up latency, measured side by side
 //! with the raw OCI runtimes it drives (and bubblewrap as a floor), on the
-//! same busybox root filesystem, and what images cost, in one invocation.
+//! same busybox root filesystem, what images cost, and what the egress proxy
+//! costs, in one invocation.
 //!
-//! Three phases, each one or more tables:
+//! Four phases, each one or more tables:
 //!
 //! - **exec**: the round trip of `/bin/true` in a container that is already
 //!   running. runbox: `POST /v1/runs/{id}/exec` until the exit event
@@ -24,6 +25,11 @@
 //!   loopback, with no layer stored (fresh) and with every layer stored
 //!   (cached), each followed by create + first exec from what it pulled, on a
 //!   daemon of its own.
+//! - **egress** (see `egress`; not among the defaults): the egress proxy's
+//!   own code in this process, on loopback, next to the same traffic sent
+//!   directly: blind-tunnel throughput, the latency a plain HTTP request
+//!   gains through it, and the cost of TLS interception per request. It
+//!   needs neither root nor a daemon, and runs before the other phases.
 //!
 //! Steps:
 //! 1. build the busybox rootfs (`scripts/mkimage-busybox`) in a work dir;
@@ -40,13 +46,15 @@
 //! 5. print the tables, and write every sample as JSON with `--json FILE`.
 //!
 //! What it does not do: assert anything. The numbers are reported, never
-//! checked; no test runs this binary. Needs root, runc and/or crun, and the
-//! release binaries: `cargo build --release -p runbox-cli -p runbox-bench &&
-//! scripts/build-agent --release`.
+//! checked; no test runs this binary. Every phase but egress needs root,
+//! runc and/or crun, and the release binaries: `cargo build --release -p
+//! runbox-cli -p runbox-bench && scripts/build-agent --release`.
 
 mod daemon;
+mod egress;
 mod image_tables;
 mod images;
+mod loopback;
 mod raw;
 mod report;
 mod stats;
@@ -72,8 +80,10 @@ use crate::report::{Host, Phase, Report, Role, Series};
 const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Measures runbox's exec round trip and create-to-first-exec next to raw
-/// runc/crun (and bubblewrap), and what images cost: unpacking one next to
-/// GNU tar, starting from a small and a large one, pulling one. Needs root.
+/// runc/crun (and bubblewrap), what images cost (unpacking one next to GNU
+/// tar, starting from a small and a large one, pulling one), and what the
+/// egress proxy costs next to direct connections. Needs root, except for
+/// `--phases egress` alone.
 #[derive(Debug, Parser)]
 #[command(name = "runbox-bench", version)]
 struct Args {
@@ -99,16 +109,28 @@ struct Args {
     #[arg(long, default_value_t = 200)]
     image_mib: u64,
     /// Unmeasured iterations per case before each phase (the images phase's
-    /// start-cost table included; see --image-warmup for the others).
+    /// start-cost table and the egress phase's latency tables included; see
+    /// --image-warmup for the others).
     #[arg(long, default_value_t = 10)]
     warmup: usize,
     /// OCI runtimes to compare, comma-separated [default: those of runc and
     /// crun that are installed].
     #[arg(long, value_delimiter = ',')]
     runtimes: Vec<String>,
-    /// Phases to run, comma-separated.
+    /// Phases to run, comma-separated (egress is not among the defaults).
     #[arg(long, value_delimiter = ',', default_value = "exec,create,images")]
     phases: Vec<PhaseName>,
+    /// Measured requests per case of the egress phase's latency tables
+    /// (after --warmup unmeasured ones).
+    #[arg(long, default_value_t = 2000)]
+    egress_iterations: usize,
+    /// Measured transfers per case of the egress phase's throughput table
+    /// (after one unmeasured one).
+    #[arg(long, default_value_t = 5)]
+    egress_transfers: usize,
+    /// MiB per transfer in the egress phase's throughput table.
+    #[arg(long, default_value_t = 1024)]
+    egress_mib: u64,
     /// The `runbox` binary [default: beside this one].
     #[arg(long)]
     runbox: Option<PathBuf>,
@@ -132,6 +154,7 @@ enum PhaseName {
     Exec,
     Create,
     Images,
+    Egress,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -148,6 +171,9 @@ async fn main() -> ExitCode {
 
 /// Everything resolved from the arguments before anything starts.
 struct Plan {
+    /// Whether any phase needs the daemons (all but egress do); when not,
+    /// the fields up to `bwrap` are unchecked.
+    daemons: bool,
     runbox: PathBuf,
     agent: PathBuf,
     runtimes: Vec<String>,
@@ -156,6 +182,7 @@ struct Plan {
     exec_iterations: Option<usize>,
     create_iterations: Option<usize>,
     images: Option<ImagePlan>,
+    egress: Option<egress::Options>,
 }
 
 /// What the images phase does, when it runs.
@@ -174,8 +201,9 @@ struct ImagePlan {
 
 async fn run(args: Args) -> anyhow::Result<()> {
     ensure!(
-        rustix::process::geteuid().is_root(),
-        "runbox-bench needs root (it starts runbox and the OCI runtimes)"
+        !needs_daemons(&args.phases) || rustix::process::geteuid().is_root(),
+        "runbox-bench needs root (it starts runbox and the OCI runtimes); \
+         only `--phases egress` runs without"
     );
     let plan = plan(&args)?;
     let work = tempfile::Builder::new()
@@ -210,7 +238,41 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether any of `phases` starts daemons: every phase but egress does.
+fn needs_daemons(phases: &[PhaseName]) -> bool {
+    phases.iter().any(|p| *p != PhaseName::Egress)
+}
+
 fn plan(args: &Args) -> anyhow::Result<Plan> {
+    let daemons = needs_daemons(&args.phases);
+    let egress = args
+        .phases
+        .contains(&PhaseName::Egress)
+        .then_some(egress::Options {
+            transfers: args.egress_transfers,
+            transfer_warmup: 1,
+            transfer_bytes: args.egress_mib << 20,
+            iterations: args.egress_iterations,
+            warmup: args.warmup,
+        });
+    ensure!(
+        args.egress_iterations > 0 && args.egress_transfers > 0 && args.egress_mib > 0,
+        "--egress-iterations, --egress-transfers and --egress-mib must be at least 1"
+    );
+    if !daemons {
+        return Ok(Plan {
+            daemons,
+            runbox: PathBuf::new(),
+            agent: PathBuf::new(),
+            runtimes: Vec::new(),
+            bwrap: false,
+            warmup: args.warmup,
+            exec_iterations: None,
+            create_iterations: None,
+            images: None,
+            egress,
+        });
+    }
     let exe = std::env::current_exe().context("locating this executable")?;
     let profile_dir = exe.parent().context("this executable has no directory")?;
     let runbox = args
@@ -278,6 +340,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
         );
     }
     Ok(Plan {
+        daemons,
         runbox,
         agent,
         runtimes,
@@ -298,6 +361,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             mib: args.image_mib,
             pull,
         }),
+        egress,
     })
 }
 
@@ -387,6 +451,19 @@ impl Bench {
     /// Sets up, runs the phases, and returns the report. Cleanup is the
     /// caller's.
     async fn measure(&mut self, plan: &Plan) -> anyhow::Result<Report> {
+        // First, before any daemon runs beside it.
+        let egress = match &plan.egress {
+            Some(opts) => Some(egress::measure(opts).await?),
+            None => None,
+        };
+        if !plan.daemons {
+            return Ok(Report {
+                host: host_info(plan),
+                phases: Vec::new(),
+                images: None,
+                egress,
+            });
+        }
         let tar = self.make_rootfs()?;
         let mut limits: Option<Limits> = None;
         for rt in &plan.runtimes {
@@ -457,6 +534,7 @@ impl Bench {
             host: host_info(plan),
             phases,
             images,
+            egress,
         })
     }
 

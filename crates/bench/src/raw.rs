@@ -167,6 +167,7 @@ impl Bundle {
             limits,
             swap_limit: host_has_swap_accounting(),
             env: &env,
+            files: &[],
         };
         let mut spec = spec::build(&params).context("building the bundle config")?;
         spec.process_mut()

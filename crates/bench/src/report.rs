@@ -4,9 +4,10 @@
 //!
 //! Owns the layout and the ratios: in the exec and create phases, every
 //! row's median divided by the median of each raw runtime's own row in the
-//! same phase; in the image tables, a row's median divided by the one row it
-//! is compared with, and throughput (MB/s, 10^6 bytes per second) at the
-//! median. It does not measure.
+//! same phase; in the image and egress tables, a row's median divided by
+//! (and, in latency tables, less) the median of the one row it is compared
+//! with, and throughput (MB/s, 10^6 bytes per second) at the median. It does
+//! not measure.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -150,6 +151,9 @@ pub struct Report {
     /// The images phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub images: Option<ImageReport>,
+    /// The egress phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -180,7 +184,19 @@ pub struct ImageReport {
     pub tables: Vec<Table>,
 }
 
-/// One row of an image table, before it is summarised.
+/// The egress phase's results.
+#[derive(Debug, Serialize)]
+pub struct EgressReport {
+    /// Worker threads of the proxy's runtime.
+    pub proxy_workers: usize,
+    /// Per table, the DNS queries the proxy sent while it ran (warm-up
+    /// included).
+    pub dns_queries: Vec<(String, u64)>,
+    /// Throughput, HTTP latency, HTTPS latency.
+    pub tables: Vec<Table>,
+}
+
+/// One row of an image or egress table, before it is summarised.
 #[derive(Debug)]
 pub struct TableSeries {
     /// The samples and what they are.
@@ -192,7 +208,7 @@ pub struct TableSeries {
     pub versus: Option<usize>,
 }
 
-/// One summarised row of an image table.
+/// One summarised row of an image or egress table.
 #[derive(Debug, Serialize)]
 pub struct TableRow {
     /// What was timed.
@@ -210,14 +226,16 @@ pub struct TableRow {
     pub versus: Option<String>,
     /// This row's median divided by that row's.
     pub p50_ratio: Option<f64>,
+    /// This row's median minus that row's, in milliseconds.
+    pub p50_added_ms: Option<f64>,
     /// Every sample in milliseconds, in the order taken.
     pub samples_ms: Vec<f64>,
 }
 
-/// One image table.
+/// One image or egress table.
 #[derive(Debug, Serialize)]
 pub struct Table {
-    /// Short name (`unpack`, `start`, `pull`).
+    /// Short name (`unpack`, `start`, `pull`, `egress-throughput`, ...).
     pub name: String,
     /// Heading.
     pub title: String,
@@ -229,6 +247,10 @@ pub struct Table {
     pub iterations: usize,
     /// The rows, in the order given.
     pub rows: Vec<TableRow>,
+    /// Whether the Markdown shows each row's median minus the median of the
+    /// row it is compared with (latency tables).
+    #[serde(skip)]
+    pub added_column: bool,
 }
 
 impl Table {
@@ -257,6 +279,7 @@ impl Table {
                     .as_ref()
                     .filter(|(_, s)| s.p50_ms > 0.0)
                     .map(|(_, s)| summary.p50_ms / s.p50_ms);
+                let p50_added_ms = reference.as_ref().map(|(_, s)| summary.p50_ms - s.p50_ms);
                 Some(TableRow {
                     mb_per_s_p50: row
                         .bytes
@@ -274,6 +297,7 @@ impl Table {
                     summary,
                     versus: reference.map(|(label, _)| label),
                     p50_ratio,
+                    p50_added_ms,
                 })
             })
             .collect();
@@ -284,7 +308,15 @@ impl Table {
             warmup,
             iterations,
             rows,
+            added_column: false,
         }
+    }
+
+    /// The same table, showing each row's median minus the median of the
+    /// row it is compared with.
+    pub fn with_added_column(mut self) -> Table {
+        self.added_column = true;
+        self
     }
 }
 
@@ -299,7 +331,9 @@ pub fn markdown(report: &Report) -> String {
         h.cpu, h.cpus, h.kernel, h.os, h.cgroups
     );
     let tools: Vec<String> = h.tools.iter().map(|(k, v)| format!("{k}: `{v}`")).collect();
-    let _ = writeln!(out, "Tools: {}.", tools.join("; "));
+    if !tools.is_empty() {
+        let _ = writeln!(out, "Tools: {}.", tools.join("; "));
+    }
     for phase in &report.phases {
         let _ = writeln!(out, "\n## {}\n", phase.title);
         let _ = writeln!(
@@ -345,6 +379,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(images) = &report.images {
         images_markdown(&mut out, images);
     }
+    if let Some(egress) = &report.egress {
+        egress_markdown(&mut out, egress, h.cpus);
+    }
     out
 }
 
@@ -372,47 +409,87 @@ fn images_markdown(out: &mut String, images: &ImageReport) {
         },
     );
     for table in &images.tables {
-        let _ = writeln!(out, "\n### {}\n", table.title);
-        let _ = writeln!(
-            out,
-            "{} {} measured iterations per case, after {} warm-up iterations.\n",
-            table.description, table.iterations, table.warmup
-        );
-        let throughput = table.rows.iter().any(|r| r.mb_per_s_p50.is_some());
-        let mut header = String::from("| case | n | p50 ms | p95 ms | mean ms |");
-        let mut rule = String::from("|---|--:|--:|--:|--:|");
-        if throughput {
-            header.push_str(" MB/s |");
-            rule.push_str("--:|");
-        }
-        header.push_str(" p50 ÷ the row compared with |");
-        rule.push_str("---|");
-        let _ = writeln!(out, "{header}\n{rule}");
-        for row in &table.rows {
-            let s = &row.summary;
-            let label = match row.role {
-                Role::Part => format!("&nbsp;&nbsp;↳ {}", row.label),
-                _ => row.label.clone(),
-            };
-            let _ = write!(
+        table_markdown(out, table);
+    }
+}
+
+/// The egress phase as Markdown: where each party ran, then its tables.
+fn egress_markdown(out: &mut String, egress: &EgressReport, cpus: usize) {
+    let _ = writeln!(
+        out,
+        "\n## Egress proxy\n\nrunbox's proxy code in this process on a runtime of {} worker \
+         threads, the loopback upstreams and their DNS server on one thread of their own, the \
+         client on the main thread: all three share the host's {cpus} CPUs.",
+        egress.proxy_workers
+    );
+    for table in &egress.tables {
+        table_markdown(out, table);
+        if let Some((_, queries)) = egress.dns_queries.iter().find(|(t, _)| *t == table.name) {
+            let _ = writeln!(
                 out,
-                "| {label} | {} | {:.2} | {:.2} | {:.2} |",
-                s.n, s.p50_ms, s.p95_ms, s.mean_ms
+                "\nDNS queries the proxy sent during this table, warm-up included: {queries}."
             );
-            if throughput {
-                match row.mb_per_s_p50 {
-                    Some(v) => {
-                        let _ = write!(out, " {v:.1} |");
-                    }
-                    None => out.push_str(" – |"),
+        }
+    }
+}
+
+/// One table of the images or egress phase. Medians under a millisecond
+/// get three decimals instead of two.
+fn table_markdown(out: &mut String, table: &Table) {
+    let _ = writeln!(out, "\n### {}\n", table.title);
+    let _ = writeln!(
+        out,
+        "{} {} measured iterations per case, after {} warm-up iterations.\n",
+        table.description, table.iterations, table.warmup
+    );
+    let fine = table.rows.iter().any(|r| r.summary.p50_ms < 1.0);
+    let digits = if fine { 3 } else { 2 };
+    let throughput = table.rows.iter().any(|r| r.mb_per_s_p50.is_some());
+    let mut header = String::from("| case | n | p50 ms | p95 ms | mean ms |");
+    let mut rule = String::from("|---|--:|--:|--:|--:|");
+    if throughput {
+        header.push_str(" MB/s |");
+        rule.push_str("--:|");
+    }
+    if table.added_column {
+        header.push_str(" p50 added ms |");
+        rule.push_str("--:|");
+    }
+    header.push_str(" p50 ÷ the row compared with |");
+    rule.push_str("---|");
+    let _ = writeln!(out, "{header}\n{rule}");
+    for row in &table.rows {
+        let s = &row.summary;
+        let label = match row.role {
+            Role::Part => format!("&nbsp;&nbsp;↳ {}", row.label),
+            _ => row.label.clone(),
+        };
+        let _ = write!(
+            out,
+            "| {label} | {} | {:.digits$} | {:.digits$} | {:.digits$} |",
+            s.n, s.p50_ms, s.p95_ms, s.mean_ms
+        );
+        if throughput {
+            match row.mb_per_s_p50 {
+                Some(v) => {
+                    let _ = write!(out, " {v:.1} |");
                 }
+                None => out.push_str(" – |"),
             }
-            match (row.p50_ratio, &row.versus) {
-                (Some(ratio), Some(versus)) => {
-                    let _ = writeln!(out, " {ratio:.2}× {versus} |");
+        }
+        if table.added_column {
+            match row.p50_added_ms {
+                Some(v) => {
+                    let _ = write!(out, " {v:+.digits$} |");
                 }
-                _ => out.push_str(" – |\n"),
+                None => out.push_str(" – |"),
             }
+        }
+        match (row.p50_ratio, &row.versus) {
+            (Some(ratio), Some(versus)) => {
+                let _ = writeln!(out, " {ratio:.2}× {versus} |");
+            }
+            _ => out.push_str(" – |\n"),
         }
     }
 }
@@ -460,6 +537,7 @@ mod tests {
             },
             phases: vec![phase],
             images: None,
+            egress: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -520,11 +598,50 @@ mod tests {
                 layer: LayerShape::default(),
                 tables: vec![table],
             }),
+            egress: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),
             "{text}"
         );
         assert!(text.contains("| tar -xf | 2 | 250.00 | 250.00 | 250.00 | 400.0 | – |"));
+    }
+
+    #[test]
+    fn latency_tables_show_what_a_row_adds_with_finer_digits() {
+        let row = |label: &str, us: &[u64], versus| TableSeries {
+            series: Series {
+                label: label.into(),
+                role: Role::Runbox,
+                runtime: None,
+                samples: us.iter().map(|&u| Duration::from_micros(u)).collect(),
+            },
+            bytes: None,
+            versus,
+        };
+        let table = Table::new(
+            "egress-http",
+            "HTTP",
+            "x",
+            1,
+            2,
+            vec![
+                row("direct", &[200, 300], None),
+                row("proxy", &[500, 700], Some(0)),
+            ],
+        )
+        .with_added_column();
+        assert!((table.rows[1].p50_added_ms.unwrap() - 0.35).abs() < 1e-9);
+        let mut text = String::new();
+        table_markdown(&mut text, &table);
+        assert!(
+            text.contains("| case | n | p50 ms | p95 ms | mean ms | p50 added ms | p50 ÷ the row compared with |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| proxy | 2 | 0.600 | 0.690 | 0.600 | +0.350 | 2.40× direct |"),
+            "{text}"
+        );
+        assert!(text.contains("| direct | 2 | 0.250 | 0.295 | 0.250 | – | – |"));
     }
 }

@@ -19,6 +19,7 @@
 mod args;
 mod connect;
 mod cp;
+mod egress;
 mod exec;
 mod image;
 mod lease;

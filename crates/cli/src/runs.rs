@@ -65,6 +65,14 @@ pub struct CreateArgs {
     /// Network access [default: the server's, none]
     #[arg(long, value_enum, value_name = "TIER")]
     pub network: Option<NetworkArg>,
+    /// Extra egress allowlist entry for this run (`host`, `.suffix`,
+    /// `host:port`; needs --network allowlist; repeatable)
+    #[arg(long = "egress-allow", value_name = "ENTRY")]
+    pub egress_allow: Vec<String>,
+    /// Operator-declared secret the run may use through the proxy; the run
+    /// sees only a placeholder (needs --network allowlist; repeatable)
+    #[arg(long = "secret", value_name = "NAME")]
+    pub secrets: Vec<String>,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -86,6 +94,8 @@ impl CreateArgs {
             ttl_sec: self.ttl,
             network: self.network.map(NetworkTier::from),
             limits,
+            egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
+            secrets: (!self.secrets.is_empty()).then(|| self.secrets.clone()),
         }
     }
 }
@@ -320,6 +330,9 @@ mod tests {
                 generation: 4,
                 expires_at: now + time::Duration::minutes(5),
             }),
+            egress_allow: Vec::new(),
+            secrets: Vec::new(),
+            egress: None,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

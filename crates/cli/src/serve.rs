@@ -65,6 +65,26 @@ pub struct ServeArgs {
     /// repeat for several. Loopback registries never need it.
     #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
     pub insecure_registries: Vec<String>,
+    #[command(flatten)]
+    pub egress: crate::egress::EgressArgs,
+    /// IPv4 network `open` runs take a /30 each from; must not overlap a
+    /// network the host uses. Two daemons on one host need different pools
+    #[arg(
+        long,
+        env = "RUNBOX_OPEN_POOL",
+        default_value = "10.231.0.0/16",
+        value_name = "CIDR"
+    )]
+    pub open_pool: String,
+    /// nftables table (family inet) for the `open` tier's rules; two daemons
+    /// on one host need different tables
+    #[arg(
+        long,
+        env = "RUNBOX_NFT_TABLE",
+        default_value = "runbox",
+        value_name = "NAME"
+    )]
+    pub nft_table: String,
     /// Destroy every run of this state directory and exit (for tests and
     /// uninstalling); does not start the API.
     #[arg(long, hide = true)]
@@ -99,7 +119,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         runbox_runtime::agent_binary::locate(args.agent.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = runbox_runtime::select(args.runtime.as_deref(), &state_dir, &agent).await?;
     tracing::info!(runtime = %runtime.path.display(), agent = %agent.display(), "using runtime");
-    let backend: Arc<dyn Backend> = Arc::new(OciBackend::new(runtime, state_dir.clone(), agent)?);
+    let options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
+    let oci = OciBackend::with_options(runtime, state_dir.clone(), agent, options)?;
+    if let Some(why) = oci.open_unsupported() {
+        tracing::warn!(reason = %why, "the open network tier is not available on this host; such runs are refused");
+    }
+    let backend: Arc<dyn Backend> = Arc::new(oci);
 
     let mut config = Config::new(server_id);
     config.max_runs = args.max_runs;
@@ -118,16 +143,20 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.default_ttl = config.default_ttl.min(config.max_ttl);
     config.max_upload_bytes = args.max_upload_bytes;
     config.insecure_registries = args.insecure_registries.clone();
+    // Bound before the manager starts: the egress proxy must know the API's
+    // real address to refuse it, and re-adopted runs get their proxies at once.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listening on {}", args.listen))?;
+    let bound = listener.local_addr()?;
+    let egress = args.egress.build(&state_dir, bound)?;
+    config.egress = Some(egress.config.clone());
     let store = Store::open(&state_dir.join("runbox.db"))?;
     let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
     let manager = Manager::start(config, backend, store, images).await?;
 
     let shutdown = CancellationToken::new();
     let reaper = tokio::spawn(manager.clone().reaper(shutdown.clone()));
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("listening on {}", args.listen))?;
-    let bound = listener.local_addr()?;
     // Tests and scripts that ask for port 0 read the real address here.
     // Written then renamed, so a reader never sees a half-written file.
     let tmp = state_dir.join("serve.addr.tmp");
@@ -137,6 +166,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let router = runbox_server::router(runbox_server::AppState {
         manager,
         token: token.into(),
+        audit: Some(egress.audit),
     });
     let stop = shutdown.clone();
     let server = runbox_server::serve(listener, router, async move {
@@ -237,17 +267,65 @@ fn load_or_mint(path: &Path, mint: impl FnOnce() -> String) -> anyhow::Result<St
     Ok(value)
 }
 
+/// The open tier's pool and nftables table. `given` (from the flags) is
+/// recorded in `<state-dir>/network.json`; without it (teardown) the
+/// recorded values are used, so a teardown sweeps exactly what this state
+/// directory's daemon made.
+fn network_options(
+    state_dir: &Path,
+    given: Option<(&str, &str)>,
+) -> anyhow::Result<runbox_runtime::OciOptions> {
+    #[derive(serde::Serialize, serde::Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Recorded {
+        open_pool: String,
+        nft_table: String,
+    }
+    let path = state_dir.join("network.json");
+    let recorded = match given {
+        Some((pool, table)) => {
+            let recorded = Recorded {
+                open_pool: pool.to_owned(),
+                nft_table: table.to_owned(),
+            };
+            let tmp = state_dir.join("network.json.tmp");
+            std::fs::write(&tmp, serde_json::to_vec(&recorded)?).context("writing network.json")?;
+            std::fs::rename(&tmp, &path).context("writing network.json")?;
+            recorded
+        }
+        None => match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).context("reading network.json")?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let defaults = runbox_runtime::OciOptions::default();
+                return Ok(defaults);
+            }
+            Err(e) => return Err(e).context("reading network.json"),
+        },
+    };
+    let open_pool = recorded
+        .open_pool
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--open-pool {:?}: {e}", recorded.open_pool))?;
+    Ok(runbox_runtime::OciOptions {
+        open_pool,
+        nft_table: recorded.nft_table,
+    })
+}
+
 /// Destroys every run recorded in or left behind under `state_dir`.
 async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
     let runtime = ["crun", "runc", "runsc"]
         .iter()
         .find_map(|name| runbox_runtime::Runtime::find(name))
         .context("no OCI runtime installed to tear runs down with")?;
-    // The agent path is not used to destroy anything.
-    let backend = OciBackend::new(
+    // The agent path is not used to destroy anything; the network options
+    // are the ones the daemon of this state directory recorded, so teardown
+    // never touches another daemon's table.
+    let backend = OciBackend::with_options(
         runtime,
         state_dir.to_path_buf(),
         PathBuf::from("/nonexistent-agent"),
+        network_options(state_dir, None)?,
     )?;
     let db = state_dir.join("runbox.db");
     let mut ids = std::collections::HashSet::new();

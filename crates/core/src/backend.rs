@@ -12,6 +12,25 @@ use async_trait::async_trait;
 use runbox_types::{Limits, NetworkTier};
 use ulid::Ulid;
 
+/// Where the egress proxy listens inside every `allowlist` run: the run's own
+/// loopback, port 3128 (the conventional proxy port). Backends bind it in
+/// [`Backend::egress_listener`]; the core points `HTTP_PROXY` at
+/// [`EGRESS_PROXY_URL`].
+pub const EGRESS_PROXY_ADDR: std::net::SocketAddr = std::net::SocketAddr::V4(
+    std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(127, 0, 0, 1), 3128),
+);
+
+/// [`EGRESS_PROXY_ADDR`] as a proxy URL, for `HTTP_PROXY` and friends.
+pub const EGRESS_PROXY_URL: &str = "http://127.0.0.1:3128";
+
+/// The system CA bundle inside a run (Debian, Ubuntu and Alpine keep it
+/// here); with [`SandboxSpec::trust_pem`] the backend replaces it by the
+/// image's bundle plus those certificates.
+pub const TRUST_BUNDLE_PATH: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// The extra certificates of [`SandboxSpec::trust_pem`] alone, inside a run.
+pub const EXTRA_CA_PATH: &str = "/.runbox/ca.pem";
+
 /// What the core asks a backend to build.
 #[derive(Clone, Debug)]
 pub struct SandboxSpec {

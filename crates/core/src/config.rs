@@ -30,6 +30,9 @@ pub struct Config {
     /// Registries (`host[:port]`) that may be pulled from over plain HTTP;
     /// loopback registries always may.
     pub insecure_registries: Vec<String>,
+    /// The egress proxy's settings; without them the `allowlist` tier is
+    /// refused.
+    pub egress: Option<std::sync::Arc<crate::egress::EgressConfig>>,
 }
 
 impl Config {
@@ -55,6 +58,7 @@ impl Config {
             agent_ready_timeout: Duration::from_secs(10),
             reap_interval: Duration::from_secs(1),
             insecure_registries: Vec::new(),
+            egress: None,
         }
     }
 }

@@ -13,6 +13,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod egress;
 pub mod error;
 pub mod images;
 pub mod lease;

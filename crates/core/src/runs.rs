@@ -41,6 +41,7 @@ use ulid::Ulid;
 
 use crate::backend::{Backend, SandboxSpec};
 use crate::config::Config;
+use crate::egress;
 use crate::error::CoreError;
 use crate::images::ImageStore;
 use crate::lease::{Credential, Fence, Lease, LeaseError};
@@ -100,6 +101,8 @@ struct RunHandle {
     ended: CancellationToken,
     /// Why the run ended, set before `ended` is cancelled.
     end_reason: OnceLock<ExitReason>,
+    /// The egress proxy's counters, once it serves (`allowlist` runs).
+    egress: OnceLock<Arc<runbox_proxy::proxy::Counters>>,
 }
 
 impl RunHandle {
@@ -178,7 +181,14 @@ impl Manager {
                         tracing::info!(run = %id, "re-adopted a live run");
                         record.status = RunStatus::Running;
                         keep.insert(id);
-                        lock(&self.runs).insert(id, Arc::new(new_handle(record, agent)));
+                        let handle = Arc::new(new_handle(record, agent));
+                        // Without its proxy the run has no way out at all:
+                        // it keeps its files and processes, and the log says
+                        // why its egress is gone.
+                        if let Err(e) = self.start_egress(&handle).await {
+                            tracing::error!(run = %id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
+                        }
+                        lock(&self.runs).insert(id, handle);
                         continue;
                     }
                     Err(e) => {
@@ -222,11 +232,17 @@ impl Manager {
             return Err(CoreError::invalid(
                 ErrorCode::NetworkUnsupported,
                 format!(
-                    "network tier {:?} is not available on this server yet; use \"none\"",
+                    "network tier {:?} is not available on this server; use \"none\"",
                     network.as_str()
                 ),
             ));
         }
+        let egress = egress::check_request(
+            self.config.egress.as_deref(),
+            network,
+            req.egress_allow.as_deref(),
+            req.secrets.as_deref(),
+        )?;
         let id = Ulid::new();
         {
             let runs = lock(&self.runs).len();
@@ -236,26 +252,10 @@ impl Manager {
             }
             creating.insert(id);
         }
-        let result = self
-            .create_inner(id, req.image, env, limits, ttl, network)
-            .await;
-        lock(&self.creating).remove(&id);
-        result
-    }
-
-    async fn create_inner(
-        &self,
-        id: Ulid,
-        image: String,
-        env: Env,
-        limits: runbox_types::Limits,
-        ttl: Duration,
-        network: NetworkTier,
-    ) -> Result<Run, CoreError> {
         let now = OffsetDateTime::now_utc();
-        let mut record = RunRecord {
+        let record = RunRecord {
             id,
-            image,
+            image: req.image,
             network,
             limits,
             env,
@@ -266,7 +266,17 @@ impl Manager {
             agent_socket: Default::default(),
             image_config: Default::default(),
             lease: Default::default(),
+            egress,
         };
+        let result = self.create_inner(record).await;
+        lock(&self.creating).remove(&id);
+        result
+    }
+
+    /// Creates the sandbox of `record` (status `Creating`, just built from a
+    /// checked request) and waits until its agent answers.
+    async fn create_inner(&self, mut record: RunRecord) -> Result<Run, CoreError> {
+        let id = record.id;
         let image_layers = {
             // Holding the image lock until the record is stored means a
             // concurrent image delete either sees this run or runs first.
@@ -279,9 +289,14 @@ impl Manager {
         let spec = SandboxSpec {
             id,
             image_layers,
-            limits,
-            network,
-            trust_pem: None,
+            limits: record.limits,
+            network: record.network,
+            // Only runs with secrets get TLS intercepted, so only they need
+            // to trust the interception CA.
+            trust_pem: match &self.config.egress {
+                Some(config) if !record.egress.secrets.is_empty() => Some(config.ca_pem()),
+                _ => None,
+            },
         };
         let started = std::time::Instant::now();
         let outcome = async {
@@ -306,30 +321,65 @@ impl Manager {
             }
         };
         record.status = RunStatus::Running;
+        let handle = Arc::new(new_handle(record.clone(), agent));
+        if let Err(e) = self.start_egress(&handle).await {
+            tracing::error!(run = %id, error = %error_chain(&e), "starting the run's egress proxy failed");
+            self.destroy_resources(id).await;
+            return Err(e);
+        }
         if let Err(e) = self.store.put(&record) {
+            handle.ended.cancel();
             self.destroy_resources(id).await;
             return Err(e);
         }
         tracing::info!(run = %id, image = %record.image, runtime = %record.runtime,
             elapsed_ms = started.elapsed().as_millis() as u64, "run created");
-        let run = record.to_run(&self.config.server_id);
-        lock(&self.runs).insert(id, Arc::new(new_handle(record, agent)));
+        let run = self.view(&handle);
+        lock(&self.runs).insert(id, handle);
         Ok(run)
     }
 
     /// Every live run, ordered by id.
     pub fn list(&self) -> Vec<Run> {
-        let mut runs: Vec<Run> = lock(&self.runs)
-            .values()
-            .map(|h| h.record().to_run(&self.config.server_id))
-            .collect();
+        let mut runs: Vec<Run> = lock(&self.runs).values().map(|h| self.view(h)).collect();
         runs.sort_by_key(|r| r.id);
         runs
     }
 
     /// One live run.
     pub fn get(&self, id: Ulid) -> Result<Run, CoreError> {
-        Ok(self.handle(id)?.record().to_run(&self.config.server_id))
+        Ok(self.view(&*self.handle(id)?))
+    }
+
+    /// The API view of a live run: its record plus live counters.
+    fn view(&self, handle: &RunHandle) -> Run {
+        let mut run = handle.record().to_run(&self.config.server_id);
+        run.egress = handle.egress.get().map(|c| egress::stats(c));
+        run
+    }
+
+    /// Serves an `allowlist` run's proxy on a listener the backend binds in
+    /// the run's network namespace; stops with the run. Other tiers: nothing.
+    async fn start_egress(&self, handle: &RunHandle) -> Result<(), CoreError> {
+        let record = handle.record();
+        if record.network != NetworkTier::Allowlist {
+            return Ok(());
+        }
+        let config = self.config.egress.as_ref().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::NetworkUnsupported,
+                "this server has no egress proxy; use network \"none\"",
+            )
+        })?;
+        let listener = self.backend.egress_listener(record.id).await?;
+        let counters = config.start(
+            record.id,
+            &record.egress,
+            listener,
+            handle.ended.child_token(),
+        )?;
+        let _ = handle.egress.set(counters);
+        Ok(())
     }
 
     fn handle(&self, id: Ulid) -> Result<Arc<RunHandle>, CoreError> {
@@ -704,11 +754,19 @@ impl Manager {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect());
-        // Later layers win: runbox's defaults, the image's Env, the run's, the exec's.
-        let env: Vec<pb::EnvVar> = validate::merge_env([&base, &image.env, &record.env, &exec_env])
-            .into_iter()
-            .map(|(name, value)| pb::EnvVar { name, value })
-            .collect();
+        let egress_env = Env(egress::run_env(&record.egress).into_iter().collect());
+        let egress_env = if record.network == NetworkTier::Allowlist {
+            egress_env
+        } else {
+            Env::default()
+        };
+        // Later layers win: runbox's defaults, the image's Env, the egress
+        // proxy's, the run's, the exec's.
+        let env: Vec<pb::EnvVar> =
+            validate::merge_env([&base, &image.env, &egress_env, &record.env, &exec_env])
+                .into_iter()
+                .map(|(name, value)| pb::EnvVar { name, value })
+                .collect();
         let start = pb::ExecStart {
             argv,
             cwd: req
@@ -925,6 +983,7 @@ fn new_handle(record: RunRecord, agent: AgentClient) -> RunHandle {
         agent,
         ended: CancellationToken::new(),
         end_reason: OnceLock::new(),
+        egress: OnceLock::new(),
     }
 }
 

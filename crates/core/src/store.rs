@@ -50,6 +50,9 @@ pub struct RunRecord {
     /// The writable lease and the last generation issued.
     #[serde(default)]
     pub lease: crate::lease::LeaseBook,
+    /// The run's own allowlist entries and secret names.
+    #[serde(default)]
+    pub egress: crate::egress::RunEgressRequest,
 }
 
 impl RunRecord {
@@ -66,6 +69,9 @@ impl RunRecord {
             expires_at: self.expires_at,
             status: self.status,
             lease: self.lease.active(OffsetDateTime::now_utc()).cloned(),
+            egress_allow: self.egress.allow.clone(),
+            secrets: self.egress.secrets.clone(),
+            egress: None,
         }
     }
 }
@@ -158,6 +164,7 @@ mod tests {
             agent_socket: PathBuf::new(),
             image_config: Default::default(),
             lease: Default::default(),
+            egress: Default::default(),
         }
     }
 

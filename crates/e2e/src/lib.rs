@@ -86,6 +86,95 @@ pub fn busybox_tar() -> Vec<u8> {
     builder.into_inner().expect("finishing the tarball")
 }
 
+/// The host's curl, run inside sandboxes by the egress tests.
+pub const HOST_CURL: &str = "/usr/bin/curl";
+
+/// The files `ldd` says [`HOST_CURL`] loads: every library and the dynamic
+/// loader, at the paths the loader looks for them.
+fn curl_libraries() -> Vec<PathBuf> {
+    let out = Command::new("ldd")
+        .arg(HOST_CURL)
+        .output()
+        .unwrap_or_else(|e| panic!("running ldd {HOST_CURL}: {e}"));
+    assert!(
+        out.status.success(),
+        "ldd {HOST_CURL} failed (is curl installed? apt-get install -y curl): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // `libz.so.1 => /lib/x86_64-linux-gnu/libz.so.1 (0x...)`,
+    // `/lib64/ld-linux-x86-64.so.2 (0x...)`; the vDSO has no path.
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().find(|w| w.starts_with('/')))
+        .map(PathBuf::from)
+        .collect()
+}
+
+/// A tarball of the busybox root filesystem plus the host's curl with every
+/// library it loads, so runs have the HTTP client agents use. `files` (path
+/// inside the image, contents) are added too, their directories created as
+/// needed: the egress tests put their own CA bundle at
+/// `/etc/ssl/certs/ca-certificates.crt` there. Built from the host's files
+/// alone: no network.
+pub fn curl_tar(files: &[(&str, &[u8])]) -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    builder.follow_symlinks(false);
+    builder
+        .append_dir_all(".", busybox_rootfs())
+        .expect("taring the busybox rootfs");
+    let mut dirs = std::collections::BTreeSet::new();
+    let mut add = |path: &Path, data: &[u8], mode: u32| {
+        let relative = path.strip_prefix("/").unwrap_or(path);
+        let mut parents: Vec<&Path> = relative
+            .ancestors()
+            .skip(1)
+            .filter(|p| !p.as_os_str().is_empty())
+            .collect();
+        parents.reverse();
+        for dir in parents {
+            // The busybox tree already has /etc, /usr/bin...; a second
+            // entry for them would be harmless but noisy.
+            if busybox_rootfs().join(dir).is_dir() || !dirs.insert(dir.to_path_buf()) {
+                continue;
+            }
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Directory);
+            h.set_size(0);
+            h.set_mode(0o755);
+            h.set_uid(0);
+            h.set_gid(0);
+            h.set_mtime(0);
+            builder
+                .append_data(&mut h, dir, &b""[..])
+                .expect("tar directory");
+        }
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_size(data.len() as u64);
+        h.set_mode(mode);
+        h.set_uid(0);
+        h.set_gid(0);
+        h.set_mtime(0);
+        builder
+            .append_data(&mut h, relative, data)
+            .expect("tar file");
+    };
+    for file in curl_libraries()
+        .into_iter()
+        .chain([PathBuf::from(HOST_CURL)])
+    {
+        // Read through symlinks: the image gets the file under the name
+        // the loader asks for.
+        let data =
+            std::fs::read(&file).unwrap_or_else(|e| panic!("reading {}: {e}", file.display()));
+        add(&file, &data, 0o755);
+    }
+    for (path, data) in files {
+        add(Path::new(path), data, 0o644);
+    }
+    builder.into_inner().expect("finishing the tarball")
+}
+
 /// The runtimes the suite exercises: `RUNBOX_TEST_RUNTIMES` (comma-separated),
 /// else every one of runc and crun that is installed.
 pub fn runtimes() -> Vec<String> {
@@ -121,13 +210,58 @@ pub struct TestDaemon {
     /// The bearer token.
     pub token: String,
     runtime: Option<String>,
+    /// The `--listen` address, on every (re)start.
+    listen: String,
+    /// Extra `runbox serve` arguments, on every (re)start.
+    extra_args: Vec<String>,
+    /// Extra environment of the daemon, on every (re)start.
+    extra_env: Vec<(String, String)>,
+    /// This daemon's own nftables table and open-tier pool, so that tests
+    /// running side by side (and their teardowns) never touch each other's
+    /// rules or addresses, nor those of a daemon outside the tests.
+    nft_table: String,
+    open_pool: String,
     child: Option<Child>,
+}
+
+/// A distinct nftables table name and /24 pool per test daemon of this
+/// process; test binaries run one after another, so the pid spreads them
+/// across processes.
+fn network_names() -> (String, String) {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    let third = (pid.wrapping_mul(7).wrapping_add(n)) % 256;
+    (format!("rbxt{pid}_{n}"), format!("10.232.{third}.0/24"))
 }
 
 impl TestDaemon {
     /// Starts a daemon (runtime: `runtime`, else probe) and imports the
     /// busybox image as `base`.
     pub async fn start(runtime: Option<&str>) -> TestDaemon {
+        TestDaemon::start_with(runtime, &[], &[]).await
+    }
+
+    /// [`TestDaemon::start`] with extra `serve` arguments and environment.
+    pub async fn start_with(
+        runtime: Option<&str>,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> TestDaemon {
+        TestDaemon::start_listening(runtime, "127.0.0.1:0", args, env).await
+    }
+
+    /// [`TestDaemon::start_with`] listening on `listen` (a non-loopback
+    /// address also needs `--allow-non-loopback` in `args`). The client
+    /// talks to loopback when the daemon listens on an unspecified address.
+    pub async fn start_listening(
+        runtime: Option<&str>,
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> TestDaemon {
+        let (nft_table, open_pool) = network_names();
         let state = tempfile::Builder::new()
             .prefix("runbox-e2e-")
             .tempdir_in("/tmp")
@@ -138,21 +272,34 @@ impl TestDaemon {
             url: String::new(),
             token: String::new(),
             runtime: runtime.map(str::to_owned),
+            listen: listen.to_owned(),
+            extra_args: args.iter().map(|a| a.to_string()).collect(),
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            nft_table,
+            open_pool,
             child: None,
         };
         daemon.spawn().await;
-        let tar = busybox_tar();
-        let len = tar.len() as u64;
-        let body = runbox_client::UploadBody::from_stream(
-            futures::stream::once(async move { Ok::<_, std::io::Error>(bytes::Bytes::from(tar)) }),
-            Some(len),
-        );
+        daemon.import("base", busybox_tar()).await;
         daemon
-            .client
-            .import_image("base", body)
-            .await
-            .expect("importing the base image");
-        daemon
+    }
+
+    /// Imports `tar` (a root filesystem or image archive) as image `name`.
+    pub async fn import(&self, name: &str, tar: Vec<u8>) {
+        if let Err(e) = self.client.import_image(name, body(tar)).await {
+            panic!(
+                "importing image {name} failed: {e}; daemon log:\n{}",
+                self.log()
+            );
+        }
+    }
+
+    /// This daemon's own nftables table (family `inet`) for the open tier.
+    pub fn nft_table(&self) -> &str {
+        &self.nft_table
     }
 
     /// Starts (or restarts) the daemon process and waits until it serves.
@@ -162,7 +309,7 @@ impl TestDaemon {
         let mut cmd = Command::new(runbox_bin());
         cmd.arg("serve")
             .arg("--listen")
-            .arg("127.0.0.1:0")
+            .arg(&self.listen)
             .arg("--state-dir")
             .arg(self.state.path())
             .arg("--agent")
@@ -177,6 +324,12 @@ impl TestDaemon {
         if let Some(runtime) = &self.runtime {
             cmd.arg("--runtime").arg(runtime);
         }
+        cmd.arg("--nft-table")
+            .arg(&self.nft_table)
+            .arg("--open-pool")
+            .arg(&self.open_pool)
+            .args(&self.extra_args)
+            .envs(self.extra_env.iter().map(|(k, v)| (k, v)));
         let mut child = cmd.spawn().expect("spawning runbox serve");
         let deadline = Instant::now() + Duration::from_secs(60);
         let addr = loop {
@@ -194,7 +347,11 @@ impl TestDaemon {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         self.child = Some(child);
-        self.url = format!("http://{}", addr.trim());
+        let mut addr: std::net::SocketAddr = addr.trim().parse().expect("serve.addr");
+        if addr.ip().is_unspecified() {
+            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        self.url = format!("http://{addr}");
         self.token = std::fs::read_to_string(self.state.path().join("token"))
             .expect("token")
             .trim()

@@ -112,9 +112,9 @@ async fn authentication_and_error_shape() {
         (
             "POST",
             "/v1/runs",
-            br#"{"image":"base","network":"egress"}"#,
+            br#"{"image":"base","network":"none","egressAllow":["x.org"]}"#,
             400,
-            "network_unsupported",
+            "bad_egress",
         ),
         (
             "POST",

@@ -3,13 +3,21 @@
 //! Today one lane: OCI runtimes (`runc`, `crun`, `runsc`) driven through
 //! their command-line interface, with overlayfs roots and a network namespace
 //! per run. The security-relevant parts are kept apart: [`spec`] decides what
-//! a sandbox may do, [`seccomp`] which system calls it may make.
+//! a sandbox may do, [`seccomp`] which system calls it may make, [`open_net`]
+//! what an `open` run may reach, [`trust`] how image files are read safely,
+//! and [`netns`] how the daemon acts inside a run's network namespace.
 
 pub mod agent_binary;
+pub mod netns;
 pub mod oci;
+pub mod open_net;
 pub mod probe;
 pub mod seccomp;
 pub mod spec;
+pub mod trust;
 
-pub use oci::OciBackend;
+pub use netns::{bind_in_netns, EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
+pub use oci::{OciBackend, OciOptions};
+pub use open_net::{OpenPool, Subnet};
 pub use probe::{select, NoRuntime, Runtime};
+pub use trust::{EXTRA_CA_PATH, TRUST_BUNDLE_PATH};

@@ -5,23 +5,39 @@
 //!
 //! ```text
 //! runtime       which runtime started it (written first, read by destroy)
+//! network       the run's network tier (read by egress_listener)
 //! upper/        the run's writable overlay layer
 //! ovl-work/     overlayfs' scratch directory
 //! rootfs/       the merged root: image (read-only lower) + upper
 //! config.json   the OCI runtime config
 //! agent.sock    the agent's listening socket (created here, passed as fd 3)
 //! runtime.log   the runtime's own log, read when it fails
+//! trust.pem     image CA bundle + extra CAs     } only when the spec has
+//! ca.pem        the extra CAs alone             } trust_pem (crate::trust)
+//! net.json      the open run's /30 and names    } open tier only
+//! resolv.conf   the open run's resolver config  } (crate::open_net)
 //! ```
 //!
 //! Plus, outside that directory: the network namespace `/run/netns/runbox-<id>`,
 //! the cgroup `/runbox/<id>` and the runtime's container `runbox-<id>` (state
-//! under `<state-dir>/oci/<runtime>`). Every one of them is named after the
-//! run id, so [`Backend::sweep`] can find and remove what a crash left behind.
+//! under `<state-dir>/oci/<runtime>`); for open runs also a veth pair and an
+//! nftables set element (see [`crate::open_net`]). Every one of them is
+//! named after the run id, so [`Backend::sweep`] can find and remove what a
+//! crash left behind.
+//!
+//! Network tiers: `none` and `allowlist` runs get the same namespace, with
+//! loopback only: no other interface, no route. An `allowlist` run reaches
+//! the outside only through the egress proxy, whose listening socket
+//! [`Backend::egress_listener`] creates on the run's own loopback
+//! ([`crate::netns::EGRESS_PROXY_ADDR`]) for the daemon to serve. `open`
+//! runs get a veth pair and NAT ([`crate::open_net`]); when the host cannot
+//! do that (no nftables), creating one fails rather than falling back to
+//! another tier.
 //!
 //! Creation steps, in order (each undone by `destroy`):
-//! 1. create the run directory and record the runtime name;
-//! 2. mount the overlay;
-//! 3. create the network namespace with loopback up;
+//! 1. create the run directory and record the runtime name and network tier;
+//! 2. mount the overlay; write the trust files when the spec has extra CAs;
+//! 3. create the network namespace with loopback up (open: and its veth);
 //! 4. bind the agent socket;
 //! 5. write config.json;
 //! 6. `<runtime> run --detach --preserve-fds 1`, handing the socket over as fd 3.
@@ -40,12 +56,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use runbox_core::backend::{Backend, BackendError, Sandbox, SandboxSpec};
+use runbox_core::runs::error_chain;
 use runbox_types::NetworkTier;
 use tokio::process::Command;
 use ulid::Ulid;
 
+use crate::netns::{bind_in_netns, EGRESS_PROXY_ADDR};
+use crate::open_net::{self, OpenNet, OpenPool, Subnet, RESOLV_CONF_PATH};
 use crate::probe::Runtime;
-use crate::spec::{self, SpecParams};
+use crate::spec::{self, FileMount, SpecParams};
+use crate::trust::{self, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
 /// How long one runtime command (`run -d`, `delete`, ...) may take.
 const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
@@ -53,24 +73,65 @@ const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
 /// Environment of the agent process itself (commands get their own).
 const AGENT_ENV: &[&str] = &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"];
 
+/// Host-wide settings of an [`OciBackend`].
+#[derive(Clone, Debug)]
+pub struct OciOptions {
+    /// The IPv4 network open runs take a /30 each from
+    /// (default [`open_net::DEFAULT_OPEN_POOL`], 10.231.0.0/16). It must not
+    /// overlap a network the host uses.
+    pub open_pool: OpenPool,
+    /// The nftables table (family `inet`) holding the open tier's rules
+    /// (default [`open_net::DEFAULT_NFT_TABLE`]). Two daemons on one host
+    /// need different tables and pools.
+    pub nft_table: String,
+}
+
+impl Default for OciOptions {
+    fn default() -> OciOptions {
+        OciOptions {
+            open_pool: open_net::DEFAULT_OPEN_POOL,
+            nft_table: open_net::DEFAULT_NFT_TABLE.to_owned(),
+        }
+    }
+}
+
 /// The OCI runtime backend.
 pub struct OciBackend {
     runtime: Runtime,
     state_dir: PathBuf,
     agent_binary: PathBuf,
     swap_limit: bool,
+    open: OpenNet,
 }
 
 impl OciBackend {
     /// A backend that starts runs with `runtime` and keeps its files under
-    /// `state_dir`. `agent_binary` must be the static runbox-agent.
+    /// `state_dir`. `agent_binary` must be the static runbox-agent. Default
+    /// [`OciOptions`].
     pub fn new(
         runtime: Runtime,
         state_dir: PathBuf,
         agent_binary: PathBuf,
     ) -> Result<OciBackend, BackendError> {
+        OciBackend::with_options(runtime, state_dir, agent_binary, OciOptions::default())
+    }
+
+    /// [`OciBackend::new`] with explicit options. Probes once whether the
+    /// host can give runs the open tier (see [`Backend::supports_network`]).
+    pub fn with_options(
+        runtime: Runtime,
+        state_dir: PathBuf,
+        agent_binary: PathBuf,
+        options: OciOptions,
+    ) -> Result<OciBackend, BackendError> {
         for path in [&state_dir, &agent_binary] {
             check_mount_safe(path)?;
+        }
+        if !open_net::valid_table_name(&options.nft_table) {
+            return Err(BackendError::Failed(format!(
+                "invalid nftables table name {:?}: use a letter, then up to 31 letters, digits or '_'",
+                options.nft_table
+            )));
         }
         let runs = state_dir.join("runs");
         std::fs::DirBuilder::new()
@@ -78,12 +139,39 @@ impl OciBackend {
             .mode(0o700)
             .create(&runs)
             .map_err(BackendError::io(format!("creating {}", runs.display())))?;
+        let open = OpenNet::new(options.open_pool, options.nft_table, &runs);
         Ok(OciBackend {
             runtime,
             state_dir,
             agent_binary,
             swap_limit: host_has_swap_accounting(),
+            open,
         })
+    }
+
+    /// Why open-tier runs cannot be created on this host, if they cannot.
+    pub fn open_unsupported(&self) -> Option<&str> {
+        self.open.unsupported()
+    }
+
+    /// The /30 of open run `id` (its address is [`Subnet::run`], its gateway
+    /// [`Subnet::host`]); None for other runs.
+    pub fn open_subnet(&self, id: Ulid) -> Option<Subnet> {
+        self.open.subnet_of(id)
+    }
+
+    /// The network tier run `id` was created with; None when there is no
+    /// such run.
+    fn network_of(&self, id: Ulid) -> Option<NetworkTier> {
+        let dir = self.run_dir(id);
+        match std::fs::read_to_string(dir.join("network")) {
+            Ok(recorded) => [NetworkTier::None, NetworkTier::Allowlist, NetworkTier::Open]
+                .into_iter()
+                .find(|t| t.as_str() == recorded.trim()),
+            // Runs made before the tier was recorded could only be `none`.
+            Err(_) if dir.join("runtime").exists() => Some(NetworkTier::None),
+            Err(_) => None,
+        }
     }
 
     /// The runtime new runs use.
@@ -114,12 +202,19 @@ impl OciBackend {
     async fn create_steps(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
         let id = spec.id;
         let dir = self.run_dir(id);
-        // 1. The directory, and which runtime owns the run.
+        // Fail closed before anything exists: never a different tier.
+        if spec.network == NetworkTier::Open {
+            if let Some(why) = self.open.unsupported() {
+                return Err(BackendError::Unsupported(why.to_owned()));
+            }
+        }
+        // 1. The directory, which runtime owns the run, and its tier.
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&dir)
             .map_err(BackendError::io(format!("creating {}", dir.display())))?;
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
+        write(&dir.join("network"), spec.network.as_str().as_bytes())?;
         // 2. The overlay root.
         let (upper, work, rootfs) = (dir.join("upper"), dir.join("ovl-work"), dir.join("rootfs"));
         for d in [&upper, &work, &rootfs] {
@@ -136,15 +231,20 @@ impl OciBackend {
             check_mount_safe(layer)?;
         }
         mount_overlay(&spec.image_layers, &upper, &work, &rootfs)?;
+        // Read from the merged root, so the run's own layer cannot matter
+        // yet (it is empty) and every image layer does.
+        let trust_files = match &spec.trust_pem {
+            Some(pem) => Some(
+                trust::write_trust_files(&dir, &rootfs, pem)
+                    .map_err(|e| BackendError::Failed(error_chain(&e)))?,
+            ),
+            None => None,
+        };
         // 3. The network namespace.
-        let netns = match spec.network {
-            NetworkTier::None => create_netns(id).await?,
-            other => {
-                return Err(BackendError::Unsupported(format!(
-                    "network tier {} is not supported",
-                    other.as_str()
-                )))
-            }
+        let netns = create_netns(id).await?;
+        let resolv_conf = match spec.network {
+            NetworkTier::None | NetworkTier::Allowlist => None,
+            NetworkTier::Open => Some(self.open.setup(id, &dir, &netns_name(id)).await?),
         };
         // 4. The agent's socket.
         let socket = dir.join("agent.sock");
@@ -156,6 +256,23 @@ impl OciBackend {
         let agent_args = ["--listen-fd".to_owned(), "3".to_owned()];
         let env: Vec<String> = AGENT_ENV.iter().map(|s| s.to_string()).collect();
         let cgroups_path = format!("/runbox/{id}");
+        let mut files = Vec::new();
+        if let Some(t) = &trust_files {
+            files.push(FileMount {
+                source: &t.bundle,
+                destination: TRUST_BUNDLE_PATH,
+            });
+            files.push(FileMount {
+                source: &t.extra,
+                destination: EXTRA_CA_PATH,
+            });
+        }
+        if let Some(path) = &resolv_conf {
+            files.push(FileMount {
+                source: path,
+                destination: RESOLV_CONF_PATH,
+            });
+        }
         let params = SpecParams {
             rootfs: &rootfs,
             agent_binary: &self.agent_binary,
@@ -166,6 +283,7 @@ impl OciBackend {
             limits: &spec.limits,
             swap_limit: self.swap_limit,
             env: &env,
+            files: &files,
         };
         let config = spec::build(&params)
             .map_err(|e| BackendError::Failed(format!("building the OCI config: {e}")))?;
@@ -219,6 +337,9 @@ impl OciBackend {
                 BackendError::Failed(format!("unmounting {}: {e}", rootfs.display()))
             })?;
         }
+        // Before the namespace: the veth goes at once with its host side,
+        // while a deleted namespace is torn down by the kernel later.
+        self.open.teardown(id, &dir).await?;
         delete_netns(id).await?;
         remove_cgroups(id);
         if is_mount_point(&rootfs) {
@@ -228,10 +349,14 @@ impl OciBackend {
             )));
         }
         match std::fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(BackendError::io(format!("removing {}", dir.display()))(e)),
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(BackendError::io(format!("removing {}", dir.display()))(e)),
         }
+        // Only now: while net.json exists the /30 counts as taken, so a
+        // crash before this point cannot hand it to two runs.
+        self.open.release(id);
+        Ok(())
     }
 }
 
@@ -239,6 +364,13 @@ impl OciBackend {
 impl Backend for OciBackend {
     fn name(&self) -> String {
         format!("oci/{}", self.runtime.name)
+    }
+
+    fn supports_network(&self, tier: NetworkTier) -> bool {
+        match tier {
+            NetworkTier::None | NetworkTier::Allowlist => true,
+            NetworkTier::Open => self.open.unsupported().is_none(),
+        }
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
@@ -314,7 +446,45 @@ impl Backend for OciBackend {
                 }
             }
         }
+        // Open-tier leftovers no run directory names (and the table, when
+        // no open run is left). Like a run that cannot be removed, this is
+        // logged rather than hiding which runs were swept.
+        if let Err(e) = self.open.sweep(&runs).await {
+            tracing::error!(error = %e, "could not remove leftover open-tier network state");
+        }
         Ok(swept)
+    }
+
+    /// Binds [`EGRESS_PROXY_ADDR`] inside the run's namespace. Refused for
+    /// runs that are not `allowlist` ones: a proxy inside a `none` run would
+    /// give it the network it was created without.
+    ///
+    /// Cancellation: the socket is made on a blocking thread; if this future
+    /// is dropped, the socket is closed when that thread returns it.
+    async fn egress_listener(&self, id: Ulid) -> Result<std::net::TcpListener, BackendError> {
+        match self.network_of(id) {
+            Some(NetworkTier::Allowlist) => {}
+            Some(other) => {
+                return Err(BackendError::Unsupported(format!(
+                    "run {id} has network tier {}, which has no egress proxy",
+                    other.as_str()
+                )))
+            }
+            None => {
+                return Err(BackendError::Failed(format!(
+                    "run {id} does not exist or has an unreadable network record"
+                )))
+            }
+        }
+        let netns = Path::new("/run/netns").join(netns_name(id));
+        let bind = netns.clone();
+        tokio::task::spawn_blocking(move || bind_in_netns(&bind, EGRESS_PROXY_ADDR))
+            .await
+            .map_err(|e| BackendError::Failed(format!("binding the egress listener: {e}")))?
+            .map_err(BackendError::io(format!(
+                "binding {EGRESS_PROXY_ADDR} in {}",
+                netns.display()
+            )))
     }
 }
 

@@ -103,7 +103,8 @@ impl Runtime {
     }
 }
 
-fn which(name: &str) -> Option<PathBuf> {
+/// The first `name` on `PATH` (or the usual system directories without one).
+pub(crate) fn which(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH")
         .unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into());
     std::env::split_paths(&path)
@@ -210,6 +211,7 @@ async fn probe_in(
         limits: &limits,
         swap_limit: false,
         env: &[],
+        files: &[],
     };
     let config = spec::build(&params).map_err(|e| format!("building the probe config: {e}"))?;
     let json = serde_json::to_vec(&config).map_err(|e| e.to_string())?;

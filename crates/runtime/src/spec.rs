@@ -30,6 +30,10 @@ use crate::seccomp;
 /// Where the agent binary appears inside every run (bind-mounted read-only).
 pub const AGENT_PATH: &str = "/.runbox/agent";
 
+/// Mount options of a [`FileMount`]: read-only, and nothing in it runs or
+/// acts as a device (the files are data: certificates, resolver config).
+const FILE_MOUNT_OPTIONS: [&str; 5] = ["bind", "ro", "nosuid", "nodev", "noexec"];
+
 /// The runtime-spec version written into `ociVersion`; runc 1.1 and crun 1.8
 /// both accept it.
 const OCI_VERSION: &str = "1.0.2";
@@ -96,6 +100,19 @@ const READONLY_PATHS: [&str; 5] = [
     "/proc/sysrq-trigger",
 ];
 
+/// A host file the daemon prepared, bind-mounted read-only into the run.
+///
+/// The runtime resolves `destination` inside the run's root (a symlink there
+/// stays inside the root) and creates it, with its parent directories, when
+/// the image lacks it.
+#[derive(Clone, Copy, Debug)]
+pub struct FileMount<'a> {
+    /// Absolute host path of the file.
+    pub source: &'a Path,
+    /// Absolute path inside the run, e.g. `/etc/resolv.conf`.
+    pub destination: &'a str,
+}
+
 /// Everything [`build`] needs to describe one run.
 #[derive(Clone, Copy, Debug)]
 pub struct SpecParams<'a> {
@@ -121,6 +138,8 @@ pub struct SpecParams<'a> {
     pub swap_limit: bool,
     /// `KEY=VALUE` environment of the agent process (not of what it runs).
     pub env: &'a [String],
+    /// Files mounted read-only after every other mount, in this order.
+    pub files: &'a [FileMount<'a>],
 }
 
 /// Why [`build`] refused its input.
@@ -149,6 +168,9 @@ pub enum SpecError {
     /// Not a valid Linux hostname (RFC 1123 labels, at most 64 bytes).
     #[error("invalid hostname {0:?}")]
     InvalidHostname(String),
+    /// A file mount's destination is not a plain absolute path.
+    #[error("invalid mount destination {0:?}: must be absolute, without '.' or '..'")]
+    InvalidMountDestination(String),
     /// Not an absolute cgroupfs path without `..` components.
     #[error("invalid cgroups path {0:?}: must be absolute, without '..'")]
     InvalidCgroupsPath(String),
@@ -213,7 +235,7 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
                 .readonly(false)
                 .build()?,
         )
-        .mounts(mounts(params.agent_binary)?)
+        .mounts(mounts(params.agent_binary, params.files)?)
         .process(process)
         .hostname(params.hostname)
         .linux(
@@ -255,12 +277,25 @@ fn validate(p: &SpecParams) -> Result<(), SpecError> {
     for (what, path) in [("rootfs", p.rootfs), ("agent binary", p.agent_binary)]
         .into_iter()
         .chain(p.netns_path.map(|n| ("netns path", n)))
+        .chain(p.files.iter().map(|f| ("file mount source", f.source)))
     {
         if !path.is_absolute() {
             return Err(SpecError::RelativePath {
                 what,
                 path: path.to_path_buf(),
             });
+        }
+    }
+    for file in p.files {
+        // Only plain components: the destination is joined to the run's
+        // root by the runtime, and `/` itself would hide the whole image.
+        let plain = file.destination.strip_prefix('/').is_some_and(|rel| {
+            !rel.contains('\0') && rel.split('/').all(|part| !matches!(part, "" | "." | ".."))
+        });
+        if !plain {
+            return Err(SpecError::InvalidMountDestination(
+                file.destination.to_string(),
+            ));
         }
     }
     if !valid_hostname(p.hostname) {
@@ -414,9 +449,9 @@ fn device_rules() -> Result<Vec<LinuxDeviceCgroup>, OciSpecError> {
     ])
 }
 
-/// The filesystems every run gets, as Docker mounts them, plus the agent.
-/// `/tmp` is left to the image, as in Docker.
-fn mounts(agent_binary: &Path) -> Result<Vec<Mount>, OciSpecError> {
+/// The filesystems every run gets, as Docker mounts them, plus the agent and
+/// the daemon's files. `/tmp` is left to the image, as in Docker.
+fn mounts(agent_binary: &Path, files: &[FileMount]) -> Result<Vec<Mount>, OciSpecError> {
     let m = |dest: &str, typ: &str, source: &Path, options: &[&str]| {
         MountBuilder::default()
             .destination(dest)
@@ -426,7 +461,7 @@ fn mounts(agent_binary: &Path) -> Result<Vec<Mount>, OciSpecError> {
             .build()
     };
     let p = Path::new;
-    Ok(vec![
+    let mut out = vec![
         m("/proc", "proc", p("proc"), &["nosuid", "noexec", "nodev"])?,
         m(
             "/dev",
@@ -489,7 +524,18 @@ fn mounts(agent_binary: &Path) -> Result<Vec<Mount>, OciSpecError> {
             agent_binary,
             &["bind", "ro", "nosuid", "nodev"],
         )?,
-    ])
+    ];
+    // Last, so that a destination under /run lands on the run's tmpfs
+    // rather than under it.
+    for file in files {
+        out.push(m(
+            file.destination,
+            "bind",
+            file.source,
+            &FILE_MOUNT_OPTIONS,
+        )?);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -529,6 +575,7 @@ mod tests {
                 limits: &LIMITS,
                 swap_limit: true,
                 env: &self.env,
+                files: &[],
             }
         }
     }
@@ -735,6 +782,57 @@ mod tests {
             .expect("mounts")
             .iter()
             .all(|m| m["destination"] != "/tmp"));
+    }
+
+    #[test]
+    fn file_mounts_come_last_and_read_only() {
+        let f = Fixture::new();
+        let files = [
+            FileMount {
+                source: Path::new("/var/lib/runbox/runs/x/trust.pem"),
+                destination: "/etc/ssl/certs/ca-certificates.crt",
+            },
+            FileMount {
+                source: Path::new("/var/lib/runbox/runs/x/resolv.conf"),
+                destination: "/etc/resolv.conf",
+            },
+        ];
+        let json = ok(&f, |p| p.files = &files);
+        let mounts = json["mounts"].as_array().expect("mounts");
+        let last: Vec<&str> = mounts[mounts.len() - 2..]
+            .iter()
+            .map(|m| m["destination"].as_str().expect("destination"))
+            .collect();
+        assert_eq!(
+            last,
+            ["/etc/ssl/certs/ca-certificates.crt", "/etc/resolv.conf"]
+        );
+        let resolv = mount(&json, "/etc/resolv.conf");
+        assert_eq!(resolv["type"], "bind");
+        assert_eq!(resolv["source"], "/var/lib/runbox/runs/x/resolv.conf");
+        assert_eq!(strings(&resolv["options"]), FILE_MOUNT_OPTIONS);
+    }
+
+    #[test]
+    fn file_mounts_are_validated() {
+        let f = Fixture::new();
+        for dest in ["", "/", "etc/x", "/etc/../x", "/etc/./x", "/a\0b"] {
+            let files = [FileMount {
+                source: Path::new("/src"),
+                destination: dest,
+            }];
+            let e = build_json(&f, |p| p.files = &files).expect_err("bad destination");
+            assert!(
+                matches!(e, SpecError::InvalidMountDestination(_)),
+                "{dest:?}: {e}"
+            );
+        }
+        let files = [FileMount {
+            source: Path::new("src"),
+            destination: "/etc/x",
+        }];
+        let e = build_json(&f, |p| p.files = &files).expect_err("relative source");
+        assert!(matches!(e, SpecError::RelativePath { .. }));
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub struct AppState {
     pub manager: Arc<Manager>,
     /// The bearer token clients must present.
     pub token: Arc<str>,
+    /// Where state-changing calls are recorded, if anywhere.
+    pub audit: Option<Arc<runbox_proxy::audit::AuditLog>>,
 }
 
 /// The API router.
@@ -80,8 +82,42 @@ pub fn router(state: AppState) -> Router {
                 "this route does not take that method; see docs/api.md",
             )
         })
+        .layer(middleware::from_fn_with_state(state.clone(), audit_calls))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
+}
+
+/// Records every state-changing call (anything but GET, HEAD and OPTIONS)
+/// in the audit log once it is answered: method, path without the query
+/// string, status and the run concerned. Never a body, a header or a query
+/// (they may hold credentials).
+async fn audit_calls(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    use axum::http::Method;
+    let Some(audit) = state.audit.clone() else {
+        return next.run(request).await;
+    };
+    let method = request.method().clone();
+    if matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        return next.run(request).await;
+    }
+    let path = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    let run = path
+        .strip_prefix("/v1/runs/")
+        .and_then(|rest| rest.split('/').next())
+        .filter(|id| ulid::Ulid::from_string(id).is_ok())
+        .map(str::to_owned);
+    let record = runbox_proxy::audit::AuditRecord::Api {
+        t: runbox_proxy::audit::now(),
+        method: method.to_string(),
+        // Bounded: a path is the client's to choose.
+        path: path.chars().take(512).collect(),
+        status: response.status().as_u16(),
+        run,
+    };
+    // The write is small but blocking; keep it off the async workers.
+    tokio::task::spawn_blocking(move || audit.append(&record));
+    response
 }
 
 async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {

@@ -87,6 +87,12 @@ codes! {
     CommandNotFound = "command_not_found", 400;
     /// The command exists but could not be executed.
     CommandNotExecutable = "command_not_executable", 400;
+    /// An `egressAllow` entry is malformed.
+    BadEgressEntry = "bad_egress_entry", 400;
+    /// `egressAllow` or `secrets` do not fit the run's network tier, or are too many.
+    BadEgress = "bad_egress", 400;
+    /// A run asks for a secret the operator did not declare.
+    UnknownSecret = "unknown_secret", 400;
     /// The requested network tier is not available on this server.
     NetworkUnsupported = "network_unsupported", 400;
     /// The path is not a regular file (a directory, a device, ...).

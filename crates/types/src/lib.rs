@@ -97,6 +97,14 @@ pub struct CreateRunRequest {
     /// Resource limits (defaults: 1 CPU, 1024 MiB, 256 pids).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsRequest>,
+    /// Extra allowlist entries for this run only (`allowlist` tier):
+    /// `host`, `.suffix` or `host:port`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_allow: Option<Vec<String>>,
+    /// Names of operator-declared secrets the run may use (`allowlist`
+    /// tier). The run sees only placeholders; the proxy injects the values.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<Vec<String>>,
 }
 
 /// Where a run is in its life.
@@ -138,6 +146,29 @@ pub struct Run {
     /// The writable lease in force, if any (a lapsed lease is not shown).
     #[serde(default)]
     pub lease: Option<Lease>,
+    /// The run's own allowlist entries, canonical (`allowlist` tier).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress_allow: Vec<String>,
+    /// The secrets the run may use, by name.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
+    /// Traffic through the run's egress proxy (`allowlist` tier) since the
+    /// daemon started serving it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<EgressStats>,
+}
+
+/// Egress accounting of one run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EgressStats {
+    /// Bytes the run sent through its proxy.
+    pub bytes_up: u64,
+    /// Bytes the run received through its proxy.
+    pub bytes_down: u64,
+    /// Requests the proxy handled (CONNECTs and plain requests, allowed or
+    /// denied).
+    pub requests: u64,
 }
 
 /// A writable lease: while it is active, only its holder, presenting this

@@ -1,0 +1,212 @@
+//! `runbox serve`'s egress settings: flags, the optional JSON config file,
+//! and building the proxy's shared services from them.
+//!
+//! Every setting is checked before the daemon serves: a malformed allowlist
+//! entry, exception, secret declaration or missing secret value stops the
+//! start with a message naming it — a daemon never serves a policy other
+//! than the configured one.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use runbox_core::egress::EgressConfig;
+use runbox_proxy::audit::AuditLog;
+use runbox_proxy::guard::{AddressGuard, InternalAllow};
+use runbox_proxy::policy::{self, Entry};
+use runbox_proxy::proxy::Shared;
+use runbox_proxy::resolve::Resolver;
+use runbox_proxy::secrets::{Secret, SecretSpec};
+use runbox_proxy::tls::{upstream_client_config, Authority};
+
+/// Egress flags of `runbox serve`.
+#[derive(Debug, Default, clap::Args)]
+pub struct EgressArgs {
+    /// Allowlist entries for every `allowlist` run, on top of the built-in
+    /// list: `host` (ports 80, 443), `.suffix` (a domain and its
+    /// subdomains), `host:port`; comma- or space-separated, repeatable
+    #[arg(
+        long = "egress-allow",
+        env = "RUNBOX_EGRESS_ALLOW",
+        value_name = "ENTRIES"
+    )]
+    pub egress_allow: Vec<String>,
+    /// Do not apply the built-in list of package registries and source forges
+    #[arg(long, env = "RUNBOX_NO_DEFAULT_EGRESS")]
+    pub no_default_egress: bool,
+    /// An internal destination the proxy may reach after all: `CIDR` or
+    /// `CIDR:PORT,PORT` (IPv6 as `[CIDR]:PORTS`); repeatable. Loopback,
+    /// private, link-local (cloud metadata), CGNAT, multicast and the host's
+    /// own addresses are refused otherwise
+    #[arg(long = "egress-internal-allow", value_name = "CIDR[:PORTS]")]
+    pub egress_internal_allow: Vec<String>,
+    /// JSON file with `allow`, `defaultAllow`, `internalAllow` and `secrets`
+    /// (secret declarations live only here)
+    #[arg(long, env = "RUNBOX_EGRESS_CONFIG", value_name = "FILE")]
+    pub egress_config: Option<PathBuf>,
+    /// DNS server the proxy asks (default: the host's /etc/resolv.conf)
+    #[arg(long, env = "RUNBOX_EGRESS_DNS", value_name = "ADDR:PORT")]
+    pub egress_dns: Option<SocketAddr>,
+    /// Extra CA certificates (PEM) that upstream servers are verified against
+    /// when TLS is intercepted, besides the system roots
+    #[arg(long, env = "RUNBOX_EGRESS_CA_BUNDLE", value_name = "FILE")]
+    pub egress_ca_bundle: Option<PathBuf>,
+    /// Rotate audit.jsonl (to audit.jsonl.1) when it reaches this size
+    #[arg(long, default_value_t = 64, value_name = "MIB")]
+    pub audit_max_mb: u64,
+}
+
+/// The egress config file. Unknown keys are an error: a misspelt key must
+/// not silently leave a policy out.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct FileConfig {
+    #[serde(default)]
+    allow: Vec<String>,
+    #[serde(default)]
+    default_allow: Option<bool>,
+    #[serde(default, alias = "egress_internal_allow")]
+    internal_allow: Vec<String>,
+    #[serde(default)]
+    secrets: Vec<SecretSpec>,
+}
+
+/// Everything the proxy needs, built and checked.
+pub struct Built {
+    /// For the run manager.
+    pub config: Arc<EgressConfig>,
+    /// For the API's audit records too.
+    pub audit: Arc<AuditLog>,
+}
+
+/// Parses and checks the deployment allowlist alone (flags and file): used
+/// by `build` and by tests of the refusal to start.
+fn deployment_entries(flags: &[String], file: &[String]) -> anyhow::Result<Vec<Entry>> {
+    let mut entries = Vec::new();
+    for value in flags {
+        entries.extend(policy::parse_list(value).with_context(|| {
+            "--egress-allow / RUNBOX_EGRESS_ALLOW is malformed; the daemon does not start with a list other than the configured one"
+        })?);
+    }
+    for value in file {
+        entries.push(
+            Entry::from_str(value).context("the egress config file's \"allow\" is malformed")?,
+        );
+    }
+    Ok(entries)
+}
+
+impl EgressArgs {
+    /// Builds the egress services; `api` is the API's own address, which the
+    /// proxy refuses whatever the exceptions say.
+    pub fn build(&self, state_dir: &Path, api: SocketAddr) -> anyhow::Result<Built> {
+        let file: FileConfig = match &self.egress_config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the egress config {}", path.display()))?;
+                serde_json::from_str(&text)
+                    .with_context(|| format!("parsing the egress config {}", path.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let deployment = deployment_entries(&self.egress_allow, &file.allow)?;
+        let default_list = !self.no_default_egress && file.default_allow.unwrap_or(true);
+        let mut internal = Vec::new();
+        for raw in self
+            .egress_internal_allow
+            .iter()
+            .chain(&file.internal_allow)
+        {
+            internal.push(
+                InternalAllow::from_str(raw)
+                    .context("--egress-internal-allow (or internalAllow) is malformed")?,
+            );
+        }
+        let mut secrets = BTreeMap::new();
+        for spec in file.secrets {
+            let name = spec.name.clone();
+            let secret = Secret::load(spec, |var| std::env::var(var).ok())
+                .context("a secret in the egress config cannot be used")?;
+            if secrets.insert(name.clone(), Arc::new(secret)).is_some() {
+                bail!("the egress config declares the secret {name:?} twice");
+            }
+        }
+        let audit = Arc::new(
+            AuditLog::open(
+                state_dir.join("audit.jsonl"),
+                self.audit_max_mb.max(1) << 20,
+            )
+            .context("opening audit.jsonl")?,
+        );
+        let authority = Authority::load_or_create(&state_dir.join("ca"))
+            .context("loading or creating the interception CA")?;
+        let upstream_tls = upstream_client_config(self.egress_ca_bundle.as_deref())
+            .context("loading the roots upstream servers are verified against")?;
+        // The API is refused whatever the exceptions say, also through
+        // 0.0.0.0 and `::`, which reach the host's own listeners.
+        let guard = AddressGuard::from_host(internal)
+            .context("listing this host's addresses")?
+            .forbid(api);
+        let resolver = Resolver::new(self.egress_dns).context(
+            "setting up DNS for the egress proxy (name a DNS server with --egress-dns ADDR:PORT)",
+        )?;
+        tracing::info!(
+            default_list,
+            deployment = deployment.len(),
+            secrets = secrets.len(),
+            "egress proxy configured"
+        );
+        let shared = Arc::new(Shared {
+            resolver,
+            guard,
+            authority: Arc::new(authority),
+            upstream_tls,
+            audit: Some(audit.clone()),
+        });
+        Ok(Built {
+            config: Arc::new(EgressConfig {
+                default_list,
+                deployment,
+                secrets,
+                shared,
+            }),
+            audit,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn malformed_deployment_entries_stop_the_start() {
+        assert!(deployment_entries(&["example.org, .example.com".into()], &[]).is_ok());
+        for bad in [".com", "https://example.org", "*.example.org", "host:0"] {
+            let err = deployment_entries(&[bad.to_owned()], &[]).unwrap_err();
+            assert!(
+                format!("{err:#}").contains("RUNBOX_EGRESS_ALLOW"),
+                "{err:#}"
+            );
+        }
+        assert!(deployment_entries(&[], &["a b".to_owned()]).is_err());
+    }
+
+    #[test]
+    fn the_config_file_refuses_unknown_keys() {
+        let err = serde_json::from_str::<FileConfig>(r#"{"allowed": ["x.org"]}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+        let ok: FileConfig = serde_json::from_str(
+            r#"{"allow": ["x.org"], "defaultAllow": false, "internalAllow": ["10.0.0.0/8:443"],
+                "secrets": [{"name": "GH", "header": "Authorization", "scheme": "Bearer",
+                             "valueEnv": "GH_TOKEN", "hosts": ["api.github.com"],
+                             "methods": ["GET"], "pathPrefixes": ["/repos/"]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.secrets.len(), 1);
+        assert_eq!(ok.default_allow, Some(false));
+    }
+}

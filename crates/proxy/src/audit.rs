@@ -1,0 +1,400 @@
+//! The append-only audit log, `audit.jsonl`: one JSON line per egress
+//! decision and per state-changing API call, never a payload or a secret
+//! value. Rotated by size to one `.1` backup.
+//!
+//! This module owns the record shape, the file and its rotation. It does
+//! not decide what is worth recording (the proxy and the server do) and it
+//! never fails its caller: an audit write that cannot be done is reported
+//! through `tracing` and the request goes on.
+//!
+//! Each line is written with a single `write_all` while a mutex is held, so
+//! lines from concurrent requests never interleave, and a rotation happens
+//! only between whole lines.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use time::format_description::well_known::Rfc3339;
+
+/// One audit line.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "camelCase")]
+pub enum AuditRecord {
+    /// An egress decision by the proxy.
+    Egress {
+        /// RFC 3339 time.
+        t: String,
+        /// Run id.
+        run: String,
+        /// `CONNECT` or the HTTP method.
+        method: String,
+        /// Destination host as asked.
+        host: String,
+        /// Destination port.
+        port: u16,
+        /// `allow` or `deny`.
+        decision: String,
+        /// The rule that decided (see `policy::Decision::rule`) or the guard's
+        /// refusal (`guard:<class>`).
+        rule: String,
+        /// The name of the secret injected, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        secret: Option<String>,
+    },
+    /// A state-changing API call.
+    Api {
+        /// RFC 3339 time.
+        t: String,
+        /// HTTP method.
+        method: String,
+        /// Request path (no query string).
+        path: String,
+        /// Response status.
+        status: u16,
+        /// The run concerned, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        run: Option<String>,
+    },
+}
+
+/// The log writer. Cheap to share (`Arc<AuditLog>`); appends are serialised.
+pub struct AuditLog {
+    /// The live file, `audit.jsonl`.
+    path: PathBuf,
+    /// The one backup, `audit.jsonl.1`.
+    backup: PathBuf,
+    /// Rotate before a line would take the live file past this size.
+    max_bytes: u64,
+    /// The open file and its size, held together so the size check and the
+    /// write are one step.
+    state: Mutex<LogFile>,
+}
+
+/// The live file and how many bytes it holds.
+struct LogFile {
+    file: File,
+    size: u64,
+}
+
+/// Opens `path` for appending, creating it owner-only (the log names runs,
+/// hosts and API paths).
+fn open_append(path: &Path) -> std::io::Result<LogFile> {
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    let size = file.metadata()?.len();
+    Ok(LogFile { file, size })
+}
+
+impl AuditLog {
+    /// Opens (appending) or creates `path`; rotates to `path.1` when a write
+    /// would take it past `max_bytes`.
+    pub fn open(path: PathBuf, max_bytes: u64) -> std::io::Result<AuditLog> {
+        let state = open_append(&path)?;
+        let mut backup = path.clone().into_os_string();
+        backup.push(".1");
+        Ok(AuditLog {
+            backup: PathBuf::from(backup),
+            path,
+            max_bytes,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// Appends one record. Errors are logged, not returned: auditing must not
+    /// take the proxy down.
+    pub fn append(&self, record: &AuditRecord) {
+        let mut line = match serde_json::to_vec(record) {
+            Ok(line) => line,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot serialise audit record");
+                return;
+            }
+        };
+        line.push(b'\n');
+        let len = line.len() as u64;
+
+        // A panic elsewhere while the lock was held leaves the file and size
+        // as consistent as any failed write does; keep logging.
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.size > 0 && state.size.saturating_add(len) > self.max_bytes {
+            self.rotate(&mut state);
+        }
+        match state.file.write_all(&line) {
+            Ok(()) => state.size += len,
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot write audit record");
+                // A partial write moved the end of the file; re-read it so
+                // rotation keeps working from the real size.
+                if let Ok(meta) = state.file.metadata() {
+                    state.size = meta.len();
+                }
+            }
+        }
+    }
+
+    /// Moves the live file to the backup (replacing an older one) and starts
+    /// a new live file. On failure the current file stays in use: one
+    /// oversized log is better than lost records.
+    fn rotate(&self, state: &mut LogFile) {
+        if let Err(e) = std::fs::rename(&self.path, &self.backup) {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot rotate audit log");
+            return;
+        }
+        match open_append(&self.path) {
+            Ok(fresh) => *state = fresh,
+            Err(e) => {
+                // The old handle still points at the renamed file; writing
+                // there keeps the records, in the backup.
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot start a new audit log");
+            }
+        }
+    }
+}
+
+/// The current time in RFC 3339, for `t`.
+pub fn now() -> String {
+    time::OffsetDateTime::now_utc()
+        .format(&Rfc3339)
+        // Only a year outside 0..=9999 fails to format.
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+    use std::os::unix::fs::PermissionsExt;
+    use std::sync::Arc;
+
+    fn egress(i: usize) -> AuditRecord {
+        AuditRecord::Egress {
+            t: "2025-01-01T00:00:00Z".into(),
+            run: format!("run-{i:06}"),
+            method: "CONNECT".into(),
+            host: "example.org".into(),
+            port: 443,
+            decision: "allow".into(),
+            rule: "run:example.org".into(),
+            secret: None,
+        }
+    }
+
+    fn read_lines(path: &Path) -> Vec<AuditRecord> {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(text.is_empty() || text.ends_with('\n'), "last line is cut");
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+            .collect()
+    }
+
+    fn line_len(record: &AuditRecord) -> u64 {
+        serde_json::to_vec(record).unwrap().len() as u64 + 1
+    }
+
+    #[test]
+    fn lines_parse_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let log = AuditLog::open(path.clone(), 1 << 20).unwrap();
+        let records = vec![
+            egress(1),
+            AuditRecord::Egress {
+                t: now(),
+                run: "r".into(),
+                method: "GET".into(),
+                host: "api.github.com".into(),
+                port: 443,
+                decision: "allow".into(),
+                rule: "deployment:api.github.com".into(),
+                secret: Some("GH_TOKEN".into()),
+            },
+            AuditRecord::Api {
+                t: now(),
+                method: "POST".into(),
+                path: "/v1/runs".into(),
+                status: 201,
+                run: Some("r".into()),
+            },
+            AuditRecord::Api {
+                t: now(),
+                method: "DELETE".into(),
+                path: "/v1/runs/r".into(),
+                status: 404,
+                run: None,
+            },
+        ];
+        for r in &records {
+            log.append(r);
+        }
+        assert_eq!(read_lines(&path), records);
+    }
+
+    #[test]
+    fn json_shape_is_stable() {
+        let line = serde_json::to_string(&egress(7)).unwrap();
+        assert_eq!(
+            line,
+            r#"{"kind":"egress","t":"2025-01-01T00:00:00Z","run":"run-000007","method":"CONNECT","host":"example.org","port":443,"decision":"allow","rule":"run:example.org"}"#
+        );
+        let api = AuditRecord::Api {
+            t: "t".into(),
+            method: "POST".into(),
+            path: "/v1/runs".into(),
+            status: 201,
+            run: None,
+        };
+        assert_eq!(
+            serde_json::to_string(&api).unwrap(),
+            r#"{"kind":"api","t":"t","method":"POST","path":"/v1/runs","status":201}"#
+        );
+    }
+
+    #[test]
+    fn appends_to_an_existing_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        AuditLog::open(path.clone(), 1 << 20)
+            .unwrap()
+            .append(&egress(1));
+        AuditLog::open(path.clone(), 1 << 20)
+            .unwrap()
+            .append(&egress(2));
+        assert_eq!(read_lines(&path), vec![egress(1), egress(2)]);
+    }
+
+    #[test]
+    fn rotates_between_whole_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let per_line = line_len(&egress(0));
+        // Room for exactly five lines: the sixth rotates, and so does the
+        // eleventh, replacing the first backup.
+        let log = AuditLog::open(path.clone(), per_line * 5).unwrap();
+        for i in 0..8 {
+            log.append(&egress(i));
+        }
+        let backup = dir.path().join("audit.jsonl.1");
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, vec!["audit.jsonl", "audit.jsonl.1"]);
+        let old = read_lines(&backup);
+        let new = read_lines(&path);
+        assert_eq!(old, (0..5).map(egress).collect::<Vec<_>>());
+        assert_eq!(new, (5..8).map(egress).collect::<Vec<_>>());
+        assert!(std::fs::metadata(&path).unwrap().len() <= per_line * 5);
+
+        for i in 8..11 {
+            log.append(&egress(i));
+        }
+        assert_eq!(read_lines(&backup), (5..10).map(egress).collect::<Vec<_>>());
+        assert_eq!(read_lines(&path), vec![egress(10)]);
+    }
+
+    #[test]
+    fn an_oversized_line_still_goes_into_an_empty_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let log = AuditLog::open(path.clone(), 10).unwrap();
+        log.append(&egress(1));
+        assert_eq!(read_lines(&path), vec![egress(1)]);
+        log.append(&egress(2));
+        assert_eq!(read_lines(&path), vec![egress(2)]);
+        assert_eq!(
+            read_lines(&dir.path().join("audit.jsonl.1")),
+            vec![egress(1)]
+        );
+    }
+
+    #[test]
+    fn concurrent_appends_write_whole_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let per_line = line_len(&egress(0));
+        let (threads, each) = (8, 200);
+        // Large enough that nothing rotates, so every line can be counted.
+        let log = Arc::new(AuditLog::open(path.clone(), per_line * 10_000).unwrap());
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let log = Arc::clone(&log);
+                std::thread::spawn(move || {
+                    for i in 0..each {
+                        log.append(&egress(t * each + i));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        let runs: HashSet<String> = read_lines(&path)
+            .into_iter()
+            .map(|r| match r {
+                AuditRecord::Egress { run, .. } => run,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(runs.len(), threads * each);
+    }
+
+    #[test]
+    fn concurrent_appends_across_rotations_keep_lines_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let per_line = line_len(&egress(0));
+        let log = Arc::new(AuditLog::open(path.clone(), per_line * 7).unwrap());
+        let handles: Vec<_> = (0..4)
+            .map(|t| {
+                let log = Arc::clone(&log);
+                std::thread::spawn(move || {
+                    for i in 0..50 {
+                        log.append(&egress(t * 50 + i));
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        // read_lines parses every line and checks the last one is complete.
+        let old = read_lines(&dir.path().join("audit.jsonl.1"));
+        let new = read_lines(&path);
+        assert_eq!(old.len(), 7);
+        assert!(!new.is_empty() && new.len() <= 7);
+    }
+
+    #[test]
+    fn files_are_owner_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("audit.jsonl");
+        let per_line = line_len(&egress(0));
+        let log = AuditLog::open(path.clone(), per_line).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o600);
+        log.append(&egress(1));
+        log.append(&egress(2));
+        assert_eq!(mode(&path), 0o600);
+        assert_eq!(mode(&dir.path().join("audit.jsonl.1")), 0o600);
+    }
+
+    #[test]
+    fn now_is_rfc3339_utc() {
+        let t = now();
+        // YYYY-MM-DDTHH:MM:SS, an optional fraction, then Z for UTC.
+        let b = t.as_bytes();
+        assert!(t.len() >= 20 && t.ends_with('Z'), "{t}");
+        for (i, c) in [(4, b'-'), (7, b'-'), (10, b'T'), (13, b':'), (16, b':')] {
+            assert_eq!(b[i], c, "{t}");
+        }
+        let year: i32 = t[..4].parse().unwrap();
+        assert!(year >= 2024, "{t}");
+    }
+}
