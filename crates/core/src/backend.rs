@@ -98,9 +98,16 @@ pub trait Backend: Send + Sync + 'static {
     /// A short name for logs and the health endpoint, e.g. `oci/runc`.
     fn name(&self) -> String;
 
-    /// Whether runs of this tier can be created.
-    fn supports_network(&self, tier: NetworkTier) -> bool {
-        tier == NetworkTier::None
+    /// Whether runs of this tier can be created; if not, why (shown to the
+    /// caller, so it says what the operator would have to change).
+    fn check_network(&self, tier: NetworkTier) -> Result<(), String> {
+        match tier {
+            NetworkTier::None => Ok(()),
+            other => Err(format!(
+                "this backend provides only network \"none\", not {:?}",
+                other.as_str()
+            )),
+        }
     }
 
     /// Creates and starts a sandbox whose agent is serving (or about to) on

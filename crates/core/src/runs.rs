@@ -228,11 +228,11 @@ impl Manager {
         )?;
         let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
         let network = req.network.unwrap_or_default();
-        if !self.backend.supports_network(network) {
+        if let Err(why) = self.backend.check_network(network) {
             return Err(CoreError::invalid(
                 ErrorCode::NetworkUnsupported,
                 format!(
-                    "network tier {:?} is not available on this server; use \"none\"",
+                    "network {:?} is not available on this server ({why}); use another tier",
                     network.as_str()
                 ),
             ));

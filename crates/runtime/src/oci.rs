@@ -117,7 +117,7 @@ impl OciBackend {
     }
 
     /// [`OciBackend::new`] with explicit options. Probes once whether the
-    /// host can give runs the open tier (see [`Backend::supports_network`]).
+    /// host can give runs the open tier (see [`Backend::check_network`]).
     pub fn with_options(
         runtime: Runtime,
         state_dir: PathBuf,
@@ -366,10 +366,10 @@ impl Backend for OciBackend {
         format!("oci/{}", self.runtime.name)
     }
 
-    fn supports_network(&self, tier: NetworkTier) -> bool {
-        match tier {
-            NetworkTier::None | NetworkTier::Allowlist => true,
-            NetworkTier::Open => self.open.unsupported().is_none(),
+    fn check_network(&self, tier: NetworkTier) -> Result<(), String> {
+        match (tier, self.open.unsupported()) {
+            (NetworkTier::Open, Some(why)) => Err(why.to_owned()),
+            _ => Ok(()),
         }
     }
 

@@ -453,7 +453,7 @@ fn allowlist_run_has_loopback_only_and_an_egress_listener() {
     let env = Env::new(false);
     let image = layer(|_| {});
     let backend = env.backend();
-    assert!(backend.supports_network(NetworkTier::Allowlist));
+    assert!(backend.check_network(NetworkTier::Allowlist).is_ok());
     env.rt.block_on(async {
         let spec = env.spec(NetworkTier::Allowlist, image.path(), None);
         let id = spec.id;
