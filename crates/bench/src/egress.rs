@@ -571,8 +571,9 @@ impl Egress {
                  timed from the TCP connect (new connection) or from sending the request \
                  (keep-alive) to the last body byte. Proxy: `GET http://{HTTP_HOST}:<port>{PATH}` \
                  to the proxy, which checks the allowlist, resolves the name (cached), checks \
-                 the address, writes an audit record and forwards the request on a new upstream \
-                 connection of its own, also when the client's connection is kept alive. CPU \
+                 the address, writes an audit record and forwards the request upstream: on a new \
+                 connection, or, while the client keeps its connection alive and asks for the \
+                 same target, on the upstream connection of its previous request. CPU \
                  time: what the worker threads of the proxy's runtime ran from the start of the \
                  sample until the client had the response."
             ),

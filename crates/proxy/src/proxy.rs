@@ -514,9 +514,13 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
     let _ = tcp.set_nodelay(true);
     let io = TokioIo::new(Counted::new(tcp, Arc::clone(&ctx.run.counters)));
     let svc_ctx = Arc::clone(&ctx);
+    // The upstream connection of this client connection's last plain HTTP
+    // request, kept for the next one (see `forward_plain`).
+    let plain = PlainSlot::default();
     let svc = service_fn(move |req| {
         let ctx = Arc::clone(&svc_ctx);
-        async move { Ok::<_, Infallible>(handle(ctx, req).await) }
+        let plain = Arc::clone(&plain);
+        async move { Ok::<_, Infallible>(handle(ctx, req, plain).await) }
     });
     let conn = server_http1::Builder::new()
         .timer(TokioTimer::new())
@@ -532,7 +536,7 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
 ///
 /// Cancellation: safe to drop (hyper drops it when the run disconnects);
 /// an upstream connection made so far is closed with it.
-async fn handle(ctx: Arc<Ctx>, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn handle(ctx: Arc<Ctx>, req: Request<Incoming>, plain: PlainSlot) -> Response<ProxyBody> {
     ctx.run.counters.requests.fetch_add(1, Ordering::Relaxed);
     let target = match Target::of(req.method(), req.uri()) {
         Ok(target) => target,
@@ -546,7 +550,7 @@ async fn handle(ctx: Arc<Ctx>, req: Request<Incoming>) -> Response<ProxyBody> {
     let result = if req.method() == Method::CONNECT {
         connect(ctx, req, target, admitted).await
     } else {
-        forward_plain(ctx, req, target, admitted).await
+        forward_plain(ctx, req, target, admitted, &plain).await
     };
     result.unwrap_or_else(|reject| reject.response())
 }
@@ -1048,9 +1052,35 @@ fn authority_of(target: &Target, default_port: u16) -> String {
     }
 }
 
-/// Step 6, plain HTTP: the request goes upstream in origin-form over its own
-/// connection. Secrets are never injected here: the value would cross the
-/// network in clear, so a placeholder goes out as it came in.
+/// An upstream connection kept between the plain HTTP requests of one
+/// client connection.
+struct PlainUpstream {
+    /// The target it was opened for.
+    host: String,
+    port: u16,
+    /// The checked address it is connected to.
+    addr: IpAddr,
+    sender: hyper::client::conn::http1::SendRequest<Incoming>,
+}
+
+/// One client connection's kept upstream connection, if any.
+type PlainSlot = Arc<tokio::sync::Mutex<Option<PlainUpstream>>>;
+
+/// How long a kept upstream connection may take to become ready for the
+/// next request before a new one is opened instead.
+const REUSE_READY_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Step 6, plain HTTP: the request goes upstream in origin-form. Secrets are
+/// never injected here: the value would cross the network in clear, so a
+/// placeholder goes out as it came in.
+///
+/// A client that keeps its connection to the proxy alive gets its upstream
+/// connection kept too, as long as its requests go to the same target: a
+/// kept connection is used again only for the same host and port, and only
+/// if the address it is connected to is among the addresses this request's
+/// own lookup returned and the guard passed, so every request is still
+/// decided, resolved and checked on its own. Anything else — another target,
+/// an upstream that closed or answered `Connection: close` — opens a new one.
 ///
 /// Cancellation: safe to drop; the upstream connection closes.
 async fn forward_plain(
@@ -1058,19 +1088,44 @@ async fn forward_plain(
     req: Request<Incoming>,
     target: Target,
     admitted: Admitted,
+    slot: &PlainSlot,
 ) -> Result<Response<ProxyBody>, Reject> {
     ctx.record(req.method().as_str(), &target, true, &admitted.rule, None);
-    let tcp = connect_upstream(&target, &admitted.addrs).await?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-        .await
-        .map_err(|e| {
-            Reject::Upstream(format!("HTTP handshake with {} failed: {e}", target.host))
-        })?;
-    ctx.spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "upstream connection ended with an error");
-        }
+    let mut kept = slot.lock().await.take().filter(|kept| {
+        kept.host == target.host && kept.port == target.port && admitted.addrs.contains(&kept.addr)
     });
+    if let Some(upstream) = &mut kept {
+        let ready = tokio::time::timeout(REUSE_READY_TIMEOUT, upstream.sender.ready()).await;
+        if !matches!(ready, Ok(Ok(()))) {
+            kept = None;
+        }
+    }
+    let mut upstream = match kept {
+        Some(upstream) => upstream,
+        None => {
+            let tcp = connect_upstream(&target, &admitted.addrs).await?;
+            let addr = tcp
+                .peer_addr()
+                .map_err(|e| Reject::Upstream(format!("connecting to {}: {e}", target.host)))?
+                .ip();
+            let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                .await
+                .map_err(|e| {
+                    Reject::Upstream(format!("HTTP handshake with {} failed: {e}", target.host))
+                })?;
+            ctx.spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, "upstream connection ended with an error");
+                }
+            });
+            PlainUpstream {
+                host: target.host.clone(),
+                port: target.port,
+                addr,
+                sender,
+            }
+        }
+    };
     let (mut parts, body) = req.into_parts();
     let path = parts
         .uri
@@ -1086,10 +1141,14 @@ async fn forward_plain(
     let host = HeaderValue::from_str(&authority_of(&target, 80))
         .map_err(|_| Reject::BadTarget("the target host cannot be a Host header".to_owned()))?;
     parts.headers.insert(HOST, host);
-    let response = sender
+    let response = upstream
+        .sender
         .send_request(Request::from_parts(parts, body))
         .await
         .map_err(|e| Reject::Upstream(format!("the request to {} failed: {e}", target.host)))?;
+    // Kept for the next request; it becomes ready once this response's body
+    // has been relayed, which the client's next request waits for anyway.
+    *slot.lock().await = Some(upstream);
     Ok(relay_response(response))
 }
 

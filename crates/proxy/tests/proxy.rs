@@ -371,10 +371,12 @@ async fn start_upstream(tls: Option<Arc<rustls::ServerConfig>>) -> Result<u16> {
     let port = listener.local_addr()?.port();
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     tokio::spawn(async move {
-        while let Ok((tcp, _)) = listener.accept().await {
+        while let Ok((tcp, peer)) = listener.accept().await {
             let acceptor = acceptor.clone();
             tokio::spawn(async move {
-                let svc = service_fn(echo);
+                // The proxy's source port tells tests which upstream
+                // connection a request came over.
+                let svc = service_fn(move |req| echo(req, peer.port()));
                 let builder = hyper::server::conn::http1::Builder::new();
                 match acceptor {
                     Some(acceptor) => {
@@ -448,7 +450,10 @@ async fn start_banner() -> Result<u16> {
     Ok(port)
 }
 
-async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, hyper::Error> {
+async fn echo(
+    req: Request<Incoming>,
+    peer_port: u16,
+) -> Result<Response<Full<Bytes>>, hyper::Error> {
     if let Some(n) = req.uri().path().strip_prefix("/bytes/") {
         let n = n.parse::<usize>().unwrap_or(0);
         return Ok(Response::new(Full::new(Bytes::from(vec![b'x'; n]))));
@@ -467,6 +472,7 @@ async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, hyper::Er
     }
     let body = req.into_body().collect().await?.to_bytes();
     text.push_str(&format!("body-bytes: {}\n", body.len()));
+    text.push_str(&format!("peer-port: {peer_port}\n"));
     let mut response = Response::new(Full::new(Bytes::from(text)));
     if closing {
         response.headers_mut().insert(
@@ -505,6 +511,43 @@ async fn allowed_host_through_absolute_form() -> Result<()> {
     let got = h.curl(&["--data-binary", "0123456789", &url]).await?;
     assert!(got.body.starts_with("POST /hello?x=1\n"), "{got:?}");
     assert!(got.body.contains("body-bytes: 10\n"), "{got:?}");
+    Ok(())
+}
+
+/// The `peer-port` lines of a body: which upstream connection each
+/// response came over.
+fn peer_ports(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("peer-port: "))
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test]
+async fn plain_requests_on_a_kept_connection_keep_their_upstream_connection() -> Result<()> {
+    let h = Harness::start().await?;
+    let url = |path: &str| format!("http://allowed.test:{}{path}", h.http_port);
+    // One curl, several URLs: curl keeps its connection to the proxy.
+    let got = h.curl(&[&url("/a"), &url("/b"), &url("/c")]).await?;
+    let ports = peer_ports(&got.body);
+    assert_eq!(ports.len(), 3, "{got:?}");
+    assert!(ports.iter().all(|p| *p == ports[0]), "{ports:?}");
+    // An upstream that closes its side makes the next request open another.
+    let got = h.curl(&[&url("/close"), &url("/after")]).await?;
+    let ports = peer_ports(&got.body);
+    assert_eq!(ports.len(), 2, "{got:?}");
+    assert_ne!(ports[0], ports[1], "{got:?}");
+    // Separate client connections never share an upstream connection.
+    let first = peer_ports(&h.curl(&[&url("/one")]).await?.body);
+    let second = peer_ports(&h.curl(&[&url("/two")]).await?.body);
+    assert_ne!(first, second);
+    // Every request was still decided and audited on its own.
+    let (records, _) = h.audit()?;
+    let plain = records
+        .iter()
+        .filter(|r| matches!(r, AuditRecord::Egress { method, .. } if method == "GET"))
+        .count();
+    assert!(plain >= 7, "{plain} GET records");
     Ok(())
 }
 
