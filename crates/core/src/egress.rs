@@ -24,7 +24,7 @@ use std::sync::Arc;
 use runbox_proxy::policy::{Allowlist, Entry};
 use runbox_proxy::proxy::{Counters, RunEgress, Shared};
 use runbox_proxy::secrets::{placeholder, Secret};
-use runbox_types::{EgressStats, ErrorCode, NetworkTier};
+use runbox_types::{EgressStats, Env, ErrorCode, NetworkTier};
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
@@ -218,8 +218,12 @@ impl EgressConfig {
 /// The environment every command of an `allowlist` run starts with: the
 /// proxy variables (both spellings, as programs read either), a placeholder
 /// per secret, and — when the run has secrets, so TLS to their hosts is
-/// intercepted — the trust-store variables common runtimes read.
-pub fn run_env(req: &RunEgressRequest) -> Vec<(String, String)> {
+/// intercepted — the trust-store variables common runtimes read. Other
+/// tiers have no proxy and get nothing.
+pub fn run_env(network: NetworkTier, req: &RunEgressRequest) -> Env {
+    if network != NetworkTier::Allowlist {
+        return Env::default();
+    }
     let mut env = Vec::new();
     for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
         env.push((name.to_owned(), PROXY_URL.to_owned()));
@@ -241,7 +245,7 @@ pub fn run_env(req: &RunEgressRequest) -> Vec<(String, String)> {
         }
         env.push(("NODE_EXTRA_CA_CERTS".to_owned(), EXTRA_CA_PATH.to_owned()));
     }
-    env
+    Env(env.into_iter().collect())
 }
 
 /// A snapshot of a run's counters.
@@ -289,18 +293,27 @@ mod tests {
 
     #[test]
     fn the_run_environment_points_at_the_proxy_and_holds_only_placeholders() {
-        let env = run_env(&RunEgressRequest {
-            allow: vec![],
-            secrets: strings(&["GH_TOKEN"]),
-        });
-        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let env = run_env(
+            NetworkTier::Allowlist,
+            &RunEgressRequest {
+                allow: vec![],
+                secrets: strings(&["GH_TOKEN"]),
+            },
+        );
+        let get = |k: &str| env.0.get(k).map(String::as_str);
         assert_eq!(get("HTTPS_PROXY"), Some(PROXY_URL));
         assert_eq!(get("no_proxy"), Some("localhost,127.0.0.1"));
         assert_eq!(get("GH_TOKEN"), Some("runbox-secret:GH_TOKEN"));
         assert_eq!(get("SSL_CERT_FILE"), Some(TRUST_BUNDLE_PATH));
         assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some(EXTRA_CA_PATH));
         // No secrets: no CA variables (nothing is intercepted).
-        let env = run_env(&RunEgressRequest::default());
-        assert!(env.iter().all(|(k, _)| k != "SSL_CERT_FILE"));
+        let env = run_env(NetworkTier::Allowlist, &RunEgressRequest::default());
+        assert!(!env.0.contains_key("SSL_CERT_FILE"));
+        // Other tiers have no proxy to point at.
+        let req = RunEgressRequest {
+            allow: vec![],
+            secrets: strings(&["GH_TOKEN"]),
+        };
+        assert_eq!(run_env(NetworkTier::Open, &req), Env::default());
     }
 }

@@ -754,12 +754,7 @@ impl Manager {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect());
-        let egress_env = Env(egress::run_env(&record.egress).into_iter().collect());
-        let egress_env = if record.network == NetworkTier::Allowlist {
-            egress_env
-        } else {
-            Env::default()
-        };
+        let egress_env = egress::run_env(record.network, &record.egress);
         // Later layers win: runbox's defaults, the image's Env, the egress
         // proxy's, the run's, the exec's.
         let env: Vec<pb::EnvVar> =
