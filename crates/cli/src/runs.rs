@@ -204,6 +204,7 @@ fn status_name(status: RunStatus) -> &'static str {
         RunStatus::Creating => "creating",
         RunStatus::Running => "running",
         RunStatus::Stopping => "stopping",
+        RunStatus::Failed => "failed",
     }
 }
 
@@ -333,6 +334,7 @@ mod tests {
             egress_allow: Vec::new(),
             secrets: Vec::new(),
             egress: None,
+            failure: None,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

@@ -1,5 +1,5 @@
 //! `runbox serve`: wires the state directory, the runtime backend, the run
-//! manager, the reaper and the HTTP server together, and runs until SIGINT or
+//! manager (whose runs reap themselves at their TTL) and the HTTP server together, and runs until SIGINT or
 //! SIGTERM. Runs outlive the daemon: stopping it (or `kill -9`) leaves them
 //! running, and the next start re-adopts them.
 
@@ -156,7 +156,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let manager = Manager::start(config, backend, store, images).await?;
 
     let shutdown = CancellationToken::new();
-    let reaper = tokio::spawn(manager.clone().reaper(shutdown.clone()));
     // Tests and scripts that ask for port 0 read the real address here.
     // Written then renamed, so a reader never sees a half-written file.
     let tmp = state_dir.join("serve.addr.tmp");
@@ -186,7 +185,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         () = grace => tracing::warn!("open streams did not finish within {SHUTDOWN_GRACE:?}; stopping anyway"),
     }
     shutdown.cancel();
-    let _ = reaper.await;
     Ok(())
 }
 

@@ -57,6 +57,10 @@ pub struct Sandbox {
     pub agent_socket: PathBuf,
 }
 
+/// Resolves, with a sentence saying what happened, once a sandbox's init
+/// process (the agent) has exited. See [`Backend::watch_exit`].
+pub type ExitWatch = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
+
 /// Errors from a backend. Messages are for operators; the API shows a generic
 /// message for them and logs this one.
 #[derive(Debug, thiserror::Error)]
@@ -134,6 +138,17 @@ pub trait Backend: Send + Sync + 'static {
         let _ = id;
         Err(BackendError::Unsupported(
             "this backend has no egress proxy listener".into(),
+        ))
+    }
+
+    /// A future that resolves when the sandbox's init process exits, so the
+    /// core notices a run that died on its own. Called once the run is up,
+    /// and again for a run re-adopted after a restart. The default has no
+    /// way to watch: such runs are only found dead when an exec fails.
+    async fn watch_exit(&self, id: Ulid) -> Result<ExitWatch, BackendError> {
+        let _ = id;
+        Err(BackendError::Unsupported(
+            "this backend cannot watch a sandbox's init process".into(),
         ))
     }
 }

@@ -25,8 +25,6 @@ pub struct Config {
     pub max_image_bytes: u64,
     /// How long a new sandbox's agent gets to answer its first call.
     pub agent_ready_timeout: Duration,
-    /// How long the reaper sleeps between sweeps.
-    pub reap_interval: Duration,
     /// Registries (`host[:port]`) that may be pulled from over plain HTTP;
     /// loopback registries always may.
     pub insecure_registries: Vec<String>,
@@ -56,7 +54,6 @@ impl Config {
             max_upload_bytes: 16 << 30,
             max_image_bytes: 32 << 30,
             agent_ready_timeout: Duration::from_secs(10),
-            reap_interval: Duration::from_secs(1),
             insecure_registries: Vec::new(),
             egress: None,
         }

@@ -26,6 +26,9 @@ pub enum CoreError {
     /// The run exists but cannot take the operation now.
     #[error("run {0} is {1}")]
     RunNotRunning(Ulid, &'static str),
+    /// The run's sandbox died on its own; the reason says how.
+    #[error("run {0} has failed ({1}); delete it, or let its TTL pass")]
+    RunFailed(Ulid, String),
     /// A conflict with existing state (name taken, image in use).
     #[error("{message}")]
     Conflict {
@@ -43,8 +46,9 @@ pub enum CoreError {
     /// The run's agent misbehaved or did not answer.
     #[error("the run's agent failed: {0}")]
     Agent(String),
-    /// The isolation backend failed.
-    #[error("the isolation backend failed")]
+    /// The isolation backend failed, or cannot do what was asked on this
+    /// host; its own message says which (a 4xx shows it to the caller).
+    #[error(transparent)]
     Backend(#[from] BackendError),
     /// The state store failed.
     #[error("the state store failed: {0}")]
@@ -82,6 +86,7 @@ impl CoreError {
             CoreError::RunNotFound(_) => ErrorCode::RunNotFound,
             CoreError::ImageNotFound(_) => ErrorCode::ImageNotFound,
             CoreError::RunNotRunning(..) => ErrorCode::RunNotRunning,
+            CoreError::RunFailed(..) => ErrorCode::RunFailed,
             CoreError::Capacity(_) => ErrorCode::Capacity,
             CoreError::Lease(e) => match e {
                 LeaseError::Busy(_) => ErrorCode::Busy,

@@ -1,8 +1,9 @@
 //! runbox's core: everything about runs that does not depend on how they are
 //! isolated or how they are reached over HTTP.
 //!
-//! * [`runs::Manager`] owns the registry of live runs, their lifecycle, exec
-//!   and file operations (through each run's agent), renewals and the reaper.
+//! * [`runs::Manager`] keeps the registry of runs; each run has one owner
+//!   task driving its lifecycle state machine ([`runs::phase`]), and exec
+//!   and files go through each run's agent ([`runs::relay`]).
 //! * [`backend::Backend`] is the boundary to an isolation lane (OCI runtimes
 //!   today, microVMs later); backends live in other crates.
 //! * [`store::Store`] persists run records so runs survive a daemon restart.
@@ -12,6 +13,7 @@
 //! It does not own sockets to clients, HTTP, or any runtime binary.
 
 pub mod backend;
+mod catalog;
 pub mod config;
 pub mod egress;
 pub mod error;

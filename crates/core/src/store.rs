@@ -53,6 +53,10 @@ pub struct RunRecord {
     /// The run's own allowlist entries and secret names.
     #[serde(default)]
     pub egress: crate::egress::RunEgressRequest,
+    /// Why the run failed, once it has (status `Failed`); for a run whose
+    /// teardown keeps failing, the last teardown error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
 }
 
 impl RunRecord {
@@ -72,6 +76,9 @@ impl RunRecord {
             egress_allow: self.egress.allow.clone(),
             secrets: self.egress.secrets.clone(),
             egress: None,
+            failure: (self.status == RunStatus::Failed)
+                .then(|| self.failure.clone())
+                .flatten(),
         }
     }
 }
@@ -122,6 +129,27 @@ impl Store {
         tx.commit().map_err(store_err)
     }
 
+    /// [`Store::put`] on a blocking thread, so an fsync never holds up an
+    /// async worker.
+    ///
+    /// Cancellation: the commit runs to the end even if this future is
+    /// dropped; the caller only stops waiting for it.
+    pub async fn put_async(&self, record: RunRecord) -> Result<(), CoreError> {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.put(&record))
+            .await
+            .map_err(|e| CoreError::Store(format!("store task failed: {e}")))?
+    }
+
+    /// [`Store::delete`] on a blocking thread; cancellation as
+    /// [`Store::put_async`].
+    pub async fn delete_async(&self, id: Ulid) -> Result<(), CoreError> {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.delete(id))
+            .await
+            .map_err(|e| CoreError::Store(format!("store task failed: {e}")))?
+    }
+
     /// Every record, ordered by id. A record that no longer parses is
     /// skipped with a warning rather than taking the whole daemon down.
     pub fn list(&self) -> Result<Vec<RunRecord>, CoreError> {
@@ -165,6 +193,7 @@ mod tests {
             image_config: Default::default(),
             lease: Default::default(),
             egress: Default::default(),
+            failure: None,
         }
     }
 

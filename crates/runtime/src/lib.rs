@@ -15,6 +15,7 @@ pub mod probe;
 pub mod seccomp;
 pub mod spec;
 pub mod trust;
+pub mod watch;
 
 pub use netns::{bind_in_netns, EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
 pub use oci::{OciBackend, OciOptions};

@@ -12,6 +12,7 @@
 //! config.json   the OCI runtime config
 //! agent.sock    the agent's listening socket (created here, passed as fd 3)
 //! runtime.log   the runtime's own log, read when it fails
+//! init.pid      the container init's host pid (crate::watch)
 //! trust.pem     image CA bundle + extra CAs     } only when the spec has
 //! ca.pem        the extra CAs alone             } trust_pem (crate::trust)
 //! net.json      the open run's /30 and names    } open tier only
@@ -55,7 +56,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use runbox_core::backend::{Backend, BackendError, Sandbox, SandboxSpec};
+use runbox_core::backend::{Backend, BackendError, ExitWatch, Sandbox, SandboxSpec};
 use runbox_core::runs::error_chain;
 use runbox_types::NetworkTier;
 use tokio::process::Command;
@@ -295,7 +296,9 @@ impl OciBackend {
         let mut cmd = self
             .runtime
             .command(&self.runtime_root(&self.runtime.name), &log);
-        cmd.args(["run", "--detach", "--preserve-fds", "1", "--bundle"])
+        cmd.args(["run", "--detach", "--preserve-fds", "1", "--pid-file"])
+            .arg(dir.join(crate::watch::PID_FILE))
+            .arg("--bundle")
             .arg(&dir)
             .arg(container_id(id));
         pass_fd_as_3(&mut cmd, listener.as_raw_fd());
@@ -453,6 +456,13 @@ impl Backend for OciBackend {
             tracing::error!(error = %e, "could not remove leftover open-tier network state");
         }
         Ok(swept)
+    }
+
+    /// A pidfd on the container's init ([`crate::watch`]).
+    async fn watch_exit(&self, id: Ulid) -> Result<ExitWatch, BackendError> {
+        let watch = crate::watch::open(&self.run_dir(id), id)
+            .map_err(BackendError::io(format!("watching the init of run {id}")))?;
+        Ok(Box::pin(watch.exited()))
     }
 
     /// Binds [`EGRESS_PROXY_ADDR`] inside the run's namespace. Refused for

@@ -129,7 +129,7 @@ pub async fn renew_run(
     RunId(id): RunId,
     AppJson(req): AppJson<RenewRequest>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(state.manager.renew(id, req.ttl_sec)?).into_response())
+    Ok(Json(state.manager.renew(id, req.ttl_sec).await?).into_response())
 }
 
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
@@ -138,7 +138,7 @@ pub async fn acquire_lease(
     RunId(id): RunId,
     AppJson(req): AppJson<LeaseRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
-    let lease = state.manager.acquire_lease(id, req)?;
+    let lease = state.manager.acquire_lease(id, req).await?;
     Ok(Json(LeaseResponse { lease }))
 }
 
@@ -148,7 +148,7 @@ pub async fn renew_lease(
     RunId(id): RunId,
     AppJson(req): AppJson<LeaseRenewRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
-    let lease = state.manager.renew_lease(id, req)?;
+    let lease = state.manager.renew_lease(id, req).await?;
     Ok(Json(LeaseResponse { lease }))
 }
 
@@ -158,7 +158,7 @@ pub async fn release_lease(
     RunId(id): RunId,
     AppJson(req): AppJson<LeaseReleaseRequest>,
 ) -> Result<StatusCode, ApiError> {
-    state.manager.release_lease(id, req)?;
+    state.manager.release_lease(id, req).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -116,6 +116,9 @@ codes! {
     MethodNotAllowed = "method_not_allowed", 405;
     /// The run is not in a state that allows the operation.
     RunNotRunning = "run_not_running", 409;
+    /// The run's sandbox died; the message says why. Delete it or let its
+    /// TTL pass.
+    RunFailed = "run_failed", 409;
     /// An image with this name already exists.
     ImageExists = "image_exists", 409;
     /// The image is used by a run.

@@ -117,6 +117,10 @@ pub enum RunStatus {
     Running,
     /// Being destroyed.
     Stopping,
+    /// The sandbox died on its own (its init process exited); `failure`
+    /// says why. It keeps its resources until it is deleted or its TTL
+    /// passes; execs and file operations answer `run_failed`.
+    Failed,
 }
 
 /// A run as the API shows it.
@@ -156,6 +160,9 @@ pub struct Run {
     /// daemon started serving it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<EgressStats>,
+    /// Why the run failed (status `failed` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<String>,
 }
 
 /// Egress accounting of one run.

@@ -1,0 +1,168 @@
+//! The image half of the manager's API: import, pull, list, get, delete.
+//! The layer store itself is [`crate::images::ImageStore`]; this adds what
+//! needs the run registry (an image in use cannot go) and the blocking-thread
+//! discipline (unpacking and garbage collection never run on async workers).
+
+use std::sync::Arc;
+
+use runbox_types::{ErrorCode, Image, PullEvent, PullRequest};
+use tokio::sync::mpsc;
+
+use crate::error::CoreError;
+use crate::runs::Manager;
+use crate::validate;
+
+impl Manager {
+    /// Imports an image from a tar stream. Blocking work runs on a blocking
+    /// thread; `reader` is read there.
+    pub async fn import_image(
+        &self,
+        name: String,
+        reader: impl std::io::Read + Send + 'static,
+    ) -> Result<Image, CoreError> {
+        let images = self.images.clone();
+        let max = self.config.max_image_bytes;
+        let server = self.config.server_id.clone();
+        tokio::task::spawn_blocking(move || images.import(&name, reader, max, &server))
+            .await
+            .map_err(|e| CoreError::Store(format!("image import task failed: {e}")))?
+    }
+
+    /// Pulls an image from a registry into the layer store and records it.
+    /// Progress goes to `progress` (a closed receiver is not an error: the
+    /// pull goes on). Checks that can fail fast (reference, name, name taken)
+    /// are done before anything is fetched.
+    ///
+    /// Cancellation: dropping the future aborts the layer in flight; layers
+    /// already stored stay (and are reused by the next pull).
+    pub async fn pull_image(
+        &self,
+        req: PullRequest,
+        progress: mpsc::UnboundedSender<PullEvent>,
+    ) -> Result<Image, CoreError> {
+        let (reference, name) = self.check_pull(&req)?;
+        let opts = runbox_image::pull::PullOptions {
+            insecure_registries: self.config.insecure_registries.clone(),
+            auth: match (req.username, req.password) {
+                (Some(username), Some(password)) => {
+                    runbox_image::pull::RegistryAuth::Basic { username, password }
+                }
+                (None, None) => runbox_image::pull::RegistryAuth::Anonymous,
+                _ => {
+                    return Err(CoreError::invalid(
+                        ErrorCode::BadRequest,
+                        "give both username and password, or neither",
+                    ))
+                }
+            },
+            ..Default::default()
+        };
+        let sink = crate::images::StoreSink {
+            store: self.images.store().clone(),
+        };
+        let report = move |event: runbox_image::pull::ProgressEvent| {
+            use runbox_image::pull::ProgressEvent as P;
+            let event = match event {
+                P::Resolved { digest, layers } => PullEvent::Resolved { digest, layers },
+                P::LayerStarted { digest, size } => PullEvent::LayerStarted { digest, size },
+                P::LayerProgress { digest, done, size } => {
+                    PullEvent::LayerProgress { digest, done, size }
+                }
+                P::LayerSkipped { digest } => PullEvent::LayerSkipped { digest },
+                P::LayerDone { digest } => PullEvent::LayerDone { digest },
+            };
+            let _ = progress.send(event);
+        };
+        // Layers a pull has stored are not referenced until it records the
+        // image: hold off garbage collection until then.
+        let guard = self.images.import_guard();
+        let pulled = runbox_image::pull::pull(&reference, &opts, &sink, &report)
+            .await
+            .map_err(crate::images::pull_error)?;
+        let image = self
+            .images
+            .record_pulled(&name, &pulled, &self.config.server_id);
+        drop(guard);
+        let image = image?;
+        tracing::info!(image = %name, reference = %pulled.reference, digest = %pulled.manifest_digest, "image pulled");
+        Ok(image)
+    }
+
+    /// Validates a pull request; returns the reference and the local name.
+    pub fn check_pull(&self, req: &PullRequest) -> Result<(String, String), CoreError> {
+        let reference = req.reference.trim();
+        if reference.is_empty()
+            || reference.len() > 512
+            || reference
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(CoreError::invalid(
+                ErrorCode::BadReference,
+                "reference must be 1-512 characters without spaces, e.g. docker.io/library/busybox:1.36",
+            ));
+        }
+        let name = req
+            .name
+            .clone()
+            .unwrap_or_else(|| crate::images::default_name(reference));
+        validate::image_name(&name)?;
+        if self
+            .images
+            .get(&name, &self.config.server_id, false)
+            .is_ok()
+        {
+            return Err(CoreError::Conflict {
+                code: ErrorCode::ImageExists,
+                message: format!(
+                    "an image named {name:?} already exists; remove it or pull with another name"
+                ),
+            });
+        }
+        Ok((reference.to_owned(), name))
+    }
+
+    /// Every image.
+    pub fn list_images(&self) -> Result<Vec<Image>, CoreError> {
+        self.images.list(&self.config.server_id)
+    }
+
+    /// One image, with its config document.
+    pub fn get_image(&self, name: &str) -> Result<Image, CoreError> {
+        self.images.get(name, &self.config.server_id, true)
+    }
+
+    /// Removes an image no run uses.
+    ///
+    /// Cancellation: the removal runs in a task of its own, so a client that
+    /// hangs up cannot release the image lock between the in-use check and
+    /// the record's removal.
+    pub async fn delete_image(self: &Arc<Self>, name: String) -> Result<(), CoreError> {
+        validate::image_name(&name)?;
+        let manager = self.clone();
+        tokio::spawn(async move {
+            let images = manager.images.clone();
+            {
+                let _guard = manager.image_lock.lock().await;
+                if manager.image_in_use(&name) {
+                    return Err(CoreError::Conflict {
+                        code: ErrorCode::ImageInUse,
+                        message: format!("image {name:?} is used by a run; delete the run first"),
+                    });
+                }
+                // The record goes under the lock, so no run can start from
+                // the image once the in-use check passed; its layers go off
+                // the lock.
+                let forget = images.clone();
+                tokio::task::spawn_blocking(move || forget.forget(&name))
+                    .await
+                    .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))??;
+            }
+            tokio::task::spawn_blocking(move || images.collect_garbage())
+                .await
+                .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))?
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))?
+    }
+}

@@ -1,0 +1,589 @@
+//! The owner of one run: a task that holds the run's record, lease fence and
+//! phase, and is the only code that changes them.
+//!
+//! Everything else holds a [`RunHandle`]: it reads the last published
+//! [`Snapshot`] (lock-free, for `GET` and `list`) and sends typed
+//! [`Command`]s with a oneshot for the answer. Because one task applies
+//! every change in order, there is no lock to hold across a store commit:
+//! the task awaits the commit (on a blocking thread) and only then makes the
+//! change visible, and a command that arrives meanwhile simply waits its
+//! turn. The same order makes late writes harmless: once the run is
+//! stopping, a renew or lease change is refused, so it can never write back
+//! a record that teardown has deleted.
+//!
+//! The task's life:
+//! 1. for a new run, build it ([`RunActor::create`]): store the `Creating`
+//!    record, create the sandbox, wait for the agent, start egress, store
+//!    `Running`, answer the creator. If the creator has gone away by then
+//!    (its client hung up), nobody knows the run's id: it is destroyed.
+//! 2. serve commands until the run is stopped (delete, TTL) or dies (its
+//!    init exits: [`crate::backend::Backend::watch_exit`]);
+//! 3. tear the sandbox down under the shared teardown budget, retrying with
+//!    backoff until it is gone ([`super::reaper`]); delete the record;
+//!    leave the registry. Only then is the capacity slot free.
+//!
+//! Cancellation: nothing here runs inside a request's future, so a client
+//! that disconnects cannot stop a backend call or a commit half-way. A
+//! dropped reply channel only means nobody waits for the answer.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use runbox_agent_proto::AgentClient;
+use runbox_types::{ExitReason, Run, RunStatus};
+use time::OffsetDateTime;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+use ulid::Ulid;
+
+use super::phase::{transition, Event, Phase};
+use super::{error_chain, reaper, Manager};
+use crate::backend::{ExitWatch, SandboxSpec};
+use crate::error::CoreError;
+use crate::lease::{Credential, Fence, Lease};
+use crate::store::RunRecord;
+
+/// What a run looked like after its last change.
+#[derive(Clone, Debug)]
+pub(crate) struct Snapshot {
+    /// The phase.
+    pub phase: Phase,
+    /// The record (its `status` always matches the phase).
+    pub record: Arc<RunRecord>,
+}
+
+/// A lease change, applied by the run's owner.
+pub(crate) enum LeaseOp {
+    Acquire {
+        owner: String,
+        ttl: Duration,
+    },
+    Renew {
+        owner: String,
+        generation: u64,
+        ttl: Duration,
+    },
+    Release {
+        owner: String,
+        generation: u64,
+    },
+}
+
+type Reply<T> = oneshot::Sender<Result<T, CoreError>>;
+
+/// What others ask of a run's owner.
+pub(crate) enum Command {
+    /// Admit an exec or file write under the lease, if any; every `Ok` is
+    /// matched by one `End` (see [`InFlight`]).
+    Begin {
+        credential: Option<(String, u64)>,
+        reply: Reply<()>,
+    },
+    /// An admitted operation ended.
+    End,
+    /// Set the expiry to now + `ttl`.
+    Renew {
+        ttl: Duration,
+        reply: Reply<RunRecord>,
+    },
+    /// Change the lease.
+    Lease {
+        op: LeaseOp,
+        reply: Reply<Option<Lease>>,
+    },
+    /// Destroy the run; answered once the first teardown attempt is over.
+    Stop {
+        reason: ExitReason,
+        reply: Reply<()>,
+    },
+}
+
+/// The shared side of a run: what handlers and the registry hold.
+pub(crate) struct RunHandle {
+    pub id: Ulid,
+    commands: mpsc::UnboundedSender<Command>,
+    state: watch::Receiver<Snapshot>,
+    /// The agent's client, set before the run is published as running.
+    pub agent: OnceLock<AgentClient>,
+    /// Cancelled when the run starts stopping; in-flight execs watch it.
+    pub ended: CancellationToken,
+    /// Why the run is stopping, set before `ended` is cancelled.
+    pub end_reason: OnceLock<ExitReason>,
+    /// The egress proxy's counters, once it serves (`allowlist` runs).
+    pub egress: OnceLock<Arc<runbox_proxy::proxy::Counters>>,
+}
+
+impl RunHandle {
+    /// The last published state.
+    pub fn snapshot(&self) -> Snapshot {
+        self.state.borrow().clone()
+    }
+
+    /// Sends a command and waits for its answer. A run whose owner has
+    /// already ended is gone: [`CoreError::RunNotFound`].
+    pub async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, CoreError> {
+        let (reply, answer) = oneshot::channel();
+        self.commands
+            .send(make(reply))
+            .map_err(|_| CoreError::RunNotFound(self.id))?;
+        answer.await.map_err(|_| CoreError::RunNotFound(self.id))?
+    }
+
+    /// Tells the owner an admitted operation ended; never blocks.
+    pub fn end_operation(&self) {
+        let _ = self.commands.send(Command::End);
+    }
+}
+
+/// A new run's build order, handed to its owner.
+pub(crate) struct Creation {
+    pub spec: SandboxSpec,
+    pub reply: oneshot::Sender<Result<Run, CoreError>>,
+}
+
+/// How a re-adopted run starts.
+pub(crate) enum Adopted {
+    /// Alive, its agent answering.
+    Running(AgentClient),
+    /// Failed before the restart; kept until its TTL.
+    Failed,
+    /// Dead or expired: to be destroyed at once.
+    Doomed(ExitReason),
+}
+
+/// The task that owns one run.
+pub(crate) struct RunActor {
+    manager: Arc<Manager>,
+    handle: Arc<RunHandle>,
+    commands: mpsc::UnboundedReceiver<Command>,
+    publish: watch::Sender<Snapshot>,
+    phase: Phase,
+    record: RunRecord,
+    fence: Fence,
+    exit: Option<ExitWatch>,
+    /// Deletes waiting for the first teardown attempt.
+    stop_waiters: Vec<Reply<()>>,
+}
+
+impl RunActor {
+    /// A run's handle and its owner, in `phase`; nothing runs until
+    /// [`RunActor::spawn`].
+    pub fn new(manager: Arc<Manager>, record: RunRecord, phase: Phase) -> RunActor {
+        let (commands_tx, commands) = mpsc::unbounded_channel();
+        let mut record = record;
+        record.status = phase.status();
+        let (publish, state) = watch::channel(Snapshot {
+            phase: phase.clone(),
+            record: Arc::new(record.clone()),
+        });
+        let handle = Arc::new(RunHandle {
+            id: record.id,
+            commands: commands_tx,
+            state,
+            agent: OnceLock::new(),
+            ended: CancellationToken::new(),
+            end_reason: OnceLock::new(),
+            egress: OnceLock::new(),
+        });
+        RunActor {
+            manager,
+            handle,
+            commands,
+            publish,
+            fence: Fence::new(record.lease.clone()),
+            phase,
+            record,
+            exit: None,
+            stop_waiters: Vec::new(),
+        }
+    }
+
+    /// The handle others use.
+    pub fn handle(&self) -> &Arc<RunHandle> {
+        &self.handle
+    }
+
+    /// Starts the owner's task for a new run.
+    pub fn spawn_create(self, creation: Creation) {
+        tokio::spawn(async move {
+            let mut actor = self;
+            actor.create(creation).await;
+            actor.serve().await;
+        });
+    }
+
+    /// Starts the owner's task for a run found in the store at start-up.
+    /// Returns a receiver that answers once a doomed run's first teardown
+    /// attempt is over (at once for the others).
+    pub fn spawn_adopted(self, adopted: Adopted) -> oneshot::Receiver<Result<(), CoreError>> {
+        let (done, waiter) = oneshot::channel();
+        tokio::spawn(async move {
+            let mut actor = self;
+            match adopted {
+                Adopted::Running(agent) => {
+                    let _ = actor.handle.agent.set(agent);
+                    // Without its proxy the run has no way out at all: it
+                    // keeps its files and processes, and the log says why.
+                    if let Err(e) = actor
+                        .manager
+                        .start_egress(&actor.handle, &actor.record)
+                        .await
+                    {
+                        tracing::error!(run = %actor.record.id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
+                    }
+                    actor.watch().await;
+                    let _ = done.send(Ok(()));
+                }
+                Adopted::Failed => {
+                    let _ = done.send(Ok(()));
+                }
+                Adopted::Doomed(reason) => {
+                    actor.stop(reason);
+                    actor.stop_waiters.push(done);
+                }
+            }
+            actor.serve().await;
+        });
+        waiter
+    }
+
+    /// Applies a lifecycle event: the only place a phase changes. The
+    /// record's status follows the phase.
+    fn apply(&mut self, event: Event) {
+        match transition(&self.phase, event) {
+            Ok(next) => {
+                self.phase = next;
+                self.record.status = self.phase.status();
+                if let Phase::Failed(why) = &self.phase {
+                    self.record.failure = Some(why.clone());
+                }
+            }
+            Err(e) => {
+                tracing::error!(run = %self.record.id, error = %e, "refused an invalid lifecycle transition")
+            }
+        }
+    }
+
+    fn publish(&self) {
+        self.publish.send_replace(Snapshot {
+            phase: self.phase.clone(),
+            record: Arc::new(self.record.clone()),
+        });
+    }
+
+    /// Moves the run to `Stopping`: nothing new is admitted, in-flight
+    /// execs end with `reason`.
+    fn stop(&mut self, reason: ExitReason) {
+        self.apply(Event::Stop(reason));
+        let _ = self.handle.end_reason.set(reason);
+        self.handle.ended.cancel();
+        self.publish();
+    }
+
+    /// Step 1: builds the sandbox and answers the creator.
+    async fn create(&mut self, creation: Creation) {
+        let Creation { spec, reply } = creation;
+        let id = self.record.id;
+        let started = std::time::Instant::now();
+        let outcome = self.build(&spec, &reply).await;
+        match outcome {
+            Ok(()) => {
+                tracing::info!(run = %id, image = %self.record.image, runtime = %self.record.runtime,
+                    elapsed_ms = started.elapsed().as_millis() as u64, "run created");
+                let run = self.manager.view(&self.handle);
+                if reply.send(Ok(run)).is_err() {
+                    tracing::info!(run = %id, "the client that created the run went away before the answer; destroying it");
+                    self.stop(ExitReason::RunDeleted);
+                }
+            }
+            Err(e) => {
+                if !matches!(e, CoreError::RunNotFound(_)) {
+                    tracing::error!(run = %id, error = %error_chain(&e), "creating a run failed");
+                }
+                self.apply(Event::CreateFailed);
+                let _ = self.handle.end_reason.set(ExitReason::RunDeleted);
+                self.handle.ended.cancel();
+                self.publish();
+                let _ = reply.send(Err(e));
+            }
+        }
+    }
+
+    async fn build(
+        &mut self,
+        spec: &SandboxSpec,
+        reply: &oneshot::Sender<Result<Run, CoreError>>,
+    ) -> Result<(), CoreError> {
+        let manager = self.manager.clone();
+        // Written as `Creating` before any resource exists, so a crash at
+        // any point leaves something reconciliation can find.
+        manager.store.put_async(self.record.clone()).await?;
+        let id = self.record.id;
+        let gone = |reply: &oneshot::Sender<_>| {
+            // The creator hung up: stop early rather than finish a run
+            // nobody can name.
+            reply.is_closed().then_some(CoreError::RunNotFound(id))
+        };
+        if let Some(e) = gone(reply) {
+            return Err(e);
+        }
+        let sandbox = manager.backend.create(spec).await?;
+        self.record.runtime = sandbox.runtime;
+        self.record.agent_socket = sandbox.agent_socket;
+        let agent = runbox_agent_proto::connect_unix(self.record.agent_socket.clone());
+        super::wait_ready(agent.clone(), manager.config.agent_ready_timeout)
+            .await
+            .map_err(|e| {
+                CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
+            })?;
+        if let Some(e) = gone(reply) {
+            return Err(e);
+        }
+        manager.start_egress(&self.handle, &self.record).await?;
+        let mut running = self.record.clone();
+        running.status = RunStatus::Running;
+        manager.store.put_async(running).await?;
+        let _ = self.handle.agent.set(agent);
+        self.apply(Event::Started);
+        self.watch().await;
+        self.publish();
+        Ok(())
+    }
+
+    /// Starts watching the sandbox's init, where the backend can.
+    async fn watch(&mut self) {
+        match self.manager.backend.watch_exit(self.record.id).await {
+            Ok(watch) => self.exit = Some(watch),
+            Err(e) => {
+                tracing::debug!(run = %self.record.id, error = %e, "not watching the run's init")
+            }
+        }
+    }
+
+    /// Step 2, then 3: serves commands until the run stops, then tears it
+    /// down and leaves the registry.
+    async fn serve(mut self) {
+        while matches!(self.phase, Phase::Running | Phase::Failed(_)) {
+            let expires = reaper::deadline(self.record.expires_at);
+            let watch = &mut self.exit;
+            let exit = async {
+                match watch.as_mut() {
+                    Some(watch) => watch.await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                command = self.commands.recv() => match command {
+                    Some(command) => self.handle_command(command).await,
+                    // Unreachable while the registry holds the handle; if it
+                    // ever happens, nobody can reach the run any more.
+                    None => self.stop(ExitReason::RunDeleted),
+                },
+                why = exit => self.died(why).await,
+                () = tokio::time::sleep_until(expires) => {
+                    tracing::info!(run = %self.record.id, "run reached its TTL");
+                    self.stop(ExitReason::RunExpired);
+                }
+            }
+        }
+        if matches!(self.phase, Phase::Stopping(_)) {
+            self.teardown().await;
+        }
+        self.manager.forget(self.record.id);
+        let reason = self.handle.end_reason.get().copied();
+        tracing::info!(run = %self.record.id, ?reason, "run destroyed");
+    }
+
+    /// The sandbox's init exited on its own.
+    async fn died(&mut self, why: String) {
+        self.exit = None;
+        tracing::warn!(run = %self.record.id, reason = %why, "the run died");
+        self.apply(Event::Died(why));
+        if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+            tracing::warn!(run = %self.record.id, error = %e, "could not store that the run failed");
+        }
+        self.publish();
+    }
+
+    async fn handle_command(&mut self, command: Command) {
+        let id = self.record.id;
+        let now = OffsetDateTime::now_utc();
+        match command {
+            Command::Begin { credential, reply } => {
+                let answer = match &self.phase {
+                    Phase::Running => {
+                        let presented = credential.as_ref().map(|(owner, generation)| Credential {
+                            owner,
+                            generation: *generation,
+                        });
+                        self.fence.begin(presented, now).map_err(CoreError::from)
+                    }
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::End => self.fence.end(),
+            Command::Renew { ttl, reply } => {
+                let before = self.record.expires_at;
+                self.record.expires_at = now + ttl;
+                let answer = match self.manager.store.put_async(self.record.clone()).await {
+                    Ok(()) => {
+                        self.publish();
+                        Ok(self.record.clone())
+                    }
+                    Err(e) => {
+                        self.record.expires_at = before;
+                        Err(e)
+                    }
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Lease { op, reply } => {
+                let answer = match &self.phase {
+                    Phase::Running => self.change_lease(op, now).await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Stop { reason, reply } => {
+                tracing::debug!(run = %id, ?reason, "stopping the run");
+                self.stop(reason);
+                self.stop_waiters.push(reply);
+            }
+        }
+    }
+
+    /// Why a run in `phase` refuses an exec, a write or a lease change.
+    fn refusal(&self, phase: &Phase) -> CoreError {
+        match phase {
+            Phase::Failed(why) => CoreError::RunFailed(self.record.id, why.clone()),
+            Phase::Creating => CoreError::RunNotRunning(self.record.id, "still being created"),
+            Phase::Running | Phase::Stopping(_) | Phase::Gone => {
+                CoreError::RunNotFound(self.record.id)
+            }
+        }
+    }
+
+    /// Applies a lease change and stores the new lease state before it
+    /// takes effect: if the store fails, nothing changed.
+    async fn change_lease(
+        &mut self,
+        op: LeaseOp,
+        now: OffsetDateTime,
+    ) -> Result<Option<Lease>, CoreError> {
+        let mut next = self.fence.clone();
+        let out = match &op {
+            LeaseOp::Acquire { owner, ttl } => next.acquire(owner, *ttl, now).map(Some),
+            LeaseOp::Renew {
+                owner,
+                generation,
+                ttl,
+            } => next
+                .book
+                .renew(
+                    Credential {
+                        owner,
+                        generation: *generation,
+                    },
+                    *ttl,
+                    now,
+                )
+                .map(Some),
+            LeaseOp::Release { owner, generation } => next
+                .book
+                .release(
+                    Credential {
+                        owner,
+                        generation: *generation,
+                    },
+                    now,
+                )
+                .map(|()| None),
+        }?;
+        if next.book != self.fence.book {
+            let mut record = self.record.clone();
+            record.lease = next.book.clone();
+            self.manager.store.put_async(record.clone()).await?;
+            self.record = record;
+        }
+        self.fence = next;
+        self.publish();
+        Ok(out)
+    }
+
+    /// Step 3: destroys the sandbox, retrying with backoff, answering every
+    /// command meanwhile as a run that is gone.
+    async fn teardown(&mut self) {
+        let id = self.record.id;
+        if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+            tracing::warn!(run = %id, error = %e, "could not mark the run as stopping");
+        }
+        let mut attempt = 0u32;
+        loop {
+            let result = {
+                let _permit = self.manager.teardown_budget.acquire().await;
+                self.manager.backend.destroy(id).await
+            };
+            match result {
+                Ok(()) => break,
+                Err(e) => {
+                    attempt += 1;
+                    let delay = reaper::backoff(attempt);
+                    let message = error_chain(&e);
+                    tracing::error!(run = %id, attempt, retry_in_ms = delay.as_millis() as u64,
+                        error = %message, "destroying the run failed; will retry");
+                    self.record.failure = Some(format!("teardown failed: {message}"));
+                    if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+                        tracing::warn!(run = %id, error = %e, "could not store the teardown error");
+                    }
+                    self.answer_stop_waiters();
+                    self.refuse_commands_for(delay).await;
+                }
+            }
+        }
+        if let Err(e) = self.manager.store.delete_async(id).await {
+            // Reconcile finds it at the next start and destroys it again,
+            // which finds nothing left and deletes the record.
+            tracing::error!(run = %id, error = %e, "could not delete the run record");
+        }
+        self.apply(Event::Destroyed);
+        self.publish();
+        self.answer_stop_waiters();
+    }
+
+    fn answer_stop_waiters(&mut self) {
+        for waiter in self.stop_waiters.drain(..) {
+            let _ = waiter.send(Ok(()));
+        }
+    }
+
+    /// Waits `delay`, answering commands as a run that is gone.
+    async fn refuse_commands_for(&mut self, delay: Duration) {
+        let until = tokio::time::Instant::now() + delay;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep_until(until) => return,
+                command = self.commands.recv() => {
+                    let gone = CoreError::RunNotFound(self.record.id);
+                    match command {
+                        Some(Command::Begin { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Renew { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Lease { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Stop { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::End) => self.fence.end(),
+                        None => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// An exec or file write admitted by the run's fence; ends it when dropped.
+pub(crate) struct InFlight(pub Arc<RunHandle>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.end_operation();
+    }
+}

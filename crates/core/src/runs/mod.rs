@@ -1,0 +1,401 @@
+//! The run registry and lifecycle: create, list, renew, delete and leases.
+//!
+//! Each run has one owner, a task ([`actor`]) holding its record, lease fence
+//! and [`phase::Phase`]; the [`Manager`] keeps the registry of their handles
+//! and turns API calls into typed commands. The jobs are split by module:
+//!
+//! * [`phase`]: the lifecycle state machine, pure;
+//! * [`actor`]: the per-run owner that drives it;
+//! * [`reconcile`]: start-up, when every stored record gets an owner again;
+//! * [`reaper`]: expiry and the teardown budget and retry policy;
+//! * [`relay`]: exec and files, through each run's agent;
+//! * `crate::catalog`: the image half of the API.
+//!
+//! Invariants (checked by the tests in [`phase`] and the end-to-end suite):
+//! * a run is in exactly one phase, held by its owner only;
+//! * capacity used = runs in the registry, whatever their phase; a run
+//!   leaves the registry only once its sandbox is destroyed;
+//! * a run that is stopping or gone never answers an operation again.
+//!
+//! Persistence: a record is written as `Creating` before any resource exists,
+//! so a crash at any point leaves something reconciliation can find.
+
+pub mod actor;
+pub mod phase;
+pub mod reaper;
+mod reconcile;
+pub mod relay;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use runbox_agent_proto::pb;
+use runbox_agent_proto::AgentClient;
+use runbox_types::{
+    CreateRunRequest, ErrorCode, ExitReason, LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest,
+    NetworkTier, Run,
+};
+use time::OffsetDateTime;
+use tokio::sync::Semaphore;
+use ulid::Ulid;
+
+use self::actor::{Command, Creation, LeaseOp, RunActor, RunHandle};
+use self::phase::Phase;
+use crate::backend::{Backend, SandboxSpec};
+use crate::config::Config;
+use crate::egress;
+use crate::error::CoreError;
+use crate::images::ImageStore;
+use crate::lease::Lease;
+use crate::store::{RunRecord, Store};
+use crate::validate;
+
+pub use self::relay::{ExecEvent, FileDownload};
+
+/// Locks a mutex, recovering from poisoning: every critical section here is
+/// a few map operations that leave the data consistent even if a panic
+/// stopped them, so a panic elsewhere must not wedge the registry.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The run manager. Cheap to share (`Arc<Manager>`).
+pub struct Manager {
+    pub(crate) config: Config,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) store: Store,
+    pub(crate) images: ImageStore,
+    /// Every run with a sandbox, in any phase. Only map operations happen
+    /// under this lock.
+    registry: Mutex<HashMap<Ulid, Arc<RunHandle>>>,
+    /// Serialises "image is in use" checks with run creation. Async: the
+    /// image lookups it covers run on blocking threads.
+    pub(crate) image_lock: tokio::sync::Mutex<()>,
+    /// Teardowns calling the backend at once (see [`reaper`]).
+    pub(crate) teardown_budget: Semaphore,
+}
+
+impl Manager {
+    /// Builds a manager and reconciles stored runs with what is alive: live
+    /// runs are re-adopted, everything else is destroyed.
+    pub async fn start(
+        config: Config,
+        backend: Arc<dyn Backend>,
+        store: Store,
+        images: ImageStore,
+    ) -> Result<Arc<Manager>, CoreError> {
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let manager = Arc::new(Manager {
+            config,
+            backend,
+            store,
+            images,
+            registry: Mutex::new(HashMap::new()),
+            image_lock: tokio::sync::Mutex::new(()),
+            teardown_budget: Semaphore::new(reaper::teardown_concurrency(cpus)),
+        });
+        manager.reconcile().await?;
+        Ok(manager)
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+
+    fn registry(&self) -> MutexGuard<'_, HashMap<Ulid, Arc<RunHandle>>> {
+        lock(&self.registry)
+    }
+
+    /// Removes a destroyed run from the registry; called by its owner last.
+    fn forget(&self, id: Ulid) {
+        self.registry().remove(&id);
+    }
+
+    /// How many runs hold a capacity slot (every phase until gone).
+    pub fn capacity_used(&self) -> usize {
+        self.registry().len()
+    }
+
+    /// Creates a run and waits until its agent answers.
+    ///
+    /// Cancellation: the run is built by its own task. If this future is
+    /// dropped before the run is up (the client hung up), that task notices
+    /// nobody waits for the answer and destroys the run; nothing is left
+    /// behind and the capacity slot comes back.
+    pub async fn create(self: &Arc<Self>, req: CreateRunRequest) -> Result<Run, CoreError> {
+        let env = req.env.unwrap_or_default();
+        validate::env(&env)?;
+        let limits = validate::limits(
+            req.limits.as_ref(),
+            &self.config.default_limits,
+            &self.config.max_limits,
+        )?;
+        let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
+        let network = req.network.unwrap_or_default();
+        if let Err(why) = self.backend.check_network(network) {
+            return Err(CoreError::invalid(
+                ErrorCode::NetworkUnsupported,
+                format!(
+                    "network {:?} is not available on this server ({why}); use another tier",
+                    network.as_str()
+                ),
+            ));
+        }
+        let egress = egress::check_request(
+            self.config.egress.as_deref(),
+            network,
+            req.egress_allow.as_deref(),
+            req.secrets.as_deref(),
+        )?;
+        let id = Ulid::new();
+        // Holding the image lock until the run is in the registry means a
+        // concurrent image delete either sees this run or runs first.
+        let image_guard = self.image_lock.lock().await;
+        let (image_layers, image_config) = {
+            let images = self.images.clone();
+            let name = req.image.clone();
+            tokio::task::spawn_blocking(move || {
+                Ok::<_, CoreError>((images.layers(&name)?, images.config(&name)?))
+            })
+            .await
+            .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??
+        };
+        let now = OffsetDateTime::now_utc();
+        let record = RunRecord {
+            id,
+            image: req.image,
+            network,
+            limits,
+            env,
+            created_at: now,
+            expires_at: now + ttl,
+            status: runbox_types::RunStatus::Creating,
+            runtime: String::new(),
+            agent_socket: Default::default(),
+            image_config,
+            lease: Default::default(),
+            egress,
+            failure: None,
+        };
+        let spec = SandboxSpec {
+            id,
+            image_layers,
+            limits: record.limits,
+            network: record.network,
+            // Only runs with secrets get TLS intercepted, so only they need
+            // to trust the interception CA.
+            trust_pem: match &self.config.egress {
+                Some(config) if !record.egress.secrets.is_empty() => Some(config.ca_pem()),
+                _ => None,
+            },
+        };
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        {
+            // The capacity check and the insertion are one step, and the
+            // owner is spawned before anything can be dropped.
+            let mut registry = self.registry();
+            if registry.len() >= self.config.max_runs {
+                return Err(CoreError::Capacity(self.config.max_runs));
+            }
+            let actor = RunActor::new(self.clone(), record, Phase::Creating);
+            registry.insert(id, actor.handle().clone());
+            actor.spawn_create(Creation { spec, reply });
+        }
+        drop(image_guard);
+        answer
+            .await
+            .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?
+    }
+
+    /// Every run the API shows, ordered by id.
+    pub fn list(&self) -> Vec<Run> {
+        let handles: Vec<Arc<RunHandle>> = self.registry().values().cloned().collect();
+        let mut runs: Vec<Run> = handles
+            .iter()
+            .filter(|h| h.snapshot().phase.visible())
+            .map(|h| self.view(h))
+            .collect();
+        runs.sort_by_key(|r| r.id);
+        runs
+    }
+
+    /// One run.
+    pub fn get(&self, id: Ulid) -> Result<Run, CoreError> {
+        Ok(self.view(&*self.handle(id)?))
+    }
+
+    /// The API view of a run: its record plus live counters.
+    pub(crate) fn view(&self, handle: &RunHandle) -> Run {
+        let mut run = handle.snapshot().record.to_run(&self.config.server_id);
+        run.egress = handle.egress.get().map(|c| egress::stats(c));
+        run
+    }
+
+    /// Serves an `allowlist` run's proxy on a listener the backend binds in
+    /// the run's network namespace; stops with the run. Other tiers: nothing.
+    pub(crate) async fn start_egress(
+        &self,
+        handle: &RunHandle,
+        record: &RunRecord,
+    ) -> Result<(), CoreError> {
+        if record.network != NetworkTier::Allowlist {
+            return Ok(());
+        }
+        let config = self.config.egress.as_ref().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::NetworkUnsupported,
+                "this server has no egress proxy; use network \"none\"",
+            )
+        })?;
+        let listener = self.backend.egress_listener(record.id).await?;
+        let counters = config.start(
+            record.id,
+            &record.egress,
+            listener,
+            handle.ended.child_token(),
+        )?;
+        let _ = handle.egress.set(counters);
+        Ok(())
+    }
+
+    /// The handle of a run the API shows.
+    pub(crate) fn handle(&self, id: Ulid) -> Result<Arc<RunHandle>, CoreError> {
+        let handle = self
+            .registry()
+            .get(&id)
+            .cloned()
+            .ok_or(CoreError::RunNotFound(id))?;
+        if !handle.snapshot().phase.visible() {
+            return Err(CoreError::RunNotFound(id));
+        }
+        Ok(handle)
+    }
+
+    /// Sets a run's expiry to now + `ttl_sec` (capped by the server maximum).
+    pub async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {
+        let ttl = validate::ttl(Some(ttl_sec), self.config.default_ttl, self.config.max_ttl)?;
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Renew { ttl, reply }).await?;
+        Ok(self.view(&handle))
+    }
+
+    /// Destroys a run. Answers once the sandbox is gone, or once the first
+    /// attempt failed (the run's owner then retries with backoff).
+    ///
+    /// Cancellation: the teardown is the run owner's; dropping this future
+    /// only stops waiting for it.
+    pub async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
+        let handle = self.handle(id)?;
+        handle
+            .ask(|reply| Command::Stop {
+                reason: ExitReason::RunDeleted,
+                reply,
+            })
+            .await
+    }
+
+    /// Whether any run, in any phase, uses image `name`.
+    pub(crate) fn image_in_use(&self, name: &str) -> bool {
+        self.registry()
+            .values()
+            .any(|h| h.snapshot().record.image == name)
+    }
+
+    /// Grants the run's writable lease to `req.owner` (see [`crate::lease`]).
+    pub async fn acquire_lease(&self, id: Ulid, req: LeaseRequest) -> Result<Lease, CoreError> {
+        validate::owner(&req.owner)?;
+        let ttl = validate::lease_ttl(req.ttl_sec)?;
+        let owner = req.owner.clone();
+        let lease = self
+            .lease(id, LeaseOp::Acquire { owner, ttl })
+            .await?
+            .ok_or_else(|| CoreError::Store("a lease grant returned no lease".into()))?;
+        tracing::info!(run = %id, holder = %lease.holder, generation = lease.generation, "lease granted");
+        Ok(lease)
+    }
+
+    /// Extends the active lease named by `req.owner` and `req.generation`.
+    pub async fn renew_lease(&self, id: Ulid, req: LeaseRenewRequest) -> Result<Lease, CoreError> {
+        validate::owner(&req.owner)?;
+        let ttl = validate::lease_ttl(req.ttl_sec)?;
+        let op = LeaseOp::Renew {
+            owner: req.owner,
+            generation: req.generation,
+            ttl,
+        };
+        self.lease(id, op)
+            .await?
+            .ok_or_else(|| CoreError::Store("a lease renewal returned no lease".into()))
+    }
+
+    /// Releases the lease named by `req.owner` and `req.generation`.
+    pub async fn release_lease(&self, id: Ulid, req: LeaseReleaseRequest) -> Result<(), CoreError> {
+        validate::owner(&req.owner)?;
+        let op = LeaseOp::Release {
+            owner: req.owner.clone(),
+            generation: req.generation,
+        };
+        self.lease(id, op).await?;
+        tracing::info!(run = %id, holder = %req.owner, generation = req.generation, "lease released");
+        Ok(())
+    }
+
+    async fn lease(&self, id: Ulid, op: LeaseOp) -> Result<Option<Lease>, CoreError> {
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Lease { op, reply }).await
+    }
+}
+
+/// Calls `Hello` until the agent answers or `limit` passes.
+pub(crate) async fn wait_ready(mut agent: AgentClient, limit: Duration) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + limit;
+    let mut delay = Duration::from_millis(2);
+    loop {
+        let attempt =
+            tokio::time::timeout(Duration::from_secs(2), agent.hello(pb::HelloRequest {})).await;
+        let error = match attempt {
+            Ok(Ok(reply)) => {
+                let reply = reply.into_inner();
+                if reply.protocol < runbox_agent_proto::PROTOCOL {
+                    return Err(format!(
+                        "agent speaks protocol {}, need {}",
+                        reply.protocol,
+                        runbox_agent_proto::PROTOCOL
+                    ));
+                }
+                return Ok(());
+            }
+            Ok(Err(status)) => relay::bounded(status.message()),
+            Err(_) => "no answer within 2s".to_owned(),
+        };
+        if tokio::time::Instant::now() + delay > deadline {
+            return Err(error);
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// Formats an error with its whole source chain, for logs.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// Keys of a map, for logs that must not show values.
+pub fn names(env: &BTreeMap<String, String>) -> Vec<&str> {
+    env.keys().map(String::as_str).collect()
+}

@@ -1,0 +1,209 @@
+//! A run's lifecycle phase and the one function that moves it.
+//!
+//! ```text
+//!                  Started                      Stop(reason)
+//!   ┌──────────┐ ─────────► ┌─────────┐ ───────────────────────┐
+//!   │ Creating │            │ Running │                         ▼
+//!   └──────────┘            └─────────┘                   ┌──────────┐  Destroyed  ┌──────┐
+//!     │     │                    │ Died(why)              │ Stopping │ ──────────► │ Gone │
+//!     │     │                    ▼                        └──────────┘             └──────┘
+//!     │     │               ┌────────┐  Stop(reason)           ▲   ▲
+//!     │     │               │ Failed │ ────────────────────────┘   │
+//!     │     │               └────────┘                             │
+//!     │     └──── CreateFailed / Stop (the creator went away) ─────┘
+//!     └── (reconcile after a restart adopts Running or Failed records directly)
+//! ```
+//!
+//! * `Creating`: the record is stored and the backend is building the
+//!   sandbox. Counted against capacity; not usable yet.
+//! * `Running`: the sandbox is up and its agent answered.
+//! * `Failed`: the sandbox died on its own (its init exited). It keeps its
+//!   resources and record until it is deleted or its TTL passes, so the
+//!   caller can see why; execs and file operations are refused with the
+//!   reason. A restart policy (with hibernation) will add `Failed → Running`.
+//! * `Stopping`: the sandbox is being destroyed; retried with backoff until
+//!   it succeeds. No operation is admitted any more.
+//! * `Gone`: destroyed and forgotten; the run's owner exits.
+//!
+//! Room is left for `Pooled`, `Snapshotting`, `Paused` and `Archived`: each
+//! is a new variant with its own arms in [`transition`], never a flag beside
+//! the phase.
+//!
+//! Pure: no I/O, no clock. The run's owner ([`super::actor`]) is the only
+//! caller, so a phase changes in exactly one place.
+
+use runbox_types::{ExitReason, RunStatus};
+
+/// Where a run is in its life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The sandbox is being built.
+    Creating,
+    /// The sandbox is up and its agent answers.
+    Running,
+    /// The sandbox died on its own, for this reason.
+    Failed(String),
+    /// The sandbox is being destroyed, for this reason.
+    Stopping(ExitReason),
+    /// Destroyed; nothing of the run is left.
+    Gone,
+}
+
+/// What happened to a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// The sandbox is up and the agent answered.
+    Started,
+    /// Building the sandbox failed.
+    CreateFailed,
+    /// The sandbox's init process exited on its own.
+    Died(String),
+    /// The run is to be destroyed (delete, TTL, its creator went away).
+    Stop(ExitReason),
+    /// Every resource of the run is gone.
+    Destroyed,
+}
+
+/// A transition the lifecycle does not have. Reaching one is a bug in the
+/// caller, reported instead of silently assigning the phase.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("a run that is {from} cannot take {event:?}")]
+pub struct InvalidTransition {
+    /// The phase the run was in.
+    pub from: &'static str,
+    /// What was asked of it.
+    pub event: Event,
+}
+
+impl Phase {
+    /// The phase's name, as the API spells the status.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Creating => "creating",
+            Phase::Running => "running",
+            Phase::Failed(_) => "failed",
+            Phase::Stopping(_) => "stopping",
+            Phase::Gone => "gone",
+        }
+    }
+
+    /// The status the API and the store show for this phase.
+    pub fn status(&self) -> RunStatus {
+        match self {
+            Phase::Creating => RunStatus::Creating,
+            Phase::Running => RunStatus::Running,
+            Phase::Failed(_) => RunStatus::Failed,
+            Phase::Stopping(_) | Phase::Gone => RunStatus::Stopping,
+        }
+    }
+
+    /// Whether the API still shows the run. A run being destroyed is not
+    /// shown: once a delete is accepted, the run never answers again.
+    pub fn visible(&self) -> bool {
+        matches!(self, Phase::Creating | Phase::Running | Phase::Failed(_))
+    }
+
+    /// Whether the run holds a sandbox, and so a capacity slot. Only `Gone`
+    /// does not: a run being destroyed still holds what it is giving back.
+    pub fn holds_capacity(&self) -> bool {
+        !matches!(self, Phase::Gone)
+    }
+}
+
+/// The lifecycle: the phase `event` moves a run in phase `from` to.
+pub fn transition(from: &Phase, event: Event) -> Result<Phase, InvalidTransition> {
+    use Event as E;
+    use Phase as P;
+    let next = match (from, &event) {
+        (P::Creating, E::Started) => P::Running,
+        (P::Creating, E::CreateFailed) => P::Stopping(ExitReason::RunDeleted),
+        (P::Running, E::Died(why)) => P::Failed(why.clone()),
+        (P::Creating | P::Running | P::Failed(_), E::Stop(reason)) => P::Stopping(*reason),
+        (P::Stopping(_), E::Destroyed) => P::Gone,
+        _ => {
+            return Err(InvalidTransition {
+                from: from.name(),
+                event,
+            })
+        }
+    };
+    Ok(next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn event() -> impl Strategy<Value = Event> {
+        prop_oneof![
+            Just(Event::Started),
+            Just(Event::CreateFailed),
+            Just(Event::Died("init exited".into())),
+            Just(Event::Stop(ExitReason::RunDeleted)),
+            Just(Event::Stop(ExitReason::RunExpired)),
+            Just(Event::Destroyed),
+        ]
+    }
+
+    #[test]
+    fn the_happy_path() {
+        let mut phase = Phase::Creating;
+        for event in [
+            Event::Started,
+            Event::Stop(ExitReason::RunDeleted),
+            Event::Destroyed,
+        ] {
+            phase = transition(&phase, event).unwrap();
+        }
+        assert_eq!(phase, Phase::Gone);
+    }
+
+    #[test]
+    fn a_failed_run_is_kept_until_stopped() {
+        let failed = transition(&Phase::Running, Event::Died("oom".into())).unwrap();
+        assert_eq!(failed, Phase::Failed("oom".into()));
+        assert!(failed.visible() && failed.holds_capacity());
+        assert!(transition(&failed, Event::Started).is_err());
+        assert!(transition(&failed, Event::Died("again".into())).is_err());
+        let stopping = transition(&failed, Event::Stop(ExitReason::RunExpired)).unwrap();
+        assert!(!stopping.visible() && stopping.holds_capacity());
+    }
+
+    #[test]
+    fn invalid_transitions_say_what_was_asked() {
+        let err = transition(&Phase::Gone, Event::Started).unwrap_err();
+        assert_eq!(err.from, "gone");
+        assert_eq!(err.to_string(), "a run that is gone cannot take Started");
+        assert!(transition(&Phase::Running, Event::Destroyed).is_err());
+        assert!(transition(&Phase::Creating, Event::Died("x".into())).is_err());
+    }
+
+    proptest! {
+        /// Over any sequence of events: a refused event leaves the phase as
+        /// it was (the caller keeps it), nothing leaves `Gone`, a run stops
+        /// being visible exactly when it starts stopping and never becomes
+        /// visible again, and only `Gone` gives back capacity.
+        #[test]
+        fn phases_only_move_forward(events in proptest::collection::vec(event(), 0..40)) {
+            let mut phase = Phase::Creating;
+            let mut was_hidden = false;
+            for e in events {
+                let before = phase.clone();
+                match transition(&phase, e) {
+                    Ok(next) => phase = next,
+                    Err(_) => prop_assert_eq!(&phase, &before),
+                }
+                if before == Phase::Gone {
+                    prop_assert_eq!(&phase, &Phase::Gone);
+                }
+                if was_hidden {
+                    prop_assert!(!phase.visible());
+                }
+                was_hidden |= !phase.visible();
+                prop_assert_eq!(phase.holds_capacity(), phase != Phase::Gone);
+                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Failed(_)));
+            }
+        }
+    }
+}

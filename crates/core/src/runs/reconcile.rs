@@ -1,0 +1,117 @@
+//! Start-up reconciliation: every stored record gets an owner again.
+//!
+//! 1. Each record is judged, many at once (at most [`CONCURRENCY`] probing
+//!    the runtime and the agents together):
+//!    * `running`, not expired, sandbox alive and agent answering: re-adopted
+//!      as running, its egress proxy and init watch restarted;
+//!    * `failed` and not expired: kept as failed until its TTL, so the
+//!      caller still sees why it died;
+//!    * anything else (a crash mid-create or mid-teardown, a dead sandbox,
+//!      an expired run): given an owner that destroys it at once, under the
+//!      shared teardown budget, retrying with backoff if that fails.
+//! 2. Once every doomed run's first teardown attempt is over, the backend
+//!    sweeps whatever it made that no record claims (a crash between its
+//!    first step and the record).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use runbox_types::{ExitReason, RunStatus};
+use time::OffsetDateTime;
+
+use super::actor::{Adopted, RunActor};
+use super::phase::Phase;
+use super::{error_chain, wait_ready, Manager};
+use crate::error::CoreError;
+use crate::store::RunRecord;
+
+/// How many stored runs are judged at once.
+const CONCURRENCY: usize = 16;
+
+/// How long a surviving agent gets to answer after a restart.
+const READOPT_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl Manager {
+    pub(super) async fn reconcile(self: &Arc<Self>) -> Result<(), CoreError> {
+        let records = self.store.list()?;
+        let keep: HashSet<_> = records.iter().map(|r| r.id).collect();
+        let verdicts: Vec<(RunRecord, Adopted)> = futures::stream::iter(records)
+            .map(|record| async move {
+                let verdict = self.judge(&record).await;
+                (record, verdict)
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        let mut waiters = Vec::new();
+        for (record, adopted) in verdicts {
+            let id = record.id;
+            let phase = match &adopted {
+                Adopted::Running(_) => {
+                    tracing::info!(run = %id, "re-adopted a live run");
+                    Phase::Running
+                }
+                Adopted::Failed => {
+                    tracing::info!(run = %id, "kept a failed run until its TTL");
+                    Phase::Failed(record.failure.clone().unwrap_or_default())
+                }
+                Adopted::Doomed(_) => {
+                    tracing::info!(run = %id, status = ?record.status, "cleaning up a run that did not survive");
+                    // The owner stops it first thing; any phase that can
+                    // stop will do, so take the one the record names.
+                    match record.status {
+                        RunStatus::Creating => Phase::Creating,
+                        RunStatus::Failed => {
+                            Phase::Failed(record.failure.clone().unwrap_or_default())
+                        }
+                        RunStatus::Running | RunStatus::Stopping => Phase::Running,
+                    }
+                }
+            };
+            let actor = RunActor::new(self.clone(), record, phase);
+            self.registry().insert(id, actor.handle().clone());
+            waiters.push(actor.spawn_adopted(adopted));
+        }
+        for waiter in waiters {
+            let _ = waiter.await;
+        }
+        match self.backend.sweep(&keep).await {
+            Ok(swept) if !swept.is_empty() => {
+                tracing::info!(count = swept.len(), "removed leftover sandboxes")
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(error = %error_chain(&e), "sweeping leftover sandboxes failed")
+            }
+        }
+        Ok(())
+    }
+
+    /// What becomes of a stored run.
+    async fn judge(&self, record: &RunRecord) -> Adopted {
+        let id = record.id;
+        if record.expires_at <= OffsetDateTime::now_utc() {
+            return Adopted::Doomed(ExitReason::RunExpired);
+        }
+        match record.status {
+            RunStatus::Failed => return Adopted::Failed,
+            RunStatus::Running => {}
+            RunStatus::Creating | RunStatus::Stopping => {
+                return Adopted::Doomed(ExitReason::RunDeleted)
+            }
+        }
+        if !self.backend.is_alive(id).await.unwrap_or(false) {
+            return Adopted::Doomed(ExitReason::AgentLost);
+        }
+        let agent = runbox_agent_proto::connect_unix(record.agent_socket.clone());
+        match wait_ready(agent.clone(), READOPT_TIMEOUT).await {
+            Ok(()) => Adopted::Running(agent),
+            Err(e) => {
+                tracing::warn!(run = %id, error = %e, "run's agent does not answer; destroying it");
+                Adopted::Doomed(ExitReason::AgentLost)
+            }
+        }
+    }
+}

@@ -1,0 +1,568 @@
+//! The agent relay: exec and files, carried between an API call and the
+//! run's agent over its Unix socket.
+//!
+//! Every exec and file write is admitted by the run's owner first (the lease
+//! fence, and the phase: a failed run refuses them with its reason) and
+//! counted in flight until its stream or future ends. Reads are not fenced,
+//! but a run that is not running refuses them too.
+//!
+//! What comes from the agent is untrusted: sizes are checked against what
+//! it declared, and its messages are bounded before they reach a client or
+//! a log line.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
+use runbox_agent_proto::pb::{self, exec_input, exec_output, read_file_chunk, write_file_chunk};
+use runbox_agent_proto::{AgentClient, CHUNK_SIZE};
+use runbox_types::{Env, ErrorCode, ExecRequest, ExitEvent, ExitReason};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use ulid::Ulid;
+
+use super::actor::{Command, InFlight, RunHandle};
+use super::phase::Phase;
+use super::Manager;
+use crate::egress;
+use crate::error::CoreError;
+use crate::validate;
+
+/// Environment every command starts with, before the run's and the exec's.
+const BASE_ENV: &[(&str, &str)] = &[
+    (
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ),
+    ("HOME", "/root"),
+    ("TERM", "xterm"),
+];
+
+/// How long after its own timeout the daemon waits for the agent to report a
+/// killed command before it gives up on the agent.
+const TIMEOUT_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a single call to set up an agent stream may take.
+const AGENT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One event of an exec stream, as the core reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExecEvent {
+    /// The command started with this pid.
+    Started(u32),
+    /// A chunk of standard output.
+    Stdout(Bytes),
+    /// A chunk of standard error.
+    Stderr(Bytes),
+    /// The command ended; always the last event.
+    Exit(ExitEvent),
+}
+
+/// A file being read out of a run.
+pub struct FileDownload {
+    /// Its size in bytes, as the agent declared it; the stream yields exactly
+    /// this many bytes or ends with an error.
+    pub size: u64,
+    /// The contents.
+    pub body: std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, CoreError>> + Send>>,
+}
+
+impl Manager {
+    /// Admits an exec or file write on run `id` under its lease, if any.
+    async fn admit(
+        &self,
+        id: Ulid,
+        credential: Option<(String, u64)>,
+    ) -> Result<(Arc<RunHandle>, InFlight, AgentClient), CoreError> {
+        let handle = self.handle(id)?;
+        handle
+            .ask(|reply| Command::Begin { credential, reply })
+            .await?;
+        // From here on the operation is counted; the guard ends it.
+        let in_flight = InFlight(handle.clone());
+        let agent = handle
+            .agent
+            .get()
+            .cloned()
+            .ok_or(CoreError::RunNotFound(id))?;
+        Ok((handle, in_flight, agent))
+    }
+
+    /// The agent of a run that can serve a read.
+    fn reader(&self, id: Ulid) -> Result<AgentClient, CoreError> {
+        let handle = self.handle(id)?;
+        match handle.snapshot().phase {
+            Phase::Running => handle
+                .agent
+                .get()
+                .cloned()
+                .ok_or(CoreError::RunNotFound(id)),
+            Phase::Failed(why) => Err(CoreError::RunFailed(id, why)),
+            _ => Err(CoreError::RunNotRunning(id, "still being created")),
+        }
+    }
+
+    /// failed to start); the stream then carries its output and ends with
+    /// exactly one [`ExecEvent::Exit`].
+    ///
+    /// Cancellation: dropping the returned stream cancels the agent call, and
+    /// the agent kills the command's process group.
+    pub async fn exec(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> Result<impl Stream<Item = ExecEvent> + Send + 'static, CoreError> {
+        if !req.cmd.is_empty() {
+            validate::command(&req.cmd)?;
+        }
+        if let Some(cwd) = &req.cwd {
+            validate::cwd(cwd)?;
+        }
+        let exec_env = req.env.unwrap_or_default();
+        validate::env(&exec_env)?;
+        let timeout = match req.timeout_sec {
+            Some(0) => {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    "timeoutSec must be at least 1",
+                ))
+            }
+            Some(secs) if secs > self.config.max_ttl.as_secs() => {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "timeoutSec must be at most {}",
+                        self.config.max_ttl.as_secs()
+                    ),
+                ))
+            }
+            Some(secs) => Some(Duration::from_secs(secs)),
+            None => None,
+        };
+        let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let (handle, in_flight, mut agent) = self.admit(id, credential).await?;
+        let record = handle.snapshot().record;
+        let image = &record.image_config;
+        // An exec without a command runs the image's Entrypoint + Cmd.
+        let argv = if req.cmd.is_empty() {
+            let argv: Vec<String> = image.entrypoint.iter().chain(&image.cmd).cloned().collect();
+            if argv.is_empty() {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadCommand,
+                    "cmd is empty and the image has no Entrypoint or Cmd; give the program and its arguments",
+                ));
+            }
+            validate::command(&argv)?;
+            argv
+        } else {
+            req.cmd
+        };
+        let base = Env(BASE_ENV
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect());
+        let egress_env = egress::run_env(record.network, &record.egress);
+        // Later layers win: runbox's defaults, the image's Env, the egress
+        // proxy's, the run's, the exec's.
+        let env: Vec<pb::EnvVar> =
+            validate::merge_env([&base, &image.env, &egress_env, &record.env, &exec_env])
+                .into_iter()
+                .map(|(name, value)| pb::EnvVar { name, value })
+                .collect();
+        let start = pb::ExecStart {
+            argv,
+            cwd: req
+                .cwd
+                .or_else(|| image.working_dir.clone())
+                .unwrap_or_default(),
+            env,
+            timeout_ms: timeout.map_or(0, |t| t.as_millis() as u64),
+            stdin: false,
+        };
+        let (input, input_rx) = mpsc::channel(8);
+        input
+            .send(pb::ExecInput {
+                kind: Some(exec_input::Kind::Start(start)),
+            })
+            .await
+            .map_err(|_| CoreError::Agent("exec input channel closed".into()))?;
+        let response = tokio::time::timeout(
+            AGENT_CALL_TIMEOUT,
+            agent.exec(ReceiverStream::new(input_rx)),
+        )
+        .await
+        .map_err(|_| CoreError::Agent("the agent did not accept the exec call in time".into()))?
+        .map_err(|s| CoreError::Agent(format!("exec call refused: {}", bounded(s.message()))))?;
+        let mut output = response.into_inner();
+        let first = tokio::time::timeout(AGENT_CALL_TIMEOUT, output.message())
+            .await
+            .map_err(|_| CoreError::Agent("the agent did not start the command in time".into()))?
+            .map_err(|s| CoreError::Agent(format!("exec failed: {}", bounded(s.message()))))?;
+        let pid = match first.and_then(|m| m.kind) {
+            Some(exec_output::Kind::Started(s)) => s.pid,
+            Some(exec_output::Kind::Error(e)) => return Err(start_error(e)),
+            other => {
+                return Err(CoreError::Agent(format!(
+                    "expected a started message, got {}",
+                    message_kind(other.is_some())
+                )))
+            }
+        };
+        let state = ExecState {
+            output,
+            _input: input,
+            ended: handle.ended.clone(),
+            handle,
+            deadline: timeout.map(|t| tokio::time::Instant::now() + t + TIMEOUT_GRACE),
+            started: Some(pid),
+            done: false,
+            _in_flight: in_flight,
+        };
+        Ok(futures::stream::unfold(state, ExecState::next).boxed())
+    }
+
+    /// Writes `body` to `/work/<path>` in a run, replacing any file there only
+    /// once the whole body has arrived. Returns the bytes written.
+    ///
+    /// Cancellation: dropping the future mid-way cancels the agent call; the
+    /// agent then discards the partial upload and the target is untouched.
+    pub async fn put_file<S, E>(
+        &self,
+        id: Ulid,
+        path: &str,
+        credential: Option<(String, u64)>,
+        content_length: Option<u64>,
+        body: S,
+    ) -> Result<u64, CoreError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send,
+        E: std::fmt::Display,
+    {
+        let path = validate::work_path(path)?;
+        let max = self.config.max_upload_bytes;
+        if content_length.is_some_and(|len| len > max) {
+            return Err(too_large(max));
+        }
+        // Counted in flight until this future ends or is dropped.
+        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let (tx, rx) = mpsc::channel::<pb::WriteFileChunk>(4);
+        let header = pb::WriteFileHeader { path, mode: 0 };
+        tx.send(chunk(write_file_chunk::Kind::Header(header)))
+            .await
+            .map_err(|_| CoreError::Agent("upload channel closed".into()))?;
+        let call = agent.write_file(ReceiverStream::new(rx));
+        tokio::pin!(call);
+        let pump = async {
+            let mut body = std::pin::pin!(body);
+            let mut total = 0u64;
+            while let Some(piece) = body.next().await {
+                let piece = piece.map_err(|e| {
+                    CoreError::invalid(
+                        ErrorCode::BadRequest,
+                        format!("the upload body broke off: {e}"),
+                    )
+                })?;
+                total += piece.len() as u64;
+                if total > max {
+                    return Err(too_large(max));
+                }
+                for part in piece.chunks(CHUNK_SIZE) {
+                    tx.send(chunk(write_file_chunk::Kind::Data(part.to_vec())))
+                        .await
+                        .map_err(|_| {
+                            CoreError::Agent("the agent stopped reading the upload".into())
+                        })?;
+                }
+            }
+            tx.send(chunk(write_file_chunk::Kind::Commit(
+                pb::WriteFileCommit {},
+            )))
+            .await
+            .map_err(|_| CoreError::Agent("the agent stopped reading the upload".into()))?;
+            Ok::<u64, CoreError>(total)
+        };
+        // The agent may refuse early (a bad path) while the body is still
+        // arriving; whichever side finishes first decides.
+        let sent = tokio::select! {
+            reply = &mut call => {
+                return match reply {
+                    Ok(_) => Err(CoreError::Agent("the agent finished the upload before it was committed".into())),
+                    Err(status) => Err(file_error(status)),
+                };
+            }
+            sent = pump => sent?,
+        };
+        drop(tx);
+        let reply = tokio::time::timeout(AGENT_CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| CoreError::Agent("the agent did not confirm the upload in time".into()))?
+            .map_err(file_error)?
+            .into_inner();
+        if reply.bytes_written != sent {
+            return Err(CoreError::Agent(format!(
+                "the agent wrote {} bytes of {sent}",
+                reply.bytes_written
+            )));
+        }
+        Ok(sent)
+    }
+
+    /// Reads `/work/<path>` out of a run as a stream of exactly `size` bytes.
+    pub async fn get_file(&self, id: Ulid, path: &str) -> Result<FileDownload, CoreError> {
+        let path = validate::work_path(path)?;
+        let mut agent = self.reader(id)?;
+        let mut stream = tokio::time::timeout(
+            AGENT_CALL_TIMEOUT,
+            agent.read_file(pb::ReadFileRequest { path }),
+        )
+        .await
+        .map_err(|_| CoreError::Agent("the agent did not answer the read in time".into()))?
+        .map_err(file_error)?
+        .into_inner();
+        let first = tokio::time::timeout(AGENT_CALL_TIMEOUT, stream.message())
+            .await
+            .map_err(|_| CoreError::Agent("the agent did not answer the read in time".into()))?
+            .map_err(file_error)?;
+        let size = match first.and_then(|c| c.kind) {
+            Some(read_file_chunk::Kind::Header(h)) => h.size,
+            other => {
+                return Err(CoreError::Agent(format!(
+                    "expected a file header, got {}",
+                    message_kind(other.is_some())
+                )))
+            }
+        };
+        // Never trust the agent's byte count: stop at `size`, and fail the
+        // stream if fewer bytes arrive, so the HTTP length is never a lie.
+        let body = futures::stream::unfold(
+            (stream, 0u64, false),
+            move |(mut stream, mut seen, done)| async move {
+                if done {
+                    return None;
+                }
+                let item = match stream.message().await {
+                    Ok(Some(pb::ReadFileChunk {
+                        kind: Some(read_file_chunk::Kind::Data(data)),
+                    })) => {
+                        let room = size - seen;
+                        if data.len() as u64 > room {
+                            Err(CoreError::Agent(
+                                "the agent sent more bytes than it declared".into(),
+                            ))
+                        } else {
+                            seen += data.len() as u64;
+                            Ok(Bytes::from(data))
+                        }
+                    }
+                    Ok(Some(_)) => Err(CoreError::Agent(
+                        "unexpected message in a file stream".into(),
+                    )),
+                    Ok(None) if seen == size => return None,
+                    Ok(None) => Err(CoreError::Agent(format!(
+                        "file stream ended after {seen} of {size} bytes"
+                    ))),
+                    Err(status) => Err(file_error(status)),
+                };
+                let done = item.is_err();
+                Some((item, (stream, seen, done)))
+            },
+        );
+        Ok(FileDownload {
+            size,
+            body: Box::pin(body),
+        })
+    }
+}
+
+fn chunk(kind: write_file_chunk::Kind) -> pb::WriteFileChunk {
+    pb::WriteFileChunk { kind: Some(kind) }
+}
+
+fn too_large(max: u64) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::TooLarge,
+        format!("the file is larger than this server's upload maximum of {max} bytes"),
+    )
+}
+
+/// Maps an agent's refusal to start a command onto an API error.
+fn start_error(e: pb::AgentError) -> CoreError {
+    let code = match pb::ErrorKind::try_from(e.kind).unwrap_or(pb::ErrorKind::Unspecified) {
+        pb::ErrorKind::NotFound => ErrorCode::CommandNotFound,
+        pb::ErrorKind::PermissionDenied => ErrorCode::CommandNotExecutable,
+        pb::ErrorKind::BadCwd => ErrorCode::BadCwd,
+        pb::ErrorKind::Invalid => ErrorCode::BadCommand,
+        pb::ErrorKind::Io | pb::ErrorKind::Unspecified => {
+            return CoreError::Agent(bounded(&e.message))
+        }
+    };
+    CoreError::invalid(code, bounded(&e.message))
+}
+
+/// Maps an agent's file-operation status onto an API error, by the
+/// `runbox-kind` metadata the agent attaches.
+fn file_error(status: tonic::Status) -> CoreError {
+    let kind = status
+        .metadata()
+        .get("runbox-kind")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let message = bounded(status.message());
+    let code = match kind {
+        "invalid_path" => ErrorCode::BadPath,
+        "escape" => ErrorCode::PathEscape,
+        "not_found" => ErrorCode::FileNotFound,
+        "not_a_file" => ErrorCode::NotAFile,
+        "denied" => ErrorCode::PermissionDenied,
+        _ => return CoreError::Agent(format!("file operation failed: {message}")),
+    };
+    CoreError::invalid(code, message)
+}
+
+/// Names what an agent sent instead of the expected message, without
+/// echoing its (untrusted, possibly large) contents.
+fn message_kind(present: bool) -> &'static str {
+    if present {
+        "another message"
+    } else {
+        "nothing"
+    }
+}
+
+/// Caps a message that came from inside a run before it reaches a client or
+/// a log line.
+pub(crate) fn bounded(message: &str) -> String {
+    const MAX: usize = 512;
+    let mut out: String = message
+        .chars()
+        .filter(|c| !c.is_control())
+        .take(MAX)
+        .collect();
+    if message.len() > MAX {
+        out.push('…');
+    }
+    out
+}
+
+/// The state of one exec stream.
+struct ExecState {
+    output: tonic::Streaming<pb::ExecOutput>,
+    /// Kept open so the agent does not see stdin's end as a reason to stop;
+    /// dropped with the stream.
+    _input: mpsc::Sender<pb::ExecInput>,
+    handle: Arc<RunHandle>,
+    ended: CancellationToken,
+    /// Counts the exec in flight until the stream is dropped.
+    _in_flight: InFlight,
+    /// When the daemon stops waiting for a timed-out command's exit report.
+    deadline: Option<tokio::time::Instant>,
+    started: Option<u32>,
+    done: bool,
+}
+
+impl ExecState {
+    async fn next(mut self) -> Option<(ExecEvent, ExecState)> {
+        if let Some(pid) = self.started.take() {
+            return Some((ExecEvent::Started(pid), self));
+        }
+        if self.done {
+            return None;
+        }
+        let sleep = async {
+            match self.deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        let event = tokio::select! {
+            biased;
+            _ = self.ended.cancelled() => {
+                let reason = self.handle.end_reason.get().copied().unwrap_or(ExitReason::RunDeleted);
+                exit(137, Some(9), false, reason)
+            }
+            message = self.output.message() => match message {
+                Ok(Some(pb::ExecOutput { kind: Some(kind) })) => match kind {
+                    exec_output::Kind::Stdout(data) => return Some((ExecEvent::Stdout(Bytes::from(data)), self)),
+                    exec_output::Kind::Stderr(data) => return Some((ExecEvent::Stderr(Bytes::from(data)), self)),
+                    exec_output::Kind::Exit(e) => {
+                        let signal = (e.signal != 0).then_some(e.signal);
+                        let reason = match (e.timed_out, signal) {
+                            (true, _) => ExitReason::Timeout,
+                            (false, Some(_)) => ExitReason::Signaled,
+                            (false, None) => ExitReason::Exited,
+                        };
+                        exit(e.exit_code, signal, e.timed_out, reason)
+                    }
+                    exec_output::Kind::Started(_) | exec_output::Kind::Error(_) => {
+                        tracing::warn!("agent sent an out-of-order exec message");
+                        exit(-1, None, false, ExitReason::AgentLost)
+                    }
+                },
+                Ok(Some(pb::ExecOutput { kind: None })) => {
+                    tracing::warn!("agent sent an empty exec message");
+                    exit(-1, None, false, ExitReason::AgentLost)
+                }
+                Ok(None) | Err(_) => {
+                    // The stream broke. If the run is being destroyed that is
+                    // the reason; otherwise the agent is gone.
+                    match self.handle.end_reason.get() {
+                        Some(reason) => exit(137, Some(9), false, *reason),
+                        None => exit(-1, None, false, ExitReason::AgentLost),
+                    }
+                }
+            },
+            _ = sleep => {
+                tracing::warn!("agent did not report a timed-out command; giving up on it");
+                exit(137, Some(9), true, ExitReason::Timeout)
+            }
+        };
+        self.done = true;
+        Some((event, self))
+    }
+}
+
+fn exit(exit_code: i32, signal: Option<i32>, timed_out: bool, reason: ExitReason) -> ExecEvent {
+    ExecEvent::Exit(ExitEvent {
+        exit_code,
+        timed_out,
+        signal,
+        reason,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(kind: &str) -> tonic::Status {
+        let mut status = tonic::Status::internal("agent says \u{7}no");
+        status
+            .metadata_mut()
+            .insert("runbox-kind", kind.parse().unwrap());
+        status
+    }
+
+    #[test]
+    fn agent_file_errors_map_to_stable_codes() {
+        for (kind, code) in [
+            ("invalid_path", ErrorCode::BadPath),
+            ("escape", ErrorCode::PathEscape),
+            ("not_found", ErrorCode::FileNotFound),
+            ("not_a_file", ErrorCode::NotAFile),
+            ("denied", ErrorCode::PermissionDenied),
+            ("io", ErrorCode::AgentUnavailable),
+            ("made-up", ErrorCode::AgentUnavailable),
+        ] {
+            assert_eq!(file_error(status(kind)).code(), code, "{kind}");
+        }
+    }
+
+    #[test]
+    fn agent_text_is_bounded_and_stripped() {
+        let long = "x".repeat(10_000);
+        assert!(bounded(&long).chars().count() <= 513);
+        assert_eq!(bounded("a\u{1b}[31mb\n"), "a[31mb");
+    }
+}
