@@ -105,6 +105,12 @@ impl ExecError {
         match source.raw_os_error() {
             Some(libc::ENOENT) => Self::NotFound(program.to_owned()),
             Some(libc::EACCES | libc::ENOEXEC) => Self::NotExecutable(program.to_owned()),
+            // The kernel's own limits on argv and the environment (one
+            // argument of 128 KiB or more, or all of them past ARG_MAX):
+            // the caller's input, not a fault of the run.
+            Some(libc::E2BIG) => Self::Invalid(
+                "the arguments and environment are too large for the kernel (E2BIG): keep each argument under 128 KiB and pass bulk data as a file",
+            ),
             _ => Self::Spawn {
                 program: program.to_owned(),
                 source,
@@ -754,6 +760,7 @@ mod tests {
         assert_eq!(err(libc::EACCES).kind(), ErrorKind::PermissionDenied);
         assert_eq!(err(libc::ENOEXEC).kind(), ErrorKind::PermissionDenied);
         assert_eq!(err(libc::ENOMEM).kind(), ErrorKind::Io);
+        assert_eq!(err(libc::E2BIG).kind(), ErrorKind::Invalid);
         let Some(exec_output::Kind::Error(e)) = err(libc::ENOMEM).to_output().kind else {
             panic!("expected an error output");
         };

@@ -10,8 +10,11 @@
 //!
 //! 1. Parse the command line (`cli`); `--version` answers right away, which
 //!    is how the daemon probes a runtime.
-//! 2. Become a child subreaper when not PID 1, so orphans come to us in
-//!    tests just as they do to an init.
+//! 2. Make the process non-dumpable, so commands in the run (same uid, no
+//!    `CAP_SYS_PTRACE`) cannot open `/proc/1/mem`, `/proc/1/environ` or
+//!    `/proc/1/fd` and reach the agent's memory or its socket. Become a
+//!    child subreaper when not PID 1, so orphans come to us in tests just as
+//!    they do to an init.
 //! 3. Mark inherited descriptors close-on-exec, so no command inherits
 //!    them, and create the work directory if missing.
 //! 4. Start the runtime, install the `SIGCHLD` reaper (`reaper`) before any
@@ -68,6 +71,8 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 enum FatalError {
     #[error("cannot become a child subreaper")]
     Subreaper(#[source] io::Error),
+    #[error("cannot make the agent non-dumpable")]
+    Dumpable(#[source] io::Error),
     #[error("cannot resolve the work directory {0:?}")]
     WorkDirPath(PathBuf, #[source] io::Error),
     #[error("cannot create the work directory {0:?}")]
@@ -122,6 +127,10 @@ fn main() -> ExitCode {
 /// Prepares the process and serves until the listener fails.
 fn run(args: ServeArgs) -> Result<(), FatalError> {
     hide_inherited_fds();
+    // Commands exec'd from here get the default back (execve resets it), so
+    // only the agent itself is protected, which is the point.
+    rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+        .map_err(|errno| FatalError::Dumpable(errno.into()))?;
     let this = rustix::process::getpid();
     if this != Pid::INIT {
         rustix::process::set_child_subreaper(Some(this))

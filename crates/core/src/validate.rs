@@ -21,6 +21,10 @@ pub const MAX_ARGS: usize = 4096;
 /// Most bytes all arguments together may hold.
 pub const MAX_ARGS_BYTES: usize = 1 << 20;
 
+/// Most bytes in one argument: the kernel refuses a longer one with `E2BIG`
+/// (`MAX_ARG_STRLEN`, 32 pages, counts the terminating NUL).
+pub const MAX_ARG_BYTES: usize = 128 * 1024 - 1;
+
 /// Checks an `env` map: POSIX names (`[A-Za-z_][A-Za-z0-9_]*`), no NUL or line
 /// breaks in values, at most [`MAX_ENV_VARS`] variables and [`MAX_ENV_BYTES`]
 /// in total. The error names the offending variable but never its value.
@@ -128,6 +132,12 @@ pub fn command(cmd: &[String]) -> Result<(), CoreError> {
     }
     if let Some(i) = cmd.iter().position(|a| a.contains('\0')) {
         return Err(bad(format!("cmd[{i}] contains a NUL byte")));
+    }
+    if let Some(i) = cmd.iter().position(|a| a.len() > MAX_ARG_BYTES) {
+        return Err(bad(format!(
+            "cmd[{i}] holds {} bytes; the kernel takes at most {MAX_ARG_BYTES} in one argument, so pass bulk data as a file (PUT /v1/runs/{{id}}/files/...)",
+            cmd[i].len()
+        )));
     }
     let total: usize = cmd.iter().map(String::len).sum();
     if total > MAX_ARGS_BYTES {
@@ -423,6 +433,20 @@ mod tests {
 
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn one_argument_past_the_kernel_limit_is_refused_up_front() {
+        let fits = vec!["echo".to_owned(), "x".repeat(MAX_ARG_BYTES)];
+        assert!(command(&fits).is_ok());
+        let long = vec!["echo".to_owned(), "x".repeat(MAX_ARG_BYTES + 1)];
+        let err = command(&long).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::BadCommand);
+        assert!(err.to_string().contains("cmd[1]"), "{err}");
+        assert!(
+            err.to_string().contains(&MAX_ARG_BYTES.to_string()),
+            "{err}"
+        );
+    }
 
     fn env_of(pairs: &[(&str, &str)]) -> Env {
         Env(pairs

@@ -130,6 +130,18 @@ async fn authentication_and_error_shape() {
             400,
             "bad_image_name",
         ),
+        // Path segments that are not UTF-8 get the JSON error shape on
+        // every route that takes a name or a path.
+        ("GET", "/v1/images/%FF", b"", 400, "bad_request"),
+        ("DELETE", "/v1/images/%FF", b"", 400, "bad_request"),
+        ("POST", "/v1/images/%FF%FE", b"", 400, "bad_request"),
+        (
+            "GET",
+            "/v1/runs/01JABCDEFGHJKMNPQRSTVWXYZ0/files/%FF",
+            b"",
+            400,
+            "bad_request",
+        ),
         ("GET", "/v1/nowhere", b"", 404, "not_found"),
         ("PATCH", "/v1/runs", b"", 405, "method_not_allowed"),
     ];
@@ -249,6 +261,43 @@ async fn run_and_exec_input_rules() {
         exec_err(vec!["true"], Some("/no/such/dir")).await,
         Some(ErrorCode::BadCwd)
     );
+    // One argument as long as the kernel takes works; one byte more is a
+    // 400 that names the limit, not an agent failure.
+    let longest = "x".repeat(runbox_core_limit());
+    let req = ExecRequest {
+        cmd: vec![
+            "sh".into(),
+            "-c".into(),
+            "echo ${#1}".into(),
+            "_".into(),
+            longest.clone(),
+        ],
+        ..Default::default()
+    };
+    assert_eq!(
+        daemon.exec(&id, req).await.stdout,
+        format!("{}\n", longest.len()).as_bytes()
+    );
+    let req = ExecRequest {
+        cmd: vec!["echo".into(), format!("{longest}x")],
+        ..Default::default()
+    };
+    let err = daemon.client.exec(&id, &req).await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::BadCommand), "{err}");
+    assert!(err.to_string().contains("131071"), "{err}");
+    // The agent (PID 1) is not dumpable: commands cannot read its memory,
+    // environment or descriptors, though they run as the same uid.
+    let out = daemon
+        .sh(
+            &id,
+            "for f in environ mem; do cat /proc/1/$f >/dev/null 2>&1 && echo $f-open || echo $f-denied; done; \
+             readlink /proc/1/fd/0 >/dev/null 2>&1 && echo fd-open || echo fd-denied",
+        )
+        .await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "environ-denied\nmem-denied\nfd-denied\n"
+    );
     // cwd relative to /work and absolute both work.
     daemon.sh(&id, "mkdir -p /work/sub").await;
     for (cwd, want) in [("sub", "/work/sub\n"), ("/tmp", "/tmp\n")] {
@@ -269,6 +318,12 @@ async fn run_and_exec_input_rules() {
         daemon.client.exec(&id, &req).await.unwrap_err().code(),
         Some(ErrorCode::BadRequest)
     );
+}
+
+/// The longest single exec argument the API accepts (the kernel's
+/// `MAX_ARG_STRLEN` less its NUL).
+fn runbox_core_limit() -> usize {
+    128 * 1024 - 1
 }
 
 fn time_24h() -> std::time::Duration {

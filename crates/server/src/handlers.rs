@@ -50,6 +50,12 @@ impl From<JsonRejection> for ApiError {
     }
 }
 
+/// `Path` whose rejections (a segment that is not UTF-8, say) use runbox's
+/// error shape instead of axum's plain-text answer.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(ApiError))]
+pub struct AppPath<T>(pub T);
+
 impl From<PathRejection> for ApiError {
     fn from(rejection: PathRejection) -> ApiError {
         ApiError::new(ErrorCode::BadRequest, rejection.body_text())
@@ -222,7 +228,7 @@ fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
 pub async fn put_file(
     State(state): State<AppState>,
     RunId(id): RunId,
-    Path(params): Path<Vec<(String, String)>>,
+    AppPath(params): AppPath<Vec<(String, String)>>,
     RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Body,
@@ -288,7 +294,7 @@ fn lease_credential(query: Option<&str>) -> Result<Option<(String, u64)>, ApiErr
 pub async fn get_file(
     State(state): State<AppState>,
     RunId(id): RunId,
-    Path(params): Path<Vec<(String, String)>>,
+    AppPath(params): AppPath<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
     let download = state.manager.get_file(id, file_path(&params)).await?;
     let body = Body::from_stream(download.body.map_err(move |e| {
@@ -308,7 +314,7 @@ pub async fn get_file(
 /// `POST /v1/images/{name}`: imports a root filesystem tarball.
 pub async fn import_image(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    AppPath(name): AppPath<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
     let stream = body.into_data_stream().map_err(std::io::Error::other);
@@ -374,7 +380,7 @@ pub async fn list_images(State(state): State<AppState>) -> Result<Json<ImageList
 /// `GET /v1/images/{name}`: the image with its config document.
 pub async fn get_image(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    AppPath(name): AppPath<String>,
 ) -> Result<Response, ApiError> {
     Ok(Json(state.manager.get_image(&name)?).into_response())
 }
@@ -382,7 +388,7 @@ pub async fn get_image(
 /// `DELETE /v1/images/{name}`.
 pub async fn delete_image(
     State(state): State<AppState>,
-    Path(name): Path<String>,
+    AppPath(name): AppPath<String>,
 ) -> Result<StatusCode, ApiError> {
     state.manager.delete_image(name).await?;
     Ok(StatusCode::NO_CONTENT)
