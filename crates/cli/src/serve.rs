@@ -163,7 +163,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     std::fs::rename(&tmp, state_dir.join("serve.addr")).context("writing serve.addr")?;
     tracing::info!(listen = %bound, state_dir = %state_dir.display(), runs = manager.list().len(), "runbox is serving");
     let router = runbox_server::router(runbox_server::AppState {
-        manager,
+        service: manager,
         token: token.into(),
         audit: Some(egress.audit),
     });

@@ -20,6 +20,7 @@ pub mod error;
 pub mod images;
 pub mod lease;
 pub mod runs;
+pub mod service;
 pub mod store;
 pub mod validate;
 
@@ -27,3 +28,4 @@ pub use backend::Backend;
 pub use config::Config;
 pub use error::CoreError;
 pub use runs::Manager;
+pub use service::RunService;

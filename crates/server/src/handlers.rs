@@ -1,4 +1,4 @@
-//! Route handlers: parse, check, call the manager, map the answer.
+//! Route handlers: parse, check, call the [`RunService`], map the answer.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -21,6 +21,8 @@ use runbox_types::{
     RenewRequest, RunList, StartedEvent,
 };
 use ulid::Ulid;
+
+use runbox_core::RunService;
 
 use crate::{ApiError, AppState};
 
@@ -87,95 +89,95 @@ impl<S: Send + Sync> FromRequestParts<S> for RunId {
 }
 
 /// `GET /health`.
-pub async fn health(State(state): State<AppState>) -> Json<Health> {
+pub async fn health<S: RunService>(State(state): State<AppState<S>>) -> Json<Health> {
     Json(Health {
         status: "ok".to_owned(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
-        server: state.manager.config().server_id.clone(),
+        server: state.service.server_id().to_owned(),
     })
 }
 
 /// `POST /v1/runs`.
-pub async fn create_run(
-    State(state): State<AppState>,
+pub async fn create_run<S: RunService>(
+    State(state): State<AppState<S>>,
     AppJson(req): AppJson<CreateRunRequest>,
 ) -> Result<Response, ApiError> {
-    let run = state.manager.create(req).await?;
+    let run = state.service.create(req).await?;
     Ok((StatusCode::CREATED, Json(run)).into_response())
 }
 
 /// `GET /v1/runs`.
-pub async fn list_runs(State(state): State<AppState>) -> Json<RunList> {
+pub async fn list_runs<S: RunService>(State(state): State<AppState<S>>) -> Json<RunList> {
     Json(RunList {
-        server: state.manager.config().server_id.clone(),
-        runs: state.manager.list(),
+        server: state.service.server_id().to_owned(),
+        runs: state.service.list(),
     })
 }
 
 /// `GET /v1/runs/{id}`.
-pub async fn get_run(
-    State(state): State<AppState>,
+pub async fn get_run<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
 ) -> Result<Response, ApiError> {
-    Ok(Json(state.manager.get(id)?).into_response())
+    Ok(Json(state.service.get(id)?).into_response())
 }
 
 /// `DELETE /v1/runs/{id}`.
-pub async fn delete_run(
-    State(state): State<AppState>,
+pub async fn delete_run<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
 ) -> Result<StatusCode, ApiError> {
-    state.manager.delete(id).await?;
+    state.service.delete(id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// `POST /v1/runs/{id}/renew`.
-pub async fn renew_run(
-    State(state): State<AppState>,
+pub async fn renew_run<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<RenewRequest>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(state.manager.renew(id, req.ttl_sec).await?).into_response())
+    Ok(Json(state.service.renew(id, req.ttl_sec).await?).into_response())
 }
 
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
-pub async fn acquire_lease(
-    State(state): State<AppState>,
+pub async fn acquire_lease<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<LeaseRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
-    let lease = state.manager.acquire_lease(id, req).await?;
+    let lease = state.service.acquire_lease(id, req).await?;
     Ok(Json(LeaseResponse { lease }))
 }
 
 /// `POST /v1/runs/{id}/lease/renew`: extends the holder's lease.
-pub async fn renew_lease(
-    State(state): State<AppState>,
+pub async fn renew_lease<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<LeaseRenewRequest>,
 ) -> Result<Json<LeaseResponse>, ApiError> {
-    let lease = state.manager.renew_lease(id, req).await?;
+    let lease = state.service.renew_lease(id, req).await?;
     Ok(Json(LeaseResponse { lease }))
 }
 
 /// `POST /v1/runs/{id}/lease/release`: gives the lease up.
-pub async fn release_lease(
-    State(state): State<AppState>,
+pub async fn release_lease<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<LeaseReleaseRequest>,
 ) -> Result<StatusCode, ApiError> {
-    state.manager.release_lease(id, req).await?;
+    state.service.release_lease(id, req).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 /// `POST /v1/runs/{id}/exec`: a server-sent event stream of the command's
 /// output and its exit.
-pub async fn exec(
-    State(state): State<AppState>,
+pub async fn exec<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<ExecRequest>,
 ) -> Result<Response, ApiError> {
-    let events = state.manager.exec(id, req).await?;
+    let events = state.service.exec(id, req).await?;
     let b64 = base64::engine::general_purpose::STANDARD;
     let stream = events.map(move |event| {
         let sse_event = match event {
@@ -225,8 +227,8 @@ fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
 }
 
 /// `PUT /v1/runs/{id}/files/{*path}`: streams the body into `/work/<path>`.
-pub async fn put_file(
-    State(state): State<AppState>,
+pub async fn put_file<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppPath(params): AppPath<Vec<(String, String)>>,
     RawQuery(query): RawQuery,
@@ -235,15 +237,13 @@ pub async fn put_file(
 ) -> Result<StatusCode, ApiError> {
     let length = content_length(&headers)?;
     let credential = lease_credential(query.as_deref())?;
+    let body = body
+        .into_data_stream()
+        .map_err(std::io::Error::other)
+        .boxed();
     state
-        .manager
-        .put_file(
-            id,
-            file_path(&params),
-            credential,
-            length,
-            body.into_data_stream(),
-        )
+        .service
+        .put_file(id, file_path(&params).to_owned(), credential, length, body)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -291,12 +291,15 @@ fn lease_credential(query: Option<&str>) -> Result<Option<(String, u64)>, ApiErr
 }
 
 /// `GET /v1/runs/{id}/files/{*path}`: streams `/work/<path>` back.
-pub async fn get_file(
-    State(state): State<AppState>,
+pub async fn get_file<S: RunService>(
+    State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppPath(params): AppPath<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
-    let download = state.manager.get_file(id, file_path(&params)).await?;
+    let download = state
+        .service
+        .get_file(id, file_path(&params).to_owned())
+        .await?;
     let body = Body::from_stream(download.body.map_err(move |e| {
         // The status line is gone by now; breaking the body is the only way
         // left to tell the client, and the length check catches it.
@@ -312,14 +315,14 @@ pub async fn get_file(
 }
 
 /// `POST /v1/images/{name}`: imports a root filesystem tarball.
-pub async fn import_image(
-    State(state): State<AppState>,
+pub async fn import_image<S: RunService>(
+    State(state): State<AppState<S>>,
     AppPath(name): AppPath<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
     let stream = body.into_data_stream().map_err(std::io::Error::other);
     let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
-    let image = state.manager.import_image(name, reader).await?;
+    let image = state.service.import_image(name, Box::new(reader)).await?;
     Ok((StatusCode::CREATED, Json(image)).into_response())
 }
 
@@ -327,14 +330,14 @@ pub async fn import_image(
 /// then one `done` (the Image) or one `error`. The pull runs in a task of
 /// its own: a client that disconnects does not stop it, and the image
 /// appears when it is done.
-pub async fn pull_image(
-    State(state): State<AppState>,
+pub async fn pull_image<S: RunService>(
+    State(state): State<AppState<S>>,
     AppJson(req): AppJson<PullRequest>,
 ) -> Result<Response, ApiError> {
     // Fail fast, as a plain JSON error, on what can be checked up front.
-    state.manager.check_pull(&req)?;
+    state.service.check_pull(&req)?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<PullEvent>();
-    let manager = state.manager.clone();
+    let manager = state.service.clone();
     let task = tokio::spawn(async move { manager.pull_image(req, tx).await });
     let progress = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
         .map(|event| json_event(pull_sse::PROGRESS, &event));
@@ -370,26 +373,28 @@ pub async fn pull_image(
 }
 
 /// `GET /v1/images`.
-pub async fn list_images(State(state): State<AppState>) -> Result<Json<ImageList>, ApiError> {
+pub async fn list_images<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<ImageList>, ApiError> {
     Ok(Json(ImageList {
-        server: state.manager.config().server_id.clone(),
-        images: state.manager.list_images()?,
+        server: state.service.server_id().to_owned(),
+        images: state.service.list_images()?,
     }))
 }
 
 /// `GET /v1/images/{name}`: the image with its config document.
-pub async fn get_image(
-    State(state): State<AppState>,
+pub async fn get_image<S: RunService>(
+    State(state): State<AppState<S>>,
     AppPath(name): AppPath<String>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(state.manager.get_image(&name)?).into_response())
+    Ok(Json(state.service.get_image(&name)?).into_response())
 }
 
 /// `DELETE /v1/images/{name}`.
-pub async fn delete_image(
-    State(state): State<AppState>,
+pub async fn delete_image<S: RunService>(
+    State(state): State<AppState<S>>,
     AppPath(name): AppPath<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.manager.delete_image(name).await?;
+    state.service.delete_image(name).await?;
     Ok(StatusCode::NO_CONTENT)
 }

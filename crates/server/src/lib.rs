@@ -1,6 +1,7 @@
-//! runbox's HTTP API. Handlers only parse and check the request, call
-//! [`runbox_core::Manager`], and map the result or error onto HTTP; no
-//! lifecycle logic lives here.
+//! runbox's HTTP API. Handlers only parse and check the request, call a
+//! [`RunService`] (the real one is `Arc<runbox_core::Manager>`; the router
+//! tests use a stub), and map the result or error onto HTTP; no lifecycle
+//! logic lives here.
 //!
 //! Authentication: every route except `GET /health` needs
 //! `Authorization: Bearer <token>`, compared in constant time.
@@ -16,7 +17,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::Router;
-use runbox_core::Manager;
+use runbox_core::RunService;
 use runbox_types::ErrorCode;
 use subtle::ConstantTimeEq;
 use tower_http::trace::TraceLayer;
@@ -28,9 +29,9 @@ pub const MAX_JSON_BYTES: usize = 1 << 20;
 
 /// What every handler can reach.
 #[derive(Clone)]
-pub struct AppState {
-    /// The run manager.
-    pub manager: Arc<Manager>,
+pub struct AppState<S> {
+    /// The service every handler calls.
+    pub service: S,
     /// The bearer token clients must present.
     pub token: Arc<str>,
     /// Where state-changing calls are recorded, if anywhere.
@@ -38,17 +39,17 @@ pub struct AppState {
 }
 
 /// The API router.
-pub fn router(state: AppState) -> Router {
+pub fn router<S: RunService>(state: AppState<S>) -> Router {
     let streaming = Router::new()
         .route(
             "/v1/runs/{id}/files/{*path}",
-            put(handlers::put_file).get(handlers::get_file),
+            put(handlers::put_file::<S>).get(handlers::get_file::<S>),
         )
         .route(
             "/v1/images/{name}",
-            post(handlers::import_image)
-                .delete(handlers::delete_image)
-                .get(handlers::get_image),
+            post(handlers::import_image::<S>)
+                .delete(handlers::delete_image::<S>)
+                .get(handlers::get_image::<S>),
         )
         // File and image bodies stream; their own maxima are enforced while
         // streaming, not by buffering.
@@ -56,24 +57,33 @@ pub fn router(state: AppState) -> Router {
     let api = Router::new()
         .route(
             "/v1/runs",
-            post(handlers::create_run).get(handlers::list_runs),
+            post(handlers::create_run::<S>).get(handlers::list_runs::<S>),
         )
         .route(
             "/v1/runs/{id}",
-            get(handlers::get_run).delete(handlers::delete_run),
+            get(handlers::get_run::<S>).delete(handlers::delete_run::<S>),
         )
-        .route("/v1/runs/{id}/renew", post(handlers::renew_run))
-        .route("/v1/runs/{id}/exec", post(handlers::exec))
-        .route("/v1/runs/{id}/lease", post(handlers::acquire_lease))
-        .route("/v1/runs/{id}/lease/renew", post(handlers::renew_lease))
-        .route("/v1/runs/{id}/lease/release", post(handlers::release_lease))
-        .route("/v1/images", get(handlers::list_images))
-        .route("/v1/images/pull", post(handlers::pull_image))
+        .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
+        .route("/v1/runs/{id}/exec", post(handlers::exec::<S>))
+        .route("/v1/runs/{id}/lease", post(handlers::acquire_lease::<S>))
+        .route(
+            "/v1/runs/{id}/lease/renew",
+            post(handlers::renew_lease::<S>),
+        )
+        .route(
+            "/v1/runs/{id}/lease/release",
+            post(handlers::release_lease::<S>),
+        )
+        .route("/v1/images", get(handlers::list_images::<S>))
+        .route("/v1/images/pull", post(handlers::pull_image::<S>))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_token::<S>,
+        ));
     Router::new()
-        .route("/health", get(handlers::health))
+        .route("/health", get(handlers::health::<S>))
         .merge(api)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such route; see docs/api.md") })
         .method_not_allowed_fallback(|| async {
@@ -82,7 +92,10 @@ pub fn router(state: AppState) -> Router {
                 "this route does not take that method; see docs/api.md",
             )
         })
-        .layer(middleware::from_fn_with_state(state.clone(), audit_calls))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            audit_calls::<S>,
+        ))
         .layer(TraceLayer::new_for_http())
         .with_state(state)
 }
@@ -91,7 +104,11 @@ pub fn router(state: AppState) -> Router {
 /// in the audit log once it is answered: method, path without the query
 /// string, status and the run concerned. Never a body, a header or a query
 /// (they may hold credentials).
-async fn audit_calls(State(state): State<AppState>, request: Request, next: Next) -> Response {
+async fn audit_calls<S: RunService>(
+    State(state): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
     use axum::http::Method;
     let Some(audit) = state.audit.clone() else {
         return next.run(request).await;
@@ -120,7 +137,11 @@ async fn audit_calls(State(state): State<AppState>, request: Request, next: Next
     response
 }
 
-async fn require_token(State(state): State<AppState>, request: Request, next: Next) -> Response {
+async fn require_token<S: RunService>(
+    State(state): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let presented = request
         .headers()
         .get(AUTHORIZATION)

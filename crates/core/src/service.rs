@@ -1,0 +1,198 @@
+//! The one interface every API surface calls: [`RunService`].
+//!
+//! The HTTP server is generic over it, so its router is tested against a
+//! stub without a runtime, and a second surface (an E2B-compatible control
+//! plane, an MCP server) can be mounted over the same service without
+//! reaching into the core past it. [`Manager`] (behind an `Arc`) is the real
+//! implementation; its methods document the cancellation rules, which every
+//! implementation must keep.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use runbox_types::{
+    CreateRunRequest, ExecRequest, Image, LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest,
+    PullEvent, PullRequest, Run,
+};
+use tokio::sync::mpsc;
+use ulid::Ulid;
+
+use crate::error::CoreError;
+use crate::lease::Lease;
+use crate::runs::{ExecEvent, FileDownload, Manager};
+
+/// The events of one exec, ending with exactly one [`ExecEvent::Exit`].
+pub type ExecStream = BoxStream<'static, ExecEvent>;
+
+/// An upload body as the service takes it.
+pub type UploadStream = BoxStream<'static, Result<Bytes, std::io::Error>>;
+
+/// A lease credential: owner and generation.
+pub type LeaseCredential = Option<(String, u64)>;
+
+/// Everything an API surface can ask of runbox. Cheap to clone (a handle).
+pub trait RunService: Clone + Send + Sync + 'static {
+    /// This node's id, shown as `server` on responses.
+    fn server_id(&self) -> &str;
+    /// Creates a run and waits until it can be used.
+    fn create(&self, req: CreateRunRequest) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Every run the API shows, ordered by id.
+    fn list(&self) -> Vec<Run>;
+    /// One run.
+    fn get(&self, id: Ulid) -> Result<Run, CoreError>;
+    /// Destroys a run.
+    fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// Sets a run's expiry to now + `ttl_sec`.
+    fn renew(&self, id: Ulid, ttl_sec: u64) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Grants a run's writable lease.
+    fn acquire_lease(
+        &self,
+        id: Ulid,
+        req: LeaseRequest,
+    ) -> impl Future<Output = Result<Lease, CoreError>> + Send;
+    /// Extends a lease.
+    fn renew_lease(
+        &self,
+        id: Ulid,
+        req: LeaseRenewRequest,
+    ) -> impl Future<Output = Result<Lease, CoreError>> + Send;
+    /// Releases a lease.
+    fn release_lease(
+        &self,
+        id: Ulid,
+        req: LeaseReleaseRequest,
+    ) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// Starts a command; the stream carries its output and exit.
+    fn exec(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> impl Future<Output = Result<ExecStream, CoreError>> + Send;
+    /// Writes a file below `/work`; returns the bytes written.
+    fn put_file(
+        &self,
+        id: Ulid,
+        path: String,
+        credential: LeaseCredential,
+        content_length: Option<u64>,
+        body: UploadStream,
+    ) -> impl Future<Output = Result<u64, CoreError>> + Send;
+    /// Reads a file below `/work`.
+    fn get_file(
+        &self,
+        id: Ulid,
+        path: String,
+    ) -> impl Future<Output = Result<FileDownload, CoreError>> + Send;
+    /// Imports an image from a tar stream (read on a blocking thread).
+    fn import_image(
+        &self,
+        name: String,
+        reader: Box<dyn std::io::Read + Send>,
+    ) -> impl Future<Output = Result<Image, CoreError>> + Send;
+    /// The checks of a pull that can fail before anything is fetched.
+    fn check_pull(&self, req: &PullRequest) -> Result<(), CoreError>;
+    /// Pulls an image, reporting progress to `progress`.
+    fn pull_image(
+        &self,
+        req: PullRequest,
+        progress: mpsc::UnboundedSender<PullEvent>,
+    ) -> impl Future<Output = Result<Image, CoreError>> + Send;
+    /// Every image.
+    fn list_images(&self) -> Result<Vec<Image>, CoreError>;
+    /// One image, with its config document.
+    fn get_image(&self, name: &str) -> Result<Image, CoreError>;
+    /// Removes an image no run uses.
+    fn delete_image(&self, name: String) -> impl Future<Output = Result<(), CoreError>> + Send;
+}
+
+impl RunService for Arc<Manager> {
+    fn server_id(&self) -> &str {
+        &self.config().server_id
+    }
+
+    async fn create(&self, req: CreateRunRequest) -> Result<Run, CoreError> {
+        Manager::create(self, req).await
+    }
+
+    fn list(&self) -> Vec<Run> {
+        Manager::list(self)
+    }
+
+    fn get(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::get(self, id)
+    }
+
+    async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
+        Manager::delete(self, id).await
+    }
+
+    async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {
+        Manager::renew(self, id, ttl_sec).await
+    }
+
+    async fn acquire_lease(&self, id: Ulid, req: LeaseRequest) -> Result<Lease, CoreError> {
+        Manager::acquire_lease(self, id, req).await
+    }
+
+    async fn renew_lease(&self, id: Ulid, req: LeaseRenewRequest) -> Result<Lease, CoreError> {
+        Manager::renew_lease(self, id, req).await
+    }
+
+    async fn release_lease(&self, id: Ulid, req: LeaseReleaseRequest) -> Result<(), CoreError> {
+        Manager::release_lease(self, id, req).await
+    }
+
+    async fn exec(&self, id: Ulid, req: ExecRequest) -> Result<ExecStream, CoreError> {
+        use futures::StreamExt;
+        Ok(Manager::exec(self, id, req).await?.boxed())
+    }
+
+    async fn put_file(
+        &self,
+        id: Ulid,
+        path: String,
+        credential: LeaseCredential,
+        content_length: Option<u64>,
+        body: UploadStream,
+    ) -> Result<u64, CoreError> {
+        Manager::put_file(self, id, &path, credential, content_length, body).await
+    }
+
+    async fn get_file(&self, id: Ulid, path: String) -> Result<FileDownload, CoreError> {
+        Manager::get_file(self, id, &path).await
+    }
+
+    async fn import_image(
+        &self,
+        name: String,
+        reader: Box<dyn std::io::Read + Send>,
+    ) -> Result<Image, CoreError> {
+        Manager::import_image(self, name, reader).await
+    }
+
+    fn check_pull(&self, req: &PullRequest) -> Result<(), CoreError> {
+        Manager::check_pull(self, req).map(|_| ())
+    }
+
+    async fn pull_image(
+        &self,
+        req: PullRequest,
+        progress: mpsc::UnboundedSender<PullEvent>,
+    ) -> Result<Image, CoreError> {
+        Manager::pull_image(self, req, progress).await
+    }
+
+    fn list_images(&self) -> Result<Vec<Image>, CoreError> {
+        Manager::list_images(self)
+    }
+
+    fn get_image(&self, name: &str) -> Result<Image, CoreError> {
+        Manager::get_image(self, name)
+    }
+
+    async fn delete_image(&self, name: String) -> Result<(), CoreError> {
+        Manager::delete_image(self, name).await
+    }
+}

@@ -1,0 +1,440 @@
+//! Router tests: the real router over a stub service, no socket and no
+//! runtime. They pin what the HTTP layer itself decides: authentication,
+//! the error shape of every rejection, status codes, the SSE encoding of an
+//! exec, and that a 5xx never shows its detail.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use runbox_core::backend::BackendError;
+use runbox_core::lease::Lease;
+use runbox_core::runs::{ExecEvent, FileDownload};
+use runbox_core::service::{ExecStream, LeaseCredential, UploadStream};
+use runbox_core::{CoreError, RunService};
+use runbox_types::{
+    CreateRunRequest, ExecRequest, ExitEvent, ExitReason, Image, LeaseReleaseRequest,
+    LeaseRenewRequest, LeaseRequest, Limits, NetworkTier, PullEvent, PullRequest, Run, RunStatus,
+};
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+use ulid::Ulid;
+
+const TOKEN: &str = "secret-token";
+const KNOWN: &str = "01JABCDEFGHJKMNPQRSTVWXYZ0";
+
+/// A service that knows one run, [`KNOWN`], and fails in telling ways.
+#[derive(Clone)]
+struct Stub;
+
+fn known() -> Ulid {
+    Ulid::from_string(KNOWN).unwrap()
+}
+
+fn run() -> Run {
+    let now = time::OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+    Run {
+        id: known(),
+        server: "node".into(),
+        image: "base".into(),
+        network: NetworkTier::None,
+        limits: Limits {
+            cpus: 1.0,
+            memory_mb: 1024,
+            pids: 256,
+        },
+        runtime: "runc".into(),
+        created_at: now,
+        expires_at: now,
+        status: RunStatus::Running,
+        lease: None,
+        egress_allow: Vec::new(),
+        secrets: Vec::new(),
+        egress: None,
+        failure: None,
+    }
+}
+
+fn found(id: Ulid) -> Result<(), CoreError> {
+    if id == known() {
+        Ok(())
+    } else {
+        Err(CoreError::RunNotFound(id))
+    }
+}
+
+impl RunService for Stub {
+    fn server_id(&self) -> &str {
+        "node"
+    }
+    async fn create(&self, req: CreateRunRequest) -> Result<Run, CoreError> {
+        match req.image.as_str() {
+            "boom" => Err(CoreError::Backend(BackendError::Failed(
+                "runc said /secret/host/path".into(),
+            ))),
+            _ => Ok(run()),
+        }
+    }
+    fn list(&self) -> Vec<Run> {
+        vec![run()]
+    }
+    fn get(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id).map(|()| run())
+    }
+    async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
+        found(id)
+    }
+    async fn renew(&self, id: Ulid, _ttl_sec: u64) -> Result<Run, CoreError> {
+        found(id).map(|()| run())
+    }
+    async fn acquire_lease(&self, id: Ulid, _req: LeaseRequest) -> Result<Lease, CoreError> {
+        found(id)?;
+        Err(CoreError::RunFailed(id, "its init exited".into()))
+    }
+    async fn renew_lease(&self, id: Ulid, _req: LeaseRenewRequest) -> Result<Lease, CoreError> {
+        Err(CoreError::RunNotFound(id))
+    }
+    async fn release_lease(&self, id: Ulid, _req: LeaseReleaseRequest) -> Result<(), CoreError> {
+        found(id)
+    }
+    async fn exec(&self, id: Ulid, _req: ExecRequest) -> Result<ExecStream, CoreError> {
+        found(id)?;
+        let events = vec![
+            ExecEvent::Started(7),
+            ExecEvent::Stdout("hi\n".into()),
+            ExecEvent::Exit(ExitEvent {
+                exit_code: 0,
+                timed_out: false,
+                signal: None,
+                reason: ExitReason::Exited,
+            }),
+        ];
+        Ok(futures::stream::iter(events).boxed())
+    }
+    async fn put_file(
+        &self,
+        id: Ulid,
+        _path: String,
+        _credential: LeaseCredential,
+        _content_length: Option<u64>,
+        mut body: UploadStream,
+    ) -> Result<u64, CoreError> {
+        found(id)?;
+        let mut total = 0;
+        while let Some(piece) = body.next().await {
+            total += piece.map_err(CoreError::io("reading the body"))?.len() as u64;
+        }
+        Ok(total)
+    }
+    async fn get_file(&self, id: Ulid, _path: String) -> Result<FileDownload, CoreError> {
+        found(id)?;
+        Ok(FileDownload {
+            size: 3,
+            body: futures::stream::iter([Ok(bytes::Bytes::from_static(b"abc"))]).boxed(),
+        })
+    }
+    async fn import_image(
+        &self,
+        name: String,
+        _reader: Box<dyn std::io::Read + Send>,
+    ) -> Result<Image, CoreError> {
+        Err(CoreError::ImageNotFound(name))
+    }
+    fn check_pull(&self, _req: &PullRequest) -> Result<(), CoreError> {
+        Ok(())
+    }
+    async fn pull_image(
+        &self,
+        req: PullRequest,
+        _progress: mpsc::UnboundedSender<PullEvent>,
+    ) -> Result<Image, CoreError> {
+        Err(CoreError::ImageNotFound(req.reference))
+    }
+    fn list_images(&self) -> Result<Vec<Image>, CoreError> {
+        Ok(Vec::new())
+    }
+    fn get_image(&self, name: &str) -> Result<Image, CoreError> {
+        Err(CoreError::ImageNotFound(name.to_owned()))
+    }
+    async fn delete_image(&self, name: String) -> Result<(), CoreError> {
+        Err(CoreError::ImageNotFound(name))
+    }
+}
+
+fn app() -> axum::Router {
+    runbox_server::router(runbox_server::AppState {
+        service: Stub,
+        token: Arc::from(TOKEN),
+        audit: None,
+    })
+}
+
+/// Sends one request; returns the status and the body as text.
+async fn call(
+    method: &str,
+    uri: &str,
+    auth: Option<&str>,
+    body: &str,
+    json: bool,
+) -> (StatusCode, String) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if let Some(auth) = auth {
+        req = req.header("authorization", auth);
+    }
+    if json {
+        req = req.header("content-type", "application/json");
+    }
+    let response = app()
+        .oneshot(req.body(Body::from(body.to_owned())).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+async fn authed(method: &str, uri: &str, body: &str) -> (StatusCode, String) {
+    call(
+        method,
+        uri,
+        Some(&format!("Bearer {TOKEN}")),
+        body,
+        !body.is_empty(),
+    )
+    .await
+}
+
+/// The `error.code` of a JSON error body; panics on any other shape.
+fn code(body: &str) -> String {
+    let value: serde_json::Value = serde_json::from_str(body)
+        .unwrap_or_else(|e| panic!("not a JSON error body ({e}): {body}"));
+    let message = value["error"]["message"].as_str().unwrap_or("");
+    assert!(!message.is_empty(), "an error without a message: {body}");
+    value["error"]["code"]
+        .as_str()
+        .expect("error.code")
+        .to_owned()
+}
+
+#[tokio::test]
+async fn health_is_open_and_everything_else_needs_the_token() {
+    let (status, _) = call("GET", "/health", None, "", false).await;
+    assert_eq!(status, StatusCode::OK);
+    let routes = [
+        ("GET", "/v1/runs".to_owned()),
+        ("POST", "/v1/runs".to_owned()),
+        ("GET", format!("/v1/runs/{KNOWN}")),
+        ("DELETE", format!("/v1/runs/{KNOWN}")),
+        ("POST", format!("/v1/runs/{KNOWN}/renew")),
+        ("POST", format!("/v1/runs/{KNOWN}/exec")),
+        ("POST", format!("/v1/runs/{KNOWN}/lease")),
+        ("POST", format!("/v1/runs/{KNOWN}/lease/renew")),
+        ("POST", format!("/v1/runs/{KNOWN}/lease/release")),
+        ("PUT", format!("/v1/runs/{KNOWN}/files/a")),
+        ("GET", format!("/v1/runs/{KNOWN}/files/a")),
+        ("GET", "/v1/images".to_owned()),
+        ("POST", "/v1/images/pull".to_owned()),
+        ("POST", "/v1/images/x".to_owned()),
+        ("GET", "/v1/images/x".to_owned()),
+        ("DELETE", "/v1/images/x".to_owned()),
+    ];
+    for (method, uri) in &routes {
+        for auth in [
+            None,
+            Some("Bearer wrong"),
+            Some(TOKEN),
+            Some("Basic c2VjcmV0"),
+        ] {
+            let (status, body) = call(method, uri, auth, "", false).await;
+            assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {uri} {auth:?}");
+            assert_eq!(code(&body), "unauthorized");
+        }
+    }
+    // The scheme name is case-insensitive.
+    let (status, _) = call(
+        "GET",
+        "/v1/runs",
+        Some(&format!("bearer {TOKEN}")),
+        "",
+        false,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn every_rejection_has_the_json_error_shape() {
+    let cases: &[(&str, String, &str, u16, &str)] = &[
+        (
+            "GET",
+            "/v1/runs/not-a-ulid".into(),
+            "",
+            404,
+            "run_not_found",
+        ),
+        (
+            "GET",
+            format!("/v1/runs/{}", Ulid::new()),
+            "",
+            404,
+            "run_not_found",
+        ),
+        ("POST", "/v1/runs".into(), "{", 400, "bad_request"),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"image":"base","colour":"red"}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"image":7}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/renew"),
+            r#"{}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/exec"),
+            r#"{"cmd":"ls"}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/lease"),
+            r#"{"owner":"a"}"#,
+            409,
+            "run_failed",
+        ),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/lease/renew"),
+            r#"{"owner":"a","generation":1}"#,
+            404,
+            "run_not_found",
+        ),
+        ("GET", "/v1/images/%FF".into(), "", 400, "bad_request"),
+        ("DELETE", "/v1/images/%FF".into(), "", 400, "bad_request"),
+        ("GET", "/v1/images/base".into(), "", 404, "image_not_found"),
+        (
+            "GET",
+            format!("/v1/runs/{KNOWN}/files/%FF%FE"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "PUT",
+            format!("/v1/runs/{KNOWN}/files/a?colour=red"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "PUT",
+            format!("/v1/runs/{KNOWN}/files/a?owner=a&owner=b&generation=1"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "PUT",
+            format!("/v1/runs/{KNOWN}/files/a?owner=a"),
+            "",
+            400,
+            "bad_generation",
+        ),
+        (
+            "PUT",
+            format!("/v1/runs/{KNOWN}/files/a?owner=a&generation=x"),
+            "",
+            400,
+            "bad_generation",
+        ),
+        ("GET", "/v1/nowhere".into(), "", 404, "not_found"),
+        ("PATCH", "/v1/runs".into(), "", 405, "method_not_allowed"),
+        (
+            "PUT",
+            "/v1/images/base".into(),
+            "",
+            405,
+            "method_not_allowed",
+        ),
+    ];
+    for (method, uri, body, status, want) in cases {
+        let (got, text) = authed(method, uri, body).await;
+        assert_eq!(got.as_u16(), *status, "{method} {uri}: {text}");
+        assert_eq!(code(&text), *want, "{method} {uri}");
+    }
+    // A JSON body without its content type says what to send.
+    let (status, text) = call(
+        "POST",
+        "/v1/runs",
+        Some(&format!("Bearer {TOKEN}")),
+        r#"{"image":"base"}"#,
+        false,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(text.contains("Content-Type: application/json"), "{text}");
+    // An oversized JSON body is a 413, not a parse error.
+    let big = format!(r#"{{"image":"{}"}}"#, "x".repeat(2 << 20));
+    let (status, text) = authed("POST", "/v1/runs", &big).await;
+    assert_eq!((status.as_u16(), code(&text).as_str()), (413, "too_large"));
+}
+
+#[tokio::test]
+async fn a_server_fault_never_shows_its_detail() {
+    let (status, text) = authed("POST", "/v1/runs", r#"{"image":"boom"}"#).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(code(&text), "internal");
+    assert!(!text.contains("/secret/host/path"), "{text}");
+}
+
+#[tokio::test]
+async fn answers_have_their_documented_status_and_shape() {
+    let (status, text) = authed("POST", "/v1/runs", r#"{"image":"base"}"#).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let created: Run = serde_json::from_str(&text).unwrap();
+    assert_eq!(created.id, known());
+    let (status, _) = authed("DELETE", &format!("/v1/runs/{KNOWN}"), "").await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, text) = authed("GET", "/v1/runs", "").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(text.contains(r#""server":"node""#), "{text}");
+    let (status, text) = authed("GET", &format!("/v1/runs/{KNOWN}/files/a"), "").await;
+    assert_eq!((status, text.as_str()), (StatusCode::OK, "abc"));
+    let (status, _) = authed(
+        "PUT",
+        &format!("/v1/runs/{KNOWN}/files/a?owner=a&generation=2"),
+        "data",
+    )
+    .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    // An exec is an SSE stream: started, output (base64), exit.
+    let (status, text) = authed(
+        "POST",
+        &format!("/v1/runs/{KNOWN}/exec"),
+        r#"{"cmd":["true"]}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let events: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: "))
+        .collect();
+    assert_eq!(events, ["started", "stdout", "exit"], "{text}");
+    assert!(text.contains("data: aGkK"), "{text}");
+    assert!(text.contains(r#""reason":"exited""#), "{text}");
+}
