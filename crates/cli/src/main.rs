@@ -1,7 +1,8 @@
 //! `runbox`: one binary for the daemon and its client.
 //!
-//! `runbox serve` runs the daemon (module `serve`, owned by the server work).
-//! Every other subcommand is a thin client over `runbox-client`: it parses
+//! `runbox serve` runs the daemon (module `serve`; only with the default
+//! `daemon` feature, which the client verbs do not need, so a build without
+//! it drives a remote daemon from any Unix). Every other subcommand is a thin client over `runbox-client`: it parses
 //! arguments, makes one or a few API calls, and prints the result for humans
 //! (or as JSON with `--json`).
 //!
@@ -19,11 +20,13 @@
 mod args;
 mod connect;
 mod cp;
+#[cfg(feature = "daemon")]
 mod egress;
 mod exec;
 mod image;
 mod lease;
 mod runs;
+#[cfg(feature = "daemon")]
 mod serve;
 mod table;
 
@@ -52,6 +55,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the daemon
+    #[cfg(feature = "daemon")]
     Serve(serve::ServeArgs),
     /// Create runs
     #[command(subcommand)]
@@ -78,7 +82,10 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    #[cfg(feature = "daemon")]
     let serving = matches!(cli.command, Command::Serve(_));
+    #[cfg(not(feature = "daemon"))]
+    let serving = false;
     init_logging(if serving { "info" } else { "warn" });
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -109,6 +116,7 @@ fn main() -> ExitCode {
 
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
+        #[cfg(feature = "daemon")]
         Command::Serve(args) => serve::run(args).await.map(|()| ExitCode::SUCCESS),
         Command::Run(command) => runs::run_command(command).await,
         Command::Exec(args) => exec::run(args).await,
@@ -146,6 +154,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "daemon")]
     fn state_dir_works_on_serve_and_on_client_subcommands() {
         let cli = Cli::try_parse_from(["runbox", "serve", "--state-dir", "/tmp/a"]).unwrap();
         assert!(

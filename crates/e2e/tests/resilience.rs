@@ -315,3 +315,49 @@ async fn late_renewals_never_bring_a_deleted_run_back() {
     let err = daemon.client.get_run(&id).await.unwrap_err();
     assert!(matches!(err, ClientError::Api { status: 404, .. }), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_concurrent_creates_all_succeed_and_all_go() {
+    let daemon = TestDaemon::start(None).await;
+    let state = daemon.state.path().to_owned();
+    let creates: Vec<_> = (0..30)
+        .map(|_| {
+            let client = daemon.client.clone();
+            tokio::spawn(async move {
+                client
+                    .create_run(&CreateRunRequest {
+                        image: "base".into(),
+                        ..Default::default()
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for create in creates {
+        match create.await.unwrap() {
+            Ok(run) => ids.push(run.id.to_string()),
+            Err(e) => panic!(
+                "a concurrent create failed: {e}\ndaemon log:\n{}",
+                daemon.log()
+            ),
+        }
+    }
+    assert_eq!(daemon.client.list_runs().await.unwrap().runs.len(), 30);
+    let deletes: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let client = daemon.client.clone();
+            let id = id.clone();
+            tokio::spawn(async move { client.delete_run(&id).await })
+        })
+        .collect();
+    for delete in deletes {
+        delete.await.unwrap().unwrap();
+    }
+    assert!(run_dirs(&state).is_empty());
+    assert!(mounts_under(&state).is_empty());
+    for id in &ids {
+        assert!(!netns_exists(id) && !cgroup_exists(id), "{id} left behind");
+    }
+}

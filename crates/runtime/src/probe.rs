@@ -80,6 +80,17 @@ impl Runtime {
         self.status(root, cid).await.is_some()
     }
 
+    /// Whether container `cid` may exist, without starting a process where
+    /// the runtime's state layout is known: runc and crun keep each
+    /// container's state in `<root>/<cid>/` (`state.json`, `status`). Other
+    /// runtimes are asked (`state`).
+    pub async fn may_have_container(&self, root: &Path, cid: &str) -> bool {
+        match self.name.as_str() {
+            "runc" | "crun" => root.join(cid).exists(),
+            _ => self.has_container(root, cid).await,
+        }
+    }
+
     /// The ids of every container under `root`.
     pub async fn list(&self, root: &Path) -> Vec<String> {
         let mut cmd = self.command(root, Path::new("/dev/null"));

@@ -56,6 +56,22 @@ pub fn open(run_dir: &Path, id: Ulid) -> io::Result<InitWatch> {
 }
 
 impl InitWatch {
+    /// Sends SIGKILL to the init (and so, as PID 1 of its pid namespace, to
+    /// every process of the run) and waits up to `limit` for it to be gone.
+    /// Returns whether it is. Through the pidfd, so the signal can only
+    /// reach that process, never a later holder of its pid.
+    pub async fn kill(&self, limit: std::time::Duration) -> bool {
+        if rustix::process::pidfd_send_signal(self.fd.get_ref(), rustix::process::Signal::KILL)
+            .is_err()
+        {
+            // ESRCH: already exited. Anything else: let the runtime try.
+            return false;
+        }
+        tokio::time::timeout(limit, self.fd.readable())
+            .await
+            .is_ok()
+    }
+
     /// Waits for the init to exit, then says what is known about why.
     pub async fn exited(self) -> String {
         // Readable means exited; an error from the reactor means the fd is
