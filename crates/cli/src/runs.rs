@@ -41,12 +41,25 @@ impl From<NetworkArg> for NetworkTier {
     }
 }
 
+/// When a create pulls its image.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum PullArg {
+    /// Only when it is not stored
+    IfNotPresent,
+    /// Never: a reference that is not stored fails
+    Never,
+}
+
 /// `runbox run create`.
 #[derive(Debug, Args)]
 pub struct CreateArgs {
-    /// Name of an imported image
+    /// A stored image's name, or a reference such as alpine:3.20 or
+    /// 127.0.0.1:5000/team/app:1 (pulled first if not stored)
     #[arg(long, value_name = "IMAGE")]
     pub image: String,
+    /// When to pull the image [default: if-not-present]
+    #[arg(long, value_enum, value_name = "WHEN")]
+    pub pull: Option<PullArg>,
     /// Time to live in seconds [default: the server's, 30 minutes]
     #[arg(long, value_name = "SECS")]
     pub ttl: Option<u64>,
@@ -90,6 +103,10 @@ impl CreateArgs {
             });
         CreateRunRequest {
             image: self.image.clone(),
+            pull: self.pull.map(|p| match p {
+                PullArg::IfNotPresent => runbox_types::PullPolicy::IfNotPresent,
+                PullArg::Never => runbox_types::PullPolicy::Never,
+            }),
             env: env_map(self.env.clone()),
             ttl_sec: self.ttl,
             network: self.network.map(NetworkTier::from),

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use runbox_types::{ErrorCode, Image, PullEvent, PullRequest};
+use runbox_types::{ErrorCode, Image, PullEvent, PullPolicy, PullRequest};
 use tokio::sync::mpsc;
 
 use crate::error::CoreError;
@@ -13,6 +13,87 @@ use crate::runs::Manager;
 use crate::validate;
 
 impl Manager {
+    /// The local name of the image a create asks for by name or reference,
+    /// pulling it first when it is not stored and `policy` allows.
+    ///
+    /// Cancellation: the pull runs in a task of its own; a client that hangs
+    /// up does not stop it, and the next create finds the image stored.
+    pub(crate) async fn image_for_run(
+        self: &Arc<Self>,
+        wanted: &str,
+        policy: PullPolicy,
+    ) -> Result<String, CoreError> {
+        if policy == PullPolicy::Always {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                "pull \"always\" is not supported yet; use \"if-not-present\" (the default) or \"never\"",
+            ));
+        }
+        let resolve = |wanted: String| {
+            let images = self.images.clone();
+            async move {
+                tokio::task::spawn_blocking(move || images.resolve(&wanted))
+                    .await
+                    .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))?
+            }
+        };
+        if let Some(name) = resolve(wanted.to_owned()).await? {
+            return Ok(name);
+        }
+        let missing = || CoreError::ImageNotFound(wanted.to_owned());
+        // Only what cannot be a local name is pulled on demand: a reference
+        // with a registry, a tag or a digest (`alpine:3.20`, `host/x`,
+        // `x@sha256:…`). A bare word such as `busybox` stays a local name,
+        // so a typo never turns into a request to Docker Hub.
+        let reference_like = wanted.contains([':', '/', '@']);
+        if policy == PullPolicy::Never
+            || !reference_like
+            || runbox_image::pull::normalise(wanted).is_err()
+        {
+            return Err(missing());
+        }
+        let manager = self.clone();
+        let reference = wanted.to_owned();
+        let pulled = tokio::spawn(async move { manager.pull_for_run(reference).await })
+            .await
+            .map_err(|e| CoreError::Store(format!("pull task failed: {e}")))?;
+        match pulled {
+            Ok(name) => Ok(name),
+            // A concurrent create pulled it first, under the same name.
+            Err(CoreError::Conflict { .. }) => {
+                resolve(wanted.to_owned()).await?.ok_or_else(missing)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Pulls `reference` for a create, under its default local name, or
+    /// that name with a suffix from the reference when another image holds
+    /// it.
+    async fn pull_for_run(self: Arc<Self>, reference: String) -> Result<String, CoreError> {
+        let base = crate::images::default_name(&reference);
+        let mut name = base.clone();
+        if self
+            .images
+            .get(&name, &self.config.server_id, false)
+            .is_ok()
+        {
+            use sha2::Digest;
+            let digest = sha2::Sha256::digest(reference.as_bytes());
+            let suffix: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+            let room = 64usize.saturating_sub(suffix.len() + 1);
+            name = format!("{}-{suffix}", &base[..base.len().min(room)]);
+        }
+        tracing::info!(reference = %reference, image = %name, "pulling an image a create asked for");
+        let (progress, _ignored) = mpsc::unbounded_channel();
+        let req = PullRequest {
+            reference,
+            name: Some(name),
+            ..Default::default()
+        };
+        Ok(self.pull_image(req, progress).await?.name)
+    }
+
     /// Imports an image from a tar stream. Blocking work runs on a blocking
     /// thread; `reader` is read there.
     pub async fn import_image(

@@ -155,6 +155,40 @@ impl ImageStore {
         Ok(to_image(self.record(name)?, server, with_config))
     }
 
+    /// The local name of the stored image that `wanted` names: a local name
+    /// of a stored image, else an image reference that a stored (pulled)
+    /// image came from, compared in normalised form (`busybox` and
+    /// `docker.io/library/busybox:latest` are one). `Ok(None)` when nothing
+    /// stored matches; an error when `wanted` is neither a valid name nor a
+    /// valid reference. Blocking.
+    pub fn resolve(&self, wanted: &str) -> Result<Option<String>, CoreError> {
+        let as_name = validate::image_name(wanted);
+        if as_name.is_ok() && self.store.image(wanted).is_ok() {
+            return Ok(Some(wanted.to_owned()));
+        }
+        let normalised = match runbox_image::pull::normalise(wanted) {
+            Ok(n) => n,
+            Err(e) => {
+                // Neither: say both what a name must look like and why it
+                // is no reference either.
+                return Err(match as_name {
+                    Ok(()) => pull_error(e),
+                    Err(name_error) => CoreError::invalid(
+                        ErrorCode::BadImageName,
+                        format!("{name_error}; nor is it an image reference: {e}"),
+                    ),
+                });
+            }
+        };
+        Ok(self
+            .store
+            .images()
+            .map_err(store_error)?
+            .into_iter()
+            .find(|r| r.source == normalised)
+            .map(|r| r.name))
+    }
+
     /// Every image, ordered by name.
     pub fn list(&self, server: &str) -> Result<Vec<Image>, CoreError> {
         Ok(self

@@ -199,3 +199,80 @@ async fn pull_run_and_pull_again_without_transferring_layers() {
     assert!(err.to_string().contains("--insecure-registry"), "{err}");
     assert!(!Path::new(&daemon.state.path().join("images/images/x.json")).exists());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_by_reference_pulls_once_and_then_finds_the_image() {
+    let registry = Registry::start();
+    registry.push(&image_layout(), "team/app:1");
+    let daemon = TestDaemon::start(None).await;
+    let reference = format!("127.0.0.1:{}/team/app:1", registry.port);
+    let create = |image: &str, pull: Option<runbox_types::PullPolicy>| CreateRunRequest {
+        image: image.into(),
+        pull,
+        ..Default::default()
+    };
+
+    // `never` does not pull: not stored is 404.
+    let err = daemon
+        .client
+        .create_run(&create(&reference, Some(runbox_types::PullPolicy::Never)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::ImageNotFound), "{err}");
+    // `always` is not there yet, and says so.
+    let err = daemon
+        .client
+        .create_run(&create(&reference, Some(runbox_types::PullPolicy::Always)))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::BadRequest), "{err}");
+
+    // The default pulls it, and the run is made from it.
+    let run = daemon.create_with(create(&reference, None)).await;
+    assert_eq!(run.image, "app-1");
+    let out = daemon.sh(&run.id.to_string(), "cat data.txt").await;
+    assert_eq!(out.stdout, b"pulled\n");
+    let images = daemon.client.list_images().await.unwrap().images;
+    assert_eq!(images.iter().filter(|i| i.name == "app-1").count(), 1);
+
+    // Stop the registry: the same reference (and `never`) now finds the
+    // stored image without any pull.
+    drop(registry);
+    for pull in [None, Some(runbox_types::PullPolicy::Never)] {
+        let again = daemon.create_with(create(&reference, pull)).await;
+        assert_eq!(again.image, "app-1");
+    }
+    // A reference that cannot parse is a 400 saying why; a bare word is a local name and is never pulled.
+    let err = daemon
+        .client
+        .create_run(&create("127.0.0.1:1/Team/App:1", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::BadImageName), "{err}");
+    assert!(
+        err.to_string().contains("nor is it an image reference"),
+        "{err}"
+    );
+    let err = daemon
+        .client
+        .create_run(&create("nosuchimage", None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::ImageNotFound), "{err}");
+    // A registry that is not there: the pull's error, not a generic one.
+    let gone = format!("127.0.0.1:{}/team/other:1", free_port());
+    let err = daemon
+        .client
+        .create_run(&create(&gone, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::RegistryError), "{err}");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}

@@ -60,6 +60,13 @@ mod manifest;
 mod platform;
 mod reference;
 
+/// The normalised form of an image reference as a user typed it
+/// (`busybox` → `docker.io/library/busybox:latest`), the form a pulled
+/// image records as its source. No I/O.
+pub fn normalise(input: &str) -> Result<String, PullError> {
+    Ok(reference::ImageRef::parse(input)?.normalised())
+}
+
 pub use manifest::Compression;
 pub use platform::{oci_architecture, Platform};
 

@@ -83,8 +83,13 @@ pub struct Limits {
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CreateRunRequest {
-    /// Name of an imported image.
+    /// A stored image's local name, or an image reference as Docker spells
+    /// it (`alpine:3.20`, `127.0.0.1:5000/team/app:1`, `…@sha256:…`),
+    /// pulled first when it is not stored (see `pull`).
     pub image: String,
+    /// When to pull `image` (default `if-not-present`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<PullPolicy>,
     /// Environment given to every exec in the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub env: Option<Env>,
@@ -105,6 +110,19 @@ pub struct CreateRunRequest {
     /// tier). The run sees only placeholders; the proxy injects the values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<String>>,
+}
+
+/// When a create pulls its image from a registry.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PullPolicy {
+    /// Pull only when no stored image has this name or reference.
+    #[default]
+    IfNotPresent,
+    /// Pull every time (not supported yet: answered `400 bad_request`).
+    Always,
+    /// Never pull: a reference that is not stored is `404 image_not_found`.
+    Never,
 }
 
 /// Where a run is in its life.

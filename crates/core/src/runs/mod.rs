@@ -155,12 +155,15 @@ impl Manager {
             req.secrets.as_deref(),
         )?;
         let id = Ulid::new();
+        let image = self
+            .image_for_run(&req.image, req.pull.unwrap_or_default())
+            .await?;
         // Holding the image lock until the run is in the registry means a
         // concurrent image delete either sees this run or runs first.
         let image_guard = self.image_lock.lock().await;
         let (image_layers, image_config) = {
             let images = self.images.clone();
-            let name = req.image.clone();
+            let name = image.clone();
             tokio::task::spawn_blocking(move || {
                 Ok::<_, CoreError>((images.layers(&name)?, images.config(&name)?))
             })
@@ -170,7 +173,7 @@ impl Manager {
         let now = OffsetDateTime::now_utc();
         let record = RunRecord {
             id,
-            image: req.image,
+            image,
             network,
             limits,
             env,
