@@ -589,7 +589,12 @@ async fn raw_request_inner(
         .read_to_end(&mut response)
         .await
         .expect("read response");
-    let text = String::from_utf8_lossy(&response).into_owned();
+    split_response(&String::from_utf8_lossy(&response))
+}
+
+/// The status and body of a raw HTTP/1.1 response; status 0 when there was
+/// no response at all.
+pub fn split_response(text: &str) -> (u16, String) {
     let status = text
         .split_whitespace()
         .nth(1)

@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Sends `method path` with a JSON `body`, waits `after`, then closes the
 /// sending side (the server sees the client go away) and reads whatever
-/// answer had already been sent. Returns the status, 0 for none.
+/// answer had already been sent. Returns the status (0 for none) and body.
 async fn hang_up(
     daemon: &TestDaemon,
     method: &str,
@@ -33,13 +33,7 @@ async fn hang_up(
     stream.shutdown().await.expect("shutdown");
     let mut answer = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut answer)).await;
-    let text = String::from_utf8_lossy(&answer).into_owned();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, text)
+    runbox_e2e::split_response(&String::from_utf8_lossy(&answer))
 }
 
 /// Every run id the daemon's log mentions (the log may be coloured, so ids
@@ -104,8 +98,7 @@ async fn clients_that_hang_up_during_create_or_delete_leave_nothing_behind() {
         match status {
             0 => {}
             201 => {
-                let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-                let run: runbox_types::Run = serde_json::from_str(body).expect("run json");
+                let run: runbox_types::Run = serde_json::from_str(&text).expect("run json");
                 answered.push(run.id.to_string());
             }
             other => panic!(

@@ -274,7 +274,13 @@ impl RunActor {
     /// Moves the run to `Stopping`: nothing new is admitted, in-flight
     /// execs end with `reason`.
     fn stop(&mut self, reason: ExitReason) {
-        self.apply(Event::Stop(reason));
+        self.end(Event::Stop(reason), reason);
+    }
+
+    /// Applies an event that ends the run (stop, failed create) and tells
+    /// in-flight operations why.
+    fn end(&mut self, event: Event, reason: ExitReason) {
+        self.apply(event);
         let _ = self.handle.end_reason.set(reason);
         self.handle.ended.cancel();
         self.publish();
@@ -300,10 +306,7 @@ impl RunActor {
                 if !matches!(e, CoreError::RunNotFound(_)) {
                     tracing::error!(run = %id, error = %error_chain(&e), "creating a run failed");
                 }
-                self.apply(Event::CreateFailed);
-                let _ = self.handle.end_reason.set(ExitReason::RunDeleted);
-                self.handle.ended.cancel();
-                self.publish();
+                self.end(Event::CreateFailed, ExitReason::RunDeleted);
                 let _ = reply.send(Err(e));
             }
         }

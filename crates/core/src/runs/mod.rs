@@ -118,11 +118,6 @@ impl Manager {
         self.registry().remove(&id);
     }
 
-    /// How many runs hold a capacity slot (every phase until gone).
-    pub fn capacity_used(&self) -> usize {
-        self.registry().len()
-    }
-
     /// Creates a run and waits until its agent answers.
     ///
     /// Cancellation: the run is built by its own task. If this future is

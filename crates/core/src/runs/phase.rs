@@ -102,12 +102,6 @@ impl Phase {
     pub fn visible(&self) -> bool {
         matches!(self, Phase::Creating | Phase::Running | Phase::Failed(_))
     }
-
-    /// Whether the run holds a sandbox, and so a capacity slot. Only `Gone`
-    /// does not: a run being destroyed still holds what it is giving back.
-    pub fn holds_capacity(&self) -> bool {
-        !matches!(self, Phase::Gone)
-    }
 }
 
 /// The lifecycle: the phase `event` moves a run in phase `from` to.
@@ -163,11 +157,11 @@ mod tests {
     fn a_failed_run_is_kept_until_stopped() {
         let failed = transition(&Phase::Running, Event::Died("oom".into())).unwrap();
         assert_eq!(failed, Phase::Failed("oom".into()));
-        assert!(failed.visible() && failed.holds_capacity());
+        assert!(failed.visible());
         assert!(transition(&failed, Event::Started).is_err());
         assert!(transition(&failed, Event::Died("again".into())).is_err());
         let stopping = transition(&failed, Event::Stop(ExitReason::RunExpired)).unwrap();
-        assert!(!stopping.visible() && stopping.holds_capacity());
+        assert!(!stopping.visible());
     }
 
     #[test]
@@ -183,7 +177,7 @@ mod tests {
         /// Over any sequence of events: a refused event leaves the phase as
         /// it was (the caller keeps it), nothing leaves `Gone`, a run stops
         /// being visible exactly when it starts stopping and never becomes
-        /// visible again, and only `Gone` gives back capacity.
+        /// visible again.
         #[test]
         fn phases_only_move_forward(events in proptest::collection::vec(event(), 0..40)) {
             let mut phase = Phase::Creating;
@@ -201,7 +195,6 @@ mod tests {
                     prop_assert!(!phase.visible());
                 }
                 was_hidden |= !phase.visible();
-                prop_assert_eq!(phase.holds_capacity(), phase != Phase::Gone);
                 prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Failed(_)));
             }
         }
