@@ -74,6 +74,9 @@ impl RunService for Stub {
             "boom" => Err(CoreError::Backend(BackendError::Failed(
                 "runc said /secret/host/path".into(),
             ))),
+            "unsupported" => Err(CoreError::Backend(BackendError::Unsupported(
+                "nft is not installed; install nftables".into(),
+            ))),
             _ => Ok(run()),
         }
     }
@@ -400,6 +403,14 @@ async fn a_server_fault_never_shows_its_detail() {
     assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(code(&text), "internal");
     assert!(!text.contains("/secret/host/path"), "{text}");
+}
+
+#[tokio::test]
+async fn a_backend_refusal_says_why() {
+    let (status, text) = authed("POST", "/v1/runs", r#"{"image":"unsupported"}"#).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(code(&text), "network_unsupported");
+    assert!(text.contains("install nftables"), "{text}");
 }
 
 #[tokio::test]
