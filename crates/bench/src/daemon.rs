@@ -70,6 +70,9 @@ impl Daemon {
             .arg(agent)
             .arg("--runtime")
             .arg(runtime)
+            // Runs get disk limits in a store of the daemon's own, as
+            // `scripts/setup` starts it (sparse: only what runs write counts).
+            .args(["--storage-gb", "8"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -72,6 +72,10 @@ pub struct CreateArgs {
     /// Maximum number of processes and threads
     #[arg(long, value_name = "N")]
     pub pids: Option<u64>,
+    /// Disk limit for what the run writes: MiB, or with a unit (`512M`,
+    /// `20G`) [default: the server's, 10 GiB]
+    #[arg(long, value_name = "SIZE", value_parser = parse_disk_mb)]
+    pub disk: Option<u64>,
     /// Environment variable for every command in the run (repeatable)
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env_var)]
     pub env: Vec<EnvVar>,
@@ -95,12 +99,16 @@ pub struct CreateArgs {
 
 impl CreateArgs {
     fn request(&self) -> CreateRunRequest {
-        let limits = (self.cpus.is_some() || self.memory.is_some() || self.pids.is_some())
-            .then_some(LimitsRequest {
-                cpus: self.cpus,
-                memory_mb: self.memory,
-                pids: self.pids,
-            });
+        let asked = self.cpus.is_some()
+            || self.memory.is_some()
+            || self.pids.is_some()
+            || self.disk.is_some();
+        let limits = asked.then_some(LimitsRequest {
+            cpus: self.cpus,
+            memory_mb: self.memory,
+            pids: self.pids,
+            disk_mb: self.disk,
+        });
         CreateRunRequest {
             image: self.image.clone(),
             pull: self.pull.map(|p| match p {
@@ -114,6 +122,55 @@ impl CreateArgs {
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
             secrets: (!self.secrets.is_empty()).then(|| self.secrets.clone()),
         }
+    }
+}
+
+/// Parses `--disk`: a number of MiB, or a number with a binary unit
+/// (`M`/`MiB`, `G`/`GiB`, `T`/`TiB`; case does not matter).
+fn parse_disk_mb(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size: write MiB (512) or a unit (512M, 20G)"))?;
+    let factor = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "m" | "mb" | "mib" => 1,
+        "g" | "gb" | "gib" => 1024,
+        "t" | "tb" | "tib" => 1024 * 1024,
+        other => return Err(format!("unknown size unit {other:?}: use M, G or T")),
+    };
+    n.checked_mul(factor)
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// A byte count as people read it (binary units).
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 || value >= 10.0 {
+        format!("{value:.0} {}", UNITS[unit])
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
+/// The DISK column: used of limit, either side `-` when unknown.
+fn disk_cell(run: &Run) -> String {
+    let used = run.disk_used_bytes.map(human_bytes);
+    let limit = run.limits.disk_mb.map(|mb| human_bytes(mb << 20));
+    match (used, limit) {
+        (None, None) => "-".to_owned(),
+        (used, limit) => format!(
+            "{}/{}",
+            used.unwrap_or_else(|| "-".into()),
+            limit.unwrap_or_else(|| "unlimited".into())
+        ),
     }
 }
 
@@ -200,6 +257,7 @@ fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
                 run.network.as_str().to_owned(),
                 run.limits.cpus.to_string(),
                 format!("{} MiB", run.limits.memory_mb),
+                disk_cell(run),
                 table::until(run.expires_at, now),
                 match &run.lease {
                     Some(lease) => format!("{} (gen {})", lease.holder, lease.generation),
@@ -210,7 +268,7 @@ fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
         .collect();
     table::render(
         &[
-            "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "EXPIRES", "LEASE",
+            "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "DISK", "EXPIRES", "LEASE",
         ],
         &rows,
     )
@@ -320,6 +378,19 @@ mod tests {
     }
 
     #[test]
+    fn disk_sizes_take_mib_or_a_unit() {
+        assert_eq!(parse_disk_mb("512"), Ok(512));
+        assert_eq!(parse_disk_mb("512M"), Ok(512));
+        assert_eq!(parse_disk_mb("20G"), Ok(20 * 1024));
+        assert_eq!(parse_disk_mb("1tib"), Ok(1024 * 1024));
+        for bad in ["", "G", "1.5G", "10P", "-1", "99999999999999999999T"] {
+            assert!(parse_disk_mb(bad).is_err(), "{bad:?}");
+        }
+        let req = create_args(&["--image", "base", "--disk", "2G"]).request();
+        assert_eq!(req.limits.unwrap().disk_mb, Some(2048));
+    }
+
+    #[test]
     fn create_refuses_env_without_equals_sign() {
         let argv = ["run", "create", "--image", "base", "--env", "A"];
         let err = Wrap::try_parse_from(argv).unwrap_err().to_string();
@@ -338,6 +409,7 @@ mod tests {
                 cpus: 0.5,
                 memory_mb: 1024,
                 pids: 256,
+                disk_mb: Some(10240),
             },
             runtime: "runc".to_owned(),
             created_at: now,
@@ -352,6 +424,7 @@ mod tests {
             secrets: Vec::new(),
             egress: None,
             failure: None,
+            disk_used_bytes: Some(3 << 20),
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();
@@ -364,6 +437,7 @@ mod tests {
             "none",
             "0.5",
             "1024 MiB",
+            "3.0 MiB/10 GiB",
             "in 30m00s",
             "alice (gen 4)",
         ] {

@@ -17,6 +17,9 @@ use runbox_core::{Backend, Config, Manager};
 use runbox_runtime::OciBackend;
 use tokio_util::sync::CancellationToken;
 
+/// The run store's image under the state directory (`--storage-gb`).
+const STORAGE_IMAGE: &str = "storage.img";
+
 /// How long open connections get to finish after SIGINT or SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -55,6 +58,20 @@ pub struct ServeArgs {
     /// Most processes one run may ask for.
     #[arg(long, default_value_t = 32768)]
     pub max_pids: u64,
+    /// Most disk (MiB) one run may ask for; runs get 10 GiB (or this, if
+    /// lower) when they ask for nothing.
+    #[arg(long, default_value_t = 256 * 1024, conflicts_with = "no_disk_limits")]
+    pub max_disk_mb: u64,
+    /// Run without disk limits: runs may fill the filesystem holding the
+    /// state directory. Only for storage that cannot enforce limits.
+    #[arg(long)]
+    pub no_disk_limits: bool,
+    /// Keep runs' files in a btrfs image of this many GiB under the state
+    /// directory (`storage.img`, sparse, made and loop-mounted on first
+    /// start), so disk limits work whatever filesystem the host has.
+    #[arg(long, env = "RUNBOX_STORAGE_GB", value_name = "GB",
+          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub storage_gb: Option<u64>,
     /// Longest TTL (seconds) a run may ask for.
     #[arg(long, default_value_t = 86400)]
     pub max_ttl: u64,
@@ -120,9 +137,31 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = runbox_runtime::select(args.runtime.as_deref(), &state_dir, &agent).await?;
     tracing::info!(runtime = %runtime.path.display(), agent = %agent.display(), "using runtime");
     let options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
+    if let Some(gb) = args.storage_gb {
+        let (image, runs) = (state_dir.join(STORAGE_IMAGE), state_dir.join("runs"));
+        tokio::task::spawn_blocking(move || {
+            runbox_runtime::storage::provision_loop(&image, gb << 30, &runs)
+        })
+        .await?
+        .map_err(anyhow::Error::msg)
+        .context("preparing the run store (--storage-gb)")?;
+    }
     let oci = OciBackend::with_options(runtime, state_dir.clone(), agent, options)?;
     if let Some(why) = oci.open_unsupported() {
         tracing::warn!(reason = %why, "the open network tier is not available on this host; such runs are refused");
+    }
+    let storage = oci.storage();
+    match (storage.limits_unsupported(), args.no_disk_limits) {
+        (None, _) => tracing::info!(storage = storage.describe(), "run storage"),
+        (Some(_), true) => tracing::warn!(
+            storage = storage.describe(),
+            "disk limits are off (--no-disk-limits): a run can fill the disk holding the state directory"
+        ),
+        (Some(why), false) => tracing::warn!(
+            storage = storage.describe(),
+            reason = %why,
+            "runs cannot get disk limits here, so creates are refused"
+        ),
     }
     let backend: Arc<dyn Backend> = Arc::new(oci);
 
@@ -132,12 +171,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         cpus: args.max_cpus,
         memory_mb: args.max_memory_mb,
         pids: args.max_pids,
+        disk_mb: (!args.no_disk_limits).then_some(args.max_disk_mb),
     };
     // Defaults never exceed the maxima, so a create without limits always fits.
     config.default_limits = runbox_types::Limits {
         cpus: config.default_limits.cpus.min(args.max_cpus),
         memory_mb: config.default_limits.memory_mb.min(args.max_memory_mb),
         pids: config.default_limits.pids.min(args.max_pids),
+        disk_mb: config
+            .default_limits
+            .disk_mb
+            .zip(config.max_limits.disk_mb)
+            .map(|(d, m)| d.min(m)),
     };
     config.max_ttl = Duration::from_secs(args.max_ttl);
     config.default_ttl = config.default_ttl.min(config.max_ttl);
@@ -340,6 +385,11 @@ async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
     }
     let swept = backend.sweep(&std::collections::HashSet::new()).await?;
     ids.extend(swept);
+    // The store goes last: every run's files were in it.
+    if state_dir.join(STORAGE_IMAGE).exists() {
+        runbox_runtime::storage::release_loop(&state_dir.join("runs"))
+            .map_err(anyhow::Error::msg)?;
+    }
     println!("destroyed {} run(s)", ids.len());
     Ok(())
 }

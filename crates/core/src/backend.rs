@@ -114,6 +114,19 @@ pub trait Backend: Send + Sync + 'static {
         }
     }
 
+    /// Whether runs can be given a disk limit (`limits.diskMb`); if not,
+    /// why, saying what the operator would have to change. A backend never
+    /// creates a run without the limit it was asked for.
+    fn check_disk(&self) -> Result<(), String> {
+        Err("this backend cannot limit a run's disk".into())
+    }
+
+    /// Bytes run `id` has written to its own disk, where that is counted.
+    fn disk_used(&self, id: Ulid) -> Option<u64> {
+        let _ = id;
+        None
+    }
+
     /// Creates and starts a sandbox whose agent is serving (or about to) on
     /// the returned socket. On error nothing of the sandbox is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError>;

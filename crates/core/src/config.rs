@@ -42,11 +42,13 @@ impl Config {
                 cpus: 1.0,
                 memory_mb: 1024,
                 pids: 256,
+                disk_mb: Some(10 * 1024),
             },
             max_limits: Limits {
                 cpus: 16.0,
                 memory_mb: 64 * 1024,
                 pids: 32768,
+                disk_mb: Some(1024 * 1024),
             },
             default_ttl: Duration::from_secs(30 * 60),
             max_ttl: Duration::from_secs(24 * 60 * 60),

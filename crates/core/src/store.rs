@@ -79,6 +79,7 @@ impl RunRecord {
             failure: (self.status == RunStatus::Failed)
                 .then(|| self.failure.clone())
                 .flatten(),
+            disk_used_bytes: None,
         }
     }
 }
@@ -183,6 +184,7 @@ mod tests {
                 cpus: 1.0,
                 memory_mb: 1024,
                 pids: 256,
+                disk_mb: Some(64),
             },
             env: Env::default(),
             created_at: now,

@@ -160,6 +160,10 @@ pub fn cwd(cwd: &str) -> Result<(), CoreError> {
     Ok(())
 }
 
+/// The smallest disk limit: below it a run cannot even write its first
+/// files (the filesystem reserves metadata space per write).
+pub const MIN_DISK_MB: u64 = 16;
+
 /// Resolves requested limits against the defaults and checks them against
 /// the maxima.
 pub fn limits(
@@ -172,6 +176,7 @@ pub fn limits(
         cpus: req.cpus.unwrap_or(default.cpus),
         memory_mb: req.memory_mb.unwrap_or(default.memory_mb),
         pids: req.pids.unwrap_or(default.pids),
+        disk_mb: req.disk_mb.or(default.disk_mb),
     };
     let bad = |m: String| CoreError::invalid(ErrorCode::BadLimits, m);
     if !limits.cpus.is_finite() || limits.cpus < 0.01 {
@@ -211,6 +216,28 @@ pub fn limits(
             "limits.pids {} is above this server's maximum of {}",
             limits.pids, max.pids
         )));
+    }
+    // No maximum means the operator turned disk limits off: a run that
+    // asks for one must not get a limit that nothing enforces.
+    match (limits.disk_mb, max.disk_mb) {
+        (Some(_), None) => {
+            return Err(bad(
+                "limits.diskMb cannot be enforced: this server runs without disk limits \
+                 (started with --no-disk-limits); leave it out"
+                    .into(),
+            ))
+        }
+        (Some(disk), _) if disk < MIN_DISK_MB => {
+            return Err(bad(format!(
+                "limits.diskMb must be at least {MIN_DISK_MB}, got {disk}"
+            )))
+        }
+        (Some(disk), Some(max)) if disk > max => {
+            return Err(bad(format!(
+                "limits.diskMb {disk} is above this server's maximum of {max}"
+            )))
+        }
+        _ => {}
     }
     Ok(limits)
 }
@@ -492,26 +519,39 @@ mod tests {
             cpus: 1.0,
             memory_mb: 1024,
             pids: 256,
+            disk_mb: Some(10240),
         };
         let m = Limits {
             cpus: 4.0,
             memory_mb: 8192,
             pids: 1024,
+            disk_mb: Some(20480),
         };
         assert_eq!(limits(None, &d, &m).unwrap(), d);
         let r = LimitsRequest {
             cpus: Some(0.5),
             memory_mb: Some(64),
             pids: None,
+            disk_mb: Some(100),
         };
         assert_eq!(
             limits(Some(&r), &d, &m).unwrap(),
             Limits {
                 cpus: 0.5,
                 memory_mb: 64,
-                pids: 256
+                pids: 256,
+                disk_mb: Some(100),
             }
         );
+        // Disk limits off: none by default, and asking for one is refused.
+        let (d_off, m_off) = (Limits { disk_mb: None, ..d }, Limits { disk_mb: None, ..m });
+        assert_eq!(limits(None, &d_off, &m_off).unwrap().disk_mb, None);
+        let ask = LimitsRequest {
+            disk_mb: Some(100),
+            ..Default::default()
+        };
+        let err = limits(Some(&ask), &d_off, &m_off).unwrap_err();
+        assert!(err.to_string().contains("--no-disk-limits"), "{err}");
         for r in [
             LimitsRequest {
                 cpus: Some(0.0),
@@ -539,6 +579,14 @@ mod tests {
             },
             LimitsRequest {
                 pids: Some(2000),
+                ..Default::default()
+            },
+            LimitsRequest {
+                disk_mb: Some(1),
+                ..Default::default()
+            },
+            LimitsRequest {
+                disk_mb: Some(30000),
                 ..Default::default()
             },
         ] {

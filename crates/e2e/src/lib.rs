@@ -221,8 +221,15 @@ pub struct TestDaemon {
     /// rules or addresses, nor those of a daemon outside the tests.
     nft_table: String,
     open_pool: String,
+    /// Whether the daemon keeps runs in a btrfs store of its own
+    /// (`--storage-gb`), as `scripts/setup` starts it.
+    store: bool,
     child: Option<Child>,
 }
+
+/// The size of a test daemon's run store: sparse, so only what the runs
+/// write takes host disk.
+pub const TEST_STORE_GB: u64 = 8;
 
 /// A distinct nftables table name and /24 pool per test daemon of this
 /// process; test binaries run one after another, so the pid spreads them
@@ -252,6 +259,13 @@ impl TestDaemon {
         TestDaemon::start_listening(runtime, "127.0.0.1:0", args, env).await
     }
 
+    /// [`TestDaemon::start_with`] without a run store of its own: runs live
+    /// on the host filesystem of the temporary directory (ext4 or tmpfs),
+    /// where disk limits cannot be enforced.
+    pub async fn start_without_store(args: &[&str]) -> TestDaemon {
+        TestDaemon::build(None, "127.0.0.1:0", args, &[], false).await
+    }
+
     /// [`TestDaemon::start_with`] listening on `listen` (a non-loopback
     /// address also needs `--allow-non-loopback` in `args`). The client
     /// talks to loopback when the daemon listens on an unspecified address.
@@ -260,6 +274,16 @@ impl TestDaemon {
         listen: &str,
         args: &[&str],
         env: &[(&str, &str)],
+    ) -> TestDaemon {
+        TestDaemon::build(runtime, listen, args, env, true).await
+    }
+
+    async fn build(
+        runtime: Option<&str>,
+        listen: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        store: bool,
     ) -> TestDaemon {
         let (nft_table, open_pool) = network_names();
         let state = tempfile::Builder::new()
@@ -280,6 +304,7 @@ impl TestDaemon {
                 .collect(),
             nft_table,
             open_pool,
+            store,
             child: None,
         };
         daemon.spawn().await;
@@ -327,8 +352,11 @@ impl TestDaemon {
         cmd.arg("--nft-table")
             .arg(&self.nft_table)
             .arg("--open-pool")
-            .arg(&self.open_pool)
-            .args(&self.extra_args)
+            .arg(&self.open_pool);
+        if self.store {
+            cmd.arg("--storage-gb").arg(TEST_STORE_GB.to_string());
+        }
+        cmd.args(&self.extra_args)
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)));
         let mut child = cmd.spawn().expect("spawning runbox serve");
         let deadline = Instant::now() + Duration::from_secs(60);
@@ -448,6 +476,12 @@ impl Drop for TestDaemon {
             Ok(o) => eprintln!("teardown failed: {}", String::from_utf8_lossy(&o.stderr)),
             Err(e) => eprintln!("teardown failed to start: {e}"),
         }
+        // Whatever teardown managed, the store's loop mount must not outlive
+        // the test (lazy: it goes once nothing holds it).
+        let store = self.state.path().join("runs");
+        if mount_points().iter().any(|m| Path::new(m) == store) {
+            let _ = Command::new("umount").arg("-l").arg(&store).status();
+        }
     }
 }
 
@@ -463,14 +497,23 @@ pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> boo
     check()
 }
 
-/// Whether a mount point under `dir` is still mounted.
+/// The mount points under the state directory `dir` that runs made (the
+/// daemon's run store at `dir/runs` itself is not one of them).
 pub fn mounts_under(dir: &Path) -> Vec<String> {
     let prefix = dir.to_string_lossy().into_owned();
+    let store = dir.join("runs").to_string_lossy().into_owned();
+    mount_points()
+        .into_iter()
+        .filter(|m| m.starts_with(&prefix) && *m != store)
+        .collect()
+}
+
+/// Every mount point of this mount namespace.
+fn mount_points() -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
         .filter_map(|l| l.split(' ').nth(4).map(str::to_owned))
-        .filter(|m| m.starts_with(&prefix))
         .collect()
 }
 

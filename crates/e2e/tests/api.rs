@@ -229,13 +229,19 @@ async fn run_and_exec_input_rules() {
                 cpus: Some(0.5),
                 memory_mb: Some(128),
                 pids: Some(100),
+                disk_mb: Some(64),
             }),
             ..Default::default()
         })
         .await;
     assert_eq!(
-        (small.limits.cpus, small.limits.memory_mb, small.limits.pids),
-        (0.5, 128, 100)
+        (
+            small.limits.cpus,
+            small.limits.memory_mb,
+            small.limits.pids,
+            small.limits.disk_mb
+        ),
+        (0.5, 128, 100, Some(64))
     );
 
     let exec_err = |cmd: Vec<&str>, cwd: Option<&str>| {

@@ -14,6 +14,7 @@ pub mod open_net;
 pub mod probe;
 pub mod seccomp;
 pub mod spec;
+pub mod storage;
 pub mod trust;
 pub mod watch;
 

@@ -6,8 +6,10 @@
 //! ```text
 //! runtime       which runtime started it (written first, read by destroy)
 //! network       the run's network tier (read by egress_listener)
-//! upper/        the run's writable overlay layer
-//! ovl-work/     overlayfs' scratch directory
+//! disk/         the run's writable layer, limited to limits.diskMb
+//!               (a btrfs subvolume with a qgroup, see crate::storage):
+//!   upper/      the overlay's upper directory
+//!   ovl-work/   overlayfs' scratch directory
 //! rootfs/       the merged root: image (read-only lower) + upper
 //! config.json   the OCI runtime config
 //! agent.sock    the agent's listening socket (created here, passed as fd 3)
@@ -37,7 +39,8 @@
 //!
 //! Creation steps, in order (each undone by `destroy`):
 //! 1. create the run directory and record the runtime name and network tier;
-//! 2. mount the overlay; write the trust files when the spec has extra CAs;
+//! 2. make the run's limited disk, mount the overlay; write the trust files
+//!    when the spec has extra CAs;
 //! 3. create the network namespace with loopback up (open: and its veth);
 //! 4. bind the agent socket;
 //! 5. write config.json;
@@ -66,6 +69,7 @@ use crate::netns::{bind_in_netns, EGRESS_PROXY_ADDR};
 use crate::open_net::{self, OpenNet, OpenPool, Subnet, RESOLV_CONF_PATH};
 use crate::probe::Runtime;
 use crate::spec::{self, FileMount, SpecParams};
+use crate::storage::RunStorage;
 use crate::trust::{self, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
 /// How long one runtime command (`run -d`, `delete`, ...) may take.
@@ -103,6 +107,7 @@ pub struct OciBackend {
     agent_binary: PathBuf,
     swap_limit: bool,
     open: OpenNet,
+    storage: RunStorage,
 }
 
 impl OciBackend {
@@ -141,13 +146,20 @@ impl OciBackend {
             .create(&runs)
             .map_err(BackendError::io(format!("creating {}", runs.display())))?;
         let open = OpenNet::new(options.open_pool, options.nft_table, &runs);
+        let storage = RunStorage::detect(&runs);
         Ok(OciBackend {
             runtime,
             state_dir,
             agent_binary,
             swap_limit: host_has_swap_accounting(),
             open,
+            storage,
         })
+    }
+
+    /// How runs' writable layers are stored, and whether they can be limited.
+    pub fn storage(&self) -> &RunStorage {
+        &self.storage
     }
 
     /// Why open-tier runs cannot be created on this host, if they cannot.
@@ -216,8 +228,15 @@ impl OciBackend {
             .map_err(BackendError::io(format!("creating {}", dir.display())))?;
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
         write(&dir.join("network"), spec.network.as_str().as_bytes())?;
-        // 2. The overlay root.
-        let (upper, work, rootfs) = (dir.join("upper"), dir.join("ovl-work"), dir.join("rootfs"));
+        // 2. The run's disk, then the overlay root.
+        let disk = self
+            .storage
+            .create(&dir, spec.limits.disk_mb.map(|mb| mb << 20))?;
+        let (upper, work, rootfs) = (
+            disk.join("upper"),
+            disk.join("ovl-work"),
+            dir.join("rootfs"),
+        );
         for d in [&upper, &work, &rootfs] {
             std::fs::create_dir(d)
                 .map_err(BackendError::io(format!("creating {}", d.display())))?;
@@ -358,6 +377,7 @@ impl OciBackend {
                 rootfs.display()
             )));
         }
+        self.storage.remove(&dir)?;
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -381,6 +401,17 @@ impl Backend for OciBackend {
             (NetworkTier::Open, Some(why)) => Err(why.to_owned()),
             _ => Ok(()),
         }
+    }
+
+    fn check_disk(&self) -> Result<(), String> {
+        match self.storage.limits_unsupported() {
+            None => Ok(()),
+            Some(why) => Err(why.to_owned()),
+        }
+    }
+
+    fn disk_used(&self, id: Ulid) -> Option<u64> {
+        self.storage.used_bytes(&self.run_dir(id))
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
@@ -589,7 +620,7 @@ fn mount_overlay(
 
 /// Whether `path` is a mount point, by its parent's device differing or by
 /// /proc/self/mountinfo (bind mounts of the same device).
-fn is_mount_point(path: &Path) -> bool {
+pub(crate) fn is_mount_point(path: &Path) -> bool {
     let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
         return false;
     };

@@ -208,6 +208,7 @@ async fn probe_in(
     let limits = runbox_types::Limits {
         cpus: 1.0,
         memory_mb: 64,
+        disk_mb: None,
         pids: 16,
     };
     let args = ["--version".to_owned()];

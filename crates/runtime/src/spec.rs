@@ -546,6 +546,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         cpus: 0.5,
         memory_mb: 256,
+        disk_mb: None,
         pids: 128,
     };
 

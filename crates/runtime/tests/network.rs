@@ -203,6 +203,7 @@ impl Env {
             limits: Limits {
                 cpus: 1.0,
                 memory_mb: 256,
+                disk_mb: None,
                 pids: 64,
             },
             network,

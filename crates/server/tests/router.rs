@@ -44,6 +44,7 @@ fn run() -> Run {
             cpus: 1.0,
             memory_mb: 1024,
             pids: 256,
+            disk_mb: Some(10240),
         },
         runtime: "runc".into(),
         created_at: now,
@@ -54,6 +55,7 @@ fn run() -> Run {
         secrets: Vec::new(),
         egress: None,
         failure: None,
+        disk_used_bytes: Some(4096),
     }
 }
 

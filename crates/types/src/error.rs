@@ -95,6 +95,9 @@ codes! {
     UnknownSecret = "unknown_secret", 400;
     /// The requested network tier is not available on this server.
     NetworkUnsupported = "network_unsupported", 400;
+    /// The run would have a disk limit and this server's storage cannot
+    /// enforce one; the message says what the operator can change.
+    DiskLimitUnsupported = "disk_limit_unsupported", 400;
     /// The path is not a regular file (a directory, a device, ...).
     NotAFile = "not_a_file", 400;
     /// No or wrong bearer token.

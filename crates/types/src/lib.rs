@@ -65,6 +65,9 @@ pub struct LimitsRequest {
     pub memory_mb: Option<u64>,
     /// Maximum number of processes and threads.
     pub pids: Option<u64>,
+    /// The most the run may write to its own filesystem, in MiB (file data
+    /// and metadata both count); past it writes fail with EDQUOT.
+    pub disk_mb: Option<u64>,
 }
 
 /// Resource limits in force for a run.
@@ -77,6 +80,10 @@ pub struct Limits {
     pub memory_mb: u64,
     /// Maximum number of processes and threads.
     pub pids: u64,
+    /// Disk limit in MiB; null for a run without one (a server started
+    /// with disk limits off, or a run made before they existed).
+    #[serde(default)]
+    pub disk_mb: Option<u64>,
 }
 
 /// `POST /v1/runs`.
@@ -181,6 +188,11 @@ pub struct Run {
     /// Why the run failed (status `failed` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// Bytes the run has written to its own filesystem, as its disk limit
+    /// counts them (the filesystem updates the count within about 30 s);
+    /// absent where nothing counts them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_used_bytes: Option<u64>,
 }
 
 /// Egress accounting of one run.

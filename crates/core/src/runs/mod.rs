@@ -133,6 +133,14 @@ impl Manager {
             &self.config.max_limits,
         )?;
         let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
+        if limits.disk_mb.is_some() {
+            if let Err(why) = self.backend.check_disk() {
+                return Err(CoreError::invalid(
+                    ErrorCode::DiskLimitUnsupported,
+                    format!("this server cannot limit a run's disk: {why}"),
+                ));
+            }
+        }
         let network = req.network.unwrap_or_default();
         if let Err(why) = self.backend.check_network(network) {
             return Err(CoreError::invalid(
@@ -233,6 +241,7 @@ impl Manager {
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
         let mut run = handle.snapshot().record.to_run(&self.config.server_id);
         run.egress = handle.egress.get().map(|c| egress::stats(c));
+        run.disk_used_bytes = self.backend.disk_used(run.id);
         run
     }
 

@@ -1,0 +1,570 @@
+//! Where a run's writes go, and how many bytes it may write.
+//!
+//! Every run's writable layer (the overlay's upper and work directories)
+//! lives in `<run dir>/disk/`. What `disk` is depends on the filesystem
+//! under `<state-dir>/runs`, detected once at start:
+//!
+//! ```text
+//! btrfs, quotas on      disk/ is a subvolume with a qgroup limit on the bytes
+//!                       it references: past it, writes in the run fail with
+//!                       EDQUOT ("Disk quota exceeded"). File data and metadata
+//!                       (inodes, directory entries) both count, so a run
+//!                       making millions of empty files hits the same limit.
+//! btrfs, quotas off     disk/ is a subvolume; runs with a limit are refused
+//! anything else         disk/ is a plain directory; runs with a limit are
+//!                       refused, with what the operator can do about it
+//! ```
+//!
+//! A run is never given a limit it does not get: when the storage cannot
+//! enforce one, the create fails and says why ([`RunStorage::limits_unsupported`]).
+//!
+//! Why btrfs: this kernel has neither XFS nor ext4 quotas, while btrfs
+//! qgroups work on any kernel with btrfs, on a partition or on a
+//! loop-mounted image. And a subvolume can be snapshotted in constant time,
+//! which is what run snapshots and forks need. [`provision_loop`] makes
+//! such an image for hosts whose state directory is on another filesystem
+//! (`runbox serve --storage-gb N`).
+//!
+//! The five btrfs ioctls used here are called directly: their structures
+//! come from `linux-raw-sys`, while the btrfs crates available either link
+//! the C library (which has no qgroup limit call) or need libclang at build
+//! time.
+
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use linux_raw_sys::btrfs as sys;
+use runbox_core::backend::BackendError;
+
+/// The name of a run's writable-layer directory inside its run directory.
+pub const DISK_DIR: &str = "disk";
+
+/// How the runs directory stores runs' writable layers.
+#[derive(Debug)]
+pub struct RunStorage {
+    kind: Kind,
+}
+
+#[derive(Debug)]
+enum Kind {
+    /// btrfs with quotas: a subvolume per run, its qgroup limited.
+    Quota { qgroups: PathBuf },
+    /// btrfs without quotas: subvolumes, no limits.
+    Subvolumes { why: String },
+    /// Plain directories, no limits.
+    Plain { why: String },
+}
+
+impl RunStorage {
+    /// Looks at the filesystem holding `runs` (a directory that exists).
+    pub fn detect(runs: &Path) -> RunStorage {
+        let kind = match statfs_type(runs) {
+            Ok(magic) if magic == u64::from(linux_raw_sys::general::BTRFS_SUPER_MAGIC) => {
+                match btrfs_qgroups_dir(runs) {
+                    Ok(Some(qgroups)) => Kind::Quota { qgroups },
+                    Ok(None) => Kind::Subvolumes {
+                        why: format!(
+                            "quotas are off on the btrfs holding {}; turn them on with \
+                             `btrfs quota enable {}` (or start the daemon with --storage-gb N \
+                             to use a store of its own)",
+                            runs.display(),
+                            runs.display()
+                        ),
+                    },
+                    Err(e) => Kind::Subvolumes {
+                        why: format!(
+                            "cannot read the btrfs quota state of {}: {e}",
+                            runs.display()
+                        ),
+                    },
+                }
+            }
+            Ok(magic) => Kind::Plain {
+                why: format!(
+                    "{} is on a {} filesystem, which cannot limit one run's disk use; \
+                     start the daemon with --storage-gb N (a btrfs image under the state \
+                     directory), put the state directory on btrfs with quotas on, or pass \
+                     --no-disk-limits to run without disk limits",
+                    runs.display(),
+                    fs_name(magic)
+                ),
+            },
+            Err(e) => Kind::Plain {
+                why: format!("cannot tell what filesystem holds {}: {e}", runs.display()),
+            },
+        };
+        RunStorage { kind }
+    }
+
+    /// Why runs cannot get a disk limit here, if they cannot.
+    pub fn limits_unsupported(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::Quota { .. } => None,
+            Kind::Subvolumes { why } | Kind::Plain { why } => Some(why),
+        }
+    }
+
+    /// One line for the daemon's start-up log.
+    pub fn describe(&self) -> &'static str {
+        match self.kind {
+            Kind::Quota { .. } => "btrfs subvolume per run, qgroup-limited",
+            Kind::Subvolumes { .. } => "btrfs subvolume per run, no limits (quotas off)",
+            Kind::Plain { .. } => "plain directories, no limits",
+        }
+    }
+
+    /// Makes `<run_dir>/disk`, limited to `limit` bytes when given, and
+    /// returns its path. Refuses a limit it cannot enforce.
+    pub(crate) fn create(
+        &self,
+        run_dir: &Path,
+        limit: Option<u64>,
+    ) -> Result<PathBuf, BackendError> {
+        let disk = run_dir.join(DISK_DIR);
+        match (&self.kind, limit) {
+            (Kind::Subvolumes { why } | Kind::Plain { why }, Some(_)) => {
+                Err(BackendError::Unsupported(why.clone()))
+            }
+            (Kind::Plain { .. }, None) => {
+                std::fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&disk)
+                    .map_err(BackendError::io(format!("creating {}", disk.display())))?;
+                Ok(disk)
+            }
+            (Kind::Quota { .. } | Kind::Subvolumes { .. }, limit) => {
+                let parent = open_dir(run_dir)
+                    .map_err(BackendError::io(format!("opening {}", run_dir.display())))?;
+                create_subvolume(&parent, OsStr::new(DISK_DIR)).map_err(BackendError::io(
+                    format!("creating the btrfs subvolume {}", disk.display()),
+                ))?;
+                if let Some(bytes) = limit {
+                    let limited = open_dir(&disk).and_then(|sub| limit_subvolume(&sub, bytes));
+                    if let Err(e) = limited {
+                        let _ = destroy_subvolume(&parent, OsStr::new(DISK_DIR));
+                        return Err(BackendError::io(format!(
+                            "limiting {} to {bytes} bytes",
+                            disk.display()
+                        ))(e));
+                    }
+                }
+                Ok(disk)
+            }
+        }
+    }
+
+    /// Removes `<run_dir>/disk` when it is a subvolume (the caller removes
+    /// plain directories with the rest of the run directory). Deleting a
+    /// subvolume is one call however much the run wrote; btrfs frees its
+    /// blocks in the background.
+    pub(crate) fn remove(&self, run_dir: &Path) -> Result<(), BackendError> {
+        if matches!(self.kind, Kind::Plain { .. }) {
+            return Ok(());
+        }
+        let disk = run_dir.join(DISK_DIR);
+        match std::fs::symlink_metadata(&disk) {
+            Ok(meta) if meta.is_dir() && is_subvolume_root(&meta) => {}
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(BackendError::io(format!("reading {}", disk.display()))(e)),
+        }
+        let parent = open_dir(run_dir)
+            .map_err(BackendError::io(format!("opening {}", run_dir.display())))?;
+        destroy_subvolume(&parent, OsStr::new(DISK_DIR)).map_err(BackendError::io(format!(
+            "deleting the btrfs subvolume {}",
+            disk.display()
+        )))
+    }
+
+    /// Bytes `<run_dir>/disk` holds, as the quota counts them (updated when
+    /// btrfs commits, at most 30 s late); None where nothing counts them.
+    pub fn used_bytes(&self, run_dir: &Path) -> Option<u64> {
+        let Kind::Quota { qgroups } = &self.kind else {
+            return None;
+        };
+        let sub = open_dir(&run_dir.join(DISK_DIR)).ok()?;
+        let id = subvolume_id(&sub).ok()?;
+        let text = std::fs::read_to_string(qgroups.join(format!("0_{id}/referenced"))).ok()?;
+        text.trim().parse().ok()
+    }
+}
+
+/// Provisions the daemon's own run store: a btrfs filesystem in the sparse
+/// file `image` (`size` bytes, made on first use), loop-mounted at
+/// `mount_at`, with quotas on. Idempotent: a store already mounted there is
+/// kept as it is. `mount_at` must be empty when it is not mounted yet, so
+/// runs of an older layout are never hidden under the mount.
+///
+/// Spawns `mkfs.btrfs` (first use only) and `mount`; call it off the async
+/// threads.
+pub fn provision_loop(image: &Path, size: u64, mount_at: &Path) -> Result<(), String> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(mount_at)
+        .map_err(|e| format!("creating {}: {e}", mount_at.display()))?;
+    if !crate::oci::is_mount_point(mount_at) {
+        let mut entries = std::fs::read_dir(mount_at)
+            .map_err(|e| format!("reading {}: {e}", mount_at.display()))?;
+        if entries.next().is_some() {
+            return Err(format!(
+                "{} holds runs made before the daemon had its own store; remove them first \
+                 (`runbox serve --teardown`) or start without --storage-gb",
+                mount_at.display()
+            ));
+        }
+        if !image.exists() {
+            make_image(image, size)?;
+        }
+        let out = Command::new("mount")
+            .args(["-t", "btrfs", "-o", "loop"])
+            .arg(image)
+            .arg(mount_at)
+            .output()
+            .map_err(|e| format!("running mount (util-linux): {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "mounting {} at {}: {}",
+                image.display(),
+                mount_at.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+    }
+    match statfs_type(mount_at) {
+        Ok(magic) if magic == u64::from(linux_raw_sys::general::BTRFS_SUPER_MAGIC) => {}
+        Ok(magic) => {
+            return Err(format!(
+                "{} is a mounted {} filesystem, not the daemon's btrfs store",
+                mount_at.display(),
+                fs_name(magic)
+            ))
+        }
+        Err(e) => return Err(format!("checking {}: {e}", mount_at.display())),
+    }
+    let root = open_dir(mount_at).map_err(|e| format!("opening {}: {e}", mount_at.display()))?;
+    if btrfs_qgroups_dir(mount_at)
+        .map_err(|e| format!("reading the quota state of {}: {e}", mount_at.display()))?
+        .is_none()
+    {
+        enable_quotas(&root)
+            .map_err(|e| format!("enabling quotas on {}: {e}", mount_at.display()))?;
+    }
+    let have = std::fs::metadata(image).map(|m| m.len()).unwrap_or(0);
+    if size > have {
+        tracing::warn!(
+            image = %image.display(),
+            have, asked = size,
+            "the run store is smaller than --storage-gb asks; it is not grown automatically"
+        );
+    }
+    Ok(())
+}
+
+/// Unmounts the store [`provision_loop`] mounted at `mount_at`, if it is
+/// mounted (the loop device goes with it). Lazy, so a process holding a
+/// file in it cannot make uninstalling fail.
+pub fn release_loop(mount_at: &Path) -> Result<(), String> {
+    if !crate::oci::is_mount_point(mount_at) {
+        return Ok(());
+    }
+    rustix::mount::unmount(mount_at, rustix::mount::UnmountFlags::DETACH)
+        .map_err(|e| format!("unmounting {}: {e}", mount_at.display()))
+}
+
+/// Writes a new sparse image and formats it, under a temporary name so a
+/// crash never leaves a half-made image under the real one.
+fn make_image(image: &Path, size: u64) -> Result<(), String> {
+    let partial = image.with_extension("partial");
+    let _ = std::fs::remove_file(&partial);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&partial)
+        .map_err(|e| format!("creating {}: {e}", partial.display()))?;
+    file.set_len(size)
+        .map_err(|e| format!("sizing {}: {e}", partial.display()))?;
+    drop(file);
+    let out = Command::new("mkfs.btrfs")
+        .args(["-q", "-L", "runbox-runs"])
+        .arg(&partial)
+        .output()
+        .map_err(|e| format!("running mkfs.btrfs (install btrfs-progs): {e}"))?;
+    if !out.status.success() {
+        let _ = std::fs::remove_file(&partial);
+        return Err(format!(
+            "mkfs.btrfs {}: {}",
+            partial.display(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    std::fs::rename(&partial, image).map_err(|e| format!("renaming {}: {e}", partial.display()))
+}
+
+fn open_dir(path: &Path) -> io::Result<File> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+fn statfs_type(path: &Path) -> io::Result<u64> {
+    let st = rustix::fs::statfs(path)?;
+    // f_type is signed on some targets; the magic numbers are 32-bit.
+    Ok(st.f_type as u64 & 0xffff_ffff)
+}
+
+fn fs_name(magic: u64) -> String {
+    use linux_raw_sys::general as g;
+    let known = [
+        (g::EXT4_SUPER_MAGIC, "ext4"),
+        (g::XFS_SUPER_MAGIC, "XFS"),
+        (g::TMPFS_MAGIC, "tmpfs"),
+        (g::OVERLAYFS_SUPER_MAGIC, "overlayfs"),
+        (g::NFS_SUPER_MAGIC, "NFS"),
+    ];
+    known
+        .iter()
+        .find(|(m, _)| u64::from(*m) == magic)
+        .map(|(_, n)| (*n).to_owned())
+        .unwrap_or_else(|| format!("type {magic:#x}"))
+}
+
+/// The top directory of a subvolume has inode 256 (BTRFS_FIRST_FREE_OBJECTID).
+fn is_subvolume_root(meta: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    meta.ino() == u64::from(sys::BTRFS_FIRST_FREE_OBJECTID)
+}
+
+/// `/sys/fs/btrfs/<fsid>/qgroups` of the btrfs holding `path` when quotas
+/// are on there (the kernel shows that directory only then); None when off.
+fn btrfs_qgroups_dir(path: &Path) -> io::Result<Option<PathBuf>> {
+    let dir = open_dir(path)?;
+    // SAFETY: all zeroes is a valid btrfs_ioctl_fs_info_args (plain data).
+    let mut args: sys::btrfs_ioctl_fs_info_args = unsafe { std::mem::zeroed() };
+    // SAFETY: BTRFS_IOC_FS_INFO fills `args`, which lives across the call,
+    // on an open directory of the filesystem.
+    unsafe { ioctl(&dir, linux_raw_sys::ioctl::BTRFS_IOC_FS_INFO, &mut args) }?;
+    let f = args.fsid;
+    let fsid = format!(
+        "{:02x}{:02x}{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
+        f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8], f[9], f[10], f[11], f[12], f[13], f[14], f[15]
+    );
+    let qgroups = Path::new("/sys/fs/btrfs").join(fsid).join("qgroups");
+    Ok(qgroups.is_dir().then_some(qgroups))
+}
+
+/// Turns quotas on: simple quotas where the kernel has them (6.7+; they
+/// charge each extent to the subvolume that wrote it, so snapshots cost
+/// nothing to account), full qgroups otherwise.
+fn enable_quotas(root: &File) -> io::Result<()> {
+    for cmd in [
+        sys::BTRFS_QUOTA_CTL_ENABLE_SIMPLE_QUOTA,
+        sys::BTRFS_QUOTA_CTL_ENABLE,
+    ] {
+        let mut args = sys::btrfs_ioctl_quota_ctl_args {
+            cmd: u64::from(cmd),
+            status: 0,
+        };
+        // SAFETY: QUOTA_CTL reads and writes a btrfs_ioctl_quota_ctl_args.
+        match unsafe { ioctl(root, linux_raw_sys::ioctl::BTRFS_IOC_QUOTA_CTL, &mut args) } {
+            Ok(()) => return Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Err(io::Error::other(
+        "the kernel refuses to enable btrfs quotas",
+    ))
+}
+
+fn vol_args(name: &OsStr) -> io::Result<sys::btrfs_ioctl_vol_args> {
+    // SAFETY: all zeroes is a valid btrfs_ioctl_vol_args (plain data).
+    let mut args: sys::btrfs_ioctl_vol_args = unsafe { std::mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.is_empty()
+        || bytes.len() >= args.name.len()
+        || bytes.contains(&0)
+        || bytes.contains(&b'/')
+    {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "bad subvolume name",
+        ));
+    }
+    for (dst, src) in args.name.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    Ok(args)
+}
+
+fn create_subvolume(parent: &File, name: &OsStr) -> io::Result<()> {
+    let mut args = vol_args(name)?;
+    // SAFETY: SUBVOL_CREATE reads the NUL-terminated name in `args`.
+    unsafe {
+        ioctl(
+            parent,
+            linux_raw_sys::ioctl::BTRFS_IOC_SUBVOL_CREATE,
+            &mut args,
+        )
+    }
+}
+
+fn destroy_subvolume(parent: &File, name: &OsStr) -> io::Result<()> {
+    let mut args = vol_args(name)?;
+    // SAFETY: SNAP_DESTROY reads the NUL-terminated name in `args`.
+    unsafe {
+        ioctl(
+            parent,
+            linux_raw_sys::ioctl::BTRFS_IOC_SNAP_DESTROY,
+            &mut args,
+        )
+    }
+}
+
+/// The id of the subvolume `dir` is in (its level-0 qgroup has the same id).
+fn subvolume_id(dir: &File) -> io::Result<u64> {
+    // SAFETY: all zeroes is a valid btrfs_ioctl_ino_lookup_args (plain data).
+    let mut args: sys::btrfs_ioctl_ino_lookup_args = unsafe { std::mem::zeroed() };
+    args.objectid = u64::from(sys::BTRFS_FIRST_FREE_OBJECTID);
+    // SAFETY: INO_LOOKUP with treeid 0 writes the id of the fd's subvolume
+    // into `args.treeid`.
+    unsafe { ioctl(dir, linux_raw_sys::ioctl::BTRFS_IOC_INO_LOOKUP, &mut args) }?;
+    Ok(args.treeid)
+}
+
+fn limit_subvolume(sub: &File, bytes: u64) -> io::Result<()> {
+    let mut args = sys::btrfs_ioctl_qgroup_limit_args {
+        qgroupid: subvolume_id(sub)?,
+        lim: sys::btrfs_qgroup_limit {
+            flags: u64::from(sys::BTRFS_QGROUP_LIMIT_MAX_RFER),
+            max_rfer: bytes,
+            max_excl: 0,
+            rsv_rfer: 0,
+            rsv_excl: 0,
+        },
+    };
+    // SAFETY: QGROUP_LIMIT reads `args`.
+    unsafe { ioctl(sub, linux_raw_sys::ioctl::BTRFS_IOC_QGROUP_LIMIT, &mut args) }
+}
+
+/// One btrfs ioctl on `fd`.
+///
+/// # Safety
+/// `T` must be the argument structure `request` is defined with.
+unsafe fn ioctl<T>(fd: &File, request: u32, args: &mut T) -> io::Result<()> {
+    // SAFETY: `args` is a live, exclusive `T`, the structure `request`
+    // reads and writes (the caller's promise).
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), request as libc::Ioctl, args as *mut T) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    /// A loop-mounted store in a temporary directory, unmounted on drop.
+    struct Store {
+        dir: tempfile::TempDir,
+    }
+
+    impl Store {
+        fn new() -> Store {
+            let dir = tempfile::tempdir().unwrap();
+            provision_loop(&dir.path().join("img"), 1 << 30, &dir.path().join("runs")).unwrap();
+            Store { dir }
+        }
+        fn runs(&self) -> PathBuf {
+            self.dir.path().join("runs")
+        }
+    }
+
+    impl Drop for Store {
+        fn drop(&mut self) {
+            release_loop(&self.runs()).unwrap();
+        }
+    }
+
+    fn fill(path: &Path, bytes: usize) -> io::Result<()> {
+        let mut f = File::create(path)?;
+        let chunk = vec![7u8; 1 << 20];
+        let mut left = bytes;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            f.write_all(&chunk[..n])?;
+            left -= n;
+        }
+        f.sync_all()
+    }
+
+    #[test]
+    fn a_limited_disk_refuses_writes_past_its_limit() {
+        let store = Store::new();
+        let storage = RunStorage::detect(&store.runs());
+        assert!(storage.limits_unsupported().is_none(), "{storage:?}");
+        let run = store.runs().join("r1");
+        std::fs::create_dir(&run).unwrap();
+        let disk = storage.create(&run, Some(8 << 20)).unwrap();
+        let err = fill(&disk.join("big"), 16 << 20).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::EDQUOT), "{err}");
+        rustix::fs::sync();
+        let used = storage.used_bytes(&run).unwrap();
+        assert!(used > 4 << 20 && used <= 8 << 20, "used {used}");
+        // A second run is not charged for the first one's bytes.
+        let other = store.runs().join("r2");
+        std::fs::create_dir(&other).unwrap();
+        let disk2 = storage.create(&other, Some(8 << 20)).unwrap();
+        fill(&disk2.join("small"), 2 << 20).unwrap();
+        storage.remove(&run).unwrap();
+        assert!(!disk.exists());
+        storage.remove(&other).unwrap();
+        // Removing what is gone succeeds.
+        storage.remove(&other).unwrap();
+    }
+
+    #[test]
+    fn provisioning_again_keeps_the_mounted_store() {
+        let store = Store::new();
+        std::fs::write(store.runs().join("marker"), b"x").unwrap();
+        provision_loop(&store.dir.path().join("img"), 1 << 30, &store.runs()).unwrap();
+        assert!(store.runs().join("marker").exists());
+    }
+
+    #[test]
+    fn a_non_empty_directory_is_never_mounted_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let runs = dir.path().join("runs");
+        std::fs::create_dir(&runs).unwrap();
+        std::fs::write(runs.join("old-run"), b"x").unwrap();
+        let err = provision_loop(&dir.path().join("img"), 1 << 30, &runs).unwrap_err();
+        assert!(err.contains("--teardown"), "{err}");
+        assert!(!dir.path().join("img").exists());
+    }
+
+    #[test]
+    fn plain_storage_refuses_limits_and_says_what_to_do() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = RunStorage::detect(dir.path());
+        let why = storage.limits_unsupported().expect("not a quota store");
+        assert!(why.contains("--storage-gb"), "{why}");
+        let err = storage.create(dir.path(), Some(1 << 20)).unwrap_err();
+        assert!(matches!(err, BackendError::Unsupported(_)), "{err}");
+        assert!(!dir.path().join(DISK_DIR).exists());
+        let disk = storage.create(dir.path(), None).unwrap();
+        assert!(disk.is_dir());
+        assert_eq!(storage.used_bytes(dir.path()), None);
+    }
+}
