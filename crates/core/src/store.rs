@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub use redb::Durability;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use runbox_types::{Env, Limits, NetworkTier, Run, RunStatus};
 use serde::{Deserialize, Serialize};
@@ -107,9 +108,17 @@ impl Store {
 
     /// Inserts or replaces a record, durably.
     pub fn put(&self, record: &RunRecord) -> Result<(), CoreError> {
+        self.put_with(record, Durability::Immediate)
+    }
+
+    /// Inserts or replaces a record; with [`Durability::None`] the commit
+    /// is visible at once but reaches the disk only with the next durable
+    /// commit (a crash before that forgets it).
+    pub fn put_with(&self, record: &RunRecord, durability: Durability) -> Result<(), CoreError> {
         let key = record.id.to_string();
         let value = serde_json::to_vec(record).map_err(store_err)?;
-        let tx = self.db.begin_write().map_err(store_err)?;
+        let mut tx = self.db.begin_write().map_err(store_err)?;
+        tx.set_durability(durability).map_err(store_err)?;
         {
             let mut table = tx.open_table(RUNS).map_err(store_err)?;
             table
@@ -136,8 +145,18 @@ impl Store {
     /// Cancellation: the commit runs to the end even if this future is
     /// dropped; the caller only stops waiting for it.
     pub async fn put_async(&self, record: RunRecord) -> Result<(), CoreError> {
+        self.put_async_with(record, Durability::Immediate).await
+    }
+
+    /// [`Store::put_with`] on a blocking thread; cancellation as
+    /// [`Store::put_async`].
+    pub async fn put_async_with(
+        &self,
+        record: RunRecord,
+        durability: Durability,
+    ) -> Result<(), CoreError> {
         let store = self.clone();
-        tokio::task::spawn_blocking(move || store.put(&record))
+        tokio::task::spawn_blocking(move || store.put_with(&record, durability))
             .await
             .map_err(|e| CoreError::Store(format!("store task failed: {e}")))?
     }

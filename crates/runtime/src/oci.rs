@@ -42,6 +42,7 @@
 //! 2. make the run's limited disk, mount the overlay; write the trust files
 //!    when the spec has extra CAs;
 //! 3. create the network namespace with loopback up (open: and its veth);
+//!    steps 2 and 3 run side by side (the namespace on a blocking thread);
 //! 4. bind the agent socket;
 //! 5. write config.json;
 //! 6. `<runtime> run --detach --preserve-fds 1`, handing the socket over as fd 3.
@@ -228,40 +229,13 @@ impl OciBackend {
             .map_err(BackendError::io(format!("creating {}", dir.display())))?;
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
         write(&dir.join("network"), spec.network.as_str().as_bytes())?;
-        // 2. The run's disk, then the overlay root.
-        let disk = self
-            .storage
-            .create(&dir, spec.limits.disk_mb.map(|mb| mb << 20))?;
-        let (upper, work, rootfs) = (
-            disk.join("upper"),
-            disk.join("ovl-work"),
-            dir.join("rootfs"),
-        );
-        for d in [&upper, &work, &rootfs] {
-            std::fs::create_dir(d)
-                .map_err(BackendError::io(format!("creating {}", d.display())))?;
-        }
-        // /work is every run's default directory; it exists even when the
-        // image has none, and lives in the run's own layer.
-        std::fs::DirBuilder::new()
-            .mode(0o755)
-            .create(upper.join("work"))
-            .map_err(BackendError::io("creating /work in the run's layer"))?;
-        for layer in &spec.image_layers {
-            check_mount_safe(layer)?;
-        }
-        mount_overlay(&spec.image_layers, &upper, &work, &rootfs)?;
-        // Read from the merged root, so the run's own layer cannot matter
-        // yet (it is empty) and every image layer does.
-        let trust_files = match &spec.trust_pem {
-            Some(pem) => Some(
-                trust::write_trust_files(&dir, &rootfs, pem)
-                    .map_err(|e| BackendError::Failed(error_chain(&e)))?,
-            ),
-            None => None,
-        };
-        // 3. The network namespace.
-        let netns = create_netns(id).await?;
+        // 2. The run's disk and overlay root, and 3. the network namespace,
+        // side by side: the namespace is made on a blocking thread while
+        // this one mounts. Both finish before either error is returned, so
+        // the caller's cleanup sees everything that was made.
+        let (netns, root) = tokio::join!(create_netns(id), async { self.make_root(spec, &dir) });
+        let (rootfs, trust_files) = root?;
+        let netns = netns?;
         let resolv_conf = match spec.network {
             NetworkTier::None | NetworkTier::Allowlist => None,
             NetworkTier::Open => Some(self.open.setup(id, &dir, &netns_name(id)).await?),
@@ -327,6 +301,47 @@ impl OciBackend {
             runtime: self.runtime.name.clone(),
             agent_socket: socket,
         })
+    }
+
+    /// Step 2 of [`OciBackend::create_steps`]: the run's disk, the overlay
+    /// root on `rootfs/` and the trust files; returns the root and those.
+    fn make_root(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+    ) -> Result<(PathBuf, Option<trust::TrustFiles>), BackendError> {
+        let disk = self
+            .storage
+            .create(dir, spec.limits.disk_mb.map(|mb| mb << 20))?;
+        let (upper, work, rootfs) = (
+            disk.join("upper"),
+            disk.join("ovl-work"),
+            dir.join("rootfs"),
+        );
+        for d in [&upper, &work, &rootfs] {
+            std::fs::create_dir(d)
+                .map_err(BackendError::io(format!("creating {}", d.display())))?;
+        }
+        // /work is every run's default directory; it exists even when the
+        // image has none, and lives in the run's own layer.
+        std::fs::DirBuilder::new()
+            .mode(0o755)
+            .create(upper.join("work"))
+            .map_err(BackendError::io("creating /work in the run's layer"))?;
+        for layer in &spec.image_layers {
+            check_mount_safe(layer)?;
+        }
+        mount_overlay(&spec.image_layers, &upper, &work, &rootfs)?;
+        // Read from the merged root, so the run's own layer cannot matter
+        // yet (it is empty) and every image layer does.
+        let trust_files = match &spec.trust_pem {
+            Some(pem) => Some(
+                trust::write_trust_files(dir, &rootfs, pem)
+                    .map_err(|e| BackendError::Failed(error_chain(&e)))?,
+            ),
+            None => None,
+        };
+        Ok((rootfs, trust_files))
     }
 
     async fn destroy_steps(&self, id: Ulid) -> Result<(), BackendError> {

@@ -41,7 +41,7 @@ use super::{error_chain, reaper, Manager};
 use crate::backend::{ExitWatch, SandboxSpec};
 use crate::error::CoreError;
 use crate::lease::{Credential, Fence, Lease};
-use crate::store::RunRecord;
+use crate::store::{Durability, RunRecord};
 
 /// What a run looked like after its last change.
 #[derive(Clone, Debug)]
@@ -318,9 +318,14 @@ impl RunActor {
         reply: &oneshot::Sender<Result<Run, CoreError>>,
     ) -> Result<(), CoreError> {
         let manager = self.manager.clone();
-        // Written as `Creating` before any resource exists, so a crash at
-        // any point leaves something reconciliation can find.
-        manager.store.put_async(self.record.clone()).await?;
+        // Written as `Creating` before any resource exists, without waiting
+        // for the disk: a crash before the durable `Running` commit below
+        // may forget it, and then the start-up sweep still finds what the
+        // backend made by the names it derives from the id.
+        manager
+            .store
+            .put_async_with(self.record.clone(), Durability::None)
+            .await?;
         let id = self.record.id;
         let gone = |reply: &oneshot::Sender<_>| {
             // The creator hung up: stop early rather than finish a run
@@ -334,18 +339,23 @@ impl RunActor {
         self.record.runtime = sandbox.runtime;
         self.record.agent_socket = sandbox.agent_socket;
         let agent = runbox_agent_proto::connect_unix(self.record.agent_socket.clone());
-        super::wait_ready(agent.clone(), manager.config.agent_ready_timeout)
-            .await
-            .map_err(|e| {
-                CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
-            })?;
+        // The durable commit of `Running` overlaps the agent's start: a
+        // crash in between finds a running record whose sandbox reconcile
+        // judges like any other, and a failed start deletes it again.
+        let mut running = self.record.clone();
+        running.status = RunStatus::Running;
+        let (ready, stored) = tokio::join!(
+            super::wait_ready(agent.clone(), manager.config.agent_ready_timeout),
+            manager.store.put_async(running),
+        );
+        ready.map_err(|e| {
+            CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
+        })?;
+        stored?;
         if let Some(e) = gone(reply) {
             return Err(e);
         }
         manager.start_egress(&self.handle, &self.record).await?;
-        let mut running = self.record.clone();
-        running.status = RunStatus::Running;
-        manager.store.put_async(running).await?;
         let _ = self.handle.agent.set(agent);
         self.apply(Event::Started);
         self.watch().await;
