@@ -13,11 +13,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use runbox_core::egress::EgressConfig;
+use runbox_core::egress::{EgressMeter, EgressProxy, RunEgressRequest};
 use runbox_proxy::audit::AuditLog;
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
-use runbox_proxy::policy::{self, Entry};
-use runbox_proxy::proxy::Shared;
+use runbox_proxy::policy::{self, Allowlist, Entry};
+use runbox_proxy::proxy::{Counters, RunEgress, Shared};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::secrets::{Secret, SecretSpec};
 use runbox_proxy::tls::{upstream_client_config, Authority};
@@ -74,10 +74,115 @@ struct FileConfig {
     secrets: Vec<SecretSpec>,
 }
 
+/// The node's egress proxy, plugged into the run manager: runbox-proxy's
+/// policy, secrets and server behind the core's [`EgressProxy`] trait.
+pub struct NodeProxy {
+    /// Whether the built-in list of registries and forges applies.
+    default_list: bool,
+    /// The deployment-wide entries.
+    deployment: Vec<Entry>,
+    /// Declared secrets, by name, with their values loaded.
+    secrets: BTreeMap<String, Arc<Secret>>,
+    /// What every run's proxy shares: resolver, guard, CA, audit log.
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for NodeProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the secrets' values.
+        f.debug_struct("NodeProxy")
+            .field("default_list", &self.default_list)
+            .field("deployment", &self.deployment)
+            .field("secrets", &self.secrets.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A run's proxy counters, read by the run manager.
+struct Meter(Arc<Counters>);
+
+impl EgressMeter for Meter {
+    fn stats(&self) -> runbox_types::EgressStats {
+        use std::sync::atomic::Ordering::Relaxed;
+        runbox_types::EgressStats {
+            bytes_up: self.0.bytes_up.load(Relaxed),
+            bytes_down: self.0.bytes_down.load(Relaxed),
+            requests: self.0.requests.load(Relaxed),
+        }
+    }
+}
+
+impl EgressProxy for NodeProxy {
+    fn canonical_entry(&self, raw: &str) -> Result<String, String> {
+        Entry::from_str(raw)
+            .map(|e| e.to_string())
+            .map_err(|e| e.to_string())
+    }
+
+    fn secret_names(&self) -> Vec<String> {
+        self.secrets.keys().cloned().collect()
+    }
+
+    fn placeholder(&self, name: &str) -> String {
+        runbox_proxy::secrets::placeholder(name)
+    }
+
+    fn ca_pem(&self) -> String {
+        self.shared.authority.ca_pem().to_owned()
+    }
+
+    /// Entries were checked at creation; one that no longer parses (a record
+    /// from another version) is dropped with a warning, which narrows the
+    /// run's access, never widens it.
+    fn start(
+        &self,
+        id: ulid::Ulid,
+        req: &RunEgressRequest,
+        listener: std::net::TcpListener,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> Result<Arc<dyn EgressMeter>, String> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("preparing the egress listener: {e}"))?;
+        let listener = tokio::net::TcpListener::from_std(listener)
+            .map_err(|e| format!("registering the egress listener: {e}"))?;
+        let entries: Vec<Entry> = req
+            .allow
+            .iter()
+            .filter_map(|raw| match Entry::from_str(raw) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %e, "dropping a stored egress entry that no longer parses");
+                    None
+                }
+            })
+            .collect();
+        let secrets = req
+            .secrets
+            .iter()
+            .filter_map(|name| self.secrets.get(name).cloned())
+            .collect();
+        let counters = Arc::new(Counters::default());
+        let run = Arc::new(RunEgress {
+            run: id.to_string(),
+            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries),
+            secrets,
+            counters: counters.clone(),
+        });
+        tokio::spawn(runbox_proxy::proxy::serve(
+            listener,
+            self.shared.clone(),
+            run,
+            stop,
+        ));
+        Ok(Arc::new(Meter(counters)))
+    }
+}
+
 /// Everything the proxy needs, built and checked.
 pub struct Built {
     /// For the run manager.
-    pub config: Arc<EgressConfig>,
+    pub config: Arc<NodeProxy>,
     /// For the API's audit records too.
     pub audit: Arc<AuditLog>,
 }
@@ -167,7 +272,7 @@ impl EgressArgs {
             audit: Some(audit.clone()),
         });
         Ok(Built {
-            config: Arc::new(EgressConfig {
+            config: Arc::new(NodeProxy {
                 default_list,
                 deployment,
                 secrets,

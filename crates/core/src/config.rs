@@ -30,7 +30,7 @@ pub struct Config {
     pub insecure_registries: Vec<String>,
     /// The egress proxy's settings; without them the `allowlist` tier is
     /// refused.
-    pub egress: Option<std::sync::Arc<crate::egress::EgressConfig>>,
+    pub egress: Option<std::sync::Arc<dyn crate::egress::EgressProxy>>,
 }
 
 impl Config {

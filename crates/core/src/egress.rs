@@ -3,9 +3,10 @@
 //! starting that run's proxy on the listener the backend bound inside the
 //! run's network namespace.
 //!
-//! What it does not own: the proxy itself (`runbox-proxy`), the namespace and
-//! the listener (the backend), or the daemon-wide settings' parsing (the
-//! `serve` command builds an [`EgressConfig`]).
+//! What it does not own: the proxy itself, reached through the
+//! [`EgressProxy`] trait (the daemon plugs in `runbox-proxy`; the core never
+//! names its types), the namespace and the listener (the backend), or the
+//! daemon-wide settings' parsing (the `serve` command builds the proxy).
 //!
 //! Fail-closed rules enforced here:
 //! - `egressAllow` and `secrets` exist only on the `allowlist` tier; on
@@ -15,15 +16,8 @@
 //!   left running without one (it would simply have no network, but the
 //!   caller asked for egress and must learn it has none).
 
-use std::collections::BTreeMap;
-use std::fmt;
-use std::str::FromStr;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use runbox_proxy::policy::{Allowlist, Entry};
-use runbox_proxy::proxy::{Counters, RunEgress, Shared};
-use runbox_proxy::secrets::{placeholder, Secret};
 use runbox_types::{EgressStats, Env, ErrorCode, NetworkTier};
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
@@ -35,26 +29,37 @@ pub const MAX_RUN_ENTRIES: usize = 256;
 
 use crate::backend::{EGRESS_PROXY_URL as PROXY_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
-/// Daemon-wide egress settings.
-pub struct EgressConfig {
-    /// Whether the built-in list of registries and forges applies.
-    pub default_list: bool,
-    /// The deployment-wide entries.
-    pub deployment: Vec<Entry>,
-    /// Declared secrets, by name, with their values loaded.
-    pub secrets: BTreeMap<String, Arc<Secret>>,
-    /// What every run's proxy shares: resolver, guard, CA, audit log.
-    pub shared: Arc<Shared>,
+/// The node's egress proxy, as the core uses it: checking what a run asks
+/// for, and serving one run's proxy on a listener inside its namespace.
+pub trait EgressProxy: Send + Sync + std::fmt::Debug {
+    /// The canonical form of one `egressAllow` entry, or why it is
+    /// malformed (shown to the caller).
+    fn canonical_entry(&self, raw: &str) -> Result<String, String>;
+
+    /// The secret names the operator declared, sorted.
+    fn secret_names(&self) -> Vec<String>;
+
+    /// What a run sees in place of secret `name`'s value.
+    fn placeholder(&self, name: &str) -> String;
+
+    /// The interception CA in PEM, for the trust store of runs with secrets.
+    fn ca_pem(&self) -> String;
+
+    /// Serves run `id`'s proxy (entries and secrets as checked at creation)
+    /// on `listener` until `stop` is cancelled. Needs a Tokio runtime.
+    fn start(
+        &self,
+        id: Ulid,
+        req: &RunEgressRequest,
+        listener: std::net::TcpListener,
+        stop: CancellationToken,
+    ) -> Result<Arc<dyn EgressMeter>, String>;
 }
 
-impl fmt::Debug for EgressConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EgressConfig")
-            .field("default_list", &self.default_list)
-            .field("deployment", &self.deployment)
-            .field("secrets", &self.secrets.keys().collect::<Vec<_>>())
-            .finish_non_exhaustive()
-    }
+/// One run's proxy traffic so far.
+pub trait EgressMeter: Send + Sync {
+    /// A snapshot of the counters.
+    fn stats(&self) -> EgressStats;
 }
 
 /// A run's checked egress request: canonical entries and secret names.
@@ -73,7 +78,7 @@ pub struct RunEgressRequest {
 /// Checks a create request's `egressAllow` and `secrets` against its tier
 /// and the declared secrets.
 pub fn check_request(
-    config: Option<&EgressConfig>,
+    config: Option<&dyn EgressProxy>,
     network: NetworkTier,
     allow: Option<&[String]>,
     secrets: Option<&[String]>,
@@ -117,17 +122,17 @@ pub fn check_request(
     }
     let mut entries: Vec<String> = Vec::with_capacity(allow.len());
     for raw in allow {
-        let entry = Entry::from_str(raw)
-            .map_err(|e| CoreError::invalid(ErrorCode::BadEgressEntry, e.to_string()))?;
-        let canonical = entry.to_string();
+        let canonical = config
+            .canonical_entry(raw)
+            .map_err(|e| CoreError::invalid(ErrorCode::BadEgressEntry, e))?;
         if !entries.contains(&canonical) {
             entries.push(canonical);
         }
     }
     let mut names: Vec<String> = Vec::new();
+    let declared = config.secret_names();
     for name in secrets.unwrap_or_default() {
-        if !config.secrets.contains_key(name) {
-            let declared: Vec<&str> = config.secrets.keys().map(String::as_str).collect();
+        if !declared.contains(name) {
             return Err(CoreError::invalid(
                 ErrorCode::UnknownSecret,
                 format!(
@@ -155,75 +160,19 @@ fn bounded(s: &str) -> String {
     s.chars().take(64).collect()
 }
 
-impl EgressConfig {
-    /// The interception CA in PEM, for the run's trust store.
-    pub fn ca_pem(&self) -> String {
-        self.shared.authority.ca_pem().to_owned()
-    }
-
-    /// The proxy settings of one run. Entries were checked at creation;
-    /// one that no longer parses (a record from another version) is
-    /// dropped with a warning, which narrows the run's access, never widens it.
-    fn run_egress(&self, id: Ulid, req: &RunEgressRequest, counters: Arc<Counters>) -> RunEgress {
-        let entries: Vec<Entry> = req
-            .allow
-            .iter()
-            .filter_map(|raw| match Entry::from_str(raw) {
-                Ok(e) => Some(e),
-                Err(e) => {
-                    tracing::warn!(run = %id, error = %e, "dropping a stored egress entry that no longer parses");
-                    None
-                }
-            })
-            .collect();
-        let secrets = req
-            .secrets
-            .iter()
-            .filter_map(|name| self.secrets.get(name).cloned())
-            .collect();
-        RunEgress {
-            run: id.to_string(),
-            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries),
-            secrets,
-            counters,
-        }
-    }
-
-    /// Starts serving run `id`'s proxy on `listener` until `stop` is
-    /// cancelled. Returns the run's counters.
-    pub fn start(
-        &self,
-        id: Ulid,
-        req: &RunEgressRequest,
-        listener: std::net::TcpListener,
-        stop: CancellationToken,
-    ) -> Result<Arc<Counters>, CoreError> {
-        listener
-            .set_nonblocking(true)
-            .map_err(CoreError::io("preparing the egress listener"))?;
-        let listener = tokio::net::TcpListener::from_std(listener)
-            .map_err(CoreError::io("registering the egress listener"))?;
-        let counters = Arc::new(Counters::default());
-        let run = Arc::new(self.run_egress(id, req, counters.clone()));
-        tokio::spawn(runbox_proxy::proxy::serve(
-            listener,
-            self.shared.clone(),
-            run,
-            stop,
-        ));
-        Ok(counters)
-    }
-}
-
 /// The environment every command of an `allowlist` run starts with: the
 /// proxy variables (both spellings, as programs read either), a placeholder
 /// per secret, and — when the run has secrets, so TLS to their hosts is
 /// intercepted — the trust-store variables common runtimes read. Other
 /// tiers have no proxy and get nothing.
-pub fn run_env(network: NetworkTier, req: &RunEgressRequest) -> Env {
-    if network != NetworkTier::Allowlist {
+pub fn run_env(
+    proxy: Option<&dyn EgressProxy>,
+    network: NetworkTier,
+    req: &RunEgressRequest,
+) -> Env {
+    let Some(proxy) = proxy.filter(|_| network == NetworkTier::Allowlist) else {
         return Env::default();
-    }
+    };
     let mut env = Vec::new();
     for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
         env.push((name.to_owned(), PROXY_URL.to_owned()));
@@ -232,7 +181,7 @@ pub fn run_env(network: NetworkTier, req: &RunEgressRequest) -> Env {
         env.push((name.to_owned(), "localhost,127.0.0.1".to_owned()));
     }
     for name in &req.secrets {
-        env.push((name.clone(), placeholder(name)));
+        env.push((name.clone(), proxy.placeholder(name)));
     }
     if !req.secrets.is_empty() {
         for name in [
@@ -248,21 +197,79 @@ pub fn run_env(network: NetworkTier, req: &RunEgressRequest) -> Env {
     Env(env.into_iter().collect())
 }
 
-/// A snapshot of a run's counters.
-pub fn stats(counters: &Counters) -> EgressStats {
-    EgressStats {
-        bytes_up: counters.bytes_up.load(Ordering::Relaxed),
-        bytes_down: counters.bytes_down.load(Ordering::Relaxed),
-        requests: counters.requests.load(Ordering::Relaxed),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// A proxy that only answers the questions (pure logic under test);
+    /// the real one is tested in runbox-proxy and end to end.
+    #[derive(Debug)]
+    struct Checker;
+
+    impl EgressProxy for Checker {
+        fn canonical_entry(&self, raw: &str) -> Result<String, String> {
+            if raw.contains(' ') {
+                Err(format!("{raw:?} has a space"))
+            } else {
+                Ok(raw.to_ascii_lowercase())
+            }
+        }
+        fn secret_names(&self) -> Vec<String> {
+            strings(&["GH_TOKEN"])
+        }
+        fn placeholder(&self, name: &str) -> String {
+            format!("placeholder:{name}")
+        }
+        fn ca_pem(&self) -> String {
+            String::new()
+        }
+        fn start(
+            &self,
+            _: Ulid,
+            _: &RunEgressRequest,
+            _: std::net::TcpListener,
+            _: CancellationToken,
+        ) -> Result<Arc<dyn EgressMeter>, String> {
+            Err("not serving".into())
+        }
+    }
+
+    #[test]
+    fn entries_are_canonical_and_deduplicated_and_secrets_declared() {
+        let req = check_request(
+            Some(&Checker),
+            NetworkTier::Allowlist,
+            Some(&strings(&["Example.org", "example.org", "pypi.org"])),
+            Some(&strings(&["GH_TOKEN", "GH_TOKEN"])),
+        )
+        .unwrap();
+        assert_eq!(req.allow, strings(&["example.org", "pypi.org"]));
+        assert_eq!(req.secrets, strings(&["GH_TOKEN"]));
+        let err = check_request(
+            Some(&Checker),
+            NetworkTier::Allowlist,
+            Some(&strings(&["a b"])),
+            None,
+        )
+        .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::BadEgressEntry);
+        let err = check_request(
+            Some(&Checker),
+            NetworkTier::Allowlist,
+            None,
+            Some(&strings(&["NOPE"])),
+        )
+        .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::UnknownSecret);
+        assert!(err.to_string().contains("declared: GH_TOKEN"), "{err}");
+        let many: Vec<String> = (0..=MAX_RUN_ENTRIES).map(|i| format!("h{i}.org")).collect();
+        let err =
+            check_request(Some(&Checker), NetworkTier::Allowlist, Some(&many), None).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::BadEgress);
     }
 
     #[test]
@@ -294,6 +301,7 @@ mod tests {
     #[test]
     fn the_run_environment_points_at_the_proxy_and_holds_only_placeholders() {
         let env = run_env(
+            Some(&Checker),
             NetworkTier::Allowlist,
             &RunEgressRequest {
                 allow: vec![],
@@ -303,17 +311,25 @@ mod tests {
         let get = |k: &str| env.0.get(k).map(String::as_str);
         assert_eq!(get("HTTPS_PROXY"), Some(PROXY_URL));
         assert_eq!(get("no_proxy"), Some("localhost,127.0.0.1"));
-        assert_eq!(get("GH_TOKEN"), Some("runbox-secret:GH_TOKEN"));
+        assert_eq!(get("GH_TOKEN"), Some("placeholder:GH_TOKEN"));
         assert_eq!(get("SSL_CERT_FILE"), Some(TRUST_BUNDLE_PATH));
         assert_eq!(get("NODE_EXTRA_CA_CERTS"), Some(EXTRA_CA_PATH));
         // No secrets: no CA variables (nothing is intercepted).
-        let env = run_env(NetworkTier::Allowlist, &RunEgressRequest::default());
+        let env = run_env(
+            Some(&Checker),
+            NetworkTier::Allowlist,
+            &RunEgressRequest::default(),
+        );
         assert!(!env.0.contains_key("SSL_CERT_FILE"));
         // Other tiers have no proxy to point at.
         let req = RunEgressRequest {
             allow: vec![],
             secrets: strings(&["GH_TOKEN"]),
         };
-        assert_eq!(run_env(NetworkTier::Open, &req), Env::default());
+        assert_eq!(
+            run_env(Some(&Checker), NetworkTier::Open, &req),
+            Env::default()
+        );
+        assert_eq!(run_env(None, NetworkTier::Allowlist, &req), Env::default());
     }
 }

@@ -110,7 +110,7 @@ pub(crate) struct RunHandle {
     /// Why the run is stopping, set before `ended` is cancelled.
     pub end_reason: OnceLock<ExitReason>,
     /// The egress proxy's counters, once it serves (`allowlist` runs).
-    pub egress: OnceLock<Arc<runbox_proxy::proxy::Counters>>,
+    pub egress: OnceLock<Arc<dyn crate::egress::EgressMeter>>,
 }
 
 impl RunHandle {

@@ -240,7 +240,7 @@ impl Manager {
     /// The API view of a run: its record plus live counters.
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
         let mut run = handle.snapshot().record.to_run(&self.config.server_id);
-        run.egress = handle.egress.get().map(|c| egress::stats(c));
+        run.egress = handle.egress.get().map(|meter| meter.stats());
         run.disk_used_bytes = self.backend.disk_used(run.id);
         run
     }
@@ -262,13 +262,19 @@ impl Manager {
             )
         })?;
         let listener = self.backend.egress_listener(record.id).await?;
-        let counters = config.start(
-            record.id,
-            &record.egress,
-            listener,
-            handle.ended.child_token(),
-        )?;
-        let _ = handle.egress.set(counters);
+        let meter = config
+            .start(
+                record.id,
+                &record.egress,
+                listener,
+                handle.ended.child_token(),
+            )
+            .map_err(|e| {
+                CoreError::Backend(crate::backend::BackendError::Failed(format!(
+                    "starting the run's egress proxy: {e}"
+                )))
+            })?;
+        let _ = handle.egress.set(meter);
         Ok(())
     }
 

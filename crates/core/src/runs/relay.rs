@@ -163,7 +163,11 @@ impl Manager {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect());
-        let egress_env = egress::run_env(record.network, &record.egress);
+        let egress_env = egress::run_env(
+            self.config.egress.as_deref(),
+            record.network,
+            &record.egress,
+        );
         // Later layers win: runbox's defaults, the image's Env, the egress
         // proxy's, the run's, the exec's.
         let env: Vec<pb::EnvVar> =
