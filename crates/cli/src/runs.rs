@@ -46,6 +46,8 @@ impl From<NetworkArg> for NetworkTier {
 pub enum PullArg {
     /// Only when it is not stored
     IfNotPresent,
+    /// Every time: a moved tag replaces the stored image for new runs
+    Always,
     /// Never: a reference that is not stored fails
     Never,
 }
@@ -113,6 +115,7 @@ impl CreateArgs {
             image: self.image.clone(),
             pull: self.pull.map(|p| match p {
                 PullArg::IfNotPresent => runbox_types::PullPolicy::IfNotPresent,
+                PullArg::Always => runbox_types::PullPolicy::Always,
                 PullArg::Never => runbox_types::PullPolicy::Never,
             }),
             env: env_map(self.env.clone()),

@@ -12,6 +12,11 @@ use crate::error::CoreError;
 use crate::runs::Manager;
 use crate::validate;
 
+/// At most 64 characters of `s`, for messages.
+fn bounded(s: &str) -> String {
+    s.chars().take(64).collect()
+}
+
 impl Manager {
     /// The local name of the image a create asks for by name or reference,
     /// pulling it first when it is not stored and `policy` allows.
@@ -23,12 +28,6 @@ impl Manager {
         wanted: &str,
         policy: PullPolicy,
     ) -> Result<String, CoreError> {
-        if policy == PullPolicy::Always {
-            return Err(CoreError::invalid(
-                ErrorCode::BadRequest,
-                "pull \"always\" is not supported yet; use \"if-not-present\" (the default) or \"never\"",
-            ));
-        }
         let resolve = |wanted: String| {
             let images = self.images.clone();
             async move {
@@ -37,15 +36,33 @@ impl Manager {
                     .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))?
             }
         };
-        if let Some(name) = resolve(wanted.to_owned()).await? {
-            return Ok(name);
-        }
-        let missing = || CoreError::ImageNotFound(wanted.to_owned());
         // Only what cannot be a local name is pulled on demand: a reference
         // with a registry, a tag or a digest (`alpine:3.20`, `host/x`,
         // `x@sha256:…`). A bare word such as `busybox` stays a local name,
         // so a typo never turns into a request to Docker Hub.
         let reference_like = wanted.contains([':', '/', '@']);
+        let stored = resolve(wanted.to_owned()).await?;
+        if policy == PullPolicy::Always {
+            if !reference_like || runbox_image::pull::normalise(wanted).is_err() {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "pull \"always\" needs a registry reference such as alpine:3.20 or \
+                         127.0.0.1:5000/team/app:1; {:?} is a local image name",
+                        bounded(wanted)
+                    ),
+                ));
+            }
+            let manager = self.clone();
+            let reference = wanted.to_owned();
+            return tokio::spawn(async move { manager.refresh_for_run(reference, stored).await })
+                .await
+                .map_err(|e| CoreError::Store(format!("pull task failed: {e}")))?;
+        }
+        if let Some(name) = stored {
+            return Ok(name);
+        }
+        let missing = || CoreError::ImageNotFound(wanted.to_owned());
         if policy == PullPolicy::Never
             || !reference_like
             || runbox_image::pull::normalise(wanted).is_err()
@@ -67,23 +84,71 @@ impl Manager {
         }
     }
 
+    /// Pulls `reference` again for a create with `pull: always`, into the
+    /// image that holds it (`stored`) or a new one. When the registry serves
+    /// something else than what is stored (a moved tag), the image is
+    /// replaced: new runs start from the new layers, live runs keep theirs
+    /// (garbage collection spares what runs mount). Fails with the pull's
+    /// own error when the registry cannot be reached: never a stale image.
+    async fn refresh_for_run(
+        self: Arc<Self>,
+        reference: String,
+        stored: Option<String>,
+    ) -> Result<String, CoreError> {
+        let name = match stored {
+            Some(name) => name,
+            None => self.name_for_pull(&reference),
+        };
+        let (progress, _ignored) = mpsc::unbounded_channel();
+        let auth = runbox_image::pull::RegistryAuth::Anonymous;
+        let (image, changed) = self
+            .pull_into(&reference, &name, auth, progress, true)
+            .await?;
+        if changed {
+            tracing::info!(image = %image.name, reference = %reference, "image replaced by a newer pull");
+            self.collect_garbage().await?;
+        }
+        Ok(image.name)
+    }
+
+    /// A free local name for an image pulled from `reference`: its default
+    /// name, or that name with a suffix from the reference when another
+    /// image holds it.
+    fn name_for_pull(&self, reference: &str) -> String {
+        let base = crate::images::default_name(reference);
+        if self
+            .images
+            .get(&base, &self.config.server_id, false)
+            .is_err()
+        {
+            return base;
+        }
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(reference.as_bytes());
+        let suffix: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+        let room = 64usize.saturating_sub(suffix.len() + 1);
+        format!("{}-{suffix}", &base[..base.len().min(room)])
+    }
+
+    /// Removes the layers no image and no run in the registry uses. The
+    /// runs' layers are read under the image lock: a create holds it from
+    /// reading its image's layers until its run is in the registry.
+    async fn collect_garbage(&self) -> Result<(), CoreError> {
+        let keep = {
+            let _guard = self.image_lock.lock().await;
+            self.layers_in_use()
+        };
+        let images = self.images.clone();
+        tokio::task::spawn_blocking(move || images.collect_garbage(&keep))
+            .await
+            .map_err(|e| CoreError::Store(format!("garbage collection task failed: {e}")))?
+    }
+
     /// Pulls `reference` for a create, under its default local name, or
     /// that name with a suffix from the reference when another image holds
     /// it.
     async fn pull_for_run(self: Arc<Self>, reference: String) -> Result<String, CoreError> {
-        let base = crate::images::default_name(&reference);
-        let mut name = base.clone();
-        if self
-            .images
-            .get(&name, &self.config.server_id, false)
-            .is_ok()
-        {
-            use sha2::Digest;
-            let digest = sha2::Sha256::digest(reference.as_bytes());
-            let suffix: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
-            let room = 64usize.saturating_sub(suffix.len() + 1);
-            name = format!("{}-{suffix}", &base[..base.len().min(room)]);
-        }
+        let name = self.name_for_pull(&reference);
         tracing::info!(reference = %reference, image = %name, "pulling an image a create asked for");
         let (progress, _ignored) = mpsc::unbounded_channel();
         let req = PullRequest {
@@ -122,20 +187,37 @@ impl Manager {
         progress: mpsc::UnboundedSender<PullEvent>,
     ) -> Result<Image, CoreError> {
         let (reference, name) = self.check_pull(&req)?;
+        let auth = match (req.username, req.password) {
+            (Some(username), Some(password)) => {
+                runbox_image::pull::RegistryAuth::Basic { username, password }
+            }
+            (None, None) => runbox_image::pull::RegistryAuth::Anonymous,
+            _ => {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    "give both username and password, or neither",
+                ))
+            }
+        };
+        Ok(self
+            .pull_into(&reference, &name, auth, progress, false)
+            .await?
+            .0)
+    }
+
+    /// Pulls `reference` and records it as image `name` (replacing an image
+    /// of that name with `replace`); says whether the record changed.
+    async fn pull_into(
+        &self,
+        reference: &str,
+        name: &str,
+        auth: runbox_image::pull::RegistryAuth,
+        progress: mpsc::UnboundedSender<PullEvent>,
+        replace: bool,
+    ) -> Result<(Image, bool), CoreError> {
         let opts = runbox_image::pull::PullOptions {
             insecure_registries: self.config.insecure_registries.clone(),
-            auth: match (req.username, req.password) {
-                (Some(username), Some(password)) => {
-                    runbox_image::pull::RegistryAuth::Basic { username, password }
-                }
-                (None, None) => runbox_image::pull::RegistryAuth::Anonymous,
-                _ => {
-                    return Err(CoreError::invalid(
-                        ErrorCode::BadRequest,
-                        "give both username and password, or neither",
-                    ))
-                }
-            },
+            auth,
             ..Default::default()
         };
         let sink = crate::images::StoreSink {
@@ -157,16 +239,18 @@ impl Manager {
         // Layers a pull has stored are not referenced until it records the
         // image: hold off garbage collection until then.
         let guard = self.images.import_guard();
-        let pulled = runbox_image::pull::pull(&reference, &opts, &sink, &report)
+        let pulled = runbox_image::pull::pull(reference, &opts, &sink, &report)
             .await
             .map_err(crate::images::pull_error)?;
-        let image = self
+        let recorded = self
             .images
-            .record_pulled(&name, &pulled, &self.config.server_id);
+            .record_pulled(name, &pulled, &self.config.server_id, replace);
         drop(guard);
-        let image = image?;
-        tracing::info!(image = %name, reference = %pulled.reference, digest = %pulled.manifest_digest, "image pulled");
-        Ok(image)
+        let (image, changed) = recorded?;
+        if changed {
+            tracing::info!(image = %name, reference = %pulled.reference, digest = %pulled.manifest_digest, "image pulled");
+        }
+        Ok((image, changed))
     }
 
     /// Validates a pull request; returns the reference and the local name.
@@ -234,14 +318,11 @@ impl Manager {
                 // The record goes under the lock, so no run can start from
                 // the image once the in-use check passed; its layers go off
                 // the lock.
-                let forget = images.clone();
-                tokio::task::spawn_blocking(move || forget.forget(&name))
+                tokio::task::spawn_blocking(move || images.forget(&name))
                     .await
                     .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))??;
             }
-            tokio::task::spawn_blocking(move || images.collect_garbage())
-                .await
-                .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))?
+            manager.collect_garbage().await
         })
         .await
         .map_err(|e| CoreError::Store(format!("image removal task failed: {e}")))?

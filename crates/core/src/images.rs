@@ -145,6 +145,23 @@ impl ImageStore {
         self.store.image_layer_dirs(name).map_err(store_error)
     }
 
+    /// What a run of image `name` is built from, read from one record: its
+    /// layer digests and their directories (base first), and the honoured
+    /// parts of its config. Blocking.
+    pub fn for_run(
+        &self,
+        name: &str,
+    ) -> Result<(Vec<String>, Vec<PathBuf>, ImageConfig), CoreError> {
+        let record = self.record(name)?;
+        let dirs = record
+            .layers
+            .iter()
+            .map(|d| self.store.layer_dir(d))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(store_error)?;
+        Ok((record.layers, dirs, ImageConfig::from_oci(&record.config)))
+    }
+
     /// The honoured parts of image `name`'s config.
     pub fn config(&self, name: &str) -> Result<ImageConfig, CoreError> {
         Ok(ImageConfig::from_oci(&self.record(name)?.config))
@@ -209,9 +226,10 @@ impl ImageStore {
         Ok(())
     }
 
-    /// Removes every layer no image references. Waits for imports in
-    /// progress, whose layers are not referenced until they finish. Blocking.
-    pub fn collect_garbage(&self) -> Result<(), CoreError> {
+    /// Removes every layer no image references and `keep` (the layers live
+    /// runs mount) does not name. Waits for imports in progress, whose
+    /// layers are not referenced until they finish. Blocking.
+    pub fn collect_garbage(&self, keep: &[String]) -> Result<(), CoreError> {
         let _exclusive = self.gc_lock.write().unwrap_or_else(|p| p.into_inner());
         if self.pulls.load(Ordering::SeqCst) > 0 {
             // A pull holds layers it has not recorded yet; the next
@@ -219,7 +237,7 @@ impl ImageStore {
             tracing::info!("a pull is in progress; garbage collection skipped");
             return Ok(());
         }
-        let removed = self.store.gc(&[]).map_err(store_error)?;
+        let removed = self.store.gc(keep).map_err(store_error)?;
         if !removed.is_empty() {
             tracing::info!(layers = removed.len(), "removed unused layers");
         }
@@ -238,13 +256,17 @@ impl ImageStore {
         }
     }
 
-    /// Records a pulled image whose layers are all in the store.
+    /// Records a pulled image whose layers are all in the store. With
+    /// `replace`, an image of that name is replaced (its old layers stay for
+    /// the runs that mount them, until garbage collection); the second value
+    /// says whether anything changed.
     pub fn record_pulled(
         &self,
         name: &str,
         pulled: &runbox_image::pull::PulledImage,
         server: &str,
-    ) -> Result<Image, CoreError> {
+        replace: bool,
+    ) -> Result<(Image, bool), CoreError> {
         let config = serde_json::from_slice(&pulled.config).map_err(|e| {
             CoreError::invalid(
                 ErrorCode::RegistryError,
@@ -255,18 +277,29 @@ impl ImageStore {
         for layer in &pulled.layers {
             size += self.store.layer_size(&layer.digest).map_err(store_error)?;
         }
-        let record = self
-            .store
-            .put_image(ImageRecord {
-                name: name.to_owned(),
-                source: pulled.reference.clone(),
-                config,
-                layers: pulled.layers.iter().map(|l| l.digest.clone()).collect(),
-                size_bytes: size,
-                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
-            })
-            .map_err(store_error)?;
-        Ok(to_image(record, server, false))
+        let layers: Vec<String> = pulled.layers.iter().map(|l| l.digest.clone()).collect();
+        if replace {
+            if let Ok(old) = self.store.image(name) {
+                if old.source == pulled.reference && old.layers == layers && old.config == config {
+                    return Ok((to_image(old, server, false), false));
+                }
+            }
+        }
+        let record = ImageRecord {
+            name: name.to_owned(),
+            source: pulled.reference.clone(),
+            config,
+            layers,
+            size_bytes: size,
+            created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+        };
+        let record = if replace {
+            self.store.replace_image(record)
+        } else {
+            self.store.put_image(record)
+        }
+        .map_err(store_error)?;
+        Ok((to_image(record, server, false), true))
     }
 
     /// Imports an archive (see the module doc) as image `name`. Blocking.

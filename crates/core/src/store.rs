@@ -48,6 +48,12 @@ pub struct RunRecord {
     /// The honoured parts of the image's config, fixed at creation.
     #[serde(default)]
     pub image_config: crate::images::ImageConfig,
+    /// The image's layer digests when the run was made (base first): what
+    /// its root mounts, kept from garbage collection while the run lives,
+    /// even if the image is replaced by a newer pull. Empty in records from
+    /// before this was kept.
+    #[serde(default)]
+    pub layers: Vec<String>,
     /// The writable lease and the last generation issued.
     #[serde(default)]
     pub lease: crate::lease::LeaseBook,
@@ -212,6 +218,7 @@ mod tests {
             runtime: String::new(),
             agent_socket: PathBuf::new(),
             image_config: Default::default(),
+            layers: vec!["sha256:00".into()],
             lease: Default::default(),
             egress: Default::default(),
             failure: None,

@@ -87,6 +87,11 @@ impl Drop for Registry {
 }
 
 fn image_layout() -> Vec<u8> {
+    image_layout_with(b"pulled\n")
+}
+
+/// The test image with `data` in /srv/data.txt.
+fn image_layout_with(data: &[u8]) -> Vec<u8> {
     let config = serde_json::json!({
         "architecture": "amd64", "os": "linux",
         "config": {"Env": ["PATH=/bin:/usr/bin", "FROM_REGISTRY=yes"], "WorkingDir": "/srv"},
@@ -94,7 +99,7 @@ fn image_layout() -> Vec<u8> {
     });
     let top = layer_tar(&[
         LayerEntry::Dir("srv"),
-        LayerEntry::File("srv/data.txt", b"pulled\n"),
+        LayerEntry::File("srv/data.txt", data),
     ]);
     oci_layout_tar(&[busybox_tar(), top], &config)
 }
@@ -219,13 +224,14 @@ async fn a_create_by_reference_pulls_once_and_then_finds_the_image() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::ImageNotFound), "{err}");
-    // `always` is not there yet, and says so.
+    // `always` needs a reference: a local name is a 400 saying so.
     let err = daemon
         .client
-        .create_run(&create(&reference, Some(runbox_types::PullPolicy::Always)))
+        .create_run(&create("base", Some(runbox_types::PullPolicy::Always)))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::BadRequest), "{err}");
+    assert!(err.to_string().contains("registry reference"), "{err}");
 
     // The default pulls it, and the run is made from it.
     let run = daemon.create_with(create(&reference, None)).await;
@@ -264,6 +270,87 @@ async fn a_create_by_reference_pulls_once_and_then_finds_the_image() {
     let err = daemon
         .client
         .create_run(&create(&gone, None))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::RegistryError), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pull_always_follows_a_moved_tag_and_live_runs_keep_theirs() {
+    let registry = Registry::start();
+    registry.push(&image_layout_with(b"v1\n"), "team/app:1");
+    let daemon = TestDaemon::start(None).await;
+    let reference = format!("127.0.0.1:{}/team/app:1", registry.port);
+    let create = |pull: Option<runbox_types::PullPolicy>| CreateRunRequest {
+        image: reference.clone(),
+        pull,
+        ..Default::default()
+    };
+    let layers = || {
+        std::fs::read_dir(daemon.state.path().join("images/layers"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().is_dir())
+            .count()
+    };
+    let data = |id: String| {
+        let daemon = &daemon;
+        async move { daemon.sh(&id, "cat data.txt").await.stdout }
+    };
+    let old = daemon.create_with(create(None)).await;
+    assert_eq!(data(old.id.to_string()).await, b"v1\n");
+    let before = layers();
+
+    // The tag moves. Without `always` the stored image is used.
+    registry.push(&image_layout_with(b"v2\n"), "team/app:1");
+    let cached = daemon.create_with(create(None)).await;
+    assert_eq!(data(cached.id.to_string()).await, b"v1\n");
+    // With `always` the image is replaced, under the same name.
+    let fresh = daemon
+        .create_with(create(Some(runbox_types::PullPolicy::Always)))
+        .await;
+    assert_eq!(fresh.image, old.image);
+    assert_eq!(data(fresh.id.to_string()).await, b"v2\n");
+    let image = daemon.client.get_image(&old.image).await.unwrap();
+    assert_eq!(image.layers.len(), 2);
+    assert_eq!(layers(), before + 1, "one new top layer, the base shared");
+    // Runs made before keep what they mount, after the collection the
+    // replacement ran.
+    assert_eq!(data(old.id.to_string()).await, b"v1\n");
+    assert_eq!(data(cached.id.to_string()).await, b"v1\n");
+    // Later default creates get the new content.
+    let later = daemon.create_with(create(None)).await;
+    assert_eq!(data(later.id.to_string()).await, b"v2\n");
+    // `always` again with nothing changed: same image, nothing new stored.
+    let again = daemon
+        .create_with(create(Some(runbox_types::PullPolicy::Always)))
+        .await;
+    assert_eq!(data(again.id.to_string()).await, b"v2\n");
+    assert_eq!(layers(), before + 1);
+    assert_eq!(
+        daemon.client.get_image(&old.image).await.unwrap().layers,
+        image.layers
+    );
+
+    // Once the last run of the old content is gone, a collection frees it.
+    for run in [&old, &cached] {
+        daemon.client.delete_run(&run.id.to_string()).await.unwrap();
+    }
+    let base = daemon.create().await;
+    daemon
+        .client
+        .delete_run(&base.id.to_string())
+        .await
+        .unwrap();
+    daemon.import("spare", busybox_tar()).await;
+    daemon.client.delete_image("spare").await.unwrap();
+    assert_eq!(layers(), before, "the old top layer is collected");
+
+    // A registry that is gone: `always` fails with the pull's error, never
+    // a stale image.
+    drop(registry);
+    let err = daemon
+        .client
+        .create_run(&create(Some(runbox_types::PullPolicy::Always)))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::RegistryError), "{err}");

@@ -341,6 +341,31 @@ impl Store {
         }
     }
 
+    /// Records an image whose layers are all stored, replacing an image of
+    /// that name if there is one (a re-pull of a moved tag). The new record
+    /// is written whole under a temporary name and renamed over the old one,
+    /// so a reader sees one or the other, never a mix.
+    pub fn replace_image(&self, record: ImageRecord) -> Result<ImageRecord, StoreError> {
+        for digest in &record.layers {
+            if !self.has_layer(digest) {
+                return Err(io_err(format!("recording image {}", record.name))(
+                    io::Error::new(
+                        io::ErrorKind::NotFound,
+                        format!("layer {digest} is not stored"),
+                    ),
+                ));
+            }
+        }
+        let path = self.image_path(&record.name);
+        let bytes = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&path, e))?;
+        let tmp = self.tmp_dir()?.join("image.json");
+        fs::write(&tmp, bytes).map_err(io_err(format!("writing {}", tmp.display())))?;
+        let renamed = fs::rename(&tmp, &path);
+        let _ = remove_any(tmp.parent().unwrap_or(&tmp));
+        renamed.map_err(io_err(format!("writing {}", path.display())))?;
+        Ok(record)
+    }
+
     fn image_path(&self, name: &str) -> PathBuf {
         self.root.join("images").join(format!("{name}.json"))
     }

@@ -126,7 +126,9 @@ pub enum PullPolicy {
     /// Pull only when no stored image has this name or reference.
     #[default]
     IfNotPresent,
-    /// Pull every time (not supported yet: answered `400 bad_request`).
+    /// Pull every time: a reference whose tag moved replaces the stored
+    /// image for new runs (live runs keep what they mount); a local name is
+    /// `400 bad_request`.
     Always,
     /// Never pull: a reference that is not stored is `404 image_not_found`.
     Never,

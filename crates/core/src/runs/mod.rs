@@ -164,14 +164,12 @@ impl Manager {
         // Holding the image lock until the run is in the registry means a
         // concurrent image delete either sees this run or runs first.
         let image_guard = self.image_lock.lock().await;
-        let (image_layers, image_config) = {
+        let (layers, image_layers, image_config) = {
             let images = self.images.clone();
             let name = image.clone();
-            tokio::task::spawn_blocking(move || {
-                Ok::<_, CoreError>((images.layers(&name)?, images.config(&name)?))
-            })
-            .await
-            .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??
+            tokio::task::spawn_blocking(move || images.for_run(&name))
+                .await
+                .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??
         };
         let now = OffsetDateTime::now_utc();
         let record = RunRecord {
@@ -186,6 +184,7 @@ impl Manager {
             runtime: String::new(),
             agent_socket: Default::default(),
             image_config,
+            layers,
             lease: Default::default(),
             egress,
             failure: None,
@@ -315,6 +314,19 @@ impl Manager {
     }
 
     /// Whether any run, in any phase, uses image `name`.
+    /// The layers the runs in the registry mount (their image's layers as
+    /// they were when each run was created).
+    pub(crate) fn layers_in_use(&self) -> Vec<String> {
+        let mut layers: Vec<String> = self
+            .registry()
+            .values()
+            .flat_map(|h| h.snapshot().record.layers.clone())
+            .collect();
+        layers.sort();
+        layers.dedup();
+        layers
+    }
+
     pub(crate) fn image_in_use(&self, name: &str) -> bool {
         self.registry()
             .values()

@@ -36,6 +36,7 @@ const READOPT_TIMEOUT: Duration = Duration::from_secs(3);
 impl Manager {
     pub(super) async fn reconcile(self: &Arc<Self>) -> Result<(), CoreError> {
         let records = self.store.list()?;
+        let records = self.fill_in_layers(records).await?;
         let keep: HashSet<_> = records.iter().map(|r| r.id).collect();
         let verdicts: Vec<(RunRecord, Adopted)> = futures::stream::iter(records)
             .map(|record| async move {
@@ -90,6 +91,29 @@ impl Manager {
     }
 
     /// What becomes of a stored run.
+    /// Records from before runs kept their layer digests get their image's
+    /// current layers (images could not be replaced then, so these are the
+    /// ones the run mounts), stored durably before anything can replace
+    /// the image and collect them.
+    async fn fill_in_layers(&self, records: Vec<RunRecord>) -> Result<Vec<RunRecord>, CoreError> {
+        let (images, store) = (self.images.clone(), self.store.clone());
+        tokio::task::spawn_blocking(move || {
+            let mut out = Vec::with_capacity(records.len());
+            for mut record in records {
+                if record.layers.is_empty() {
+                    if let Ok((layers, _, _)) = images.for_run(&record.image) {
+                        record.layers = layers;
+                        store.put(&record)?;
+                    }
+                }
+                out.push(record);
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("reconcile task failed: {e}")))?
+    }
+
     async fn judge(&self, record: &RunRecord) -> Adopted {
         let id = record.id;
         if record.expires_at <= OffsetDateTime::now_utc() {
