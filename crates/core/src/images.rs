@@ -274,10 +274,21 @@ impl ImageStore {
             )
         })?;
         let mut size = 0;
+        let mut layers = Vec::with_capacity(pulled.layers.len());
         for layer in &pulled.layers {
-            size += self.store.layer_size(&layer.digest).map_err(store_error)?;
+            // The key the layer is stored under: its diff_id (a skipped blob
+            // may have been stored from another compression of it).
+            let key = layer
+                .diff_id
+                .as_deref()
+                .and_then(|id| self.store.layer_key(id))
+                .or_else(|| self.store.layer_key(&layer.digest))
+                .ok_or_else(|| {
+                    CoreError::Store(format!("pulled layer {} is not stored", layer.digest))
+                })?;
+            size += self.store.layer_size(&key).map_err(store_error)?;
+            layers.push(key);
         }
-        let layers: Vec<String> = pulled.layers.iter().map(|l| l.digest.clone()).collect();
         if replace {
             if let Ok(old) = self.store.image(name) {
                 if old.source == pulled.reference && old.layers == layers && old.config == config {
@@ -325,11 +336,15 @@ impl ImageStore {
             Shape::Rootfs => {
                 let blob = File::open(&spooled).map_err(CoreError::io("reopening the archive"))?;
                 let layer = self.store.add_layer(&digest, blob).map_err(store_error)?;
+                let digest = layer.digest.clone();
                 self.store
                     .put_image(ImageRecord {
                         name: name.to_owned(),
                         source: "rootfs".to_owned(),
-                        config: serde_json::json!({ "config": {} }),
+                        config: serde_json::json!({
+                            "config": {},
+                            "rootfs": {"type": "layers", "diff_ids": [digest]},
+                        }),
                         layers: vec![digest],
                         size_bytes: layer.unpacked_bytes,
                         created_unix: OffsetDateTime::now_utc().unix_timestamp(),
@@ -520,9 +535,10 @@ pub fn store_error(e: StoreError) -> CoreError {
                 format!("layer {digest} refused ({}): {source}", source.rule()),
             )
         }
-        e @ (StoreError::DigestMismatch { .. } | StoreError::BadDigest(_)) => {
-            CoreError::invalid(ErrorCode::BadArchive, e.to_string())
-        }
+        e @ (StoreError::DigestMismatch { .. }
+        | StoreError::DiffIdMismatch { .. }
+        | StoreError::BadLayer { .. }
+        | StoreError::BadDigest(_)) => CoreError::invalid(ErrorCode::BadArchive, e.to_string()),
         StoreError::Io { context, source } => CoreError::Io { context, source },
         e @ StoreError::Corrupt { .. } => CoreError::Store(e.to_string()),
     }
@@ -536,8 +552,12 @@ pub(crate) struct StoreSink {
 }
 
 impl runbox_image::pull::LayerSink for StoreSink {
-    fn has_layer(&self, digest: &str) -> bool {
-        self.store.has_layer(digest)
+    fn has_layer(&self, layer: &runbox_image::pull::LayerInfo) -> bool {
+        self.store.has_layer(&layer.digest)
+            || layer
+                .diff_id
+                .as_deref()
+                .is_some_and(|id| self.store.has_layer(id))
     }
 
     fn begin(
@@ -547,6 +567,7 @@ impl runbox_image::pull::LayerSink for StoreSink {
         let (tx, rx) = std::sync::mpsc::sync_channel::<io::Result<Vec<u8>>>(8);
         let store = self.store.clone();
         let digest = layer.digest.clone();
+        let diff_id = layer.diff_id.clone();
         let thread = std::thread::Builder::new()
             .name("runbox-unpack".into())
             .spawn(move || {
@@ -555,7 +576,9 @@ impl runbox_image::pull::LayerSink for StoreSink {
                     current: Vec::new(),
                     at: 0,
                 };
-                store.add_layer(&digest, reader).map(|_| ())
+                store
+                    .add_layer_checked(&digest, diff_id.as_deref(), reader)
+                    .map(|_| ())
             })?;
         Ok(Box::new(StoreWriter {
             tx: Some(tx),

@@ -132,25 +132,28 @@ async fn oci_layout_and_docker_save_imports_share_layers_and_honour_the_config()
     let base = daemon.client.get_image("base").await.unwrap();
     assert_eq!(base.source, "rootfs");
     assert_eq!(base.layers[0], runbox_e2e::sha256(&busybox_tar()));
-    let layer_dirs = std::fs::read_dir(daemon.state.path().join("images/layers"))
-        .unwrap()
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .count();
-    // Layers are keyed by their blob's digest: the layout's three gzip blobs,
-    // and the save's three plain ones, of which busybox is `base`'s layer.
-    assert_eq!(layer_dirs, 3 + 3, "layers are not shared");
+    let layer_dirs = || {
+        std::fs::read_dir(daemon.state.path().join("images/layers"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .count()
+    };
+    // Layers are keyed by what they unpack to (diff_id): the layout's gzip
+    // blobs and the save's plain ones are the same three layers, and the
+    // busybox one is `base`'s.
+    assert_eq!(layer_dirs(), 3, "layers are not shared");
+    assert_eq!(saved.layers, oci.layers);
+    assert_eq!(oci.layers[0], base.layers[0]);
 
-    // Removing an image collects only the layers nobody else uses.
+    // Removing an image collects only the layers nobody else uses: here
+    // none, `from-oci` has them all.
     daemon.client.delete_image("from-docker").await.unwrap();
-    let after = std::fs::read_dir(daemon.state.path().join("images/layers"))
-        .unwrap()
-        .flatten()
-        .filter(|e| e.path().is_dir())
-        .count();
-    // The save's own middle and top went; busybox stays for `base`.
-    assert_eq!(after, 4);
+    assert_eq!(layer_dirs(), 3);
     check_image(&daemon, "from-oci").await;
+    daemon.client.delete_image("from-oci").await.unwrap();
+    // Its middle and top went; busybox stays for `base`.
+    assert_eq!(layer_dirs(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use runbox_client::PullUpdate;
-use runbox_e2e::{busybox_tar, layer_tar, oci_layout_tar, LayerEntry, TestDaemon};
+use runbox_e2e::{
+    busybox_tar, docker_save_tar, layer_tar, oci_layout_tar, sha256, LayerEntry, TestDaemon,
+};
 use runbox_types::{CreateRunRequest, ErrorCode, PullEvent, PullRequest};
 
 /// A registry on 127.0.0.1, killed and cleaned up on drop.
@@ -354,6 +356,97 @@ async fn pull_always_follows_a_moved_tag_and_live_runs_keep_theirs() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::RegistryError), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layers_are_shared_across_compressions_and_checked_against_the_config() {
+    let registry = Registry::start();
+    let top = layer_tar(&[
+        LayerEntry::Dir("srv"),
+        LayerEntry::File("srv/data.txt", b"shared\n"),
+    ]);
+    let layers = vec![busybox_tar(), top.clone()];
+    let config = |diff_ids: Vec<String>| {
+        serde_json::json!({
+            "architecture": "amd64", "os": "linux",
+            "config": {"Env": ["PATH=/bin:/usr/bin"], "WorkingDir": "/srv"},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids}
+        })
+    };
+    let right = config(layers.iter().map(|l| sha256(l)).collect());
+    // The registry serves the layers gzip-compressed (an OCI layout).
+    registry.push(&oci_layout_tar(&layers, &right), "team/shared:1");
+    let daemon = TestDaemon::start(None).await;
+    let layer_dirs = || {
+        std::fs::read_dir(daemon.state.path().join("images/layers"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .count()
+    };
+    // The same content arrives first uncompressed (`docker save`).
+    daemon
+        .client
+        .import_image("local", runbox_e2e::body(docker_save_tar(&layers, &right)))
+        .await
+        .unwrap();
+    let before = layer_dirs();
+    // The pull finds both layers by diff_id and fetches no layer blob.
+    let reference = format!("127.0.0.1:{}/team/shared:1", registry.port);
+    let (image, events) = pull(&daemon, &reference, "pulled").await.unwrap();
+    let skipped = events
+        .iter()
+        .filter(|e| matches!(e, PullEvent::LayerSkipped { .. }))
+        .count();
+    assert_eq!(skipped, 2, "{events:?}");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, PullEvent::LayerStarted { .. })),
+        "{events:?}"
+    );
+    assert_eq!(layer_dirs(), before);
+    let local = daemon.client.get_image("local").await.unwrap();
+    assert_eq!(image.layers, local.layers);
+    let run = daemon
+        .create_with(CreateRunRequest {
+            image: "pulled".into(),
+            ..Default::default()
+        })
+        .await;
+    let out = daemon.sh(&run.id.to_string(), "cat data.txt").await;
+    assert_eq!(out.stdout, b"shared\n");
+
+    // A config whose diff_id does not match what the blob unpacks to is
+    // refused, on a pull and on an import, and stores nothing.
+    let lying = config(vec![sha256(&busybox_tar()), sha256(b"not this layer")]);
+    let other_top = layer_tar(&[LayerEntry::File("srv/other.txt", b"x\n")]);
+    let lying_layers = vec![busybox_tar(), other_top];
+    registry.push(&oci_layout_tar(&lying_layers, &lying), "team/lying:1");
+    let before = layer_dirs();
+    let lied = format!("127.0.0.1:{}/team/lying:1", registry.port);
+    let err = pull(&daemon, &lied, "lying").await.unwrap_err();
+    assert!(err.to_string().contains("the image config says"), "{err}");
+    let err = daemon
+        .client
+        .import_image(
+            "lying2",
+            runbox_e2e::body(docker_save_tar(&lying_layers, &lying)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::BadArchive), "{err}");
+    assert_eq!(layer_dirs(), before);
+    let names: Vec<String> = daemon
+        .client
+        .list_images()
+        .await
+        .unwrap()
+        .images
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert!(!names.iter().any(|n| n.starts_with("lying")), "{names:?}");
 }
 
 fn free_port() -> u16 {

@@ -200,6 +200,10 @@ pub struct LayerInfo {
     pub media_type: String,
     /// The blob's size in bytes.
     pub size: u64,
+    /// The uncompressed tar's digest as the image config lists it
+    /// (`rootfs.diff_ids`), checked to be a well-formed sha256 digest; None
+    /// when the config lists none (or not one per layer).
+    pub diff_id: Option<String>,
 }
 
 impl LayerInfo {
@@ -220,9 +224,10 @@ impl LayerInfo {
 /// return quickly (a write to a file is fine; waiting on the network is
 /// not).
 pub trait LayerSink: Send + Sync {
-    /// Whether a layer with this digest (`sha256:<hex>`) is already stored.
-    /// If so, it is not fetched at all.
-    fn has_layer(&self, digest: &str) -> bool;
+    /// Whether this layer is already stored: its blob digest, or its
+    /// diff_id (the same content, compressed differently). If so, it is not
+    /// fetched at all.
+    fn has_layer(&self, layer: &LayerInfo) -> bool;
 
     /// Starts receiving one layer blob.
     ///
@@ -516,6 +521,7 @@ async fn pull_over(
             digest: layer.digest.clone(),
             media_type: layer.media_type.clone(),
             size: layer.size,
+            diff_id: None,
         });
     }
     progress(ProgressEvent::Resolved {
@@ -528,9 +534,20 @@ async fn pull_over(
         .config(&parsed.config, opts.max_config_bytes)
         .await?;
 
+    // Each layer's diff_id, where the config lists them: what the store
+    // keys layers by and checks each unpacked blob against.
+    if let Some(ids) = serde_json::from_slice::<serde_json::Value>(&config)
+        .ok()
+        .and_then(|c| crate::store::config_diff_ids(&c, layers.len()))
+    {
+        for (layer, id) in layers.iter_mut().zip(ids) {
+            layer.diff_id = Some(id);
+        }
+    }
+
     // Step 7: the layers, base first.
     for (layer, desc) in layers.iter().zip(&parsed.layers) {
-        if sink.has_layer(&layer.digest) {
+        if sink.has_layer(layer) {
             progress(ProgressEvent::LayerSkipped {
                 digest: layer.digest.clone(),
             });
@@ -938,7 +955,7 @@ mod tests {
 
     struct NoSink;
     impl LayerSink for NoSink {
-        fn has_layer(&self, _: &str) -> bool {
+        fn has_layer(&self, _: &LayerInfo) -> bool {
             false
         }
         fn begin(&self, _: &LayerInfo) -> io::Result<Box<dyn LayerWriter>> {

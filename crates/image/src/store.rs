@@ -4,12 +4,22 @@
 //!
 //! ```text
 //! layers/<hex>/        one unpacked layer (an overlayfs lower dir), named by
-//!                      the sha256 of its blob as distributed
+//!                      its diff_id: the sha256 of the uncompressed tar
 //! layers/<hex>.json    the layer's metadata, written last: a layer directory
 //!                      without it is an interrupted unpack, never used
+//! blobs/<hex>          a blob digest (as distributed: gzip, zstd or plain)
+//!                      -> the diff_id of the layer it unpacked to
 //! images/<name>.json   an image: its config and its ordered layer digests
 //! tmp/                 work in progress; emptied at open
 //! ```
+//!
+//! Layers are keyed by diff_id, so the same content compressed differently
+//! (a registry's gzip and a `docker save` tar, or two compressors) is
+//! unpacked and stored once; the blob index lets a pull or import skip a
+//! blob it has seen. Where the image config lists `rootfs.diff_ids`, each
+//! layer's is checked against what its blob unpacked to. Stores written
+//! before diff_id keying hold layers under their blob digest (their
+//! metadata has no `diffId`); those keep working under that name.
 //!
 //! Every layer is unpacked once and shared read-only by every image and run
 //! that uses it. Adding a layer unpacks into `tmp/`, verifies the blob's
@@ -38,6 +48,24 @@ pub enum StoreError {
     /// A digest is not `sha256:<64 lowercase hex>`.
     #[error("{0:?} is not a sha256 digest")]
     BadDigest(String),
+    /// A layer blob is malformed in a way the unpacker does not see.
+    #[error("layer {digest}: {why}")]
+    BadLayer {
+        /// The layer blob.
+        digest: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// A layer unpacked to other content than the image config says.
+    #[error("layer {blob} unpacks to {actual}, but the image config says {expected}")]
+    DiffIdMismatch {
+        /// The layer blob.
+        blob: String,
+        /// The diff_id in the image config.
+        expected: String,
+        /// What the blob's uncompressed tar hashes to.
+        actual: String,
+    },
     /// A blob's bytes do not hash to its digest.
     #[error("layer {expected} hashes to {actual}")]
     DigestMismatch {
@@ -89,8 +117,12 @@ fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LayerRecord {
-    /// `sha256:<hex>` of the blob.
+    /// The layer's key in the store and in image records: its diff_id, or
+    /// for a layer stored before diff_id keying, its blob's digest.
     pub digest: String,
+    /// `sha256:<hex>` of the uncompressed tar, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diff_id: Option<String>,
     /// Bytes of file data unpacked.
     pub unpacked_bytes: u64,
     /// Entries unpacked.
@@ -139,7 +171,7 @@ impl Store {
     /// Opens the store at `root`, creating it, and clears leftovers of
     /// interrupted work.
     pub fn open(root: PathBuf, limits: UnpackLimits) -> Result<Store, StoreError> {
-        for dir in ["layers", "images", "tmp"] {
+        for dir in ["layers", "blobs", "images", "tmp"] {
             fs::create_dir_all(root.join(dir))
                 .map_err(io_err(format!("creating {}", root.join(dir).display())))?;
         }
@@ -181,22 +213,63 @@ impl Store {
         Ok(self.root.join("layers").join(digest_hex(digest)?))
     }
 
-    /// Whether layer `digest` is stored (finished).
+    /// Whether a layer is stored (finished) under key `digest`, or a blob
+    /// with digest `digest` was stored (as the layer it unpacked to).
     pub fn has_layer(&self, digest: &str) -> bool {
-        self.layer_dir(digest)
-            .is_ok_and(|d| d.with_extension("json").is_file())
+        self.layer_key(digest).is_some()
+    }
+
+    /// The key of the stored layer that `digest` names: itself when a layer
+    /// is stored under it (a diff_id, or a blob digest from before diff_id
+    /// keying), else the layer a blob with that digest unpacked to.
+    pub fn layer_key(&self, digest: &str) -> Option<String> {
+        let finished = |key: &str| {
+            self.layer_dir(key)
+                .is_ok_and(|d| d.with_extension("json").is_file())
+        };
+        if finished(digest) {
+            return Some(digest.to_owned());
+        }
+        let key = fs::read_to_string(self.blob_path(digest).ok()?).ok()?;
+        let key = key.trim();
+        (digest_hex(key).is_ok() && finished(key)).then(|| key.to_owned())
+    }
+
+    fn blob_path(&self, digest: &str) -> Result<PathBuf, StoreError> {
+        Ok(self.root.join("blobs").join(digest_hex(digest)?))
     }
 
     /// Stores a layer from its blob (gzip, zstd or plain tar), verifying that
-    /// the blob's bytes hash to `digest`. A layer already stored is kept and
-    /// the blob is not read. Blocking.
+    /// the blob's bytes hash to `digest`; see [`Store::add_layer_checked`].
     pub fn add_layer(&self, digest: &str, blob: impl Read) -> Result<LayerRecord, StoreError> {
-        let dest = self.layer_dir(digest)?;
-        if let Some(existing) = self.layer_record(digest)? {
-            return Ok(existing);
+        self.add_layer_checked(digest, None, blob)
+    }
+
+    /// Stores a layer from its blob (gzip, zstd or plain tar), verifying that
+    /// the blob's bytes hash to `digest` and, when the image config names
+    /// one, that its uncompressed tar hashes to `diff_id`. The layer is
+    /// stored under its diff_id. A blob seen before, or a `diff_id` already
+    /// stored, is not read. Blocking.
+    pub fn add_layer_checked(
+        &self,
+        digest: &str,
+        diff_id: Option<&str>,
+        blob: impl Read,
+    ) -> Result<LayerRecord, StoreError> {
+        digest_hex(digest)?;
+        if let Some(id) = diff_id {
+            digest_hex(id)?;
+        }
+        for known in [Some(digest), diff_id].into_iter().flatten() {
+            if let Some(key) = self.layer_key(known) {
+                if let Some(existing) = self.layer_record(&key)? {
+                    self.index_blob(digest, &key)?;
+                    return Ok(existing);
+                }
+            }
         }
         let work = self.tmp_dir()?;
-        let result = self.unpack_verified(digest, blob, &work.join("layer"));
+        let result = self.unpack_verified(digest, diff_id, blob, &work.join("layer"));
         let record = match result {
             Ok(record) => record,
             Err(e) => {
@@ -204,6 +277,14 @@ impl Store {
                 return Err(e);
             }
         };
+        let key = record.digest.clone();
+        if let Some(existing) = self.layer_record(&key)? {
+            // The same content came before in another blob: keep that copy.
+            let _ = remove_any(&work);
+            self.index_blob(digest, &key)?;
+            return Ok(existing);
+        }
+        let dest = self.layer_dir(&key)?;
         // Rename the directory first, then write the metadata that makes it
         // count; a racing import of the same layer loses the rename and
         // uses the winner's copy.
@@ -212,18 +293,28 @@ impl Store {
             Err(_) if dest.is_dir() => {}
             Err(e) => {
                 let _ = remove_any(&work);
-                return Err(io_err(format!("installing layer {digest}"))(e));
+                return Err(io_err(format!("installing layer {key}"))(e));
             }
         }
         let _ = remove_any(&work);
         let meta = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&dest, e))?;
         write_atomic(&dest.with_extension("json"), &meta)?;
+        self.index_blob(digest, &key)?;
         Ok(record)
+    }
+
+    /// Notes that blob `digest` unpacks to layer `key`.
+    fn index_blob(&self, digest: &str, key: &str) -> Result<(), StoreError> {
+        if digest == key {
+            return Ok(());
+        }
+        write_atomic(&self.blob_path(digest)?, key.as_bytes())
     }
 
     fn unpack_verified(
         &self,
         digest: &str,
+        diff_id: Option<&str>,
         blob: impl Read,
         dir: &Path,
     ) -> Result<LayerRecord, StoreError> {
@@ -232,15 +323,31 @@ impl Store {
             inner: blob,
             hasher: Sha256::new(),
         };
-        let stats = {
+        let (stats, actual_diff_id) = {
             let reader = unpack::decompressed(&mut hashing)
                 .map_err(io_err(format!("reading layer {digest}")))?;
-            unpack::unpack_layer(reader, dir, &self.limits).map_err(|source| {
+            let mut tar = HashingReader {
+                inner: reader,
+                hasher: Sha256::new(),
+            };
+            let stats = unpack::unpack_layer(&mut tar, dir, &self.limits).map_err(|source| {
                 StoreError::Unpack {
                     digest: digest.to_owned(),
                     source,
                 }
-            })?
+            })?;
+            // The diff_id covers the whole uncompressed stream, the zero
+            // blocks after the tar's end marker included; bounded, so a
+            // small blob cannot make us inflate and hash gigabytes of it.
+            let trailer = io::copy(&mut (&mut tar).take(MAX_TRAILER + 1), &mut io::sink())
+                .map_err(io_err(format!("reading layer {digest}")))?;
+            if trailer > MAX_TRAILER {
+                return Err(StoreError::BadLayer {
+                    digest: digest.to_owned(),
+                    why: format!("more than {MAX_TRAILER} bytes follow the archive's end"),
+                });
+            }
+            (stats, format!("sha256:{}", hex(&tar.hasher.finalize())))
         };
         // The tar end marker may come before the end of the blob (padding,
         // compression trailer): hash everything that is left.
@@ -253,8 +360,18 @@ impl Store {
                 actual,
             });
         }
+        if let Some(expected) = diff_id {
+            if expected != actual_diff_id {
+                return Err(StoreError::DiffIdMismatch {
+                    blob: digest.to_owned(),
+                    expected: expected.to_owned(),
+                    actual: actual_diff_id,
+                });
+            }
+        }
         Ok(LayerRecord {
-            digest: digest.to_owned(),
+            digest: actual_diff_id.clone(),
+            diff_id: Some(actual_diff_id),
             unpacked_bytes: stats.bytes,
             entries: stats.entries,
         })
@@ -293,15 +410,19 @@ impl Store {
         if self.image_path(name).exists() {
             return Err(StoreError::Exists(name.to_owned()));
         }
+        let config: serde_json::Value =
+            serde_json::from_slice(&staged.config).map_err(|e| corrupt(Path::new("config"), e))?;
+        let diff_ids = config_diff_ids(&config, staged.layers.len());
         let mut size = 0;
-        for layer in &staged.layers {
+        let mut layers = Vec::with_capacity(staged.layers.len());
+        for (i, layer) in staged.layers.iter().enumerate() {
             let blob = fs::File::open(&layer.path)
                 .map_err(io_err(format!("opening {}", layer.path.display())))?;
-            size += self.add_layer(&layer.digest, blob)?.unpacked_bytes;
+            let expected = diff_ids.as_ref().map(|ids| ids[i].as_str());
+            let record = self.add_layer_checked(&layer.digest, expected, blob)?;
+            size += record.unpacked_bytes;
+            layers.push(record.digest);
         }
-        let config =
-            serde_json::from_slice(&staged.config).map_err(|e| corrupt(Path::new("config"), e))?;
-        let layers = staged.layers.iter().map(|l| l.digest.clone()).collect();
         self.put_image(ImageRecord {
             name: name.to_owned(),
             source: source.to_owned(),
@@ -450,8 +571,38 @@ impl Store {
             remove_any(&dir).map_err(io_err(format!("removing layer {digest}")))?;
             removed.push(digest);
         }
+        // Blob index entries whose layer is gone.
+        for entry in fs::read_dir(self.root.join("blobs"))
+            .map_err(io_err("reading blobs"))?
+            .flatten()
+        {
+            let Some(hex) = entry.file_name().to_str().map(str::to_owned) else {
+                continue;
+            };
+            if self.layer_key(&format!("sha256:{hex}")).is_none() {
+                let _ = fs::remove_file(entry.path());
+            }
+        }
         Ok(removed)
     }
+}
+
+/// The most uncompressed bytes a layer may carry after its tar end marker
+/// (tar writers pad to their record size, 10 KiB for GNU tar).
+const MAX_TRAILER: u64 = 1 << 20;
+
+/// The config's `rootfs.diff_ids` when it lists one well-formed digest per
+/// layer; None otherwise (some hand-made images leave it empty; those
+/// layers are stored under what they unpack to, unchecked).
+pub fn config_diff_ids(config: &serde_json::Value, layers: usize) -> Option<Vec<String>> {
+    let ids: Vec<String> = config
+        .get("rootfs")?
+        .get("diff_ids")?
+        .as_array()?
+        .iter()
+        .map(|v| v.as_str().map(str::to_owned))
+        .collect::<Option<_>>()?;
+    (ids.len() == layers && ids.iter().all(|id| digest_hex(id).is_ok())).then_some(ids)
 }
 
 struct HashingReader<R> {
@@ -522,6 +673,96 @@ mod tests {
 
     fn store(dir: &Path) -> Store {
         Store::open(dir.to_path_buf(), UnpackLimits::default()).unwrap()
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        use std::io::Write;
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        gz.write_all(bytes).unwrap();
+        gz.finish().unwrap()
+    }
+
+    fn layer_dirs(dir: &Path) -> usize {
+        fs::read_dir(dir.join("layers"))
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().is_dir())
+            .count()
+    }
+
+    #[test]
+    fn the_same_content_compressed_differently_is_stored_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let tar = layer_tar(&[("etc/hello", b"hi")]);
+        let gz = gzip(&tar);
+        let (plain, zipped) = (digest(&tar), digest(&gz));
+        assert_ne!(plain, zipped);
+        // The gzip blob first: stored under the tar's digest, its diff_id.
+        let first = store.add_layer(&zipped, gz.as_slice()).unwrap();
+        assert_eq!(first.digest, plain);
+        assert_eq!(first.diff_id.as_deref(), Some(plain.as_str()));
+        assert!(store.has_layer(&zipped) && store.has_layer(&plain));
+        assert_eq!(store.layer_key(&zipped).as_deref(), Some(plain.as_str()));
+        // The plain blob is the same layer: nothing new unpacked.
+        let second = store.add_layer(&plain, tar.as_slice()).unwrap();
+        assert_eq!(second, first);
+        assert_eq!(layer_dirs(dir.path()), 1);
+        // A blob seen before is not even read.
+        let third = store.add_layer(&zipped, &b"not read"[..]).unwrap();
+        assert_eq!(third, first);
+        // Known by diff_id (a pull that has the config): not read either.
+        let other = digest(b"another compression");
+        let fourth = store
+            .add_layer_checked(&other, Some(&plain), &b"not read"[..])
+            .unwrap();
+        assert_eq!(fourth.digest, plain);
+        assert_eq!(store.layer_key(&other).as_deref(), Some(plain.as_str()));
+        // Once no image uses it, the layer and its blob names go.
+        store.gc(&[]).unwrap();
+        assert!(!store.has_layer(&plain) && !store.has_layer(&zipped));
+        assert_eq!(fs::read_dir(dir.path().join("blobs")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_layer_that_unpacks_to_another_diff_id_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let tar = layer_tar(&[("etc/hello", b"hi")]);
+        let claimed = digest(b"something else");
+        let err = store
+            .add_layer_checked(&digest(&tar), Some(&claimed), tar.as_slice())
+            .unwrap_err();
+        assert!(matches!(err, StoreError::DiffIdMismatch { .. }), "{err}");
+        assert!(!store.has_layer(&digest(&tar)));
+        assert_eq!(layer_dirs(dir.path()), 0);
+    }
+
+    #[test]
+    fn a_blob_inflating_far_past_its_archive_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let mut tar = layer_tar(&[("etc/hello", b"hi")]);
+        tar.extend(std::iter::repeat_n(0u8, 4 << 20));
+        let gz = gzip(&tar);
+        let err = store.add_layer(&digest(&gz), gz.as_slice()).unwrap_err();
+        assert!(matches!(err, StoreError::BadLayer { .. }), "{err}");
+        assert_eq!(layer_dirs(dir.path()), 0);
+    }
+
+    #[test]
+    fn config_diff_ids_are_used_only_when_complete_and_well_formed() {
+        let id = format!("sha256:{}", "a".repeat(64));
+        let config = |ids: serde_json::Value| serde_json::json!({"rootfs": {"diff_ids": ids}});
+        assert_eq!(
+            config_diff_ids(&config(serde_json::json!([id])), 1),
+            Some(vec![id.clone()])
+        );
+        assert_eq!(config_diff_ids(&config(serde_json::json!([id])), 2), None);
+        assert_eq!(
+            config_diff_ids(&config(serde_json::json!(["../x"])), 1),
+            None
+        );
+        assert_eq!(config_diff_ids(&serde_json::json!({}), 0), None);
     }
 
     #[test]

@@ -7,7 +7,7 @@ mod support;
 use std::future::Future as _;
 
 use runbox_image::pull::{
-    pull, BlobKind, LayerSink, Platform, ProgressEvent, PullError, PullOptions, RegistryAuth,
+    pull, BlobKind, Platform, ProgressEvent, PullError, PullOptions, RegistryAuth,
 };
 use support::image::{gzip, tar, tar_names, Blob, Entry, Image, Layout, OCI_TAR, OCI_TAR_GZIP};
 use support::registry::{Auth, Push, Registry};
@@ -595,7 +595,7 @@ async fn corrupted_layer_is_refused_and_nothing_is_committed() {
     assert!(sink.counts().finished.is_empty());
     assert_eq!(sink.counts().aborted, std::slice::from_ref(&victim.digest));
     assert!(sink.files().is_empty(), "{:?}", sink.files());
-    assert!(!sink.has_layer(&victim.digest));
+    assert!(!sink.final_path(&victim.digest).exists());
     assert!(!progress
         .events()
         .iter()

@@ -36,7 +36,7 @@ impl DirSink {
         }
     }
 
-    fn final_path(&self, digest: &str) -> PathBuf {
+    pub fn final_path(&self, digest: &str) -> PathBuf {
         self.dir.join("layers").join(digest.replace(':', "-"))
     }
 
@@ -66,8 +66,8 @@ impl DirSink {
 }
 
 impl LayerSink for DirSink {
-    fn has_layer(&self, digest: &str) -> bool {
-        self.final_path(digest).exists()
+    fn has_layer(&self, layer: &LayerInfo) -> bool {
+        self.final_path(&layer.digest).exists()
     }
 
     fn begin(&self, layer: &LayerInfo) -> io::Result<Box<dyn LayerWriter>> {
