@@ -141,9 +141,41 @@ impl Client {
     }
 
     /// `POST /v1/runs`: creates a run and waits until it is usable.
+    ///
+    /// Safe on a flaky network: the request carries a fresh
+    /// `Idempotency-Key`, and when it cannot be sent or its answer is lost it
+    /// is sent again (up to three times in all, 0.2 s then 0.4 s apart)
+    /// with the same key, so the server answers with the run the first
+    /// attempt made instead of making a second.
     pub async fn create_run(&self, req: &CreateRunRequest) -> Result<Run, ClientError> {
+        let key = ulid::Ulid::new().to_string();
+        let mut delay = std::time::Duration::from_millis(200);
+        let mut attempts = CREATE_ATTEMPTS;
+        loop {
+            attempts -= 1;
+            match self.create_run_with_key(req, &key).await {
+                Err(ClientError::Http(e)) if attempts > 0 && retryable(&e) => {
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// `POST /v1/runs` with the given `Idempotency-Key`, once: a repeat with
+    /// the same key and request answers with the run the first one made.
+    pub async fn create_run_with_key(
+        &self,
+        req: &CreateRunRequest,
+        idempotency_key: &str,
+    ) -> Result<Run, ClientError> {
         let resp = self
-            .send(self.request(Method::POST, "/v1/runs").json(req))
+            .send(
+                self.request(Method::POST, "/v1/runs")
+                    .header("idempotency-key", idempotency_key)
+                    .json(req),
+            )
             .await?;
         json(resp).await
     }
@@ -355,6 +387,15 @@ impl Client {
         }
         Err(read_error(resp).await)
     }
+}
+
+/// How many times [`Client::create_run`] sends its request at most.
+const CREATE_ATTEMPTS: u32 = 3;
+
+/// Whether a failed request may be sent again: it did not reach the server
+/// or its answer was lost (never an answer the server gave).
+fn retryable(e: &reqwest::Error) -> bool {
+    e.is_connect() || e.is_request() || e.is_timeout() || e.is_body()
 }
 
 fn default_http() -> Result<reqwest::Client, ClientError> {

@@ -36,8 +36,13 @@ pub type LeaseCredential = Option<(String, u64)>;
 pub trait RunService: Clone + Send + Sync + 'static {
     /// This node's id, shown as `server` on responses.
     fn server_id(&self) -> &str;
-    /// Creates a run and waits until it can be used.
-    fn create(&self, req: CreateRunRequest) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Creates a run and waits until it can be used; a repeat of a create
+    /// with the same `idempotency_key` answers with that create's run.
+    fn create(
+        &self,
+        req: CreateRunRequest,
+        idempotency_key: Option<String>,
+    ) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Every run the API shows, ordered by id.
     fn list(&self) -> Vec<Run>;
     /// One run.
@@ -112,8 +117,12 @@ impl RunService for Arc<Manager> {
         &self.config().server_id
     }
 
-    async fn create(&self, req: CreateRunRequest) -> Result<Run, CoreError> {
-        Manager::create(self, req).await
+    async fn create(
+        &self,
+        req: CreateRunRequest,
+        idempotency_key: Option<String>,
+    ) -> Result<Run, CoreError> {
+        Manager::create(self, req, idempotency_key).await
     }
 
     fn list(&self) -> Vec<Run> {

@@ -60,10 +60,25 @@ pub struct RunRecord {
     /// The run's own allowlist entries and secret names.
     #[serde(default)]
     pub egress: crate::egress::RunEgressRequest,
+    /// The `Idempotency-Key` it was created with, and a digest of the
+    /// request, so a retry of the same create finds this run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency: Option<Idempotency>,
     /// Why the run failed, once it has (status `Failed`); for a run whose
     /// teardown keeps failing, the last teardown error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+}
+
+/// A create's idempotency key and what it asked for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Idempotency {
+    /// The key the client sent.
+    pub key: String,
+    /// sha256 of the request body as the server parsed it (the body holds
+    /// the run's environment, so only a digest is kept).
+    pub request: String,
 }
 
 impl RunRecord {
@@ -221,6 +236,7 @@ mod tests {
             layers: vec!["sha256:00".into()],
             lease: Default::default(),
             egress: Default::default(),
+            idempotency: None,
             failure: None,
         }
     }

@@ -160,6 +160,26 @@ pub fn cwd(cwd: &str) -> Result<(), CoreError> {
     Ok(())
 }
 
+/// The longest `Idempotency-Key`.
+pub const MAX_IDEMPOTENCY_KEY: usize = 128;
+
+/// Checks an `Idempotency-Key`: 1-128 visible ASCII characters.
+pub fn idempotency_key(key: String) -> Result<String, CoreError> {
+    if key.is_empty()
+        || key.len() > MAX_IDEMPOTENCY_KEY
+        || !key.bytes().all(|b| b.is_ascii_graphic())
+    {
+        return Err(CoreError::invalid(
+            ErrorCode::BadRequest,
+            format!(
+                "Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY} visible ASCII characters \
+                 (a UUID or ULID will do)"
+            ),
+        ));
+    }
+    Ok(key)
+}
+
 /// The smallest disk limit: below it a run cannot even write its first
 /// files (the filesystem reserves metadata space per write).
 pub const MIN_DISK_MB: u64 = 16;

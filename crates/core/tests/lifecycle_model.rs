@@ -487,7 +487,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
     match op.clone() {
         Op::Create { short_ttl } => {
             let before = world.listed();
-            let result = world.block_on(m.create(request(short_ttl)));
+            let result = world.block_on(m.create(request(short_ttl), None));
             if before.len() >= MAX_RUNS {
                 let err = result.expect_err("a create beyond max_runs must fail");
                 prop_assert_eq!(code(&err), ErrorCode::Capacity);
@@ -502,8 +502,11 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
         Op::CreateHangUp { after_ms } => {
             let full = world.listed().len() >= MAX_RUNS;
             let outcome = world.block_on(async {
-                tokio::time::timeout(Duration::from_millis(after_ms), m.create(request(false)))
-                    .await
+                tokio::time::timeout(
+                    Duration::from_millis(after_ms),
+                    m.create(request(false), None),
+                )
+                .await
             });
             match outcome {
                 Ok(Ok(run)) => {

@@ -21,10 +21,22 @@ async fn hang_up(
     body: &str,
     after: Duration,
 ) -> (u16, String) {
+    hang_up_with(daemon, method, path, "", body, after).await
+}
+
+/// [`hang_up`] with extra header lines (each ending in CRLF).
+async fn hang_up_with(
+    daemon: &TestDaemon,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+    after: Duration,
+) -> (u16, String) {
     let addr = daemon.url.trim_start_matches("http://");
     let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n{headers}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         daemon.token,
         body.len()
     );
@@ -353,4 +365,124 @@ async fn thirty_concurrent_creates_all_succeed_and_all_go() {
     for id in &ids {
         assert!(!netns_exists(id) && !cgroup_exists(id), "{id} left behind");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_retried_with_its_idempotency_key_makes_one_run() {
+    let daemon = TestDaemon::start(None).await;
+    let req = CreateRunRequest {
+        image: "base".into(),
+        ..Default::default()
+    };
+    // The answer is lost: the server made the run and wrote its 201, but
+    // the client never read it. The retry gets that same run.
+    let addr = daemon.url.trim_start_matches("http://").to_owned();
+    let body = serde_json::to_string(&req).unwrap();
+    {
+        let mut stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let head = format!(
+            "POST /v1/runs HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\nIdempotency-Key: lost-answer\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            daemon.token,
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.unwrap();
+        assert!(
+            eventually(Duration::from_secs(20), || daemon_lists(&daemon) == 1).await,
+            "the first attempt made no run"
+        );
+        // Dropped unread.
+    }
+    let retried = daemon
+        .client
+        .create_run_with_key(&req, "lost-answer")
+        .await
+        .unwrap();
+    let runs = daemon.client.list_runs().await.unwrap().runs;
+    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs[0].id, retried.id);
+
+    // The same key with another request is refused and changes nothing.
+    let other = CreateRunRequest {
+        image: "base".into(),
+        ttl_sec: Some(60),
+        ..Default::default()
+    };
+    let err = refused(
+        daemon
+            .client
+            .create_run_with_key(&other, "lost-answer")
+            .await,
+    );
+    assert_eq!(
+        err.code(),
+        Some(runbox_types::ErrorCode::IdempotencyKeyReused),
+        "{err}"
+    );
+    assert_eq!(daemon.client.list_runs().await.unwrap().runs.len(), 1);
+
+    // Two attempts at once with one key: one run, both told about it.
+    let (a, b) = tokio::join!(
+        daemon.client.create_run_with_key(&req, "twice"),
+        daemon.client.create_run_with_key(&req, "twice"),
+    );
+    let (a, b) = (a.unwrap(), b.unwrap());
+    assert_eq!(a.id, b.id);
+    assert_eq!(daemon.client.list_runs().await.unwrap().runs.len(), 2);
+
+    // A first attempt that hung up early (its run is destroyed): the retry
+    // makes the run, and exactly one is left.
+    let _ = hang_up_with(
+        &daemon,
+        "POST",
+        "/v1/runs",
+        "Idempotency-Key: hung-up\r\n",
+        &body,
+        Duration::from_millis(15),
+    )
+    .await;
+    let made = daemon
+        .client
+        .create_run_with_key(&req, "hung-up")
+        .await
+        .unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || daemon_lists(&daemon) == 3).await,
+        "a hung-up attempt left a run behind"
+    );
+    let ids: Vec<_> = daemon
+        .client
+        .list_runs()
+        .await
+        .unwrap()
+        .runs
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    assert!(ids.contains(&made.id), "{ids:?}");
+
+    // A key the API cannot carry is a 400.
+    let err = refused(daemon.client.create_run_with_key(&req, "two words").await);
+    assert_eq!(
+        err.code(),
+        Some(runbox_types::ErrorCode::BadRequest),
+        "{err}"
+    );
+}
+
+/// How many runs the daemon lists, asked from a blocking context.
+fn daemon_lists(daemon: &TestDaemon) -> usize {
+    let client = daemon.client.clone();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(client.list_runs())
+                .map(|l| l.runs.len())
+                .unwrap_or(usize::MAX)
+        })
+        .join()
+        .unwrap()
+    })
 }

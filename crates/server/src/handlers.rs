@@ -98,13 +98,29 @@ pub async fn health<S: RunService>(State(state): State<AppState<S>>) -> Json<Hea
 }
 
 /// `POST /v1/runs`.
+///
+/// An `Idempotency-Key` header makes a retry safe: a repeat of the same
+/// create answers with the run the first one made.
 pub async fn create_run<S: RunService>(
     State(state): State<AppState<S>>,
+    headers: HeaderMap,
     AppJson(req): AppJson<CreateRunRequest>,
 ) -> Result<Response, ApiError> {
-    let run = state.service.create(req).await?;
+    let key = match headers.get(IDEMPOTENCY_KEY) {
+        None => None,
+        Some(value) => Some(value.to_str().map(str::to_owned).map_err(|_| {
+            ApiError::new(
+                ErrorCode::BadRequest,
+                "Idempotency-Key must be visible ASCII characters",
+            )
+        })?),
+    };
+    let run = state.service.create(req, key).await?;
     Ok((StatusCode::CREATED, Json(run)).into_response())
 }
+
+/// The header that makes a create safe to retry.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// `GET /v1/runs`.
 pub async fn list_runs<S: RunService>(State(state): State<AppState<S>>) -> Json<RunList> {

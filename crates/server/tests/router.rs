@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::body::Body;
-use axum::http::{Request, StatusCode};
+use axum::http::{HeaderValue, Request, StatusCode};
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use runbox_core::backend::BackendError;
@@ -71,7 +71,17 @@ impl RunService for Stub {
     fn server_id(&self) -> &str {
         "node"
     }
-    async fn create(&self, req: CreateRunRequest) -> Result<Run, CoreError> {
+    async fn create(
+        &self,
+        req: CreateRunRequest,
+        idempotency_key: Option<String>,
+    ) -> Result<Run, CoreError> {
+        if let Some(key) = idempotency_key {
+            // Shows what arrived, so the test can see the header passed on.
+            let mut run = run();
+            run.image = format!("key:{key}");
+            return Ok(run);
+        }
         match req.image.as_str() {
             "boom" => Err(CoreError::Backend(BackendError::Failed(
                 "runc said /secret/host/path".into(),
@@ -221,6 +231,30 @@ fn code(body: &str) -> String {
         .as_str()
         .expect("error.code")
         .to_owned()
+}
+
+#[tokio::test]
+async fn the_idempotency_key_reaches_the_service_and_a_bad_one_is_a_json_400() {
+    let send = |value: HeaderValue| async move {
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/runs")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json")
+            .header("idempotency-key", value)
+            .body(Body::from(r#"{"image":"base"}"#))
+            .unwrap();
+        let response = app().oneshot(req).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (status, String::from_utf8_lossy(&bytes).into_owned())
+    };
+    let (status, body) = send(HeaderValue::from_static("retry-1")).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert!(body.contains(r#""image":"key:retry-1""#), "{body}");
+    let (status, body) = send(HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap()).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert_eq!(code(&body), "bad_request");
 }
 
 #[tokio::test]

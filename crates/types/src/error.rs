@@ -98,6 +98,9 @@ codes! {
     /// The run would have a disk limit and this server's storage cannot
     /// enforce one; the message says what the operator can change.
     DiskLimitUnsupported = "disk_limit_unsupported", 400;
+    /// An `Idempotency-Key` came with a different request than the create
+    /// it was first used for, or that create's run is gone.
+    IdempotencyKeyReused = "idempotency_key_reused", 409;
     /// The path is not a regular file (a directory, a device, ...).
     NotAFile = "not_a_file", 400;
     /// No or wrong bearer token.

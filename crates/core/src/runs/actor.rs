@@ -119,6 +119,18 @@ impl RunHandle {
         self.state.borrow().clone()
     }
 
+    /// Waits until the run is no longer being created; returns the
+    /// snapshot then (running, failed or stopping).
+    pub async fn settled(&self) -> Snapshot {
+        let mut state = self.state.clone();
+        let settled = state
+            .wait_for(|s| !matches!(s.phase, super::phase::Phase::Creating))
+            .await
+            .map(|snapshot| snapshot.clone());
+        // The owner ended: whatever it last published.
+        settled.unwrap_or_else(|_| self.snapshot())
+    }
+
     /// Sends a command and waits for its answer. A run whose owner has
     /// already ended is gone: [`CoreError::RunNotFound`].
     pub async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, CoreError> {

@@ -48,7 +48,7 @@ use crate::egress;
 use crate::error::CoreError;
 use crate::images::ImageStore;
 use crate::lease::Lease;
-use crate::store::{RunRecord, Store};
+use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
 
 pub use self::relay::{ExecEvent, FileDownload};
@@ -124,7 +124,57 @@ impl Manager {
     /// dropped before the run is up (the client hung up), that task notices
     /// nobody waits for the answer and destroys the run; nothing is left
     /// behind and the capacity slot comes back.
-    pub async fn create(self: &Arc<Self>, req: CreateRunRequest) -> Result<Run, CoreError> {
+    ///
+    /// With an idempotency key, a create that repeats an earlier one (same
+    /// key, same request) answers with the run that one made, waiting for
+    /// it if it is still being created, instead of making another: a client
+    /// whose answer was lost retries safely. The same key with a different
+    /// request is refused. Keys are remembered as long as their run exists.
+    pub async fn create(
+        self: &Arc<Self>,
+        mut req: CreateRunRequest,
+        idempotency_key: Option<String>,
+    ) -> Result<Run, CoreError> {
+        // An earlier create with the key whose run did not make it (its
+        // client hung up, so it was destroyed) no longer answers for the
+        // key: this one then makes the run. Bounded, in case creates with
+        // the key keep failing.
+        let mut attempts = 3;
+        loop {
+            attempts -= 1;
+            let again = (idempotency_key.is_some() && attempts > 0).then(|| req.clone());
+            match self.create_once(req, idempotency_key.clone()).await {
+                Err(CoreError::Conflict {
+                    code: ErrorCode::IdempotencyKeyReused,
+                    ..
+                }) if again.is_some() && self.key_is_free(idempotency_key.as_deref()) => {}
+                other => return other,
+            }
+            req = again.expect("checked above");
+        }
+    }
+
+    /// Whether no visible run holds idempotency key `key`.
+    fn key_is_free(&self, key: Option<&str>) -> bool {
+        self.registry().values().all(|h| {
+            let snapshot = h.snapshot();
+            !snapshot.phase.visible()
+                || snapshot.record.idempotency.as_ref().map(|i| i.key.as_str()) != key
+        })
+    }
+
+    async fn create_once(
+        self: &Arc<Self>,
+        req: CreateRunRequest,
+        idempotency_key: Option<String>,
+    ) -> Result<Run, CoreError> {
+        let idempotency = match idempotency_key {
+            Some(key) => Some(Idempotency {
+                request: request_digest(&req)?,
+                key: validate::idempotency_key(key)?,
+            }),
+            None => None,
+        };
         let env = req.env.unwrap_or_default();
         validate::env(&env)?;
         let limits = validate::limits(
@@ -187,6 +237,7 @@ impl Manager {
             layers,
             lease: Default::default(),
             egress,
+            idempotency: idempotency.clone(),
             failure: None,
         };
         let spec = SandboxSpec {
@@ -202,21 +253,51 @@ impl Manager {
             },
         };
         let (reply, answer) = tokio::sync::oneshot::channel();
-        {
-            // The capacity check and the insertion are one step, and the
-            // owner is spawned before anything can be dropped.
+        let earlier = {
+            // The key lookup, the capacity check and the insertion are one
+            // step, and the owner is spawned before anything can be dropped.
             let mut registry = self.registry();
-            if registry.len() >= self.config.max_runs {
-                return Err(CoreError::Capacity(self.config.max_runs));
+            match idempotency
+                .as_ref()
+                .map(|wanted| find_by_key(&registry, wanted))
+                .transpose()?
+                .flatten()
+            {
+                Some(earlier) => Some(earlier),
+                None => {
+                    if registry.len() >= self.config.max_runs {
+                        return Err(CoreError::Capacity(self.config.max_runs));
+                    }
+                    let actor = RunActor::new(self.clone(), record, Phase::Creating);
+                    registry.insert(id, actor.handle().clone());
+                    actor.spawn_create(Creation { spec, reply });
+                    None
+                }
             }
-            let actor = RunActor::new(self.clone(), record, Phase::Creating);
-            registry.insert(id, actor.handle().clone());
-            actor.spawn_create(Creation { spec, reply });
-        }
+        };
         drop(image_guard);
+        if let Some(earlier) = earlier {
+            return self.answer_repeat(earlier).await;
+        }
         answer
             .await
             .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?
+    }
+
+    /// The answer to a repeated create: the earlier run once it is made.
+    async fn answer_repeat(&self, earlier: Arc<RunHandle>) -> Result<Run, CoreError> {
+        let snapshot = earlier.settled().await;
+        match snapshot.phase {
+            Phase::Running | Phase::Failed(_) => Ok(self.view(&earlier)),
+            // The earlier create failed or its run is being deleted.
+            _ => Err(CoreError::Conflict {
+                code: ErrorCode::IdempotencyKeyReused,
+                message: format!(
+                    "the run created with this Idempotency-Key ({}) is gone; retry with a new key",
+                    earlier.id
+                ),
+            }),
+        }
     }
 
     /// Every run the API shows, ordered by id.
@@ -376,6 +457,44 @@ impl Manager {
         let handle = self.handle(id)?;
         handle.ask(|reply| Command::Lease { op, reply }).await
     }
+}
+
+/// The live run in `registry` created with `wanted`'s key: `Ok(None)` when
+/// there is none, a conflict when the key came with another request.
+fn find_by_key(
+    registry: &HashMap<Ulid, Arc<RunHandle>>,
+    wanted: &Idempotency,
+) -> Result<Option<Arc<RunHandle>>, CoreError> {
+    for handle in registry.values() {
+        let snapshot = handle.snapshot();
+        let Some(earlier) = &snapshot.record.idempotency else {
+            continue;
+        };
+        // A run being removed no longer answers for its key.
+        if earlier.key != wanted.key || !snapshot.phase.visible() {
+            continue;
+        }
+        if earlier.request != wanted.request {
+            return Err(CoreError::Conflict {
+                code: ErrorCode::IdempotencyKeyReused,
+                message: format!(
+                    "this Idempotency-Key was used for a different create (run {}); \
+                     use a new key for a new request",
+                    handle.id
+                ),
+            });
+        }
+        return Ok(Some(handle.clone()));
+    }
+    Ok(None)
+}
+
+/// sha256 of a create request as parsed (so formatting does not matter).
+fn request_digest(req: &CreateRunRequest) -> Result<String, CoreError> {
+    use sha2::Digest;
+    let bytes = serde_json::to_vec(req).map_err(|e| CoreError::Store(e.to_string()))?;
+    let digest = sha2::Sha256::digest(&bytes);
+    Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Calls `Hello` until the agent answers or `limit` passes.
