@@ -103,7 +103,12 @@ async fn clients_that_hang_up_during_create_or_delete_leave_nothing_behind() {
         // An abandoned create holds its slot until its teardown is over;
         // wait for that so no create here is refused for capacity.
         let idle = eventually(Duration::from_secs(20), || run_dirs(&state).is_empty()).await;
-        assert!(idle, "runs left behind: {:?}", run_dirs(&state));
+        assert!(
+            idle,
+            "runs left behind: {:?}\ndaemon log:\n{}",
+            run_dirs(&state),
+            daemon.log()
+        );
         let after = Duration::from_millis(20 + i * 10);
         let (status, text) =
             hang_up(&daemon, "POST", "/v1/runs", r#"{"image":"base"}"#, after).await;

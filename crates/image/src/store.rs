@@ -435,6 +435,20 @@ impl Store {
 
     /// Records an image whose layers are all stored. Fails if the name is taken.
     pub fn put_image(&self, record: ImageRecord) -> Result<ImageRecord, StoreError> {
+        self.write_image(record, false)
+    }
+
+    /// Records an image whose layers are all stored, replacing an image of
+    /// that name if there is one (a re-pull of a moved tag).
+    pub fn replace_image(&self, record: ImageRecord) -> Result<ImageRecord, StoreError> {
+        self.write_image(record, true)
+    }
+
+    /// Writes an image record under a temporary name, then moves it into
+    /// place: hard-linked when the name must be new (link(2) fails if it
+    /// exists, so two imports of one name cannot both win), renamed over the
+    /// old record with `replace` (a reader sees one or the other, whole).
+    fn write_image(&self, record: ImageRecord, replace: bool) -> Result<ImageRecord, StoreError> {
         for digest in &record.layers {
             if !self.has_layer(digest) {
                 return Err(io_err(format!("recording image {}", record.name))(
@@ -447,44 +461,21 @@ impl Store {
         }
         let path = self.image_path(&record.name);
         let bytes = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&path, e))?;
-        // Written to a temporary name, then hard-linked into place: link(2)
-        // fails if the name exists, so two imports of one name cannot both win.
         let tmp = self.tmp_dir()?.join("image.json");
         fs::write(&tmp, bytes).map_err(io_err(format!("writing {}", tmp.display())))?;
-        let linked = fs::hard_link(&tmp, &path);
+        let placed = if replace {
+            fs::rename(&tmp, &path)
+        } else {
+            fs::hard_link(&tmp, &path)
+        };
         let _ = remove_any(tmp.parent().unwrap_or(&tmp));
-        match linked {
+        match placed {
             Ok(()) => Ok(record),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
                 Err(StoreError::Exists(record.name))
             }
             Err(e) => Err(io_err(format!("writing {}", path.display()))(e)),
         }
-    }
-
-    /// Records an image whose layers are all stored, replacing an image of
-    /// that name if there is one (a re-pull of a moved tag). The new record
-    /// is written whole under a temporary name and renamed over the old one,
-    /// so a reader sees one or the other, never a mix.
-    pub fn replace_image(&self, record: ImageRecord) -> Result<ImageRecord, StoreError> {
-        for digest in &record.layers {
-            if !self.has_layer(digest) {
-                return Err(io_err(format!("recording image {}", record.name))(
-                    io::Error::new(
-                        io::ErrorKind::NotFound,
-                        format!("layer {digest} is not stored"),
-                    ),
-                ));
-            }
-        }
-        let path = self.image_path(&record.name);
-        let bytes = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&path, e))?;
-        let tmp = self.tmp_dir()?.join("image.json");
-        fs::write(&tmp, bytes).map_err(io_err(format!("writing {}", tmp.display())))?;
-        let renamed = fs::rename(&tmp, &path);
-        let _ = remove_any(tmp.parent().unwrap_or(&tmp));
-        renamed.map_err(io_err(format!("writing {}", path.display())))?;
-        Ok(record)
     }
 
     fn image_path(&self, name: &str) -> PathBuf {
