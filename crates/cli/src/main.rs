@@ -70,6 +70,8 @@ enum Command {
     Rm(runs::RmArgs),
     /// Give a run a new time to live
     Renew(runs::RenewArgs),
+    /// Record a run's filesystem as a new image (the run keeps running)
+    Snapshot(runs::SnapshotArgs),
     /// Take, renew or release a run's writable lease
     #[command(subcommand)]
     Lease(lease::LeaseCommand),
@@ -124,6 +126,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Ls(args) => runs::ls(args).await,
         Command::Rm(args) => runs::rm(args).await,
         Command::Renew(args) => runs::renew(args).await,
+        Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Lease(command) => lease::run(command).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,

@@ -209,6 +209,21 @@ pub struct RenewArgs {
     pub conn: ConnectOpts,
 }
 
+/// `runbox snapshot`.
+#[derive(Debug, Args)]
+pub struct SnapshotArgs {
+    /// The run's id
+    pub id: String,
+    /// Image name for the snapshot [default: a generated snap-…]
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Print the snapshot as JSON instead of its image name
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
 /// `runbox health`.
 #[derive(Debug, Args)]
 pub struct HealthArgs {
@@ -312,6 +327,23 @@ pub async fn renew(args: RenewArgs) -> anyhow::Result<ExitCode> {
     let conn = args.conn.connect()?;
     let run = conn.check(conn.client.renew_run(&args.id, args.ttl).await)?;
     println!("{} expires at {}", run.id, run.expires_at.format(&Rfc3339)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox snapshot`: prints the new image's name (create runs from it
+/// with `run create --image NAME`).
+pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let snapshot = conn.check(
+        conn.client
+            .snapshot_run(&args.id, args.name.as_deref())
+            .await,
+    )?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&snapshot)?);
+    } else {
+        println!("{}", snapshot.image);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

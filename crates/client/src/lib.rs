@@ -212,6 +212,23 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/runs/{id}/snapshot`: records the run's filesystem as an
+    /// image (named `name`, or a generated `snap-…`).
+    pub async fn snapshot_run(
+        &self,
+        id: &str,
+        name: Option<&str>,
+    ) -> Result<runbox_types::Snapshot, ClientError> {
+        let path = format!("{}/snapshot", run_path(id)?);
+        let req = runbox_types::SnapshotRequest {
+            name: name.map(str::to_owned),
+        };
+        let resp = self
+            .send(self.request(Method::POST, &path).json(&req))
+            .await?;
+        json(resp).await
+    }
+
     /// `POST /v1/runs/{id}/lease`: takes the run's writable lease for
     /// `ttl_sec` seconds (server default when `None`).
     pub async fn acquire_lease(

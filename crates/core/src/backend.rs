@@ -57,6 +57,54 @@ pub struct Sandbox {
     pub agent_socket: PathBuf,
 }
 
+/// A copy of a run's writable layer as it was at one instant, taken while
+/// the run was frozen. Read-only; removed when dropped.
+pub struct Capture {
+    /// The overlay upper directory of the copy: everything the run changed.
+    pub upper: PathBuf,
+    /// Paths below `upper` the backend itself put there (mount points of
+    /// what it injects: the agent, CA bundles, resolv.conf); never part of
+    /// a snapshot.
+    pub injected: Vec<String>,
+    /// How long the run's processes were frozen.
+    pub frozen: std::time::Duration,
+    release: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl Capture {
+    /// A capture at `upper` that `release` removes.
+    pub fn new(
+        upper: PathBuf,
+        injected: Vec<String>,
+        frozen: std::time::Duration,
+        release: impl FnOnce() + Send + Sync + 'static,
+    ) -> Capture {
+        Capture {
+            upper,
+            injected,
+            frozen,
+            release: Some(Box::new(release)),
+        }
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release();
+        }
+    }
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("upper", &self.upper)
+            .field("frozen", &self.frozen)
+            .finish_non_exhaustive()
+    }
+}
+
 /// Resolves, with a sentence saying what happened, once a sandbox's init
 /// process (the agent) has exited. See [`Backend::watch_exit`].
 pub type ExitWatch = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
@@ -151,6 +199,16 @@ pub trait Backend: Send + Sync + 'static {
         let _ = id;
         Err(BackendError::Unsupported(
             "this backend has no egress proxy listener".into(),
+        ))
+    }
+
+    /// Freezes the run, copies its writable layer as it is in constant time
+    /// where the storage can (a subvolume snapshot), and thaws it: commands
+    /// in flight only pause. The copy goes when the [`Capture`] is dropped.
+    async fn capture(&self, id: Ulid) -> Result<Capture, BackendError> {
+        let _ = id;
+        Err(BackendError::Unsupported(
+            "this backend cannot capture a run's filesystem".into(),
         ))
     }
 

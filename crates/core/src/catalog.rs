@@ -130,6 +130,96 @@ impl Manager {
         format!("{}-{suffix}", &base[..base.len().min(room)])
     }
 
+    /// Snapshots run `id` into a new image: its image's layers plus one
+    /// layer holding everything the run changed, captured while the run was
+    /// frozen (see [`crate::Backend::capture`]); the run keeps running.
+    ///
+    /// Cancellation: the capture and the recording run in a task of their
+    /// own; a client that hangs up does not stop them, and the image
+    /// appears as usual.
+    pub async fn snapshot(
+        self: &Arc<Self>,
+        id: ulid::Ulid,
+        req: runbox_types::SnapshotRequest,
+    ) -> Result<runbox_types::Snapshot, CoreError> {
+        let started = std::time::Instant::now();
+        let name = match req.name {
+            Some(name) => {
+                validate::image_name(&name)?;
+                name
+            }
+            None => format!(
+                "snap-{}",
+                ulid::Ulid::new().to_string().to_ascii_lowercase()
+            ),
+        };
+        let handle = self.handle(id)?;
+        let snapshot = handle.snapshot();
+        match &snapshot.phase {
+            crate::runs::phase::Phase::Running => {}
+            crate::runs::phase::Phase::Failed(why) => {
+                return Err(CoreError::RunFailed(id, why.clone()))
+            }
+            _ => return Err(CoreError::RunNotRunning(id, "still being created")),
+        }
+        if self
+            .images
+            .get(&name, &self.config.server_id, false)
+            .is_ok()
+        {
+            return Err(CoreError::Conflict {
+                code: ErrorCode::ImageExists,
+                message: format!("an image named {name:?} already exists; pick another name"),
+            });
+        }
+        let record = snapshot.record.clone();
+        let manager = self.clone();
+        tokio::spawn(async move {
+            let capture = manager.backend.capture(id).await.map_err(|e| match e {
+                crate::backend::BackendError::Unsupported(why) => CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    format!("run {id} cannot be snapshotted: {why}"),
+                ),
+                other => CoreError::Backend(other),
+            })?;
+            let frozen = capture.frozen;
+            let images = manager.images.clone();
+            let server = manager.config.server_id.clone();
+            let base = crate::images::SnapshotBase {
+                parent: record.image.clone(),
+                config: images
+                    .config_if_layers(&record.image, &record.layers)
+                    .unwrap_or_else(|| record.image_config.to_oci()),
+                layers: record.layers.clone(),
+                run: id,
+            };
+            let (image, layer, bytes) = tokio::task::spawn_blocking(move || {
+                let recorded = images.record_snapshot(
+                    &name,
+                    &base,
+                    &capture.upper,
+                    &capture.injected,
+                    &server,
+                );
+                drop(capture);
+                recorded
+            })
+            .await
+            .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))??;
+            Ok(runbox_types::Snapshot {
+                image: image.name,
+                parent: record.image.clone(),
+                run: id,
+                layer,
+                layer_bytes: bytes,
+                frozen_ms: frozen.as_secs_f64() * 1000.0,
+                elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
+            })
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?
+    }
+
     /// Removes the layers no image and no run in the registry uses. The
     /// runs' layers are read under the image lock: a create holds it from
     /// reading its image's layers until its run is in the registry.

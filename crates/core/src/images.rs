@@ -97,6 +97,41 @@ impl ImageConfig {
     }
 }
 
+impl ImageConfig {
+    /// The honoured fields as an OCI image config document (for an image
+    /// made from a run whose own image is gone).
+    pub fn to_oci(&self) -> serde_json::Value {
+        let env: Vec<String> = self.env.0.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut config = serde_json::json!({ "Env": env });
+        if let Some(dir) = &self.working_dir {
+            config["WorkingDir"] = dir.clone().into();
+        }
+        if !self.entrypoint.is_empty() {
+            config["Entrypoint"] = self.entrypoint.clone().into();
+        }
+        if !self.cmd.is_empty() {
+            config["Cmd"] = self.cmd.clone().into();
+        }
+        if let Some(user) = &self.user {
+            config["User"] = user.clone().into();
+        }
+        serde_json::json!({ "config": config })
+    }
+}
+
+/// What a snapshot image is made of, besides the run's captured layer.
+#[derive(Clone, Debug)]
+pub struct SnapshotBase {
+    /// The run's image name.
+    pub parent: String,
+    /// The run's layers (its image's as they were at its creation).
+    pub layers: Vec<String>,
+    /// The OCI config document the snapshot keeps.
+    pub config: serde_json::Value,
+    /// The run it is taken from.
+    pub run: ulid::Ulid,
+}
+
 /// The image directory.
 #[derive(Clone, Debug)]
 pub struct ImageStore {
@@ -313,6 +348,90 @@ impl ImageStore {
         Ok((to_image(record, server, false), true))
     }
 
+    /// The OCI config document of image `name` if its layers are still
+    /// `layers` (the image was not replaced since), else None.
+    pub fn config_if_layers(&self, name: &str, layers: &[String]) -> Option<serde_json::Value> {
+        let record = self.store.image(name).ok()?;
+        (record.layers == layers).then_some(record.config)
+    }
+
+    /// Records image `name` made of `base` plus one layer captured from a
+    /// run's upper directory `upper` (entries at `skip` left out), and
+    /// returns it with the new layer's key and unpacked bytes. The layer is
+    /// stored (written, verified, renamed into place) before the image
+    /// record, which is written last: a crash in between leaves an
+    /// unreferenced layer for garbage collection, never an image that looks
+    /// whole and is not. Blocking.
+    pub fn record_snapshot(
+        &self,
+        name: &str,
+        base: &SnapshotBase,
+        upper: &Path,
+        skip: &[String],
+        server: &str,
+    ) -> Result<(Image, String, u64), CoreError> {
+        validate::image_name(name)?;
+        if self.store.image(name).is_ok() {
+            return Err(exists(name));
+        }
+        let _shared = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
+        let work = tempfile::Builder::new()
+            .prefix("snapshot-")
+            .tempdir_in(&self.spool)
+            .map_err(CoreError::io("creating a snapshot directory"))?;
+        let spooled = work.path().join("layer.tar");
+        let digest = {
+            let file =
+                File::create(&spooled).map_err(CoreError::io("creating the snapshot spool"))?;
+            let mut hashing = HashingWriter {
+                inner: io::BufWriter::new(file),
+                hasher: Sha256::new(),
+            };
+            let skip: Vec<&str> = skip.iter().map(String::as_str).collect();
+            runbox_image::capture::upper_to_tar(upper, &skip, &mut hashing)
+                .map_err(CoreError::io("reading the run's captured layer"))?;
+            hashing
+                .inner
+                .into_inner()
+                .map_err(|e| CoreError::io("writing the snapshot spool")(e.into_error()))?
+                .sync_all()
+                .map_err(CoreError::io("writing the snapshot spool"))?;
+            format!("sha256:{}", hex_of(&hashing.hasher.finalize()))
+        };
+        let blob = File::open(&spooled).map_err(CoreError::io("reopening the snapshot spool"))?;
+        let layer = self.store.add_layer(&digest, blob).map_err(store_error)?;
+        let mut layers = base.layers.clone();
+        layers.push(layer.digest.clone());
+        let mut size = 0;
+        for key in &layers {
+            size += self.store.layer_size(key).map_err(store_error)?;
+        }
+        let mut config = base.config.clone();
+        if let Some(object) = config.as_object_mut() {
+            object.insert(
+                "rootfs".into(),
+                serde_json::json!({"type": "layers", "diff_ids": layers}),
+            );
+        }
+        let record = self
+            .store
+            .put_image(ImageRecord {
+                name: name.to_owned(),
+                source: format!("snapshot:{}:{}", base.run, base.parent),
+                config,
+                layers,
+                size_bytes: size,
+                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+            })
+            .map_err(store_error)?;
+        tracing::info!(image = name, run = %base.run, layer = %layer.digest, bytes = layer.unpacked_bytes, "snapshot recorded");
+        Ok((
+            to_image(record, server, false),
+            layer.digest,
+            layer.unpacked_bytes,
+        ))
+    }
+
     /// Imports an archive (see the module doc) as image `name`. Blocking.
     pub fn import(
         &self,
@@ -415,6 +534,27 @@ enum Shape {
 }
 
 /// Copies `reader` to `path`, at most `max` bytes, and returns its sha256.
+/// A writer that hashes what passes through it.
+struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+fn hex_of(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn spool(mut reader: impl Read, path: &Path, max: u64) -> Result<String, CoreError> {
     let mut file = File::create(path).map_err(CoreError::io("creating the import spool"))?;
     let mut hasher = Sha256::new();

@@ -90,6 +90,12 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         path: String,
     ) -> impl Future<Output = Result<FileDownload, CoreError>> + Send;
+    /// Snapshots a run into a new image.
+    fn snapshot(
+        &self,
+        id: Ulid,
+        req: runbox_types::SnapshotRequest,
+    ) -> impl Future<Output = Result<runbox_types::Snapshot, CoreError>> + Send;
     /// Imports an image from a tar stream (read on a blocking thread).
     fn import_image(
         &self,
@@ -167,6 +173,14 @@ impl RunService for Arc<Manager> {
         body: UploadStream,
     ) -> Result<u64, CoreError> {
         Manager::put_file(self, id, &path, credential, content_length, body).await
+    }
+
+    async fn snapshot(
+        &self,
+        id: Ulid,
+        req: runbox_types::SnapshotRequest,
+    ) -> Result<runbox_types::Snapshot, CoreError> {
+        Manager::snapshot(self, id, req).await
     }
 
     async fn get_file(&self, id: Ulid, path: String) -> Result<FileDownload, CoreError> {

@@ -7,6 +7,7 @@
 //!
 //! It owns image bytes on disk and nothing about runs.
 
+pub mod capture;
 pub mod layout;
 pub mod pull;
 pub mod store;

@@ -8,6 +8,7 @@
 //! and [`netns`] how the daemon acts inside a run's network namespace.
 
 pub mod agent_binary;
+mod freezer;
 pub mod netns;
 pub mod oci;
 pub mod open_net;

@@ -60,7 +60,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use runbox_core::backend::{Backend, BackendError, ExitWatch, Sandbox, SandboxSpec};
+use runbox_core::backend::{Backend, BackendError, Capture, ExitWatch, Sandbox, SandboxSpec};
 use runbox_core::runs::error_chain;
 use runbox_types::NetworkTier;
 use tokio::process::Command;
@@ -455,6 +455,8 @@ impl Backend for OciBackend {
         let mut doomed = HashSet::new();
         // Run directories nobody claims.
         let runs = self.state_dir.join("runs");
+        // Captures a dead daemon left half-used; none is in progress yet.
+        crate::storage::remove_all_captures(&runs);
         for entry in std::fs::read_dir(&runs)
             .map_err(BackendError::io(format!("reading {}", runs.display())))?
         {
@@ -468,6 +470,7 @@ impl Backend for OciBackend {
                     doomed.insert(id);
                 }
                 Some(_) => {}
+                None if entry.file_name() == crate::storage::CAPTURES_DIR => {}
                 None => {
                     tracing::warn!(path = %entry.path().display(), "ignoring a stray entry in the runs directory")
                 }
@@ -509,6 +512,50 @@ impl Backend for OciBackend {
             tracing::error!(error = %e, "could not remove leftover open-tier network state");
         }
         Ok(swept)
+    }
+
+    /// Freezes the run, snapshots its disk subvolume (constant time: only
+    /// metadata is written while it is frozen) and thaws it.
+    async fn capture(&self, id: Ulid) -> Result<Capture, BackendError> {
+        let dir = self.run_dir(id);
+        if !dir.join(crate::storage::DISK_DIR).is_dir() {
+            return Err(BackendError::Unsupported(format!(
+                "run {id} predates per-run disks and cannot be captured"
+            )));
+        }
+        let runs = self.state_dir.join("runs");
+        let name = Ulid::new().to_string();
+        let freezer = crate::freezer::Freezer::of(id)?;
+        freezer.freeze().await?;
+        let started = std::time::Instant::now();
+        let snapshot = self.storage.snapshot_disk(&dir, &runs, &name);
+        let frozen = started.elapsed();
+        let thawed = freezer.thaw();
+        let copy = snapshot?;
+        if let Err(e) = thawed {
+            let _ = crate::storage::remove_capture(&runs, &name);
+            return Err(e);
+        }
+        // What the runtime put in the run's layer for the run's own mounts:
+        // the agent's directory always, the files only where they are
+        // mounted (elsewhere the same path is the run's own file).
+        let mut injected = vec![".runbox".to_owned()];
+        if dir.join("trust.pem").exists() {
+            injected.push(TRUST_BUNDLE_PATH.trim_start_matches('/').to_owned());
+        }
+        if dir.join("resolv.conf").exists() {
+            injected.push(RESOLV_CONF_PATH.trim_start_matches('/').to_owned());
+        }
+        Ok(Capture::new(
+            copy.join("upper"),
+            injected,
+            frozen,
+            move || {
+                if let Err(e) = crate::storage::remove_capture(&runs, &name) {
+                    tracing::warn!(error = %e, capture = %name, "could not remove a capture");
+                }
+            },
+        ))
     }
 
     /// A pidfd on the container's init ([`crate::watch`]).

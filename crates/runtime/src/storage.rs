@@ -195,6 +195,78 @@ impl RunStorage {
     }
 }
 
+/// Where frozen copies of runs' disks are made, inside the run store (one
+/// filesystem, so a copy is a snapshot), named by a fresh ULID each.
+pub const CAPTURES_DIR: &str = ".captures";
+
+impl RunStorage {
+    /// Takes a read-only snapshot of `<run_dir>/disk` into
+    /// `<runs>/.captures/<name>` and returns its path. Constant time: the
+    /// blocks are shared until either side changes. Needs btrfs.
+    pub(crate) fn snapshot_disk(
+        &self,
+        run_dir: &Path,
+        runs: &Path,
+        name: &str,
+    ) -> Result<PathBuf, BackendError> {
+        if matches!(self.kind, Kind::Plain { .. }) {
+            return Err(BackendError::Unsupported(
+                "snapshots need the btrfs run store (start the daemon with --storage-gb N)".into(),
+            ));
+        }
+        let captures = runs.join(CAPTURES_DIR);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .recursive(true)
+            .create(&captures)
+            .map_err(BackendError::io(format!("creating {}", captures.display())))?;
+        let source = run_dir.join(DISK_DIR);
+        let sub =
+            open_dir(&source).map_err(BackendError::io(format!("opening {}", source.display())))?;
+        let parent = open_dir(&captures)
+            .map_err(BackendError::io(format!("opening {}", captures.display())))?;
+        snapshot_subvolume(&sub, &parent, OsStr::new(name)).map_err(BackendError::io(format!(
+            "snapshotting {}",
+            source.display()
+        )))?;
+        Ok(captures.join(name))
+    }
+}
+
+/// Deletes a snapshot [`RunStorage::snapshot_disk`] made; nothing to do
+/// when it is gone.
+pub(crate) fn remove_capture(runs: &Path, name: &str) -> Result<(), BackendError> {
+    let captures = runs.join(CAPTURES_DIR);
+    let parent = match open_dir(&captures) {
+        Ok(parent) => parent,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => {
+            return Err(BackendError::io(format!("opening {}", captures.display()))(
+                e,
+            ))
+        }
+    };
+    match destroy_subvolume(&parent, OsStr::new(name)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(BackendError::io(format!("deleting capture {name}"))(e)),
+    }
+}
+
+/// Deletes every capture left in the run store (a daemon that died while
+/// capturing); at start-up, before any capture can be in progress.
+pub(crate) fn remove_all_captures(runs: &Path) {
+    let Ok(entries) = std::fs::read_dir(runs.join(CAPTURES_DIR)) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Err(e) = remove_capture(runs, &name) {
+            tracing::warn!(error = %e, capture = %name, "could not remove a leftover capture");
+        }
+    }
+}
+
 /// Provisions the daemon's own run store: a btrfs filesystem in the sparse
 /// file `image` (`size` bytes, made on first use), loop-mounted at
 /// `mount_at`, with quotas on. Idempotent: a store already mounted there is
@@ -424,6 +496,38 @@ fn destroy_subvolume(parent: &File, name: &OsStr) -> io::Result<()> {
         ioctl(
             parent,
             linux_raw_sys::ioctl::BTRFS_IOC_SNAP_DESTROY,
+            &mut args,
+        )
+    }
+}
+
+/// A read-only snapshot of the subvolume open at `source`, as `name` in
+/// the directory open at `parent` (same filesystem).
+fn snapshot_subvolume(source: &File, parent: &File, name: &OsStr) -> io::Result<()> {
+    // SAFETY: all zeroes is a valid btrfs_ioctl_vol_args_v2 (plain data and
+    // unions of plain data).
+    let mut args: sys::btrfs_ioctl_vol_args_v2 = unsafe { std::mem::zeroed() };
+    let bytes = name.as_bytes();
+    // SAFETY: `name` is the union member SNAP_CREATE_V2 reads; writing a
+    // plain array member of a zeroed union is sound.
+    let slot = unsafe { &mut args.__bindgen_anon_2.name };
+    if bytes.is_empty() || bytes.len() >= slot.len() || bytes.contains(&0) || bytes.contains(&b'/')
+    {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "bad snapshot name",
+        ));
+    }
+    for (dst, src) in slot.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    args.fd = i64::from(source.as_raw_fd());
+    args.flags = u64::from(sys::BTRFS_SUBVOL_RDONLY);
+    // SAFETY: SNAP_CREATE_V2 reads a btrfs_ioctl_vol_args_v2.
+    unsafe {
+        ioctl(
+            parent,
+            linux_raw_sys::ioctl::BTRFS_IOC_SNAP_CREATE_V2,
             &mut args,
         )
     }

@@ -156,6 +156,16 @@ pub async fn renew_run<S: RunService>(
     Ok(Json(state.service.renew(id, req.ttl_sec).await?).into_response())
 }
 
+/// `POST /v1/runs/{id}/snapshot`: records the run's filesystem as an image.
+pub async fn snapshot_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::SnapshotRequest>,
+) -> Result<Response, ApiError> {
+    let snapshot = state.service.snapshot(id, req).await?;
+    Ok((StatusCode::CREATED, Json(snapshot)).into_response())
+}
+
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
 pub async fn acquire_lease<S: RunService>(
     State(state): State<AppState<S>>,

@@ -92,6 +92,22 @@ impl RunService for Stub {
             _ => Ok(run()),
         }
     }
+    async fn snapshot(
+        &self,
+        id: Ulid,
+        req: runbox_types::SnapshotRequest,
+    ) -> Result<runbox_types::Snapshot, CoreError> {
+        found(id)?;
+        Ok(runbox_types::Snapshot {
+            image: req.name.unwrap_or_else(|| "snap-x".into()),
+            parent: "base".into(),
+            run: id,
+            layer: "sha256:00".into(),
+            layer_bytes: 0,
+            frozen_ms: 0.1,
+            elapsed_ms: 1.0,
+        })
+    }
     fn list(&self) -> Vec<Run> {
         vec![run()]
     }

@@ -285,6 +285,37 @@ pub struct RenewRequest {
     pub ttl_sec: u64,
 }
 
+/// `POST /v1/runs/{id}/snapshot`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SnapshotRequest {
+    /// The image name to record the snapshot under (image name rules);
+    /// default: a generated `snap-<ulid>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// A snapshot: an image made of a run's image layers plus one layer with
+/// everything the run changed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    /// The snapshot's image name: give it as `image` to create a run from it.
+    pub image: String,
+    /// The image the run was created from.
+    pub parent: String,
+    /// The run it was taken from.
+    pub run: Ulid,
+    /// Digest (diff_id) of the new layer.
+    pub layer: String,
+    /// Bytes of file data in the new layer.
+    pub layer_bytes: u64,
+    /// How long the run was frozen, in milliseconds.
+    pub frozen_ms: f64,
+    /// How long the whole snapshot took, in milliseconds.
+    pub elapsed_ms: f64,
+}
+
 /// `POST /v1/runs/{id}/exec`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -1,0 +1,240 @@
+//! Turns an overlayfs upper directory (what a run changed) into an OCI layer
+//! tar, so a run's state can be stored as one more image layer.
+//!
+//! The overlay's own markers become the OCI ones: a whiteout (a character
+//! device 0:0) becomes an empty `.wh.<name>` entry, and an opaque directory
+//! (xattr `trusted.overlay.opaque=y`) gets a `.wh..wh..opq` entry. Entries
+//! are written in name order with their mode, owner and modification time,
+//! so the same tree always gives the same tar and the same digest. Hard
+//! links inside the tree stay hard links. Sockets are skipped (they cannot
+//! be stored); extended attributes other than the opaque mark are not kept.
+//!
+//! It reads a tree nobody writes any more (a frozen copy of the upper
+//! directory) and never follows a symlink.
+
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+/// The xattr that marks a directory opaque for overlayfs.
+const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
+
+/// What was written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CaptureStats {
+    /// Entries written (whiteouts included).
+    pub entries: u64,
+    /// Bytes of file data.
+    pub bytes: u64,
+}
+
+/// Writes the tree at `upper` to `out` as an OCI layer tar. Entries whose
+/// path relative to `upper` is in `skip` (like `.runbox` or
+/// `etc/resolv.conf`: what the runtime put there for the run's own mounts)
+/// are left out, with everything below them. Returns what was written.
+pub fn upper_to_tar(upper: &Path, skip: &[&str], out: impl Write) -> io::Result<CaptureStats> {
+    let mut builder = tar::Builder::new(out);
+    builder.mode(tar::HeaderMode::Complete);
+    builder.follow_symlinks(false);
+    let mut walk = Walk {
+        builder,
+        links: HashMap::new(),
+        stats: CaptureStats::default(),
+        skip: Vec::new(),
+    };
+    let skip: Vec<PathBuf> = skip.iter().map(PathBuf::from).collect();
+    walk.skip = skip;
+    walk.dir(upper, Path::new(""))?;
+    walk.builder.into_inner()?.flush()?;
+    Ok(walk.stats)
+}
+
+struct Walk<W: Write> {
+    builder: tar::Builder<W>,
+    /// Regular files with several links seen so far: (dev, ino) -> name.
+    links: HashMap<(u64, u64), PathBuf>,
+    stats: CaptureStats,
+    skip: Vec<PathBuf>,
+}
+
+impl<W: Write> Walk<W> {
+    fn dir(&mut self, dir: &Path, rel: &Path) -> io::Result<()> {
+        let mut entries: Vec<_> = fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+        entries.sort_by_key(|e| e.file_name());
+        for entry in entries {
+            let name = entry.file_name();
+            let at = rel.join(&name);
+            if self.skip.contains(&at) {
+                continue;
+            }
+            self.entry(&entry.path(), &at, &name)?;
+        }
+        Ok(())
+    }
+
+    fn entry(&mut self, path: &Path, rel: &Path, name: &OsStr) -> io::Result<()> {
+        let meta = fs::symlink_metadata(path)?;
+        let kind = meta.file_type();
+        let mut header = tar::Header::new_gnu();
+        header.set_mode(meta.mode() & 0o7777);
+        header.set_uid(u64::from(meta.uid()));
+        header.set_gid(u64::from(meta.gid()));
+        header.set_mtime(meta.mtime().max(0) as u64);
+        header.set_size(0);
+        if kind.is_char_device() && meta.rdev() == 0 {
+            // A whiteout: the name is gone from the layers below.
+            let mut wh = OsStr::new(".wh.").to_owned();
+            wh.push(name);
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_mode(0o644);
+            let at = rel.with_file_name(wh);
+            return self.append(&mut header, &at, io::empty());
+        }
+        if kind.is_dir() {
+            header.set_entry_type(tar::EntryType::Directory);
+            self.append(&mut header, rel, io::empty())?;
+            if is_opaque(path) {
+                let mut opq = tar::Header::new_gnu();
+                opq.set_entry_type(tar::EntryType::Regular);
+                opq.set_mode(0o644);
+                opq.set_size(0);
+                opq.set_mtime(meta.mtime().max(0) as u64);
+                self.append(&mut opq, &rel.join(".wh..wh..opq"), io::empty())?;
+            }
+            return self.dir(path, rel);
+        }
+        if kind.is_symlink() {
+            header.set_entry_type(tar::EntryType::Symlink);
+            let target = fs::read_link(path)?;
+            self.stats.entries += 1;
+            return self.builder.append_link(&mut header, rel, target);
+        }
+        if kind.is_file() {
+            if meta.nlink() > 1 {
+                let key = (meta.dev(), meta.ino());
+                if let Some(first) = self.links.get(&key).cloned() {
+                    header.set_entry_type(tar::EntryType::Link);
+                    self.stats.entries += 1;
+                    return self.builder.append_link(&mut header, rel, first);
+                }
+                self.links.insert(key, rel.to_owned());
+            }
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_size(meta.len());
+            self.stats.bytes += meta.len();
+            let file = fs::File::open(path)?;
+            return self.append(&mut header, rel, file);
+        }
+        if kind.is_char_device() || kind.is_block_device() || kind.is_fifo() {
+            header.set_entry_type(if kind.is_char_device() {
+                tar::EntryType::Char
+            } else if kind.is_block_device() {
+                tar::EntryType::Block
+            } else {
+                tar::EntryType::Fifo
+            });
+            let rdev = meta.rdev();
+            header.set_device_major(rustix::fs::major(rdev))?;
+            header.set_device_minor(rustix::fs::minor(rdev))?;
+            return self.append(&mut header, rel, io::empty());
+        }
+        // Sockets: nothing to store.
+        Ok(())
+    }
+
+    fn append(
+        &mut self,
+        header: &mut tar::Header,
+        rel: &Path,
+        data: impl io::Read,
+    ) -> io::Result<()> {
+        self.stats.entries += 1;
+        self.builder.append_data(header, rel, data)
+    }
+}
+
+fn is_opaque(dir: &Path) -> bool {
+    let mut value = [0u8; 8];
+    matches!(
+        rustix::fs::lgetxattr(dir, OPAQUE_XATTR, &mut value),
+        Ok(n) if value[..n] == *b"y"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(tar: &[u8]) -> Vec<String> {
+        tar::Archive::new(tar)
+            .entries()
+            .unwrap()
+            .map(|e| e.unwrap().path().unwrap().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn an_upper_directory_becomes_an_oci_layer() {
+        let dir = tempfile::tempdir().unwrap();
+        let up = dir.path();
+        fs::create_dir_all(up.join("work/src")).unwrap();
+        fs::write(up.join("work/src/a.txt"), b"hello").unwrap();
+        fs::hard_link(up.join("work/src/a.txt"), up.join("work/b.txt")).unwrap();
+        std::os::unix::fs::symlink("src/a.txt", up.join("work/link")).unwrap();
+        fs::create_dir(up.join(".runbox")).unwrap();
+        fs::write(up.join(".runbox/agent"), b"").unwrap();
+        fs::create_dir(up.join("etc")).unwrap();
+        fs::write(up.join("etc/resolv.conf"), b"").unwrap();
+        // A whiteout and an opaque directory, as overlayfs makes them.
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            up.join("gone"),
+            rustix::fs::FileType::CharacterDevice,
+            rustix::fs::Mode::empty(),
+            0,
+        )
+        .unwrap();
+        fs::create_dir(up.join("fresh")).unwrap();
+        rustix::fs::setxattr(
+            up.join("fresh"),
+            OPAQUE_XATTR,
+            b"y",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .unwrap();
+        let mut tar = Vec::new();
+        let skip = [".runbox", "etc/resolv.conf"];
+        let stats = upper_to_tar(up, &skip, &mut tar).unwrap();
+        assert_eq!(stats.bytes, 5);
+        let names = names(&tar);
+        assert_eq!(
+            names,
+            [
+                "etc",
+                "fresh",
+                "fresh/.wh..wh..opq",
+                ".wh.gone",
+                "work",
+                "work/b.txt",
+                "work/link",
+                "work/src",
+                "work/src/a.txt",
+            ],
+            "{names:?}"
+        );
+        let mut archive = tar::Archive::new(tar.as_slice());
+        for entry in archive.entries().unwrap() {
+            let entry = entry.unwrap();
+            if entry.path().unwrap().ends_with("a.txt") {
+                assert_eq!(entry.header().entry_type(), tar::EntryType::Link);
+            }
+        }
+        // The same tree, the same bytes.
+        let mut again = Vec::new();
+        upper_to_tar(up, &skip, &mut again).unwrap();
+        assert_eq!(tar, again);
+    }
+}
