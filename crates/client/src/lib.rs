@@ -229,6 +229,22 @@ impl Client {
         json(resp).await
     }
 
+    /// `GET /v1/snapshots`.
+    pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
+        let resp = self
+            .send(self.request(Method::GET, "/v1/snapshots"))
+            .await?;
+        json(resp).await
+    }
+
+    /// `DELETE /v1/snapshots/{name}`: only snapshot images; 409 while a
+    /// run boots from it.
+    pub async fn delete_snapshot(&self, name: &str) -> Result<(), ClientError> {
+        let path = format!("/v1/snapshots/{}", paths::segment("snapshot name", name)?);
+        self.send(self.request(Method::DELETE, &path)).await?;
+        Ok(())
+    }
+
     /// `POST /v1/runs/{id}/lease`: takes the run's writable lease for
     /// `ttl_sec` seconds (server default when `None`).
     pub async fn acquire_lease(

@@ -164,3 +164,63 @@ async fn bad_snapshot_requests_are_refused() {
     assert_eq!(status, 400, "{body}");
     assert_eq!(captures_left(&daemon), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_are_listed_and_deleted_apart_from_other_images() {
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon.sh(&id, "echo kept > /work/k").await;
+    let first = daemon
+        .client
+        .snapshot_run(&id, Some("keep-me"))
+        .await
+        .unwrap();
+    let second = daemon.client.snapshot_run(&id, None).await.unwrap();
+    let listed: Vec<String> = daemon
+        .client
+        .list_snapshots()
+        .await
+        .unwrap()
+        .snapshots
+        .into_iter()
+        .map(|i| i.name)
+        .collect();
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    assert!(listed.contains(&first.image) && listed.contains(&second.image));
+    // They are images too, and show as such.
+    let images = daemon.client.list_images().await.unwrap().images;
+    assert!(images
+        .iter()
+        .any(|i| i.name == "keep-me" && i.is_snapshot()));
+
+    // In use: 409. Not a snapshot: 404, and the image stays.
+    let user = run_from(&daemon, "keep-me").await;
+    let err = daemon.client.delete_snapshot("keep-me").await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::ImageInUse), "{err}");
+    let err = daemon.client.delete_snapshot("base").await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::ImageNotFound), "{err}");
+    assert!(daemon.client.get_image("base").await.is_ok());
+
+    // The seed's query form, and the path form once nothing uses it.
+    let (status, body) = runbox_e2e::raw_request(
+        &daemon.url,
+        "DELETE",
+        &format!("/v1/snapshots?image={}", second.image),
+        &daemon.token,
+        b"",
+    )
+    .await;
+    assert_eq!(status, 204, "{body}");
+    daemon.client.delete_run(&user).await.unwrap();
+    daemon.client.delete_snapshot("keep-me").await.unwrap();
+    assert!(daemon
+        .client
+        .list_snapshots()
+        .await
+        .unwrap()
+        .snapshots
+        .is_empty());
+    // Their layers went with them; the run they came from is untouched.
+    let out = daemon.sh(&id, "cat /work/k").await;
+    assert_eq!(text(&out.stdout), "kept\n");
+}

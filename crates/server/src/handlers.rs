@@ -408,6 +408,64 @@ pub async fn list_images<S: RunService>(
     }))
 }
 
+/// `GET /v1/snapshots`: the images made by snapshots.
+pub async fn list_snapshots<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<runbox_types::SnapshotList>, ApiError> {
+    Ok(Json(runbox_types::SnapshotList {
+        server: state.service.server_id().to_owned(),
+        snapshots: state
+            .service
+            .list_images()?
+            .into_iter()
+            .filter(|i| i.is_snapshot())
+            .collect(),
+    }))
+}
+
+/// `DELETE /v1/snapshots/{name}`.
+pub async fn delete_snapshot<S: RunService>(
+    State(state): State<AppState<S>>,
+    AppPath(name): AppPath<String>,
+) -> Result<StatusCode, ApiError> {
+    remove_snapshot(&state, name).await
+}
+
+/// `DELETE /v1/snapshots?image=NAME`.
+pub async fn delete_snapshot_by_query<S: RunService>(
+    State(state): State<AppState<S>>,
+    query: Result<
+        axum::extract::Query<runbox_types::SnapshotQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<StatusCode, ApiError> {
+    let axum::extract::Query(query) = query.map_err(|e| {
+        ApiError::new(
+            ErrorCode::BadRequest,
+            format!("give the snapshot as ?image=NAME ({e})"),
+        )
+    })?;
+    remove_snapshot(&state, query.image).await
+}
+
+/// Deletes snapshot image `name`; other images are not snapshots (404).
+async fn remove_snapshot<S: RunService>(
+    state: &AppState<S>,
+    name: String,
+) -> Result<StatusCode, ApiError> {
+    let image = state.service.get_image(&name)?;
+    if !image.is_snapshot() {
+        return Err(ApiError::new(
+            ErrorCode::ImageNotFound,
+            format!(
+                "{name:?} is an image, not a snapshot; delete it with DELETE /v1/images/{name}"
+            ),
+        ));
+    }
+    state.service.delete_image(name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// `GET /v1/images/{name}`: the image with its config document.
 pub async fn get_image<S: RunService>(
     State(state): State<AppState<S>>,

@@ -76,6 +76,14 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             post(handlers::release_lease::<S>),
         )
         .route("/v1/images", get(handlers::list_images::<S>))
+        .route(
+            "/v1/snapshots",
+            get(handlers::list_snapshots::<S>).delete(handlers::delete_snapshot_by_query::<S>),
+        )
+        .route(
+            "/v1/snapshots/{name}",
+            axum::routing::delete(handlers::delete_snapshot::<S>),
+        )
         .route("/v1/images/pull", post(handlers::pull_image::<S>))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)

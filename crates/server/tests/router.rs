@@ -294,6 +294,10 @@ async fn health_is_open_and_everything_else_needs_the_token() {
         ("POST", "/v1/images/x".to_owned()),
         ("GET", "/v1/images/x".to_owned()),
         ("DELETE", "/v1/images/x".to_owned()),
+        ("POST", format!("/v1/runs/{KNOWN}/snapshot")),
+        ("GET", "/v1/snapshots".to_owned()),
+        ("DELETE", "/v1/snapshots/x".to_owned()),
+        ("DELETE", "/v1/snapshots?image=x".to_owned()),
     ];
     for (method, uri) in &routes {
         for auth in [
@@ -337,6 +341,14 @@ async fn every_rejection_has_the_json_error_shape() {
             "run_not_found",
         ),
         ("POST", "/v1/runs".into(), "{", 400, "bad_request"),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/snapshot"),
+            r#"{"label":"x"}"#,
+            400,
+            "bad_request",
+        ),
+        ("DELETE", "/v1/snapshots".into(), "", 400, "bad_request"),
         (
             "POST",
             "/v1/runs".into(),

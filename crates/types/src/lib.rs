@@ -500,6 +500,34 @@ pub mod pull_sse {
     pub const ERROR: &str = "error";
 }
 
+/// What a snapshot image's `source` starts with: `snapshot:<run>:<parent>`.
+pub const SNAPSHOT_SOURCE_PREFIX: &str = "snapshot:";
+
+impl Image {
+    /// Whether this image is a snapshot of a run.
+    pub fn is_snapshot(&self) -> bool {
+        self.source.starts_with(SNAPSHOT_SOURCE_PREFIX)
+    }
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotList {
+    /// The node that answered.
+    pub server: String,
+    /// Snapshot images ordered by name.
+    pub snapshots: Vec<Image>,
+}
+
+/// `DELETE /v1/snapshots?image=NAME`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotQuery {
+    /// The snapshot's image name.
+    pub image: String,
+}
+
 /// `GET /v1/images`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
