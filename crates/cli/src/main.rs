@@ -72,6 +72,8 @@ enum Command {
     Renew(runs::RenewArgs),
     /// Record a run's filesystem as a new image (the run keeps running)
     Snapshot(runs::SnapshotArgs),
+    /// Start new runs from a run's filesystem as it is now
+    Fork(runs::ForkArgs),
     /// Take, renew or release a run's writable lease
     #[command(subcommand)]
     Lease(lease::LeaseCommand),
@@ -127,6 +129,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Rm(args) => runs::rm(args).await,
         Command::Renew(args) => runs::renew(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
+        Command::Fork(args) => runs::fork(args).await,
         Command::Lease(command) => lease::run(command).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,

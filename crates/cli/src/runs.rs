@@ -224,6 +224,24 @@ pub struct SnapshotArgs {
     pub conn: ConnectOpts,
 }
 
+/// `runbox fork`.
+#[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// The run's id
+    pub id: String,
+    /// How many children
+    #[arg(long, default_value_t = 1)]
+    pub count: usize,
+    /// Each child's time to live in seconds [default: the server's]
+    #[arg(long, value_name = "SECS")]
+    pub ttl: Option<u64>,
+    /// Print the children as JSON instead of their ids
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
 /// `runbox health`.
 #[derive(Debug, Args)]
 pub struct HealthArgs {
@@ -343,6 +361,24 @@ pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&snapshot)?);
     } else {
         println!("{}", snapshot.image);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox fork`: prints one child id per line.
+pub async fn fork(args: ForkArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let req = runbox_types::ForkRequest {
+        count: args.count,
+        ttl_sec: args.ttl,
+    };
+    let forked = conn.check(conn.client.fork_run(&args.id, &req).await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&forked)?);
+    } else {
+        for run in &forked.runs {
+            println!("{}", run.id);
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

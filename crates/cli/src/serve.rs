@@ -55,6 +55,9 @@ pub struct ServeArgs {
     /// Most memory (MiB) one run may ask for.
     #[arg(long, default_value_t = 65536)]
     pub max_memory_mb: u64,
+    /// Most children one fork may make.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    pub max_fork_count: u64,
     /// Most processes one run may ask for.
     #[arg(long, default_value_t = 32768)]
     pub max_pids: u64,
@@ -167,6 +170,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let mut config = Config::new(server_id);
     config.max_runs = args.max_runs;
+    config.max_fork_count = args.max_fork_count as usize;
     config.max_limits = runbox_types::Limits {
         cpus: args.max_cpus,
         memory_mb: args.max_memory_mb,

@@ -229,6 +229,20 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/runs/{id}/fork`: `count` new runs starting from the run's
+    /// filesystem as it is now.
+    pub async fn fork_run(
+        &self,
+        id: &str,
+        req: &runbox_types::ForkRequest,
+    ) -> Result<runbox_types::ForkResponse, ClientError> {
+        let path = format!("{}/fork", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::POST, &path).json(req))
+            .await?;
+        json(resp).await
+    }
+
     /// `GET /v1/snapshots`.
     pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
         let resp = self

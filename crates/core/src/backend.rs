@@ -46,6 +46,10 @@ pub struct SandboxSpec {
     /// Extra CA certificates (PEM) the run must trust, appended to the
     /// image's system bundle (the egress proxy's interception CA).
     pub trust_pem: Option<String>,
+    /// A fork's starting point: the directory of a [`Capture`] (its
+    /// `upper`'s parent) whose writable layer the new run starts from,
+    /// shared until either side writes. None: an empty writable layer.
+    pub seed: Option<PathBuf>,
 }
 
 /// A started sandbox.

@@ -19,6 +19,8 @@ pub struct Config {
     pub max_ttl: Duration,
     /// How many runs may exist at once.
     pub max_runs: usize,
+    /// The most children one fork may make.
+    pub max_fork_count: usize,
     /// The largest file an upload may write.
     pub max_upload_bytes: u64,
     /// The largest unpacked image an import may write.
@@ -53,6 +55,7 @@ impl Config {
             default_ttl: Duration::from_secs(30 * 60),
             max_ttl: Duration::from_secs(24 * 60 * 60),
             max_runs: 256,
+            max_fork_count: 16,
             max_upload_bytes: 16 << 30,
             max_image_bytes: 32 << 30,
             agent_ready_timeout: Duration::from_secs(10),

@@ -348,6 +348,13 @@ impl ImageStore {
         Ok((to_image(record, server, false), true))
     }
 
+    /// The directories of layers `keys`, in order. Blocking.
+    pub fn layer_dirs(&self, keys: &[String]) -> Result<Vec<PathBuf>, CoreError> {
+        keys.iter()
+            .map(|k| self.store.layer_dir(k).map_err(store_error))
+            .collect()
+    }
+
     /// The OCI config document of image `name` if its layers are still
     /// `layers` (the image was not replaced since), else None.
     pub fn config_if_layers(&self, name: &str, layers: &[String]) -> Option<serde_json::Value> {

@@ -90,6 +90,12 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         path: String,
     ) -> impl Future<Output = Result<FileDownload, CoreError>> + Send;
+    /// Forks a run into new runs that start from its filesystem.
+    fn fork(
+        &self,
+        id: Ulid,
+        req: runbox_types::ForkRequest,
+    ) -> impl Future<Output = Result<runbox_types::ForkResponse, CoreError>> + Send;
     /// Snapshots a run into a new image.
     fn snapshot(
         &self,
@@ -181,6 +187,14 @@ impl RunService for Arc<Manager> {
         req: runbox_types::SnapshotRequest,
     ) -> Result<runbox_types::Snapshot, CoreError> {
         Manager::snapshot(self, id, req).await
+    }
+
+    async fn fork(
+        &self,
+        id: Ulid,
+        req: runbox_types::ForkRequest,
+    ) -> Result<runbox_types::ForkResponse, CoreError> {
+        Manager::fork(self, id, req).await
     }
 
     async fn get_file(&self, id: Ulid, path: String) -> Result<FileDownload, CoreError> {

@@ -310,21 +310,25 @@ impl OciBackend {
         spec: &SandboxSpec,
         dir: &Path,
     ) -> Result<(PathBuf, Option<trust::TrustFiles>), BackendError> {
-        let disk = self
-            .storage
-            .create(dir, spec.limits.disk_mb.map(|mb| mb << 20))?;
-        let (upper, work, rootfs) = (
-            disk.join("upper"),
-            disk.join("ovl-work"),
-            dir.join("rootfs"),
-        );
+        let limit = spec.limits.disk_mb.map(|mb| mb << 20);
+        let rootfs = dir.join("rootfs");
+        let disk = match &spec.seed {
+            // A fork: the parent's layer as it was, shared until written.
+            Some(seed) => self.storage.clone_disk(seed, dir, limit)?,
+            None => self.storage.create(dir, limit)?,
+        };
+        let (upper, work) = (disk.join("upper"), disk.join("ovl-work"));
         for d in [&upper, &work, &rootfs] {
-            std::fs::create_dir(d)
-                .map_err(BackendError::io(format!("creating {}", d.display())))?;
+            match std::fs::create_dir(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && spec.seed.is_some() => {}
+                Err(e) => return Err(BackendError::io(format!("creating {}", d.display()))(e)),
+            }
         }
         // /work is every run's default directory; it exists even when the
         // image has none, and lives in the run's own layer.
         std::fs::DirBuilder::new()
+            .recursive(true)
             .mode(0o755)
             .create(upper.join("work"))
             .map_err(BackendError::io("creating /work in the run's layer"))?;

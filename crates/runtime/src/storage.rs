@@ -231,6 +231,54 @@ impl RunStorage {
         )))?;
         Ok(captures.join(name))
     }
+
+    /// Makes `<run_dir>/disk` a writable snapshot of the capture `seed` (a
+    /// directory [`RunStorage::snapshot_disk`] made), limited to `limit`
+    /// bytes: a fork's disk, sharing every block with the parent's until
+    /// either writes. Constant time. The overlay's scratch directory starts
+    /// empty.
+    pub(crate) fn clone_disk(
+        &self,
+        seed: &Path,
+        run_dir: &Path,
+        limit: Option<u64>,
+    ) -> Result<PathBuf, BackendError> {
+        match (&self.kind, limit) {
+            (Kind::Plain { why }, _) | (Kind::Subvolumes { why }, Some(_)) => {
+                return Err(BackendError::Unsupported(why.clone()))
+            }
+            _ => {}
+        }
+        let source =
+            open_dir(seed).map_err(BackendError::io(format!("opening {}", seed.display())))?;
+        let parent = open_dir(run_dir)
+            .map_err(BackendError::io(format!("opening {}", run_dir.display())))?;
+        let disk = run_dir.join(DISK_DIR);
+        snapshot_subvolume_with(&source, &parent, OsStr::new(DISK_DIR), 0).map_err(
+            BackendError::io(format!(
+                "cloning {} into {}",
+                seed.display(),
+                disk.display()
+            )),
+        )?;
+        let fresh = (|| {
+            if let Some(bytes) = limit {
+                limit_subvolume(&open_dir(&disk)?, bytes)?;
+            }
+            let work = disk.join("ovl-work");
+            match std::fs::remove_dir_all(&work) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
+            std::fs::create_dir(&work)
+        })();
+        if let Err(e) = fresh {
+            let _ = destroy_subvolume(&parent, OsStr::new(DISK_DIR));
+            return Err(BackendError::io(format!("preparing {}", disk.display()))(e));
+        }
+        Ok(disk)
+    }
 }
 
 /// Deletes a snapshot [`RunStorage::snapshot_disk`] made; nothing to do
@@ -504,6 +552,16 @@ fn destroy_subvolume(parent: &File, name: &OsStr) -> io::Result<()> {
 /// A read-only snapshot of the subvolume open at `source`, as `name` in
 /// the directory open at `parent` (same filesystem).
 fn snapshot_subvolume(source: &File, parent: &File, name: &OsStr) -> io::Result<()> {
+    snapshot_subvolume_with(source, parent, name, u64::from(sys::BTRFS_SUBVOL_RDONLY))
+}
+
+/// A snapshot of the subvolume open at `source` with `flags` (0: writable).
+fn snapshot_subvolume_with(
+    source: &File,
+    parent: &File,
+    name: &OsStr,
+    flags: u64,
+) -> io::Result<()> {
     // SAFETY: all zeroes is a valid btrfs_ioctl_vol_args_v2 (plain data and
     // unions of plain data).
     let mut args: sys::btrfs_ioctl_vol_args_v2 = unsafe { std::mem::zeroed() };
@@ -522,7 +580,7 @@ fn snapshot_subvolume(source: &File, parent: &File, name: &OsStr) -> io::Result<
         *dst = *src as libc::c_char;
     }
     args.fd = i64::from(source.as_raw_fd());
-    args.flags = u64::from(sys::BTRFS_SUBVOL_RDONLY);
+    args.flags = flags;
     // SAFETY: SNAP_CREATE_V2 reads a btrfs_ioctl_vol_args_v2.
     unsafe {
         ioctl(

@@ -208,6 +208,7 @@ impl Env {
             },
             network,
             trust_pem: trust_pem.map(str::to_owned),
+            seed: None,
         }
     }
 

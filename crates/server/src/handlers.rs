@@ -166,6 +166,16 @@ pub async fn snapshot_run<S: RunService>(
     Ok((StatusCode::CREATED, Json(snapshot)).into_response())
 }
 
+/// `POST /v1/runs/{id}/fork`: new runs starting from the run's filesystem.
+pub async fn fork_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::ForkRequest>,
+) -> Result<Response, ApiError> {
+    let forked = state.service.fork(id, req).await?;
+    Ok((StatusCode::CREATED, Json(forked)).into_response())
+}
+
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
 pub async fn acquire_lease<S: RunService>(
     State(state): State<AppState<S>>,

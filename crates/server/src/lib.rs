@@ -65,6 +65,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         )
         .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
+        .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
         .route("/v1/runs/{id}/exec", post(handlers::exec::<S>))
         .route("/v1/runs/{id}/lease", post(handlers::acquire_lease::<S>))
         .route(

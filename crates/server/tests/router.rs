@@ -108,6 +108,16 @@ impl RunService for Stub {
             elapsed_ms: 1.0,
         })
     }
+    async fn fork(
+        &self,
+        id: Ulid,
+        req: runbox_types::ForkRequest,
+    ) -> Result<runbox_types::ForkResponse, CoreError> {
+        found(id)?;
+        Ok(runbox_types::ForkResponse {
+            runs: (0..req.count).map(|_| run()).collect(),
+        })
+    }
     fn list(&self) -> Vec<Run> {
         vec![run()]
     }
@@ -295,6 +305,7 @@ async fn health_is_open_and_everything_else_needs_the_token() {
         ("GET", "/v1/images/x".to_owned()),
         ("DELETE", "/v1/images/x".to_owned()),
         ("POST", format!("/v1/runs/{KNOWN}/snapshot")),
+        ("POST", format!("/v1/runs/{KNOWN}/fork")),
         ("GET", "/v1/snapshots".to_owned()),
         ("DELETE", "/v1/snapshots/x".to_owned()),
         ("DELETE", "/v1/snapshots?image=x".to_owned()),
@@ -349,6 +360,13 @@ async fn every_rejection_has_the_json_error_shape() {
             "bad_request",
         ),
         ("DELETE", "/v1/snapshots".into(), "", 400, "bad_request"),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/fork"),
+            r#"{"count":-1}"#,
+            400,
+            "bad_request",
+        ),
         (
             "POST",
             "/v1/runs".into(),

@@ -316,6 +316,25 @@ pub struct Snapshot {
     pub elapsed_ms: f64,
 }
 
+/// `POST /v1/runs/{id}/fork`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ForkRequest {
+    /// How many children (1 to the server's `--max-fork-count`, default 16).
+    pub count: usize,
+    /// Each child's time to live (default: the server's default TTL).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_sec: Option<u64>,
+}
+
+/// The answer to a fork: the children, running.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ForkResponse {
+    /// The new runs.
+    pub runs: Vec<Run>,
+}
+
 /// `POST /v1/runs/{id}/exec`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

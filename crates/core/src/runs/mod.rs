@@ -21,6 +21,7 @@
 //! so a crash at any point leaves something reconciliation can find.
 
 pub mod actor;
+mod fork;
 pub mod phase;
 pub mod reaper;
 mod reconcile;
@@ -251,6 +252,7 @@ impl Manager {
                 Some(config) if !record.egress.secrets.is_empty() => Some(config.ca_pem()),
                 _ => None,
             },
+            seed: None,
         };
         let (reply, answer) = tokio::sync::oneshot::channel();
         let earlier = {

@@ -1,0 +1,161 @@
+//! Forks: new runs whose filesystems equal a parent's at one instant.
+//!
+//! The parent is captured once (frozen, its writable layer snapshotted in
+//! constant time, thawed: see [`crate::Backend::capture`]); each child is
+//! an ordinary create whose writable layer starts as a writable snapshot of
+//! that capture (`SandboxSpec::seed`), over the parent's image layers. No
+//! data is copied: parent and children share blocks until one of them
+//! writes, and never see each other's later writes.
+//!
+//! Running processes are not carried over: this kernel cannot checkpoint
+//! processes (CRIU does not work here), so each child starts fresh, with
+//! its own agent, on the forked filesystem.
+
+use std::sync::Arc;
+
+use runbox_types::{ErrorCode, ForkRequest, ForkResponse, Run, RunStatus};
+use time::OffsetDateTime;
+use tokio::sync::oneshot;
+use ulid::Ulid;
+
+use super::actor::{Creation, RunActor};
+use super::phase::Phase;
+use super::Manager;
+use crate::backend::{BackendError, SandboxSpec};
+use crate::error::CoreError;
+use crate::store::RunRecord;
+use crate::validate;
+
+impl Manager {
+    /// Forks run `id` into `req.count` new runs (see the module doc). All
+    /// or nothing: if any child cannot be made, the others are destroyed
+    /// and the error is the answer.
+    ///
+    /// Cancellation: the fork runs in a task of its own; a client that hangs
+    /// up does not stop it (the children are listed like any run).
+    pub async fn fork(
+        self: &Arc<Self>,
+        id: Ulid,
+        req: ForkRequest,
+    ) -> Result<ForkResponse, CoreError> {
+        let max = self.config.max_fork_count;
+        if req.count == 0 || req.count > max {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!(
+                    "count must be 1 to {max} (--max-fork-count), got {}",
+                    req.count
+                ),
+            ));
+        }
+        let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
+        let handle = self.handle(id)?;
+        let snapshot = handle.snapshot();
+        match &snapshot.phase {
+            Phase::Running => {}
+            Phase::Failed(why) => return Err(CoreError::RunFailed(id, why.clone())),
+            _ => return Err(CoreError::RunNotRunning(id, "still being created")),
+        }
+        let parent = (*snapshot.record).clone();
+        let count = req.count;
+        if self.registry().len() + count > self.config.max_runs {
+            return Err(CoreError::Capacity(self.config.max_runs));
+        }
+        let manager = self.clone();
+        tokio::spawn(async move { manager.fork_children(parent, count, ttl).await })
+            .await
+            .map_err(|e| CoreError::Store(format!("fork task failed: {e}")))?
+    }
+
+    async fn fork_children(
+        self: Arc<Self>,
+        parent: RunRecord,
+        count: usize,
+        ttl: std::time::Duration,
+    ) -> Result<ForkResponse, CoreError> {
+        let capture = self.backend.capture(parent.id).await.map_err(|e| match e {
+            BackendError::Unsupported(why) => CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!("run {} cannot be forked: {why}", parent.id),
+            ),
+            other => CoreError::Backend(other),
+        })?;
+        let seed = capture
+            .upper
+            .parent()
+            .map(|p| p.to_path_buf())
+            .ok_or_else(|| CoreError::Store("a capture without a directory".into()))?;
+        // The layers are read and the children registered under the image
+        // lock, so garbage collection sees them (as it does every create).
+        let image_guard = self.image_lock.lock().await;
+        let images = self.images.clone();
+        let layers = parent.layers.clone();
+        let image_layers = tokio::task::spawn_blocking(move || images.layer_dirs(&layers))
+            .await
+            .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
+        let trust_pem = match &self.config.egress {
+            Some(config) if !parent.egress.secrets.is_empty() => Some(config.ca_pem()),
+            _ => None,
+        };
+        let mut answers = Vec::with_capacity(count);
+        {
+            let mut registry = self.registry();
+            if registry.len() + count > self.config.max_runs {
+                return Err(CoreError::Capacity(self.config.max_runs));
+            }
+            let now = OffsetDateTime::now_utc();
+            for _ in 0..count {
+                let id = Ulid::new();
+                let record = RunRecord {
+                    id,
+                    created_at: now,
+                    expires_at: now + ttl,
+                    status: RunStatus::Creating,
+                    runtime: String::new(),
+                    agent_socket: Default::default(),
+                    lease: Default::default(),
+                    idempotency: None,
+                    failure: None,
+                    ..parent.clone()
+                };
+                let spec = SandboxSpec {
+                    id,
+                    image_layers: image_layers.clone(),
+                    limits: record.limits,
+                    network: record.network,
+                    trust_pem: trust_pem.clone(),
+                    seed: Some(seed.clone()),
+                };
+                let (reply, answer) = oneshot::channel();
+                let actor = RunActor::new(self.clone(), record, Phase::Creating);
+                registry.insert(id, actor.handle().clone());
+                actor.spawn_create(Creation { spec, reply });
+                answers.push(answer);
+            }
+        }
+        drop(image_guard);
+        let mut runs: Vec<Run> = Vec::with_capacity(count);
+        let mut failure = None;
+        for answer in answers {
+            match answer.await {
+                Ok(Ok(run)) => runs.push(run),
+                Ok(Err(e)) => failure = failure.or(Some(e)),
+                Err(_) => {
+                    failure = failure.or(Some(CoreError::Agent(
+                        "a child's owner ended without an answer".into(),
+                    )))
+                }
+            }
+        }
+        // Every child has its own copy now.
+        drop(capture);
+        if let Some(e) = failure {
+            for run in &runs {
+                let _ = self.delete(run.id).await;
+            }
+            return Err(e);
+        }
+        tracing::info!(parent = %parent.id, children = runs.len(), "run forked");
+        Ok(ForkResponse { runs })
+    }
+}
