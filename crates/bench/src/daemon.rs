@@ -230,6 +230,11 @@ impl Daemon {
         Ok(run)
     }
 
+    /// Remembers a run made another way (a fork's child) for cleanup.
+    pub fn remember(&mut self, id: Ulid) {
+        self.runs.push(id);
+    }
+
     /// `DELETE /v1/runs/{id}`, forgetting the run once it is gone.
     pub async fn delete_run(&mut self, id: Ulid) -> anyhow::Result<()> {
         tokio::time::timeout(API_TIMEOUT, self.client.delete_run(&id.to_string()))

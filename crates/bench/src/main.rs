@@ -57,6 +57,7 @@ mod images;
 mod loopback;
 mod raw;
 mod report;
+mod snapshots;
 mod stats;
 
 use std::collections::BTreeMap;
@@ -144,6 +145,10 @@ struct Args {
     /// are installed.
     #[arg(long)]
     no_pull: bool,
+    /// Measured iterations per series of the snapshots phase (its start
+    /// comparison takes at least 10)
+    #[arg(long, default_value_t = 5)]
+    snapshot_iterations: usize,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -155,6 +160,7 @@ enum PhaseName {
     Create,
     Images,
     Egress,
+    Snapshots,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -183,6 +189,7 @@ struct Plan {
     create_iterations: Option<usize>,
     images: Option<ImagePlan>,
     egress: Option<egress::Options>,
+    snapshot_iterations: Option<usize>,
 }
 
 /// What the images phase does, when it runs.
@@ -271,6 +278,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             create_iterations: None,
             images: None,
             egress,
+            snapshot_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -362,6 +370,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             pull,
         }),
         egress,
+        snapshot_iterations: args
+            .phases
+            .contains(&PhaseName::Snapshots)
+            .then_some(args.snapshot_iterations.max(1)),
     })
 }
 
@@ -462,6 +474,7 @@ impl Bench {
                 phases: Vec::new(),
                 images: None,
                 egress,
+                snapshots: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -530,11 +543,21 @@ impl Bench {
             Some(images) => Some(self.images(plan, images, &tar).await?),
             None => None,
         };
+        let snapshots = match plan.snapshot_iterations {
+            Some(n) => {
+                // crun's daemon when there is one: runtimes matter little
+                // here (the work is the daemon's and the filesystem's).
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(snapshots::measure(&mut self.daemons[i], n).await?)
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             phases,
             images,
             egress,
+            snapshots,
         })
     }
 

@@ -154,6 +154,9 @@ pub struct Report {
     /// The egress phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub egress: Option<EgressReport>,
+    /// The snapshots phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub snapshots: Option<crate::snapshots::SnapshotReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -382,6 +385,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(egress) = &report.egress {
         egress_markdown(&mut out, egress, h.cpus);
     }
+    if let Some(snapshots) = &report.snapshots {
+        out.push_str(&crate::snapshots::markdown(snapshots));
+    }
     out
 }
 
@@ -538,6 +544,7 @@ mod tests {
             phases: vec![phase],
             images: None,
             egress: None,
+            snapshots: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -599,6 +606,7 @@ mod tests {
                 tables: vec![table],
             }),
             egress: None,
+            snapshots: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),
