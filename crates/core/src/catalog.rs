@@ -223,7 +223,7 @@ impl Manager {
     /// Removes the layers no image and no run in the registry uses. The
     /// runs' layers are read under the image lock: a create holds it from
     /// reading its image's layers until its run is in the registry.
-    async fn collect_garbage(&self) -> Result<(), CoreError> {
+    pub(crate) async fn collect_garbage(&self) -> Result<(), CoreError> {
         let keep = {
             let _guard = self.image_lock.lock().await;
             self.layers_in_use()

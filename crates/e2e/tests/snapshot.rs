@@ -224,3 +224,59 @@ async fn snapshots_are_listed_and_deleted_apart_from_other_images() {
     let out = daemon.sh(&id, "cat /work/k").await;
     assert_eq!(text(&out.stdout), "kept\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_mid_capture_leaves_no_snapshot_and_no_leak() {
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon
+        .sh(
+            &id,
+            "dd if=/dev/urandom of=/work/big bs=1M count=400 2>/dev/null; sync",
+        )
+        .await;
+    let layers = |daemon: &TestDaemon| {
+        std::fs::read_dir(daemon.state.path().join("images/layers"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .count()
+    };
+    let before = layers(&daemon);
+    // The snapshot takes seconds (400 MiB to write as a layer); kill the
+    // daemon in the middle of it.
+    let client = daemon.client.clone();
+    let target = id.clone();
+    let pending =
+        tokio::spawn(async move { client.snapshot_run(&target, Some("half-made")).await });
+    let spool = daemon.state.path().join("images/spool");
+    let started = runbox_e2e::eventually(std::time::Duration::from_secs(10), || {
+        std::fs::read_dir(&spool)
+            .map(|d| d.count() > 0)
+            .unwrap_or(false)
+    })
+    .await;
+    assert!(started, "the capture never started writing");
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    daemon.kill9();
+    assert!(
+        pending.await.unwrap().is_err(),
+        "the snapshot finished first"
+    );
+    daemon.spawn().await;
+    // No snapshot that looks valid, no capture, no half-made or orphan layer.
+    let err = daemon.client.get_image("half-made").await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::ImageNotFound), "{err}");
+    assert!(daemon
+        .client
+        .list_snapshots()
+        .await
+        .unwrap()
+        .snapshots
+        .is_empty());
+    assert_eq!(captures_left(&daemon), 0);
+    assert_eq!(layers(&daemon), before);
+    // The run itself is untouched.
+    let out = daemon.sh(&id, "wc -c < /work/big").await;
+    assert_eq!(text(&out.stdout).trim(), (400u64 << 20).to_string());
+}

@@ -97,6 +97,9 @@ impl Manager {
             teardown_budget: Semaphore::new(reaper::teardown_concurrency(cpus)),
         });
         manager.reconcile().await?;
+        // Layers nothing references any more: a snapshot or import a crash
+        // cut short after its layer was stored, before its image record.
+        manager.collect_garbage().await?;
         Ok(manager)
     }
 
