@@ -486,21 +486,32 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
     let m = world.manager();
     match op.clone() {
         Op::Create { short_ttl } => {
-            let before = world.listed();
+            // Capacity only goes down while this create runs (a run of ours
+            // may finish expiring), so: room before means success; full
+            // with nothing stopping means a refusal; full while a run is
+            // being torn down may go either way.
+            let used = m.capacity_used();
+            let stopping = used - world.listed().len();
             let result = world.block_on(m.create(request(short_ttl), None));
-            if before.len() >= MAX_RUNS {
-                let err = result.expect_err("a create beyond max_runs must fail");
-                prop_assert_eq!(code(&err), ErrorCode::Capacity);
-            } else {
-                let run = result.map_err(|e| TestCaseError::fail(format!("create: {e}")))?;
-                prop_assert_eq!(run.status, RunStatus::Running);
-                let ttl = Duration::from_secs(if short_ttl { SHORT_TTL } else { 3600 });
-                model.known.push(run.id);
-                model.live.insert(run.id, Instant::now() + ttl);
+            match result {
+                Ok(run) => {
+                    prop_assert!(
+                        used < MAX_RUNS || stopping > 0,
+                        "a create beyond max_runs was accepted"
+                    );
+                    prop_assert_eq!(run.status, RunStatus::Running);
+                    let ttl = Duration::from_secs(if short_ttl { SHORT_TTL } else { 3600 });
+                    model.known.push(run.id);
+                    model.live.insert(run.id, Instant::now() + ttl);
+                }
+                Err(err) => {
+                    prop_assert!(used >= MAX_RUNS, "create refused with room left: {err}");
+                    prop_assert_eq!(code(&err), ErrorCode::Capacity);
+                }
             }
         }
         Op::CreateHangUp { after_ms } => {
-            let full = world.listed().len() >= MAX_RUNS;
+            let full = m.capacity_used() >= MAX_RUNS;
             let outcome = world.block_on(async {
                 tokio::time::timeout(
                     Duration::from_millis(after_ms),
@@ -754,8 +765,9 @@ fn expired(model: &Model, id: Ulid) -> bool {
         .is_some_and(|at| Instant::now() + SLACK >= *at)
 }
 
-/// Waits until no run is being created or destroyed: the listing and the
-/// backend's sandboxes agree. Returns whether they came to agree.
+/// Waits until no run is being created or destroyed: the listing, the
+/// capacity in use and the backend's sandboxes agree. Returns whether they
+/// came to agree.
 async fn settle(world: &World) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -763,7 +775,7 @@ async fn settle(world: &World) -> bool {
         let runs = m.list();
         let listed: BTreeSet<Ulid> = runs.iter().map(|r| r.id).collect();
         let creating = runs.iter().any(|r| r.status == RunStatus::Creating);
-        if !creating && listed == world.backend.live() {
+        if !creating && listed == world.backend.live() && m.capacity_used() == listed.len() {
             return true;
         }
         if Instant::now() > deadline {

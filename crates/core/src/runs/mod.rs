@@ -305,6 +305,12 @@ impl Manager {
         }
     }
 
+    /// Capacity in use: every run in the registry, in any phase but gone
+    /// (runs still being created or torn down included).
+    pub fn capacity_used(&self) -> usize {
+        self.registry().len()
+    }
+
     /// Every run the API shows, ordered by id.
     pub fn list(&self) -> Vec<Run> {
         let handles: Vec<Arc<RunHandle>> = self.registry().values().cloned().collect();
