@@ -190,6 +190,8 @@ struct Plan {
     images: Option<ImagePlan>,
     egress: Option<egress::Options>,
     snapshot_iterations: Option<usize>,
+    /// MiB of the large image the snapshots phase compares with.
+    snapshot_image_mib: u64,
 }
 
 /// What the images phase does, when it runs.
@@ -279,6 +281,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             images: None,
             egress,
             snapshot_iterations: None,
+            snapshot_image_mib: args.image_mib,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -374,6 +377,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Snapshots)
             .then_some(args.snapshot_iterations.max(1)),
+        snapshot_image_mib: args.image_mib,
     })
 }
 
@@ -548,7 +552,9 @@ impl Bench {
                 // crun's daemon when there is one: runtimes matter little
                 // here (the work is the daemon's and the filesystem's).
                 let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
-                Some(snapshots::measure(&mut self.daemons[i], n).await?)
+                let work = self.work.clone();
+                let mib = plan.snapshot_image_mib;
+                Some(snapshots::measure(&mut self.daemons[i], n, &work, &tar, mib).await?)
             }
             None => None,
         };

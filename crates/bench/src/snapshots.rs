@@ -47,6 +47,8 @@ pub struct SnapshotReport {
     pub iterations: usize,
     /// Snapshot cost by dirty size.
     pub dirty: Vec<DirtyRow>,
+    /// Snapshot cost with 1 MiB changed, by image: (label, image MiB, cost).
+    pub by_image: Vec<(String, u64, Summary)>,
     /// Create + first exec from a snapshot image (10 MiB changed).
     pub start_from_snapshot: Summary,
     /// Create + first exec from the snapshot's base image.
@@ -90,8 +92,65 @@ fn cp_a(from: &Path, to: &Path) -> anyhow::Result<Duration> {
     Ok(took)
 }
 
-/// Runs the phase on `daemon`.
-pub async fn measure(daemon: &mut Daemon, iterations: usize) -> anyhow::Result<SnapshotReport> {
+/// Snapshots of a run that changed 1 MiB, from `image`.
+async fn one_mib_snapshots(
+    daemon: &mut Daemon,
+    image: &str,
+    iterations: usize,
+) -> anyhow::Result<Summary> {
+    let run = daemon.create_run_of(image).await?;
+    let id = run.id.to_string();
+    sh(
+        daemon,
+        &id,
+        "dd if=/dev/urandom of=/work/dirty bs=1M count=1 2>/dev/null; sync",
+    )
+    .await?;
+    let mut samples = Vec::new();
+    for _ in 0..iterations {
+        let started = Instant::now();
+        let snap = daemon.client.snapshot_run(&id, None).await?;
+        samples.push(started.elapsed());
+        daemon.client.delete_snapshot(&snap.image).await?;
+    }
+    daemon.delete_run(run.id).await?;
+    summarize(&samples).context("no samples")
+}
+
+/// Runs the phase on `daemon`. `work` is a scratch directory, `busybox`
+/// the base image as a tarball, `image_mib` the size of the large image
+/// the image-size series compares with.
+pub async fn measure(
+    daemon: &mut Daemon,
+    iterations: usize,
+    work: &Path,
+    busybox: &[u8],
+    image_mib: u64,
+) -> anyhow::Result<SnapshotReport> {
+    eprintln!("runbox-bench: snapshots: by image size ({image_mib} MiB image)");
+    let dir = work.join("snapshot-fixture");
+    let busybox = busybox.to_vec();
+    let fixture = tokio::task::spawn_blocking(move || {
+        crate::images::Fixture::build(&dir, image_mib, &busybox)
+    })
+    .await??;
+    daemon
+        .import_file("bench-large", &fixture.large_layout)
+        .await?;
+    let by_image = vec![
+        (
+            "base".to_owned(),
+            0,
+            one_mib_snapshots(daemon, "base", iterations).await?,
+        ),
+        (
+            "bench-large".to_owned(),
+            image_mib,
+            one_mib_snapshots(daemon, "bench-large", iterations).await?,
+        ),
+    ];
+    daemon.delete_image("bench-large").await?;
+
     let mut dirty = Vec::new();
     for mib in DIRTY_MIB {
         eprintln!("runbox-bench: snapshots: {mib} MiB changed");
@@ -183,6 +242,7 @@ pub async fn measure(daemon: &mut Daemon, iterations: usize) -> anyhow::Result<S
         runtime: daemon.runtime.clone(),
         iterations,
         dirty,
+        by_image,
         start_from_snapshot: summarize(&warm).context("no samples")?,
         cold_start: summarize(&cold).context("no samples")?,
         forks,
@@ -218,6 +278,17 @@ pub fn markdown(r: &SnapshotReport) -> String {
             row.frozen.p50_ms,
             row.cp.p50_ms,
             row.snapshot.p50_ms / row.cp.p50_ms
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n| 1 MiB changed, image | image MiB over busybox | snapshot p50 ms | p95 ms |\n|---|--:|--:|--:|"
+    );
+    for (label, mib, s) in &r.by_image {
+        let _ = writeln!(
+            out,
+            "| {label} | {mib} | {:.2} | {:.2} |",
+            s.p50_ms, s.p95_ms
         );
     }
     let _ = writeln!(
@@ -274,6 +345,7 @@ mod tests {
                 frozen: ms(&[1, 1]),
                 cp: ms(&[10, 10]),
             }],
+            by_image: vec![("big".into(), 200, ms(&[9, 9]))],
             start_from_snapshot: ms(&[55, 55]),
             cold_start: ms(&[50, 50]),
             forks: vec![(4, ms(&[100, 100]))],
