@@ -280,3 +280,28 @@ async fn a_daemon_killed_mid_capture_leaves_no_snapshot_and_no_leak() {
     let out = daemon.sh(&id, "wc -c < /work/big").await;
     assert_eq!(text(&out.stdout).trim(), (400u64 << 20).to_string());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_left_frozen_by_a_dead_daemon_is_thawed_and_kept() {
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon.sh(&id, "echo still-here > /work/f").await;
+    // What a daemon killed inside a capture's frozen window leaves.
+    daemon.kill9();
+    let state = std::path::Path::new("/sys/fs/cgroup/freezer/runbox")
+        .join(&id)
+        .join("freezer.state");
+    let v2 = std::path::Path::new("/sys/fs/cgroup/runbox")
+        .join(&id)
+        .join("cgroup.freeze");
+    if state.exists() {
+        std::fs::write(&state, "FROZEN").unwrap();
+    } else {
+        std::fs::write(&v2, "1").unwrap();
+    }
+    daemon.spawn().await;
+    let run = daemon.client.get_run(&id).await.unwrap();
+    assert_eq!(run.status, runbox_types::RunStatus::Running);
+    let out = daemon.sh(&id, "cat /work/f").await;
+    assert_eq!(text(&out.stdout), "still-here\n");
+}

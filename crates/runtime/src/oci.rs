@@ -449,7 +449,15 @@ impl Backend for OciBackend {
         self.destroy_steps(id).await
     }
 
+    /// A run a dead daemon left frozen (it died in the middle of a capture)
+    /// is thawed first: the runtime would report it `paused`, and its agent
+    /// could not answer.
     async fn is_alive(&self, id: Ulid) -> Result<bool, BackendError> {
+        if let Ok(freezer) = crate::freezer::Freezer::of(id) {
+            if let Err(e) = freezer.thaw() {
+                tracing::warn!(run = %id, error = %e, "could not thaw a run");
+            }
+        }
         let runtime = self.runtime_of(id);
         let root = self.runtime_root(&runtime.name);
         Ok(runtime.status(&root, &container_id(id)).await.as_deref() == Some("running"))
