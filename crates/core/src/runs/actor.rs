@@ -151,7 +151,17 @@ impl RunHandle {
 pub(crate) struct Creation {
     pub spec: SandboxSpec,
     pub reply: oneshot::Sender<Result<Run, CoreError>>,
+    /// Signalled by the creator once it holds the answer. A sent answer is
+    /// not a received one: a creator dropped after the send but before it
+    /// read the answer (its client hung up just then) lets this go
+    /// unsignalled, and the run is destroyed like any unclaimed one.
+    pub delivered: oneshot::Receiver<()>,
 }
+
+/// How long a created run waits for its creator to take the answer before
+/// taking it as taken (a creator that is alive but never polled is a bug
+/// elsewhere; the run then lives, listed, until its TTL).
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How a re-adopted run starts.
 pub(crate) enum Adopted {
@@ -300,7 +310,11 @@ impl RunActor {
 
     /// Step 1: builds the sandbox and answers the creator.
     async fn create(&mut self, creation: Creation) {
-        let Creation { spec, reply } = creation;
+        let Creation {
+            spec,
+            reply,
+            delivered,
+        } = creation;
         let id = self.record.id;
         let started = std::time::Instant::now();
         let outcome = self.build(&spec, &reply).await;
@@ -309,7 +323,12 @@ impl RunActor {
                 tracing::info!(run = %id, image = %self.record.image, runtime = %self.record.runtime,
                     elapsed_ms = started.elapsed().as_millis() as u64, "run created");
                 let run = self.manager.view(&self.handle);
-                if reply.send(Ok(run)).is_err() {
+                let taken = reply.send(Ok(run)).is_ok()
+                    && !matches!(
+                        tokio::time::timeout(DELIVERY_TIMEOUT, delivered).await,
+                        Ok(Err(_))
+                    );
+                if !taken {
                     tracing::info!(run = %id, "the client that created the run went away before the answer; destroying it");
                     self.stop(ExitReason::RunDeleted);
                 }

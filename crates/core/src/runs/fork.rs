@@ -127,17 +127,25 @@ impl Manager {
                     seed: Some(seed.clone()),
                 };
                 let (reply, answer) = oneshot::channel();
+                let (delivered, delivery) = oneshot::channel();
                 let actor = RunActor::new(self.clone(), record, Phase::Creating);
                 registry.insert(id, actor.handle().clone());
-                actor.spawn_create(Creation { spec, reply });
-                answers.push(answer);
+                actor.spawn_create(Creation {
+                    spec,
+                    reply,
+                    delivered: delivery,
+                });
+                answers.push((answer, delivered));
             }
         }
         drop(image_guard);
         let mut runs: Vec<Run> = Vec::with_capacity(count);
         let mut failure = None;
-        for answer in answers {
-            match answer.await {
+        // This task is never dropped mid-way, so every answer is taken.
+        for (answer, delivered) in answers {
+            let answer = answer.await;
+            let _ = delivered.send(());
+            match answer {
                 Ok(Ok(run)) => runs.push(run),
                 Ok(Err(e)) => failure = failure.or(Some(e)),
                 Err(_) => {

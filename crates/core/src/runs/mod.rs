@@ -258,6 +258,7 @@ impl Manager {
             seed: None,
         };
         let (reply, answer) = tokio::sync::oneshot::channel();
+        let (delivered, delivery) = tokio::sync::oneshot::channel();
         let earlier = {
             // The key lookup, the capacity check and the insertion are one
             // step, and the owner is spawned before anything can be dropped.
@@ -275,7 +276,11 @@ impl Manager {
                     }
                     let actor = RunActor::new(self.clone(), record, Phase::Creating);
                     registry.insert(id, actor.handle().clone());
-                    actor.spawn_create(Creation { spec, reply });
+                    actor.spawn_create(Creation {
+                        spec,
+                        reply,
+                        delivered: delivery,
+                    });
                     None
                 }
             }
@@ -284,9 +289,12 @@ impl Manager {
         if let Some(earlier) = earlier {
             return self.answer_repeat(earlier).await;
         }
-        answer
+        let run = answer
             .await
-            .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?
+            .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?;
+        // Held: from here the answer is the caller's (no await follows).
+        let _ = delivered.send(());
+        run
     }
 
     /// The answer to a repeated create: the earlier run once it is made.
