@@ -153,15 +153,7 @@ impl Manager {
                 ulid::Ulid::new().to_string().to_ascii_lowercase()
             ),
         };
-        let handle = self.handle(id)?;
-        let snapshot = handle.snapshot();
-        match &snapshot.phase {
-            crate::runs::phase::Phase::Running => {}
-            crate::runs::phase::Phase::Failed(why) => {
-                return Err(CoreError::RunFailed(id, why.clone()))
-            }
-            _ => return Err(CoreError::RunNotRunning(id, "still being created")),
-        }
+        let (_, snapshot) = self.running(id)?;
         if self
             .images
             .get(&name, &self.config.server_id, false)
@@ -175,13 +167,7 @@ impl Manager {
         let record = snapshot.record.clone();
         let manager = self.clone();
         tokio::spawn(async move {
-            let capture = manager.backend.capture(id).await.map_err(|e| match e {
-                crate::backend::BackendError::Unsupported(why) => CoreError::invalid(
-                    ErrorCode::BadRequest,
-                    format!("run {id} cannot be snapshotted: {why}"),
-                ),
-                other => CoreError::Backend(other),
-            })?;
+            let capture = manager.capture(id, "snapshotted").await?;
             let frozen = capture.frozen;
             let images = manager.images.clone();
             let server = manager.config.server_id.clone();

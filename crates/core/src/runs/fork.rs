@@ -15,13 +15,10 @@ use std::sync::Arc;
 
 use runbox_types::{ErrorCode, ForkRequest, ForkResponse, Run, RunStatus};
 use time::OffsetDateTime;
-use tokio::sync::oneshot;
 use ulid::Ulid;
 
-use super::actor::{Creation, RunActor};
-use super::phase::Phase;
 use super::Manager;
-use crate::backend::{BackendError, SandboxSpec};
+use crate::backend::SandboxSpec;
 use crate::error::CoreError;
 use crate::store::RunRecord;
 use crate::validate;
@@ -49,13 +46,7 @@ impl Manager {
             ));
         }
         let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
-        let handle = self.handle(id)?;
-        let snapshot = handle.snapshot();
-        match &snapshot.phase {
-            Phase::Running => {}
-            Phase::Failed(why) => return Err(CoreError::RunFailed(id, why.clone())),
-            _ => return Err(CoreError::RunNotRunning(id, "still being created")),
-        }
+        let (_, snapshot) = self.running(id)?;
         let parent = (*snapshot.record).clone();
         let count = req.count;
         if self.registry().len() + count > self.config.max_runs {
@@ -73,13 +64,7 @@ impl Manager {
         count: usize,
         ttl: std::time::Duration,
     ) -> Result<ForkResponse, CoreError> {
-        let capture = self.backend.capture(parent.id).await.map_err(|e| match e {
-            BackendError::Unsupported(why) => CoreError::invalid(
-                ErrorCode::BadRequest,
-                format!("run {} cannot be forked: {why}", parent.id),
-            ),
-            other => CoreError::Backend(other),
-        })?;
+        let capture = self.capture(parent.id, "forked").await?;
         let seed = capture
             .upper
             .parent()
@@ -126,16 +111,7 @@ impl Manager {
                     trust_pem: trust_pem.clone(),
                     seed: Some(seed.clone()),
                 };
-                let (reply, answer) = oneshot::channel();
-                let (delivered, delivery) = oneshot::channel();
-                let actor = RunActor::new(self.clone(), record, Phase::Creating);
-                registry.insert(id, actor.handle().clone());
-                actor.spawn_create(Creation {
-                    spec,
-                    reply,
-                    delivered: delivery,
-                });
-                answers.push((answer, delivered));
+                answers.push(self.spawn_creating(&mut registry, record, spec));
             }
         }
         drop(image_guard);

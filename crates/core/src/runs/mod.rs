@@ -257,8 +257,6 @@ impl Manager {
             },
             seed: None,
         };
-        let (reply, answer) = tokio::sync::oneshot::channel();
-        let (delivered, delivery) = tokio::sync::oneshot::channel();
         let earlier = {
             // The key lookup, the capacity check and the insertion are one
             // step, and the owner is spawned before anything can be dropped.
@@ -269,32 +267,80 @@ impl Manager {
                 .transpose()?
                 .flatten()
             {
-                Some(earlier) => Some(earlier),
+                Some(earlier) => Err(earlier),
                 None => {
                     if registry.len() >= self.config.max_runs {
                         return Err(CoreError::Capacity(self.config.max_runs));
                     }
-                    let actor = RunActor::new(self.clone(), record, Phase::Creating);
-                    registry.insert(id, actor.handle().clone());
-                    actor.spawn_create(Creation {
-                        spec,
-                        reply,
-                        delivered: delivery,
-                    });
-                    None
+                    Ok(self.spawn_creating(&mut registry, record, spec))
                 }
             }
         };
         drop(image_guard);
-        if let Some(earlier) = earlier {
-            return self.answer_repeat(earlier).await;
-        }
+        let (answer, delivered) = match earlier {
+            Ok(started) => started,
+            Err(earlier) => return self.answer_repeat(earlier).await,
+        };
         let run = answer
             .await
             .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?;
         // Held: from here the answer is the caller's (no await follows).
         let _ = delivered.send(());
         run
+    }
+
+    /// The handle and snapshot of run `id` if it is `running`; a failed run
+    /// or one still being created is refused with why.
+    pub(crate) fn running(&self, id: Ulid) -> Result<(Arc<RunHandle>, actor::Snapshot), CoreError> {
+        let handle = self.handle(id)?;
+        let snapshot = handle.snapshot();
+        match &snapshot.phase {
+            Phase::Running => Ok((handle, snapshot)),
+            Phase::Failed(why) => Err(CoreError::RunFailed(id, why.clone())),
+            _ => Err(CoreError::RunNotRunning(id, "still being created")),
+        }
+    }
+
+    /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
+    /// backend or storage that cannot is a 400 saying why.
+    pub(crate) async fn capture(
+        &self,
+        id: Ulid,
+        what: &str,
+    ) -> Result<crate::backend::Capture, CoreError> {
+        self.backend.capture(id).await.map_err(|e| match e {
+            crate::backend::BackendError::Unsupported(why) => CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!("run {id} cannot be {what}: {why}"),
+            ),
+            other => CoreError::Backend(other),
+        })
+    }
+
+    /// Registers a new run in phase `creating` and spawns its owner to
+    /// build it; returns the answer and the sender the creator signals once
+    /// it holds the answer ([`Creation::delivered`]). The caller holds the
+    /// registry lock and has checked capacity.
+    fn spawn_creating(
+        self: &Arc<Self>,
+        registry: &mut HashMap<Ulid, Arc<RunHandle>>,
+        record: RunRecord,
+        spec: SandboxSpec,
+    ) -> (
+        tokio::sync::oneshot::Receiver<Result<Run, CoreError>>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let (delivered, delivery) = tokio::sync::oneshot::channel();
+        let id = record.id;
+        let actor = RunActor::new(self.clone(), record, Phase::Creating);
+        registry.insert(id, actor.handle().clone());
+        actor.spawn_create(Creation {
+            spec,
+            reply,
+            delivered: delivery,
+        });
+        (answer, delivered)
     }
 
     /// The answer to a repeated create: the earlier run once it is made.

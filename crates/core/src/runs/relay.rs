@@ -24,7 +24,6 @@ use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
 use super::actor::{Command, InFlight, RunHandle};
-use super::phase::Phase;
 use super::Manager;
 use crate::egress;
 use crate::error::CoreError;
@@ -92,16 +91,12 @@ impl Manager {
 
     /// The agent of a run that can serve a read.
     fn reader(&self, id: Ulid) -> Result<AgentClient, CoreError> {
-        let handle = self.handle(id)?;
-        match handle.snapshot().phase {
-            Phase::Running => handle
-                .agent
-                .get()
-                .cloned()
-                .ok_or(CoreError::RunNotFound(id)),
-            Phase::Failed(why) => Err(CoreError::RunFailed(id, why)),
-            _ => Err(CoreError::RunNotRunning(id, "still being created")),
-        }
+        let (handle, _) = self.running(id)?;
+        handle
+            .agent
+            .get()
+            .cloned()
+            .ok_or(CoreError::RunNotFound(id))
     }
 
     /// failed to start); the stream then carries its output and ends with
