@@ -168,6 +168,7 @@ impl Bundle {
             swap_limit: host_has_swap_accounting(),
             env: &env,
             files: &[],
+            volume: None,
         };
         let mut spec = spec::build(&params).context("building the bundle config")?;
         spec.process_mut()

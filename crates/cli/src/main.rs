@@ -29,6 +29,7 @@ mod runs;
 #[cfg(feature = "daemon")]
 mod serve;
 mod table;
+mod warm;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -74,6 +75,10 @@ enum Command {
     Snapshot(runs::SnapshotArgs),
     /// Start new runs from a run's filesystem as it is now
     Fork(runs::ForkArgs),
+    /// The warm repo cache: commit a run's volume, check lockfiles, list
+    /// and drop templates
+    #[command(subcommand)]
+    Warm(warm::WarmCommand),
     /// Take, renew or release a run's writable lease
     #[command(subcommand)]
     Lease(lease::LeaseCommand),
@@ -131,6 +136,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
         Command::Lease(command) => lease::run(command).await,
+        Command::Warm(command) => warm::run(command).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,
     }

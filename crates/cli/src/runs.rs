@@ -92,6 +92,13 @@ pub struct CreateArgs {
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
     pub secrets: Vec<String>,
+    /// Give the run a warm volume for this repository (owner/name): it
+    /// starts from the repository's template when there is one
+    #[arg(long, value_name = "OWNER/NAME")]
+    pub warm: Option<String>,
+    /// Where the warm volume is mounted [default: /work]
+    #[arg(long, value_name = "PATH", requires = "warm")]
+    pub warm_path: Option<String>,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -124,6 +131,10 @@ impl CreateArgs {
             limits,
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
             secrets: (!self.secrets.is_empty()).then(|| self.secrets.clone()),
+            warm: self.warm.clone().map(|repo| runbox_types::WarmRequest {
+                repo,
+                path: self.warm_path.clone(),
+            }),
         }
     }
 }
@@ -496,6 +507,7 @@ mod tests {
             egress: None,
             failure: None,
             disk_used_bytes: Some(3 << 20),
+            warm: None,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

@@ -75,6 +75,19 @@ pub struct ServeArgs {
     #[arg(long, env = "RUNBOX_STORAGE_GB", value_name = "GB",
           value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub storage_gb: Option<u64>,
+    /// The warm repo cache's directory; an empty value turns the cache off
+    /// [default: <state-dir>/runs/.warm, on the run store, where commits
+    /// clone file data instead of copying it].
+    #[arg(long, env = "RUNBOX_CACHE_ROOT", value_name = "DIR")]
+    pub cache_root: Option<String>,
+    /// Most the warm repo cache keeps, in GiB of file data (fractions
+    /// allowed); least recently used templates are evicted first.
+    #[arg(long, default_value_t = 20.0, value_name = "GB")]
+    pub cache_max_gb: f64,
+    /// Seconds between the warm cache's eviction passes.
+    #[arg(long, default_value_t = 30, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub cache_tick_sec: u64,
     /// Longest TTL (seconds) a run may ask for.
     #[arg(long, default_value_t = 86400)]
     pub max_ttl: u64,
@@ -192,6 +205,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.default_ttl = config.default_ttl.min(config.max_ttl);
     config.max_upload_bytes = args.max_upload_bytes;
     config.insecure_registries = args.insecure_registries.clone();
+    config.warm_cache = warm_cache_config(&args, &state_dir)?;
     // Bound before the manager starts: the egress proxy must know the API's
     // real address to refuse it, and re-adopted runs get their proxies at once.
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -235,6 +249,40 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     shutdown.cancel();
     Ok(())
+}
+
+/// The warm cache's settings from the flags; None when it is off.
+fn warm_cache_config(
+    args: &ServeArgs,
+    state_dir: &Path,
+) -> anyhow::Result<Option<runbox_core::config::WarmCacheConfig>> {
+    let root = match &args.cache_root {
+        Some(root) if root.is_empty() => {
+            tracing::info!("the warm repo cache is off (--cache-root \"\")");
+            return Ok(None);
+        }
+        Some(root) => PathBuf::from(root),
+        None => state_dir
+            .join("runs")
+            .join(runbox_runtime::storage::WARM_CACHE_DIR),
+    };
+    let text = root.to_string_lossy();
+    // Templates are overlay lower layers, whose paths overlayfs options
+    // cannot quote.
+    if !root.is_absolute() || text.contains([',', ':', '\\']) {
+        bail!(
+            "--cache-root {} must be an absolute path without ',', ':' or '\\'",
+            root.display()
+        );
+    }
+    if !args.cache_max_gb.is_finite() || args.cache_max_gb < 0.0 {
+        bail!("--cache-max-gb must be a number of GiB, 0 or more");
+    }
+    Ok(Some(runbox_core::config::WarmCacheConfig {
+        root,
+        max_bytes: (args.cache_max_gb * (1u64 << 30) as f64) as u64,
+        tick: Duration::from_secs(args.cache_tick_sec),
+    }))
 }
 
 async fn wait_for_signal() {

@@ -243,6 +243,56 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/runs/{id}/warm-commit`: publishes the run's warm volume
+    /// as the template of `repo` (default: the run's own repository).
+    pub async fn warm_commit(
+        &self,
+        id: &str,
+        repo: Option<&str>,
+    ) -> Result<runbox_types::WarmCommit, ClientError> {
+        let path = format!("{}/warm-commit", run_path(id)?);
+        let req = runbox_types::WarmCommitRequest {
+            repo: repo.map(str::to_owned),
+        };
+        let resp = self
+            .send(self.request(Method::POST, &path).json(&req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/warm`: the warm volume's lockfile hash now.
+    pub async fn warm_status(&self, id: &str) -> Result<runbox_types::WarmStatus, ClientError> {
+        let path = format!("{}/warm", run_path(id)?);
+        let resp = self.send(self.request(Method::GET, &path)).await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/warmcache`: every warm template.
+    pub async fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, ClientError> {
+        let resp = self
+            .send(self.request(Method::GET, "/v1/warmcache"))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/warmcache/{owner}/{name}`: the repository's template.
+    pub async fn warm_template(
+        &self,
+        repo: &str,
+    ) -> Result<runbox_types::WarmTemplate, ClientError> {
+        let resp = self
+            .send(self.request(Method::GET, &warm_path(repo)?))
+            .await?;
+        json(resp).await
+    }
+
+    /// `DELETE /v1/warmcache/{owner}/{name}`: drops the template.
+    pub async fn warm_invalidate(&self, repo: &str) -> Result<(), ClientError> {
+        self.send(self.request(Method::DELETE, &warm_path(repo)?))
+            .await?;
+        Ok(())
+    }
+
     /// `GET /v1/snapshots`.
     pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
         let resp = self
@@ -454,6 +504,16 @@ fn default_http() -> Result<reqwest::Client, ClientError> {
         .user_agent(concat!("runbox-client/", env!("CARGO_PKG_VERSION")))
         .build()?;
     Ok(http)
+}
+
+/// `/v1/warmcache/{owner}/{name}` for `owner/name`, each part encoded.
+fn warm_path(repo: &str) -> Result<String, ClientError> {
+    let (owner, name) = repo.split_once('/').unwrap_or((repo, ""));
+    Ok(format!(
+        "/v1/warmcache/{}/{}",
+        paths::segment("repository owner", owner)?,
+        paths::segment("repository name", name)?
+    ))
 }
 
 fn run_path(id: &str) -> Result<String, ClientError> {

@@ -50,6 +50,20 @@ pub struct SandboxSpec {
     /// `upper`'s parent) whose writable layer the new run starts from,
     /// shared until either side writes. None: an empty writable layer.
     pub seed: Option<PathBuf>,
+    /// A warm volume to mount (see [`WarmMount`]).
+    pub warm: Option<WarmMount>,
+}
+
+/// A run's warm volume: an overlay of its own writable layer over a
+/// read-only template directory (or over nothing), mounted at `path`. The
+/// volume's writes live in the run's disk, under its limit.
+#[derive(Clone, Debug)]
+pub struct WarmMount {
+    /// Where in the run (absolute, checked).
+    pub path: String,
+    /// The template generation's files, never written; None: the volume
+    /// starts empty.
+    pub lower: Option<PathBuf>,
 }
 
 /// A started sandbox.
@@ -72,6 +86,9 @@ pub struct Capture {
     pub injected: Vec<String>,
     /// How long the run's processes were frozen.
     pub frozen: std::time::Duration,
+    /// The upper directory of the run's warm volume in the copy, when the
+    /// run has one: what the run changed in it.
+    pub warm_upper: Option<PathBuf>,
     release: Option<Box<dyn FnOnce() + Send + Sync>>,
 }
 
@@ -87,8 +104,15 @@ impl Capture {
             upper,
             injected,
             frozen,
+            warm_upper: None,
             release: Some(Box::new(release)),
         }
+    }
+
+    /// The same capture, with the warm volume's upper directory.
+    pub fn with_warm_upper(mut self, upper: Option<PathBuf>) -> Capture {
+        self.warm_upper = upper;
+        self
     }
 }
 
@@ -175,6 +199,19 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Bytes run `id` has written to its own disk, where that is counted.
     fn disk_used(&self, id: Ulid) -> Option<u64> {
+        let _ = id;
+        None
+    }
+
+    /// Whether runs can have a warm volume ([`SandboxSpec::warm`]); if not,
+    /// why.
+    fn check_warm(&self) -> Result<(), String> {
+        Err("this backend cannot mount warm volumes".into())
+    }
+
+    /// The host path where run `id`'s warm volume shows as the run sees
+    /// it (for reading its lockfiles), if it has one.
+    fn warm_volume(&self, id: Ulid) -> Option<PathBuf> {
         let _ = id;
         None
     }

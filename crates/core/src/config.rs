@@ -33,6 +33,21 @@ pub struct Config {
     /// The egress proxy's settings; without them the `allowlist` tier is
     /// refused.
     pub egress: Option<std::sync::Arc<dyn crate::egress::EgressProxy>>,
+    /// The warm repo cache; None disables `warm` on creates.
+    pub warm_cache: Option<WarmCacheConfig>,
+}
+
+/// Where the warm repo cache lives and how big it may grow.
+#[derive(Clone, Debug)]
+pub struct WarmCacheConfig {
+    /// Its root directory. On the run store's filesystem, commits clone
+    /// file data instead of copying it.
+    pub root: std::path::PathBuf,
+    /// The most it keeps, in bytes of file data (least recently used
+    /// templates go first).
+    pub max_bytes: u64,
+    /// How often the maintenance tick evicts.
+    pub tick: Duration,
 }
 
 impl Config {
@@ -61,6 +76,7 @@ impl Config {
             agent_ready_timeout: Duration::from_secs(10),
             insecure_registries: Vec::new(),
             egress: None,
+            warm_cache: None,
         }
     }
 }

@@ -23,6 +23,7 @@ pub mod runs;
 pub mod service;
 pub mod store;
 pub mod validate;
+pub mod warm;
 
 pub use backend::Backend;
 pub use config::Config;

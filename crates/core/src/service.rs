@@ -102,6 +102,23 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         req: runbox_types::SnapshotRequest,
     ) -> impl Future<Output = Result<runbox_types::Snapshot, CoreError>> + Send;
+    /// Publishes a run's warm volume as its repository's template.
+    fn warm_commit(
+        &self,
+        id: Ulid,
+        req: runbox_types::WarmCommitRequest,
+    ) -> impl Future<Output = Result<runbox_types::WarmCommit, CoreError>> + Send;
+    /// A run's warm volume as it is now (its lockfile hash).
+    fn warm_status(
+        &self,
+        id: Ulid,
+    ) -> impl Future<Output = Result<runbox_types::WarmStatus, CoreError>> + Send;
+    /// Every warm template.
+    fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError>;
+    /// One repository's warm template.
+    fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError>;
+    /// Drops a repository's warm template.
+    fn warm_invalidate(&self, repo: String) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Imports an image from a tar stream (read on a blocking thread).
     fn import_image(
         &self,
@@ -195,6 +212,30 @@ impl RunService for Arc<Manager> {
         req: runbox_types::ForkRequest,
     ) -> Result<runbox_types::ForkResponse, CoreError> {
         Manager::fork(self, id, req).await
+    }
+
+    async fn warm_commit(
+        &self,
+        id: Ulid,
+        req: runbox_types::WarmCommitRequest,
+    ) -> Result<runbox_types::WarmCommit, CoreError> {
+        Manager::warm_commit(self, id, req).await
+    }
+
+    async fn warm_status(&self, id: Ulid) -> Result<runbox_types::WarmStatus, CoreError> {
+        Manager::warm_status(self, id).await
+    }
+
+    fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError> {
+        Manager::warm_templates(self)
+    }
+
+    fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError> {
+        Manager::warm_template(self, repo)
+    }
+
+    async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
+        Manager::warm_invalidate(self, &repo).await
     }
 
     async fn get_file(&self, id: Ulid, path: String) -> Result<FileDownload, CoreError> {

@@ -68,6 +68,10 @@ pub struct RunRecord {
     /// teardown keeps failing, the last teardown error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure: Option<String>,
+    /// The run's warm volume: its repository, path, and the template
+    /// generation it mounts (kept from eviction while the run lives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<crate::warm::WarmVolume>,
 }
 
 /// A create's idempotency key and what it asked for.
@@ -102,6 +106,7 @@ impl RunRecord {
                 .then(|| self.failure.clone())
                 .flatten(),
             disk_used_bytes: None,
+            warm: self.warm.as_ref().map(|w| w.to_api()),
         }
     }
 }
@@ -238,6 +243,7 @@ mod tests {
             egress: Default::default(),
             idempotency: None,
             failure: None,
+            warm: None,
         }
     }
 

@@ -400,6 +400,76 @@ pub fn image_name(name: &str) -> Result<(), CoreError> {
     }
 }
 
+/// Checks a repository name for the warm cache, `owner/name`, and returns
+/// it canonical (lower case: forges treat names without regard to case).
+/// Each part is 1-100 characters of letters, digits, `-`, `_` and `.`,
+/// starting with a letter or digit: never `.` or `..`, never a path.
+pub fn repo(repo: &str) -> Result<String, CoreError> {
+    let bad = || {
+        CoreError::invalid(
+            ErrorCode::BadRepo,
+            format!(
+                "repository {:?} is invalid: use owner/name, each 1-100 characters of letters, digits, '-', '_' and '.', starting with a letter or digit",
+                truncate(repo, 80)
+            ),
+        )
+    };
+    let part_ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 100
+            && p.starts_with(|c: char| c.is_ascii_alphanumeric())
+            && p.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    match repo.split_once('/') {
+        Some((owner, name)) if part_ok(owner) && part_ok(name) => Ok(repo.to_ascii_lowercase()),
+        _ => Err(bad()),
+    }
+}
+
+/// Where in a run a warm volume may be mounted, checked and normalised:
+/// an absolute path of at most 16 components, not `/`, and not in the
+/// filesystems runbox provides (`/proc`, `/sys`, `/dev`, `/run`, and
+/// `/.runbox`, where the agent lives).
+pub fn warm_path(path: &str) -> Result<String, CoreError> {
+    let bad = |why: &str| {
+        CoreError::invalid(
+            ErrorCode::BadPath,
+            format!("warm path {:?} {why}", truncate(path, 80)),
+        )
+    };
+    if path.contains('\0') {
+        return Err(bad("contains a NUL byte"));
+    }
+    if !path.starts_with('/') {
+        return Err(bad("must be absolute, like /work"));
+    }
+    if path.len() > MAX_PATH_BYTES {
+        return Err(bad(&format!("is longer than {MAX_PATH_BYTES} bytes")));
+    }
+    let mut parts = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => return Err(bad("must not contain `..`")),
+            p if p.len() > MAX_COMPONENT_BYTES || p.chars().any(char::is_control) => {
+                return Err(bad(
+                    "has a component that is too long or has control characters",
+                ))
+            }
+            p => parts.push(p),
+        }
+    }
+    match parts.first() {
+        None => Err(bad("is the root; name a directory such as /work")),
+        Some(&("proc" | "sys" | "dev" | "run" | ".runbox")) => Err(bad(
+            "is inside a filesystem runbox provides (/proc, /sys, /dev, /run, /.runbox)",
+        )),
+        Some(_) if parts.len() > 16 => Err(bad("has more than 16 components")),
+        Some(_) => Ok(format!("/{}", parts.join("/"))),
+    }
+}
+
 /// Merges environments in order of precedence: later maps override earlier.
 pub fn merge_env<'a>(layers: impl IntoIterator<Item = &'a Env>) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
@@ -411,6 +481,55 @@ pub fn merge_env<'a>(layers: impl IntoIterator<Item = &'a Env>) -> BTreeMap<Stri
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn repositories_are_owner_and_name() {
+        assert_eq!(repo("Acme/Web-App.v2").unwrap(), "acme/web-app.v2");
+        assert_eq!(repo("a/b").unwrap(), "a/b");
+        for bad in [
+            "",
+            "acme",
+            "acme/",
+            "/web",
+            "acme/web/x",
+            "../etc",
+            "acme/..",
+            "acme/.git",
+            "acme/-x",
+            "ac me/web",
+            "acme/wéb",
+            "acme\\web",
+            "acme/web\n",
+        ] {
+            let e = repo(bad).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::BadRepo, "{bad:?}");
+        }
+        assert!(repo(&format!("a/{}", "x".repeat(101))).is_err());
+    }
+
+    #[test]
+    fn warm_paths_are_absolute_and_outside_runbox_mounts() {
+        assert_eq!(warm_path("/work").unwrap(), "/work");
+        assert_eq!(warm_path("//src/./app/").unwrap(), "/src/app");
+        for bad in [
+            "",
+            "work",
+            "/",
+            "/./",
+            "/work/../etc",
+            "/proc/x",
+            "/dev",
+            "/run/x",
+            "/sys",
+            "/.runbox/agent",
+            "/a\0b",
+            "/a/b\tc",
+        ] {
+            let e = warm_path(bad).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::BadPath, "{bad:?}");
+        }
+        assert!(warm_path(&"/a".repeat(17)).is_err());
+    }
+
     #[test]
     fn lease_owners_are_checked() {
         assert!(owner("alice@laptop").is_ok());

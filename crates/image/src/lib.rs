@@ -11,4 +11,5 @@ pub mod capture;
 pub mod layout;
 pub mod pull;
 pub mod store;
+pub mod tree;
 pub mod unpack;

@@ -10,7 +10,13 @@
 //!               (a btrfs subvolume with a qgroup, see crate::storage):
 //!   upper/      the overlay's upper directory
 //!   ovl-work/   overlayfs' scratch directory
+//!   warm/       the warm volume's layer (runs with one):
+//!     upper/    what the run wrote to its volume
+//!     ovl-work/ overlayfs' scratch directory
+//!     empty/    the lower layer of a volume without a template
 //! rootfs/       the merged root: image (read-only lower) + upper
+//! warm/         the merged warm volume: template (read-only lower) +
+//!               disk/warm/upper, bind-mounted at the volume's path
 //! config.json   the OCI runtime config
 //! agent.sock    the agent's listening socket (created here, passed as fd 3)
 //! runtime.log   the runtime's own log, read when it fails
@@ -234,7 +240,7 @@ impl OciBackend {
         // this one mounts. Both finish before either error is returned, so
         // the caller's cleanup sees everything that was made.
         let (netns, root) = tokio::join!(create_netns(id), async { self.make_root(spec, &dir) });
-        let (rootfs, trust_files) = root?;
+        let (rootfs, trust_files, volume) = root?;
         let netns = netns?;
         let resolv_conf = match spec.network {
             NetworkTier::None | NetworkTier::Allowlist => None,
@@ -278,6 +284,13 @@ impl OciBackend {
             swap_limit: self.swap_limit,
             env: &env,
             files: &files,
+            volume: match (&volume, &spec.warm) {
+                (Some(source), Some(warm)) => Some(FileMount {
+                    source,
+                    destination: &warm.path,
+                }),
+                _ => None,
+            },
         };
         let config = spec::build(&params)
             .map_err(|e| BackendError::Failed(format!("building the OCI config: {e}")))?;
@@ -304,12 +317,13 @@ impl OciBackend {
     }
 
     /// Step 2 of [`OciBackend::create_steps`]: the run's disk, the overlay
-    /// root on `rootfs/` and the trust files; returns the root and those.
+    /// root on `rootfs/`, the trust files and the warm volume; returns the
+    /// root and those.
     fn make_root(
         &self,
         spec: &SandboxSpec,
         dir: &Path,
-    ) -> Result<(PathBuf, Option<trust::TrustFiles>), BackendError> {
+    ) -> Result<(PathBuf, Option<trust::TrustFiles>, Option<PathBuf>), BackendError> {
         let limit = spec.limits.disk_mb.map(|mb| mb << 20);
         let rootfs = dir.join("rootfs");
         let disk = match &spec.seed {
@@ -345,7 +359,11 @@ impl OciBackend {
             ),
             None => None,
         };
-        Ok((rootfs, trust_files))
+        let volume = match &spec.warm {
+            Some(warm) => Some(mount_warm(warm, &disk, dir, spec.seed.is_some())?),
+            None => None,
+        };
+        Ok((rootfs, trust_files, volume))
     }
 
     async fn destroy_steps(&self, id: Ulid) -> Result<(), BackendError> {
@@ -378,23 +396,29 @@ impl OciBackend {
             }
         }
         let rootfs = dir.join("rootfs");
-        if is_mount_point(&rootfs) {
-            // Lazy: a process on the host holding a file open must not keep
-            // the run alive; the kernel frees the mount when it lets go.
-            rustix::mount::unmount(&rootfs, rustix::mount::UnmountFlags::DETACH).map_err(|e| {
-                BackendError::Failed(format!("unmounting {}: {e}", rootfs.display()))
-            })?;
+        let volume = dir.join(WARM_DIR);
+        for mount in [&volume, &rootfs] {
+            if is_mount_point(mount) {
+                // Lazy: a process on the host holding a file open must not
+                // keep the run alive; the kernel frees the mount when it
+                // lets go.
+                rustix::mount::unmount(mount, rustix::mount::UnmountFlags::DETACH).map_err(
+                    |e| BackendError::Failed(format!("unmounting {}: {e}", mount.display())),
+                )?;
+            }
         }
         // Before the namespace: the veth goes at once with its host side,
         // while a deleted namespace is torn down by the kernel later.
         self.open.teardown(id, &dir).await?;
         delete_netns(id).await?;
         remove_cgroups(id);
-        if is_mount_point(&rootfs) {
-            return Err(BackendError::Failed(format!(
-                "{} is still mounted",
-                rootfs.display()
-            )));
+        for mount in [&volume, &rootfs] {
+            if is_mount_point(mount) {
+                return Err(BackendError::Failed(format!(
+                    "{} is still mounted",
+                    mount.display()
+                )));
+            }
         }
         self.storage.remove(&dir)?;
         match std::fs::remove_dir_all(&dir) {
@@ -431,6 +455,15 @@ impl Backend for OciBackend {
 
     fn disk_used(&self, id: Ulid) -> Option<u64> {
         self.storage.used_bytes(&self.run_dir(id))
+    }
+
+    fn check_warm(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn warm_volume(&self, id: Ulid) -> Option<PathBuf> {
+        let volume = self.run_dir(id).join(WARM_DIR);
+        is_mount_point(&volume).then_some(volume)
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
@@ -482,7 +515,8 @@ impl Backend for OciBackend {
                     doomed.insert(id);
                 }
                 Some(_) => {}
-                None if entry.file_name() == crate::storage::CAPTURES_DIR => {}
+                None if entry.file_name() == crate::storage::CAPTURES_DIR
+                    || entry.file_name() == crate::storage::WARM_CACHE_DIR => {}
                 None => {
                     tracing::warn!(path = %entry.path().display(), "ignoring a stray entry in the runs directory")
                 }
@@ -558,16 +592,14 @@ impl Backend for OciBackend {
         if dir.join("resolv.conf").exists() {
             injected.push(RESOLV_CONF_PATH.trim_start_matches('/').to_owned());
         }
-        Ok(Capture::new(
-            copy.join("upper"),
-            injected,
-            frozen,
-            move || {
-                if let Err(e) = crate::storage::remove_capture(&runs, &name) {
-                    tracing::warn!(error = %e, capture = %name, "could not remove a capture");
-                }
-            },
-        ))
+        let warm_upper = copy.join(WARM_DIR).join("upper");
+        let warm_upper = warm_upper.is_dir().then_some(warm_upper);
+        Ok(Capture::new(copy.join("upper"), injected, frozen, move || {
+            if let Err(e) = crate::storage::remove_capture(&runs, &name) {
+                tracing::warn!(error = %e, capture = %name, "could not remove a capture");
+            }
+        })
+        .with_warm_upper(warm_upper))
     }
 
     /// A pidfd on the container's init ([`crate::watch`]).
@@ -608,6 +640,48 @@ impl Backend for OciBackend {
                 netns.display()
             )))
     }
+}
+
+/// The warm volume's directory: in the run's disk (its layer) and in the
+/// run directory (the merged mount).
+const WARM_DIR: &str = "warm";
+
+/// Makes the warm volume: its layer in the run's `disk` (counted against
+/// the run's disk limit), and the overlay of it over the template (or an
+/// empty directory) at `<dir>/warm`, which the config bind-mounts at the
+/// volume's path. A fork's disk already holds the parent's layer, whose
+/// scratch directory is reset. Returns the merged mount.
+fn mount_warm(
+    warm: &runbox_core::backend::WarmMount,
+    disk: &Path,
+    dir: &Path,
+    forked: bool,
+) -> Result<PathBuf, BackendError> {
+    let layer = disk.join(WARM_DIR);
+    let (upper, work, empty) = (
+        layer.join("upper"),
+        layer.join("ovl-work"),
+        layer.join("empty"),
+    );
+    if forked {
+        match std::fs::remove_dir_all(&work) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(BackendError::io(format!("resetting {}", work.display()))(e)),
+        }
+    }
+    let merged = dir.join(WARM_DIR);
+    for d in [&layer, &upper, &work, &empty, &merged] {
+        match std::fs::DirBuilder::new().mode(0o755).create(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && forked => {}
+            Err(e) => return Err(BackendError::io(format!("creating {}", d.display()))(e)),
+        }
+    }
+    let lower = warm.lower.clone().unwrap_or(empty);
+    check_mount_safe(&lower)?;
+    mount_overlay(&[lower], &upper, &work, &merged)?;
+    Ok(merged)
 }
 
 /// The OCI container id of run `id`.

@@ -140,6 +140,9 @@ pub struct SpecParams<'a> {
     pub env: &'a [String],
     /// Files mounted read-only after every other mount, in this order.
     pub files: &'a [FileMount<'a>],
+    /// A directory mounted read-write (the run's warm volume), before the
+    /// files.
+    pub volume: Option<FileMount<'a>>,
 }
 
 /// Why [`build`] refused its input.
@@ -235,7 +238,7 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
                 .readonly(false)
                 .build()?,
         )
-        .mounts(mounts(params.agent_binary, params.files)?)
+        .mounts(mounts(params.agent_binary, params.files, params.volume)?)
         .process(process)
         .hostname(params.hostname)
         .linux(
@@ -278,6 +281,7 @@ fn validate(p: &SpecParams) -> Result<(), SpecError> {
         .into_iter()
         .chain(p.netns_path.map(|n| ("netns path", n)))
         .chain(p.files.iter().map(|f| ("file mount source", f.source)))
+        .chain(p.volume.iter().map(|f| ("volume mount source", f.source)))
     {
         if !path.is_absolute() {
             return Err(SpecError::RelativePath {
@@ -286,7 +290,7 @@ fn validate(p: &SpecParams) -> Result<(), SpecError> {
             });
         }
     }
-    for file in p.files {
+    for file in p.files.iter().chain(p.volume.iter()) {
         // Only plain components: the destination is joined to the run's
         // root by the runtime, and `/` itself would hide the whole image.
         let plain = file.destination.strip_prefix('/').is_some_and(|rel| {
@@ -451,7 +455,11 @@ fn device_rules() -> Result<Vec<LinuxDeviceCgroup>, OciSpecError> {
 
 /// The filesystems every run gets, as Docker mounts them, plus the agent and
 /// the daemon's files. `/tmp` is left to the image, as in Docker.
-fn mounts(agent_binary: &Path, files: &[FileMount]) -> Result<Vec<Mount>, OciSpecError> {
+fn mounts(
+    agent_binary: &Path,
+    files: &[FileMount],
+    volume: Option<FileMount>,
+) -> Result<Vec<Mount>, OciSpecError> {
     let m = |dest: &str, typ: &str, source: &Path, options: &[&str]| {
         MountBuilder::default()
             .destination(dest)
@@ -525,6 +533,16 @@ fn mounts(agent_binary: &Path, files: &[FileMount]) -> Result<Vec<Mount>, OciSpe
             &["bind", "ro", "nosuid", "nodev"],
         )?,
     ];
+    // Read-write like the root it lies in; no device nodes. The runtime
+    // makes the destination (inside the root) when the image lacks it.
+    if let Some(volume) = volume {
+        out.push(m(
+            volume.destination,
+            "bind",
+            volume.source,
+            &["rbind", "rw", "nodev"],
+        )?);
+    }
     // Last, so that a destination under /run lands on the run's tmpfs
     // rather than under it.
     for file in files {
@@ -577,6 +595,7 @@ mod tests {
                 swap_limit: true,
                 env: &self.env,
                 files: &[],
+                volume: None,
             }
         }
     }

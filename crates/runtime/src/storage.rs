@@ -199,6 +199,10 @@ impl RunStorage {
 /// filesystem, so a copy is a snapshot), named by a fresh ULID each.
 pub const CAPTURES_DIR: &str = ".captures";
 
+/// The warm repo cache's default directory inside the run store (one
+/// filesystem with the runs, so a commit clones file data).
+pub const WARM_CACHE_DIR: &str = ".warm";
+
 impl RunStorage {
     /// Takes a read-only snapshot of `<run_dir>/disk` into
     /// `<runs>/.captures/<name>` and returns its path. Constant time: the

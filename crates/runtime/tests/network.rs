@@ -209,6 +209,7 @@ impl Env {
             network,
             trust_pem: trust_pem.map(str::to_owned),
             seed: None,
+            warm: None,
         }
     }
 

@@ -176,6 +176,54 @@ pub async fn fork_run<S: RunService>(
     Ok((StatusCode::CREATED, Json(forked)).into_response())
 }
 
+/// `POST /v1/runs/{id}/warm-commit`: publishes the run's warm volume as its
+/// repository's template.
+pub async fn warm_commit<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::WarmCommitRequest>,
+) -> Result<Response, ApiError> {
+    let committed = state.service.warm_commit(id, req).await?;
+    Ok((StatusCode::CREATED, Json(committed)).into_response())
+}
+
+/// `GET /v1/runs/{id}/warm`: the warm volume's lockfile hash now.
+pub async fn warm_status<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+) -> Result<Json<runbox_types::WarmStatus>, ApiError> {
+    Ok(Json(state.service.warm_status(id).await?))
+}
+
+/// `GET /v1/warmcache`: every template.
+pub async fn warm_templates<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<runbox_types::WarmTemplateList>, ApiError> {
+    Ok(Json(state.service.warm_templates()?))
+}
+
+/// `GET /v1/warmcache/{owner}/{name}`: the repository's template.
+pub async fn warm_template<S: RunService>(
+    State(state): State<AppState<S>>,
+    AppPath((owner, name)): AppPath<(String, String)>,
+) -> Result<Json<runbox_types::WarmTemplate>, ApiError> {
+    Ok(Json(
+        state.service.warm_template(&format!("{owner}/{name}"))?,
+    ))
+}
+
+/// `DELETE /v1/warmcache/{owner}/{name}`: drops the template.
+pub async fn warm_invalidate<S: RunService>(
+    State(state): State<AppState<S>>,
+    AppPath((owner, name)): AppPath<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    state
+        .service
+        .warm_invalidate(format!("{owner}/{name}"))
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
 pub async fn acquire_lease<S: RunService>(
     State(state): State<AppState<S>>,

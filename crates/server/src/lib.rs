@@ -66,6 +66,16 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
+        .route(
+            "/v1/runs/{id}/warm-commit",
+            post(handlers::warm_commit::<S>),
+        )
+        .route("/v1/runs/{id}/warm", get(handlers::warm_status::<S>))
+        .route("/v1/warmcache", get(handlers::warm_templates::<S>))
+        .route(
+            "/v1/warmcache/{owner}/{name}",
+            get(handlers::warm_template::<S>).delete(handlers::warm_invalidate::<S>),
+        )
         .route("/v1/runs/{id}/exec", post(handlers::exec::<S>))
         .route("/v1/runs/{id}/lease", post(handlers::acquire_lease::<S>))
         .route(

@@ -56,6 +56,7 @@ fn run() -> Run {
         egress: None,
         failure: None,
         disk_used_bytes: Some(4096),
+        warm: None,
     }
 }
 
@@ -107,6 +108,42 @@ impl RunService for Stub {
             frozen_ms: 0.1,
             elapsed_ms: 1.0,
         })
+    }
+    async fn warm_commit(
+        &self,
+        id: Ulid,
+        _req: runbox_types::WarmCommitRequest,
+    ) -> Result<runbox_types::WarmCommit, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::RunNotWarm,
+            message: "no warm volume".into(),
+        })
+    }
+    async fn warm_status(&self, id: Ulid) -> Result<runbox_types::WarmStatus, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::RunNotWarm,
+            message: "no warm volume".into(),
+        })
+    }
+    fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError> {
+        Ok(runbox_types::WarmTemplateList {
+            templates: Vec::new(),
+            bytes: 0,
+            max_bytes: 1,
+        })
+    }
+    fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError> {
+        // The real checks, so the router tests see hostile names refused.
+        let repo = runbox_core::validate::repo(repo)?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::TemplateNotFound,
+            format!("no template for {repo}"),
+        ))
+    }
+    async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
+        self.warm_template(&repo).map(|_| ())
     }
     async fn fork(
         &self,
@@ -309,6 +346,11 @@ async fn health_is_open_and_everything_else_needs_the_token() {
         ("GET", "/v1/snapshots".to_owned()),
         ("DELETE", "/v1/snapshots/x".to_owned()),
         ("DELETE", "/v1/snapshots?image=x".to_owned()),
+        ("POST", format!("/v1/runs/{KNOWN}/warm-commit")),
+        ("GET", format!("/v1/runs/{KNOWN}/warm")),
+        ("GET", "/v1/warmcache".to_owned()),
+        ("GET", "/v1/warmcache/acme/web".to_owned()),
+        ("DELETE", "/v1/warmcache/acme/web".to_owned()),
     ];
     for (method, uri) in &routes {
         for auth in [
@@ -360,6 +402,77 @@ async fn every_rejection_has_the_json_error_shape() {
             "bad_request",
         ),
         ("DELETE", "/v1/snapshots".into(), "", 400, "bad_request"),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/warm-commit"),
+            r#"{"repo":"a/b","path":"/x"}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("/v1/runs/{KNOWN}/warm-commit"),
+            "{}",
+            409,
+            "run_not_warm",
+        ),
+        (
+            "GET",
+            format!("/v1/runs/{KNOWN}/warm"),
+            "",
+            409,
+            "run_not_warm",
+        ),
+        (
+            "GET",
+            "/v1/warmcache/acme/web".into(),
+            "",
+            404,
+            "template_not_found",
+        ),
+        (
+            "GET",
+            "/v1/warmcache/..%2F..%2Fetc/passwd".into(),
+            "",
+            400,
+            "bad_repo",
+        ),
+        ("GET", "/v1/warmcache/acme/..".into(), "", 400, "bad_repo"),
+        (
+            "DELETE",
+            "/v1/warmcache/acme/.git".into(),
+            "",
+            400,
+            "bad_repo",
+        ),
+        (
+            "DELETE",
+            "/v1/warmcache/ac%20me/web".into(),
+            "",
+            400,
+            "bad_repo",
+        ),
+        (
+            "GET",
+            "/v1/warmcache/acme/web/extra".into(),
+            "",
+            404,
+            "not_found",
+        ),
+        (
+            "GET",
+            "/v1/warmcache/%FF/web".into(),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"image":"base","warm":{"repo":"a/b","size":1}}"#,
+            400,
+            "bad_request",
+        ),
         (
             "POST",
             format!("/v1/runs/{KNOWN}/fork"),

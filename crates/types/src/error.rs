@@ -53,7 +53,8 @@ codes! {
     BadRequest = "bad_request", 400;
     /// An environment variable breaks the rules (name, size, count, characters).
     BadEnv = "bad_env", 400;
-    /// A file path is empty, absolute, contains `..` or NUL, or is too long.
+    /// A file path is empty, absolute, contains `..` or NUL, or is too long
+    /// (or a warm volume path is not a plain absolute path runbox allows).
     BadPath = "bad_path", 400;
     /// A limit is out of range or above the server maximum.
     BadLimits = "bad_limits", 400;
@@ -98,6 +99,17 @@ codes! {
     /// The run would have a disk limit and this server's storage cannot
     /// enforce one; the message says what the operator can change.
     DiskLimitUnsupported = "disk_limit_unsupported", 400;
+    /// A warm volume was asked of a server whose warm repo cache is off.
+    WarmCacheDisabled = "warm_cache_disabled", 400;
+    /// A repository name is not `owner/name` with the allowed characters.
+    BadRepo = "bad_repo", 400;
+    /// No warm template for this repository.
+    TemplateNotFound = "template_not_found", 404;
+    /// The run has no warm volume (it was created without `warm`).
+    RunNotWarm = "run_not_warm", 409;
+    /// The server's storage is full; free some (delete runs, snapshots,
+    /// templates) or give it more.
+    StorageFull = "storage_full", 507;
     /// An `Idempotency-Key` came with a different request than the create
     /// it was first used for, or that create's run is gone.
     IdempotencyKeyReused = "idempotency_key_reused", 409;

@@ -117,6 +117,131 @@ pub struct CreateRunRequest {
     /// tier). The run sees only placeholders; the proxy injects the values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<String>>,
+    /// A private volume for a repository at `/work` (or `warm.path`),
+    /// started from the repository's warm template when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<WarmRequest>,
+}
+
+/// `warm` on `POST /v1/runs`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WarmRequest {
+    /// The repository, `owner/name` (letters, digits, `-`, `_`, `.`;
+    /// matched without regard to case).
+    pub repo: String,
+    /// Where the volume is mounted in the run (absolute; default `/work`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+/// A run's warm volume, as the API shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunWarm {
+    /// The repository (canonical: lower case).
+    pub repo: String,
+    /// Where the volume is mounted in the run.
+    pub path: String,
+    /// Whether the volume started from a template (false: it started empty).
+    pub booted: bool,
+    /// The template generation it started from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<String>,
+    /// The lockfile hash of that template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_hash: Option<String>,
+    /// Where that template's repository is in the run (the volume, or its
+    /// one subdirectory holding lockfiles).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repo_dir: Option<String>,
+}
+
+/// `POST /v1/runs/{id}/warm-commit`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WarmCommitRequest {
+    /// The repository to publish under (default: the run's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repo: Option<String>,
+}
+
+/// A repository's warm template: one immutable generation of a volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmTemplate {
+    /// The repository (canonical: lower case).
+    pub repo: String,
+    /// The generation's id (a ULID); every commit makes a new one.
+    pub generation: String,
+    /// The hash of the lockfile set (`sha256:…`): paths and contents.
+    pub lock_hash: String,
+    /// The lockfiles hashed, relative to the repository directory.
+    pub lockfiles: Vec<String>,
+    /// Where the repository was in the committing run: the volume's path,
+    /// or its one subdirectory holding lockfiles.
+    pub repo_dir: String,
+    /// The volume's path in the committing run.
+    pub path: String,
+    /// Bytes of file data.
+    pub bytes: u64,
+    /// Regular files.
+    pub files: u64,
+    /// The run that committed it.
+    pub run: Ulid,
+    /// When it was committed (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub committed_at: OffsetDateTime,
+    /// When a run last started from it, or it was committed (RFC 3339);
+    /// eviction drops the least recently used first.
+    #[serde(with = "time::serde::rfc3339")]
+    pub last_used_at: OffsetDateTime,
+}
+
+/// `GET /v1/warmcache`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmTemplateList {
+    /// Every repository's current template, by repository.
+    pub templates: Vec<WarmTemplate>,
+    /// Bytes the cache holds (templates and generations runs still use).
+    pub bytes: u64,
+    /// The most it keeps (`--cache-max-gb`).
+    pub max_bytes: u64,
+}
+
+/// The answer to a warm commit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmCommit {
+    /// The repository.
+    pub repo: String,
+    /// The lockfile hash of what was published.
+    pub lock_hash: String,
+    /// Where the repository is in the run.
+    pub repo_dir: String,
+    /// The template now published.
+    pub template: WarmTemplate,
+}
+
+/// `GET /v1/runs/{id}/warm`: the volume as it is now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmStatus {
+    /// The run's repository.
+    pub repo: String,
+    /// The hash of the volume's lockfile set now.
+    pub lock_hash: String,
+    /// The lockfiles hashed, relative to `repoDir`.
+    pub lockfiles: Vec<String>,
+    /// Where the repository is in the run now.
+    pub repo_dir: String,
+    /// The lockfile hash of the template the run started from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub booted_lock_hash: Option<String>,
+    /// The lockfile hash of the repository's current template, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template_lock_hash: Option<String>,
 }
 
 /// When a create pulls its image from a registry.
@@ -195,6 +320,9 @@ pub struct Run {
     /// absent where nothing counts them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_used_bytes: Option<u64>,
+    /// The run's warm volume, if it was created with one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<RunWarm>,
 }
 
 /// Egress accounting of one run.

@@ -82,6 +82,15 @@ impl Manager {
             Some(config) if !parent.egress.secrets.is_empty() => Some(config.ca_pem()),
             _ => None,
         };
+        // The parent's warm generation, pinned until the children are in
+        // the registry (their records hold it from then on).
+        let (warm_mount, _warm_pin) = match &parent.warm {
+            Some(volume) => {
+                let (mount, pin) = self.warm_for_fork(volume)?;
+                (Some(mount), pin)
+            }
+            None => (None, None),
+        };
         let mut answers = Vec::with_capacity(count);
         {
             let mut registry = self.registry();
@@ -110,6 +119,7 @@ impl Manager {
                     network: record.network,
                     trust_pem: trust_pem.clone(),
                     seed: Some(seed.clone()),
+                    warm: warm_mount.clone(),
                 };
                 answers.push(self.spawn_creating(&mut registry, record, spec));
             }

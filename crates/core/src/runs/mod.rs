@@ -26,6 +26,7 @@ pub mod phase;
 pub mod reaper;
 mod reconcile;
 pub mod relay;
+mod warm;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -75,6 +76,8 @@ pub struct Manager {
     pub(crate) image_lock: tokio::sync::Mutex<()>,
     /// Teardowns calling the backend at once (see [`reaper`]).
     pub(crate) teardown_budget: Semaphore,
+    /// The warm repo cache, when it is on.
+    pub(crate) warm: Option<Arc<crate::warm::WarmCache>>,
 }
 
 impl Manager {
@@ -87,6 +90,16 @@ impl Manager {
         images: ImageStore,
     ) -> Result<Arc<Manager>, CoreError> {
         let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let warm = match config.warm_cache.clone() {
+            Some(c) => Some(Arc::new(
+                tokio::task::spawn_blocking(move || {
+                    crate::warm::WarmCache::open(&c.root, c.max_bytes)
+                })
+                .await
+                .map_err(|e| CoreError::Store(format!("warm cache task failed: {e}")))??,
+            )),
+            None => None,
+        };
         let manager = Arc::new(Manager {
             config,
             backend,
@@ -95,8 +108,11 @@ impl Manager {
             registry: Mutex::new(HashMap::new()),
             image_lock: tokio::sync::Mutex::new(()),
             teardown_budget: Semaphore::new(reaper::teardown_concurrency(cpus)),
+            warm,
         });
         manager.reconcile().await?;
+        // After reconcile: the runs it re-adopted hold their generations.
+        manager.spawn_warm_tick();
         // Layers nothing references any more: a snapshot or import a crash
         // cut short after its layer was stored, before its image record.
         manager.collect_garbage().await?;
@@ -211,6 +227,7 @@ impl Manager {
             req.egress_allow.as_deref(),
             req.secrets.as_deref(),
         )?;
+        let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;
         let id = Ulid::new();
         let image = self
             .image_for_run(&req.image, req.pull.unwrap_or_default())
@@ -224,6 +241,15 @@ impl Manager {
             tokio::task::spawn_blocking(move || images.for_run(&name))
                 .await
                 .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??
+        };
+        // Pinned until the run is in the registry; its record holds the
+        // generation from then on.
+        let (warm, warm_mount, _warm_pin) = match warm {
+            Some((repo, path)) => {
+                let (volume, mount, pin) = self.warm_for_create(repo, path);
+                (Some(volume), Some(mount), pin)
+            }
+            None => (None, None, None),
         };
         let now = OffsetDateTime::now_utc();
         let record = RunRecord {
@@ -243,6 +269,7 @@ impl Manager {
             egress,
             idempotency: idempotency.clone(),
             failure: None,
+            warm,
         };
         let spec = SandboxSpec {
             id,
@@ -256,6 +283,7 @@ impl Manager {
                 _ => None,
             },
             seed: None,
+            warm: warm_mount,
         };
         let earlier = {
             // The key lookup, the capacity check and the insertion are one

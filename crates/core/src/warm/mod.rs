@@ -1,0 +1,591 @@
+//! The warm repo cache: per-repository templates of a volume (a clone with
+//! its dependencies installed), so a run pays clone + install once per
+//! repository and lockfile set instead of once per run.
+//!
+//! On disk, under the cache root:
+//!
+//! ```text
+//! repos/<owner>/<name>/manifest.json   the current template (a WarmTemplate)
+//! repos/<owner>/<name>/<generation>/   one immutable generation:
+//!     tree/                            the volume's files
+//!     meta.json                        its WarmTemplate as committed
+//! tmp/<generation>/                    a commit being written
+//! trash/                               generations being deleted
+//! ```
+//!
+//! Rules:
+//! * A generation is written whole in `tmp/`, flushed to disk, moved into
+//!   its repository directory, and only then named by the manifest, which
+//!   is replaced atomically (written aside, renamed over). A crash at any
+//!   point leaves the old template or the new one, never a half-written
+//!   one; leftovers in `tmp/` are removed at start-up.
+//! * Generations are never written once published. A run mounts its
+//!   generation read-only as the lower layer of its volume (its writes go
+//!   to its own layer), so starting warm copies nothing, and two runs of
+//!   one repository cannot see or break each other.
+//! * A generation a run mounts (or a create is about to mount: a [`Pin`])
+//!   is never deleted. Superseded, invalidated and least recently used
+//!   generations are deleted by [`WarmCache::evict`] only, which the
+//!   daemon calls on its maintenance tick, never on a run's start path.
+//! * Two commits of one repository at once each write their own
+//!   generation; the manifest swaps are serialised, and the later one wins.
+
+pub mod lockfile;
+
+use std::collections::{HashMap, HashSet};
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use runbox_types::{ErrorCode, WarmTemplate};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+use crate::error::CoreError;
+
+/// A run's warm volume as its record keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WarmVolume {
+    /// The repository (canonical).
+    pub repo: String,
+    /// Where the volume is mounted in the run.
+    pub path: String,
+    /// The generation mounted as its lower layer; None: it started empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<Ulid>,
+    /// That generation's lockfile hash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_hash: Option<String>,
+    /// That generation's repository directory, relative to the volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subdir: Option<String>,
+}
+
+impl WarmVolume {
+    /// The API view.
+    pub fn to_api(&self) -> runbox_types::RunWarm {
+        runbox_types::RunWarm {
+            repo: self.repo.clone(),
+            path: self.path.clone(),
+            booted: self.generation.is_some(),
+            generation: self.generation.map(|g| g.to_string()),
+            lock_hash: self.lock_hash.clone(),
+            repo_dir: self.subdir.as_deref().map(|s| join_dir(&self.path, s)),
+        }
+    }
+}
+
+/// `path` inside the run joined with a subdirectory name (or none).
+pub fn join_dir(path: &str, subdir: &str) -> String {
+    if subdir.is_empty() {
+        path.to_owned()
+    } else {
+        format!("{}/{subdir}", path.trim_end_matches('/'))
+    }
+}
+
+/// A generation held for a create until its run is in the registry (from
+/// then on the run's record holds it). Dropping it lets go.
+pub struct Pin {
+    /// The template pinned.
+    pub template: WarmTemplate,
+    /// Its generation.
+    pub generation: Ulid,
+    /// The directory to mount read-only.
+    pub tree: PathBuf,
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        let mut inner = lock(&self.inner);
+        if let Some(n) = inner.pins.get_mut(&self.generation) {
+            *n -= 1;
+            if *n == 0 {
+                inner.pins.remove(&self.generation);
+            }
+        }
+    }
+}
+
+/// What [`WarmCache::evict`] removed.
+#[derive(Debug, Default)]
+pub struct Eviction {
+    /// Generations deleted (superseded, invalidated or least recently used).
+    pub generations: usize,
+    /// Templates dropped to get under the size cap.
+    pub templates: Vec<String>,
+    /// Bytes the cache holds afterwards.
+    pub bytes: u64,
+}
+
+/// The cache. Cheap to share (`Arc`).
+pub struct WarmCache {
+    root: PathBuf,
+    max_bytes: u64,
+    inner: Arc<Mutex<Inner>>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// The current template of each repository.
+    templates: HashMap<String, Template>,
+    /// Every generation on disk: repository and bytes.
+    generations: HashMap<Ulid, (String, u64)>,
+    /// Creates holding a generation, and how many.
+    pins: HashMap<Ulid, usize>,
+}
+
+struct Template {
+    manifest: WarmTemplate,
+    /// Used since the manifest was last written: `lastUsedAt` is written
+    /// back on the next tick rather than on a run's start path.
+    dirty: bool,
+}
+
+fn lock(m: &Mutex<Inner>) -> std::sync::MutexGuard<'_, Inner> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl WarmCache {
+    /// Opens (or makes) the cache at `root`, keeping at most `max_bytes`.
+    /// Removes what a crash left in `tmp/` and `trash/`. Blocking.
+    pub fn open(root: &Path, max_bytes: u64) -> Result<WarmCache, CoreError> {
+        for dir in ["repos", "tmp", "trash"] {
+            let path = root.join(dir);
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&path)
+                .map_err(CoreError::io(format!("creating {}", path.display())))?;
+        }
+        for dir in ["tmp", "trash"] {
+            empty_dir(&root.join(dir));
+        }
+        let mut inner = Inner::default();
+        let repos = root.join("repos");
+        for owner in read_dir(&repos)? {
+            for name in read_dir(&owner)? {
+                let repo = format!(
+                    "{}/{}",
+                    owner.file_name().unwrap_or_default().to_string_lossy(),
+                    name.file_name().unwrap_or_default().to_string_lossy()
+                );
+                if crate::validate::repo(&repo).ok().as_deref() != Some(repo.as_str()) {
+                    tracing::warn!(path = %name.display(), "ignoring a stray entry in the warm cache");
+                    continue;
+                }
+                for generation in read_dir(&name)? {
+                    let Some(id) = generation
+                        .file_name()
+                        .and_then(|n| n.to_str())
+                        .and_then(|n| Ulid::from_string(n).ok())
+                    else {
+                        continue;
+                    };
+                    let bytes = read_json::<WarmTemplate>(&generation.join("meta.json"))
+                        .map(|m| m.bytes)
+                        .unwrap_or(0);
+                    inner.generations.insert(id, (repo.clone(), bytes));
+                }
+                match read_json::<WarmTemplate>(&name.join("manifest.json")) {
+                    Some(manifest) => {
+                        let valid = Ulid::from_string(&manifest.generation)
+                            .ok()
+                            .is_some_and(|g| inner.generations.contains_key(&g));
+                        if valid && manifest.repo == repo {
+                            inner.templates.insert(
+                                repo,
+                                Template {
+                                    manifest,
+                                    dirty: false,
+                                },
+                            );
+                        } else {
+                            tracing::warn!(repo = %repo, "ignoring a warm manifest naming no generation");
+                        }
+                    }
+                    None if name.join("manifest.json").exists() => {
+                        tracing::warn!(repo = %repo, "ignoring an unreadable warm manifest");
+                    }
+                    None => {}
+                }
+            }
+        }
+        tracing::info!(
+            root = %root.display(),
+            templates = inner.templates.len(),
+            generations = inner.generations.len(),
+            "warm cache opened"
+        );
+        Ok(WarmCache {
+            root: root.to_owned(),
+            max_bytes,
+            inner: Arc::new(Mutex::new(inner)),
+        })
+    }
+
+    /// The most the cache keeps, in bytes.
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    fn repo_dir(&self, repo: &str) -> PathBuf {
+        self.root.join("repos").join(repo)
+    }
+
+    /// The files of `generation` of `repo`.
+    pub fn tree(&self, repo: &str, generation: Ulid) -> PathBuf {
+        self.repo_dir(repo)
+            .join(generation.to_string())
+            .join("tree")
+    }
+
+    /// The current template of `repo`, if any.
+    pub fn template(&self, repo: &str) -> Option<WarmTemplate> {
+        lock(&self.inner)
+            .templates
+            .get(repo)
+            .map(|t| t.manifest.clone())
+    }
+
+    /// Every current template, by repository, and the bytes held.
+    pub fn list(&self) -> (Vec<WarmTemplate>, u64) {
+        let inner = lock(&self.inner);
+        let mut all: Vec<WarmTemplate> = inner
+            .templates
+            .values()
+            .map(|t| t.manifest.clone())
+            .collect();
+        all.sort_by(|a, b| a.repo.cmp(&b.repo));
+        (all, inner.generations.values().map(|(_, b)| b).sum())
+    }
+
+    /// Pins `repo`'s current template for a create and marks it used; None
+    /// when the repository has none.
+    pub fn pin(&self, repo: &str) -> Option<Pin> {
+        let mut inner = lock(&self.inner);
+        let template = inner.templates.get_mut(repo)?;
+        template.manifest.last_used_at = OffsetDateTime::now_utc();
+        template.dirty = true;
+        let manifest = template.manifest.clone();
+        let generation = Ulid::from_string(&manifest.generation).ok()?;
+        *inner.pins.entry(generation).or_default() += 1;
+        drop(inner);
+        Some(Pin {
+            tree: self.tree(repo, generation),
+            template: manifest,
+            generation,
+            inner: self.inner.clone(),
+        })
+    }
+
+    /// Pins a generation a live run mounts (a fork's parent), whether or
+    /// not it is still the current one; None when it is gone.
+    pub fn pin_generation(&self, repo: &str, generation: Ulid) -> Option<Pin> {
+        let mut inner = lock(&self.inner);
+        if !inner.generations.contains_key(&generation) {
+            return None;
+        }
+        *inner.pins.entry(generation).or_default() += 1;
+        drop(inner);
+        let template = read_json::<WarmTemplate>(
+            &self
+                .repo_dir(repo)
+                .join(generation.to_string())
+                .join("meta.json"),
+        )?;
+        Some(Pin {
+            tree: self.tree(repo, generation),
+            template,
+            generation,
+            inner: self.inner.clone(),
+        })
+    }
+
+    /// Publishes the merge of `layers` (topmost first, as
+    /// [`runbox_image::tree::flatten`] reads them: the run's captured upper
+    /// over the generation it started from) as `repo`'s new template.
+    /// `path` is the volume's path in run `run`. Blocking.
+    pub fn commit(
+        &self,
+        repo: &str,
+        layers: &[&Path],
+        path: &str,
+        run: Ulid,
+    ) -> Result<WarmTemplate, CoreError> {
+        let generation = Ulid::new();
+        let tmp = self.root.join("tmp").join(generation.to_string());
+        let written = self.write_generation(&tmp, repo, layers, path, run, generation);
+        let manifest = match written {
+            Ok(manifest) => manifest,
+            Err(e) => {
+                if let Err(cleanup) = runbox_image::tree::remove_tree(&tmp) {
+                    tracing::warn!(error = %cleanup, "could not remove a failed warm commit");
+                }
+                return Err(e);
+            }
+        };
+        // Into the repository's directory, then named by the manifest, both
+        // under the lock: concurrent commits of one repository swap the
+        // manifest one at a time, and eviction cannot remove the directory
+        // in between. A generation whose swap failed is unreferenced and
+        // goes on the next tick.
+        let dir = self.repo_dir(repo);
+        let mut inner = lock(&self.inner);
+        let published = (|| {
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&dir)?;
+            fs::rename(&tmp, dir.join(generation.to_string()))?;
+            sync_dir(&dir)
+        })();
+        if let Err(e) = published {
+            drop(inner);
+            let _ = runbox_image::tree::remove_tree(&tmp);
+            return Err(storage_error("publishing the warm template")(e));
+        }
+        inner
+            .generations
+            .insert(generation, (repo.to_owned(), manifest.bytes));
+        write_manifest(&dir, &manifest).map_err(storage_error("writing the warm manifest"))?;
+        inner.templates.insert(
+            repo.to_owned(),
+            Template {
+                manifest: manifest.clone(),
+                dirty: false,
+            },
+        );
+        Ok(manifest)
+    }
+
+    fn write_generation(
+        &self,
+        tmp: &Path,
+        repo: &str,
+        layers: &[&Path],
+        path: &str,
+        run: Ulid,
+        generation: Ulid,
+    ) -> Result<WarmTemplate, CoreError> {
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(tmp)
+            .map_err(storage_error("creating the warm commit directory"))?;
+        let tree = tmp.join("tree");
+        let stats = runbox_image::tree::flatten(layers, &tree)
+            .map_err(storage_error("copying the volume into the warm cache"))?;
+        let set =
+            lockfile::lock_set(&tree).map_err(CoreError::io("hashing the committed lockfiles"))?;
+        let now = OffsetDateTime::now_utc();
+        let manifest = WarmTemplate {
+            repo: repo.to_owned(),
+            generation: generation.to_string(),
+            lock_hash: set.hash,
+            lockfiles: set.files,
+            repo_dir: join_dir(path, &set.subdir),
+            path: path.to_owned(),
+            bytes: stats.bytes,
+            files: stats.files,
+            run,
+            committed_at: now,
+            last_used_at: now,
+        };
+        let meta = serde_json::to_vec_pretty(&manifest)
+            .map_err(|e| CoreError::Store(format!("encoding the warm manifest: {e}")))?;
+        fs::write(tmp.join("meta.json"), meta)
+            .map_err(storage_error("writing the generation's metadata"))?;
+        // Everything written reaches the disk before anything names it.
+        let fd = fs::File::open(tmp).map_err(CoreError::io("opening the warm commit"))?;
+        rustix::fs::syncfs(&fd).map_err(|e| storage_error("flushing the warm commit")(e.into()))?;
+        Ok(manifest)
+    }
+
+    /// Drops `repo`'s template (forced invalidation); false when it had
+    /// none. Runs using it keep it; its files go on a later tick.
+    pub fn invalidate(&self, repo: &str) -> Result<bool, CoreError> {
+        let mut inner = lock(&self.inner);
+        if inner.templates.remove(repo).is_none() {
+            return Ok(false);
+        }
+        let dir = self.repo_dir(repo);
+        match fs::remove_file(dir.join("manifest.json")) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(CoreError::io("removing the warm manifest")(e)),
+        }
+        sync_dir(&dir).map_err(CoreError::io("removing the warm manifest"))?;
+        Ok(true)
+    }
+
+    /// The maintenance pass, called on the daemon's tick (blocking):
+    /// deletes every generation that is not a current template and that no
+    /// run or create holds, then drops least recently used templates
+    /// nothing holds until the cache is within its cap, and writes back
+    /// when templates were last used. `in_use` lists the generations live
+    /// runs mount; it is read after the pins, under the cache's lock, so a
+    /// create that pinned a generation is seen either way.
+    pub fn evict(&self, in_use: impl FnOnce() -> HashSet<Ulid>) -> Eviction {
+        let mut report = Eviction::default();
+        let mut doomed = Vec::new();
+        {
+            let mut inner = lock(&self.inner);
+            let mut held: HashSet<Ulid> = inner.pins.keys().copied().collect();
+            held.extend(in_use());
+            let current: HashSet<Ulid> = inner
+                .templates
+                .values()
+                .filter_map(|t| Ulid::from_string(&t.manifest.generation).ok())
+                .collect();
+            let stale: Vec<Ulid> = inner
+                .generations
+                .keys()
+                .filter(|g| !current.contains(g) && !held.contains(g))
+                .copied()
+                .collect();
+            for g in stale {
+                if let Some((repo, _)) = inner.generations.remove(&g) {
+                    doomed.push((repo, g));
+                }
+            }
+            let mut total: u64 = inner.generations.values().map(|(_, b)| b).sum();
+            if total > self.max_bytes {
+                let mut lru: Vec<(OffsetDateTime, String, Ulid)> = inner
+                    .templates
+                    .values()
+                    .filter_map(|t| {
+                        let g = Ulid::from_string(&t.manifest.generation).ok()?;
+                        (!held.contains(&g))
+                            .then(|| (t.manifest.last_used_at, t.manifest.repo.clone(), g))
+                    })
+                    .collect();
+                lru.sort();
+                for (_, repo, g) in lru {
+                    if total <= self.max_bytes {
+                        break;
+                    }
+                    let dir = self.repo_dir(&repo);
+                    if let Err(e) = fs::remove_file(dir.join("manifest.json")) {
+                        if e.kind() != io::ErrorKind::NotFound {
+                            tracing::warn!(repo = %repo, error = %e, "could not drop a warm template");
+                            continue;
+                        }
+                    }
+                    let _ = sync_dir(&dir);
+                    inner.templates.remove(&repo);
+                    if let Some((_, bytes)) = inner.generations.remove(&g) {
+                        total -= bytes;
+                    }
+                    doomed.push((repo.clone(), g));
+                    report.templates.push(repo);
+                }
+                if total > self.max_bytes {
+                    tracing::warn!(
+                        bytes = total,
+                        max = self.max_bytes,
+                        "the warm cache is over its cap, and runs use everything left"
+                    );
+                }
+            }
+            report.bytes = total;
+            // Move the doomed aside under the lock, so no pin can name them.
+            let trash = self.root.join("trash");
+            for (repo, g) in doomed {
+                let from = self.repo_dir(&repo).join(g.to_string());
+                match fs::rename(&from, trash.join(g.to_string())) {
+                    Ok(()) => report.generations += 1,
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::warn!(generation = %g, error = %e, "could not remove a warm generation")
+                    }
+                }
+            }
+            // Repositories left with neither template nor generation.
+            for owner in read_dir(&self.root.join("repos")).unwrap_or_default() {
+                for name in read_dir(&owner).unwrap_or_default() {
+                    let _ = fs::remove_dir(&name);
+                }
+                let _ = fs::remove_dir(&owner);
+            }
+            for template in inner.templates.values_mut().filter(|t| t.dirty) {
+                let dir = self.repo_dir(&template.manifest.repo);
+                match write_manifest(&dir, &template.manifest) {
+                    Ok(()) => template.dirty = false,
+                    Err(e) => {
+                        tracing::warn!(repo = %template.manifest.repo, error = %e, "could not write a warm manifest")
+                    }
+                }
+            }
+        }
+        // The deletions themselves, outside the lock: a big tree takes time.
+        empty_dir(&self.root.join("trash"));
+        report
+    }
+}
+
+/// ENOSPC and EDQUOT are the storage being full, which the caller can do
+/// something about; other errors are the server's.
+fn storage_error(context: &'static str) -> impl FnOnce(io::Error) -> CoreError {
+    move |e| {
+        match e.raw_os_error() {
+        Some(code) if code == rustix::io::Errno::NOSPC.raw_os_error()
+            || code == rustix::io::Errno::DQUOT.raw_os_error() =>
+        {
+            CoreError::invalid(
+                ErrorCode::StorageFull,
+                format!("{context}: the storage is full ({e}); delete runs, snapshots or templates, or give the server more"),
+            )
+        }
+        _ => CoreError::io(context)(e),
+    }
+    }
+}
+
+/// Writes `manifest.json` in `dir` atomically: aside, flushed, renamed over.
+fn write_manifest(dir: &Path, manifest: &WarmTemplate) -> io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(manifest).map_err(io::Error::other)?;
+    let aside = dir.join("manifest.json.new");
+    let mut file = fs::File::create(&aside)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    fs::rename(&aside, dir.join("manifest.json"))?;
+    sync_dir(dir)
+}
+
+fn sync_dir(dir: &Path) -> io::Result<()> {
+    fs::File::open(dir)?.sync_all()
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<T> {
+    let bytes = fs::read(path).ok()?;
+    serde_json::from_slice(&bytes).ok()
+}
+
+/// The directories in `dir`.
+fn read_dir(dir: &Path) -> Result<Vec<PathBuf>, CoreError> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(dir).map_err(CoreError::io(format!("reading {}", dir.display())))? {
+        let entry = entry.map_err(CoreError::io(format!("reading {}", dir.display())))?;
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            out.push(entry.path());
+        }
+    }
+    Ok(out)
+}
+
+/// Deletes everything in `dir`, logging what it cannot.
+fn empty_dir(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        if let Err(e) = runbox_image::tree::remove_tree(&entry.path()) {
+            tracing::warn!(path = %entry.path().display(), error = %e, "could not remove a warm cache leftover");
+        }
+    }
+}
