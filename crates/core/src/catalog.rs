@@ -3,6 +3,7 @@
 //! needs the run registry (an image in use cannot go) and the blocking-thread
 //! discipline (unpacking and garbage collection never run on async workers).
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use runbox_types::{ErrorCode, Image, PullEvent, PullPolicy, PullRequest};
@@ -179,12 +180,43 @@ impl Manager {
                 layers: record.layers.clone(),
                 run: id,
             };
+            // The warm volume was mounted over its path: its files go there.
+            let volume = match (&record.warm, &capture.warm_upper) {
+                (Some(volume), Some(upper)) => {
+                    let cache = manager.warm.clone().ok_or_else(|| {
+                        CoreError::invalid(
+                            ErrorCode::WarmCacheDisabled,
+                            "this run's warm volume cannot be snapshotted while the warm cache is off",
+                        )
+                    })?;
+                    Some((cache, volume.clone(), upper.clone()))
+                }
+                _ => None,
+            };
             let (image, layer, bytes) = tokio::task::spawn_blocking(move || {
+                let flat = volume
+                    .map(|(cache, volume, upper)| {
+                        cache
+                            .flatten_volume(&volume, &upper)
+                            .map(|(scratch, tree)| (scratch, tree, volume.path))
+                    })
+                    .transpose()?;
+                let at = flat
+                    .as_ref()
+                    .map(|(_, _, path)| PathBuf::from(path.trim_start_matches('/')));
+                let graft = match (&flat, &at) {
+                    (Some((_, tree, _)), Some(at)) => Some(runbox_image::capture::Graft {
+                        at,
+                        dir: tree,
+                    }),
+                    _ => None,
+                };
                 let recorded = images.record_snapshot(
                     &name,
                     &base,
                     &capture.upper,
                     &capture.injected,
+                    graft,
                     &server,
                 );
                 drop(capture);

@@ -363,8 +363,8 @@ impl ImageStore {
     }
 
     /// Records image `name` made of `base` plus one layer captured from a
-    /// run's upper directory `upper` (entries at `skip` left out), and
-    /// returns it with the new layer's key and unpacked bytes. The layer is
+    /// run's upper directory `upper` (entries at `skip` left out; `graft`,
+    /// the run's warm volume, written at its path), and returns it with the new layer's key and unpacked bytes. The layer is
     /// stored (written, verified, renamed into place) before the image
     /// record, which is written last: a crash in between leaves an
     /// unreferenced layer for garbage collection, never an image that looks
@@ -375,6 +375,7 @@ impl ImageStore {
         base: &SnapshotBase,
         upper: &Path,
         skip: &[String],
+        graft: Option<runbox_image::capture::Graft>,
         server: &str,
     ) -> Result<(Image, String, u64), CoreError> {
         validate::image_name(name)?;
@@ -395,7 +396,7 @@ impl ImageStore {
                 hasher: Sha256::new(),
             };
             let skip: Vec<&str> = skip.iter().map(String::as_str).collect();
-            runbox_image::capture::upper_to_tar(upper, &skip, &mut hashing)
+            runbox_image::capture::upper_to_tar_with(upper, &skip, graft, &mut hashing)
                 .map_err(CoreError::io("reading the run's captured layer"))?;
             hashing
                 .inner

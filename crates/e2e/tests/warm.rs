@@ -451,3 +451,73 @@ async fn a_server_without_the_cache_refuses_warm_runs() {
     assert_eq!(err.code(), Some(ErrorCode::WarmCacheDisabled));
     assert!(daemon.client.list_runs().await.unwrap().runs.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_run_forks_and_snapshots_with_its_volume() {
+    let daemon = daemon_with(&[]).await;
+    let setup = warm_run(&daemon, "acme/web", None).await.id.to_string();
+    sh_ok(
+        &daemon,
+        &setup,
+        "mkdir -p /work/app && echo dep > /work/app/dep && echo lock > /work/app/Cargo.lock",
+    )
+    .await;
+    daemon.client.warm_commit(&setup, None).await.unwrap();
+    let parent = warm_run(&daemon, "acme/web", None).await.id.to_string();
+    sh_ok(
+        &daemon,
+        &parent,
+        "echo mine > /work/app/mine; rm /work/app/dep",
+    )
+    .await;
+
+    // Children see the parent's volume (template + its changes) and write
+    // their own layers.
+    let forked = daemon
+        .client
+        .fork_run(
+            &parent,
+            &runbox_types::ForkRequest {
+                count: 2,
+                ttl_sec: None,
+            },
+        )
+        .await
+        .unwrap();
+    let kids: Vec<String> = forked.runs.iter().map(|r| r.id.to_string()).collect();
+    for kid in &forked.runs {
+        assert_eq!(kid.warm.as_ref().unwrap().repo, "acme/web");
+        assert!(kid.warm.as_ref().unwrap().booted);
+    }
+    let check = "cat /work/app/mine /work/app/Cargo.lock; [ -e /work/app/dep ] || echo no-dep";
+    for kid in &kids {
+        assert_eq!(sh_ok(&daemon, kid, check).await, "mine\nlock\nno-dep\n");
+    }
+    sh_ok(&daemon, &kids[0], "echo kid > /work/app/kid").await;
+    for other in [&kids[1], &parent] {
+        assert_eq!(
+            sh_ok(&daemon, other, "[ -e /work/app/kid ] || echo clean").await,
+            "clean\n"
+        );
+    }
+
+    // A snapshot keeps the volume at its path; a plain run from it has it.
+    let snap = daemon
+        .client
+        .snapshot_run(&parent, Some("warm-snap"))
+        .await
+        .unwrap();
+    let plain = daemon
+        .create_with(CreateRunRequest {
+            image: snap.image.clone(),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    assert_eq!(sh_ok(&daemon, &plain, check).await, "mine\nlock\nno-dep\n");
+    for run in kids.iter().chain([&parent, &plain, &setup]) {
+        daemon.client.delete_run(run).await.unwrap();
+    }
+    daemon.client.delete_snapshot("warm-snap").await.unwrap();
+}

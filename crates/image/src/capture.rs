@@ -36,6 +36,28 @@ pub struct CaptureStats {
 /// `etc/resolv.conf`: what the runtime put there for the run's own mounts)
 /// are left out, with everything below them. Returns what was written.
 pub fn upper_to_tar(upper: &Path, skip: &[&str], out: impl Write) -> io::Result<CaptureStats> {
+    upper_to_tar_with(upper, skip, None, out)
+}
+
+/// A plain directory tree written into a layer at a path of its own, in
+/// place of whatever the upper directory has there: a volume that was
+/// mounted over that path in the run.
+#[derive(Clone, Copy, Debug)]
+pub struct Graft<'a> {
+    /// Where, relative to the root (e.g. `work`).
+    pub at: &'a Path,
+    /// The tree (no overlay markers in it).
+    pub dir: &'a Path,
+}
+
+/// [`upper_to_tar`], with `graft` written at its path as an opaque
+/// directory (hiding what the image has there, as the mounted volume did).
+pub fn upper_to_tar_with(
+    upper: &Path,
+    skip: &[&str],
+    graft: Option<Graft>,
+    out: impl Write,
+) -> io::Result<CaptureStats> {
     let mut builder = tar::Builder::new(out);
     builder.mode(tar::HeaderMode::Complete);
     builder.follow_symlinks(false);
@@ -43,11 +65,15 @@ pub fn upper_to_tar(upper: &Path, skip: &[&str], out: impl Write) -> io::Result<
         builder,
         links: HashMap::new(),
         stats: CaptureStats::default(),
-        skip: Vec::new(),
+        skip: skip.iter().map(PathBuf::from).collect(),
+        graft: graft.map(|g| (g.at.to_owned(), g.dir.to_owned())),
     };
-    let skip: Vec<PathBuf> = skip.iter().map(PathBuf::from).collect();
-    walk.skip = skip;
     walk.dir(upper, Path::new(""))?;
+    // A volume path the run never changed above (its parents are the
+    // image's) is written last; unpacking makes the missing parents.
+    if let Some((at, dir)) = walk.graft.take() {
+        walk.grafted(&at, &dir)?;
+    }
     walk.builder.into_inner()?.flush()?;
     Ok(walk.stats)
 }
@@ -58,6 +84,8 @@ struct Walk<W: Write> {
     links: HashMap<(u64, u64), PathBuf>,
     stats: CaptureStats,
     skip: Vec<PathBuf>,
+    /// Not yet written: where, and the tree.
+    graft: Option<(PathBuf, PathBuf)>,
 }
 
 impl<W: Write> Walk<W> {
@@ -70,20 +98,40 @@ impl<W: Write> Walk<W> {
             if self.skip.contains(&at) {
                 continue;
             }
+            if self.graft.as_ref().is_some_and(|(g, _)| *g == at) {
+                let (at, dir) = self.graft.take().expect("checked");
+                self.grafted(&at, &dir)?;
+                continue;
+            }
             self.entry(&entry.path(), &at, &name)?;
         }
         Ok(())
     }
 
+    /// Writes the tree `dir` at `rel` as an opaque directory.
+    fn grafted(&mut self, rel: &Path, dir: &Path) -> io::Result<()> {
+        let meta = fs::symlink_metadata(dir)?;
+        let mut header = header_of(&meta);
+        header.set_entry_type(tar::EntryType::Directory);
+        self.append(&mut header, rel, io::empty())?;
+        self.opaque_marker(rel, &meta)?;
+        self.dir(dir, rel)
+    }
+
+    /// The OCI mark that directory `rel` hides the layers below.
+    fn opaque_marker(&mut self, rel: &Path, meta: &fs::Metadata) -> io::Result<()> {
+        let mut opq = tar::Header::new_gnu();
+        opq.set_entry_type(tar::EntryType::Regular);
+        opq.set_mode(0o644);
+        opq.set_size(0);
+        opq.set_mtime(meta.mtime().max(0) as u64);
+        self.append(&mut opq, &rel.join(".wh..wh..opq"), io::empty())
+    }
+
     fn entry(&mut self, path: &Path, rel: &Path, name: &OsStr) -> io::Result<()> {
         let meta = fs::symlink_metadata(path)?;
         let kind = meta.file_type();
-        let mut header = tar::Header::new_gnu();
-        header.set_mode(meta.mode() & 0o7777);
-        header.set_uid(u64::from(meta.uid()));
-        header.set_gid(u64::from(meta.gid()));
-        header.set_mtime(meta.mtime().max(0) as u64);
-        header.set_size(0);
+        let mut header = header_of(&meta);
         if kind.is_char_device() && meta.rdev() == 0 {
             // A whiteout: the name is gone from the layers below.
             let mut wh = OsStr::new(".wh.").to_owned();
@@ -97,12 +145,7 @@ impl<W: Write> Walk<W> {
             header.set_entry_type(tar::EntryType::Directory);
             self.append(&mut header, rel, io::empty())?;
             if is_opaque(path) {
-                let mut opq = tar::Header::new_gnu();
-                opq.set_entry_type(tar::EntryType::Regular);
-                opq.set_mode(0o644);
-                opq.set_size(0);
-                opq.set_mtime(meta.mtime().max(0) as u64);
-                self.append(&mut opq, &rel.join(".wh..wh..opq"), io::empty())?;
+                self.opaque_marker(rel, &meta)?;
             }
             return self.dir(path, rel);
         }
@@ -156,6 +199,17 @@ impl<W: Write> Walk<W> {
     }
 }
 
+/// A header with `meta`'s mode, owner and modification time, size 0.
+fn header_of(meta: &fs::Metadata) -> tar::Header {
+    let mut header = tar::Header::new_gnu();
+    header.set_mode(meta.mode() & 0o7777);
+    header.set_uid(u64::from(meta.uid()));
+    header.set_gid(u64::from(meta.gid()));
+    header.set_mtime(meta.mtime().max(0) as u64);
+    header.set_size(0);
+    header
+}
+
 fn is_opaque(dir: &Path) -> bool {
     let mut value = [0u8; 8];
     matches!(
@@ -174,6 +228,50 @@ mod tests {
             .unwrap()
             .map(|e| e.unwrap().path().unwrap().to_string_lossy().into_owned())
             .collect()
+    }
+
+    #[test]
+    fn a_graft_replaces_its_path_as_an_opaque_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let (up, vol) = (dir.path().join("upper"), dir.path().join("volume"));
+        fs::create_dir_all(up.join("work")).unwrap();
+        fs::create_dir_all(up.join("etc")).unwrap();
+        fs::create_dir_all(vol.join("app")).unwrap();
+        fs::write(vol.join("app/package.json"), b"{}").unwrap();
+        let mut tar = Vec::new();
+        let graft = Graft {
+            at: Path::new("work"),
+            dir: &vol,
+        };
+        upper_to_tar_with(&up, &[], Some(graft), &mut tar).unwrap();
+        assert_eq!(
+            names(&tar),
+            [
+                "etc",
+                "work",
+                "work/.wh..wh..opq",
+                "work/app",
+                "work/app/package.json"
+            ]
+        );
+        // A path the upper lacks is written at the end.
+        let mut tar = Vec::new();
+        let graft = Graft {
+            at: Path::new("src/app"),
+            dir: &vol,
+        };
+        upper_to_tar_with(&up, &[], Some(graft), &mut tar).unwrap();
+        assert_eq!(
+            names(&tar),
+            [
+                "etc",
+                "work",
+                "src/app",
+                "src/app/.wh..wh..opq",
+                "src/app/app",
+                "src/app/app/package.json"
+            ]
+        );
     }
 
     #[test]

@@ -406,6 +406,32 @@ impl WarmCache {
         Ok(manifest)
     }
 
+    /// The run volume `volume` as a plain tree, from its captured upper
+    /// `upper` over its generation, in a scratch directory of the cache
+    /// (removed when dropped, or at the next start after a crash): what a
+    /// snapshot of the run writes at the volume's path. Blocking.
+    pub fn flatten_volume(
+        &self,
+        volume: &WarmVolume,
+        upper: &Path,
+    ) -> Result<(tempfile::TempDir, PathBuf), CoreError> {
+        let scratch = tempfile::Builder::new()
+            .prefix("volume-")
+            .tempdir_in(self.root.join("tmp"))
+            .map_err(storage_error(
+                "making a scratch directory in the warm cache",
+            ))?;
+        let tree = scratch.path().join("tree");
+        let base = volume.generation.map(|g| self.tree(&volume.repo, g));
+        let mut layers = vec![upper];
+        if let Some(base) = &base {
+            layers.push(base.as_path());
+        }
+        runbox_image::tree::flatten(&layers, &tree)
+            .map_err(storage_error("copying the run's warm volume"))?;
+        Ok((scratch, tree))
+    }
+
     /// Drops `repo`'s template (forced invalidation); false when it had
     /// none. Runs using it keep it; its files go on a later tick.
     pub fn invalidate(&self, repo: &str) -> Result<bool, CoreError> {
@@ -587,5 +613,196 @@ fn empty_dir(dir: &Path) {
         if let Err(e) = runbox_image::tree::remove_tree(&entry.path()) {
             tracing::warn!(path = %entry.path().display(), error = %e, "could not remove a warm cache leftover");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume(dir: &Path, marker: &str, bytes: usize) -> PathBuf {
+        let upper = dir.join(format!("upper-{marker}"));
+        fs::create_dir_all(upper.join("app")).unwrap();
+        fs::write(upper.join("app/Cargo.lock"), marker).unwrap();
+        fs::write(upper.join("app/data"), vec![b'x'; bytes]).unwrap();
+        upper
+    }
+
+    fn generation_dirs(root: &Path, repo: &str) -> usize {
+        fs::read_dir(root.join("repos").join(repo))
+            .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_commit_publishes_a_generation_that_later_commits_build_on() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = WarmCache::open(&tmp.path().join("cache"), 1 << 30).unwrap();
+        let first = cache
+            .commit(
+                "acme/web",
+                &[&volume(tmp.path(), "one", 10)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        assert_eq!(first.repo_dir, "/work/app");
+        assert_eq!(first.lockfiles, ["Cargo.lock"]);
+        assert_eq!(first.files, 2);
+        assert_eq!(cache.template("acme/web").unwrap(), first);
+        // The next commit: an upper over the first generation.
+        let g1 = Ulid::from_string(&first.generation).unwrap();
+        let upper = tmp.path().join("upper-next");
+        fs::create_dir_all(upper.join("app")).unwrap();
+        fs::write(upper.join("app/new"), "n").unwrap();
+        let second = cache
+            .commit(
+                "acme/web",
+                &[&upper, &cache.tree("acme/web", g1)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        assert_eq!(second.lock_hash, first.lock_hash, "same lockfiles");
+        let g2 = Ulid::from_string(&second.generation).unwrap();
+        let tree = cache.tree("acme/web", g2);
+        assert!(tree.join("app/new").is_file() && tree.join("app/data").is_file());
+        // Reopened, the cache finds the same template.
+        drop(cache);
+        let cache = WarmCache::open(&tmp.path().join("cache"), 1 << 30).unwrap();
+        assert_eq!(
+            cache.template("acme/web").unwrap().generation,
+            second.generation
+        );
+        // The superseded generation goes on the next pass.
+        assert_eq!(generation_dirs(&tmp.path().join("cache"), "acme/web"), 2);
+        let report = cache.evict(HashSet::new);
+        assert_eq!(report.generations, 1);
+        assert_eq!(generation_dirs(&tmp.path().join("cache"), "acme/web"), 1);
+    }
+
+    #[test]
+    fn eviction_spares_pinned_and_mounted_generations() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("cache");
+        let cache = WarmCache::open(&root, 1000).unwrap();
+        let a = cache
+            .commit(
+                "acme/a",
+                &[&volume(tmp.path(), "a", 800)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        let b = cache
+            .commit(
+                "acme/b",
+                &[&volume(tmp.path(), "b", 800)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        let (ga, gb) = (
+            Ulid::from_string(&a.generation).unwrap(),
+            Ulid::from_string(&b.generation).unwrap(),
+        );
+        // acme/a is older, but pinned by a create: acme/b goes instead.
+        let pin = cache.pin("acme/a").unwrap();
+        let report = cache.evict(HashSet::new);
+        assert_eq!(report.templates, ["acme/b"]);
+        assert!(cache.template("acme/b").is_none());
+        assert!(cache.tree("acme/a", ga).is_dir());
+        assert!(!cache.tree("acme/b", gb).exists());
+        drop(pin);
+        // Mounted by a run (the registry says so), it stays too ...
+        let c = cache
+            .commit(
+                "acme/c",
+                &[&volume(tmp.path(), "c", 800)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        let report = cache.evict(|| HashSet::from([ga]));
+        assert_eq!(report.templates, ["acme/c"]);
+        assert!(cache.template("acme/a").is_some());
+        // ... and invalidated while mounted, it stays until it is not.
+        assert!(cache.invalidate("acme/a").unwrap());
+        assert!(!cache.invalidate("acme/a").unwrap());
+        cache.evict(|| HashSet::from([ga]));
+        assert!(cache.tree("acme/a", ga).is_dir());
+        cache.evict(HashSet::new);
+        assert!(!cache.tree("acme/a", ga).exists());
+        assert!(cache.template("acme/c").is_none(), "{c:?} was evicted");
+        assert!(
+            !root.join("repos/acme").exists(),
+            "empty directories go too"
+        );
+    }
+
+    #[test]
+    fn a_crash_leaves_nothing_that_looks_published() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("cache");
+        let cache = WarmCache::open(&root, 1 << 30).unwrap();
+        let t = cache
+            .commit(
+                "acme/web",
+                &[&volume(tmp.path(), "one", 10)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        drop(cache);
+        // A commit cut short, a generation moved in but never named, and a
+        // manifest that is garbage in another repository.
+        fs::create_dir_all(root.join("tmp").join(Ulid::new().to_string()).join("tree")).unwrap();
+        let orphan = root.join("repos/acme/web").join(Ulid::new().to_string());
+        fs::create_dir_all(orphan.join("tree")).unwrap();
+        fs::create_dir_all(root.join("repos/acme/broken")).unwrap();
+        fs::write(root.join("repos/acme/broken/manifest.json"), "{not json").unwrap();
+        let cache = WarmCache::open(&root, 1 << 30).unwrap();
+        assert_eq!(fs::read_dir(root.join("tmp")).unwrap().count(), 0);
+        assert_eq!(cache.template("acme/web").unwrap().generation, t.generation);
+        assert!(cache.template("acme/broken").is_none());
+        cache.evict(HashSet::new);
+        assert!(!orphan.exists());
+        assert!(cache
+            .tree("acme/web", Ulid::from_string(&t.generation).unwrap())
+            .is_dir());
+    }
+
+    #[test]
+    fn concurrent_commits_of_one_repository_each_land_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = Arc::new(WarmCache::open(&tmp.path().join("cache"), 1 << 30).unwrap());
+        let uppers: Vec<PathBuf> = (0..6)
+            .map(|i| volume(tmp.path(), &format!("v{i}"), 64 << 10))
+            .collect();
+        let done: Vec<WarmTemplate> = std::thread::scope(|s| {
+            let handles: Vec<_> = uppers
+                .iter()
+                .map(|upper| {
+                    let cache = cache.clone();
+                    s.spawn(move || {
+                        cache
+                            .commit("acme/web", &[upper.as_path()], "/work", Ulid::new())
+                            .unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let current = cache.template("acme/web").unwrap();
+        let winner = done
+            .iter()
+            .find(|t| t.generation == current.generation)
+            .unwrap();
+        let tree = cache.tree("acme/web", Ulid::from_string(&winner.generation).unwrap());
+        let lock = fs::read_to_string(tree.join("app/Cargo.lock")).unwrap();
+        assert_eq!(fs::metadata(tree.join("app/data")).unwrap().len(), 64 << 10);
+        assert!(lock.starts_with('v'));
+        cache.evict(HashSet::new);
+        assert_eq!(generation_dirs(&tmp.path().join("cache"), "acme/web"), 1);
     }
 }
