@@ -217,10 +217,16 @@ impl Daemon {
     /// `POST /v1/runs` of `image` with default settings, remembering the
     /// run for cleanup. Not bounded by a timeout: callers time it.
     pub async fn create_run_of(&mut self, image: &str) -> anyhow::Result<Run> {
-        let req = CreateRunRequest {
+        self.create_run_with(CreateRunRequest {
             image: image.into(),
             ..Default::default()
-        };
+        })
+        .await
+    }
+
+    /// `POST /v1/runs` of `req`, remembering the run for cleanup. Not
+    /// bounded by a timeout: callers time it.
+    pub async fn create_run_with(&mut self, req: CreateRunRequest) -> anyhow::Result<Run> {
         let run = self
             .client
             .create_run(&req)

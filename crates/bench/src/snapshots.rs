@@ -2,7 +2,9 @@
 //! changed (next to `cp -a` of the same upper directory, the floor for any
 //! copy), how long the run is frozen, what starting from a snapshot costs
 //! next to a cold start from its base image, and what a fork of 1, 4 and 16
-//! costs.
+//! costs; and what a warm start costs against the size of the warm
+//! template it mounts, next to `cp -a` of that template (what a cache that
+//! copies the template into every run pays).
 //!
 //! Owns only the measuring; the daemon and its runs are [`Daemon`]'s (its
 //! cleanup removes every run made here; snapshot images are deleted as they
@@ -24,6 +26,27 @@ const DIRTY_MIB: [u64; 4] = [1, 10, 100, 1000];
 
 /// Children per fork series.
 const FORK_COUNTS: [usize; 3] = [1, 4, 16];
+
+/// Warm template sizes, in MiB of 1 MiB files (plus [`SMALL_FILES`]).
+const TEMPLATE_MIB: [u64; 3] = [1, 100, 1000];
+
+/// Small files in every warm template (a dependency tree is mostly those).
+const SMALL_FILES: usize = 2000;
+
+/// One row of the warm-start table.
+#[derive(Clone, Debug, Serialize)]
+pub struct WarmRow {
+    /// MiB of file data in the template.
+    pub mib: u64,
+    /// Regular files in it.
+    pub files: u64,
+    /// The one `warm-commit` that made it.
+    pub commit_ms: f64,
+    /// Create with `warm` + first exec reading a template file.
+    pub start: Summary,
+    /// `cp -a` of the template on the same filesystem.
+    pub cp: Summary,
+}
 
 /// One row of the dirty-bytes table.
 #[derive(Clone, Debug, Serialize)]
@@ -55,6 +78,10 @@ pub struct SnapshotReport {
     pub cold_start: Summary,
     /// Fork of N children, by N.
     pub forks: Vec<(usize, Summary)>,
+    /// Warm start by template size.
+    pub warm: Vec<WarmRow>,
+    /// Create + first exec without a warm volume, in the same loop.
+    pub warm_cold: Summary,
 }
 
 async fn sh(daemon: &Daemon, id: &str, script: &str) -> anyhow::Result<()> {
@@ -238,6 +265,7 @@ pub async fn measure(
         forks.push((count, summarize(&samples).context("no samples")?));
     }
     daemon.delete_run(parent.id).await?;
+    let (warm_rows, warm_cold) = warm_starts(daemon, iterations.max(10)).await?;
     Ok(SnapshotReport {
         runtime: daemon.runtime.clone(),
         iterations,
@@ -246,7 +274,84 @@ pub async fn measure(
         start_from_snapshot: summarize(&warm).context("no samples")?,
         cold_start: summarize(&cold).context("no samples")?,
         forks,
+        warm: warm_rows,
+        warm_cold,
     })
+}
+
+/// Warm starts from templates of [`TEMPLATE_MIB`], each made by one setup
+/// run and one commit, with cold starts in the same loop.
+async fn warm_starts(
+    daemon: &mut Daemon,
+    iterations: usize,
+) -> anyhow::Result<(Vec<WarmRow>, Summary)> {
+    let warm_req = |repo: &str| runbox_types::CreateRunRequest {
+        image: crate::daemon::IMAGE.into(),
+        warm: Some(runbox_types::WarmRequest {
+            repo: repo.into(),
+            path: None,
+        }),
+        ..Default::default()
+    };
+    let (mut rows, mut cold) = (Vec::new(), Vec::new());
+    for mib in TEMPLATE_MIB {
+        eprintln!("runbox-bench: snapshots: warm start, {mib} MiB template");
+        let repo = format!("bench/template-{mib}");
+        let setup = daemon.create_run_with(warm_req(&repo)).await?;
+        let id = setup.id.to_string();
+        sh(
+            daemon,
+            &id,
+            &format!(
+                "set -e; mkdir -p /work/repo/big /work/repo/small; i=0; \
+                 while [ $i -lt {mib} ]; do dd if=/dev/urandom of=/work/repo/big/$i bs=1M count=1 2>/dev/null; i=$((i+1)); done; \
+                 i=0; while [ $i -lt {SMALL_FILES} ]; do echo $i > /work/repo/small/$i; i=$((i+1)); done; \
+                 echo lock > /work/repo/Cargo.lock; sync"
+            ),
+        )
+        .await?;
+        let started = Instant::now();
+        let commit = daemon.client.warm_commit(&id, None).await?;
+        let commit_ms = started.elapsed().as_secs_f64() * 1e3;
+        daemon.delete_run(setup.id).await?;
+        let tree = daemon
+            .state_dir()
+            .join("runs/.warm/repos")
+            .join(&repo)
+            .join(&commit.template.generation)
+            .join("tree");
+        let copy = daemon.state_dir().join("runs/.bench-cp");
+        let (mut starts, mut cps) = (Vec::new(), Vec::new());
+        for _ in 0..iterations {
+            let started = Instant::now();
+            let run = daemon.create_run_with(warm_req(&repo)).await?;
+            sh(
+                daemon,
+                &run.id.to_string(),
+                "cat /work/repo/small/1 >/dev/null",
+            )
+            .await?;
+            starts.push(started.elapsed());
+            ensure!(
+                run.warm.as_ref().is_some_and(|w| w.booted),
+                "the warm run did not start from the template"
+            );
+            daemon.delete_run(run.id).await?;
+            let (took, id) = first_exec(daemon, crate::daemon::IMAGE).await?;
+            cold.push(took);
+            daemon.delete_run(id.parse()?).await?;
+            cps.push(cp_a(&tree, &copy)?);
+        }
+        daemon.client.warm_invalidate(&repo).await?;
+        rows.push(WarmRow {
+            mib,
+            files: commit.template.files,
+            commit_ms,
+            start: summarize(&starts).context("no samples")?,
+            cp: summarize(&cps).context("no samples")?,
+        });
+    }
+    Ok((rows, summarize(&cold).context("no samples")?))
 }
 
 /// The phase as markdown.
@@ -322,6 +427,33 @@ pub fn markdown(r: &SnapshotReport) -> String {
             s.p50_ms / *count as f64
         );
     }
+    if !r.warm.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nWarm start: create with `warm: {{repo}}` + a first exec reading a template file; \
+             cold: create + first exec without a volume, in the same loop (p50 {:.2} ms); \
+             `cp -a`: of the template on the same filesystem, what copying it into each run would \
+             cost; commit: the one `warm-commit` that made the template.\n",
+            r.warm_cold.p50_ms
+        );
+        let _ = writeln!(
+            out,
+            "| template MiB | files | commit ms | warm start p50 ms | p95 ms | ÷ cold | `cp -a` p50 ms |\n|--:|--:|--:|--:|--:|--:|--:|"
+        );
+        for row in &r.warm {
+            let _ = writeln!(
+                out,
+                "| {} | {} | {:.0} | {:.2} | {:.2} | {:.2}× | {:.2} |",
+                row.mib,
+                row.files,
+                row.commit_ms,
+                row.start.p50_ms,
+                row.start.p95_ms,
+                row.start.p50_ms / r.warm_cold.p50_ms,
+                row.cp.p50_ms
+            );
+        }
+    }
     out
 }
 
@@ -349,6 +481,14 @@ mod tests {
             start_from_snapshot: ms(&[55, 55]),
             cold_start: ms(&[50, 50]),
             forks: vec![(4, ms(&[100, 100]))],
+            warm: vec![WarmRow {
+                mib: 100,
+                files: 2101,
+                commit_ms: 900.0,
+                start: ms(&[60, 60]),
+                cp: ms(&[300, 300]),
+            }],
+            warm_cold: ms(&[50, 50]),
         };
         let text = markdown(&report);
         assert!(
@@ -358,6 +498,10 @@ mod tests {
         assert!(text.contains("| from a snapshot (10 MiB changed) | 2 | 55.00 | 55.00 | 1.10× |"));
         assert!(
             text.contains("| 4 | 2 | 100.00 | 100.00 | 25.00 |"),
+            "{text}"
+        );
+        assert!(
+            text.contains("| 100 | 2101 | 900 | 60.00 | 60.00 | 1.20× | 300.00 |"),
             "{text}"
         );
     }

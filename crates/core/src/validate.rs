@@ -90,6 +90,16 @@ pub fn work_path(path: &str) -> Result<String, CoreError> {
     if path.starts_with('/') {
         return Err(bad("must be relative to /work, not absolute"));
     }
+    let parts = components(path, bad)?;
+    if parts.is_empty() {
+        return Err(bad("is empty; name a file below /work"));
+    }
+    Ok(parts.join("/"))
+}
+
+/// The plain components of `path` (no empty, `.` or `..` ones), refusing
+/// `..` and over-long paths or components; `bad` words the error.
+fn components(path: &str, bad: impl Fn(&str) -> CoreError) -> Result<Vec<&str>, CoreError> {
     if path.len() > MAX_PATH_BYTES {
         return Err(bad(&format!("is longer than {MAX_PATH_BYTES} bytes")));
     }
@@ -106,10 +116,7 @@ pub fn work_path(path: &str) -> Result<String, CoreError> {
             p => parts.push(p),
         }
     }
-    if parts.is_empty() {
-        return Err(bad("is empty; name a file below /work"));
-    }
-    Ok(parts.join("/"))
+    Ok(parts)
 }
 
 /// Checks an exec command line.
@@ -444,22 +451,10 @@ pub fn warm_path(path: &str) -> Result<String, CoreError> {
     if !path.starts_with('/') {
         return Err(bad("must be absolute, like /work"));
     }
-    if path.len() > MAX_PATH_BYTES {
-        return Err(bad(&format!("is longer than {MAX_PATH_BYTES} bytes")));
+    if path.chars().any(char::is_control) {
+        return Err(bad("has control characters"));
     }
-    let mut parts = Vec::new();
-    for part in path.split('/') {
-        match part {
-            "" | "." => {}
-            ".." => return Err(bad("must not contain `..`")),
-            p if p.len() > MAX_COMPONENT_BYTES || p.chars().any(char::is_control) => {
-                return Err(bad(
-                    "has a component that is too long or has control characters",
-                ))
-            }
-            p => parts.push(p),
-        }
-    }
+    let parts = components(path, bad)?;
     match parts.first() {
         None => Err(bad("is the root; name a directory such as /work")),
         Some(&("proc" | "sys" | "dev" | "run" | ".runbox")) => Err(bad(

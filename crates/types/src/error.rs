@@ -178,4 +178,13 @@ mod tests {
             assert!((400..600).contains(&code.status()), "{code}");
         }
     }
+
+    #[test]
+    fn every_code_is_documented_with_its_status() {
+        let doc = include_str!("../../../docs/api.md");
+        for code in ErrorCode::ALL {
+            let row = format!("| `{}` | {} |", code.as_str(), code.status());
+            assert!(doc.contains(&row), "docs/api.md has no row {row}");
+        }
+    }
 }
