@@ -25,6 +25,7 @@ mod egress;
 mod exec;
 mod image;
 mod lease;
+mod pools;
 mod runs;
 #[cfg(feature = "daemon")]
 mod serve;
@@ -79,6 +80,13 @@ enum Command {
     /// and drop templates
     #[command(subcommand)]
     Warm(warm::WarmCommand),
+    /// Show or replace the warm pools
+    #[command(subcommand)]
+    Pools(pools::PoolsCommand),
+    /// What the node is and how full: capacity, pools, storage
+    Info(pools::ShowArgs),
+    /// Cordon the node (refuse new runs, empty the pools), or --off
+    Drain(pools::DrainArgs),
     /// Take, renew or release a run's writable lease
     #[command(subcommand)]
     Lease(lease::LeaseCommand),
@@ -137,6 +145,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Fork(args) => runs::fork(args).await,
         Command::Lease(command) => lease::run(command).await,
         Command::Warm(command) => warm::run(command).await,
+        Command::Pools(command) => pools::run(command).await,
+        Command::Info(args) => pools::info(args).await,
+        Command::Drain(args) => pools::drain(args).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,
     }

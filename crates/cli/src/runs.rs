@@ -92,6 +92,15 @@ pub struct CreateArgs {
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
     pub secrets: Vec<String>,
+    /// A size tier instead of --cpus/--memory/--pids/--disk: small, medium,
+    /// large, xlarge, 2xlarge; a warm pool of the same image, network and
+    /// size serves the create at once
+    #[arg(long, value_name = "TIER", value_parser = parse_size,
+          conflicts_with_all = ["cpus", "memory", "pids", "disk"])]
+    pub size: Option<runbox_types::SizeTier>,
+    /// A label shown on the run (repeatable)
+    #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_env_var)]
+    pub labels: Vec<EnvVar>,
     /// Give the run a warm volume for this repository (owner/name): it
     /// starts from the repository's template when there is one
     #[arg(long, value_name = "OWNER/NAME")]
@@ -135,8 +144,23 @@ impl CreateArgs {
                 repo,
                 path: self.warm_path.clone(),
             }),
+            size: self.size,
+            labels: (!self.labels.is_empty()).then(|| {
+                self.labels
+                    .iter()
+                    .map(|l| (l.name.clone(), l.value.clone()))
+                    .collect()
+            }),
         }
     }
+}
+
+/// Parses `--size`: a tier's name.
+pub fn parse_size(s: &str) -> Result<runbox_types::SizeTier, String> {
+    runbox_types::SizeTier::ALL
+        .into_iter()
+        .find(|t| t.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not a size tier: small, medium, large, xlarge or 2xlarge"))
 }
 
 /// Parses `--disk`: a number of MiB, or a number with a binary unit
@@ -508,6 +532,9 @@ mod tests {
             failure: None,
             disk_used_bytes: Some(3 << 20),
             warm: None,
+            size: None,
+            labels: Default::default(),
+            pooled: false,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

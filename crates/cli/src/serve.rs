@@ -20,6 +20,9 @@ use tokio_util::sync::CancellationToken;
 /// The run store's image under the state directory (`--storage-gb`).
 const STORAGE_IMAGE: &str = "storage.img";
 
+/// Where `PUT /v1/pools` persists the pool set, in the state directory.
+const POOLS_FILE: &str = "pools.json";
+
 /// How long open connections get to finish after SIGINT or SIGTERM.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -88,6 +91,21 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECS",
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub cache_tick_sec: u64,
+    /// Warm pools at first start, as JSON ({"pools": [{"image", "network",
+    /// "size", "warm", "warmMax", "warmup"}]}). Once PUT /v1/pools has been
+    /// called, the set it persisted (<state-dir>/pools.json) is used instead.
+    #[arg(long, env = "RUNBOX_POOLS", value_name = "FILE")]
+    pub pools: Option<PathBuf>,
+    /// How many runs the background makes or destroys at once (pool
+    /// refills, forks, teardowns); 0 sizes it from the host.
+    #[arg(long, default_value_t = 0, value_name = "N",
+          value_parser = clap::value_parser!(u64).range(0..=4096))]
+    pub refill_concurrency: u64,
+    /// Seconds a pool's raised target lasts without claims before it
+    /// decays back to `warm`.
+    #[arg(long, default_value_t = 60, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub pool_decay_sec: u64,
     /// Longest TTL (seconds) a run may ask for.
     #[arg(long, default_value_t = 86400)]
     pub max_ttl: u64,
@@ -206,6 +224,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.max_upload_bytes = args.max_upload_bytes;
     config.insecure_registries = args.insecure_registries.clone();
     config.warm_cache = warm_cache_config(&args, &state_dir)?;
+    let pools_file = state_dir.join(POOLS_FILE);
+    config.pools = load_pools(args.pools.as_deref(), &pools_file)?;
+    config.pools_file = Some(pools_file);
+    config.pool_decay = Duration::from_secs(args.pool_decay_sec);
+    config.refill_concurrency = args.refill_concurrency as usize;
     // Bound before the manager starts: the egress proxy must know the API's
     // real address to refuse it, and re-adopted runs get their proxies at once.
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -249,6 +272,27 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     shutdown.cancel();
     Ok(())
+}
+
+/// The pool set at start: `<state-dir>/pools.json` once a PUT wrote it,
+/// else `--pools`, else none.
+fn load_pools(flag: Option<&Path>, persisted: &Path) -> anyhow::Result<runbox_types::PoolSet> {
+    let read = |path: &Path| -> anyhow::Result<runbox_types::PoolSet> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the pools file {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("{} is not a pool set", path.display()))
+    };
+    if persisted.exists() {
+        if let Some(flag) = flag {
+            tracing::info!(persisted = %persisted.display(), ignored = %flag.display(),
+                "using the pools set by PUT /v1/pools; delete pools.json to go back to --pools");
+        }
+        return read(persisted);
+    }
+    match flag {
+        Some(path) => read(path),
+        None => Ok(runbox_types::PoolSet::default()),
+    }
 }
 
 /// The warm cache's settings from the flags; None when it is off.

@@ -293,6 +293,43 @@ impl Client {
         Ok(())
     }
 
+    /// `GET /v1/pools`.
+    pub async fn pools(&self) -> Result<runbox_types::PoolList, ClientError> {
+        let resp = self.send(self.request(Method::GET, "/v1/pools")).await?;
+        json(resp).await
+    }
+
+    /// `PUT /v1/pools`: replaces the pool set; pools left out drain.
+    pub async fn set_pools(
+        &self,
+        set: &runbox_types::PoolSet,
+    ) -> Result<runbox_types::PoolList, ClientError> {
+        let resp = self
+            .send(self.request(Method::PUT, "/v1/pools").json(set))
+            .await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/drain` (`true`) or `DELETE /v1/drain` (`false`).
+    pub async fn set_draining(
+        &self,
+        draining: bool,
+    ) -> Result<runbox_types::PoolList, ClientError> {
+        let method = if draining {
+            Method::POST
+        } else {
+            Method::DELETE
+        };
+        let resp = self.send(self.request(method, "/v1/drain")).await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/info`.
+    pub async fn info(&self) -> Result<runbox_types::Info, ClientError> {
+        let resp = self.send(self.request(Method::GET, "/v1/info")).await?;
+        json(resp).await
+    }
+
     /// `GET /v1/snapshots`.
     pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
         let resp = self

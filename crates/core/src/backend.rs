@@ -197,6 +197,12 @@ pub trait Backend: Send + Sync + 'static {
         Err("this backend cannot limit a run's disk".into())
     }
 
+    /// Bytes used and in all on the filesystem holding runs' disks, where
+    /// that can be measured.
+    fn storage(&self) -> Option<runbox_types::StorageInfo> {
+        None
+    }
+
     /// Bytes run `id` has written to its own disk, where that is counted.
     fn disk_used(&self, id: Ulid) -> Option<u64> {
         let _ = id;

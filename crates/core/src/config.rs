@@ -35,6 +35,15 @@ pub struct Config {
     pub egress: Option<std::sync::Arc<dyn crate::egress::EgressProxy>>,
     /// The warm repo cache; None disables `warm` on creates.
     pub warm_cache: Option<WarmCacheConfig>,
+    /// The warm pools at start (`--pools`, or the persisted set).
+    pub pools: runbox_types::PoolSet,
+    /// Where `PUT /v1/pools` persists the set; None: not persisted.
+    pub pools_file: Option<std::path::PathBuf>,
+    /// How long a pool's raised target lasts without claims.
+    pub pool_decay: Duration,
+    /// The background budget shared by refills, forks and teardowns; 0
+    /// sizes it from the host.
+    pub refill_concurrency: usize,
 }
 
 /// Where the warm repo cache lives and how big it may grow.
@@ -77,6 +86,10 @@ impl Config {
             insecure_registries: Vec::new(),
             egress: None,
             warm_cache: None,
+            pools: runbox_types::PoolSet::default(),
+            pools_file: None,
+            pool_decay: Duration::from_secs(60),
+            refill_concurrency: 0,
         }
     }
 }

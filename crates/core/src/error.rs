@@ -40,6 +40,9 @@ pub enum CoreError {
     /// The run's writable lease refuses the operation.
     #[error(transparent)]
     Lease(#[from] crate::lease::LeaseError),
+    /// The node is cordoned.
+    #[error("this server is draining (POST /v1/drain) and takes no new runs; use another node, or DELETE /v1/drain")]
+    Draining,
     /// Too many runs already.
     #[error("this server already has {0} runs, its maximum; delete some or raise --max-runs")]
     Capacity(usize),
@@ -88,6 +91,7 @@ impl CoreError {
             CoreError::RunNotRunning(..) => ErrorCode::RunNotRunning,
             CoreError::RunFailed(..) => ErrorCode::RunFailed,
             CoreError::Capacity(_) => ErrorCode::Capacity,
+            CoreError::Draining => ErrorCode::Draining,
             CoreError::Lease(e) => match e {
                 LeaseError::Busy(_) => ErrorCode::Busy,
                 LeaseError::Leased { .. } => ErrorCode::Leased,

@@ -19,6 +19,7 @@ pub mod egress;
 pub mod error;
 pub mod images;
 pub mod lease;
+pub mod pools;
 pub mod runs;
 pub mod service;
 pub mod store;

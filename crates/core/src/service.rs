@@ -119,6 +119,17 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError>;
     /// Drops a repository's warm template.
     fn warm_invalidate(&self, repo: String) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// The warm pools.
+    fn pools(&self) -> runbox_types::PoolList;
+    /// Replaces the warm pools.
+    fn set_pools(
+        &self,
+        set: runbox_types::PoolSet,
+    ) -> impl Future<Output = Result<runbox_types::PoolList, CoreError>> + Send;
+    /// Cordons (true) or uncordons the node.
+    fn set_draining(&self, draining: bool) -> runbox_types::PoolList;
+    /// What the node is and how full.
+    fn info(&self) -> runbox_types::Info;
     /// Imports an image from a tar stream (read on a blocking thread).
     fn import_image(
         &self,
@@ -236,6 +247,25 @@ impl RunService for Arc<Manager> {
 
     async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
         Manager::warm_invalidate(self, &repo).await
+    }
+
+    fn pools(&self) -> runbox_types::PoolList {
+        Manager::pools(self)
+    }
+
+    async fn set_pools(
+        &self,
+        set: runbox_types::PoolSet,
+    ) -> Result<runbox_types::PoolList, CoreError> {
+        Manager::set_pools(self, set).await
+    }
+
+    fn set_draining(&self, draining: bool) -> runbox_types::PoolList {
+        Manager::set_draining(self, draining)
+    }
+
+    fn info(&self) -> runbox_types::Info {
+        Manager::info(self)
     }
 
     async fn get_file(&self, id: Ulid, path: String) -> Result<FileDownload, CoreError> {

@@ -72,6 +72,24 @@ pub struct RunRecord {
     /// generation it mounts (kept from eviction while the run lives).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<crate::warm::WarmVolume>,
+    /// The size tier it was created with, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<runbox_types::SizeTier>,
+    /// Its labels.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// The warm pool it was made for, and whether a create has claimed it;
+    /// None for runs made by a create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<crate::pools::Membership>,
+}
+
+impl RunRecord {
+    /// A pool member no create has claimed yet: hidden from the API and
+    /// not counted against `--max-runs`.
+    pub fn is_idle_member(&self) -> bool {
+        self.pool.as_ref().is_some_and(|m| !m.claimed)
+    }
 }
 
 /// A create's idempotency key and what it asked for.
@@ -107,6 +125,9 @@ impl RunRecord {
                 .flatten(),
             disk_used_bytes: None,
             warm: self.warm.as_ref().map(|w| w.to_api()),
+            size: self.size,
+            labels: self.labels.clone(),
+            pooled: self.pool.as_ref().is_some_and(|m| m.claimed),
         }
     }
 }
@@ -244,6 +265,9 @@ mod tests {
             idempotency: None,
             failure: None,
             warm: None,
+            size: None,
+            labels: Default::default(),
+            pool: None,
         }
     }
 

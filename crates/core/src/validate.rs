@@ -407,6 +407,77 @@ pub fn image_name(name: &str) -> Result<(), CoreError> {
     }
 }
 
+/// The most labels a run may have.
+const MAX_LABELS: usize = 64;
+
+/// Checks a run's labels: at most [`MAX_LABELS`]; keys 1-63 characters of
+/// ASCII letters, digits, `.`, `_`, `-` and `/`; values at most 256
+/// characters without control characters.
+pub fn labels(labels: &BTreeMap<String, String>) -> Result<(), CoreError> {
+    let bad = |message: String| CoreError::invalid(ErrorCode::BadLabels, message);
+    if labels.len() > MAX_LABELS {
+        return Err(bad(format!(
+            "{} labels; a run may have at most {MAX_LABELS}",
+            labels.len()
+        )));
+    }
+    for (key, value) in labels {
+        let key_ok = !key.is_empty()
+            && key.len() <= 63
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/'));
+        if !key_ok {
+            return Err(bad(format!(
+                "label key {:?} is invalid: use 1-63 characters of letters, digits, '.', '_', '-' and '/'",
+                truncate(key, 80)
+            )));
+        }
+        if value.chars().count() > 256 || value.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "the value of label {key:?} is invalid: at most 256 characters, none of them control characters"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The limits of a create: a size tier's (its disk limit only where the
+/// server has disk limits), or the requested ones over the defaults; never
+/// both.
+pub fn create_limits(
+    size: Option<runbox_types::SizeTier>,
+    requested: Option<&LimitsRequest>,
+    defaults: &Limits,
+    max: &Limits,
+) -> Result<Limits, CoreError> {
+    let Some(size) = size else {
+        return limits(requested, defaults, max);
+    };
+    if requested.is_some() {
+        return Err(CoreError::invalid(
+            ErrorCode::BadLimits,
+            "give either size or limits, not both",
+        ));
+    }
+    let tier = size.limits();
+    let disk_mb = defaults.disk_mb.and(tier.disk_mb);
+    let fits = tier.cpus <= max.cpus
+        && tier.memory_mb <= max.memory_mb
+        && tier.pids <= max.pids
+        && disk_mb.zip(max.disk_mb).is_none_or(|(d, m)| d <= m);
+    if !fits {
+        return Err(CoreError::invalid(
+            ErrorCode::BadLimits,
+            format!(
+                "size {size} ({} CPUs, {} MiB, {} processes) is above this server's maxima; pick a smaller size",
+                tier.cpus, tier.memory_mb, tier.pids
+            ),
+        ));
+    }
+    Ok(Limits { disk_mb, ..tier })
+}
+
 /// Checks a repository name for the warm cache, `owner/name`, and returns
 /// it canonical (lower case: forges treat names without regard to case).
 /// Each part is 1-100 characters of letters, digits, `-`, `_` and `.`,

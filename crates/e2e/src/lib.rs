@@ -497,6 +497,22 @@ pub async fn eventually(limit: Duration, mut check: impl FnMut() -> bool) -> boo
     check()
 }
 
+/// [`eventually`] with an asynchronous check (one that asks the daemon).
+pub async fn eventually_async<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    check().await
+}
+
 /// The mount points under the state directory `dir` that runs made (the
 /// daemon's run store at `dir/runs` itself is not one of them).
 pub fn mounts_under(dir: &Path) -> Vec<String> {

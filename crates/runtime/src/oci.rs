@@ -461,6 +461,15 @@ impl Backend for OciBackend {
         Ok(())
     }
 
+    fn storage(&self) -> Option<runbox_types::StorageInfo> {
+        let st = rustix::fs::statvfs(self.state_dir.join("runs")).ok()?;
+        let block = st.f_frsize;
+        Some(runbox_types::StorageInfo {
+            used_bytes: st.f_blocks.saturating_sub(st.f_bfree) * block,
+            total_bytes: st.f_blocks * block,
+        })
+    }
+
     fn warm_volume(&self, id: Ulid) -> Option<PathBuf> {
         let volume = self.run_dir(id).join(WARM_DIR);
         is_mount_point(&volume).then_some(volume)

@@ -8,6 +8,12 @@ use axum::Json;
 use runbox_core::CoreError;
 use runbox_types::{ErrorBody, ErrorCode, ErrorDetail};
 
+/// `Retry-After` of a `429 capacity`, in seconds.
+const RETRY_CAPACITY_SECS: u32 = 1;
+
+/// `Retry-After` of a `503 draining`, in seconds.
+const RETRY_DRAINING_SECS: u32 = 30;
+
 /// An error response.
 #[derive(Debug)]
 pub struct ApiError {
@@ -45,7 +51,7 @@ impl From<CoreError> for ApiError {
                     "the run's agent did not answer as expected; see the server log"
                 }
                 // Not runbox's fault, and the message is what the user needs.
-                ErrorCode::Capacity | ErrorCode::RegistryError => {
+                ErrorCode::Draining | ErrorCode::RegistryError => {
                     return ApiError {
                         code,
                         message: e.to_string(),
@@ -75,6 +81,19 @@ impl IntoResponse for ApiError {
                 message: self.message,
             },
         };
-        (status, Json(body)).into_response()
+        let mut response = (status, Json(body)).into_response();
+        // Capacity comes back as runs end; a cordoned node serves again
+        // once it is uncordoned or restarted.
+        let retry = match self.code {
+            ErrorCode::Capacity => Some(RETRY_CAPACITY_SECS),
+            ErrorCode::Draining => Some(RETRY_DRAINING_SECS),
+            _ => None,
+        };
+        if let Some(secs) = retry {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, secs.into());
+        }
+        response
     }
 }

@@ -224,6 +224,40 @@ pub async fn warm_invalidate<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// `GET /v1/pools`.
+pub async fn list_pools<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Json<runbox_types::PoolList> {
+    Json(state.service.pools())
+}
+
+/// `PUT /v1/pools`: replaces the pool set; pools left out drain.
+pub async fn set_pools<S: RunService>(
+    State(state): State<AppState<S>>,
+    AppJson(set): AppJson<runbox_types::PoolSet>,
+) -> Result<Json<runbox_types::PoolList>, ApiError> {
+    Ok(Json(state.service.set_pools(set).await?))
+}
+
+/// `POST /v1/drain`: cordons the node.
+pub async fn drain<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Json<runbox_types::PoolList> {
+    Json(state.service.set_draining(true))
+}
+
+/// `DELETE /v1/drain`: uncordons it.
+pub async fn undrain<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Json<runbox_types::PoolList> {
+    Json(state.service.set_draining(false))
+}
+
+/// `GET /v1/info`.
+pub async fn info<S: RunService>(State(state): State<AppState<S>>) -> Json<runbox_types::Info> {
+    Json(state.service.info())
+}
+
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
 pub async fn acquire_lease<S: RunService>(
     State(state): State<AppState<S>>,

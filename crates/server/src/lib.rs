@@ -73,6 +73,15 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/warm", get(handlers::warm_status::<S>))
         .route("/v1/warmcache", get(handlers::warm_templates::<S>))
         .route(
+            "/v1/pools",
+            get(handlers::list_pools::<S>).put(handlers::set_pools::<S>),
+        )
+        .route(
+            "/v1/drain",
+            post(handlers::drain::<S>).delete(handlers::undrain::<S>),
+        )
+        .route("/v1/info", get(handlers::info::<S>))
+        .route(
             "/v1/warmcache/{owner}/{name}",
             get(handlers::warm_template::<S>).delete(handlers::warm_invalidate::<S>),
         )

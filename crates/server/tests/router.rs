@@ -57,6 +57,9 @@ fn run() -> Run {
         failure: None,
         disk_used_bytes: Some(4096),
         warm: None,
+        size: None,
+        labels: Default::default(),
+        pooled: false,
     }
 }
 
@@ -90,6 +93,8 @@ impl RunService for Stub {
             "unsupported" => Err(CoreError::Backend(BackendError::Unsupported(
                 "nft is not installed; install nftables".into(),
             ))),
+            "full" => Err(CoreError::Capacity(1)),
+            "cordoned" => Err(CoreError::Draining),
             _ => Ok(run()),
         }
     }
@@ -144,6 +149,46 @@ impl RunService for Stub {
     }
     async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
         self.warm_template(&repo).map(|_| ())
+    }
+    fn pools(&self) -> runbox_types::PoolList {
+        runbox_types::PoolList {
+            pools: Vec::new(),
+            draining: false,
+        }
+    }
+    async fn set_pools(
+        &self,
+        set: runbox_types::PoolSet,
+    ) -> Result<runbox_types::PoolList, CoreError> {
+        if set.pools.len() > 1 {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::BadPools,
+                "one pool at most here",
+            ));
+        }
+        Ok(self.pools())
+    }
+    fn set_draining(&self, draining: bool) -> runbox_types::PoolList {
+        runbox_types::PoolList {
+            pools: Vec::new(),
+            draining,
+        }
+    }
+    fn info(&self) -> runbox_types::Info {
+        runbox_types::Info {
+            server: "node".into(),
+            version: "0".into(),
+            runtime: "stub".into(),
+            capacity: runbox_types::Capacity {
+                max: 1,
+                live: 1,
+                creating: 0,
+                pooled: 0,
+            },
+            pools: Vec::new(),
+            draining: false,
+            storage: None,
+        }
     }
     async fn fork(
         &self,
@@ -351,6 +396,11 @@ async fn health_is_open_and_everything_else_needs_the_token() {
         ("GET", "/v1/warmcache".to_owned()),
         ("GET", "/v1/warmcache/acme/web".to_owned()),
         ("DELETE", "/v1/warmcache/acme/web".to_owned()),
+        ("GET", "/v1/pools".to_owned()),
+        ("PUT", "/v1/pools".to_owned()),
+        ("POST", "/v1/drain".to_owned()),
+        ("DELETE", "/v1/drain".to_owned()),
+        ("GET", "/v1/info".to_owned()),
     ];
     for (method, uri) in &routes {
         for auth in [
@@ -643,4 +693,34 @@ async fn answers_have_their_documented_status_and_shape() {
     assert_eq!(events, ["started", "stdout", "exit"], "{text}");
     assert!(text.contains("data: aGkK"), "{text}");
     assert!(text.contains(r#""reason":"exited""#), "{text}");
+}
+
+#[tokio::test]
+async fn capacity_and_draining_say_when_to_retry() {
+    for (image, status, wanted, retry) in [
+        ("full", 429, "capacity", "1"),
+        ("cordoned", 503, "draining", "30"),
+    ] {
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/runs")
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("content-type", "application/json")
+            .body(Body::from(format!(r#"{{"image":"{image}"}}"#)))
+            .unwrap();
+        let response = app().oneshot(req).await.unwrap();
+        assert_eq!(response.status().as_u16(), status);
+        assert_eq!(
+            response.headers().get("retry-after"),
+            Some(&HeaderValue::from_static(retry))
+        );
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&bytes).into_owned();
+        assert_eq!(code(&body), wanted, "{body}");
+        // Both messages say what to do, not "internal error".
+        assert!(
+            body.contains("--max-runs") || body.contains("drain"),
+            "{body}"
+        );
+    }
 }

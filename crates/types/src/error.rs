@@ -101,6 +101,10 @@ codes! {
     DiskLimitUnsupported = "disk_limit_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.
     WarmCacheDisabled = "warm_cache_disabled", 400;
+    /// A label key or value breaks the rules, or there are too many.
+    BadLabels = "bad_labels", 400;
+    /// A pool set breaks the rules (a duplicate pool, `warmMax` below `warm`, ...).
+    BadPools = "bad_pools", 400;
     /// A repository name is not `owner/name` with the allowed characters.
     BadRepo = "bad_repo", 400;
     /// No warm template for this repository.
@@ -153,8 +157,11 @@ codes! {
     NotLeased = "not_leased", 409;
     /// A body or file is larger than the server accepts.
     TooLarge = "too_large", 413;
-    /// The server is at its run capacity.
-    Capacity = "capacity", 503;
+    /// The server is at its run capacity (`--max-runs`); retry after the
+    /// `Retry-After` seconds.
+    Capacity = "capacity", 429;
+    /// The server is cordoned (`POST /v1/drain`) and takes no new runs.
+    Draining = "draining", 503;
     /// The sandbox's agent did not answer as it should.
     AgentUnavailable = "agent_unavailable", 502;
     /// A fault in runbox itself; the detail is in the server log.

@@ -31,7 +31,9 @@ impl fmt::Debug for Env {
 }
 
 /// What a run may reach on the network.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkTier {
     /// A private network namespace with loopback only.
@@ -52,6 +54,72 @@ impl NetworkTier {
             NetworkTier::Allowlist => "allowlist",
             NetworkTier::Open => "open",
         }
+    }
+}
+
+/// A size tier: fixed limits, the only sizes [warm pools](PoolSpec) take
+/// (free-form limits would split pools into too many to keep warm).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum SizeTier {
+    /// 1 CPU, 512 MiB, 256 processes, 10 GiB of disk.
+    #[serde(rename = "small")]
+    Small,
+    /// 2 CPUs, 1 GiB, 512 processes, 20 GiB of disk.
+    #[serde(rename = "medium")]
+    Medium,
+    /// 4 CPUs, 4 GiB, 1024 processes, 40 GiB of disk.
+    #[serde(rename = "large")]
+    Large,
+    /// 4 CPUs, 8 GiB, 2048 processes, 80 GiB of disk.
+    #[serde(rename = "xlarge")]
+    Xlarge,
+    /// 8 CPUs, 16 GiB, 4096 processes, 160 GiB of disk.
+    #[serde(rename = "2xlarge")]
+    TwoXlarge,
+}
+
+impl SizeTier {
+    /// Every tier, smallest first.
+    pub const ALL: [SizeTier; 5] = [
+        SizeTier::Small,
+        SizeTier::Medium,
+        SizeTier::Large,
+        SizeTier::Xlarge,
+        SizeTier::TwoXlarge,
+    ];
+
+    /// The tier's wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SizeTier::Small => "small",
+            SizeTier::Medium => "medium",
+            SizeTier::Large => "large",
+            SizeTier::Xlarge => "xlarge",
+            SizeTier::TwoXlarge => "2xlarge",
+        }
+    }
+
+    /// The tier's limits (its disk limit where the server has disk limits).
+    pub fn limits(self) -> Limits {
+        let (cpus, memory_mb, pids, disk_gb) = match self {
+            SizeTier::Small => (1.0, 512, 256, 10),
+            SizeTier::Medium => (2.0, 1024, 512, 20),
+            SizeTier::Large => (4.0, 4096, 1024, 40),
+            SizeTier::Xlarge => (4.0, 8192, 2048, 80),
+            SizeTier::TwoXlarge => (8.0, 16384, 4096, 160),
+        };
+        Limits {
+            cpus,
+            memory_mb,
+            pids,
+            disk_mb: Some(disk_gb * 1024),
+        }
+    }
+}
+
+impl fmt::Display for SizeTier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -121,6 +189,14 @@ pub struct CreateRunRequest {
     /// started from the repository's warm template when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<WarmRequest>,
+    /// A size tier instead of `limits`; a create with a tier whose image
+    /// and network match a warm pool is served from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<SizeTier>,
+    /// Labels shown on the run (at most 64; keys 1-63 characters of
+    /// letters, digits, `.`, `_`, `-` and `/`; values up to 256 characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
 }
 
 /// `warm` on `POST /v1/runs`.
@@ -323,6 +399,16 @@ pub struct Run {
     /// The run's warm volume, if it was created with one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warm: Option<RunWarm>,
+    /// The size tier it was created with, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<SizeTier>,
+    /// Its labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Whether the create was served by a warm pool (the run was made
+    /// ahead of time and handed out; everything per-create applied then).
+    #[serde(default)]
+    pub pooled: bool,
 }
 
 /// Egress accounting of one run.
@@ -683,6 +769,131 @@ pub struct ImageList {
     pub server: String,
     /// Images ordered by name.
     pub images: Vec<Image>,
+}
+
+/// One warm pool as configured: runs of `image` on `network` at `size`,
+/// kept ready so a create of the same three is served at once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolSpec {
+    /// A stored image's local name.
+    pub image: String,
+    /// The network tier (default `none`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<NetworkTier>,
+    /// The size tier (default `small`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<SizeTier>,
+    /// Runs kept ready (default 4 when neither this nor `warmMax` is given;
+    /// 0 keeps none until demand raises the target under a `warmMax`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm: Option<u32>,
+    /// The most the target rises to while claims come faster than runs are
+    /// made (default: no rise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_max: Option<u32>,
+    /// A command run in every member before it joins the pool (to touch
+    /// what a first command needs); a failure leaves the pool unfilled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<Vec<String>>,
+}
+
+/// `PUT /v1/pools`, and the pools file (`--pools`, `<state>/pools.json`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PoolSet {
+    /// Every pool; pools not listed are drained.
+    pub pools: Vec<PoolSpec>,
+}
+
+/// One pool as it is now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolStatus {
+    /// Its image.
+    pub image: String,
+    /// Its network tier.
+    pub network: NetworkTier,
+    /// Its size tier.
+    pub size: SizeTier,
+    /// The configured number of ready runs.
+    pub warm: u32,
+    /// The configured ceiling of the adaptive target, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warm_max: Option<u32>,
+    /// The warmup command, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<Vec<String>>,
+    /// The number of ready runs it aims for now (`warm`, or higher under
+    /// demand up to `warmMax`).
+    pub target: u32,
+    /// Runs ready to be handed out.
+    pub ready: u32,
+    /// Runs being made for it.
+    pub refilling: u32,
+    /// Creates it has served since the daemon started.
+    pub claims: u64,
+    /// Creates that matched it while it had no ready run (served cold).
+    pub misses: u64,
+    /// Why the last refill failed, if the last one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+}
+
+/// `GET /v1/pools`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolList {
+    /// Every pool, by image, network and size.
+    pub pools: Vec<PoolStatus>,
+    /// Whether the node is cordoned (pools drained, creates refused).
+    pub draining: bool,
+}
+
+/// Run counts of `GET /v1/info`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Capacity {
+    /// `--max-runs`.
+    pub max: usize,
+    /// Runs counted against it: running, failed, being created or torn
+    /// down (idle pool members excluded).
+    pub live: usize,
+    /// Of those, runs being created.
+    pub creating: usize,
+    /// Idle pool members, ready or being made.
+    pub pooled: usize,
+}
+
+/// Storage of `GET /v1/info`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageInfo {
+    /// Bytes in use on the run store's filesystem.
+    pub used_bytes: u64,
+    /// Its size in bytes.
+    pub total_bytes: u64,
+}
+
+/// `GET /v1/info`: what the node is and how full.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Info {
+    /// The node's id.
+    pub server: String,
+    /// The daemon's version.
+    pub version: String,
+    /// The isolation backend, e.g. `oci/crun`.
+    pub runtime: String,
+    /// Run counts.
+    pub capacity: Capacity,
+    /// The warm pools.
+    pub pools: Vec<PoolStatus>,
+    /// Whether the node is cordoned.
+    pub draining: bool,
+    /// The run store, where it can be measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<StorageInfo>,
 }
 
 /// `GET /health`.

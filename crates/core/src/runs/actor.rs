@@ -96,6 +96,19 @@ pub(crate) enum Command {
         reason: ExitReason,
         reply: Reply<()>,
     },
+    /// Hand an idle pool member out to a create: apply what the create
+    /// asked for and start serving it as the create's run.
+    Claim { claim: Box<Claim>, reply: Reply<()> },
+}
+
+/// What a create applies to the pool member it is served with.
+#[derive(Clone)]
+pub(crate) struct Claim {
+    pub env: runbox_types::Env,
+    pub ttl: Duration,
+    pub egress: crate::egress::RunEgressRequest,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub idempotency: Option<crate::store::Idempotency>,
 }
 
 /// The shared side of a run: what handlers and the registry hold.
@@ -111,6 +124,13 @@ pub(crate) struct RunHandle {
     pub end_reason: OnceLock<ExitReason>,
     /// The egress proxy's counters, once it serves (`allowlist` runs).
     pub egress: OnceLock<Arc<dyn crate::egress::EgressMeter>>,
+    /// An idle pool member: hidden from the API, not counted against
+    /// `--max-runs`. Cleared, under the registry lock, when a create takes
+    /// it, before its owner has applied the claim.
+    pub idle: std::sync::atomic::AtomicBool,
+    /// The idempotency key of the create that took this member, set with
+    /// `idle` cleared, so a repeat of that create finds the run at once.
+    pub claim_key: OnceLock<crate::store::Idempotency>,
 }
 
 impl RunHandle {
@@ -129,6 +149,24 @@ impl RunHandle {
             .map(|snapshot| snapshot.clone());
         // The owner ended: whatever it last published.
         settled.unwrap_or_else(|_| self.snapshot())
+    }
+
+    /// Whether this is an idle pool member.
+    pub fn is_idle(&self) -> bool {
+        self.idle.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Waits until a claimed member's owner has applied the claim (or the
+    /// run ended); at once for other runs.
+    pub async fn claimed(&self) -> Snapshot {
+        let mut state = self.state.clone();
+        let done = state
+            .wait_for(|s| {
+                !s.record.is_idle_member() || !matches!(s.phase, super::phase::Phase::Running)
+            })
+            .await
+            .map(|snapshot| snapshot.clone());
+        done.unwrap_or_else(|_| self.snapshot())
     }
 
     /// Sends a command and waits for its answer. A run whose owner has
@@ -206,6 +244,8 @@ impl RunActor {
             ended: CancellationToken::new(),
             end_reason: OnceLock::new(),
             egress: OnceLock::new(),
+            idle: std::sync::atomic::AtomicBool::new(record.is_idle_member()),
+            claim_key: OnceLock::new(),
         });
         RunActor {
             manager,
@@ -386,7 +426,10 @@ impl RunActor {
         if let Some(e) = gone(reply) {
             return Err(e);
         }
-        manager.start_egress(&self.handle, &self.record).await?;
+        // An idle pool member's proxy starts with the create it serves.
+        if !self.record.is_idle_member() {
+            manager.start_egress(&self.handle, &self.record).await?;
+        }
         let _ = self.handle.agent.set(agent);
         self.apply(Event::Started);
         self.watch().await;
@@ -494,7 +537,39 @@ impl RunActor {
                 self.stop(reason);
                 self.stop_waiters.push(reply);
             }
+            Command::Claim { claim, reply } => {
+                let answer = match &self.phase {
+                    Phase::Running if self.record.is_idle_member() => self.claim(*claim, now).await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
         }
+    }
+
+    /// Applies a claim: the create's environment, TTL, egress and labels,
+    /// then the egress proxy (whose listener the member could not have
+    /// served before). Stored without waiting for the disk: a claim is on
+    /// the start path, and after a crash reconcile destroys every member
+    /// whose record says idle rather than hand it out again.
+    async fn claim(&mut self, claim: Claim, now: OffsetDateTime) -> Result<(), CoreError> {
+        let mut record = self.record.clone();
+        record.env = claim.env;
+        record.created_at = now;
+        record.expires_at = now + claim.ttl;
+        record.egress = claim.egress;
+        record.labels = claim.labels;
+        record.idempotency = claim.idempotency;
+        if let Some(member) = &mut record.pool {
+            member.claimed = true;
+        }
+        self.manager
+            .store
+            .put_async_with(record.clone(), Durability::None)
+            .await?;
+        self.record = record;
+        self.publish();
+        self.manager.start_egress(&self.handle, &self.record).await
     }
 
     /// Why a run in `phase` refuses an exec, a write or a lease change.
@@ -565,7 +640,8 @@ impl RunActor {
         let mut attempt = 0u32;
         loop {
             let result = {
-                let _permit = self.manager.teardown_budget.acquire().await;
+                let _gate = self.manager.teardown_gate.acquire().await;
+                let _permit = self.manager.budget.acquire().await;
                 self.manager.backend.destroy(id).await
             };
             match result {
@@ -614,6 +690,7 @@ impl RunActor {
                         Some(Command::Renew { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Lease { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Stop { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Claim { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }

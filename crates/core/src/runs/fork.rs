@@ -49,7 +49,7 @@ impl Manager {
         let (_, snapshot) = self.running(id)?;
         let parent = (*snapshot.record).clone();
         let count = req.count;
-        if self.registry().len() + count > self.config.max_runs {
+        if self.capacity_used() + count > self.config.max_runs {
             return Err(CoreError::Capacity(self.config.max_runs));
         }
         let manager = self.clone();
@@ -64,6 +64,13 @@ impl Manager {
         count: usize,
         ttl: std::time::Duration,
     ) -> Result<ForkResponse, CoreError> {
+        // Forks share the background budget with refills and teardowns.
+        let share = count.min(self.config_budget()) as u32;
+        let _budget = self
+            .budget
+            .acquire_many(share)
+            .await
+            .map_err(|_| CoreError::Store("the background budget is closed".into()))?;
         let capture = self.capture(parent.id, "forked").await?;
         let seed = capture
             .upper
@@ -94,7 +101,7 @@ impl Manager {
         let mut answers = Vec::with_capacity(count);
         {
             let mut registry = self.registry();
-            if registry.len() + count > self.config.max_runs {
+            if super::counted(&registry) + count > self.config.max_runs {
                 return Err(CoreError::Capacity(self.config.max_runs));
             }
             let now = OffsetDateTime::now_utc();
@@ -110,6 +117,7 @@ impl Manager {
                     lease: Default::default(),
                     idempotency: None,
                     failure: None,
+                    pool: None,
                     ..parent.clone()
                 };
                 let spec = SandboxSpec {

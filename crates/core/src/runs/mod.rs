@@ -23,6 +23,7 @@
 pub mod actor;
 mod fork;
 pub mod phase;
+mod pool;
 pub mod reaper;
 mod reconcile;
 pub mod relay;
@@ -74,8 +75,19 @@ pub struct Manager {
     /// Serialises "image is in use" checks with run creation. Async: the
     /// image lookups it covers run on blocking threads.
     pub(crate) image_lock: tokio::sync::Mutex<()>,
-    /// Teardowns calling the backend at once (see [`reaper`]).
-    pub(crate) teardown_budget: Semaphore,
+    /// The one budget of backend work in the background: refills, forks
+    /// and teardowns (see [`reaper`]).
+    pub(crate) budget: Arc<Semaphore>,
+    /// What teardowns may take of `budget`: all but its last quarter, so a
+    /// mass expiry cannot stop refills.
+    pub(crate) teardown_gate: Semaphore,
+    /// The warm pools' bookkeeping (see [`crate::pools`]); only taken
+    /// after the registry lock, never before it.
+    pub(crate) pools: Mutex<crate::pools::Pools>,
+    /// Wakes the pool controller (a claim, a refill done, a new set).
+    pub(crate) pool_wake: Arc<tokio::sync::Notify>,
+    /// The size of `budget`.
+    pub(crate) budget_size: usize,
     /// The warm repo cache, when it is on.
     pub(crate) warm: Option<Arc<crate::warm::WarmCache>>,
 }
@@ -90,6 +102,10 @@ impl Manager {
         images: ImageStore,
     ) -> Result<Arc<Manager>, CoreError> {
         let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let budget = match config.refill_concurrency {
+            0 => reaper::budget_for(cpus),
+            n => n,
+        };
         let warm = match config.warm_cache.clone() {
             Some(c) => Some(Arc::new(
                 tokio::task::spawn_blocking(move || {
@@ -100,6 +116,7 @@ impl Manager {
             )),
             None => None,
         };
+        let decay = config.pool_decay;
         let manager = Arc::new(Manager {
             config,
             backend,
@@ -107,12 +124,17 @@ impl Manager {
             images,
             registry: Mutex::new(HashMap::new()),
             image_lock: tokio::sync::Mutex::new(()),
-            teardown_budget: Semaphore::new(reaper::teardown_concurrency(cpus)),
+            budget: Arc::new(Semaphore::new(budget)),
+            teardown_gate: Semaphore::new(reaper::teardown_share(budget)),
+            pools: Mutex::new(crate::pools::Pools::new(decay)),
+            pool_wake: Arc::new(tokio::sync::Notify::new()),
+            budget_size: budget,
             warm,
         });
         manager.reconcile().await?;
         // After reconcile: the runs it re-adopted hold their generations.
         manager.spawn_warm_tick();
+        manager.start_pools()?;
         // Layers nothing references any more: a snapshot or import a crash
         // cut short after its layer was stored, before its image record.
         manager.collect_garbage().await?;
@@ -135,7 +157,9 @@ impl Manager {
 
     /// Removes a destroyed run from the registry; called by its owner last.
     fn forget(&self, id: Ulid) {
-        self.registry().remove(&id);
+        let registry = &mut self.registry();
+        registry.remove(&id);
+        lock(&self.pools).remove(id);
     }
 
     /// Creates a run and waits until its agent answers.
@@ -195,9 +219,15 @@ impl Manager {
             }),
             None => None,
         };
+        if lock(&self.pools).draining() {
+            return Err(CoreError::Draining);
+        }
         let env = req.env.unwrap_or_default();
         validate::env(&env)?;
-        let limits = validate::limits(
+        let labels = req.labels.clone().unwrap_or_default();
+        validate::labels(&labels)?;
+        let limits = validate::create_limits(
+            req.size,
             req.limits.as_ref(),
             &self.config.default_limits,
             &self.config.max_limits,
@@ -232,6 +262,24 @@ impl Manager {
         let image = self
             .image_for_run(&req.image, req.pull.unwrap_or_default())
             .await?;
+        // A tier, no free-form limits and no warm volume: a pool may serve it.
+        if let (Some(size), None) = (req.size, &warm) {
+            let key = crate::pools::PoolKey {
+                image: image.clone(),
+                network,
+                size,
+            };
+            let claim = actor::Claim {
+                env: env.clone(),
+                ttl,
+                egress: egress.clone(),
+                labels: labels.clone(),
+                idempotency: idempotency.clone(),
+            };
+            if let Some(served) = self.claim_from_pool(&key, claim).await? {
+                return Ok(served);
+            }
+        }
         // Holding the image lock until the run is in the registry means a
         // concurrent image delete either sees this run or runs first.
         let image_guard = self.image_lock.lock().await;
@@ -270,6 +318,9 @@ impl Manager {
             idempotency: idempotency.clone(),
             failure: None,
             warm,
+            size: req.size,
+            labels,
+            pool: None,
         };
         let spec = SandboxSpec {
             id,
@@ -297,7 +348,7 @@ impl Manager {
             {
                 Some(earlier) => Err(earlier),
                 None => {
-                    if registry.len() >= self.config.max_runs {
+                    if counted(&registry) >= self.config.max_runs {
                         return Err(CoreError::Capacity(self.config.max_runs));
                     }
                     Ok(self.spawn_creating(&mut registry, record, spec))
@@ -373,7 +424,9 @@ impl Manager {
 
     /// The answer to a repeated create: the earlier run once it is made.
     async fn answer_repeat(&self, earlier: Arc<RunHandle>) -> Result<Run, CoreError> {
-        let snapshot = earlier.settled().await;
+        earlier.settled().await;
+        // A pool member taken by the earlier create: once it is applied.
+        let snapshot = earlier.claimed().await;
         match snapshot.phase {
             Phase::Running | Phase::Failed(_) => Ok(self.view(&earlier)),
             // The earlier create failed or its run is being deleted.
@@ -388,9 +441,10 @@ impl Manager {
     }
 
     /// Capacity in use: every run in the registry, in any phase but gone
-    /// (runs still being created or torn down included).
+    /// (runs still being created or torn down included), idle pool members
+    /// excepted.
     pub fn capacity_used(&self) -> usize {
-        self.registry().len()
+        counted(&self.registry())
     }
 
     /// Every run the API shows, ordered by id.
@@ -398,7 +452,7 @@ impl Manager {
         let handles: Vec<Arc<RunHandle>> = self.registry().values().cloned().collect();
         let mut runs: Vec<Run> = handles
             .iter()
-            .filter(|h| h.snapshot().phase.visible())
+            .filter(|h| !h.is_idle() && h.snapshot().phase.visible())
             .map(|h| self.view(h))
             .collect();
         runs.sort_by_key(|r| r.id);
@@ -458,7 +512,7 @@ impl Manager {
             .get(&id)
             .cloned()
             .ok_or(CoreError::RunNotFound(id))?;
-        if !handle.snapshot().phase.visible() {
+        if handle.is_idle() || !handle.snapshot().phase.visible() {
             return Err(CoreError::RunNotFound(id));
         }
         Ok(handle)
@@ -502,9 +556,11 @@ impl Manager {
     }
 
     pub(crate) fn image_in_use(&self, name: &str) -> bool {
+        // Idle pool members do not hold their image: once it is gone, the
+        // pool controller replaces them (their layers stay until then).
         self.registry()
             .values()
-            .any(|h| h.snapshot().record.image == name)
+            .any(|h| !h.is_idle() && h.snapshot().record.image == name)
     }
 
     /// Grants the run's writable lease to `req.owner` (see [`crate::lease`]).
@@ -554,13 +610,24 @@ impl Manager {
 
 /// The live run in `registry` created with `wanted`'s key: `Ok(None)` when
 /// there is none, a conflict when the key came with another request.
+/// The runs counted against `--max-runs`: all but idle pool members.
+fn counted(registry: &HashMap<Ulid, Arc<RunHandle>>) -> usize {
+    registry.values().filter(|h| !h.is_idle()).count()
+}
+
 fn find_by_key(
     registry: &HashMap<Ulid, Arc<RunHandle>>,
     wanted: &Idempotency,
 ) -> Result<Option<Arc<RunHandle>>, CoreError> {
     for handle in registry.values() {
         let snapshot = handle.snapshot();
-        let Some(earlier) = &snapshot.record.idempotency else {
+        // A member a create has taken answers for its key at once.
+        let Some(earlier) = snapshot
+            .record
+            .idempotency
+            .as_ref()
+            .or(handle.claim_key.get())
+        else {
             continue;
         };
         // A run being removed no longer answers for its key.

@@ -6,10 +6,12 @@
 //! owner follows:
 //!
 //! * [`deadline`]: a stored wall-clock expiry as a timer deadline;
-//! * a shared teardown budget (a semaphore of [`teardown_concurrency`]
-//!   permits, held across each `Backend::destroy` call), so a mass expiry
-//!   or a start-up full of dead runs tears down many at once but never
-//!   floods the runtime, and one slow runtime call holds one permit only;
+//! * a shared background budget (a semaphore of [`budget_for`] permits, or
+//!   `--refill-concurrency`), held across each `Backend::destroy` call and
+//!   shared with pool refills and forks, so a mass expiry or a start-up
+//!   full of dead runs tears down many at once but never floods the
+//!   runtime; teardowns may hold only [`teardown_share`] of it, so refills
+//!   always keep a slot;
 //! * [`backoff`]: how long a run whose destruction failed waits before the
 //!   next attempt. It keeps its record (status `stopping`, the error in
 //!   `failure`) and its capacity slot until an attempt succeeds, and every
@@ -25,11 +27,17 @@ const FIRST_RETRY: Duration = Duration::from_millis(500);
 /// The longest delay between teardown attempts.
 const MAX_RETRY: Duration = Duration::from_secs(60);
 
-/// How many teardowns may call the backend at once on a host with `cpus`
-/// processors: two per processor, at least four. Teardown is mostly waiting
-/// on the runtime and the kernel, not computing.
-pub fn teardown_concurrency(cpus: usize) -> usize {
-    (cpus * 2).max(4)
+/// The background budget (`--refill-concurrency 0`) on a host with `cpus`
+/// processors: two thirds of them, at least 4 and at most 256. Refills,
+/// forks and teardowns are mostly waiting on the runtime and the kernel.
+pub fn budget_for(cpus: usize) -> usize {
+    (cpus * 2 / 3).clamp(4, 256)
+}
+
+/// What teardowns may take of a budget of `budget`: all but its last
+/// quarter (at least one slot), so refills always get some.
+pub fn teardown_share(budget: usize) -> usize {
+    budget.saturating_sub((budget / 4).max(1)).max(1)
 }
 
 /// The timer deadline for a run that expires at `expires_at`; already
@@ -72,8 +80,12 @@ mod tests {
     }
 
     #[test]
-    fn the_budget_is_never_tiny() {
-        assert_eq!(teardown_concurrency(1), 4);
-        assert_eq!(teardown_concurrency(8), 16);
+    fn the_budget_is_never_tiny_and_teardowns_leave_a_share() {
+        assert_eq!(budget_for(1), 4);
+        assert_eq!(budget_for(12), 8);
+        assert_eq!(budget_for(1000), 256);
+        assert_eq!(teardown_share(4), 3);
+        assert_eq!(teardown_share(16), 12);
+        assert_eq!(teardown_share(1), 1);
     }
 }

@@ -119,6 +119,12 @@ impl Manager {
         if record.expires_at <= OffsetDateTime::now_utc() {
             return Adopted::Doomed(ExitReason::RunExpired);
         }
+        // A claim is stored without waiting for the disk, so a member whose
+        // record says idle may have been handed out just before the crash:
+        // it is destroyed, never handed out a second time. Pools refill.
+        if record.is_idle_member() {
+            return Adopted::Doomed(ExitReason::RunDeleted);
+        }
         match record.status {
             RunStatus::Failed => return Adopted::Failed,
             RunStatus::Running => {}

@@ -75,7 +75,17 @@ impl Manager {
         id: Ulid,
         credential: Option<(String, u64)>,
     ) -> Result<(Arc<RunHandle>, InFlight, AgentClient), CoreError> {
-        let handle = self.handle(id)?;
+        self.admit_handle(self.handle(id)?, credential).await
+    }
+
+    /// [`Manager::admit`] of a run already looked up (an idle pool member
+    /// being warmed up, which the API cannot name).
+    async fn admit_handle(
+        &self,
+        handle: Arc<RunHandle>,
+        credential: Option<(String, u64)>,
+    ) -> Result<(Arc<RunHandle>, InFlight, AgentClient), CoreError> {
+        let id = handle.id;
         handle
             .ask(|reply| Command::Begin { credential, reply })
             .await?;
@@ -109,6 +119,15 @@ impl Manager {
         id: Ulid,
         req: ExecRequest,
     ) -> Result<impl Stream<Item = ExecEvent> + Send + 'static, CoreError> {
+        self.exec_handle(self.handle(id)?, req).await
+    }
+
+    /// [`Manager::exec`] in a run already looked up.
+    pub(crate) async fn exec_handle(
+        &self,
+        target: Arc<RunHandle>,
+        req: ExecRequest,
+    ) -> Result<impl Stream<Item = ExecEvent> + Send + 'static, CoreError> {
         if !req.cmd.is_empty() {
             validate::command(&req.cmd)?;
         }
@@ -137,7 +156,7 @@ impl Manager {
             None => None,
         };
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
-        let (handle, in_flight, mut agent) = self.admit(id, credential).await?;
+        let (handle, in_flight, mut agent) = self.admit_handle(target, credential).await?;
         let record = handle.snapshot().record;
         let image = &record.image_config;
         // An exec without a command runs the image's Entrypoint + Cmd.

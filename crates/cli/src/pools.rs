@@ -1,0 +1,163 @@
+//! `runbox pools`, `runbox info` and `runbox drain`: the node's warm pools,
+//! its capacity, and cordoning it.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+
+use crate::connect::ConnectOpts;
+use crate::table;
+
+/// `runbox pools ...`.
+#[derive(Debug, Subcommand)]
+pub enum PoolsCommand {
+    /// Show each pool: target, ready members, refills, last error
+    Ls(ShowArgs),
+    /// Replace the pool set with a file's ({"pools": [...]}); pools left
+    /// out drain
+    Set(SetArgs),
+}
+
+/// `runbox pools ls` and `runbox info`.
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    /// Print the answer as JSON
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox pools set`.
+#[derive(Debug, Args)]
+pub struct SetArgs {
+    /// The pool set, as JSON; `-` reads standard input
+    pub file: PathBuf,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox drain`.
+#[derive(Debug, Args)]
+pub struct DrainArgs {
+    /// Uncordon instead: take new runs again and refill the pools
+    #[arg(long)]
+    pub off: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+fn pool_rows(pools: &[runbox_types::PoolStatus]) -> String {
+    let rows: Vec<Vec<String>> = pools
+        .iter()
+        .map(|p| {
+            vec![
+                p.image.clone(),
+                p.network.as_str().to_owned(),
+                p.size.to_string(),
+                match p.warm_max {
+                    Some(max) => format!("{}/{}..{max}", p.target, p.warm),
+                    None => p.target.to_string(),
+                },
+                p.ready.to_string(),
+                p.refilling.to_string(),
+                format!("{}/{}", p.claims, p.misses),
+                p.last_error.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    table::render(
+        &[
+            "IMAGE",
+            "NETWORK",
+            "SIZE",
+            "TARGET",
+            "READY",
+            "REFILLING",
+            "SERVED/COLD",
+            "LAST ERROR",
+        ],
+        &rows,
+    )
+}
+
+/// Runs one `runbox pools` subcommand.
+pub async fn run(command: PoolsCommand) -> anyhow::Result<ExitCode> {
+    let (list, json) = match command {
+        PoolsCommand::Ls(args) => {
+            let conn = args.conn.connect()?;
+            (conn.check(conn.client.pools().await)?, args.json)
+        }
+        PoolsCommand::Set(args) => {
+            let text = if args.file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin()).context("reading standard input")?
+            } else {
+                std::fs::read_to_string(&args.file)
+                    .with_context(|| format!("reading {}", args.file.display()))?
+            };
+            let set: runbox_types::PoolSet = serde_json::from_str(&text)
+                .with_context(|| format!("{} is not a pool set", args.file.display()))?;
+            let conn = args.conn.connect()?;
+            (conn.check(conn.client.set_pools(&set).await)?, false)
+        }
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else {
+        print!("{}", pool_rows(&list.pools));
+        if list.draining {
+            println!("draining: the node takes no new runs (runbox drain --off)");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox info`.
+pub async fn info(args: ShowArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let info = conn.check(conn.client.info().await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&info)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "server   {} (runbox {}, {})",
+        info.server, info.version, info.runtime
+    );
+    let c = info.capacity;
+    println!(
+        "runs     {} of {} ({} being created), {} idle in pools",
+        c.live, c.max, c.creating, c.pooled
+    );
+    if let Some(s) = info.storage {
+        println!(
+            "storage  {} of {} used",
+            table::size(s.used_bytes),
+            table::size(s.total_bytes)
+        );
+    }
+    if info.draining {
+        println!("draining: the node takes no new runs");
+    }
+    if !info.pools.is_empty() {
+        print!("{}", pool_rows(&info.pools));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox drain`.
+pub async fn drain(args: DrainArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let list = conn.check(conn.client.set_draining(!args.off).await)?;
+    println!(
+        "{}",
+        if list.draining {
+            "draining: new runs are refused and the pools are emptied"
+        } else {
+            "serving: new runs are taken and the pools refill"
+        }
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,508 @@
+//! The warm pools' half of the manager: making members, warming them up,
+//! handing them out at create time, replacing stale ones, the pool set and
+//! the node's drain switch. The bookkeeping is [`crate::pools`].
+//!
+//! A member is an ordinary run with its own owner, made in the background
+//! under the shared budget, with its record marked as an idle member of
+//! its pool: hidden from the API and not counted against `--max-runs`. A
+//! create whose image, network and size tier match a pool takes a ready
+//! member under the registry lock (the capacity check and the idempotency
+//! key lookup are the same step as for a cold create) and its owner
+//! applies the create's environment, TTL, egress entries, secrets and
+//! labels; from then on it is the create's run and never returns to a pool.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use runbox_types::{
+    Env, ErrorCode, ExecRequest, ExitReason, Info, NetworkTier, PoolList, PoolSet, Run, RunStatus,
+};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+use super::actor::{Claim, Command, RunHandle};
+use super::phase::Phase;
+use super::{counted, error_chain, find_by_key, lock, Manager};
+use crate::backend::SandboxSpec;
+use crate::error::CoreError;
+use crate::pools::{Membership, PoolConfig, PoolKey};
+use crate::store::RunRecord;
+use crate::validate;
+
+/// How often the controller looks at the pools without being woken.
+const TICK: Duration = Duration::from_secs(1);
+
+/// How often it checks that members still run their image's current
+/// layers (a re-import or re-pull replaces them).
+const FRESHNESS: Duration = Duration::from_secs(5);
+
+/// How long a warmup command may run.
+const WARMUP_TIMEOUT_SECS: u64 = 120;
+
+/// The most of a refill error kept for `GET /v1/pools`.
+const MAX_ERROR: usize = 1024;
+
+/// What a create found when it looked for a pool member.
+enum Taken {
+    /// An earlier create with the same idempotency key.
+    Repeat(Arc<RunHandle>),
+    /// A member, no longer idle.
+    Member(Arc<RunHandle>),
+    /// The pool has no ready member.
+    Empty,
+}
+
+impl Manager {
+    /// Checks a pool set against this server: image names, networks it can
+    /// give, tiers within its maxima.
+    fn check_pools(&self, set: &PoolSet) -> Result<Vec<PoolConfig>, CoreError> {
+        crate::pools::configs(set, |key| {
+            validate::image_name(&key.image).map_err(|e| e.to_string())?;
+            self.backend.check_network(key.network).map_err(|why| {
+                format!(
+                    "network {} is not available here: {why}",
+                    key.network.as_str()
+                )
+            })?;
+            if key.network == NetworkTier::Allowlist && self.config.egress.is_none() {
+                return Err("network allowlist needs the egress proxy, which is off".into());
+            }
+            validate::create_limits(
+                Some(key.size),
+                None,
+                &self.config.default_limits,
+                &self.config.max_limits,
+            )
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        })
+        .map_err(|message| CoreError::invalid(ErrorCode::BadPools, message))
+    }
+
+    /// Applies the configured pools and starts the controller.
+    pub(crate) fn start_pools(self: &Arc<Self>) -> Result<(), CoreError> {
+        let configs = self.check_pools(&self.config.pools)?;
+        if !configs.is_empty() {
+            tracing::info!(pools = configs.len(), "warm pools configured");
+        }
+        lock(&self.pools).set(configs);
+        self.spawn_pool_controller();
+        Ok(())
+    }
+
+    /// The background budget's size.
+    pub(crate) fn config_budget(&self) -> usize {
+        self.budget_size
+    }
+
+    /// Serves a create from pool `key` if it has a ready member: None when
+    /// there is no such pool or it is empty (the caller creates cold).
+    pub(crate) async fn claim_from_pool(
+        self: &Arc<Self>,
+        key: &PoolKey,
+        claim: Claim,
+    ) -> Result<Option<Run>, CoreError> {
+        loop {
+            let taken = {
+                let registry = self.registry();
+                let earlier = claim
+                    .idempotency
+                    .as_ref()
+                    .map(|wanted| find_by_key(&registry, wanted))
+                    .transpose()?
+                    .flatten();
+                match earlier {
+                    Some(earlier) => Taken::Repeat(earlier),
+                    None => {
+                        let mut pools = lock(&self.pools);
+                        if !pools.has(key) {
+                            return Ok(None);
+                        }
+                        if counted(&registry) >= self.config.max_runs {
+                            return Err(CoreError::Capacity(self.config.max_runs));
+                        }
+                        let mut taken = Taken::Empty;
+                        while let Some(id) = pools.take(key, Instant::now()) {
+                            let Some(handle) = registry.get(&id) else {
+                                continue;
+                            };
+                            if !handle.is_idle()
+                                || !matches!(handle.snapshot().phase, Phase::Running)
+                            {
+                                continue;
+                            }
+                            handle
+                                .idle
+                                .store(false, std::sync::atomic::Ordering::Release);
+                            if let Some(wanted) = &claim.idempotency {
+                                let _ = handle.claim_key.set(wanted.clone());
+                            }
+                            taken = Taken::Member(handle.clone());
+                            break;
+                        }
+                        taken
+                    }
+                }
+            };
+            self.pool_wake.notify_one();
+            let member = match taken {
+                Taken::Repeat(earlier) => return self.answer_repeat(earlier).await.map(Some),
+                Taken::Empty => return Ok(None),
+                Taken::Member(member) => member,
+            };
+            let asked = member
+                .ask(|reply| Command::Claim {
+                    claim: Box::new(claim.clone()),
+                    reply,
+                })
+                .await;
+            match asked {
+                Ok(()) => {
+                    tracing::info!(run = %member.id, pool = %key, "run served from a warm pool");
+                    return Ok(Some(self.view(&member)));
+                }
+                Err(e) => {
+                    // It died or could not start serving: it goes, and the
+                    // next member (or a cold create) serves this create.
+                    tracing::warn!(run = %member.id, pool = %key, error = %error_chain(&e), "a pool member could not be handed out");
+                    lock(&self.pools).unclaimed(key);
+                    self.stop_member(member.id);
+                }
+            }
+        }
+    }
+
+    /// Makes one member of pool `config` and warms it up; its id once it
+    /// is ready to join.
+    async fn make_member(self: &Arc<Self>, config: &PoolConfig) -> Result<Ulid, CoreError> {
+        let key = &config.key;
+        let limits = validate::create_limits(
+            Some(key.size),
+            None,
+            &self.config.default_limits,
+            &self.config.max_limits,
+        )?;
+        if limits.disk_mb.is_some() {
+            if let Err(why) = self.backend.check_disk() {
+                return Err(CoreError::invalid(
+                    ErrorCode::DiskLimitUnsupported,
+                    format!("this server cannot limit a run's disk: {why}"),
+                ));
+            }
+        }
+        let image_guard = self.image_lock.lock().await;
+        let (layers, image_layers, image_config) = {
+            let images = self.images.clone();
+            let name = key.image.clone();
+            tokio::task::spawn_blocking(move || images.for_run(&name))
+                .await
+                .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??
+        };
+        let id = Ulid::new();
+        let now = OffsetDateTime::now_utc();
+        let record = RunRecord {
+            id,
+            image: key.image.clone(),
+            network: key.network,
+            limits,
+            env: Env::default(),
+            created_at: now,
+            // Idle members live until claimed; a day-old one is remade.
+            expires_at: now + self.config.max_ttl,
+            status: RunStatus::Creating,
+            runtime: String::new(),
+            agent_socket: Default::default(),
+            image_config,
+            layers,
+            lease: Default::default(),
+            egress: Default::default(),
+            idempotency: None,
+            failure: None,
+            warm: None,
+            size: Some(key.size),
+            labels: Default::default(),
+            pool: Some(Membership {
+                key: key.clone(),
+                claimed: false,
+            }),
+        };
+        let spec = SandboxSpec {
+            id,
+            image_layers,
+            limits,
+            network: key.network,
+            // Any claim of an allowlist member may bring secrets, so every
+            // one trusts the interception CA (unused without them).
+            trust_pem: match (&self.config.egress, key.network) {
+                (Some(config), NetworkTier::Allowlist) => Some(config.ca_pem()),
+                _ => None,
+            },
+            seed: None,
+            warm: None,
+        };
+        let (answer, delivered) = {
+            let mut registry = self.registry();
+            self.spawn_creating(&mut registry, record, spec)
+        };
+        drop(image_guard);
+        let made = answer
+            .await
+            .map_err(|_| CoreError::Agent("the member's owner ended without an answer".into()));
+        let _ = delivered.send(());
+        made??;
+        if let Some(argv) = &config.warmup {
+            if let Err(e) = self.warm_up(id, argv).await {
+                self.stop_member(id);
+                return Err(e);
+            }
+        }
+        Ok(id)
+    }
+
+    /// Runs the pool's warmup command in member `id`; an error unless it
+    /// exits 0 within [`WARMUP_TIMEOUT_SECS`].
+    async fn warm_up(&self, id: Ulid, argv: &[String]) -> Result<(), CoreError> {
+        let handle = self
+            .registry()
+            .get(&id)
+            .cloned()
+            .ok_or(CoreError::RunNotFound(id))?;
+        let req = ExecRequest {
+            cmd: argv.to_vec(),
+            timeout_sec: Some(WARMUP_TIMEOUT_SECS),
+            ..Default::default()
+        };
+        let mut events = Box::pin(self.exec_handle(handle, req).await?);
+        let mut stderr = Vec::new();
+        while let Some(event) = events.next().await {
+            match event {
+                super::ExecEvent::Stderr(chunk) => {
+                    stderr.extend_from_slice(&chunk);
+                    if stderr.len() > MAX_ERROR {
+                        stderr.drain(..stderr.len() - MAX_ERROR);
+                    }
+                }
+                super::ExecEvent::Exit(exit) if exit.exit_code == 0 => return Ok(()),
+                super::ExecEvent::Exit(exit) => {
+                    return Err(CoreError::Agent(format!(
+                        "warmup {argv:?} exited with {} ({:?}): {}",
+                        exit.exit_code,
+                        exit.reason,
+                        String::from_utf8_lossy(&stderr).trim()
+                    )))
+                }
+                _ => {}
+            }
+        }
+        Err(CoreError::Agent(format!(
+            "warmup {argv:?} ended without an exit status"
+        )))
+    }
+
+    /// Destroys an idle member in the background.
+    fn stop_member(self: &Arc<Self>, id: Ulid) {
+        let Some(handle) = self.registry().get(&id).cloned() else {
+            return;
+        };
+        tokio::spawn(async move {
+            let _ = handle
+                .ask(|reply| Command::Stop {
+                    reason: ExitReason::RunDeleted,
+                    reply,
+                })
+                .await;
+        });
+    }
+
+    /// Makes one member for `config` under the budget and reports back.
+    async fn refill(self: Arc<Self>, config: PoolConfig) {
+        let started = Instant::now();
+        let made = match self.budget.clone().acquire_owned().await {
+            Ok(_permit) => self.make_member(&config).await,
+            Err(_) => Err(CoreError::Store("the background budget is closed".into())),
+        };
+        match made {
+            Ok(id) => {
+                let surplus = lock(&self.pools).ready(&config.key, id, started.elapsed());
+                if surplus {
+                    self.stop_member(id);
+                } else {
+                    tracing::debug!(run = %id, pool = %config.key, elapsed_ms = started.elapsed().as_millis() as u64, "pool member ready");
+                }
+            }
+            Err(e) => {
+                let mut why = error_chain(&e);
+                if why.len() > MAX_ERROR {
+                    let mut cut = MAX_ERROR;
+                    while !why.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    why.truncate(cut);
+                }
+                tracing::warn!(pool = %config.key, error = %why, "refilling a warm pool failed");
+                lock(&self.pools).failed(&config.key, why, Instant::now());
+            }
+        }
+        self.pool_wake.notify_one();
+    }
+
+    /// Takes out of the pools, and destroys, ready members that no longer
+    /// run their image's current layers, whose image is gone, or that are
+    /// not running any more.
+    async fn replace_stale_members(self: &Arc<Self>) {
+        let configs = lock(&self.pools).configs();
+        for config in configs {
+            let images = self.images.clone();
+            let name = config.key.image.clone();
+            let current = tokio::task::spawn_blocking(move || images.for_run(&name))
+                .await
+                .ok()
+                .and_then(|found| found.ok())
+                .map(|(layers, _, _)| layers);
+            let stale: Vec<Ulid> = {
+                let registry = self.registry();
+                lock(&self.pools)
+                    .ready_members(&config.key)
+                    .into_iter()
+                    .filter(|id| match registry.get(id) {
+                        Some(h) => {
+                            let snapshot = h.snapshot();
+                            !matches!(snapshot.phase, Phase::Running)
+                                || current.as_ref() != Some(&snapshot.record.layers)
+                        }
+                        None => true,
+                    })
+                    .collect()
+            };
+            if !stale.is_empty() {
+                tracing::info!(pool = %config.key, members = stale.len(), "replacing pool members whose image changed or that died");
+                let mut pools = lock(&self.pools);
+                for id in &stale {
+                    pools.remove(*id);
+                }
+                drop(pools);
+                for id in stale {
+                    self.stop_member(id);
+                }
+            }
+        }
+    }
+
+    /// One pass of the controller: what the plan says, started.
+    fn run_plan(self: &Arc<Self>) {
+        let plan = lock(&self.pools).plan(Instant::now());
+        for id in plan.destroy {
+            self.stop_member(id);
+        }
+        for (config, n) in plan.refill {
+            for _ in 0..n {
+                tokio::spawn(self.clone().refill(config.clone()));
+            }
+        }
+    }
+
+    /// The controller: woken by claims, refills and changes, and every
+    /// [`TICK`]; holds the manager weakly and ends with it.
+    fn spawn_pool_controller(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let wake = self.pool_wake.clone();
+        tokio::spawn(async move {
+            let mut checked = Instant::now();
+            loop {
+                {
+                    let Some(manager) = weak.upgrade() else {
+                        return;
+                    };
+                    if checked.elapsed() >= FRESHNESS {
+                        manager.replace_stale_members().await;
+                        checked = Instant::now();
+                    }
+                    manager.run_plan();
+                }
+                tokio::select! {
+                    () = wake.notified() => {}
+                    () = tokio::time::sleep(TICK) => {}
+                }
+            }
+        });
+    }
+
+    /// `GET /v1/pools`.
+    pub fn pools(&self) -> PoolList {
+        let pools = lock(&self.pools);
+        PoolList {
+            pools: pools.status(),
+            draining: pools.draining(),
+        }
+    }
+
+    /// `PUT /v1/pools`: checks the set, persists it (when the server has a
+    /// pools file), then applies it; pools left out drain.
+    pub async fn set_pools(&self, set: PoolSet) -> Result<PoolList, CoreError> {
+        let configs = self.check_pools(&set)?;
+        if let Some(path) = self.config.pools_file.clone() {
+            let canonical = PoolSet {
+                pools: configs.iter().map(PoolConfig::to_spec).collect(),
+            };
+            tokio::task::spawn_blocking(move || write_pools_file(&path, &canonical))
+                .await
+                .map_err(|e| CoreError::Store(format!("pools file task failed: {e}")))?
+                .map_err(CoreError::io("writing the pools file"))?;
+        }
+        tracing::info!(pools = configs.len(), "warm pools replaced");
+        lock(&self.pools).set(configs);
+        self.pool_wake.notify_one();
+        Ok(self.pools())
+    }
+
+    /// `POST /v1/drain` (true) and `DELETE /v1/drain` (false).
+    pub fn set_draining(&self, draining: bool) -> PoolList {
+        lock(&self.pools).set_draining(draining);
+        tracing::info!(draining, "node drain switched");
+        self.pool_wake.notify_one();
+        self.pools()
+    }
+
+    /// `GET /v1/info`.
+    pub fn info(&self) -> Info {
+        let (live, creating) = {
+            let registry = self.registry();
+            let creating = registry
+                .values()
+                .filter(|h| !h.is_idle() && matches!(h.snapshot().phase, Phase::Creating))
+                .count();
+            (counted(&registry), creating)
+        };
+        let pools = lock(&self.pools);
+        Info {
+            server: self.config.server_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+            runtime: self.backend.name(),
+            capacity: runbox_types::Capacity {
+                max: self.config.max_runs,
+                live,
+                creating,
+                pooled: pools.idle(),
+            },
+            pools: pools.status(),
+            draining: pools.draining(),
+            storage: self.backend.storage(),
+        }
+    }
+}
+
+/// Writes the pools file atomically: aside, flushed, renamed over.
+fn write_pools_file(path: &std::path::Path, set: &PoolSet) -> std::io::Result<()> {
+    use std::io::Write;
+    let bytes = serde_json::to_vec_pretty(set).map_err(std::io::Error::other)?;
+    let aside = path.with_extension("json.new");
+    let mut file = std::fs::File::create(&aside)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    std::fs::rename(&aside, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
