@@ -236,6 +236,11 @@ impl Daemon {
         Ok(run)
     }
 
+    /// The runs made and not yet deleted.
+    pub fn runs_made(&self) -> Vec<Ulid> {
+        self.runs.clone()
+    }
+
     /// Remembers a run made another way (a fork's child) for cleanup.
     pub fn remember(&mut self, id: Ulid) {
         self.runs.push(id);

@@ -55,6 +55,7 @@ mod egress;
 mod image_tables;
 mod images;
 mod loopback;
+mod pools;
 mod raw;
 mod report;
 mod snapshots;
@@ -149,6 +150,9 @@ struct Args {
     /// comparison takes at least 10)
     #[arg(long, default_value_t = 5)]
     snapshot_iterations: usize,
+    /// Measured claims (and cold creates beside them) of the pools phase.
+    #[arg(long, default_value_t = 30)]
+    pool_iterations: usize,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -161,6 +165,7 @@ enum PhaseName {
     Images,
     Egress,
     Snapshots,
+    Pools,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -192,6 +197,7 @@ struct Plan {
     snapshot_iterations: Option<usize>,
     /// MiB of the large image the snapshots phase compares with.
     snapshot_image_mib: u64,
+    pool_iterations: Option<usize>,
 }
 
 /// What the images phase does, when it runs.
@@ -282,6 +288,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             egress,
             snapshot_iterations: None,
             snapshot_image_mib: args.image_mib,
+            pool_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -378,6 +385,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .contains(&PhaseName::Snapshots)
             .then_some(args.snapshot_iterations.max(1)),
         snapshot_image_mib: args.image_mib,
+        pool_iterations: args
+            .phases
+            .contains(&PhaseName::Pools)
+            .then_some(args.pool_iterations.max(1)),
     })
 }
 
@@ -479,6 +490,7 @@ impl Bench {
                 images: None,
                 egress,
                 snapshots: None,
+                pools: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -558,12 +570,20 @@ impl Bench {
             }
             None => None,
         };
+        let pools = match plan.pool_iterations {
+            Some(n) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(pools::measure(&mut self.daemons[i], n).await?)
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             phases,
             images,
             egress,
             snapshots,
+            pools,
         })
     }
 

@@ -157,6 +157,8 @@ pub struct Report {
     /// The snapshots phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub snapshots: Option<crate::snapshots::SnapshotReport>,
+    /// The pools phase, when it ran.
+    pub pools: Option<crate::pools::PoolReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -385,6 +387,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(egress) = &report.egress {
         egress_markdown(&mut out, egress, h.cpus);
     }
+    if let Some(pools) = &report.pools {
+        out.push_str(&crate::pools::markdown(pools));
+    }
     if let Some(snapshots) = &report.snapshots {
         out.push_str(&crate::snapshots::markdown(snapshots));
     }
@@ -545,6 +550,7 @@ mod tests {
             images: None,
             egress: None,
             snapshots: None,
+            pools: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -607,6 +613,7 @@ mod tests {
             }),
             egress: None,
             snapshots: None,
+            pools: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),

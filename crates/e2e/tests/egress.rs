@@ -1817,3 +1817,90 @@ async fn open_run_links_and_rules_go_with_their_runs() {
     assert_eq!(table_state(&table), (false, vec![]));
     assert!(links_of(&table).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowlist_pool_member_serves_its_claims_policy_only() {
+    let w = World::start().await;
+    w.daemon
+        .client
+        .set_pools(&runbox_types::PoolSet {
+            pools: vec![runbox_types::PoolSpec {
+                image: IMAGE.into(),
+                network: Some(NetworkTier::Allowlist),
+                size: Some(runbox_types::SizeTier::Small),
+                warm: Some(2),
+                warm_max: None,
+                warmup: None,
+            }],
+        })
+        .await
+        .unwrap();
+    let filled = eventually_ready(&w, 2).await;
+    assert!(filled, "{:?}", w.daemon.client.pools().await.unwrap());
+    let http = format!("allowed.test:{}", w.http_port);
+    let claim = |allow: Option<Vec<String>>, secrets: Option<Vec<String>>| CreateRunRequest {
+        image: IMAGE.into(),
+        network: Some(NetworkTier::Allowlist),
+        size: Some(runbox_types::SizeTier::Small),
+        egress_allow: allow,
+        secrets,
+        ..Default::default()
+    };
+    // The claim's entries are the member's policy ...
+    let run = w
+        .daemon
+        .create_with(claim(Some(vec![http.clone()]), None))
+        .await;
+    assert!(run.pooled, "{run:?}");
+    assert_eq!(run.egress_allow, vec![http.clone()]);
+    let id = run.id.to_string();
+    let (_, env, _) = w.sh(&id, "env").await;
+    assert!(env.contains(&format!("HTTP_PROXY={PROXY_URL}\n")), "{env}");
+    let got = w.curl(&id, &[&format!("http://{http}/pooled")]).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    // ... and a claim without them reaches nothing.
+    let other = w.daemon.create_with(claim(None, None)).await;
+    assert!(other.pooled);
+    let got = w
+        .curl(&other.id.to_string(), &[&format!("http://{http}/pooled")])
+        .await;
+    assert_eq!(got.status, 403, "{got:?}");
+    // A claimed secret works in a pooled run (it trusts the CA already).
+    eventually_ready(&w, 1).await;
+    let secret = w
+        .daemon
+        .create_with(claim(
+            Some(vec![format!("secret.test:{}", w.https_port)]),
+            Some(vec![SECRET_NAME.into()]),
+        ))
+        .await;
+    assert!(secret.pooled);
+    let got = w
+        .curl(
+            &secret.id.to_string(),
+            &[
+                "-H",
+                &format!("Authorization: Bearer {PLACEHOLDER}"),
+                &format!("https://secret.test:{}/allowed/x", w.https_port),
+            ],
+        )
+        .await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert!(
+        got.body
+            .contains(&format!("authorization: Bearer {SECRET_SEEN}\n")),
+        "{got:?}"
+    );
+}
+
+async fn eventually_ready(w: &World, ready: u32) -> bool {
+    runbox_e2e::eventually_async(Duration::from_secs(60), || async {
+        w.daemon
+            .client
+            .pools()
+            .await
+            .map(|l| l.pools.iter().all(|p| p.ready >= ready))
+            .unwrap_or(false)
+    })
+    .await
+}
