@@ -11,9 +11,9 @@
 //! * A member is handed out once: [`Pools::take`] removes it from the ready
 //!   queue under the lock, and a claimed run never returns to a pool.
 //! * The target is `warm`; with `warmMax` it rises while claims come faster
-//!   than the measured provision time covers (claims per second × seconds
-//!   per member, rounded up), and falls back to `warm` after a decay period
-//!   without claims. Ready members above the target are destroyed once they
+//!   than the measured provision time covers (to the number of claims that
+//!   came within the last provision lead: what one refill round must
+//!   cover), and falls back to `warm` after a decay period without claims. Ready members above the target are destroyed once they
 //!   have stayed above it for a full decay period.
 //! * A failed refill (create or warmup) is kept as the pool's last error
 //!   and retried with backoff; the pool stays short meanwhile.
@@ -31,8 +31,11 @@ pub const DEFAULT_WARM: u32 = 4;
 /// The most ready runs one pool may ask for.
 pub const MAX_WARM: u32 = 1024;
 
-/// Claim times kept per pool for the rate estimate.
-const RATE_WINDOW: usize = 64;
+/// Claim times kept per pool for the demand estimate.
+const RATE_WINDOW: usize = 1024;
+
+/// The shortest provision lead the demand estimate assumes.
+const MIN_LEAD: Duration = Duration::from_millis(50);
 
 /// First delay after a failed refill; doubles up to [`MAX_RETRY`].
 const FIRST_RETRY: Duration = Duration::from_millis(500);
@@ -207,16 +210,14 @@ impl Pool {
         let Some(max) = self.config.warm_max else {
             return;
         };
-        let provision = self.provision.unwrap_or(Duration::from_millis(100));
-        let span = now - *self.recent.front().expect("just pushed");
-        // Claims per second over the window (a lone claim counts as one per
-        // provision time); members a provision lead consumes.
-        let rate = if self.recent.len() > 1 && !span.is_zero() {
-            (self.recent.len() - 1) as f64 / span.as_secs_f64()
-        } else {
-            1.0 / provision.as_secs_f64().max(1e-3)
-        };
-        let needed = (rate * provision.as_secs_f64()).ceil() as u32;
+        // Members consumed during one provision lead: the claims of the
+        // last lead time (a steady rate r needs r × lead; a burst needs all
+        // of it at once).
+        let lead = self
+            .provision
+            .unwrap_or(Duration::from_millis(100))
+            .max(MIN_LEAD);
+        let needed = self.recent.iter().filter(|t| now - **t < lead).count() as u32;
         let wanted = needed.max(self.config.warm).min(max);
         if wanted > self.target {
             self.target = wanted;
