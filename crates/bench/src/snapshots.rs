@@ -461,10 +461,7 @@ pub fn markdown(r: &SnapshotReport) -> String {
 mod tests {
     use super::*;
 
-    fn ms(v: &[u64]) -> Summary {
-        let samples: Vec<Duration> = v.iter().map(|&m| Duration::from_millis(m)).collect();
-        summarize(&samples).unwrap()
-    }
+    use crate::stats::summary_of_ms as ms;
 
     #[test]
     fn the_tables_show_ratios_to_the_floor_and_per_child_costs() {

@@ -55,6 +55,13 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[lower] + (sorted[upper] - sorted[lower]) * weight
 }
 
+/// A summary of samples given in whole milliseconds, for the report tests.
+#[cfg(test)]
+pub fn summary_of_ms(v: &[u64]) -> Summary {
+    let samples: Vec<Duration> = v.iter().map(|&m| Duration::from_millis(m)).collect();
+    summarize(&samples).expect("samples")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

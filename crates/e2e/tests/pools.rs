@@ -224,7 +224,7 @@ async fn put_replaces_and_drains_and_a_restart_keeps_claims_and_cleans_members()
     daemon.kill9();
     daemon.spawn().await;
     let runs = daemon.client.list_runs().await.unwrap().runs;
-    assert_eq!(runs.len(), 1, "{runs:?}");
+    assert_eq!(runs.len(), 1, "{runs:?}\n{}", daemon.log());
     assert_eq!(runs[0].id, claimed.id);
     assert!(runs[0].pooled);
     let out = daemon.sh(&claimed.id.to_string(), "echo alive").await;

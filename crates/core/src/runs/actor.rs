@@ -542,32 +542,36 @@ impl RunActor {
                     Phase::Running if self.record.is_idle_member() => self.claim(*claim, now).await,
                     other => Err(self.refusal(other)),
                 };
+                let claimed = answer.is_ok();
                 let _ = reply.send(answer);
+                // Durably, but after the answer: the claim is on the start
+                // path. A crash in the few milliseconds between costs this
+                // run, never a second claim (see `claim`).
+                if claimed {
+                    if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+                        tracing::warn!(run = %id, error = %e, "could not store a pool member's claim");
+                    }
+                }
             }
         }
     }
 
     /// Applies a claim: the create's environment, TTL, egress and labels,
     /// then the egress proxy (whose listener the member could not have
-    /// served before). Stored without waiting for the disk: a claim is on
-    /// the start path, and after a crash reconcile destroys every member
-    /// whose record says idle rather than hand it out again.
+    /// served before). The caller stores the record after answering: after
+    /// a crash, reconcile destroys every member whose record says idle
+    /// rather than hand it out again, so a claim that had not reached the
+    /// disk yet costs that run, never a second claim.
     async fn claim(&mut self, claim: Claim, now: OffsetDateTime) -> Result<(), CoreError> {
-        let mut record = self.record.clone();
-        record.env = claim.env;
-        record.created_at = now;
-        record.expires_at = now + claim.ttl;
-        record.egress = claim.egress;
-        record.labels = claim.labels;
-        record.idempotency = claim.idempotency;
-        if let Some(member) = &mut record.pool {
+        self.record.env = claim.env;
+        self.record.created_at = now;
+        self.record.expires_at = now + claim.ttl;
+        self.record.egress = claim.egress;
+        self.record.labels = claim.labels;
+        self.record.idempotency = claim.idempotency;
+        if let Some(member) = &mut self.record.pool {
             member.claimed = true;
         }
-        self.manager
-            .store
-            .put_async_with(record.clone(), Durability::None)
-            .await?;
-        self.record = record;
         self.publish();
         self.manager.start_egress(&self.handle, &self.record).await
     }

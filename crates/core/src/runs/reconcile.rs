@@ -123,6 +123,7 @@ impl Manager {
         // record says idle may have been handed out just before the crash:
         // it is destroyed, never handed out a second time. Pools refill.
         if record.is_idle_member() {
+            tracing::info!(run = %id, "destroying an idle pool member of the last daemon; its pool refills");
             return Adopted::Doomed(ExitReason::RunDeleted);
         }
         match record.status {
