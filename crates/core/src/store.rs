@@ -195,6 +195,23 @@ impl Store {
         self.put_async_with(record, Durability::Immediate).await
     }
 
+    /// Makes every earlier commit durable (an empty durable commit), in
+    /// the background; errors are logged.
+    pub fn flush_in_background(&self) {
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let flushed = (|| -> Result<(), CoreError> {
+                let mut tx = store.db.begin_write().map_err(store_err)?;
+                tx.set_durability(Durability::Immediate)
+                    .map_err(store_err)?;
+                tx.commit().map_err(store_err)
+            })();
+            if let Err(e) = flushed {
+                tracing::warn!(error = %e, "could not flush the run store");
+            }
+        });
+    }
+
     /// [`Store::put_with`] on a blocking thread; cancellation as
     /// [`Store::put_async`].
     pub async fn put_async_with(
@@ -239,6 +256,10 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    pub(super) fn sample() -> RunRecord {
+        record()
+    }
 
     fn record() -> RunRecord {
         let now = OffsetDateTime::now_utc();
@@ -286,5 +307,41 @@ mod tests {
         let store = Store::open(&path).unwrap();
         let ids: Vec<Ulid> = store.list().unwrap().iter().map(|r| r.id).collect();
         assert_eq!(ids, vec![b.id]);
+    }
+}
+
+#[cfg(test)]
+mod flush_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_flush_makes_earlier_commits_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let store = Store::open(&path).unwrap();
+        let mut record = tests::sample();
+        store.put(&record).unwrap();
+        record.image = "after".into();
+        store.put_with(&record, Durability::None).unwrap();
+        store.flush_in_background();
+        // The flush runs on a blocking thread; the copy is what a crash
+        // would leave once it is done.
+        let copy = dir.path().join("copy");
+        let mut seen = Vec::new();
+        for _ in 0..100 {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            std::fs::copy(&path, &copy).unwrap();
+            seen = Store::open(&copy)
+                .unwrap()
+                .list()
+                .unwrap()
+                .into_iter()
+                .map(|r| r.image)
+                .collect();
+            if seen == ["after"] {
+                return;
+            }
+        }
+        panic!("the flushed commit is not on disk: {seen:?}");
     }
 }

@@ -544,12 +544,22 @@ impl RunActor {
                 };
                 let claimed = answer.is_ok();
                 let _ = reply.send(answer);
-                // Durably, but after the answer: the claim is on the start
-                // path. A crash in the few milliseconds between costs this
-                // run, never a second claim (see `claim`).
+                // After the answer (the claim is on the start path), in
+                // order with this owner's later writes, made durable by a
+                // flush in the background so the run's first exec does not
+                // wait for the disk. A crash in the few milliseconds between
+                // costs this run, never a second claim (see `claim`).
                 if claimed {
-                    if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
-                        tracing::warn!(run = %id, error = %e, "could not store a pool member's claim");
+                    match self
+                        .manager
+                        .store
+                        .put_async_with(self.record.clone(), Durability::None)
+                        .await
+                    {
+                        Ok(()) => self.manager.store.flush_in_background(),
+                        Err(e) => {
+                            tracing::warn!(run = %id, error = %e, "could not store a pool member's claim")
+                        }
                     }
                 }
             }
