@@ -33,6 +33,8 @@ pub struct PoolReport {
     pub runtime: String,
     /// Create served by a pool + first exec.
     pub claim: Summary,
+    /// Of that, the create alone.
+    pub claim_create: Summary,
     /// Cold create of the same image + first exec, same loop.
     pub cold: Summary,
     /// The burst: each create + first exec.
@@ -51,7 +53,7 @@ pub struct PoolReport {
     pub fill_secs: f64,
 }
 
-fn pool(warm: u32, warm_max: Option<u32>) -> PoolSet {
+fn pool(warm: u32, warm_max: Option<u32>, warmup: bool) -> PoolSet {
     PoolSet {
         pools: vec![PoolSpec {
             image: IMAGE.into(),
@@ -59,7 +61,8 @@ fn pool(warm: u32, warm_max: Option<u32>) -> PoolSet {
             size: Some(SizeTier::Small),
             warm: Some(warm),
             warm_max,
-            warmup: None,
+            // The first command's files touched once before a member joins.
+            warmup: warmup.then(|| vec!["/bin/true".to_owned()]),
         }],
     }
 }
@@ -93,8 +96,18 @@ async fn create_and_exec(
     client: &runbox_client::Client,
     req: &CreateRunRequest,
 ) -> anyhow::Result<(Duration, bool, String)> {
+    let (took, _, pooled, id) = create_then_exec(client, req).await?;
+    Ok((took, pooled, id))
+}
+
+/// [`create_and_exec`], with the create's own time as well.
+async fn create_then_exec(
+    client: &runbox_client::Client,
+    req: &CreateRunRequest,
+) -> anyhow::Result<(Duration, Duration, bool, String)> {
     let started = Instant::now();
     let run = client.create_run(req).await?;
+    let created = started.elapsed();
     let exec = ExecRequest {
         cmd: vec!["/bin/true".into()],
         ..Default::default()
@@ -106,7 +119,7 @@ async fn create_and_exec(
         .await?;
     let took = started.elapsed();
     ensure!(out.exit.exit_code == 0, "/bin/true failed: {:?}", out.exit);
-    Ok((took, run.pooled, run.id.to_string()))
+    Ok((took, created, run.pooled, run.id.to_string()))
 }
 
 /// `MemTotal - MemAvailable`, KiB.
@@ -151,17 +164,18 @@ fn agent_rss_kib(daemon: &Daemon) -> anyhow::Result<u64> {
 /// Runs the phase on `daemon`.
 pub async fn measure(daemon: &mut Daemon, iterations: usize) -> anyhow::Result<PoolReport> {
     eprintln!("runbox-bench: pools: claim vs cold");
-    daemon.client.set_pools(&pool(4, None)).await?;
+    daemon.client.set_pools(&pool(4, None, true)).await?;
     filled(daemon, 4).await?;
     let cold_req = CreateRunRequest {
         image: IMAGE.into(),
         size: Some(SizeTier::Medium),
         ..Default::default()
     };
-    let (mut claims, mut colds) = (Vec::new(), Vec::new());
+    let (mut claims, mut creates, mut colds) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..iterations {
         filled(daemon, 1).await?;
-        let (took, pooled, id) = create_and_exec(&daemon.client, &small()).await?;
+        let (took, created, pooled, id) = create_then_exec(&daemon.client, &small()).await?;
+        creates.push(created);
         daemon.remember(id.parse()?);
         ensure!(
             pooled,
@@ -177,7 +191,7 @@ pub async fn measure(daemon: &mut Daemon, iterations: usize) -> anyhow::Result<P
     }
 
     eprintln!("runbox-bench: pools: a burst of {BURST} against warm 4, warmMax 16");
-    daemon.client.set_pools(&pool(4, Some(16))).await?;
+    daemon.client.set_pools(&pool(4, Some(16), false)).await?;
     filled(daemon, 4).await?;
     let client = daemon.client.clone();
     let burst = futures::future::join_all((0..BURST).map(|_| {
@@ -203,7 +217,7 @@ pub async fn measure(daemon: &mut Daemon, iterations: usize) -> anyhow::Result<P
     tokio::time::sleep(Duration::from_secs(3)).await;
     let before = host_used_kib()?;
     let started = Instant::now();
-    daemon.client.set_pools(&pool(DENSITY, None)).await?;
+    daemon.client.set_pools(&pool(DENSITY, None, false)).await?;
     filled(daemon, DENSITY).await?;
     let fill_secs = started.elapsed().as_secs_f64();
     // Let the page cache and the kernel's lazy work settle.
@@ -219,6 +233,7 @@ pub async fn measure(daemon: &mut Daemon, iterations: usize) -> anyhow::Result<P
     Ok(PoolReport {
         runtime: daemon.runtime.clone(),
         claim: summarize(&claims).context("no samples")?,
+        claim_create: summarize(&creates).context("no samples")?,
         cold: summarize(&colds).context("no samples")?,
         burst: summarize(&samples).context("no samples")?,
         burst_pooled: pooled,
@@ -236,9 +251,9 @@ pub fn markdown(r: &PoolReport) -> String {
     let _ = writeln!(out, "\n## Warm pools ({})\n", r.runtime);
     let _ = writeln!(
         out,
-        "Claim: `POST /v1/runs {{image, size: small}}` served by a pool of `warm: 4`, then exec \
-         `/bin/true` until its exit event; cold: the same image at size `medium` (no pool), same \
-         loop.\n"
+        "Claim: `POST /v1/runs {{image, size: small}}` served by a pool of `warm: 4` with \
+         `warmup: [\"/bin/true\"]`, then exec `/bin/true` until its exit event; cold: the same \
+         image at size `medium` (no pool), same loop.\n"
     );
     let _ = writeln!(
         out,
@@ -256,6 +271,12 @@ pub fn markdown(r: &PoolReport) -> String {
         out,
         "| cold create | {} | {:.2} | {:.2} | 1.0× |",
         r.cold.n, r.cold.p50_ms, r.cold.p95_ms
+    );
+    let _ = writeln!(
+        out,
+        "\nOf the claim, the create alone (`POST /v1/runs` answered): p50 {:.2} ms, p95 {:.2} ms; \
+         the rest is the run's first exec.",
+        r.claim_create.p50_ms, r.claim_create.p95_ms
     );
     let _ = writeln!(
         out,
@@ -291,6 +312,7 @@ mod tests {
         let report = PoolReport {
             runtime: "crun".into(),
             claim: ms(&[5, 5]),
+            claim_create: ms(&[2, 2]),
             cold: ms(&[50, 50]),
             burst: ms(&[4, 6, 80]),
             burst_pooled: 2,
