@@ -23,7 +23,12 @@ pub mod pb {
 }
 
 /// The protocol revision this build speaks; see `proto/agent.proto`.
-pub const PROTOCOL: u32 = 1;
+pub const PROTOCOL: u32 = 2;
+
+/// The oldest revision the daemon works with: runs started by an older
+/// build keep working after an upgrade, and the RPCs added since answer
+/// `unimplemented` there.
+pub const MIN_PROTOCOL: u32 = 1;
 
 /// Largest message either side accepts. Data chunks are far smaller
 /// ([`CHUNK_SIZE`]); this only bounds what a hostile peer can make us buffer.

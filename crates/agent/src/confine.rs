@@ -107,6 +107,18 @@ pub enum FileError {
         /// The path as the client sent it.
         path: String,
     },
+    /// A move would replace an existing destination without `overwrite`.
+    #[error("{path:?} already exists; remove it first or move with overwrite")]
+    Exists {
+        /// The destination as the client sent it.
+        path: String,
+    },
+    /// A directory to remove (or to replace by a move) is not empty.
+    #[error("directory {path:?} is not empty; remove it with recursive")]
+    NotEmpty {
+        /// The path as the client sent it.
+        path: String,
+    },
     /// A failure of the agent itself rather than of the file system.
     #[error("internal error: {0}")]
     Internal(String),
@@ -172,6 +184,8 @@ impl FileError {
             Self::NotFound { .. } => "not_found",
             Self::NotAFile { .. } | Self::NotADirectory { .. } => "not_a_file",
             Self::Denied { .. } => "denied",
+            Self::Exists { .. } => "exists",
+            Self::NotEmpty { .. } => "not_empty",
             Self::Shrank { .. } | Self::Internal(_) | Self::Io { .. } => "io",
         }
     }
@@ -185,7 +199,8 @@ impl FileError {
                 "invalid_path" => Code::InvalidArgument,
                 "escape" | "denied" => Code::PermissionDenied,
                 "not_found" => Code::NotFound,
-                "not_a_file" => Code::FailedPrecondition,
+                "not_a_file" | "not_empty" => Code::FailedPrecondition,
+                "exists" => Code::AlreadyExists,
                 _ => Code::Internal,
             },
         }
@@ -268,6 +283,15 @@ impl RelPath {
             original: path.to_owned(),
             components,
         })
+    }
+
+    /// [`RelPath::parse`], except that a path naming the work directory
+    /// itself (empty, `.`) is None: stat and list take it.
+    pub fn parse_or_root(path: &str) -> Result<Option<Self>, FileError> {
+        if path.split('/').all(|c| c.is_empty() || c == ".") && !path.contains('\0') {
+            return Ok(None);
+        }
+        Self::parse(path).map(Some)
     }
 
     /// The path exactly as the client sent it, for error messages.

@@ -342,7 +342,7 @@ fn create_temp(
 /// from the previous component: that way a symlink among the parents is
 /// followed when it stays inside the work directory (`RESOLVE_BENEATH`
 /// judges the full path), and refused when it leaves it.
-fn open_parent(root: &OwnedFd, rel: &RelPath) -> Result<OwnedFd, FileError> {
+pub(crate) fn open_parent(root: &OwnedFd, rel: &RelPath) -> Result<OwnedFd, FileError> {
     let open_dir =
         |path: &str| open_beneath(root, path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty());
     let mut dir = open_dir(".").map_err(|errno| FileError::from_errno(errno, "open", "."))?;
@@ -402,7 +402,7 @@ fn random_u64() -> u64 {
 
 /// Runs blocking file-system work off the async workers: a slow or hostile
 /// mount inside the work directory must not stall every other call.
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> T + Send + 'static,
 ) -> Result<T, Status> {
     tokio::task::spawn_blocking(work).await.map_err(|err| {

@@ -31,6 +31,7 @@ mod cli;
 mod confine;
 mod exec;
 mod files;
+mod fsops;
 mod reaper;
 mod service;
 

@@ -8,14 +8,16 @@ use std::sync::Arc;
 
 use runbox_agent_proto::pb::agent_server::Agent;
 use runbox_agent_proto::pb::{
-    ExecInput, HelloReply, HelloRequest, ReadFileRequest, WriteFileChunk, WriteFileReply,
+    ExecInput, FileInfo, HelloReply, HelloRequest, ListDirReply, ListDirRequest, MakeDirRequest,
+    MoveRequest, ReadFileRequest, RemoveReply, RemoveRequest, StatRequest, WriteFileChunk,
+    WriteFileReply,
 };
 use runbox_agent_proto::PROTOCOL;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::confine::WorkDir;
 use crate::reaper::Reaper;
-use crate::{exec, files};
+use crate::{exec, files, fsops};
 
 /// The agent's implementation of the protocol.
 #[derive(Debug, Clone)]
@@ -74,5 +76,44 @@ impl Agent for AgentService {
     ) -> Result<Response<Self::ReadFileStream>, Status> {
         let stream = files::read_file(Arc::clone(&self.work), request.into_inner().path).await?;
         Ok(Response::new(stream))
+    }
+
+    async fn stat(&self, request: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
+        Ok(Response::new(
+            fsops::stat(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_dir(
+        &self,
+        request: Request<ListDirRequest>,
+    ) -> Result<Response<ListDirReply>, Status> {
+        Ok(Response::new(
+            fsops::list_dir(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
+    }
+
+    async fn make_dir(
+        &self,
+        request: Request<MakeDirRequest>,
+    ) -> Result<Response<FileInfo>, Status> {
+        Ok(Response::new(
+            fsops::make_dir(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
+    }
+
+    async fn r#move(&self, request: Request<MoveRequest>) -> Result<Response<FileInfo>, Status> {
+        Ok(Response::new(
+            fsops::move_path(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
+    }
+
+    async fn remove(
+        &self,
+        request: Request<RemoveRequest>,
+    ) -> Result<Response<RemoveReply>, Status> {
+        Ok(Response::new(
+            fsops::remove(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
     }
 }

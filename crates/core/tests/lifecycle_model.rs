@@ -119,6 +119,37 @@ impl Agent for FakeAgent {
         Err(Status::aborted("no commit"))
     }
 
+    // The model drives exec and files only; the fs operations are not part
+    // of the lifecycle under test.
+    async fn stat(&self, _: Request<pb::StatRequest>) -> Result<Response<pb::FileInfo>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn list_dir(
+        &self,
+        _: Request<pb::ListDirRequest>,
+    ) -> Result<Response<pb::ListDirReply>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn make_dir(
+        &self,
+        _: Request<pb::MakeDirRequest>,
+    ) -> Result<Response<pb::FileInfo>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn r#move(&self, _: Request<pb::MoveRequest>) -> Result<Response<pb::FileInfo>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn remove(
+        &self,
+        _: Request<pb::RemoveRequest>,
+    ) -> Result<Response<pb::RemoveReply>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
     type ReadFileStream = OutStream<pb::ReadFileChunk>;
 
     async fn read_file(

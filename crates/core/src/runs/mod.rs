@@ -667,11 +667,11 @@ pub(crate) async fn wait_ready(mut agent: AgentClient, limit: Duration) -> Resul
         let error = match attempt {
             Ok(Ok(reply)) => {
                 let reply = reply.into_inner();
-                if reply.protocol < runbox_agent_proto::PROTOCOL {
+                if reply.protocol < runbox_agent_proto::MIN_PROTOCOL {
                     return Err(format!(
                         "agent speaks protocol {}, need {}",
                         reply.protocol,
-                        runbox_agent_proto::PROTOCOL
+                        runbox_agent_proto::MIN_PROTOCOL
                     ));
                 }
                 return Ok(());
