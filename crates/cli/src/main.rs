@@ -23,6 +23,7 @@ mod cp;
 #[cfg(feature = "daemon")]
 mod egress;
 mod exec;
+mod fs;
 mod image;
 mod lease;
 mod pools;
@@ -80,6 +81,9 @@ enum Command {
     /// and drop templates
     #[command(subcommand)]
     Warm(warm::WarmCommand),
+    /// Stat, list, make, move and remove paths in a run's /work
+    #[command(subcommand)]
+    Fs(fs::FsCommand),
     /// Show or replace the warm pools
     #[command(subcommand)]
     Pools(pools::PoolsCommand),
@@ -146,6 +150,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Lease(command) => lease::run(command).await,
         Command::Warm(command) => warm::run(command).await,
         Command::Pools(command) => pools::run(command).await,
+        Command::Fs(command) => fs::run(command).await,
         Command::Info(args) => pools::info(args).await,
         Command::Drain(args) => pools::drain(args).await,
         Command::Image(command) => image::run(command).await,

@@ -293,6 +293,73 @@ impl Client {
         Ok(())
     }
 
+    /// `GET /v1/runs/{id}/fs/stat`: what `path` (relative to `/work`;
+    /// empty for `/work`) is, without following a symlink.
+    pub async fn stat(&self, id: &str, path: &str) -> Result<runbox_types::FileInfo, ClientError> {
+        let route = format!(
+            "{}/fs/stat?path={}",
+            run_path(id)?,
+            paths::query_value(path)
+        );
+        let resp = self.send(self.request(Method::GET, &route)).await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/fs/list`: `path`'s entries, `depth` levels down.
+    pub async fn list_dir(
+        &self,
+        id: &str,
+        path: &str,
+        depth: u32,
+    ) -> Result<runbox_types::FileList, ClientError> {
+        let route = format!(
+            "{}/fs/list?path={}&depth={depth}",
+            run_path(id)?,
+            paths::query_value(path)
+        );
+        let resp = self.send(self.request(Method::GET, &route)).await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs/{id}/fs/mkdir`: a directory and its parents.
+    pub async fn make_dir(
+        &self,
+        id: &str,
+        req: &runbox_types::MakeDirRequest,
+    ) -> Result<runbox_types::FileInfo, ClientError> {
+        let route = format!("{}/fs/mkdir", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::POST, &route).json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs/{id}/fs/move`.
+    pub async fn move_path(
+        &self,
+        id: &str,
+        req: &runbox_types::MoveRequest,
+    ) -> Result<runbox_types::FileInfo, ClientError> {
+        let route = format!("{}/fs/move", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::POST, &route).json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs/{id}/fs/remove`.
+    pub async fn remove_path(
+        &self,
+        id: &str,
+        req: &runbox_types::RemoveRequest,
+    ) -> Result<runbox_types::RemoveReply, ClientError> {
+        let route = format!("{}/fs/remove", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::POST, &route).json(req))
+            .await?;
+        json(resp).await
+    }
+
     /// `GET /v1/pools`.
     pub async fn pools(&self) -> Result<runbox_types::PoolList, ClientError> {
         let resp = self.send(self.request(Method::GET, "/v1/pools")).await?;

@@ -48,6 +48,11 @@ pub(crate) fn parse_base(raw: &str) -> Result<String, ClientError> {
     Ok(url.as_str().trim_end_matches('/').to_owned())
 }
 
+/// A query parameter's value, encoded.
+pub(crate) fn query_value(value: &str) -> String {
+    utf8_percent_encode(value, SEGMENT).to_string()
+}
+
 /// The query string of a file write under a lease.
 pub(crate) fn lease_query(owner: &str, generation: u64) -> String {
     format!(

@@ -119,6 +119,36 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError>;
     /// Drops a repository's warm template.
     fn warm_invalidate(&self, repo: String) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// Describes a path in a run's `/work` (None: `/work`).
+    fn stat_path(
+        &self,
+        id: Ulid,
+        path: Option<String>,
+    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
+    /// Lists a directory in a run's `/work`.
+    fn list_path(
+        &self,
+        id: Ulid,
+        query: runbox_types::FsQuery,
+    ) -> impl Future<Output = Result<runbox_types::FileList, CoreError>> + Send;
+    /// Makes a directory (and its parents) in a run's `/work`.
+    fn make_dir(
+        &self,
+        id: Ulid,
+        req: runbox_types::MakeDirRequest,
+    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
+    /// Renames a path in a run's `/work`.
+    fn move_path(
+        &self,
+        id: Ulid,
+        req: runbox_types::MoveRequest,
+    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
+    /// Removes a path in a run's `/work`.
+    fn remove_path(
+        &self,
+        id: Ulid,
+        req: runbox_types::RemoveRequest,
+    ) -> impl Future<Output = Result<runbox_types::RemoveReply, CoreError>> + Send;
     /// The warm pools.
     fn pools(&self) -> runbox_types::PoolList;
     /// Replaces the warm pools.
@@ -247,6 +277,46 @@ impl RunService for Arc<Manager> {
 
     async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
         Manager::warm_invalidate(self, &repo).await
+    }
+
+    async fn stat_path(
+        &self,
+        id: Ulid,
+        path: Option<String>,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        Manager::stat_path(self, id, path.as_deref()).await
+    }
+
+    async fn list_path(
+        &self,
+        id: Ulid,
+        query: runbox_types::FsQuery,
+    ) -> Result<runbox_types::FileList, CoreError> {
+        Manager::list_path(self, id, query.path.as_deref(), query.depth, query.limit).await
+    }
+
+    async fn make_dir(
+        &self,
+        id: Ulid,
+        req: runbox_types::MakeDirRequest,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        Manager::make_dir(self, id, req).await
+    }
+
+    async fn move_path(
+        &self,
+        id: Ulid,
+        req: runbox_types::MoveRequest,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        Manager::move_path(self, id, req).await
+    }
+
+    async fn remove_path(
+        &self,
+        id: Ulid,
+        req: runbox_types::RemoveRequest,
+    ) -> Result<runbox_types::RemoveReply, CoreError> {
+        Manager::remove_path(self, id, req).await
     }
 
     fn pools(&self) -> runbox_types::PoolList {

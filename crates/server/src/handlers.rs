@@ -224,6 +224,74 @@ pub async fn warm_invalidate<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// The `?path=&depth=&limit=` of the fs routes; anything else is a 400.
+fn fs_query(
+    query: Result<
+        axum::extract::Query<runbox_types::FsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<runbox_types::FsQuery, ApiError> {
+    query.map(|q| q.0).map_err(|e| {
+        ApiError::new(
+            ErrorCode::BadRequest,
+            format!("the query takes path, depth and limit ({e})"),
+        )
+    })
+}
+
+/// `GET /v1/runs/{id}/fs/stat?path=P`.
+pub async fn fs_stat<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    query: Result<
+        axum::extract::Query<runbox_types::FsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    let query = fs_query(query)?;
+    Ok(Json(state.service.stat_path(id, query.path).await?))
+}
+
+/// `GET /v1/runs/{id}/fs/list?path=P&depth=N&limit=N`.
+pub async fn fs_list<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    query: Result<
+        axum::extract::Query<runbox_types::FsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<runbox_types::FileList>, ApiError> {
+    let query = fs_query(query)?;
+    Ok(Json(state.service.list_path(id, query).await?))
+}
+
+/// `POST /v1/runs/{id}/fs/mkdir`.
+pub async fn fs_mkdir<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::MakeDirRequest>,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    Ok(Json(state.service.make_dir(id, req).await?))
+}
+
+/// `POST /v1/runs/{id}/fs/move`.
+pub async fn fs_move<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::MoveRequest>,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    Ok(Json(state.service.move_path(id, req).await?))
+}
+
+/// `POST /v1/runs/{id}/fs/remove`.
+pub async fn fs_remove<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::RemoveRequest>,
+) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
+    Ok(Json(state.service.remove_path(id, req).await?))
+}
+
 /// `GET /v1/pools`.
 pub async fn list_pools<S: RunService>(
     State(state): State<AppState<S>>,

@@ -66,6 +66,11 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
+        .route("/v1/runs/{id}/fs/stat", get(handlers::fs_stat::<S>))
+        .route("/v1/runs/{id}/fs/list", get(handlers::fs_list::<S>))
+        .route("/v1/runs/{id}/fs/mkdir", post(handlers::fs_mkdir::<S>))
+        .route("/v1/runs/{id}/fs/move", post(handlers::fs_move::<S>))
+        .route("/v1/runs/{id}/fs/remove", post(handlers::fs_remove::<S>))
         .route(
             "/v1/runs/{id}/warm-commit",
             post(handlers::warm_commit::<S>),

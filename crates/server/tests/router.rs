@@ -150,6 +150,61 @@ impl RunService for Stub {
     async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
         self.warm_template(&repo).map(|_| ())
     }
+    async fn stat_path(
+        &self,
+        id: Ulid,
+        path: Option<String>,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        found(id)?;
+        // The real path rules, so the router tests see bad paths refused.
+        runbox_core::validate::work_path(path.as_deref().unwrap_or("x"))?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::FileNotFound,
+            "no such file",
+        ))
+    }
+    async fn list_path(
+        &self,
+        id: Ulid,
+        _query: runbox_types::FsQuery,
+    ) -> Result<runbox_types::FileList, CoreError> {
+        found(id)?;
+        Ok(runbox_types::FileList {
+            entries: Vec::new(),
+            truncated: false,
+        })
+    }
+    async fn make_dir(
+        &self,
+        id: Ulid,
+        req: runbox_types::MakeDirRequest,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        found(id)?;
+        runbox_core::validate::work_path(&req.path)?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::PathEscape,
+            "leads outside",
+        ))
+    }
+    async fn move_path(
+        &self,
+        id: Ulid,
+        _req: runbox_types::MoveRequest,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::FileExists,
+            message: "exists".into(),
+        })
+    }
+    async fn remove_path(
+        &self,
+        id: Ulid,
+        _req: runbox_types::RemoveRequest,
+    ) -> Result<runbox_types::RemoveReply, CoreError> {
+        found(id)?;
+        Ok(runbox_types::RemoveReply { removed: 1 })
+    }
     fn pools(&self) -> runbox_types::PoolList {
         runbox_types::PoolList {
             pools: Vec::new(),
@@ -396,6 +451,11 @@ async fn health_is_open_and_everything_else_needs_the_token() {
         ("GET", "/v1/warmcache".to_owned()),
         ("GET", "/v1/warmcache/acme/web".to_owned()),
         ("DELETE", "/v1/warmcache/acme/web".to_owned()),
+        ("GET", format!("/v1/runs/{KNOWN}/fs/stat?path=a")),
+        ("GET", format!("/v1/runs/{KNOWN}/fs/list")),
+        ("POST", format!("/v1/runs/{KNOWN}/fs/mkdir")),
+        ("POST", format!("/v1/runs/{KNOWN}/fs/move")),
+        ("POST", format!("/v1/runs/{KNOWN}/fs/remove")),
         ("GET", "/v1/pools".to_owned()),
         ("PUT", "/v1/pools".to_owned()),
         ("POST", "/v1/drain".to_owned()),

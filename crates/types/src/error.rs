@@ -141,6 +141,10 @@ codes! {
     /// The run's sandbox died; the message says why. Delete it or let its
     /// TTL pass.
     RunFailed = "run_failed", 409;
+    /// A move's destination exists (and `overwrite` was not given).
+    FileExists = "file_exists", 409;
+    /// A directory to remove (or to move over) is not empty.
+    DirNotEmpty = "dir_not_empty", 409;
     /// An image with this name already exists.
     ImageExists = "image_exists", 409;
     /// The image is used by a run.

@@ -896,6 +896,130 @@ pub struct Info {
     pub storage: Option<StorageInfo>,
 }
 
+/// What a path is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FileKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Directory,
+    /// A symbolic link (described, never followed).
+    Symlink,
+    /// A FIFO, socket or device.
+    Other,
+}
+
+/// One path in a run's `/work`, as `stat` and `list` describe it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FileInfo {
+    /// Relative to `/work`; empty for `/work` itself.
+    pub path: String,
+    /// What it is.
+    pub kind: FileKind,
+    /// Size in bytes.
+    pub size: u64,
+    /// Permission bits (with set-id and sticky bits), as a number.
+    pub mode: u32,
+    /// Owner user id inside the run.
+    pub uid: u32,
+    /// Owner group id inside the run.
+    pub gid: u32,
+    /// Last modification (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub modified_at: OffsetDateTime,
+    /// A symlink's target, as stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+/// `GET /v1/runs/{id}/fs/list`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FileList {
+    /// The entries, in path order.
+    pub entries: Vec<FileInfo>,
+    /// More entries exist than were returned (raise `limit`, narrow `path`).
+    pub truncated: bool,
+}
+
+/// `POST /v1/runs/{id}/fs/mkdir`: a directory and its missing parents.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MakeDirRequest {
+    /// Relative to `/work`.
+    pub path: String,
+    /// Permission bits of the directories made (default 0o755).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
+    /// The lease holder, when the run is leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The lease generation, with `owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// `POST /v1/runs/{id}/fs/move`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MoveRequest {
+    /// Relative to `/work`.
+    pub from: String,
+    /// Relative to `/work`; its parent must exist.
+    pub to: String,
+    /// Replace an existing `to` (default: refuse with `409 file_exists`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overwrite: Option<bool>,
+    /// The lease holder, when the run is leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The lease generation, with `owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// `POST /v1/runs/{id}/fs/remove`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RemoveRequest {
+    /// Relative to `/work`.
+    pub path: String,
+    /// Remove a directory with everything in it (default: only an empty one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recursive: Option<bool>,
+    /// The lease holder, when the run is leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The lease generation, with `owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// The answer to a remove.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RemoveReply {
+    /// Entries removed, the path itself included.
+    pub removed: u64,
+}
+
+/// The query of `GET /v1/runs/{id}/fs/stat` and `/fs/list`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FsQuery {
+    /// Relative to `/work`; absent or empty for `/work` itself.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// Levels to list (1-16, default 1).
+    #[serde(default)]
+    pub depth: Option<u32>,
+    /// The most entries to list (1-10000, default 10000).
+    #[serde(default)]
+    pub limit: Option<u32>,
+}
+
 /// `GET /health`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

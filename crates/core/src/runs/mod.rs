@@ -22,6 +22,7 @@
 
 pub mod actor;
 mod fork;
+mod fs;
 pub mod phase;
 mod pool;
 pub mod reaper;

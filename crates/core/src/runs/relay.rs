@@ -70,7 +70,7 @@ pub struct FileDownload {
 
 impl Manager {
     /// Admits an exec or file write on run `id` under its lease, if any.
-    async fn admit(
+    pub(super) async fn admit(
         &self,
         id: Ulid,
         credential: Option<(String, u64)>,
@@ -100,7 +100,7 @@ impl Manager {
     }
 
     /// The agent of a run that can serve a read.
-    fn reader(&self, id: Ulid) -> Result<AgentClient, CoreError> {
+    pub(super) fn reader(&self, id: Ulid) -> Result<AgentClient, CoreError> {
         let (handle, _) = self.running(id)?;
         handle
             .agent
@@ -421,7 +421,7 @@ fn start_error(e: pb::AgentError) -> CoreError {
 
 /// Maps an agent's file-operation status onto an API error, by the
 /// `runbox-kind` metadata the agent attaches.
-fn file_error(status: tonic::Status) -> CoreError {
+pub(super) fn file_error(status: tonic::Status) -> CoreError {
     let kind = status
         .metadata()
         .get("runbox-kind")
@@ -434,6 +434,8 @@ fn file_error(status: tonic::Status) -> CoreError {
         "not_found" => ErrorCode::FileNotFound,
         "not_a_file" => ErrorCode::NotAFile,
         "denied" => ErrorCode::PermissionDenied,
+        "exists" => ErrorCode::FileExists,
+        "not_empty" => ErrorCode::DirNotEmpty,
         _ => return CoreError::Agent(format!("file operation failed: {message}")),
     };
     CoreError::invalid(code, message)

@@ -1,0 +1,203 @@
+//! Stat, list, mkdir, move and remove in a run's `/work`, through its
+//! agent (which confines them: see the agent's `fsops`). Reads are not
+//! fenced by the lease; the three writes are, like file uploads.
+//!
+//! What the agent answers is untrusted: paths and symlink targets are
+//! bounded, and a listing is cut at the documented maximum.
+
+use std::time::Duration;
+
+use runbox_agent_proto::pb;
+use runbox_types::{
+    FileInfo, FileKind, FileList, MakeDirRequest, MoveRequest, RemoveReply, RemoveRequest,
+};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+use super::relay::{bounded, file_error};
+use super::Manager;
+use crate::error::CoreError;
+use crate::validate;
+
+/// How long one stat, list, mkdir or move may take.
+const FS_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a (recursive) remove may take.
+const REMOVE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The most entries a listing returns.
+pub const MAX_LIST_ENTRIES: u32 = 10_000;
+
+/// The deepest a listing goes.
+pub const MAX_LIST_DEPTH: u32 = 16;
+
+/// The longest path or symlink target taken from an agent.
+const MAX_AGENT_PATH: usize = 4096;
+
+/// `path` relative to `/work`, normalised; None (the empty string to the
+/// agent) for `/work` itself.
+fn path_or_root(path: Option<&str>) -> Result<String, CoreError> {
+    match path {
+        None => Ok(String::new()),
+        Some(p) if p.split('/').all(|c| c.is_empty() || c == ".") && !p.contains('\0') => {
+            Ok(String::new())
+        }
+        Some(p) => validate::work_path(p),
+    }
+}
+
+/// An agent's description, checked.
+fn info(raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
+    if raw.path.len() > MAX_AGENT_PATH || raw.symlink_target.len() > MAX_AGENT_PATH {
+        return Err(CoreError::Agent(
+            "the agent sent a path longer than 4096 bytes".into(),
+        ));
+    }
+    let kind = match pb::FileKind::try_from(raw.kind) {
+        Ok(pb::FileKind::Regular) => FileKind::File,
+        Ok(pb::FileKind::Directory) => FileKind::Directory,
+        Ok(pb::FileKind::Symlink) => FileKind::Symlink,
+        _ => FileKind::Other,
+    };
+    let modified_at =
+        OffsetDateTime::from_unix_timestamp_nanos(i128::from(raw.modified_unix_ms) * 1_000_000)
+            .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+    Ok(FileInfo {
+        path: raw.path,
+        kind,
+        size: raw.size,
+        mode: raw.mode & 0o7777,
+        uid: raw.uid,
+        gid: raw.gid,
+        modified_at,
+        target: (kind == FileKind::Symlink).then_some(raw.symlink_target),
+    })
+}
+
+/// An agent call's status as an API error; an agent that predates the
+/// call says so.
+fn fs_error(status: tonic::Status) -> CoreError {
+    if status.code() == tonic::Code::Unimplemented {
+        return CoreError::Agent(format!(
+            "this run's agent predates this file operation ({}); create the run again",
+            bounded(status.message())
+        ));
+    }
+    file_error(status)
+}
+
+async fn timed<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, CoreError> {
+    tokio::time::timeout(limit, call)
+        .await
+        .map_err(|_| {
+            CoreError::Agent("the agent did not answer the file operation in time".into())
+        })?
+        .map(tonic::Response::into_inner)
+        .map_err(fs_error)
+}
+
+impl Manager {
+    /// Describes `path` (None: `/work` itself) without following a symlink.
+    pub async fn stat_path(&self, id: Ulid, path: Option<&str>) -> Result<FileInfo, CoreError> {
+        let path = path_or_root(path)?;
+        let mut agent = self.reader(id)?;
+        info(timed(FS_CALL_TIMEOUT, agent.stat(pb::StatRequest { path })).await?)
+    }
+
+    /// Lists `path` (None: `/work`), `depth` levels down, at most `limit`
+    /// entries.
+    pub async fn list_path(
+        &self,
+        id: Ulid,
+        path: Option<&str>,
+        depth: Option<u32>,
+        limit: Option<u32>,
+    ) -> Result<FileList, CoreError> {
+        let path = path_or_root(path)?;
+        let depth = depth.unwrap_or(1);
+        if !(1..=MAX_LIST_DEPTH).contains(&depth) {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::BadRequest,
+                format!("depth must be 1 to {MAX_LIST_DEPTH}"),
+            ));
+        }
+        let limit = limit.unwrap_or(MAX_LIST_ENTRIES);
+        if !(1..=MAX_LIST_ENTRIES).contains(&limit) {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::BadRequest,
+                format!("limit must be 1 to {MAX_LIST_ENTRIES}"),
+            ));
+        }
+        let mut agent = self.reader(id)?;
+        let reply = timed(
+            FS_CALL_TIMEOUT,
+            agent.list_dir(pb::ListDirRequest { path, depth, limit }),
+        )
+        .await?;
+        let truncated = reply.truncated || reply.entries.len() > limit as usize;
+        let entries = reply
+            .entries
+            .into_iter()
+            .take(limit as usize)
+            .map(info)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(FileList { entries, truncated })
+    }
+
+    /// Makes a directory and its missing parents (fenced by the lease).
+    pub async fn make_dir(&self, id: Ulid, req: MakeDirRequest) -> Result<FileInfo, CoreError> {
+        let path = validate::work_path(&req.path)?;
+        let mode = req.mode.unwrap_or(0o755);
+        if mode > 0o7777 {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::BadRequest,
+                "mode must be permission bits, at most 0o7777 (4095)",
+            ));
+        }
+        let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        info(
+            timed(
+                FS_CALL_TIMEOUT,
+                agent.make_dir(pb::MakeDirRequest { path, mode }),
+            )
+            .await?,
+        )
+    }
+
+    /// Renames a path (fenced by the lease).
+    pub async fn move_path(&self, id: Ulid, req: MoveRequest) -> Result<FileInfo, CoreError> {
+        let from = validate::work_path(&req.from)?;
+        let to = validate::work_path(&req.to)?;
+        let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let call = agent.r#move(pb::MoveRequest {
+            from,
+            to,
+            overwrite: req.overwrite.unwrap_or(false),
+        });
+        info(timed(FS_CALL_TIMEOUT, call).await?)
+    }
+
+    /// Removes a path (fenced by the lease).
+    pub async fn remove_path(
+        &self,
+        id: Ulid,
+        req: RemoveRequest,
+    ) -> Result<RemoveReply, CoreError> {
+        let path = validate::work_path(&req.path)?;
+        let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let call = agent.remove(pb::RemoveRequest {
+            path,
+            recursive: req.recursive.unwrap_or(false),
+        });
+        let reply = timed(REMOVE_TIMEOUT, call).await?;
+        Ok(RemoveReply {
+            removed: reply.removed,
+        })
+    }
+}
