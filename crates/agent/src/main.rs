@@ -34,6 +34,7 @@ mod files;
 mod fsops;
 mod reaper;
 mod service;
+mod watch;
 
 use std::io;
 use std::os::fd::{FromRawFd, RawFd};

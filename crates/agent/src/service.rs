@@ -9,15 +9,15 @@ use std::sync::Arc;
 use runbox_agent_proto::pb::agent_server::Agent;
 use runbox_agent_proto::pb::{
     ExecInput, FileInfo, HelloReply, HelloRequest, ListDirReply, ListDirRequest, MakeDirRequest,
-    MoveRequest, ReadFileRequest, RemoveReply, RemoveRequest, StatRequest, WriteFileChunk,
-    WriteFileReply,
+    MoveRequest, ReadFileRequest, RemoveReply, RemoveRequest, StatRequest, WatchRequest,
+    WriteFileChunk, WriteFileReply,
 };
 use runbox_agent_proto::PROTOCOL;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::confine::WorkDir;
 use crate::reaper::Reaper;
-use crate::{exec, files, fsops};
+use crate::{exec, files, fsops, watch};
 
 /// The agent's implementation of the protocol.
 #[derive(Debug, Clone)]
@@ -105,6 +105,17 @@ impl Agent for AgentService {
     async fn r#move(&self, request: Request<MoveRequest>) -> Result<Response<FileInfo>, Status> {
         Ok(Response::new(
             fsops::move_path(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
+    }
+
+    type WatchStream = watch::WatchStream;
+
+    async fn watch(
+        &self,
+        request: Request<WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Ok(Response::new(
+            watch::watch(Arc::clone(&self.work), request.into_inner()).await?,
         ))
     }
 

@@ -287,3 +287,74 @@ async fn nothing_reaches_outside_the_work_directory() {
         assert_eq!(common::kind(&err), "invalid_path", "{path:?}");
     }
 }
+
+#[tokio::test]
+async fn watch_reports_changes_below_and_only_below() {
+    use runbox_agent_proto::pb::{WatchKind, WatchRequest};
+    let mut agent = TestAgent::start().await;
+    std::fs::create_dir_all(agent.path("src/old")).unwrap();
+    let outside = agent.dir.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    symlink(&outside, agent.path("out")).unwrap();
+    let mut events = agent
+        .client
+        .watch(WatchRequest {
+            path: "".into(),
+            recursive: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = events.message().await.unwrap().unwrap();
+    assert_eq!(first.kind, WatchKind::Ready as i32);
+    // Changes inside (a new directory is watched as it appears) ...
+    std::fs::write(agent.path("src/a.txt"), "a").unwrap();
+    std::fs::create_dir(agent.path("src/new")).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    std::fs::write(agent.path("src/new/b.txt"), "b").unwrap();
+    std::fs::rename(agent.path("src/a.txt"), agent.path("src/c.txt")).unwrap();
+    std::fs::remove_file(agent.path("src/c.txt")).unwrap();
+    // ... and outside, through the symlink, which is never watched.
+    std::fs::write(outside.join("secret"), "s").unwrap();
+    std::fs::write(agent.path("done"), "").unwrap();
+    let mut seen = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(PATIENCE, events.message())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let kind = WatchKind::try_from(ev.kind).unwrap();
+        let line = match kind {
+            WatchKind::Renamed => format!("renamed {} -> {}", ev.from, ev.path),
+            other => format!("{} {}", other.as_str_name().to_lowercase(), ev.path),
+        };
+        let done = ev.path == "done" && kind == WatchKind::Written;
+        seen.push(line);
+        if done {
+            break;
+        }
+    }
+    let expected = [
+        "created src/a.txt",
+        "written src/a.txt",
+        "created src/new",
+        "created src/new/b.txt",
+        "written src/new/b.txt",
+        "renamed src/a.txt -> src/c.txt",
+        "removed src/c.txt",
+        "created done",
+        "written done",
+    ];
+    assert_eq!(seen, expected);
+    // A watch through a symlink that leaves is refused.
+    let err = agent
+        .client
+        .watch(WatchRequest {
+            path: "out".into(),
+            recursive: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(common::kind(&err), "escape");
+}

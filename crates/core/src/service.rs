@@ -131,6 +131,12 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         query: runbox_types::FsQuery,
     ) -> impl Future<Output = Result<runbox_types::FileList, CoreError>> + Send;
+    /// Watches a directory of a run's `/work`: the first event is `ready`.
+    fn watch_path(
+        &self,
+        id: Ulid,
+        query: runbox_types::FsQuery,
+    ) -> impl Future<Output = Result<BoxStream<'static, runbox_types::WatchEvent>, CoreError>> + Send;
     /// Makes a directory (and its parents) in a run's `/work`.
     fn make_dir(
         &self,
@@ -293,6 +299,22 @@ impl RunService for Arc<Manager> {
         query: runbox_types::FsQuery,
     ) -> Result<runbox_types::FileList, CoreError> {
         Manager::list_path(self, id, query.path.as_deref(), query.depth, query.limit).await
+    }
+
+    async fn watch_path(
+        &self,
+        id: Ulid,
+        query: runbox_types::FsQuery,
+    ) -> Result<BoxStream<'static, runbox_types::WatchEvent>, CoreError> {
+        use futures::StreamExt;
+        let stream = Manager::watch_path(
+            self,
+            id,
+            query.path.as_deref(),
+            query.recursive.unwrap_or(false),
+        )
+        .await?;
+        Ok(stream.boxed())
     }
 
     async fn make_dir(

@@ -150,6 +150,15 @@ impl Agent for FakeAgent {
         Err(Status::unimplemented("not modelled"))
     }
 
+    type WatchStream = OutStream<pb::WatchEvent>;
+
+    async fn watch(
+        &self,
+        _: Request<pb::WatchRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
     type ReadFileStream = OutStream<pb::ReadFileChunk>;
 
     async fn read_file(

@@ -169,3 +169,133 @@ async fn file_system_operations_work_and_stay_in_work() {
     );
     c.delete_run(&id).await.unwrap();
 }
+
+/// Reads server-sent events from `response` until `until` says stop; each
+/// as (event name, data JSON).
+async fn sse_events(
+    mut response: reqwest::Response,
+    mut until: impl FnMut(&str, &serde_json::Value) -> bool,
+) -> Vec<(String, serde_json::Value)> {
+    let mut buffer = String::new();
+    let mut out = Vec::new();
+    loop {
+        let chunk = tokio::time::timeout(std::time::Duration::from_secs(30), response.chunk())
+            .await
+            .expect("an event within 30 s")
+            .expect("the stream")
+            .expect("the stream did not end");
+        buffer.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buffer.find("\n\n") {
+            let block: String = buffer.drain(..end + 2).collect();
+            let mut name = String::new();
+            let mut data = String::new();
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("event:") {
+                    name = v.trim().to_owned();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data.push_str(v.trim());
+                }
+            }
+            if name.is_empty() {
+                continue; // a keep-alive comment
+            }
+            let value: serde_json::Value = serde_json::from_str(&data).unwrap();
+            let stop = until(&name, &value);
+            out.push((name, value));
+            if stop {
+                return out;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_streams_changes_made_in_the_run() {
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon.sh(&id, "mkdir -p /work/src").await;
+    let http = reqwest::Client::new();
+    let response = http
+        .get(format!(
+            "{}/v1/runs/{id}/fs/watch?path=src&recursive=true",
+            daemon.url
+        ))
+        .bearer_auth(&daemon.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream"
+    );
+    // Start the changes once the watch says it is in place.
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut ready_tx = Some(ready_tx);
+    let collect = sse_events(response, move |name, data| {
+        if name == "ready" {
+            if let Some(tx) = ready_tx.take() {
+                let _ = tx.send(());
+            }
+        }
+        name == "written" && data["path"] == "src/done"
+    });
+    let changes = async {
+        ready_rx.await.unwrap();
+        daemon
+            .sh(
+                &id,
+                "cd /work/src && echo a > a.txt && mkdir lib && sleep 0.2 && echo b > lib/b.txt \
+                 && mv a.txt c.txt && rm c.txt && echo > done",
+            )
+            .await;
+    };
+    let (events, ()) = tokio::join!(collect, changes);
+    let lines: Vec<String> = events
+        .iter()
+        .map(|(name, data)| match name.as_str() {
+            "renamed" => format!(
+                "renamed {} -> {}",
+                data["from"].as_str().unwrap(),
+                data["path"].as_str().unwrap()
+            ),
+            other => format!("{other} {}", data["path"].as_str().unwrap()),
+        })
+        .collect();
+    assert_eq!(
+        lines,
+        [
+            "ready ",
+            "created src/a.txt",
+            "written src/a.txt",
+            "created src/lib",
+            "created src/lib/b.txt",
+            "written src/lib/b.txt",
+            "renamed src/a.txt -> src/c.txt",
+            "removed src/c.txt",
+            "created src/done",
+            "written src/done",
+        ]
+    );
+    // Watching a file, or through `..`, is refused.
+    let (status, body) = raw_request(
+        &daemon.url,
+        "GET",
+        &format!("/v1/runs/{id}/fs/watch?path=src/lib/b.txt"),
+        &daemon.token,
+        b"",
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not_a_file"), "{body}");
+    let (status, _) = raw_request(
+        &daemon.url,
+        "GET",
+        &format!("/v1/runs/{id}/fs/watch?path=../etc"),
+        &daemon.token,
+        b"",
+    )
+    .await;
+    assert_eq!(status, 400);
+    daemon.client.delete_run(&id).await.unwrap();
+}

@@ -265,6 +265,34 @@ pub async fn fs_list<S: RunService>(
     Ok(Json(state.service.list_path(id, query).await?))
 }
 
+/// `GET /v1/runs/{id}/fs/watch?path=P&recursive=true`: server-sent events,
+/// one per change, named by their kind; `ready` first.
+pub async fn fs_watch<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    query: Result<
+        axum::extract::Query<runbox_types::FsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Response, ApiError> {
+    let query = fs_query(query)?;
+    let events = state.service.watch_path(id, query).await?;
+    let stream = events.map(|event| {
+        let name = serde_json::to_value(event.kind)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        Ok::<_, Infallible>(json_event(&name, &event))
+    });
+    let mut response = Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response();
+    response
+        .headers_mut()
+        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(response)
+}
+
 /// `POST /v1/runs/{id}/fs/mkdir`.
 pub async fn fs_mkdir<S: RunService>(
     State(state): State<AppState<S>>,

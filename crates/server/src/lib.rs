@@ -68,6 +68,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
         .route("/v1/runs/{id}/fs/stat", get(handlers::fs_stat::<S>))
         .route("/v1/runs/{id}/fs/list", get(handlers::fs_list::<S>))
+        .route("/v1/runs/{id}/fs/watch", get(handlers::fs_watch::<S>))
         .route("/v1/runs/{id}/fs/mkdir", post(handlers::fs_mkdir::<S>))
         .route("/v1/runs/{id}/fs/move", post(handlers::fs_move::<S>))
         .route("/v1/runs/{id}/fs/remove", post(handlers::fs_remove::<S>))

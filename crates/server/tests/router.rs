@@ -174,6 +174,20 @@ impl RunService for Stub {
             truncated: false,
         })
     }
+    async fn watch_path(
+        &self,
+        id: Ulid,
+        _query: runbox_types::FsQuery,
+    ) -> Result<futures::stream::BoxStream<'static, runbox_types::WatchEvent>, CoreError> {
+        found(id)?;
+        Ok(futures::stream::iter(vec![runbox_types::WatchEvent {
+            kind: runbox_types::WatchKind::Ready,
+            path: String::new(),
+            from: None,
+            is_dir: true,
+        }])
+        .boxed())
+    }
     async fn make_dir(
         &self,
         id: Ulid,
@@ -453,6 +467,7 @@ async fn health_is_open_and_everything_else_needs_the_token() {
         ("DELETE", "/v1/warmcache/acme/web".to_owned()),
         ("GET", format!("/v1/runs/{KNOWN}/fs/stat?path=a")),
         ("GET", format!("/v1/runs/{KNOWN}/fs/list")),
+        ("GET", format!("/v1/runs/{KNOWN}/fs/watch")),
         ("POST", format!("/v1/runs/{KNOWN}/fs/mkdir")),
         ("POST", format!("/v1/runs/{KNOWN}/fs/move")),
         ("POST", format!("/v1/runs/{KNOWN}/fs/remove")),

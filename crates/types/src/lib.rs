@@ -1018,6 +1018,42 @@ pub struct FsQuery {
     /// The most entries to list (1-10000, default 10000).
     #[serde(default)]
     pub limit: Option<u32>,
+    /// `watch`: the directories below too (default false).
+    #[serde(default)]
+    pub recursive: Option<bool>,
+}
+
+/// What a watch saw; the SSE event's name is `kind`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WatchKind {
+    /// The watch is in place: later changes are reported. Always first.
+    Ready,
+    /// A path appeared.
+    Created,
+    /// A file opened for writing was closed.
+    Written,
+    /// A path went away (or was moved out of the watched tree).
+    Removed,
+    /// `from` was renamed to `path`.
+    Renamed,
+    /// Events were lost; list the directory again.
+    Overflow,
+}
+
+/// One event of `GET /v1/runs/{id}/fs/watch`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WatchEvent {
+    /// What happened.
+    pub kind: WatchKind,
+    /// Relative to `/work` (empty for `ready` and `overflow`).
+    pub path: String,
+    /// `renamed`: the old path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// Whether the path is a directory.
+    pub is_dir: bool,
 }
 
 /// `GET /health`.

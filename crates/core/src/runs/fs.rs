@@ -100,6 +100,52 @@ async fn timed<T>(
 }
 
 impl Manager {
+    /// Changes below `path` (None: `/work`), as they happen, until the
+    /// returned stream is dropped (which cancels the agent's watch) or the
+    /// run ends. The first event is `ready`.
+    pub async fn watch_path(
+        &self,
+        id: Ulid,
+        path: Option<&str>,
+        recursive: bool,
+    ) -> Result<impl futures::Stream<Item = runbox_types::WatchEvent> + Send + 'static, CoreError>
+    {
+        use futures::StreamExt;
+        let path = path_or_root(path)?;
+        let (handle, _) = self.running(id)?;
+        let mut agent = self.reader(id)?;
+        let events = timed(
+            FS_CALL_TIMEOUT,
+            agent.watch(pb::WatchRequest { path, recursive }),
+        )
+        .await?;
+        let ended = handle.ended.clone();
+        let stream = events
+            .take_until(async move { ended.cancelled().await })
+            .filter_map(|item| async move {
+                let raw = item.ok()?;
+                if raw.path.len() > MAX_AGENT_PATH || raw.from.len() > MAX_AGENT_PATH {
+                    return None;
+                }
+                let kind = match pb::WatchKind::try_from(raw.kind).ok()? {
+                    pb::WatchKind::Ready => runbox_types::WatchKind::Ready,
+                    pb::WatchKind::Created => runbox_types::WatchKind::Created,
+                    pb::WatchKind::Written => runbox_types::WatchKind::Written,
+                    pb::WatchKind::Removed => runbox_types::WatchKind::Removed,
+                    pb::WatchKind::Renamed => runbox_types::WatchKind::Renamed,
+                    pb::WatchKind::Overflow => runbox_types::WatchKind::Overflow,
+                    pb::WatchKind::Unspecified => return None,
+                };
+                Some(runbox_types::WatchEvent {
+                    kind,
+                    path: raw.path,
+                    from: (kind == runbox_types::WatchKind::Renamed).then_some(raw.from),
+                    is_dir: raw.is_dir,
+                })
+            });
+        Ok(stream)
+    }
+
     /// Describes `path` (None: `/work` itself) without following a symlink.
     pub async fn stat_path(&self, id: Ulid, path: Option<&str>) -> Result<FileInfo, CoreError> {
         let path = path_or_root(path)?;
