@@ -107,6 +107,9 @@ pub enum FileError {
         /// The path as the client sent it.
         path: String,
     },
+    /// The owner named for a written file does not exist in the run.
+    #[error("{0}")]
+    BadUser(String),
     /// A move would replace an existing destination without `overwrite`.
     #[error("{path:?} already exists; remove it first or move with overwrite")]
     Exists {
@@ -185,6 +188,7 @@ impl FileError {
             Self::NotAFile { .. } | Self::NotADirectory { .. } => "not_a_file",
             Self::Denied { .. } => "denied",
             Self::Exists { .. } => "exists",
+            Self::BadUser(_) => "bad_user",
             Self::NotEmpty { .. } => "not_empty",
             Self::Shrank { .. } | Self::Internal(_) | Self::Io { .. } => "io",
         }
@@ -196,7 +200,7 @@ impl FileError {
             // A truncated read is the one `io` failure with a more precise code.
             Self::Shrank { .. } => Code::DataLoss,
             _ => match self.kind() {
-                "invalid_path" => Code::InvalidArgument,
+                "invalid_path" | "bad_user" => Code::InvalidArgument,
                 "escape" | "denied" => Code::PermissionDenied,
                 "not_found" => Code::NotFound,
                 "not_a_file" | "not_empty" => Code::FailedPrecondition,

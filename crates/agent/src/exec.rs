@@ -81,6 +81,9 @@ pub enum ExecError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The user to run as does not exist in the run.
+    #[error("{0}")]
+    BadUser(String),
     /// No PATH entry (or the given path) holds the program.
     #[error("command not found: {0}")]
     NotFound(String),
@@ -122,6 +125,7 @@ impl ExecError {
         match self {
             Self::Invalid(_) => ErrorKind::Invalid,
             Self::BadCwd { .. } => ErrorKind::BadCwd,
+            Self::BadUser(_) => ErrorKind::BadUser,
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::NotExecutable(_) => ErrorKind::PermissionDenied,
             Self::Spawn { .. } => ErrorKind::Io,
@@ -218,6 +222,8 @@ struct Plan {
     cwd: PathBuf,
     env: Vec<(String, String)>,
     stdin: bool,
+    /// Who runs it; None: the agent's own identity (root).
+    identity: Option<crate::user::Identity>,
 }
 
 /// Validates `start` and resolves what it names, without starting anything.
@@ -225,7 +231,24 @@ fn prepare(start: ExecStart, work_dir: &Path) -> Result<Plan, ExecError> {
     validate(&start)?;
     let cwd = resolve_cwd(&start.cwd, work_dir);
     check_cwd(&cwd)?;
-    let env = build_env(start.env);
+    let identity = match start.user.as_str() {
+        "" => None,
+        spec => Some(crate::user::resolve(spec).map_err(ExecError::BadUser)?),
+    };
+    let mut env = build_env(start.env);
+    // The daemon's default HOME is root's; a user with a home of its own
+    // gets that one.
+    if let Some(home) = identity
+        .as_ref()
+        .filter(|i| i.uid != 0)
+        .and_then(|i| i.home.clone())
+    {
+        for (name, value) in env.iter_mut() {
+            if name == "HOME" && value == "/root" {
+                *value = home.clone();
+            }
+        }
+    }
     let argv0 = &start.argv[0];
     let program = if argv0.contains('/') {
         // Relative paths with a slash are relative to the new cwd, as in a
@@ -247,6 +270,7 @@ fn prepare(start: ExecStart, work_dir: &Path) -> Result<Plan, ExecError> {
         cwd,
         env,
         stdin: start.stdin,
+        identity,
     })
 }
 
@@ -267,12 +291,20 @@ impl Plan {
             })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        let identity = self.identity.clone();
         // SAFETY: the closure runs in the child between fork and exec, where
-        // only async-signal-safe calls are allowed; `child_setup` makes only
-        // raw system calls (setsid, sigprocmask, sigaction) and allocates
-        // nothing.
+        // only async-signal-safe calls are allowed; `child_setup` and
+        // `become_user` make only raw system calls (setsid, sigprocmask,
+        // sigaction, setgroups, setgid, setuid) and allocate nothing (the
+        // group list was made before the fork).
         unsafe {
-            command.pre_exec(child_setup);
+            command.pre_exec(move || {
+                child_setup()?;
+                if let Some(identity) = &identity {
+                    become_user(identity)?;
+                }
+                Ok(())
+            });
         }
         let (mut child, exit) = reaper
             .spawn(&mut command)
@@ -308,6 +340,22 @@ fn child_setup() -> io::Result<()> {
             // handled ones would be reset anyway. SIGKILL, SIGSTOP and the
             // libc-reserved real-time signals refuse the change, harmlessly.
             libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+    Ok(())
+}
+
+/// Drops to `identity`: supplementary groups, then the group, then the
+/// user (after which the others could not be changed).
+fn become_user(identity: &crate::user::Identity) -> io::Result<()> {
+    // SAFETY: setgroups, setgid and setuid are async-signal-safe system
+    // calls; the group slice lives in the closure for the whole call.
+    unsafe {
+        if libc::setgroups(identity.groups.len(), identity.groups.as_ptr()) != 0
+            || libc::setgid(identity.gid) != 0
+            || libc::setuid(identity.uid) != 0
+        {
+            return Err(io::Error::last_os_error());
         }
     }
     Ok(())

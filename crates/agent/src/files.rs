@@ -275,6 +275,11 @@ fn create_temp(
     rel: &RelPath,
     header: &WriteFileHeader,
 ) -> Result<(TempFile, File), FileError> {
+    // Resolved before anything is made: an unknown owner changes nothing.
+    let owner = match header.user.as_str() {
+        "" => None,
+        spec => Some(crate::user::resolve(spec).map_err(FileError::BadUser)?),
+    };
     let root = work.open()?;
     let parent = open_parent(&root, rel)?;
 
@@ -325,6 +330,15 @@ fn create_temp(
         };
         // The header's mode is applied exactly: the agent's umask is an
         // accident of how it was started and must not change the result.
+        if let Some(owner) = &owner {
+            rustix::fs::fchown(
+                &fd,
+                Some(rustix::process::Uid::from_raw(owner.uid)),
+                Some(rustix::process::Gid::from_raw(owner.gid)),
+            )
+            .map_err(|errno| FileError::from_errno(errno, "set the owner of", rel.original()))?;
+        }
+        // After the chown, which clears set-id bits (none are set anyway).
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))
             .map_err(|errno| FileError::from_errno(errno, "set the mode of", rel.original()))?;
         return Ok((temp, File::from(fd)));

@@ -34,6 +34,7 @@ mod files;
 mod fsops;
 mod reaper;
 mod service;
+mod user;
 mod watch;
 
 use std::io;

@@ -386,3 +386,29 @@ async fn many_commands_in_parallel_are_each_reaped_once() {
     }
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
+
+#[tokio::test]
+async fn commands_run_as_the_user_asked_for() {
+    let mut agent = TestAgent::start().await;
+    // The host's /etc/passwd stands in for the run's here; `nobody` is in
+    // every distribution's.
+    let mut request = sh("echo $(id -u) $(id -g) $HOME");
+    request.user = "nobody".into();
+    request.env = vec![env_var("HOME", "/root"), env_var("PATH", "/usr/bin:/bin")];
+    let out = exec(&mut agent.client, request).await;
+    let stdout = out.stdout_str();
+    assert!(stdout.starts_with("65534 "), "{stdout}");
+    assert!(
+        !stdout.trim_end().ends_with("/root"),
+        "HOME follows the user: {stdout}"
+    );
+    let mut request = sh("echo $(id -u):$(id -g) $(id -G)");
+    request.user = "4242:4343".into();
+    let out = exec(&mut agent.client, request).await;
+    assert_eq!(out.stdout_str(), "4242:4343 4343\n");
+    let mut request = start(&["true"]);
+    request.user = "no-such-user-here".into();
+    let out = exec(&mut agent.client, request).await;
+    assert_eq!(out.error().kind(), ErrorKind::BadUser);
+    assert!(out.error().message.contains("no-such-user-here"));
+}

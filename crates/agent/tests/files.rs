@@ -358,3 +358,42 @@ async fn read_of_a_shrinking_file_ends_with_data_loss() {
     assert_eq!(status.code(), Code::DataLoss);
     assert_eq!(kind(&status), "io");
 }
+
+#[tokio::test]
+async fn written_files_belong_to_the_user_asked_for() {
+    use std::os::unix::fs::MetadataExt;
+    let mut agent = TestAgent::start().await;
+    let mut messages = write_messages("owned.txt", 0, b"mine", true);
+    if let Some(write_file_chunk::Kind::Header(h)) = &mut messages[0].kind {
+        h.user = "4242:4343".into();
+    }
+    let (tx, rx) = mpsc::channel(8);
+    for m in messages {
+        tx.send(m).await.unwrap();
+    }
+    drop(tx);
+    agent
+        .client
+        .write_file(ReceiverStream::new(rx))
+        .await
+        .unwrap();
+    let meta = std::fs::metadata(agent.path("owned.txt")).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), (4242, 4343));
+    // An unknown owner writes nothing.
+    let mut messages = write_messages("nope.txt", 0, b"x", true);
+    if let Some(write_file_chunk::Kind::Header(h)) = &mut messages[0].kind {
+        h.user = "no-such-user-here".into();
+    }
+    let (tx, rx) = mpsc::channel(8);
+    for m in messages {
+        tx.send(m).await.unwrap();
+    }
+    drop(tx);
+    let err = agent
+        .client
+        .write_file(ReceiverStream::new(rx))
+        .await
+        .unwrap_err();
+    assert_eq!(kind(&err), "bad_user");
+    assert!(!agent.path("nope.txt").exists());
+}

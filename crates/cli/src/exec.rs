@@ -49,6 +49,10 @@ pub struct ExecArgs {
     /// Environment variable for this command (repeatable); overrides the run's
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_env_var)]
     pub env: Vec<EnvVar>,
+    /// Run as this user (name, uid, name:group, uid:gid) [default: the
+    /// image's User, else root]
+    #[arg(long, short = 'u', value_name = "USER")]
+    pub user: Option<String>,
     /// The command and its arguments; the command is looked up in the run's PATH
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     pub cmd: Vec<String>,
@@ -68,6 +72,7 @@ pub async fn run(args: ExecArgs) -> anyhow::Result<ExitCode> {
         env: env_map(args.env),
         owner: args.lease.owner,
         generation: args.lease.generation,
+        user: args.user,
     };
     let mut events = match conn.client.exec(&args.id, &req).await {
         Ok(events) => events,

@@ -51,7 +51,8 @@ pub struct ImageConfig {
     /// `Cmd`.
     #[serde(default)]
     pub cmd: Vec<String>,
-    /// `User`: recorded and shown; commands still run as root (see docs/api.md).
+    /// `User`: who commands run as (unless an exec names another) and who
+    /// owns uploaded files (see docs/api.md).
     #[serde(default)]
     pub user: Option<String>,
 }

@@ -407,6 +407,21 @@ pub fn image_name(name: &str) -> Result<(), CoreError> {
     }
 }
 
+/// Checks an exec's `user` (the agent resolves it in the run): 1-256
+/// characters, no control characters.
+pub fn user(user: String) -> Result<String, CoreError> {
+    if user.is_empty() || user.len() > 256 || user.chars().any(char::is_control) {
+        return Err(CoreError::invalid(
+            ErrorCode::BadUser,
+            format!(
+                "user {:?} is invalid: give a name, a uid, name:group or uid:gid",
+                truncate(&user, 80)
+            ),
+        ));
+    }
+    Ok(user)
+}
+
 /// The most labels a run may have.
 const MAX_LABELS: usize = 64;
 

@@ -299,3 +299,71 @@ async fn a_watch_streams_changes_made_in_the_run() {
     assert_eq!(status, 400);
     daemon.client.delete_run(&id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_images_user_runs_commands_and_owns_uploads() {
+    let daemon = TestDaemon::start(None).await;
+    let config = serde_json::json!({
+        "architecture": "amd64", "os": "linux",
+        "config": {"User": "nobody", "Env": ["PATH=/usr/bin:/bin"]},
+        "rootfs": {"type": "layers", "diff_ids": []}
+    });
+    daemon
+        .client
+        .import_image(
+            "as-nobody",
+            runbox_e2e::body(runbox_e2e::oci_layout_tar(
+                &[runbox_e2e::busybox_tar()],
+                &config,
+            )),
+        )
+        .await
+        .unwrap();
+    let run = daemon
+        .create_with(runbox_types::CreateRunRequest {
+            image: "as-nobody".into(),
+            ..Default::default()
+        })
+        .await;
+    let id = run.id.to_string();
+    let out = daemon.sh(&id, "id -u; echo $HOME").await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "65534\n/nonexistent\n"
+    );
+    // A per-exec user overrides it.
+    let as_root = daemon
+        .exec(
+            &id,
+            runbox_types::ExecRequest {
+                cmd: vec!["id".into(), "-u".into()],
+                user: Some("root".into()),
+                ..Default::default()
+            },
+        )
+        .await;
+    assert_eq!(String::from_utf8_lossy(&as_root.stdout), "0\n");
+    // Uploads belong to the image's user.
+    daemon
+        .client
+        .put_file(&id, "owned.txt", runbox_e2e::body(b"mine".to_vec()))
+        .await
+        .unwrap();
+    let out = daemon.sh(&id, "stat -c %u /work/owned.txt").await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "65534\n");
+    // An unknown user is a 400 naming it.
+    let (status, body) = raw_request(
+        &daemon.url,
+        "POST",
+        &format!("/v1/runs/{id}/exec"),
+        &daemon.token,
+        br#"{"cmd": ["true"], "user": "ghost"}"#,
+    )
+    .await;
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("bad_user") && body.contains("ghost"),
+        "{body}"
+    );
+    daemon.client.delete_run(&id).await.unwrap();
+}

@@ -82,6 +82,9 @@ codes! {
     RegistryError = "registry_error", 502;
     /// The exec command is empty or malformed.
     BadCommand = "bad_command", 400;
+    /// The user to run a command as (or to own a written file) does not
+    /// exist in the run's `/etc/passwd` / `/etc/group`, or is malformed.
+    BadUser = "bad_user", 400;
     /// The working directory does not exist in the run.
     BadCwd = "bad_cwd", 400;
     /// The command was not found in the run.

@@ -570,6 +570,11 @@ pub struct ExecRequest {
     /// The generation of that holder's lease; given together with `owner`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generation: Option<u64>,
+    /// Who runs the command: `name`, `uid`, `name:group` or `uid:gid` as
+    /// the run's `/etc/passwd` and `/etc/group` know them (default: the
+    /// image's `User`, else root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 /// Why an exec stream ended.

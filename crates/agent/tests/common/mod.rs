@@ -243,6 +243,7 @@ pub fn write_messages(path: &str, mode: u32, data: &[u8], commit: bool) -> Vec<W
         kind: Some(write_file_chunk::Kind::Header(WriteFileHeader {
             path: path.into(),
             mode,
+            ..Default::default()
         })),
     }];
     for chunk in data.chunks(CHUNK_SIZE) {

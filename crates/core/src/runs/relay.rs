@@ -156,6 +156,7 @@ impl Manager {
             None => None,
         };
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let user = req.user.map(validate::user).transpose()?;
         let (handle, in_flight, mut agent) = self.admit_handle(target, credential).await?;
         let record = handle.snapshot().record;
         let image = &record.image_config;
@@ -198,6 +199,8 @@ impl Manager {
             env,
             timeout_ms: timeout.map_or(0, |t| t.as_millis() as u64),
             stdin: false,
+            // The request's, else the image's `User`, else root.
+            user: user.or_else(|| image.user.clone()).unwrap_or_default(),
         };
         let (input, input_rx) = mpsc::channel(8);
         input
@@ -264,9 +267,21 @@ impl Manager {
             return Err(too_large(max));
         }
         // Counted in flight until this future ends or is dropped.
-        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let (handle, _in_flight, mut agent) = self.admit(id, credential).await?;
         let (tx, rx) = mpsc::channel::<pb::WriteFileChunk>(4);
-        let header = pb::WriteFileHeader { path, mode: 0 };
+        // Owned by the image's `User`, the identity commands run as.
+        let user = handle
+            .snapshot()
+            .record
+            .image_config
+            .user
+            .clone()
+            .unwrap_or_default();
+        let header = pb::WriteFileHeader {
+            path,
+            mode: 0,
+            user,
+        };
         tx.send(chunk(write_file_chunk::Kind::Header(header)))
             .await
             .map_err(|_| CoreError::Agent("upload channel closed".into()))?;
@@ -411,6 +426,7 @@ fn start_error(e: pb::AgentError) -> CoreError {
         pb::ErrorKind::NotFound => ErrorCode::CommandNotFound,
         pb::ErrorKind::PermissionDenied => ErrorCode::CommandNotExecutable,
         pb::ErrorKind::BadCwd => ErrorCode::BadCwd,
+        pb::ErrorKind::BadUser => ErrorCode::BadUser,
         pb::ErrorKind::Invalid => ErrorCode::BadCommand,
         pb::ErrorKind::Io | pb::ErrorKind::Unspecified => {
             return CoreError::Agent(bounded(&e.message))
@@ -435,6 +451,7 @@ pub(super) fn file_error(status: tonic::Status) -> CoreError {
         "not_a_file" => ErrorCode::NotAFile,
         "denied" => ErrorCode::PermissionDenied,
         "exists" => ErrorCode::FileExists,
+        "bad_user" => ErrorCode::BadUser,
         "not_empty" => ErrorCode::DirNotEmpty,
         _ => return CoreError::Agent(format!("file operation failed: {message}")),
     };
