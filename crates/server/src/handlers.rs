@@ -284,13 +284,7 @@ pub async fn fs_watch<S: RunService>(
             .unwrap_or_default();
         Ok::<_, Infallible>(json_event(&name, &event))
     });
-    let mut response = Sse::new(stream)
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response();
-    response
-        .headers_mut()
-        .insert("x-accel-buffering", HeaderValue::from_static("no"));
-    Ok(response)
+    Ok(event_stream(stream))
 }
 
 /// `POST /v1/runs/{id}/fs/mkdir`.
@@ -402,14 +396,21 @@ pub async fn exec<S: RunService>(
         };
         Ok::<_, Infallible>(sse_event)
     });
+    Ok(event_stream(stream))
+}
+
+/// A server-sent event stream with keep-alive comments every 15 s, marked
+/// so proxies do not buffer it.
+fn event_stream(
+    stream: impl futures::Stream<Item = Result<Event, Infallible>> + Send + 'static,
+) -> Response {
     let mut response = Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
         .into_response();
-    // Proxies must not buffer the stream.
     response
         .headers_mut()
         .insert("x-accel-buffering", HeaderValue::from_static("no"));
-    Ok(response)
+    response
 }
 
 fn json_event(name: &str, value: &impl serde::Serialize) -> Event {
