@@ -449,3 +449,27 @@ async fn network_none_has_only_loopback() {
     assert_eq!(run.network, NetworkTier::Allowlist);
     daemon.client.delete_run(&run.id.to_string()).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_the_runtime_has_no_state_for_is_still_destroyed() {
+    // What a daemon killed in the middle of `run` leaves: the container's
+    // processes, but no runtime state (yet) naming them.
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    let pid: i32 = std::fs::read_to_string(daemon.state.path().join(format!("runs/{id}/init.pid")))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let oci = daemon.state.path().join("oci");
+    for runtime in std::fs::read_dir(&oci).unwrap().flatten() {
+        let _ = std::fs::remove_dir_all(runtime.path().join(format!("runbox-{id}")));
+    }
+    daemon.client.delete_run(&id).await.unwrap();
+    let gone = runbox_e2e::eventually(std::time::Duration::from_secs(10), || {
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    })
+    .await;
+    assert!(gone, "the run's agent (pid {pid}) outlived its run");
+    assert!(!runbox_e2e::cgroup_exists(&id), "its cgroups are left");
+}

@@ -413,3 +413,70 @@ async fn a_reimported_image_replaces_the_pools_members() {
     .await;
     assert!(replaced, "{}", daemon.log());
 }
+
+/// Processes whose root filesystem is a run of the state directory `dir`.
+fn processes_rooted_in(dir: &std::path::Path) -> Vec<u32> {
+    let marker = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+                .ok()
+                .and_then(|m| m.lines().next().map(|l| l.contains(&marker)))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// A `<runtime> ... run` command of the state directory `dir` in flight.
+fn runtime_run_in_flight(dir: &std::path::Path) -> Option<i32> {
+    let marker = dir.join("oci").to_string_lossy().into_owned();
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+        let args: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        (args.iter().any(|a| a.starts_with(&marker)) && args.iter().any(|a| a == "run"))
+            .then_some(pid)
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_while_refilling_leaves_nothing_after_teardown() {
+    let mut daemon = TestDaemon::start(None).await;
+    set(&daemon, vec![pool("base", 8)]).await;
+    // Catch a member's `run` command in flight and hold it there, so it
+    // outlives the daemon killed now and finishes only after teardown
+    // started: what a loaded host does to a daemon killed mid-refill.
+    let mut held = None;
+    for _ in 0..2000 {
+        if let Some(pid) = runtime_run_in_flight(daemon.state.path()) {
+            // SAFETY: kill(2) on a pid just read from /proc; no memory involved.
+            if unsafe { libc::kill(pid, libc::SIGSTOP) } == 0 {
+                held = Some(pid);
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let held = held.expect("no runtime command caught in flight");
+    daemon.kill9();
+    let mut teardown = std::process::Command::new(runbox_e2e::runbox_bin())
+        .args(["serve", "--teardown", "--state-dir"])
+        .arg(daemon.state.path())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    // SAFETY: as above, on the process stopped there.
+    unsafe { libc::kill(held, libc::SIGCONT) };
+    assert!(teardown.wait().unwrap().success());
+    // Give a command that outlived the teardown time to make its container.
+    std::thread::sleep(Duration::from_millis(500));
+    let left = processes_rooted_in(daemon.state.path());
+    assert!(left.is_empty(), "processes left in its runs: {left:?}");
+}

@@ -79,6 +79,9 @@ use crate::spec::{self, FileMount, SpecParams};
 use crate::storage::RunStorage;
 use crate::trust::{self, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
+/// How long destroy waits for the processes left in a run's cgroups.
+const CGROUP_DRAIN: Duration = Duration::from_secs(5);
+
 /// How long one runtime command (`run -d`, `delete`, ...) may take.
 const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -411,7 +414,7 @@ impl OciBackend {
         // while a deleted namespace is torn down by the kernel later.
         self.open.teardown(id, &dir).await?;
         delete_netns(id).await?;
-        remove_cgroups(id);
+        remove_cgroups(id).await;
         for mount in [&volume, &rootfs] {
             if is_mount_point(mount) {
                 return Err(BackendError::Failed(format!(
@@ -836,14 +839,46 @@ async fn delete_netns(id: Ulid) -> Result<(), BackendError> {
 
 /// Removes the run's cgroup directories if the runtime left any (a crash
 /// between create and delete can).
-fn remove_cgroups(id: Ulid) {
-    let Ok(controllers) = std::fs::read_dir("/sys/fs/cgroup") else {
-        return;
-    };
+/// Kills whatever is still in run `id`'s cgroups, waits for it to go (up
+/// to [`CGROUP_DRAIN`]), and removes them. The runtime kills its container,
+/// but only one it has state for: a container whose `run` was still being
+/// made when a daemon died has processes and no state yet, and the cgroup
+/// is where they are found whatever the runtime knows.
+async fn remove_cgroups(id: Ulid) {
     let rel = format!("runbox/{id}");
-    let _ = std::fs::remove_dir(Path::new("/sys/fs/cgroup").join(&rel));
-    for entry in controllers.flatten() {
-        let _ = std::fs::remove_dir(entry.path().join(&rel));
+    let mut dirs = vec![Path::new("/sys/fs/cgroup").join(&rel)];
+    if let Ok(controllers) = std::fs::read_dir("/sys/fs/cgroup") {
+        dirs.extend(controllers.flatten().map(|e| e.path().join(&rel)));
+    }
+    dirs.retain(|d| d.is_dir());
+    let deadline = tokio::time::Instant::now() + CGROUP_DRAIN;
+    loop {
+        let pids: Vec<i32> = dirs
+            .iter()
+            .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+            .flat_map(|text| {
+                text.lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect::<Vec<i32>>()
+            })
+            .collect();
+        if pids.is_empty() {
+            break;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            tracing::warn!(run = %id, pids = ?pids, "processes of the run did not die; its cgroups stay");
+            return;
+        }
+        for pid in pids {
+            // SAFETY: kill(2) on a pid read from the run's own cgroup.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for dir in dirs {
+        let _ = std::fs::remove_dir(dir);
     }
 }
 
