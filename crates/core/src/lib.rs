@@ -15,6 +15,7 @@
 pub mod backend;
 mod catalog;
 pub mod config;
+mod durable;
 pub mod egress;
 pub mod error;
 pub mod images;

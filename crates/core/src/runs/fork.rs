@@ -65,7 +65,7 @@ impl Manager {
         ttl: std::time::Duration,
     ) -> Result<ForkResponse, CoreError> {
         // Forks share the background budget with refills and teardowns.
-        let share = count.min(self.config_budget()) as u32;
+        let share = count.min(self.budget_size) as u32;
         let _budget = self
             .budget
             .acquire_many(share)

@@ -91,11 +91,6 @@ impl Manager {
         Ok(())
     }
 
-    /// The background budget's size.
-    pub(crate) fn config_budget(&self) -> usize {
-        self.budget_size
-    }
-
     /// Serves a create from pool `key` if it has a ready member: None when
     /// there is no such pool or it is empty (the caller creates cold).
     pub(crate) async fn claim_from_pool(
@@ -445,7 +440,7 @@ impl Manager {
             let canonical = PoolSet {
                 pools: configs.iter().map(PoolConfig::to_spec).collect(),
             };
-            tokio::task::spawn_blocking(move || write_pools_file(&path, &canonical))
+            tokio::task::spawn_blocking(move || crate::durable::write_json(&path, &canonical))
                 .await
                 .map_err(|e| CoreError::Store(format!("pools file task failed: {e}")))?
                 .map_err(CoreError::io("writing the pools file"))?;
@@ -490,19 +485,4 @@ impl Manager {
             storage: self.backend.storage(),
         }
     }
-}
-
-/// Writes the pools file atomically: aside, flushed, renamed over.
-fn write_pools_file(path: &std::path::Path, set: &PoolSet) -> std::io::Result<()> {
-    use std::io::Write;
-    let bytes = serde_json::to_vec_pretty(set).map_err(std::io::Error::other)?;
-    let aside = path.with_extension("json.new");
-    let mut file = std::fs::File::create(&aside)?;
-    file.write_all(&bytes)?;
-    file.sync_all()?;
-    std::fs::rename(&aside, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
 }

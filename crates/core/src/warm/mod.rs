@@ -34,7 +34,7 @@ pub mod lockfile;
 
 use std::collections::{HashMap, HashSet};
 use std::fs;
-use std::io::{self, Write};
+use std::io;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -44,6 +44,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+use crate::durable::sync_dir;
 use crate::error::CoreError;
 
 /// A run's warm volume as its record keeps it.
@@ -572,19 +573,9 @@ fn storage_error(context: &'static str) -> impl FnOnce(io::Error) -> CoreError {
     }
 }
 
-/// Writes `manifest.json` in `dir` atomically: aside, flushed, renamed over.
+/// Writes `manifest.json` in `dir` atomically (see [`crate::durable`]).
 fn write_manifest(dir: &Path, manifest: &WarmTemplate) -> io::Result<()> {
-    let bytes = serde_json::to_vec_pretty(manifest).map_err(io::Error::other)?;
-    let aside = dir.join("manifest.json.new");
-    let mut file = fs::File::create(&aside)?;
-    file.write_all(&bytes)?;
-    file.sync_all()?;
-    fs::rename(&aside, dir.join("manifest.json"))?;
-    sync_dir(dir)
-}
-
-fn sync_dir(dir: &Path) -> io::Result<()> {
-    fs::File::open(dir)?.sync_all()
+    crate::durable::write_json(&dir.join("manifest.json"), manifest)
 }
 
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Option<T> {
