@@ -1,23 +1,22 @@
-//! The Exec RPC: runs one command and relays its I/O.
+//! The Exec RPC: validates and starts one command.
 //!
 //! Owns, for each call:
 //!
 //! 1. Validating `ExecStart` and resolving the program, cwd and environment
 //!    ([`prepare`]), so that the common mistakes come back as precise
 //!    `error` outputs (`NOT_FOUND`, `PERMISSION_DENIED`, `BAD_CWD`,
-//!    `INVALID`) instead of a generic spawn failure.
+//!    `INVALID`, `BAD_USER`, `TAG_IN_USE`) instead of a generic spawn
+//!    failure.
 //! 2. Starting the command in a new session, so its pid is also the id of a
-//!    process group that signals, timeouts and cancellation address as one.
-//! 3. A driver task that sends `started`, relays stdout and stderr through a
-//!    bounded channel (a slow client slows the command down instead of
-//!    growing our memory), forwards input, enforces the timeout, and sends
-//!    exactly one `exit` after the command ended and its pipes drained.
+//!    process group that signals, timeouts and cancellation address as one;
+//!    on a new terminal (its controlling terminal) when asked for.
+//! 3. Handing it to the process table (`procs`), which relays its I/O: to
+//!    this call for a foreground command, whose cancellation kills the
+//!    process group; for a background one (`detach`) the call ends after
+//!    `started` and the command stays in the table.
 //!
-//! Cancellation rule: when the client drops the call, the output channel
-//! closes and the driver kills the whole process group at once; the child is
-//! still reaped, by the reaper. The input stream ending is not a
-//! cancellation: the command keeps running (its stdin pipe is closed, as no
-//! more input can arrive).
+//! The input stream ending is not a cancellation: the command keeps running
+//! (no more input can arrive from this call).
 //!
 //! Waiting for the child is not done here: see `reaper`, which owns
 //! `waitpid` and hands each status over through a oneshot channel.
@@ -28,22 +27,20 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
 
 use runbox_agent_proto::pb::{
-    exec_input, exec_output, AgentError, EnvVar, ErrorKind, ExecExit, ExecInput, ExecOutput,
-    ExecStart, ExecStarted,
+    exec_input, exec_output, AgentError, EnvVar, ErrorKind, ExecInput, ExecOutput, ExecStart,
+    ExecStarted, ProcessInfo, PtySize,
 };
-use runbox_agent_proto::CHUNK_SIZE;
 use rustix::fs::Access;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::unix::pipe;
-use tokio::sync::{mpsc, oneshot, watch};
-use tokio::time::Instant;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
+use crate::procs::{self, Started, Table};
 use crate::reaper::{ExitStatus, Reaper};
+use crate::term::{self, Sink, Source};
 
 /// The PATH a command gets when its environment has none; the usual Linux
 /// default, so images without a shell profile still find their tools.
@@ -51,20 +48,16 @@ pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bi
 
 /// Output messages buffered per call before the command's pipes stop being
 /// read (and the command blocks on write): the backpressure bound.
-const OUTPUT_CAPACITY: usize = 16;
-
-/// How long to keep reading the pipes after the command exited. Background
-/// processes it left behind may hold them open forever; this bounds the wait
-/// for their EOF while still catching output written just before exit.
-const DRAIN_LIMIT: Duration = Duration::from_millis(200);
+pub const OUTPUT_CAPACITY: usize = 16;
 
 /// Highest signal number Linux knows (`SIGRTMAX`); larger ones are ignored.
-const MAX_SIGNAL: i32 = 64;
+pub const MAX_SIGNAL: i32 = 64;
 
-/// The response stream of one Exec call.
+/// The response stream of one Exec or Attach call.
 pub type OutputStream = ReceiverStream<Result<ExecOutput, Status>>;
 
-type OutputTx = mpsc::Sender<Result<ExecOutput, Status>>;
+/// The sending side of an [`OutputStream`].
+pub type OutputTx = mpsc::Sender<Result<ExecOutput, Status>>;
 
 /// Why a command could not be started. Each variant becomes one `error`
 /// output; nothing here is a gRPC status, because the call itself was fine.
@@ -84,6 +77,9 @@ pub enum ExecError {
     /// The user to run as does not exist in the run.
     #[error("{0}")]
     BadUser(String),
+    /// A running process already has the tag.
+    #[error("a running process already has the tag {0:?}")]
+    TagInUse(String),
     /// No PATH entry (or the given path) holds the program.
     #[error("command not found: {0}")]
     NotFound(String),
@@ -126,6 +122,7 @@ impl ExecError {
             Self::Invalid(_) => ErrorKind::Invalid,
             Self::BadCwd { .. } => ErrorKind::BadCwd,
             Self::BadUser(_) => ErrorKind::BadUser,
+            Self::TagInUse(_) => ErrorKind::TagInUse,
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::NotExecutable(_) => ErrorKind::PermissionDenied,
             Self::Spawn { .. } => ErrorKind::Io,
@@ -158,6 +155,7 @@ impl ExecError {
 /// `start`; everything that goes wrong with the command itself is reported
 /// as an `error` output on the stream.
 pub async fn exec(
+    table: Arc<Table>,
     reaper: Arc<Reaper>,
     work_dir: PathBuf,
     mut input: Streaming<ExecInput>,
@@ -177,12 +175,14 @@ pub async fn exec(
     // if the client cancels while the command is being started, the handler
     // future is dropped, and the command must still end up supervised (and
     // then killed, as the driver sees the closed channel).
-    tokio::spawn(start_and_drive(reaper, work_dir, start, input, tx));
+    tokio::spawn(start_and_drive(table, reaper, work_dir, start, input, tx));
     Ok(ReceiverStream::new(rx))
 }
 
-/// Starts the command and drives it, or reports why it could not start.
+/// Starts the command and hands it to the process table, or reports why it
+/// could not start.
 async fn start_and_drive(
+    table: Arc<Table>,
     reaper: Arc<Reaper>,
     work_dir: PathBuf,
     start: ExecStart,
@@ -190,6 +190,18 @@ async fn start_and_drive(
     tx: OutputTx,
 ) {
     let timeout_ms = start.timeout_ms;
+    let detach = start.detach;
+    if !start.tag.is_empty() {
+        if let Err(why) = procs::check_tag(&start.tag) {
+            let _ = tx.send(Ok(ExecError::Invalid(why).to_output())).await;
+            return;
+        }
+    }
+    let Some(claim) = table.claim_tag(&start.tag) else {
+        let err = ExecError::TagInUse(start.tag.clone());
+        let _ = tx.send(Ok(err.to_output())).await;
+        return;
+    };
     // Resolving the program stats files and spawning forks and waits for
     // exec: both block, so they run off the async workers.
     let spawned = tokio::task::spawn_blocking(move || {
@@ -197,18 +209,33 @@ async fn start_and_drive(
         plan.spawn(&reaper)
     })
     .await;
-    match spawned {
-        Ok(spawned) => match spawned.and_then(Running::from_spawned) {
-            Ok(running) => drive(running, input, tx, timeout_ms).await,
-            Err(err) => {
-                let _ = tx.send(Ok(err.to_output())).await;
-            }
-        },
+    let started = match spawned {
+        Ok(spawned) => spawned.and_then(Spawned::into_started),
         // The setup task panicked: a bug. Say so instead of hanging the call.
         Err(err) => {
             let message = format!("exec setup failed: {err}");
             let _ = tx.send(Err(Status::internal(message))).await;
+            return;
         }
+    };
+    let started = match started {
+        Ok(started) => started,
+        Err(err) => {
+            let _ = tx.send(Ok(err.to_output())).await;
+            return;
+        }
+    };
+    if detach {
+        // The call only reports the start; the command is the table's.
+        let pid = started.pid as u32;
+        procs::supervise(&table, claim, started, timeout_ms, None);
+        let started = ExecOutput {
+            kind: Some(exec_output::Kind::Started(ExecStarted { pid })),
+        };
+        let _ = tx.send(Ok(started)).await;
+    } else {
+        let proc = procs::supervise(&table, claim, started, timeout_ms, Some(tx));
+        procs::forward(input, proc).await;
     }
 }
 
@@ -222,8 +249,13 @@ struct Plan {
     cwd: PathBuf,
     env: Vec<(String, String)>,
     stdin: bool,
+    /// `ExecStart.user` as given, for the process table.
+    user: String,
     /// Who runs it; None: the agent's own identity (root).
     identity: Option<crate::user::Identity>,
+    tag: String,
+    detach: bool,
+    pty: Option<PtySize>,
 }
 
 /// Validates `start` and resolves what it names, without starting anything.
@@ -270,51 +302,102 @@ fn prepare(start: ExecStart, work_dir: &Path) -> Result<Plan, ExecError> {
         cwd,
         env,
         stdin: start.stdin,
+        user: start.user,
         identity,
+        tag: start.tag,
+        detach: start.detach,
+        pty: start.pty,
     })
 }
 
 impl Plan {
-    /// Starts the command in its own session through the reaper.
+    /// Starts the command in its own session through the reaper, on a new
+    /// terminal when it asked for one.
     fn spawn(self, reaper: &Reaper) -> Result<Spawned, ExecError> {
+        let spawn_error = |source| ExecError::Spawn {
+            program: self.argv[0].clone(),
+            source,
+        };
         let mut command = Command::new(&self.program);
         command
             .arg0(&self.argv[0])
             .args(&self.argv[1..])
             .current_dir(&self.cwd)
             .env_clear()
-            .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(if self.stdin {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
+        let pty = match &self.pty {
+            Some(size) => {
+                let owner = self
+                    .identity
+                    .as_ref()
+                    .map(|i| i.uid)
+                    .filter(|&uid| uid != 0);
+                let pty = term::open(size, owner).map_err(spawn_error)?;
+                let copy = || pty.slave.try_clone().map(Stdio::from).map_err(spawn_error);
+                command.stdin(copy()?).stdout(copy()?).stderr(copy()?);
+                Some(pty)
+            }
+            None => {
+                command
+                    .stdin(if self.stdin {
+                        Stdio::piped()
+                    } else {
+                        Stdio::null()
+                    })
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped());
+                None
+            }
+        };
         let identity = self.identity.clone();
+        let terminal = pty.is_some();
         // SAFETY: the closure runs in the child between fork and exec, where
         // only async-signal-safe calls are allowed; `child_setup` and
         // `become_user` make only raw system calls (setsid, sigprocmask,
-        // sigaction, setgroups, setgid, setuid) and allocate nothing (the
-        // group list was made before the fork).
+        // sigaction, ioctl, setgroups, setgid, setuid) and allocate nothing
+        // (the group list was made before the fork).
         unsafe {
             command.pre_exec(move || {
                 child_setup()?;
+                // The terminal (already stdin) becomes the new session's
+                // controlling terminal, so ^C and job control work.
+                if terminal && libc::ioctl(0, libc::TIOCSCTTY, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
                 if let Some(identity) = &identity {
                     become_user(identity)?;
                 }
                 Ok(())
             });
         }
+        let started_unix_ms = procs::unix_ms(std::time::SystemTime::now());
         let (mut child, exit) = reaper
             .spawn(&mut command)
             .map_err(|err| ExecError::from_spawn(&self.argv[0], err))?;
+        // The child has its copies of the terminal's slave side; the agent
+        // keeps none, so the master reads end of file once the command and
+        // whatever it left behind are gone.
+        drop(command);
+        // Pids fit in i32 on Linux.
+        let pid = child.id() as i32;
+        let fixed = ProcessInfo {
+            pid: pid as u32,
+            tag: self.tag,
+            argv: self.argv,
+            cwd: self.cwd.display().to_string(),
+            user: self.user,
+            started_unix_ms,
+            detached: self.detach,
+            pty: terminal,
+            ..Default::default()
+        };
         Ok(Spawned {
-            // Pids fit in i32 on Linux.
-            pid: child.id() as i32,
+            pid,
+            fixed,
             stdin: child.stdin.take().map(OwnedFd::from),
             stdout: child.stdout.take().map(OwnedFd::from),
             stderr: child.stderr.take().map(OwnedFd::from),
+            master: pty.map(|pty| pty.master),
             exit,
         })
         // `child` is dropped without waiting: the reaper owns that.
@@ -361,36 +444,52 @@ fn become_user(identity: &crate::user::Identity) -> io::Result<()> {
     Ok(())
 }
 
-/// A started command, with its pipe ends still as plain descriptors (they
-/// are registered with the runtime on the async side).
+/// A started command, with its descriptors still plain (they are
+/// registered with the runtime on the async side).
 struct Spawned {
     pid: i32,
+    fixed: ProcessInfo,
     stdin: Option<OwnedFd>,
     stdout: Option<OwnedFd>,
     stderr: Option<OwnedFd>,
+    /// The terminal's master side, for a command on a terminal.
+    master: Option<OwnedFd>,
     exit: oneshot::Receiver<ExitStatus>,
 }
 
-/// A started command whose pipes are ready for async use.
-struct Running {
-    pid: i32,
-    stdin: Option<pipe::Sender>,
-    stdout: pipe::Receiver,
-    stderr: pipe::Receiver,
-    exit: oneshot::Receiver<ExitStatus>,
-}
-
-impl Running {
-    fn from_spawned(spawned: Spawned) -> Result<Self, ExecError> {
-        let pid = spawned.pid;
-        let convert = || -> io::Result<Self> {
+impl Spawned {
+    fn into_started(self) -> Result<Started, ExecError> {
+        let pid = self.pid;
+        let convert = move || -> io::Result<Started> {
             let missing = || io::Error::other("child pipe missing");
-            Ok(Self {
+            if let Some(master) = self.master {
+                let master = term::master(master)?;
+                return Ok(Started {
+                    pid,
+                    fixed: self.fixed,
+                    stdin: Some(Sink::Pty(Arc::clone(&master))),
+                    stdout: Source::Pty(Arc::clone(&master)),
+                    stderr: None,
+                    exit: self.exit,
+                    master: Some(master),
+                });
+            }
+            Ok(Started {
                 pid,
-                stdin: spawned.stdin.map(pipe::Sender::from_owned_fd).transpose()?,
-                stdout: pipe::Receiver::from_owned_fd(spawned.stdout.ok_or_else(missing)?)?,
-                stderr: pipe::Receiver::from_owned_fd(spawned.stderr.ok_or_else(missing)?)?,
-                exit: spawned.exit,
+                fixed: self.fixed,
+                stdin: self
+                    .stdin
+                    .map(pipe::Sender::from_owned_fd)
+                    .transpose()?
+                    .map(Sink::Pipe),
+                stdout: Source::Pipe(pipe::Receiver::from_owned_fd(
+                    self.stdout.ok_or_else(missing)?,
+                )?),
+                stderr: Some(Source::Pipe(pipe::Receiver::from_owned_fd(
+                    self.stderr.ok_or_else(missing)?,
+                )?)),
+                exit: self.exit,
+                master: None,
             })
         };
         convert().map_err(|source| {
@@ -404,166 +503,9 @@ impl Running {
     }
 }
 
-/// Relays one running command until it ended and its output drained.
-async fn drive(running: Running, input: Streaming<ExecInput>, tx: OutputTx, timeout_ms: u64) {
-    let Running {
-        pid: pgid,
-        stdin,
-        stdout,
-        stderr,
-        mut exit,
-    } = running;
-
-    let started = ExecOutput {
-        kind: Some(exec_output::Kind::Started(ExecStarted { pid: pgid as u32 })),
-    };
-    let mut cancelled = tx.send(Ok(started)).await.is_err();
-    if cancelled {
-        signal_group(pgid, libc::SIGKILL);
-    }
-
-    // Readers start after `started` went out, so it is always first.
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let out_task = tokio::spawn(pump(
-        stdout,
-        tx.clone(),
-        exec_output::Kind::Stdout,
-        stop_rx.clone(),
-    ));
-    let err_task = tokio::spawn(pump(stderr, tx.clone(), exec_output::Kind::Stderr, stop_rx));
-    let input_task = tokio::spawn(forward_input(input, stdin, pgid));
-
-    let deadline = (timeout_ms > 0)
-        .then(|| Instant::now().checked_add(Duration::from_millis(timeout_ms)))
-        .flatten();
-    let timer = async move {
-        match deadline {
-            Some(deadline) => tokio::time::sleep_until(deadline).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::pin!(timer);
-    let mut timed_out = false;
-
-    let status = loop {
-        tokio::select! {
-            // Exit first: once the leader is reaped its pid may be recycled,
-            // so no further signal should be aimed at its group.
-            biased;
-            status = &mut exit => break status,
-            () = &mut timer, if !timed_out => {
-                timed_out = true;
-                signal_group(pgid, libc::SIGKILL);
-            }
-            () = tx.closed(), if !cancelled => {
-                cancelled = true;
-                signal_group(pgid, libc::SIGKILL);
-            }
-        }
-    };
-    input_task.abort();
-
-    // Background processes may keep the pipes open: give them a moment to
-    // finish writing, then stop reading. The readers finish the message in
-    // hand either way, so nothing already read is lost.
-    let readers = async {
-        let _ = out_task.await;
-        let _ = err_task.await;
-    };
-    tokio::pin!(readers);
-    if tokio::time::timeout(DRAIN_LIMIT, &mut readers)
-        .await
-        .is_err()
-    {
-        let _ = stop_tx.send(true);
-        readers.await;
-    }
-
-    if cancelled {
-        return;
-    }
-    let last = match status {
-        Ok(status) => Ok(ExecOutput {
-            kind: Some(exec_output::Kind::Exit(ExecExit {
-                exit_code: status.code,
-                signal: status.signal,
-                timed_out,
-            })),
-        }),
-        // Only possible if the reaper task died; say so rather than invent
-        // an exit code.
-        Err(_) => Err(Status::internal("lost track of the command's exit status")),
-    };
-    let _ = tx.send(last).await;
-}
-
-/// Copies one output pipe to the client until EOF, a stop request, or the
-/// client going away.
-async fn pump(
-    mut pipe: pipe::Receiver,
-    tx: OutputTx,
-    wrap: fn(Vec<u8>) -> exec_output::Kind,
-    mut stop: watch::Receiver<bool>,
-) {
-    let mut buf = vec![0u8; CHUNK_SIZE];
-    loop {
-        let n = tokio::select! {
-            // Stop wins over ready data: a process that never stops writing
-            // must not keep the call open.
-            biased;
-            _ = stop.wait_for(|stop| *stop) => return,
-            read = pipe.read(&mut buf) => match read {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            },
-        };
-        let chunk = ExecOutput {
-            kind: Some(wrap(buf[..n].to_vec())),
-        };
-        if tx.send(Ok(chunk)).await.is_err() {
-            return;
-        }
-    }
-}
-
-/// Applies input messages in order until the client half-closes.
-///
-/// Order is kept on purpose: a signal sent after some stdin bytes arrives
-/// after they were written. A command that never reads its stdin can delay
-/// later messages, but never the timeout or cancellation, which the driver
-/// handles on its own.
-async fn forward_input(
-    mut input: Streaming<ExecInput>,
-    mut stdin: Option<pipe::Sender>,
-    pgid: i32,
-) {
-    // A broken input stream means the same as a finished one: no more input.
-    while let Ok(Some(message)) = input.message().await {
-        match message.kind {
-            Some(exec_input::Kind::Stdin(data)) => {
-                if let Some(pipe) = stdin.as_mut() {
-                    // EPIPE: the command closed its stdin; drop later bytes.
-                    if pipe.write_all(&data).await.is_err() {
-                        stdin = None;
-                    }
-                }
-            }
-            Some(exec_input::Kind::CloseStdin(_)) => stdin = None,
-            Some(exec_input::Kind::Signal(signal)) => {
-                if (1..=MAX_SIGNAL).contains(&signal.signal) {
-                    signal_group(pgid, signal.signal);
-                }
-            }
-            // A second `start` has no meaning; ignore it like an empty message.
-            Some(exec_input::Kind::Start(_)) | None => {}
-        }
-    }
-    // Dropping `stdin` here closes the pipe: nothing more can arrive.
-}
-
 /// Sends `signal` to the process group `pgid`, ignoring failure (the group
 /// may already be gone).
-fn signal_group(pgid: i32, signal: i32) {
+pub fn signal_group(pgid: i32, signal: i32) {
     // kill(0) and kill(-1) would hit our own group or every process in the
     // run; a command's pgid is never 0 or 1, but make sure.
     if pgid <= 1 {

@@ -32,8 +32,10 @@ mod confine;
 mod exec;
 mod files;
 mod fsops;
+mod procs;
 mod reaper;
 mod service;
+mod term;
 mod user;
 mod watch;
 

@@ -1,29 +1,33 @@
 //! The gRPC service: glue between the generated `Agent` trait and the
 //! modules that do the work.
 //!
-//! Owns nothing but the shared state every call needs (the reaper and the
-//! work directory); each method delegates to `exec` or `files`.
+//! Owns nothing but the shared state every call needs (the reaper, the
+//! work directory and the process table); each method delegates to the
+//! module that does the work.
 
 use std::sync::Arc;
 
 use runbox_agent_proto::pb::agent_server::Agent;
 use runbox_agent_proto::pb::{
-    ExecInput, FileInfo, HelloReply, HelloRequest, ListDirReply, ListDirRequest, MakeDirRequest,
-    MoveRequest, ReadFileRequest, RemoveReply, RemoveRequest, StatRequest, WatchRequest,
-    WriteFileChunk, WriteFileReply,
+    ExecInput, FileInfo, HelloReply, HelloRequest, ListDirReply, ListDirRequest,
+    ListProcessesReply, ListProcessesRequest, MakeDirRequest, MoveRequest, ProcessInfo,
+    ReadFileRequest, RemoveReply, RemoveRequest, SendInputRequest, SignalProcessRequest,
+    StatRequest, WaitProcessRequest, WatchRequest, WriteFileChunk, WriteFileReply,
 };
 use runbox_agent_proto::PROTOCOL;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::confine::WorkDir;
+use crate::procs::Table;
 use crate::reaper::Reaper;
-use crate::{exec, files, fsops, watch};
+use crate::{exec, files, fsops, procs, watch};
 
 /// The agent's implementation of the protocol.
 #[derive(Debug, Clone)]
 pub struct AgentService {
     reaper: Arc<Reaper>,
     work: Arc<WorkDir>,
+    table: Arc<Table>,
 }
 
 impl AgentService {
@@ -32,6 +36,7 @@ impl AgentService {
         Self {
             reaper,
             work: Arc::new(work),
+            table: Arc::default(),
         }
     }
 }
@@ -52,6 +57,7 @@ impl Agent for AgentService {
         request: Request<Streaming<ExecInput>>,
     ) -> Result<Response<Self::ExecStream>, Status> {
         let stream = exec::exec(
+            Arc::clone(&self.table),
             Arc::clone(&self.reaper),
             self.work.path().to_owned(),
             request.into_inner(),
@@ -125,6 +131,53 @@ impl Agent for AgentService {
     ) -> Result<Response<RemoveReply>, Status> {
         Ok(Response::new(
             fsops::remove(Arc::clone(&self.work), request.into_inner()).await?,
+        ))
+    }
+
+    type AttachStream = exec::OutputStream;
+
+    async fn attach(
+        &self,
+        request: Request<Streaming<ExecInput>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        Ok(Response::new(
+            procs::attach(&self.table, request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_processes(
+        &self,
+        _: Request<ListProcessesRequest>,
+    ) -> Result<Response<ListProcessesReply>, Status> {
+        Ok(Response::new(ListProcessesReply {
+            processes: self.table.list(),
+        }))
+    }
+
+    async fn signal_process(
+        &self,
+        request: Request<SignalProcessRequest>,
+    ) -> Result<Response<ProcessInfo>, Status> {
+        Ok(Response::new(
+            procs::signal(&self.table, request.into_inner()).await?,
+        ))
+    }
+
+    async fn send_input(
+        &self,
+        request: Request<SendInputRequest>,
+    ) -> Result<Response<ProcessInfo>, Status> {
+        Ok(Response::new(
+            procs::send_input(&self.table, request.into_inner()).await?,
+        ))
+    }
+
+    async fn wait_process(
+        &self,
+        request: Request<WaitProcessRequest>,
+    ) -> Result<Response<ProcessInfo>, Status> {
+        Ok(Response::new(
+            procs::wait(&self.table, request.into_inner()).await?,
         ))
     }
 }

@@ -53,6 +53,26 @@ pub struct ExecArgs {
     /// image's User, else root]
     #[arg(long, short = 'u', value_name = "USER")]
     pub user: Option<String>,
+    /// Pass the local stdin to the command as it comes (a WebSocket session)
+    #[arg(long, short = 'i')]
+    pub interactive: bool,
+    /// Run the command on a terminal: the local terminal goes raw, keys
+    /// such as ^C reach the command, and window size changes are passed on
+    #[arg(long, short = 't')]
+    pub tty: bool,
+    /// Start a background process and print its pid; see `runbox ps`,
+    /// `attach`, `kill` and `wait`
+    #[arg(long, short = 'd', conflicts_with_all = ["interactive", "tty"])]
+    pub detach: bool,
+    /// With --detach: a name to find the process by instead of its pid
+    #[arg(long, requires = "detach", value_name = "TAG")]
+    pub tag: Option<String>,
+    /// With --detach: keep the process's stdin open for `runbox attach`
+    #[arg(long, requires = "detach")]
+    pub open_stdin: bool,
+    /// With --detach: print the process as JSON
+    #[arg(long, requires = "detach")]
+    pub json: bool,
     /// The command and its arguments; the command is looked up in the run's PATH
     #[arg(required = true, trailing_var_arg = true, value_name = "CMD")]
     pub cmd: Vec<String>,
@@ -73,7 +93,16 @@ pub async fn run(args: ExecArgs) -> anyhow::Result<ExitCode> {
         owner: args.lease.owner,
         generation: args.lease.generation,
         user: args.user,
+        tag: args.tag,
+        open_stdin: args.open_stdin,
+        ..Default::default()
     };
+    if args.detach {
+        return crate::procs::start_background(&conn, &args.id, req, args.json).await;
+    }
+    if args.interactive || args.tty {
+        return crate::procs::interactive(&conn, &args.id, req, args.tty).await;
+    }
     let mut events = match conn.client.exec(&args.id, &req).await {
         Ok(events) => events,
         Err(err) => {
@@ -89,7 +118,7 @@ pub async fn run(args: ExecArgs) -> anyhow::Result<ExitCode> {
     let mut stderr = tokio::io::stderr();
     while let Some(event) = events.next().await {
         let written = match conn.check(event)? {
-            ExecEvent::Started(_) => Ok(()),
+            ExecEvent::Started(_) | ExecEvent::Lost(_) => Ok(()),
             ExecEvent::Stdout(chunk) => write_now(&mut stdout, &chunk).await,
             ExecEvent::Stderr(chunk) => write_now(&mut stderr, &chunk).await,
             ExecEvent::Exit(exit) => {
@@ -123,7 +152,7 @@ async fn write_now<W: AsyncWrite + Unpin>(out: &mut W, chunk: &[u8]) -> std::io:
 
 /// The exit status and message for a command that could not start, as a
 /// shell would report it; `None` for errors that are not about the command.
-fn start_failure(err: &ClientError) -> Option<(u8, String)> {
+pub(crate) fn start_failure(err: &ClientError) -> Option<(u8, String)> {
     let ClientError::Api { message, .. } = err else {
         return None;
     };
@@ -136,7 +165,7 @@ fn start_failure(err: &ClientError) -> Option<(u8, String)> {
 
 /// The exit status to leave with, and a note for stderr when the status
 /// alone would not tell the user what happened.
-fn exit_outcome(exit: &ExitEvent, timeout: Option<u64>) -> (u8, Option<String>) {
+pub(crate) fn exit_outcome(exit: &ExitEvent, timeout: Option<u64>) -> (u8, Option<String>) {
     let code = u8::try_from(exit.exit_code.clamp(-1, 255)).unwrap_or(255);
     if exit.timed_out || exit.reason == ExitReason::Timeout {
         let note = match timeout {

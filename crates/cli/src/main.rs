@@ -27,6 +27,7 @@ mod fs;
 mod image;
 mod lease;
 mod pools;
+mod procs;
 mod runs;
 #[cfg(feature = "daemon")]
 mod serve;
@@ -65,6 +66,17 @@ enum Command {
     Run(runs::RunCommand),
     /// Run a command in a run, streaming its output; exits with its status
     Exec(exec::ExecArgs),
+    /// Open an interactive shell in a run (bash if it has one, else sh)
+    Shell(procs::ShellArgs),
+    /// List a run's processes: running ones, and background ones that ended
+    Ps(procs::PsArgs),
+    /// Attach to a process: its output (replayed, then live) and your input;
+    /// ^] detaches from a terminal
+    Attach(procs::AttachArgs),
+    /// Send a signal to a process (default TERM)
+    Kill(procs::KillArgs),
+    /// Wait for a process to end; exits with its status
+    Wait(procs::WaitArgs),
     /// Copy a file into or out of a run's /work
     Cp(cp::CpArgs),
     /// List runs
@@ -141,6 +153,11 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Serve(args) => serve::run(args).await.map(|()| ExitCode::SUCCESS),
         Command::Run(command) => runs::run_command(command).await,
         Command::Exec(args) => exec::run(args).await,
+        Command::Shell(args) => procs::shell(args).await,
+        Command::Ps(args) => procs::ps(args).await,
+        Command::Attach(args) => procs::attach(args).await,
+        Command::Kill(args) => procs::kill(args).await,
+        Command::Wait(args) => procs::wait(args).await,
         Command::Cp(args) => cp::run(args).await,
         Command::Ls(args) => runs::ls(args).await,
         Command::Rm(args) => runs::rm(args).await,

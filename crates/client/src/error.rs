@@ -73,6 +73,9 @@ pub enum ClientError {
     /// the server went away, and the command's fate is unknown.
     #[error("exec stream ended without an exit event")]
     StreamEnded,
+    /// A WebSocket session could not be opened, or broke.
+    #[error("websocket: {0}")]
+    WebSocket(String),
     /// Writing a downloaded file to its destination failed.
     #[error("could not write the downloaded data")]
     Write(#[source] std::io::Error),

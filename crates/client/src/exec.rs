@@ -32,6 +32,9 @@ pub enum ExecEvent {
     Stdout(Bytes),
     /// A chunk of the command's standard error, as raw bytes.
     Stderr(Bytes),
+    /// A reader attached to a process fell behind; this many output chunks
+    /// were skipped for it.
+    Lost(u64),
     /// The command ended; always the last event.
     Exit(ExitEvent),
 }
@@ -74,6 +77,15 @@ pub struct ExecOutput {
 }
 
 impl ExecStream {
+    /// Wraps a stream of events (the WebSocket session's).
+    pub(crate) fn from_stream(
+        inner: impl Stream<Item = Result<ExecEvent, ClientError>> + Send + 'static,
+    ) -> Self {
+        Self {
+            inner: Box::pin(inner),
+        }
+    }
+
     /// Reads the whole stream into memory. Meant for short commands and
     /// tests; stream the events instead when the output may be large.
     pub async fn collect_output(mut self) -> Result<ExecOutput, ClientError> {
@@ -85,6 +97,7 @@ impl ExecStream {
                 ExecEvent::Started(started) => pid = Some(started.pid),
                 ExecEvent::Stdout(chunk) => stdout.extend_from_slice(&chunk),
                 ExecEvent::Stderr(chunk) => stderr.extend_from_slice(&chunk),
+                ExecEvent::Lost(_) => {}
                 ExecEvent::Exit(exit) => {
                     return Ok(ExecOutput {
                         pid,
@@ -136,7 +149,10 @@ where
             // Anything after an exit or an error is not trusted: stop there.
             state.done = !matches!(
                 item,
-                Ok(ExecEvent::Started(_) | ExecEvent::Stdout(_) | ExecEvent::Stderr(_))
+                Ok(ExecEvent::Started(_)
+                    | ExecEvent::Stdout(_)
+                    | ExecEvent::Stderr(_)
+                    | ExecEvent::Lost(_))
             );
             return Some((item, state));
         }
@@ -161,6 +177,11 @@ pub fn decode_event(name: &str, data: &str) -> Result<Option<ExecEvent>, ClientE
         sse::STDOUT => ExecEvent::Stdout(decode_chunk(data).map_err(|e| malformed(e.into()))?),
         sse::STDERR => ExecEvent::Stderr(decode_chunk(data).map_err(|e| malformed(e.into()))?),
         sse::EXIT => ExecEvent::Exit(serde_json::from_str(data).map_err(|e| malformed(e.into()))?),
+        sse::LOST => {
+            let lost: runbox_types::LostEvent =
+                serde_json::from_str(data).map_err(|e| malformed(e.into()))?;
+            ExecEvent::Lost(lost.chunks)
+        }
         _ => return Ok(None),
     };
     Ok(Some(event))

@@ -33,9 +33,11 @@ mod error;
 mod exec;
 mod paths;
 mod pull;
+mod session;
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::TryStreamExt as _;
 use reqwest::header::{HeaderValue, ACCEPT, CONTENT_LENGTH, CONTENT_TYPE};
 use reqwest::{Method, RequestBuilder, Response};
@@ -71,6 +73,7 @@ pub use body::{FileDownload, UploadBody};
 pub use error::{BoxError, ClientError};
 pub use exec::{decode_event, decode_exec_events, ExecEvent, ExecOutput, ExecStream};
 pub use pull::{decode_pull_events, PullStream, PullUpdate};
+pub use session::{Session, SessionWriter};
 
 /// How long to wait for a TCP connection. There is deliberately no overall
 /// request timeout: exec streams and file transfers last as long as they last.
@@ -485,6 +488,143 @@ impl Client {
         ))
     }
 
+    /// `GET /v1/runs/{id}/exec/ws`: starts a command with its input open
+    /// (give `req.pty` for a terminal) and returns the session once it runs.
+    /// Dropping the session's events and writers ends it and kills the
+    /// command.
+    pub async fn exec_session(&self, id: &str, req: &ExecRequest) -> Result<Session, ClientError> {
+        let path = format!("{}/exec/ws", run_path(id)?);
+        let socket = session::connect(&self.base, self.token.as_deref(), &path).await?;
+        session::open(socket, Some(req)).await
+    }
+
+    /// `GET /v1/runs/{id}/processes/{process}/ws`: attaches to a process
+    /// (pid or tag) to read its output (`replay` first sends what it kept)
+    /// and send it input. Ending the session leaves the process running.
+    pub async fn attach(
+        &self,
+        id: &str,
+        process: &str,
+        replay: bool,
+        lease: Option<&LeaseCredential>,
+    ) -> Result<Session, ClientError> {
+        let mut path = format!("{}/ws?replay={replay}", process_path(id, process)?);
+        if let Some(lease) = lease {
+            path.push('&');
+            path.push_str(&paths::lease_query(&lease.owner, lease.generation)[1..]);
+        }
+        let socket = session::connect(&self.base, self.token.as_deref(), &path).await?;
+        session::open(socket, None).await
+    }
+
+    /// `POST /v1/runs/{id}/processes`: starts a background process.
+    pub async fn start_process(
+        &self,
+        id: &str,
+        req: &ExecRequest,
+    ) -> Result<runbox_types::Process, ClientError> {
+        let route = format!("{}/processes", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::POST, &route).json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/processes`.
+    pub async fn processes(&self, id: &str) -> Result<runbox_types::ProcessList, ClientError> {
+        let route = format!("{}/processes", run_path(id)?);
+        let resp = self.send(self.request(Method::GET, &route)).await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/processes/{process}`: one process, by pid or tag.
+    pub async fn process(
+        &self,
+        id: &str,
+        process: &str,
+    ) -> Result<runbox_types::Process, ClientError> {
+        let resp = self
+            .send(self.request(Method::GET, &process_path(id, process)?))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/processes/{process}/wait`: waits up to
+    /// `timeout_sec` for the process to end; describes it either way
+    /// (`running` says which).
+    pub async fn wait_process(
+        &self,
+        id: &str,
+        process: &str,
+        timeout_sec: u64,
+    ) -> Result<runbox_types::Process, ClientError> {
+        let route = format!(
+            "{}/wait?timeoutSec={timeout_sec}",
+            process_path(id, process)?
+        );
+        let resp = self.send(self.request(Method::GET, &route)).await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs/{id}/processes/{process}/signal`.
+    pub async fn signal_process(
+        &self,
+        id: &str,
+        process: &str,
+        req: &runbox_types::SignalRequest,
+    ) -> Result<runbox_types::Process, ClientError> {
+        let route = format!("{}/signal", process_path(id, process)?);
+        let resp = self
+            .send(self.request(Method::POST, &route).json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/runs/{id}/processes/{process}/stdin`: writes `data` to
+    /// the process's stdin, then closes it when `close`.
+    pub async fn send_stdin(
+        &self,
+        id: &str,
+        process: &str,
+        data: impl Into<Bytes>,
+        close: bool,
+        lease: Option<&LeaseCredential>,
+    ) -> Result<runbox_types::Process, ClientError> {
+        let mut route = format!("{}/stdin?close={close}", process_path(id, process)?);
+        if let Some(lease) = lease {
+            route.push('&');
+            route.push_str(&paths::lease_query(&lease.owner, lease.generation)[1..]);
+        }
+        let request = self
+            .request(Method::POST, &route)
+            .header(
+                CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            )
+            .body(data.into());
+        let resp = self.send(request).await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/processes/{process}/output`: the process's output
+    /// as events (replayed first when `replay`), ending with its exit.
+    /// Dropping the stream leaves the process running.
+    pub async fn process_output(
+        &self,
+        id: &str,
+        process: &str,
+        replay: bool,
+    ) -> Result<ExecStream, ClientError> {
+        let route = format!("{}/output?replay={replay}", process_path(id, process)?);
+        let request = self
+            .request(Method::GET, &route)
+            .header(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        let resp = self.send(request).await?;
+        Ok(decode_exec_events(
+            resp.bytes_stream().map_err(ClientError::Http),
+        ))
+    }
+
     /// `PUT /v1/runs/{id}/files/{path}`: writes `body` to `/work/<path>` in
     /// the run, replacing any file there. `path` is relative to `/work`.
     pub async fn put_file(
@@ -617,6 +757,14 @@ fn warm_path(repo: &str) -> Result<String, ClientError> {
         "/v1/warmcache/{}/{}",
         paths::segment("repository owner", owner)?,
         paths::segment("repository name", name)?
+    ))
+}
+
+fn process_path(id: &str, process: &str) -> Result<String, ClientError> {
+    Ok(format!(
+        "{}/processes/{}",
+        run_path(id)?,
+        paths::segment("process", process)?
     ))
 }
 

@@ -21,7 +21,7 @@ use ulid::Ulid;
 
 use crate::error::CoreError;
 use crate::lease::Lease;
-use crate::runs::{ExecEvent, FileDownload, Manager};
+use crate::runs::{ExecEvent, FileDownload, Manager, Session};
 
 /// The events of one exec, ending with exactly one [`ExecEvent::Exit`].
 pub type ExecStream = BoxStream<'static, ExecEvent>;
@@ -155,6 +155,55 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         req: runbox_types::RemoveRequest,
     ) -> impl Future<Output = Result<runbox_types::RemoveReply, CoreError>> + Send;
+    /// Starts a background process in a run.
+    fn start_process(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    /// A run's running processes and recently ended background ones.
+    fn processes(
+        &self,
+        id: Ulid,
+    ) -> impl Future<Output = Result<runbox_types::ProcessList, CoreError>> + Send;
+    /// Waits up to `limit` for a process (pid or tag) to end; describes it.
+    fn wait_process(
+        &self,
+        id: Ulid,
+        process: String,
+        limit: std::time::Duration,
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    /// Signals a process's group.
+    fn signal_process(
+        &self,
+        id: Ulid,
+        process: String,
+        req: runbox_types::SignalRequest,
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    /// Writes to a process's stdin (and closes it when `close`).
+    fn send_input(
+        &self,
+        id: Ulid,
+        process: String,
+        credential: LeaseCredential,
+        data: Bytes,
+        close: bool,
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    /// Starts a command with its input open to the caller.
+    fn exec_session(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> impl Future<Output = Result<Session, CoreError>> + Send;
+    /// Follows a process started earlier; with `interactive` (a lease
+    /// credential) the session may send it input.
+    fn attach(
+        &self,
+        id: Ulid,
+        process: String,
+        replay: bool,
+        interactive: Option<LeaseCredential>,
+    ) -> impl Future<Output = Result<Session, CoreError>> + Send;
     /// The warm pools.
     fn pools(&self) -> runbox_types::PoolList;
     /// Replaces the warm pools.
@@ -339,6 +388,61 @@ impl RunService for Arc<Manager> {
         req: runbox_types::RemoveRequest,
     ) -> Result<runbox_types::RemoveReply, CoreError> {
         Manager::remove_path(self, id, req).await
+    }
+
+    async fn start_process(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> Result<runbox_types::Process, CoreError> {
+        Manager::start_process(self, id, req).await
+    }
+
+    async fn processes(&self, id: Ulid) -> Result<runbox_types::ProcessList, CoreError> {
+        Manager::processes(self, id).await
+    }
+
+    async fn wait_process(
+        &self,
+        id: Ulid,
+        process: String,
+        limit: std::time::Duration,
+    ) -> Result<runbox_types::Process, CoreError> {
+        Manager::wait_process(self, id, &process, limit).await
+    }
+
+    async fn signal_process(
+        &self,
+        id: Ulid,
+        process: String,
+        req: runbox_types::SignalRequest,
+    ) -> Result<runbox_types::Process, CoreError> {
+        Manager::signal_process(self, id, &process, req).await
+    }
+
+    async fn send_input(
+        &self,
+        id: Ulid,
+        process: String,
+        credential: LeaseCredential,
+        data: Bytes,
+        close: bool,
+    ) -> Result<runbox_types::Process, CoreError> {
+        Manager::send_input(self, id, &process, credential, data, close).await
+    }
+
+    async fn exec_session(&self, id: Ulid, req: ExecRequest) -> Result<Session, CoreError> {
+        Manager::exec_session(self, id, req).await
+    }
+
+    async fn attach(
+        &self,
+        id: Ulid,
+        process: String,
+        replay: bool,
+        interactive: Option<LeaseCredential>,
+    ) -> Result<Session, CoreError> {
+        Manager::attach(self, id, &process, replay, interactive).await
     }
 
     fn pools(&self) -> runbox_types::PoolList {

@@ -560,6 +560,96 @@ pub fn merge_env<'a>(layers: impl IntoIterator<Item = &'a Env>) -> BTreeMap<Stri
     out
 }
 
+/// The longest process tag.
+pub const MAX_TAG: usize = 64;
+
+/// Checks a process tag: 1-64 of letters, digits, `.`, `_`, `-`, and not
+/// all digits (a reference that is all digits is a pid).
+pub fn tag(tag: &str) -> Result<(), CoreError> {
+    let bad = |why: &str| {
+        CoreError::invalid(
+            ErrorCode::BadProcess,
+            format!("tag {:?} {why}", truncate(tag, 80)),
+        )
+    };
+    if tag.is_empty() || tag.len() > MAX_TAG {
+        return Err(bad("must be 1 to 64 characters"));
+    }
+    if !tag
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+    {
+        return Err(bad("may contain only letters, digits, '.', '_' and '-'"));
+    }
+    if tag.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad("must not be all digits (it would read as a pid)"));
+    }
+    Ok(())
+}
+
+/// A reference to a process: its pid (all digits) or its tag.
+pub fn process_ref(reference: &str) -> Result<runbox_agent_proto::pb::ProcessRef, CoreError> {
+    if !reference.is_empty() && reference.bytes().all(|b| b.is_ascii_digit()) {
+        return match reference.parse::<u32>() {
+            Ok(pid) if pid > 0 => Ok(runbox_agent_proto::pb::ProcessRef {
+                pid,
+                tag: String::new(),
+            }),
+            _ => Err(CoreError::invalid(
+                ErrorCode::BadProcess,
+                format!("{:?} is not a pid", truncate(reference, 80)),
+            )),
+        };
+    }
+    tag(reference)?;
+    Ok(runbox_agent_proto::pb::ProcessRef {
+        pid: 0,
+        tag: reference.to_owned(),
+    })
+}
+
+/// The largest terminal side.
+pub const MAX_PTY_SIDE: u32 = 10_000;
+
+/// `TERM` for a terminal that names none.
+pub const DEFAULT_TERM: &str = "xterm-256color";
+
+/// Checks a terminal request: its size, and its type as `TERM`.
+pub fn pty(
+    spec: runbox_types::PtySpec,
+) -> Result<(runbox_agent_proto::pb::PtySize, String), CoreError> {
+    for (name, value) in [("rows", spec.rows), ("cols", spec.cols)] {
+        if !(1..=MAX_PTY_SIDE).contains(&value) {
+            return Err(CoreError::invalid(
+                ErrorCode::BadProcess,
+                format!("pty.{name} must be 1-{MAX_PTY_SIDE}, not {value}"),
+            ));
+        }
+    }
+    let term = spec.term.unwrap_or_else(|| DEFAULT_TERM.to_owned());
+    if term.is_empty()
+        || term.len() > 64
+        || !term
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'+'))
+    {
+        return Err(CoreError::invalid(
+            ErrorCode::BadProcess,
+            format!(
+                "pty.term {:?} is not a terminal type (like xterm-256color)",
+                truncate(&term, 80)
+            ),
+        ));
+    }
+    Ok((
+        runbox_agent_proto::pb::PtySize {
+            rows: spec.rows,
+            cols: spec.cols,
+        },
+        term,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -848,6 +938,47 @@ mod tests {
                 prop_assert!(!p.split('/').any(|c| c == ".." || c == "." || c.is_empty()));
                 prop_assert!(!p.contains('\0'));
             }
+        }
+    }
+
+    #[test]
+    fn process_references_are_pids_or_tags() {
+        assert_eq!(process_ref("42").unwrap().pid, 42);
+        assert_eq!(process_ref("web-1").unwrap().tag, "web-1");
+        for bad in ["0", "99999999999", "", "a b", "../x", "a/b", "\u{0}"] {
+            let err = process_ref(bad).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadProcess, "{bad:?}");
+        }
+        assert!(tag("123").is_err());
+        assert!(tag(&"t".repeat(65)).is_err());
+        assert!(tag(&"t".repeat(64)).is_ok());
+    }
+
+    #[test]
+    fn terminals_are_checked() {
+        let spec = |rows, cols, term: Option<&str>| runbox_types::PtySpec {
+            rows,
+            cols,
+            term: term.map(str::to_owned),
+        };
+        let (size, term) = pty(spec(24, 80, None)).unwrap();
+        assert_eq!(
+            (size.rows, size.cols, term.as_str()),
+            (24, 80, DEFAULT_TERM)
+        );
+        assert_eq!(
+            pty(spec(1, 1, Some("screen.xterm-256color"))).unwrap().1,
+            "screen.xterm-256color"
+        );
+        for bad in [
+            spec(0, 80, None),
+            spec(24, 0, None),
+            spec(10_001, 80, None),
+            spec(24, 80, Some("")),
+            spec(24, 80, Some("xterm\nPATH=/evil")),
+            spec(24, 80, Some("a b")),
+        ] {
+            assert_eq!(pty(bad).unwrap_err().code(), ErrorCode::BadProcess);
         }
     }
 }

@@ -150,6 +150,43 @@ impl Agent for FakeAgent {
         Err(Status::unimplemented("not modelled"))
     }
 
+    type AttachStream = OutStream<pb::ExecOutput>;
+
+    async fn attach(
+        &self,
+        _: Request<tonic::Streaming<pb::ExecInput>>,
+    ) -> Result<Response<Self::AttachStream>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn list_processes(
+        &self,
+        _: Request<pb::ListProcessesRequest>,
+    ) -> Result<Response<pb::ListProcessesReply>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn signal_process(
+        &self,
+        _: Request<pb::SignalProcessRequest>,
+    ) -> Result<Response<pb::ProcessInfo>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn send_input(
+        &self,
+        _: Request<pb::SendInputRequest>,
+    ) -> Result<Response<pb::ProcessInfo>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
+    async fn wait_process(
+        &self,
+        _: Request<pb::WaitProcessRequest>,
+    ) -> Result<Response<pb::ProcessInfo>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
     type WatchStream = OutStream<pb::WatchEvent>;
 
     async fn watch(

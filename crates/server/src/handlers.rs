@@ -12,13 +12,11 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use base64::Engine;
 use futures::{StreamExt, TryStreamExt};
-use runbox_core::runs::ExecEvent;
 use runbox_types::{
-    pull_sse, sse, CreateRunRequest, ErrorCode, ErrorDetail, ExecRequest, Health, ImageList,
+    pull_sse, CreateRunRequest, ErrorCode, ErrorDetail, ExecRequest, Health, ImageList,
     LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest, LeaseResponse, PullEvent, PullRequest,
-    RenewRequest, RunList, StartedEvent,
+    RenewRequest, RunList,
 };
 use ulid::Ulid;
 
@@ -386,22 +384,12 @@ pub async fn exec<S: RunService>(
     AppJson(req): AppJson<ExecRequest>,
 ) -> Result<Response, ApiError> {
     let events = state.service.exec(id, req).await?;
-    let b64 = base64::engine::general_purpose::STANDARD;
-    let stream = events.map(move |event| {
-        let sse_event = match event {
-            ExecEvent::Started(pid) => json_event(sse::STARTED, &StartedEvent { pid }),
-            ExecEvent::Stdout(data) => Event::default().event(sse::STDOUT).data(b64.encode(&data)),
-            ExecEvent::Stderr(data) => Event::default().event(sse::STDERR).data(b64.encode(&data)),
-            ExecEvent::Exit(exit) => json_event(sse::EXIT, &exit),
-        };
-        Ok::<_, Infallible>(sse_event)
-    });
-    Ok(event_stream(stream))
+    Ok(crate::process::exec_events(events))
 }
 
 /// A server-sent event stream with keep-alive comments every 15 s, marked
 /// so proxies do not buffer it.
-fn event_stream(
+pub(crate) fn event_stream(
     stream: impl futures::Stream<Item = Result<Event, Infallible>> + Send + 'static,
 ) -> Response {
     let mut response = Sse::new(stream)
@@ -413,7 +401,7 @@ fn event_stream(
     response
 }
 
-fn json_event(name: &str, value: &impl serde::Serialize) -> Event {
+pub(crate) fn json_event(name: &str, value: &impl serde::Serialize) -> Event {
     // Serialising these plain structs cannot fail.
     Event::default()
         .event(name)
@@ -467,42 +455,8 @@ pub async fn put_file<S: RunService>(
 /// or neither. Any other parameter, or one given twice, is refused rather
 /// than ignored: a misspelt `generation` must not turn into "no credential".
 fn lease_credential(query: Option<&str>) -> Result<Option<(String, u64)>, ApiError> {
-    let Some(query) = query.filter(|q| !q.is_empty()) else {
-        return Ok(None);
-    };
-    let pairs: Vec<(String, String)> = serde_urlencoded::from_str(query).map_err(|e| {
-        ApiError::new(
-            ErrorCode::BadRequest,
-            format!("the query string does not parse: {e}"),
-        )
-    })?;
-    let (mut owner, mut generation) = (None, None);
-    for (key, value) in pairs {
-        let slot = match key.as_str() {
-            "owner" => &mut owner,
-            "generation" => &mut generation,
-            other => {
-                return Err(ApiError::new(
-                    ErrorCode::BadRequest,
-                    format!("unknown query parameter {other:?}; a file write takes only owner and generation"),
-                ))
-            }
-        };
-        if slot.replace(value).is_some() {
-            return Err(ApiError::new(
-                ErrorCode::BadRequest,
-                format!("query parameter {key:?} is given more than once"),
-            ));
-        }
-    }
-    let generation = generation
-        .as_deref()
-        .map(runbox_core::validate::generation)
-        .transpose()?;
-    Ok(runbox_core::validate::credential(
-        owner.as_deref(),
-        generation,
-    )?)
+    let mut pairs = crate::process::query_pairs(query, &["owner", "generation"])?;
+    crate::process::credential(&mut pairs)
 }
 
 /// `GET /v1/runs/{id}/files/{*path}`: streams `/work/<path>` back.

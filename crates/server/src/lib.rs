@@ -8,6 +8,7 @@
 
 mod error;
 mod handlers;
+mod process;
 
 use std::sync::Arc;
 
@@ -92,6 +93,32 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             get(handlers::warm_template::<S>).delete(handlers::warm_invalidate::<S>),
         )
         .route("/v1/runs/{id}/exec", post(handlers::exec::<S>))
+        .route("/v1/runs/{id}/exec/ws", get(process::exec_ws::<S>))
+        .route(
+            "/v1/runs/{id}/processes",
+            post(process::start::<S>).get(process::list::<S>),
+        )
+        .route("/v1/runs/{id}/processes/{process}", get(process::get::<S>))
+        .route(
+            "/v1/runs/{id}/processes/{process}/wait",
+            get(process::wait::<S>),
+        )
+        .route(
+            "/v1/runs/{id}/processes/{process}/signal",
+            post(process::signal::<S>),
+        )
+        .route(
+            "/v1/runs/{id}/processes/{process}/stdin",
+            post(process::stdin::<S>),
+        )
+        .route(
+            "/v1/runs/{id}/processes/{process}/output",
+            get(process::output::<S>),
+        )
+        .route(
+            "/v1/runs/{id}/processes/{process}/ws",
+            get(process::attach_ws::<S>),
+        )
         .route("/v1/runs/{id}/lease", post(handlers::acquire_lease::<S>))
         .route(
             "/v1/runs/{id}/lease/renew",
@@ -135,8 +162,8 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .with_state(state)
 }
 
-/// Records every state-changing call (anything but GET, HEAD and OPTIONS)
-/// in the audit log once it is answered: method, path without the query
+/// Records every state-changing call (anything but GET, HEAD and OPTIONS,
+/// and WebSocket sessions) in the audit log once it is answered: method, path without the query
 /// string, status and the run concerned. Never a body, a header or a query
 /// (they may hold credentials).
 async fn audit_calls<S: RunService>(
@@ -149,7 +176,13 @@ async fn audit_calls<S: RunService>(
         return next.run(request).await;
     };
     let method = request.method().clone();
-    if matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) {
+    // A WebSocket session (an interactive exec, an attach) is a GET that
+    // changes state.
+    let upgrade = request
+        .headers()
+        .get(axum::http::header::UPGRADE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"));
+    if matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) && !upgrade {
         return next.run(request).await;
     }
     let path = request.uri().path().to_owned();

@@ -63,6 +63,23 @@ fn run() -> Run {
     }
 }
 
+fn stub_process() -> runbox_types::Process {
+    runbox_types::Process {
+        pid: 7,
+        tag: None,
+        cmd: vec!["sleep".into()],
+        cwd: "/work".into(),
+        user: None,
+        started_at: time::OffsetDateTime::UNIX_EPOCH,
+        background: true,
+        pty: false,
+        stdin_open: false,
+        running: true,
+        exit: None,
+        ended_at: None,
+    }
+}
+
 fn found(id: Ulid) -> Result<(), CoreError> {
     if id == known() {
         Ok(())
@@ -218,6 +235,91 @@ impl RunService for Stub {
     ) -> Result<runbox_types::RemoveReply, CoreError> {
         found(id)?;
         Ok(runbox_types::RemoveReply { removed: 1 })
+    }
+    async fn start_process(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        let mut process = stub_process();
+        process.cmd = req.cmd;
+        process.tag = req.tag;
+        Ok(process)
+    }
+    async fn processes(&self, id: Ulid) -> Result<runbox_types::ProcessList, CoreError> {
+        found(id)?;
+        Ok(runbox_types::ProcessList {
+            processes: vec![stub_process()],
+        })
+    }
+    async fn wait_process(
+        &self,
+        id: Ulid,
+        process: String,
+        limit: std::time::Duration,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        let mut out = stub_process();
+        // Shows what arrived.
+        out.cwd = format!("waited {}s", limit.as_secs());
+        Ok(out)
+    }
+    async fn signal_process(
+        &self,
+        id: Ulid,
+        process: String,
+        req: runbox_types::SignalRequest,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        let number = req.signal.number().ok_or_else(|| {
+            CoreError::invalid(runbox_types::ErrorCode::BadSignal, "not a signal")
+        })?;
+        let mut out = stub_process();
+        out.cwd = format!("signal {number}");
+        Ok(out)
+    }
+    async fn send_input(
+        &self,
+        id: Ulid,
+        process: String,
+        credential: LeaseCredential,
+        data: bytes::Bytes,
+        close: bool,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        let mut out = stub_process();
+        out.cwd = format!(
+            "{} bytes close={close} owner={:?}",
+            data.len(),
+            credential.map(|c| c.0)
+        );
+        Ok(out)
+    }
+    async fn exec_session(
+        &self,
+        id: Ulid,
+        _req: ExecRequest,
+    ) -> Result<runbox_core::runs::Session, CoreError> {
+        found(id)?;
+        Err(CoreError::Agent("no sessions in the stub".into()))
+    }
+    async fn attach(
+        &self,
+        id: Ulid,
+        process: String,
+        _replay: bool,
+        _interactive: Option<LeaseCredential>,
+    ) -> Result<runbox_core::runs::Session, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::ProcessNotFound,
+            "no such process",
+        ))
     }
     fn pools(&self) -> runbox_types::PoolList {
         runbox_types::PoolList {
@@ -797,5 +899,233 @@ async fn capacity_and_draining_say_when_to_retry() {
             body.contains("--max-runs") || body.contains("drain"),
             "{body}"
         );
+    }
+}
+
+#[tokio::test]
+async fn process_routes_check_their_input() {
+    let base = format!("/v1/runs/{KNOWN}/processes");
+    let refused: &[(&str, String, &str, u16, &str)] = &[
+        // Hostile process references.
+        ("GET", format!("{base}/0"), "", 400, "bad_process"),
+        ("GET", format!("{base}/99999999999"), "", 400, "bad_process"),
+        ("GET", format!("{base}/a%20b"), "", 400, "bad_process"),
+        (
+            "GET",
+            format!("{base}/..%2F..%2Fetc"),
+            "",
+            400,
+            "bad_process",
+        ),
+        ("GET", format!("{base}/%00"), "", 400, "bad_process"),
+        (
+            "GET",
+            format!("{base}/{}", "x".repeat(65)),
+            "",
+            400,
+            "bad_process",
+        ),
+        // Query strings: unknown, repeated, malformed.
+        (
+            "GET",
+            format!("{base}/web/wait?timeout=3"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "GET",
+            format!("{base}/web/wait?timeoutSec=x"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("{base}/web/stdin?close=maybe"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("{base}/web/stdin?close=1&close=1"),
+            "",
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("{base}/web/stdin?generation=1"),
+            "",
+            400,
+            "bad_owner",
+        ),
+        (
+            "POST",
+            format!("{base}/web/stdin?owner=a&generation=x"),
+            "",
+            400,
+            "bad_generation",
+        ),
+        (
+            "POST",
+            format!("{base}/web/stdin?path=x"),
+            "",
+            400,
+            "bad_request",
+        ),
+        // Signals.
+        (
+            "POST",
+            format!("{base}/web/signal"),
+            r#"{"signal":"NOPE"}"#,
+            400,
+            "bad_signal",
+        ),
+        (
+            "POST",
+            format!("{base}/web/signal"),
+            r#"{"signal":0}"#,
+            400,
+            "bad_signal",
+        ),
+        (
+            "POST",
+            format!("{base}/web/signal"),
+            r#"{"signal":65}"#,
+            400,
+            "bad_signal",
+        ),
+        (
+            "POST",
+            format!("{base}/web/signal"),
+            r#"{"signal":"TERM","x":1}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            format!("{base}/web/signal"),
+            r#"{}"#,
+            400,
+            "bad_request",
+        ),
+        // Starts: unknown fields and bad shapes are refused before the service.
+        (
+            "POST",
+            base.clone(),
+            r#"{"cmd":["x"],"detach":true}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            base.clone(),
+            r#"{"cmd":["x"],"pty":{"rows":1}}"#,
+            400,
+            "bad_request",
+        ),
+        (
+            "POST",
+            base.clone(),
+            r#"{"cmd":["x"],"pty":{"rows":1,"cols":1,"x":1}}"#,
+            400,
+            "bad_request",
+        ),
+        // Attach to what the stub does not know.
+        (
+            "GET",
+            format!("{base}/web/output"),
+            "",
+            404,
+            "process_not_found",
+        ),
+        (
+            "GET",
+            format!("{base}/web/output?replay=x"),
+            "",
+            400,
+            "bad_request",
+        ),
+        // A run that does not exist.
+        (
+            "GET",
+            format!("/v1/runs/{}/processes", Ulid::new()),
+            "",
+            404,
+            "run_not_found",
+        ),
+    ];
+    for (method, uri, body, status, expected) in refused {
+        let (got, text) = authed(method, uri, body).await;
+        assert_eq!(got.as_u16(), *status, "{method} {uri}: {text}");
+        assert_eq!(code(&text), *expected, "{method} {uri}");
+    }
+
+    let (status, body) = authed("POST", &base, r#"{"cmd":["sleep","9"],"tag":"web"}"#).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let process: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(process["tag"], "web");
+    assert_eq!(process["startedAt"], "1970-01-01T00:00:00Z");
+    let (status, body) = authed("GET", &base, "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, body) = authed("GET", &format!("{base}/web/wait?timeoutSec=5"), "").await;
+    assert!(body.contains("waited 5s"), "{body}");
+    let (_, body) = authed("GET", &format!("{base}/123/wait"), "").await;
+    assert!(body.contains("waited 60s"), "default wait: {body}");
+    for (signal, number) in [
+        (r#""TERM""#, 15),
+        (r#""sigint""#, 2),
+        ("9", 9),
+        (r#""SIG10""#, 10),
+    ] {
+        let (status, body) = authed(
+            "POST",
+            &format!("{base}/web/signal"),
+            &format!(r#"{{"signal":{signal}}}"#),
+        )
+        .await;
+        assert_eq!(status, StatusCode::OK, "{signal}: {body}");
+        assert!(
+            body.contains(&format!("signal {number}")),
+            "{signal}: {body}"
+        );
+    }
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/web/stdin?close=true&owner=me&generation=2"),
+        Some(&format!("Bearer {TOKEN}")),
+        "hello",
+        false,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("5 bytes close=true owner=Some"), "{body}");
+    let big = "x".repeat(512 * 1024 + 1);
+    let (status, body) = call(
+        "POST",
+        &format!("{base}/web/stdin"),
+        Some(&format!("Bearer {TOKEN}")),
+        &big,
+        false,
+    )
+    .await;
+    assert_eq!(status.as_u16(), 413, "{body}");
+    assert_eq!(code(&body), "too_large");
+    // The WebSocket routes need the token, and an upgrade.
+    let (status, _) = call("GET", &format!("/v1/runs/{KNOWN}/exec/ws"), None, "", false).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    for uri in [
+        format!("/v1/runs/{KNOWN}/exec/ws"),
+        format!("{base}/web/ws"),
+    ] {
+        let (status, body) = authed("GET", &uri, "").await;
+        assert_eq!(
+            status.as_u16(),
+            400,
+            "a plain GET is not an upgrade: {body}"
+        );
+        assert_eq!(code(&body), "bad_request");
     }
 }

@@ -87,6 +87,22 @@ codes! {
     BadUser = "bad_user", 400;
     /// The working directory does not exist in the run.
     BadCwd = "bad_cwd", 400;
+    /// A process tag breaks the rules, or a terminal size is out of range.
+    BadProcess = "bad_process", 400;
+    /// A signal name or number that Linux does not have.
+    BadSignal = "bad_signal", 400;
+    /// No such process in the run (ended foreground commands are not kept;
+    /// ended background ones only for a while).
+    ProcessNotFound = "process_not_found", 404;
+    /// Another running process in the run has this tag.
+    TagInUse = "tag_in_use", 409;
+    /// The process has ended.
+    ProcessEnded = "process_ended", 409;
+    /// The process's stdin is closed, or it was started without one.
+    StdinClosed = "stdin_closed", 409;
+    /// The run's agent predates this operation (the run was created by an
+    /// older runbox); create the run again.
+    AgentTooOld = "agent_too_old", 409;
     /// The command was not found in the run.
     CommandNotFound = "command_not_found", 400;
     /// The command exists but could not be executed.

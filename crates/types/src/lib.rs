@@ -575,6 +575,189 @@ pub struct ExecRequest {
     /// image's `User`, else root).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Text written to the command's standard input, which is then closed.
+    /// Without it (and without `openStdin` or a terminal) stdin is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// Run the command on a new terminal of this size: one output stream
+    /// (`stdout`), line editing, `^C` as SIGINT, `TERM` as given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pty: Option<PtySpec>,
+    /// Background processes only: a name to find the process by (1-64 of
+    /// letters, digits, `.`, `_`, `-`; not all digits), unique among the
+    /// run's running processes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Background processes only: keep stdin open for later input
+    /// (`POST .../processes/{p}/stdin`, or an attached WebSocket).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub open_stdin: bool,
+}
+
+/// A terminal's size and type.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PtySpec {
+    /// Lines, 1-10000.
+    pub rows: u32,
+    /// Columns, 1-10000.
+    pub cols: u32,
+    /// `TERM` for the command (default: `xterm-256color`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub term: Option<String>,
+}
+
+/// A process in a run: a background one, or a foreground exec while it
+/// runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Process {
+    /// Its pid inside the run (also its process group id).
+    pub pid: u32,
+    /// Its tag, if it was given one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// The command and its arguments.
+    pub cmd: Vec<String>,
+    /// Its working directory.
+    pub cwd: String,
+    /// Who it runs as, as given (absent: root).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// When it started (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub started_at: OffsetDateTime,
+    /// Started as a background process (kept after it ended).
+    pub background: bool,
+    /// It runs on a terminal.
+    pub pty: bool,
+    /// Its stdin takes input now.
+    pub stdin_open: bool,
+    /// Still running.
+    pub running: bool,
+    /// How it ended, once it did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit: Option<ProcessExit>,
+    /// When it ended (RFC 3339).
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub ended_at: Option<OffsetDateTime>,
+}
+
+/// How a process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessExit {
+    /// Exit status; 128 + signal when a signal ended it.
+    pub exit_code: i32,
+    /// The signal that ended it, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// Its `timeoutSec` elapsed and runbox killed it.
+    pub timed_out: bool,
+}
+
+/// `GET /v1/runs/{id}/processes`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProcessList {
+    /// Running processes and recently ended background ones, in start
+    /// order.
+    pub processes: Vec<Process>,
+}
+
+/// `POST /v1/runs/{id}/processes/{process}/signal`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SignalRequest {
+    /// A signal name (`TERM`, `SIGINT`, ...) or number.
+    pub signal: SignalSpec,
+    /// The lease holder this acts for; needed while a lease is active.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The generation of that holder's lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// A signal as a client names it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SignalSpec {
+    /// A Linux signal number.
+    Number(i32),
+    /// A name, with or without `SIG`, in any case.
+    Name(String),
+}
+
+/// The Linux signals by name (x86-64 and arm64 agree on these numbers).
+pub const SIGNALS: &[(&str, i32)] = &[
+    ("HUP", 1),
+    ("INT", 2),
+    ("QUIT", 3),
+    ("ILL", 4),
+    ("TRAP", 5),
+    ("ABRT", 6),
+    ("BUS", 7),
+    ("FPE", 8),
+    ("KILL", 9),
+    ("USR1", 10),
+    ("SEGV", 11),
+    ("USR2", 12),
+    ("PIPE", 13),
+    ("ALRM", 14),
+    ("TERM", 15),
+    ("CHLD", 17),
+    ("CONT", 18),
+    ("STOP", 19),
+    ("TSTP", 20),
+    ("TTIN", 21),
+    ("TTOU", 22),
+    ("URG", 23),
+    ("XCPU", 24),
+    ("XFSZ", 25),
+    ("VTALRM", 26),
+    ("PROF", 27),
+    ("WINCH", 28),
+    ("IO", 29),
+    ("PWR", 30),
+    ("SYS", 31),
+];
+
+impl SignalSpec {
+    /// The signal's number, if it names one (1-64).
+    pub fn number(&self) -> Option<i32> {
+        match self {
+            Self::Number(n) => (1..=64).contains(n).then_some(*n),
+            Self::Name(name) => {
+                let upper = name.to_ascii_uppercase();
+                let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+                if let Ok(n) = bare.parse::<i32>() {
+                    return (1..=64).contains(&n).then_some(n);
+                }
+                SIGNALS
+                    .iter()
+                    .find(|(known, _)| *known == bare)
+                    .map(|(_, n)| *n)
+            }
+        }
+    }
+}
+
+/// `GET /v1/runs/{id}/processes/{process}/output` and `.../wait`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ProcessQuery {
+    /// `output`: replay the recent output kept for the process first
+    /// (default true).
+    #[serde(default)]
+    pub replay: Option<bool>,
+    /// `wait`: the longest to wait, in seconds (0-3600, default 60).
+    #[serde(default)]
+    pub timeout_sec: Option<u64>,
 }
 
 /// Why an exec stream ended.
@@ -629,6 +812,17 @@ pub mod sse {
     pub const STDERR: &str = "stderr";
     /// `data` is an [`super::ExitEvent`] as JSON; always the last event.
     pub const EXIT: &str = "exit";
+    /// `data` is a [`super::LostEvent`] as JSON: a reader attached to a
+    /// process fell behind and skipped output.
+    pub const LOST: &str = "lost";
+}
+
+/// Output skipped for an attached reader that fell behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LostEvent {
+    /// How many output chunks were skipped.
+    pub chunks: u64,
 }
 
 /// An image as the API shows it.
@@ -1096,5 +1290,75 @@ mod tests {
     fn unknown_fields_are_refused() {
         let err = serde_json::from_str::<CreateRunRequest>(r#"{"image":"base","imgae":"x"}"#);
         assert!(err.is_err());
+    }
+}
+
+/// The frames of the WebSocket endpoints (`GET /v1/runs/{id}/exec/ws` and
+/// `GET /v1/runs/{id}/processes/{process}/ws`). Binary frames carry bytes:
+/// from the client, stdin; from the server, output, whose first byte says
+/// which stream ([`ws::STDOUT`] or [`ws::STDERR`]). Text frames carry one
+/// JSON object each, tagged by `type`.
+pub mod ws {
+    use serde::{Deserialize, Serialize};
+
+    use super::{ExecRequest, ExitEvent, SignalSpec};
+
+    /// First byte of a binary server frame of standard output.
+    pub const STDOUT: u8 = 1;
+    /// First byte of a binary server frame of standard error.
+    pub const STDERR: u8 = 2;
+
+    /// A text frame from the client.
+    #[derive(Clone, Debug, Serialize, Deserialize)]
+    #[serde(tag = "type", rename_all = "camelCase")]
+    pub enum ClientFrame {
+        /// The command to run: the first frame on `exec/ws`, and only there.
+        Start(Box<ExecRequest>),
+        /// Text for stdin (binary frames are the other way to send it).
+        Stdin {
+            /// The text.
+            data: String,
+        },
+        /// Close stdin; on a terminal, send its end-of-file character.
+        Eof,
+        /// A signal for the command's process group.
+        Signal {
+            /// A name (`INT`, `SIGTERM`) or number.
+            signal: SignalSpec,
+        },
+        /// The terminal's new size.
+        Resize {
+            /// Lines, 1-10000.
+            rows: u32,
+            /// Columns, 1-10000.
+            cols: u32,
+        },
+    }
+
+    /// A text frame from the server.
+    #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    #[serde(tag = "type", rename_all = "camelCase")]
+    pub enum ServerFrame {
+        /// The command runs (or, attaching, was found) with this pid.
+        Started {
+            /// Its pid inside the run.
+            pid: u32,
+        },
+        /// This reader fell behind and skipped output.
+        Lost {
+            /// How many output chunks were skipped.
+            chunks: u64,
+        },
+        /// The command ended; the last frame before the server closes.
+        Exit(ExitEvent),
+        /// Something the client sent or asked for failed. After a failed
+        /// `start` the server closes the socket; after a bad frame it goes
+        /// on.
+        Error {
+            /// The stable code, as in HTTP error bodies.
+            code: String,
+            /// What to fix.
+            message: String,
+        },
     }
 }

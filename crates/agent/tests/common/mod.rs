@@ -133,6 +133,8 @@ pub struct Outcome {
     pub error: Option<AgentError>,
     /// Largest single output chunk seen.
     pub max_chunk: usize,
+    /// Output chunks skipped for a reader that fell behind.
+    pub lost: u64,
 }
 
 impl Outcome {
@@ -214,6 +216,7 @@ pub async fn collect(mut stream: Streaming<ExecOutput>) -> Outcome {
                 outcome.max_chunk = outcome.max_chunk.max(data.len());
                 outcome.stderr.extend(data);
             }
+            exec_output::Kind::Lost(lost) => outcome.lost += lost.chunks,
             exec_output::Kind::Exit(exit) => outcome.exit = Some(exit),
             exec_output::Kind::Error(error) => {
                 assert!(outcome.started.is_none(), "error after started");

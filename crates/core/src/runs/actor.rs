@@ -26,6 +26,7 @@
 //! that disconnects cannot stop a backend call or a commit half-way. A
 //! dropped reply channel only means nobody waits for the answer.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -118,6 +119,8 @@ pub(crate) struct RunHandle {
     state: watch::Receiver<Snapshot>,
     /// The agent's client, set before the run is published as running.
     pub agent: OnceLock<AgentClient>,
+    /// The protocol revision the agent speaks, set before `agent`.
+    pub protocol: AtomicU32,
     /// Cancelled when the run starts stopping; in-flight execs watch it.
     pub ended: CancellationToken,
     /// Why the run is stopping, set before `ended` is cancelled.
@@ -204,7 +207,7 @@ const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How a re-adopted run starts.
 pub(crate) enum Adopted {
     /// Alive, its agent answering.
-    Running(AgentClient),
+    Running(AgentClient, u32),
     /// Failed before the restart; kept until its TTL.
     Failed,
     /// Dead or expired: to be destroyed at once.
@@ -241,6 +244,7 @@ impl RunActor {
             commands: commands_tx,
             state,
             agent: OnceLock::new(),
+            protocol: AtomicU32::new(0),
             ended: CancellationToken::new(),
             end_reason: OnceLock::new(),
             egress: OnceLock::new(),
@@ -282,7 +286,8 @@ impl RunActor {
         tokio::spawn(async move {
             let mut actor = self;
             match adopted {
-                Adopted::Running(agent) => {
+                Adopted::Running(agent, protocol) => {
+                    actor.handle.protocol.store(protocol, Ordering::Relaxed);
                     let _ = actor.handle.agent.set(agent);
                     // Without its proxy the run has no way out at all: it
                     // keeps its files and processes, and the log says why.
@@ -419,9 +424,10 @@ impl RunActor {
             super::wait_ready(agent.clone(), manager.config.agent_ready_timeout),
             manager.store.put_async(running),
         );
-        ready.map_err(|e| {
+        let protocol = ready.map_err(|e| {
             CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
         })?;
+        self.handle.protocol.store(protocol, Ordering::Relaxed);
         stored?;
         if let Some(e) = gone(reply) {
             return Err(e);

@@ -25,6 +25,7 @@ mod fork;
 mod fs;
 pub mod phase;
 mod pool;
+mod process;
 pub mod reaper;
 mod reconcile;
 pub mod relay;
@@ -55,6 +56,7 @@ use crate::lease::Lease;
 use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
 
+pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 
 /// Locks a mutex, recovering from poisoning: every critical section here is
@@ -658,8 +660,9 @@ fn request_digest(req: &CreateRunRequest) -> Result<String, CoreError> {
     Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Calls `Hello` until the agent answers or `limit` passes.
-pub(crate) async fn wait_ready(mut agent: AgentClient, limit: Duration) -> Result<(), String> {
+/// Calls `Hello` until the agent answers or `limit` passes; returns the
+/// protocol revision it speaks.
+pub(crate) async fn wait_ready(mut agent: AgentClient, limit: Duration) -> Result<u32, String> {
     let deadline = tokio::time::Instant::now() + limit;
     let mut delay = Duration::from_millis(2);
     loop {
@@ -675,7 +678,7 @@ pub(crate) async fn wait_ready(mut agent: AgentClient, limit: Duration) -> Resul
                         runbox_agent_proto::MIN_PROTOCOL
                     ));
                 }
-                return Ok(());
+                return Ok(reply.protocol);
             }
             Ok(Err(status)) => relay::bounded(status.message()),
             Err(_) => "no answer within 2s".to_owned(),

@@ -50,7 +50,7 @@ impl Manager {
         for (record, adopted) in verdicts {
             let id = record.id;
             let phase = match &adopted {
-                Adopted::Running(_) => {
+                Adopted::Running(..) => {
                     tracing::info!(run = %id, "re-adopted a live run");
                     Phase::Running
                 }
@@ -138,7 +138,7 @@ impl Manager {
         }
         let agent = runbox_agent_proto::connect_unix(record.agent_socket.clone());
         match wait_ready(agent.clone(), READOPT_TIMEOUT).await {
-            Ok(()) => Adopted::Running(agent),
+            Ok(protocol) => Adopted::Running(agent, protocol),
             Err(e) => {
                 tracing::warn!(run = %id, error = %e, "run's agent does not answer; destroying it");
                 Adopted::Doomed(ExitReason::AgentLost)

@@ -10,6 +10,7 @@
 //! it declared, and its messages are bounded before they reach a client or
 //! a log line.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -55,6 +56,8 @@ pub enum ExecEvent {
     Stdout(Bytes),
     /// A chunk of standard error.
     Stderr(Bytes),
+    /// An attached reader fell behind and this many chunks were skipped.
+    Lost(u64),
     /// The command ended; always the last event.
     Exit(ExitEvent),
 }
@@ -109,7 +112,9 @@ impl Manager {
             .ok_or(CoreError::RunNotFound(id))
     }
 
-    /// failed to start); the stream then carries its output and ends with
+    /// Starts a command in run `id`. Fails before streaming when the command
+    /// cannot run (bad input, the lease refuses, the program does not exist
+    /// or failed to start); the stream then carries its output and ends with
     /// exactly one [`ExecEvent::Exit`].
     ///
     /// Cancellation: dropping the returned stream cancels the agent call, and
@@ -128,13 +133,31 @@ impl Manager {
         target: Arc<RunHandle>,
         req: ExecRequest,
     ) -> Result<impl Stream<Item = ExecEvent> + Send + 'static, CoreError> {
+        if req.tag.is_some() || req.open_stdin {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                "tag and openStdin are for background processes: POST /v1/runs/{id}/processes",
+            ));
+        }
+        let opened = self.open_exec(target, req, ExecMode::Foreground).await?;
+        Ok(opened.into_events())
+    }
+
+    /// Checks an exec request, admits it, and starts the command in the
+    /// run's agent; answers once the agent reported it started.
+    pub(super) async fn open_exec(
+        &self,
+        target: Arc<RunHandle>,
+        mut req: ExecRequest,
+        mode: ExecMode,
+    ) -> Result<Opened, CoreError> {
         if !req.cmd.is_empty() {
             validate::command(&req.cmd)?;
         }
         if let Some(cwd) = &req.cwd {
             validate::cwd(cwd)?;
         }
-        let exec_env = req.env.unwrap_or_default();
+        let exec_env = req.env.take().unwrap_or_default();
         validate::env(&exec_env)?;
         let timeout = match req.timeout_sec {
             Some(0) => {
@@ -156,7 +179,27 @@ impl Manager {
             None => None,
         };
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
-        let user = req.user.map(validate::user).transpose()?;
+        let user = req.user.take().map(validate::user).transpose()?;
+        let tag = req
+            .tag
+            .take()
+            .map(|t| validate::tag(&t).map(|()| t))
+            .transpose()?;
+        let pty = req.pty.take().map(validate::pty).transpose()?;
+        let stdin_text = req.stdin.take();
+        if stdin_text
+            .as_ref()
+            .is_some_and(|t| t.len() > MAX_STDIN_TEXT)
+        {
+            return Err(CoreError::invalid(
+                ErrorCode::TooLarge,
+                format!("stdin is larger than {MAX_STDIN_TEXT} bytes; upload the data as a file instead"),
+            ));
+        }
+        let needs_protocol_3 = pty.is_some() || mode != ExecMode::Foreground;
+        if needs_protocol_3 && target.protocol.load(Ordering::Relaxed) < 3 {
+            return Err(agent_too_old());
+        }
         let (handle, in_flight, mut agent) = self.admit_handle(target, credential).await?;
         let record = handle.snapshot().record;
         let image = &record.image_config;
@@ -172,7 +215,7 @@ impl Manager {
             validate::command(&argv)?;
             argv
         } else {
-            req.cmd
+            std::mem::take(&mut req.cmd)
         };
         let base = Env(BASE_ENV
             .iter()
@@ -183,13 +226,25 @@ impl Manager {
             record.network,
             &record.egress,
         );
+        // A terminal's type is the request's, else a modern default; an
+        // exec's own TERM still wins.
+        let term_env = Env(pty
+            .as_ref()
+            .map(|(_, term)| [("TERM".to_owned(), term.clone())].into())
+            .unwrap_or_default());
         // Later layers win: runbox's defaults, the image's Env, the egress
-        // proxy's, the run's, the exec's.
-        let env: Vec<pb::EnvVar> =
-            validate::merge_env([&base, &image.env, &egress_env, &record.env, &exec_env])
-                .into_iter()
-                .map(|(name, value)| pb::EnvVar { name, value })
-                .collect();
+        // proxy's, the run's, the terminal's, the exec's.
+        let env: Vec<pb::EnvVar> = validate::merge_env([
+            &base,
+            &image.env,
+            &egress_env,
+            &record.env,
+            &term_env,
+            &exec_env,
+        ])
+        .into_iter()
+        .map(|(name, value)| pb::EnvVar { name, value })
+        .collect();
         let start = pb::ExecStart {
             argv,
             cwd: req
@@ -198,9 +253,16 @@ impl Manager {
                 .unwrap_or_default(),
             env,
             timeout_ms: timeout.map_or(0, |t| t.as_millis() as u64),
-            stdin: false,
+            stdin: match mode {
+                ExecMode::Foreground => stdin_text.is_some(),
+                ExecMode::Session => true,
+                ExecMode::Background => req.open_stdin || stdin_text.is_some(),
+            },
             // The request's, else the image's `User`, else root.
             user: user.or_else(|| image.user.clone()).unwrap_or_default(),
+            detach: mode == ExecMode::Background,
+            tag: tag.unwrap_or_default(),
+            pty: pty.map(|(size, _)| size),
         };
         let (input, input_rx) = mpsc::channel(8);
         input
@@ -231,17 +293,59 @@ impl Manager {
                 )))
             }
         };
+        if let Some(text) = stdin_text {
+            if mode == ExecMode::Background {
+                // The start call is over; the process takes input by pid.
+                let request = pb::SendInputRequest {
+                    process: Some(pb::ProcessRef {
+                        pid,
+                        tag: String::new(),
+                    }),
+                    data: text.into_bytes(),
+                    close: true,
+                };
+                tokio::time::timeout(AGENT_CALL_TIMEOUT, agent.send_input(request))
+                    .await
+                    .map_err(|_| {
+                        CoreError::Agent("the agent did not take the input in time".into())
+                    })?
+                    .map_err(super::process::process_error)?;
+            } else {
+                // Fed from a task: the agent reads it only as the stream is
+                // polled, which is the caller's to do.
+                let input = input.clone();
+                tokio::spawn(async move {
+                    for part in text.as_bytes().chunks(CHUNK_SIZE) {
+                        let data = pb::ExecInput {
+                            kind: Some(exec_input::Kind::Stdin(part.to_vec())),
+                        };
+                        if input.send(data).await.is_err() {
+                            return;
+                        }
+                    }
+                    let close = pb::ExecInput {
+                        kind: Some(exec_input::Kind::CloseStdin(pb::CloseStdin {})),
+                    };
+                    let _ = input.send(close).await;
+                });
+            }
+        }
         let state = ExecState {
             output,
-            _input: input,
+            _input: input.clone(),
             ended: handle.ended.clone(),
             handle,
             deadline: timeout.map(|t| tokio::time::Instant::now() + t + TIMEOUT_GRACE),
             started: Some(pid),
             done: false,
-            _in_flight: in_flight,
+            _in_flight: Some(in_flight),
         };
-        Ok(futures::stream::unfold(state, ExecState::next).boxed())
+        Ok(Opened {
+            pid,
+            state,
+            input,
+            agent,
+        })
     }
 
     /// Writes `body` to `/work/<path>` in a run, replacing any file there only
@@ -427,6 +531,7 @@ fn start_error(e: pb::AgentError) -> CoreError {
         pb::ErrorKind::PermissionDenied => ErrorCode::CommandNotExecutable,
         pb::ErrorKind::BadCwd => ErrorCode::BadCwd,
         pb::ErrorKind::BadUser => ErrorCode::BadUser,
+        pb::ErrorKind::TagInUse => ErrorCode::TagInUse,
         pb::ErrorKind::Invalid => ErrorCode::BadCommand,
         pb::ErrorKind::Io | pb::ErrorKind::Unspecified => {
             return CoreError::Agent(bounded(&e.message))
@@ -483,16 +588,56 @@ pub(crate) fn bounded(message: &str) -> String {
     out
 }
 
+/// How an exec runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum ExecMode {
+    /// Streamed to the caller, killed when the caller goes away; stdin
+    /// only as `stdin` text.
+    Foreground,
+    /// Like `Foreground`, with stdin open for the caller's input.
+    Session,
+    /// Detached: the agent keeps it, the call only starts it.
+    Background,
+}
+
+/// A command the agent started.
+pub(super) struct Opened {
+    pub pid: u32,
+    pub state: ExecState,
+    /// Input to the agent call (stdin, signals, resizes).
+    pub input: mpsc::Sender<pb::ExecInput>,
+    pub agent: AgentClient,
+}
+
+impl Opened {
+    /// The events of the command, ending with one exit.
+    pub fn into_events(self) -> futures::stream::BoxStream<'static, ExecEvent> {
+        futures::stream::unfold(self.state, ExecState::next).boxed()
+    }
+}
+
+/// The most `stdin` text one exec takes.
+const MAX_STDIN_TEXT: usize = 512 * 1024;
+
+/// A protocol-3 operation asked of an older agent.
+pub(super) fn agent_too_old() -> CoreError {
+    CoreError::invalid(
+        ErrorCode::AgentTooOld,
+        "this run's agent predates terminals and background processes; create the run again",
+    )
+}
+
 /// The state of one exec stream.
-struct ExecState {
+pub(super) struct ExecState {
     output: tonic::Streaming<pb::ExecOutput>,
     /// Kept open so the agent does not see stdin's end as a reason to stop;
     /// dropped with the stream.
     _input: mpsc::Sender<pb::ExecInput>,
     handle: Arc<RunHandle>,
     ended: CancellationToken,
-    /// Counts the exec in flight until the stream is dropped.
-    _in_flight: InFlight,
+    /// Counts the exec in flight until the stream is dropped (not for a
+    /// read-only attach).
+    _in_flight: Option<InFlight>,
     /// When the daemon stops waiting for a timed-out command's exit report.
     deadline: Option<tokio::time::Instant>,
     started: Option<u32>,
@@ -500,7 +645,27 @@ struct ExecState {
 }
 
 impl ExecState {
-    async fn next(mut self) -> Option<(ExecEvent, ExecState)> {
+    /// The stream of an attach call whose `started` was read.
+    pub(super) fn attached(
+        output: tonic::Streaming<pb::ExecOutput>,
+        input: mpsc::Sender<pb::ExecInput>,
+        handle: Arc<RunHandle>,
+        pid: u32,
+        in_flight: Option<InFlight>,
+    ) -> Self {
+        Self {
+            output,
+            _input: input,
+            ended: handle.ended.clone(),
+            handle,
+            deadline: None,
+            started: Some(pid),
+            done: false,
+            _in_flight: in_flight,
+        }
+    }
+
+    pub(super) async fn next(mut self) -> Option<(ExecEvent, ExecState)> {
         if let Some(pid) = self.started.take() {
             return Some((ExecEvent::Started(pid), self));
         }
@@ -532,6 +697,7 @@ impl ExecState {
                         };
                         exit(e.exit_code, signal, e.timed_out, reason)
                     }
+                    exec_output::Kind::Lost(lost) => return Some((ExecEvent::Lost(lost.chunks), self)),
                     exec_output::Kind::Started(_) | exec_output::Kind::Error(_) => {
                         tracing::warn!("agent sent an out-of-order exec message");
                         exit(-1, None, false, ExitReason::AgentLost)

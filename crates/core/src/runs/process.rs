@@ -1,0 +1,374 @@
+//! Processes in a run: background commands, interactive sessions, and
+//! attaching to a process started earlier. The agent keeps the process
+//! table (see the agent's `procs`), so processes outlive API calls and
+//! daemon restarts alike; this module relays to it.
+//!
+//! Starting a process, sending it input or a signal, and interactive
+//! sessions are writes, fenced by the lease like an exec. Listing,
+//! describing, waiting for and reading the output of a process are reads.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream::BoxStream;
+use runbox_agent_proto::pb::{self, exec_input};
+use runbox_agent_proto::AgentClient;
+use runbox_types::{ErrorCode, ExecRequest, Process, ProcessExit, ProcessList};
+use time::OffsetDateTime;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use ulid::Ulid;
+
+use super::actor::RunHandle;
+use super::relay::{agent_too_old, bounded, ExecEvent, ExecMode, ExecState};
+use super::Manager;
+use crate::error::CoreError;
+use crate::validate;
+
+/// How long one process call (list, signal, input) may take.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The longest a wait may be asked to last.
+pub const MAX_WAIT: Duration = Duration::from_secs(3600);
+
+/// Input to an interactive session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SessionInput {
+    /// Bytes for the command's stdin (or terminal).
+    Stdin(Bytes),
+    /// Close stdin (on a terminal: send its end-of-file character).
+    Eof,
+    /// A signal for the command's process group.
+    Signal(i32),
+    /// The terminal's new size.
+    Resize {
+        /// Lines.
+        rows: u32,
+        /// Columns.
+        cols: u32,
+    },
+}
+
+/// An interactive session: the command's events, and a way to send it
+/// input. Dropping `events` ends the session (and kills a command the
+/// session started).
+pub struct Session {
+    /// The command's pid.
+    pub pid: u32,
+    /// Its output and exit.
+    pub events: BoxStream<'static, ExecEvent>,
+    /// Where its input goes.
+    pub input: SessionWriter,
+}
+
+/// The input side of a [`Session`]; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct SessionWriter(mpsc::Sender<pb::ExecInput>);
+
+impl SessionWriter {
+    /// Sends one input in order; fails once the session is over.
+    pub async fn send(&self, input: SessionInput) -> Result<(), CoreError> {
+        let kind = match input {
+            SessionInput::Stdin(data) => exec_input::Kind::Stdin(data.to_vec()),
+            SessionInput::Eof => exec_input::Kind::CloseStdin(pb::CloseStdin {}),
+            SessionInput::Signal(signal) => exec_input::Kind::Signal(pb::ExecSignal { signal }),
+            SessionInput::Resize { rows, cols } => {
+                for (name, value) in [("rows", rows), ("cols", cols)] {
+                    if !(1..=validate::MAX_PTY_SIDE).contains(&value) {
+                        return Err(CoreError::invalid(
+                            ErrorCode::BadProcess,
+                            format!("{name} must be 1-{}, not {value}", validate::MAX_PTY_SIDE),
+                        ));
+                    }
+                }
+                exec_input::Kind::Resize(pb::PtySize { rows, cols })
+            }
+        };
+        self.0
+            .send(pb::ExecInput { kind: Some(kind) })
+            .await
+            .map_err(|_| CoreError::invalid(ErrorCode::ProcessEnded, "the session has ended"))
+    }
+}
+
+/// Maps an agent's process-call status onto an API error.
+pub(super) fn process_error(status: tonic::Status) -> CoreError {
+    if status.code() == tonic::Code::Unimplemented {
+        return agent_too_old();
+    }
+    let kind = status
+        .metadata()
+        .get("runbox-kind")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let message = bounded(status.message());
+    let code = match kind {
+        "no_process" => ErrorCode::ProcessNotFound,
+        "stdin_closed" => ErrorCode::StdinClosed,
+        "not_running" => ErrorCode::ProcessEnded,
+        "invalid" => ErrorCode::BadProcess,
+        _ => return CoreError::Agent(format!("process call failed: {message}")),
+    };
+    CoreError::invalid(code, message)
+}
+
+/// An agent's description of a process, checked and bounded.
+pub(super) fn process_of(raw: pb::ProcessInfo) -> Process {
+    const MAX_TEXT: usize = 4096;
+    let clip = |s: String| -> String {
+        if s.len() <= MAX_TEXT {
+            s
+        } else {
+            bounded(&s)
+        }
+    };
+    let at = |ms: i64| {
+        OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+            .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+    };
+    let tag = (!raw.tag.is_empty() && raw.tag.len() <= validate::MAX_TAG).then_some(raw.tag);
+    Process {
+        pid: raw.pid,
+        tag,
+        cmd: raw.argv.into_iter().take(1024).map(clip).collect(),
+        cwd: clip(raw.cwd),
+        user: (!raw.user.is_empty()).then(|| clip(raw.user)),
+        started_at: at(raw.started_unix_ms),
+        background: raw.detached,
+        pty: raw.pty,
+        stdin_open: raw.stdin_open,
+        running: raw.running,
+        exit: raw.exit.map(|e| ProcessExit {
+            exit_code: e.exit_code,
+            signal: (e.signal != 0).then_some(e.signal),
+            timed_out: e.timed_out,
+        }),
+        ended_at: (!raw.running && raw.ended_unix_ms > 0).then(|| at(raw.ended_unix_ms)),
+    }
+}
+
+async fn timed<T>(
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    limit: Duration,
+) -> Result<T, CoreError> {
+    tokio::time::timeout(limit, call)
+        .await
+        .map_err(|_| CoreError::Agent("the agent did not answer the process call in time".into()))?
+        .map(tonic::Response::into_inner)
+        .map_err(process_error)
+}
+
+impl Manager {
+    /// The agent of a running run whose agent knows processes.
+    fn process_agent(&self, id: Ulid) -> Result<(Arc<RunHandle>, AgentClient), CoreError> {
+        let (handle, _) = self.running(id)?;
+        if handle.protocol.load(Ordering::Relaxed) < 3 {
+            return Err(agent_too_old());
+        }
+        let agent = self.reader(id)?;
+        Ok((handle, agent))
+    }
+
+    /// Starts a background process: it outlives this call, is listed, can
+    /// be attached to, and its exit status is kept after it ended.
+    pub async fn start_process(&self, id: Ulid, req: ExecRequest) -> Result<Process, CoreError> {
+        let opened = self
+            .open_exec(self.handle(id)?, req, ExecMode::Background)
+            .await?;
+        let mut agent = opened.agent.clone();
+        let request = pb::WaitProcessRequest {
+            process: Some(pb::ProcessRef {
+                pid: opened.pid,
+                tag: String::new(),
+            }),
+            timeout_ms: 0,
+        };
+        Ok(process_of(
+            timed(agent.wait_process(request), CALL_TIMEOUT).await?,
+        ))
+    }
+
+    /// Starts a command with its input open to the caller: a terminal
+    /// session, or stdin streamed as it comes.
+    pub async fn exec_session(&self, id: Ulid, req: ExecRequest) -> Result<Session, CoreError> {
+        if req.tag.is_some() || req.open_stdin {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                "tag and openStdin are for background processes: POST /v1/runs/{id}/processes",
+            ));
+        }
+        let opened = self
+            .open_exec(self.handle(id)?, req, ExecMode::Session)
+            .await?;
+        let pid = opened.pid;
+        let input = SessionWriter(opened.input.clone());
+        Ok(Session {
+            pid,
+            events: opened.into_events(),
+            input,
+        })
+    }
+
+    /// Follows a process started earlier: `started`, its recent output when
+    /// `replay`, then live output and its exit. With `credential` the
+    /// session may also send input (admitted like an exec); the process
+    /// keeps running when the session ends.
+    pub async fn attach(
+        &self,
+        id: Ulid,
+        process: &str,
+        replay: bool,
+        interactive: Option<Option<(String, u64)>>,
+    ) -> Result<Session, CoreError> {
+        let target = validate::process_ref(process)?;
+        let (handle, mut agent) = self.process_agent(id)?;
+        // An interactive attach is a write: it goes through the lease.
+        let (handle, in_flight) = match interactive {
+            Some(credential) => {
+                let (handle, in_flight, _) = self.admit(id, credential).await?;
+                (handle, Some(in_flight))
+            }
+            None => (handle, None),
+        };
+        let (input, input_rx) = mpsc::channel(8);
+        let first = pb::ExecInput {
+            kind: Some(exec_input::Kind::Attach(pb::AttachTarget {
+                process: Some(target),
+                replay,
+            })),
+        };
+        input
+            .send(first)
+            .await
+            .map_err(|_| CoreError::Agent("attach input channel closed".into()))?;
+        let mut output =
+            tokio::time::timeout(CALL_TIMEOUT, agent.attach(ReceiverStream::new(input_rx)))
+                .await
+                .map_err(|_| {
+                    CoreError::Agent("the agent did not accept the attach in time".into())
+                })?
+                .map_err(process_error)?
+                .into_inner();
+        let first = tokio::time::timeout(CALL_TIMEOUT, output.message())
+            .await
+            .map_err(|_| CoreError::Agent("the agent did not answer the attach in time".into()))?
+            .map_err(process_error)?;
+        let pid = match first.and_then(|m| m.kind) {
+            Some(pb::exec_output::Kind::Started(s)) => s.pid,
+            _ => return Err(CoreError::Agent("expected a started message".into())),
+        };
+        let state = ExecState::attached(output, input.clone(), handle, pid, in_flight);
+        Ok(Session {
+            pid,
+            events: futures::StreamExt::boxed(futures::stream::unfold(state, ExecState::next)),
+            input: SessionWriter(input),
+        })
+    }
+
+    /// The run's running processes and recently ended background ones.
+    pub async fn processes(&self, id: Ulid) -> Result<ProcessList, CoreError> {
+        let (_, mut agent) = self.process_agent(id)?;
+        let reply = timed(
+            agent.list_processes(pb::ListProcessesRequest {}),
+            CALL_TIMEOUT,
+        )
+        .await?;
+        Ok(ProcessList {
+            processes: reply
+                .processes
+                .into_iter()
+                .take(10_000)
+                .map(process_of)
+                .collect(),
+        })
+    }
+
+    /// Waits up to `limit` for a process to end (zero: not at all), and
+    /// describes it either way.
+    pub async fn wait_process(
+        &self,
+        id: Ulid,
+        process: &str,
+        limit: Duration,
+    ) -> Result<Process, CoreError> {
+        let target = validate::process_ref(process)?;
+        if limit > MAX_WAIT {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!("timeoutSec must be at most {}", MAX_WAIT.as_secs()),
+            ));
+        }
+        let (handle, mut agent) = self.process_agent(id)?;
+        let request = pb::WaitProcessRequest {
+            process: Some(target),
+            timeout_ms: limit.as_millis() as u64,
+        };
+        let call = timed(agent.wait_process(request), limit + CALL_TIMEOUT);
+        tokio::select! {
+            reply = call => Ok(process_of(reply?)),
+            () = handle.ended.cancelled() => Err(CoreError::RunNotRunning(id, "stopping")),
+        }
+    }
+
+    /// Sends a signal to a process's group.
+    pub async fn signal_process(
+        &self,
+        id: Ulid,
+        process: &str,
+        req: runbox_types::SignalRequest,
+    ) -> Result<Process, CoreError> {
+        let target = validate::process_ref(process)?;
+        let signal = req.signal.number().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::BadSignal,
+                format!(
+                    "{:?} is not a Linux signal: give a name (TERM, INT, KILL, ...) or a number 1-64",
+                    req.signal
+                ),
+            )
+        })?;
+        let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let (_, mut agent) = self.process_agent(id)?;
+        let (_handle, _in_flight, _) = self.admit(id, credential).await?;
+        let request = pb::SignalProcessRequest {
+            process: Some(target),
+            signal,
+        };
+        Ok(process_of(
+            timed(agent.signal_process(request), CALL_TIMEOUT).await?,
+        ))
+    }
+
+    /// Writes to a process's stdin, then closes it when `close`.
+    pub async fn send_input(
+        &self,
+        id: Ulid,
+        process: &str,
+        credential: Option<(String, u64)>,
+        data: Bytes,
+        close: bool,
+    ) -> Result<Process, CoreError> {
+        let target = validate::process_ref(process)?;
+        if data.len() > runbox_agent_proto::MAX_MESSAGE_BYTES / 2 {
+            return Err(CoreError::invalid(
+                ErrorCode::TooLarge,
+                format!(
+                    "one input may be at most {} bytes; send more in several",
+                    runbox_agent_proto::MAX_MESSAGE_BYTES / 2
+                ),
+            ));
+        }
+        let (_, mut agent) = self.process_agent(id)?;
+        let (_handle, _in_flight, _) = self.admit(id, credential).await?;
+        let request = pb::SendInputRequest {
+            process: Some(target),
+            data: data.to_vec(),
+            close,
+        };
+        Ok(process_of(
+            timed(agent.send_input(request), CALL_TIMEOUT).await?,
+        ))
+    }
+}
