@@ -223,7 +223,15 @@ async fn run_session(
     } = session;
     let raw = if tty { RawMode::enter()? } else { None };
     let detach = attached && raw.is_some();
-    let (detached_tx, mut detached) = tokio::sync::oneshot::channel::<()>();
+    let (detached_tx, detached_rx) = tokio::sync::oneshot::channel::<()>();
+    // Resolves on a real detach only; the sender going away (stdin ended)
+    // leaves it pending, and it is never polled again once resolved.
+    let detached = async {
+        if detached_rx.await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(detached);
     let input = tokio::spawn(pump_stdin(writer.clone(), detach, detached_tx));
     let resizes = tty.then(|| tokio::spawn(pass_resizes(writer.clone())));
     let mut stdout = tokio::io::stdout();
@@ -231,8 +239,7 @@ async fn run_session(
     let outcome = loop {
         let event = tokio::select! {
             event = events.next() => event,
-            // Only a real detach; the sender going away (stdin ended) is not.
-            Ok(()) = &mut detached => break Ok(None),
+            () = &mut detached => break Ok(None),
         };
         let Some(event) = event else {
             break Err(conn.explain(runbox_client::ClientError::StreamEnded));
