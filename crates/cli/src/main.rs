@@ -27,6 +27,7 @@ mod fs;
 mod image;
 mod lease;
 mod pools;
+mod ports;
 mod procs;
 mod runs;
 #[cfg(feature = "daemon")]
@@ -60,7 +61,7 @@ struct Cli {
 enum Command {
     /// Run the daemon
     #[cfg(feature = "daemon")]
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Create runs
     #[command(subcommand)]
     Run(runs::RunCommand),
@@ -77,6 +78,10 @@ enum Command {
     Kill(procs::KillArgs),
     /// Wait for a process to end; exits with its status
     Wait(procs::WaitArgs),
+    /// Mint a signed, expiring URL that reaches a port inside a run
+    Preview(ports::PreviewArgs),
+    /// Forward a local port to a port inside a run
+    PortForward(ports::PortForwardArgs),
     /// Copy a file into or out of a run's /work
     Cp(cp::CpArgs),
     /// List runs
@@ -150,7 +155,7 @@ fn main() -> ExitCode {
 async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     match command {
         #[cfg(feature = "daemon")]
-        Command::Serve(args) => serve::run(args).await.map(|()| ExitCode::SUCCESS),
+        Command::Serve(args) => serve::run(*args).await.map(|()| ExitCode::SUCCESS),
         Command::Run(command) => runs::run_command(command).await,
         Command::Exec(args) => exec::run(args).await,
         Command::Shell(args) => procs::shell(args).await,
@@ -158,6 +163,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Attach(args) => procs::attach(args).await,
         Command::Kill(args) => procs::kill(args).await,
         Command::Wait(args) => procs::wait(args).await,
+        Command::Preview(args) => ports::preview(args).await,
+        Command::PortForward(args) => ports::port_forward(args).await,
         Command::Cp(args) => cp::run(args).await,
         Command::Ls(args) => runs::ls(args).await,
         Command::Rm(args) => runs::rm(args).await,

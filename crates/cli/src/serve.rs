@@ -118,6 +118,31 @@ pub struct ServeArgs {
     pub insecure_registries: Vec<String>,
     #[command(flatten)]
     pub egress: crate::egress::EgressArgs,
+    /// Serve preview URLs (POST /v1/runs/{id}/preview) on this address: a
+    /// second HTTP listener that proxies signed, expiring URLs to ports
+    /// inside runs. Anything but loopback also needs --allow-non-loopback
+    #[arg(long, env = "RUNBOX_PREVIEW_LISTEN", value_name = "ADDR")]
+    pub preview_listen: Option<SocketAddr>,
+    /// The key preview URLs are signed with, at least 32 bytes [default: a
+    /// random key kept in <state-dir>/preview.key]. Changing it ends every
+    /// preview URL minted before
+    #[arg(
+        long,
+        env = "RUNBOX_PREVIEW_SECRET",
+        hide_env_values = true,
+        value_name = "SECRET"
+    )]
+    pub preview_secret: Option<String>,
+    /// The base of minted preview URLs, when clients reach the preview
+    /// listener by another name (a reverse proxy, a public host)
+    /// [default: http://<preview-listen>]
+    #[arg(
+        long,
+        env = "RUNBOX_PREVIEW_URL",
+        value_name = "URL",
+        requires = "preview_listen"
+    )]
+    pub preview_url: Option<String>,
     /// IPv4 network `open` runs take a /30 each from; must not overlap a
     /// network the host uses. Two daemons on one host need different pools
     #[arg(
@@ -235,6 +260,35 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     let bound = listener.local_addr()?;
+    let preview_listener = match args.preview_listen {
+        Some(addr) => {
+            if !addr.ip().is_loopback() && !args.allow_non_loopback {
+                bail!(
+                    "refusing to serve previews on {addr}: anyone with a preview URL reaches a \
+                     run's port; pass --allow-non-loopback (and put TLS in front) if you mean it"
+                );
+            }
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listening for previews on {addr}"))?;
+            let key = match &args.preview_secret {
+                Some(secret) => runbox_core::preview::PreviewKey::from_secret(secret)
+                    .map_err(anyhow::Error::msg)
+                    .context("--preview-secret")?,
+                None => {
+                    runbox_core::preview::PreviewKey::load_or_create(&state_dir.join("preview.key"))
+                        .context("the preview key (<state-dir>/preview.key)")?
+                }
+            };
+            let base_url = match &args.preview_url {
+                Some(url) => preview_base(url)?,
+                None => format!("http://{}", listener.local_addr()?),
+            };
+            config.preview = Some(runbox_core::config::PreviewConfig { key, base_url });
+            Some(listener)
+        }
+        None => None,
+    };
     let egress = args.egress.build(&state_dir, bound)?;
     config.egress = Some(egress.config.clone());
     let store = Store::open(&state_dir.join("runbox.db"))?;
@@ -248,6 +302,24 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     std::fs::write(&tmp, bound.to_string()).context("writing serve.addr")?;
     std::fs::rename(&tmp, state_dir.join("serve.addr")).context("writing serve.addr")?;
     tracing::info!(listen = %bound, state_dir = %state_dir.display(), runs = manager.list().len(), "runbox is serving");
+    if let Some(listener) = preview_listener {
+        let addr = listener.local_addr()?;
+        let tmp = state_dir.join("preview.addr.tmp");
+        std::fs::write(&tmp, addr.to_string()).context("writing preview.addr")?;
+        std::fs::rename(&tmp, state_dir.join("preview.addr")).context("writing preview.addr")?;
+        tracing::info!(listen = %addr, "serving preview URLs");
+        let router = runbox_server::preview_router(runbox_server::PreviewState {
+            service: manager.clone(),
+            audit: Some(egress.audit.clone()),
+        });
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let stopped = async move { stop.cancelled().await };
+            if let Err(e) = runbox_server::serve_preview(listener, router, stopped).await {
+                tracing::error!(error = %e, "the preview listener failed");
+            }
+        });
+    }
     let router = runbox_server::router(runbox_server::AppState {
         service: manager,
         token: token.into(),
@@ -272,6 +344,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     shutdown.cancel();
     Ok(())
+}
+
+/// `--preview-url` checked: http or https, no query, no trailing slash.
+fn preview_base(url: &str) -> anyhow::Result<String> {
+    let trimmed = url.trim_end_matches('/');
+    let ok = (trimmed.starts_with("http://") || trimmed.starts_with("https://"))
+        && !trimmed.contains(['?', '#', ' '])
+        && trimmed
+            .split("://")
+            .nth(1)
+            .is_some_and(|rest| !rest.is_empty());
+    if !ok {
+        bail!("--preview-url {url:?} must be an http:// or https:// URL without a query");
+    }
+    Ok(trimmed.to_owned())
 }
 
 /// The pool set at start: `<state-dir>/pools.json` once a PUT wrote it,

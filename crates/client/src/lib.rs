@@ -517,6 +517,62 @@ impl Client {
         session::open(socket, None).await
     }
 
+    /// `POST /v1/runs/{id}/preview`: a signed URL that reaches `port`
+    /// inside the run through the preview listener, for `ttl_sec` seconds
+    /// (default one hour).
+    pub async fn mint_preview(
+        &self,
+        id: &str,
+        port: u16,
+        ttl_sec: Option<u64>,
+    ) -> Result<runbox_types::Preview, ClientError> {
+        let route = format!("{}/preview", run_path(id)?);
+        let req = runbox_types::PreviewRequest {
+            port: u32::from(port),
+            ttl_sec,
+        };
+        let resp = self
+            .send(self.request(Method::POST, &route).json(&req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/ports/{port}/connect`: one TCP connection to
+    /// `port` on the run's loopback, tunnelled through the API connection
+    /// (an HTTP upgrade). Read and write it like a socket.
+    pub async fn connect_port(
+        &self,
+        id: &str,
+        port: u16,
+        lease: Option<&LeaseCredential>,
+    ) -> Result<reqwest::Upgraded, ClientError> {
+        let mut route = format!("{}/ports/{port}/connect", run_path(id)?);
+        if let Some(lease) = lease {
+            route.push_str(&paths::lease_query(&lease.owner, lease.generation));
+        }
+        let request = self
+            .request(Method::GET, &route)
+            .header(
+                reqwest::header::CONNECTION,
+                HeaderValue::from_static("upgrade"),
+            )
+            .header(
+                reqwest::header::UPGRADE,
+                HeaderValue::from_static("runbox-tcp"),
+            );
+        let resp = request.send().await?;
+        if resp.status() != reqwest::StatusCode::SWITCHING_PROTOCOLS {
+            if resp.status().is_success() {
+                return Err(ClientError::WebSocket(format!(
+                    "the server answered {} instead of upgrading the connection",
+                    resp.status()
+                )));
+            }
+            return Err(read_error(resp).await);
+        }
+        Ok(resp.upgrade().await?)
+    }
+
     /// `POST /v1/runs/{id}/processes`: starts a background process.
     pub async fn start_process(
         &self,

@@ -249,6 +249,16 @@ pub trait Backend: Send + Sync + 'static {
         ))
     }
 
+    /// A TCP connection to `port` on the loopback of run `id`, made from
+    /// inside its network namespace: it works for every network tier, and
+    /// needs no route into the run.
+    async fn dial(&self, id: Ulid, port: u16) -> Result<std::net::TcpStream, BackendError> {
+        let _ = (id, port);
+        Err(BackendError::Unsupported(
+            "this backend cannot connect into a run".into(),
+        ))
+    }
+
     /// Freezes the run, copies its writable layer as it is in constant time
     /// where the storage can (a subvolume snapshot), and thaws it: commands
     /// in flight only pause. The copy goes when the [`Capture`] is dropped.

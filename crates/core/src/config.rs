@@ -44,6 +44,18 @@ pub struct Config {
     /// The background budget shared by refills, forks and teardowns; 0
     /// sizes it from the host.
     pub refill_concurrency: usize,
+    /// Preview URLs; None: the server has no preview listener.
+    pub preview: Option<PreviewConfig>,
+}
+
+/// How preview URLs are signed and where they point.
+#[derive(Clone, Debug)]
+pub struct PreviewConfig {
+    /// The signing key.
+    pub key: crate::preview::PreviewKey,
+    /// The URL the preview listener is reached at, without a trailing
+    /// slash, e.g. `http://127.0.0.1:7440`.
+    pub base_url: String,
 }
 
 /// Where the warm repo cache lives and how big it may grow.
@@ -90,6 +102,7 @@ impl Config {
             pools_file: None,
             pool_decay: Duration::from_secs(60),
             refill_concurrency: 0,
+            preview: None,
         }
     }
 }

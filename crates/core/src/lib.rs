@@ -21,6 +21,7 @@ pub mod error;
 pub mod images;
 pub mod lease;
 pub mod pools;
+pub mod preview;
 pub mod runs;
 pub mod service;
 pub mod store;

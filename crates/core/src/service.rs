@@ -204,6 +204,28 @@ pub trait RunService: Clone + Send + Sync + 'static {
         replay: bool,
         interactive: Option<LeaseCredential>,
     ) -> impl Future<Output = Result<Session, CoreError>> + Send;
+    /// Mints a preview URL for a port of a run.
+    fn mint_preview(
+        &self,
+        id: Ulid,
+        req: runbox_types::PreviewRequest,
+    ) -> Result<runbox_types::Preview, CoreError>;
+    /// Checks a preview token.
+    fn verify_preview(&self, token: &str) -> Result<crate::preview::Grant, CoreError>;
+    /// A connection to a port on a run's loopback (for a preview).
+    fn dial(
+        &self,
+        id: Ulid,
+        port: u32,
+    ) -> impl Future<Output = Result<tokio::net::TcpStream, CoreError>> + Send;
+    /// A connection to a port on a run's loopback for a port-forward,
+    /// admitted under the lease.
+    fn open_port(
+        &self,
+        id: Ulid,
+        port: u32,
+        credential: LeaseCredential,
+    ) -> impl Future<Output = Result<tokio::net::TcpStream, CoreError>> + Send;
     /// The warm pools.
     fn pools(&self) -> runbox_types::PoolList;
     /// Replaces the warm pools.
@@ -443,6 +465,31 @@ impl RunService for Arc<Manager> {
         interactive: Option<LeaseCredential>,
     ) -> Result<Session, CoreError> {
         Manager::attach(self, id, &process, replay, interactive).await
+    }
+
+    fn mint_preview(
+        &self,
+        id: Ulid,
+        req: runbox_types::PreviewRequest,
+    ) -> Result<runbox_types::Preview, CoreError> {
+        Manager::mint_preview(self, id, req)
+    }
+
+    fn verify_preview(&self, token: &str) -> Result<crate::preview::Grant, CoreError> {
+        Manager::verify_preview(self, token)
+    }
+
+    async fn dial(&self, id: Ulid, port: u32) -> Result<tokio::net::TcpStream, CoreError> {
+        Manager::dial(self, id, port).await
+    }
+
+    async fn open_port(
+        &self,
+        id: Ulid,
+        port: u32,
+        credential: LeaseCredential,
+    ) -> Result<tokio::net::TcpStream, CoreError> {
+        Manager::open_port(self, id, port, credential).await
     }
 
     fn pools(&self) -> runbox_types::PoolList {

@@ -44,6 +44,23 @@ pub enum AuditRecord {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         secret: Option<String>,
     },
+    /// A request through a preview URL.
+    Preview {
+        /// RFC 3339 time.
+        t: String,
+        /// Run id.
+        run: String,
+        /// The port inside the run.
+        port: u16,
+        /// HTTP method.
+        method: String,
+        /// The path as the run saw it (no query string, no token).
+        path: String,
+        /// Response status (101 for a WebSocket that passed through).
+        status: u16,
+        /// The peer's address.
+        client: String,
+    },
     /// A state-changing API call.
     Api {
         /// RFC 3339 time.

@@ -180,6 +180,31 @@ pub fn bind_in_netns(netns: &Path, addr: SocketAddr) -> io::Result<TcpListener> 
     in_netns(netns, || listen(addr))?
 }
 
+/// How long a connection into a run may take to be accepted. Loopback
+/// answers at once; only a listener whose queue is full makes it wait.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A TCP connection to `port` on the loopback of the network namespace at
+/// `netns` (127.0.0.1, else ::1 when nothing listens on IPv4).
+pub fn connect_in_netns(netns: &Path, port: u16) -> io::Result<std::net::TcpStream> {
+    in_netns(netns, || {
+        let v4 = SocketAddr::from(([127, 0, 0, 1], port));
+        match std::net::TcpStream::connect_timeout(&v4, CONNECT_TIMEOUT) {
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port));
+                // The IPv4 refusal is the more useful error when both fail.
+                std::net::TcpStream::connect_timeout(&v6, CONNECT_TIMEOUT).map_err(|_| e)
+            }
+            other => other,
+        }
+        .and_then(|stream| {
+            // Small writes (keystrokes, short responses) leave at once.
+            stream.set_nodelay(true)?;
+            Ok(stream)
+        })
+    })?
+}
+
 fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
     let family = match addr {
         SocketAddr::V4(_) => AddressFamily::INET,

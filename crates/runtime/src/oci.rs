@@ -652,6 +652,21 @@ impl Backend for OciBackend {
                 netns.display()
             )))
     }
+
+    async fn dial(&self, id: Ulid, port: u16) -> Result<std::net::TcpStream, BackendError> {
+        let netns = Path::new(crate::netns::NETNS_DIR).join(netns_name(id));
+        if !netns.exists() {
+            return Err(BackendError::Failed(format!(
+                "run {id} has no network namespace"
+            )));
+        }
+        tokio::task::spawn_blocking(move || crate::netns::connect_in_netns(&netns, port))
+            .await
+            .map_err(|e| BackendError::Failed(format!("connecting into run {id}: {e}")))?
+            .map_err(BackendError::io(format!(
+                "connecting to port {port} in run {id}"
+            )))
+    }
 }
 
 /// The warm volume's directory: in the run's disk (its layer) and in the

@@ -8,6 +8,7 @@
 
 mod error;
 mod handlers;
+mod preview;
 mod process;
 
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use subtle::ConstantTimeEq;
 use tower_http::trace::TraceLayer;
 
 pub use error::ApiError;
+pub use preview::{preview_router, PreviewState, COOKIE_NAME, TUNNEL_PROTOCOL};
 
 /// Largest JSON request body.
 pub const MAX_JSON_BYTES: usize = 1 << 20;
@@ -94,6 +96,11 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         )
         .route("/v1/runs/{id}/exec", post(handlers::exec::<S>))
         .route("/v1/runs/{id}/exec/ws", get(process::exec_ws::<S>))
+        .route("/v1/runs/{id}/preview", post(preview::mint::<S>))
+        .route(
+            "/v1/runs/{id}/ports/{port}/connect",
+            get(preview::tunnel::<S>),
+        )
         .route(
             "/v1/runs/{id}/processes",
             post(process::start::<S>).get(process::list::<S>),
@@ -232,6 +239,27 @@ async fn require_token<S: RunService>(
         )
         .into_response()
     }
+}
+
+/// Serves the preview router on `listener` until `shutdown` resolves; its
+/// handler reads the peer's address (for the audit log).
+pub async fn serve_preview(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "could not set TCP_NODELAY");
+        }
+    });
+    axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves.

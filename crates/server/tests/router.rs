@@ -321,6 +321,41 @@ impl RunService for Stub {
             "no such process",
         ))
     }
+    fn mint_preview(
+        &self,
+        id: Ulid,
+        req: runbox_types::PreviewRequest,
+    ) -> Result<runbox_types::Preview, CoreError> {
+        found(id)?;
+        Ok(runbox_types::Preview {
+            url: format!("http://preview/p/t{}/", req.port),
+            token: format!("t{}", req.port),
+            run: id,
+            port: req.port as u16,
+            expires_at: time::OffsetDateTime::UNIX_EPOCH,
+        })
+    }
+    fn verify_preview(&self, _token: &str) -> Result<runbox_core::preview::Grant, CoreError> {
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::PreviewDenied,
+            "the stub knows no tokens",
+        ))
+    }
+    async fn dial(&self, id: Ulid, _port: u32) -> Result<tokio::net::TcpStream, CoreError> {
+        found(id)?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::PortUnreachable,
+            "nothing listens in the stub",
+        ))
+    }
+    async fn open_port(
+        &self,
+        id: Ulid,
+        port: u32,
+        _credential: LeaseCredential,
+    ) -> Result<tokio::net::TcpStream, CoreError> {
+        self.dial(id, port).await
+    }
     fn pools(&self) -> runbox_types::PoolList {
         runbox_types::PoolList {
             pools: Vec::new(),
@@ -1127,5 +1162,78 @@ async fn process_routes_check_their_input() {
             "a plain GET is not an upgrade: {body}"
         );
         assert_eq!(code(&body), "bad_request");
+    }
+}
+
+#[tokio::test]
+async fn preview_and_tunnel_routes_check_their_input() {
+    let (status, body) = authed(
+        "POST",
+        &format!("/v1/runs/{KNOWN}/preview"),
+        r#"{"port":8080,"ttlSec":60}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert!(body.contains("/p/t8080/"), "{body}");
+    for (body, expected) in [
+        (r#"{"port":80,"x":1}"#, "bad_request"),
+        (r#"{"port":"80"}"#, "bad_request"),
+        (r#"{}"#, "bad_request"),
+    ] {
+        let (status, text) = authed("POST", &format!("/v1/runs/{KNOWN}/preview"), body).await;
+        assert_eq!(status.as_u16(), 400, "{body}: {text}");
+        assert_eq!(code(&text), expected, "{body}");
+    }
+    // The tunnel needs the upgrade headers, a numeric port and known
+    // query parameters, and the token like every route.
+    let tunnel = format!("/v1/runs/{KNOWN}/ports/8080/connect");
+    let (status, _) = call("GET", &tunnel, None, "", false).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, text) = authed("GET", &tunnel, "").await;
+    assert_eq!(status.as_u16(), 400, "{text}");
+    assert_eq!(code(&text), "bad_request");
+    let upgrade = |uri: String| async move {
+        let req = Request::builder()
+            .method("GET")
+            .uri(uri)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .header("connection", "upgrade")
+            .header("upgrade", "runbox-tcp")
+            .body(Body::empty())
+            .unwrap();
+        let response = app().oneshot(req).await.unwrap();
+        let status = response.status();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (
+            status.as_u16(),
+            String::from_utf8_lossy(&bytes).into_owned(),
+        )
+    };
+    for (uri, status, expected) in [
+        (format!("/v1/runs/{KNOWN}/ports/x/connect"), 400, "bad_port"),
+        (
+            format!("/v1/runs/{KNOWN}/ports/99999999999/connect"),
+            400,
+            "bad_port",
+        ),
+        (
+            format!("/v1/runs/{KNOWN}/ports/80/connect?bogus=1"),
+            400,
+            "bad_request",
+        ),
+        (
+            format!("/v1/runs/{KNOWN}/ports/80/connect"),
+            502,
+            "port_unreachable",
+        ),
+        (
+            format!("/v1/runs/{}/ports/80/connect", Ulid::new()),
+            404,
+            "run_not_found",
+        ),
+    ] {
+        let (got, text) = upgrade(uri.clone()).await;
+        assert_eq!(got, status, "{uri}: {text}");
+        assert_eq!(code(&text), expected, "{uri}");
     }
 }

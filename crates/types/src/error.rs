@@ -87,6 +87,16 @@ codes! {
     BadUser = "bad_user", 400;
     /// The working directory does not exist in the run.
     BadCwd = "bad_cwd", 400;
+    /// A guest port is not 1-65535.
+    BadPort = "bad_port", 400;
+    /// Preview URLs were asked of a server without `--preview-listen`.
+    PreviewDisabled = "preview_disabled", 400;
+    /// A preview token is malformed or its signature does not match.
+    PreviewDenied = "preview_denied", 403;
+    /// A preview token is past its expiry.
+    PreviewExpired = "preview_expired", 403;
+    /// Nothing accepts connections on the port inside the run.
+    PortUnreachable = "port_unreachable", 502;
     /// A process tag breaks the rules, or a terminal size is out of range.
     BadProcess = "bad_process", 400;
     /// A signal name or number that Linux does not have.

@@ -747,6 +747,34 @@ impl SignalSpec {
     }
 }
 
+/// `POST /v1/runs/{id}/preview`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PreviewRequest {
+    /// The port inside the run (1-65535).
+    pub port: u32,
+    /// How long the URL works, in seconds (1-604800, default 3600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_sec: Option<u64>,
+}
+
+/// A minted preview URL.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Preview {
+    /// The URL to open: the preview listener, `/p/{token}/`.
+    pub url: String,
+    /// The signed token in it.
+    pub token: String,
+    /// The run.
+    pub run: Ulid,
+    /// The port inside the run.
+    pub port: u16,
+    /// When the URL stops working (RFC 3339).
+    #[serde(with = "time::serde::rfc3339")]
+    pub expires_at: OffsetDateTime,
+}
+
 /// `GET /v1/runs/{id}/processes/{process}/output` and `.../wait`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

@@ -25,6 +25,7 @@ mod fork;
 mod fs;
 pub mod phase;
 mod pool;
+mod ports;
 mod process;
 pub mod reaper;
 mod reconcile;
