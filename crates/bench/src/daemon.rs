@@ -73,6 +73,8 @@ impl Daemon {
             // Runs get disk limits in a store of the daemon's own, as
             // `scripts/setup` starts it (sparse: only what runs write counts).
             .args(["--storage-gb", "8"])
+            // The interactive phase's preview URLs.
+            .args(["--preview-listen", "127.0.0.1:0"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

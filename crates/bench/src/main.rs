@@ -54,6 +54,7 @@ mod daemon;
 mod egress;
 mod image_tables;
 mod images;
+mod interactive;
 mod loopback;
 mod pools;
 mod raw;
@@ -153,6 +154,9 @@ struct Args {
     /// Measured claims (and cold creates beside them) of the pools phase.
     #[arg(long, default_value_t = 30)]
     pool_iterations: usize,
+    /// Measured keystrokes and preview requests of the interactive phase.
+    #[arg(long, default_value_t = 1000)]
+    interactive_iterations: usize,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -166,6 +170,7 @@ enum PhaseName {
     Egress,
     Snapshots,
     Pools,
+    Interactive,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -198,6 +203,7 @@ struct Plan {
     /// MiB of the large image the snapshots phase compares with.
     snapshot_image_mib: u64,
     pool_iterations: Option<usize>,
+    interactive_iterations: Option<usize>,
 }
 
 /// What the images phase does, when it runs.
@@ -289,6 +295,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             snapshot_iterations: None,
             snapshot_image_mib: args.image_mib,
             pool_iterations: None,
+            interactive_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -389,6 +396,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Pools)
             .then_some(args.pool_iterations.max(1)),
+        interactive_iterations: args
+            .phases
+            .contains(&PhaseName::Interactive)
+            .then_some(args.interactive_iterations.max(1)),
     })
 }
 
@@ -491,6 +502,7 @@ impl Bench {
                 egress,
                 snapshots: None,
                 pools: None,
+                interactive: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -577,6 +589,13 @@ impl Bench {
             }
             None => None,
         };
+        let interactive = match plan.interactive_iterations {
+            Some(n) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(interactive::measure(&mut self.daemons[i], n, plan.warmup).await?)
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             phases,
@@ -584,6 +603,7 @@ impl Bench {
             egress,
             snapshots,
             pools,
+            interactive,
         })
     }
 

@@ -159,6 +159,9 @@ pub struct Report {
     pub snapshots: Option<crate::snapshots::SnapshotReport>,
     /// The pools phase, when it ran.
     pub pools: Option<crate::pools::PoolReport>,
+    /// The interactive phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interactive: Option<crate::interactive::InteractiveReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -387,6 +390,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(egress) = &report.egress {
         egress_markdown(&mut out, egress, h.cpus);
     }
+    if let Some(interactive) = &report.interactive {
+        out.push_str(&crate::interactive::markdown(interactive));
+    }
     if let Some(pools) = &report.pools {
         out.push_str(&crate::pools::markdown(pools));
     }
@@ -551,6 +557,7 @@ mod tests {
             egress: None,
             snapshots: None,
             pools: None,
+            interactive: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -614,6 +621,7 @@ mod tests {
             egress: None,
             snapshots: None,
             pools: None,
+            interactive: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),

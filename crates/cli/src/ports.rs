@@ -115,7 +115,15 @@ pub async fn port_forward(args: PortForwardArgs) -> anyhow::Result<ExitCode> {
         tokio::spawn(async move {
             match client.connect_port(&id, guest, credential.as_ref()).await {
                 Ok(mut tunnel) => {
-                    let _ = tokio::io::copy_bidirectional(&mut socket, &mut tunnel).await;
+                    // Large buffers: the default 8 KiB holds a forward to a
+                    // fraction of what loopback carries.
+                    let _ = tokio::io::copy_bidirectional_with_sizes(
+                        &mut socket,
+                        &mut tunnel,
+                        256 * 1024,
+                        256 * 1024,
+                    )
+                    .await;
                 }
                 Err(e) => eprintln!("runbox: connection from {peer}: {e}"),
             }
