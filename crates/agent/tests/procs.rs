@@ -214,12 +214,19 @@ async fn ctrl_c_reaches_the_foreground_process() {
     request.pty = Some(PtySize { rows: 24, cols: 80 });
     let (tx, mut stream) = open_exec(&mut agent.client, request).await;
     read_until(&mut stream, "ready").await;
-    // Give the shell time to start sleep in the foreground.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    tx.send(input(exec_input::Kind::Stdin(vec![0x03])))
-        .await
-        .unwrap();
+    // ^C until the command ends: one that arrives before `sleep` started
+    // is only trapped by the shell.
+    let keys = tokio::spawn(async move {
+        while tx
+            .send(input(exec_input::Kind::Stdin(vec![0x03])))
+            .await
+            .is_ok()
+        {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
     let out = collect_rest(stream).await;
+    keys.abort();
     assert!(
         out.stdout_str().contains("after=130"),
         "{:?}",

@@ -82,10 +82,17 @@ async fn a_terminal_session_sees_its_size_resizes_and_ctrl_c() {
     assert!(text.contains("40 120"), "{text:?}");
     assert!(text.contains("got=hello"), "{text:?}");
     // ^C as a key: the terminal turns it into SIGINT for the foreground
-    // `sleep`; the shell traps it and goes on.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    session.writer.stdin(&b"\x03"[..]).await.unwrap();
+    // `sleep`; the shell traps it and goes on. Sent until the session
+    // ends, as one that arrives before `sleep` started is only trapped.
+    let writer = session.writer.clone();
+    let keys = tokio::spawn(async move {
+        while writer.stdin(&b"\x03"[..]).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    });
     let (text, exit) = finish(events).await;
+    drop(session.writer);
+    keys.abort();
     assert!(text.contains("after=130"), "{text:?}");
     assert_eq!((exit.exit_code, exit.reason), (3, ExitReason::Exited));
 

@@ -22,7 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use ulid::Ulid;
 
 use super::actor::RunHandle;
-use super::relay::{agent_too_old, bounded, ExecEvent, ExecMode, ExecState};
+use super::relay::{agent_error, agent_too_old, bounded, ExecEvent, ExecMode, ExecState};
 use super::Manager;
 use crate::error::CoreError;
 use crate::validate;
@@ -98,20 +98,13 @@ pub(super) fn process_error(status: tonic::Status) -> CoreError {
     if status.code() == tonic::Code::Unimplemented {
         return agent_too_old();
     }
-    let kind = status
-        .metadata()
-        .get("runbox-kind")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let message = bounded(status.message());
-    let code = match kind {
-        "no_process" => ErrorCode::ProcessNotFound,
-        "stdin_closed" => ErrorCode::StdinClosed,
-        "not_running" => ErrorCode::ProcessEnded,
-        "invalid" => ErrorCode::BadProcess,
-        _ => return CoreError::Agent(format!("process call failed: {message}")),
-    };
-    CoreError::invalid(code, message)
+    agent_error(&status, "process call", |kind| match kind {
+        "no_process" => Some(ErrorCode::ProcessNotFound),
+        "stdin_closed" => Some(ErrorCode::StdinClosed),
+        "not_running" => Some(ErrorCode::ProcessEnded),
+        "invalid" => Some(ErrorCode::BadProcess),
+        _ => None,
+    })
 }
 
 /// An agent's description of a process, checked and bounded.
@@ -370,5 +363,63 @@ impl Manager {
         Ok(process_of(
             timed(agent.send_input(request), CALL_TIMEOUT).await?,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: tonic::Code, kind: &str) -> tonic::Status {
+        let mut status = tonic::Status::new(code, "agent says \u{7}no");
+        status
+            .metadata_mut()
+            .insert("runbox-kind", kind.parse().unwrap());
+        status
+    }
+
+    #[test]
+    fn agent_process_errors_map_to_stable_codes() {
+        for (kind, code) in [
+            ("no_process", ErrorCode::ProcessNotFound),
+            ("stdin_closed", ErrorCode::StdinClosed),
+            ("not_running", ErrorCode::ProcessEnded),
+            ("invalid", ErrorCode::BadProcess),
+            ("made-up", ErrorCode::AgentUnavailable),
+        ] {
+            let err = process_error(status(tonic::Code::NotFound, kind));
+            assert_eq!(err.code(), code, "{kind}");
+            assert!(
+                !err.to_string().contains('\u{7}'),
+                "control characters pass"
+            );
+        }
+        let old = process_error(tonic::Status::unimplemented("unknown method"));
+        assert_eq!(old.code(), ErrorCode::AgentTooOld);
+    }
+
+    #[test]
+    fn an_agents_process_description_is_bounded() {
+        let raw = pb::ProcessInfo {
+            pid: 7,
+            tag: "t".repeat(500),
+            argv: vec!["x".repeat(10_000); 5000],
+            cwd: "/work".into(),
+            started_unix_ms: 1_000,
+            running: false,
+            ended_unix_ms: 2_000,
+            exit: Some(pb::ExecExit {
+                exit_code: 143,
+                signal: 15,
+                timed_out: false,
+            }),
+            ..Default::default()
+        };
+        let process = process_of(raw);
+        assert_eq!(process.tag, None, "an over-long tag is not shown");
+        assert_eq!(process.cmd.len(), 1024);
+        assert!(process.cmd.iter().all(|a| a.chars().count() <= 513));
+        assert_eq!(process.exit.unwrap().signal, Some(15));
+        assert!(process.ended_at.is_some());
     }
 }

@@ -543,24 +543,37 @@ fn start_error(e: pb::AgentError) -> CoreError {
 /// Maps an agent's file-operation status onto an API error, by the
 /// `runbox-kind` metadata the agent attaches.
 pub(super) fn file_error(status: tonic::Status) -> CoreError {
+    agent_error(&status, "file operation", |kind| match kind {
+        "invalid_path" => Some(ErrorCode::BadPath),
+        "escape" => Some(ErrorCode::PathEscape),
+        "not_found" => Some(ErrorCode::FileNotFound),
+        "not_a_file" => Some(ErrorCode::NotAFile),
+        "denied" => Some(ErrorCode::PermissionDenied),
+        "exists" => Some(ErrorCode::FileExists),
+        "bad_user" => Some(ErrorCode::BadUser),
+        "not_empty" => Some(ErrorCode::DirNotEmpty),
+        _ => None,
+    })
+}
+
+/// Maps an agent's status onto an API error by its `runbox-kind`
+/// metadata through `code_of`; a kind it does not know is the agent's
+/// failure (`what` failed), with the agent's message bounded.
+pub(super) fn agent_error(
+    status: &tonic::Status,
+    what: &str,
+    code_of: impl Fn(&str) -> Option<ErrorCode>,
+) -> CoreError {
     let kind = status
         .metadata()
         .get("runbox-kind")
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     let message = bounded(status.message());
-    let code = match kind {
-        "invalid_path" => ErrorCode::BadPath,
-        "escape" => ErrorCode::PathEscape,
-        "not_found" => ErrorCode::FileNotFound,
-        "not_a_file" => ErrorCode::NotAFile,
-        "denied" => ErrorCode::PermissionDenied,
-        "exists" => ErrorCode::FileExists,
-        "bad_user" => ErrorCode::BadUser,
-        "not_empty" => ErrorCode::DirNotEmpty,
-        _ => return CoreError::Agent(format!("file operation failed: {message}")),
-    };
-    CoreError::invalid(code, message)
+    match code_of(kind) {
+        Some(code) => CoreError::invalid(code, message),
+        None => CoreError::Agent(format!("{what} failed: {message}")),
+    }
 }
 
 /// Names what an agent sent instead of the expected message, without
