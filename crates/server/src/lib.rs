@@ -8,6 +8,7 @@
 
 mod error;
 mod handlers;
+pub mod openapi;
 mod preview;
 mod process;
 
@@ -153,6 +154,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         ));
     Router::new()
         .route("/health", get(handlers::health::<S>))
+        .route("/v1/openapi.json", get(openapi::serve))
         .merge(api)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such route; see docs/api.md") })
         .method_not_allowed_fallback(|| async {

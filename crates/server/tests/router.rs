@@ -1237,3 +1237,15 @@ async fn preview_and_tunnel_routes_check_their_input() {
         assert_eq!(code(&text), expected, "{uri}");
     }
 }
+
+#[tokio::test]
+async fn the_openapi_document_is_served_without_a_token() {
+    let (status, body) = call("GET", "/v1/openapi.json", None, "", false).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body, runbox_server::openapi::document_json());
+    let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(value["openapi"], "3.1.0");
+    // Everything else still needs the token.
+    let (status, _) = call("GET", "/v1/runs", None, "", false).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}

@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// `{"error": {"code": "...", "message": "..."}}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorBody {
     /// The error.
     pub error: ErrorDetail,
@@ -11,6 +12,7 @@ pub struct ErrorBody {
 
 /// A machine-readable code and a human message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorDetail {
     /// Stable code; see [`ErrorCode`].
     pub code: String,

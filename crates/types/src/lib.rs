@@ -21,6 +21,7 @@ pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 /// Values are secrets as far as runbox is concerned: `Debug` prints names only,
 /// so a stray `{:?}` in a log line cannot leak them.
 #[derive(Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(transparent)]
 pub struct Env(pub BTreeMap<String, String>);
 
@@ -34,6 +35,7 @@ impl fmt::Debug for Env {
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum NetworkTier {
     /// A private network namespace with loopback only.
@@ -60,6 +62,7 @@ impl NetworkTier {
 /// A size tier: fixed limits, the only sizes [warm pools](PoolSpec) take
 /// (free-form limits would split pools into too many to keep warm).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum SizeTier {
     /// 1 CPU, 512 MiB, 256 processes, 10 GiB of disk.
     #[serde(rename = "small")]
@@ -125,6 +128,7 @@ impl fmt::Display for SizeTier {
 
 /// Resource limits as requested; absent fields take the server's defaults.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LimitsRequest {
     /// CPU bandwidth in cores (fractions allowed, e.g. 0.5).
@@ -140,6 +144,7 @@ pub struct LimitsRequest {
 
 /// Resource limits in force for a run.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Limits {
     /// CPU bandwidth in cores.
@@ -156,6 +161,7 @@ pub struct Limits {
 
 /// `POST /v1/runs`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CreateRunRequest {
     /// A stored image's local name, or an image reference as Docker spells
@@ -201,6 +207,7 @@ pub struct CreateRunRequest {
 
 /// `warm` on `POST /v1/runs`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WarmRequest {
     /// The repository, `owner/name` (letters, digits, `-`, `_`, `.`;
@@ -213,6 +220,7 @@ pub struct WarmRequest {
 
 /// A run's warm volume, as the API shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RunWarm {
     /// The repository (canonical: lower case).
@@ -235,6 +243,7 @@ pub struct RunWarm {
 
 /// `POST /v1/runs/{id}/warm-commit`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WarmCommitRequest {
     /// The repository to publish under (default: the run's own).
@@ -244,6 +253,7 @@ pub struct WarmCommitRequest {
 
 /// A repository's warm template: one immutable generation of a volume.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WarmTemplate {
     /// The repository (canonical: lower case).
@@ -276,6 +286,7 @@ pub struct WarmTemplate {
 
 /// `GET /v1/warmcache`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WarmTemplateList {
     /// Every repository's current template, by repository.
@@ -288,6 +299,7 @@ pub struct WarmTemplateList {
 
 /// The answer to a warm commit.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WarmCommit {
     /// The repository.
@@ -302,6 +314,7 @@ pub struct WarmCommit {
 
 /// `GET /v1/runs/{id}/warm`: the volume as it is now.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WarmStatus {
     /// The run's repository.
@@ -322,6 +335,7 @@ pub struct WarmStatus {
 
 /// When a create pulls its image from a registry.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "kebab-case")]
 pub enum PullPolicy {
     /// Pull only when no stored image has this name or reference.
@@ -337,6 +351,7 @@ pub enum PullPolicy {
 
 /// Where a run is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum RunStatus {
     /// Resources are being set up; not yet usable.
@@ -353,6 +368,7 @@ pub enum RunStatus {
 
 /// A run as the API shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Run {
     /// The run's ULID.
@@ -413,6 +429,7 @@ pub struct Run {
 
 /// Egress accounting of one run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct EgressStats {
     /// Bytes the run sent through its proxy.
@@ -427,6 +444,7 @@ pub struct EgressStats {
 /// A writable lease: while it is active, only its holder, presenting this
 /// generation, may exec or write files in the run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Lease {
     /// The owner the lease was granted to.
@@ -441,6 +459,7 @@ pub struct Lease {
 
 /// `POST /v1/runs/{id}/lease`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeaseRequest {
     /// Who takes the lease (1-128 characters, no control characters).
@@ -452,6 +471,7 @@ pub struct LeaseRequest {
 
 /// `POST /v1/runs/{id}/lease/renew`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeaseRenewRequest {
     /// The holder.
@@ -465,6 +485,7 @@ pub struct LeaseRenewRequest {
 
 /// `POST /v1/runs/{id}/lease/release`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LeaseReleaseRequest {
     /// The holder.
@@ -475,6 +496,7 @@ pub struct LeaseReleaseRequest {
 
 /// The answer to a lease grant or renewal.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct LeaseResponse {
     /// The lease in force.
@@ -483,6 +505,7 @@ pub struct LeaseResponse {
 
 /// `GET /v1/runs`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RunList {
     /// The node that answered.
@@ -493,6 +516,7 @@ pub struct RunList {
 
 /// `POST /v1/runs/{id}/renew`.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewRequest {
     /// New time to live from now, in seconds (capped by the server maximum).
@@ -501,6 +525,7 @@ pub struct RenewRequest {
 
 /// `POST /v1/runs/{id}/snapshot`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SnapshotRequest {
     /// The image name to record the snapshot under (image name rules);
@@ -512,6 +537,7 @@ pub struct SnapshotRequest {
 /// A snapshot: an image made of a run's image layers plus one layer with
 /// everything the run changed.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Snapshot {
     /// The snapshot's image name: give it as `image` to create a run from it.
@@ -532,6 +558,7 @@ pub struct Snapshot {
 
 /// `POST /v1/runs/{id}/fork`.
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ForkRequest {
     /// How many children (1 to the server's `--max-fork-count`, default 16).
@@ -543,6 +570,7 @@ pub struct ForkRequest {
 
 /// The answer to a fork: the children, running.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ForkResponse {
     /// The new runs.
@@ -551,6 +579,7 @@ pub struct ForkResponse {
 
 /// `POST /v1/runs/{id}/exec`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ExecRequest {
     /// The command and its arguments; `cmd[0]` is looked up in `PATH`.
@@ -596,6 +625,7 @@ pub struct ExecRequest {
 
 /// A terminal's size and type.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PtySpec {
     /// Lines, 1-10000.
@@ -610,6 +640,7 @@ pub struct PtySpec {
 /// A process in a run: a background one, or a foreground exec while it
 /// runs.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Process {
     /// Its pid inside the run (also its process group id).
@@ -649,6 +680,7 @@ pub struct Process {
 
 /// How a process ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ProcessExit {
     /// Exit status; 128 + signal when a signal ended it.
@@ -662,6 +694,7 @@ pub struct ProcessExit {
 
 /// `GET /v1/runs/{id}/processes`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ProcessList {
     /// Running processes and recently ended background ones, in start
@@ -671,6 +704,7 @@ pub struct ProcessList {
 
 /// `POST /v1/runs/{id}/processes/{process}/signal`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SignalRequest {
     /// A signal name (`TERM`, `SIGINT`, ...) or number.
@@ -685,6 +719,7 @@ pub struct SignalRequest {
 
 /// A signal as a client names it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(untagged)]
 pub enum SignalSpec {
     /// A Linux signal number.
@@ -749,6 +784,7 @@ impl SignalSpec {
 
 /// `POST /v1/runs/{id}/preview`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PreviewRequest {
     /// The port inside the run (1-65535).
@@ -760,6 +796,7 @@ pub struct PreviewRequest {
 
 /// A minted preview URL.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Preview {
     /// The URL to open: the preview listener, `/p/{token}/`.
@@ -777,6 +814,7 @@ pub struct Preview {
 
 /// `GET /v1/runs/{id}/processes/{process}/output` and `.../wait`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ProcessQuery {
     /// `output`: replay the recent output kept for the process first
@@ -790,6 +828,7 @@ pub struct ProcessQuery {
 
 /// Why an exec stream ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ExitReason {
     /// The command exited by itself.
@@ -808,6 +847,7 @@ pub enum ExitReason {
 
 /// The final event of an exec stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ExitEvent {
     /// Exit status; 128 + signal when a signal ended the command; -1 when
@@ -824,6 +864,7 @@ pub struct ExitEvent {
 
 /// The first event of an exec stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct StartedEvent {
     /// The command's pid inside the run.
@@ -847,6 +888,7 @@ pub mod sse {
 
 /// Output skipped for an attached reader that fell behind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct LostEvent {
     /// How many output chunks were skipped.
@@ -855,6 +897,7 @@ pub struct LostEvent {
 
 /// An image as the API shows it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Image {
     /// The image's name.
@@ -879,6 +922,7 @@ pub struct Image {
 
 /// `POST /v1/images/pull`.
 #[derive(Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PullRequest {
     /// What to pull: `[registry/]repository[:tag][@digest]`; Docker Hub and
@@ -908,6 +952,7 @@ impl fmt::Debug for PullRequest {
 
 /// One progress event of a pull (`event: progress` on the pull stream).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "kind", rename_all = "camelCase")]
 pub enum PullEvent {
     /// The image manifest for this platform is known.
@@ -972,6 +1017,7 @@ impl Image {
 
 /// `GET /v1/snapshots`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotList {
     /// The node that answered.
@@ -982,6 +1028,7 @@ pub struct SnapshotList {
 
 /// `DELETE /v1/snapshots?image=NAME`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotQuery {
     /// The snapshot's image name.
@@ -990,6 +1037,7 @@ pub struct SnapshotQuery {
 
 /// `GET /v1/images`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ImageList {
     /// The node that answered.
@@ -1001,6 +1049,7 @@ pub struct ImageList {
 /// One warm pool as configured: runs of `image` on `network` at `size`,
 /// kept ready so a create of the same three is served at once.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSpec {
     /// A stored image's local name.
@@ -1027,6 +1076,7 @@ pub struct PoolSpec {
 
 /// `PUT /v1/pools`, and the pools file (`--pools`, `<state>/pools.json`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSet {
     /// Every pool; pools not listed are drained.
@@ -1035,6 +1085,7 @@ pub struct PoolSet {
 
 /// One pool as it is now.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PoolStatus {
     /// Its image.
@@ -1069,6 +1120,7 @@ pub struct PoolStatus {
 
 /// `GET /v1/pools`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PoolList {
     /// Every pool, by image, network and size.
@@ -1079,6 +1131,7 @@ pub struct PoolList {
 
 /// Run counts of `GET /v1/info`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Capacity {
     /// `--max-runs`.
@@ -1094,6 +1147,7 @@ pub struct Capacity {
 
 /// Storage of `GET /v1/info`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct StorageInfo {
     /// Bytes in use on the run store's filesystem.
@@ -1104,6 +1158,7 @@ pub struct StorageInfo {
 
 /// `GET /v1/info`: what the node is and how full.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Info {
     /// The node's id.
@@ -1125,6 +1180,7 @@ pub struct Info {
 
 /// What a path is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum FileKind {
     /// A regular file.
@@ -1139,6 +1195,7 @@ pub enum FileKind {
 
 /// One path in a run's `/work`, as `stat` and `list` describe it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FileInfo {
     /// Relative to `/work`; empty for `/work` itself.
@@ -1163,6 +1220,7 @@ pub struct FileInfo {
 
 /// `GET /v1/runs/{id}/fs/list`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct FileList {
     /// The entries, in path order.
@@ -1173,6 +1231,7 @@ pub struct FileList {
 
 /// `POST /v1/runs/{id}/fs/mkdir`: a directory and its missing parents.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MakeDirRequest {
     /// Relative to `/work`.
@@ -1190,6 +1249,7 @@ pub struct MakeDirRequest {
 
 /// `POST /v1/runs/{id}/fs/move`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MoveRequest {
     /// Relative to `/work`.
@@ -1209,6 +1269,7 @@ pub struct MoveRequest {
 
 /// `POST /v1/runs/{id}/fs/remove`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RemoveRequest {
     /// Relative to `/work`.
@@ -1226,6 +1287,7 @@ pub struct RemoveRequest {
 
 /// The answer to a remove.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RemoveReply {
     /// Entries removed, the path itself included.
@@ -1234,6 +1296,7 @@ pub struct RemoveReply {
 
 /// The query of `GET /v1/runs/{id}/fs/stat` and `/fs/list`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct FsQuery {
     /// Relative to `/work`; absent or empty for `/work` itself.
@@ -1252,6 +1315,7 @@ pub struct FsQuery {
 
 /// What a watch saw; the SSE event's name is `kind`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum WatchKind {
     /// The watch is in place: later changes are reported. Always first.
@@ -1270,6 +1334,7 @@ pub enum WatchKind {
 
 /// One event of `GET /v1/runs/{id}/fs/watch`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct WatchEvent {
     /// What happened.
@@ -1285,6 +1350,7 @@ pub struct WatchEvent {
 
 /// `GET /health`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Health {
     /// `ok` when the daemon serves requests.
@@ -1338,6 +1404,7 @@ pub mod ws {
 
     /// A text frame from the client.
     #[derive(Clone, Debug, Serialize, Deserialize)]
+    #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
     #[serde(tag = "type", rename_all = "camelCase")]
     pub enum ClientFrame {
         /// The command to run: the first frame on `exec/ws`, and only there.
@@ -1365,6 +1432,7 @@ pub mod ws {
 
     /// A text frame from the server.
     #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+    #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
     #[serde(tag = "type", rename_all = "camelCase")]
     pub enum ServerFrame {
         /// The command runs (or, attaching, was found) with this pid.

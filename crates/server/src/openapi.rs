@@ -1,0 +1,407 @@
+//! The OpenAPI 3.1 document of the API: the schemas are generated from the
+//! wire types themselves (`runbox-types` with its `openapi` feature), the
+//! operations from the table below, one row per route the router serves.
+//! `tests/openapi.rs` fails when the table and the router disagree, or when
+//! the committed `docs/openapi.json` differs from what this builds.
+//!
+//! The table is here rather than as attributes on the handlers because
+//! most answers are built by hand (streams, upgrades, raw bodies), which
+//! an attribute would have to restate anyway; one table reads as the API's
+//! index.
+
+use utoipa::openapi::path::{
+    HttpMethod, OperationBuilder, Parameter, ParameterBuilder, ParameterIn, PathItem,
+};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{
+    ContentBuilder, InfoBuilder, ObjectBuilder, OpenApi, OpenApiBuilder, PathsBuilder, Ref, RefOr,
+    ResponseBuilder, Schema, Type,
+};
+use utoipa::OpenApi as _;
+
+use runbox_types as t;
+
+/// Every wire type, so the document's `components` hold them all.
+#[derive(utoipa::OpenApi)]
+#[openapi(components(schemas(
+    t::ErrorBody,
+    t::Health,
+    t::CreateRunRequest,
+    t::Run,
+    t::RunList,
+    t::RenewRequest,
+    t::LeaseRequest,
+    t::LeaseRenewRequest,
+    t::LeaseReleaseRequest,
+    t::LeaseResponse,
+    t::ExecRequest,
+    t::StartedEvent,
+    t::ExitEvent,
+    t::LostEvent,
+    t::Image,
+    t::ImageList,
+    t::PullRequest,
+    t::PullEvent,
+    t::SnapshotRequest,
+    t::Snapshot,
+    t::SnapshotList,
+    t::ForkRequest,
+    t::ForkResponse,
+    t::WarmCommitRequest,
+    t::WarmCommit,
+    t::WarmStatus,
+    t::WarmTemplate,
+    t::WarmTemplateList,
+    t::FileInfo,
+    t::FileList,
+    t::MakeDirRequest,
+    t::MoveRequest,
+    t::RemoveRequest,
+    t::RemoveReply,
+    t::WatchEvent,
+    t::PoolSet,
+    t::PoolList,
+    t::Info,
+    t::Process,
+    t::ProcessList,
+    t::SignalRequest,
+    t::PreviewRequest,
+    t::Preview,
+    t::ws::ClientFrame,
+    t::ws::ServerFrame,
+)))]
+struct Schemas;
+
+/// What a route takes.
+enum In {
+    Nothing,
+    Json(&'static str),
+    Bytes(&'static str),
+}
+
+/// What a route answers on success.
+enum Out {
+    Empty,
+    Json(&'static str),
+    /// Server-sent events; the description says which.
+    Events(&'static str),
+    Bytes(&'static str),
+    /// `101 Switching Protocols`.
+    Upgrade(&'static str),
+}
+
+/// A query parameter's JSON type.
+#[derive(Clone, Copy)]
+enum Kind {
+    Str,
+    Int,
+    Bool,
+}
+
+impl Kind {
+    fn json(self) -> Type {
+        match self {
+            Kind::Str => Type::String,
+            Kind::Int => Type::Integer,
+            Kind::Bool => Type::Boolean,
+        }
+    }
+}
+
+/// A query parameter: name, JSON type, description.
+type Query = (&'static str, Kind, &'static str);
+
+struct Op {
+    method: HttpMethod,
+    path: &'static str,
+    id: &'static str,
+    summary: &'static str,
+    input: In,
+    status: u16,
+    output: Out,
+    query: &'static [Query],
+}
+
+const CREDENTIAL: &[Query] = &[OWNER, GENERATION];
+
+const FS_QUERY: &[Query] = &[
+    (
+        "path",
+        Kind::Str,
+        "relative to /work; absent for /work itself",
+    ),
+    ("depth", Kind::Int, "list: levels, 1-16 (default 1)"),
+    (
+        "limit",
+        Kind::Int,
+        "list: most entries, 1-10000 (default 10000)",
+    ),
+    ("recursive", Kind::Bool, "watch: the directories below too"),
+];
+
+const OWNER: Query = (
+    "owner",
+    Kind::Str,
+    "the lease holder this acts for, with generation",
+);
+const GENERATION: Query = (
+    "generation",
+    Kind::Int,
+    "the generation of that holder's lease",
+);
+const REPLAY: Query = (
+    "replay",
+    Kind::Bool,
+    "send the output kept for the process first (default true)",
+);
+
+const STDIN_QUERY: &[Query] = &[
+    ("close", Kind::Bool, "close stdin after writing the body"),
+    OWNER,
+    GENERATION,
+];
+
+const ATTACH_QUERY: &[Query] = &[REPLAY, OWNER, GENERATION];
+
+/// Every route of the API router, in the order `docs/api.md` lists them.
+fn operations() -> Vec<Op> {
+    use HttpMethod::{Delete, Get, Post, Put};
+    use In::{Bytes as InBytes, Json as Body, Nothing};
+    use Out::{Bytes as OutBytes, Empty, Events, Json, Upgrade};
+    let op = |method, path, id, summary, input, status, output| Op {
+        method,
+        path,
+        id,
+        summary,
+        input,
+        status,
+        output,
+        query: &[],
+    };
+    vec![
+        op(Get, "/health", "health", "Whether the daemon serves; needs no token", Nothing, 200, Json("Health")),
+        op(Get, "/v1/openapi.json", "openapi", "This document; needs no token", Nothing, 200, OutBytes("application/json")),
+        op(Post, "/v1/runs", "createRun", "Create a run (an Idempotency-Key header makes a retry safe)", Body("CreateRunRequest"), 201, Json("Run")),
+        op(Get, "/v1/runs", "listRuns", "Every run", Nothing, 200, Json("RunList")),
+        op(Get, "/v1/runs/{id}", "getRun", "One run", Nothing, 200, Json("Run")),
+        op(Delete, "/v1/runs/{id}", "deleteRun", "Destroy a run", Nothing, 204, Empty),
+        op(Post, "/v1/runs/{id}/renew", "renewRun", "Set a run's expiry to now + ttlSec", Body("RenewRequest"), 200, Json("Run")),
+        op(Post, "/v1/runs/{id}/lease", "acquireLease", "Take the run's writable lease", Body("LeaseRequest"), 200, Json("LeaseResponse")),
+        op(Post, "/v1/runs/{id}/lease/renew", "renewLease", "Extend a lease", Body("LeaseRenewRequest"), 200, Json("LeaseResponse")),
+        op(Post, "/v1/runs/{id}/lease/release", "releaseLease", "Give a lease up", Body("LeaseReleaseRequest"), 204, Empty),
+        op(Post, "/v1/runs/{id}/exec", "exec", "Run a command; its output and exit as server-sent events", Body("ExecRequest"), 200, Events("started (StartedEvent), stdout and stderr (base64 chunks), lost (LostEvent), exit (ExitEvent, last)")),
+        op(Get, "/v1/runs/{id}/exec/ws", "execSession", "An interactive command over a WebSocket (frames: ClientFrame in, ServerFrame and binary output out)", Nothing, 101, Upgrade("websocket")),
+        Op { query: CREDENTIAL, ..op(Put, "/v1/runs/{id}/files/{path}", "putFile", "Write a file below /work, replacing it once the whole body arrived", InBytes("application/octet-stream"), 204, Empty) },
+        op(Get, "/v1/runs/{id}/files/{path}", "getFile", "Read a file below /work", Nothing, 200, OutBytes("application/octet-stream")),
+        Op { query: FS_QUERY, ..op(Get, "/v1/runs/{id}/fs/stat", "stat", "Describe a path below /work", Nothing, 200, Json("FileInfo")) },
+        Op { query: FS_QUERY, ..op(Get, "/v1/runs/{id}/fs/list", "listDir", "List a directory below /work", Nothing, 200, Json("FileList")) },
+        Op { query: FS_QUERY, ..op(Get, "/v1/runs/{id}/fs/watch", "watch", "Changes below a directory of /work as server-sent events", Nothing, 200, Events("WatchEvent, named by its kind: ready first, then created, written, removed, renamed, overflow")) },
+        op(Post, "/v1/runs/{id}/fs/mkdir", "makeDir", "Make a directory and its parents", Body("MakeDirRequest"), 200, Json("FileInfo")),
+        op(Post, "/v1/runs/{id}/fs/move", "movePath", "Rename a path", Body("MoveRequest"), 200, Json("FileInfo")),
+        op(Post, "/v1/runs/{id}/fs/remove", "removePath", "Remove a path", Body("RemoveRequest"), 200, Json("RemoveReply")),
+        op(Post, "/v1/runs/{id}/processes", "startProcess", "Start a background process", Body("ExecRequest"), 201, Json("Process")),
+        op(Get, "/v1/runs/{id}/processes", "listProcesses", "Running processes and recently ended background ones", Nothing, 200, Json("ProcessList")),
+        op(Get, "/v1/runs/{id}/processes/{process}", "getProcess", "One process, by pid or tag", Nothing, 200, Json("Process")),
+        Op { query: &[("timeoutSec", Kind::Int, "the longest to wait, 0-3600 (default 60)")], ..op(Get, "/v1/runs/{id}/processes/{process}/wait", "waitProcess", "Wait until a process ended or the time passed", Nothing, 200, Json("Process")) },
+        op(Post, "/v1/runs/{id}/processes/{process}/signal", "signalProcess", "Signal a process's group", Body("SignalRequest"), 200, Json("Process")),
+        Op { query: STDIN_QUERY, ..op(Post, "/v1/runs/{id}/processes/{process}/stdin", "sendStdin", "Write to a process's stdin", InBytes("application/octet-stream"), 200, Json("Process")) },
+        Op { query: &[REPLAY], ..op(Get, "/v1/runs/{id}/processes/{process}/output", "processOutput", "A process's output (replayed, then live) as exec's server-sent events", Nothing, 200, Events("as exec's")) },
+        Op { query: ATTACH_QUERY, ..op(Get, "/v1/runs/{id}/processes/{process}/ws", "attach", "Attach to a process over a WebSocket", Nothing, 101, Upgrade("websocket")) },
+        op(Post, "/v1/runs/{id}/preview", "mintPreview", "A signed, expiring URL for a port inside the run (served by --preview-listen)", Body("PreviewRequest"), 201, Json("Preview")),
+        Op { query: CREDENTIAL, ..op(Get, "/v1/runs/{id}/ports/{port}/connect", "connectPort", "One TCP connection to a port inside the run, after an upgrade to runbox-tcp", Nothing, 101, Upgrade("runbox-tcp")) },
+        op(Post, "/v1/runs/{id}/snapshot", "snapshotRun", "Record the run's filesystem as a new image", Body("SnapshotRequest"), 201, Json("Snapshot")),
+        op(Post, "/v1/runs/{id}/fork", "forkRun", "Start new runs from the run's filesystem", Body("ForkRequest"), 201, Json("ForkResponse")),
+        op(Post, "/v1/runs/{id}/warm-commit", "warmCommit", "Publish the run's warm volume as its repository's template", Body("WarmCommitRequest"), 201, Json("WarmCommit")),
+        op(Get, "/v1/runs/{id}/warm", "warmStatus", "The run's warm volume and lockfile hashes", Nothing, 200, Json("WarmStatus")),
+        op(Get, "/v1/warmcache", "warmTemplates", "Every warm template", Nothing, 200, Json("WarmTemplateList")),
+        op(Get, "/v1/warmcache/{owner}/{name}", "warmTemplate", "One repository's warm template", Nothing, 200, Json("WarmTemplate")),
+        op(Delete, "/v1/warmcache/{owner}/{name}", "warmInvalidate", "Drop a repository's warm template", Nothing, 204, Empty),
+        op(Get, "/v1/images", "listImages", "Every image", Nothing, 200, Json("ImageList")),
+        op(Post, "/v1/images/pull", "pullImage", "Pull an image from a registry; progress as server-sent events", Body("PullRequest"), 200, Events("PullEvent, named by its kind, the last one done or error")),
+        op(Post, "/v1/images/{name}", "importImage", "Import a tar archive: an OCI layout, docker save output, or a root filesystem", InBytes("application/x-tar"), 201, Json("Image")),
+        op(Get, "/v1/images/{name}", "getImage", "One image, with its config", Nothing, 200, Json("Image")),
+        op(Delete, "/v1/images/{name}", "deleteImage", "Delete an image", Nothing, 204, Empty),
+        op(Get, "/v1/snapshots", "listSnapshots", "Every snapshot", Nothing, 200, Json("SnapshotList")),
+        Op { query: &[("image", Kind::Str, "the snapshot's image name")], ..op(Delete, "/v1/snapshots", "deleteSnapshotByQuery", "Delete a snapshot named in the query", Nothing, 204, Empty) },
+        op(Delete, "/v1/snapshots/{name}", "deleteSnapshot", "Delete a snapshot", Nothing, 204, Empty),
+        op(Get, "/v1/pools", "listPools", "The warm pools", Nothing, 200, Json("PoolList")),
+        op(Put, "/v1/pools", "setPools", "Replace the warm pools", Body("PoolSet"), 200, Json("PoolList")),
+        op(Get, "/v1/info", "info", "What the node is and how full", Nothing, 200, Json("Info")),
+        op(Post, "/v1/drain", "drain", "Cordon the node", Nothing, 200, Json("PoolList")),
+        op(Delete, "/v1/drain", "undrain", "Uncordon the node", Nothing, 200, Json("PoolList")),
+    ]
+}
+
+fn schema_ref(name: &str) -> RefOr<Schema> {
+    RefOr::Ref(Ref::from_schema_name(name))
+}
+
+fn path_parameters(path: &str) -> Vec<Parameter> {
+    path.split('/')
+        .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
+        .map(|name| {
+            let description = match name {
+                "id" => "the run's id (a ULID)",
+                "path" => "a file path relative to /work, each segment percent-encoded",
+                "process" => "a pid, or a tag",
+                "port" => "a port inside the run, 1-65535",
+                "name" => "an image or snapshot name",
+                "owner" => "the repository's owner",
+                _ => "",
+            };
+            ParameterBuilder::new()
+                .name(name)
+                .parameter_in(ParameterIn::Path)
+                .required(utoipa::openapi::Required::True)
+                .description(Some(description))
+                .schema(Some(ObjectBuilder::new().schema_type(if name == "port" {
+                    Kind::Int.json()
+                } else {
+                    Kind::Str.json()
+                })))
+                .build()
+        })
+        .collect()
+}
+
+fn query_parameters(query: &[Query]) -> Vec<Parameter> {
+    query
+        .iter()
+        .map(|(name, kind, description)| {
+            ParameterBuilder::new()
+                .name(*name)
+                .parameter_in(ParameterIn::Query)
+                .required(utoipa::openapi::Required::False)
+                .description(Some(*description))
+                .schema(Some(ObjectBuilder::new().schema_type(kind.json())))
+                .build()
+        })
+        .collect()
+}
+
+fn error_response() -> utoipa::openapi::Response {
+    ResponseBuilder::new()
+        .description("an error: its code is stable (see docs/api.md), its message says what to fix")
+        .content(
+            "application/json",
+            ContentBuilder::new()
+                .schema(Some(schema_ref("ErrorBody")))
+                .build(),
+        )
+        .build()
+}
+
+fn operation(op: &Op) -> utoipa::openapi::path::Operation {
+    let mut builder = OperationBuilder::new()
+        .operation_id(Some(op.id))
+        .summary(Some(op.summary))
+        .parameters(Some(
+            path_parameters(op.path)
+                .into_iter()
+                .chain(query_parameters(op.query)),
+        ));
+    builder = match &op.input {
+        In::Nothing => builder,
+        In::Json(name) => builder.request_body(Some(
+            RequestBodyBuilder::new()
+                .required(Some(utoipa::openapi::Required::True))
+                .content(
+                    "application/json",
+                    ContentBuilder::new().schema(Some(schema_ref(name))).build(),
+                )
+                .build(),
+        )),
+        In::Bytes(media) => builder.request_body(Some(
+            RequestBodyBuilder::new()
+                .required(Some(utoipa::openapi::Required::True))
+                .content(*media, ContentBuilder::new().build())
+                .build(),
+        )),
+    };
+    let ok = match &op.output {
+        Out::Empty => ResponseBuilder::new().description("done").build(),
+        Out::Json(name) => ResponseBuilder::new()
+            .description("done")
+            .content(
+                "application/json",
+                ContentBuilder::new().schema(Some(schema_ref(name))).build(),
+            )
+            .build(),
+        Out::Events(what) => ResponseBuilder::new()
+            .description(format!("server-sent events: {what}"))
+            .content("text/event-stream", ContentBuilder::new().build())
+            .build(),
+        Out::Bytes(media) => ResponseBuilder::new()
+            .description("the bytes")
+            .content(*media, ContentBuilder::new().build())
+            .build(),
+        Out::Upgrade(protocol) => ResponseBuilder::new()
+            .description(format!("switched to {protocol}"))
+            .build(),
+    };
+    builder = builder
+        .response(op.status.to_string(), ok)
+        .response("4XX", error_response())
+        .response("5XX", error_response());
+    if matches!(op.path, "/health" | "/v1/openapi.json") {
+        // Open routes: no token.
+        builder = builder.security(SecurityRequirement::default());
+    }
+    builder.build()
+}
+
+/// The document.
+pub fn document() -> OpenApi {
+    let mut paths = PathsBuilder::new();
+    for op in operations() {
+        // The router's `{*path}` catch-all is a plain parameter here.
+        paths = paths.path(op.path, PathItem::new(op.method.clone(), operation(&op)));
+    }
+    let mut components = Schemas::openapi().components.unwrap_or_default();
+    components.security_schemes.insert(
+        "bearer".to_owned(),
+        SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+    );
+    OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("runbox")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some(
+                    "Self-hosted sandboxes. Every route but /health and /v1/openapi.json needs \
+                     Authorization: Bearer <token>. The prose, limits and error codes are in \
+                     docs/api.md; preview URLs are served by a second listener (--preview-listen) \
+                     and are not part of this document.",
+                ))
+                .build(),
+        )
+        .paths(paths.build())
+        .components(Some(components))
+        .security(Some(vec![SecurityRequirement::new(
+            "bearer",
+            Vec::<String>::new(),
+        )]))
+        .build()
+}
+
+/// The document as the committed file holds it: pretty JSON and a newline.
+pub fn document_json() -> String {
+    let mut text = document()
+        .to_pretty_json()
+        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    text.push('\n');
+    text
+}
+
+/// `GET /v1/openapi.json`.
+pub async fn serve() -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    static DOCUMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let body = DOCUMENT.get_or_init(document_json).clone();
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body,
+    )
+        .into_response()
+}
