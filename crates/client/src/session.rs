@@ -155,9 +155,13 @@ pub(crate) async fn open(
         match stream.next().await {
             Some(Ok(Message::Text(text))) => match decode(text.as_str())? {
                 Decoded::Frame(ServerFrame::Started { pid }) => break pid,
-                Decoded::Frame(ServerFrame::Error { code, message }) => {
+                Decoded::Frame(ServerFrame::Error {
+                    status,
+                    code,
+                    message,
+                }) => {
                     return Err(ClientError::Api {
-                        status: runbox_types::ErrorCode::parse(&code).map_or(400, |c| c.status()),
+                        status,
                         code,
                         message,
                     })

@@ -316,6 +316,7 @@ fn text(frame: &ServerFrame) -> Message {
 
 fn error_frame(err: &ApiError) -> Message {
     text(&ServerFrame::Error {
+        status: err.code().status(),
         code: err.code().as_str().to_owned(),
         message: err.message().to_owned(),
     })

@@ -1451,6 +1451,8 @@ pub mod ws {
         /// `start` the server closes the socket; after a bad frame it goes
         /// on.
         Error {
+            /// The HTTP status that goes with the code.
+            status: u16,
             /// The stable code, as in HTTP error bodies.
             code: String,
             /// What to fix.
