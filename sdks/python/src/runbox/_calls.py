@@ -1,0 +1,229 @@
+"""Every non-streaming call, built once for both clients."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+from ._core import (
+    Call,
+    compact,
+    exec_body,
+    file_path,
+    lease_params,
+    parse_entries,
+    parse_images,
+    parse_processes,
+    parse_runs,
+    process_path,
+    run_path,
+    segment,
+)
+from ._models import FileInfo, Image, Lease, Preview, Process, Run
+
+Lease_ = Optional[Tuple[str, int]]
+
+
+def health() -> Call[Dict[str, Any]]:
+    return Call("GET", "/health")
+
+
+def create_run(
+    image: str,
+    *,
+    env: Optional[Dict[str, str]] = None,
+    ttl: Optional[int] = None,
+    network: Optional[str] = None,
+    size: Optional[str] = None,
+    cpus: Optional[float] = None,
+    memory_mb: Optional[int] = None,
+    pids: Optional[int] = None,
+    disk_mb: Optional[int] = None,
+    labels: Optional[Dict[str, str]] = None,
+    egress_allow: Optional[List[str]] = None,
+    secrets: Optional[List[str]] = None,
+    idempotency_key: Optional[str] = None,
+) -> Call[Run]:
+    limits = compact(cpus=cpus, memoryMb=memory_mb, pids=pids, diskMb=disk_mb) or None
+    body = compact(
+        image=image,
+        env=env,
+        ttlSec=ttl,
+        network=network,
+        size=size,
+        limits=limits,
+        labels=labels,
+        egressAllow=egress_allow,
+        secrets=secrets,
+    )
+    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    return Call("POST", "/v1/runs", json=body, headers=headers, parse=Run.from_json)
+
+
+def list_runs() -> Call[List[Run]]:
+    return Call("GET", "/v1/runs", parse=parse_runs)
+
+
+def get_run(run_id: str) -> Call[Run]:
+    return Call("GET", run_path(run_id), parse=Run.from_json)
+
+
+def delete_run(run_id: str) -> Call[None]:
+    return Call("DELETE", run_path(run_id), empty=True)
+
+
+def renew_run(run_id: str, ttl: int) -> Call[Run]:
+    return Call("POST", f"{run_path(run_id)}/renew", json={"ttlSec": ttl}, parse=Run.from_json)
+
+
+def acquire_lease(run_id: str, owner: str, ttl: Optional[int] = None) -> Call[Lease]:
+    return Call(
+        "POST",
+        f"{run_path(run_id)}/lease",
+        json=compact(owner=owner, ttlSec=ttl),
+        parse=lambda b: Lease.from_json(b["lease"]),
+    )
+
+
+def renew_lease(run_id: str, owner: str, generation: int, ttl: Optional[int] = None) -> Call[Lease]:
+    return Call(
+        "POST",
+        f"{run_path(run_id)}/lease/renew",
+        json=compact(owner=owner, generation=generation, ttlSec=ttl),
+        parse=lambda b: Lease.from_json(b["lease"]),
+    )
+
+
+def release_lease(run_id: str, owner: str, generation: int) -> Call[None]:
+    return Call(
+        "POST",
+        f"{run_path(run_id)}/lease/release",
+        json={"owner": owner, "generation": generation},
+        empty=True,
+    )
+
+
+def write_file(run_id: str, path: str, data: Union[bytes, str], lease: Lease_ = None) -> Call[None]:
+    content = data.encode() if isinstance(data, str) else bytes(data)
+    return Call(
+        "PUT",
+        f"{run_path(run_id)}/files/{file_path(path)}",
+        content=content,
+        params=lease_params(lease) or None,
+        headers={"Content-Type": "application/octet-stream"},
+        empty=True,
+    )
+
+
+def stat(run_id: str, path: str = "") -> Call[FileInfo]:
+    return Call("GET", f"{run_path(run_id)}/fs/stat", params={"path": path}, parse=FileInfo.from_json)
+
+
+def list_dir(run_id: str, path: str = "", depth: int = 1) -> Call[List[FileInfo]]:
+    return Call(
+        "GET", f"{run_path(run_id)}/fs/list", params={"path": path, "depth": depth}, parse=parse_entries
+    )
+
+
+def make_dir(run_id: str, path: str, mode: Optional[int] = None, lease: Lease_ = None) -> Call[FileInfo]:
+    body = compact(path=path, mode=mode)
+    if lease:
+        body["owner"], body["generation"] = lease
+    return Call("POST", f"{run_path(run_id)}/fs/mkdir", json=body, parse=FileInfo.from_json)
+
+
+def move(run_id: str, src: str, dst: str, overwrite: bool = False, lease: Lease_ = None) -> Call[FileInfo]:
+    body: Dict[str, Any] = {"from": src, "to": dst}
+    if overwrite:
+        body["overwrite"] = True
+    if lease:
+        body["owner"], body["generation"] = lease
+    return Call("POST", f"{run_path(run_id)}/fs/move", json=body, parse=FileInfo.from_json)
+
+
+def remove(run_id: str, path: str, recursive: bool = False, lease: Lease_ = None) -> Call[int]:
+    body: Dict[str, Any] = {"path": path}
+    if recursive:
+        body["recursive"] = True
+    if lease:
+        body["owner"], body["generation"] = lease
+    return Call("POST", f"{run_path(run_id)}/fs/remove", json=body, parse=lambda b: b["removed"])
+
+
+def start_process(run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> Call[Process]:
+    return Call(
+        "POST", f"{run_path(run_id)}/processes", json=exec_body(cmd, **kwargs), parse=Process.from_json
+    )
+
+
+def processes(run_id: str) -> Call[List[Process]]:
+    return Call("GET", f"{run_path(run_id)}/processes", parse=parse_processes)
+
+
+def process(run_id: str, proc: Union[int, str]) -> Call[Process]:
+    return Call("GET", process_path(run_id, proc), parse=Process.from_json)
+
+
+def wait_process(run_id: str, proc: Union[int, str], timeout: int = 60) -> Call[Process]:
+    return Call(
+        "GET", f"{process_path(run_id, proc)}/wait", params={"timeoutSec": timeout}, parse=Process.from_json
+    )
+
+
+def signal_process(run_id: str, proc: Union[int, str], signal: Union[int, str] = "TERM", lease: Lease_ = None) -> Call[Process]:
+    body: Dict[str, Any] = {"signal": signal}
+    if lease:
+        body["owner"], body["generation"] = lease
+    return Call("POST", f"{process_path(run_id, proc)}/signal", json=body, parse=Process.from_json)
+
+
+def send_stdin(run_id: str, proc: Union[int, str], data: Union[bytes, str], close: bool = False, lease: Lease_ = None) -> Call[Process]:
+    content = data.encode() if isinstance(data, str) else bytes(data)
+    params: Dict[str, Any] = {"close": "true" if close else "false", **lease_params(lease)}
+    return Call(
+        "POST",
+        f"{process_path(run_id, proc)}/stdin",
+        content=content,
+        params=params,
+        headers={"Content-Type": "application/octet-stream"},
+        parse=Process.from_json,
+    )
+
+
+def mint_preview(run_id: str, port: int, ttl: Optional[int] = None) -> Call[Preview]:
+    return Call(
+        "POST", f"{run_path(run_id)}/preview", json=compact(port=port, ttlSec=ttl), parse=Preview.from_json
+    )
+
+
+def snapshot(run_id: str, name: Optional[str] = None) -> Call[Dict[str, Any]]:
+    return Call("POST", f"{run_path(run_id)}/snapshot", json=compact(name=name))
+
+
+def fork(run_id: str, count: int = 1, ttl: Optional[int] = None) -> Call[List[Run]]:
+    return Call("POST", f"{run_path(run_id)}/fork", json=compact(count=count, ttlSec=ttl), parse=parse_runs)
+
+
+def list_images() -> Call[List[Image]]:
+    return Call("GET", "/v1/images", parse=parse_images)
+
+
+def get_image(name: str) -> Call[Image]:
+    return Call("GET", f"/v1/images/{segment('image name', name)}", parse=Image.from_json)
+
+
+def import_image(name: str, tar: bytes) -> Call[Image]:
+    return Call(
+        "POST",
+        f"/v1/images/{segment('image name', name)}",
+        content=tar,
+        headers={"Content-Type": "application/x-tar"},
+        parse=Image.from_json,
+    )
+
+
+def delete_image(name: str) -> Call[None]:
+    return Call("DELETE", f"/v1/images/{segment('image name', name)}", empty=True)
+
+
+def info() -> Call[Dict[str, Any]]:
+    return Call("GET", "/v1/info")

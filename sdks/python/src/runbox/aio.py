@@ -1,0 +1,297 @@
+"""The asynchronous client: the same surface as :class:`runbox.Runbox`,
+every call awaitable, streams as async iterators."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+
+import httpx
+
+from . import _calls as calls
+from ._core import Call, EventDecoder, JsonEventDecoder, exec_body, file_path, process_path, resolve, run_path
+from ._errors import RunboxError, StreamEnded, error_from
+from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
+from ._session import MAX_MESSAGE, control, decode_frame, headers, ws_url
+
+Lease_ = Optional[Tuple[str, int]]
+
+
+class AsyncSession:
+    """:class:`runbox.Session`, awaitable."""
+
+    def __init__(self, ws: Any, pid: int) -> None:
+        self._ws = ws
+        self.pid = pid
+        self.exit: Optional[Exit] = None
+
+    async def __aenter__(self) -> "AsyncSession":
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        await self.close()
+
+    async def send(self, data: Union[bytes, str]) -> None:
+        await self._ws.send(data.encode() if isinstance(data, str) else bytes(data))
+
+    async def eof(self) -> None:
+        await self._ws.send(control("eof"))
+
+    async def signal(self, signal: Union[int, str]) -> None:
+        await self._ws.send(control("signal", signal=signal))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._ws.send(control("resize", rows=rows, cols=cols))
+
+    async def events(self) -> AsyncIterator[Any]:
+        from websockets.exceptions import ConnectionClosed
+
+        while self.exit is None:
+            try:
+                message = await self._ws.recv()
+            except ConnectionClosed as e:
+                raise StreamEnded(f"the session closed before the exit: {e}") from e
+            event = decode_frame(message)
+            if event is None or isinstance(event, RunboxError):
+                continue
+            if isinstance(event, Exit):
+                self.exit = event
+            yield event
+
+    async def wait(self) -> ExecResult:
+        out, err = bytearray(), bytearray()
+        async for event in self.events():
+            if isinstance(event, Stdout):
+                out += event.data
+            elif isinstance(event, Stderr):
+                err += event.data
+        assert self.exit is not None
+        return ExecResult(self.pid, bytes(out), bytes(err), self.exit)
+
+    async def close(self) -> None:
+        await self._ws.close()
+
+
+async def _open_session(base: str, token: Optional[str], path: str, start: Optional[Dict[str, Any]]) -> AsyncSession:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    try:
+        ws = await connect(ws_url(base, path), additional_headers=headers(token), max_size=MAX_MESSAGE)
+    except InvalidStatus as e:
+        raise error_from(e.response.status_code, e.response.body or b"") from e
+    except OSError as e:
+        raise RunboxError(0, "unreachable", f"cannot reach runbox at {base}: {e}") from e
+    if start is not None:
+        await ws.send(control("start", **start))
+    first = json.loads(await ws.recv())
+    if first.get("type") == "error":
+        await ws.close()
+        raise error_from(int(first.get("status", 400)), json.dumps({"error": first}).encode())
+    if first.get("type") != "started":
+        await ws.close()
+        raise StreamEnded("the session did not begin with started")
+    return AsyncSession(ws, first["pid"])
+
+
+class AsyncRunbox:
+    """An async connection to one runbox daemon; see :class:`runbox.Runbox`."""
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        token: Optional[str] = None,
+        *,
+        timeout: float = 60.0,
+        http: Optional[httpx.AsyncClient] = None,
+    ) -> None:
+        self.url, self._token = resolve(url, token)
+        hdrs = {"User-Agent": "runbox-python/0.1"}
+        if self._token:
+            hdrs["Authorization"] = f"Bearer {self._token}"
+        self._http = http or httpx.AsyncClient(
+            base_url=self.url,
+            headers=hdrs,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            follow_redirects=False,
+        )
+
+    async def __aenter__(self) -> "AsyncRunbox":
+        return self
+
+    async def __aexit__(self, *_: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _do(self, call: Call[Any]) -> Any:
+        try:
+            response = await self._http.request(
+                call.method,
+                call.path,
+                json=call.json,
+                params=call.params,
+                content=call.content,
+                headers=call.headers,
+            )
+        except httpx.HTTPError as e:
+            raise RunboxError(0, "unreachable", f"cannot reach runbox at {self.url}: {e}") from e
+        if response.status_code >= 300:
+            raise error_from(response.status_code, response.content, response.reason_phrase)
+        if call.empty or not response.content:
+            return None
+        return call.parse(response.json())
+
+    async def _stream(self, method: str, path: str, decoder: EventDecoder, **kwargs: Any) -> AsyncIterator[Any]:
+        try:
+            async with self._http.stream(method, path, timeout=httpx.Timeout(None, connect=10.0), **kwargs) as response:
+                if response.status_code >= 300:
+                    await response.aread()
+                    raise error_from(response.status_code, response.content, response.reason_phrase)
+                async for chunk in response.aiter_raw():
+                    for event in decoder.feed(chunk):
+                        yield event
+                    if decoder.done:
+                        return
+        except httpx.HTTPError as e:
+            raise StreamEnded(f"the stream broke: {e}") from e
+        if not isinstance(decoder, JsonEventDecoder):
+            raise StreamEnded()
+
+    async def health(self) -> Dict[str, Any]:
+        return await self._do(calls.health())
+
+    async def create_run(self, image: str = "base", **kwargs: Any) -> Run:
+        return await self._do(calls.create_run(image, **kwargs))
+
+    async def list_runs(self) -> List[Run]:
+        return await self._do(calls.list_runs())
+
+    async def get_run(self, run_id: str) -> Run:
+        return await self._do(calls.get_run(run_id))
+
+    async def delete_run(self, run_id: str) -> None:
+        await self._do(calls.delete_run(run_id))
+
+    async def renew_run(self, run_id: str, ttl: int) -> Run:
+        return await self._do(calls.renew_run(run_id, ttl))
+
+    async def info(self) -> Dict[str, Any]:
+        return await self._do(calls.info())
+
+    async def acquire_lease(self, run_id: str, owner: str, ttl: Optional[int] = None) -> Lease:
+        return await self._do(calls.acquire_lease(run_id, owner, ttl))
+
+    async def renew_lease(self, run_id: str, owner: str, generation: int, ttl: Optional[int] = None) -> Lease:
+        return await self._do(calls.renew_lease(run_id, owner, generation, ttl))
+
+    async def release_lease(self, run_id: str, owner: str, generation: int) -> None:
+        await self._do(calls.release_lease(run_id, owner, generation))
+
+    def exec(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> AsyncIterator[Any]:
+        return self._stream("POST", f"{run_path(run_id)}/exec", EventDecoder(), json=exec_body(cmd, **kwargs))
+
+    async def run(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> ExecResult:
+        pid, out, err = None, bytearray(), bytearray()
+        async for event in self.exec(run_id, cmd, **kwargs):
+            if isinstance(event, Started):
+                pid = event.pid
+            elif isinstance(event, Stdout):
+                out += event.data
+            elif isinstance(event, Stderr):
+                err += event.data
+            elif isinstance(event, Exit):
+                return ExecResult(pid, bytes(out), bytes(err), event)
+        raise StreamEnded()
+
+    async def session(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> AsyncSession:
+        return await _open_session(self.url, self._token, f"{run_path(run_id)}/exec/ws", exec_body(cmd, **kwargs))
+
+    async def start_process(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> Process:
+        return await self._do(calls.start_process(run_id, cmd, **kwargs))
+
+    async def processes(self, run_id: str) -> List[Process]:
+        return await self._do(calls.processes(run_id))
+
+    async def process(self, run_id: str, proc: Union[int, str]) -> Process:
+        return await self._do(calls.process(run_id, proc))
+
+    async def wait_process(self, run_id: str, proc: Union[int, str], timeout: int = 60) -> Process:
+        return await self._do(calls.wait_process(run_id, proc, timeout))
+
+    async def signal_process(self, run_id: str, proc: Union[int, str], signal: Union[int, str] = "TERM", lease: Lease_ = None) -> Process:
+        return await self._do(calls.signal_process(run_id, proc, signal, lease))
+
+    async def send_stdin(self, run_id: str, proc: Union[int, str], data: Union[bytes, str], close: bool = False, lease: Lease_ = None) -> Process:
+        return await self._do(calls.send_stdin(run_id, proc, data, close, lease))
+
+    def process_output(self, run_id: str, proc: Union[int, str], replay: bool = True) -> AsyncIterator[Any]:
+        return self._stream(
+            "GET",
+            f"{process_path(run_id, proc)}/output",
+            EventDecoder(),
+            params={"replay": "true" if replay else "false"},
+        )
+
+    async def attach(self, run_id: str, proc: Union[int, str], replay: bool = True, lease: Lease_ = None) -> AsyncSession:
+        query = f"replay={'true' if replay else 'false'}"
+        if lease:
+            query += f"&owner={lease[0]}&generation={lease[1]}"
+        return await _open_session(self.url, self._token, f"{process_path(run_id, proc)}/ws?{query}", None)
+
+    async def write_file(self, run_id: str, path: str, data: Union[bytes, str], lease: Lease_ = None) -> None:
+        await self._do(calls.write_file(run_id, path, data, lease))
+
+    async def read_file(self, run_id: str, path: str) -> bytes:
+        try:
+            response = await self._http.get(f"{run_path(run_id)}/files/{file_path(path)}")
+        except httpx.HTTPError as e:
+            raise RunboxError(0, "unreachable", str(e)) from e
+        if response.status_code >= 300:
+            raise error_from(response.status_code, response.content, response.reason_phrase)
+        return response.content
+
+    async def stat(self, run_id: str, path: str = "") -> FileInfo:
+        return await self._do(calls.stat(run_id, path))
+
+    async def list_dir(self, run_id: str, path: str = "", depth: int = 1) -> List[FileInfo]:
+        return await self._do(calls.list_dir(run_id, path, depth))
+
+    async def make_dir(self, run_id: str, path: str, mode: Optional[int] = None, lease: Lease_ = None) -> FileInfo:
+        return await self._do(calls.make_dir(run_id, path, mode, lease))
+
+    async def move(self, run_id: str, src: str, dst: str, overwrite: bool = False, lease: Lease_ = None) -> FileInfo:
+        return await self._do(calls.move(run_id, src, dst, overwrite, lease))
+
+    async def remove(self, run_id: str, path: str, recursive: bool = False, lease: Lease_ = None) -> int:
+        return await self._do(calls.remove(run_id, path, recursive, lease))
+
+    def watch(self, run_id: str, path: str = "", recursive: bool = False) -> AsyncIterator[Dict[str, Any]]:
+        return self._stream(
+            "GET",
+            f"{run_path(run_id)}/fs/watch",
+            JsonEventDecoder(),
+            params={"path": path, "recursive": "true" if recursive else "false"},
+        )
+
+    async def list_images(self) -> List[Image]:
+        return await self._do(calls.list_images())
+
+    async def get_image(self, name: str) -> Image:
+        return await self._do(calls.get_image(name))
+
+    async def import_image(self, name: str, tar: bytes) -> Image:
+        return await self._do(calls.import_image(name, tar))
+
+    async def delete_image(self, name: str) -> None:
+        await self._do(calls.delete_image(name))
+
+    async def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
+        return await self._do(calls.snapshot(run_id, name))
+
+    async def fork(self, run_id: str, count: int = 1, ttl: Optional[int] = None) -> List[Run]:
+        return await self._do(calls.fork(run_id, count, ttl))
+
+    async def mint_preview(self, run_id: str, port: int, ttl: Optional[int] = None) -> Preview:
+        return await self._do(calls.mint_preview(run_id, port, ttl))

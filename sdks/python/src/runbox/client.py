@@ -1,0 +1,270 @@
+"""The synchronous client."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import httpx
+
+from . import _calls as calls
+from ._core import Call, EventDecoder, JsonEventDecoder, exec_body, process_path, resolve, run_path
+from ._errors import RunboxError, StreamEnded, error_from
+from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
+from ._session import Session, open_session
+
+Lease_ = Optional[Tuple[str, int]]
+
+
+class Runbox:
+    """A connection to one runbox daemon.
+
+    ``url`` and ``token`` default to ``RUNBOX_URL`` and ``RUNBOX_TOKEN``, then
+    to ``http://127.0.0.1:7439`` and the daemon's token file. Use it as a
+    context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        token: Optional[str] = None,
+        *,
+        timeout: float = 60.0,
+        http: Optional[httpx.Client] = None,
+    ) -> None:
+        self.url, self._token = resolve(url, token)
+        headers = {"User-Agent": "runbox-python/0.1"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
+        # Streams last as long as their command: only connecting and each
+        # read of a plain answer are bounded.
+        self._http = http or httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=10.0),
+            follow_redirects=False,
+        )
+
+    def __enter__(self) -> "Runbox":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _do(self, call: Call[Any]) -> Any:
+        try:
+            response = self._http.request(
+                call.method,
+                call.path,
+                json=call.json,
+                params=call.params,
+                content=call.content,
+                headers=call.headers,
+            )
+        except httpx.HTTPError as e:
+            raise RunboxError(0, "unreachable", f"cannot reach runbox at {self.url}: {e}") from e
+        if response.status_code >= 300:
+            raise error_from(response.status_code, response.content, response.reason_phrase)
+        if call.empty or not response.content:
+            return None
+        return call.parse(response.json())
+
+    def _stream(self, method: str, path: str, decoder: EventDecoder, **kwargs: Any) -> Iterator[Any]:
+        try:
+            with self._http.stream(method, path, timeout=httpx.Timeout(None, connect=10.0), **kwargs) as response:
+                if response.status_code >= 300:
+                    response.read()
+                    raise error_from(response.status_code, response.content, response.reason_phrase)
+                for chunk in response.iter_raw():
+                    for event in decoder.feed(chunk):
+                        yield event
+                    if decoder.done:
+                        return
+        except httpx.HTTPError as e:
+            raise StreamEnded(f"the stream broke: {e}") from e
+        if isinstance(decoder, JsonEventDecoder):
+            return
+        raise StreamEnded()
+
+    # -- runs -------------------------------------------------------------
+
+    def health(self) -> Dict[str, Any]:
+        return self._do(calls.health())
+
+    def create_run(self, image: str = "base", **kwargs: Any) -> Run:
+        """Create a run and wait until it is usable. Keyword arguments:
+        ``env``, ``ttl``, ``network``, ``size``, ``cpus``, ``memory_mb``,
+        ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``,
+        ``idempotency_key``."""
+        return self._do(calls.create_run(image, **kwargs))
+
+    def list_runs(self) -> List[Run]:
+        return self._do(calls.list_runs())
+
+    def get_run(self, run_id: str) -> Run:
+        return self._do(calls.get_run(run_id))
+
+    def delete_run(self, run_id: str) -> None:
+        self._do(calls.delete_run(run_id))
+
+    def renew_run(self, run_id: str, ttl: int) -> Run:
+        return self._do(calls.renew_run(run_id, ttl))
+
+    def info(self) -> Dict[str, Any]:
+        return self._do(calls.info())
+
+    # -- leases -----------------------------------------------------------
+
+    def acquire_lease(self, run_id: str, owner: str, ttl: Optional[int] = None) -> Lease:
+        return self._do(calls.acquire_lease(run_id, owner, ttl))
+
+    def renew_lease(self, run_id: str, owner: str, generation: int, ttl: Optional[int] = None) -> Lease:
+        return self._do(calls.renew_lease(run_id, owner, generation, ttl))
+
+    def release_lease(self, run_id: str, owner: str, generation: int) -> None:
+        self._do(calls.release_lease(run_id, owner, generation))
+
+    # -- exec -------------------------------------------------------------
+
+    def exec(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> Iterator[Any]:
+        """Run a command and yield its events as they come: :class:`Started`,
+        :class:`Stdout`, :class:`Stderr`, then one :class:`Exit`. A string
+        runs through ``sh -c``. Keyword arguments: ``cwd``, ``env``,
+        ``timeout`` (seconds), ``user``, ``stdin`` (text), ``pty`` ((rows,
+        cols)), ``term``, ``lease`` ((owner, generation)). Closing the
+        iterator early kills the command."""
+        body = exec_body(cmd, **kwargs)
+        return self._stream("POST", f"{run_path(run_id)}/exec", EventDecoder(), json=body)
+
+    def run(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> ExecResult:
+        """Run a command to its end and return its output and exit."""
+        pid, out, err = None, bytearray(), bytearray()
+        for event in self.exec(run_id, cmd, **kwargs):
+            if isinstance(event, Started):
+                pid = event.pid
+            elif isinstance(event, Stdout):
+                out += event.data
+            elif isinstance(event, Stderr):
+                err += event.data
+            elif isinstance(event, Exit):
+                return ExecResult(pid, bytes(out), bytes(err), event)
+        raise StreamEnded()
+
+    def session(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> Session:
+        """An interactive command over a WebSocket: its stdin open, on a
+        terminal when ``pty=(rows, cols)`` is given. See :class:`Session`."""
+        body = exec_body(cmd, **kwargs)
+        return open_session(self.url, self._token, f"{run_path(run_id)}/exec/ws", start=body)
+
+    # -- processes --------------------------------------------------------
+
+    def start_process(self, run_id: str, cmd: Union[str, List[str]], **kwargs: Any) -> Process:
+        """Start a background process; it outlives this client. Takes
+        ``tag`` and ``open_stdin`` besides the arguments of :meth:`exec`."""
+        return self._do(calls.start_process(run_id, cmd, **kwargs))
+
+    def processes(self, run_id: str) -> List[Process]:
+        return self._do(calls.processes(run_id))
+
+    def process(self, run_id: str, proc: Union[int, str]) -> Process:
+        return self._do(calls.process(run_id, proc))
+
+    def wait_process(self, run_id: str, proc: Union[int, str], timeout: int = 60) -> Process:
+        """Wait up to ``timeout`` seconds for a process to end; ``running``
+        on the answer says whether it did."""
+        return self._do(calls.wait_process(run_id, proc, timeout))
+
+    def signal_process(self, run_id: str, proc: Union[int, str], signal: Union[int, str] = "TERM", lease: Lease_ = None) -> Process:
+        return self._do(calls.signal_process(run_id, proc, signal, lease))
+
+    def send_stdin(self, run_id: str, proc: Union[int, str], data: Union[bytes, str], close: bool = False, lease: Lease_ = None) -> Process:
+        return self._do(calls.send_stdin(run_id, proc, data, close, lease))
+
+    def process_output(self, run_id: str, proc: Union[int, str], replay: bool = True) -> Iterator[Any]:
+        """A process's output as exec events (what it kept first when
+        ``replay``), ending with its exit. Closing it leaves the process
+        running."""
+        return self._stream(
+            "GET",
+            f"{process_path(run_id, proc)}/output",
+            EventDecoder(),
+            params={"replay": "true" if replay else "false"},
+        )
+
+    def attach(self, run_id: str, proc: Union[int, str], replay: bool = True, lease: Lease_ = None) -> Session:
+        """An interactive attach to a process over a WebSocket."""
+        query = f"replay={'true' if replay else 'false'}"
+        if lease:
+            query += f"&owner={lease[0]}&generation={lease[1]}"
+        return open_session(self.url, self._token, f"{process_path(run_id, proc)}/ws?{query}", start=None)
+
+    # -- files ------------------------------------------------------------
+
+    def write_file(self, run_id: str, path: str, data: Union[bytes, str], lease: Lease_ = None) -> None:
+        """Write ``data`` to ``path`` below /work, replacing it whole."""
+        self._do(calls.write_file(run_id, path, data, lease))
+
+    def read_file(self, run_id: str, path: str) -> bytes:
+        """Read a file below /work."""
+        from ._core import file_path
+
+        try:
+            response = self._http.get(f"{run_path(run_id)}/files/{file_path(path)}")
+        except httpx.HTTPError as e:
+            raise RunboxError(0, "unreachable", str(e)) from e
+        if response.status_code >= 300:
+            raise error_from(response.status_code, response.content, response.reason_phrase)
+        return response.content
+
+    def stat(self, run_id: str, path: str = "") -> FileInfo:
+        return self._do(calls.stat(run_id, path))
+
+    def list_dir(self, run_id: str, path: str = "", depth: int = 1) -> List[FileInfo]:
+        return self._do(calls.list_dir(run_id, path, depth))
+
+    def make_dir(self, run_id: str, path: str, mode: Optional[int] = None, lease: Lease_ = None) -> FileInfo:
+        return self._do(calls.make_dir(run_id, path, mode, lease))
+
+    def move(self, run_id: str, src: str, dst: str, overwrite: bool = False, lease: Lease_ = None) -> FileInfo:
+        return self._do(calls.move(run_id, src, dst, overwrite, lease))
+
+    def remove(self, run_id: str, path: str, recursive: bool = False, lease: Lease_ = None) -> int:
+        return self._do(calls.remove(run_id, path, recursive, lease))
+
+    def watch(self, run_id: str, path: str = "", recursive: bool = False) -> Iterator[Dict[str, Any]]:
+        """Changes below a directory of /work, as dicts (``kind``, ``path``,
+        ``from``, ``isDir``); the first is ``ready``. Runs until closed."""
+        return self._stream(
+            "GET",
+            f"{run_path(run_id)}/fs/watch",
+            JsonEventDecoder(),
+            params={"path": path, "recursive": "true" if recursive else "false"},
+        )
+
+    # -- images, snapshots, forks, previews -------------------------------
+
+    def list_images(self) -> List[Image]:
+        return self._do(calls.list_images())
+
+    def get_image(self, name: str) -> Image:
+        return self._do(calls.get_image(name))
+
+    def import_image(self, name: str, tar: bytes) -> Image:
+        return self._do(calls.import_image(name, tar))
+
+    def delete_image(self, name: str) -> None:
+        self._do(calls.delete_image(name))
+
+    def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
+        return self._do(calls.snapshot(run_id, name))
+
+    def fork(self, run_id: str, count: int = 1, ttl: Optional[int] = None) -> List[Run]:
+        return self._do(calls.fork(run_id, count, ttl))
+
+    def mint_preview(self, run_id: str, port: int, ttl: Optional[int] = None) -> Preview:
+        return self._do(calls.mint_preview(run_id, port, ttl))
+

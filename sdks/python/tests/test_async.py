@@ -1,0 +1,46 @@
+"""The async client against a live daemon."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import runbox
+from runbox import AsyncRunbox, Exit, Stdout
+
+
+async def test_the_async_client_does_what_the_sync_one_does(daemon):
+    async with AsyncRunbox(daemon.url, daemon.token) as rb:
+        run = await rb.create_run("base")
+        try:
+            result = await rb.run(run.id, "echo async; exit 2")
+            assert (result.stdout, result.exit_code) == (b"async\n", 2)
+            events = [e async for e in rb.exec(run.id, "echo x")]
+            assert isinstance(events[-1], Exit)
+            # Several commands at once.
+            outs = await asyncio.gather(*(rb.run(run.id, f"echo {i}") for i in range(5)))
+            assert [o.text for o in outs] == [f"{i}\n" for i in range(5)]
+            await rb.write_file(run.id, "a.txt", b"bytes")
+            assert await rb.read_file(run.id, "a.txt") == b"bytes"
+            proc = await rb.start_process(run.id, "sleep 30", tag="s")
+            assert (await rb.process(run.id, "s")).running
+            await rb.signal_process(run.id, proc.pid, "INT")
+            assert (await rb.wait_process(run.id, "s", timeout=20)).exit.signal == 2
+            session = await rb.session(run.id, "read l; echo got=$l", pty=(5, 20))
+            async with session:
+                await session.send("x\r")
+                done = await session.wait()
+            assert b"got=x" in done.stdout
+            with pytest.raises(runbox.NotFound):
+                await rb.process(run.id, "nobody")
+            attached = await rb.start_process(run.id, "echo kept; sleep 30", tag="k")
+            chunks = b""
+            async for event in rb.process_output(run.id, "k"):
+                if isinstance(event, Stdout):
+                    chunks += event.data
+                    break
+            assert chunks == b"kept\n"
+            await rb.signal_process(run.id, attached.pid, "KILL")
+        finally:
+            await rb.delete_run(run.id)

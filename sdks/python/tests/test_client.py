@@ -1,0 +1,203 @@
+"""The synchronous client against a live daemon."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import runbox
+from runbox import Exit, Runbox, Started, Stderr, Stdout
+
+
+def test_health_and_a_run_lifecycle(rb: Runbox):
+    assert rb.health()["status"] == "ok"
+    run = rb.create_run("base", env={"GREETING": "hi"}, ttl=600, labels={"team": "sdk"})
+    try:
+        assert run.status == "running"
+        assert run.labels == {"team": "sdk"}
+        assert run.limits.memory_mb > 0
+        assert any(r.id == run.id for r in rb.list_runs())
+        assert rb.get_run(run.id).image == "base"
+        renewed = rb.renew_run(run.id, 1200)
+        assert renewed.expires_at > run.expires_at
+        result = rb.run(run.id, "echo $GREETING; echo oops >&2; exit 3")
+        assert (result.stdout, result.stderr, result.exit_code) == (b"hi\n", b"oops\n", 3)
+        assert result.exit.reason == "exited"
+    finally:
+        rb.delete_run(run.id)
+    with pytest.raises(runbox.NotFound) as e:
+        rb.get_run(run.id)
+    assert e.value.code == "run_not_found" and e.value.status == 404
+
+
+def test_exec_streams_events_in_order(rb: Runbox, run_id: str):
+    events = list(rb.exec(run_id, ["sh", "-c", "echo a; echo b >&2"]))
+    assert isinstance(events[0], Started) and isinstance(events[-1], Exit)
+    assert b"".join(e.data for e in events if isinstance(e, Stdout)) == b"a\n"
+    assert b"".join(e.data for e in events if isinstance(e, Stderr)) == b"b\n"
+    # stdin as text, a terminal, a timeout, a user.
+    assert rb.run(run_id, ["cat"], stdin="piped").stdout == b"piped"
+    assert b"10 40" in rb.run(run_id, "stty size", pty=(10, 40)).stdout
+    timed = rb.run(run_id, "sleep 30", timeout=1)
+    assert timed.exit.timed_out and timed.exit.reason == "timeout"
+    assert rb.run(run_id, "id -u", user="nobody").text.strip() == "65534"
+
+
+def test_errors_carry_the_stable_code(rb: Runbox, run_id: str):
+    with pytest.raises(runbox.BadRequest) as e:
+        rb.run(run_id, ["no-such-command"])
+    assert e.value.code == "command_not_found"
+    with pytest.raises(runbox.BadRequest) as e:
+        rb.create_run("base", ttl=0)
+    assert e.value.code == "bad_ttl"
+    with pytest.raises(runbox.NotFound) as e:
+        rb.create_run("no-such-image")
+    assert e.value.code == "image_not_found"
+    with pytest.raises(runbox.BadRequest) as e:
+        rb.stat(run_id, "../etc")
+    assert e.value.code == "bad_path"
+    rb.run(run_id, "ln -sf /etc /work/etc-link")
+    with pytest.raises(runbox.Forbidden) as e:
+        rb.read_file(run_id, "etc-link/passwd")
+    assert e.value.code == "path_escape"
+    with pytest.raises(ValueError):
+        rb.get_run("..")
+    bad = Runbox(rb.url, "wrong-token")
+    with pytest.raises(runbox.Unauthorized):
+        bad.list_runs()
+    bad.close()
+
+
+def test_files_and_fs_operations(rb: Runbox, run_id: str):
+    rb.write_file(run_id, "src/hello.txt", "hello\n")
+    assert rb.read_file(run_id, "src/hello.txt") == b"hello\n"
+    binary = bytes(range(256)) * 1000
+    rb.write_file(run_id, "/work/blob.bin", binary)
+    assert rb.read_file(run_id, "blob.bin") == binary
+    info = rb.stat(run_id, "src/hello.txt")
+    assert (info.kind, info.size) == ("file", 6)
+    rb.make_dir(run_id, "a/b/c")
+    rb.move(run_id, "src/hello.txt", "a/b/hello.txt")
+    names = [e.path for e in rb.list_dir(run_id, "a", depth=3)]
+    assert names == ["a/b", "a/b/c", "a/b/hello.txt"]
+    assert rb.remove(run_id, "a", recursive=True) == 4
+    with pytest.raises(runbox.NotFound) as e:
+        rb.read_file(run_id, "a/b/hello.txt")
+    assert e.value.code == "file_not_found"
+
+
+def test_watch_sees_a_write(rb: Runbox, run_id: str):
+    events = rb.watch(run_id)
+    first = next(events)
+    assert first["kind"] == "ready"
+    rb.write_file(run_id, "watched.txt", "x")
+    seen = []
+    for event in events:
+        seen.append(event)
+        # Uploads land by rename, so the name shows up as a rename's target.
+        if event["kind"] in ("written", "created", "renamed") and event["path"].endswith("watched.txt"):
+            break
+    events.close()
+    assert seen
+
+
+def test_background_processes(rb: Runbox, run_id: str):
+    proc = rb.start_process(run_id, "echo up; read x; echo got=$x; exit 4", tag="job", open_stdin=True)
+    assert proc.running and proc.tag == "job" and proc.background
+    assert any(p.pid == proc.pid for p in rb.processes(run_id))
+    rb.send_stdin(run_id, "job", "hi\n")
+    done = rb.wait_process(run_id, "job", timeout=20)
+    assert not done.running and done.exit.exit_code == 4
+    output = list(rb.process_output(run_id, proc.pid))
+    text = b"".join(e.data for e in output if isinstance(e, Stdout))
+    assert text == b"up\ngot=hi\n"
+    assert output[-1].exit_code == 4
+    sleeper = rb.start_process(run_id, ["sleep", "30"])
+    rb.signal_process(run_id, sleeper.pid, "KILL")
+    ended = rb.wait_process(run_id, sleeper.pid, timeout=20)
+    assert ended.exit.signal == 9
+    with pytest.raises(runbox.Conflict) as e:
+        rb.signal_process(run_id, sleeper.pid, "TERM")
+    assert e.value.code == "process_ended"
+    with pytest.raises(runbox.BadRequest) as e:
+        rb.signal_process(run_id, "job", "NOPE")
+    assert e.value.code == "bad_signal"
+
+
+def test_a_terminal_session(rb: Runbox, run_id: str):
+    with rb.session(run_id, "stty size; read line; echo got=$line; exit 5", pty=(12, 34)) as s:
+        assert s.pid > 1
+        s.send("typed\r")
+        result = s.wait()
+    assert b"12 34" in result.stdout and b"got=typed" in result.stdout
+    assert result.exit_code == 5
+    # stdin streamed to cat, then closed.
+    with rb.session(run_id, ["cat"]) as s:
+        s.send(b"one ")
+        s.send("two")
+        s.eof()
+        assert s.wait().stdout == b"one two"
+
+
+def test_attach_to_a_background_process(rb: Runbox, run_id: str):
+    rb.start_process(run_id, "echo first; while read l; do echo echo:$l; done", tag="echo", open_stdin=True)
+    with rb.attach(run_id, "echo") as s:
+        s.send("ping\n")
+        seen = b""
+        for event in s.events():
+            if isinstance(event, Stdout):
+                seen += event.data
+            if b"echo:ping" in seen:
+                break
+    assert seen.startswith(b"first\n")
+    # Detaching left it running.
+    assert rb.process(run_id, "echo").running
+    rb.signal_process(run_id, "echo", "TERM")
+
+
+def test_leases_fence_writes(rb: Runbox, run_id: str):
+    lease = rb.acquire_lease(run_id, "alice", ttl=60)
+    assert lease.holder == "alice" and lease.generation >= 1
+    with pytest.raises(runbox.Conflict) as e:
+        rb.run(run_id, "true")
+    assert e.value.code == "leased"
+    held = (lease.holder, lease.generation)
+    assert rb.run(run_id, "echo ok", lease=held).stdout == b"ok\n"
+    rb.write_file(run_id, "leased.txt", "x", lease=held)
+    rb.release_lease(run_id, "alice", lease.generation)
+    assert rb.run(run_id, "cat /work/leased.txt").stdout == b"x"
+
+
+def test_snapshots_forks_and_previews(rb: Runbox, run_id: str, daemon):
+    rb.run(run_id, "echo state > /work/state.txt")
+    snap = rb.snapshot(run_id, name=f"py-snap-{int(time.time())}")
+    image = snap["image"]
+    assert any(i.name == image for i in rb.list_images())
+    child = rb.create_run(image)
+    try:
+        assert rb.run(child.id, "cat /work/state.txt").stdout == b"state\n"
+    finally:
+        rb.delete_run(child.id)
+    forks = rb.fork(run_id, count=2)
+    try:
+        assert len(forks) == 2
+        assert rb.run(forks[0].id, "cat /work/state.txt").stdout == b"state\n"
+    finally:
+        for f in forks:
+            rb.delete_run(f.id)
+    rb.delete_image(image)
+    rb.start_process(run_id, "mkdir -p /work/www && echo page > /work/www/index.html && exec httpd -f -p 8080 -h /work/www")
+    preview = rb.mint_preview(run_id, 8080, ttl=60)
+    assert "/p/" in preview.url and preview.port == 8080
+    import httpx
+
+    for _ in range(100):
+        try:
+            response = httpx.get(preview.url)
+            if response.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    assert response.text == "page\n"
