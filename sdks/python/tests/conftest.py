@@ -75,8 +75,15 @@ class Daemon:
         shutil.rmtree(self.state, ignore_errors=True)
 
 
+def _interrupt(*_: object) -> None:
+    # pytest runs finalizers on KeyboardInterrupt, not on SIGTERM: a killed
+    # test session must still tear its daemon and runs down.
+    raise KeyboardInterrupt
+
+
 @pytest.fixture(scope="session")
 def daemon():
+    signal.signal(signal.SIGTERM, _interrupt)
     d = Daemon()
     try:
         yield d
