@@ -546,3 +546,66 @@ async fn the_cli_runs_terminals_and_manages_processes() {
     assert!(text.contains("21 77"), "{text:?}");
     assert_eq!(out.status.code(), Some(5), "{text:?}");
 }
+
+/// Sends a WebSocket upgrade for `path` offering `protocols`; returns the
+/// answer's head (status line and headers), lowercased.
+async fn upgrade_head(daemon: &TestDaemon, path: &str, protocols: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let addr = daemon.url.trim_start_matches("http://").to_owned();
+    let mut tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+         Sec-WebSocket-Protocol: {protocols}\r\n\r\n"
+    );
+    tcp.write_all(request.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(PATIENCE, tcp.read(&mut byte))
+            .await
+            .expect("no answer to the upgrade")
+            .unwrap();
+        assert_eq!(
+            n,
+            1,
+            "closed mid-head: {:?}",
+            String::from_utf8_lossy(&head)
+        );
+        head.push(byte[0]);
+    }
+    String::from_utf8_lossy(&head).to_ascii_lowercase()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_clients_without_headers_pass_the_token_as_a_subprotocol() {
+    let daemon = TestDaemon::start(None).await;
+    let run = daemon.create().await;
+    let path = format!("/v1/runs/{}/exec/ws", run.id);
+    let token = daemon.token.clone();
+
+    // The server selects runbox.v1 and never echoes the token back.
+    let head = upgrade_head(&daemon, &path, &format!("runbox.v1, runbox.bearer.{token}")).await;
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(
+        head.contains("sec-websocket-protocol: runbox.v1\r\n"),
+        "{head}"
+    );
+    assert!(!head.contains(&token), "{head}");
+
+    // A wrong token is refused like a wrong header.
+    let head = upgrade_head(&daemon, &path, "runbox.v1, runbox.bearer.0123").await;
+    assert!(head.starts_with("http/1.1 401"), "{head}");
+
+    // Outside an upgrade the subprotocol header carries no token.
+    let status = {
+        let response = reqwest::Client::new()
+            .get(format!("{}/v1/runs", daemon.url))
+            .header("Sec-WebSocket-Protocol", format!("runbox.bearer.{token}"))
+            .send()
+            .await
+            .unwrap();
+        response.status().as_u16()
+    };
+    assert_eq!(status, 401);
+}

@@ -219,14 +219,15 @@ async fn require_token<S: RunService>(
     request: Request,
     next: Next,
 ) -> Response {
-    let presented = request
-        .headers()
+    let headers = request.headers();
+    let presented = headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         // The scheme name is case-insensitive (RFC 9110 §11.1).
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim());
+        .map(|(_, token)| token.trim())
+        .or_else(|| ws_protocol_token(headers));
     let ok = match presented {
         // ct_eq compares in time that depends only on the lengths.
         Some(token) => bool::from(token.as_bytes().ct_eq(state.token.as_bytes())),
@@ -241,6 +242,26 @@ async fn require_token<S: RunService>(
         )
         .into_response()
     }
+}
+
+/// The subprotocol a WebSocket session speaks; the server selects it when
+/// the client offers it.
+pub const WS_PROTOCOL: &str = "runbox.v1";
+
+/// The prefix of the subprotocol that carries the token on a WebSocket
+/// upgrade, for clients that cannot set headers (browsers, Node's global
+/// WebSocket): `Sec-WebSocket-Protocol: runbox.v1, runbox.bearer.<token>`.
+pub const WS_TOKEN_PREFIX: &str = "runbox.bearer.";
+
+/// The token offered as a WebSocket subprotocol, on an upgrade only.
+fn ws_protocol_token(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers.get(axum::http::header::UPGRADE)?;
+    headers
+        .get_all(axum::http::header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|p| p.trim().strip_prefix(WS_TOKEN_PREFIX))
 }
 
 /// Serves the preview router on `listener` until `shutdown` resolves; its

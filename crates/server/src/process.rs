@@ -219,6 +219,7 @@ pub async fn exec_ws<S: RunService>(
     state.service.get(id)?;
     Ok(upgrade
         .max_message_size(MAX_WS_MESSAGE)
+        .protocols([crate::WS_PROTOCOL])
         .on_upgrade(move |socket| async move {
             let mut socket = socket;
             let req = match first_frame(&mut socket).await {
@@ -274,6 +275,7 @@ pub async fn attach_ws<S: RunService>(
         .await?;
     Ok(upgrade
         .max_message_size(MAX_WS_MESSAGE)
+        .protocols([crate::WS_PROTOCOL])
         .on_upgrade(move |socket| relay(socket, session)))
 }
 
