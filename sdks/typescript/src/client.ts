@@ -1,0 +1,551 @@
+/** The client: one object per daemon, every call a method. */
+import { RunboxError, StreamEnded, errorFrom } from "./errors.js";
+import { openSession, webSocketClass, type Session, type WebSocketConstructor } from "./session.js";
+import { SseDecoder, execEvent } from "./sse.js";
+import {
+  OutputCollector,
+  type CreateRunRequest,
+  type ExecEvent,
+  type ExecResult,
+  type FileInfo,
+  type FileList,
+  type Health,
+  type Image,
+  type Info,
+  type Lease,
+  type LeaseCredential,
+  type Preview,
+  type Process,
+  type PullEvent,
+  type Run,
+  type Snapshot,
+  type WatchEvent,
+} from "./types.js";
+
+export const DEFAULT_URL = "http://127.0.0.1:7439";
+const USER_AGENT = "runbox-typescript/0.1";
+
+export interface RunboxOptions {
+  /** The daemon's address; default `RUNBOX_URL`, else `http://127.0.0.1:7439`. */
+  url?: string;
+  /**
+   * The API token; default `RUNBOX_TOKEN`, else (on Node) the daemon's
+   * token file in `RUNBOX_STATE_DIR` (default `/var/lib/runbox`).
+   */
+  token?: string;
+  /** How long a plain call may take, in milliseconds (default 60000). Streams are not bounded. */
+  timeoutMs?: number;
+  /** The fetch to use (default: the global one). */
+  fetch?: typeof fetch;
+  /** The WebSocket constructor for sessions (default: the global one, else the `ws` package). */
+  WebSocket?: WebSocketConstructor;
+}
+
+/** A command: a string runs through `sh -c`, an array as it is. */
+export type Command = string | string[];
+
+export interface ExecOptions {
+  /** Working directory: absolute, or relative to /work (the default). */
+  cwd?: string;
+  env?: Record<string, string>;
+  /** Seconds; the process group is killed when they pass. */
+  timeoutSec?: number;
+  user?: string;
+  /** Text for stdin (otherwise stdin is /dev/null, or open in a session). */
+  stdin?: string;
+  /** Run on a terminal of this size. */
+  pty?: { rows: number; cols: number; term?: string };
+  lease?: LeaseCredential;
+  /** Stops the command (and its stream) when it fires. */
+  signal?: AbortSignal;
+}
+
+export interface ProcessOptions extends Omit<ExecOptions, "signal"> {
+  /** A name to find the process by, instead of its pid. */
+  tag?: string;
+  /** Keep stdin open for `sendStdin` or an attach. */
+  openStdin?: boolean;
+}
+
+export interface CreateRunOptions {
+  env?: Record<string, string>;
+  /** Seconds until the run is reaped. */
+  ttlSec?: number;
+  network?: CreateRunRequest["network"];
+  size?: CreateRunRequest["size"];
+  limits?: { cpus?: number; memoryMb?: number; pids?: number; diskMb?: number };
+  labels?: Record<string, string>;
+  egressAllow?: string[];
+  secrets?: string[];
+  /** Makes a retried create return the first run instead of a second one. */
+  idempotencyKey?: string;
+}
+
+type Query = Record<string, string | number | boolean | undefined>;
+
+interface Call {
+  method: string;
+  path: string;
+  query?: Query;
+  json?: unknown;
+  body?: BodyInit;
+  headers?: Record<string, string>;
+  timeoutMs?: number;
+}
+
+/** One path segment, percent-encoded; `.` and `..` would become another route. */
+function segment(what: string, value: string | number): string {
+  const text = String(value);
+  if (text === "" || text === "." || text === "..") throw new RunboxError(0, "bad_request", `invalid ${what} ${JSON.stringify(text)}`);
+  return encodeURIComponent(text);
+}
+
+/** A path below /work as URL segments. */
+function filePath(path: string): string {
+  const relative = path.startsWith("/work/") ? path.slice("/work/".length) : path.replace(/^\/+/, "");
+  return relative
+    .split("/")
+    .map((p) => segment("file path", p))
+    .join("/");
+}
+
+function runPath(runId: string): string {
+  return `/v1/runs/${segment("run id", runId)}`;
+}
+
+function processPath(runId: string, process: string | number): string {
+  return `${runPath(runId)}/processes/${segment("process", process)}`;
+}
+
+function leaseFields(lease?: LeaseCredential): Record<string, unknown> {
+  return lease ? { owner: lease.owner, generation: lease.generation } : {};
+}
+
+/** A JSON body without the fields left undefined. */
+function compact<T extends Record<string, unknown>>(fields: T): Partial<T> {
+  return Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined)) as Partial<T>;
+}
+
+function execBody(cmd: Command, options: ProcessOptions = {}): Record<string, unknown> {
+  return compact({
+    cmd: typeof cmd === "string" ? ["sh", "-c", cmd] : [...cmd],
+    cwd: options.cwd,
+    env: options.env,
+    timeoutSec: options.timeoutSec,
+    user: options.user,
+    stdin: options.stdin,
+    pty: options.pty ? compact({ ...options.pty }) : undefined,
+    tag: options.tag,
+    openStdin: options.openStdin ? true : undefined,
+    ...leaseFields(options.lease),
+  });
+}
+
+/** Bytes as a request body (the DOM types want an ArrayBuffer-backed view). */
+function bytes(data: string | Uint8Array | Blob): BodyInit {
+  if (typeof data === "string") return new TextEncoder().encode(data);
+  return data as BodyInit;
+}
+
+function env(name: string): string | undefined {
+  const p = (globalThis as { process?: { env?: Record<string, string | undefined> } }).process;
+  return p?.env?.[name];
+}
+
+/** The daemon's token file, on Node; undefined elsewhere or when unreadable. */
+async function tokenFromFile(): Promise<string | undefined> {
+  if (!(globalThis as { process?: { versions?: { node?: string } } }).process?.versions?.node) return undefined;
+  try {
+    const { readFile } = await import("node:fs/promises");
+    const { join } = await import("node:path");
+    const text = await readFile(join(env("RUNBOX_STATE_DIR") ?? "/var/lib/runbox", "token"), "utf8");
+    return text.trim() || undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
+ * A connection to one runbox daemon.
+ *
+ * ```ts
+ * const rb = new Runbox();
+ * const run = await rb.createRun("base");
+ * const result = await rb.run(run.id, "echo hi");
+ * console.log(result.text);
+ * await rb.deleteRun(run.id);
+ * ```
+ */
+export class Runbox {
+  readonly url: string;
+  private readonly tokenReady: Promise<string | undefined>;
+  private readonly timeoutMs: number;
+  private readonly fetchImpl: typeof fetch;
+  private readonly webSocket: WebSocketConstructor | undefined;
+
+  constructor(options: RunboxOptions = {}) {
+    const url = (options.url ?? env("RUNBOX_URL") ?? DEFAULT_URL).replace(/\/+$/, "");
+    if (!/^https?:\/\//.test(url)) throw new RunboxError(0, "bad_request", `the runbox URL must be http:// or https://, not ${JSON.stringify(url)}`);
+    this.url = url;
+    const token = options.token ?? env("RUNBOX_TOKEN");
+    this.tokenReady = token !== undefined ? Promise.resolve(token) : tokenFromFile();
+    this.timeoutMs = options.timeoutMs ?? 60_000;
+    this.fetchImpl = options.fetch ?? globalThis.fetch.bind(globalThis);
+    this.webSocket = options.WebSocket;
+  }
+
+  // -- plumbing ---------------------------------------------------------
+
+  private async send(call: Call, signal?: AbortSignal): Promise<Response> {
+    const token = await this.tokenReady;
+    const headers: Record<string, string> = { "User-Agent": USER_AGENT, ...call.headers };
+    if (token) headers["Authorization"] = `Bearer ${token}`;
+    let body = call.body;
+    if (call.json !== undefined) {
+      body = JSON.stringify(call.json);
+      headers["Content-Type"] = "application/json";
+    }
+    const url = new URL(this.url + call.path);
+    for (const [k, v] of Object.entries(call.query ?? {})) if (v !== undefined) url.searchParams.set(k, String(v));
+    let response: Response;
+    try {
+      response = await this.fetchImpl(url, { method: call.method, headers, body, signal, redirect: "manual" });
+    } catch (e) {
+      if (signal?.aborted && (signal.reason as Error)?.name === "TimeoutError") {
+        throw new RunboxError(0, "timeout", `${call.method} ${call.path} took longer than ${call.timeoutMs ?? this.timeoutMs} ms`);
+      }
+      if (signal?.aborted) throw signal.reason;
+      throw new RunboxError(0, "unreachable", `cannot reach runbox at ${this.url}: ${(e as Error).cause ?? e}`);
+    }
+    if (response.status >= 300) throw errorFrom(response.status, await response.text(), response.statusText);
+    return response;
+  }
+
+  private async call<T>(call: Call): Promise<T> {
+    const response = await this.send(call, AbortSignal.timeout(call.timeoutMs ?? this.timeoutMs));
+    const text = await response.text();
+    return (text ? JSON.parse(text) : undefined) as T;
+  }
+
+  /** A server-sent event stream, decoded by `decode`; `ends` says which event is the last. */
+  private async *stream<E>(
+    build: () => Call,
+    decode: (raw: { name: string; data: string }) => E | undefined,
+    ends: ((event: E) => boolean) | undefined,
+    signal?: AbortSignal,
+  ): AsyncGenerator<E> {
+    const abort = new AbortController();
+    const onAbort = () => abort.abort(signal?.reason);
+    signal?.addEventListener("abort", onAbort, { once: true });
+    try {
+      // Built inside the generator, so a bad argument rejects the first
+      // next() like every other call's promise.
+      const response = await this.send(build(), abort.signal);
+      const reader = response.body!.getReader();
+      const decoder = new SseDecoder();
+      for (;;) {
+        let chunk: ReadableStreamReadResult<Uint8Array>;
+        try {
+          chunk = await reader.read();
+        } catch (e) {
+          if (signal?.aborted) throw signal.reason;
+          throw new StreamEnded(`the stream broke: ${(e as Error).message}`);
+        }
+        if (chunk.done) break;
+        for (const raw of decoder.feed(chunk.value)) {
+          const event = decode(raw);
+          if (event === undefined) continue;
+          yield event;
+          if (ends?.(event)) return;
+        }
+      }
+      if (ends) throw new StreamEnded();
+    } finally {
+      signal?.removeEventListener("abort", onAbort);
+      // Leaving early (break, return, an error) closes the connection:
+      // for an exec that kills the command.
+      abort.abort();
+    }
+  }
+
+  private async session(path: string, start: Record<string, unknown> | undefined, explain: () => Promise<unknown>): Promise<Session> {
+    const Ws = await webSocketClass(this.webSocket);
+    const token = await this.tokenReady;
+    const url = "ws" + this.url.slice("http".length) + path;
+    return openSession(Ws, url, token, start, async () => {
+      // The WebSocket interface hides the refusal's answer: ask the plain
+      // route what is wrong.
+      try {
+        await explain();
+      } catch (e) {
+        if (e instanceof RunboxError) return e;
+      }
+      return new RunboxError(0, "unreachable", `the WebSocket to ${this.url}${path.split("?")[0]} did not open`);
+    });
+  }
+
+  // -- runs ---------------------------------------------------------------
+
+  async health(): Promise<Health> {
+    return this.call({ method: "GET", path: "/health" });
+  }
+
+  async info(): Promise<Info> {
+    return this.call({ method: "GET", path: "/v1/info" });
+  }
+
+  /** Creates a run and waits until it is usable. `image` is a stored image or a reference (`alpine:3.20`). */
+  async createRun(image = "base", options: CreateRunOptions = {}): Promise<Run> {
+    const limits = options.limits ? compact(options.limits) : undefined;
+    return this.call({
+      method: "POST",
+      path: "/v1/runs",
+      json: compact({
+        image,
+        env: options.env,
+        ttlSec: options.ttlSec,
+        network: options.network,
+        size: options.size,
+        limits: limits && Object.keys(limits).length ? limits : undefined,
+        labels: options.labels,
+        egressAllow: options.egressAllow,
+        secrets: options.secrets,
+      }),
+      headers: options.idempotencyKey ? { "Idempotency-Key": options.idempotencyKey } : {},
+      // A create may pull its image first.
+      timeoutMs: Math.max(this.timeoutMs, 600_000),
+    });
+  }
+
+  async listRuns(): Promise<Run[]> {
+    return (await this.call<{ runs: Run[] }>({ method: "GET", path: "/v1/runs" })).runs;
+  }
+
+  async getRun(runId: string): Promise<Run> {
+    return this.call({ method: "GET", path: runPath(runId) });
+  }
+
+  async deleteRun(runId: string): Promise<void> {
+    await this.call({ method: "DELETE", path: runPath(runId) });
+  }
+
+  /** Sets the run's time to live to `ttlSec` from now. */
+  async renewRun(runId: string, ttlSec: number): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/renew`, json: { ttlSec } });
+  }
+
+  // -- leases -------------------------------------------------------------
+
+  async acquireLease(runId: string, owner: string, ttlSec?: number): Promise<Lease> {
+    return (await this.call<{ lease: Lease }>({ method: "POST", path: `${runPath(runId)}/lease`, json: compact({ owner, ttlSec }) })).lease;
+  }
+
+  async renewLease(runId: string, lease: LeaseCredential, ttlSec?: number): Promise<Lease> {
+    const json = compact({ ...leaseFields(lease), ttlSec });
+    return (await this.call<{ lease: Lease }>({ method: "POST", path: `${runPath(runId)}/lease/renew`, json })).lease;
+  }
+
+  async releaseLease(runId: string, lease: LeaseCredential): Promise<void> {
+    await this.call({ method: "POST", path: `${runPath(runId)}/lease/release`, json: leaseFields(lease) });
+  }
+
+  // -- exec ---------------------------------------------------------------
+
+  /**
+   * Runs a command and yields its events as they come: `started`, `stdout`,
+   * `stderr`, then one `exit`. Leaving the loop early kills the command.
+   */
+  exec(runId: string, cmd: Command, options: ExecOptions = {}): AsyncGenerator<ExecEvent> {
+    const call = () => ({ method: "POST", path: `${runPath(runId)}/exec`, json: execBody(cmd, options) });
+    return this.stream(call, execEvent, (e) => e.type === "exit", options.signal);
+  }
+
+  /** Runs a command to its end; returns its output and exit. */
+  async run(runId: string, cmd: Command, options: ExecOptions = {}): Promise<ExecResult> {
+    const collect = new OutputCollector();
+    for await (const event of this.exec(runId, cmd, options)) {
+      const done = collect.add(event);
+      if (done) return done;
+    }
+    throw new StreamEnded();
+  }
+
+  /**
+   * An interactive command over a WebSocket: stdin open, on a terminal when
+   * `pty` is given. Closing the session kills the command.
+   */
+  async openSession(runId: string, cmd: Command, options: Omit<ExecOptions, "signal" | "stdin"> = {}): Promise<Session> {
+    return this.session(`${runPath(runId)}/exec/ws`, execBody(cmd, options), () => this.getRun(runId));
+  }
+
+  // -- processes ------------------------------------------------------------
+
+  /** Starts a background process; it outlives this client. */
+  async startProcess(runId: string, cmd: Command, options: ProcessOptions = {}): Promise<Process> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/processes`, json: execBody(cmd, options) });
+  }
+
+  async processes(runId: string): Promise<Process[]> {
+    return (await this.call<{ processes: Process[] }>({ method: "GET", path: `${runPath(runId)}/processes` })).processes;
+  }
+
+  /** A process by pid or tag. */
+  async process(runId: string, process: string | number): Promise<Process> {
+    return this.call({ method: "GET", path: processPath(runId, process) });
+  }
+
+  /** Waits up to `timeoutSec` for a process to end; `running` on the answer says whether it did. */
+  async waitProcess(runId: string, process: string | number, timeoutSec = 60): Promise<Process> {
+    return this.call({
+      method: "GET",
+      path: `${processPath(runId, process)}/wait`,
+      query: { timeoutSec },
+      timeoutMs: Math.max(this.timeoutMs, timeoutSec * 1000 + 10_000),
+    });
+  }
+
+  async signalProcess(runId: string, process: string | number, signal: string | number = "TERM", lease?: LeaseCredential): Promise<Process> {
+    return this.call({ method: "POST", path: `${processPath(runId, process)}/signal`, json: { signal, ...leaseFields(lease) } });
+  }
+
+  /** Sends bytes to a process's stdin (started with `openStdin`); `close` closes it after. */
+  async sendStdin(runId: string, process: string | number, data: string | Uint8Array, close = false, lease?: LeaseCredential): Promise<Process> {
+    return this.call({
+      method: "POST",
+      path: `${processPath(runId, process)}/stdin`,
+      query: { close, ...leaseFields(lease) } as Query,
+      body: bytes(data),
+      headers: { "Content-Type": "application/octet-stream" },
+    });
+  }
+
+  /** A process's output (what it kept first, when `replay`), ending with its exit. Leaving early leaves it running. */
+  processOutput(runId: string, process: string | number, options: { replay?: boolean; signal?: AbortSignal } = {}): AsyncGenerator<ExecEvent> {
+    const call = () => ({ method: "GET", path: `${processPath(runId, process)}/output`, query: { replay: options.replay ?? true } });
+    return this.stream(call, execEvent, (e) => e.type === "exit", options.signal);
+  }
+
+  /** Attaches to a process over a WebSocket; closing the session detaches. */
+  async attach(runId: string, process: string | number, options: { replay?: boolean; lease?: LeaseCredential } = {}): Promise<Session> {
+    const query = new URLSearchParams({ replay: String(options.replay ?? true) });
+    if (options.lease) {
+      query.set("owner", options.lease.owner);
+      query.set("generation", String(options.lease.generation));
+    }
+    return this.session(`${processPath(runId, process)}/ws?${query}`, undefined, () => this.process(runId, process));
+  }
+
+  // -- files ----------------------------------------------------------------
+
+  /** Writes `data` to `path` below /work, replacing it whole. */
+  async writeFile(runId: string, path: string, data: string | Uint8Array | Blob, lease?: LeaseCredential): Promise<void> {
+    await this.call({
+      method: "PUT",
+      path: `${runPath(runId)}/files/${filePath(path)}`,
+      query: leaseFields(lease) as Query,
+      body: bytes(data),
+      headers: { "Content-Type": "application/octet-stream" },
+    });
+  }
+
+  /** Reads a file below /work. */
+  async readFile(runId: string, path: string): Promise<Uint8Array> {
+    const response = await this.send({ method: "GET", path: `${runPath(runId)}/files/${filePath(path)}` }, AbortSignal.timeout(this.timeoutMs));
+    return new Uint8Array(await response.arrayBuffer());
+  }
+
+  /** Reads a file below /work as UTF-8 text. */
+  async readText(runId: string, path: string): Promise<string> {
+    return new TextDecoder().decode(await this.readFile(runId, path));
+  }
+
+  async stat(runId: string, path = ""): Promise<FileInfo> {
+    return this.call({ method: "GET", path: `${runPath(runId)}/fs/stat`, query: { path } });
+  }
+
+  async listDir(runId: string, path = "", depth = 1): Promise<FileInfo[]> {
+    return (await this.call<FileList>({ method: "GET", path: `${runPath(runId)}/fs/list`, query: { path, depth } })).entries;
+  }
+
+  async makeDir(runId: string, path: string, options: { mode?: number; lease?: LeaseCredential } = {}): Promise<FileInfo> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/fs/mkdir`, json: compact({ path, mode: options.mode, ...leaseFields(options.lease) }) });
+  }
+
+  async move(runId: string, from: string, to: string, options: { overwrite?: boolean; lease?: LeaseCredential } = {}): Promise<FileInfo> {
+    const json = compact({ from, to, overwrite: options.overwrite || undefined, ...leaseFields(options.lease) });
+    return this.call({ method: "POST", path: `${runPath(runId)}/fs/move`, json });
+  }
+
+  /** Removes a path; returns how many entries went. */
+  async remove(runId: string, path: string, options: { recursive?: boolean; lease?: LeaseCredential } = {}): Promise<number> {
+    const json = compact({ path, recursive: options.recursive || undefined, ...leaseFields(options.lease) });
+    return (await this.call<{ removed: number }>({ method: "POST", path: `${runPath(runId)}/fs/remove`, json })).removed;
+  }
+
+  /** Changes below a directory of /work; the first event is `ready`. Runs until the loop is left or `signal` fires. */
+  watch(runId: string, path = "", options: { recursive?: boolean; signal?: AbortSignal } = {}): AsyncGenerator<WatchEvent> {
+    const call = () => ({ method: "GET", path: `${runPath(runId)}/fs/watch`, query: { path, recursive: options.recursive ?? false } });
+    return this.stream(call, (raw) => (raw.data ? (JSON.parse(raw.data) as WatchEvent) : undefined), undefined, options.signal);
+  }
+
+  // -- images, snapshots, forks, previews -------------------------------------
+
+  async listImages(): Promise<Image[]> {
+    return (await this.call<{ images: Image[] }>({ method: "GET", path: "/v1/images" })).images;
+  }
+
+  async getImage(name: string): Promise<Image> {
+    return this.call({ method: "GET", path: `/v1/images/${segment("image name", name)}` });
+  }
+
+  /** Imports a tar archive (OCI layout, `docker save`, or a root filesystem) as `name`. */
+  async importImage(name: string, tar: Uint8Array | Blob): Promise<Image> {
+    return this.call({
+      method: "POST",
+      path: `/v1/images/${segment("image name", name)}`,
+      body: bytes(tar),
+      headers: { "Content-Type": "application/x-tar" },
+      timeoutMs: Math.max(this.timeoutMs, 600_000),
+    });
+  }
+
+  /**
+   * Pulls an image reference (`alpine:3.20`) from its registry and stores
+   * it; `onProgress` sees each layer's progress. Resolves to the image.
+   */
+  async pullImage(
+    reference: string,
+    options: { name?: string; username?: string; password?: string; onProgress?: (event: PullEvent) => void; signal?: AbortSignal } = {},
+  ): Promise<Image> {
+    const json = compact({ reference, name: options.name, username: options.username, password: options.password });
+    const call = () => ({ method: "POST", path: "/v1/images/pull", json });
+    const last = (raw: { name: string }) => raw.name === "done" || raw.name === "error";
+    for await (const raw of this.stream(call, (raw) => raw, last, options.signal)) {
+      const data = raw.data ? JSON.parse(raw.data) : {};
+      if (raw.name === "progress") options.onProgress?.(data as PullEvent);
+      else if (raw.name === "done") return data as Image;
+      else if (raw.name === "error") throw new RunboxError(0, String(data.code), String(data.message));
+    }
+    throw new StreamEnded("the pull stream ended without its result");
+  }
+
+  async deleteImage(name: string): Promise<void> {
+    await this.call({ method: "DELETE", path: `/v1/images/${segment("image name", name)}` });
+  }
+
+  /** Saves the run's files as an image that new runs can start from. */
+  async snapshot(runId: string, name?: string): Promise<Snapshot> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/snapshot`, json: compact({ name }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
+  /** Makes `count` copies of a run, each running. */
+  async fork(runId: string, count = 1, ttlSec?: number): Promise<Run[]> {
+    const json = compact({ count, ttlSec });
+    return (await this.call<{ runs: Run[] }>({ method: "POST", path: `${runPath(runId)}/fork`, json, timeoutMs: Math.max(this.timeoutMs, 600_000) })).runs;
+  }
+
+  /** A URL that reaches `port` inside the run through the preview listener. */
+  async mintPreview(runId: string, port: number, ttlSec?: number): Promise<Preview> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/preview`, json: compact({ port, ttlSec }) });
+  }
+}

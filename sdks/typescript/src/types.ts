@@ -1,0 +1,105 @@
+/**
+ * The API's wire types, named. They come from `schema.ts`, which is
+ * generated from docs/openapi.json (`npm run gen`), so they cannot drift
+ * from the daemon's own.
+ */
+import type { components } from "./schema.js";
+
+type Schemas = components["schemas"];
+
+export type Run = Schemas["Run"];
+export type RunStatus = Schemas["RunStatus"];
+export type Limits = Schemas["Limits"];
+export type Lease = Schemas["Lease"];
+export type ExitEvent = Schemas["ExitEvent"];
+export type ExitReason = Schemas["ExitReason"];
+export type Process = Schemas["Process"];
+export type FileInfo = Schemas["FileInfo"];
+export type FileList = Schemas["FileList"];
+export type WatchEvent = Schemas["WatchEvent"];
+export type Image = Schemas["Image"];
+export type Snapshot = Schemas["Snapshot"];
+export type Preview = Schemas["Preview"];
+export type Info = Schemas["Info"];
+export type Health = Schemas["Health"];
+export type PullEvent = Schemas["PullEvent"];
+export type CreateRunRequest = Schemas["CreateRunRequest"];
+export type NetworkTier = Schemas["NetworkTier"];
+export type SizeTier = Schemas["SizeTier"];
+
+/** A writable lease's credential: who holds it, and its generation. */
+export interface LeaseCredential {
+  owner: string;
+  generation: number;
+}
+
+/** One event of an exec stream, a process's output, or a session. */
+export type ExecEvent =
+  | { type: "started"; pid: number }
+  | { type: "stdout"; data: Uint8Array }
+  | { type: "stderr"; data: Uint8Array }
+  /** A reader that fell behind skipped `chunks` chunks of output. */
+  | { type: "lost"; chunks: number }
+  | ({ type: "exit" } & ExitEvent);
+
+/** What `run()` and `Session.wait()` return: all output and the exit. */
+export class ExecResult {
+  constructor(
+    readonly pid: number | undefined,
+    readonly stdout: Uint8Array,
+    readonly stderr: Uint8Array,
+    readonly exit: ExitEvent,
+  ) {}
+
+  get exitCode(): number {
+    return this.exit.exitCode;
+  }
+
+  /** stdout as UTF-8 text. */
+  get text(): string {
+    return new TextDecoder().decode(this.stdout);
+  }
+
+  /** stderr as UTF-8 text. */
+  get stderrText(): string {
+    return new TextDecoder().decode(this.stderr);
+  }
+}
+
+/** Collects output events into one {@link ExecResult}. */
+export class OutputCollector {
+  pid: number | undefined;
+  private out: Uint8Array[] = [];
+  private err: Uint8Array[] = [];
+
+  add(event: ExecEvent): ExecResult | undefined {
+    switch (event.type) {
+      case "started":
+        this.pid = event.pid;
+        return undefined;
+      case "stdout":
+        this.out.push(event.data);
+        return undefined;
+      case "stderr":
+        this.err.push(event.data);
+        return undefined;
+      case "lost":
+        return undefined;
+      case "exit": {
+        const { type: _, ...exit } = event;
+        return new ExecResult(this.pid, concat(this.out), concat(this.err), exit);
+      }
+    }
+  }
+}
+
+export function concat(parts: Uint8Array[]): Uint8Array {
+  const total = parts.reduce((n, p) => n + p.length, 0);
+  const all = new Uint8Array(total);
+  let at = 0;
+  for (const p of parts) {
+    all.set(p, at);
+    at += p.length;
+  }
+  return all;
+}

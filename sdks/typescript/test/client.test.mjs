@@ -1,0 +1,205 @@
+// The SDK against a live daemon: runs, exec, errors, files, watch,
+// background processes, leases, snapshots, forks and previews.
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+
+import { BadRequest, Conflict, Forbidden, NotFound, Runbox, RunboxError, Unauthorized } from "../dist/index.js";
+import { Daemon } from "./daemon.mjs";
+
+let daemon;
+let rb;
+const text = (bytes) => new TextDecoder().decode(bytes);
+
+before(async () => {
+  daemon = await Daemon.start();
+  rb = new Runbox({ url: daemon.url, token: daemon.token });
+});
+
+after(() => daemon?.stop());
+
+/** Runs `body` with a fresh run, deleted after. */
+async function withRun(body) {
+  const run = await rb.createRun("base");
+  try {
+    await body(run.id);
+  } finally {
+    await rb.deleteRun(run.id).catch(() => {});
+  }
+}
+
+async function rejectsWith(promise, Class, code) {
+  await assert.rejects(promise, (e) => {
+    assert.ok(e instanceof Class, `${e} is not a ${Class.name}`);
+    assert.equal(e.code, code);
+    return true;
+  });
+}
+
+test("health and a run's lifecycle", async () => {
+  assert.equal((await rb.health()).status, "ok");
+  const run = await rb.createRun("base", { env: { GREETING: "hi" }, ttlSec: 600, labels: { team: "sdk" } });
+  try {
+    assert.equal(run.status, "running");
+    assert.deepEqual(run.labels, { team: "sdk" });
+    assert.ok(run.limits.memoryMb > 0);
+    assert.ok((await rb.listRuns()).some((r) => r.id === run.id));
+    assert.equal((await rb.getRun(run.id)).image, "base");
+    const renewed = await rb.renewRun(run.id, 1200);
+    assert.ok(Date.parse(renewed.expiresAt) > Date.parse(run.expiresAt));
+    const result = await rb.run(run.id, "echo $GREETING; echo oops >&2; exit 3");
+    assert.equal(result.text, "hi\n");
+    assert.equal(result.stderrText, "oops\n");
+    assert.equal(result.exitCode, 3);
+    assert.equal(result.exit.reason, "exited");
+  } finally {
+    await rb.deleteRun(run.id);
+  }
+  await assert.rejects(rb.getRun(run.id), (e) => e instanceof NotFound && e.code === "run_not_found" && e.status === 404);
+});
+
+test("exec streams its events in order, with stdin, a terminal, a timeout and a user", () =>
+  withRun(async (id) => {
+    const events = [];
+    for await (const event of rb.exec(id, ["sh", "-c", "echo a; echo b >&2"])) events.push(event);
+    assert.equal(events[0].type, "started");
+    assert.equal(events.at(-1).type, "exit");
+    assert.equal(events.filter((e) => e.type === "stdout").map((e) => text(e.data)).join(""), "a\n");
+    assert.equal(events.filter((e) => e.type === "stderr").map((e) => text(e.data)).join(""), "b\n");
+    assert.equal((await rb.run(id, ["cat"], { stdin: "piped" })).text, "piped");
+    assert.match((await rb.run(id, "stty size", { pty: { rows: 10, cols: 40 } })).text, /10 40/);
+    const timed = await rb.run(id, "sleep 30", { timeoutSec: 1 });
+    assert.equal(timed.exit.timedOut, true);
+    assert.equal(timed.exit.reason, "timeout");
+    assert.equal((await rb.run(id, "id -u", { user: "nobody" })).text.trim(), "65534");
+  }));
+
+test("leaving an exec loop early kills the command", () =>
+  withRun(async (id) => {
+    for await (const event of rb.exec(id, "echo started; sleep 60")) {
+      if (event.type === "stdout") break;
+    }
+    // The command is gone: no process of it is left in the run.
+    for (let i = 0; ; i++) {
+      const left = (await rb.processes(id)).filter((p) => p.cmd.includes("echo started; sleep 60"));
+      if (left.length === 0) break;
+      assert.ok(i < 100, `still running: ${JSON.stringify(left)}`);
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    // An AbortSignal stops one too.
+    const abort = new AbortController();
+    const pending = rb.run(id, "sleep 60", { signal: abort.signal });
+    setTimeout(() => abort.abort(new Error("enough")), 200);
+    await assert.rejects(pending, /enough/);
+  }));
+
+test("errors carry the API's stable code", () =>
+  withRun(async (id) => {
+    await rejectsWith(rb.run(id, ["no-such-command"]), BadRequest, "command_not_found");
+    await rejectsWith(rb.createRun("base", { ttlSec: 0 }), BadRequest, "bad_ttl");
+    await rejectsWith(rb.createRun("no-such-image"), NotFound, "image_not_found");
+    await rejectsWith(rb.stat(id, "../etc"), BadRequest, "bad_path");
+    await rb.run(id, "ln -sf /etc /work/etc-link");
+    await rejectsWith(rb.readFile(id, "etc-link/passwd"), Forbidden, "path_escape");
+    // Segments that would become another route are refused before sending.
+    await assert.rejects(rb.getRun(".."), (e) => e instanceof RunboxError && e.code === "bad_request");
+    await rejectsWith(new Runbox({ url: daemon.url, token: "wrong-token" }).listRuns(), Unauthorized, "unauthorized");
+    // Nothing listens on port 9 of loopback.
+    await assert.rejects(new Runbox({ url: "http://127.0.0.1:9", token: "x" }).health(), (e) => e.code === "unreachable");
+    assert.throws(() => new Runbox({ url: "ftp://example" }), /http:\/\/ or https:\/\//);
+  }));
+
+test("files and fs operations", () =>
+  withRun(async (id) => {
+    await rb.writeFile(id, "src/hello.txt", "hello\n");
+    assert.equal(await rb.readText(id, "src/hello.txt"), "hello\n");
+    const binary = new Uint8Array(256 * 1000).map((_, i) => i % 256);
+    await rb.writeFile(id, "/work/blob.bin", binary);
+    assert.deepEqual(await rb.readFile(id, "blob.bin"), binary);
+    const info = await rb.stat(id, "src/hello.txt");
+    assert.equal(info.kind, "file");
+    assert.equal(info.size, 6);
+    await rb.makeDir(id, "a/b/c");
+    await rb.move(id, "src/hello.txt", "a/b/hello.txt");
+    assert.deepEqual((await rb.listDir(id, "a", 3)).map((e) => e.path), ["a/b", "a/b/c", "a/b/hello.txt"]);
+    assert.equal(await rb.remove(id, "a", { recursive: true }), 4);
+    await rejectsWith(rb.readFile(id, "a/b/hello.txt"), NotFound, "file_not_found");
+    // A name with spaces and a percent sign travels as one segment.
+    await rb.writeFile(id, "odd name %2e.txt", "odd");
+    assert.equal((await rb.run(id, "cat '/work/odd name %2e.txt'")).text, "odd");
+  }));
+
+test("watch sees a write", () =>
+  withRun(async (id) => {
+    const events = rb.watch(id);
+    assert.equal((await events.next()).value.kind, "ready");
+    await rb.writeFile(id, "watched.txt", "x");
+    for await (const event of events) {
+      // Uploads land by rename, so the name shows up as a rename's target.
+      if (["written", "created", "renamed"].includes(event.kind) && event.path.endsWith("watched.txt")) break;
+    }
+  }));
+
+test("background processes", () =>
+  withRun(async (id) => {
+    const proc = await rb.startProcess(id, "echo up; read x; echo got=$x; exit 4", { tag: "job", openStdin: true });
+    assert.ok(proc.running && proc.background);
+    assert.equal(proc.tag, "job");
+    assert.ok((await rb.processes(id)).some((p) => p.pid === proc.pid));
+    await rb.sendStdin(id, "job", "hi\n");
+    const done = await rb.waitProcess(id, "job", 20);
+    assert.equal(done.running, false);
+    assert.equal(done.exit.exitCode, 4);
+    const output = [];
+    for await (const event of rb.processOutput(id, proc.pid)) output.push(event);
+    assert.equal(output.filter((e) => e.type === "stdout").map((e) => text(e.data)).join(""), "up\ngot=hi\n");
+    assert.equal(output.at(-1).exitCode, 4);
+    const sleeper = await rb.startProcess(id, ["sleep", "30"]);
+    await rb.signalProcess(id, sleeper.pid, "KILL");
+    assert.equal((await rb.waitProcess(id, sleeper.pid, 20)).exit.signal, 9);
+    await rejectsWith(rb.signalProcess(id, sleeper.pid, "TERM"), Conflict, "process_ended");
+    await rejectsWith(rb.signalProcess(id, "job", "NOPE"), BadRequest, "bad_signal");
+  }));
+
+test("leases fence writes", () =>
+  withRun(async (id) => {
+    const lease = await rb.acquireLease(id, "alice", 60);
+    assert.equal(lease.holder, "alice");
+    await rejectsWith(rb.run(id, "true"), Conflict, "leased");
+    const held = { owner: lease.holder, generation: lease.generation };
+    assert.equal((await rb.run(id, "echo ok", { lease: held })).text, "ok\n");
+    await rb.writeFile(id, "leased.txt", "x", held);
+    await rb.releaseLease(id, held);
+    assert.equal((await rb.run(id, "cat /work/leased.txt")).text, "x");
+  }));
+
+test("snapshots, forks and previews", () =>
+  withRun(async (id) => {
+    await rb.run(id, "echo state > /work/state.txt");
+    const snap = await rb.snapshot(id, `ts-snap-${Date.now()}`);
+    assert.ok((await rb.listImages()).some((i) => i.name === snap.image));
+    const child = await rb.createRun(snap.image);
+    try {
+      assert.equal((await rb.run(child.id, "cat /work/state.txt")).text, "state\n");
+    } finally {
+      await rb.deleteRun(child.id);
+    }
+    const forks = await rb.fork(id, 2);
+    try {
+      assert.equal(forks.length, 2);
+      assert.equal((await rb.run(forks[0].id, "cat /work/state.txt")).text, "state\n");
+    } finally {
+      for (const f of forks) await rb.deleteRun(f.id);
+    }
+    await rb.deleteImage(snap.image);
+    await rb.startProcess(id, "mkdir -p /work/www && echo page > /work/www/index.html && exec httpd -f -p 8080 -h /work/www");
+    const preview = await rb.mintPreview(id, 8080, 60);
+    assert.match(preview.url, /\/p\//);
+    assert.equal(preview.port, 8080);
+    let body = "";
+    for (let i = 0; i < 100 && body !== "page\n"; i++) {
+      const response = await fetch(preview.url).catch(() => undefined);
+      if (response?.ok) body = await response.text();
+      else await new Promise((r) => setTimeout(r, 100));
+    }
+    assert.equal(body, "page\n");
+  }));
