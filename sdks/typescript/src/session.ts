@@ -58,6 +58,8 @@ type Item = ExecEvent | { type: "closed"; reason: string };
 export class Session {
   pid = 0;
   exit: Extract<ExecEvent, { type: "exit" }> | undefined;
+  /** A failed start's error, thrown by `openSession`. @internal */
+  failure: RunboxError | undefined;
   /** Errors the server sent for refused input frames (the session goes on). */
   readonly refused: RunboxError[] = [];
   private readonly queue: Item[] = [];
@@ -177,9 +179,6 @@ export class Session {
       }
     }
   }
-
-  /** A failed start's error, thrown by `started()`'s caller. @internal */
-  failure: RunboxError | undefined;
 
   private push(item: Item): void {
     if (item.type === "closed") this.ended?.();
