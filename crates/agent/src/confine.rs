@@ -58,8 +58,9 @@ pub enum FileError {
     /// The request stream itself is malformed (for example no header first).
     #[error("invalid request: {0}")]
     InvalidRequest(&'static str),
-    /// Resolution left the work directory through a symlink or `..`.
-    #[error("path {path:?} leads outside the work directory through a symlink or '..'; use a path that stays inside it")]
+    /// Resolution left the work directory through a symlink or `..` (or,
+    /// in the run's root, through a magic link).
+    #[error("path {path:?} leads outside the directory file operations are confined to, through a symlink, '..' or a /proc link; use a path that stays inside it")]
     Escape {
         /// The path as the client sent it.
         path: String,
@@ -74,7 +75,7 @@ pub enum FileError {
         source: Errno,
     },
     /// The path (or one of its parents) does not exist.
-    #[error("{path:?} does not exist in the work directory")]
+    #[error("{path:?} does not exist")]
     NotFound {
         /// The path as the client sent it.
         path: String,
@@ -246,7 +247,15 @@ impl RelPath {
     /// [`MAX_COMPONENT_BYTES`]. `.` components and repeated slashes are
     /// dropped. A path that reduces to nothing (".") names the work
     /// directory itself and is refused, as no file operation applies to it.
+    #[cfg(test)]
     pub fn parse(path: &str) -> Result<Self, FileError> {
+        Self::parse_in(path, false)
+    }
+
+    /// [`RelPath::parse`], or with `absolute` the same grammar for a path
+    /// that starts with `/` (a path in the run's root filesystem); the
+    /// components are relative to that root either way.
+    fn parse_in(path: &str, absolute: bool) -> Result<Self, FileError> {
         let invalid = |reason| FileError::InvalidPath {
             path: path.to_owned(),
             reason,
@@ -262,13 +271,18 @@ impl RelPath {
         if path.len() > MAX_PATH_BYTES {
             return Err(invalid("it is longer than 4096 bytes"));
         }
-        if path.starts_with('/') {
-            return Err(invalid(
-                "it is absolute; give it relative to the work directory",
-            ));
-        }
+        let relative = match (absolute, path.strip_prefix('/')) {
+            (false, None) => path,
+            (true, Some(rest)) => rest,
+            (false, Some(_)) => {
+                return Err(invalid(
+                    "it is absolute; give it relative to the work directory",
+                ))
+            }
+            (true, None) => return Err(invalid("it is relative; give it absolute, from /")),
+        };
         let mut components = Vec::new();
-        for component in path.split('/') {
+        for component in relative.split('/') {
             match component {
                 "" | "." => {}
                 ".." => return Err(invalid("it contains a '..' component")),
@@ -279,9 +293,11 @@ impl RelPath {
             }
         }
         if components.is_empty() {
-            return Err(invalid(
-                "it names the work directory itself; name a file inside it",
-            ));
+            return Err(invalid(if absolute {
+                "it names the root directory itself; name a file inside it"
+            } else {
+                "it names the work directory itself; name a file inside it"
+            }));
         }
         Ok(Self {
             original: path.to_owned(),
@@ -289,13 +305,16 @@ impl RelPath {
         })
     }
 
-    /// [`RelPath::parse`], except that a path naming the work directory
-    /// itself (empty, `.`) is None: stat and list take it.
-    pub fn parse_or_root(path: &str) -> Result<Option<Self>, FileError> {
-        if path.split('/').all(|c| c.is_empty() || c == ".") && !path.contains('\0') {
+    /// [`RelPath::parse_in`], except that a path naming the base itself
+    /// (empty, `.`; with `absolute`, `/`) is None: stat and list take it.
+    fn parse_or_root_in(path: &str, absolute: bool) -> Result<Option<Self>, FileError> {
+        let names_base = path.split('/').all(|c| c.is_empty() || c == ".")
+            && !path.contains('\0')
+            && (!absolute || path.starts_with('/'));
+        if names_base {
             return Ok(None);
         }
-        Self::parse(path).map(Some)
+        Self::parse_in(path, absolute).map(Some)
     }
 
     /// The path exactly as the client sent it, for error messages.
@@ -321,16 +340,64 @@ impl RelPath {
     }
 }
 
-/// The directory file operations are confined to.
+/// The directory file operations are confined to: the work directory, or
+/// (protocol 4's `root`) the run's root filesystem.
 #[derive(Debug, Clone)]
 pub struct WorkDir {
     path: PathBuf,
+    /// How request paths resolve below it.
+    resolve: ResolveFlags,
+    /// Requests name paths absolute (from `/`) rather than relative.
+    absolute: bool,
+}
+
+/// An opened [`WorkDir`] for one operation: the handle every path of the
+/// operation is resolved from, with the rules to resolve them by.
+#[derive(Debug)]
+pub struct Root {
+    fd: OwnedFd,
+    resolve: ResolveFlags,
+}
+
+impl AsFd for Root {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
 }
 
 impl WorkDir {
     /// Wraps an absolute path; nothing is opened until [`Self::open`].
+    /// Request paths are relative to it and may not leave it
+    /// (`RESOLVE_BENEATH`): an absolute symlink inside it is refused.
     pub fn new(path: PathBuf) -> Self {
-        Self { path }
+        Self {
+            path,
+            resolve: ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+            absolute: false,
+        }
+    }
+
+    /// `path` as a root filesystem: request paths are absolute, and resolve
+    /// as if `path` were `/` (`RESOLVE_IN_ROOT`), so an absolute symlink
+    /// means what it means to the run's commands and `..` stops at the top.
+    /// The agent uses it on `/`, its own root, which is the run's.
+    pub fn file_system(path: PathBuf) -> Self {
+        Self {
+            path,
+            resolve: ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+            absolute: true,
+        }
+    }
+
+    /// Checks a request path for this directory ([`RelPath::parse`], or its
+    /// absolute form for a root filesystem).
+    pub fn parse(&self, path: &str) -> Result<RelPath, FileError> {
+        RelPath::parse_in(path, self.absolute)
+    }
+
+    /// [`WorkDir::parse`], with None for the directory itself.
+    pub fn parse_or_root(&self, path: &str) -> Result<Option<RelPath>, FileError> {
+        RelPath::parse_or_root_in(path, self.absolute)
     }
 
     /// The configured path (also the default working directory of commands).
@@ -344,8 +411,8 @@ impl WorkDir {
     /// work directory between requests, and opening it afresh each time
     /// with `RESOLVE_NO_SYMLINKS` makes such a swap fail loudly instead of
     /// quietly redirecting the daemon's reads and writes.
-    pub fn open(&self) -> Result<OwnedFd, FileError> {
-        retry_resolve(|| {
+    pub fn open(&self) -> Result<Root, FileError> {
+        let fd = retry_resolve(|| {
             rustix::fs::openat2(
                 rustix::fs::CWD,
                 &self.path,
@@ -357,31 +424,24 @@ impl WorkDir {
         .map_err(|source| FileError::WorkDir {
             path: self.path.clone(),
             source,
+        })?;
+        Ok(Root {
+            fd,
+            resolve: self.resolve,
         })
     }
 }
 
-/// Opens `rel` relative to `dir` without ever leaving `dir`.
+/// Opens `rel` relative to `root` without ever leaving it.
 ///
-/// Symlinks are followed only while they stay beneath `dir`; absolute
-/// symlinks, `..` that climbs out, and `/proc` magic links fail with `EXDEV`
-/// or `ELOOP`. `O_CLOEXEC` is always added so no command inherits the fd.
-pub fn open_beneath(
-    dir: impl AsFd,
-    rel: &str,
-    flags: OFlags,
-    mode: Mode,
-) -> Result<OwnedFd, Errno> {
-    let dir = dir.as_fd();
-    retry_resolve(|| {
-        rustix::fs::openat2(
-            dir,
-            rel,
-            flags | OFlags::CLOEXEC,
-            mode,
-            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
-        )
-    })
+/// Below a work directory, symlinks are followed only while they stay
+/// beneath it; absolute symlinks, `..` that climbs out, and `/proc` magic
+/// links fail with `EXDEV` or `ELOOP`. Below a root filesystem, absolute
+/// symlinks and `..` resolve within it and magic links fail. `O_CLOEXEC` is
+/// always added so no command inherits the fd.
+pub fn open_beneath(root: &Root, rel: &str, flags: OFlags, mode: Mode) -> Result<OwnedFd, Errno> {
+    let dir = root.fd.as_fd();
+    retry_resolve(|| rustix::fs::openat2(dir, rel, flags | OFlags::CLOEXEC, mode, root.resolve))
 }
 
 /// Runs an `openat2` call again when the kernel aborted it because of a
@@ -400,6 +460,54 @@ fn retry_resolve(mut open: impl FnMut() -> Result<OwnedFd, Errno>) -> Result<Own
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_root_filesystem_takes_absolute_paths_only() {
+        let fs = WorkDir::file_system(PathBuf::from("/"));
+        assert_eq!(fs.parse("/etc//./hosts").unwrap().normalized(), "etc/hosts");
+        assert_eq!(fs.parse("/etc/hosts").unwrap().original(), "/etc/hosts");
+        assert!(fs.parse_or_root("/").unwrap().is_none());
+        assert!(fs.parse_or_root("/./").unwrap().is_none());
+        for bad in ["etc/hosts", "", "/", "/a/../b", "/a\0b"] {
+            assert!(
+                matches!(fs.parse(bad), Err(FileError::InvalidPath { .. })),
+                "{bad:?} should be refused"
+            );
+        }
+        // A relative path is not the root: it is refused, not listed.
+        assert!(fs.parse_or_root("etc").is_err());
+        assert!(fs.parse_or_root("").is_err());
+        let work = WorkDir::new(PathBuf::from("/work"));
+        assert!(work.parse("/etc/hosts").is_err());
+    }
+
+    #[test]
+    fn a_root_filesystem_resolves_absolute_symlinks_inside_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("etc")).unwrap();
+        std::fs::write(dir.path().join("etc/real"), b"inside").unwrap();
+        // Absolute, as images have them (/etc/localtime -> /usr/share/...).
+        std::os::unix::fs::symlink("/etc/real", dir.path().join("link")).unwrap();
+        std::os::unix::fs::symlink("../../../etc/real", dir.path().join("climb")).unwrap();
+
+        let fs = WorkDir::file_system(dir.path().to_owned());
+        let root = fs.open().unwrap();
+        for name in ["link", "climb"] {
+            let fd = open_beneath(&root, name, OFlags::RDONLY, Mode::empty()).unwrap();
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::fs::File::from(fd), &mut text).unwrap();
+            assert_eq!(text, "inside", "{name} must resolve within the root");
+        }
+
+        // The same tree as a work directory refuses both.
+        let work = WorkDir::new(dir.path().to_owned()).open().unwrap();
+        for name in ["link", "climb"] {
+            assert_eq!(
+                open_beneath(&work, name, OFlags::RDONLY, Mode::empty()).unwrap_err(),
+                Errno::XDEV
+            );
+        }
+    }
 
     fn reason(path: &str) -> &'static str {
         match RelPath::parse(path) {

@@ -43,7 +43,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
-use crate::confine::{open_beneath, FileError, RelPath, WorkDir};
+use crate::confine::{open_beneath, FileError, RelPath, Root, WorkDir};
 
 /// Chunks buffered per ReadFile call before reading pauses until the client
 /// catches up.
@@ -71,6 +71,7 @@ pub type ReadStream = ReceiverStream<Result<ReadFileChunk, Status>>;
 /// file (see [`TempFile`]) and leaves the target untouched.
 pub async fn write_file(
     work: Arc<WorkDir>,
+    file_system: Arc<WorkDir>,
     mut input: Streaming<WriteFileChunk>,
 ) -> Result<u64, Status> {
     let header = match input.message().await? {
@@ -84,7 +85,8 @@ pub async fn write_file(
             .into())
         }
     };
-    let rel = RelPath::parse(&header.path)?;
+    let work = if header.root { file_system } else { work };
+    let rel = work.parse(&header.path)?;
 
     let (temp, file) = {
         let rel = rel.clone();
@@ -141,7 +143,7 @@ pub async fn write_file(
 /// regular file) fail the call itself; a file that shrinks while being read
 /// ends the stream with `data_loss`.
 pub async fn read_file(work: Arc<WorkDir>, path: String) -> Result<ReadStream, Status> {
-    let rel = RelPath::parse(&path)?;
+    let rel = work.parse(&path)?;
     let (file, size, mode) = {
         let rel = rel.clone();
         blocking(move || open_for_read(&work, &rel)).await??
@@ -356,7 +358,7 @@ fn create_temp(
 /// from the previous component: that way a symlink among the parents is
 /// followed when it stays inside the work directory (`RESOLVE_BENEATH`
 /// judges the full path), and refused when it leaves it.
-pub(crate) fn open_parent(root: &OwnedFd, rel: &RelPath) -> Result<OwnedFd, FileError> {
+pub(crate) fn open_parent(root: &Root, rel: &RelPath) -> Result<OwnedFd, FileError> {
     let open_dir =
         |path: &str| open_beneath(root, path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty());
     let mut dir = open_dir(".").map_err(|errno| FileError::from_errno(errno, "open", "."))?;

@@ -18,7 +18,7 @@ use rustix::fs::{AtFlags, FileType, Mode, OFlags, RenameFlags};
 use rustix::io::Errno;
 use tonic::Status;
 
-use crate::confine::{open_beneath, FileError, RelPath, WorkDir};
+use crate::confine::{open_beneath, FileError, RelPath, Root, WorkDir};
 use crate::files::{blocking, open_parent};
 
 /// The most entries one listing returns.
@@ -63,7 +63,7 @@ fn kind_of(file_type: FileType) -> FileKind {
 }
 
 /// The directory holding `rel` (its parents must exist).
-fn parent_dir(root: &OwnedFd, rel: &RelPath) -> Result<OwnedFd, FileError> {
+fn parent_dir(root: &Root, rel: &RelPath) -> Result<OwnedFd, FileError> {
     let parents = rel.parents().join("/");
     let at = if parents.is_empty() { "." } else { &parents };
     open_beneath(root, at, OFlags::PATH | OFlags::DIRECTORY, Mode::empty()).map_err(|errno| {
@@ -79,7 +79,7 @@ fn parent_dir(root: &OwnedFd, rel: &RelPath) -> Result<OwnedFd, FileError> {
 
 /// Runs one Stat call.
 pub async fn stat(work: std::sync::Arc<WorkDir>, req: StatRequest) -> Result<FileInfo, Status> {
-    let rel = RelPath::parse_or_root(&req.path)?;
+    let rel = work.parse_or_root(&req.path)?;
     Ok(blocking(move || -> Result<FileInfo, FileError> {
         let root = work.open()?;
         match &rel {
@@ -100,7 +100,7 @@ pub async fn list_dir(
     work: std::sync::Arc<WorkDir>,
     req: ListDirRequest,
 ) -> Result<ListDirReply, Status> {
-    let rel = RelPath::parse_or_root(&req.path)?;
+    let rel = work.parse_or_root(&req.path)?;
     let depth = req.depth.clamp(1, MAX_DEPTH);
     let limit = match req.limit {
         0 => MAX_ENTRIES,
@@ -193,7 +193,7 @@ pub async fn make_dir(
     work: std::sync::Arc<WorkDir>,
     req: MakeDirRequest,
 ) -> Result<FileInfo, Status> {
-    let rel = RelPath::parse(&req.path)?;
+    let rel = work.parse(&req.path)?;
     let mode = match req.mode & 0o7777 {
         0 => DIR_MODE,
         m => m,
@@ -223,8 +223,8 @@ pub async fn move_path(
     work: std::sync::Arc<WorkDir>,
     req: MoveRequest,
 ) -> Result<FileInfo, Status> {
-    let from = RelPath::parse(&req.from)?;
-    let to = RelPath::parse(&req.to)?;
+    let from = work.parse(&req.from)?;
+    let to = work.parse(&req.to)?;
     Ok(blocking(move || -> Result<FileInfo, FileError> {
         let root = work.open()?;
         let from_dir = parent_dir(&root, &from)?;
@@ -260,7 +260,7 @@ pub async fn remove(
     work: std::sync::Arc<WorkDir>,
     req: RemoveRequest,
 ) -> Result<RemoveReply, Status> {
-    let rel = RelPath::parse(&req.path)?;
+    let rel = work.parse(&req.path)?;
     Ok(blocking(move || -> Result<RemoveReply, FileError> {
         let root = work.open()?;
         let dir = parent_dir(&root, &rel)?;

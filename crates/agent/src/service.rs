@@ -5,6 +5,7 @@
 //! work directory and the process table); each method delegates to the
 //! module that does the work.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use runbox_agent_proto::pb::agent_server::Agent;
@@ -27,6 +28,8 @@ use crate::{exec, files, fsops, procs, watch};
 pub struct AgentService {
     reaper: Arc<Reaper>,
     work: Arc<WorkDir>,
+    /// The run's root filesystem, for requests with `root` (protocol 4).
+    file_system: Arc<WorkDir>,
     table: Arc<Table>,
 }
 
@@ -36,8 +39,15 @@ impl AgentService {
         Self {
             reaper,
             work: Arc::new(work),
+            file_system: Arc::new(WorkDir::file_system(PathBuf::from("/"))),
             table: Arc::default(),
         }
+    }
+
+    /// Where a file request's paths are: the run's root filesystem with
+    /// `root`, else the work directory.
+    fn base(&self, root: bool) -> Arc<WorkDir> {
+        Arc::clone(if root { &self.file_system } else { &self.work })
     }
 }
 
@@ -70,7 +80,12 @@ impl Agent for AgentService {
         &self,
         request: Request<Streaming<WriteFileChunk>>,
     ) -> Result<Response<WriteFileReply>, Status> {
-        let bytes_written = files::write_file(Arc::clone(&self.work), request.into_inner()).await?;
+        let bytes_written = files::write_file(
+            Arc::clone(&self.work),
+            Arc::clone(&self.file_system),
+            request.into_inner(),
+        )
+        .await?;
         Ok(Response::new(WriteFileReply { bytes_written }))
     }
 
@@ -80,38 +95,43 @@ impl Agent for AgentService {
         &self,
         request: Request<ReadFileRequest>,
     ) -> Result<Response<Self::ReadFileStream>, Status> {
-        let stream = files::read_file(Arc::clone(&self.work), request.into_inner().path).await?;
+        let request = request.into_inner();
+        let stream = files::read_file(self.base(request.root), request.path).await?;
         Ok(Response::new(stream))
     }
 
     async fn stat(&self, request: Request<StatRequest>) -> Result<Response<FileInfo>, Status> {
-        Ok(Response::new(
-            fsops::stat(Arc::clone(&self.work), request.into_inner()).await?,
-        ))
+        Ok(Response::new({
+            let request = request.into_inner();
+            fsops::stat(self.base(request.root), request).await?
+        }))
     }
 
     async fn list_dir(
         &self,
         request: Request<ListDirRequest>,
     ) -> Result<Response<ListDirReply>, Status> {
-        Ok(Response::new(
-            fsops::list_dir(Arc::clone(&self.work), request.into_inner()).await?,
-        ))
+        Ok(Response::new({
+            let request = request.into_inner();
+            fsops::list_dir(self.base(request.root), request).await?
+        }))
     }
 
     async fn make_dir(
         &self,
         request: Request<MakeDirRequest>,
     ) -> Result<Response<FileInfo>, Status> {
-        Ok(Response::new(
-            fsops::make_dir(Arc::clone(&self.work), request.into_inner()).await?,
-        ))
+        Ok(Response::new({
+            let request = request.into_inner();
+            fsops::make_dir(self.base(request.root), request).await?
+        }))
     }
 
     async fn r#move(&self, request: Request<MoveRequest>) -> Result<Response<FileInfo>, Status> {
-        Ok(Response::new(
-            fsops::move_path(Arc::clone(&self.work), request.into_inner()).await?,
-        ))
+        Ok(Response::new({
+            let request = request.into_inner();
+            fsops::move_path(self.base(request.root), request).await?
+        }))
     }
 
     type WatchStream = watch::WatchStream;
@@ -120,18 +140,20 @@ impl Agent for AgentService {
         &self,
         request: Request<WatchRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
-        Ok(Response::new(
-            watch::watch(Arc::clone(&self.work), request.into_inner()).await?,
-        ))
+        Ok(Response::new({
+            let request = request.into_inner();
+            watch::watch(self.base(request.root), request).await?
+        }))
     }
 
     async fn remove(
         &self,
         request: Request<RemoveRequest>,
     ) -> Result<Response<RemoveReply>, Status> {
-        Ok(Response::new(
-            fsops::remove(Arc::clone(&self.work), request.into_inner()).await?,
-        ))
+        Ok(Response::new({
+            let request = request.into_inner();
+            fsops::remove(self.base(request.root), request).await?
+        }))
     }
 
     type AttachStream = exec::OutputStream;

@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 
-use crate::confine::{open_beneath, FileError, RelPath, WorkDir};
+use crate::confine::{open_beneath, FileError, WorkDir};
 use crate::files::blocking;
 
 /// The most directories one recursive watch follows; past it, an
@@ -127,7 +127,7 @@ fn open_subdir(dir: &OwnedFd, name: &str) -> Option<OwnedFd> {
 
 /// Runs one Watch call.
 pub async fn watch(work: Arc<WorkDir>, req: WatchRequest) -> Result<WatchStream, Status> {
-    let rel = RelPath::parse_or_root(&req.path)?;
+    let rel = work.parse_or_root(&req.path)?;
     let recursive = req.recursive;
     let watcher = blocking(move || -> Result<Watcher, FileError> {
         let root = work.open()?;

@@ -295,7 +295,10 @@ async fn read_header(
     use runbox_agent_proto::pb::{read_file_chunk, ReadFileRequest};
     let mut stream = agent
         .client
-        .read_file(ReadFileRequest { path: path.into() })
+        .read_file(ReadFileRequest {
+            path: path.into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();

@@ -28,6 +28,7 @@ async fn stat_and_list_describe_without_following() {
         .client
         .stat(StatRequest {
             path: "src/main.rs".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -36,7 +37,10 @@ async fn stat_and_list_describe_without_following() {
     assert_eq!((info.size, info.path.as_str()), (12, "src/main.rs"));
     let root = agent
         .client
-        .stat(StatRequest { path: "".into() })
+        .stat(StatRequest {
+            path: "".into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -45,6 +49,7 @@ async fn stat_and_list_describe_without_following() {
         .client
         .stat(StatRequest {
             path: "etc-link".into(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -58,6 +63,7 @@ async fn stat_and_list_describe_without_following() {
             path: "".into(),
             depth: 1,
             limit: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -69,6 +75,7 @@ async fn stat_and_list_describe_without_following() {
             path: "src".into(),
             depth: 3,
             limit: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -83,6 +90,7 @@ async fn stat_and_list_describe_without_following() {
             path: "src".into(),
             depth: 3,
             limit: 2,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -96,6 +104,7 @@ async fn stat_and_list_describe_without_following() {
             path: "".into(),
             depth: 4,
             limit: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -110,6 +119,7 @@ async fn stat_and_list_describe_without_following() {
                 path: path.into(),
                 depth: 1,
                 limit: 0,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -125,6 +135,7 @@ async fn make_move_and_remove_stay_inside() {
         .make_dir(MakeDirRequest {
             path: "a/b/c".into(),
             mode: 0o750,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -136,6 +147,7 @@ async fn make_move_and_remove_stay_inside() {
         .make_dir(MakeDirRequest {
             path: "a/b/c".into(),
             mode: 0,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -145,6 +157,7 @@ async fn make_move_and_remove_stay_inside() {
         .make_dir(MakeDirRequest {
             path: "file".into(),
             mode: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -157,6 +170,7 @@ async fn make_move_and_remove_stay_inside() {
         from: from.into(),
         to: to.into(),
         overwrite,
+        ..Default::default()
     };
     let err = agent
         .client
@@ -189,6 +203,7 @@ async fn make_move_and_remove_stay_inside() {
         .remove(RemoveRequest {
             path: "etc-link".into(),
             recursive: true,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -199,6 +214,7 @@ async fn make_move_and_remove_stay_inside() {
         .remove(RemoveRequest {
             path: "b".into(),
             recursive: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -208,6 +224,7 @@ async fn make_move_and_remove_stay_inside() {
         .remove(RemoveRequest {
             path: "b".into(),
             recursive: true,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -226,7 +243,10 @@ async fn nothing_reaches_outside_the_work_directory() {
     for path in ["../outside/secret", "/etc/passwd", "out/secret"] {
         let err = agent
             .client
-            .stat(StatRequest { path: path.into() })
+            .stat(StatRequest {
+                path: path.into(),
+                ..Default::default()
+            })
             .await
             .unwrap_err();
         assert!(
@@ -239,6 +259,7 @@ async fn nothing_reaches_outside_the_work_directory() {
         .make_dir(MakeDirRequest {
             path: "out/new".into(),
             mode: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -249,6 +270,7 @@ async fn nothing_reaches_outside_the_work_directory() {
         .remove(RemoveRequest {
             path: "out/secret".into(),
             recursive: true,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -265,6 +287,7 @@ async fn nothing_reaches_outside_the_work_directory() {
                 from: from.into(),
                 to: to.into(),
                 overwrite: true,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -281,6 +304,7 @@ async fn nothing_reaches_outside_the_work_directory() {
             .remove(RemoveRequest {
                 path: path.into(),
                 recursive: true,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -301,6 +325,7 @@ async fn watch_reports_changes_below_and_only_below() {
         .watch(WatchRequest {
             path: "".into(),
             recursive: true,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -353,6 +378,7 @@ async fn watch_reports_changes_below_and_only_below() {
         .watch(WatchRequest {
             path: "out".into(),
             recursive: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -21,7 +21,7 @@ use ulid::Ulid;
 
 use crate::error::CoreError;
 use crate::lease::Lease;
-use crate::runs::{ExecEvent, FileDownload, Manager, Session};
+use crate::runs::{ExecEvent, FileDownload, Manager, Scope, Session};
 
 /// The events of one exec, ending with exactly one [`ExecEvent::Exit`].
 pub type ExecStream = BoxStream<'static, ExecEvent>;
@@ -75,19 +75,22 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         req: ExecRequest,
     ) -> impl Future<Output = Result<ExecStream, CoreError>> + Send;
-    /// Writes a file below `/work`; returns the bytes written.
+    /// Writes a file (below `/work`, or anywhere in the run with
+    /// [`Scope::Root`]); returns the bytes written.
     fn put_file(
         &self,
         id: Ulid,
+        scope: Scope,
         path: String,
         credential: LeaseCredential,
         content_length: Option<u64>,
         body: UploadStream,
     ) -> impl Future<Output = Result<u64, CoreError>> + Send;
-    /// Reads a file below `/work`.
+    /// Reads a file in a run's `scope`.
     fn get_file(
         &self,
         id: Ulid,
+        scope: Scope,
         path: String,
     ) -> impl Future<Output = Result<FileDownload, CoreError>> + Send;
     /// Forks a run into new runs that start from its filesystem.
@@ -119,40 +122,46 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError>;
     /// Drops a repository's warm template.
     fn warm_invalidate(&self, repo: String) -> impl Future<Output = Result<(), CoreError>> + Send;
-    /// Describes a path in a run's `/work` (None: `/work`).
+    /// Describes a path in a run's `scope` (None: its base).
     fn stat_path(
         &self,
         id: Ulid,
+        scope: Scope,
         path: Option<String>,
     ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
-    /// Lists a directory in a run's `/work`.
+    /// Lists a directory in a run's `scope`.
     fn list_path(
         &self,
         id: Ulid,
+        scope: Scope,
         query: runbox_types::FsQuery,
     ) -> impl Future<Output = Result<runbox_types::FileList, CoreError>> + Send;
-    /// Watches a directory of a run's `/work`: the first event is `ready`.
+    /// Watches a directory in a run's `scope`: the first event is `ready`.
     fn watch_path(
         &self,
         id: Ulid,
+        scope: Scope,
         query: runbox_types::FsQuery,
     ) -> impl Future<Output = Result<BoxStream<'static, runbox_types::WatchEvent>, CoreError>> + Send;
-    /// Makes a directory (and its parents) in a run's `/work`.
+    /// Makes a directory (and its parents) in a run's `scope`.
     fn make_dir(
         &self,
         id: Ulid,
+        scope: Scope,
         req: runbox_types::MakeDirRequest,
     ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
-    /// Renames a path in a run's `/work`.
+    /// Renames a path in a run's `scope`.
     fn move_path(
         &self,
         id: Ulid,
+        scope: Scope,
         req: runbox_types::MoveRequest,
     ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
-    /// Removes a path in a run's `/work`.
+    /// Removes a path in a run's `scope`.
     fn remove_path(
         &self,
         id: Ulid,
+        scope: Scope,
         req: runbox_types::RemoveRequest,
     ) -> impl Future<Output = Result<runbox_types::RemoveReply, CoreError>> + Send;
     /// Starts a background process in a run.
@@ -308,12 +317,13 @@ impl RunService for Arc<Manager> {
     async fn put_file(
         &self,
         id: Ulid,
+        scope: Scope,
         path: String,
         credential: LeaseCredential,
         content_length: Option<u64>,
         body: UploadStream,
     ) -> Result<u64, CoreError> {
-        Manager::put_file(self, id, &path, credential, content_length, body).await
+        Manager::put_file(self, id, scope, &path, credential, content_length, body).await
     }
 
     async fn snapshot(
@@ -359,28 +369,40 @@ impl RunService for Arc<Manager> {
     async fn stat_path(
         &self,
         id: Ulid,
+        scope: Scope,
         path: Option<String>,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::stat_path(self, id, path.as_deref()).await
+        Manager::stat_path(self, id, scope, path.as_deref()).await
     }
 
     async fn list_path(
         &self,
         id: Ulid,
+        scope: Scope,
         query: runbox_types::FsQuery,
     ) -> Result<runbox_types::FileList, CoreError> {
-        Manager::list_path(self, id, query.path.as_deref(), query.depth, query.limit).await
+        Manager::list_path(
+            self,
+            id,
+            scope,
+            query.path.as_deref(),
+            query.depth,
+            query.limit,
+        )
+        .await
     }
 
     async fn watch_path(
         &self,
         id: Ulid,
+        scope: Scope,
         query: runbox_types::FsQuery,
     ) -> Result<BoxStream<'static, runbox_types::WatchEvent>, CoreError> {
         use futures::StreamExt;
         let stream = Manager::watch_path(
             self,
             id,
+            scope,
             query.path.as_deref(),
             query.recursive.unwrap_or(false),
         )
@@ -391,25 +413,28 @@ impl RunService for Arc<Manager> {
     async fn make_dir(
         &self,
         id: Ulid,
+        scope: Scope,
         req: runbox_types::MakeDirRequest,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::make_dir(self, id, req).await
+        Manager::make_dir(self, id, scope, req).await
     }
 
     async fn move_path(
         &self,
         id: Ulid,
+        scope: Scope,
         req: runbox_types::MoveRequest,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::move_path(self, id, req).await
+        Manager::move_path(self, id, scope, req).await
     }
 
     async fn remove_path(
         &self,
         id: Ulid,
+        scope: Scope,
         req: runbox_types::RemoveRequest,
     ) -> Result<runbox_types::RemoveReply, CoreError> {
-        Manager::remove_path(self, id, req).await
+        Manager::remove_path(self, id, scope, req).await
     }
 
     async fn start_process(
@@ -511,8 +536,13 @@ impl RunService for Arc<Manager> {
         Manager::info(self)
     }
 
-    async fn get_file(&self, id: Ulid, path: String) -> Result<FileDownload, CoreError> {
-        Manager::get_file(self, id, &path).await
+    async fn get_file(
+        &self,
+        id: Ulid,
+        scope: Scope,
+        path: String,
+    ) -> Result<FileDownload, CoreError> {
+        Manager::get_file(self, id, scope, &path).await
     }
 
     async fn import_image(

@@ -97,6 +97,25 @@ pub fn work_path(path: &str) -> Result<String, CoreError> {
     Ok(parts.join("/"))
 }
 
+/// Checks an absolute path in a run's root filesystem and returns it
+/// normalised ("/a/b"); `base_ok` admits `/` itself (stat, list, watch).
+/// Refuses relative, `..`, NUL and over-long paths; symlinks resolve inside
+/// the run, in the agent.
+pub fn root_path(path: &str, base_ok: bool) -> Result<String, CoreError> {
+    let bad = |why: &str| CoreError::invalid(ErrorCode::BadPath, format!("file path {why}"));
+    if path.contains('\0') {
+        return Err(bad("contains a NUL byte"));
+    }
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(bad("must be absolute (start with /)"));
+    };
+    let parts = components(rest, bad)?;
+    if parts.is_empty() && !base_ok {
+        return Err(bad("names / itself; name a file below it"));
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
 /// The plain components of `path` (no empty, `.` or `..` ones), refusing
 /// `..` and over-long paths or components; `bad` words the error.
 fn components(path: &str, bad: impl Fn(&str) -> CoreError) -> Result<Vec<&str>, CoreError> {
@@ -821,6 +840,19 @@ mod tests {
         }
         assert!(work_path(&"a".repeat(256)).is_err());
         assert!(work_path(&"a/".repeat(2100)).is_err());
+    }
+
+    #[test]
+    fn root_path_rules() {
+        assert_eq!(root_path("/etc//./hosts", false).unwrap(), "/etc/hosts");
+        assert_eq!(root_path("/", true).unwrap(), "/");
+        assert_eq!(root_path("/./", true).unwrap(), "/");
+        for bad in ["", "/", "etc/hosts", "/a/../b", "/..", "/a\0b"] {
+            let err = root_path(bad, false).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadPath, "{bad:?}");
+        }
+        assert!(root_path("relative", true).is_err());
+        assert!(root_path(&format!("/{}", "a".repeat(256)), false).is_err());
     }
 
     #[test]

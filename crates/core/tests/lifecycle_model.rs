@@ -35,7 +35,7 @@ use runbox_agent_proto::pb;
 use runbox_agent_proto::pb::agent_server::{Agent, AgentServer};
 use runbox_core::backend::{Backend, BackendError, ExitWatch, Sandbox, SandboxSpec};
 use runbox_core::images::ImageStore;
-use runbox_core::runs::ExecEvent;
+use runbox_core::runs::{ExecEvent, Scope};
 use runbox_core::store::Store;
 use runbox_core::{Config, CoreError, Manager, RunService};
 use runbox_types::{CreateRunRequest, ErrorCode, ExecRequest, LeaseRequest, RunStatus};
@@ -664,7 +664,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             // Without the lease, a leased run refuses the write.
             if model.leases.contains_key(&id) {
                 let err = world
-                    .block_on(m.put_file(id, "f.txt".into(), None, None, body))
+                    .block_on(m.put_file(id, Scope::Work, "f.txt".into(), None, None, body))
                     .expect_err("a write without the lease");
                 if code(&err) == ErrorCode::RunNotFound && expired(model, id) {
                     model.forget(id);
@@ -673,7 +673,8 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 prop_assert_eq!(code(&err), ErrorCode::Leased);
                 return Ok(());
             }
-            let written = world.block_on(m.put_file(id, "f.txt".into(), None, None, body));
+            let written =
+                world.block_on(m.put_file(id, Scope::Work, "f.txt".into(), None, None, body));
             match written {
                 Ok(n) => prop_assert_eq!(n, content.len() as u64),
                 Err(e) if code(&e) == ErrorCode::RunNotFound && expired(model, id) => {
@@ -683,7 +684,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 Err(e) => return Err(TestCaseError::fail(format!("write: {e}"))),
             }
             let read = world.block_on(async {
-                let file = m.get_file(id, "f.txt".into()).await?;
+                let file = m.get_file(id, Scope::Work, "f.txt".into()).await?;
                 let parts: Vec<_> = file.body.collect().await;
                 let mut data = Vec::new();
                 for part in parts {

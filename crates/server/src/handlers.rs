@@ -20,6 +20,7 @@ use runbox_types::{
 };
 use ulid::Ulid;
 
+use runbox_core::runs::Scope;
 use runbox_core::RunService;
 
 use crate::{ApiError, AppState};
@@ -247,7 +248,9 @@ pub async fn fs_stat<S: RunService>(
     >,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
     let query = fs_query(query)?;
-    Ok(Json(state.service.stat_path(id, query.path).await?))
+    Ok(Json(
+        state.service.stat_path(id, Scope::Work, query.path).await?,
+    ))
 }
 
 /// `GET /v1/runs/{id}/fs/list?path=P&depth=N&limit=N`.
@@ -260,7 +263,7 @@ pub async fn fs_list<S: RunService>(
     >,
 ) -> Result<Json<runbox_types::FileList>, ApiError> {
     let query = fs_query(query)?;
-    Ok(Json(state.service.list_path(id, query).await?))
+    Ok(Json(state.service.list_path(id, Scope::Work, query).await?))
 }
 
 /// `GET /v1/runs/{id}/fs/watch?path=P&recursive=true`: server-sent events,
@@ -274,7 +277,7 @@ pub async fn fs_watch<S: RunService>(
     >,
 ) -> Result<Response, ApiError> {
     let query = fs_query(query)?;
-    let events = state.service.watch_path(id, query).await?;
+    let events = state.service.watch_path(id, Scope::Work, query).await?;
     let stream = events.map(|event| {
         let name = serde_json::to_value(event.kind)
             .ok()
@@ -291,7 +294,7 @@ pub async fn fs_mkdir<S: RunService>(
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::MakeDirRequest>,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    Ok(Json(state.service.make_dir(id, req).await?))
+    Ok(Json(state.service.make_dir(id, Scope::Work, req).await?))
 }
 
 /// `POST /v1/runs/{id}/fs/move`.
@@ -300,7 +303,7 @@ pub async fn fs_move<S: RunService>(
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::MoveRequest>,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    Ok(Json(state.service.move_path(id, req).await?))
+    Ok(Json(state.service.move_path(id, Scope::Work, req).await?))
 }
 
 /// `POST /v1/runs/{id}/fs/remove`.
@@ -309,7 +312,7 @@ pub async fn fs_remove<S: RunService>(
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::RemoveRequest>,
 ) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
-    Ok(Json(state.service.remove_path(id, req).await?))
+    Ok(Json(state.service.remove_path(id, Scope::Work, req).await?))
 }
 
 /// `GET /v1/pools`.
@@ -446,7 +449,14 @@ pub async fn put_file<S: RunService>(
         .boxed();
     state
         .service
-        .put_file(id, file_path(&params).to_owned(), credential, length, body)
+        .put_file(
+            id,
+            Scope::Work,
+            file_path(&params).to_owned(),
+            credential,
+            length,
+            body,
+        )
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -467,7 +477,7 @@ pub async fn get_file<S: RunService>(
 ) -> Result<Response, ApiError> {
     let download = state
         .service
-        .get_file(id, file_path(&params).to_owned())
+        .get_file(id, Scope::Work, file_path(&params).to_owned())
         .await?;
     let body = Body::from_stream(download.body.map_err(move |e| {
         // The status line is gone by now; breaking the body is the only way

@@ -11,7 +11,7 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use runbox_core::backend::BackendError;
 use runbox_core::lease::Lease;
-use runbox_core::runs::{ExecEvent, FileDownload};
+use runbox_core::runs::{ExecEvent, FileDownload, Scope};
 use runbox_core::service::{ExecStream, LeaseCredential, UploadStream};
 use runbox_core::{CoreError, RunService};
 use runbox_types::{
@@ -170,6 +170,7 @@ impl RunService for Stub {
     async fn stat_path(
         &self,
         id: Ulid,
+        _scope: Scope,
         path: Option<String>,
     ) -> Result<runbox_types::FileInfo, CoreError> {
         found(id)?;
@@ -183,6 +184,7 @@ impl RunService for Stub {
     async fn list_path(
         &self,
         id: Ulid,
+        _scope: Scope,
         _query: runbox_types::FsQuery,
     ) -> Result<runbox_types::FileList, CoreError> {
         found(id)?;
@@ -194,6 +196,7 @@ impl RunService for Stub {
     async fn watch_path(
         &self,
         id: Ulid,
+        _scope: Scope,
         _query: runbox_types::FsQuery,
     ) -> Result<futures::stream::BoxStream<'static, runbox_types::WatchEvent>, CoreError> {
         found(id)?;
@@ -208,6 +211,7 @@ impl RunService for Stub {
     async fn make_dir(
         &self,
         id: Ulid,
+        _scope: Scope,
         req: runbox_types::MakeDirRequest,
     ) -> Result<runbox_types::FileInfo, CoreError> {
         found(id)?;
@@ -220,6 +224,7 @@ impl RunService for Stub {
     async fn move_path(
         &self,
         id: Ulid,
+        _scope: Scope,
         _req: runbox_types::MoveRequest,
     ) -> Result<runbox_types::FileInfo, CoreError> {
         found(id)?;
@@ -231,6 +236,7 @@ impl RunService for Stub {
     async fn remove_path(
         &self,
         id: Ulid,
+        _scope: Scope,
         _req: runbox_types::RemoveRequest,
     ) -> Result<runbox_types::RemoveReply, CoreError> {
         found(id)?;
@@ -445,6 +451,7 @@ impl RunService for Stub {
     async fn put_file(
         &self,
         id: Ulid,
+        _scope: Scope,
         _path: String,
         _credential: LeaseCredential,
         _content_length: Option<u64>,
@@ -457,7 +464,12 @@ impl RunService for Stub {
         }
         Ok(total)
     }
-    async fn get_file(&self, id: Ulid, _path: String) -> Result<FileDownload, CoreError> {
+    async fn get_file(
+        &self,
+        id: Ulid,
+        _scope: Scope,
+        _path: String,
+    ) -> Result<FileDownload, CoreError> {
         found(id)?;
         Ok(FileDownload {
             size: 3,

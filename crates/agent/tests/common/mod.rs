@@ -281,7 +281,10 @@ pub async fn read(
     client: &mut AgentClient,
     path: &str,
 ) -> Result<(ReadFileHeader, Vec<u8>), Status> {
-    let request = ReadFileRequest { path: path.into() };
+    let request = ReadFileRequest {
+        path: path.into(),
+        ..Default::default()
+    };
     let mut stream = tokio::time::timeout(PATIENCE, client.read_file(request))
         .await
         .expect("read stalled")?

@@ -34,20 +34,78 @@ pub const MAX_LIST_DEPTH: u32 = 16;
 /// The longest path or symlink target taken from an agent.
 const MAX_AGENT_PATH: usize = 4096;
 
-/// `path` relative to `/work`, normalised; None (the empty string to the
-/// agent) for `/work` itself.
-fn path_or_root(path: Option<&str>) -> Result<String, CoreError> {
-    match path {
-        None => Ok(String::new()),
-        Some(p) if p.split('/').all(|c| c.is_empty() || c == ".") && !p.contains('\0') => {
-            Ok(String::new())
+/// Where a file operation's paths are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scope {
+    /// Relative to the run's `/work`: the runbox API.
+    #[default]
+    Work,
+    /// Absolute in the run's root filesystem, resolved as the run's commands
+    /// see it: the E2B-compatible surface. Needs an agent of protocol 4.
+    Root,
+}
+
+/// The agent protocol that takes [`Scope::Root`].
+const ROOT_SCOPE_PROTOCOL: u32 = 4;
+
+impl Scope {
+    /// `path` checked and normalised as the agent takes it; with `base_ok`,
+    /// None (or a path that reduces to nothing) names the base itself.
+    pub(super) fn agent_path(self, path: Option<&str>, base_ok: bool) -> Result<String, CoreError> {
+        match (self, path) {
+            (Scope::Work, None) if base_ok => Ok(String::new()),
+            (Scope::Root, None) if base_ok => Ok("/".to_owned()),
+            (Scope::Work, Some(p))
+                if base_ok
+                    && p.split('/').all(|c| c.is_empty() || c == ".")
+                    && !p.contains('\0') =>
+            {
+                Ok(String::new())
+            }
+            (Scope::Work, Some(p)) => validate::work_path(p),
+            (Scope::Root, Some(p)) => validate::root_path(p, base_ok),
+            (_, None) => Err(CoreError::invalid(
+                runbox_types::ErrorCode::BadPath,
+                "file path is missing",
+            )),
         }
-        Some(p) => validate::work_path(p),
+    }
+
+    /// A path the agent answered (relative to the base) as the API shows it.
+    pub(super) fn shown(self, rel: String) -> String {
+        match self {
+            Scope::Work => rel,
+            Scope::Root => format!("/{rel}"),
+        }
+    }
+
+    /// Whether the agent call carries `root`.
+    pub(super) fn root(self) -> bool {
+        self == Scope::Root
     }
 }
 
-/// An agent's description, checked.
-fn info(raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
+impl Manager {
+    /// Refuses [`Scope::Root`] on a run whose agent predates it.
+    pub(super) fn check_scope(&self, id: Ulid, scope: Scope) -> Result<(), CoreError> {
+        if scope == Scope::Root
+            && self
+                .handle(id)?
+                .protocol
+                .load(std::sync::atomic::Ordering::Relaxed)
+                < ROOT_SCOPE_PROTOCOL
+        {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::AgentTooOld,
+                "this run's agent predates paths outside /work; create the run again",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// An agent's description, checked, with its path as `scope` shows it.
+fn info(scope: Scope, raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
     if raw.path.len() > MAX_AGENT_PATH || raw.symlink_target.len() > MAX_AGENT_PATH {
         return Err(CoreError::Agent(
             "the agent sent a path longer than 4096 bytes".into(),
@@ -63,7 +121,7 @@ fn info(raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
         OffsetDateTime::from_unix_timestamp_nanos(i128::from(raw.modified_unix_ms) * 1_000_000)
             .unwrap_or(OffsetDateTime::UNIX_EPOCH);
     Ok(FileInfo {
-        path: raw.path,
+        path: scope.shown(raw.path),
         kind,
         size: raw.size,
         mode: raw.mode & 0o7777,
@@ -106,23 +164,29 @@ impl Manager {
     pub async fn watch_path(
         &self,
         id: Ulid,
+        scope: Scope,
         path: Option<&str>,
         recursive: bool,
     ) -> Result<impl futures::Stream<Item = runbox_types::WatchEvent> + Send + 'static, CoreError>
     {
         use futures::StreamExt;
-        let path = path_or_root(path)?;
+        let path = scope.agent_path(path, true)?;
         let (handle, _) = self.running(id)?;
+        self.check_scope(id, scope)?;
         let mut agent = self.reader(id)?;
         let events = timed(
             FS_CALL_TIMEOUT,
-            agent.watch(pb::WatchRequest { path, recursive }),
+            agent.watch(pb::WatchRequest {
+                path,
+                recursive,
+                root: scope.root(),
+            }),
         )
         .await?;
         let ended = handle.ended.clone();
         let stream = events
             .take_until(async move { ended.cancelled().await })
-            .filter_map(|item| async move {
+            .filter_map(move |item| async move {
                 let raw = item.ok()?;
                 if raw.path.len() > MAX_AGENT_PATH || raw.from.len() > MAX_AGENT_PATH {
                     return None;
@@ -138,8 +202,8 @@ impl Manager {
                 };
                 Some(runbox_types::WatchEvent {
                     kind,
-                    path: raw.path,
-                    from: (kind == runbox_types::WatchKind::Renamed).then_some(raw.from),
+                    path: scope.shown(raw.path),
+                    from: (kind == runbox_types::WatchKind::Renamed).then(|| scope.shown(raw.from)),
                     is_dir: raw.is_dir,
                 })
             });
@@ -147,10 +211,20 @@ impl Manager {
     }
 
     /// Describes `path` (None: `/work` itself) without following a symlink.
-    pub async fn stat_path(&self, id: Ulid, path: Option<&str>) -> Result<FileInfo, CoreError> {
-        let path = path_or_root(path)?;
+    pub async fn stat_path(
+        &self,
+        id: Ulid,
+        scope: Scope,
+        path: Option<&str>,
+    ) -> Result<FileInfo, CoreError> {
+        let path = scope.agent_path(path, true)?;
         let mut agent = self.reader(id)?;
-        info(timed(FS_CALL_TIMEOUT, agent.stat(pb::StatRequest { path })).await?)
+        self.check_scope(id, scope)?;
+        let call = agent.stat(pb::StatRequest {
+            path,
+            root: scope.root(),
+        });
+        info(scope, timed(FS_CALL_TIMEOUT, call).await?)
     }
 
     /// Lists `path` (None: `/work`), `depth` levels down, at most `limit`
@@ -158,11 +232,12 @@ impl Manager {
     pub async fn list_path(
         &self,
         id: Ulid,
+        scope: Scope,
         path: Option<&str>,
         depth: Option<u32>,
         limit: Option<u32>,
     ) -> Result<FileList, CoreError> {
-        let path = path_or_root(path)?;
+        let path = scope.agent_path(path, true)?;
         let depth = depth.unwrap_or(1);
         if !(1..=MAX_LIST_DEPTH).contains(&depth) {
             return Err(CoreError::invalid(
@@ -178,9 +253,15 @@ impl Manager {
             ));
         }
         let mut agent = self.reader(id)?;
+        self.check_scope(id, scope)?;
         let reply = timed(
             FS_CALL_TIMEOUT,
-            agent.list_dir(pb::ListDirRequest { path, depth, limit }),
+            agent.list_dir(pb::ListDirRequest {
+                path,
+                depth,
+                limit,
+                root: scope.root(),
+            }),
         )
         .await?;
         let truncated = reply.truncated || reply.entries.len() > limit as usize;
@@ -188,14 +269,19 @@ impl Manager {
             .entries
             .into_iter()
             .take(limit as usize)
-            .map(info)
+            .map(|raw| info(scope, raw))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(FileList { entries, truncated })
     }
 
     /// Makes a directory and its missing parents (fenced by the lease).
-    pub async fn make_dir(&self, id: Ulid, req: MakeDirRequest) -> Result<FileInfo, CoreError> {
-        let path = validate::work_path(&req.path)?;
+    pub async fn make_dir(
+        &self,
+        id: Ulid,
+        scope: Scope,
+        req: MakeDirRequest,
+    ) -> Result<FileInfo, CoreError> {
+        let path = scope.agent_path(Some(&req.path), false)?;
         let mode = req.mode.unwrap_or(0o755);
         if mode > 0o7777 {
             return Err(CoreError::invalid(
@@ -204,42 +290,52 @@ impl Manager {
             ));
         }
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        self.check_scope(id, scope)?;
         let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
-        info(
-            timed(
-                FS_CALL_TIMEOUT,
-                agent.make_dir(pb::MakeDirRequest { path, mode }),
-            )
-            .await?,
-        )
+        let call = agent.make_dir(pb::MakeDirRequest {
+            path,
+            mode,
+            root: scope.root(),
+        });
+        info(scope, timed(FS_CALL_TIMEOUT, call).await?)
     }
 
     /// Renames a path (fenced by the lease).
-    pub async fn move_path(&self, id: Ulid, req: MoveRequest) -> Result<FileInfo, CoreError> {
-        let from = validate::work_path(&req.from)?;
-        let to = validate::work_path(&req.to)?;
+    pub async fn move_path(
+        &self,
+        id: Ulid,
+        scope: Scope,
+        req: MoveRequest,
+    ) -> Result<FileInfo, CoreError> {
+        let from = scope.agent_path(Some(&req.from), false)?;
+        let to = scope.agent_path(Some(&req.to), false)?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        self.check_scope(id, scope)?;
         let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
         let call = agent.r#move(pb::MoveRequest {
             from,
             to,
             overwrite: req.overwrite.unwrap_or(false),
+            root: scope.root(),
         });
-        info(timed(FS_CALL_TIMEOUT, call).await?)
+        info(scope, timed(FS_CALL_TIMEOUT, call).await?)
     }
 
     /// Removes a path (fenced by the lease).
     pub async fn remove_path(
         &self,
         id: Ulid,
+        scope: Scope,
         req: RemoveRequest,
     ) -> Result<RemoveReply, CoreError> {
-        let path = validate::work_path(&req.path)?;
+        let path = scope.agent_path(Some(&req.path), false)?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        self.check_scope(id, scope)?;
         let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
         let call = agent.remove(pb::RemoveRequest {
             path,
             recursive: req.recursive.unwrap_or(false),
+            root: scope.root(),
         });
         let reply = timed(REMOVE_TIMEOUT, call).await?;
         Ok(RemoveReply {

@@ -57,6 +57,7 @@ use crate::lease::Lease;
 use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
 
+pub use self::fs::Scope;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 

@@ -356,6 +356,7 @@ impl Manager {
     pub async fn put_file<S, E>(
         &self,
         id: Ulid,
+        scope: super::fs::Scope,
         path: &str,
         credential: Option<(String, u64)>,
         content_length: Option<u64>,
@@ -365,7 +366,8 @@ impl Manager {
         S: Stream<Item = Result<Bytes, E>> + Send,
         E: std::fmt::Display,
     {
-        let path = validate::work_path(path)?;
+        let path = scope.agent_path(Some(path), false)?;
+        self.check_scope(id, scope)?;
         let max = self.config.max_upload_bytes;
         if content_length.is_some_and(|len| len > max) {
             return Err(too_large(max));
@@ -385,6 +387,7 @@ impl Manager {
             path,
             mode: 0,
             user,
+            root: scope.root(),
         };
         tx.send(chunk(write_file_chunk::Kind::Header(header)))
             .await
@@ -447,12 +450,21 @@ impl Manager {
     }
 
     /// Reads `/work/<path>` out of a run as a stream of exactly `size` bytes.
-    pub async fn get_file(&self, id: Ulid, path: &str) -> Result<FileDownload, CoreError> {
-        let path = validate::work_path(path)?;
+    pub async fn get_file(
+        &self,
+        id: Ulid,
+        scope: super::fs::Scope,
+        path: &str,
+    ) -> Result<FileDownload, CoreError> {
+        let path = scope.agent_path(Some(path), false)?;
         let mut agent = self.reader(id)?;
+        self.check_scope(id, scope)?;
         let mut stream = tokio::time::timeout(
             AGENT_CALL_TIMEOUT,
-            agent.read_file(pb::ReadFileRequest { path }),
+            agent.read_file(pb::ReadFileRequest {
+                path,
+                root: scope.root(),
+            }),
         )
         .await
         .map_err(|_| CoreError::Agent("the agent did not answer the read in time".into()))?
