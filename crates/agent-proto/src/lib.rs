@@ -30,6 +30,10 @@ pub const PROTOCOL: u32 = 4;
 /// `unimplemented` there.
 pub const MIN_PROTOCOL: u32 = 1;
 
+/// The name prefix of the temporary file a WriteFile fills beside its
+/// target before renaming it into place.
+pub const UPLOAD_TEMP_PREFIX: &str = ".runbox-upload-";
+
 /// Largest message either side accepts. Data chunks are far smaller
 /// ([`CHUNK_SIZE`]); this only bounds what a hostile peer can make us buffer.
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;

@@ -56,7 +56,7 @@ const DIR_MODE: u32 = 0o755;
 const DEFAULT_FILE_MODE: u32 = 0o644;
 
 /// Prefix of temporary upload files; the random suffix follows.
-const TEMP_PREFIX: &str = ".runbox-upload-";
+const TEMP_PREFIX: &str = runbox_agent_proto::UPLOAD_TEMP_PREFIX;
 
 /// Attempts at finding an unused temporary name; only a sandbox that
 /// pre-creates names on purpose can make more than one necessary.

@@ -4,8 +4,11 @@
 //! logic lives here.
 //!
 //! Authentication: every route except `GET /health` needs
-//! `Authorization: Bearer <token>`, compared in constant time.
+//! `Authorization: Bearer <token>` (or `X-API-Key: <token>`, as E2B's
+//! SDKs send it), compared in constant time. E2B envd requests (see
+//! [`e2b`]) carry a per-sandbox token instead.
 
+pub mod e2b;
 mod error;
 mod handlers;
 pub mod openapi;
@@ -146,6 +149,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             axum::routing::delete(handlers::delete_snapshot::<S>),
         )
         .route("/v1/images/pull", post(handlers::pull_image::<S>))
+        .merge(e2b::control_routes::<S>())
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
         .route_layer(middleware::from_fn_with_state(
@@ -163,6 +167,11 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
                 "this route does not take that method; see docs/api.md",
             )
         })
+        // Requests that name a sandbox are E2B envd calls.
+        .layer(middleware::from_fn_with_state(
+            e2b::envd_router(state.clone()),
+            e2b::dispatch,
+        ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             audit_calls::<S>,
@@ -227,6 +236,8 @@ async fn require_token<S: RunService>(
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim())
+        // E2B's SDKs send their API key so.
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
         .or_else(|| ws_protocol_token(headers));
     let ok = match presented {
         // ct_eq compares in time that depends only on the lengths.

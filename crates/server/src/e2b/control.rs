@@ -1,0 +1,644 @@
+//! E2B's control plane over runs: a sandbox is a run, `templateID` its
+//! image, `timeout` its TTL, `envVars` its env, `metadata` its labels.
+//! Errors are E2B's shape, `{"code": <status>, "message", "error_code"}`,
+//! where `error_code` is runbox's stable code.
+
+use std::collections::BTreeMap;
+
+use axum::body::Bytes;
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use runbox_core::RunService;
+use runbox_types::{CreateRunRequest, Env, NetworkTier, Run, RunStatus};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use time::format_description::well_known::Rfc3339;
+use ulid::Ulid;
+
+use super::{access_token, ENVD_VERSION};
+use crate::{ApiError, AppState};
+
+/// The TTL of a sandbox created without `timeout`, as E2B's default.
+const DEFAULT_TIMEOUT_SEC: u64 = 300;
+
+/// The most sandboxes one list page holds.
+const MAX_PAGE: usize = 1000;
+
+/// An E2B-shaped error.
+#[derive(Debug)]
+pub(crate) struct E2bError {
+    status: StatusCode,
+    message: String,
+    code: Option<&'static str>,
+}
+
+impl E2bError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            code: None,
+        }
+    }
+
+    fn bad(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// What runbox does not have yet: `501` with a message that says so.
+    fn unsupported(what: &str) -> Self {
+        Self::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("{what} is not supported by runbox; see docs/e2b.md"),
+        )
+    }
+}
+
+impl From<ApiError> for E2bError {
+    fn from(e: ApiError) -> Self {
+        Self {
+            status: StatusCode::from_u16(e.code().status())
+                .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            message: e.message().to_owned(),
+            code: Some(e.code().as_str()),
+        }
+    }
+}
+
+impl From<runbox_core::CoreError> for E2bError {
+    fn from(e: runbox_core::CoreError) -> Self {
+        ApiError::from(e).into()
+    }
+}
+
+impl IntoResponse for E2bError {
+    fn into_response(self) -> Response {
+        let mut body = serde_json::json!({
+            "code": self.status.as_u16(),
+            "message": self.message,
+        });
+        if let Some(code) = self.code {
+            body["error_code"] = Value::from(code);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// The control-plane routes (mounted under the token check).
+pub fn routes<S: RunService>() -> Router<AppState<S>> {
+    Router::new()
+        .route("/sandboxes", post(create::<S>).get(list_v1::<S>))
+        .route("/v2/sandboxes", post(create::<S>).get(list::<S>))
+        .route("/sandboxes/{id}", get(detail::<S>).delete(kill::<S>))
+        .route("/sandboxes/{id}/timeout", post(set_timeout::<S>))
+        .route("/sandboxes/{id}/connect", post(connect::<S>))
+        .route("/v2/sandboxes/{id}/connect", post(connect::<S>))
+        .route("/sandboxes/{id}/refreshes", post(refresh::<S>))
+        .route("/sandboxes/{id}/metrics", get(metrics::<S>))
+        .route("/sandboxes/{id}/fork", post(fork::<S>))
+        .route("/sandboxes/{id}/snapshots", post(snapshot::<S>))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/network", axum::routing::put(network))
+        .route("/sandboxes/{id}/logs", get(logs))
+        .route("/v2/sandboxes/{id}/logs", get(logs))
+}
+
+/// A JSON body, checked; an empty body is `{}`.
+fn body<T: for<'de> Deserialize<'de>>(bytes: &Bytes) -> Result<T, E2bError> {
+    let bytes = if bytes.iter().all(u8::is_ascii_whitespace) {
+        b"{}".as_slice()
+    } else {
+        bytes
+    };
+    serde_json::from_slice(bytes).map_err(|e| E2bError::bad(format!("the body is not valid: {e}")))
+}
+
+fn sandbox_id(raw: &str) -> Result<Ulid, E2bError> {
+    Ulid::from_string(raw).map_err(|_| {
+        E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("sandbox {raw:?} was not found (runbox sandbox ids are run ids)"),
+        )
+    })
+}
+
+/// `POST /v2/sandboxes` (and `/sandboxes`). Fields runbox cannot honour
+/// are refused rather than ignored.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<u64>,
+    #[serde(default)]
+    metadata: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    env_vars: Option<BTreeMap<String, String>>,
+    #[serde(rename = "allow_internet_access", alias = "allowInternetAccess")]
+    allow_internet_access: Option<bool>,
+    auto_pause: Option<bool>,
+    auto_resume: Option<Value>,
+    auto_pause_memory: Option<Value>,
+    network: Option<Value>,
+    mcp: Option<Value>,
+    volume_mounts: Option<Value>,
+    iam: Option<Value>,
+    secure: Option<bool>,
+    #[serde(flatten)]
+    other: BTreeMap<String, Value>,
+}
+
+/// A created or connected sandbox, as the SDKs read it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Sandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "clientID")]
+    client_id: String,
+    envd_version: &'static str,
+    envd_access_token: String,
+    domain: Option<String>,
+}
+
+fn sandbox<S: RunService>(state: &AppState<S>, run: &Run) -> Sandbox {
+    Sandbox {
+        template_id: run.image.clone(),
+        sandbox_id: run.id.to_string(),
+        client_id: state.service.server_id().to_owned(),
+        envd_version: ENVD_VERSION,
+        envd_access_token: access_token(&state.token, run.id),
+        domain: None,
+    }
+}
+
+fn is_null_or_empty(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => true,
+        Some(Value::Object(o)) => o.is_empty(),
+        Some(Value::Array(a)) => a.is_empty(),
+        Some(_) => false,
+    }
+}
+
+async fn create<S: RunService>(
+    State(state): State<AppState<S>>,
+    headers: HeaderMap,
+    bytes: Bytes,
+) -> Result<Response, E2bError> {
+    let req: NewSandbox = body(&bytes)?;
+    if let Some(name) = req.other.keys().next() {
+        return Err(E2bError::bad(format!("unknown field {name:?}")));
+    }
+    if req.auto_pause == Some(true) || !is_null_or_empty(&req.auto_resume) {
+        return Err(E2bError::unsupported("pausing and resuming sandboxes"));
+    }
+    for (name, value) in [
+        ("network", &req.network),
+        ("mcp", &req.mcp),
+        ("volumeMounts", &req.volume_mounts),
+        ("iam", &req.iam),
+    ] {
+        if !is_null_or_empty(value) {
+            return Err(E2bError::unsupported(&format!("`{name}`")));
+        }
+    }
+    let _ = (req.auto_pause_memory, req.secure);
+    if req.template_id.is_empty() {
+        return Err(E2bError::bad("templateID is empty; name an image"));
+    }
+    let network = req.allow_internet_access.map(|open| {
+        if open {
+            NetworkTier::Open
+        } else {
+            NetworkTier::None
+        }
+    });
+    let create = CreateRunRequest {
+        image: req.template_id,
+        env: req.env_vars.filter(|e| !e.is_empty()).map(Env),
+        ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
+        network,
+        labels: req.metadata.filter(|m| !m.is_empty()),
+        ..Default::default()
+    };
+    let key = match headers.get(crate::handlers::IDEMPOTENCY_KEY) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .map_err(|_| E2bError::bad("Idempotency-Key must be visible ASCII characters"))?
+                .to_owned(),
+        ),
+    };
+    let run = state.service.create(create, key).await?;
+    Ok((StatusCode::CREATED, Json(sandbox(&state, &run))).into_response())
+}
+
+/// A sandbox in a list or a detail answer.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Listed {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    #[serde(rename = "sandboxID")]
+    sandbox_id: String,
+    #[serde(rename = "clientID")]
+    client_id: String,
+    started_at: String,
+    end_at: String,
+    envd_version: &'static str,
+    cpu_count: u64,
+    #[serde(rename = "memoryMB")]
+    memory_mb: u64,
+    #[serde(rename = "diskSizeMB")]
+    disk_size_mb: u64,
+    state: &'static str,
+    metadata: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    envd_access_token: Option<String>,
+}
+
+fn rfc3339(t: time::OffsetDateTime) -> String {
+    t.format(&Rfc3339).unwrap_or_default()
+}
+
+fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed {
+    Listed {
+        template_id: run.image.clone(),
+        sandbox_id: run.id.to_string(),
+        client_id: state.service.server_id().to_owned(),
+        started_at: rfc3339(run.created_at),
+        end_at: rfc3339(run.expires_at),
+        envd_version: ENVD_VERSION,
+        cpu_count: run.limits.cpus.ceil().max(1.0) as u64,
+        memory_mb: run.limits.memory_mb,
+        disk_size_mb: run.limits.disk_mb.unwrap_or(0),
+        state: "running",
+        metadata: run.labels.clone(),
+        envd_access_token: detail.then(|| access_token(&state.token, run.id)),
+    }
+}
+
+/// Runs the E2B surface shows: running ones (a failed or stopping run is
+/// no sandbox any more).
+fn live<S: RunService>(state: &AppState<S>) -> Vec<Run> {
+    state
+        .service
+        .list()
+        .into_iter()
+        .filter(|r| r.status == RunStatus::Running && !r.pooled)
+        .collect()
+}
+
+async fn detail<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Result<Json<Listed>, E2bError> {
+    let run = state.service.get(sandbox_id(&id)?)?;
+    Ok(Json(listed(&state, &run, true)))
+}
+
+async fn kill<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    state.service.delete(sandbox_id(&id)?).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Timeout {
+    timeout: u64,
+}
+
+async fn set_timeout<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: Timeout = body(&bytes)?;
+    state.service.renew(sandbox_id(&id)?, req.timeout).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+struct Refresh {
+    duration: Option<u64>,
+}
+
+async fn refresh<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: Refresh = body(&bytes)?;
+    let ttl = req.duration.unwrap_or(DEFAULT_TIMEOUT_SEC);
+    state.service.renew(sandbox_id(&id)?, ttl).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Deserialize)]
+struct Connect {
+    timeout: Option<u64>,
+    #[allow(dead_code)]
+    memory: Option<Value>,
+}
+
+/// Connecting to a running sandbox; with `timeout`, its TTL becomes at
+/// least that (a connect never shortens it).
+async fn connect<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<Response, E2bError> {
+    let req: Connect = body(&bytes)?;
+    let id = sandbox_id(&id)?;
+    let mut run = state.service.get(id)?;
+    if let Some(timeout) = req.timeout {
+        let left = (run.expires_at - time::OffsetDateTime::now_utc()).whole_seconds();
+        if left < timeout as i64 {
+            run = state.service.renew(id, timeout).await?;
+        }
+    }
+    Ok((StatusCode::OK, Json(sandbox(&state, &run))).into_response())
+}
+
+/// The filters and page of `GET /v2/sandboxes`.
+#[derive(Debug, Default)]
+struct ListQuery {
+    metadata: BTreeMap<String, String>,
+    states: Vec<String>,
+    limit: Option<usize>,
+    next_token: Option<Ulid>,
+    descending: bool,
+}
+
+fn list_query(raw: Option<&str>) -> Result<ListQuery, E2bError> {
+    let mut q = ListQuery::default();
+    for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            // `metadata` is itself `k=v&...`, each side percent-encoded.
+            "metadata" => {
+                for (k, v) in form_urlencoded::parse(value.as_bytes()) {
+                    let k = percent_encoding::percent_decode_str(&k).decode_utf8_lossy();
+                    let v = percent_encoding::percent_decode_str(&v).decode_utf8_lossy();
+                    q.metadata.insert(k.into_owned(), v.into_owned());
+                }
+            }
+            "state" => q.states.extend(value.split(',').map(str::to_owned)),
+            "limit" => {
+                let limit: usize = value
+                    .parse()
+                    .ok()
+                    .filter(|l| (1..=MAX_PAGE).contains(l))
+                    .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {MAX_PAGE}")))?;
+                q.limit = Some(limit);
+            }
+            "nextToken" => {
+                q.next_token = Some(
+                    Ulid::from_string(&value)
+                        .map_err(|_| E2bError::bad("nextToken is not one this server gave"))?,
+                )
+            }
+            "order" => match value.as_ref() {
+                "asc" => q.descending = false,
+                "desc" => q.descending = true,
+                other => return Err(E2bError::bad(format!("order {other:?} is not asc or desc"))),
+            },
+            // Accepted filters runbox has no use for.
+            "startedAfter" | "template" => {}
+            other => return Err(E2bError::bad(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    for state in &q.states {
+        if state != "running" && state != "paused" {
+            return Err(E2bError::bad(format!(
+                "state {state:?} is not running or paused"
+            )));
+        }
+    }
+    Ok(q)
+}
+
+async fn list<S: RunService>(
+    State(state): State<AppState<S>>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, E2bError> {
+    let q = list_query(raw.as_deref())?;
+    // No run is ever paused: a filter for paused ones alone matches none.
+    let wants_running = q.states.is_empty() || q.states.iter().any(|s| s == "running");
+    let mut runs: Vec<Run> = live(&state)
+        .into_iter()
+        .filter(|_| wants_running)
+        .filter(|r| q.metadata.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
+        .collect();
+    // Ids are ULIDs: their order is their creation order.
+    runs.sort_by_key(|r| r.id);
+    if q.descending {
+        runs.reverse();
+    }
+    if let Some(after) = q.next_token {
+        runs.retain(|r| {
+            if q.descending {
+                r.id < after
+            } else {
+                r.id > after
+            }
+        });
+    }
+    let limit = q.limit.unwrap_or(MAX_PAGE);
+    let more = runs.len() > limit;
+    runs.truncate(limit);
+    let page: Vec<Listed> = runs.iter().map(|r| listed(&state, r, false)).collect();
+    let mut response = Json(page).into_response();
+    if more {
+        if let Some(last) = runs.last() {
+            if let Ok(v) = HeaderValue::from_str(&last.id.to_string()) {
+                response.headers_mut().insert("x-next-token", v);
+            }
+        }
+    }
+    Ok(response)
+}
+
+/// `GET /sandboxes` (v1): every running sandbox, one page.
+async fn list_v1<S: RunService>(
+    State(state): State<AppState<S>>,
+    RawQuery(raw): RawQuery,
+) -> Result<Json<Vec<Listed>>, E2bError> {
+    let q = list_query(raw.as_deref())?;
+    let runs = live(&state)
+        .into_iter()
+        .filter(|r| q.metadata.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
+        .map(|r| listed(&state, &r, false))
+        .collect();
+    Ok(Json(runs))
+}
+
+/// One metrics sample as the SDKs read it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Metric {
+    timestamp: String,
+    timestamp_unix: i64,
+    cpu_count: u64,
+    cpu_used_pct: f64,
+    mem_used: u64,
+    mem_total: u64,
+    mem_cache: u64,
+    disk_used: u64,
+    disk_total: u64,
+}
+
+/// One sample, now: what runbox measures of a run (its disk use) and its
+/// limits. CPU and memory use are not sampled yet and read 0; docs/e2b.md
+/// says so.
+async fn metrics<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<Metric>>, E2bError> {
+    let run = state.service.get(sandbox_id(&id)?)?;
+    let now = time::OffsetDateTime::now_utc();
+    Ok(Json(vec![Metric {
+        timestamp: rfc3339(now),
+        timestamp_unix: now.unix_timestamp(),
+        cpu_count: run.limits.cpus.ceil().max(1.0) as u64,
+        cpu_used_pct: 0.0,
+        mem_used: 0,
+        mem_total: run.limits.memory_mb << 20,
+        mem_cache: 0,
+        disk_used: run.disk_used_bytes.unwrap_or(0),
+        disk_total: run.limits.disk_mb.unwrap_or(0) << 20,
+    }]))
+}
+
+#[derive(Debug, Deserialize)]
+struct ForkBody {
+    timeout: Option<u64>,
+    count: Option<usize>,
+}
+
+/// Forks map onto runbox's: each new sandbox starts from the source's
+/// filesystem (not its memory).
+async fn fork<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<Response, E2bError> {
+    let req: ForkBody = body(&bytes)?;
+    let count = req.count.unwrap_or(1);
+    if !(1..=20).contains(&count) {
+        return Err(E2bError::bad("count must be 1 to 20"));
+    }
+    let reply = state
+        .service
+        .fork(
+            sandbox_id(&id)?,
+            runbox_types::ForkRequest {
+                count,
+                ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
+            },
+        )
+        .await?;
+    let results: Vec<Value> = reply
+        .runs
+        .iter()
+        .map(|run| serde_json::json!({ "sandbox": sandbox(&state, run) }))
+        .collect();
+    Ok((StatusCode::CREATED, Json(results)).into_response())
+}
+
+#[derive(Debug, Deserialize)]
+struct SnapshotBody {
+    name: Option<String>,
+    #[allow(dead_code)]
+    memory: Option<Value>,
+}
+
+/// A snapshot is a runbox snapshot: a new image, which `templateID` can
+/// name to create sandboxes from it.
+async fn snapshot<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<Response, E2bError> {
+    let req: SnapshotBody = body(&bytes)?;
+    let snap = state
+        .service
+        .snapshot(
+            sandbox_id(&id)?,
+            runbox_types::SnapshotRequest { name: req.name },
+        )
+        .await?;
+    let body = serde_json::json!({ "snapshotID": snap.image, "names": [snap.image] });
+    Ok((StatusCode::CREATED, Json(body)).into_response())
+}
+
+async fn pause() -> E2bError {
+    E2bError::unsupported("pausing a sandbox (runbox has no hibernation yet)")
+}
+
+async fn resume() -> E2bError {
+    E2bError::unsupported("resuming a sandbox (runbox has no hibernation yet)")
+}
+
+async fn network() -> E2bError {
+    E2bError::unsupported(
+        "changing a sandbox's network rules (runbox's egress tier is set at create)",
+    )
+}
+
+async fn logs() -> E2bError {
+    E2bError::unsupported("sandbox logs")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn list_filters_parse_as_the_sdks_send_them() {
+        // The Python SDK quotes each side, then form-encodes the pairs.
+        let q = list_query(Some(
+            "metadata=team%3Dinfra%26app%3Dmy%2520app&state=running,paused&limit=5",
+        ))
+        .unwrap();
+        assert_eq!(q.metadata.get("team").unwrap(), "infra");
+        assert_eq!(q.metadata.get("app").unwrap(), "my app");
+        assert_eq!(q.states, ["running", "paused"]);
+        assert_eq!(q.limit, Some(5));
+        for bad in [
+            "limit=0",
+            "limit=x",
+            "state=dead",
+            "nextToken=zz",
+            "order=up",
+            "what=1",
+        ] {
+            assert!(list_query(Some(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn unsupported_create_fields_are_refused() {
+        let req: NewSandbox = serde_json::from_str(
+            r#"{"templateID":"base","autoPause":false,"metadata":{},"envVars":{}}"#,
+        )
+        .unwrap();
+        assert!(req.other.is_empty());
+        let req: NewSandbox =
+            serde_json::from_str(r#"{"templateID":"base","surprise":1}"#).unwrap();
+        assert!(req.other.contains_key("surprise"));
+        assert!(is_null_or_empty(&None));
+        assert!(!is_null_or_empty(&Some(
+            serde_json::json!({"allowOut": ["x"]})
+        )));
+    }
+}

@@ -1,0 +1,1267 @@
+//! envd over runs: the Connect services `process.Process` and
+//! `filesystem.Filesystem`, `GET/POST /files`, `/health` and `/envs`.
+//!
+//! A process is a runbox background process (so a second client can
+//! `Connect` to it, list it, signal it), and its event stream is an
+//! attach with replay. Paths are absolute in the run's root filesystem
+//! ([`Scope::Root`]), confined to the run by its agent; a relative path is
+//! taken from `/work`, the runbox working directory.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Extension, FromRequest, Multipart, Path, RawQuery, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use base64::Engine;
+use bytes::Bytes;
+use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
+use runbox_core::runs::{ExecEvent, Scope, SessionInput};
+use runbox_core::RunService;
+use runbox_types::{ExecRequest, FileInfo, FileKind, FsQuery, PtySpec, SignalRequest, SignalSpec};
+use serde::Deserialize;
+use ulid::Ulid;
+
+use super::connect::{self, Code, Framing, RpcError};
+use super::wire;
+use super::{envd_error, SandboxId};
+use crate::AppState;
+
+/// The most filesystem watchers open at once, over all sandboxes.
+const MAX_WATCHERS: usize = 256;
+
+/// The most events a watcher holds between two polls; older ones are
+/// dropped first.
+const MAX_WATCHER_EVENTS: usize = 4096;
+
+/// The longest keepalive interval a client may ask for.
+const MAX_KEEPALIVE: Duration = Duration::from_secs(300);
+
+/// What the envd handlers reach.
+#[derive(Clone)]
+pub struct Envd<S> {
+    pub app: AppState<S>,
+    pub watchers: Arc<Watchers>,
+}
+
+/// The polling watchers (`CreateWatcher`, `GetWatcherEvents`,
+/// `RemoveWatcher`): each a task filling a bounded buffer.
+#[derive(Default)]
+pub struct Watchers {
+    open: Mutex<HashMap<String, Watcher>>,
+}
+
+struct Watcher {
+    run: Ulid,
+    events: Arc<Mutex<Vec<wire::FilesystemEvent>>>,
+    task: tokio::task::AbortHandle,
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub fn routes<S: RunService>(state: Envd<S>) -> Router {
+    Router::new()
+        .route("/process.Process/{method}", post(process::<S>))
+        .route("/filesystem.Filesystem/{method}", post(filesystem::<S>))
+        .route(
+            "/files",
+            get(download::<S>)
+                .post(upload::<S>)
+                .layer(axum::extract::DefaultBodyLimit::disable()),
+        )
+        .route("/health", get(|| async { StatusCode::NO_CONTENT }))
+        .route("/envs", get(envs::<S>))
+        .fallback(|| async {
+            envd_error(StatusCode::NOT_FOUND, "no such envd route; see docs/e2b.md")
+        })
+        .with_state(state)
+}
+
+/// The user an envd call names (`Authorization: Basic <user>:`), if any.
+fn user(headers: &HeaderMap) -> Result<Option<String>, RpcError> {
+    let Some(value) = headers.get(header::AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let bad = || RpcError::new(Code::Unauthenticated, "Authorization must be Basic <user>:");
+    let value = value.to_str().map_err(|_| bad())?;
+    let (scheme, encoded) = value.split_once(' ').ok_or_else(bad)?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return Err(bad());
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .map_err(|_| bad())?;
+    let decoded = String::from_utf8(decoded).map_err(|_| bad())?;
+    let name = decoded.split(':').next().unwrap_or("");
+    Ok((!name.is_empty()).then(|| name.to_owned()))
+}
+
+/// A path as envd takes it: absolute, or relative to `/work`.
+fn absolute(path: &str) -> Result<String, RpcError> {
+    if path.is_empty() {
+        return Err(RpcError::invalid(
+            "path is empty; name a path in the sandbox",
+        ));
+    }
+    Ok(if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("/work/{path}")
+    })
+}
+
+fn selector(process: Option<wire::Selector>) -> Result<String, RpcError> {
+    process
+        .map(|s| s.reference())
+        .ok_or_else(|| RpcError::invalid("name the process (process.pid or process.tag)"))
+}
+
+/// The interval of keepalive messages a stream sends, from
+/// `Keepalive-Ping-Interval` (seconds).
+fn keepalive(headers: &HeaderMap) -> Option<Duration> {
+    let secs: u64 = headers
+        .get("keepalive-ping-interval")?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()?;
+    (secs > 0).then(|| Duration::from_secs(secs).min(MAX_KEEPALIVE))
+}
+
+/// `stream` with `ping` interleaved every `every`, ended (with
+/// `deadline_exceeded`) when `deadline` passes; `on_deadline` runs then.
+fn paced<T: Send + 'static>(
+    stream: BoxStream<'static, Result<T, RpcError>>,
+    every: Option<Duration>,
+    ping: fn() -> T,
+    deadline: Option<Duration>,
+    on_deadline: impl FnOnce() + Send + 'static,
+) -> BoxStream<'static, Result<T, RpcError>> {
+    let pings = match every {
+        Some(every) => {
+            let mut interval = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            stream::unfold(interval, move |mut i| async move {
+                i.tick().await;
+                Some((Ok(ping()), i))
+            })
+            .boxed()
+        }
+        None => stream::pending().boxed(),
+    };
+    // Pings run only while the stream does.
+    let merged = stream::select_with_strategy(
+        stream.map(Some).chain(stream::once(async { None })),
+        pings.map(Some),
+        |_: &mut ()| stream::PollNext::Left,
+    )
+    .take_while(|item| futures::future::ready(item.is_some()))
+    .filter_map(futures::future::ready);
+    let merged = merged.boxed();
+    let Some(limit) = deadline else {
+        return merged;
+    };
+    let hook: Box<dyn FnOnce() + Send> = Box::new(on_deadline);
+    let timer = Box::pin(tokio::time::sleep(limit));
+    stream::unfold(Some((merged, timer, Some(hook))), |state| async move {
+        let (mut merged, mut timer, mut hook) = state?;
+        tokio::select! {
+            item = merged.next() => item.map(|item| (item, Some((merged, timer, hook)))),
+            () = &mut timer => {
+                if let Some(hook) = hook.take() {
+                    hook();
+                }
+                let e = RpcError::new(Code::DeadlineExceeded, "the call's deadline (its timeout) passed");
+                Some((Err(e), None))
+            }
+        }
+    })
+    .boxed()
+}
+
+// --- process.Process ---
+
+async fn process<S: RunService>(
+    State(envd): State<Envd<S>>,
+    Extension(SandboxId(id)): Extension<SandboxId>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let framing = match connect::framing(&headers) {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
+    };
+    let deadline = match connect::deadline(&headers) {
+        Ok(d) => d,
+        Err(e) => return e.into_response(),
+    };
+    let service = envd.app.service.clone();
+    match (method.as_str(), framing) {
+        ("Start", Framing::Streaming) => {
+            let events = start(service, id, &headers, body, deadline).await;
+            stream_or_error(events)
+        }
+        ("Connect", Framing::Streaming) => {
+            let events = connect_to(service, id, &headers, body, deadline).await;
+            stream_or_error(events)
+        }
+        ("StreamInput", Framing::Streaming) => {
+            let result = stream_input(service, id, body).await;
+            connect::stream_response(stream::once(async move { result }).boxed())
+        }
+        (_, Framing::Streaming)
+            if matches!(
+                method.as_str(),
+                "List" | "SendInput" | "SendSignal" | "Update" | "CloseStdin"
+            ) =>
+        {
+            RpcError::invalid(format!(
+                "{method} is a unary call; send it as application/json"
+            ))
+            .into_response()
+        }
+        (method, Framing::Unary) => {
+            let bytes = match axum::body::to_bytes(body, connect::MAX_MESSAGE_BYTES).await {
+                Ok(b) => b,
+                Err(_) => {
+                    return RpcError::new(
+                        Code::ResourceExhausted,
+                        format!(
+                            "a message may be at most {} bytes",
+                            connect::MAX_MESSAGE_BYTES
+                        ),
+                    )
+                    .into_response()
+                }
+            };
+            unary_process(service, id, method, &bytes).await
+        }
+        (method, Framing::Streaming) => RpcError::new(
+            Code::Unimplemented,
+            format!("process.Process has no streaming method {method:?}"),
+        )
+        .into_response(),
+    }
+}
+
+fn stream_or_error<T: serde::Serialize + Send + 'static>(
+    events: Result<BoxStream<'static, Result<T, RpcError>>, RpcError>,
+) -> Response {
+    match events {
+        Ok(events) => connect::stream_response(events),
+        Err(e) => connect::stream_response(stream::once(async move { Err::<T, _>(e) }).boxed()),
+    }
+}
+
+async fn unary_process<S: RunService>(
+    service: S,
+    id: Ulid,
+    method: &str,
+    bytes: &[u8],
+) -> Response {
+    match method {
+        "List" => connect::unary_response(list(service, id).await),
+        "SendInput" => {
+            let result = async {
+                let req: wire::SendInputRequest = connect::decode(bytes)?;
+                let process = selector(req.process)?;
+                let data = req
+                    .input
+                    .ok_or_else(|| RpcError::invalid("input is missing"))?
+                    .into_bytes();
+                service
+                    .send_input(id, process, None, Bytes::from(data), false)
+                    .await?;
+                Ok(wire::Empty {})
+            }
+            .await;
+            connect::unary_response(result)
+        }
+        "CloseStdin" => {
+            let result = async {
+                let req: wire::CloseStdinRequest = connect::decode(bytes)?;
+                let process = selector(req.process)?;
+                service
+                    .send_input(id, process, None, Bytes::new(), true)
+                    .await?;
+                Ok(wire::Empty {})
+            }
+            .await;
+            connect::unary_response(result)
+        }
+        "SendSignal" => {
+            let result = async {
+                let req: wire::SendSignalRequest = connect::decode(bytes)?;
+                let process = selector(req.process)?;
+                let signal = req
+                    .signal
+                    .ok_or_else(|| RpcError::invalid("signal is missing"))?;
+                let req = SignalRequest {
+                    signal: SignalSpec::Number(signal.0),
+                    owner: None,
+                    generation: None,
+                };
+                service.signal_process(id, process, req).await?;
+                Ok(wire::Empty {})
+            }
+            .await;
+            connect::unary_response(result)
+        }
+        "Update" => {
+            let result = async {
+                let req: wire::UpdateRequest = connect::decode(bytes)?;
+                let process = selector(req.process)?;
+                let size = req
+                    .pty
+                    .and_then(|p| p.size)
+                    .ok_or_else(|| RpcError::invalid("pty.size is missing"))?;
+                // A resize goes through a short attach: the process keeps
+                // running when it ends.
+                let session = service.attach(id, process, false, Some(None)).await?;
+                session
+                    .input
+                    .send(SessionInput::Resize {
+                        rows: size.rows,
+                        cols: size.cols,
+                    })
+                    .await?;
+                Ok(wire::Empty {})
+            }
+            .await;
+            connect::unary_response(result)
+        }
+        "Start" | "Connect" | "StreamInput" => RpcError::invalid(format!(
+            "{method} is a streaming call; send it as application/connect+json"
+        ))
+        .into_response(),
+        other => RpcError::new(
+            Code::Unimplemented,
+            format!("process.Process has no method {other:?}"),
+        )
+        .into_response(),
+    }
+}
+
+async fn list<S: RunService>(service: S, id: Ulid) -> Result<wire::ListResponse, RpcError> {
+    let processes = service.processes(id).await?;
+    Ok(wire::ListResponse {
+        processes: processes
+            .processes
+            .into_iter()
+            .filter(|p| p.running)
+            .map(|p| {
+                let mut cmd = p.cmd.into_iter();
+                wire::ProcessInfo {
+                    config: wire::ProcessConfig {
+                        cmd: cmd.next().unwrap_or_default(),
+                        args: cmd.collect(),
+                        envs: Default::default(),
+                        cwd: Some(p.cwd),
+                    },
+                    pid: p.pid,
+                    tag: p.tag,
+                }
+            })
+            .collect(),
+    })
+}
+
+/// The program a `Start` runs: the SDKs run every command through
+/// `/bin/bash -l -c`; a run without bash (the busybox `base` image) gets
+/// `/bin/sh`, which takes the same flags.
+async fn program<S: RunService>(service: &S, id: Ulid, cmd: String) -> String {
+    if cmd != "/bin/bash" {
+        return cmd;
+    }
+    match service.stat_path(id, Scope::Root, Some(cmd.clone())).await {
+        Err(e) if e.code() == runbox_types::ErrorCode::FileNotFound => "/bin/sh".to_owned(),
+        _ => cmd,
+    }
+}
+
+async fn start<S: RunService>(
+    service: S,
+    id: Ulid,
+    headers: &HeaderMap,
+    body: Body,
+    deadline: Option<Duration>,
+) -> Result<BoxStream<'static, Result<wire::EventResponse, RpcError>>, RpcError> {
+    let req: wire::StartRequest = connect::single_message(body).await?;
+    let config = req
+        .process
+        .ok_or_else(|| RpcError::invalid("process is missing"))?;
+    if config.cmd.is_empty() {
+        return Err(RpcError::invalid("process.cmd is empty"));
+    }
+    let pty = match req.pty {
+        Some(wire::Pty { size: Some(size) }) => Some(PtySpec {
+            rows: size.rows,
+            cols: size.cols,
+            term: None,
+        }),
+        Some(_) => return Err(RpcError::invalid("pty.size is missing")),
+        None => None,
+    };
+    let mut cmd = vec![program(&service, id, config.cmd).await];
+    cmd.extend(config.args);
+    let exec = ExecRequest {
+        cmd,
+        cwd: config.cwd.filter(|c| !c.is_empty()),
+        env: (!config.envs.is_empty()).then_some(runbox_types::Env(config.envs)),
+        user: user(headers)?,
+        pty: pty.clone(),
+        tag: req.tag.filter(|t| !t.is_empty()),
+        // The SDKs treat an absent `stdin` as true (older envd behaviour).
+        open_stdin: req.stdin.unwrap_or(true),
+        ..Default::default()
+    };
+    let process = service.start_process(id, exec).await?;
+    let session = service
+        .attach(id, process.pid.to_string(), true, None)
+        .await?;
+    Ok(events(
+        service,
+        id,
+        process.pid,
+        session.events,
+        pty.is_some(),
+        keepalive(headers),
+        deadline,
+    ))
+}
+
+async fn connect_to<S: RunService>(
+    service: S,
+    id: Ulid,
+    headers: &HeaderMap,
+    body: Body,
+    deadline: Option<Duration>,
+) -> Result<BoxStream<'static, Result<wire::EventResponse, RpcError>>, RpcError> {
+    let req: wire::ConnectRequest = connect::single_message(body).await?;
+    let process = selector(req.process)?;
+    let pty = service
+        .processes(id)
+        .await?
+        .processes
+        .into_iter()
+        .find(|p| p.pid.to_string() == process || p.tag.as_deref() == Some(&process))
+        .is_some_and(|p| p.pty);
+    let session = service.attach(id, process, false, None).await?;
+    let pid = session.pid;
+    Ok(events(
+        service,
+        id,
+        pid,
+        session.events,
+        pty,
+        keepalive(headers),
+        deadline,
+    ))
+}
+
+/// A process's events as envd sends them. The stream's deadline kills the
+/// process, as envd's does.
+fn events<S: RunService>(
+    service: S,
+    id: Ulid,
+    pid: u32,
+    events: BoxStream<'static, ExecEvent>,
+    pty: bool,
+    every: Option<Duration>,
+    deadline: Option<Duration>,
+) -> BoxStream<'static, Result<wire::EventResponse, RpcError>> {
+    let mapped = events
+        .filter_map(move |event| {
+            let event = match event {
+                ExecEvent::Started(pid) => Some(wire::ProcessEvent::Start { pid }),
+                ExecEvent::Stdout(b) if pty => {
+                    Some(wire::ProcessEvent::Data(wire::DataEvent::Pty(b.to_vec())))
+                }
+                ExecEvent::Stdout(b) => Some(wire::ProcessEvent::Data(wire::DataEvent::Stdout(
+                    b.to_vec(),
+                ))),
+                ExecEvent::Stderr(b) => Some(wire::ProcessEvent::Data(wire::DataEvent::Stderr(
+                    b.to_vec(),
+                ))),
+                ExecEvent::Lost(_) => None,
+                ExecEvent::Exit(exit) => Some(wire::ProcessEvent::End(wire::EndEvent {
+                    exit_code: exit.exit_code,
+                    exited: exit.signal.is_none() && exit.exit_code >= 0,
+                    status: match exit.signal {
+                        Some(signal) => format!("signal: {signal}"),
+                        None => format!("exit status {}", exit.exit_code),
+                    },
+                    error: (exit.exit_code < 0)
+                        .then(|| format!("the process was lost ({:?})", exit.reason)),
+                })),
+            };
+            futures::future::ready(event.map(|event| Ok(wire::EventResponse { event })))
+        })
+        .boxed();
+    paced(
+        mapped,
+        every,
+        || wire::EventResponse {
+            event: wire::ProcessEvent::Keepalive {},
+        },
+        deadline,
+        move || {
+            tokio::spawn(async move {
+                let kill = SignalRequest {
+                    signal: SignalSpec::Number(9),
+                    owner: None,
+                    generation: None,
+                };
+                let _ = service.signal_process(id, pid.to_string(), kill).await;
+            });
+        },
+    )
+}
+
+/// `StreamInput`: the first message names the process; data messages are
+/// its input, in order.
+async fn stream_input<S: RunService>(
+    service: S,
+    id: Ulid,
+    body: Body,
+) -> Result<wire::Empty, RpcError> {
+    let mut messages = std::pin::pin!(connect::request_messages::<wire::StreamInputRequest>(body));
+    let process = match messages.next().await {
+        Some(Ok(wire::StreamInputRequest::Start(start))) => selector(start.process)?,
+        Some(Ok(_)) => return Err(RpcError::invalid("the first message must be start")),
+        Some(Err(e)) => return Err(e),
+        None => return Err(RpcError::invalid("the stream carried no message")),
+    };
+    while let Some(message) = messages.next().await {
+        match message? {
+            wire::StreamInputRequest::Data(data) => {
+                let bytes = data
+                    .input
+                    .ok_or_else(|| RpcError::invalid("input is missing"))?
+                    .into_bytes();
+                service
+                    .send_input(id, process.clone(), None, Bytes::from(bytes), false)
+                    .await?;
+            }
+            wire::StreamInputRequest::Keepalive(_) => {}
+            wire::StreamInputRequest::Start(_) => {
+                return Err(RpcError::invalid("a stream names its process once"))
+            }
+        }
+    }
+    Ok(wire::Empty {})
+}
+
+// --- filesystem.Filesystem ---
+
+fn permissions(kind: FileKind, mode: u32) -> String {
+    let mut out = String::with_capacity(10);
+    out.push(match kind {
+        FileKind::Directory => 'd',
+        FileKind::Symlink => 'L',
+        _ => '-',
+    });
+    for shift in [6, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        out.push(if bits & 4 != 0 { 'r' } else { '-' });
+        out.push(if bits & 2 != 0 { 'w' } else { '-' });
+        out.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    out
+}
+
+/// A runbox description as envd's `EntryInfo`. Owner and group are the
+/// numeric ids (runbox does not read the run's user database for a stat).
+fn entry(info: FileInfo) -> wire::EntryInfo {
+    let name = info
+        .path
+        .rsplit('/')
+        .next()
+        .filter(|n| !n.is_empty())
+        .unwrap_or("/")
+        .to_owned();
+    wire::EntryInfo {
+        name,
+        kind: match info.kind {
+            FileKind::File => "FILE_TYPE_FILE",
+            FileKind::Directory => "FILE_TYPE_DIRECTORY",
+            FileKind::Symlink => "FILE_TYPE_SYMLINK",
+            _ => "FILE_TYPE_UNSPECIFIED",
+        },
+        path: info.path,
+        size: info.size.to_string(),
+        mode: info.mode,
+        permissions: permissions(info.kind, info.mode),
+        owner: info.uid.to_string(),
+        group: info.gid.to_string(),
+        modified_time: info
+            .modified_at
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+        is_symlink: info.kind == FileKind::Symlink,
+        symlink_target: info.target,
+    }
+}
+
+async fn filesystem<S: RunService>(
+    State(envd): State<Envd<S>>,
+    Extension(SandboxId(id)): Extension<SandboxId>,
+    Path(method): Path<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let framing = match connect::framing(&headers) {
+        Ok(f) => f,
+        Err(e) => return e.into_response(),
+    };
+    let deadline = match connect::deadline(&headers) {
+        Ok(d) => d,
+        Err(e) => return e.into_response(),
+    };
+    let service = envd.app.service.clone();
+    if method == "WatchDir" {
+        if framing != Framing::Streaming {
+            return RpcError::invalid(
+                "WatchDir is a streaming call; send it as application/connect+json",
+            )
+            .into_response();
+        }
+        let events = watch_dir(service, id, &headers, body, deadline).await;
+        return stream_or_error(events);
+    }
+    if framing != Framing::Unary {
+        return RpcError::new(
+            Code::Unimplemented,
+            format!("filesystem.Filesystem has no streaming method {method:?}"),
+        )
+        .into_response();
+    }
+    let bytes = match axum::body::to_bytes(body, connect::MAX_MESSAGE_BYTES).await {
+        Ok(b) => b,
+        Err(_) => {
+            return RpcError::new(Code::ResourceExhausted, "the request message is too large")
+                .into_response()
+        }
+    };
+    match method.as_str() {
+        "Stat" => connect::unary_response(
+            async {
+                let req: wire::PathRequest = connect::decode(&bytes)?;
+                let info = service
+                    .stat_path(id, Scope::Root, Some(absolute(&req.path)?))
+                    .await?;
+                Ok(wire::EntryResponse { entry: entry(info) })
+            }
+            .await,
+        ),
+        "ListDir" => connect::unary_response(
+            async {
+                let req: wire::ListDirRequest = connect::decode(&bytes)?;
+                let query = FsQuery {
+                    path: Some(absolute(&req.path)?),
+                    depth: Some(req.depth.filter(|d| *d > 0).unwrap_or(1)),
+                    ..Default::default()
+                };
+                let list = service.list_path(id, Scope::Root, query).await?;
+                Ok(wire::ListDirResponse {
+                    entries: list.entries.into_iter().map(entry).collect(),
+                })
+            }
+            .await,
+        ),
+        "MakeDir" => connect::unary_response(
+            async {
+                let req: wire::PathRequest = connect::decode(&bytes)?;
+                let path = absolute(&req.path)?;
+                // envd answers already_exists, which the SDKs turn into false.
+                if service
+                    .stat_path(id, Scope::Root, Some(path.clone()))
+                    .await
+                    .is_ok()
+                {
+                    return Err(RpcError::new(
+                        Code::AlreadyExists,
+                        format!("{path} already exists"),
+                    ));
+                }
+                let req = runbox_types::MakeDirRequest {
+                    path,
+                    ..Default::default()
+                };
+                let info = service.make_dir(id, Scope::Root, req).await?;
+                Ok(wire::EntryResponse { entry: entry(info) })
+            }
+            .await,
+        ),
+        "Move" => connect::unary_response(
+            async {
+                let req: wire::MoveRequest = connect::decode(&bytes)?;
+                let req = runbox_types::MoveRequest {
+                    from: absolute(&req.source)?,
+                    to: absolute(&req.destination)?,
+                    overwrite: Some(true),
+                    ..Default::default()
+                };
+                let info = service.move_path(id, Scope::Root, req).await?;
+                Ok(wire::EntryResponse { entry: entry(info) })
+            }
+            .await,
+        ),
+        "Remove" => connect::unary_response(
+            async {
+                let req: wire::PathRequest = connect::decode(&bytes)?;
+                let req = runbox_types::RemoveRequest {
+                    path: absolute(&req.path)?,
+                    recursive: Some(true),
+                    ..Default::default()
+                };
+                service.remove_path(id, Scope::Root, req).await?;
+                Ok(wire::Empty {})
+            }
+            .await,
+        ),
+        "CreateWatcher" => connect::unary_response(create_watcher(&envd, id, &bytes).await),
+        "GetWatcherEvents" => connect::unary_response(watcher_events(&envd, id, &bytes)),
+        "RemoveWatcher" => connect::unary_response((|| {
+            let req: wire::WatcherRequest = connect::decode(&bytes)?;
+            let mut open = envd.watchers.open.lock().expect("watchers lock");
+            match open.get(&req.watcher_id) {
+                Some(w) if w.run == id => {
+                    open.remove(&req.watcher_id);
+                    Ok(wire::Empty {})
+                }
+                _ => Err(RpcError::new(Code::NotFound, "no such watcher")),
+            }
+        })()),
+        other => RpcError::new(
+            Code::Unimplemented,
+            format!("filesystem.Filesystem has no method {other:?}"),
+        )
+        .into_response(),
+    }
+}
+
+/// A runbox change as envd events, named relative to the watched
+/// directory. A rename is envd's pair: the old name renamed, the new one
+/// created.
+fn fs_events(base: &str, event: runbox_types::WatchEvent) -> Vec<wire::FilesystemEvent> {
+    use runbox_types::WatchKind;
+    let name = |path: &str| {
+        path.strip_prefix(base)
+            .map(|p| p.trim_start_matches('/'))
+            .unwrap_or(path)
+            .to_owned()
+    };
+    let one = |path: &str, kind| wire::FilesystemEvent {
+        name: name(path),
+        kind,
+    };
+    // An upload fills a temporary file beside its target and renames it
+    // into place: envd's clients see the target created and written.
+    let temporary = |path: &str| {
+        path.rsplit('/')
+            .next()
+            .is_some_and(|n| n.starts_with(runbox_agent_proto::UPLOAD_TEMP_PREFIX))
+    };
+    if temporary(&event.path) {
+        return Vec::new();
+    }
+    if event.kind == WatchKind::Renamed && event.from.as_deref().is_some_and(temporary) {
+        return vec![
+            one(&event.path, "EVENT_TYPE_CREATE"),
+            one(&event.path, "EVENT_TYPE_WRITE"),
+        ];
+    }
+    match event.kind {
+        WatchKind::Created => vec![one(&event.path, "EVENT_TYPE_CREATE")],
+        WatchKind::Written => vec![one(&event.path, "EVENT_TYPE_WRITE")],
+        WatchKind::Removed => vec![one(&event.path, "EVENT_TYPE_REMOVE")],
+        WatchKind::Renamed => {
+            let mut out = Vec::new();
+            if let Some(from) = &event.from {
+                out.push(one(from, "EVENT_TYPE_RENAME"));
+            }
+            out.push(one(&event.path, "EVENT_TYPE_CREATE"));
+            out
+        }
+        WatchKind::Ready | WatchKind::Overflow => Vec::new(),
+    }
+}
+
+/// Opens a runbox watch and waits for it to be in place.
+async fn open_watch<S: RunService>(
+    service: &S,
+    id: Ulid,
+    path: &str,
+    recursive: bool,
+) -> Result<(String, BoxStream<'static, runbox_types::WatchEvent>), RpcError> {
+    let path = absolute(path)?;
+    let query = FsQuery {
+        path: Some(path.clone()),
+        recursive: Some(recursive),
+        ..Default::default()
+    };
+    let mut events = service.watch_path(id, Scope::Root, query).await?;
+    match events.next().await {
+        Some(e) if e.kind == runbox_types::WatchKind::Ready => {}
+        _ => {
+            return Err(RpcError::new(
+                Code::Unavailable,
+                "the watch ended before it was in place",
+            ))
+        }
+    }
+    let base = path.trim_end_matches('/').to_owned();
+    Ok((base, events))
+}
+
+async fn watch_dir<S: RunService>(
+    service: S,
+    id: Ulid,
+    headers: &HeaderMap,
+    body: Body,
+    deadline: Option<Duration>,
+) -> Result<BoxStream<'static, Result<wire::WatchEvent, RpcError>>, RpcError> {
+    let req: wire::WatchRequest = connect::single_message(body).await?;
+    if req.include_entry {
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            "includeEntry needs envd 0.6.3; runbox reports 0.5.7",
+        ));
+    }
+    let (base, events) = open_watch(&service, id, &req.path, req.recursive).await?;
+    let changes = events
+        .flat_map(move |e| stream::iter(fs_events(&base, e)))
+        .map(|e| Ok(wire::WatchEvent::Filesystem(e)));
+    let all = stream::once(async { Ok(wire::WatchEvent::Start {}) })
+        .chain(changes)
+        .boxed();
+    Ok(paced(
+        all,
+        keepalive(headers),
+        || wire::WatchEvent::Keepalive {},
+        deadline,
+        || {},
+    ))
+}
+
+async fn create_watcher<S: RunService>(
+    envd: &Envd<S>,
+    id: Ulid,
+    bytes: &[u8],
+) -> Result<wire::CreateWatcherResponse, RpcError> {
+    let req: wire::WatchRequest = connect::decode(bytes)?;
+    if req.include_entry {
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            "includeEntry needs envd 0.6.3; runbox reports 0.5.7",
+        ));
+    }
+    if envd.watchers.open.lock().expect("watchers lock").len() >= MAX_WATCHERS {
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!("at most {MAX_WATCHERS} watchers may be open; remove some"),
+        ));
+    }
+    let (base, mut events) = open_watch(&envd.app.service, id, &req.path, req.recursive).await?;
+    let buffer = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&buffer);
+    let task = tokio::spawn(async move {
+        while let Some(event) = events.next().await {
+            let mut held = sink.lock().expect("watcher buffer lock");
+            held.extend(fs_events(&base, event));
+            let excess = held.len().saturating_sub(MAX_WATCHER_EVENTS);
+            held.drain(..excess);
+        }
+    });
+    let watcher_id = Ulid::new().to_string();
+    let mut open = envd.watchers.open.lock().expect("watchers lock");
+    // Watchers of sandboxes that are gone go with them.
+    open.retain(|_, w| envd.app.service.get(w.run).is_ok());
+    open.insert(
+        watcher_id.clone(),
+        Watcher {
+            run: id,
+            events: buffer,
+            task: task.abort_handle(),
+        },
+    );
+    Ok(wire::CreateWatcherResponse { watcher_id })
+}
+
+fn watcher_events<S: RunService>(
+    envd: &Envd<S>,
+    id: Ulid,
+    bytes: &[u8],
+) -> Result<wire::WatcherEvents, RpcError> {
+    let req: wire::WatcherRequest = connect::decode(bytes)?;
+    let open = envd.watchers.open.lock().expect("watchers lock");
+    match open.get(&req.watcher_id) {
+        Some(w) if w.run == id => {
+            let events = std::mem::take(&mut *w.events.lock().expect("watcher buffer lock"));
+            Ok(wire::WatcherEvents { events })
+        }
+        _ => Err(RpcError::new(Code::NotFound, "no such watcher")),
+    }
+}
+
+// --- /files, /envs ---
+
+#[derive(Debug, Deserialize)]
+struct FileQuery {
+    path: Option<String>,
+    #[allow(dead_code)]
+    username: Option<String>,
+    signature: Option<String>,
+    #[allow(dead_code)]
+    signature_expiration: Option<String>,
+}
+
+/// An error of a plain envd route.
+fn file_error(e: runbox_core::CoreError) -> Response {
+    let api = crate::ApiError::from(e);
+    let status =
+        StatusCode::from_u16(api.code().status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    envd_error(
+        status,
+        format!("{} ({})", api.message(), api.code().as_str()),
+    )
+}
+
+fn file_query(raw: Option<&str>) -> Result<FileQuery, (StatusCode, String)> {
+    let query: FileQuery = serde_urlencoded::from_str(raw.unwrap_or(""))
+        .map_err(|e| (StatusCode::BAD_REQUEST, format!("bad query: {e}")))?;
+    if query.signature.is_some() {
+        return Err((
+            StatusCode::NOT_IMPLEMENTED,
+            "signed file URLs are not supported by runbox; send X-Access-Token".to_owned(),
+        ));
+    }
+    Ok(query)
+}
+
+async fn download<S: RunService>(
+    State(envd): State<Envd<S>>,
+    Extension(SandboxId(id)): Extension<SandboxId>,
+    RawQuery(raw): RawQuery,
+) -> Response {
+    let query = match file_query(raw.as_deref()) {
+        Ok(q) => q,
+        Err((status, message)) => return envd_error(status, message),
+    };
+    let path = match absolute(query.path.as_deref().unwrap_or("")) {
+        Ok(p) => p,
+        Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
+    };
+    let file = match envd.app.service.get_file(id, Scope::Root, path).await {
+        Ok(f) => f,
+        Err(e) => return file_error(e),
+    };
+    let body = Body::from_stream(file.body.map_err(|e| std::io::Error::other(e.to_string())));
+    Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/octet-stream")
+        .header(header::CONTENT_LENGTH, file.size)
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
+}
+
+/// What a write answers for each file.
+fn written(path: &str) -> serde_json::Value {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    serde_json::json!({ "name": name, "type": "file", "path": path })
+}
+
+async fn upload<S: RunService>(
+    State(envd): State<Envd<S>>,
+    Extension(SandboxId(id)): Extension<SandboxId>,
+    RawQuery(raw): RawQuery,
+    request: axum::extract::Request,
+) -> Response {
+    let query = match file_query(raw.as_deref()) {
+        Ok(q) => q,
+        Err((status, message)) => return envd_error(status, message),
+    };
+    let content_type = request
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    let service = envd.app.service.clone();
+    if content_type.starts_with("multipart/form-data") {
+        let mut form = match Multipart::from_request(request, &()).await {
+            Ok(f) => f,
+            Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.body_text()),
+        };
+        let mut results = Vec::new();
+        loop {
+            let field = match form.next_field().await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.body_text()),
+            };
+            // One file: the query's path; several: each part's file name.
+            let named = field.file_name().map(str::to_owned);
+            let path = match query.path.clone().filter(|_| results.is_empty()).or(named) {
+                Some(p) => p,
+                None => {
+                    return envd_error(
+                        StatusCode::BAD_REQUEST,
+                        "name the file: ?path= or the part's filename",
+                    )
+                }
+            };
+            let path = match absolute(&path) {
+                Ok(p) => p,
+                Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
+            };
+            // The part borrows the form; the upload takes a stream of its
+            // own, fed from the part as the upload reads it.
+            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
+            let body = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
+            let mut field = field;
+            let pump = async move {
+                while let Some(chunk) = field.next().await {
+                    let chunk = chunk.map_err(std::io::Error::other);
+                    let failed = chunk.is_err();
+                    if tx.send(chunk).await.is_err() || failed {
+                        break;
+                    }
+                }
+            };
+            let (written_ok, ()) = tokio::join!(
+                service.put_file(id, Scope::Root, path.clone(), None, None, body),
+                pump
+            );
+            if let Err(e) = written_ok {
+                return file_error(e);
+            }
+            results.push(written(&path));
+        }
+        if results.is_empty() {
+            return envd_error(StatusCode::BAD_REQUEST, "the form carried no file");
+        }
+        return axum::Json(results).into_response();
+    }
+    if !content_type.is_empty() && !content_type.starts_with("application/octet-stream") {
+        return envd_error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "send the file as multipart/form-data or application/octet-stream",
+        );
+    }
+    let path = match absolute(query.path.as_deref().unwrap_or("")) {
+        Ok(p) => p,
+        Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
+    };
+    let gzip = match request
+        .headers()
+        .get(header::CONTENT_ENCODING)
+        .map(|v| v.as_bytes().to_ascii_lowercase())
+    {
+        None => false,
+        Some(v) if v == b"identity" => false,
+        Some(v) if v == b"gzip" => true,
+        Some(_) => {
+            return envd_error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "Content-Encoding may be gzip or identity",
+            )
+        }
+    };
+    let length = if gzip {
+        None
+    } else {
+        request
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+    };
+    let raw = request
+        .into_body()
+        .into_data_stream()
+        .map_err(std::io::Error::other);
+    let body = if gzip {
+        gunzip(raw.boxed())
+    } else {
+        raw.boxed()
+    };
+    match service
+        .put_file(id, Scope::Root, path.clone(), None, length, body)
+        .await
+    {
+        Ok(_) => axum::Json(vec![written(&path)]).into_response(),
+        Err(e) => file_error(e),
+    }
+}
+
+/// A gzip body decoded as it arrives (flate2's decoder writing into a
+/// buffer that each chunk drains), so memory stays bounded.
+fn gunzip(
+    body: BoxStream<'static, Result<Bytes, std::io::Error>>,
+) -> BoxStream<'static, Result<Bytes, std::io::Error>> {
+    use std::io::Write;
+    let decoder = flate2::write::GzDecoder::new(Vec::new());
+    stream::unfold(Some((body, decoder)), |state| async move {
+        let (mut body, mut decoder) = state?;
+        loop {
+            match body.next().await {
+                Some(Ok(chunk)) => {
+                    if let Err(e) = decoder.write_all(&chunk) {
+                        return Some((Err(e), None));
+                    }
+                    let out = std::mem::take(decoder.get_mut());
+                    if !out.is_empty() {
+                        return Some((Ok(Bytes::from(out)), Some((body, decoder))));
+                    }
+                }
+                Some(Err(e)) => return Some((Err(e), None)),
+                None => {
+                    return match decoder.finish() {
+                        Ok(rest) if rest.is_empty() => None,
+                        Ok(rest) => Some((Ok(Bytes::from(rest)), None)),
+                        Err(e) => Some((Err(e), None)),
+                    }
+                }
+            }
+        }
+    })
+    .boxed()
+}
+
+/// `GET /envs`: the environment commands in the sandbox start with, read
+/// from a command's own `/proc/self/environ`.
+async fn envs<S: RunService>(
+    State(envd): State<Envd<S>>,
+    Extension(SandboxId(id)): Extension<SandboxId>,
+) -> Response {
+    let exec = ExecRequest {
+        cmd: vec!["cat".into(), "/proc/self/environ".into()],
+        timeout_sec: Some(10),
+        ..Default::default()
+    };
+    let mut events = match envd.app.service.exec(id, exec).await {
+        Ok(e) => e,
+        Err(e) => return file_error(e),
+    };
+    let mut out = Vec::new();
+    while let Some(event) = events.next().await {
+        if let ExecEvent::Stdout(b) = event {
+            out.extend_from_slice(&b);
+            if out.len() > 1 << 20 {
+                break;
+            }
+        }
+    }
+    let map: std::collections::BTreeMap<String, String> = out
+        .split(|b| *b == 0)
+        .filter_map(|pair| {
+            let text = String::from_utf8_lossy(pair);
+            let (k, v) = text.split_once('=')?;
+            Some((k.to_owned(), v.to_owned()))
+        })
+        .collect();
+    axum::Json(map).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_are_absolute_or_from_work() {
+        assert_eq!(absolute("/etc/hosts").unwrap(), "/etc/hosts");
+        assert_eq!(absolute("notes.txt").unwrap(), "/work/notes.txt");
+        assert!(absolute("").is_err());
+    }
+
+    #[test]
+    fn permissions_read_like_envd() {
+        assert_eq!(permissions(FileKind::Directory, 0o755), "drwxr-xr-x");
+        assert_eq!(permissions(FileKind::File, 0o640), "-rw-r-----");
+    }
+
+    #[test]
+    fn the_basic_user_is_read() {
+        let mut h = HeaderMap::new();
+        assert_eq!(user(&h).unwrap(), None);
+        h.insert(header::AUTHORIZATION, "Basic cm9vdDo=".parse().unwrap());
+        assert_eq!(user(&h).unwrap().as_deref(), Some("root"));
+        h.insert(header::AUTHORIZATION, "Bearer x".parse().unwrap());
+        assert!(user(&h).is_err());
+    }
+
+    #[test]
+    fn renames_are_envds_pair() {
+        let e = runbox_types::WatchEvent {
+            kind: runbox_types::WatchKind::Renamed,
+            path: "/work/d/b".into(),
+            from: Some("/work/d/a".into()),
+            is_dir: false,
+        };
+        let got = fs_events("/work/d", e);
+        assert_eq!(got.len(), 2);
+        assert_eq!(
+            (got[0].name.as_str(), got[0].kind),
+            ("a", "EVENT_TYPE_RENAME")
+        );
+        assert_eq!(
+            (got[1].name.as_str(), got[1].kind),
+            ("b", "EVENT_TYPE_CREATE")
+        );
+    }
+
+    #[test]
+    fn uploads_show_as_their_target() {
+        let temp = format!("/work/{}0123", runbox_agent_proto::UPLOAD_TEMP_PREFIX);
+        let created = runbox_types::WatchEvent {
+            kind: runbox_types::WatchKind::Created,
+            path: temp.clone(),
+            from: None,
+            is_dir: false,
+        };
+        assert!(fs_events("/work", created).is_empty());
+        let renamed = runbox_types::WatchEvent {
+            kind: runbox_types::WatchKind::Renamed,
+            path: "/work/f.txt".into(),
+            from: Some(temp),
+            is_dir: false,
+        };
+        let kinds: Vec<_> = fs_events("/work", renamed).iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, ["EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE"]);
+    }
+
+    #[tokio::test]
+    async fn gzip_uploads_decode_in_pieces() {
+        use std::io::Write;
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        enc.write_all(&data).unwrap();
+        let gz = enc.finish().unwrap();
+        let chunks: Vec<Result<Bytes, std::io::Error>> = gz
+            .chunks(1000)
+            .map(|c| Ok(Bytes::copy_from_slice(c)))
+            .collect();
+        let out: Vec<u8> = gunzip(stream::iter(chunks).boxed())
+            .try_fold(Vec::new(), |mut acc, b| async move {
+                acc.extend_from_slice(&b);
+                Ok(acc)
+            })
+            .await
+            .unwrap();
+        assert_eq!(out, data);
+        let broken = gunzip(stream::iter(vec![Ok(Bytes::from_static(b"not gzip at all"))]).boxed())
+            .try_collect::<Vec<_>>()
+            .await;
+        assert!(broken.is_err());
+    }
+}

@@ -1,0 +1,212 @@
+//! The E2B-compatible surface: the unmodified E2B SDKs drive runbox.
+//!
+//! Two halves, both on the runbox listener:
+//! - the control plane (`control`): `/sandboxes`, `/v2/sandboxes`, ... with
+//!   the runbox token as `X-API-Key`; a sandbox is a run.
+//! - envd (`envd`): what the SDKs reach on a sandbox's own URL, the Connect
+//!   services `process.Process` and `filesystem.Filesystem`, `/files`,
+//!   `/health` and `/envs`. A request is envd's when it names a sandbox,
+//!   by the `E2b-Sandbox-Id` header (so `E2B_SANDBOX_URL` can point every
+//!   sandbox at this one address) or by a `49983-<id>.<domain>` host; it
+//!   authenticates with the sandbox's own access token (`X-Access-Token`),
+//!   which the create answer carries and which opens that sandbox only.
+//!
+//! Everything here calls the [`RunService`] like the runbox API does; no
+//! lifecycle logic lives here. docs/e2b.md says what is served and what
+//! answers 501.
+
+mod connect;
+mod control;
+mod envd;
+mod wire;
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use runbox_core::RunService;
+use sha2::Sha256;
+use tower::ServiceExt;
+use ulid::Ulid;
+
+use crate::AppState;
+
+pub use control::routes as control_routes;
+
+/// The port E2B's SDKs address envd on, in a sandbox's host name.
+pub const ENVD_PORT: u16 = 49983;
+
+/// The envd version runbox reports: the SDKs enable what this version has
+/// (stdin control, closing stdin, octet-stream uploads) and send no user
+/// unless the caller names one.
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// The header naming the sandbox a request is for.
+const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";
+
+/// The header carrying a sandbox's access token.
+const ACCESS_TOKEN_HEADER: &str = "x-access-token";
+
+/// The sandbox an envd request is for, resolved by [`dispatch`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SandboxId(pub Ulid);
+
+/// A sandbox's envd access token: an HMAC of its id under the daemon
+/// token, so it opens that sandbox only and needs no storage.
+pub(crate) fn access_token(daemon_token: &str, id: Ulid) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(daemon_token.as_bytes())
+        .expect("HMAC accepts any key length");
+    mac.update(b"runbox e2b envd access\0");
+    mac.update(id.to_string().as_bytes());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
+}
+
+/// An envd-shaped error: `{"code": <status>, "message": ...}`.
+pub(crate) fn envd_error(status: StatusCode, message: impl Into<String>) -> Response {
+    let body = serde_json::json!({ "code": status.as_u16(), "message": message.into() });
+    (status, axum::Json(body)).into_response()
+}
+
+/// Which sandbox a request names, if any: `Some(Err)` for a name that
+/// does not parse.
+fn named_sandbox(headers: &HeaderMap) -> Option<Result<Ulid, String>> {
+    if let Some(value) = headers.get(SANDBOX_ID_HEADER) {
+        let raw = value.to_str().unwrap_or("");
+        return Some(
+            Ulid::from_string(raw.trim())
+                .map_err(|_| format!("E2b-Sandbox-Id {raw:?} is not a sandbox id")),
+        );
+    }
+    // `<port>-<id>.<domain>`: only hosts whose first label has that shape.
+    let host = headers.get(axum::http::header::HOST)?.to_str().ok()?;
+    let label = host.split('.').next()?;
+    let (port, id) = label.split_once('-')?;
+    let port: u16 = port.parse().ok()?;
+    let id = Ulid::from_string(id).ok()?;
+    if port != ENVD_PORT {
+        return Some(Err(format!(
+            "port {port} of a sandbox is not served on this address; mint a preview URL for it (POST /v1/runs/{id}/preview)"
+        )));
+    }
+    Some(Ok(id))
+}
+
+/// Sends a request that names a sandbox to envd; the rest go on.
+pub(crate) async fn dispatch(
+    State(envd): State<Router>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    match named_sandbox(request.headers()) {
+        None => next.run(request).await,
+        Some(Err(message)) => envd_error(StatusCode::BAD_REQUEST, message),
+        Some(Ok(id)) => {
+            request.extensions_mut().insert(SandboxId(id));
+            match envd.oneshot(request).await {
+                Ok(response) => response,
+                Err(never) => match never {},
+            }
+        }
+    }
+}
+
+/// Checks an envd request's access token, and that its sandbox exists
+/// (a gone sandbox answers 502 "... was not found", as the SDKs expect).
+async fn require_access<S: RunService>(
+    State(state): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    use subtle::ConstantTimeEq;
+    let Some(SandboxId(id)) = request.extensions().get::<SandboxId>().copied() else {
+        return envd_error(StatusCode::BAD_REQUEST, "name the sandbox (E2b-Sandbox-Id)");
+    };
+    let presented = request
+        .headers()
+        .get(ACCESS_TOKEN_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let expected = access_token(&state.token, id);
+    // The sandbox's own token, or the daemon's (it opens every sandbox).
+    let ok = bool::from(presented.as_bytes().ct_eq(expected.as_bytes()))
+        | bool::from(presented.as_bytes().ct_eq(state.token.as_bytes()));
+    if !ok {
+        return envd_error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong X-Access-Token for this sandbox",
+        );
+    }
+    match state.service.get(id) {
+        Ok(run) if run.status == runbox_types::RunStatus::Running => next.run(request).await,
+        Ok(_) => envd_error(
+            StatusCode::BAD_GATEWAY,
+            format!("The sandbox {id} is not running"),
+        ),
+        Err(_) => envd_error(
+            StatusCode::BAD_GATEWAY,
+            format!("The sandbox {id} was not found"),
+        ),
+    }
+}
+
+/// The envd router, with its state; [`dispatch`] hands it requests.
+pub fn envd_router<S: RunService>(state: AppState<S>) -> Router {
+    let watchers = Arc::new(envd::Watchers::default());
+    envd::routes(envd::Envd {
+        app: state.clone(),
+        watchers,
+    })
+    .route_layer(axum::middleware::from_fn_with_state(
+        state,
+        require_access::<S>,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+
+    #[test]
+    fn sandboxes_are_named_by_header_or_host() {
+        let id = Ulid::new();
+        let mut h = HeaderMap::new();
+        assert!(named_sandbox(&h).is_none());
+        h.insert("host", HeaderValue::from_static("127.0.0.1:8080"));
+        assert!(named_sandbox(&h).is_none());
+        h.insert(
+            "host",
+            HeaderValue::from_str(&format!(
+                "49983-{}.sandbox.example",
+                id.to_string().to_lowercase()
+            ))
+            .unwrap(),
+        );
+        assert_eq!(named_sandbox(&h).unwrap().unwrap(), id);
+        h.insert(
+            "host",
+            HeaderValue::from_str(&format!("3000-{id}.sandbox.example")).unwrap(),
+        );
+        assert!(named_sandbox(&h).unwrap().unwrap_err().contains("preview"));
+        h.insert(SANDBOX_ID_HEADER, HeaderValue::from_static("nope"));
+        assert!(named_sandbox(&h).unwrap().is_err());
+        h.insert(
+            SANDBOX_ID_HEADER,
+            HeaderValue::from_str(&id.to_string()).unwrap(),
+        );
+        assert_eq!(named_sandbox(&h).unwrap().unwrap(), id);
+    }
+
+    #[test]
+    fn access_tokens_are_per_sandbox() {
+        let (a, b) = (Ulid::new(), Ulid::new());
+        assert_eq!(access_token("t", a), access_token("t", a));
+        assert_ne!(access_token("t", a), access_token("t", b));
+        assert_ne!(access_token("t", a), access_token("u", a));
+    }
+}
