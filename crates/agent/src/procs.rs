@@ -736,6 +736,9 @@ pub async fn signal(table: &Table, request: SignalProcessRequest) -> Result<Proc
 /// The SendInput call.
 pub async fn send_input(table: &Table, request: SendInputRequest) -> Result<ProcessInfo, Status> {
     let proc = table.find(request.process.as_ref())?;
+    if let Some(size) = request.resize {
+        proc.send(Input::Resize(size)).await?;
+    }
     if !request.data.is_empty() {
         proc.send(Input::Data(request.data)).await?;
     }

@@ -183,6 +183,43 @@ async fn a_terminal_has_its_size_and_sees_resizes() {
     assert!(out.stderr.is_empty(), "a terminal has one output stream");
 }
 
+#[tokio::test]
+async fn send_input_resizes_a_background_terminal() {
+    let mut agent = TestAgent::start().await;
+    let mut request = sh("stty size; read line; stty size; echo got=$line");
+    request.pty = Some(PtySize { rows: 24, cols: 80 });
+    request.tag = "term".into();
+    request.stdin = true;
+    start_background(&mut agent.client, request).await;
+    let (_atx, mut stream) = attach(&mut agent.client, by_tag("term"), true).await;
+    assert!(read_until(&mut stream, "24 80").await.contains("24 80"));
+    // One call: the size first, then the line that lets the script go on.
+    agent
+        .client
+        .send_input(SendInputRequest {
+            process: by_tag("term"),
+            resize: Some(PtySize {
+                rows: 40,
+                cols: 120,
+            }),
+            data: b"go\r".to_vec(),
+            close: false,
+        })
+        .await
+        .unwrap();
+    let out = collect_rest(stream).await;
+    assert!(
+        out.stdout_str().contains("40 120"),
+        "{:?}",
+        out.stdout_str()
+    );
+    assert!(
+        out.stdout_str().contains("got=go"),
+        "{:?}",
+        out.stdout_str()
+    );
+}
+
 /// The rest of a stream whose `started` was already read.
 async fn collect_rest(stream: Streaming<runbox_agent_proto::pb::ExecOutput>) -> Outcome {
     let mut out = Outcome {
@@ -285,6 +322,7 @@ async fn a_background_process_outlives_its_call_and_is_kept_after_it_ended() {
             process: by_tag("job"),
             data: b"hi\n".to_vec(),
             close: true,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -337,6 +375,7 @@ async fn signals_and_input_errors() {
             process: by_pid(pid),
             data: b"x".to_vec(),
             close: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -166,6 +166,17 @@ impl BackendError {
     }
 }
 
+/// What a run uses at one moment, as its cgroup counts it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// CPU time used since it started, in nanoseconds.
+    pub cpu_ns: u64,
+    /// Memory charged to it now, page cache included.
+    pub memory_bytes: u64,
+    /// The page cache part of `memory_bytes`.
+    pub memory_cache_bytes: u64,
+}
+
 /// An isolation lane. Implementations must make every method idempotent and
 /// safe to call for ids they have never seen.
 ///
@@ -205,6 +216,12 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Bytes run `id` has written to its own disk, where that is counted.
     fn disk_used(&self, id: Ulid) -> Option<u64> {
+        let _ = id;
+        None
+    }
+
+    /// What run `id` uses now (CPU time, memory), where that is measured.
+    fn usage(&self, id: Ulid) -> Option<Usage> {
         let _ = id;
         None
     }

@@ -47,6 +47,8 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn list(&self) -> Vec<Run>;
     /// One run.
     fn get(&self, id: Ulid) -> Result<Run, CoreError>;
+    /// What a running run uses now (None where it is not measured).
+    fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError>;
     /// Destroys a run.
     fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Sets a run's expiry to now + `ttl_sec`.
@@ -198,6 +200,14 @@ pub trait RunService: Clone + Send + Sync + 'static {
         data: Bytes,
         close: bool,
     ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    /// Sets the terminal size of a process (pid or tag) on a terminal.
+    fn resize_process(
+        &self,
+        id: Ulid,
+        process: String,
+        rows: u32,
+        cols: u32,
+    ) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Starts a command with its input open to the caller.
     fn exec_session(
         &self,
@@ -287,6 +297,10 @@ impl RunService for Arc<Manager> {
 
     fn get(&self, id: Ulid) -> Result<Run, CoreError> {
         Manager::get(self, id)
+    }
+
+    fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
+        Manager::usage(self, id)
     }
 
     async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
@@ -476,6 +490,16 @@ impl RunService for Arc<Manager> {
         close: bool,
     ) -> Result<runbox_types::Process, CoreError> {
         Manager::send_input(self, id, &process, credential, data, close).await
+    }
+
+    async fn resize_process(
+        &self,
+        id: Ulid,
+        process: String,
+        rows: u32,
+        cols: u32,
+    ) -> Result<(), CoreError> {
+        Manager::resize_process(self, id, &process, rows, cols).await
     }
 
     async fn exec_session(&self, id: Ulid, req: ExecRequest) -> Result<Session, CoreError> {

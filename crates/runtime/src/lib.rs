@@ -17,6 +17,7 @@ pub mod seccomp;
 pub mod spec;
 pub mod storage;
 pub mod trust;
+mod usage;
 pub mod watch;
 
 pub use netns::{bind_in_netns, EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};

@@ -460,6 +460,10 @@ impl Backend for OciBackend {
         self.storage.used_bytes(&self.run_dir(id))
     }
 
+    fn usage(&self, id: Ulid) -> Option<runbox_core::backend::Usage> {
+        crate::usage::of(id)
+    }
+
     fn check_warm(&self) -> Result<(), String> {
         Ok(())
     }

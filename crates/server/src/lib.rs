@@ -4,8 +4,8 @@
 //! logic lives here.
 //!
 //! Authentication: every route except `GET /health` needs
-//! `Authorization: Bearer <token>` (or `X-API-Key: <token>`, as E2B's
-//! SDKs send it), compared in constant time. E2B envd requests (see
+//! `Authorization: Bearer <token>`, compared in constant time. E2B's control
+//! plane takes the same token as `X-API-Key`; E2B envd requests (see
 //! [`e2b`]) carry a per-sandbox token instead.
 
 pub mod e2b;
@@ -149,15 +149,22 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             axum::routing::delete(handlers::delete_snapshot::<S>),
         )
         .route("/v1/images/pull", post(handlers::pull_image::<S>))
-        .merge(e2b::control_routes::<S>())
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             require_token::<S>,
         ));
+    // E2B's control plane checks the same token, and answers in E2B's shape.
+    let e2b_control = e2b::control_routes::<S>()
+        .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            e2b::require_api_key::<S>,
+        ));
     Router::new()
         .route("/health", get(handlers::health::<S>))
+        .merge(e2b_control)
         .route("/v1/openapi.json", get(openapi::serve))
         .merge(api)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such route; see docs/api.md") })
@@ -236,15 +243,8 @@ async fn require_token<S: RunService>(
         .and_then(|v| v.split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim())
-        // E2B's SDKs send their API key so.
-        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
         .or_else(|| ws_protocol_token(headers));
-    let ok = match presented {
-        // ct_eq compares in time that depends only on the lengths.
-        Some(token) => bool::from(token.as_bytes().ct_eq(state.token.as_bytes())),
-        None => false,
-    };
-    if ok {
+    if token_matches(presented, &state.token) {
         next.run(request).await
     } else {
         ApiError::new(
@@ -252,6 +252,15 @@ async fn require_token<S: RunService>(
             "missing or wrong bearer token (Authorization: Bearer <token>)",
         )
         .into_response()
+    }
+}
+
+/// Whether `presented` is the daemon token.
+pub(crate) fn token_matches(presented: Option<&str>, token: &str) -> bool {
+    match presented {
+        // ct_eq compares in time that depends only on the lengths.
+        Some(presented) => bool::from(presented.as_bytes().ct_eq(token.as_bytes())),
+        None => false,
     }
 }
 

@@ -418,6 +418,21 @@ impl RunService for Stub {
     fn get(&self, id: Ulid) -> Result<Run, CoreError> {
         found(id).map(|()| run())
     }
+    fn usage(&self, id: Ulid) -> Result<Option<runbox_core::backend::Usage>, CoreError> {
+        found(id)?;
+        Ok(None)
+    }
+
+    async fn resize_process(
+        &self,
+        id: Ulid,
+        _process: String,
+        _rows: u32,
+        _cols: u32,
+    ) -> Result<(), CoreError> {
+        found(id)
+    }
+
     async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
         found(id)
     }

@@ -469,6 +469,12 @@ impl Manager {
         Ok(self.view(&*self.handle(id)?))
     }
 
+    /// What run `id` uses now, where its backend measures it.
+    pub fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
+        self.running(id)?;
+        Ok(self.backend.usage(id))
+    }
+
     /// The API view of a run: its record plus live counters.
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
         let mut run = handle.snapshot().record.to_run(&self.config.server_id);

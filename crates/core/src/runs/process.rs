@@ -204,6 +204,42 @@ impl Manager {
         })
     }
 
+    /// Sets the terminal size of a process that runs on one (fenced by the
+    /// lease).
+    pub async fn resize_process(
+        &self,
+        id: Ulid,
+        process: &str,
+        rows: u32,
+        cols: u32,
+    ) -> Result<(), CoreError> {
+        for (name, value) in [("rows", rows), ("cols", cols)] {
+            if !(1..=validate::MAX_PTY_SIDE).contains(&value) {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadProcess,
+                    format!("{name} must be 1-{}, not {value}", validate::MAX_PTY_SIDE),
+                ));
+            }
+        }
+        let target = validate::process_ref(process)?;
+        let (handle, mut agent) = self.process_agent(id)?;
+        // Older agents would take the call and ignore the size.
+        if handle.protocol.load(Ordering::Relaxed) < 4 {
+            return Err(CoreError::invalid(
+                ErrorCode::AgentTooOld,
+                "this run's agent predates resizing a terminal outside a session; create the run again",
+            ));
+        }
+        let (_handle, _in_flight, _) = self.admit(id, None).await?;
+        let request = pb::SendInputRequest {
+            process: Some(target),
+            resize: Some(pb::PtySize { rows, cols }),
+            ..Default::default()
+        };
+        timed(agent.send_input(request), CALL_TIMEOUT).await?;
+        Ok(())
+    }
+
     /// Follows a process started earlier: `started`, its recent output when
     /// `replay`, then live output and its exit. With `credential` the
     /// session may also send input (admitted like an exec); the process
@@ -359,6 +395,7 @@ impl Manager {
             process: Some(target),
             data: data.to_vec(),
             close,
+            resize: None,
         };
         Ok(process_of(
             timed(agent.send_input(request), CALL_TIMEOUT).await?,

@@ -303,6 +303,7 @@ impl Manager {
                     }),
                     data: text.into_bytes(),
                     close: true,
+                    resize: None,
                 };
                 tokio::time::timeout(AGENT_CALL_TIMEOUT, agent.send_input(request))
                     .await

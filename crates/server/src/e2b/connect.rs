@@ -121,9 +121,11 @@ impl From<CoreError> for RpcError {
             ErrorCode::FileExists => Code::AlreadyExists,
             ErrorCode::Unauthorized => Code::Unauthenticated,
             ErrorCode::Capacity => Code::ResourceExhausted,
-            ErrorCode::ProcessEnded | ErrorCode::StdinClosed | ErrorCode::AgentTooOld => {
-                Code::FailedPrecondition
-            }
+            // envd forgets a process once it ends.
+            ErrorCode::ProcessEnded => Code::NotFound,
+            // The path is refused, whatever the reason it leaves the run.
+            ErrorCode::PathEscape => Code::InvalidArgument,
+            ErrorCode::StdinClosed | ErrorCode::AgentTooOld => Code::FailedPrecondition,
             code => match code.status() {
                 400 | 413 | 422 => Code::InvalidArgument,
                 403 | 423 => Code::PermissionDenied,

@@ -20,7 +20,7 @@ use axum::Router;
 use base64::Engine;
 use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
-use runbox_core::runs::{ExecEvent, Scope, SessionInput};
+use runbox_core::runs::{ExecEvent, Scope};
 use runbox_core::RunService;
 use runbox_types::{ExecRequest, FileInfo, FileKind, FsQuery, PtySpec, SignalRequest, SignalSpec};
 use serde::Deserialize;
@@ -137,13 +137,12 @@ fn keepalive(headers: &HeaderMap) -> Option<Duration> {
 }
 
 /// `stream` with `ping` interleaved every `every`, ended (with
-/// `deadline_exceeded`) when `deadline` passes; `on_deadline` runs then.
+/// `deadline_exceeded`) when `deadline` passes.
 fn paced<T: Send + 'static>(
     stream: BoxStream<'static, Result<T, RpcError>>,
     every: Option<Duration>,
     ping: fn() -> T,
     deadline: Option<Duration>,
-    on_deadline: impl FnOnce() + Send + 'static,
 ) -> BoxStream<'static, Result<T, RpcError>> {
     let pings = match every {
         Some(every) => {
@@ -169,16 +168,12 @@ fn paced<T: Send + 'static>(
     let Some(limit) = deadline else {
         return merged;
     };
-    let hook: Box<dyn FnOnce() + Send> = Box::new(on_deadline);
     let timer = Box::pin(tokio::time::sleep(limit));
-    stream::unfold(Some((merged, timer, Some(hook))), |state| async move {
-        let (mut merged, mut timer, mut hook) = state?;
+    stream::unfold(Some((merged, timer)), |state| async move {
+        let (mut merged, mut timer) = state?;
         tokio::select! {
-            item = merged.next() => item.map(|item| (item, Some((merged, timer, hook)))),
+            item = merged.next() => item.map(|item| (item, Some((merged, timer)))),
             () = &mut timer => {
-                if let Some(hook) = hook.take() {
-                    hook();
-                }
                 let e = RpcError::new(Code::DeadlineExceeded, "the call's deadline (its timeout) passed");
                 Some((Err(e), None))
             }
@@ -324,15 +319,8 @@ async fn unary_process<S: RunService>(
                     .pty
                     .and_then(|p| p.size)
                     .ok_or_else(|| RpcError::invalid("pty.size is missing"))?;
-                // A resize goes through a short attach: the process keeps
-                // running when it ends.
-                let session = service.attach(id, process, false, Some(None)).await?;
-                session
-                    .input
-                    .send(SessionInput::Resize {
-                        rows: size.rows,
-                        cols: size.cols,
-                    })
+                service
+                    .resize_process(id, process, size.rows, size.cols)
                     .await?;
                 Ok(wire::Empty {})
             }
@@ -429,9 +417,6 @@ async fn start<S: RunService>(
         .attach(id, process.pid.to_string(), true, None)
         .await?;
     Ok(events(
-        service,
-        id,
-        process.pid,
         session.events,
         pty.is_some(),
         keepalive(headers),
@@ -456,24 +441,13 @@ async fn connect_to<S: RunService>(
         .find(|p| p.pid.to_string() == process || p.tag.as_deref() == Some(&process))
         .is_some_and(|p| p.pty);
     let session = service.attach(id, process, false, None).await?;
-    let pid = session.pid;
-    Ok(events(
-        service,
-        id,
-        pid,
-        session.events,
-        pty,
-        keepalive(headers),
-        deadline,
-    ))
+    Ok(events(session.events, pty, keepalive(headers), deadline))
 }
 
-/// A process's events as envd sends them. The stream's deadline kills the
-/// process, as envd's does.
-fn events<S: RunService>(
-    service: S,
-    id: Ulid,
-    pid: u32,
+/// A process's events as envd sends them. The call's deadline ends the
+/// stream, not the process (as with envd: a background command outlives
+/// its connection; `kill` ends it).
+fn events(
     events: BoxStream<'static, ExecEvent>,
     pty: bool,
     every: Option<Duration>,
@@ -514,16 +488,6 @@ fn events<S: RunService>(
             event: wire::ProcessEvent::Keepalive {},
         },
         deadline,
-        move || {
-            tokio::spawn(async move {
-                let kill = SignalRequest {
-                    signal: SignalSpec::Number(9),
-                    owner: None,
-                    generation: None,
-                };
-                let _ = service.signal_process(id, pid.to_string(), kill).await;
-            });
-        },
     )
 }
 
@@ -850,7 +814,6 @@ async fn watch_dir<S: RunService>(
         keepalive(headers),
         || wire::WatchEvent::Keepalive {},
         deadline,
-        || {},
     ))
 }
 
@@ -929,8 +892,11 @@ struct FileQuery {
 /// An error of a plain envd route.
 fn file_error(e: runbox_core::CoreError) -> Response {
     let api = crate::ApiError::from(e);
-    let status =
-        StatusCode::from_u16(api.code().status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let status = match api.code() {
+        // The path is refused, whatever the reason it leaves the run.
+        runbox_types::ErrorCode::PathEscape => StatusCode::BAD_REQUEST,
+        code => StatusCode::from_u16(code.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+    };
     envd_error(
         status,
         format!("{} ({})", api.message(), api.code().as_str()),

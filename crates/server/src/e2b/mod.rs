@@ -115,6 +115,35 @@ pub(crate) async fn dispatch(
     }
 }
 
+/// Checks the control plane's API key (`X-API-Key`, as the SDKs send it,
+/// or a bearer token): the daemon token. Refusals are E2B-shaped.
+pub(crate) async fn require_api_key<S: RunService>(
+    State(state): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let headers = request.headers();
+    let presented = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| {
+            headers
+                .get(axum::http::header::AUTHORIZATION)?
+                .to_str()
+                .ok()?
+                .strip_prefix("Bearer ")
+        })
+        .map(str::trim);
+    if crate::token_matches(presented, &state.token) {
+        next.run(request).await
+    } else {
+        envd_error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong API key: send the runbox token as X-API-Key (E2B_API_KEY)",
+        )
+    }
+}
+
 /// Checks an envd request's access token, and that its sandbox exists
 /// (a gone sandbox answers 502 "... was not found", as the SDKs expect).
 async fn require_access<S: RunService>(

@@ -1,0 +1,220 @@
+"""The E2B Python SDK, unmodified, against runbox: what docs/e2b.md says
+works, works; what it says answers 501 does."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import CommandExitException, PtySize, Sandbox, SandboxQuery
+from e2b.exceptions import (
+    AuthenticationException,
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxException,
+    SandboxNotRunningException,
+    TimeoutException,
+)
+
+
+def test_create_run_and_kill():
+    sbx = Sandbox.create(timeout=120, envs={"GREETING": "hello"}, metadata={"suite": "e2b"})
+    try:
+        r = sbx.commands.run("echo $GREETING; echo oops >&2")
+        assert (r.stdout, r.stderr, r.exit_code) == ("hello\n", "oops\n", 0)
+        with pytest.raises(CommandExitException) as failed:
+            sbx.commands.run("exit 3")
+        assert failed.value.exit_code == 3
+        # Per-command environment and working directory.
+        r = sbx.commands.run("echo $X; pwd", envs={"X": "y"}, cwd="/tmp")
+        assert r.stdout == "y\n/tmp\n"
+        info = sbx.get_info()
+        assert info.sandbox_id == sbx.sandbox_id
+        assert info.template_id == "base"
+        assert info.metadata == {"suite": "e2b"}
+        assert sbx.is_running()
+    finally:
+        assert sbx.kill()
+    assert not sbx.is_running()
+    with pytest.raises(SandboxNotRunningException):
+        sbx.commands.run("echo too late")
+    # Killing it again is not an error: it is simply not found.
+    assert not Sandbox.kill(sbx.sandbox_id)
+
+
+def test_background_commands_wait_and_take_stdin(sbx):
+    h = sbx.commands.run("sleep 0.3; echo done", background=True)
+    assert h.wait().stdout == "done\n"
+
+    cat = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(cat.pid, "line one\n")
+    sbx.commands.stream_input(cat.pid, ["line ", "two\n"])
+    sbx.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "line one\nline two\n"
+
+    sleeper = sbx.commands.run("sleep 60", background=True)
+    assert sleeper.pid in [p.pid for p in sbx.commands.list()]
+    # A second client follows it by pid.
+    other = Sandbox.connect(sbx.sandbox_id)
+    follower = other.commands.connect(sleeper.pid)
+    assert sbx.commands.kill(sleeper.pid)
+    with pytest.raises(CommandExitException):
+        follower.wait()
+    assert not sbx.commands.kill(sleeper.pid)
+
+
+def test_a_command_past_its_timeout_ends_the_call_not_the_command(sbx):
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=1)
+    # As with E2B, the timeout bounds the connection: the command runs on
+    # until it is killed.
+    running = [p for p in sbx.commands.list() if "sleep 30" in " ".join(p.args)]
+    assert len(running) == 1
+    assert sbx.commands.kill(running[0].pid)
+
+
+def test_a_pty_session(sbx):
+    pty = sbx.pty.create(PtySize(rows=24, cols=80))
+    sbx.pty.resize(pty.pid, PtySize(rows=40, cols=120))
+    sbx.pty.send_stdin(pty.pid, b"stty size; echo pty-$((6*7))\nexit\n")
+    out = []
+    pty.wait(on_pty=lambda data: out.append(data))
+    text = b"".join(out).decode()
+    assert "40 120" in text
+    assert "pty-42" in text
+
+
+def test_files_anywhere_in_the_sandbox(sbx):
+    info = sbx.files.write("/tmp/notes/a.txt", "first")
+    assert (info.name, info.path) == ("a.txt", "/tmp/notes/a.txt")
+    assert sbx.files.read("/tmp/notes/a.txt") == "first"
+    blob = bytes(range(256)) * 1000
+    sbx.files.write("/opt/blob.bin", blob)
+    assert bytes(sbx.files.read("/opt/blob.bin", format="bytes")) == blob
+    # Several at once, and a relative path (taken from /work).
+    sbx.files.write_files([{"path": "/tmp/notes/b.txt", "data": "b"}, {"path": "rel.txt", "data": "r"}])
+    assert sbx.commands.run("cat /tmp/notes/b.txt /work/rel.txt").stdout == "br"
+    # The image's own files are there too.
+    assert "root:" in sbx.files.read("/etc/passwd")
+
+    names = sorted(e.name for e in sbx.files.list("/tmp/notes"))
+    assert names == ["a.txt", "b.txt"]
+    entry = sbx.files.get_info("/tmp/notes/a.txt")
+    assert entry.size == 5 and entry.type.value == "file"
+    assert sbx.files.exists("/tmp/notes") and not sbx.files.exists("/tmp/none")
+    assert sbx.files.make_dir("/tmp/notes/sub") is True
+    assert sbx.files.make_dir("/tmp/notes/sub") is False
+    moved = sbx.files.rename("/tmp/notes/a.txt", "/tmp/notes/sub/a2.txt")
+    assert moved.path == "/tmp/notes/sub/a2.txt"
+    sbx.files.remove("/tmp/notes")
+    assert not sbx.files.exists("/tmp/notes")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/tmp/notes/sub/a2.txt")
+
+
+def test_watching_a_directory(sbx):
+    sbx.files.make_dir("/tmp/watched")
+    watcher = sbx.files.watch_dir("/tmp/watched")
+    try:
+        sbx.files.write("/tmp/watched/new.txt", "x")
+        sbx.commands.run("rm /tmp/watched/new.txt")
+        seen = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            seen += [(e.name, e.type.value) for e in watcher.get_new_events()]
+            if ("new.txt", "remove") in seen:
+                break
+            time.sleep(0.1)
+        assert ("new.txt", "create") in seen
+        assert ("new.txt", "remove") in seen
+        # runbox's upload temporaries never show.
+        assert all(not name.startswith(".runbox-upload-") for name, _ in seen)
+    finally:
+        watcher.stop()
+
+
+def test_paths_stay_inside_the_sandbox(sbx):
+    # An absolute symlink inside the sandbox resolves inside it: the write
+    # lands in the sandbox's /etc, never the host's.
+    sbx.commands.run("ln -s /etc /tmp/etc-link")
+    probe = f"runbox-e2b-probe-{sbx.sandbox_id}"
+    sbx.files.write(f"/tmp/etc-link/{probe}", "inside")
+    assert sbx.commands.run(f"cat /etc/{probe}").stdout == "inside"
+    assert not Path("/etc", probe).exists()
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.write("/tmp/../../etc/escape", "no")
+    with pytest.raises(InvalidArgumentException):
+        sbx.files.read("/proc/self/root/etc/passwd")
+
+
+def test_timeout_listing_and_metrics(sbx):
+    before = sbx.get_info().end_at
+    sbx.set_timeout(1800)
+    assert sbx.get_info().end_at > before
+
+    tagged = Sandbox.create(timeout=120, metadata={"team": "list-test"})
+    try:
+        mine = Sandbox.list(query=SandboxQuery(metadata={"team": "list-test"})).next_items()
+        assert [s.sandbox_id for s in mine] == [tagged.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"team": "nobody"})).next_items() == []
+        # Pages of one, with a next token, cover both.
+        pager = Sandbox.list(limit=1)
+        ids = []
+        while pager.has_next:
+            page = pager.next_items()
+            assert len(page) <= 1
+            ids += [s.sandbox_id for s in page]
+        assert {sbx.sandbox_id, tagged.sandbox_id} <= set(ids)
+    finally:
+        tagged.kill()
+
+    sbx.commands.run("head -c 20000000 /dev/zero > /tmp/fill")
+    metrics = sbx.get_metrics()
+    assert len(metrics) == 1
+    assert metrics[0].mem_used > 0
+    assert metrics[0].mem_total == 1 << 30 or metrics[0].mem_total > 0
+    assert metrics[0].cpu_count >= 1
+
+
+def test_snapshots_become_templates(sbx):
+    sbx.files.write("/work/state.txt", "kept")
+    snap = sbx.create_snapshot()
+    child = Sandbox.create(template=snap.snapshot_id, timeout=120)
+    try:
+        assert child.files.read("/work/state.txt") == "kept"
+    finally:
+        child.kill()
+
+
+def test_unsupported_calls_answer_what_the_docs_say(sbx):
+    with pytest.raises(SandboxException) as paused:
+        sbx.pause()
+    assert "501" in str(paused.value) and "hibernation" in str(paused.value)
+    with pytest.raises(SandboxException) as net:
+        Sandbox.create(template="base", network={"deny_out": ["0.0.0.0/0"]})
+    assert "501" in str(net.value)
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("01ARZ3NDEKTSV4RRFFQ69G5FAV")
+
+
+def test_keys_and_access_tokens_are_checked(daemon, sbx):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="e2b_" + "0" * 40)
+    other = Sandbox.create(timeout=120)
+    try:
+        # One sandbox's access token does not open another.
+        token = sbx._envd_access_token
+        r = httpx.get(
+            f"{daemon.url}/health",
+            headers={"E2b-Sandbox-Id": other.sandbox_id, "X-Access-Token": token},
+        )
+        assert r.status_code == 401
+        r = httpx.get(
+            f"{daemon.url}/health",
+            headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token},
+        )
+        assert r.status_code == 204
+    finally:
+        other.kill()
