@@ -218,3 +218,26 @@ def test_keys_and_access_tokens_are_checked(daemon, sbx):
         assert r.status_code == 204
     finally:
         other.kill()
+
+
+def test_a_warm_pool_serves_sdk_creates(daemon):
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+    pools = {"pools": [{"image": "base", "size": "small", "warm": 1, "warmMax": 2}]}
+    r = httpx.put(f"{daemon.url}/v1/pools", json=pools, headers=auth)
+    assert r.status_code == 200, r.text
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{daemon.url}/v1/pools", headers=auth).json()["pools"][0]["ready"] < 1:
+            assert time.monotonic() < deadline, "the pool never filled"
+            time.sleep(0.2)
+        sbx = Sandbox.create(timeout=120, envs={"FROM": "pool"})
+        try:
+            run = httpx.get(f"{daemon.url}/v1/runs/{sbx.sandbox_id}", headers=auth).json()
+            assert run["pooled"] is True
+            assert sbx.commands.run("echo $FROM").stdout == "pool\n"
+            assert sbx.sandbox_id in [s.sandbox_id for s in Sandbox.list().next_items()]
+        finally:
+            sbx.kill()
+    finally:
+        httpx.put(f"{daemon.url}/v1/pools", json={"pools": []}, headers=auth)
+

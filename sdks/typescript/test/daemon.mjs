@@ -16,12 +16,14 @@ const AGENT = process.env.RUNBOX_AGENT_BIN ?? join(TARGET, "x86_64-unknown-linux
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 export class Daemon {
-  static async start() {
+  // `name` tells its nftables table and state directory apart from other
+  // test daemons'; `octet` its address pool (10.<octet>.x.0/24).
+  static async start({ name = "ts", octet = 234 } = {}) {
     for (const [binary, how] of [[RUNBOX, "cargo build -p runbox-cli"], [AGENT, "scripts/build-agent"]]) {
       if (!existsSync(binary)) throw new Error(`${binary} is missing: run \`${how}\` first (scripts/test does)`);
     }
     const d = new Daemon();
-    d.state = mkdtempSync(join(tmpdir(), "runbox-ts-"));
+    d.state = mkdtempSync(join(tmpdir(), `runbox-${name}-`));
     const log = openSync(join(d.state, "daemon.log"), "w");
     const n = process.pid;
     d.proc = spawn(
@@ -33,8 +35,8 @@ export class Daemon {
         "--agent", AGENT,
         "--storage-gb", "8",
         "--preview-listen", "127.0.0.1:0",
-        "--nft-table", `rbxts${n}`,
-        "--open-pool", `10.234.${n % 256}.0/24`,
+        "--nft-table", `rbx${name}${n}`,
+        "--open-pool", `10.${octet}.${n % 256}.0/24`,
       ],
       { stdio: ["ignore", "ignore", log] },
     );

@@ -220,8 +220,21 @@ async fn create<S: RunService>(
             NetworkTier::None
         }
     });
+    // E2B has no size tiers: a create takes the smallest tier the image has
+    // a warm pool for (so pools serve the SDKs unchanged), else the
+    // server's default limits.
+    let tier = network.unwrap_or_default();
+    let size = state
+        .service
+        .pools()
+        .pools
+        .iter()
+        .filter(|p| p.image == req.template_id && p.network == tier)
+        .map(|p| p.size)
+        .min();
     let create = CreateRunRequest {
         image: req.template_id,
+        size,
         env: req.env_vars.filter(|e| !e.is_empty()).map(Env),
         ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
         network,
@@ -292,7 +305,7 @@ fn live<S: RunService>(state: &AppState<S>) -> Vec<Run> {
         .service
         .list()
         .into_iter()
-        .filter(|r| r.status == RunStatus::Running && !r.pooled)
+        .filter(|r| r.status == RunStatus::Running)
         .collect()
 }
 

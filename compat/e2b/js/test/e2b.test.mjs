@@ -1,0 +1,123 @@
+// The E2B JavaScript SDK, unmodified, against runbox: E2B_API_URL and
+// E2B_SANDBOX_URL name the runbox listener, E2B_API_KEY is its token.
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+
+import { CommandExitError, Sandbox, TimeoutError } from "e2b";
+
+import { Daemon } from "../../../../sdks/typescript/test/daemon.mjs";
+
+let daemon;
+
+before(async () => {
+  daemon = await Daemon.start({ name: "e2bjs", octet: 236 });
+  process.env.E2B_API_KEY = daemon.token;
+  process.env.E2B_API_URL = daemon.url;
+  process.env.E2B_SANDBOX_URL = daemon.url;
+});
+
+after(() => daemon?.stop());
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+async function withSandbox(opts, body) {
+  const sbx = await Sandbox.create({ timeoutMs: 300_000, ...opts });
+  try {
+    await body(sbx);
+  } finally {
+    await sbx.kill();
+  }
+}
+
+test("create, run, kill", async () => {
+  const sbx = await Sandbox.create({ timeoutMs: 120_000, envs: { GREETING: "hello" }, metadata: { suite: "js" } });
+  try {
+    const r = await sbx.commands.run("echo $GREETING; echo oops >&2");
+    assert.equal(r.stdout, "hello\n");
+    assert.equal(r.stderr, "oops\n");
+    assert.equal(r.exitCode, 0);
+    await assert.rejects(sbx.commands.run("exit 4"), (e) => e instanceof CommandExitError && e.exitCode === 4);
+    const info = await sbx.getInfo();
+    assert.equal(info.sandboxId, sbx.sandboxId);
+    assert.deepEqual(info.metadata, { suite: "js" });
+    assert.equal(await sbx.isRunning(), true);
+  } finally {
+    assert.equal(await sbx.kill(), true);
+  }
+  assert.equal(await sbx.isRunning(), false);
+});
+
+test("background commands, stdin, streamed output", async () => {
+  await withSandbox({}, async (sbx) => {
+    const lines = [];
+    const h = await sbx.commands.run("for i in 1 2 3; do echo $i; sleep 0.1; done", {
+      background: true,
+      onStdout: (d) => lines.push(d),
+    });
+    const done = await h.wait();
+    assert.equal(done.stdout, "1\n2\n3\n");
+    assert.equal(lines.join(""), "1\n2\n3\n");
+
+    const cat = await sbx.commands.run("cat", { background: true, stdin: true });
+    await sbx.commands.sendStdin(cat.pid, "from js\n");
+    await sbx.commands.closeStdin(cat.pid);
+    assert.equal((await cat.wait()).stdout, "from js\n");
+
+    const sleeper = await sbx.commands.run("sleep 60", { background: true });
+    assert.ok((await sbx.commands.list()).some((p) => p.pid === sleeper.pid));
+    assert.equal(await sbx.commands.kill(sleeper.pid), true);
+    assert.equal(await sbx.commands.kill(sleeper.pid), false);
+
+    await assert.rejects(sbx.commands.run("sleep 30", { timeoutMs: 1000 }), (e) => e instanceof TimeoutError);
+  });
+});
+
+test("a pty session", async () => {
+  await withSandbox({}, async (sbx) => {
+    const chunks = [];
+    const pty = await sbx.pty.create({ cols: 80, rows: 24, onData: (d) => chunks.push(Buffer.from(d)) });
+    await sbx.pty.resize(pty.pid, { cols: 132, rows: 50 });
+    await sbx.pty.sendInput(pty.pid, new TextEncoder().encode("stty size; echo js-$((20+22))\nexit\n"));
+    await pty.wait();
+    const text = Buffer.concat(chunks).toString();
+    assert.match(text, /50 132/);
+    assert.match(text, /js-42/);
+  });
+});
+
+test("files and watching", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.makeDir("/srv/app");
+    const events = [];
+    const watcher = await sbx.files.watchDir("/srv/app", (e) => events.push([e.name, e.type]));
+    try {
+      const info = await sbx.files.write("/srv/app/index.js", "console.log(1)");
+      assert.equal(info.path, "/srv/app/index.js");
+      assert.equal(await sbx.files.read("/srv/app/index.js"), "console.log(1)");
+      const bytes = new Uint8Array(70_000).map((_, i) => i % 251);
+      await sbx.files.write("/srv/app/blob", bytes.buffer);
+      assert.deepEqual(new Uint8Array(await sbx.files.read("/srv/app/blob", { format: "bytes" })), bytes);
+      const names = (await sbx.files.list("/srv/app")).map((e) => e.name).sort();
+      assert.deepEqual(names, ["blob", "index.js"]);
+      assert.equal(await sbx.files.exists("/srv/app/nope"), false);
+      await sbx.files.remove("/srv/app/blob");
+      for (let i = 0; i < 100 && !events.some(([n, t]) => n === "blob" && t === "remove"); i++) await sleep(100);
+      assert.ok(events.some(([n, t]) => n === "index.js" && t === "create"), JSON.stringify(events));
+      assert.ok(events.some(([n, t]) => n === "blob" && t === "remove"), JSON.stringify(events));
+    } finally {
+      await watcher.stop();
+    }
+  });
+});
+
+test("timeout, list, and what is not supported", async () => {
+  await withSandbox({ metadata: { team: "js-list" } }, async (sbx) => {
+    const before = (await sbx.getInfo()).endAt;
+    await sbx.setTimeout(1_800_000);
+    assert.ok((await sbx.getInfo()).endAt > before);
+    const page = await Sandbox.list({ query: { metadata: { team: "js-list" } } }).nextItems();
+    assert.deepEqual(page.map((s) => s.sandboxId), [sbx.sandboxId]);
+    await assert.rejects(sbx.pause(), /hibernation/);
+    await assert.rejects(Sandbox.create({ apiKey: "e2b_wrong" }), /401|API key/i);
+  });
+});
