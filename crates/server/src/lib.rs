@@ -236,14 +236,7 @@ async fn require_token<S: RunService>(
     next: Next,
 ) -> Response {
     let headers = request.headers();
-    let presented = headers
-        .get(AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        // The scheme name is case-insensitive (RFC 9110 §11.1).
-        .and_then(|v| v.split_once(' '))
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, token)| token.trim())
-        .or_else(|| ws_protocol_token(headers));
+    let presented = bearer(headers).or_else(|| ws_protocol_token(headers));
     if token_matches(presented, &state.token) {
         next.run(request).await
     } else {
@@ -253,6 +246,17 @@ async fn require_token<S: RunService>(
         )
         .into_response()
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` header.
+pub(crate) fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        // The scheme name is case-insensitive (RFC 9110 §11.1).
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim())
 }
 
 /// Whether `presented` is the daemon token.

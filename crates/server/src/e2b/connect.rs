@@ -210,6 +210,23 @@ pub fn deadline(headers: &HeaderMap) -> Result<Option<Duration>, RpcError> {
         .ok_or_else(|| RpcError::invalid("Connect-Timeout-Ms must be a number of milliseconds"))
 }
 
+/// A call's framing and deadline, from its headers.
+pub fn call(headers: &HeaderMap) -> Result<(Framing, Option<Duration>), RpcError> {
+    Ok((framing(headers)?, deadline(headers)?))
+}
+
+/// The body of a unary call, refused past [`MAX_MESSAGE_BYTES`].
+pub async fn unary_body(body: Body) -> Result<Bytes, RpcError> {
+    axum::body::to_bytes(body, MAX_MESSAGE_BYTES)
+        .await
+        .map_err(|_| {
+            RpcError::new(
+                Code::ResourceExhausted,
+                format!("a message may be at most {MAX_MESSAGE_BYTES} bytes"),
+            )
+        })
+}
+
 /// Decodes one JSON message.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, RpcError> {
     // An empty body is the empty message.

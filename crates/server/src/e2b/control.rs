@@ -277,6 +277,11 @@ struct Listed {
     envd_access_token: Option<String>,
 }
 
+/// A run's CPU limit as E2B's whole CPU count.
+fn cpu_count(run: &Run) -> u64 {
+    run.limits.cpus.ceil().max(1.0) as u64
+}
+
 fn rfc3339(t: time::OffsetDateTime) -> String {
     t.format(&Rfc3339).unwrap_or_default()
 }
@@ -289,7 +294,7 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
         started_at: rfc3339(run.created_at),
         end_at: rfc3339(run.expires_at),
         envd_version: ENVD_VERSION,
-        cpu_count: run.limits.cpus.ceil().max(1.0) as u64,
+        cpu_count: cpu_count(run),
         memory_mb: run.limits.memory_mb,
         disk_size_mb: run.limits.disk_mb.unwrap_or(0),
         state: "running",
@@ -536,7 +541,7 @@ async fn metrics<S: RunService>(
     Ok(Json(vec![Metric {
         timestamp: rfc3339(now),
         timestamp_unix: now.unix_timestamp(),
-        cpu_count: run.limits.cpus.ceil().max(1.0) as u64,
+        cpu_count: cpu_count(&run),
         cpu_used_pct: (cpu_used_pct * 100.0).round() / 100.0,
         mem_used: after.memory_bytes,
         mem_total: run.limits.memory_mb << 20,

@@ -191,12 +191,8 @@ async fn process<S: RunService>(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let framing = match connect::framing(&headers) {
-        Ok(f) => f,
-        Err(e) => return e.into_response(),
-    };
-    let deadline = match connect::deadline(&headers) {
-        Ok(d) => d,
+    let (framing, deadline) = match connect::call(&headers) {
+        Ok(call) => call,
         Err(e) => return e.into_response(),
     };
     let service = envd.app.service.clone();
@@ -225,18 +221,9 @@ async fn process<S: RunService>(
             .into_response()
         }
         (method, Framing::Unary) => {
-            let bytes = match axum::body::to_bytes(body, connect::MAX_MESSAGE_BYTES).await {
+            let bytes = match connect::unary_body(body).await {
                 Ok(b) => b,
-                Err(_) => {
-                    return RpcError::new(
-                        Code::ResourceExhausted,
-                        format!(
-                            "a message may be at most {} bytes",
-                            connect::MAX_MESSAGE_BYTES
-                        ),
-                    )
-                    .into_response()
-                }
+                Err(e) => return e.into_response(),
             };
             unary_process(service, id, method, &bytes).await
         }
@@ -583,12 +570,8 @@ async fn filesystem<S: RunService>(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let framing = match connect::framing(&headers) {
-        Ok(f) => f,
-        Err(e) => return e.into_response(),
-    };
-    let deadline = match connect::deadline(&headers) {
-        Ok(d) => d,
+    let (framing, deadline) = match connect::call(&headers) {
+        Ok(call) => call,
         Err(e) => return e.into_response(),
     };
     let service = envd.app.service.clone();
@@ -609,12 +592,9 @@ async fn filesystem<S: RunService>(
         )
         .into_response();
     }
-    let bytes = match axum::body::to_bytes(body, connect::MAX_MESSAGE_BYTES).await {
+    let bytes = match connect::unary_body(body).await {
         Ok(b) => b,
-        Err(_) => {
-            return RpcError::new(Code::ResourceExhausted, "the request message is too large")
-                .into_response()
-        }
+        Err(e) => return e.into_response(),
     };
     match method.as_str() {
         "Stat" => connect::unary_response(

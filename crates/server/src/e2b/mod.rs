@@ -126,14 +126,8 @@ pub(crate) async fn require_api_key<S: RunService>(
     let presented = headers
         .get("x-api-key")
         .and_then(|v| v.to_str().ok())
-        .or_else(|| {
-            headers
-                .get(axum::http::header::AUTHORIZATION)?
-                .to_str()
-                .ok()?
-                .strip_prefix("Bearer ")
-        })
-        .map(str::trim);
+        .map(str::trim)
+        .or_else(|| crate::bearer(headers));
     if crate::token_matches(presented, &state.token) {
         next.run(request).await
     } else {
