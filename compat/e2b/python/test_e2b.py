@@ -241,3 +241,21 @@ def test_a_warm_pool_serves_sdk_creates(daemon):
     finally:
         httpx.put(f"{daemon.url}/v1/pools", json={"pools": []}, headers=auth)
 
+
+
+def test_forks_start_from_the_sandboxs_files(sbx):
+    sbx.files.write("/work/fork-me.txt", "shared")
+    forks = sbx.fork(timeout=120, count=2)
+    try:
+        assert len(forks) == 2
+        assert len({f.sandbox_id for f in forks} | {sbx.sandbox_id}) == 3
+        for child in forks:
+            assert not isinstance(child, Exception), child
+            assert child.files.read("/work/fork-me.txt") == "shared"
+        # They are copies: a change in one is not in the source.
+        forks[0].files.write("/work/fork-me.txt", "changed")
+        assert sbx.files.read("/work/fork-me.txt") == "shared"
+    finally:
+        for child in forks:
+            if not isinstance(child, Exception):
+                child.kill()
