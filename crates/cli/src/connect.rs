@@ -47,6 +47,7 @@ pub struct Conn {
     /// The API client.
     pub client: Client,
     url: String,
+    token: String,
     token_source: String,
 }
 
@@ -67,10 +68,11 @@ impl ConnectOpts {
                 (read_token_file(&path)?, path.display().to_string())
             }
         };
-        let client = Client::new(&self.url, token).context("bad --url / RUNBOX_URL")?;
+        let client = Client::new(&self.url, token.clone()).context("bad --url / RUNBOX_URL")?;
         Ok(Conn {
             client,
             url: self.url.clone(),
+            token,
             token_source,
         })
     }
@@ -81,12 +83,19 @@ impl ConnectOpts {
         Ok(Conn {
             client,
             url: self.url.clone(),
+            token: String::new(),
             token_source: "no token".to_owned(),
         })
     }
 }
 
 impl Conn {
+    /// The API token this connection authenticates with (empty for an
+    /// anonymous one).
+    pub fn token(&self) -> &str {
+        &self.token
+    }
+
     /// Adds what to do about an error where the error itself cannot know it.
     pub fn explain(&self, err: ClientError) -> anyhow::Error {
         if err.is_connect() {

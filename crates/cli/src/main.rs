@@ -26,6 +26,7 @@ mod exec;
 mod fs;
 mod image;
 mod lease;
+mod mcp;
 mod pools;
 mod ports;
 mod procs;
@@ -116,6 +117,9 @@ enum Command {
     Image(image::ImageCommand),
     /// Check that the daemon answers
     Health(runs::HealthArgs),
+    /// Serve the Model Context Protocol (stdio, or streamable HTTP with
+    /// --http): tools that create runs, exec, move files, snapshot and fork
+    Mcp(mcp::McpArgs),
 }
 
 fn main() -> ExitCode {
@@ -179,6 +183,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Drain(args) => pools::drain(args).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,
+        Command::Mcp(args) => mcp::run(args).await,
     }
 }
 

@@ -1,0 +1,446 @@
+//! `runbox mcp`: a Model Context Protocol server (through `rmcp`, the
+//! protocol's official Rust SDK) whose tools drive a runbox daemon through
+//! its API, over stdio or streamable HTTP.
+//!
+//! Every tool is one or two API calls with the Rust client; runbox's
+//! refusals come back as tool errors carrying the API's stable code, so
+//! the model reads what to fix.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _};
+use bytes::Bytes;
+use clap::Args;
+use rmcp::handler::server::router::tool::ToolRouter;
+use rmcp::handler::server::wrapper::Parameters;
+use rmcp::model::{Implementation, ServerCapabilities, ServerConfig};
+use rmcp::{tool, tool_handler, tool_router, ServerHandler, ServiceExt};
+use runbox_client::{Client, ClientError};
+use runbox_types::{CreateRunRequest, Env, ExecRequest, ForkRequest, NetworkTier};
+use schemars::JsonSchema;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::connect::ConnectOpts;
+
+/// The most output an exec tool answer carries of each stream; the rest is
+/// cut (and the answer says so), so one noisy command cannot flood the
+/// model's context.
+const MAX_OUTPUT: usize = 64 * 1024;
+
+/// The most bytes `read_file` returns.
+const MAX_READ: usize = 1024 * 1024;
+
+/// `exec`'s timeout when the call names none, in seconds.
+const DEFAULT_EXEC_TIMEOUT: u64 = 120;
+
+/// `runbox mcp`.
+#[derive(Debug, Args)]
+pub struct McpArgs {
+    /// Serve streamable HTTP on this address (path /mcp) instead of stdio.
+    /// Clients must send the runbox token as `Authorization: Bearer`
+    #[arg(long, value_name = "ADDR")]
+    pub http: Option<SocketAddr>,
+    /// Allow --http on an address other than loopback
+    #[arg(long)]
+    pub allow_non_loopback: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// Runs the server until stdin closes (stdio) or forever (HTTP).
+pub async fn run(args: McpArgs) -> anyhow::Result<std::process::ExitCode> {
+    let conn = args.conn.connect()?;
+    let server = Tools::new(conn.client.clone());
+    match args.http {
+        None => {
+            let running = server
+                .serve(rmcp::transport::stdio())
+                .await
+                .context("the MCP session did not start")?;
+            running.waiting().await.context("the MCP session failed")?;
+        }
+        Some(addr) => {
+            if !addr.ip().is_loopback() && !args.allow_non_loopback {
+                bail!("--http {addr} is not a loopback address; add --allow-non-loopback to serve it anyway");
+            }
+            let token = conn.token().to_owned();
+            serve_http(server, addr, token).await?;
+        }
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+async fn serve_http(server: Tools, addr: SocketAddr, token: String) -> anyhow::Result<()> {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+
+    let service = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        Arc::new(LocalSessionManager::default()),
+        StreamableHttpServerConfig::default(),
+    );
+    let token = Arc::new(token);
+    let app = axum::Router::new()
+        .nest_service("/mcp", service)
+        .layer(axum::middleware::from_fn(move |req, next| {
+            let token = token.clone();
+            require_bearer(token, req, next)
+        }));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    eprintln!(
+        "runbox mcp: streamable HTTP on http://{}/mcp",
+        listener.local_addr()?
+    );
+    axum::serve(listener, app)
+        .await
+        .context("the MCP listener failed")
+}
+
+/// The runbox token guards the HTTP transport: whoever reaches it drives
+/// the daemon with that token.
+async fn require_bearer(
+    token: Arc<String>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use subtle::ConstantTimeEq;
+
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if bool::from(given.as_bytes().ct_eq(token.as_bytes())) {
+        next.run(req).await
+    } else {
+        (
+            axum::http::StatusCode::UNAUTHORIZED,
+            "send the runbox token as Authorization: Bearer <token>\n",
+        )
+            .into_response()
+    }
+}
+
+/// The MCP tools.
+#[derive(Clone)]
+pub struct Tools {
+    client: Client,
+    tool_router: ToolRouter<Self>,
+}
+
+/// A runbox refusal as the tool's error text: the stable code first.
+fn refused(err: ClientError) -> String {
+    match err.code() {
+        Some(code) => format!("{}: {err}", code.as_str()),
+        None => err.to_string(),
+    }
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Result<String, String> {
+    serde_json::to_string_pretty(value).map_err(|e| e.to_string())
+}
+
+/// Text for the model: valid UTF-8 as is, anything else lossily, cut at
+/// `max` bytes.
+fn text(bytes: &[u8], max: usize) -> (String, bool) {
+    let cut = bytes.len() > max;
+    let bytes = &bytes[..bytes.len().min(max)];
+    (String::from_utf8_lossy(bytes).into_owned(), cut)
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct CreateRun {
+    /// Image to start from (default `base`)
+    pub image: Option<String>,
+    /// Time to live in seconds (default: the server's, 30 minutes)
+    pub ttl_sec: Option<u64>,
+    /// Network tier: `none` (default), `allowlist` or `open`
+    pub network: Option<String>,
+    /// Hosts the `allowlist` tier may reach
+    pub egress_allow: Option<Vec<String>>,
+    /// Environment variables
+    pub env: Option<std::collections::BTreeMap<String, String>>,
+    /// Size tier: small, medium, large, xlarge, 2xlarge
+    pub size: Option<String>,
+    /// Labels to tag the run with
+    pub labels: Option<std::collections::BTreeMap<String, String>>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct RunRef {
+    /// The run's id
+    pub run: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Exec {
+    /// The run's id
+    pub run: String,
+    /// A shell command line, run with `sh -c`
+    pub command: String,
+    /// Working directory (default /work)
+    pub cwd: Option<String>,
+    /// Seconds before the command is killed (default 120)
+    pub timeout_sec: Option<u64>,
+    /// Text given to the command's standard input
+    pub stdin: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct FilePath {
+    /// The run's id
+    pub run: String,
+    /// A path relative to /work
+    pub path: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct WriteFile {
+    /// The run's id
+    pub run: String,
+    /// A path relative to /work; parents are made
+    pub path: String,
+    /// The file's new content (text)
+    pub content: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct ListFiles {
+    /// The run's id
+    pub run: String,
+    /// A directory relative to /work (default: /work itself)
+    pub path: Option<String>,
+    /// How many levels down (default 1)
+    pub depth: Option<u32>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Snapshot {
+    /// The run's id
+    pub run: String,
+    /// The new image's name (default: generated)
+    pub name: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Fork {
+    /// The run's id
+    pub run: String,
+    /// How many runs to start from its files (default 1)
+    pub count: Option<usize>,
+    /// Their time to live in seconds
+    pub ttl_sec: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct StartProcess {
+    /// The run's id
+    pub run: String,
+    /// A shell command line, run with `sh -c` in the background
+    pub command: String,
+    /// A name to find it by later
+    pub tag: Option<String>,
+    /// Working directory (default /work)
+    pub cwd: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Preview {
+    /// The run's id
+    pub run: String,
+    /// The port a server in the run listens on (on its loopback)
+    pub port: u16,
+    /// Seconds the URL works for (default one hour)
+    pub ttl_sec: Option<u64>,
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(
+    what: &str,
+    raw: Option<String>,
+) -> Result<Option<T>, String> {
+    raw.map(|v| {
+        serde_json::from_value(Value::String(v.clone()))
+            .map_err(|_| format!("{what} {v:?} is not one runbox knows"))
+    })
+    .transpose()
+}
+
+#[tool_router(router = tool_router)]
+impl Tools {
+    pub fn new(client: Client) -> Self {
+        Self {
+            client,
+            tool_router: Self::tool_router(),
+        }
+    }
+
+    #[tool(description = "Create a run: an isolated Linux sandbox. Answers the run, with its id.")]
+    async fn create_run(&self, Parameters(p): Parameters<CreateRun>) -> Result<String, String> {
+        let req = CreateRunRequest {
+            image: p.image.unwrap_or_else(|| "base".to_owned()),
+            ttl_sec: p.ttl_sec,
+            network: parse::<NetworkTier>("network", p.network)?,
+            egress_allow: p.egress_allow,
+            env: p.env.map(Env),
+            size: parse("size", p.size)?,
+            labels: p.labels,
+            ..Default::default()
+        };
+        to_json(&self.client.create_run(&req).await.map_err(refused)?)
+    }
+
+    #[tool(description = "List the runs on this runbox server.")]
+    async fn list_runs(&self) -> Result<String, String> {
+        to_json(&self.client.list_runs().await.map_err(refused)?)
+    }
+
+    #[tool(description = "Delete a run and everything in it.")]
+    async fn delete_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        self.client.delete_run(&p.run).await.map_err(refused)?;
+        Ok(format!("run {} deleted", p.run))
+    }
+
+    #[tool(
+        description = "Run a shell command in a run and wait for it: answers its exit code, stdout and stderr (each cut at 64 KiB). State persists between commands."
+    )]
+    async fn exec(&self, Parameters(p): Parameters<Exec>) -> Result<String, String> {
+        let req = ExecRequest {
+            cmd: vec!["sh".into(), "-c".into(), p.command],
+            cwd: p.cwd,
+            timeout_sec: Some(p.timeout_sec.unwrap_or(DEFAULT_EXEC_TIMEOUT)),
+            stdin: p.stdin,
+            ..Default::default()
+        };
+        let stream = self.client.exec(&p.run, &req).await.map_err(refused)?;
+        let out = stream.collect_output().await.map_err(refused)?;
+        let (stdout, stdout_cut) = text(&out.stdout, MAX_OUTPUT);
+        let (stderr, stderr_cut) = text(&out.stderr, MAX_OUTPUT);
+        to_json(&json!({
+            "exitCode": out.exit.exit_code,
+            "timedOut": out.exit.timed_out,
+            "signal": out.exit.signal,
+            "stdout": stdout,
+            "stderr": stderr,
+            "truncated": stdout_cut || stderr_cut,
+        }))
+    }
+
+    #[tool(description = "Read a text file under /work in a run (at most 1 MiB).")]
+    async fn read_file(&self, Parameters(p): Parameters<FilePath>) -> Result<String, String> {
+        let download = self
+            .client
+            .get_file(&p.run, &p.path)
+            .await
+            .map_err(refused)?;
+        let bytes = download.bytes().await.map_err(refused)?;
+        let (content, cut) = text(&bytes, MAX_READ);
+        if cut {
+            return Ok(format!(
+                "{content}\n[cut at {MAX_READ} bytes of {}]",
+                bytes.len()
+            ));
+        }
+        Ok(content)
+    }
+
+    #[tool(description = "Write a text file under /work in a run, replacing what is there.")]
+    async fn write_file(&self, Parameters(p): Parameters<WriteFile>) -> Result<String, String> {
+        let len = p.content.len();
+        self.client
+            .put_file(&p.run, &p.path, Bytes::from(p.content).into())
+            .await
+            .map_err(refused)?;
+        Ok(format!(
+            "wrote {len} bytes to /work/{}",
+            p.path.trim_start_matches('/')
+        ))
+    }
+
+    #[tool(description = "List a directory under /work in a run.")]
+    async fn list_files(&self, Parameters(p): Parameters<ListFiles>) -> Result<String, String> {
+        let path = p.path.unwrap_or_default();
+        let list = self
+            .client
+            .list_dir(&p.run, &path, p.depth.unwrap_or(1))
+            .await
+            .map_err(refused)?;
+        to_json(&list)
+    }
+
+    #[tool(
+        description = "Snapshot a run's filesystem as a new image (the run keeps running); create runs from it by name."
+    )]
+    async fn snapshot(&self, Parameters(p): Parameters<Snapshot>) -> Result<String, String> {
+        to_json(
+            &self
+                .client
+                .snapshot_run(&p.run, p.name.as_deref())
+                .await
+                .map_err(refused)?,
+        )
+    }
+
+    #[tool(
+        description = "Fork a run: new runs that start from its files as they are now (not its processes)."
+    )]
+    async fn fork(&self, Parameters(p): Parameters<Fork>) -> Result<String, String> {
+        let req = ForkRequest {
+            count: p.count.unwrap_or(1),
+            ttl_sec: p.ttl_sec,
+        };
+        to_json(&self.client.fork_run(&p.run, &req).await.map_err(refused)?)
+    }
+
+    #[tool(
+        description = "Start a background process in a run (a server, a watcher); answers its pid. It outlives this call."
+    )]
+    async fn start_process(
+        &self,
+        Parameters(p): Parameters<StartProcess>,
+    ) -> Result<String, String> {
+        let req = ExecRequest {
+            cmd: vec!["sh".into(), "-c".into(), p.command],
+            cwd: p.cwd,
+            tag: p.tag,
+            ..Default::default()
+        };
+        to_json(
+            &self
+                .client
+                .start_process(&p.run, &req)
+                .await
+                .map_err(refused)?,
+        )
+    }
+
+    #[tool(description = "Mint a signed, expiring URL that reaches a port inside a run.")]
+    async fn preview_url(&self, Parameters(p): Parameters<Preview>) -> Result<String, String> {
+        to_json(
+            &self
+                .client
+                .mint_preview(&p.run, p.port, p.ttl_sec)
+                .await
+                .map_err(refused)?,
+        )
+    }
+}
+
+#[tool_handler(router = self.tool_router)]
+impl ServerHandler for Tools {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("runbox", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "runbox runs isolated, ephemeral Linux sandboxes. Create a run, exec commands in it, \
+                 move files under /work, and delete it when done (it also ends at its TTL).",
+            )
+    }
+}

@@ -1,0 +1,291 @@
+//! `runbox mcp` driven by a real MCP client session (rmcp's client), over
+//! stdio and over streamable HTTP, against a real daemon.
+
+use std::process::Stdio;
+
+use rmcp::model::{CallToolRequestParams, CallToolResult};
+use rmcp::service::RunningService;
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::{RoleClient, ServiceExt};
+use runbox_e2e::{runbox_bin, TestDaemon};
+use serde_json::{json, Value};
+use tokio::io::AsyncBufReadExt;
+use tokio::process::Command;
+
+type Session = RunningService<RoleClient, ()>;
+
+async fn call(session: &Session, tool: &str, args: Value) -> CallToolResult {
+    let Value::Object(args) = args else {
+        panic!("arguments are an object")
+    };
+    session
+        .call_tool(CallToolRequestParams::new(tool.to_owned()).with_arguments(args))
+        .await
+        .unwrap_or_else(|e| panic!("{tool}: {e}"))
+}
+
+fn text(result: &CallToolResult) -> String {
+    result
+        .content
+        .iter()
+        .filter_map(|c| c.as_text().map(|t| t.text.clone()))
+        .collect()
+}
+
+/// A tool that worked, its answer parsed as JSON.
+async fn ok(session: &Session, tool: &str, args: Value) -> Value {
+    let result = call(session, tool, args).await;
+    assert_ne!(result.is_error, Some(true), "{tool}: {}", text(&result));
+    let body = text(&result);
+    serde_json::from_str(&body).unwrap_or(Value::String(body))
+}
+
+/// A tool that refused, its message.
+async fn refused(session: &Session, tool: &str, args: Value) -> String {
+    let result = call(session, tool, args).await;
+    assert_eq!(
+        result.is_error,
+        Some(true),
+        "{tool} should fail: {}",
+        text(&result)
+    );
+    text(&result)
+}
+
+fn mcp_command(daemon: &TestDaemon) -> Command {
+    let mut cmd = Command::new(runbox_bin());
+    cmd.arg("mcp")
+        .env("RUNBOX_URL", &daemon.url)
+        .env("RUNBOX_TOKEN", &daemon.token)
+        .kill_on_drop(true);
+    cmd
+}
+
+#[tokio::test]
+async fn a_stdio_session_drives_runs_end_to_end() {
+    let daemon = TestDaemon::start_with(None, &["--preview-listen", "127.0.0.1:0"], &[]).await;
+    let transport = TokioChildProcess::new(mcp_command(&daemon)).expect("runbox mcp starts");
+    let session = ().serve(transport).await.expect("the MCP session opens");
+
+    let info = session.peer_info().expect("the server introduced itself");
+    assert_eq!(
+        info.server_info.as_ref().map(|s| s.name.as_str()),
+        Some("runbox")
+    );
+    let mut tools: Vec<String> = session
+        .list_all_tools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name.into_owned())
+        .collect();
+    tools.sort();
+    assert_eq!(
+        tools,
+        [
+            "create_run",
+            "delete_run",
+            "exec",
+            "fork",
+            "list_files",
+            "list_runs",
+            "preview_url",
+            "read_file",
+            "snapshot",
+            "start_process",
+            "write_file"
+        ]
+    );
+
+    let run = ok(
+        &session,
+        "create_run",
+        json!({"image": "base", "ttl_sec": 600}),
+    )
+    .await;
+    let id = run["id"].as_str().expect("the run's id").to_owned();
+    let listed = ok(&session, "list_runs", json!({})).await;
+    assert!(listed.to_string().contains(&id));
+
+    // exec: output and exit code; state persists; stdin; the timeout.
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "echo hi; echo oops >&2; exit 3"}),
+    )
+    .await;
+    assert_eq!(out["exitCode"], 3);
+    assert_eq!(out["stdout"], "hi\n");
+    assert_eq!(out["stderr"], "oops\n");
+    assert_eq!(out["timedOut"], false);
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "cat", "stdin": "fed"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "fed");
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "sleep 30", "timeout_sec": 1}),
+    )
+    .await;
+    assert_eq!(out["timedOut"], true);
+
+    // Files.
+    ok(
+        &session,
+        "write_file",
+        json!({"run": id, "path": "src/a.txt", "content": "alpha\n"}),
+    )
+    .await;
+    let read = call(
+        &session,
+        "read_file",
+        json!({"run": id, "path": "src/a.txt"}),
+    )
+    .await;
+    assert_eq!(text(&read), "alpha\n");
+    let listing = ok(&session, "list_files", json!({"run": id, "depth": 2})).await;
+    assert!(listing.to_string().contains("src/a.txt"), "{listing}");
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "cat /work/src/a.txt"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "alpha\n");
+
+    // A background process outlives its call.
+    let proc = ok(
+        &session,
+        "start_process",
+        json!({"run": id, "command": "sleep 300", "tag": "sleeper"}),
+    )
+    .await;
+    assert!(proc["pid"].as_u64().is_some(), "{proc}");
+    let ps = ok(&session, "exec", json!({"run": id, "command": "ps"})).await;
+    assert!(ps["stdout"].as_str().unwrap().contains("sleep 300"), "{ps}");
+
+    let preview = ok(
+        &session,
+        "preview_url",
+        json!({"run": id, "port": 8080, "ttl_sec": 60}),
+    )
+    .await;
+    assert!(preview.to_string().contains("/p/"), "{preview}");
+
+    // Snapshot and fork carry the files.
+    let snap = ok(&session, "snapshot", json!({"run": id, "name": "mcp-snap"})).await;
+    assert!(snap.to_string().contains("mcp-snap"), "{snap}");
+    let from_snap = ok(&session, "create_run", json!({"image": "mcp-snap"})).await;
+    let snap_id = from_snap["id"].as_str().unwrap().to_owned();
+    let forked = ok(&session, "fork", json!({"run": id, "count": 1})).await;
+    let fork_id = forked["runs"][0]["id"].as_str().expect("a fork").to_owned();
+    for child in [&snap_id, &fork_id] {
+        let out = ok(
+            &session,
+            "exec",
+            json!({"run": child, "command": "cat /work/src/a.txt"}),
+        )
+        .await;
+        assert_eq!(out["stdout"], "alpha\n", "{child}");
+    }
+
+    // Bad input is a tool error naming runbox's code, never a crash.
+    let msg = refused(
+        &session,
+        "exec",
+        json!({"run": "01ARZ3NDEKTSV4RRFFQ69G5FAV", "command": "true"}),
+    )
+    .await;
+    assert!(msg.contains("not_found"), "{msg}");
+    let msg = refused(
+        &session,
+        "read_file",
+        json!({"run": id, "path": "../etc/passwd"}),
+    )
+    .await;
+    assert!(msg.contains("path"), "{msg}");
+    let msg = refused(&session, "create_run", json!({"network": "sideways"})).await;
+    assert!(msg.contains("sideways"), "{msg}");
+    let msg = refused(&session, "create_run", json!({"image": "no-such-image"})).await;
+    assert!(msg.contains("image"), "{msg}");
+    let bad = session
+        .call_tool(CallToolRequestParams::new("exec").with_arguments(serde_json::Map::new()))
+        .await;
+    assert!(
+        bad.is_err() || bad.as_ref().unwrap().is_error == Some(true),
+        "missing arguments are refused: {bad:?}"
+    );
+
+    for run in [&fork_id, &snap_id, &id] {
+        ok(&session, "delete_run", json!({"run": run})).await;
+    }
+    let listed = ok(&session, "list_runs", json!({})).await;
+    assert!(!listed.to_string().contains(&id));
+    session.cancel().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_streamable_http_session_needs_the_token() {
+    let daemon = TestDaemon::start(None).await;
+    let mut child = mcp_command(&daemon)
+        .args(["--http", "127.0.0.1:0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("runbox mcp --http starts");
+    let mut lines = tokio::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = loop {
+        let line = lines
+            .next_line()
+            .await
+            .unwrap()
+            .expect("runbox mcp says where it listens");
+        if let Some(rest) = line.split("streamable HTTP on ").nth(1) {
+            break rest.trim().to_owned();
+        }
+    };
+
+    // Without the token: 401 before any MCP is spoken.
+    let anonymous = reqwest::Client::new()
+        .post(&url)
+        .header("content-type", "application/json")
+        .header("accept", "application/json, text/event-stream")
+        .body(r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 401);
+
+    let config = StreamableHttpClientTransportConfig::with_uri(url.clone())
+        .auth_header(daemon.token.clone());
+    let session =
+        ().serve(StreamableHttpClientTransport::from_config(config))
+            .await
+            .expect("the MCP session opens over HTTP");
+    let run = ok(&session, "create_run", json!({})).await;
+    let id = run["id"].as_str().unwrap().to_owned();
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "echo over http"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "over http\n");
+    assert_eq!(out["exitCode"], 0);
+    ok(&session, "delete_run", json!({"run": id})).await;
+    session.cancel().await.unwrap();
+
+    // Not on a public address unless asked.
+    let out = mcp_command(&daemon)
+        .args(["--http", "0.0.0.0:0"])
+        .output()
+        .await
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--allow-non-loopback"));
+    child.kill().await.ok();
+}
