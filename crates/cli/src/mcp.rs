@@ -148,6 +148,11 @@ fn to_json<T: serde::Serialize>(value: &T) -> Result<String, String> {
     serde_json::to_string_pretty(value).map_err(|e| e.to_string())
 }
 
+/// A command line as the tools run it: through `sh -c`.
+fn shell(command: String) -> Vec<String> {
+    vec!["sh".into(), "-c".into(), command]
+}
+
 /// Text for the model: valid UTF-8 as is, anything else lossily, cut at
 /// `max` bytes.
 fn text(bytes: &[u8], max: usize) -> (String, bool) {
@@ -313,7 +318,7 @@ impl Tools {
     )]
     async fn exec(&self, Parameters(p): Parameters<Exec>) -> Result<String, String> {
         let req = ExecRequest {
-            cmd: vec!["sh".into(), "-c".into(), p.command],
+            cmd: shell(p.command),
             cwd: p.cwd,
             timeout_sec: Some(p.timeout_sec.unwrap_or(DEFAULT_EXEC_TIMEOUT)),
             stdin: p.stdin,
@@ -407,7 +412,7 @@ impl Tools {
         Parameters(p): Parameters<StartProcess>,
     ) -> Result<String, String> {
         let req = ExecRequest {
-            cmd: vec!["sh".into(), "-c".into(), p.command],
+            cmd: shell(p.command),
             cwd: p.cwd,
             tag: p.tag,
             ..Default::default()
