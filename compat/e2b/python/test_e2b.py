@@ -93,9 +93,9 @@ def test_files_anywhere_in_the_sandbox(sbx):
     blob = bytes(range(256)) * 1000
     sbx.files.write("/opt/blob.bin", blob)
     assert bytes(sbx.files.read("/opt/blob.bin", format="bytes")) == blob
-    # Several at once, and a relative path (taken from /work).
+    # Several at once, and a relative path (taken from the user's home).
     sbx.files.write_files([{"path": "/tmp/notes/b.txt", "data": "b"}, {"path": "rel.txt", "data": "r"}])
-    assert sbx.commands.run("cat /tmp/notes/b.txt /work/rel.txt").stdout == "br"
+    assert sbx.commands.run("cat /tmp/notes/b.txt /root/rel.txt").stdout == "br"
     # The image's own files are there too.
     assert "root:" in sbx.files.read("/etc/passwd")
 

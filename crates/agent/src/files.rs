@@ -283,7 +283,7 @@ fn create_temp(
         spec => Some(crate::user::resolve(spec).map_err(FileError::BadUser)?),
     };
     let root = work.open()?;
-    let parent = open_parent(&root, rel)?;
+    let parent = open_parent(&root, rel, owner.as_ref())?;
 
     // Fail early, before any data is sent, when the target is a directory.
     // The rename would refuse it too; this only gives a faster answer.
@@ -358,7 +358,11 @@ fn create_temp(
 /// from the previous component: that way a symlink among the parents is
 /// followed when it stays inside the work directory (`RESOLVE_BENEATH`
 /// judges the full path), and refused when it leaves it.
-pub(crate) fn open_parent(root: &Root, rel: &RelPath) -> Result<OwnedFd, FileError> {
+pub(crate) fn open_parent(
+    root: &Root,
+    rel: &RelPath,
+    owner: Option<&crate::user::Identity>,
+) -> Result<OwnedFd, FileError> {
     let open_dir =
         |path: &str| open_beneath(root, path, OFlags::PATH | OFlags::DIRECTORY, Mode::empty());
     let mut dir = open_dir(".").map_err(|errno| FileError::from_errno(errno, "open", "."))?;
@@ -375,7 +379,12 @@ pub(crate) fn open_parent(root: &Root, rel: &RelPath) -> Result<OwnedFd, FileErr
                 // means something appeared meanwhile: the open below judges
                 // what it is.
                 match rustix::fs::mkdirat(&dir, component.as_str(), Mode::from_raw_mode(DIR_MODE)) {
-                    Ok(()) | Err(Errno::EXIST) => open_dir(&prefix),
+                    Ok(()) => open_dir(&prefix).and_then(|made| {
+                        // Only what this call made changes owner.
+                        chown_made(&made, owner)?;
+                        Ok(made)
+                    }),
+                    Err(Errno::EXIST) => open_dir(&prefix),
                     Err(errno) => Err(errno),
                 }
             }
@@ -392,6 +401,22 @@ pub(crate) fn open_parent(root: &Root, rel: &RelPath) -> Result<OwnedFd, FileErr
         })?;
     }
     Ok(dir)
+}
+
+/// Gives a directory this call created to `owner` (nothing without one).
+/// `fd` may be an `O_PATH` handle: `fchownat(AT_EMPTY_PATH)` changes the
+/// directory it names, wherever it has moved since.
+pub(crate) fn chown_made(fd: &OwnedFd, owner: Option<&crate::user::Identity>) -> Result<(), Errno> {
+    let Some(owner) = owner else {
+        return Ok(());
+    };
+    rustix::fs::chownat(
+        fd,
+        "",
+        Some(rustix::process::Uid::from_raw(owner.uid)),
+        Some(rustix::process::Gid::from_raw(owner.gid)),
+        AtFlags::EMPTY_PATH,
+    )
 }
 
 /// Describes a non-regular file type for error messages.

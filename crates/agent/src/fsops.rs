@@ -199,10 +199,25 @@ pub async fn make_dir(
         m => m,
     };
     Ok(blocking(move || -> Result<FileInfo, FileError> {
+        // Resolved before anything is made: an unknown owner changes nothing.
+        let owner = match req.user.as_str() {
+            "" => None,
+            spec => Some(crate::user::resolve(spec).map_err(FileError::BadUser)?),
+        };
         let root = work.open()?;
-        let dir = open_parent(&root, &rel)?;
+        let dir = open_parent(&root, &rel, owner.as_ref())?;
         match rustix::fs::mkdirat(&dir, rel.file_name(), Mode::from_raw_mode(mode)) {
-            Ok(()) | Err(Errno::EXIST) => {}
+            Ok(()) => {
+                let made = rustix::fs::openat(
+                    &dir,
+                    rel.file_name(),
+                    OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .and_then(|made| crate::files::chown_made(&made, owner.as_ref()));
+                made.map_err(|e| FileError::from_errno(e, "set the owner of", rel.original()))?;
+            }
+            Err(Errno::EXIST) => {}
             Err(e) => return Err(FileError::from_errno(e, "create", rel.original())),
         }
         let info = info_at(&dir, rel.file_name(), rel.normalized())

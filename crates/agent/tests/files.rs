@@ -366,7 +366,10 @@ async fn read_of_a_shrinking_file_ends_with_data_loss() {
 async fn written_files_belong_to_the_user_asked_for() {
     use std::os::unix::fs::MetadataExt;
     let mut agent = TestAgent::start().await;
-    let mut messages = write_messages("owned.txt", 0, b"mine", true);
+    // The parents the write makes are the user's too; one that exists
+    // keeps its owner.
+    std::fs::create_dir(agent.path("kept")).unwrap();
+    let mut messages = write_messages("kept/made/owned.txt", 0, b"mine", true);
     if let Some(write_file_chunk::Kind::Header(h)) = &mut messages[0].kind {
         h.user = "4242:4343".into();
     }
@@ -380,8 +383,12 @@ async fn written_files_belong_to_the_user_asked_for() {
         .write_file(ReceiverStream::new(rx))
         .await
         .unwrap();
-    let meta = std::fs::metadata(agent.path("owned.txt")).unwrap();
-    assert_eq!((meta.uid(), meta.gid()), (4242, 4343));
+    for path in ["kept/made/owned.txt", "kept/made"] {
+        let meta = std::fs::metadata(agent.path(path)).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (4242, 4343), "{path}");
+    }
+    let kept = std::fs::metadata(agent.path("kept")).unwrap();
+    assert_eq!((kept.uid(), kept.gid()), (0, 0));
     // An unknown owner writes nothing.
     let mut messages = write_messages("nope.txt", 0, b"x", true);
     if let Some(write_file_chunk::Kind::Header(h)) = &mut messages[0].kind {

@@ -163,6 +163,40 @@ async fn make_move_and_remove_stay_inside() {
         .unwrap_err();
     assert_eq!(common::kind(&err), "not_a_file");
 
+    // The directories made belong to the user asked for; those that were
+    // there keep their owner; an unknown user makes nothing.
+    {
+        use std::os::unix::fs::MetadataExt;
+        agent
+            .client
+            .make_dir(MakeDirRequest {
+                path: "a/owned/deep".into(),
+                user: "4242:4343".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        for (path, ids) in [
+            ("a/owned/deep", (4242, 4343)),
+            ("a/owned", (4242, 4343)),
+            ("a", (0, 0)),
+        ] {
+            let meta = std::fs::metadata(agent.path(path)).unwrap();
+            assert_eq!((meta.uid(), meta.gid()), ids, "{path}");
+        }
+        let err = agent
+            .client
+            .make_dir(MakeDirRequest {
+                path: "a/nobody".into(),
+                user: "no-such-user-here".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(common::kind(&err), "bad_user");
+        assert!(!agent.path("a/nobody").exists());
+    }
+
     // Move: no replacing unless asked.
     std::fs::write(agent.path("a/one"), "1").unwrap();
     std::fs::write(agent.path("a/two"), "2").unwrap();

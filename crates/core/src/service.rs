@@ -47,6 +47,9 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn list(&self) -> Vec<Run>;
     /// One run.
     fn get(&self, id: Ulid) -> Result<Run, CoreError>;
+    /// The parts of a run's image config runbox honours (its user and
+    /// working directory among them), as recorded when the run was made.
+    fn image_config(&self, id: Ulid) -> Result<crate::images::ImageConfig, CoreError>;
     /// What a running run uses now (None where it is not measured).
     fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError>;
     /// Destroys a run.
@@ -78,12 +81,15 @@ pub trait RunService: Clone + Send + Sync + 'static {
         req: ExecRequest,
     ) -> impl Future<Output = Result<ExecStream, CoreError>> + Send;
     /// Writes a file (below `/work`, or anywhere in the run with
-    /// [`Scope::Root`]); returns the bytes written.
+    /// [`Scope::Root`]), owned with the directories it makes by `user`
+    /// (None: the run's own user); returns the bytes written.
+    #[allow(clippy::too_many_arguments)]
     fn put_file(
         &self,
         id: Ulid,
         scope: Scope,
         path: String,
+        user: Option<String>,
         credential: LeaseCredential,
         content_length: Option<u64>,
         body: UploadStream,
@@ -151,6 +157,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         scope: Scope,
         req: runbox_types::MakeDirRequest,
+        user: Option<String>,
     ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
     /// Renames a path in a run's `scope`.
     fn move_path(
@@ -299,6 +306,10 @@ impl RunService for Arc<Manager> {
         Manager::get(self, id)
     }
 
+    fn image_config(&self, id: Ulid) -> Result<crate::images::ImageConfig, CoreError> {
+        Manager::image_config(self, id)
+    }
+
     fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
         Manager::usage(self, id)
     }
@@ -333,11 +344,22 @@ impl RunService for Arc<Manager> {
         id: Ulid,
         scope: Scope,
         path: String,
+        user: Option<String>,
         credential: LeaseCredential,
         content_length: Option<u64>,
         body: UploadStream,
     ) -> Result<u64, CoreError> {
-        Manager::put_file(self, id, scope, &path, credential, content_length, body).await
+        Manager::put_file(
+            self,
+            id,
+            scope,
+            &path,
+            user,
+            credential,
+            content_length,
+            body,
+        )
+        .await
     }
 
     async fn snapshot(
@@ -429,8 +451,9 @@ impl RunService for Arc<Manager> {
         id: Ulid,
         scope: Scope,
         req: runbox_types::MakeDirRequest,
+        user: Option<String>,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::make_dir(self, id, scope, req).await
+        Manager::make_dir(self, id, scope, req, user).await
     }
 
     async fn move_path(

@@ -351,6 +351,34 @@ async fn the_images_user_runs_commands_and_owns_uploads() {
         .unwrap();
     let out = daemon.sh(&id, "stat -c %u /work/owned.txt").await;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "65534\n");
+    // So do the directories an upload or a mkdir makes, so the user's
+    // commands can write in them.
+    daemon
+        .client
+        .put_file(&id, "made/by/upload.txt", runbox_e2e::body(b"x".to_vec()))
+        .await
+        .unwrap();
+    daemon
+        .client
+        .make_dir(
+            &id,
+            &runbox_types::MakeDirRequest {
+                path: "made/by/mkdir".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let out = daemon
+        .sh(
+            &id,
+            "stat -c %u /work/made /work/made/by /work/made/by/mkdir",
+        )
+        .await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "65534\n65534\n65534\n"
+    );
     // An unknown user is a 400 naming it.
     let (status, body) = raw_request(
         &daemon.url,

@@ -294,7 +294,9 @@ pub async fn fs_mkdir<S: RunService>(
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::MakeDirRequest>,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    Ok(Json(state.service.make_dir(id, Scope::Work, req).await?))
+    Ok(Json(
+        state.service.make_dir(id, Scope::Work, req, None).await?,
+    ))
 }
 
 /// `POST /v1/runs/{id}/fs/move`.
@@ -453,6 +455,7 @@ pub async fn put_file<S: RunService>(
             id,
             Scope::Work,
             file_path(&params).to_owned(),
+            None,
             credential,
             length,
             body,

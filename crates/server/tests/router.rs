@@ -213,6 +213,7 @@ impl RunService for Stub {
         id: Ulid,
         _scope: Scope,
         req: runbox_types::MakeDirRequest,
+        _user: Option<String>,
     ) -> Result<runbox_types::FileInfo, CoreError> {
         found(id)?;
         runbox_core::validate::work_path(&req.path)?;
@@ -418,6 +419,10 @@ impl RunService for Stub {
     fn get(&self, id: Ulid) -> Result<Run, CoreError> {
         found(id).map(|()| run())
     }
+    fn image_config(&self, id: Ulid) -> Result<runbox_core::images::ImageConfig, CoreError> {
+        found(id)?;
+        Ok(Default::default())
+    }
     fn usage(&self, id: Ulid) -> Result<Option<runbox_core::backend::Usage>, CoreError> {
         found(id)?;
         Ok(None)
@@ -468,6 +473,7 @@ impl RunService for Stub {
         id: Ulid,
         _scope: Scope,
         _path: String,
+        _user: Option<String>,
         _credential: LeaseCredential,
         _content_length: Option<u64>,
         mut body: UploadStream,

@@ -21,9 +21,10 @@ AGENT = Path(os.environ.get("RUNBOX_AGENT_BIN", TARGET / "x86_64-unknown-linux-g
 
 
 class Daemon:
-    def __init__(self, name: str = "py", octet: int = 233) -> None:
+    def __init__(self, name: str = "py", octet: int = 233, base: Path | None = None) -> None:
         """`name` tells its nftables table and state directory apart from
-        other test daemons'; `octet` its address pool (10.<octet>.x.0/24)."""
+        other test daemons'; `octet` its address pool (10.<octet>.x.0/24);
+        `base` an image archive to import as `base` instead of busybox."""
         for binary, how in ((RUNBOX, "cargo build -p runbox-cli"), (AGENT, "scripts/build-agent")):
             if not binary.exists():
                 raise RuntimeError(f"{binary} is missing: run `{how}` first (scripts/test does)")
@@ -53,8 +54,10 @@ class Daemon:
             time.sleep(0.02)
         self.url = f"http://{addr_file.read_text().strip()}"
         self.token = (self.state / "token").read_text().strip()
-        rootfs = self.state / "rootfs"
-        subprocess.run([str(ROOT / "scripts" / "mkimage-busybox"), str(rootfs)], check=True, stdout=subprocess.DEVNULL)
+        rootfs = base
+        if rootfs is None:
+            rootfs = self.state / "rootfs"
+            subprocess.run([str(ROOT / "scripts" / "mkimage-busybox"), str(rootfs)], check=True, stdout=subprocess.DEVNULL)
         subprocess.run(
             [str(RUNBOX), "image", "import", "base", str(rootfs), "--url", self.url, "--token", self.token],
             check=True,

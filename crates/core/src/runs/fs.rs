@@ -45,6 +45,20 @@ pub enum Scope {
     Root,
 }
 
+/// Who owns what a file call makes: the user the call names, else the
+/// image's `User` (the identity commands run as); empty is root.
+pub(super) fn owner(handle: &super::RunHandle, user: Option<String>) -> String {
+    user.unwrap_or_else(|| {
+        handle
+            .snapshot()
+            .record
+            .image_config
+            .user
+            .clone()
+            .unwrap_or_default()
+    })
+}
+
 /// The agent protocol that takes [`Scope::Root`].
 const ROOT_SCOPE_PROTOCOL: u32 = 4;
 
@@ -280,6 +294,7 @@ impl Manager {
         id: Ulid,
         scope: Scope,
         req: MakeDirRequest,
+        user: Option<String>,
     ) -> Result<FileInfo, CoreError> {
         let path = scope.agent_path(Some(&req.path), false)?;
         let mode = req.mode.unwrap_or(0o755);
@@ -290,12 +305,15 @@ impl Manager {
             ));
         }
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
+        let user = user.map(validate::user).transpose()?;
         self.check_scope(id, scope)?;
-        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let (handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let user = owner(&handle, user);
         let call = agent.make_dir(pb::MakeDirRequest {
             path,
             mode,
             root: scope.root(),
+            user,
         });
         info(scope, timed(FS_CALL_TIMEOUT, call).await?)
     }

@@ -469,6 +469,11 @@ impl Manager {
         Ok(self.view(&*self.handle(id)?))
     }
 
+    /// The honoured parts of run `id`'s image config, as recorded at create.
+    pub fn image_config(&self, id: Ulid) -> Result<crate::images::ImageConfig, CoreError> {
+        Ok(self.handle(id)?.snapshot().record.image_config.clone())
+    }
+
     /// What run `id` uses now, where its backend measures it.
     pub fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
         self.running(id)?;

@@ -354,11 +354,13 @@ impl Manager {
     ///
     /// Cancellation: dropping the future mid-way cancels the agent call; the
     /// agent then discards the partial upload and the target is untouched.
+    #[allow(clippy::too_many_arguments)]
     pub async fn put_file<S, E>(
         &self,
         id: Ulid,
         scope: super::fs::Scope,
         path: &str,
+        user: Option<String>,
         credential: Option<(String, u64)>,
         content_length: Option<u64>,
         body: S,
@@ -368,6 +370,7 @@ impl Manager {
         E: std::fmt::Display,
     {
         let path = scope.agent_path(Some(path), false)?;
+        let user = user.map(validate::user).transpose()?;
         self.check_scope(id, scope)?;
         let max = self.config.max_upload_bytes;
         if content_length.is_some_and(|len| len > max) {
@@ -376,14 +379,7 @@ impl Manager {
         // Counted in flight until this future ends or is dropped.
         let (handle, _in_flight, mut agent) = self.admit(id, credential).await?;
         let (tx, rx) = mpsc::channel::<pb::WriteFileChunk>(4);
-        // Owned by the image's `User`, the identity commands run as.
-        let user = handle
-            .snapshot()
-            .record
-            .image_config
-            .user
-            .clone()
-            .unwrap_or_default();
+        let user = super::fs::owner(&handle, user);
         let header = pb::WriteFileHeader {
             path,
             mode: 0,

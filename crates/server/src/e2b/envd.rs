@@ -17,7 +17,6 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use base64::Engine;
 use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use runbox_core::runs::{ExecEvent, Scope};
@@ -26,6 +25,7 @@ use runbox_types::{ExecRequest, FileInfo, FileKind, FsQuery, PtySpec, SignalRequ
 use serde::Deserialize;
 use ulid::Ulid;
 
+use super::caller::{basic_user, Caller, Names};
 use super::connect::{self, Code, Framing, RpcError};
 use super::wire;
 use super::{envd_error, SandboxId};
@@ -83,39 +83,6 @@ pub fn routes<S: RunService>(state: Envd<S>) -> Router {
             envd_error(StatusCode::NOT_FOUND, "no such envd route; see docs/e2b.md")
         })
         .with_state(state)
-}
-
-/// The user an envd call names (`Authorization: Basic <user>:`), if any.
-fn user(headers: &HeaderMap) -> Result<Option<String>, RpcError> {
-    let Some(value) = headers.get(header::AUTHORIZATION) else {
-        return Ok(None);
-    };
-    let bad = || RpcError::new(Code::Unauthenticated, "Authorization must be Basic <user>:");
-    let value = value.to_str().map_err(|_| bad())?;
-    let (scheme, encoded) = value.split_once(' ').ok_or_else(bad)?;
-    if !scheme.eq_ignore_ascii_case("basic") {
-        return Err(bad());
-    }
-    let decoded = base64::engine::general_purpose::STANDARD
-        .decode(encoded.trim())
-        .map_err(|_| bad())?;
-    let decoded = String::from_utf8(decoded).map_err(|_| bad())?;
-    let name = decoded.split(':').next().unwrap_or("");
-    Ok((!name.is_empty()).then(|| name.to_owned()))
-}
-
-/// A path as envd takes it: absolute, or relative to `/work`.
-fn absolute(path: &str) -> Result<String, RpcError> {
-    if path.is_empty() {
-        return Err(RpcError::invalid(
-            "path is empty; name a path in the sandbox",
-        ));
-    }
-    Ok(if path.starts_with('/') {
-        path.to_owned()
-    } else {
-        format!("/work/{path}")
-    })
 }
 
 fn selector(process: Option<wire::Selector>) -> Result<String, RpcError> {
@@ -386,13 +353,18 @@ async fn start<S: RunService>(
         Some(_) => return Err(RpcError::invalid("pty.size is missing")),
         None => None,
     };
+    let caller = Caller {
+        run: id,
+        user: basic_user(headers)?,
+    };
+    let cwd = caller.cwd(&service, config.cwd).await?;
     let mut cmd = vec![program(&service, id, config.cmd).await];
     cmd.extend(config.args);
     let exec = ExecRequest {
         cmd,
-        cwd: config.cwd.filter(|c| !c.is_empty()),
+        cwd: Some(cwd),
         env: (!config.envs.is_empty()).then_some(runbox_types::Env(config.envs)),
-        user: user(headers)?,
+        user: caller.user,
         pty: pty.clone(),
         tag: req.tag.filter(|t| !t.is_empty()),
         // The SDKs treat an absent `stdin` as true (older envd behaviour).
@@ -530,9 +502,68 @@ fn permissions(kind: FileKind, mode: u32) -> String {
     out
 }
 
-/// A runbox description as envd's `EntryInfo`. Owner and group are the
-/// numeric ids (runbox does not read the run's user database for a stat).
-fn entry(info: FileInfo) -> wire::EntryInfo {
+/// The most symlinks followed to describe one entry.
+const MAX_LINK_HOPS: usize = 8;
+
+/// `path` with `.` and `..` taken out, lexically (`..` at the root stays
+/// there, as in a lookup).
+fn normalize(path: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in path.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    format!("/{}", parts.join("/"))
+}
+
+/// Where a symlink at `link` pointing at `target` leads, as an absolute path.
+fn link_target(link: &str, target: &str) -> String {
+    if target.starts_with('/') {
+        return normalize(target);
+    }
+    let dir = link.rsplit_once('/').map_or("/", |(dir, _)| dir);
+    normalize(&format!("{dir}/{target}"))
+}
+
+/// A symlink described as envd describes it: the type and size of what it
+/// finally points at, and that target's absolute path. A link that leads
+/// nowhere (or round in circles) keeps its own type.
+async fn follow<S: RunService>(service: &S, id: Ulid, mut info: FileInfo) -> FileInfo {
+    let Some(first) = info
+        .target
+        .clone()
+        .filter(|_| info.kind == FileKind::Symlink)
+    else {
+        return info;
+    };
+    let mut at = link_target(&info.path, &first);
+    for _ in 0..MAX_LINK_HOPS {
+        match service.stat_path(id, Scope::Root, Some(at.clone())).await {
+            Ok(next) if next.kind == FileKind::Symlink => match next.target {
+                Some(target) => at = link_target(&at, &target),
+                None => break,
+            },
+            Ok(end) => {
+                info.kind = end.kind;
+                info.size = end.size;
+                info.target = Some(at);
+                return info;
+            }
+            Err(_) => break,
+        }
+    }
+    info.target = Some(link_target(&info.path, &first));
+    info
+}
+
+/// A runbox description as envd's `EntryInfo`, owner and group named as
+/// the run's own user database names them.
+fn entry(info: FileInfo, names: &Names) -> wire::EntryInfo {
     let name = info
         .path
         .rsplit('/')
@@ -552,8 +583,8 @@ fn entry(info: FileInfo) -> wire::EntryInfo {
         size: info.size.to_string(),
         mode: info.mode,
         permissions: permissions(info.kind, info.mode),
-        owner: info.uid.to_string(),
-        group: info.gid.to_string(),
+        owner: names.user(info.uid),
+        group: names.group(info.gid),
         modified_time: info
             .modified_at
             .format(&time::format_description::well_known::Rfc3339)
@@ -575,6 +606,10 @@ async fn filesystem<S: RunService>(
         Err(e) => return e.into_response(),
     };
     let service = envd.app.service.clone();
+    let caller = match basic_user(&headers) {
+        Ok(user) => Caller { run: id, user },
+        Err(e) => return e.into_response(),
+    };
     if method == "WatchDir" {
         if framing != Framing::Streaming {
             return RpcError::invalid(
@@ -582,7 +617,7 @@ async fn filesystem<S: RunService>(
             )
             .into_response();
         }
-        let events = watch_dir(service, id, &headers, body, deadline).await;
+        let events = watch_dir(service, &caller, &headers, body, deadline).await;
         return stream_or_error(events);
     }
     if framing != Framing::Unary {
@@ -601,9 +636,17 @@ async fn filesystem<S: RunService>(
             async {
                 let req: wire::PathRequest = connect::decode(&bytes)?;
                 let info = service
-                    .stat_path(id, Scope::Root, Some(absolute(&req.path)?))
+                    .stat_path(
+                        id,
+                        Scope::Root,
+                        Some(caller.path(&service, &req.path).await?),
+                    )
                     .await?;
-                Ok(wire::EntryResponse { entry: entry(info) })
+                let info = follow(&service, id, info).await;
+                let names = Names::of(&service, id).await;
+                Ok(wire::EntryResponse {
+                    entry: entry(info, &names),
+                })
             }
             .await,
         ),
@@ -611,21 +654,24 @@ async fn filesystem<S: RunService>(
             async {
                 let req: wire::ListDirRequest = connect::decode(&bytes)?;
                 let query = FsQuery {
-                    path: Some(absolute(&req.path)?),
+                    path: Some(caller.path(&service, &req.path).await?),
                     depth: Some(req.depth.filter(|d| *d > 0).unwrap_or(1)),
                     ..Default::default()
                 };
                 let list = service.list_path(id, Scope::Root, query).await?;
-                Ok(wire::ListDirResponse {
-                    entries: list.entries.into_iter().map(entry).collect(),
-                })
+                let names = Names::of(&service, id).await;
+                let mut entries = Vec::with_capacity(list.entries.len());
+                for info in list.entries {
+                    entries.push(entry(follow(&service, id, info).await, &names));
+                }
+                Ok(wire::ListDirResponse { entries })
             }
             .await,
         ),
         "MakeDir" => connect::unary_response(
             async {
                 let req: wire::PathRequest = connect::decode(&bytes)?;
-                let path = absolute(&req.path)?;
+                let path = caller.path(&service, &req.path).await?;
                 // envd answers already_exists, which the SDKs turn into false.
                 if service
                     .stat_path(id, Scope::Root, Some(path.clone()))
@@ -641,8 +687,13 @@ async fn filesystem<S: RunService>(
                     path,
                     ..Default::default()
                 };
-                let info = service.make_dir(id, Scope::Root, req).await?;
-                Ok(wire::EntryResponse { entry: entry(info) })
+                let info = service
+                    .make_dir(id, Scope::Root, req, caller.user.clone())
+                    .await?;
+                let names = Names::of(&service, id).await;
+                Ok(wire::EntryResponse {
+                    entry: entry(info, &names),
+                })
             }
             .await,
         ),
@@ -650,13 +701,16 @@ async fn filesystem<S: RunService>(
             async {
                 let req: wire::MoveRequest = connect::decode(&bytes)?;
                 let req = runbox_types::MoveRequest {
-                    from: absolute(&req.source)?,
-                    to: absolute(&req.destination)?,
+                    from: caller.path(&service, &req.source).await?,
+                    to: caller.path(&service, &req.destination).await?,
                     overwrite: Some(true),
                     ..Default::default()
                 };
                 let info = service.move_path(id, Scope::Root, req).await?;
-                Ok(wire::EntryResponse { entry: entry(info) })
+                let names = Names::of(&service, id).await;
+                Ok(wire::EntryResponse {
+                    entry: entry(info, &names),
+                })
             }
             .await,
         ),
@@ -664,16 +718,22 @@ async fn filesystem<S: RunService>(
             async {
                 let req: wire::PathRequest = connect::decode(&bytes)?;
                 let req = runbox_types::RemoveRequest {
-                    path: absolute(&req.path)?,
+                    path: caller.path(&service, &req.path).await?,
                     recursive: Some(true),
                     ..Default::default()
                 };
-                service.remove_path(id, Scope::Root, req).await?;
+                // Removing what is not there is done, as on envd.
+                match service.remove_path(id, Scope::Root, req).await {
+                    Err(e) if e.code() == runbox_types::ErrorCode::FileNotFound => {}
+                    other => {
+                        other?;
+                    }
+                }
                 Ok(wire::Empty {})
             }
             .await,
         ),
-        "CreateWatcher" => connect::unary_response(create_watcher(&envd, id, &bytes).await),
+        "CreateWatcher" => connect::unary_response(create_watcher(&envd, &caller, &bytes).await),
         "GetWatcherEvents" => connect::unary_response(watcher_events(&envd, id, &bytes)),
         "RemoveWatcher" => connect::unary_response((|| {
             let req: wire::WatcherRequest = connect::decode(&bytes)?;
@@ -710,7 +770,9 @@ fn fs_events(base: &str, event: runbox_types::WatchEvent) -> Vec<wire::Filesyste
         kind,
     };
     // An upload fills a temporary file beside its target and renames it
-    // into place: envd's clients see the target created and written.
+    // into place. envd's clients see what envd's own upload does to the
+    // target: create it, give it to its user (an attribute change, so
+    // CHMOD), write it.
     let temporary = |path: &str| {
         path.rsplit('/')
             .next()
@@ -722,6 +784,7 @@ fn fs_events(base: &str, event: runbox_types::WatchEvent) -> Vec<wire::Filesyste
     if event.kind == WatchKind::Renamed && event.from.as_deref().is_some_and(temporary) {
         return vec![
             one(&event.path, "EVENT_TYPE_CREATE"),
+            one(&event.path, "EVENT_TYPE_CHMOD"),
             one(&event.path, "EVENT_TYPE_WRITE"),
         ];
     }
@@ -744,11 +807,12 @@ fn fs_events(base: &str, event: runbox_types::WatchEvent) -> Vec<wire::Filesyste
 /// Opens a runbox watch and waits for it to be in place.
 async fn open_watch<S: RunService>(
     service: &S,
-    id: Ulid,
+    caller: &Caller,
     path: &str,
     recursive: bool,
 ) -> Result<(String, BoxStream<'static, runbox_types::WatchEvent>), RpcError> {
-    let path = absolute(path)?;
+    let id = caller.run;
+    let path = caller.path(service, path).await?;
     let query = FsQuery {
         path: Some(path.clone()),
         recursive: Some(recursive),
@@ -770,7 +834,7 @@ async fn open_watch<S: RunService>(
 
 async fn watch_dir<S: RunService>(
     service: S,
-    id: Ulid,
+    caller: &Caller,
     headers: &HeaderMap,
     body: Body,
     deadline: Option<Duration>,
@@ -782,7 +846,7 @@ async fn watch_dir<S: RunService>(
             "includeEntry needs envd 0.6.3; runbox reports 0.5.7",
         ));
     }
-    let (base, events) = open_watch(&service, id, &req.path, req.recursive).await?;
+    let (base, events) = open_watch(&service, caller, &req.path, req.recursive).await?;
     let changes = events
         .flat_map(move |e| stream::iter(fs_events(&base, e)))
         .map(|e| Ok(wire::WatchEvent::Filesystem(e)));
@@ -799,7 +863,7 @@ async fn watch_dir<S: RunService>(
 
 async fn create_watcher<S: RunService>(
     envd: &Envd<S>,
-    id: Ulid,
+    caller: &Caller,
     bytes: &[u8],
 ) -> Result<wire::CreateWatcherResponse, RpcError> {
     let req: wire::WatchRequest = connect::decode(bytes)?;
@@ -815,7 +879,9 @@ async fn create_watcher<S: RunService>(
             format!("at most {MAX_WATCHERS} watchers may be open; remove some"),
         ));
     }
-    let (base, mut events) = open_watch(&envd.app.service, id, &req.path, req.recursive).await?;
+    let id = caller.run;
+    let (base, mut events) =
+        open_watch(&envd.app.service, caller, &req.path, req.recursive).await?;
     let buffer = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&buffer);
     let task = tokio::spawn(async move {
@@ -862,7 +928,6 @@ fn watcher_events<S: RunService>(
 #[derive(Debug, Deserialize)]
 struct FileQuery {
     path: Option<String>,
-    #[allow(dead_code)]
     username: Option<String>,
     signature: Option<String>,
     #[allow(dead_code)]
@@ -883,6 +948,29 @@ fn file_error(e: runbox_core::CoreError) -> Response {
     )
 }
 
+impl FileQuery {
+    /// Who a `/files` call acts as: `username=`, else the Basic user.
+    fn caller(&self, id: Ulid, headers: &HeaderMap) -> Result<Caller, RpcError> {
+        let user = match self.username.as_deref().filter(|u| !u.is_empty()) {
+            Some(user) => Some(user.to_owned()),
+            None => basic_user(headers)?,
+        };
+        Ok(Caller { run: id, user })
+    }
+
+    /// The query's `path` made absolute for `caller`.
+    async fn target<S: RunService>(
+        &self,
+        service: &S,
+        caller: &Caller,
+    ) -> Result<String, Response> {
+        caller
+            .path(service, self.path.as_deref().unwrap_or(""))
+            .await
+            .map_err(|e| envd_error(StatusCode::BAD_REQUEST, e.message))
+    }
+}
+
 fn file_query(raw: Option<&str>) -> Result<FileQuery, (StatusCode, String)> {
     let query: FileQuery = serde_urlencoded::from_str(raw.unwrap_or(""))
         .map_err(|e| (StatusCode::BAD_REQUEST, format!("bad query: {e}")))?;
@@ -899,14 +987,19 @@ async fn download<S: RunService>(
     State(envd): State<Envd<S>>,
     Extension(SandboxId(id)): Extension<SandboxId>,
     RawQuery(raw): RawQuery,
+    headers: HeaderMap,
 ) -> Response {
     let query = match file_query(raw.as_deref()) {
         Ok(q) => q,
         Err((status, message)) => return envd_error(status, message),
     };
-    let path = match absolute(query.path.as_deref().unwrap_or("")) {
+    let caller = match query.caller(id, &headers) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let path = match query.target(&envd.app.service, &caller).await {
         Ok(p) => p,
-        Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
+        Err(response) => return response,
     };
     let file = match envd.app.service.get_file(id, Scope::Root, path).await {
         Ok(f) => f,
@@ -936,6 +1029,10 @@ async fn upload<S: RunService>(
     let query = match file_query(raw.as_deref()) {
         Ok(q) => q,
         Err((status, message)) => return envd_error(status, message),
+    };
+    let caller = match query.caller(id, request.headers()) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
     };
     let content_type = request
         .headers()
@@ -967,7 +1064,7 @@ async fn upload<S: RunService>(
                     )
                 }
             };
-            let path = match absolute(&path) {
+            let path = match caller.path(&service, &path).await {
                 Ok(p) => p,
                 Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
             };
@@ -986,7 +1083,15 @@ async fn upload<S: RunService>(
                 }
             };
             let (written_ok, ()) = tokio::join!(
-                service.put_file(id, Scope::Root, path.clone(), None, None, body),
+                service.put_file(
+                    id,
+                    Scope::Root,
+                    path.clone(),
+                    caller.user.clone(),
+                    None,
+                    None,
+                    body
+                ),
                 pump
             );
             if let Err(e) = written_ok {
@@ -1005,9 +1110,9 @@ async fn upload<S: RunService>(
             "send the file as multipart/form-data or application/octet-stream",
         );
     }
-    let path = match absolute(query.path.as_deref().unwrap_or("")) {
+    let path = match query.target(&service, &caller).await {
         Ok(p) => p,
-        Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
+        Err(response) => return response,
     };
     let gzip = match request
         .headers()
@@ -1042,7 +1147,15 @@ async fn upload<S: RunService>(
         raw.boxed()
     };
     match service
-        .put_file(id, Scope::Root, path.clone(), None, length, body)
+        .put_file(
+            id,
+            Scope::Root,
+            path.clone(),
+            caller.user,
+            None,
+            length,
+            body,
+        )
         .await
     {
         Ok(_) => axum::Json(vec![written(&path)]).into_response(),
@@ -1124,26 +1237,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn paths_are_absolute_or_from_work() {
-        assert_eq!(absolute("/etc/hosts").unwrap(), "/etc/hosts");
-        assert_eq!(absolute("notes.txt").unwrap(), "/work/notes.txt");
-        assert!(absolute("").is_err());
+    fn symlinks_lead_to_absolute_targets() {
+        assert_eq!(link_target("/home/u/d/l", "f.txt"), "/home/u/d/f.txt");
+        assert_eq!(link_target("/home/u/d/l", "../x/./f"), "/home/u/x/f");
+        assert_eq!(link_target("/l", "../../etc/hosts"), "/etc/hosts");
+        assert_eq!(link_target("/a/l", "/abs//t/"), "/abs/t");
+        assert_eq!(normalize("/"), "/");
     }
 
     #[test]
     fn permissions_read_like_envd() {
         assert_eq!(permissions(FileKind::Directory, 0o755), "drwxr-xr-x");
         assert_eq!(permissions(FileKind::File, 0o640), "-rw-r-----");
-    }
-
-    #[test]
-    fn the_basic_user_is_read() {
-        let mut h = HeaderMap::new();
-        assert_eq!(user(&h).unwrap(), None);
-        h.insert(header::AUTHORIZATION, "Basic cm9vdDo=".parse().unwrap());
-        assert_eq!(user(&h).unwrap().as_deref(), Some("root"));
-        h.insert(header::AUTHORIZATION, "Bearer x".parse().unwrap());
-        assert!(user(&h).is_err());
     }
 
     #[test]
@@ -1183,7 +1288,10 @@ mod tests {
             is_dir: false,
         };
         let kinds: Vec<_> = fs_events("/work", renamed).iter().map(|e| e.kind).collect();
-        assert_eq!(kinds, ["EVENT_TYPE_CREATE", "EVENT_TYPE_WRITE"]);
+        assert_eq!(
+            kinds,
+            ["EVENT_TYPE_CREATE", "EVENT_TYPE_CHMOD", "EVENT_TYPE_WRITE"]
+        );
     }
 
     #[tokio::test]

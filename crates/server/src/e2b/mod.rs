@@ -15,6 +15,7 @@
 //! lifecycle logic lives here. docs/e2b.md says what is served and what
 //! answers 501.
 
+mod caller;
 mod connect;
 mod control;
 mod envd;
@@ -115,25 +116,42 @@ pub(crate) async fn dispatch(
     }
 }
 
+/// The prefix E2B's keys carry. SDK releases of mid-2026 refuse, before
+/// sending anything, a key that is not `e2b_` followed by hex; runbox's
+/// token is hex, so `e2b_<token>` passes their check and is taken here as
+/// the token itself.
+const API_KEY_PREFIX: &str = "e2b_";
+
+/// The key a control-plane request presents: `X-API-Key` or a bearer token.
+fn presented_api_key(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .or_else(|| crate::bearer(headers))
+}
+
+/// Whether a presented key is the daemon token, bare or after `e2b_`.
+fn api_key_matches(presented: Option<&str>, token: &str) -> bool {
+    let stripped = presented.and_then(|k| k.strip_prefix(API_KEY_PREFIX));
+    // Both compared, so the time taken does not tell which form matched.
+    crate::token_matches(presented, token) | crate::token_matches(stripped, token)
+}
+
 /// Checks the control plane's API key (`X-API-Key`, as the SDKs send it,
-/// or a bearer token): the daemon token. Refusals are E2B-shaped.
+/// or a bearer token): the daemon token, bare or as `e2b_<token>`.
+/// Refusals are E2B-shaped.
 pub(crate) async fn require_api_key<S: RunService>(
     State(state): State<AppState<S>>,
     request: Request,
     next: Next,
 ) -> Response {
-    let headers = request.headers();
-    let presented = headers
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .or_else(|| crate::bearer(headers));
-    if crate::token_matches(presented, &state.token) {
+    if api_key_matches(presented_api_key(request.headers()), &state.token) {
         next.run(request).await
     } else {
         envd_error(
             StatusCode::UNAUTHORIZED,
-            "missing or wrong API key: send the runbox token as X-API-Key (E2B_API_KEY)",
+            "missing or wrong API key: send the runbox token, or e2b_ followed by it, as X-API-Key (E2B_API_KEY)",
         )
     }
 }
@@ -223,6 +241,24 @@ mod tests {
             HeaderValue::from_str(&id.to_string()).unwrap(),
         );
         assert_eq!(named_sandbox(&h).unwrap().unwrap(), id);
+    }
+
+    #[test]
+    fn api_keys_may_carry_e2bs_prefix() {
+        let mut h = HeaderMap::new();
+        assert_eq!(presented_api_key(&h), None);
+        h.insert("x-api-key", HeaderValue::from_static(" e2b_00ff "));
+        assert_eq!(presented_api_key(&h), Some("e2b_00ff"));
+        h.remove("x-api-key");
+        h.insert("authorization", HeaderValue::from_static("Bearer e2b_abc"));
+        assert_eq!(presented_api_key(&h), Some("e2b_abc"));
+        assert!(api_key_matches(Some("e2b_00ff"), "00ff"));
+        assert!(api_key_matches(Some("00ff"), "00ff"));
+        assert!(api_key_matches(Some("e2b_x"), "e2b_x"));
+        assert!(!api_key_matches(Some("e2b_"), "00ff"));
+        assert!(!api_key_matches(Some("e2b_00fe"), "00ff"));
+        assert!(!api_key_matches(Some("e2b_e2b_00ff"), "00ff"));
+        assert!(!api_key_matches(None, "00ff"));
     }
 
     #[test]

@@ -1,0 +1,116 @@
+// What E2B's own SDK suite checks of the behaviours runbox claims, held here
+// through the released JavaScript SDK (scripts/e2b-conformance runs the suite
+// itself; docs/e2b.md has its counts).
+import assert from "node:assert/strict";
+import { after, before, test } from "node:test";
+
+import { Sandbox } from "e2b";
+
+import { Daemon } from "../../../../sdks/typescript/test/daemon.mjs";
+
+let daemon;
+
+before(async () => {
+  daemon = await Daemon.start({ name: "e2bjsc", octet: 237 });
+  process.env.E2B_API_KEY = `e2b_${daemon.token}`;
+  process.env.E2B_API_URL = daemon.url;
+  process.env.E2B_SANDBOX_URL = daemon.url;
+});
+
+after(() => daemon?.stop());
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+async function withSandbox(opts, body) {
+  const sbx = await Sandbox.create({ timeoutMs: 300_000, ...opts });
+  try {
+    await body(sbx);
+  } finally {
+    await sbx.kill();
+  }
+}
+
+// busybox-static has no adduser: the files it would write.
+const addAlice = (sbx) =>
+  sbx.commands.run(
+    "echo alice:x:1000:1000::/home/alice:/bin/sh >> /etc/passwd" +
+      " && echo alice:x:1000: >> /etc/group && mkdir -p /home/alice && chown 1000:1000 /home/alice",
+  );
+
+test("a key of E2B's shape is the token", async () => {
+  // This whole file runs with E2B_API_KEY=e2b_<token>.
+  await withSandbox({}, async (sbx) => {
+    assert.equal((await sbx.commands.run("echo ok")).stdout, "ok\n");
+  });
+  await assert.rejects(Sandbox.create({ apiKey: `e2b_${"0".repeat(64)}` }), /API key/i);
+});
+
+test("relative paths and commands start at the user's home", async () => {
+  await withSandbox({}, async (sbx) => {
+    assert.equal((await sbx.commands.run("pwd")).stdout, "/root\n");
+    await sbx.commands.run("echo made > made.txt");
+    assert.equal(await sbx.files.read("made.txt"), "made\n");
+    assert.equal(await sbx.files.read("~/made.txt"), "made\n");
+    const info = await sbx.files.write("rel/a.txt", "r");
+    assert.equal(info.path, "/root/rel/a.txt");
+    assert.equal((await sbx.commands.run("pwd", { cwd: "rel" })).stdout, "/root/rel\n");
+    assert.equal((await sbx.files.getInfo("rel")).path, "/root/rel");
+    assert.deepEqual((await sbx.files.list("rel")).map((e) => e.path), ["/root/rel/a.txt"]);
+  });
+});
+
+test("what a user makes is theirs", async () => {
+  await withSandbox({}, async (sbx) => {
+    await addAlice(sbx);
+    assert.equal((await sbx.commands.run("pwd", { user: "alice" })).stdout, "/home/alice\n");
+    const info = await sbx.files.write("notes/a.txt", "hi", { user: "alice" });
+    assert.equal(info.path, "/home/alice/notes/a.txt");
+    for (const path of ["notes", "notes/a.txt"]) {
+      const entry = await sbx.files.getInfo(path, { user: "alice" });
+      assert.deepEqual([entry.owner, entry.group], ["alice", "alice"], path);
+    }
+    assert.equal(await sbx.files.makeDir("made/deep", { user: "alice" }), true);
+    assert.equal((await sbx.files.getInfo("/home/alice/made/deep")).owner, "alice");
+    await sbx.commands.run("touch made/deep/x notes/y", { user: "alice" });
+    await sbx.files.makeDir("/srv/data");
+    const root = await sbx.files.getInfo("/srv/data");
+    assert.deepEqual([root.owner, root.group], ["root", "root"]);
+  });
+});
+
+test("removing what is not there is done", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.remove("/tmp/never-was");
+    await sbx.files.remove("never/was/either");
+  });
+});
+
+test("a symlink reads as what it points at", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.write("/tmp/links/target.txt", "hello");
+    await sbx.commands.run("ln -s target.txt link", { cwd: "/tmp/links" });
+    const link = await sbx.files.getInfo("/tmp/links/link");
+    assert.equal(link.type, "file");
+    assert.equal(link.size, 5);
+    assert.equal(link.symlinkTarget, "/tmp/links/target.txt");
+  });
+});
+
+test("an upload is seen as envd makes files", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.makeDir("/tmp/seen");
+    const seen = [];
+    const handle = await sbx.files.watchDir("/tmp/seen", (e) => seen.push([e.name, e.type]));
+    try {
+      await sbx.files.write("/tmp/seen/new.txt", "x");
+      for (let i = 0; i < 100 && seen.length < 3; i++) await sleep(50);
+      assert.deepEqual(seen, [
+        ["new.txt", "create"],
+        ["new.txt", "chmod"],
+        ["new.txt", "write"],
+      ]);
+    } finally {
+      await handle.stop();
+    }
+  });
+});

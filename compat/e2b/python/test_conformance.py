@@ -1,0 +1,102 @@
+"""What E2B's own SDK suite checks of the behaviours runbox claims, held
+here through the released SDK (scripts/e2b-conformance runs the suite
+itself; docs/e2b.md has its counts)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from e2b import FileType, Sandbox
+from e2b.exceptions import AuthenticationException
+
+
+def test_a_key_of_e2bs_shape_is_the_token(daemon):
+    # SDK releases that check a key's shape accept e2b_<hex>; runbox takes
+    # e2b_<token> as its token.
+    sbx = Sandbox.create(api_key=f"e2b_{daemon.token}", timeout=60)
+    try:
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+    finally:
+        assert Sandbox.kill(sbx.sandbox_id, api_key=f"e2b_{daemon.token}")
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(api_key="e2b_" + "0" * 64)
+
+
+def test_relative_paths_and_commands_start_at_the_users_home(sbx):
+    # base's user is root, whose home is /root; the image sets no WorkingDir.
+    assert sbx.commands.run("pwd").stdout == "/root\n"
+    sbx.commands.run("echo made > made.txt")
+    assert sbx.files.read("made.txt") == "made\n"
+    assert sbx.files.read("~/made.txt") == "made\n"
+    info = sbx.files.write("rel/a.txt", "r")
+    assert info.path == "/root/rel/a.txt"
+    assert sbx.commands.run("cat a.txt", cwd="rel").stdout == "r"
+    assert sbx.commands.run("pwd", cwd="rel").stdout == "/root/rel\n"
+    assert sbx.files.get_info("rel").path == "/root/rel"
+    assert [e.path for e in sbx.files.list("rel")] == ["/root/rel/a.txt"]
+    assert sbx.files.rename("rel/a.txt", "rel/b.txt").path == "/root/rel/b.txt"
+
+
+def add_alice(sbx):
+    # busybox-static has no adduser: the files it would write.
+    sbx.commands.run(
+        "echo alice:x:1000:1000::/home/alice:/bin/sh >> /etc/passwd"
+        " && echo alice:x:1000: >> /etc/group"
+        " && mkdir -p /home/alice && chown 1000:1000 /home/alice"
+    )
+
+
+def test_what_a_user_makes_is_theirs(sbx):
+    add_alice(sbx)
+    assert sbx.commands.run("pwd", user="alice").stdout == "/home/alice\n"
+    info = sbx.files.write("notes/a.txt", "hi", user="alice")
+    assert info.path == "/home/alice/notes/a.txt"
+    for path in ("notes", "notes/a.txt"):
+        entry = sbx.files.get_info(path, user="alice")
+        assert (entry.owner, entry.group) == ("alice", "alice"), path
+    assert sbx.files.make_dir("made/deep", user="alice") is True
+    for path in ("/home/alice/made", "/home/alice/made/deep"):
+        assert sbx.files.get_info(path).owner == "alice", path
+    # So the user's own commands can write in them.
+    sbx.commands.run("touch made/deep/x notes/y", user="alice")
+    # Root's are root's, named as the sandbox names them.
+    sbx.files.make_dir("/srv/data")
+    entry = sbx.files.get_info("/srv/data")
+    assert (entry.owner, entry.group) == ("root", "root")
+    # A user the sandbox does not have is refused, not guessed.
+    with pytest.raises(Exception):
+        sbx.files.write("x.txt", "x", user="nobody-here")
+
+
+def test_removing_what_is_not_there_is_done(sbx):
+    sbx.files.remove("/tmp/never-was")
+    sbx.files.remove("never/was/either")
+
+
+def test_a_symlink_reads_as_what_it_points_at(sbx):
+    sbx.files.write("/tmp/links/target.txt", "hello")
+    sbx.commands.run("ln -s target.txt link; ln -s /nowhere dangling", cwd="/tmp/links")
+    link = sbx.files.get_info("/tmp/links/link")
+    assert link.type == FileType.FILE
+    assert link.size == 5
+    assert link.symlink_target == "/tmp/links/target.txt"
+    dangling = sbx.files.get_info("/tmp/links/dangling")
+    assert dangling.symlink_target == "/nowhere"
+    listed = {e.name: e for e in sbx.files.list("/tmp/links")}
+    assert listed["link"].symlink_target == "/tmp/links/target.txt"
+
+
+def test_an_upload_is_seen_as_envd_makes_files(sbx):
+    sbx.files.make_dir("/tmp/seen")
+    watcher = sbx.files.watch_dir("/tmp/seen")
+    try:
+        sbx.files.write("/tmp/seen/new.txt", "x")
+        seen = []
+        deadline = time.monotonic() + 10
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen += [(e.name, e.type.value) for e in watcher.get_new_events()]
+            time.sleep(0.05)
+        assert seen == [("new.txt", "create"), ("new.txt", "chmod"), ("new.txt", "write")]
+    finally:
+        watcher.stop()
