@@ -100,3 +100,77 @@ def test_an_upload_is_seen_as_envd_makes_files(sbx):
         assert seen == [("new.txt", "create"), ("new.txt", "chmod"), ("new.txt", "write")]
     finally:
         watcher.stop()
+
+
+def test_listing_is_newest_first_and_filters_apply(daemon):
+    from datetime import timedelta
+
+    from e2b import SandboxQuery
+
+    tag = {"suite": f"order-{time.monotonic_ns()}"}
+    first = Sandbox.create(timeout=120, metadata=tag)
+    second = Sandbox.create(timeout=120, metadata=tag)
+    try:
+        ids = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata=tag)).next_items()]
+        assert ids == [second.sandbox_id, first.sandbox_id]
+        ids = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata=tag), order="asc").next_items()]
+        assert ids == [first.sandbox_id, second.sandbox_id]
+        # Pages follow the same order.
+        pager = Sandbox.list(query=SandboxQuery(metadata=tag), limit=1)
+        assert [s.sandbox_id for s in pager.next_items()] == [second.sandbox_id]
+        assert [s.sandbox_id for s in pager.next_items()] == [first.sandbox_id]
+        assert not pager.has_next
+
+        started = second.get_info().started_at
+        later = Sandbox.list(query=SandboxQuery(metadata=tag, started_after=started)).next_items()
+        assert [s.sandbox_id for s in later] == [second.sandbox_id]
+        none = Sandbox.list(
+            query=SandboxQuery(metadata=tag, started_after=started + timedelta(seconds=1))
+        ).next_items()
+        assert none == []
+        assert len(Sandbox.list(query=SandboxQuery(metadata=tag, template="base")).next_items()) == 2
+        assert Sandbox.list(query=SandboxQuery(metadata=tag, template="elsewhere")).next_items() == []
+    finally:
+        first.kill()
+        second.kill()
+
+
+def test_snapshots_are_listed_found_and_deleted(sbx):
+    from e2b import Template
+
+    named = sbx.create_snapshot(name=f"snap-{sbx.sandbox_id.lower()}")
+    plain = sbx.create_snapshot()
+    try:
+        # Newest first, to the second images record: these two may tie.
+        mine = [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items()]
+        assert sorted(mine) == sorted([plain.snapshot_id, named.snapshot_id])
+        by_name = Sandbox.list_snapshots(name=named.snapshot_id).next_items()
+        assert [s.snapshot_id for s in by_name] == [named.snapshot_id]
+        assert Sandbox.list_snapshots(name=named.snapshot_id + "-none").next_items() == []
+        pager = Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id, limit=1)
+        paged = [s.snapshot_id for s in pager.next_items()]
+        paged += [s.snapshot_id for s in pager.next_items()]
+        assert paged == mine
+        assert not pager.has_next
+        assert Template.exists(named.snapshot_id) is True
+        assert Template.exists("base") is True
+        assert Template.exists("no-such-template") is False
+    finally:
+        assert Sandbox.delete_snapshot(named.snapshot_id) is True
+        assert Sandbox.delete_snapshot(plain.snapshot_id) is True
+    assert Sandbox.delete_snapshot(plain.snapshot_id) is False
+    assert Sandbox.list_snapshots(sandbox_id=sbx.sandbox_id).next_items() == []
+    # An image that is not a snapshot is not deleted this way.
+    assert Sandbox.delete_snapshot("base") is False
+    assert Template.exists("base") is True
+
+
+def test_a_sandbox_killed_under_a_command_breaks_its_stream():
+    from e2b.exceptions import TimeoutException
+
+    sbx = Sandbox.create(timeout=60)
+    cmd = sbx.commands.run("sleep 60", background=True)
+    sbx.kill()
+    with pytest.raises(TimeoutException) as gone:
+        cmd.wait()
+    assert "sandbox was killed" in str(gone.value)

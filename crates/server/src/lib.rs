@@ -8,6 +8,7 @@
 //! plane takes the same token as `X-API-Key`; E2B envd requests (see
 //! [`e2b`]) carry a per-sandbox token instead.
 
+mod conn;
 pub mod e2b;
 mod error;
 mod handlers;
@@ -315,16 +316,10 @@ pub async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    use axum::serve::ListenerExt;
-    // Small writes (an exec's last events, short JSON answers) must leave at
-    // once: with Nagle's algorithm on, they wait out the peer's delayed ACK
-    // and a 3 ms exec takes 45 ms.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::warn!(error = %e, "could not set TCP_NODELAY");
-        }
-    });
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        conn::SeverableListener(listener),
+        router.into_make_service_with_connect_info::<conn::Severable>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }

@@ -1013,6 +1013,14 @@ impl Image {
     pub fn is_snapshot(&self) -> bool {
         self.source.starts_with(SNAPSHOT_SOURCE_PREFIX)
     }
+
+    /// The run a snapshot image was taken from (`snapshot:<run>:<parent>`).
+    pub fn snapshot_of(&self) -> Option<&str> {
+        self.source
+            .strip_prefix(SNAPSHOT_SOURCE_PREFIX)?
+            .split(':')
+            .next()
+    }
 }
 
 /// `GET /v1/snapshots`.

@@ -114,3 +114,58 @@ test("an upload is seen as envd makes files", async () => {
     }
   });
 });
+
+test("listing is newest first and its filters apply", async () => {
+  const metadata = { suite: `order-${process.hrtime.bigint()}` };
+  const first = await Sandbox.create({ timeoutMs: 120_000, metadata });
+  const second = await Sandbox.create({ timeoutMs: 120_000, metadata });
+  try {
+    const ids = async (opts) => (await Sandbox.list(opts).nextItems()).map((s) => s.sandboxId);
+    assert.deepEqual(await ids({ query: { metadata } }), [second.sandboxId, first.sandboxId]);
+    assert.deepEqual(await ids({ query: { metadata }, order: "asc" }), [first.sandboxId, second.sandboxId]);
+    const startedAfter = (await second.getInfo()).startedAt;
+    assert.deepEqual(await ids({ query: { metadata, startedAfter } }), [second.sandboxId]);
+    const later = new Date(startedAfter.getTime() + 1000);
+    assert.deepEqual(await ids({ query: { metadata, startedAfter: later } }), []);
+    assert.equal((await ids({ query: { metadata, template: "base" } })).length, 2);
+    assert.deepEqual(await ids({ query: { metadata, template: "elsewhere" } }), []);
+  } finally {
+    await first.kill();
+    await second.kill();
+  }
+});
+
+test("snapshots are listed, found and deleted", async () => {
+  await withSandbox({}, async (sbx) => {
+    const named = await sbx.createSnapshot({ name: `snap-js-${sbx.sandboxId.toLowerCase()}` });
+    const plain = await sbx.createSnapshot();
+    const ids = async (opts) => (await Sandbox.listSnapshots(opts).nextItems()).map((s) => s.snapshotId);
+    try {
+      // Newest first, to the second images record: these two may tie.
+      const mine = await ids({ sandboxId: sbx.sandboxId });
+      assert.deepEqual([...mine].sort(), [plain.snapshotId, named.snapshotId].sort());
+      const pager = Sandbox.listSnapshots({ sandboxId: sbx.sandboxId, limit: 1 });
+      const paged = [...(await pager.nextItems()), ...(await pager.nextItems())].map((s) => s.snapshotId);
+      assert.deepEqual(paged, mine);
+      assert.equal(pager.hasNext, false);
+      assert.deepEqual(await ids({ name: named.snapshotId }), [named.snapshotId]);
+      assert.deepEqual(await ids({ name: `${named.snapshotId}-none` }), []);
+    } finally {
+      assert.equal(await Sandbox.deleteSnapshot(named.snapshotId), true);
+      assert.equal(await Sandbox.deleteSnapshot(plain.snapshotId), true);
+    }
+    assert.equal(await Sandbox.deleteSnapshot(plain.snapshotId), false);
+    assert.deepEqual(await ids({ sandboxId: sbx.sandboxId }), []);
+    assert.equal(await Sandbox.deleteSnapshot("base"), false);
+  });
+});
+
+test("a sandbox killed under a command breaks its stream", async () => {
+  const sbx = await Sandbox.create({ timeoutMs: 60_000 });
+  const cmd = await sbx.commands.run("sleep 60", { background: true });
+  await sbx.kill();
+  await assert.rejects(cmd.wait(), (e) => {
+    assert.doesNotMatch(String(e), /exit status 137/);
+    return true;
+  });
+});

@@ -91,6 +91,11 @@ impl Code {
 pub struct RpcError {
     pub code: Code,
     pub message: String,
+    /// Break the stream's connection instead of answering: what a client of
+    /// envd sees when the sandbox under a stream is killed (the machine,
+    /// and envd with it, is gone), and what the SDKs take, after asking
+    /// whether the sandbox still runs, as "the sandbox was killed".
+    pub sever: bool,
 }
 
 impl RpcError {
@@ -98,6 +103,15 @@ impl RpcError {
         Self {
             code,
             message: message.into(),
+            sever: false,
+        }
+    }
+
+    /// An error that ends a stream by breaking it (see [`RpcError::sever`]).
+    pub fn severed(message: impl Into<String>) -> Self {
+        Self {
+            sever: true,
+            ..Self::new(Code::Unavailable, message)
         }
     }
 
@@ -269,6 +283,10 @@ pub fn stream_response<T: Serialize + Send + 'static>(
                 let json = serde_json::to_vec(&message).unwrap_or_else(|_| b"{}".to_vec());
                 Some((Ok::<_, std::io::Error>(envelope(0, &json)), Some(messages)))
             }
+            // An error body ends the response early: hyper resets the
+            // HTTP/2 stream, or closes an HTTP/1.1 connection before the
+            // last chunk.
+            Some(Err(e)) if e.sever => Some((Err(std::io::Error::other(e.message)), None)),
             Some(Err(e)) => {
                 let end = serde_json::json!({ "error": e.body() });
                 Some((

@@ -100,6 +100,12 @@ pub fn routes<S: RunService>() -> Router<AppState<S>> {
         .route("/sandboxes/{id}/metrics", get(metrics::<S>))
         .route("/sandboxes/{id}/fork", post(fork::<S>))
         .route("/sandboxes/{id}/snapshots", post(snapshot::<S>))
+        .route("/snapshots", get(list_snapshots::<S>))
+        .route(
+            "/templates/{id}",
+            axum::routing::delete(delete_template::<S>),
+        )
+        .route("/templates/aliases/{alias}", get(template_alias::<S>))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/network", axum::routing::put(network))
@@ -389,13 +395,63 @@ async fn connect<S: RunService>(
 }
 
 /// The filters and page of `GET /v2/sandboxes`.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct ListQuery {
     metadata: BTreeMap<String, String>,
     states: Vec<String>,
+    /// Only sandboxes started at or after this instant.
+    started_after: Option<time::OffsetDateTime>,
+    /// Only sandboxes of this template (image).
+    template: Option<String>,
     limit: Option<usize>,
     next_token: Option<Ulid>,
+    /// Newest first, as E2B lists by default.
     descending: bool,
+}
+
+impl Default for ListQuery {
+    fn default() -> Self {
+        ListQuery {
+            metadata: BTreeMap::new(),
+            states: Vec::new(),
+            started_after: None,
+            template: None,
+            limit: None,
+            next_token: None,
+            descending: true,
+        }
+    }
+}
+
+impl ListQuery {
+    /// Whether `run` passes the query's filters (not its page).
+    fn admits(&self, run: &Run) -> bool {
+        self.metadata
+            .iter()
+            .all(|(k, v)| run.labels.get(k) == Some(v))
+            && self.started_after.is_none_or(|t| run.created_at >= t)
+            && self
+                .template
+                .as_ref()
+                .is_none_or(|t| template_matches(t, &run.image))
+    }
+}
+
+/// Whether a template filter names `image`: its name, or its name with
+/// E2B's default tag (`name:default`).
+fn template_matches(filter: &str, image: &str) -> bool {
+    filter == image || filter.strip_suffix(":default") == Some(image)
+}
+
+/// An RFC 3339 instant as the SDKs send it. A `+` offset that reached the
+/// query unencoded reads as a space; it is taken back as `+`.
+fn instant(raw: &str) -> Result<time::OffsetDateTime, E2bError> {
+    let fixed = raw.trim().replace(' ', "+");
+    time::OffsetDateTime::parse(&fixed, &Rfc3339).map_err(|_| {
+        E2bError::bad(format!(
+            "startedAfter {raw:?} is not an RFC 3339 time (2026-01-02T03:04:05Z)"
+        ))
+    })
 }
 
 fn list_query(raw: Option<&str>) -> Result<ListQuery, E2bError> {
@@ -411,14 +467,7 @@ fn list_query(raw: Option<&str>) -> Result<ListQuery, E2bError> {
                 }
             }
             "state" => q.states.extend(value.split(',').map(str::to_owned)),
-            "limit" => {
-                let limit: usize = value
-                    .parse()
-                    .ok()
-                    .filter(|l| (1..=MAX_PAGE).contains(l))
-                    .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {MAX_PAGE}")))?;
-                q.limit = Some(limit);
-            }
+            "limit" => q.limit = Some(page_limit(&value)?),
             "nextToken" => {
                 q.next_token = Some(
                     Ulid::from_string(&value)
@@ -430,8 +479,8 @@ fn list_query(raw: Option<&str>) -> Result<ListQuery, E2bError> {
                 "desc" => q.descending = true,
                 other => return Err(E2bError::bad(format!("order {other:?} is not asc or desc"))),
             },
-            // Accepted filters runbox has no use for.
-            "startedAfter" | "template" => {}
+            "startedAfter" => q.started_after = Some(instant(&value)?),
+            "template" => q.template = Some(value.into_owned()),
             other => return Err(E2bError::bad(format!("unknown query parameter {other:?}"))),
         }
     }
@@ -455,7 +504,7 @@ async fn list<S: RunService>(
     let mut runs: Vec<Run> = live(&state)
         .into_iter()
         .filter(|_| wants_running)
-        .filter(|r| q.metadata.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
+        .filter(|r| q.admits(r))
         .collect();
     // Ids are ULIDs: their order is their creation order.
     runs.sort_by_key(|r| r.id);
@@ -486,18 +535,18 @@ async fn list<S: RunService>(
     Ok(response)
 }
 
-/// `GET /sandboxes` (v1): every running sandbox, one page.
+/// `GET /sandboxes` (v1): every running sandbox that passes the filters,
+/// one page, newest first.
 async fn list_v1<S: RunService>(
     State(state): State<AppState<S>>,
     RawQuery(raw): RawQuery,
 ) -> Result<Json<Vec<Listed>>, E2bError> {
     let q = list_query(raw.as_deref())?;
-    let runs = live(&state)
-        .into_iter()
-        .filter(|r| q.metadata.iter().all(|(k, v)| r.labels.get(k) == Some(v)))
-        .map(|r| listed(&state, &r, false))
-        .collect();
-    Ok(Json(runs))
+    let mut runs: Vec<Run> = live(&state).into_iter().filter(|r| q.admits(r)).collect();
+    runs.sort_by_key(|r| std::cmp::Reverse(r.id));
+    Ok(Json(
+        runs.iter().map(|r| listed(&state, r, false)).collect(),
+    ))
 }
 
 /// One metrics sample as the SDKs read it.
@@ -609,8 +658,135 @@ async fn snapshot<S: RunService>(
             runbox_types::SnapshotRequest { name: req.name },
         )
         .await?;
-    let body = serde_json::json!({ "snapshotID": snap.image, "names": [snap.image] });
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    Ok((StatusCode::CREATED, Json(snapshot_info(&snap.image))).into_response())
+}
+
+/// E2B's `SnapshotInfo` for a snapshot image.
+fn snapshot_info(name: &str) -> Value {
+    serde_json::json!({ "snapshotID": name, "names": [name] })
+}
+
+/// The filters and page of `GET /snapshots`.
+#[derive(Debug, Default)]
+struct SnapshotQuery {
+    /// Only snapshots of this sandbox.
+    sandbox: Option<String>,
+    /// Only the snapshot of this name (a `:default` tag is its name).
+    name: Option<String>,
+    limit: Option<usize>,
+    /// Where the previous page ended: `<created, ns>~<name>`.
+    after: Option<(i128, String)>,
+}
+
+fn snapshot_query(raw: Option<&str>) -> Result<SnapshotQuery, E2bError> {
+    let mut q = SnapshotQuery::default();
+    for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            "sandboxID" => q.sandbox = Some(value.into_owned()),
+            "name" => q.name = Some(value.into_owned()),
+            "limit" => q.limit = Some(page_limit(&value)?),
+            "nextToken" => {
+                let token = value
+                    .split_once('~')
+                    .and_then(|(t, name)| Some((t.parse().ok()?, name.to_owned())))
+                    .ok_or_else(|| E2bError::bad("nextToken is not one this server gave"))?;
+                q.after = Some(token);
+            }
+            other => return Err(E2bError::bad(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    Ok(q)
+}
+
+/// A page size, 1 to [`MAX_PAGE`].
+fn page_limit(raw: &str) -> Result<usize, E2bError> {
+    raw.parse()
+        .ok()
+        .filter(|l| (1..=MAX_PAGE).contains(l))
+        .ok_or_else(|| E2bError::bad(format!("limit must be 1 to {MAX_PAGE}")))
+}
+
+/// `GET /snapshots`: snapshot images, newest first, filtered by the
+/// sandbox they were taken from and by name, paged by `x-next-token`.
+async fn list_snapshots<S: RunService>(
+    State(state): State<AppState<S>>,
+    RawQuery(raw): RawQuery,
+) -> Result<Response, E2bError> {
+    let q = snapshot_query(raw.as_deref())?;
+    // Newest first; images made in the same instant (times are kept to the
+    // second or so) by name, descending, which for generated names
+    // (`snap-<ulid>`) is newest first too.
+    let key = |i: &runbox_types::Image| {
+        (
+            std::cmp::Reverse(i.created_at.unix_timestamp_nanos()),
+            std::cmp::Reverse(i.name.clone()),
+        )
+    };
+    let mut snaps: Vec<runbox_types::Image> = state
+        .service
+        .list_images()?
+        .into_iter()
+        .filter(|i| i.is_snapshot())
+        .filter(|i| {
+            q.sandbox
+                .as_deref()
+                .is_none_or(|s| i.snapshot_of() == Some(s))
+        })
+        .filter(|i| {
+            q.name
+                .as_deref()
+                .is_none_or(|n| template_matches(n, &i.name))
+        })
+        .collect();
+    snaps.sort_by_key(key);
+    if let Some((created, name)) = &q.after {
+        let after = (std::cmp::Reverse(*created), std::cmp::Reverse(name.clone()));
+        snaps.retain(|i| key(i) > after);
+    }
+    let limit = q.limit.unwrap_or(MAX_PAGE);
+    let more = snaps.len() > limit;
+    snaps.truncate(limit);
+    let page: Vec<Value> = snaps.iter().map(|i| snapshot_info(&i.name)).collect();
+    let mut response = Json(page).into_response();
+    if let Some(last) = snaps.last().filter(|_| more) {
+        let token = format!("{}~{}", last.created_at.unix_timestamp_nanos(), last.name);
+        if let Ok(v) = HeaderValue::from_str(&token) {
+            response.headers_mut().insert("x-next-token", v);
+        }
+    }
+    Ok(response)
+}
+
+/// `DELETE /templates/{id}`: how the SDKs delete a snapshot. Only snapshot
+/// images go this way (another image is `404`, as on runbox's own
+/// `DELETE /v1/snapshots/{name}`); one a sandbox still uses is `409`.
+async fn delete_template<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, E2bError> {
+    let name = id.strip_suffix(":default").unwrap_or(&id).to_owned();
+    let image = state.service.get_image(&name)?;
+    if !image.is_snapshot() {
+        return Err(E2bError::new(
+            StatusCode::NOT_FOUND,
+            format!("{name:?} is an image, not a snapshot; runbox deletes images with DELETE /v1/images/{name}"),
+        ));
+    }
+    state.service.delete_image(name).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `GET /templates/aliases/{alias}`: whether a template (an image) of
+/// that name exists, as `Template.exists` asks.
+async fn template_alias<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(alias): Path<String>,
+) -> Result<Json<Value>, E2bError> {
+    let name = alias.strip_suffix(":default").unwrap_or(&alias);
+    let image = state.service.get_image(name)?;
+    Ok(Json(
+        serde_json::json!({ "templateID": image.name, "public": false }),
+    ))
 }
 
 async fn pause() -> E2bError {
@@ -646,6 +822,25 @@ mod tests {
         assert_eq!(q.metadata.get("app").unwrap(), "my app");
         assert_eq!(q.states, ["running", "paused"]);
         assert_eq!(q.limit, Some(5));
+        assert!(q.descending, "newest first unless asked");
+        let q = list_query(Some(
+            "startedAfter=2026-12-03T11:37:04.015000%2B00:00&template=base&order=asc",
+        ))
+        .unwrap();
+        assert_eq!(
+            q.started_after.unwrap(),
+            instant("2026-12-03T11:37:04.015Z").unwrap()
+        );
+        assert_eq!(q.template.as_deref(), Some("base"));
+        assert!(!q.descending);
+        // An offset whose + arrived unencoded (a space once decoded).
+        let q = list_query(Some("startedAfter=2026-12-03T12:00:00+01:00")).unwrap();
+        assert_eq!(
+            q.started_after.unwrap(),
+            instant("2026-12-03T11:00:00Z").unwrap()
+        );
+        assert!(template_matches("base:default", "base"));
+        assert!(!template_matches("other", "base"));
         for bad in [
             "limit=0",
             "limit=x",
@@ -653,6 +848,7 @@ mod tests {
             "nextToken=zz",
             "order=up",
             "what=1",
+            "startedAfter=yesterday",
         ] {
             assert!(list_query(Some(bad)).is_err(), "{bad}");
         }

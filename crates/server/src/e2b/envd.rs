@@ -21,7 +21,9 @@ use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use runbox_core::runs::{ExecEvent, Scope};
 use runbox_core::RunService;
-use runbox_types::{ExecRequest, FileInfo, FileKind, FsQuery, PtySpec, SignalRequest, SignalSpec};
+use runbox_types::{
+    ExecRequest, ExitReason, FileInfo, FileKind, FsQuery, PtySpec, SignalRequest, SignalSpec,
+};
 use serde::Deserialize;
 use ulid::Ulid;
 
@@ -29,6 +31,7 @@ use super::caller::{basic_user, Caller, Names};
 use super::connect::{self, Code, Framing, RpcError};
 use super::wire;
 use super::{envd_error, SandboxId};
+use crate::conn::{severable, Sever, Severable};
 use crate::AppState;
 
 /// The most filesystem watchers open at once, over all sandboxes.
@@ -155,6 +158,8 @@ async fn process<S: RunService>(
     State(envd): State<Envd<S>>,
     Extension(SandboxId(id)): Extension<SandboxId>,
     Path(method): Path<String>,
+    version: axum::http::Version,
+    sever: Sever,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -163,14 +168,15 @@ async fn process<S: RunService>(
         Err(e) => return e.into_response(),
     };
     let service = envd.app.service.clone();
+    let flag = severable(sever, version);
     match (method.as_str(), framing) {
         ("Start", Framing::Streaming) => {
             let events = start(service, id, &headers, body, deadline).await;
-            stream_or_error(events)
+            stream_or_error(arming(events, flag))
         }
         ("Connect", Framing::Streaming) => {
             let events = connect_to(service, id, &headers, body, deadline).await;
-            stream_or_error(events)
+            stream_or_error(arming(events, flag))
         }
         ("StreamInput", Framing::Streaming) => {
             let result = stream_input(service, id, body).await;
@@ -209,6 +215,24 @@ fn stream_or_error<T: serde::Serialize + Send + 'static>(
         Ok(events) => connect::stream_response(events),
         Err(e) => connect::stream_response(stream::once(async move { Err::<T, _>(e) }).boxed()),
     }
+}
+
+/// `events`, arming `flag` (the connection's reset) before an error that
+/// severs the stream goes out.
+fn arming<T: Send + 'static>(
+    events: Result<BoxStream<'static, Result<T, RpcError>>, RpcError>,
+    flag: Option<Severable>,
+) -> Result<BoxStream<'static, Result<T, RpcError>>, RpcError> {
+    let Some(flag) = flag else {
+        return events;
+    };
+    Ok(events?
+        .inspect(move |item| {
+            if matches!(item, Err(e) if e.sever) {
+                flag.arm();
+            }
+        })
+        .boxed())
 }
 
 async fn unary_process<S: RunService>(
@@ -426,6 +450,15 @@ fn events(
                     b.to_vec(),
                 ))),
                 ExecEvent::Lost(_) => None,
+                // The sandbox went from under the command: envd would be
+                // gone with it, so the stream breaks rather than ends.
+                ExecEvent::Exit(exit)
+                    if matches!(exit.reason, ExitReason::RunDeleted | ExitReason::RunExpired) =>
+                {
+                    return futures::future::ready(Some(Err(RpcError::severed(
+                        "the sandbox was killed under the process",
+                    ))));
+                }
                 ExecEvent::Exit(exit) => Some(wire::ProcessEvent::End(wire::EndEvent {
                     exit_code: exit.exit_code,
                     exited: exit.signal.is_none() && exit.exit_code >= 0,
