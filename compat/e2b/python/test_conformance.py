@@ -174,3 +174,21 @@ def test_a_sandbox_killed_under_a_command_breaks_its_stream():
     with pytest.raises(TimeoutException) as gone:
         cmd.wait()
     assert "sandbox was killed" in str(gone.value)
+
+
+def test_metrics_keep_a_history_that_windows_select(sbx):
+    from datetime import datetime, timedelta, timezone
+
+    begun = datetime.now(timezone.utc) - timedelta(seconds=60)
+    got = []
+    # The sampler takes every running sandbox every 5 s.
+    for _ in range(60):
+        got = sbx.get_metrics(start=begun, end=datetime.now(timezone.utc))
+        if got:
+            break
+        time.sleep(0.5)
+    assert got, "no sample within 30 s"
+    assert all(m.timestamp >= begun - timedelta(seconds=1) for m in got)
+    assert got[0].mem_total > 0 and got[0].cpu_count >= 1
+    # A window before the sandbox existed holds nothing.
+    assert sbx.get_metrics(start=begun - timedelta(hours=1), end=begun - timedelta(minutes=30)) == []

@@ -172,7 +172,7 @@ def test_timeout_listing_and_metrics(sbx):
 
     sbx.commands.run("head -c 20000000 /dev/zero > /tmp/fill")
     metrics = sbx.get_metrics()
-    assert len(metrics) == 1
+    assert len(metrics) >= 1
     assert metrics[0].mem_used > 0
     assert metrics[0].mem_total == 1 << 30 or metrics[0].mem_total > 0
     assert metrics[0].cpu_count >= 1

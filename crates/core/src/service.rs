@@ -50,6 +50,14 @@ pub trait RunService: Clone + Send + Sync + 'static {
     /// The parts of a run's image config runbox honours (its user and
     /// working directory among them), as recorded when the run was made.
     fn image_config(&self, id: Ulid) -> Result<crate::images::ImageConfig, CoreError>;
+    /// A run's usage samples taken in `[from, to]` (either end open),
+    /// oldest first: a short, bounded, node-local history.
+    fn usage_history(
+        &self,
+        id: Ulid,
+        from: Option<time::OffsetDateTime>,
+        to: Option<time::OffsetDateTime>,
+    ) -> Result<Vec<crate::runs::UsageSample>, CoreError>;
     /// What a running run uses now (None where it is not measured).
     fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError>;
     /// Destroys a run.
@@ -312,6 +320,15 @@ impl RunService for Arc<Manager> {
 
     fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
         Manager::usage(self, id)
+    }
+
+    fn usage_history(
+        &self,
+        id: Ulid,
+        from: Option<time::OffsetDateTime>,
+        to: Option<time::OffsetDateTime>,
+    ) -> Result<Vec<crate::runs::UsageSample>, CoreError> {
+        Manager::usage_history(self, id, from, to)
     }
 
     async fn delete(&self, id: Ulid) -> Result<(), CoreError> {

@@ -423,6 +423,15 @@ impl RunService for Stub {
         found(id)?;
         Ok(Default::default())
     }
+    fn usage_history(
+        &self,
+        id: Ulid,
+        _from: Option<time::OffsetDateTime>,
+        _to: Option<time::OffsetDateTime>,
+    ) -> Result<Vec<runbox_core::runs::UsageSample>, CoreError> {
+        found(id)?;
+        Ok(Vec::new())
+    }
     fn usage(&self, id: Ulid) -> Result<Option<runbox_core::backend::Usage>, CoreError> {
         found(id)?;
         Ok(None)

@@ -169,3 +169,22 @@ test("a sandbox killed under a command breaks its stream", async () => {
     return true;
   });
 });
+
+test("metrics keep a history that windows select", async () => {
+  await withSandbox({}, async (sbx) => {
+    const begun = new Date(Date.now() - 60_000);
+    let got = [];
+    // The sampler takes every running sandbox every 5 s.
+    for (let i = 0; i < 60 && got.length === 0; i++) {
+      got = await sbx.getMetrics({ start: begun, end: new Date() });
+      if (got.length === 0) await sleep(500);
+    }
+    assert.ok(got.length > 0, "no sample within 30 s");
+    assert.ok(got.every((m) => m.timestamp.getTime() >= begun.getTime() - 1000));
+    const past = await sbx.getMetrics({
+      start: new Date(begun.getTime() - 3_600_000),
+      end: new Date(begun.getTime() - 1_800_000),
+    });
+    assert.deepEqual(past, []);
+  });
+});

@@ -134,6 +134,8 @@ pub(crate) struct RunHandle {
     /// The idempotency key of the create that took this member, set with
     /// `idle` cleared, so a repeat of that create finds the run at once.
     pub claim_key: OnceLock<crate::store::Idempotency>,
+    /// What it used lately, sampled by the manager.
+    pub usage: super::usage::History,
 }
 
 impl RunHandle {
@@ -250,6 +252,7 @@ impl RunActor {
             egress: OnceLock::new(),
             idle: std::sync::atomic::AtomicBool::new(record.is_idle_member()),
             claim_key: OnceLock::new(),
+            usage: Default::default(),
         });
         RunActor {
             manager,

@@ -30,6 +30,7 @@ mod process;
 pub mod reaper;
 mod reconcile;
 pub mod relay;
+mod usage;
 mod warm;
 
 use std::collections::{BTreeMap, HashMap};
@@ -60,6 +61,7 @@ use crate::validate;
 pub use self::fs::Scope;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
+pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
 
 /// Locks a mutex, recovering from poisoning: every critical section here is
 /// a few map operations that leave the data consistent even if a panic
@@ -139,6 +141,7 @@ impl Manager {
         manager.reconcile().await?;
         // After reconcile: the runs it re-adopted hold their generations.
         manager.spawn_warm_tick();
+        manager.spawn_usage_sampler();
         manager.start_pools()?;
         // Layers nothing references any more: a snapshot or import a crash
         // cut short after its layer was stored, before its image record.

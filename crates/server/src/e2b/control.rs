@@ -568,15 +568,63 @@ struct Metric {
 /// their difference.
 const CPU_SAMPLE: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// One sample, now, from the run's cgroup: CPU use over the last
-/// [`CPU_SAMPLE`] as a share of its CPU limit, memory charged (page cache
-/// included, as `memCache`), disk written to its own volume.
+/// `start` and `end` of a metrics call: Unix seconds.
+fn metrics_window(
+    raw: Option<&str>,
+) -> Result<(Option<time::OffsetDateTime>, Option<time::OffsetDateTime>), E2bError> {
+    let (mut start, mut end) = (None, None);
+    for (key, value) in form_urlencoded::parse(raw.unwrap_or("").as_bytes()) {
+        let at = || {
+            value
+                .parse::<i64>()
+                .ok()
+                .and_then(|s| time::OffsetDateTime::from_unix_timestamp(s).ok())
+                .ok_or_else(|| E2bError::bad(format!("{key} must be a Unix time in seconds")))
+        };
+        match key.as_ref() {
+            "start" => start = Some(at()?),
+            // Second precision: the whole last second is in the window.
+            "end" => end = Some(at()? + time::Duration::nanoseconds(999_999_999)),
+            other => return Err(E2bError::bad(format!("unknown query parameter {other:?}"))),
+        }
+    }
+    if let (Some(s), Some(e)) = (start, end) {
+        if s > e {
+            return Err(E2bError::bad("start must not be after end"));
+        }
+    }
+    Ok((start, end))
+}
+
+/// A run's metrics: the samples its history holds (every
+/// `USAGE_SAMPLE_EVERY`, the last hour) in `[start, end]`; without a
+/// window, all of them, or, before the first is taken, one taken now from
+/// the run's cgroup. CPU use is a share of the run's CPU limit, memory is
+/// what is charged (page cache included, as `memCache`), disk what was
+/// written to the run's own volume.
 async fn metrics<S: RunService>(
     State(state): State<AppState<S>>,
     Path(id): Path<String>,
+    RawQuery(raw): RawQuery,
 ) -> Result<Json<Vec<Metric>>, E2bError> {
     let id = sandbox_id(&id)?;
+    let (start, end) = metrics_window(raw.as_deref())?;
     let run = state.service.get(id)?;
+    let history = state.service.usage_history(id, start, end)?;
+    if !history.is_empty() || start.is_some() || end.is_some() {
+        let metric = |s: runbox_core::runs::UsageSample| Metric {
+            timestamp: rfc3339(s.at),
+            timestamp_unix: s.at.unix_timestamp(),
+            cpu_count: cpu_count(&run),
+            cpu_used_pct: s.cpu_pct,
+            mem_used: s.memory_bytes,
+            mem_total: run.limits.memory_mb << 20,
+            mem_cache: s.memory_cache_bytes,
+            disk_used: s.disk_used_bytes.unwrap_or(0),
+            disk_total: run.limits.disk_mb.unwrap_or(0) << 20,
+        };
+        return Ok(Json(history.into_iter().map(metric).collect()));
+    }
     let unmeasured = || E2bError::unsupported("metrics of this sandbox's backend");
     let before = state.service.usage(id)?.ok_or_else(unmeasured)?;
     let started = std::time::Instant::now();
@@ -851,6 +899,17 @@ mod tests {
             "startedAfter=yesterday",
         ] {
             assert!(list_query(Some(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn metrics_windows_are_unix_seconds() {
+        let (s, e) = metrics_window(Some("start=100&end=200")).unwrap();
+        assert_eq!(s.unwrap().unix_timestamp(), 100);
+        assert_eq!(e.unwrap().unix_timestamp(), 200);
+        assert_eq!(metrics_window(None).unwrap(), (None, None));
+        for bad in ["start=x", "end=1.5", "start=9&end=8", "step=1"] {
+            assert!(metrics_window(Some(bad)).is_err(), "{bad}");
         }
     }
 
