@@ -282,6 +282,7 @@ fn create_temp(
         "" => None,
         spec => Some(crate::user::resolve(spec).map_err(FileError::BadUser)?),
     };
+    crate::xattrs::check(&header.xattrs)?;
     let root = work.open()?;
     let parent = open_parent(&root, rel, owner.as_ref())?;
 
@@ -343,6 +344,9 @@ fn create_temp(
         // After the chown, which clears set-id bits (none are set anyway).
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))
             .map_err(|errno| FileError::from_errno(errno, "set the mode of", rel.original()))?;
+        crate::xattrs::set(&fd, &header.xattrs).map_err(|errno| {
+            FileError::from_errno(errno, "set the extended attributes of", rel.original())
+        })?;
         return Ok((temp, File::from(fd)));
     }
     Err(FileError::Io {

@@ -31,9 +31,15 @@ pub const MAX_DEPTH: u32 = 16;
 const DIR_MODE: u32 = 0o755;
 
 /// Describes the entry `name` of `dir` (not following a symlink).
-fn info_at(dir: impl AsFd, name: &str, path: String) -> Result<FileInfo, Errno> {
+fn info_at(
+    dir: impl AsFd,
+    name: &str,
+    path: String,
+    xattr_prefix: &str,
+) -> Result<FileInfo, Errno> {
     let st = rustix::fs::statat(&dir, name, AtFlags::SYMLINK_NOFOLLOW)?;
     let file_type = FileType::from_raw_mode(st.st_mode);
+    let xattrs = crate::xattrs::read(&dir, name, file_type, xattr_prefix)?;
     let symlink_target = if file_type == FileType::Symlink {
         rustix::fs::readlinkat(&dir, name, Vec::new())?
             .to_string_lossy()
@@ -50,6 +56,7 @@ fn info_at(dir: impl AsFd, name: &str, path: String) -> Result<FileInfo, Errno> 
         gid: st.st_gid,
         modified_unix_ms: st.st_mtime * 1000 + (st.st_mtime_nsec / 1_000_000) as i64,
         symlink_target,
+        xattrs,
     })
 }
 
@@ -83,11 +90,11 @@ pub async fn stat(work: std::sync::Arc<WorkDir>, req: StatRequest) -> Result<Fil
     Ok(blocking(move || -> Result<FileInfo, FileError> {
         let root = work.open()?;
         match &rel {
-            None => info_at(&root, ".", String::new())
+            None => info_at(&root, ".", String::new(), &req.xattr_prefix)
                 .map_err(|e| FileError::from_errno(e, "stat", ".")),
             Some(rel) => {
                 let dir = parent_dir(&root, rel)?;
-                info_at(&dir, rel.file_name(), rel.normalized())
+                info_at(&dir, rel.file_name(), rel.normalized(), &req.xattr_prefix)
                     .map_err(|e| FileError::from_errno(e, "stat", rel.original()))
             }
         }
@@ -127,7 +134,7 @@ pub async fn list_dir(
             other => FileError::from_errno(other, "list", &original),
         })?;
         let mut reply = ListDirReply::default();
-        walk(&dir, &prefix, depth, limit, &mut reply)
+        walk(&dir, &prefix, depth, limit, &req.xattr_prefix, &mut reply)
             .map_err(|e| FileError::from_errno(e, "list", &original))?;
         reply.entries.sort_by(|a, b| a.path.cmp(&b.path));
         Ok(reply)
@@ -141,6 +148,7 @@ fn walk(
     prefix: &str,
     depth: u32,
     limit: usize,
+    xattr_prefix: &str,
     reply: &mut ListDirReply,
 ) -> Result<(), Errno> {
     let mut names = Vec::new();
@@ -162,7 +170,7 @@ fn walk(
         } else {
             format!("{prefix}/{name}")
         };
-        let info = match info_at(dir, &name, path.clone()) {
+        let info = match info_at(dir, &name, path.clone(), xattr_prefix) {
             Ok(info) => info,
             // Removed since the directory was read.
             Err(Errno::NOENT) => continue,
@@ -179,7 +187,7 @@ fn walk(
                 OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW,
                 Mode::empty(),
             ) {
-                Ok(sub) => walk(&sub, &path, depth - 1, limit, reply)?,
+                Ok(sub) => walk(&sub, &path, depth - 1, limit, xattr_prefix, reply)?,
                 Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR | Errno::ACCESS) => {}
                 Err(e) => return Err(e),
             }
@@ -220,7 +228,7 @@ pub async fn make_dir(
             Err(Errno::EXIST) => {}
             Err(e) => return Err(FileError::from_errno(e, "create", rel.original())),
         }
-        let info = info_at(&dir, rel.file_name(), rel.normalized())
+        let info = info_at(&dir, rel.file_name(), rel.normalized(), "")
             .map_err(|e| FileError::from_errno(e, "create", rel.original()))?;
         if info.kind != FileKind::Directory as i32 {
             return Err(FileError::NotADirectory {
@@ -264,7 +272,7 @@ pub async fn move_path(
                 },
                 other => FileError::from_errno(other, "move", from.original()),
             })?;
-        info_at(&to_dir, to.file_name(), to.normalized())
+        info_at(&to_dir, to.file_name(), to.normalized(), &req.xattr_prefix)
             .map_err(|e| FileError::from_errno(e, "move", to.original()))
     })
     .await??)

@@ -38,6 +38,7 @@ mod service;
 mod term;
 mod user;
 mod watch;
+mod xattrs;
 
 use std::io;
 use std::os::fd::{FromRawFd, RawFd};

@@ -407,3 +407,96 @@ async fn written_files_belong_to_the_user_asked_for() {
     assert_eq!(kind(&err), "bad_user");
     assert!(!agent.path("nope.txt").exists());
 }
+
+#[tokio::test]
+async fn writes_carry_extended_attributes_and_reads_return_them() {
+    use runbox_agent_proto::pb::{ListDirRequest, MoveRequest, StatRequest};
+    let mut agent = TestAgent::start().await;
+    let write_with = |path: &str, xattrs: &[(&str, &str)]| {
+        let mut messages = write_messages(path, 0, b"data", true);
+        if let Some(write_file_chunk::Kind::Header(h)) = &mut messages[0].kind {
+            h.xattrs = xattrs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        }
+        messages
+    };
+    agent
+        .client
+        .write_file(tokio_stream::iter(write_with(
+            "meta.txt",
+            &[("user.e2b.author", "mish"), ("user.other", "x")],
+        )))
+        .await
+        .unwrap();
+    let stat = |prefix: &str| StatRequest {
+        path: "meta.txt".into(),
+        xattr_prefix: prefix.into(),
+        ..Default::default()
+    };
+    let info = agent
+        .client
+        .stat(stat("user.e2b."))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.xattrs.len(), 1);
+    assert_eq!(info.xattrs["user.e2b.author"], "mish");
+    // Without a prefix nothing is read.
+    let info = agent.client.stat(stat("")).await.unwrap().into_inner();
+    assert!(info.xattrs.is_empty());
+    let listed = agent
+        .client
+        .list_dir(ListDirRequest {
+            xattr_prefix: "user.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let entry = listed
+        .entries
+        .iter()
+        .find(|e| e.path == "meta.txt")
+        .unwrap();
+    assert_eq!(entry.xattrs.len(), 2);
+    let moved = agent
+        .client
+        .r#move(MoveRequest {
+            from: "meta.txt".into(),
+            to: "moved.txt".into(),
+            xattr_prefix: "user.e2b.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(moved.xattrs["user.e2b.author"], "mish");
+    // An overwrite is a new file: the old attributes go with the old one.
+    write(&mut agent.client, "moved.txt", 0, b"again")
+        .await
+        .unwrap();
+    let info = agent
+        .client
+        .stat(StatRequest {
+            path: "moved.txt".into(),
+            xattr_prefix: "user.".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(info.xattrs.is_empty());
+    // Other namespaces are refused, and nothing is written.
+    let err = agent
+        .client
+        .write_file(tokio_stream::iter(write_with(
+            "bad.txt",
+            &[("trusted.overlay.opaque", "y")],
+        )))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(!agent.path("bad.txt").exists());
+}

@@ -21,7 +21,7 @@ use ulid::Ulid;
 
 use crate::error::CoreError;
 use crate::lease::Lease;
-use crate::runs::{ExecEvent, FileDownload, Manager, Scope, Session};
+use crate::runs::{ExecEvent, FileDownload, Manager, Scope, Session, WriteOptions};
 
 /// The events of one exec, ending with exactly one [`ExecEvent::Exit`].
 pub type ExecStream = BoxStream<'static, ExecEvent>;
@@ -89,17 +89,13 @@ pub trait RunService: Clone + Send + Sync + 'static {
         req: ExecRequest,
     ) -> impl Future<Output = Result<ExecStream, CoreError>> + Send;
     /// Writes a file (below `/work`, or anywhere in the run with
-    /// [`Scope::Root`]), owned with the directories it makes by `user`
-    /// (None: the run's own user); returns the bytes written.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Scope::Root`]) as `options` say; returns the bytes written.
     fn put_file(
         &self,
         id: Ulid,
         scope: Scope,
         path: String,
-        user: Option<String>,
-        credential: LeaseCredential,
-        content_length: Option<u64>,
+        options: WriteOptions,
         body: UploadStream,
     ) -> impl Future<Output = Result<u64, CoreError>> + Send;
     /// Reads a file in a run's `scope`.
@@ -361,22 +357,10 @@ impl RunService for Arc<Manager> {
         id: Ulid,
         scope: Scope,
         path: String,
-        user: Option<String>,
-        credential: LeaseCredential,
-        content_length: Option<u64>,
+        options: WriteOptions,
         body: UploadStream,
     ) -> Result<u64, CoreError> {
-        Manager::put_file(
-            self,
-            id,
-            scope,
-            &path,
-            user,
-            credential,
-            content_length,
-            body,
-        )
-        .await
+        Manager::put_file(self, id, scope, &path, options, body).await
     }
 
     async fn snapshot(

@@ -664,7 +664,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             // Without the lease, a leased run refuses the write.
             if model.leases.contains_key(&id) {
                 let err = world
-                    .block_on(m.put_file(id, Scope::Work, "f.txt".into(), None, None, None, body))
+                    .block_on(m.put_file(id, Scope::Work, "f.txt".into(), Default::default(), body))
                     .expect_err("a write without the lease");
                 if code(&err) == ErrorCode::RunNotFound && expired(model, id) {
                     model.forget(id);
@@ -673,8 +673,13 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 prop_assert_eq!(code(&err), ErrorCode::Leased);
                 return Ok(());
             }
-            let written =
-                world.block_on(m.put_file(id, Scope::Work, "f.txt".into(), None, None, None, body));
+            let written = world.block_on(m.put_file(
+                id,
+                Scope::Work,
+                "f.txt".into(),
+                Default::default(),
+                body,
+            ));
             match written {
                 Ok(n) => prop_assert_eq!(n, content.len() as u64),
                 Err(e) if code(&e) == ErrorCode::RunNotFound && expired(model, id) => {

@@ -455,9 +455,11 @@ pub async fn put_file<S: RunService>(
             id,
             Scope::Work,
             file_path(&params).to_owned(),
-            None,
-            credential,
-            length,
+            runbox_core::runs::WriteOptions {
+                credential,
+                content_length: length,
+                ..Default::default()
+            },
             body,
         )
         .await?;

@@ -482,9 +482,7 @@ impl RunService for Stub {
         id: Ulid,
         _scope: Scope,
         _path: String,
-        _user: Option<String>,
-        _credential: LeaseCredential,
-        _content_length: Option<u64>,
+        _options: runbox_core::runs::WriteOptions,
         mut body: UploadStream,
     ) -> Result<u64, CoreError> {
         found(id)?;

@@ -1224,6 +1224,11 @@ pub struct FileInfo {
     /// A symlink's target, as stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// Metadata stored with the file, by key: only the E2B surface keeps
+    /// any (as `user.e2b.` extended attributes), so runbox's own API never
+    /// shows it.
+    #[serde(skip)]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// `GET /v1/runs/{id}/fs/list`.

@@ -188,3 +188,35 @@ test("metrics keep a history that windows select", async () => {
     assert.deepEqual(past, []);
   });
 });
+
+test("file metadata is kept with the file", async () => {
+  await withSandbox({}, async (sbx) => {
+    const metadata = { author: "mish", purpose: "upload" };
+    const info = await sbx.files.write("/tmp/meta/a.txt", "x", { metadata });
+    assert.deepEqual(info.metadata, metadata);
+    assert.deepEqual((await sbx.files.getInfo("/tmp/meta/a.txt")).metadata, metadata);
+    const listed = await sbx.files.list("/tmp/meta");
+    assert.deepEqual(listed.find((e) => e.name === "a.txt").metadata, metadata);
+    assert.deepEqual((await sbx.files.rename("/tmp/meta/a.txt", "/tmp/meta/b.txt")).metadata, metadata);
+    await sbx.files.write("/tmp/meta/b.txt", "y");
+    assert.equal((await sbx.files.getInfo("/tmp/meta/b.txt")).metadata, undefined);
+  });
+});
+
+test("watch events can carry their entry", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.makeDir("/tmp/entries");
+    const seen = [];
+    const handle = await sbx.files.watchDir("/tmp/entries", (e) => seen.push(e), { includeEntry: true });
+    try {
+      await sbx.files.write("/tmp/entries/f.txt", "12345");
+      for (let i = 0; i < 100 && seen.length < 3; i++) await sleep(50);
+      const write = seen.filter((e) => e.type === "write").at(-1);
+      assert.ok(write?.entry, JSON.stringify(seen));
+      assert.equal(write.entry.path, "/tmp/entries/f.txt");
+      assert.equal(write.entry.size, 5);
+    } finally {
+      await handle.stop();
+    }
+  });
+});

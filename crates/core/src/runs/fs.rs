@@ -5,6 +5,7 @@
 //! What the agent answers is untrusted: paths and symlink targets are
 //! bounded, and a listing is cut at the documented maximum.
 
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use runbox_agent_proto::pb;
@@ -45,6 +46,34 @@ pub enum Scope {
     Root,
 }
 
+/// How a file is written, beyond its path and body.
+#[derive(Clone, Debug, Default)]
+pub struct WriteOptions {
+    /// Who owns the file and the directories the write makes; None: the
+    /// run's own user.
+    pub user: Option<String>,
+    /// The lease credential (owner, generation), when the run is leased.
+    pub credential: Option<(String, u64)>,
+    /// The body's declared length, checked against the upload limit
+    /// before a byte is read.
+    pub content_length: Option<u64>,
+    /// Metadata stored with the file, by key (see
+    /// [`Scope::metadata_xattrs`]); the file's old metadata goes with an
+    /// overwrite.
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// The extended attribute namespace of file metadata in [`Scope::Root`]:
+/// E2B's, so metadata set from inside a sandbox (`setfattr -n
+/// user.e2b.author`) shows too.
+const METADATA_XATTR_PREFIX: &str = "user.e2b.";
+
+/// The agent protocol that keeps extended attributes.
+const METADATA_PROTOCOL: u32 = 5;
+
+/// The most metadata keys on one file.
+pub const MAX_METADATA: usize = 64;
+
 /// Who owns what a file call makes: the user the call names, else the
 /// image's `User` (the identity commands run as); empty is root.
 pub(super) fn owner(handle: &super::RunHandle, user: Option<String>) -> String {
@@ -63,6 +92,59 @@ pub(super) fn owner(handle: &super::RunHandle, user: Option<String>) -> String {
 const ROOT_SCOPE_PROTOCOL: u32 = 4;
 
 impl Scope {
+    /// The extended attribute prefix file metadata is kept under; empty
+    /// where the scope keeps none.
+    pub(super) fn metadata_prefix(self) -> &'static str {
+        match self {
+            Scope::Work => "",
+            Scope::Root => METADATA_XATTR_PREFIX,
+        }
+    }
+
+    /// Metadata to store with a written file, checked, as the agent's
+    /// extended attributes. Keys are lowercased (HTTP header names, which
+    /// is how E2B's SDKs send them, are case-insensitive), and must be
+    /// HTTP token characters; values printable ASCII, at most 1024 bytes.
+    /// Only [`Scope::Root`] keeps metadata.
+    pub(super) fn metadata_xattrs(
+        self,
+        metadata: BTreeMap<String, String>,
+    ) -> Result<HashMap<String, String>, CoreError> {
+        if metadata.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let bad =
+            |message: String| CoreError::invalid(runbox_types::ErrorCode::BadRequest, message);
+        if self == Scope::Work {
+            return Err(bad("files under /work keep no metadata".into()));
+        }
+        if metadata.len() > MAX_METADATA {
+            return Err(bad(format!(
+                "a file takes at most {MAX_METADATA} metadata keys"
+            )));
+        }
+        let token = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
+        let mut out = HashMap::with_capacity(metadata.len());
+        for (key, value) in metadata {
+            if key.is_empty() || key.len() > 200 || !key.chars().all(token) {
+                return Err(bad(format!(
+                    "metadata key {:?} must be 1-200 HTTP token characters (letters, digits, !#$%&'*+-.^_`|~)",
+                    key.chars().take(40).collect::<String>()
+                )));
+            }
+            if value.len() > 1024 || !value.chars().all(|c| c == ' ' || c.is_ascii_graphic()) {
+                return Err(bad(format!(
+                    "the value of metadata key {key:?} must be printable ASCII, at most 1024 bytes"
+                )));
+            }
+            out.insert(
+                format!("{}{}", self.metadata_prefix(), key.to_ascii_lowercase()),
+                value,
+            );
+        }
+        Ok(out)
+    }
+
     /// `path` checked and normalised as the agent takes it; with `base_ok`,
     /// None (or a path that reduces to nothing) names the base itself.
     pub(super) fn agent_path(self, path: Option<&str>, base_ok: bool) -> Result<String, CoreError> {
@@ -116,6 +198,25 @@ impl Manager {
         }
         Ok(())
     }
+
+    /// Refuses metadata on a run whose agent would drop it unseen.
+    pub(super) fn check_metadata(
+        &self,
+        id: Ulid,
+        xattrs: &HashMap<String, String>,
+    ) -> Result<(), CoreError> {
+        let protocol = self
+            .handle(id)?
+            .protocol
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if !xattrs.is_empty() && protocol < METADATA_PROTOCOL {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::AgentTooOld,
+                "this run's agent predates file metadata; create the run again",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// An agent's description, checked, with its path as `scope` shows it.
@@ -134,6 +235,14 @@ fn info(scope: Scope, raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
     let modified_at =
         OffsetDateTime::from_unix_timestamp_nanos(i128::from(raw.modified_unix_ms) * 1_000_000)
             .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+    let prefix = scope.metadata_prefix();
+    let metadata = raw
+        .xattrs
+        .into_iter()
+        .filter(|_| !prefix.is_empty())
+        .filter_map(|(name, value)| Some((name.strip_prefix(prefix)?.to_owned(), value)))
+        .take(MAX_METADATA)
+        .collect();
     Ok(FileInfo {
         path: scope.shown(raw.path),
         kind,
@@ -143,6 +252,7 @@ fn info(scope: Scope, raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
         gid: raw.gid,
         modified_at,
         target: (kind == FileKind::Symlink).then_some(raw.symlink_target),
+        metadata,
     })
 }
 
@@ -237,6 +347,7 @@ impl Manager {
         let call = agent.stat(pb::StatRequest {
             path,
             root: scope.root(),
+            xattr_prefix: scope.metadata_prefix().to_owned(),
         });
         info(scope, timed(FS_CALL_TIMEOUT, call).await?)
     }
@@ -275,6 +386,7 @@ impl Manager {
                 depth,
                 limit,
                 root: scope.root(),
+                xattr_prefix: scope.metadata_prefix().to_owned(),
             }),
         )
         .await?;
@@ -335,6 +447,7 @@ impl Manager {
             to,
             overwrite: req.overwrite.unwrap_or(false),
             root: scope.root(),
+            xattr_prefix: scope.metadata_prefix().to_owned(),
         });
         info(scope, timed(FS_CALL_TIMEOUT, call).await?)
     }

@@ -354,24 +354,29 @@ impl Manager {
     ///
     /// Cancellation: dropping the future mid-way cancels the agent call; the
     /// agent then discards the partial upload and the target is untouched.
-    #[allow(clippy::too_many_arguments)]
     pub async fn put_file<S, E>(
         &self,
         id: Ulid,
         scope: super::fs::Scope,
         path: &str,
-        user: Option<String>,
-        credential: Option<(String, u64)>,
-        content_length: Option<u64>,
+        options: super::fs::WriteOptions,
         body: S,
     ) -> Result<u64, CoreError>
     where
         S: Stream<Item = Result<Bytes, E>> + Send,
         E: std::fmt::Display,
     {
+        let super::fs::WriteOptions {
+            user,
+            credential,
+            content_length,
+            metadata,
+        } = options;
         let path = scope.agent_path(Some(path), false)?;
         let user = user.map(validate::user).transpose()?;
+        let xattrs = scope.metadata_xattrs(metadata)?;
         self.check_scope(id, scope)?;
+        self.check_metadata(id, &xattrs)?;
         let max = self.config.max_upload_bytes;
         if content_length.is_some_and(|len| len > max) {
             return Err(too_large(max));
@@ -385,6 +390,7 @@ impl Manager {
             mode: 0,
             user,
             root: scope.root(),
+            xattrs,
         };
         tx.send(chunk(write_file_chunk::Kind::Header(header)))
             .await

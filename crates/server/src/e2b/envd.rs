@@ -7,7 +7,7 @@
 //! ([`Scope::Root`]), confined to the run by its agent; a relative path is
 //! taken from `/work`, the runbox working directory.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use bytes::Bytes;
 use futures::stream::{self, BoxStream, StreamExt, TryStreamExt};
-use runbox_core::runs::{ExecEvent, Scope};
+use runbox_core::runs::{ExecEvent, Scope, WriteOptions};
 use runbox_core::RunService;
 use runbox_types::{
     ExecRequest, ExitReason, FileInfo, FileKind, FsQuery, PtySpec, SignalRequest, SignalSpec,
@@ -624,6 +624,7 @@ fn entry(info: FileInfo, names: &Names) -> wire::EntryInfo {
             .unwrap_or_default(),
         is_symlink: info.kind == FileKind::Symlink,
         symlink_target: info.target,
+        metadata: info.metadata,
     }
 }
 
@@ -801,6 +802,7 @@ fn fs_events(base: &str, event: runbox_types::WatchEvent) -> Vec<wire::Filesyste
     let one = |path: &str, kind| wire::FilesystemEvent {
         name: name(path),
         kind,
+        entry: None,
     };
     // An upload fills a temporary file beside its target and renames it
     // into place. envd's clients see what envd's own upload does to the
@@ -865,6 +867,52 @@ async fn open_watch<S: RunService>(
     Ok((base, events))
 }
 
+/// A watch's changes as envd's events, in batches: the events one change
+/// reads as (an upload is create, chmod, write) travel together, so a
+/// poll never sees half of them. With `include_entry` (envd 0.6.3) each
+/// event whose path is still there carries its entry, owner and group
+/// named as the run named them when the watch began.
+async fn envd_events<S: RunService>(
+    service: S,
+    id: Ulid,
+    base: String,
+    events: BoxStream<'static, runbox_types::WatchEvent>,
+    include_entry: bool,
+) -> BoxStream<'static, Vec<wire::FilesystemEvent>> {
+    if !include_entry {
+        return events.map(move |e| fs_events(&base, e)).boxed();
+    }
+    let names = Arc::new(Names::of(&service, id).await);
+    // One change may read as several events of one path (an upload is
+    // create, chmod, write): one stat serves them all, so they arrive as
+    // soon as they would without entries, or nearly.
+    events
+        .then(move |change| {
+            let (service, names) = (service.clone(), Arc::clone(&names));
+            let mut batch = fs_events(&base, change);
+            let base = base.clone();
+            async move {
+                let mut known: Option<(String, Option<Box<wire::EntryInfo>>)> = None;
+                for event in &mut batch {
+                    let path = format!("{base}/{}", event.name);
+                    if known.as_ref().is_none_or(|(p, _)| *p != path) {
+                        let found =
+                            match service.stat_path(id, Scope::Root, Some(path.clone())).await {
+                                Ok(info) => {
+                                    Some(Box::new(entry(follow(&service, id, info).await, &names)))
+                                }
+                                Err(_) => None,
+                            };
+                        known = Some((path, found));
+                    }
+                    event.entry = known.as_ref().and_then(|(_, e)| e.clone());
+                }
+                batch
+            }
+        })
+        .boxed()
+}
+
 async fn watch_dir<S: RunService>(
     service: S,
     caller: &Caller,
@@ -873,15 +921,10 @@ async fn watch_dir<S: RunService>(
     deadline: Option<Duration>,
 ) -> Result<BoxStream<'static, Result<wire::WatchEvent, RpcError>>, RpcError> {
     let req: wire::WatchRequest = connect::single_message(body).await?;
-    if req.include_entry {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "includeEntry needs envd 0.6.3; runbox reports 0.5.7",
-        ));
-    }
     let (base, events) = open_watch(&service, caller, &req.path, req.recursive).await?;
-    let changes = events
-        .flat_map(move |e| stream::iter(fs_events(&base, e)))
+    let changes = envd_events(service, caller.run, base, events, req.include_entry)
+        .await
+        .flat_map(stream::iter)
         .map(|e| Ok(wire::WatchEvent::Filesystem(e)));
     let all = stream::once(async { Ok(wire::WatchEvent::Start {}) })
         .chain(changes)
@@ -900,12 +943,6 @@ async fn create_watcher<S: RunService>(
     bytes: &[u8],
 ) -> Result<wire::CreateWatcherResponse, RpcError> {
     let req: wire::WatchRequest = connect::decode(bytes)?;
-    if req.include_entry {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "includeEntry needs envd 0.6.3; runbox reports 0.5.7",
-        ));
-    }
     if envd.watchers.open.lock().expect("watchers lock").len() >= MAX_WATCHERS {
         return Err(RpcError::new(
             Code::ResourceExhausted,
@@ -913,14 +950,21 @@ async fn create_watcher<S: RunService>(
         ));
     }
     let id = caller.run;
-    let (base, mut events) =
-        open_watch(&envd.app.service, caller, &req.path, req.recursive).await?;
+    let (base, events) = open_watch(&envd.app.service, caller, &req.path, req.recursive).await?;
+    let mut events = envd_events(
+        envd.app.service.clone(),
+        id,
+        base,
+        events,
+        req.include_entry,
+    )
+    .await;
     let buffer = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&buffer);
     let task = tokio::spawn(async move {
-        while let Some(event) = events.next().await {
+        while let Some(batch) = events.next().await {
             let mut held = sink.lock().expect("watcher buffer lock");
-            held.extend(fs_events(&base, event));
+            held.extend(batch);
             let excess = held.len().saturating_sub(MAX_WATCHER_EVENTS);
             held.drain(..excess);
         }
@@ -1048,9 +1092,33 @@ async fn download<S: RunService>(
 }
 
 /// What a write answers for each file.
-fn written(path: &str) -> serde_json::Value {
+fn written(path: &str, metadata: &BTreeMap<String, String>) -> serde_json::Value {
     let name = path.rsplit('/').next().unwrap_or(path);
-    serde_json::json!({ "name": name, "type": "file", "path": path })
+    let mut entry = serde_json::json!({ "name": name, "type": "file", "path": path });
+    if !metadata.is_empty() {
+        entry["metadata"] = serde_json::json!(metadata);
+    }
+    entry
+}
+
+/// The header prefix E2B's SDKs send a file's metadata under, one header
+/// a key (envd 0.6.2).
+const METADATA_HEADER_PREFIX: &str = "x-metadata-";
+
+/// The metadata an upload carries (`X-Metadata-<key>: <value>`), keys
+/// lowercased as header names are; the core checks the rest.
+fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, String> {
+    let mut out = BTreeMap::new();
+    for (name, value) in headers {
+        let Some(key) = name.as_str().strip_prefix(METADATA_HEADER_PREFIX) else {
+            continue;
+        };
+        let value = value
+            .to_str()
+            .map_err(|_| format!("the value of metadata key {key:?} must be printable ASCII"))?;
+        out.insert(key.to_owned(), value.to_owned());
+    }
+    Ok(out)
 }
 
 async fn upload<S: RunService>(
@@ -1066,6 +1134,10 @@ async fn upload<S: RunService>(
     let caller = match query.caller(id, request.headers()) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
+    };
+    let metadata = match upload_metadata(request.headers()) {
+        Ok(m) => m,
+        Err(message) => return envd_error(StatusCode::BAD_REQUEST, message),
     };
     let content_type = request
         .headers()
@@ -1120,9 +1192,11 @@ async fn upload<S: RunService>(
                     id,
                     Scope::Root,
                     path.clone(),
-                    caller.user.clone(),
-                    None,
-                    None,
+                    WriteOptions {
+                        user: caller.user.clone(),
+                        metadata: metadata.clone(),
+                        ..Default::default()
+                    },
                     body
                 ),
                 pump
@@ -1130,7 +1204,7 @@ async fn upload<S: RunService>(
             if let Err(e) = written_ok {
                 return file_error(e);
             }
-            results.push(written(&path));
+            results.push(written(&path, &metadata));
         }
         if results.is_empty() {
             return envd_error(StatusCode::BAD_REQUEST, "the form carried no file");
@@ -1184,14 +1258,17 @@ async fn upload<S: RunService>(
             id,
             Scope::Root,
             path.clone(),
-            caller.user,
-            None,
-            length,
+            WriteOptions {
+                user: caller.user,
+                content_length: length,
+                metadata: metadata.clone(),
+                ..Default::default()
+            },
             body,
         )
         .await
     {
-        Ok(_) => axum::Json(vec![written(&path)]).into_response(),
+        Ok(_) => axum::Json(vec![written(&path, &metadata)]).into_response(),
         Err(e) => file_error(e),
     }
 }

@@ -43,9 +43,10 @@ pub use control::routes as control_routes;
 pub const ENVD_PORT: u16 = 49983;
 
 /// The envd version runbox reports: the SDKs enable what this version has
-/// (stdin control, closing stdin, octet-stream uploads) and send no user
+/// (stdin control, closing stdin, octet-stream uploads, file metadata,
+/// entries in watch events, watches on network mounts) and send no user
 /// unless the caller names one.
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The header naming the sandbox a request is for.
 const SANDBOX_ID_HEADER: &str = "e2b-sandbox-id";

@@ -274,6 +274,8 @@ pub struct WatchRequest {
     pub recursive: bool,
     #[serde(default, alias = "include_entry")]
     pub include_entry: bool,
+    // envd 0.6.4's `allowNetworkMounts` (watch a directory on a network
+    // mount) is taken and needs nothing: a run's mounts are all local.
 }
 
 #[derive(Debug, Deserialize)]
@@ -301,6 +303,9 @@ pub struct EntryInfo {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub symlink_target: Option<String>,
     pub is_symlink: bool,
+    /// envd 0.6.2: the file's metadata (`user.e2b.` extended attributes).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub metadata: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -318,6 +323,10 @@ pub struct FilesystemEvent {
     pub name: String,
     #[serde(rename = "type")]
     pub kind: &'static str,
+    /// envd 0.6.3: what the path is after the event, when the watch asked
+    /// for entries and the path is still there.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub entry: Option<Box<EntryInfo>>,
 }
 
 /// `filesystem.WatchDirResponse`: its `event` oneof.
