@@ -233,3 +233,64 @@ def test_watch_events_can_carry_their_entry(sbx):
         assert (write.entry.path, write.entry.size) == ("/tmp/entries/f.txt", 5)
     finally:
         watcher.stop()
+
+
+def serve_http(sbx, port):
+    sbx.commands.run(f"mkdir -p /tmp/www && echo hello-from-{port} > /tmp/www/index.html")
+    sbx.commands.run(f"httpd -f -p {port} -h /tmp/www", background=True)
+    time.sleep(0.3)
+
+
+def test_any_port_is_reachable_by_e2bs_host_addressing(daemon):
+    import httpx
+
+    sbx = Sandbox.create(timeout=120)
+    closed = Sandbox.create(timeout=120, network={"allow_public_traffic": False})
+    try:
+        for box in (sbx, closed):
+            serve_http(box, 8001)
+        # Public by default, as on E2B: the host names the port.
+        r = httpx.get(f"{daemon.url}/index.html", headers={"Host": sbx.get_host(8001)})
+        assert (r.status_code, r.text) == (200, "hello-from-8001\n")
+        assert sbx.traffic_access_token is None
+        # A sandbox that is not public wants its traffic token.
+        host = {"Host": closed.get_host(8001)}
+        assert httpx.get(f"{daemon.url}/index.html", headers=host).status_code == 403
+        wrong = {**host, "e2b-traffic-access-token": sbx._envd_access_token or "x"}
+        assert httpx.get(f"{daemon.url}/index.html", headers=wrong).status_code == 403
+        token = {**host, "e2b-traffic-access-token": closed.traffic_access_token}
+        r = httpx.get(f"{daemon.url}/index.html", headers=token)
+        assert (r.status_code, r.text) == (200, "hello-from-8001\n")
+        # A port nothing listens on, and a sandbox that is gone.
+        r = httpx.get(f"{daemon.url}/", headers={"Host": sbx.get_host(8002)})
+        assert r.status_code == 502, r.text
+    finally:
+        sbx.kill()
+        closed.kill()
+    r = httpx.get(f"{daemon.url}/", headers={"Host": sbx.get_host(8001)})
+    assert r.status_code == 502
+
+
+def test_signed_file_urls_work_for_secure_sandboxes():
+    import httpx
+
+    sbx = Sandbox.create(timeout=120, secure=True)
+    try:
+        sbx.files.write("signed.txt", "through a signed URL")
+        r = httpx.get(sbx.download_url("signed.txt"))
+        assert (r.status_code, r.text) == (200, "through a signed URL")
+        r = httpx.get(sbx.download_url("signed.txt", use_signature_expiration=120))
+        assert r.status_code == 200
+        r = httpx.get(sbx.download_url("signed.txt", use_signature_expiration=-120))
+        assert r.status_code == 401
+        assert r.json() == {"code": 401, "message": "signature is already expired"}
+        # A signature is for its one path and operation.
+        tampered = sbx.download_url("signed.txt").replace("signed.txt", "other.txt")
+        assert httpx.get(tampered).status_code == 401
+        up = sbx.upload_url("uploaded.txt")
+        r = httpx.post(up, files={"file": ("uploaded.txt", b"sent up")})
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("uploaded.txt") == "sent up"
+        assert httpx.post(sbx.download_url("x.txt"), files={"file": ("x", b"x")}).status_code == 401
+    finally:
+        sbx.kill()

@@ -108,6 +108,10 @@ pub struct CreateArgs {
     /// Where the warm volume is mounted [default: /work]
     #[arg(long, value_name = "PATH", requires = "warm")]
     pub warm_path: Option<String>,
+    /// Serve the run's ports without a token to requests naming them by
+    /// host, <port>-<run id>.<domain> (E2B's addressing; docs/e2b.md)
+    #[arg(long)]
+    pub public_ports: bool,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -151,6 +155,7 @@ impl CreateArgs {
                     .map(|l| (l.name.clone(), l.value.clone()))
                     .collect()
             }),
+            public_ports: self.public_ports.then_some(true),
         }
     }
 }
@@ -535,6 +540,7 @@ mod tests {
             size: None,
             labels: Default::default(),
             pooled: false,
+            public_ports: false,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

@@ -78,6 +78,9 @@ pub struct RunRecord {
     /// Its labels.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub labels: std::collections::BTreeMap<String, String>,
+    /// Its ports are served by host without a token (`publicPorts`).
+    #[serde(default)]
+    pub public_ports: bool,
     /// The warm pool it was made for, and whether a create has claimed it;
     /// None for runs made by a create.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,6 +131,7 @@ impl RunRecord {
             size: self.size,
             labels: self.labels.clone(),
             pooled: self.pool.as_ref().is_some_and(|m| m.claimed),
+            public_ports: self.public_ports,
         }
     }
 }
@@ -288,6 +292,7 @@ mod tests {
             warm: None,
             size: None,
             labels: Default::default(),
+            public_ports: false,
             pool: None,
         }
     }

@@ -112,9 +112,10 @@ impl AsyncWrite for SeverableStream {
     }
 }
 
-/// A request's handle on its connection's reset flag (as `ConnectInfo`).
+/// A request's handle on its connection's reset flag (as `ConnectInfo`),
+/// with the peer's address.
 #[derive(Clone, Debug)]
-pub struct Severable(Arc<AtomicBool>);
+pub struct Severable(Arc<AtomicBool>, pub std::net::SocketAddr);
 
 /// What a handler takes to break its connection: present for HTTP/1.x
 /// requests of the API listener. An HTTP/2 connection is shared by other
@@ -127,6 +128,14 @@ pub fn severable(sever: Sever, version: axum::http::Version) -> Option<Severable
     (version < axum::http::Version::HTTP_2).then_some(flag)
 }
 
+/// The peer of a request served by the API listener, if it was.
+pub fn peer(request: &axum::extract::Request) -> Option<std::net::SocketAddr> {
+    request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<Severable>>()
+        .map(|info| info.0 .1)
+}
+
 impl Severable {
     /// Makes the connection end with a reset when it closes.
     pub fn arm(&self) {
@@ -136,6 +145,6 @@ impl Severable {
 
 impl Connected<IncomingStream<'_, SeverableListener>> for Severable {
     fn connect_info(stream: IncomingStream<'_, SeverableListener>) -> Self {
-        Severable(Arc::clone(&stream.io().reset))
+        Severable(Arc::clone(&stream.io().reset), *stream.remote_addr())
     }
 }

@@ -177,8 +177,11 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         })
         // Requests that name a sandbox are E2B envd calls.
         .layer(middleware::from_fn_with_state(
-            e2b::envd_router(state.clone()),
-            e2b::dispatch,
+            e2b::Dispatch {
+                envd: e2b::envd_router(state.clone()),
+                app: state.clone(),
+            },
+            e2b::dispatch::<S>,
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),

@@ -213,6 +213,19 @@ async fn proxy<S: RunService>(
             Err(e) => e.into_response(),
         }
     };
+    audit_access(&state, grant, method, &path, response.status(), peer);
+    response
+}
+
+/// Records one access to a run's port in the audit log, if there is one.
+fn audit_access<S>(
+    state: &PreviewState<S>,
+    grant: runbox_core::preview::Grant,
+    method: String,
+    path: &str,
+    status: StatusCode,
+    peer: SocketAddr,
+) {
     if let Some(audit) = state.audit.clone() {
         let record = runbox_proxy::audit::AuditRecord::Preview {
             t: runbox_proxy::audit::now(),
@@ -221,11 +234,47 @@ async fn proxy<S: RunService>(
             method,
             // Bounded: a path is the client's to choose.
             path: path.chars().take(512).collect(),
-            status: response.status().as_u16(),
+            status: status.as_u16(),
             client: peer.to_string(),
         };
         tokio::task::spawn_blocking(move || audit.append(&record));
     }
+}
+
+/// Relays one request to `port` of run `run` the way a preview does, for a
+/// request that named the port by host (E2B's `<port>-<id>.<domain>`; the
+/// caller decided it may): the whole path goes to the run, from inside its
+/// network namespace, upgrades included, and the access is audited.
+pub(crate) async fn relay_by_host<S: RunService>(
+    state: PreviewState<S>,
+    run: ulid::Ulid,
+    port: u16,
+    request: Request,
+    peer: SocketAddr,
+) -> Response {
+    let grant = runbox_core::preview::Grant {
+        run,
+        port,
+        expires: i64::MAX,
+    };
+    let method = request.method().to_string();
+    let located = Located {
+        token: String::new(),
+        path: request.uri().path().to_owned(),
+        in_path: false,
+    };
+    let response = match forward(&state, grant, request, &located, peer).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    };
+    audit_access(
+        &state,
+        grant,
+        method,
+        &located.path,
+        response.status(),
+        peer,
+    );
     response
 }
 

@@ -60,6 +60,7 @@ fn run() -> Run {
         size: None,
         labels: Default::default(),
         pooled: false,
+        public_ports: false,
     }
 }
 

@@ -203,6 +203,12 @@ pub struct CreateRunRequest {
     /// letters, digits, `.`, `_`, `-` and `/`; values up to 256 characters).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<String, String>>,
+    /// Serve the run's ports, without a token, to requests that name them
+    /// by host (`<port>-<run id>.<domain>`, E2B's addressing; see
+    /// docs/e2b.md). Default false: a port is reachable only through a
+    /// signed preview URL, a tunnel, or the sandbox's traffic token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub public_ports: Option<bool>,
 }
 
 /// `warm` on `POST /v1/runs`.
@@ -425,6 +431,10 @@ pub struct Run {
     /// ahead of time and handed out; everything per-create applied then).
     #[serde(default)]
     pub pooled: bool,
+    /// Whether its ports are served by host without a token
+    /// (`publicPorts` at create).
+    #[serde(default)]
+    pub public_ports: bool,
 }
 
 /// Egress accounting of one run.

@@ -766,6 +766,13 @@ export interface components {
             } | null;
             limits?: null | components["schemas"]["LimitsRequest"];
             network?: null | components["schemas"]["NetworkTier"];
+            /**
+             * @description Serve the run's ports, without a token, to requests that name them
+             *     by host (`<port>-<run id>.<domain>`, E2B's addressing; see
+             *     docs/e2b.md). Default false: a port is reachable only through a
+             *     signed preview URL, a tunnel, or the sandbox's traffic token.
+             */
+            publicPorts?: boolean | null;
             pull?: null | components["schemas"]["PullPolicy"];
             /**
              * @description Names of operator-declared secrets the run may use (`allowlist`
@@ -1498,6 +1505,11 @@ export interface components {
              *     ahead of time and handed out; everything per-create applied then).
              */
             pooled?: boolean;
+            /**
+             * @description Whether its ports are served by host without a token
+             *     (`publicPorts` at create).
+             */
+            publicPorts?: boolean;
             /** @description The OCI runtime that isolates the run (`runc`, `crun`, `runsc`). */
             runtime: string;
             /** @description The secrets the run may use, by name. */

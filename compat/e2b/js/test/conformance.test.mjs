@@ -220,3 +220,63 @@ test("watch events can carry their entry", async () => {
     }
   });
 });
+
+// A GET through the daemon with the Host header set (fetch will not set it).
+async function getWithHost(host, path, headers = {}) {
+  const { request } = await import("node:http");
+  const url = new URL(path, daemon.url);
+  return await new Promise((resolve, reject) => {
+    const req = request(url, { headers: { ...headers, host } }, (res) => {
+      let body = "";
+      res.on("data", (d) => (body += d));
+      res.on("end", () => resolve({ status: res.statusCode, body }));
+    });
+    req.on("error", reject);
+    req.end();
+  });
+}
+
+async function serveHttp(sbx, port) {
+  await sbx.commands.run(`mkdir -p /tmp/www && echo hello-from-${port} > /tmp/www/index.html`);
+  await sbx.commands.run(`httpd -f -p ${port} -h /tmp/www`, { background: true });
+  await sleep(300);
+}
+
+test("any port is reachable by E2B's host addressing", async () => {
+  const open = await Sandbox.create({ timeoutMs: 120_000 });
+  const closed = await Sandbox.create({ timeoutMs: 120_000, network: { allowPublicTraffic: false } });
+  try {
+    await serveHttp(open, 8001);
+    await serveHttp(closed, 8001);
+    assert.deepEqual(await getWithHost(open.getHost(8001), "/index.html"), {
+      status: 200,
+      body: "hello-from-8001\n",
+    });
+    assert.equal((await getWithHost(closed.getHost(8001), "/index.html")).status, 403);
+    const withToken = await getWithHost(closed.getHost(8001), "/index.html", {
+      "e2b-traffic-access-token": closed.trafficAccessToken,
+    });
+    assert.equal(withToken.status, 200);
+  } finally {
+    await open.kill();
+    await closed.kill();
+  }
+  assert.equal((await getWithHost(open.getHost(8001), "/")).status, 502);
+});
+
+test("signed file URLs work for secure sandboxes", async () => {
+  await withSandbox({ secure: true }, async (sbx) => {
+    await sbx.files.write("signed.txt", "through a signed URL");
+    const ok = await fetch(await sbx.downloadUrl("signed.txt"));
+    assert.equal(ok.status, 200);
+    assert.equal(await ok.text(), "through a signed URL");
+    const expired = await fetch(await sbx.downloadUrl("signed.txt", { useSignatureExpiration: -120 }));
+    assert.equal(expired.status, 401);
+    assert.deepEqual(await expired.json(), { code: 401, message: "signature is already expired" });
+    const form = new FormData();
+    form.append("file", new Blob(["sent up"]), "up.txt");
+    const up = await fetch(await sbx.uploadUrl("up.txt"), { method: "POST", body: form });
+    assert.equal(up.status, 200);
+    assert.equal(await sbx.files.read("up.txt"), "sent up");
+  });
+});

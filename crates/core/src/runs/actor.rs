@@ -109,6 +109,7 @@ pub(crate) struct Claim {
     pub ttl: Duration,
     pub egress: crate::egress::RunEgressRequest,
     pub labels: std::collections::BTreeMap<String, String>,
+    pub public_ports: bool,
     pub idempotency: Option<crate::store::Idempotency>,
 }
 
@@ -587,6 +588,7 @@ impl RunActor {
         self.record.expires_at = now + claim.ttl;
         self.record.egress = claim.egress;
         self.record.labels = claim.labels;
+        self.record.public_ports = claim.public_ports;
         self.record.idempotency = claim.idempotency;
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;

@@ -282,6 +282,7 @@ impl Manager {
                 ttl,
                 egress: egress.clone(),
                 labels: labels.clone(),
+                public_ports: req.public_ports.unwrap_or(false),
                 idempotency: idempotency.clone(),
             };
             if let Some(served) = self.claim_from_pool(&key, claim).await? {
@@ -328,6 +329,7 @@ impl Manager {
             warm,
             size: req.size,
             labels,
+            public_ports: req.public_ports.unwrap_or(false),
             pool: None,
         };
         let spec = SandboxSpec {

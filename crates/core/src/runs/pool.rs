@@ -217,6 +217,7 @@ impl Manager {
             warm: None,
             size: Some(key.size),
             labels: Default::default(),
+            public_ports: false,
             pool: Some(Membership {
                 key: key.clone(),
                 claimed: false,

@@ -18,7 +18,7 @@ use serde_json::Value;
 use time::format_description::well_known::Rfc3339;
 use ulid::Ulid;
 
-use super::{access_token, ENVD_VERSION};
+use super::{access_token, traffic_token, ENVD_VERSION};
 use crate::{ApiError, AppState};
 
 /// The TTL of a sandbox created without `timeout`, as E2B's default.
@@ -170,6 +170,8 @@ struct Sandbox {
     client_id: String,
     envd_version: &'static str,
     envd_access_token: String,
+    /// What opens the sandbox's ports when they are not public.
+    traffic_access_token: Option<String>,
     domain: Option<String>,
 }
 
@@ -180,8 +182,37 @@ fn sandbox<S: RunService>(state: &AppState<S>, run: &Run) -> Sandbox {
         client_id: state.service.server_id().to_owned(),
         envd_version: ENVD_VERSION,
         envd_access_token: access_token(&state.token, run.id),
+        traffic_access_token: (!run.public_ports).then(|| traffic_token(&state.token, run.id)),
         domain: None,
     }
+}
+
+/// Whether a create's sandbox serves its ports publicly: E2B's
+/// `network.allowPublicTraffic`, true unless set false. The rest of
+/// `network` (egress rules) is not served yet.
+fn public_traffic(network: Option<&Value>) -> Result<bool, E2bError> {
+    let Some(Value::Object(network)) = network else {
+        return match network {
+            None | Some(Value::Null) => Ok(true),
+            Some(_) => Err(E2bError::bad("network must be an object")),
+        };
+    };
+    let mut public = true;
+    for (key, value) in network {
+        match (key.as_str(), value) {
+            ("allowPublicTraffic" | "allow_public_traffic", Value::Bool(b)) => public = *b,
+            ("allowPublicTraffic" | "allow_public_traffic", Value::Null) => {}
+            ("allowPublicTraffic" | "allow_public_traffic", _) => {
+                return Err(E2bError::bad(
+                    "network.allowPublicTraffic must be true or false",
+                ))
+            }
+            (_, Value::Null) => {}
+            (_, Value::Array(a)) if a.is_empty() => {}
+            (other, _) => return Err(E2bError::unsupported(&format!("`network.{other}`"))),
+        }
+    }
+    Ok(public)
 }
 
 fn is_null_or_empty(v: &Option<Value>) -> bool {
@@ -205,8 +236,8 @@ async fn create<S: RunService>(
     if req.auto_pause == Some(true) || !is_null_or_empty(&req.auto_resume) {
         return Err(E2bError::unsupported("pausing and resuming sandboxes"));
     }
+    let public_ports = public_traffic(req.network.as_ref())?;
     for (name, value) in [
-        ("network", &req.network),
         ("mcp", &req.mcp),
         ("volumeMounts", &req.volume_mounts),
         ("iam", &req.iam),
@@ -245,6 +276,7 @@ async fn create<S: RunService>(
         ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
         network,
         labels: req.metadata.filter(|m| !m.is_empty()),
+        public_ports: Some(public_ports),
         ..Default::default()
     };
     let key = match headers.get(crate::handlers::IDEMPOTENCY_KEY) {

@@ -74,13 +74,28 @@ pub(crate) fn envd_error(status: StatusCode, message: impl Into<String>) -> Resp
     (status, axum::Json(body)).into_response()
 }
 
-/// Which sandbox a request names, if any: `Some(Err)` for a name that
-/// does not parse.
-fn named_sandbox(headers: &HeaderMap) -> Option<Result<Ulid, String>> {
+/// The header carrying a sandbox's traffic access token: what opens the
+/// ports of a sandbox whose ports are not public.
+const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
+
+/// A sandbox's traffic access token, as [`access_token`] but for its ports.
+pub(crate) fn traffic_token(daemon_token: &str, id: Ulid) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(daemon_token.as_bytes())
+        .expect("HMAC accepts any key length");
+    mac.update(b"runbox e2b traffic access\0");
+    mac.update(id.to_string().as_bytes());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
+}
+
+/// Which sandbox, and which of its ports, a request names, if any:
+/// `Some(Err)` for a name that does not parse. The `E2b-Sandbox-Id` header
+/// names envd's port.
+fn named_sandbox(headers: &HeaderMap) -> Option<Result<(Ulid, u16), String>> {
     if let Some(value) = headers.get(SANDBOX_ID_HEADER) {
         let raw = value.to_str().unwrap_or("");
         return Some(
             Ulid::from_string(raw.trim())
+                .map(|id| (id, ENVD_PORT))
                 .map_err(|_| format!("E2b-Sandbox-Id {raw:?} is not a sandbox id")),
         );
     }
@@ -90,31 +105,186 @@ fn named_sandbox(headers: &HeaderMap) -> Option<Result<Ulid, String>> {
     let (port, id) = label.split_once('-')?;
     let port: u16 = port.parse().ok()?;
     let id = Ulid::from_string(id).ok()?;
-    if port != ENVD_PORT {
-        return Some(Err(format!(
-            "port {port} of a sandbox is not served on this address; mint a preview URL for it (POST /v1/runs/{id}/preview)"
-        )));
+    if port == 0 {
+        return Some(Err("port 0 is no port; name 1 to 65535".to_owned()));
     }
-    Some(Ok(id))
+    Some(Ok((id, port)))
 }
 
-/// Sends a request that names a sandbox to envd; the rest go on.
-pub(crate) async fn dispatch(
-    State(envd): State<Router>,
+/// What [`dispatch`] routes with: envd's router, and the app for the
+/// sandboxes a signed file URL may be for.
+#[derive(Clone)]
+pub struct Dispatch<S> {
+    pub envd: Router,
+    pub app: AppState<S>,
+}
+
+/// Sends a request that names a sandbox to envd, and a signed file URL
+/// that names none (the SDKs' URLs when `E2B_SANDBOX_URL` is set) to the
+/// sandbox whose access token signed it; the rest go on.
+pub(crate) async fn dispatch<S: RunService>(
+    State(d): State<Dispatch<S>>,
     mut request: Request,
     next: Next,
 ) -> Response {
-    match named_sandbox(request.headers()) {
-        None => next.run(request).await,
-        Some(Err(message)) => envd_error(StatusCode::BAD_REQUEST, message),
-        Some(Ok(id)) => {
-            request.extensions_mut().insert(SandboxId(id));
-            match envd.oneshot(request).await {
-                Ok(response) => response,
-                Err(never) => match never {},
-            }
+    let id = match named_sandbox(request.headers()) {
+        Some(Ok((id, ENVD_PORT))) => id,
+        Some(Ok((id, port))) => return port_request(&d.app, id, port, request).await,
+        Some(Err(message)) => return envd_error(StatusCode::BAD_REQUEST, message),
+        None => match signed_file_url(&request) {
+            None => return next.run(request).await,
+            Some(signed) => match signer(&d.app, &signed) {
+                Some(id) => id,
+                None => return envd_error(StatusCode::UNAUTHORIZED, "invalid signature"),
+            },
+        },
+    };
+    request.extensions_mut().insert(SandboxId(id));
+    match d.envd.oneshot(request).await {
+        Ok(response) => response,
+        Err(never) => match never {},
+    }
+}
+
+/// A request to a sandbox's port, by host: relayed when the sandbox's
+/// ports are public (E2B's default) or the request carries its traffic
+/// access token, as on E2B; refused otherwise.
+async fn port_request<S: RunService>(
+    app: &AppState<S>,
+    id: Ulid,
+    port: u16,
+    mut request: Request,
+) -> Response {
+    use subtle::ConstantTimeEq;
+    let run = match app.service.get(id) {
+        Ok(run) if run.status == runbox_types::RunStatus::Running => run,
+        _ => {
+            return envd_error(
+                StatusCode::BAD_GATEWAY,
+                format!("The sandbox {id} was not found"),
+            )
+        }
+    };
+    let presented = request
+        .headers_mut()
+        .remove(TRAFFIC_TOKEN_HEADER)
+        .map(|v| v.as_bytes().to_vec())
+        .unwrap_or_default();
+    let token_ok = bool::from(presented.ct_eq(traffic_token(&app.token, id).as_bytes()));
+    if !run.public_ports && !token_ok {
+        return envd_error(
+            StatusCode::FORBIDDEN,
+            format!("the ports of sandbox {id} are not public: send its traffic access token as {TRAFFIC_TOKEN_HEADER}"),
+        );
+    }
+    let Some(peer) = crate::conn::peer(&request) else {
+        return envd_error(
+            StatusCode::MISDIRECTED_REQUEST,
+            "sandbox ports are served on the API listener",
+        );
+    };
+    let state = crate::preview::PreviewState {
+        service: app.service.clone(),
+        audit: app.audit.clone(),
+    };
+    crate::preview::relay_by_host(state, id, port, request, peer).await
+}
+
+/// A file URL's signature and what it signs (E2B's v1 scheme): the `path`
+/// and `username` query values as sent, the operation (`read` for GET,
+/// `write` for POST) and the expiry, if any.
+#[derive(Debug, PartialEq)]
+struct SignedFileUrl {
+    signature: String,
+    path: String,
+    user: String,
+    operation: &'static str,
+    expiration: Option<String>,
+}
+
+/// The signature a `/files` request carries, if any.
+fn signed_file_url(request: &Request) -> Option<SignedFileUrl> {
+    if request.uri().path() != "/files" {
+        return None;
+    }
+    let operation = match *request.method() {
+        axum::http::Method::GET => "read",
+        axum::http::Method::POST => "write",
+        _ => return None,
+    };
+    let mut signed = SignedFileUrl {
+        signature: String::new(),
+        path: String::new(),
+        user: String::new(),
+        operation,
+        expiration: None,
+    };
+    let query = request.uri().query()?;
+    for (key, value) in form_urlencoded::parse(query.as_bytes()) {
+        match key.as_ref() {
+            "signature" => signed.signature = value.into_owned(),
+            "path" => signed.path = value.into_owned(),
+            "username" => signed.user = value.into_owned(),
+            "signature_expiration" => signed.expiration = Some(value.into_owned()),
+            _ => {}
         }
     }
+    (!signed.signature.is_empty()).then_some(signed)
+}
+
+/// The v1 signature of a file URL under a sandbox's access token:
+/// `v1_` and the unpadded base64 of SHA-256 over
+/// `path:operation:user:token[:expiration]`.
+fn file_signature(signed: &SignedFileUrl, token: &str) -> String {
+    use sha2::Digest;
+    let mut raw = format!(
+        "{}:{}:{}:{token}",
+        signed.path, signed.operation, signed.user
+    );
+    if let Some(expiration) = &signed.expiration {
+        raw.push(':');
+        raw.push_str(expiration);
+    }
+    let digest = Sha256::digest(raw.as_bytes());
+    format!(
+        "v1_{}",
+        base64::engine::general_purpose::STANDARD_NO_PAD.encode(digest)
+    )
+}
+
+/// Whether `signed` was signed with sandbox `id`'s access token.
+fn signed_by(token: &str, id: Ulid, signed: &SignedFileUrl) -> bool {
+    use subtle::ConstantTimeEq;
+    let expected = file_signature(signed, &access_token(token, id));
+    bool::from(expected.as_bytes().ct_eq(signed.signature.as_bytes()))
+}
+
+/// The running sandbox whose access token signed `signed`: one SHA-256
+/// per running sandbox, so a URL needs no sandbox name.
+fn signer<S: RunService>(app: &AppState<S>, signed: &SignedFileUrl) -> Option<Ulid> {
+    app.service
+        .list()
+        .into_iter()
+        .filter(|r| r.status == runbox_types::RunStatus::Running)
+        .map(|r| r.id)
+        .find(|id| signed_by(&app.token, *id, signed))
+}
+
+/// The answer to a signed file URL that must be refused, if it must: a
+/// signature that is not this sandbox's, or one past its expiry.
+fn check_signed(token: &str, id: Ulid, signed: &SignedFileUrl) -> Option<Response> {
+    if !signed_by(token, id, signed) {
+        return Some(envd_error(StatusCode::UNAUTHORIZED, "invalid signature"));
+    }
+    let expiration = signed.expiration.as_deref()?;
+    let Ok(expiration) = expiration.parse::<i64>() else {
+        return Some(envd_error(
+            StatusCode::BAD_REQUEST,
+            "signature_expiration must be a Unix time in seconds",
+        ));
+    };
+    (time::OffsetDateTime::now_utc().unix_timestamp() > expiration)
+        .then(|| envd_error(StatusCode::UNAUTHORIZED, "signature is already expired"))
 }
 
 /// The prefix E2B's keys carry. SDK releases of mid-2026 refuse, before
@@ -171,17 +341,25 @@ async fn require_access<S: RunService>(
     let presented = request
         .headers()
         .get(ACCESS_TOKEN_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("");
-    let expected = access_token(&state.token, id);
-    // The sandbox's own token, or the daemon's (it opens every sandbox).
-    let ok = bool::from(presented.as_bytes().ct_eq(expected.as_bytes()))
-        | bool::from(presented.as_bytes().ct_eq(state.token.as_bytes()));
-    if !ok {
-        return envd_error(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong X-Access-Token for this sandbox",
-        );
+        .and_then(|v| v.to_str().ok());
+    if let (None, Some(signed)) = (presented, signed_file_url(&request)) {
+        // A signed file URL stands in for the token, for its one file and
+        // operation.
+        if let Some(refused) = check_signed(&state.token, id, &signed) {
+            return refused;
+        }
+    } else {
+        let presented = presented.unwrap_or("");
+        let expected = access_token(&state.token, id);
+        // The sandbox's own token, or the daemon's (it opens every sandbox).
+        let ok = bool::from(presented.as_bytes().ct_eq(expected.as_bytes()))
+            | bool::from(presented.as_bytes().ct_eq(state.token.as_bytes()));
+        if !ok {
+            return envd_error(
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong X-Access-Token for this sandbox",
+            );
+        }
     }
     match state.service.get(id) {
         Ok(run) if run.status == runbox_types::RunStatus::Running => next.run(request).await,
@@ -229,19 +407,24 @@ mod tests {
             ))
             .unwrap(),
         );
-        assert_eq!(named_sandbox(&h).unwrap().unwrap(), id);
+        assert_eq!(named_sandbox(&h).unwrap().unwrap(), (id, ENVD_PORT));
         h.insert(
             "host",
             HeaderValue::from_str(&format!("3000-{id}.sandbox.example")).unwrap(),
         );
-        assert!(named_sandbox(&h).unwrap().unwrap_err().contains("preview"));
+        assert_eq!(named_sandbox(&h).unwrap().unwrap(), (id, 3000));
+        h.insert(
+            "host",
+            HeaderValue::from_str(&format!("0-{id}.sandbox.example")).unwrap(),
+        );
+        assert!(named_sandbox(&h).unwrap().is_err());
         h.insert(SANDBOX_ID_HEADER, HeaderValue::from_static("nope"));
         assert!(named_sandbox(&h).unwrap().is_err());
         h.insert(
             SANDBOX_ID_HEADER,
             HeaderValue::from_str(&id.to_string()).unwrap(),
         );
-        assert_eq!(named_sandbox(&h).unwrap().unwrap(), id);
+        assert_eq!(named_sandbox(&h).unwrap().unwrap(), (id, ENVD_PORT));
     }
 
     #[test]
@@ -260,6 +443,38 @@ mod tests {
         assert!(!api_key_matches(Some("e2b_00fe"), "00ff"));
         assert!(!api_key_matches(Some("e2b_e2b_00ff"), "00ff"));
         assert!(!api_key_matches(None, "00ff"));
+    }
+
+    #[test]
+    fn file_url_signatures_are_e2bs_v1() {
+        let signed = |path: &str, user: &str, expiration: Option<&str>| SignedFileUrl {
+            signature: String::new(),
+            path: path.into(),
+            user: user.into(),
+            operation: "read",
+            expiration: expiration.map(str::to_owned),
+        };
+        // sha256("a.txt:read:user:tok"), base64 without padding, as E2B's
+        // SDKs compute it.
+        assert_eq!(
+            file_signature(&signed("a.txt", "user", None), "tok"),
+            "v1_wPjHOh/p+K3FbqiyGd5vwPNc/g4IPd8sigMxb1gqu9I"
+        );
+        let id = Ulid::new();
+        let mut url = signed("a.txt", "", Some("4102444800"));
+        url.signature = file_signature(&url, &access_token("daemon", id));
+        assert!(signed_by("daemon", id, &url));
+        assert!(check_signed("daemon", id, &url).is_none());
+        assert!(!signed_by("daemon", Ulid::new(), &url));
+        assert!(!signed_by("other", id, &url));
+        url.operation = "write";
+        assert!(!signed_by("daemon", id, &url), "a read URL does not write");
+        let mut old = signed("a.txt", "", Some("1"));
+        old.signature = file_signature(&old, &access_token("daemon", id));
+        assert_eq!(
+            check_signed("daemon", id, &old).unwrap().status(),
+            StatusCode::UNAUTHORIZED
+        );
     }
 
     #[test]
