@@ -88,8 +88,9 @@ pub enum FileError {
         /// What it is instead, with an article ("a directory").
         what: &'static str,
     },
-    /// A parent of the target exists but is not a directory.
-    #[error("{path:?} is not a directory, so it cannot hold {target:?}")]
+    /// A parent of the target exists but is not a directory (or the target
+    /// itself, where it must be one: `path` is then `target`).
+    #[error("{}", not_a_directory(path, target))]
     NotADirectory {
         /// The offending parent, relative to the work directory.
         path: String,
@@ -137,6 +138,16 @@ pub enum FileError {
         #[source]
         source: io::Error,
     },
+}
+
+/// The message of [`FileError::NotADirectory`]: a path is never named as
+/// its own parent.
+fn not_a_directory(path: &str, target: &str) -> String {
+    if path == target {
+        format!("{path:?} is not a directory")
+    } else {
+        format!("{path:?} is not a directory, so it cannot hold {target:?}")
+    }
 }
 
 impl FileError {
@@ -459,6 +470,20 @@ fn retry_resolve(mut open: impl FnMut() -> Result<OwnedFd, Errno>) -> Result<Own
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_path_is_never_named_as_its_own_parent() {
+        let own = FileError::NotADirectory {
+            path: "hello.txt".into(),
+            target: "hello.txt".into(),
+        };
+        assert_eq!(own.to_string(), "\"hello.txt\" is not a directory");
+        let parent = FileError::NotADirectory {
+            path: "hello.txt".into(),
+            target: "hello.txt/x".into(),
+        };
+        assert!(parent.to_string().contains("cannot hold \"hello.txt/x\""));
+    }
     use super::*;
 
     #[test]

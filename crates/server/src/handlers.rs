@@ -223,19 +223,46 @@ pub async fn warm_invalidate<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The `?path=&depth=&limit=` of the fs routes; anything else is a 400.
+/// The query of an fs route: `path` on every one, `depth` and `limit` on
+/// list, `recursive` on watch (`takes` names what this route takes besides
+/// `path`); anything else is a 400 rather than ignored.
 fn fs_query(
     query: Result<
         axum::extract::Query<runbox_types::FsQuery>,
         axum::extract::rejection::QueryRejection,
     >,
+    takes: &[&str],
 ) -> Result<runbox_types::FsQuery, ApiError> {
-    query.map(|q| q.0).map_err(|e| {
+    let taken = || {
+        std::iter::once("path")
+            .chain(takes.iter().copied())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let query = query.map(|q| q.0).map_err(|e| {
         ApiError::new(
             ErrorCode::BadRequest,
-            format!("the query takes path, depth and limit ({e})"),
+            format!("this route's query takes {} ({e})", taken()),
         )
-    })
+    })?;
+    let given = [
+        ("depth", query.depth.is_some()),
+        ("limit", query.limit.is_some()),
+        ("recursive", query.recursive.is_some()),
+    ];
+    if let Some((name, _)) = given
+        .iter()
+        .find(|(name, set)| *set && !takes.contains(name))
+    {
+        return Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "{name} does not apply here: this route's query takes {}",
+                taken()
+            ),
+        ));
+    }
+    Ok(query)
 }
 
 /// `GET /v1/runs/{id}/fs/stat?path=P`.
@@ -247,7 +274,7 @@ pub async fn fs_stat<S: RunService>(
         axum::extract::rejection::QueryRejection,
     >,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    let query = fs_query(query)?;
+    let query = fs_query(query, &[])?;
     Ok(Json(
         state.service.stat_path(id, Scope::Work, query.path).await?,
     ))
@@ -262,7 +289,7 @@ pub async fn fs_list<S: RunService>(
         axum::extract::rejection::QueryRejection,
     >,
 ) -> Result<Json<runbox_types::FileList>, ApiError> {
-    let query = fs_query(query)?;
+    let query = fs_query(query, &["depth", "limit"])?;
     Ok(Json(state.service.list_path(id, Scope::Work, query).await?))
 }
 
@@ -276,7 +303,7 @@ pub async fn fs_watch<S: RunService>(
         axum::extract::rejection::QueryRejection,
     >,
 ) -> Result<Response, ApiError> {
-    let query = fs_query(query)?;
+    let query = fs_query(query, &["recursive"])?;
     let events = state.service.watch_path(id, Scope::Work, query).await?;
     let stream = events.map(|event| {
         let name = serde_json::to_value(event.kind)

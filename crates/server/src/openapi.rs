@@ -131,13 +131,13 @@ const FS_QUERY: &[Query] = &[
         Kind::Str,
         "relative to /work; absent for /work itself",
     ),
-    ("depth", Kind::Int, "list: levels, 1-16 (default 1)"),
-    (
-        "limit",
-        Kind::Int,
-        "list: most entries, 1-10000 (default 10000)",
-    ),
-    ("recursive", Kind::Bool, "watch: the directories below too"),
+    ("depth", Kind::Int, "levels, 1-16 (default 1)"),
+    ("limit", Kind::Int, "most entries, 1-10000 (default 10000)"),
+];
+
+const FS_WATCH_QUERY: &[Query] = &[
+    FS_QUERY[0],
+    ("recursive", Kind::Bool, "the directories below too"),
 ];
 
 const OWNER: Query = (
@@ -194,9 +194,9 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/runs/{id}/exec/ws", "execSession", "An interactive command over a WebSocket (frames: ClientFrame in, ServerFrame and binary output out)", Nothing, 101, Upgrade("websocket")),
         Op { query: CREDENTIAL, ..op(Put, "/v1/runs/{id}/files/{path}", "putFile", "Write a file below /work, replacing it once the whole body arrived", InBytes("application/octet-stream"), 204, Empty) },
         op(Get, "/v1/runs/{id}/files/{path}", "getFile", "Read a file below /work", Nothing, 200, OutBytes("application/octet-stream")),
-        Op { query: FS_QUERY, ..op(Get, "/v1/runs/{id}/fs/stat", "stat", "Describe a path below /work", Nothing, 200, Json("FileInfo")) },
-        Op { query: FS_QUERY, ..op(Get, "/v1/runs/{id}/fs/list", "listDir", "List a directory below /work", Nothing, 200, Json("FileList")) },
-        Op { query: FS_QUERY, ..op(Get, "/v1/runs/{id}/fs/watch", "watch", "Changes below a directory of /work as server-sent events", Nothing, 200, Events("WatchEvent, named by its kind: ready first, then created, written, removed, renamed, overflow")) },
+        Op { query: &FS_QUERY[..1], ..op(Get, "/v1/runs/{id}/fs/stat", "stat", "Describe a path below /work", Nothing, 200, Json("FileInfo")) },
+        Op { query: &FS_QUERY[..3], ..op(Get, "/v1/runs/{id}/fs/list", "listDir", "List a directory below /work", Nothing, 200, Json("FileList")) },
+        Op { query: FS_WATCH_QUERY, ..op(Get, "/v1/runs/{id}/fs/watch", "watch", "Changes below a directory of /work as server-sent events", Nothing, 200, Events("WatchEvent, named by its kind: ready first, then created, written, removed, renamed, overflow")) },
         op(Post, "/v1/runs/{id}/fs/mkdir", "makeDir", "Make a directory and its parents", Body("MakeDirRequest"), 200, Json("FileInfo")),
         op(Post, "/v1/runs/{id}/fs/move", "movePath", "Rename a path", Body("MoveRequest"), 200, Json("FileInfo")),
         op(Post, "/v1/runs/{id}/fs/remove", "removePath", "Remove a path", Body("RemoveRequest"), 200, Json("RemoveReply")),
@@ -237,6 +237,33 @@ fn schema_ref(name: &str) -> RefOr<Schema> {
     RefOr::Ref(Ref::from_schema_name(name))
 }
 
+/// An image or snapshot name, as `validate::image_name` takes it ("pull"
+/// is reserved for `POST /v1/images/pull`).
+const IMAGE_NAME: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
+
+/// One half of a repository's `owner/name`, as `validate::repo` takes it.
+const REPO_PART: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$";
+
+/// A parameter's schema with the rules the daemon enforces on it: a path
+/// parameter by its name (and, for `name`, by the route it is in), a
+/// query parameter by its name.
+fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
+    let schema = ObjectBuilder::new().schema_type(kind.json());
+    let range =
+        |schema: ObjectBuilder, min: f64, max: f64| schema.minimum(Some(min)).maximum(Some(max));
+    match name {
+        "port" => range(schema, 1.0, 65535.0),
+        "name" if path.starts_with("/v1/warmcache/") => schema.pattern(Some(REPO_PART)),
+        "owner" if path.starts_with("/v1/warmcache/") => schema.pattern(Some(REPO_PART)),
+        "name" | "image" => schema.pattern(Some(IMAGE_NAME)),
+        "depth" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_DEPTH)),
+        "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
+        "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
+        "generation" => schema.minimum(Some(0.0)),
+        _ => schema,
+    }
+}
+
 fn path_parameters(path: &str) -> Vec<Parameter> {
     path.split('/')
         .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
@@ -255,26 +282,32 @@ fn path_parameters(path: &str) -> Vec<Parameter> {
                 .parameter_in(ParameterIn::Path)
                 .required(utoipa::openapi::Required::True)
                 .description(Some(description))
-                .schema(Some(ObjectBuilder::new().schema_type(if name == "port" {
-                    Kind::Int.json()
-                } else {
-                    Kind::Str.json()
-                })))
+                .schema(Some(parameter_schema(
+                    name,
+                    path,
+                    if name == "port" { Kind::Int } else { Kind::Str },
+                )))
                 .build()
         })
         .collect()
 }
 
-fn query_parameters(query: &[Query]) -> Vec<Parameter> {
-    query
+fn query_parameters(op: &Op) -> Vec<Parameter> {
+    op.query
         .iter()
         .map(|(name, kind, description)| {
+            // `DELETE /v1/snapshots` names its snapshot only in the query.
+            let required = op.id == "deleteSnapshotByQuery" && *name == "image";
             ParameterBuilder::new()
                 .name(*name)
                 .parameter_in(ParameterIn::Query)
-                .required(utoipa::openapi::Required::False)
+                .required(if required {
+                    utoipa::openapi::Required::True
+                } else {
+                    utoipa::openapi::Required::False
+                })
                 .description(Some(*description))
-                .schema(Some(ObjectBuilder::new().schema_type(kind.json())))
+                .schema(Some(parameter_schema(name, op.path, *kind)))
                 .build()
         })
         .collect()
@@ -299,7 +332,7 @@ fn operation(op: &Op) -> utoipa::openapi::path::Operation {
         .parameters(Some(
             path_parameters(op.path)
                 .into_iter()
-                .chain(query_parameters(op.query)),
+                .chain(query_parameters(op)),
         ));
     builder = match &op.input {
         In::Nothing => builder,

@@ -680,6 +680,31 @@ async fn health_is_open_and_everything_else_needs_the_token() {
 }
 
 #[tokio::test]
+async fn fs_routes_refuse_parameters_that_do_not_apply() {
+    let auth = format!("Bearer {TOKEN}");
+    for (uri, status) in [
+        (
+            format!("/v1/runs/{KNOWN}/fs/stat?path=a&recursive=true"),
+            400,
+        ),
+        (format!("/v1/runs/{KNOWN}/fs/stat?depth=2"), 400),
+        (format!("/v1/runs/{KNOWN}/fs/list?recursive=false"), 400),
+        (format!("/v1/runs/{KNOWN}/fs/watch?limit=5"), 400),
+        (format!("/v1/runs/{KNOWN}/fs/list?bogus=1"), 400),
+        (
+            format!("/v1/runs/{KNOWN}/fs/list?path=a&depth=2&limit=5"),
+            200,
+        ),
+    ] {
+        let (got, body) = call("GET", &uri, Some(&auth), "", false).await;
+        assert_eq!(got.as_u16(), status, "{uri}: {body}");
+        if status == 400 {
+            assert_eq!(code(&body), "bad_request", "{uri}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn every_rejection_has_the_json_error_shape() {
     let cases: &[(&str, String, &str, u16, &str)] = &[
         (

@@ -176,6 +176,7 @@ pub struct CreateRunRequest {
     pub env: Option<Env>,
     /// Time to live in seconds (default 30 minutes, capped by the server).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_sec: Option<u64>,
     /// Network tier (default `none`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -937,6 +938,10 @@ pub struct Image {
 pub struct PullRequest {
     /// What to pull: `[registry/]repository[:tag][@digest]`; Docker Hub and
     /// `:latest` are the defaults, as with `docker pull`.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(min_length = 1, max_length = 512, pattern = r"^\S+$")
+    )]
     pub reference: String,
     /// The image's name here; default: derived from the repository and tag.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1071,6 +1076,7 @@ pub struct ImageList {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PoolSpec {
     /// A stored image's local name.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$"))]
     pub image: String,
     /// The network tier (default `none`).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -2659,12 +2659,10 @@ export interface operations {
             query?: {
                 /** @description relative to /work; absent for /work itself */
                 path?: string;
-                /** @description list: levels, 1-16 (default 1) */
+                /** @description levels, 1-16 (default 1) */
                 depth?: number;
-                /** @description list: most entries, 1-10000 (default 10000) */
+                /** @description most entries, 1-10000 (default 10000) */
                 limit?: number;
-                /** @description watch: the directories below too */
-                recursive?: boolean;
             };
             header?: never;
             path: {
@@ -2844,12 +2842,6 @@ export interface operations {
             query?: {
                 /** @description relative to /work; absent for /work itself */
                 path?: string;
-                /** @description list: levels, 1-16 (default 1) */
-                depth?: number;
-                /** @description list: most entries, 1-10000 (default 10000) */
-                limit?: number;
-                /** @description watch: the directories below too */
-                recursive?: boolean;
             };
             header?: never;
             path: {
@@ -2894,11 +2886,7 @@ export interface operations {
             query?: {
                 /** @description relative to /work; absent for /work itself */
                 path?: string;
-                /** @description list: levels, 1-16 (default 1) */
-                depth?: number;
-                /** @description list: most entries, 1-10000 (default 10000) */
-                limit?: number;
-                /** @description watch: the directories below too */
+                /** @description the directories below too */
                 recursive?: boolean;
             };
             header?: never;
@@ -3749,9 +3737,9 @@ export interface operations {
     };
     deleteSnapshotByQuery: {
         parameters: {
-            query?: {
+            query: {
                 /** @description the snapshot's image name */
-                image?: string;
+                image: string;
             };
             header?: never;
             path?: never;

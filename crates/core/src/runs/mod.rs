@@ -58,7 +58,7 @@ use crate::lease::Lease;
 use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
 
-pub use self::fs::{Scope, WriteOptions};
+pub use self::fs::{Scope, WriteOptions, MAX_LIST_DEPTH, MAX_LIST_ENTRIES};
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
