@@ -37,7 +37,7 @@ def _get(d: Daemon, path: str) -> dict:
 
 def leftovers(d: Daemon) -> list[str]:
     """What the suite left on the daemon: runs, and images other than base."""
-    runs = [f"run {r['id']}" for r in _get(d, "/v1/runs")["runs"]]
+    runs = [f"run {r['id']} {r.get('labels', {})}" for r in _get(d, "/v1/runs")["runs"]]
     images = [f"image {i['name']}" for i in _get(d, "/v1/images")["images"] if i["name"] != "base"]
     return runs + images
 
@@ -64,7 +64,7 @@ def main() -> int:
     try:
         if args.js:
             cwd = args.repo / "packages" / "js-sdk"
-            cmd = ["npx", "vitest", "run", "--reporter=verbose", *(args.rest or ["tests/sandbox", "tests/api"])]
+            cmd = ["npx", "vitest", "run", "--project", "unit", *(args.rest or ["tests/sandbox", "tests/api"])]
         else:
             cwd = args.repo / "packages" / "python-sdk"
             cmd = [args.python, "-m", "pytest", "-rfE", "-p", "no:cacheprovider", *(args.rest or ["tests/sync", "tests/async"])]

@@ -269,6 +269,7 @@ def test_any_port_is_reachable_by_e2bs_host_addressing(daemon):
         closed.kill()
     r = httpx.get(f"{daemon.url}/", headers={"Host": sbx.get_host(8001)})
     assert r.status_code == 502
+    assert r.json() == {"code": 502, "message": "The sandbox was not found", "sandboxId": sbx.sandbox_id}
 
 
 def test_signed_file_urls_work_for_secure_sandboxes():

@@ -261,7 +261,9 @@ test("any port is reachable by E2B's host addressing", async () => {
     await open.kill();
     await closed.kill();
   }
-  assert.equal((await getWithHost(open.getHost(8001), "/")).status, 502);
+  const gone = await getWithHost(open.getHost(8001), "/");
+  assert.equal(gone.status, 502);
+  assert.deepEqual(JSON.parse(gone.body), { code: 502, message: "The sandbox was not found", sandboxId: open.sandboxId });
 });
 
 test("signed file URLs work for secure sandboxes", async () => {

@@ -158,11 +158,14 @@ async fn port_request<S: RunService>(
     use subtle::ConstantTimeEq;
     let run = match app.service.get(id) {
         Ok(run) if run.status == runbox_types::RunStatus::Running => run,
+        // E2B's proxy answers a sandbox that is gone with this shape.
         _ => {
-            return envd_error(
-                StatusCode::BAD_GATEWAY,
-                format!("The sandbox {id} was not found"),
-            )
+            let body = serde_json::json!({
+                "code": 502,
+                "message": "The sandbox was not found",
+                "sandboxId": id.to_string(),
+            });
+            return (StatusCode::BAD_GATEWAY, axum::Json(body)).into_response();
         }
     };
     let presented = request
