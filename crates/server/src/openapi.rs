@@ -418,11 +418,36 @@ pub fn document() -> OpenApi {
         .build()
 }
 
+/// Rules that tie one field to another, which the schema derive cannot
+/// say; patched into the generated schemas by name.
+fn cross_field_rules(document: &mut serde_json::Value) {
+    let schemas = &mut document["components"]["schemas"];
+    // `egressAllow` and `secrets` belong to `allowlist` runs (`egress` is its
+    // alias): on any other tier they are refused, even empty.
+    schemas["CreateRunRequest"]["if"] = serde_json::json!({
+        "not": {
+            "required": ["network"],
+            "properties": {"network": {"enum": ["allowlist", "egress"]}}
+        }
+    });
+    schemas["CreateRunRequest"]["then"] = serde_json::json!({
+        "properties": {"egressAllow": {"type": "null"}, "secrets": {"type": "null"}}
+    });
+    // A warm-up command names its program first.
+    let warmup = &mut schemas["PoolSpec"]["properties"]["warmup"];
+    warmup["minItems"] = 1.into();
+    warmup["prefixItems"] = serde_json::json!([{"type": "string", "minLength": 1}]);
+}
+
 /// The document as the committed file holds it: pretty JSON and a newline.
 pub fn document_json() -> String {
-    let mut text = document()
-        .to_pretty_json()
-        .unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+    let mut value = match serde_json::to_value(document()) {
+        Ok(value) => value,
+        Err(e) => return format!("{{\"error\": \"{e}\"}}\n"),
+    };
+    cross_field_rules(&mut value);
+    let mut text =
+        serde_json::to_string_pretty(&value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
     text.push('\n');
     text
 }

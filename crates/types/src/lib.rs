@@ -219,6 +219,10 @@ pub struct CreateRunRequest {
 pub struct WarmRequest {
     /// The repository, `owner/name` (letters, digits, `-`, `_`, `.`;
     /// matched without regard to case).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}/[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+    )]
     pub repo: String,
     /// Where the volume is mounted in the run (absolute; default `/work`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1087,10 +1091,12 @@ pub struct PoolSpec {
     /// Runs kept ready (default 4 when neither this nor `warmMax` is given;
     /// 0 keeps none until demand raises the target under a `warmMax`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 1024))]
     pub warm: Option<u32>,
     /// The most the target rises to while claims come faster than runs are
-    /// made (default: no rise).
+    /// made (default: no rise; at least `warm`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 1024))]
     pub warm_max: Option<u32>,
     /// A command run in every member before it joins the pool (to touch
     /// what a first command needs); a failure leaves the pool unfilled.

@@ -1198,14 +1198,16 @@ export interface components {
             /**
              * Format: int32
              * @description The most the target rises to while claims come faster than runs are
-             *     made (default: no rise).
+             *     made (default: no rise; at least `warm`).
              */
             warmMax?: number | null;
             /**
              * @description A command run in every member before it joins the pool (to touch
              *     what a first command needs); a failure leaves the pool unfilled.
              */
-            warmup?: string[] | null;
+            warmup?: [
+                string
+            ] | null;
         };
         /** @description One pool as it is now. */
         PoolStatus: {
