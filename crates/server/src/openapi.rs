@@ -260,6 +260,11 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
         "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
         "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
         "generation" => schema.minimum(Some(0.0)),
+        // A pid (1 and up), or a tag: 1-64 letters, digits, '.', '_', '-',
+        // not all digits.
+        "process" => schema.max_length(Some(64)).pattern(Some(
+            "^(?:[1-9][0-9]{0,8}|[A-Za-z0-9._-]*[A-Za-z._-][A-Za-z0-9._-]*)$",
+        )),
         _ => schema,
     }
 }

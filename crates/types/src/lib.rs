@@ -577,6 +577,7 @@ pub struct Snapshot {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ForkRequest {
     /// How many children (1 to the server's `--max-fork-count`, default 16).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub count: usize,
     /// Each child's time to live (default: the server's default TTL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -602,8 +603,10 @@ pub struct ExecRequest {
     /// Working directory: absolute, or relative to `/work` (the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
-    /// Kill the command's process group after this many seconds.
+    /// Kill the command's process group after this many seconds (1 to the
+    /// server's maximum TTL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub timeout_sec: Option<u64>,
     /// Extra environment for this command; overrides the run's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1270,6 +1273,7 @@ pub struct FileList {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MakeDirRequest {
     /// Relative to `/work`.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
     pub path: String,
     /// Permission bits of the directories made (default 0o755).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1288,8 +1292,10 @@ pub struct MakeDirRequest {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MoveRequest {
     /// Relative to `/work`.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
     pub from: String,
     /// Relative to `/work`; its parent must exist.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
     pub to: String,
     /// Replace an existing `to` (default: refuse with `409 file_exists`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1308,6 +1314,7 @@ pub struct MoveRequest {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RemoveRequest {
     /// Relative to `/work`.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
     pub path: String,
     /// Remove a directory with everything in it (default: only an empty one).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -860,7 +860,8 @@ export interface components {
             tag?: string | null;
             /**
              * Format: int64
-             * @description Kill the command's process group after this many seconds.
+             * @description Kill the command's process group after this many seconds (1 to the
+             *     server's maximum TTL).
              */
             timeoutSec?: number | null;
             /**

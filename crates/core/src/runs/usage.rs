@@ -15,8 +15,9 @@ use std::time::Duration;
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+use super::actor::RunHandle;
 use super::Manager;
-use crate::backend::Usage;
+use crate::backend::{Backend, Usage};
 use crate::error::CoreError;
 
 /// How often every running run is sampled.
@@ -101,47 +102,56 @@ impl History {
     }
 }
 
+/// Takes one sample of every running run among `handles`.
+fn sample_usage(handles: &[Arc<RunHandle>], backend: &dyn Backend) {
+    for handle in handles {
+        let snapshot = handle.snapshot();
+        if !matches!(snapshot.phase, super::phase::Phase::Running) {
+            continue;
+        }
+        let Some(usage) = backend.usage(handle.id) else {
+            continue;
+        };
+        let record = &snapshot.record;
+        handle.usage.record(
+            OffsetDateTime::now_utc(),
+            usage,
+            backend.disk_used(handle.id),
+            record.limits.cpus,
+            record.created_at,
+        );
+    }
+}
+
 impl Manager {
     /// Starts the sampler; it ends when the manager is dropped.
     pub(crate) fn spawn_usage_sampler(self: &Arc<Self>) {
         let manager: Weak<Manager> = Arc::downgrade(self);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(SAMPLE_EVERY);
+            let start = tokio::time::Instant::now() + SAMPLE_EVERY;
+            let mut tick = tokio::time::interval_at(start, SAMPLE_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                let Some(manager) = manager.upgrade() else {
-                    return;
+                // The manager is held only to copy out what a sample needs,
+                // never across the blocking reads: a sample must not keep a
+                // manager that is being shut down alive.
+                let (handles, backend) = match manager.upgrade() {
+                    Some(m) => (
+                        m.registry().values().cloned().collect::<Vec<_>>(),
+                        Arc::clone(&m.backend),
+                    ),
+                    None => return,
                 };
                 // cgroup files are read with blocking calls.
-                let sampled = tokio::task::spawn_blocking(move || manager.sample_usage()).await;
+                let sampled =
+                    tokio::task::spawn_blocking(move || sample_usage(&handles, backend.as_ref()))
+                        .await;
                 if let Err(e) = sampled {
                     tracing::error!(error = %e, "the usage sampler failed");
                 }
             }
         });
-    }
-
-    /// Takes one sample of every running run.
-    fn sample_usage(&self) {
-        let handles: Vec<_> = self.registry().values().cloned().collect();
-        for handle in handles {
-            let snapshot = handle.snapshot();
-            if !matches!(snapshot.phase, super::phase::Phase::Running) {
-                continue;
-            }
-            let Some(usage) = self.backend.usage(handle.id) else {
-                continue;
-            };
-            let record = &snapshot.record;
-            handle.usage.record(
-                OffsetDateTime::now_utc(),
-                usage,
-                self.backend.disk_used(handle.id),
-                record.limits.cpus,
-                record.created_at,
-            );
-        }
     }
 
     /// Run `id`'s usage samples taken in `[from, to]`, oldest first.
