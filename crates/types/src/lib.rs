@@ -806,9 +806,11 @@ impl SignalSpec {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PreviewRequest {
     /// The port inside the run (1-65535).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 65535))]
     pub port: u32,
     /// How long the URL works, in seconds (1-604800, default 3600).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 604800))]
     pub ttl_sec: Option<u64>,
 }
 
