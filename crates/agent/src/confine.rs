@@ -143,7 +143,9 @@ pub enum FileError {
 /// The message of [`FileError::NotADirectory`]: a path is never named as
 /// its own parent.
 fn not_a_directory(path: &str, target: &str) -> String {
-    if path == target {
+    if path.is_empty() {
+        format!("a parent of {target:?} is a file, not a directory")
+    } else if path == target {
         format!("{path:?} is not a directory")
     } else {
         format!("{path:?} is not a directory, so it cannot hold {target:?}")
@@ -160,8 +162,13 @@ impl FileError {
         let path = path.to_owned();
         match errno {
             Errno::XDEV | Errno::LOOP => Self::Escape { path },
-            // ENOTDIR here means a parent is a file: the path cannot exist.
-            Errno::NOENT | Errno::NOTDIR => Self::NotFound { path },
+            Errno::NOENT => Self::NotFound { path },
+            // A parent is a file (which one the kernel does not say): the
+            // same answer as the calls that find out which.
+            Errno::NOTDIR => Self::NotADirectory {
+                path: String::new(),
+                target: path,
+            },
             Errno::ISDIR => Self::NotAFile {
                 path,
                 what: "a directory",
@@ -483,6 +490,12 @@ mod tests {
             target: "hello.txt/x".into(),
         };
         assert!(parent.to_string().contains("cannot hold \"hello.txt/x\""));
+        let unknown = FileError::from_errno(Errno::NOTDIR, "read", "hello.txt/x");
+        assert_eq!(unknown.kind(), "not_a_file");
+        assert_eq!(
+            unknown.to_string(),
+            "a parent of \"hello.txt/x\" is a file, not a directory"
+        );
     }
     use super::*;
 

@@ -500,3 +500,23 @@ async fn writes_carry_extended_attributes_and_reads_return_them() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(!agent.path("bad.txt").exists());
 }
+
+#[tokio::test]
+async fn a_file_used_as_a_directory_is_not_a_file_for_every_call() {
+    let mut agent = TestAgent::start().await;
+    write(&mut agent.client, "hello.txt", 0, b"hi").await.unwrap();
+    let read_err = read(&mut agent.client, "hello.txt/x").await.unwrap_err();
+    assert_eq!(kind(&read_err), "not_a_file", "{read_err:?}");
+    let write_err = write(&mut agent.client, "hello.txt/x", 0, b"x")
+        .await
+        .unwrap_err();
+    assert_eq!(kind(&write_err), "not_a_file", "{write_err:?}");
+    // Neither names a path as its own parent.
+    for status in [&read_err, &write_err] {
+        assert!(
+            !status.message().contains("cannot hold \"hello.txt/x\"")
+                || status.message().starts_with("\"hello.txt\""),
+            "{status:?}"
+        );
+    }
+}
