@@ -504,7 +504,9 @@ async fn writes_carry_extended_attributes_and_reads_return_them() {
 #[tokio::test]
 async fn a_file_used_as_a_directory_is_not_a_file_for_every_call() {
     let mut agent = TestAgent::start().await;
-    write(&mut agent.client, "hello.txt", 0, b"hi").await.unwrap();
+    write(&mut agent.client, "hello.txt", 0, b"hi")
+        .await
+        .unwrap();
     let read_err = read(&mut agent.client, "hello.txt/x").await.unwrap_err();
     assert_eq!(kind(&read_err), "not_a_file", "{read_err:?}");
     let write_err = write(&mut agent.client, "hello.txt/x", 0, b"x")
