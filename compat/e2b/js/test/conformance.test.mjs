@@ -2,33 +2,14 @@
 // through the released JavaScript SDK (scripts/e2b-conformance runs the suite
 // itself; docs/e2b.md has its counts).
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { Sandbox } from "e2b";
 
-import { Daemon } from "../../../../sdks/typescript/test/daemon.mjs";
+import { sleep, useDaemon, withSandbox } from "../harness.mjs";
 
-let daemon;
-
-before(async () => {
-  daemon = await Daemon.start({ name: "e2bjsc", octet: 237 });
-  process.env.E2B_API_KEY = `e2b_${daemon.token}`;
-  process.env.E2B_API_URL = daemon.url;
-  process.env.E2B_SANDBOX_URL = daemon.url;
-});
-
-after(() => daemon?.stop());
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-async function withSandbox(opts, body) {
-  const sbx = await Sandbox.create({ timeoutMs: 300_000, ...opts });
-  try {
-    await body(sbx);
-  } finally {
-    await sbx.kill();
-  }
-}
+// This whole file runs with E2B_API_KEY=e2b_<token>.
+const daemon = useDaemon({ name: "e2bjsc", octet: 237, keyPrefix: "e2b_" });
 
 // busybox-static has no adduser: the files it would write.
 const addAlice = (sbx) =>
@@ -224,7 +205,7 @@ test("watch events can carry their entry", async () => {
 // A GET through the daemon with the Host header set (fetch will not set it).
 async function getWithHost(host, path, headers = {}) {
   const { request } = await import("node:http");
-  const url = new URL(path, daemon.url);
+  const url = new URL(path, daemon().url);
   return await new Promise((resolve, reject) => {
     const req = request(url, { headers: { ...headers, host } }, (res) => {
       let body = "";

@@ -1,33 +1,13 @@
 // The E2B JavaScript SDK, unmodified, against runbox: E2B_API_URL and
 // E2B_SANDBOX_URL name the runbox listener, E2B_API_KEY is its token.
 import assert from "node:assert/strict";
-import { after, before, test } from "node:test";
+import { test } from "node:test";
 
 import { CommandExitError, Sandbox, TimeoutError } from "e2b";
 
-import { Daemon } from "../../../../sdks/typescript/test/daemon.mjs";
+import { sleep, useDaemon, withSandbox } from "../harness.mjs";
 
-let daemon;
-
-before(async () => {
-  daemon = await Daemon.start({ name: "e2bjs", octet: 236 });
-  process.env.E2B_API_KEY = daemon.token;
-  process.env.E2B_API_URL = daemon.url;
-  process.env.E2B_SANDBOX_URL = daemon.url;
-});
-
-after(() => daemon?.stop());
-
-const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-
-async function withSandbox(opts, body) {
-  const sbx = await Sandbox.create({ timeoutMs: 300_000, ...opts });
-  try {
-    await body(sbx);
-  } finally {
-    await sbx.kill();
-  }
-}
+useDaemon({ name: "e2bjs", octet: 236 });
 
 test("create, run, kill", async () => {
   const sbx = await Sandbox.create({ timeoutMs: 120_000, envs: { GREETING: "hello" }, metadata: { suite: "js" } });

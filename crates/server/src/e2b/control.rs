@@ -552,19 +552,33 @@ async fn list<S: RunService>(
             }
         });
     }
-    let limit = q.limit.unwrap_or(MAX_PAGE);
-    let more = runs.len() > limit;
-    runs.truncate(limit);
-    let page: Vec<Listed> = runs.iter().map(|r| listed(&state, r, false)).collect();
+    Ok(paged(
+        runs,
+        q.limit,
+        |r| listed(&state, r, false),
+        |r| r.id.to_string(),
+    ))
+}
+
+/// One page of `items` (at most `limit`, default [`MAX_PAGE`]) as JSON,
+/// with `x-next-token` naming the last one when more follow.
+fn paged<T, S: Serialize>(
+    mut items: Vec<T>,
+    limit: Option<usize>,
+    show: impl Fn(&T) -> S,
+    token: impl Fn(&T) -> String,
+) -> Response {
+    let limit = limit.unwrap_or(MAX_PAGE);
+    let more = items.len() > limit;
+    items.truncate(limit);
+    let page: Vec<S> = items.iter().map(show).collect();
     let mut response = Json(page).into_response();
-    if more {
-        if let Some(last) = runs.last() {
-            if let Ok(v) = HeaderValue::from_str(&last.id.to_string()) {
-                response.headers_mut().insert("x-next-token", v);
-            }
+    if let Some(last) = items.last().filter(|_| more) {
+        if let Ok(v) = HeaderValue::from_str(&token(last)) {
+            response.headers_mut().insert("x-next-token", v);
         }
     }
-    Ok(response)
+    response
 }
 
 /// `GET /sandboxes` (v1): every running sandbox that passes the filters,
@@ -823,18 +837,12 @@ async fn list_snapshots<S: RunService>(
         let after = (std::cmp::Reverse(*created), std::cmp::Reverse(name.clone()));
         snaps.retain(|i| key(i) > after);
     }
-    let limit = q.limit.unwrap_or(MAX_PAGE);
-    let more = snaps.len() > limit;
-    snaps.truncate(limit);
-    let page: Vec<Value> = snaps.iter().map(|i| snapshot_info(&i.name)).collect();
-    let mut response = Json(page).into_response();
-    if let Some(last) = snaps.last().filter(|_| more) {
-        let token = format!("{}~{}", last.created_at.unix_timestamp_nanos(), last.name);
-        if let Ok(v) = HeaderValue::from_str(&token) {
-            response.headers_mut().insert("x-next-token", v);
-        }
-    }
-    Ok(response)
+    Ok(paged(
+        snaps,
+        q.limit,
+        |i| snapshot_info(&i.name),
+        |i| format!("{}~{}", i.created_at.unix_timestamp_nanos(), i.name),
+    ))
 }
 
 /// `DELETE /templates/{id}`: how the SDKs delete a snapshot. Only snapshot

@@ -61,9 +61,15 @@ pub(crate) struct SandboxId(pub Ulid);
 /// A sandbox's envd access token: an HMAC of its id under the daemon
 /// token, so it opens that sandbox only and needs no storage.
 pub(crate) fn access_token(daemon_token: &str, id: Ulid) -> String {
+    sandbox_token(daemon_token, b"runbox e2b envd access\0", id)
+}
+
+/// An HMAC of a sandbox's id under the daemon token, kept apart by
+/// `purpose`: one key derivation per kind of token.
+fn sandbox_token(daemon_token: &str, purpose: &[u8], id: Ulid) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(daemon_token.as_bytes())
         .expect("HMAC accepts any key length");
-    mac.update(b"runbox e2b envd access\0");
+    mac.update(purpose);
     mac.update(id.to_string().as_bytes());
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
 }
@@ -80,11 +86,7 @@ const TRAFFIC_TOKEN_HEADER: &str = "e2b-traffic-access-token";
 
 /// A sandbox's traffic access token, as [`access_token`] but for its ports.
 pub(crate) fn traffic_token(daemon_token: &str, id: Ulid) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(daemon_token.as_bytes())
-        .expect("HMAC accepts any key length");
-    mac.update(b"runbox e2b traffic access\0");
-    mac.update(id.to_string().as_bytes());
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
+    sandbox_token(daemon_token, b"runbox e2b traffic access\0", id)
 }
 
 /// Which sandbox, and which of its ports, a request names, if any:
