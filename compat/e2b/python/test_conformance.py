@@ -295,3 +295,28 @@ def test_signed_file_urls_work_for_secure_sandboxes():
         assert httpx.post(sbx.download_url("x.txt"), files={"file": ("x", b"x")}).status_code == 401
     finally:
         sbx.kill()
+
+
+def test_runbox_runs_serve_ports_by_host_only_when_public(daemon):
+    import httpx
+
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+
+    def create(**extra):
+        r = httpx.post(f"{daemon.url}/v1/runs", json={"image": "base", "ttlSec": 120, **extra}, headers=auth)
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    private, public = create(), create(publicPorts=True)
+    try:
+        assert (private["publicPorts"], public["publicPorts"]) == (False, True)
+        for run in (private, public):
+            box = Sandbox.connect(run["id"])
+            serve_http(box, 8001)
+        r = httpx.get(f"{daemon.url}/index.html", headers={"Host": f"8001-{public['id']}.x"})
+        assert (r.status_code, r.text) == (200, "hello-from-8001\n")
+        r = httpx.get(f"{daemon.url}/index.html", headers={"Host": f"8001-{private['id']}.x"})
+        assert r.status_code == 403
+    finally:
+        for run in (private, public):
+            httpx.delete(f"{daemon.url}/v1/runs/{run['id']}", headers=auth)

@@ -474,3 +474,45 @@ impl Manager {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_is_checked_and_kept_under_e2bs_prefix() {
+        let one = |k: &str, v: &str| BTreeMap::from([(k.to_owned(), v.to_owned())]);
+        let kept = Scope::Root.metadata_xattrs(one("Author", "mish")).unwrap();
+        assert_eq!(
+            kept.get("user.e2b.author").map(String::as_str),
+            Some("mish")
+        );
+        assert!(Scope::Root
+            .metadata_xattrs(BTreeMap::new())
+            .unwrap()
+            .is_empty());
+        for (k, v) in [
+            ("bad key", "v"),
+            ("", "v"),
+            ("k", "caf\u{e9}"),
+            ("k", "line\nbreak"),
+        ] {
+            assert!(
+                Scope::Root.metadata_xattrs(one(k, v)).is_err(),
+                "{k:?}={v:?}"
+            );
+        }
+        assert!(Scope::Root
+            .metadata_xattrs(one(&"k".repeat(201), "v"))
+            .is_err());
+        assert!(Scope::Root
+            .metadata_xattrs(one("k", &"v".repeat(1025)))
+            .is_err());
+        let many: BTreeMap<_, _> = (0..=MAX_METADATA)
+            .map(|i| (format!("k{i}"), String::new()))
+            .collect();
+        assert!(Scope::Root.metadata_xattrs(many).is_err());
+        // Files under /work keep none: refused, not dropped.
+        assert!(Scope::Work.metadata_xattrs(one("k", "v")).is_err());
+    }
+}
