@@ -51,7 +51,11 @@ def main() -> int:
             "-H", f"Authorization: Bearer {d.token}",
             *rest,
         ]
-        return subprocess.run(cmd).returncode
+        # schemathesis keeps its cache (.schemathesis/) in its working
+        # directory: under target/, not in the tree.
+        cwd = ROOT / "target" / "fuzz"
+        cwd.mkdir(parents=True, exist_ok=True)
+        return subprocess.run(cmd, cwd=cwd).returncode
     finally:
         d.stop()
 

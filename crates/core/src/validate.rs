@@ -301,8 +301,9 @@ pub fn ttl(req: Option<u64>, default: Duration, max: Duration) -> Result<Duratio
     }
 }
 
-/// Longest lease owner name, in bytes.
-pub const MAX_OWNER_BYTES: usize = 128;
+/// Longest lease owner name, in characters (as JSON Schema's `maxLength`
+/// counts them).
+pub const MAX_OWNER_CHARS: usize = 128;
 
 /// Lease lifetime when a request gives none.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);
@@ -310,7 +311,7 @@ pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(300);
 /// Longest lease lifetime one grant or renewal may ask for.
 pub const MAX_LEASE_TTL: Duration = Duration::from_secs(24 * 3600);
 
-/// Checks a lease owner: 1-128 bytes, no control characters, not only
+/// Checks a lease owner: 1-128 characters, no control characters, not only
 /// whitespace.
 pub fn owner(owner: &str) -> Result<(), CoreError> {
     if owner.trim().is_empty() {
@@ -319,10 +320,10 @@ pub fn owner(owner: &str) -> Result<(), CoreError> {
             "owner must not be empty; name who takes the lease, e.g. \"alice@laptop\"",
         ));
     }
-    if owner.len() > MAX_OWNER_BYTES {
+    if owner.chars().count() > MAX_OWNER_CHARS {
         return Err(CoreError::invalid(
             ErrorCode::BadOwner,
-            format!("owner must be at most {MAX_OWNER_BYTES} bytes"),
+            format!("owner must be at most {MAX_OWNER_CHARS} characters"),
         ));
     }
     if owner.chars().any(char::is_control) {
@@ -723,15 +724,14 @@ mod tests {
     #[test]
     fn lease_owners_are_checked() {
         assert!(owner("alice@laptop").is_ok());
-        assert!(owner(&"é".repeat(64)).is_ok()); // 128 bytes
+        assert!(owner(&"é".repeat(128)).is_ok()); // 128 characters, 256 bytes
         for bad in ["", "  ", "a\u{7}b", "tab\there", "line\nbreak"] {
             let err = owner(bad).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadOwner, "{bad:?}");
         }
-        assert_eq!(
-            owner(&"x".repeat(129)).unwrap_err().code(),
-            ErrorCode::BadOwner
-        );
+        for long in ["x".repeat(129), "é".repeat(129)] {
+            assert_eq!(owner(&long).unwrap_err().code(), ErrorCode::BadOwner);
+        }
     }
 
     #[test]

@@ -25,10 +25,143 @@ use runbox_core::RunService;
 
 use crate::{ApiError, AppState};
 
-/// `Json` whose rejections use runbox's error shape.
-#[derive(FromRequest)]
-#[from_request(via(axum::Json), rejection(ApiError))]
+/// `Json` whose rejections use runbox's error shape, and which takes an
+/// integer written with a fraction of zero (`8080.0`) as the integer, as
+/// JSON Schema does (Python's `json.dumps(8080.0)` writes it that way).
 pub struct AppJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for AppJson<T>
+where
+    T: serde::de::DeserializeOwned,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        // axum checks the content type, the size limit and the syntax.
+        let Json(raw) = Json::<Box<serde_json::value::RawValue>>::from_request(req, state).await?;
+        let strict = |e: serde_path_to_error::Error<serde_json::Error>| {
+            ApiError::new(
+                ErrorCode::BadRequest,
+                format!("Failed to deserialize the JSON body into the target type: {e}"),
+            )
+        };
+        let first = match serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(
+            raw.get(),
+        )) {
+            Ok(value) => return Ok(AppJson(value)),
+            Err(e) => e,
+        };
+        // Only when the body failed as written, and only if spelling a
+        // number differently changes it: the strict parse above is the one
+        // that refuses duplicate keys.
+        let Ok(UniqueKeys(mut value)) = serde_json::from_str(raw.get()) else {
+            return Err(strict(first));
+        };
+        if !integral_numbers(&mut value) {
+            return Err(strict(first));
+        }
+        serde_path_to_error::deserialize(value)
+            .map(AppJson)
+            .map_err(strict)
+    }
+}
+
+/// A JSON value whose objects have no key twice: `serde_json::Value` keeps
+/// the last of a repeated key, where a struct refuses it.
+struct UniqueKeys(serde_json::Value);
+
+impl<'de> serde::Deserialize<'de> for UniqueKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer
+            .deserialize_any(UniqueKeysVisitor)
+            .map(UniqueKeys)
+    }
+}
+
+struct UniqueKeysVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueKeysVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(UniqueKeys(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(serde_json::Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = serde_json::Map::new();
+        while let Some((key, UniqueKeys(value))) = map.next_entry::<String, UniqueKeys>()? {
+            if fields.contains_key(&key) {
+                return Err(serde::de::Error::custom(format_args!(
+                    "duplicate field `{key}`"
+                )));
+            }
+            fields.insert(key, value);
+        }
+        Ok(serde_json::Value::Object(fields))
+    }
+}
+
+/// Rewrites every number that is a whole value written as a float (`2.0`,
+/// `1e3`) as that integer; answers whether it changed anything. A float
+/// beyond what u64 or i64 hold stays a float.
+fn integral_numbers(value: &mut serde_json::Value) -> bool {
+    match value {
+        serde_json::Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            let whole = if f.fract() != 0.0 {
+                None
+            } else if (0.0..18_446_744_073_709_551_616.0).contains(&f) {
+                Some(serde_json::Number::from(f as u64))
+            } else if (-9_223_372_036_854_775_808.0..0.0).contains(&f) {
+                Some(serde_json::Number::from(f as i64))
+            } else {
+                None
+            };
+            match whole {
+                Some(whole) => {
+                    *n = whole;
+                    true
+                }
+                None => false,
+            }
+        }
+        serde_json::Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, item| integral_numbers(item) | changed),
+        serde_json::Value::Object(fields) => fields
+            .values_mut()
+            .fold(false, |changed, field| integral_numbers(field) | changed),
+        _ => false,
+    }
+}
 
 impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> ApiError {

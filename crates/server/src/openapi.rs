@@ -241,6 +241,10 @@ fn schema_ref(name: &str) -> RefOr<Schema> {
 /// is reserved for `POST /v1/images/pull`).
 const IMAGE_NAME: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
 
+/// A lease holder, as `validate::owner` takes it: no control characters,
+/// not only whitespace (the length is `maxLength`).
+const OWNER_PATTERN: &str = "^[^\\u0000-\\u001f\\u007f-\\u009f]*[^\\s\\u0000-\\u001f\\u007f-\\u009f][^\\u0000-\\u001f\\u007f-\\u009f]*$";
+
 /// One half of a repository's `owner/name`, as `validate::repo` takes it.
 const REPO_PART: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$";
 
@@ -260,6 +264,10 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
         "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
         "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
         "generation" => schema.minimum(Some(0.0)),
+        "owner" => schema
+            .min_length(Some(1))
+            .max_length(Some(runbox_core::validate::MAX_OWNER_CHARS))
+            .pattern(Some(OWNER_PATTERN)),
         // A pid (1 and up), or a tag: 1-64 letters, digits, '.', '_', '-',
         // not all digits.
         "process" => schema.max_length(Some(64)).pattern(Some(
@@ -350,9 +358,15 @@ fn operation(op: &Op) -> utoipa::openapi::path::Operation {
                 )
                 .build(),
         )),
+        // An empty upload writes an empty file, and an empty stdin write
+        // may still close stdin; an image import needs its archive.
         In::Bytes(media) => builder.request_body(Some(
             RequestBodyBuilder::new()
-                .required(Some(utoipa::openapi::Required::True))
+                .required(Some(if op.id == "importImage" {
+                    utoipa::openapi::Required::True
+                } else {
+                    utoipa::openapi::Required::False
+                }))
                 .content(*media, ContentBuilder::new().build())
                 .build(),
         )),
@@ -438,10 +452,113 @@ fn cross_field_rules(document: &mut serde_json::Value) {
     schemas["CreateRunRequest"]["then"] = serde_json::json!({
         "properties": {"egressAllow": {"type": "null"}, "secrets": {"type": "null"}}
     });
+    // A lease holder and its generation come together or not at all, and
+    // a holder is named as a lease takes it.
+    let together = |given: &str, needs: &str, kind: &str| {
+        serde_json::json!({
+            "if": {"required": [given], "properties": {given: {"not": {"type": "null"}}}},
+            "then": {"required": [needs], "properties": {needs: {"type": kind}}}
+        })
+    };
+    let owner_rule = serde_json::json!({
+        "minLength": 1,
+        "maxLength": runbox_core::validate::MAX_OWNER_CHARS,
+        "pattern": OWNER_PATTERN,
+    });
+    if let Some(schemas) = schemas.as_object_mut() {
+        for schema in schemas.values_mut() {
+            let Some(properties) = schema
+                .get_mut("properties")
+                .and_then(|properties| properties.as_object_mut())
+            else {
+                continue;
+            };
+            let Some(owner) = properties.get_mut("owner") else {
+                continue;
+            };
+            if let (Some(owner), Some(rule)) = (owner.as_object_mut(), owner_rule.as_object()) {
+                owner.extend(rule.clone());
+            }
+            let required = schema["required"].as_array().cloned().unwrap_or_default();
+            if properties_pair_optional(schema, &required) {
+                schema["allOf"] = serde_json::json!([
+                    together("generation", "owner", "string"),
+                    together("owner", "generation", "integer"),
+                ]);
+            }
+        }
+    }
+    // A signal by number (1-64) or by name, with or without `SIG`, in any
+    // case, as `SignalSpec::number` reads it.
+    schemas["SignalSpec"]["oneOf"] = serde_json::json!([
+        {"type": "integer", "minimum": 1, "maximum": 64, "description": "A Linux signal number."},
+        {"type": "string", "pattern": signal_pattern(), "description": "A name (TERM, SIGINT, ...) or a number as text."}
+    ]);
+    // A snapshot may not take the name the pull route has.
+    schemas["SnapshotRequest"]["properties"]["name"]["not"] = serde_json::json!({"const": "pull"});
     // A warm-up command names its program first.
     let warmup = &mut schemas["PoolSpec"]["properties"]["warmup"];
     warmup["minItems"] = 1.into();
     warmup["prefixItems"] = serde_json::json!([{"type": "string", "minLength": 1}]);
+}
+
+/// Whether a schema has both `owner` and `generation`, neither required.
+fn properties_pair_optional(schema: &serde_json::Value, required: &[serde_json::Value]) -> bool {
+    ["owner", "generation"].iter().all(|name| {
+        schema["properties"].get(*name).is_some() && !required.iter().any(|r| r == name)
+    })
+}
+
+/// `^(?:SIG)?(?:HUP|INT|...|1-64)$`, matched in any case: JSON Schema's
+/// regular expressions have no flag for that, so every letter is a class.
+fn signal_pattern() -> String {
+    let any_case = |word: &str| -> String {
+        word.chars()
+            .map(|c| {
+                if c.is_ascii_alphabetic() {
+                    format!("[{}{}]", c.to_ascii_uppercase(), c.to_ascii_lowercase())
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect()
+    };
+    let names: Vec<String> = runbox_types::SIGNALS
+        .iter()
+        .map(|(name, _)| any_case(name))
+        .collect();
+    format!(
+        "^(?:{})?(?:{}|0*(?:[1-9]|[1-5][0-9]|6[0-4]))$",
+        any_case("SIG"),
+        names.join("|")
+    )
+}
+
+/// Unsigned integers say their range: JSON Schema's `format` is only a
+/// hint, and a u64 field takes values past `int64`'s. (utoipa spells the
+/// unsigned formats `u-int64`; the format registry's spelling is `uint64`.)
+fn integer_ranges(value: &mut serde_json::Value) {
+    match value {
+        serde_json::Value::Object(map) => {
+            let unsigned: Option<(&str, serde_json::Value)> =
+                match map.get("format").and_then(|f| f.as_str()) {
+                    Some("u-int64" | "uint64") => Some(("uint64", u64::MAX.into())),
+                    Some("u-int32" | "uint32") => Some(("uint32", u32::MAX.into())),
+                    Some("u-int16" | "uint16") => Some(("uint16", u16::MAX.into())),
+                    Some("u-int8" | "uint8") => Some(("uint8", u8::MAX.into())),
+                    _ => None,
+                };
+            if let Some((format, max)) = unsigned {
+                map.insert("format".to_owned(), format.into());
+                map.entry("maximum").or_insert(max);
+            }
+            for child in map.values_mut() {
+                integer_ranges(child);
+            }
+        }
+        serde_json::Value::Array(items) => items.iter_mut().for_each(integer_ranges),
+        _ => {}
+    }
 }
 
 /// The document as the committed file holds it: pretty JSON and a newline.
@@ -451,6 +568,7 @@ pub fn document_json() -> String {
         Err(e) => return format!("{{\"error\": \"{e}\"}}\n"),
     };
     cross_field_rules(&mut value);
+    integer_ranges(&mut value);
     let mut text =
         serde_json::to_string_pretty(&value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
     text.push('\n');

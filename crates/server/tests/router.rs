@@ -1315,3 +1315,37 @@ async fn the_openapi_document_is_served_without_a_token() {
     let (status, _) = call("GET", "/v1/runs", None, "", false).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 }
+
+#[tokio::test]
+async fn a_whole_number_written_as_a_float_is_that_integer() {
+    // JSON Schema counts 8080.0 as an integer, and Python's json writes a
+    // float that way.
+    let preview = format!("/v1/runs/{KNOWN}/preview");
+    for body in [r#"{"port":8080.0,"ttlSec":60}"#, r#"{"port":8.08e3}"#] {
+        let (status, text) = authed("POST", &preview, body).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}: {text}");
+        assert!(text.contains("/p/t8080/"), "{text}");
+    }
+    // A fraction, a number beyond the field, a duplicate key and an unknown
+    // field are still refused, with the field named.
+    for (body, names) in [
+        (r#"{"port":8080.5}"#, "port"),
+        (r#"{"port":-1.0}"#, "port"),
+        (r#"{"port":1e30}"#, "port"),
+        (r#"{"port":80,"port":81.0}"#, "port"),
+        (r#"{"port":80.0,"x":1}"#, "x"),
+    ] {
+        let (status, text) = authed("POST", &preview, body).await;
+        assert_eq!(status.as_u16(), 400, "{body}: {text}");
+        assert_eq!(code(&text), "bad_request", "{body}");
+        assert!(text.contains(names), "{body}: {text}");
+    }
+    // Any route with a JSON body, the same way.
+    let (status, text) = authed(
+        "POST",
+        &format!("/v1/runs/{KNOWN}/renew"),
+        r#"{"ttlSec":60.0}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{text}");
+}

@@ -479,8 +479,9 @@ pub struct Lease {
 pub struct LeaseRequest {
     /// Who takes the lease (1-128 characters, no control characters).
     pub owner: String,
-    /// How long it lasts unless renewed, in seconds (default 300).
+    /// How long it lasts unless renewed, in seconds (1-86400, default 300).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 86400))]
     pub ttl_sec: Option<u64>,
 }
 
@@ -493,8 +494,9 @@ pub struct LeaseRenewRequest {
     pub owner: String,
     /// The generation it was granted.
     pub generation: u64,
-    /// New lifetime from now, in seconds (default 300).
+    /// New lifetime from now, in seconds (1-86400, default 300).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 86400))]
     pub ttl_sec: Option<u64>,
 }
 
@@ -535,6 +537,7 @@ pub struct RunList {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RenewRequest {
     /// New time to live from now, in seconds (capped by the server maximum).
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_sec: u64,
 }
 
@@ -546,6 +549,7 @@ pub struct SnapshotRequest {
     /// The image name to record the snapshot under (image name rules);
     /// default: a generated `snap-<ulid>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$"))]
     pub name: Option<String>,
 }
 
@@ -581,6 +585,7 @@ pub struct ForkRequest {
     pub count: usize,
     /// Each child's time to live (default: the server's default TTL).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_sec: Option<u64>,
 }
 
@@ -788,7 +793,9 @@ impl SignalSpec {
             Self::Name(name) => {
                 let upper = name.to_ascii_uppercase();
                 let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
-                if let Ok(n) = bare.parse::<i32>() {
+                // Digits only: `parse` would also take a sign.
+                if !bare.is_empty() && bare.bytes().all(|b| b.is_ascii_digit()) {
+                    let n = bare.parse::<i32>().unwrap_or(0);
                     return (1..=64).contains(&n).then_some(n);
                 }
                 SIGNALS
@@ -1277,8 +1284,10 @@ pub struct MakeDirRequest {
     /// Relative to `/work`.
     #[cfg_attr(feature = "openapi", schema(min_length = 1))]
     pub path: String,
-    /// Permission bits of the directories made (default 0o755).
+    /// Permission bits of the directories made (at most 0o7777, default
+    /// 0o755).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 4095))]
     pub mode: Option<u32>,
     /// The lease holder, when the run is leased.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1408,6 +1417,31 @@ pub struct Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signals_are_named_or_numbered() {
+        let name = |text: &str| SignalSpec::Name(text.to_owned()).number();
+        assert_eq!(name("TERM"), Some(15));
+        assert_eq!(name("sigint"), Some(2));
+        assert_eq!(name("SIG9"), Some(9));
+        assert_eq!(name("064"), Some(64));
+        for bad in [
+            "",
+            "SIG",
+            "+9",
+            "-9",
+            "65",
+            "0",
+            "SIGSIGTERM",
+            "TERM ",
+            "ſIGTERM",
+        ] {
+            assert_eq!(name(bad), None, "{bad:?}");
+        }
+        assert_eq!(SignalSpec::Number(64).number(), Some(64));
+        assert_eq!(SignalSpec::Number(0).number(), None);
+        assert_eq!(SignalSpec::Number(-15).number(), None);
+    }
 
     #[test]
     fn env_debug_never_shows_values() {

@@ -731,12 +731,12 @@ export interface components {
             type: "signal";
         } | {
             /**
-             * Format: int32
+             * Format: uint32
              * @description Columns, 1-10000.
              */
             cols: number;
             /**
-             * Format: int32
+             * Format: uint32
              * @description Lines, 1-10000.
              */
             rows: number;
@@ -781,7 +781,7 @@ export interface components {
             secrets?: string[] | null;
             size?: null | components["schemas"]["SizeTier"];
             /**
-             * Format: int64
+             * Format: uint64
              * @description Time to live in seconds (default 30 minutes, capped by the server).
              */
             ttlSec?: number | null;
@@ -790,17 +790,17 @@ export interface components {
         /** @description Egress accounting of one run. */
         EgressStats: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes the run received through its proxy.
              */
             bytesDown: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes the run sent through its proxy.
              */
             bytesUp: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Requests the proxy handled (CONNECTs and plain requests, allowed or
              *     denied).
              */
@@ -835,7 +835,7 @@ export interface components {
             cwd?: string | null;
             env?: null | components["schemas"]["Env"];
             /**
-             * Format: int64
+             * Format: uint64
              * @description The generation of that holder's lease; given together with `owner`.
              */
             generation?: number | null;
@@ -859,7 +859,7 @@ export interface components {
              */
             tag?: string | null;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Kill the command's process group after this many seconds (1 to the
              *     server's maximum TTL).
              */
@@ -870,7 +870,7 @@ export interface components {
              *     image's `User`, else root).
              */
             user?: string | null;
-        };
+        } & (unknown & unknown);
         /** @description The final event of an exec stream. */
         ExitEvent: {
             /**
@@ -897,14 +897,14 @@ export interface components {
         /** @description One path in a run's `/work`, as `stat` and `list` describe it. */
         FileInfo: {
             /**
-             * Format: int32
+             * Format: uint32
              * @description Owner group id inside the run.
              */
             gid: number;
             /** @description What it is. */
             kind: components["schemas"]["FileKind"];
             /**
-             * Format: int32
+             * Format: uint32
              * @description Permission bits (with set-id and sticky bits), as a number.
              */
             mode: number;
@@ -916,14 +916,14 @@ export interface components {
             /** @description Relative to `/work`; empty for `/work` itself. */
             path: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Size in bytes.
              */
             size: number;
             /** @description A symlink's target, as stored. */
             target?: string | null;
             /**
-             * Format: int32
+             * Format: uint32
              * @description Owner user id inside the run.
              */
             uid: number;
@@ -945,7 +945,7 @@ export interface components {
             /** @description How many children (1 to the server's `--max-fork-count`, default 16). */
             count: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Each child's time to live (default: the server's default TTL).
              */
             ttlSec?: number | null;
@@ -983,7 +983,7 @@ export interface components {
             /** @description The node that stores the image. */
             server: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes of file data in its layers, unpacked.
              */
             sizeBytes: number;
@@ -1027,7 +1027,7 @@ export interface components {
              */
             expiresAt: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description The fencing token issued with this grant; every grant issues a new,
              *     higher one.
              */
@@ -1038,7 +1038,7 @@ export interface components {
         /** @description `POST /v1/runs/{id}/lease/release`. */
         LeaseReleaseRequest: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description The generation it was granted.
              */
             generation: number;
@@ -1048,15 +1048,15 @@ export interface components {
         /** @description `POST /v1/runs/{id}/lease/renew`. */
         LeaseRenewRequest: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description The generation it was granted.
              */
             generation: number;
             /** @description The holder. */
             owner: string;
             /**
-             * Format: int64
-             * @description New lifetime from now, in seconds (default 300).
+             * Format: uint64
+             * @description New lifetime from now, in seconds (1-86400, default 300).
              */
             ttlSec?: number | null;
         };
@@ -1065,8 +1065,8 @@ export interface components {
             /** @description Who takes the lease (1-128 characters, no control characters). */
             owner: string;
             /**
-             * Format: int64
-             * @description How long it lasts unless renewed, in seconds (default 300).
+             * Format: uint64
+             * @description How long it lasts unless renewed, in seconds (1-86400, default 300).
              */
             ttlSec?: number | null;
         };
@@ -1083,18 +1083,18 @@ export interface components {
              */
             cpus: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Disk limit in MiB; null for a run without one (a server started
              *     with disk limits off, or a run made before they existed).
              */
             diskMb?: number | null;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Memory limit in MiB.
              */
             memoryMb: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Maximum number of processes and threads.
              */
             pids: number;
@@ -1107,18 +1107,18 @@ export interface components {
              */
             cpus?: number | null;
             /**
-             * Format: int64
+             * Format: uint64
              * @description The most the run may write to its own filesystem, in MiB (file data
              *     and metadata both count); past it writes fail with EDQUOT.
              */
             diskMb?: number | null;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Memory limit in MiB; exceeding it gets the process OOM-killed.
              */
             memoryMb?: number | null;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Maximum number of processes and threads.
              */
             pids?: number | null;
@@ -1126,7 +1126,7 @@ export interface components {
         /** @description Output skipped for an attached reader that fell behind. */
         LostEvent: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description How many output chunks were skipped.
              */
             chunks: number;
@@ -1134,26 +1134,27 @@ export interface components {
         /** @description `POST /v1/runs/{id}/fs/mkdir`: a directory and its missing parents. */
         MakeDirRequest: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description The lease generation, with `owner`.
              */
             generation?: number | null;
             /**
-             * Format: int32
-             * @description Permission bits of the directories made (default 0o755).
+             * Format: uint32
+             * @description Permission bits of the directories made (at most 0o7777, default
+             *     0o755).
              */
             mode?: number | null;
             /** @description The lease holder, when the run is leased. */
             owner?: string | null;
             /** @description Relative to `/work`. */
             path: string;
-        };
+        } & (unknown & unknown);
         /** @description `POST /v1/runs/{id}/fs/move`. */
         MoveRequest: {
             /** @description Relative to `/work`. */
             from: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description The lease generation, with `owner`.
              */
             generation?: number | null;
@@ -1163,7 +1164,7 @@ export interface components {
             owner?: string | null;
             /** @description Relative to `/work`; its parent must exist. */
             to: string;
-        };
+        } & (unknown & unknown);
         /**
          * @description What a run may reach on the network.
          * @enum {string}
@@ -1191,13 +1192,13 @@ export interface components {
             network?: null | components["schemas"]["NetworkTier"];
             size?: null | components["schemas"]["SizeTier"];
             /**
-             * Format: int32
+             * Format: uint32
              * @description Runs kept ready (default 4 when neither this nor `warmMax` is given;
              *     0 keeps none until demand raises the target under a `warmMax`).
              */
             warm?: number | null;
             /**
-             * Format: int32
+             * Format: uint32
              * @description The most the target rises to while claims come faster than runs are
              *     made (default: no rise; at least `warm`).
              */
@@ -1213,7 +1214,7 @@ export interface components {
         /** @description One pool as it is now. */
         PoolStatus: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description Creates it has served since the daemon started.
              */
             claims: number;
@@ -1222,37 +1223,37 @@ export interface components {
             /** @description Why the last refill failed, if the last one did. */
             lastError?: string | null;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Creates that matched it while it had no ready run (served cold).
              */
             misses: number;
             /** @description Its network tier. */
             network: components["schemas"]["NetworkTier"];
             /**
-             * Format: int32
+             * Format: uint32
              * @description Runs ready to be handed out.
              */
             ready: number;
             /**
-             * Format: int32
+             * Format: uint32
              * @description Runs being made for it.
              */
             refilling: number;
             /** @description Its size tier. */
             size: components["schemas"]["SizeTier"];
             /**
-             * Format: int32
+             * Format: uint32
              * @description The number of ready runs it aims for now (`warm`, or higher under
              *     demand up to `warmMax`).
              */
             target: number;
             /**
-             * Format: int32
+             * Format: uint32
              * @description The configured number of ready runs.
              */
             warm: number;
             /**
-             * Format: int32
+             * Format: uint32
              * @description The configured ceiling of the adaptive target, if any.
              */
             warmMax?: number | null;
@@ -1267,7 +1268,7 @@ export interface components {
              */
             expiresAt: string;
             /**
-             * Format: int32
+             * Format: uint16
              * @description The port inside the run.
              */
             port: number;
@@ -1284,12 +1285,12 @@ export interface components {
         /** @description `POST /v1/runs/{id}/preview`. */
         PreviewRequest: {
             /**
-             * Format: int32
+             * Format: uint32
              * @description The port inside the run (1-65535).
              */
             port: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description How long the URL works, in seconds (1-604800, default 3600).
              */
             ttlSec?: number | null;
@@ -1312,7 +1313,7 @@ export interface components {
             endedAt?: string | null;
             exit?: null | components["schemas"]["ProcessExit"];
             /**
-             * Format: int32
+             * Format: uint32
              * @description Its pid inside the run (also its process group id).
              */
             pid: number;
@@ -1358,12 +1359,12 @@ export interface components {
         /** @description A terminal's size and type. */
         PtySpec: {
             /**
-             * Format: int32
+             * Format: uint32
              * @description Columns, 1-10000.
              */
             cols: number;
             /**
-             * Format: int32
+             * Format: uint32
              * @description Lines, 1-10000.
              */
             rows: number;
@@ -1384,7 +1385,7 @@ export interface components {
             /** @enum {string} */
             kind: "layerStarted";
             /**
-             * Format: int64
+             * Format: uint64
              * @description Its size in bytes.
              */
             size: number;
@@ -1392,14 +1393,14 @@ export interface components {
             /** @description The layer's digest. */
             digest: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes so far.
              */
             done: number;
             /** @enum {string} */
             kind: "layerProgress";
             /**
-             * Format: int64
+             * Format: uint64
              * @description Its size in bytes.
              */
             size: number;
@@ -1436,7 +1437,7 @@ export interface components {
         /** @description The answer to a remove. */
         RemoveReply: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description Entries removed, the path itself included.
              */
             removed: number;
@@ -1444,7 +1445,7 @@ export interface components {
         /** @description `POST /v1/runs/{id}/fs/remove`. */
         RemoveRequest: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description The lease generation, with `owner`.
              */
             generation?: number | null;
@@ -1454,11 +1455,11 @@ export interface components {
             path: string;
             /** @description Remove a directory with everything in it (default: only an empty one). */
             recursive?: boolean | null;
-        };
+        } & (unknown & unknown);
         /** @description `POST /v1/runs/{id}/renew`. */
         RenewRequest: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description New time to live from now, in seconds (capped by the server maximum).
              */
             ttlSec: number;
@@ -1471,7 +1472,7 @@ export interface components {
              */
             createdAt: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes the run has written to its own filesystem, as its disk limit
              *     counts them (the filesystem updates the count within about 30 s);
              *     absent where nothing counts them.
@@ -1557,7 +1558,7 @@ export interface components {
         /** @description A text frame from the server. */
         ServerFrame: {
             /**
-             * Format: int32
+             * Format: uint32
              * @description Its pid inside the run.
              */
             pid: number;
@@ -1565,7 +1566,7 @@ export interface components {
             type: "started";
         } | {
             /**
-             * Format: int64
+             * Format: uint64
              * @description How many output chunks were skipped.
              */
             chunks: number;
@@ -1580,7 +1581,7 @@ export interface components {
             /** @description What to fix. */
             message: string;
             /**
-             * Format: int32
+             * Format: uint16
              * @description The HTTP status that goes with the code.
              */
             status: number;
@@ -1590,7 +1591,7 @@ export interface components {
         /** @description `POST /v1/runs/{id}/processes/{process}/signal`. */
         SignalRequest: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description The generation of that holder's lease.
              */
             generation?: number | null;
@@ -1598,7 +1599,7 @@ export interface components {
             owner?: string | null;
             /** @description A signal name (`TERM`, `SIGINT`, ...) or number. */
             signal: components["schemas"]["SignalSpec"];
-        };
+        } & (unknown & unknown);
         /** @description A signal as a client names it. */
         SignalSpec: number | string;
         /**
@@ -1627,7 +1628,7 @@ export interface components {
             /** @description Digest (diff_id) of the new layer. */
             layer: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes of file data in the new layer.
              */
             layerBytes: number;
@@ -1657,7 +1658,7 @@ export interface components {
         /** @description The first event of an exec stream. */
         StartedEvent: {
             /**
-             * Format: int32
+             * Format: uint32
              * @description The command's pid inside the run.
              */
             pid: number;
@@ -1665,12 +1666,12 @@ export interface components {
         /** @description Storage of `GET /v1/info`. */
         StorageInfo: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description Its size in bytes.
              */
             totalBytes: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes in use on the run store's filesystem.
              */
             usedBytes: number;
@@ -1719,7 +1720,7 @@ export interface components {
         /** @description A repository's warm template: one immutable generation of a volume. */
         WarmTemplate: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes of file data.
              */
             bytes: number;
@@ -1729,7 +1730,7 @@ export interface components {
              */
             committedAt: string;
             /**
-             * Format: int64
+             * Format: uint64
              * @description Regular files.
              */
             files: number;
@@ -1763,12 +1764,12 @@ export interface components {
         /** @description `GET /v1/warmcache`. */
         WarmTemplateList: {
             /**
-             * Format: int64
+             * Format: uint64
              * @description Bytes the cache holds (templates and generations runs still use).
              */
             bytes: number;
             /**
-             * Format: int64
+             * Format: uint64
              * @description The most it keeps (`--cache-max-gb`).
              */
             maxBytes: number;
@@ -2579,7 +2580,7 @@ export interface operations {
             };
             cookie?: never;
         };
-        requestBody: {
+        requestBody?: {
             content: {
                 "application/octet-stream": unknown;
             };
@@ -3395,7 +3396,7 @@ export interface operations {
             };
             cookie?: never;
         };
-        requestBody: {
+        requestBody?: {
             content: {
                 "application/octet-stream": unknown;
             };
