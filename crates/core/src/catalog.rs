@@ -154,7 +154,10 @@ impl Manager {
                 ulid::Ulid::new().to_string().to_ascii_lowercase()
             ),
         };
-        let (_, snapshot) = self.running(id)?;
+        let record = self
+            .admit(id, crate::runs::actor::Access::Open)
+            .await?
+            .record;
         if self
             .images
             .get(&name, &self.config.server_id, false)
@@ -165,7 +168,6 @@ impl Manager {
                 message: format!("an image named {name:?} already exists; pick another name"),
             });
         }
-        let record = snapshot.record.clone();
         let manager = self.clone();
         tokio::spawn(async move {
             let capture = manager.capture(id, "snapshotted").await?;

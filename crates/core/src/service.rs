@@ -239,7 +239,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         id: Ulid,
         req: runbox_types::PreviewRequest,
-    ) -> Result<runbox_types::Preview, CoreError>;
+    ) -> impl Future<Output = Result<runbox_types::Preview, CoreError>> + Send;
     /// Checks a preview token.
     fn verify_preview(&self, token: &str) -> Result<crate::preview::Grant, CoreError>;
     /// A connection to a port on a run's loopback (for a preview).
@@ -540,12 +540,12 @@ impl RunService for Arc<Manager> {
         Manager::attach(self, id, &process, replay, interactive).await
     }
 
-    fn mint_preview(
+    async fn mint_preview(
         &self,
         id: Ulid,
         req: runbox_types::PreviewRequest,
     ) -> Result<runbox_types::Preview, CoreError> {
-        Manager::mint_preview(self, id, req)
+        Manager::mint_preview(self, id, req).await
     }
 
     fn verify_preview(&self, token: &str) -> Result<crate::preview::Grant, CoreError> {

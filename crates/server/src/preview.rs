@@ -76,7 +76,7 @@ pub async fn mint<S: RunService>(
 ) -> Result<(StatusCode, Json<runbox_types::Preview>), ApiError> {
     Ok((
         StatusCode::CREATED,
-        Json(state.service.mint_preview(id, req)?),
+        Json(state.service.mint_preview(id, req).await?),
     ))
 }
 

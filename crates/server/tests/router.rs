@@ -329,7 +329,7 @@ impl RunService for Stub {
             "no such process",
         ))
     }
-    fn mint_preview(
+    async fn mint_preview(
         &self,
         id: Ulid,
         req: runbox_types::PreviewRequest,

@@ -26,7 +26,6 @@
 //! that disconnects cannot stop a backend call or a commit half-way. A
 //! dropped reply channel only means nobody waits for the answer.
 
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -72,15 +71,38 @@ pub(crate) enum LeaseOp {
 
 type Reply<T> = oneshot::Sender<Result<T, CoreError>>;
 
+/// How an operation on a run is admitted.
+#[derive(Clone, Debug)]
+pub(crate) enum Access {
+    /// It needs the run up but not its lease: reads, listings, watches,
+    /// captures (snapshots, forks, warm commits), previews.
+    Open,
+    /// It changes the run: admitted under the lease with this credential,
+    /// and counted in flight until its [`InFlight`] guard drops.
+    Fenced(Option<(String, u64)>),
+}
+
+/// What the run's owner answers an admitted operation with.
+pub(crate) struct Admitted {
+    /// The agent's client.
+    pub agent: AgentClient,
+    /// The protocol revision the agent speaks.
+    pub protocol: u32,
+    /// The record as it was at admission.
+    pub record: Arc<RunRecord>,
+}
+
 /// What others ask of a run's owner.
 pub(crate) enum Command {
-    /// Admit an exec or file write under the lease, if any; every `Ok` is
-    /// matched by one `End` (see [`InFlight`]).
-    Begin {
-        credential: Option<(String, u64)>,
-        reply: Reply<()>,
+    /// Admit an operation on the run: the one door every exec, file,
+    /// process, session, preview, port, snapshot and fork call goes
+    /// through. Every `Ok` for [`Access::Fenced`] is matched by one `End`
+    /// (see [`InFlight`]).
+    Admit {
+        access: Access,
+        reply: Reply<Admitted>,
     },
-    /// An admitted operation ended.
+    /// A fenced operation ended.
     End,
     /// Set the expiry to now + `ttl`.
     Renew {
@@ -118,23 +140,18 @@ pub(crate) struct RunHandle {
     pub id: Ulid,
     commands: mpsc::UnboundedSender<Command>,
     state: watch::Receiver<Snapshot>,
-    /// The agent's client, set before the run is published as running.
-    pub agent: OnceLock<AgentClient>,
-    /// The protocol revision the agent speaks, set before `agent`.
-    pub protocol: AtomicU32,
     /// Cancelled when the run starts stopping; in-flight execs watch it.
     pub ended: CancellationToken,
     /// Why the run is stopping, set before `ended` is cancelled.
     pub end_reason: OnceLock<ExitReason>,
     /// The egress proxy's counters, once it serves (`allowlist` runs).
     pub egress: OnceLock<Arc<dyn crate::egress::EgressMeter>>,
-    /// An idle pool member: hidden from the API, not counted against
-    /// `--max-runs`. Cleared, under the registry lock, when a create takes
-    /// it, before its owner has applied the claim.
-    pub idle: std::sync::atomic::AtomicBool,
-    /// The idempotency key of the create that took this member, set with
-    /// `idle` cleared, so a repeat of that create finds the run at once.
-    pub claim_key: OnceLock<crate::store::Idempotency>,
+    /// The ticket of the create that took this pool member: set once,
+    /// under the registry lock, when the create takes it (before its owner
+    /// has applied the claim and left [`Phase::Pooled`]), so capacity
+    /// counts it at once and a repeat of that create (with the key held
+    /// here) finds it.
+    pub ticket: OnceLock<Option<crate::store::Idempotency>>,
     /// What it used lately, sampled by the manager.
     pub usage: super::usage::History,
 }
@@ -157,9 +174,16 @@ impl RunHandle {
         settled.unwrap_or_else(|_| self.snapshot())
     }
 
-    /// Whether this is an idle pool member.
+    /// Whether this is a pool member no create has taken (yet to be
+    /// made, or [`Phase::Pooled`]): hidden from the API, not counted
+    /// against `--max-runs`.
     pub fn is_idle(&self) -> bool {
-        self.idle.load(std::sync::atomic::Ordering::Acquire)
+        self.ticket.get().is_none() && self.state.borrow().record.is_idle_member()
+    }
+
+    /// The idempotency key of the create that took this pool member.
+    pub fn claim_key(&self) -> Option<&crate::store::Idempotency> {
+        self.ticket.get().and_then(Option::as_ref)
     }
 
     /// Waits until a claimed member's owner has applied the claim (or the
@@ -167,9 +191,7 @@ impl RunHandle {
     pub async fn claimed(&self) -> Snapshot {
         let mut state = self.state.clone();
         let done = state
-            .wait_for(|s| {
-                !s.record.is_idle_member() || !matches!(s.phase, super::phase::Phase::Running)
-            })
+            .wait_for(|s| !matches!(s.phase, Phase::Pooled))
             .await
             .map(|snapshot| snapshot.clone());
         done.unwrap_or_else(|_| self.snapshot())
@@ -227,6 +249,9 @@ pub(crate) struct RunActor {
     record: RunRecord,
     fence: Fence,
     exit: Option<ExitWatch>,
+    /// The agent's client and protocol, once it answered; only the owner
+    /// hands them out, to admitted operations.
+    agent: Option<(AgentClient, u32)>,
     /// Deletes waiting for the first teardown attempt.
     stop_waiters: Vec<Reply<()>>,
 }
@@ -246,13 +271,10 @@ impl RunActor {
             id: record.id,
             commands: commands_tx,
             state,
-            agent: OnceLock::new(),
-            protocol: AtomicU32::new(0),
             ended: CancellationToken::new(),
             end_reason: OnceLock::new(),
             egress: OnceLock::new(),
-            idle: std::sync::atomic::AtomicBool::new(record.is_idle_member()),
-            claim_key: OnceLock::new(),
+            ticket: OnceLock::new(),
             usage: Default::default(),
         });
         RunActor {
@@ -264,6 +286,7 @@ impl RunActor {
             phase,
             record,
             exit: None,
+            agent: None,
             stop_waiters: Vec::new(),
         }
     }
@@ -291,8 +314,7 @@ impl RunActor {
             let mut actor = self;
             match adopted {
                 Adopted::Running(agent, protocol) => {
-                    actor.handle.protocol.store(protocol, Ordering::Relaxed);
-                    let _ = actor.handle.agent.set(agent);
+                    actor.agent = Some((agent, protocol));
                     // Without its proxy the run has no way out at all: it
                     // keeps its files and processes, and the log says why.
                     if let Err(e) = actor
@@ -431,7 +453,6 @@ impl RunActor {
         let protocol = ready.map_err(|e| {
             CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
         })?;
-        self.handle.protocol.store(protocol, Ordering::Relaxed);
         stored?;
         if let Some(e) = gone(reply) {
             return Err(e);
@@ -440,8 +461,12 @@ impl RunActor {
         if !self.record.is_idle_member() {
             manager.start_egress(&self.handle, &self.record).await?;
         }
-        let _ = self.handle.agent.set(agent);
-        self.apply(Event::Started);
+        self.agent = Some((agent, protocol));
+        self.apply(if self.record.is_idle_member() {
+            Event::Parked
+        } else {
+            Event::Started
+        });
         self.watch().await;
         self.publish();
         Ok(())
@@ -460,7 +485,10 @@ impl RunActor {
     /// Step 2, then 3: serves commands until the run stops, then tears it
     /// down and leaves the registry.
     async fn serve(mut self) {
-        while matches!(self.phase, Phase::Running | Phase::Failed(_)) {
+        while matches!(
+            self.phase,
+            Phase::Running | Phase::Pooled | Phase::Failed(_)
+        ) {
             let expires = reaper::deadline(self.record.expires_at);
             let watch = &mut self.exit;
             let exit = async {
@@ -495,6 +523,11 @@ impl RunActor {
     async fn died(&mut self, why: String) {
         self.exit = None;
         tracing::warn!(run = %self.record.id, reason = %why, "the run died");
+        if self.phase == Phase::Pooled {
+            // An idle member: nobody to tell; it goes, and its pool refills.
+            self.end(Event::Died(why), ExitReason::RunDeleted);
+            return;
+        }
         self.apply(Event::Died(why));
         if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %self.record.id, error = %e, "could not store that the run failed");
@@ -506,17 +539,8 @@ impl RunActor {
         let id = self.record.id;
         let now = OffsetDateTime::now_utc();
         match command {
-            Command::Begin { credential, reply } => {
-                let answer = match &self.phase {
-                    Phase::Running => {
-                        let presented = credential.as_ref().map(|(owner, generation)| Credential {
-                            owner,
-                            generation: *generation,
-                        });
-                        self.fence.begin(presented, now).map_err(CoreError::from)
-                    }
-                    other => Err(self.refusal(other)),
-                };
+            Command::Admit { access, reply } => {
+                let answer = self.admit(access, now);
                 let _ = reply.send(answer);
             }
             Command::End => self.fence.end(),
@@ -549,7 +573,7 @@ impl RunActor {
             }
             Command::Claim { claim, reply } => {
                 let answer = match &self.phase {
-                    Phase::Running if self.record.is_idle_member() => self.claim(*claim, now).await,
+                    Phase::Pooled => self.claim(*claim, now).await,
                     other => Err(self.refusal(other)),
                 };
                 let claimed = answer.is_ok();
@@ -593,8 +617,35 @@ impl RunActor {
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;
         }
+        self.apply(Event::Claimed);
         self.publish();
         self.manager.start_egress(&self.handle, &self.record).await
+    }
+
+    /// The one door: admits an operation if the run can take it, under
+    /// the lease for a fenced one.
+    fn admit(&mut self, access: Access, now: OffsetDateTime) -> Result<Admitted, CoreError> {
+        // A pool member is reached only by its pool's warm-up: the API
+        // cannot name it.
+        let (agent, protocol) = match (&self.phase, &self.agent) {
+            (Phase::Running | Phase::Pooled, Some(agent)) => agent.clone(),
+            (Phase::Running | Phase::Pooled, None) => {
+                return Err(CoreError::RunNotFound(self.record.id))
+            }
+            (other, _) => return Err(self.refusal(other)),
+        };
+        if let Access::Fenced(credential) = &access {
+            let presented = credential.as_ref().map(|(owner, generation)| Credential {
+                owner,
+                generation: *generation,
+            });
+            self.fence.begin(presented, now)?;
+        }
+        Ok(Admitted {
+            agent,
+            protocol,
+            record: self.publish.borrow().record.clone(),
+        })
     }
 
     /// Why a run in `phase` refuses an exec, a write or a lease change.
@@ -602,7 +653,7 @@ impl RunActor {
         match phase {
             Phase::Failed(why) => CoreError::RunFailed(self.record.id, why.clone()),
             Phase::Creating => CoreError::RunNotRunning(self.record.id, "still being created"),
-            Phase::Running | Phase::Stopping(_) | Phase::Gone => {
+            Phase::Running | Phase::Pooled | Phase::Stopping(_) | Phase::Gone => {
                 CoreError::RunNotFound(self.record.id)
             }
         }
@@ -711,7 +762,7 @@ impl RunActor {
                 command = self.commands.recv() => {
                     let gone = CoreError::RunNotFound(self.record.id);
                     match command {
-                        Some(Command::Begin { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Admit { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Renew { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Lease { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Stop { reply, .. }) => { let _ = reply.send(Err(gone)); }
@@ -725,7 +776,7 @@ impl RunActor {
     }
 }
 
-/// An exec or file write admitted by the run's fence; ends it when dropped.
+/// A fenced operation admitted by the run's owner; ends it when dropped.
 pub(crate) struct InFlight(pub Arc<RunHandle>);
 
 impl Drop for InFlight {

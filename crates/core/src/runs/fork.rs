@@ -17,6 +17,7 @@ use runbox_types::{ErrorCode, ForkRequest, ForkResponse, Run, RunStatus};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+use super::actor::Access;
 use super::Manager;
 use crate::backend::SandboxSpec;
 use crate::error::CoreError;
@@ -46,8 +47,7 @@ impl Manager {
             ));
         }
         let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
-        let (_, snapshot) = self.running(id)?;
-        let parent = (*snapshot.record).clone();
+        let parent = (*self.admit(id, Access::Open).await?.record).clone();
         let count = req.count;
         if self.capacity_used() + count > self.config.max_runs {
             return Err(CoreError::Capacity(self.config.max_runs));

@@ -15,7 +15,8 @@ use runbox_types::{
 use time::OffsetDateTime;
 use ulid::Ulid;
 
-use super::relay::{bounded, file_error};
+use super::actor::Access;
+use super::relay::{bounded, file_error, Admission};
 use super::Manager;
 use crate::error::CoreError;
 use crate::validate;
@@ -76,16 +77,8 @@ pub const MAX_METADATA: usize = 64;
 
 /// Who owns what a file call makes: the user the call names, else the
 /// image's `User` (the identity commands run as); empty is root.
-pub(super) fn owner(handle: &super::RunHandle, user: Option<String>) -> String {
-    user.unwrap_or_else(|| {
-        handle
-            .snapshot()
-            .record
-            .image_config
-            .user
-            .clone()
-            .unwrap_or_default()
-    })
+pub(super) fn owner(record: &crate::store::RunRecord, user: Option<String>) -> String {
+    user.unwrap_or_else(|| record.image_config.user.clone().unwrap_or_default())
 }
 
 /// The agent protocol that takes [`Scope::Root`].
@@ -181,16 +174,11 @@ impl Scope {
     }
 }
 
-impl Manager {
-    /// Refuses [`Scope::Root`] on a run whose agent predates it.
-    pub(super) fn check_scope(&self, id: Ulid, scope: Scope) -> Result<(), CoreError> {
-        if scope == Scope::Root
-            && self
-                .handle(id)?
-                .protocol
-                .load(std::sync::atomic::Ordering::Relaxed)
-                < ROOT_SCOPE_PROTOCOL
-        {
+impl Scope {
+    /// Refuses [`Scope::Root`] on a run whose agent (speaking `protocol`)
+    /// predates it.
+    pub(super) fn check(self, protocol: u32) -> Result<(), CoreError> {
+        if self == Scope::Root && protocol < ROOT_SCOPE_PROTOCOL {
             return Err(CoreError::invalid(
                 runbox_types::ErrorCode::AgentTooOld,
                 "this run's agent predates paths outside /work; create the run again",
@@ -198,25 +186,21 @@ impl Manager {
         }
         Ok(())
     }
+}
 
-    /// Refuses metadata on a run whose agent would drop it unseen.
-    pub(super) fn check_metadata(
-        &self,
-        id: Ulid,
-        xattrs: &HashMap<String, String>,
-    ) -> Result<(), CoreError> {
-        let protocol = self
-            .handle(id)?
-            .protocol
-            .load(std::sync::atomic::Ordering::Relaxed);
-        if !xattrs.is_empty() && protocol < METADATA_PROTOCOL {
-            return Err(CoreError::invalid(
-                runbox_types::ErrorCode::AgentTooOld,
-                "this run's agent predates file metadata; create the run again",
-            ));
-        }
-        Ok(())
+/// Refuses metadata on a run whose agent (speaking `protocol`) would drop
+/// it unseen.
+pub(super) fn check_metadata(
+    protocol: u32,
+    xattrs: &HashMap<String, String>,
+) -> Result<(), CoreError> {
+    if !xattrs.is_empty() && protocol < METADATA_PROTOCOL {
+        return Err(CoreError::invalid(
+            runbox_types::ErrorCode::AgentTooOld,
+            "this run's agent predates file metadata; create the run again",
+        ));
     }
+    Ok(())
 }
 
 /// An agent's description, checked, with its path as `scope` shows it.
@@ -295,9 +279,13 @@ impl Manager {
     {
         use futures::StreamExt;
         let path = scope.agent_path(path, true)?;
-        let (handle, _) = self.running(id)?;
-        self.check_scope(id, scope)?;
-        let mut agent = self.reader(id)?;
+        let Admission {
+            handle,
+            mut agent,
+            protocol,
+            ..
+        } = self.admit(id, Access::Open).await?;
+        scope.check(protocol)?;
         let events = timed(
             FS_CALL_TIMEOUT,
             agent.watch(pb::WatchRequest {
@@ -342,8 +330,12 @@ impl Manager {
         path: Option<&str>,
     ) -> Result<FileInfo, CoreError> {
         let path = scope.agent_path(path, true)?;
-        let mut agent = self.reader(id)?;
-        self.check_scope(id, scope)?;
+        let Admission {
+            mut agent,
+            protocol,
+            ..
+        } = self.admit(id, Access::Open).await?;
+        scope.check(protocol)?;
         let call = agent.stat(pb::StatRequest {
             path,
             root: scope.root(),
@@ -377,8 +369,12 @@ impl Manager {
                 format!("limit must be 1 to {MAX_LIST_ENTRIES}"),
             ));
         }
-        let mut agent = self.reader(id)?;
-        self.check_scope(id, scope)?;
+        let Admission {
+            mut agent,
+            protocol,
+            ..
+        } = self.admit(id, Access::Open).await?;
+        scope.check(protocol)?;
         let reply = timed(
             FS_CALL_TIMEOUT,
             agent.list_dir(pb::ListDirRequest {
@@ -418,9 +414,15 @@ impl Manager {
         }
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
         let user = user.map(validate::user).transpose()?;
-        self.check_scope(id, scope)?;
-        let (handle, _in_flight, mut agent) = self.admit(id, credential).await?;
-        let user = owner(&handle, user);
+        let Admission {
+            mut agent,
+            protocol,
+            record,
+            in_flight: _in_flight,
+            ..
+        } = self.admit(id, Access::Fenced(credential)).await?;
+        scope.check(protocol)?;
+        let user = owner(&record, user);
         let call = agent.make_dir(pb::MakeDirRequest {
             path,
             mode,
@@ -440,8 +442,13 @@ impl Manager {
         let from = scope.agent_path(Some(&req.from), false)?;
         let to = scope.agent_path(Some(&req.to), false)?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
-        self.check_scope(id, scope)?;
-        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let Admission {
+            mut agent,
+            protocol,
+            in_flight: _in_flight,
+            ..
+        } = self.admit(id, Access::Fenced(credential)).await?;
+        scope.check(protocol)?;
         let call = agent.r#move(pb::MoveRequest {
             from,
             to,
@@ -461,8 +468,13 @@ impl Manager {
     ) -> Result<RemoveReply, CoreError> {
         let path = scope.agent_path(Some(&req.path), false)?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
-        self.check_scope(id, scope)?;
-        let (_handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let Admission {
+            mut agent,
+            protocol,
+            in_flight: _in_flight,
+            ..
+        } = self.admit(id, Access::Fenced(credential)).await?;
+        scope.check(protocol)?;
         let call = agent.remove(pb::RemoveRequest {
             path,
             recursive: req.recursive.unwrap_or(false),

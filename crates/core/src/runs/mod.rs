@@ -378,18 +378,6 @@ impl Manager {
         run
     }
 
-    /// The handle and snapshot of run `id` if it is `running`; a failed run
-    /// or one still being created is refused with why.
-    pub(crate) fn running(&self, id: Ulid) -> Result<(Arc<RunHandle>, actor::Snapshot), CoreError> {
-        let handle = self.handle(id)?;
-        let snapshot = handle.snapshot();
-        match &snapshot.phase {
-            Phase::Running => Ok((handle, snapshot)),
-            Phase::Failed(why) => Err(CoreError::RunFailed(id, why.clone())),
-            _ => Err(CoreError::RunNotRunning(id, "still being created")),
-        }
-    }
-
     /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
     /// backend or storage that cannot is a 400 saying why.
     pub(crate) async fn capture(
@@ -479,10 +467,15 @@ impl Manager {
         Ok(self.handle(id)?.snapshot().record.image_config.clone())
     }
 
-    /// What run `id` uses now, where its backend measures it.
+    /// What run `id` uses now, where its backend measures it. An
+    /// observation of the published phase, not an operation: it is not
+    /// admitted by the run's owner.
     pub fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
-        self.running(id)?;
-        Ok(self.backend.usage(id))
+        match self.handle(id)?.snapshot().phase {
+            Phase::Running => Ok(self.backend.usage(id)),
+            Phase::Failed(why) => Err(CoreError::RunFailed(id, why)),
+            _ => Err(CoreError::RunNotRunning(id, "still being created")),
+        }
     }
 
     /// The API view of a run: its record plus live counters.
@@ -643,16 +636,13 @@ fn find_by_key(
     for handle in registry.values() {
         let snapshot = handle.snapshot();
         // A member a create has taken answers for its key at once.
-        let Some(earlier) = snapshot
-            .record
-            .idempotency
-            .as_ref()
-            .or(handle.claim_key.get())
-        else {
+        let Some(earlier) = snapshot.record.idempotency.as_ref().or(handle.claim_key()) else {
             continue;
         };
-        // A run being removed no longer answers for its key.
-        if earlier.key != wanted.key || !snapshot.phase.visible() {
+        // A run being removed no longer answers for its key; a member a
+        // create took does while its claim is applied.
+        let taken = snapshot.phase == Phase::Pooled && handle.claim_key().is_some();
+        if earlier.key != wanted.key || !(snapshot.phase.visible() || taken) {
             continue;
         }
         if earlier.request != wanted.request {

@@ -12,11 +12,19 @@
 //!     │     │               └────────┘                             │
 //!     │     └──── CreateFailed / Stop (the creator went away) ─────┘
 //!     └── (reconcile after a restart adopts Running or Failed records directly)
+//!
+//!   Creating ── Parked ──► Pooled ── Claimed ──► Running
+//!                            │ Died(why) or Stop(reason)
+//!                            └─────────────────────────► Stopping
 //! ```
 //!
 //! * `Creating`: the record is stored and the backend is building the
 //!   sandbox. Counted against capacity; not usable yet.
 //! * `Running`: the sandbox is up and its agent answered.
+//! * `Pooled`: an idle warm-pool member, up and answering, that no create
+//!   has claimed: hidden from the API and not counted against capacity;
+//!   only the pool's own warm-up reaches it. A claim makes it `Running`; a
+//!   member that dies is of no use to anyone and is destroyed at once.
 //! * `Failed`: the sandbox died on its own (its init exited). It keeps its
 //!   resources and record until it is deleted or its TTL passes, so the
 //!   caller can see why; execs and file operations are refused with the
@@ -25,7 +33,7 @@
 //!   it succeeds. No operation is admitted any more.
 //! * `Gone`: destroyed and forgotten; the run's owner exits.
 //!
-//! Room is left for `Pooled`, `Snapshotting`, `Paused` and `Archived`: each
+//! Room is left for `Snapshotting`, `Paused` and `Archived`: each
 //! is a new variant with its own arms in [`transition`], never a flag beside
 //! the phase.
 //!
@@ -41,6 +49,8 @@ pub enum Phase {
     Creating,
     /// The sandbox is up and its agent answers.
     Running,
+    /// An idle pool member: up, hidden, not counted, waiting for a create.
+    Pooled,
     /// The sandbox died on its own, for this reason.
     Failed(String),
     /// The sandbox is being destroyed, for this reason.
@@ -54,6 +64,10 @@ pub enum Phase {
 pub enum Event {
     /// The sandbox is up and the agent answered.
     Started,
+    /// A pool member's sandbox is up and the agent answered.
+    Parked,
+    /// A create took the idle pool member and its settings are applied.
+    Claimed,
     /// Building the sandbox failed.
     CreateFailed,
     /// The sandbox's init process exited on its own.
@@ -81,6 +95,7 @@ impl Phase {
         match self {
             Phase::Creating => "creating",
             Phase::Running => "running",
+            Phase::Pooled => "pooled",
             Phase::Failed(_) => "failed",
             Phase::Stopping(_) => "stopping",
             Phase::Gone => "gone",
@@ -91,7 +106,7 @@ impl Phase {
     pub fn status(&self) -> RunStatus {
         match self {
             Phase::Creating => RunStatus::Creating,
-            Phase::Running => RunStatus::Running,
+            Phase::Running | Phase::Pooled => RunStatus::Running,
             Phase::Failed(_) => RunStatus::Failed,
             Phase::Stopping(_) | Phase::Gone => RunStatus::Stopping,
         }
@@ -110,9 +125,15 @@ pub fn transition(from: &Phase, event: Event) -> Result<Phase, InvalidTransition
     use Phase as P;
     let next = match (from, &event) {
         (P::Creating, E::Started) => P::Running,
+        (P::Creating, E::Parked) => P::Pooled,
+        (P::Pooled, E::Claimed) => P::Running,
+        // Nobody can see a dead idle member; it goes at once.
+        (P::Pooled, E::Died(_)) => P::Stopping(ExitReason::RunDeleted),
         (P::Creating, E::CreateFailed) => P::Stopping(ExitReason::RunDeleted),
         (P::Running, E::Died(why)) => P::Failed(why.clone()),
-        (P::Creating | P::Running | P::Failed(_), E::Stop(reason)) => P::Stopping(*reason),
+        (P::Creating | P::Running | P::Pooled | P::Failed(_), E::Stop(reason)) => {
+            P::Stopping(*reason)
+        }
         (P::Stopping(_), E::Destroyed) => P::Gone,
         _ => {
             return Err(InvalidTransition {
@@ -132,6 +153,8 @@ mod tests {
     fn event() -> impl Strategy<Value = Event> {
         prop_oneof![
             Just(Event::Started),
+            Just(Event::Parked),
+            Just(Event::Claimed),
             Just(Event::CreateFailed),
             Just(Event::Died("init exited".into())),
             Just(Event::Stop(ExitReason::RunDeleted)),
@@ -165,6 +188,21 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_member_is_hidden_until_claimed_and_dies_unseen() {
+        let pooled = transition(&Phase::Creating, Event::Parked).unwrap();
+        assert_eq!(pooled, Phase::Pooled);
+        assert!(!pooled.visible());
+        assert_eq!(pooled.status(), RunStatus::Running);
+        assert!(transition(&pooled, Event::Started).is_err());
+        assert!(transition(&Phase::Running, Event::Claimed).is_err());
+        let claimed = transition(&pooled, Event::Claimed).unwrap();
+        assert_eq!(claimed, Phase::Running);
+        assert!(claimed.visible());
+        let dead = transition(&pooled, Event::Died("oom".into())).unwrap();
+        assert_eq!(dead, Phase::Stopping(ExitReason::RunDeleted));
+    }
+
+    #[test]
     fn invalid_transitions_say_what_was_asked() {
         let err = transition(&Phase::Gone, Event::Started).unwrap_err();
         assert_eq!(err.from, "gone");
@@ -175,13 +213,15 @@ mod tests {
 
     proptest! {
         /// Over any sequence of events: a refused event leaves the phase as
-        /// it was (the caller keeps it), nothing leaves `Gone`, a run stops
-        /// being visible exactly when it starts stopping and never becomes
-        /// visible again.
+        /// it was (the caller keeps it), nothing leaves `Gone`, a run that
+        /// started stopping is never visible again, a pool member is hidden
+        /// until claimed, and a run once visible never goes back to the
+        /// pool.
         #[test]
         fn phases_only_move_forward(events in proptest::collection::vec(event(), 0..40)) {
             let mut phase = Phase::Creating;
-            let mut was_hidden = false;
+            let mut stopped = false;
+            let mut served = false;
             for e in events {
                 let before = phase.clone();
                 match transition(&phase, e) {
@@ -191,10 +231,14 @@ mod tests {
                 if before == Phase::Gone {
                     prop_assert_eq!(&phase, &Phase::Gone);
                 }
-                if was_hidden {
+                stopped |= matches!(phase, Phase::Stopping(_) | Phase::Gone);
+                if stopped {
                     prop_assert!(!phase.visible());
                 }
-                was_hidden |= !phase.visible();
+                served |= matches!(phase, Phase::Running | Phase::Failed(_));
+                if served {
+                    prop_assert_ne!(&phase, &Phase::Pooled);
+                }
                 prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Failed(_)));
             }
         }

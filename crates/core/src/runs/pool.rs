@@ -122,16 +122,10 @@ impl Manager {
                             let Some(handle) = registry.get(&id) else {
                                 continue;
                             };
-                            if !handle.is_idle()
-                                || !matches!(handle.snapshot().phase, Phase::Running)
+                            if !matches!(handle.snapshot().phase, Phase::Pooled)
+                                || handle.ticket.set(claim.idempotency.clone()).is_err()
                             {
                                 continue;
-                            }
-                            handle
-                                .idle
-                                .store(false, std::sync::atomic::Ordering::Release);
-                            if let Some(wanted) = &claim.idempotency {
-                                let _ = handle.claim_key.set(wanted.clone());
                             }
                             taken = Taken::Member(handle.clone());
                             break;
@@ -364,7 +358,7 @@ impl Manager {
                     .filter(|id| match registry.get(id) {
                         Some(h) => {
                             let snapshot = h.snapshot();
-                            !matches!(snapshot.phase, Phase::Running)
+                            !matches!(snapshot.phase, Phase::Pooled)
                                 || current.as_ref() != Some(&snapshot.record.layers)
                         }
                         None => true,

@@ -9,6 +9,7 @@ use runbox_types::{ErrorCode, Preview, PreviewRequest};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+use super::actor::Access;
 use super::Manager;
 use crate::backend::BackendError;
 use crate::error::CoreError;
@@ -31,7 +32,7 @@ fn port_of(port: u32) -> Result<u16, CoreError> {
 
 impl Manager {
     /// Mints a preview URL for `req.port` of run `id`.
-    pub fn mint_preview(&self, id: Ulid, req: PreviewRequest) -> Result<Preview, CoreError> {
+    pub async fn mint_preview(&self, id: Ulid, req: PreviewRequest) -> Result<Preview, CoreError> {
         let Some(preview) = &self.config.preview else {
             return Err(CoreError::invalid(
                 ErrorCode::PreviewDisabled,
@@ -51,7 +52,7 @@ impl Manager {
                 ))
             }
         };
-        self.running(id)?;
+        self.admit(id, Access::Open).await?;
         let expires_at = OffsetDateTime::now_utc() + ttl;
         let token = preview.key.mint(Grant {
             run: id,
@@ -98,16 +99,21 @@ impl Manager {
         port: u32,
         credential: Option<(String, u64)>,
     ) -> Result<tokio::net::TcpStream, CoreError> {
-        port_of(port)?;
-        let (_handle, in_flight, _) = self.admit(id, credential).await?;
-        drop(in_flight);
-        self.dial(id, port).await
+        let port = port_of(port)?;
+        let admission = self.admit(id, Access::Fenced(credential)).await?;
+        drop(admission.in_flight);
+        self.connect(id, port).await
     }
 
-    /// A connection to `port` on run `id`'s loopback.
+    /// A connection to `port` on run `id`'s loopback (a preview request).
     pub async fn dial(&self, id: Ulid, port: u32) -> Result<tokio::net::TcpStream, CoreError> {
         let port = port_of(port)?;
-        self.running(id)?;
+        self.admit(id, Access::Open).await?;
+        self.connect(id, port).await
+    }
+
+    /// Connects to `port` on the loopback of run `id`, admitted already.
+    async fn connect(&self, id: Ulid, port: u16) -> Result<tokio::net::TcpStream, CoreError> {
         let stream = self.backend.dial(id, port).await.map_err(|e| match e {
             BackendError::Io { source, .. }
                 if matches!(

@@ -7,22 +7,21 @@
 //! sessions are writes, fenced by the lease like an exec. Listing,
 //! describing, waiting for and reading the output of a process are reads.
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream::BoxStream;
 use runbox_agent_proto::pb::{self, exec_input};
-use runbox_agent_proto::AgentClient;
 use runbox_types::{ErrorCode, ExecRequest, Process, ProcessExit, ProcessList};
 use time::OffsetDateTime;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use ulid::Ulid;
 
-use super::actor::RunHandle;
-use super::relay::{agent_error, agent_too_old, bounded, ExecEvent, ExecMode, ExecState};
+use super::actor::Access;
+use super::relay::{
+    agent_error, agent_too_old, bounded, Admission, ExecEvent, ExecMode, ExecState,
+};
 use super::Manager;
 use crate::error::CoreError;
 use crate::validate;
@@ -154,14 +153,13 @@ async fn timed<T>(
 }
 
 impl Manager {
-    /// The agent of a running run whose agent knows processes.
-    fn process_agent(&self, id: Ulid) -> Result<(Arc<RunHandle>, AgentClient), CoreError> {
-        let (handle, _) = self.running(id)?;
-        if handle.protocol.load(Ordering::Relaxed) < 3 {
+    /// Admits a process call on a run whose agent knows processes.
+    async fn process_call(&self, id: Ulid, access: Access) -> Result<Admission, CoreError> {
+        let admission = self.admit(id, access).await?;
+        if admission.protocol < 3 {
             return Err(agent_too_old());
         }
-        let agent = self.reader(id)?;
-        Ok((handle, agent))
+        Ok(admission)
     }
 
     /// Starts a background process: it outlives this call, is listed, can
@@ -222,15 +220,19 @@ impl Manager {
             }
         }
         let target = validate::process_ref(process)?;
-        let (handle, mut agent) = self.process_agent(id)?;
+        let Admission {
+            mut agent,
+            protocol,
+            in_flight: _in_flight,
+            ..
+        } = self.process_call(id, Access::Fenced(None)).await?;
         // Older agents would take the call and ignore the size.
-        if handle.protocol.load(Ordering::Relaxed) < 4 {
+        if protocol < 4 {
             return Err(CoreError::invalid(
                 ErrorCode::AgentTooOld,
                 "this run's agent predates resizing a terminal outside a session; create the run again",
             ));
         }
-        let (_handle, _in_flight, _) = self.admit(id, None).await?;
         let request = pb::SendInputRequest {
             process: Some(target),
             resize: Some(pb::PtySize { rows, cols }),
@@ -252,15 +254,17 @@ impl Manager {
         interactive: Option<Option<(String, u64)>>,
     ) -> Result<Session, CoreError> {
         let target = validate::process_ref(process)?;
-        let (handle, mut agent) = self.process_agent(id)?;
         // An interactive attach is a write: it goes through the lease.
-        let (handle, in_flight) = match interactive {
-            Some(credential) => {
-                let (handle, in_flight, _) = self.admit(id, credential).await?;
-                (handle, Some(in_flight))
-            }
-            None => (handle, None),
+        let access = match interactive {
+            Some(credential) => Access::Fenced(credential),
+            None => Access::Open,
         };
+        let Admission {
+            handle,
+            mut agent,
+            in_flight,
+            ..
+        } = self.process_call(id, access).await?;
         let (input, input_rx) = mpsc::channel(8);
         let first = pb::ExecInput {
             kind: Some(exec_input::Kind::Attach(pb::AttachTarget {
@@ -298,7 +302,7 @@ impl Manager {
 
     /// The run's running processes and recently ended background ones.
     pub async fn processes(&self, id: Ulid) -> Result<ProcessList, CoreError> {
-        let (_, mut agent) = self.process_agent(id)?;
+        let mut agent = self.process_call(id, Access::Open).await?.agent;
         let reply = timed(
             agent.list_processes(pb::ListProcessesRequest {}),
             CALL_TIMEOUT,
@@ -329,7 +333,9 @@ impl Manager {
                 format!("timeoutSec must be at most {}", MAX_WAIT.as_secs()),
             ));
         }
-        let (handle, mut agent) = self.process_agent(id)?;
+        let Admission {
+            handle, mut agent, ..
+        } = self.process_call(id, Access::Open).await?;
         let request = pb::WaitProcessRequest {
             process: Some(target),
             timeout_ms: limit.as_millis() as u64,
@@ -359,8 +365,11 @@ impl Manager {
             )
         })?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
-        let (_, mut agent) = self.process_agent(id)?;
-        let (_handle, _in_flight, _) = self.admit(id, credential).await?;
+        let Admission {
+            mut agent,
+            in_flight: _in_flight,
+            ..
+        } = self.process_call(id, Access::Fenced(credential)).await?;
         let request = pb::SignalProcessRequest {
             process: Some(target),
             signal,
@@ -389,8 +398,11 @@ impl Manager {
                 ),
             ));
         }
-        let (_, mut agent) = self.process_agent(id)?;
-        let (_handle, _in_flight, _) = self.admit(id, credential).await?;
+        let Admission {
+            mut agent,
+            in_flight: _in_flight,
+            ..
+        } = self.process_call(id, Access::Fenced(credential)).await?;
         let request = pb::SendInputRequest {
             process: Some(target),
             data: data.to_vec(),

@@ -10,7 +10,6 @@
 //! it declared, and its messages are bounded before they reach a client or
 //! a log line.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,10 +23,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
-use super::actor::{Command, InFlight, RunHandle};
+use super::actor::{Access, Command, InFlight, RunHandle};
 use super::Manager;
 use crate::egress;
 use crate::error::CoreError;
+use crate::store::RunRecord;
 use crate::validate;
 
 /// Environment every command starts with, before the run's and the exec's.
@@ -71,45 +71,45 @@ pub struct FileDownload {
     pub body: std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, CoreError>> + Send>>,
 }
 
+/// An operation its run's owner admitted: what the caller needs to go on.
+pub(crate) struct Admission {
+    /// The run.
+    pub handle: Arc<RunHandle>,
+    /// The run's agent.
+    pub agent: AgentClient,
+    /// The protocol revision the agent speaks.
+    pub protocol: u32,
+    /// The run's record at admission.
+    pub record: Arc<RunRecord>,
+    /// A fenced operation's in-flight guard; None for an open one.
+    pub in_flight: Option<InFlight>,
+}
+
 impl Manager {
-    /// Admits an exec or file write on run `id` under its lease, if any.
-    pub(super) async fn admit(
-        &self,
-        id: Ulid,
-        credential: Option<(String, u64)>,
-    ) -> Result<(Arc<RunHandle>, InFlight, AgentClient), CoreError> {
-        self.admit_handle(self.handle(id)?, credential).await
+    /// Admits an operation on run `id` through its owner (see
+    /// [`Command::Admit`]): the one door to a run.
+    pub(crate) async fn admit(&self, id: Ulid, access: Access) -> Result<Admission, CoreError> {
+        self.admit_handle(self.handle(id)?, access).await
     }
 
     /// [`Manager::admit`] of a run already looked up (an idle pool member
     /// being warmed up, which the API cannot name).
-    async fn admit_handle(
+    pub(crate) async fn admit_handle(
         &self,
         handle: Arc<RunHandle>,
-        credential: Option<(String, u64)>,
-    ) -> Result<(Arc<RunHandle>, InFlight, AgentClient), CoreError> {
-        let id = handle.id;
-        handle
-            .ask(|reply| Command::Begin { credential, reply })
-            .await?;
-        // From here on the operation is counted; the guard ends it.
-        let in_flight = InFlight(handle.clone());
-        let agent = handle
-            .agent
-            .get()
-            .cloned()
-            .ok_or(CoreError::RunNotFound(id))?;
-        Ok((handle, in_flight, agent))
-    }
-
-    /// The agent of a run that can serve a read.
-    pub(super) fn reader(&self, id: Ulid) -> Result<AgentClient, CoreError> {
-        let (handle, _) = self.running(id)?;
-        handle
-            .agent
-            .get()
-            .cloned()
-            .ok_or(CoreError::RunNotFound(id))
+        access: Access,
+    ) -> Result<Admission, CoreError> {
+        let fenced = matches!(access, Access::Fenced(_));
+        let admitted = handle.ask(|reply| Command::Admit { access, reply }).await?;
+        // From here on a fenced operation is counted; the guard ends it.
+        let in_flight = fenced.then(|| InFlight(handle.clone()));
+        Ok(Admission {
+            handle,
+            agent: admitted.agent,
+            protocol: admitted.protocol,
+            record: admitted.record,
+            in_flight,
+        })
     }
 
     /// Starts a command in run `id`. Fails before streaming when the command
@@ -197,11 +197,18 @@ impl Manager {
             ));
         }
         let needs_protocol_3 = pty.is_some() || mode != ExecMode::Foreground;
-        if needs_protocol_3 && target.protocol.load(Ordering::Relaxed) < 3 {
+        let Admission {
+            handle,
+            mut agent,
+            protocol,
+            record,
+            in_flight,
+        } = self
+            .admit_handle(target, Access::Fenced(credential))
+            .await?;
+        if needs_protocol_3 && protocol < 3 {
             return Err(agent_too_old());
         }
-        let (handle, in_flight, mut agent) = self.admit_handle(target, credential).await?;
-        let record = handle.snapshot().record;
         let image = &record.image_config;
         // An exec without a command runs the image's Entrypoint + Cmd.
         let argv = if req.cmd.is_empty() {
@@ -339,7 +346,7 @@ impl Manager {
             deadline: timeout.map(|t| tokio::time::Instant::now() + t + TIMEOUT_GRACE),
             started: Some(pid),
             done: false,
-            _in_flight: Some(in_flight),
+            _in_flight: in_flight,
         };
         Ok(Opened {
             pid,
@@ -375,16 +382,22 @@ impl Manager {
         let path = scope.agent_path(Some(path), false)?;
         let user = user.map(validate::user).transpose()?;
         let xattrs = scope.metadata_xattrs(metadata)?;
-        self.check_scope(id, scope)?;
-        self.check_metadata(id, &xattrs)?;
         let max = self.config.max_upload_bytes;
         if content_length.is_some_and(|len| len > max) {
             return Err(too_large(max));
         }
         // Counted in flight until this future ends or is dropped.
-        let (handle, _in_flight, mut agent) = self.admit(id, credential).await?;
+        let Admission {
+            mut agent,
+            protocol,
+            record,
+            in_flight: _in_flight,
+            ..
+        } = self.admit(id, Access::Fenced(credential)).await?;
+        scope.check(protocol)?;
+        super::fs::check_metadata(protocol, &xattrs)?;
         let (tx, rx) = mpsc::channel::<pb::WriteFileChunk>(4);
-        let user = super::fs::owner(&handle, user);
+        let user = super::fs::owner(&record, user);
         let header = pb::WriteFileHeader {
             path,
             mode: 0,
@@ -460,8 +473,12 @@ impl Manager {
         path: &str,
     ) -> Result<FileDownload, CoreError> {
         let path = scope.agent_path(Some(path), false)?;
-        let mut agent = self.reader(id)?;
-        self.check_scope(id, scope)?;
+        let Admission {
+            mut agent,
+            protocol,
+            ..
+        } = self.admit(id, Access::Open).await?;
+        scope.check(protocol)?;
         let mut stream = tokio::time::timeout(
             AGENT_CALL_TIMEOUT,
             agent.read_file(pb::ReadFileRequest {

@@ -106,7 +106,10 @@ impl History {
 fn sample_usage(handles: &[Arc<RunHandle>], backend: &dyn Backend) {
     for handle in handles {
         let snapshot = handle.snapshot();
-        if !matches!(snapshot.phase, super::phase::Phase::Running) {
+        if !matches!(
+            snapshot.phase,
+            super::phase::Phase::Running | super::phase::Phase::Pooled
+        ) {
             continue;
         }
         let Some(usage) = backend.usage(handle.id) else {

@@ -8,6 +8,7 @@ use std::sync::{Arc, Weak};
 use runbox_types::{ErrorCode, WarmCommit, WarmCommitRequest, WarmStatus, WarmTemplate};
 use ulid::Ulid;
 
+use super::actor::Access;
 use super::Manager;
 use crate::backend::WarmMount;
 use crate::error::CoreError;
@@ -105,8 +106,8 @@ impl Manager {
         req: WarmCommitRequest,
     ) -> Result<WarmCommit, CoreError> {
         let cache = self.warm_cache()?.clone();
-        let (_, snapshot) = self.running(id)?;
-        let volume = snapshot.record.warm.clone().ok_or_else(|| not_warm(id))?;
+        let record = self.admit(id, Access::Open).await?.record;
+        let volume = record.warm.clone().ok_or_else(|| not_warm(id))?;
         let repo = match req.repo {
             Some(repo) => validate::repo(&repo)?,
             None => volume.repo.clone(),
@@ -152,8 +153,8 @@ impl Manager {
     /// Run `id`'s volume as it is now: its lockfile hash, to compare with
     /// the template's after a fetch or checkout.
     pub async fn warm_status(&self, id: Ulid) -> Result<WarmStatus, CoreError> {
-        let (_, snapshot) = self.running(id)?;
-        let volume = snapshot.record.warm.clone().ok_or_else(|| not_warm(id))?;
+        let record = self.admit(id, Access::Open).await?.record;
+        let volume = record.warm.clone().ok_or_else(|| not_warm(id))?;
         let root = self
             .backend
             .warm_volume(id)
