@@ -6,7 +6,7 @@
 //! size of every decoded message and bounds connection set-up; callers bound
 //! the total time and bytes of each call.
 //!
-//! This crate does not own sockets or lifecycles: the isolation backend decides
+//! This crate does not own sockets or lifecycles: the isolation lane decides
 //! where the agent listens, and `runbox-core` decides when to call it.
 
 use std::path::PathBuf;

@@ -1,4 +1,4 @@
-//! `runbox serve`: wires the state directory, the runtime backend, the run
+//! `runbox serve`: wires the state directory, the isolation lane, the run
 //! manager (whose runs reap themselves at their TTL) and the HTTP server together, and runs until SIGINT or
 //! SIGTERM. Runs outlive the daemon: stopping it (or `kill -9`) leaves them
 //! running, and the next start re-adopts them.
@@ -13,8 +13,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use runbox_core::images::ImageStore;
 use runbox_core::store::Store;
-use runbox_core::{Backend, Config, Manager};
-use runbox_runtime::OciBackend;
+use runbox_core::{Config, Lane, Manager};
+use runbox_runtime::OciLane;
 use tokio_util::sync::CancellationToken;
 
 /// The run store's image under the state directory (`--storage-gb`).
@@ -205,7 +205,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)
         .context("preparing the run store (--storage-gb)")?;
     }
-    let oci = OciBackend::with_options(runtime, state_dir.clone(), agent, options)?;
+    let oci = OciLane::with_options(runtime, state_dir.clone(), agent, options)?;
     if let Some(why) = oci.open_unsupported() {
         tracing::warn!(reason = %why, "the open network tier is not available on this host; such runs are refused");
     }
@@ -222,7 +222,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             "runs cannot get disk limits here, so creates are refused"
         ),
     }
-    let backend: Arc<dyn Backend> = Arc::new(oci);
+    let lane: Arc<dyn Lane> = Arc::new(oci);
 
     let mut config = Config::new(server_id);
     config.max_runs = args.max_runs;
@@ -293,7 +293,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.egress = Some(egress.config.clone());
     let store = Store::open(&state_dir.join("runbox.db"))?;
     let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
-    let manager = Manager::start(config, backend, store, images).await?;
+    let manager = Manager::start(config, lane, store, images).await?;
 
     let shutdown = CancellationToken::new();
     // Tests and scripts that ask for port 0 read the real address here.
@@ -547,7 +547,7 @@ async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
     // The agent path is not used to destroy anything; the network options
     // are the ones the daemon of this state directory recorded, so teardown
     // never touches another daemon's table.
-    let backend = OciBackend::with_options(
+    let lane = OciLane::with_options(
         runtime,
         state_dir.to_path_buf(),
         PathBuf::from("/nonexistent-agent"),
@@ -558,15 +558,15 @@ async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
     if db.exists() {
         let store = Store::open(&db)?;
         for record in store.list()? {
-            backend
-                .destroy(record.id)
+            lane.sandbox(record.id)
+                .destroy()
                 .await
                 .with_context(|| format!("destroying run {}", record.id))?;
             store.delete(record.id)?;
             ids.insert(record.id);
         }
     }
-    let swept = backend.sweep(&std::collections::HashSet::new()).await?;
+    let swept = lane.sweep(&std::collections::HashSet::new()).await?;
     ids.extend(swept);
     // The store goes last: every run's files were in it.
     if state_dir.join(STORAGE_IMAGE).exists() {

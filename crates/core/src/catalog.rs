@@ -133,7 +133,7 @@ impl Manager {
 
     /// Snapshots run `id` into a new image: its image's layers plus one
     /// layer holding everything the run changed, captured while the run was
-    /// frozen (see [`crate::Backend::capture`]); the run keeps running.
+    /// frozen (see [`crate::lane::Sandbox::capture`]); the run keeps running.
     ///
     /// Cancellation: the capture and the recording run in a task of their
     /// own; a client that hangs up does not stop them, and the image

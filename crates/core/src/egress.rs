@@ -1,11 +1,11 @@
 //! The daemon's side of the `allowlist` tier: which entries and secrets a
 //! run may have, the environment that points its programs at the proxy, and
-//! starting that run's proxy on the listener the backend bound inside the
+//! starting that run's proxy on the listener the lane bound inside the
 //! run's network namespace.
 //!
 //! What it does not own: the proxy itself, reached through the
 //! [`EgressProxy`] trait (the daemon plugs in `runbox-proxy`; the core never
-//! names its types), the namespace and the listener (the backend), or the
+//! names its types), the namespace and the listener (the lane), or the
 //! daemon-wide settings' parsing (the `serve` command builds the proxy).
 //!
 //! Fail-closed rules enforced here:
@@ -27,7 +27,7 @@ use crate::error::CoreError;
 /// Most `egressAllow` entries one run may have.
 pub const MAX_RUN_ENTRIES: usize = 256;
 
-use crate::backend::{EGRESS_PROXY_URL as PROXY_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
+use crate::lane::{EGRESS_PROXY_URL as PROXY_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
 /// The node's egress proxy, as the core uses it: checking what a run asks
 /// for, and serving one run's proxy on a listener inside its namespace.

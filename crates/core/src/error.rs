@@ -3,7 +3,7 @@
 use runbox_types::ErrorCode;
 use ulid::Ulid;
 
-use crate::backend::BackendError;
+use crate::lane::LaneError;
 use crate::lease::LeaseError;
 
 /// Everything a core operation can fail with.
@@ -49,10 +49,10 @@ pub enum CoreError {
     /// The run's agent misbehaved or did not answer.
     #[error("the run's agent failed: {0}")]
     Agent(String),
-    /// The isolation backend failed, or cannot do what was asked on this
+    /// The isolation lane failed, or cannot do what was asked on this
     /// host; its own message says which (a 4xx shows it to the caller).
     #[error(transparent)]
-    Backend(#[from] BackendError),
+    Lane(#[from] LaneError),
     /// The state store failed.
     #[error("the state store failed: {0}")]
     Store(String),
@@ -100,10 +100,8 @@ impl CoreError {
                 LeaseError::NotLeased { .. } => ErrorCode::NotLeased,
             },
             CoreError::Agent(_) => ErrorCode::AgentUnavailable,
-            CoreError::Backend(BackendError::Unsupported(_)) => ErrorCode::NetworkUnsupported,
-            CoreError::Backend(_) | CoreError::Store(_) | CoreError::Io { .. } => {
-                ErrorCode::Internal
-            }
+            CoreError::Lane(LaneError::Unsupported(_)) => ErrorCode::NetworkUnsupported,
+            CoreError::Lane(_) | CoreError::Store(_) | CoreError::Io { .. } => ErrorCode::Internal,
         }
     }
 }

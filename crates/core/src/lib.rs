@@ -4,21 +4,21 @@
 //! * [`runs::Manager`] keeps the registry of runs; each run has one owner
 //!   task driving its lifecycle state machine ([`runs::phase`]), and exec
 //!   and files go through each run's agent ([`runs::relay`]).
-//! * [`backend::Backend`] is the boundary to an isolation lane (OCI runtimes
-//!   today, microVMs later); backends live in other crates.
+//! * [`lane::Lane`] is the boundary to an isolation lane (OCI runtimes
+//!   today, microVMs later); lanes live in other crates.
 //! * [`store::Store`] persists run records so runs survive a daemon restart.
 //! * [`images::ImageStore`] holds imported root filesystems.
 //! * [`validate`] holds the input rules the API enforces.
 //!
 //! It does not own sockets to clients, HTTP, or any runtime binary.
 
-pub mod backend;
 mod catalog;
 pub mod config;
 mod durable;
 pub mod egress;
 pub mod error;
 pub mod images;
+pub mod lane;
 pub mod lease;
 pub mod pools;
 pub mod preview;
@@ -28,8 +28,8 @@ pub mod store;
 pub mod validate;
 pub mod warm;
 
-pub use backend::Backend;
 pub use config::Config;
 pub use error::CoreError;
+pub use lane::Lane;
 pub use runs::Manager;
 pub use service::RunService;

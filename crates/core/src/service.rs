@@ -59,7 +59,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
         to: Option<time::OffsetDateTime>,
     ) -> Result<Vec<crate::runs::UsageSample>, CoreError>;
     /// What a running run uses now (None where it is not measured).
-    fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError>;
+    fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError>;
     /// Destroys a run.
     fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Sets a run's expiry to now + `ttl_sec`.
@@ -314,7 +314,7 @@ impl RunService for Arc<Manager> {
         Manager::image_config(self, id)
     }
 
-    fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
+    fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError> {
         Manager::usage(self, id)
     }
 

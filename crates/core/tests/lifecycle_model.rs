@@ -1,6 +1,6 @@
 //! The run lifecycle against a model: random sequences of API calls, clients
 //! that hang up, sandboxes that die, time passing and daemon restarts, on a
-//! [`Manager`] whose backend is a stand-in: each "sandbox" is an agent served
+//! [`Manager`] whose lane is a stand-in: each "sandbox" is an agent served
 //! in-process on a Unix socket (exec echoes, files live in memory). After
 //! every step the invariants below hold.
 //!
@@ -8,7 +8,7 @@
 //! 1. Every run is in exactly one phase: listed once, `running` or `failed`
 //!    (nothing is left `creating` when no create is in flight).
 //! 2. The runs the API lists, the records in the store and the sandboxes
-//!    the backend holds are the same set, and equal the model's live runs
+//!    the lane holds are the same set, and equal the model's live runs
 //!    (capacity is the registry's size, so it equals the live runs too).
 //! 3. A deleted (or expired) run never answers again: get, exec, renew and
 //!    lease say `run_not_found`, after restarts too, and no late write
@@ -33,8 +33,10 @@ use futures::StreamExt;
 use proptest::prelude::*;
 use runbox_agent_proto::pb;
 use runbox_agent_proto::pb::agent_server::{Agent, AgentServer};
-use runbox_core::backend::{Backend, BackendError, ExitWatch, Sandbox, SandboxSpec};
 use runbox_core::images::ImageStore;
+use runbox_core::lane::{
+    AgentEndpoint, Capabilities, ExitWatch, Lane, LaneError, Sandbox, SandboxSpec, Support,
+};
 use runbox_core::runs::{ExecEvent, Scope};
 use runbox_core::store::Store;
 use runbox_core::{Config, CoreError, Manager, RunService};
@@ -227,7 +229,7 @@ impl Agent for FakeAgent {
 }
 
 // ---------------------------------------------------------------------------
-// The stand-in backend. Its sandboxes run on the "kernel" runtime, which
+// The stand-in lane. Its sandboxes run on the "kernel" runtime, which
 // outlives daemon restarts, as real runs outlive the daemon.
 
 struct FakeSandbox {
@@ -235,25 +237,56 @@ struct FakeSandbox {
     died: watch::Sender<Option<String>>,
 }
 
-struct FakeBackend {
+struct FakeLane(Arc<FakeKernel>);
+
+/// The fake sandboxes, shared by the lane and every handle.
+struct FakeKernel {
     kernel: tokio::runtime::Handle,
     dir: PathBuf,
     sandboxes: Mutex<HashMap<Ulid, FakeSandbox>>,
+    capabilities: Capabilities,
 }
 
-impl FakeBackend {
+/// A handle on one fake sandbox, by id.
+struct FakeHandle {
+    kernel: Arc<FakeKernel>,
+    id: Ulid,
+}
+
+impl FakeLane {
+    fn new(kernel: tokio::runtime::Handle, dir: PathBuf) -> FakeLane {
+        let mut capabilities = Capabilities::none("the fake lane cannot");
+        capabilities.disk_limit = Support::Yes;
+        capabilities.exit_watch = Support::Yes;
+        FakeLane(Arc::new(FakeKernel {
+            kernel,
+            dir,
+            sandboxes: Mutex::new(HashMap::new()),
+            capabilities,
+        }))
+    }
+
     fn live(&self) -> BTreeSet<Ulid> {
-        self.sandboxes.lock().unwrap().keys().copied().collect()
+        self.0.sandboxes.lock().unwrap().keys().copied().collect()
     }
 
     /// The sandbox's init dies on its own.
     fn kill(&self, id: Ulid) {
-        if let Some(sandbox) = self.sandboxes.lock().unwrap().get(&id) {
+        if let Some(sandbox) = self.0.sandboxes.lock().unwrap().get(&id) {
             sandbox.server.abort();
             let _ = sandbox.died.send(Some("the fake init was killed".into()));
         }
     }
 
+    fn handle(&self, id: Ulid) -> Arc<FakeHandle> {
+        Arc::new(FakeHandle {
+            kernel: self.0.clone(),
+            id,
+        })
+    }
+}
+
+impl FakeKernel {
     fn remove(&self, id: Ulid) {
         if let Some(sandbox) = self.sandboxes.lock().unwrap().remove(&id) {
             sandbox.server.abort();
@@ -263,23 +296,23 @@ impl FakeBackend {
 }
 
 #[async_trait]
-impl Backend for FakeBackend {
+impl Lane for FakeLane {
     fn name(&self) -> String {
         "fake".into()
     }
 
-    fn check_disk(&self) -> Result<(), String> {
-        Ok(())
+    fn capabilities(&self) -> &Capabilities {
+        &self.0.capabilities
     }
 
-    async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
-        let socket = self.dir.join(format!("{}.sock", spec.id));
+    async fn create(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
+        let socket = self.0.dir.join(format!("{}.sock", spec.id));
         let listener = std::os::unix::net::UnixListener::bind(&socket)
-            .map_err(BackendError::io("binding the fake agent socket"))?;
+            .map_err(LaneError::io("binding the fake agent socket"))?;
         listener
             .set_nonblocking(true)
-            .map_err(BackendError::io("nonblocking"))?;
-        let server = self.kernel.spawn(async move {
+            .map_err(LaneError::io("nonblocking"))?;
+        let server = self.0.kernel.spawn(async move {
             let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
             let _ = tonic::transport::Server::builder()
                 .add_service(AgentServer::new(FakeAgent::default()))
@@ -287,46 +320,66 @@ impl Backend for FakeBackend {
                 .await;
         });
         let (died, _) = watch::channel(None);
-        self.sandboxes
+        self.0
+            .sandboxes
             .lock()
             .unwrap()
             .insert(spec.id, FakeSandbox { server, died });
-        Ok(Sandbox {
-            runtime: "fake".into(),
-            agent_socket: socket,
-        })
+        Ok(self.handle(spec.id))
     }
 
-    async fn destroy(&self, id: Ulid) -> Result<(), BackendError> {
-        self.remove(id);
-        Ok(())
+    fn sandbox(&self, id: Ulid) -> Arc<dyn Sandbox> {
+        self.handle(id)
     }
 
-    async fn is_alive(&self, id: Ulid) -> Result<bool, BackendError> {
-        Ok(self
+    async fn adopt(&self, id: Ulid) -> Result<Option<Arc<dyn Sandbox>>, LaneError> {
+        let alive = self
+            .0
             .sandboxes
             .lock()
             .unwrap()
             .get(&id)
-            .is_some_and(|s| s.died.borrow().is_none()))
+            .is_some_and(|s| s.died.borrow().is_none());
+        Ok(alive.then(|| self.sandbox(id)))
     }
 
-    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, BackendError> {
+    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, LaneError> {
         let doomed: Vec<Ulid> = self
             .live()
             .into_iter()
             .filter(|id| !keep.contains(id))
             .collect();
         for id in &doomed {
-            self.remove(*id);
+            self.0.remove(*id);
         }
         Ok(doomed)
     }
+}
 
-    async fn watch_exit(&self, id: Ulid) -> Result<ExitWatch, BackendError> {
-        let mut rx = match self.sandboxes.lock().unwrap().get(&id) {
+#[async_trait]
+impl Sandbox for FakeHandle {
+    fn id(&self) -> Ulid {
+        self.id
+    }
+
+    fn runtime(&self) -> String {
+        "fake".into()
+    }
+
+    fn agent(&self) -> AgentEndpoint {
+        AgentEndpoint::Unix(self.kernel.dir.join(format!("{}.sock", self.id)))
+    }
+
+    async fn destroy(&self) -> Result<(), LaneError> {
+        self.kernel.remove(self.id);
+        Ok(())
+    }
+
+    async fn watch_exit(&self) -> Result<ExitWatch, LaneError> {
+        let id = self.id;
+        let mut rx = match self.kernel.sandboxes.lock().unwrap().get(&id) {
             Some(sandbox) => sandbox.died.subscribe(),
-            None => return Err(BackendError::Failed(format!("no sandbox {id}"))),
+            None => return Err(LaneError::Failed(format!("no sandbox {id}"))),
         };
         Ok(Box::pin(async move {
             match rx.wait_for(|reason| reason.is_some()).await {
@@ -350,7 +403,7 @@ struct Daemon {
 struct World {
     /// Where the sandboxes' agents run; kept for the world's lifetime.
     _kernel: tokio::runtime::Runtime,
-    backend: Arc<FakeBackend>,
+    lane: Arc<FakeLane>,
     dir: tempfile::TempDir,
     daemon: Option<Daemon>,
     /// Daemon lifetimes so far; each opens its own copy of the database.
@@ -367,14 +420,10 @@ impl World {
             .unwrap();
         let sockets = dir.path().join("sockets");
         std::fs::create_dir(&sockets).unwrap();
-        let backend = Arc::new(FakeBackend {
-            kernel: kernel.handle().clone(),
-            dir: sockets,
-            sandboxes: Mutex::new(HashMap::new()),
-        });
+        let lane = Arc::new(FakeLane::new(kernel.handle().clone(), sockets));
         let mut world = World {
             _kernel: kernel,
-            backend,
+            lane,
             dir,
             daemon: None,
             lifetimes: 0,
@@ -411,13 +460,11 @@ impl World {
             std::fs::copy(previous, &db).unwrap();
         }
         self.lifetimes += 1;
-        let backend: Arc<dyn Backend> = self.backend.clone();
+        let lane: Arc<dyn Lane> = self.lane.clone();
         let manager = rt.block_on(async move {
             let store = Store::open(&db).unwrap();
             let images = ImageStore::open(state.join("images"), 1 << 30).unwrap();
-            Manager::start(config, backend, store, images)
-                .await
-                .unwrap()
+            Manager::start(config, lane, store, images).await.unwrap()
         });
         self.daemon = Some(Daemon {
             rt,
@@ -802,7 +849,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             if !model.live.contains_key(&id) {
                 return Ok(());
             }
-            world.backend.kill(id);
+            world.lane.kill(id);
             let failed = world.block_on(async {
                 let deadline = Instant::now() + Duration::from_secs(3);
                 while Instant::now() < deadline {
@@ -849,7 +896,7 @@ fn expired(model: &Model, id: Ulid) -> bool {
 }
 
 /// Waits until no run is being created or destroyed: the listing, the
-/// capacity in use and the backend's sandboxes agree. Returns whether they
+/// capacity in use and the lane's sandboxes agree. Returns whether they
 /// came to agree.
 async fn settle(world: &World) -> bool {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -858,7 +905,7 @@ async fn settle(world: &World) -> bool {
         let runs = m.list();
         let listed: BTreeSet<Ulid> = runs.iter().map(|r| r.id).collect();
         let creating = runs.iter().any(|r| r.status == RunStatus::Creating);
-        if !creating && listed == world.backend.live() && m.capacity_used() == listed.len() {
+        if !creating && listed == world.lane.live() && m.capacity_used() == listed.len() {
             return true;
         }
         if Instant::now() > deadline {
@@ -895,12 +942,12 @@ fn check_invariants(world: &mut World, model: &mut Model) -> Result<(), TestCase
             "run {id} outlived its TTL"
         );
     }
-    // 2. Listing == backend == model.
+    // 2. Listing == lane == model.
     prop_assert!(
         settled,
         "never settled: listed {:?}, sandboxes {:?}",
         listed,
-        world.backend.live()
+        world.lane.live()
     );
     let model_live: BTreeSet<Ulid> = model.live.keys().copied().collect();
     prop_assert_eq!(
@@ -943,7 +990,7 @@ fn run_case(ops: &[Op]) -> Result<(), TestCaseError> {
         model.forget(id);
     }
     check_invariants(&mut world, &mut model)?;
-    prop_assert!(world.backend.live().is_empty());
+    prop_assert!(world.lane.live().is_empty());
     Ok(())
 }
 

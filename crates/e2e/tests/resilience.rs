@@ -77,7 +77,7 @@ fn refused<T>(result: Result<T, ClientError>) -> ClientError {
     }
 }
 
-/// Entries of the backend's runs directory.
+/// Entries of the lane's runs directory.
 fn run_dirs(state: &Path) -> Vec<String> {
     std::fs::read_dir(state.join("runs"))
         .map(|d| {

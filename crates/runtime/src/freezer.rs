@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use runbox_core::backend::BackendError;
+use runbox_core::lane::LaneError;
 use ulid::Ulid;
 
 /// How long the kernel gets to freeze every task of a run.
@@ -30,7 +30,7 @@ enum Kind {
 
 impl Freezer {
     /// The freezer of run `id`, which must exist.
-    pub(crate) fn of(id: Ulid) -> Result<Freezer, BackendError> {
+    pub(crate) fn of(id: Ulid) -> Result<Freezer, LaneError> {
         let v1 = PathBuf::from(format!("/sys/fs/cgroup/freezer/runbox/{id}/freezer.state"));
         if v1.exists() {
             return Ok(Freezer { kind: Kind::V1(v1) });
@@ -39,7 +39,7 @@ impl Freezer {
         if v2.join("cgroup.freeze").exists() {
             return Ok(Freezer { kind: Kind::V2(v2) });
         }
-        Err(BackendError::Failed(format!(
+        Err(LaneError::Failed(format!(
             "run {id} has no cgroup freezer (neither {} nor {})",
             v1.display(),
             v2.join("cgroup.freeze").display()
@@ -47,7 +47,7 @@ impl Freezer {
     }
 
     /// Freezes every task and waits until the kernel says they all are.
-    pub(crate) async fn freeze(&self) -> Result<(), BackendError> {
+    pub(crate) async fn freeze(&self) -> Result<(), LaneError> {
         match &self.kind {
             Kind::V1(state) => write(state, "FROZEN")?,
             Kind::V2(dir) => write(&dir.join("cgroup.freeze"), "1")?,
@@ -60,7 +60,7 @@ impl Freezer {
             }
             if Instant::now() > deadline {
                 let _ = self.thaw();
-                return Err(BackendError::Failed(format!(
+                return Err(LaneError::Failed(format!(
                     "the run's tasks did not freeze within {FREEZE_TIMEOUT:?}"
                 )));
             }
@@ -69,7 +69,7 @@ impl Freezer {
         }
     }
 
-    fn frozen(&self) -> Result<bool, BackendError> {
+    fn frozen(&self) -> Result<bool, LaneError> {
         match &self.kind {
             Kind::V1(state) => Ok(read(state)?.trim() == "FROZEN"),
             Kind::V2(dir) => Ok(read(&dir.join("cgroup.events"))?
@@ -79,7 +79,7 @@ impl Freezer {
     }
 
     /// Lets the tasks run again.
-    pub(crate) fn thaw(&self) -> Result<(), BackendError> {
+    pub(crate) fn thaw(&self) -> Result<(), LaneError> {
         match &self.kind {
             Kind::V1(state) => write(state, "THAWED"),
             Kind::V2(dir) => write(&dir.join("cgroup.freeze"), "0"),
@@ -87,10 +87,10 @@ impl Freezer {
     }
 }
 
-fn write(path: &std::path::Path, value: &str) -> Result<(), BackendError> {
-    std::fs::write(path, value).map_err(BackendError::io(format!("writing {}", path.display())))
+fn write(path: &std::path::Path, value: &str) -> Result<(), LaneError> {
+    std::fs::write(path, value).map_err(LaneError::io(format!("writing {}", path.display())))
 }
 
-fn read(path: &std::path::Path) -> Result<String, BackendError> {
-    std::fs::read_to_string(path).map_err(BackendError::io(format!("reading {}", path.display())))
+fn read(path: &std::path::Path) -> Result<String, LaneError> {
+    std::fs::read_to_string(path).map_err(LaneError::io(format!("reading {}", path.display())))
 }

@@ -1,4 +1,4 @@
-//! Isolation drivers behind [`runbox_core::Backend`].
+//! Isolation lanes behind [`runbox_core::Lane`].
 //!
 //! Today one lane: OCI runtimes (`runc`, `crun`, `runsc`) driven through
 //! their command-line interface, with overlayfs roots and a network namespace
@@ -21,7 +21,7 @@ mod usage;
 pub mod watch;
 
 pub use netns::{bind_in_netns, EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
-pub use oci::{OciBackend, OciOptions};
+pub use oci::{OciLane, OciOptions};
 pub use open_net::{OpenPool, Subnet};
 pub use probe::{select, NoRuntime, Runtime};
 pub use trust::{EXTRA_CA_PATH, TRUST_BUNDLE_PATH};

@@ -22,7 +22,7 @@ use std::path::Path;
 use rustix::net::{AddressFamily, SocketFlags, SocketType};
 use rustix::thread::LinkNameSpaceType;
 
-pub use runbox_core::backend::{EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
+pub use runbox_core::lane::{EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
 
 /// Pending connections the kernel queues on a listener made here.
 const BACKLOG: i32 = 1024;

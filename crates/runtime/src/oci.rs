@@ -31,13 +31,13 @@
 //! the cgroup `/runbox/<id>` and the runtime's container `runbox-<id>` (state
 //! under `<state-dir>/oci/<runtime>`); for open runs also a veth pair and an
 //! nftables set element (see [`crate::open_net`]). Every one of them is
-//! named after the run id, so [`Backend::sweep`] can find and remove what a
+//! named after the run id, so [`Lane::sweep`] can find and remove what a
 //! crash left behind.
 //!
 //! Network tiers: `none` and `allowlist` runs get the same namespace, with
 //! loopback only: no other interface, no route. An `allowlist` run reaches
 //! the outside only through the egress proxy, whose listening socket
-//! [`Backend::egress_listener`] creates on the run's own loopback
+//! [`Sandbox::egress_listener`] creates on the run's own loopback
 //! ([`crate::netns::EGRESS_PROXY_ADDR`]) for the daemon to serve. `open`
 //! runs get a veth pair and NAT ([`crate::open_net`]); when the host cannot
 //! do that (no nftables), creating one fails rather than falling back to
@@ -65,8 +65,12 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
-use runbox_core::backend::{Backend, BackendError, Capture, ExitWatch, Sandbox, SandboxSpec};
+use runbox_core::lane::{
+    AgentEndpoint, Capabilities, Capture, ExitWatch, Lane, LaneError, Sandbox, SandboxSpec, Support,
+};
 use runbox_core::runs::error_chain;
 use runbox_types::NetworkTier;
 use tokio::process::Command;
@@ -88,7 +92,7 @@ const RUNTIME_TIMEOUT: Duration = Duration::from_secs(60);
 /// Environment of the agent process itself (commands get their own).
 const AGENT_ENV: &[&str] = &["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"];
 
-/// Host-wide settings of an [`OciBackend`].
+/// Host-wide settings of an [`OciLane`].
 #[derive(Clone, Debug)]
 pub struct OciOptions {
     /// The IPv4 network open runs take a /30 each from
@@ -110,41 +114,53 @@ impl Default for OciOptions {
     }
 }
 
-/// The OCI runtime backend.
-pub struct OciBackend {
+/// The OCI runtime lane. Cheap to share: its sandboxes' handles
+/// ([`OciSandbox`]) hold the same state.
+pub struct OciLane(Arc<Shared>);
+
+/// What the lane and every handle of its sandboxes share.
+struct Shared {
     runtime: Runtime,
     state_dir: PathBuf,
     agent_binary: PathBuf,
     swap_limit: bool,
     open: OpenNet,
     storage: RunStorage,
+    capabilities: Capabilities,
 }
 
-impl OciBackend {
-    /// A backend that starts runs with `runtime` and keeps its files under
+/// One sandbox of the OCI lane, by its run's id: everything about it is
+/// found from the id (its directory, container, namespace and cgroup).
+pub struct OciSandbox {
+    lane: Arc<Shared>,
+    id: Ulid,
+}
+
+impl OciLane {
+    /// A lane that starts runs with `runtime` and keeps its files under
     /// `state_dir`. `agent_binary` must be the static runbox-agent. Default
     /// [`OciOptions`].
     pub fn new(
         runtime: Runtime,
         state_dir: PathBuf,
         agent_binary: PathBuf,
-    ) -> Result<OciBackend, BackendError> {
-        OciBackend::with_options(runtime, state_dir, agent_binary, OciOptions::default())
+    ) -> Result<OciLane, LaneError> {
+        OciLane::with_options(runtime, state_dir, agent_binary, OciOptions::default())
     }
 
-    /// [`OciBackend::new`] with explicit options. Probes once whether the
-    /// host can give runs the open tier (see [`Backend::check_network`]).
+    /// [`OciLane::new`] with explicit options. Probes once whether the
+    /// host can give runs the open tier (see [`Capabilities::open`]).
     pub fn with_options(
         runtime: Runtime,
         state_dir: PathBuf,
         agent_binary: PathBuf,
         options: OciOptions,
-    ) -> Result<OciBackend, BackendError> {
+    ) -> Result<OciLane, LaneError> {
         for path in [&state_dir, &agent_binary] {
             check_mount_safe(path)?;
         }
         if !open_net::valid_table_name(&options.nft_table) {
-            return Err(BackendError::Failed(format!(
+            return Err(LaneError::Failed(format!(
                 "invalid nftables table name {:?}: use a letter, then up to 31 letters, digits or '_'",
                 options.nft_table
             )));
@@ -154,35 +170,65 @@ impl OciBackend {
             .recursive(true)
             .mode(0o700)
             .create(&runs)
-            .map_err(BackendError::io(format!("creating {}", runs.display())))?;
+            .map_err(LaneError::io(format!("creating {}", runs.display())))?;
         let open = OpenNet::new(options.open_pool, options.nft_table, &runs);
         let storage = RunStorage::detect(&runs);
-        Ok(OciBackend {
+        let support = |why: Option<&str>| match why {
+            None => Support::Yes,
+            Some(why) => Support::No(why.to_owned()),
+        };
+        let capabilities = Capabilities {
+            allowlist: Support::Yes,
+            open: support(open.unsupported()),
+            disk_limit: support(storage.limits_unsupported()),
+            warm_volumes: Support::Yes,
+            capture: Support::Yes,
+            exit_watch: Support::Yes,
+            dial: Support::Yes,
+            suspend: Support::Yes,
+        };
+        Ok(OciLane(Arc::new(Shared {
             runtime,
             state_dir,
             agent_binary,
             swap_limit: host_has_swap_accounting(),
             open,
             storage,
-        })
+            capabilities,
+        })))
     }
 
     /// How runs' writable layers are stored, and whether they can be limited.
     pub fn storage(&self) -> &RunStorage {
-        &self.storage
+        &self.0.storage
     }
 
     /// Why open-tier runs cannot be created on this host, if they cannot.
     pub fn open_unsupported(&self) -> Option<&str> {
-        self.open.unsupported()
+        self.0.open.unsupported()
     }
 
     /// The /30 of open run `id` (its address is [`Subnet::run`], its gateway
     /// [`Subnet::host`]); None for other runs.
     pub fn open_subnet(&self, id: Ulid) -> Option<Subnet> {
-        self.open.subnet_of(id)
+        self.0.open.subnet_of(id)
     }
 
+    /// The runtime new runs use.
+    pub fn runtime(&self) -> &Runtime {
+        &self.0.runtime
+    }
+
+    /// The concrete handle of run `id`'s sandbox.
+    pub fn oci_sandbox(&self, id: Ulid) -> OciSandbox {
+        OciSandbox {
+            lane: self.0.clone(),
+            id,
+        }
+    }
+}
+
+impl Shared {
     /// The network tier run `id` was created with; None when there is no
     /// such run.
     fn network_of(&self, id: Ulid) -> Option<NetworkTier> {
@@ -195,11 +241,6 @@ impl OciBackend {
             Err(_) if dir.join("runtime").exists() => Some(NetworkTier::None),
             Err(_) => None,
         }
-    }
-
-    /// The runtime new runs use.
-    pub fn runtime(&self) -> &Runtime {
-        &self.runtime
     }
 
     fn run_dir(&self, id: Ulid) -> PathBuf {
@@ -222,20 +263,20 @@ impl OciBackend {
         }
     }
 
-    async fn create_steps(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
+    async fn create_steps(&self, spec: &SandboxSpec) -> Result<(), LaneError> {
         let id = spec.id;
         let dir = self.run_dir(id);
         // Fail closed before anything exists: never a different tier.
         if spec.network == NetworkTier::Open {
             if let Some(why) = self.open.unsupported() {
-                return Err(BackendError::Unsupported(why.to_owned()));
+                return Err(LaneError::Unsupported(why.to_owned()));
             }
         }
         // 1. The directory, which runtime owns the run, and its tier.
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&dir)
-            .map_err(BackendError::io(format!("creating {}", dir.display())))?;
+            .map_err(LaneError::io(format!("creating {}", dir.display())))?;
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
         write(&dir.join("network"), spec.network.as_str().as_bytes())?;
         // 2. The run's disk and overlay root, and 3. the network namespace,
@@ -252,9 +293,9 @@ impl OciBackend {
         // 4. The agent's socket.
         let socket = dir.join("agent.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket)
-            .map_err(BackendError::io(format!("binding {}", socket.display())))?;
+            .map_err(LaneError::io(format!("binding {}", socket.display())))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
-            .map_err(BackendError::io("restricting the agent socket"))?;
+            .map_err(LaneError::io("restricting the agent socket"))?;
         // 5. The bundle config.
         let agent_args = ["--listen-fd".to_owned(), "3".to_owned()];
         let env: Vec<String> = AGENT_ENV.iter().map(|s| s.to_string()).collect();
@@ -296,9 +337,9 @@ impl OciBackend {
             },
         };
         let config = spec::build(&params)
-            .map_err(|e| BackendError::Failed(format!("building the OCI config: {e}")))?;
+            .map_err(|e| LaneError::Failed(format!("building the OCI config: {e}")))?;
         let json =
-            serde_json::to_vec_pretty(&config).map_err(|e| BackendError::Failed(e.to_string()))?;
+            serde_json::to_vec_pretty(&config).map_err(|e| LaneError::Failed(e.to_string()))?;
         write(&dir.join("config.json"), &json)?;
         // 6. Start it, handing over the socket.
         let log = dir.join("runtime.log");
@@ -313,20 +354,17 @@ impl OciBackend {
         pass_fd_as_3(&mut cmd, listener.as_raw_fd());
         run_checked(cmd, &log, "starting the container").await?;
         drop(listener);
-        Ok(Sandbox {
-            runtime: self.runtime.name.clone(),
-            agent_socket: socket,
-        })
+        Ok(())
     }
 
-    /// Step 2 of [`OciBackend::create_steps`]: the run's disk, the overlay
+    /// Step 2 of [`Shared::create_steps`]: the run's disk, the overlay
     /// root on `rootfs/`, the trust files and the warm volume; returns the
     /// root and those.
     fn make_root(
         &self,
         spec: &SandboxSpec,
         dir: &Path,
-    ) -> Result<(PathBuf, Option<trust::TrustFiles>, Option<PathBuf>), BackendError> {
+    ) -> Result<(PathBuf, Option<trust::TrustFiles>, Option<PathBuf>), LaneError> {
         let limit = spec.limits.disk_mb.map(|mb| mb << 20);
         let rootfs = dir.join("rootfs");
         let disk = match &spec.seed {
@@ -339,7 +377,7 @@ impl OciBackend {
             match std::fs::create_dir(d) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && spec.seed.is_some() => {}
-                Err(e) => return Err(BackendError::io(format!("creating {}", d.display()))(e)),
+                Err(e) => return Err(LaneError::io(format!("creating {}", d.display()))(e)),
             }
         }
         // /work is every run's default directory; it exists even when the
@@ -348,7 +386,7 @@ impl OciBackend {
             .recursive(true)
             .mode(0o755)
             .create(upper.join("work"))
-            .map_err(BackendError::io("creating /work in the run's layer"))?;
+            .map_err(LaneError::io("creating /work in the run's layer"))?;
         for layer in &spec.image_layers {
             check_mount_safe(layer)?;
         }
@@ -358,7 +396,7 @@ impl OciBackend {
         let trust_files = match &spec.trust_pem {
             Some(pem) => Some(
                 trust::write_trust_files(dir, &rootfs, pem)
-                    .map_err(|e| BackendError::Failed(error_chain(&e)))?,
+                    .map_err(|e| LaneError::Failed(error_chain(&e)))?,
             ),
             None => None,
         };
@@ -369,7 +407,7 @@ impl OciBackend {
         Ok((rootfs, trust_files, volume))
     }
 
-    async fn destroy_steps(&self, id: Ulid) -> Result<(), BackendError> {
+    async fn destroy_steps(&self, id: Ulid) -> Result<(), LaneError> {
         let dir = self.run_dir(id);
         let runtime = self.runtime_of(id);
         let root = self.runtime_root(&runtime.name);
@@ -391,7 +429,7 @@ impl OciBackend {
             if runtime.may_have_container(&root, &cid).await
                 && runtime.has_container(&root, &cid).await
             {
-                return Err(BackendError::Failed(format!(
+                return Err(LaneError::Failed(format!(
                     "{} could not delete container {cid}: {}",
                     runtime.name,
                     out.err().unwrap_or_default()
@@ -406,7 +444,7 @@ impl OciBackend {
                 // keep the run alive; the kernel frees the mount when it
                 // lets go.
                 rustix::mount::unmount(mount, rustix::mount::UnmountFlags::DETACH).map_err(
-                    |e| BackendError::Failed(format!("unmounting {}: {e}", mount.display())),
+                    |e| LaneError::Failed(format!("unmounting {}: {e}", mount.display())),
                 )?;
             }
         }
@@ -417,7 +455,7 @@ impl OciBackend {
         remove_cgroups(id).await;
         for mount in [&volume, &rootfs] {
             if is_mount_point(mount) {
-                return Err(BackendError::Failed(format!(
+                return Err(LaneError::Failed(format!(
                     "{} is still mounted",
                     mount.display()
                 )));
@@ -427,7 +465,7 @@ impl OciBackend {
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(BackendError::io(format!("removing {}", dir.display()))(e)),
+            Err(e) => return Err(LaneError::io(format!("removing {}", dir.display()))(e)),
         }
         // Only now: while net.json exists the /30 counts as taken, so a
         // crash before this point cannot hand it to two runs.
@@ -437,39 +475,17 @@ impl OciBackend {
 }
 
 #[async_trait]
-impl Backend for OciBackend {
+impl Lane for OciLane {
     fn name(&self) -> String {
-        format!("oci/{}", self.runtime.name)
+        format!("oci/{}", self.0.runtime.name)
     }
 
-    fn check_network(&self, tier: NetworkTier) -> Result<(), String> {
-        match (tier, self.open.unsupported()) {
-            (NetworkTier::Open, Some(why)) => Err(why.to_owned()),
-            _ => Ok(()),
-        }
-    }
-
-    fn check_disk(&self) -> Result<(), String> {
-        match self.storage.limits_unsupported() {
-            None => Ok(()),
-            Some(why) => Err(why.to_owned()),
-        }
-    }
-
-    fn disk_used(&self, id: Ulid) -> Option<u64> {
-        self.storage.used_bytes(&self.run_dir(id))
-    }
-
-    fn usage(&self, id: Ulid) -> Option<runbox_core::backend::Usage> {
-        crate::usage::of(id)
-    }
-
-    fn check_warm(&self) -> Result<(), String> {
-        Ok(())
+    fn capabilities(&self) -> &Capabilities {
+        &self.0.capabilities
     }
 
     fn storage(&self) -> Option<runbox_types::StorageInfo> {
-        let st = rustix::fs::statvfs(self.state_dir.join("runs")).ok()?;
+        let st = rustix::fs::statvfs(self.0.state_dir.join("runs")).ok()?;
         let block = st.f_frsize;
         Some(runbox_types::StorageInfo {
             used_bytes: st.f_blocks.saturating_sub(st.f_bfree) * block,
@@ -477,16 +493,11 @@ impl Backend for OciBackend {
         })
     }
 
-    fn warm_volume(&self, id: Ulid) -> Option<PathBuf> {
-        let volume = self.run_dir(id).join(WARM_DIR);
-        is_mount_point(&volume).then_some(volume)
-    }
-
-    async fn create(&self, spec: &SandboxSpec) -> Result<Sandbox, BackendError> {
-        match self.create_steps(spec).await {
-            Ok(sandbox) => Ok(sandbox),
+    async fn create(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
+        match self.0.create_steps(spec).await {
+            Ok(()) => Ok(Arc::new(self.oci_sandbox(spec.id))),
             Err(e) => {
-                if let Err(cleanup) = self.destroy_steps(spec.id).await {
+                if let Err(cleanup) = self.0.destroy_steps(spec.id).await {
                     tracing::error!(run = %spec.id, error = %cleanup, "cleaning up a failed create");
                 }
                 Err(e)
@@ -494,34 +505,36 @@ impl Backend for OciBackend {
         }
     }
 
-    async fn destroy(&self, id: Ulid) -> Result<(), BackendError> {
-        self.destroy_steps(id).await
+    fn sandbox(&self, id: Ulid) -> Arc<dyn Sandbox> {
+        Arc::new(self.oci_sandbox(id))
     }
 
     /// A run a dead daemon left frozen (it died in the middle of a capture)
     /// is thawed first: the runtime would report it `paused`, and its agent
     /// could not answer.
-    async fn is_alive(&self, id: Ulid) -> Result<bool, BackendError> {
+    async fn adopt(&self, id: Ulid) -> Result<Option<Arc<dyn Sandbox>>, LaneError> {
         if let Ok(freezer) = crate::freezer::Freezer::of(id) {
             if let Err(e) = freezer.thaw() {
                 tracing::warn!(run = %id, error = %e, "could not thaw a run");
             }
         }
-        let runtime = self.runtime_of(id);
-        let root = self.runtime_root(&runtime.name);
-        Ok(runtime.status(&root, &container_id(id)).await.as_deref() == Some("running"))
+        let runtime = self.0.runtime_of(id);
+        let root = self.0.runtime_root(&runtime.name);
+        let running = runtime.status(&root, &container_id(id)).await.as_deref() == Some("running");
+        Ok(running.then(|| self.sandbox(id)))
     }
 
-    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, BackendError> {
+    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, LaneError> {
+        let lane = &self.0;
         let mut doomed = HashSet::new();
         // Run directories nobody claims.
-        let runs = self.state_dir.join("runs");
+        let runs = lane.state_dir.join("runs");
         // Captures a dead daemon left half-used; none is in progress yet.
         crate::storage::remove_all_captures(&runs);
         for entry in std::fs::read_dir(&runs)
-            .map_err(BackendError::io(format!("reading {}", runs.display())))?
+            .map_err(LaneError::io(format!("reading {}", runs.display())))?
         {
-            let entry = entry.map_err(BackendError::io("reading the runs directory"))?;
+            let entry = entry.map_err(LaneError::io("reading the runs directory"))?;
             match entry
                 .file_name()
                 .to_str()
@@ -539,7 +552,7 @@ impl Backend for OciBackend {
             }
         }
         // Containers nobody claims, in any runtime's root of this state dir.
-        let oci = self.state_dir.join("oci");
+        let oci = lane.state_dir.join("oci");
         if let Ok(entries) = std::fs::read_dir(&oci) {
             for entry in entries.flatten() {
                 let name = entry.file_name().to_string_lossy().into_owned();
@@ -560,7 +573,7 @@ impl Backend for OciBackend {
         }
         let mut swept = Vec::new();
         for id in doomed {
-            match self.destroy_steps(id).await {
+            match lane.destroy_steps(id).await {
                 Ok(()) => swept.push(id),
                 Err(e) => {
                     tracing::error!(run = %id, error = %e, "could not remove a leftover sandbox")
@@ -570,27 +583,56 @@ impl Backend for OciBackend {
         // Open-tier leftovers no run directory names (and the table, when
         // no open run is left). Like a run that cannot be removed, this is
         // logged rather than hiding which runs were swept.
-        if let Err(e) = self.open.sweep(&runs).await {
+        if let Err(e) = lane.open.sweep(&runs).await {
             tracing::error!(error = %e, "could not remove leftover open-tier network state");
         }
         Ok(swept)
     }
+}
+
+#[async_trait]
+impl Sandbox for OciSandbox {
+    fn id(&self) -> Ulid {
+        self.id
+    }
+
+    fn runtime(&self) -> String {
+        self.lane.runtime_of(self.id).name
+    }
+
+    /// The socket the daemon bound in the run's directory (step 4).
+    fn agent(&self) -> AgentEndpoint {
+        AgentEndpoint::Unix(self.lane.run_dir(self.id).join("agent.sock"))
+    }
+
+    async fn destroy(&self) -> Result<(), LaneError> {
+        self.lane.destroy_steps(self.id).await
+    }
+
+    /// A pidfd on the container's init ([`crate::watch`]).
+    async fn watch_exit(&self) -> Result<ExitWatch, LaneError> {
+        let id = self.id;
+        let watch = crate::watch::open(&self.lane.run_dir(id), id)
+            .map_err(LaneError::io(format!("watching the init of run {id}")))?;
+        Ok(Box::pin(watch.exited()))
+    }
 
     /// Freezes the run, snapshots its disk subvolume (constant time: only
     /// metadata is written while it is frozen) and thaws it.
-    async fn capture(&self, id: Ulid) -> Result<Capture, BackendError> {
-        let dir = self.run_dir(id);
+    async fn capture(&self) -> Result<Capture, LaneError> {
+        let id = self.id;
+        let dir = self.lane.run_dir(id);
         if !dir.join(crate::storage::DISK_DIR).is_dir() {
-            return Err(BackendError::Unsupported(format!(
+            return Err(LaneError::Unsupported(format!(
                 "run {id} predates per-run disks and cannot be captured"
             )));
         }
-        let runs = self.state_dir.join("runs");
+        let runs = self.lane.state_dir.join("runs");
         let name = Ulid::new().to_string();
         let freezer = crate::freezer::Freezer::of(id)?;
         freezer.freeze().await?;
         let started = std::time::Instant::now();
-        let snapshot = self.storage.snapshot_disk(&dir, &runs, &name);
+        let snapshot = self.lane.storage.snapshot_disk(&dir, &runs, &name);
         let frozen = started.elapsed();
         let thawed = freezer.thaw();
         let copy = snapshot?;
@@ -618,11 +660,17 @@ impl Backend for OciBackend {
         .with_warm_upper(warm_upper))
     }
 
-    /// A pidfd on the container's init ([`crate::watch`]).
-    async fn watch_exit(&self, id: Ulid) -> Result<ExitWatch, BackendError> {
-        let watch = crate::watch::open(&self.run_dir(id), id)
-            .map_err(BackendError::io(format!("watching the init of run {id}")))?;
-        Ok(Box::pin(watch.exited()))
+    fn usage(&self) -> Option<runbox_core::lane::Usage> {
+        crate::usage::of(self.id)
+    }
+
+    fn disk_used(&self) -> Option<u64> {
+        self.lane.storage.used_bytes(&self.lane.run_dir(self.id))
+    }
+
+    fn warm_volume(&self) -> Option<PathBuf> {
+        let volume = self.lane.run_dir(self.id).join(WARM_DIR);
+        is_mount_point(&volume).then_some(volume)
     }
 
     /// Binds [`EGRESS_PROXY_ADDR`] inside the run's namespace. Refused for
@@ -631,17 +679,18 @@ impl Backend for OciBackend {
     ///
     /// Cancellation: the socket is made on a blocking thread; if this future
     /// is dropped, the socket is closed when that thread returns it.
-    async fn egress_listener(&self, id: Ulid) -> Result<std::net::TcpListener, BackendError> {
-        match self.network_of(id) {
+    async fn egress_listener(&self) -> Result<std::net::TcpListener, LaneError> {
+        let id = self.id;
+        match self.lane.network_of(id) {
             Some(NetworkTier::Allowlist) => {}
             Some(other) => {
-                return Err(BackendError::Unsupported(format!(
+                return Err(LaneError::Unsupported(format!(
                     "run {id} has network tier {}, which has no egress proxy",
                     other.as_str()
                 )))
             }
             None => {
-                return Err(BackendError::Failed(format!(
+                return Err(LaneError::Failed(format!(
                     "run {id} does not exist or has an unreadable network record"
                 )))
             }
@@ -650,26 +699,37 @@ impl Backend for OciBackend {
         let bind = netns.clone();
         tokio::task::spawn_blocking(move || bind_in_netns(&bind, EGRESS_PROXY_ADDR))
             .await
-            .map_err(|e| BackendError::Failed(format!("binding the egress listener: {e}")))?
-            .map_err(BackendError::io(format!(
+            .map_err(|e| LaneError::Failed(format!("binding the egress listener: {e}")))?
+            .map_err(LaneError::io(format!(
                 "binding {EGRESS_PROXY_ADDR} in {}",
                 netns.display()
             )))
     }
 
-    async fn dial(&self, id: Ulid, port: u16) -> Result<std::net::TcpStream, BackendError> {
+    async fn dial(&self, port: u16) -> Result<std::net::TcpStream, LaneError> {
+        let id = self.id;
         let netns = Path::new(crate::netns::NETNS_DIR).join(netns_name(id));
         if !netns.exists() {
-            return Err(BackendError::Failed(format!(
+            return Err(LaneError::Failed(format!(
                 "run {id} has no network namespace"
             )));
         }
         tokio::task::spawn_blocking(move || crate::netns::connect_in_netns(&netns, port))
             .await
-            .map_err(|e| BackendError::Failed(format!("connecting into run {id}: {e}")))?
-            .map_err(BackendError::io(format!(
+            .map_err(|e| LaneError::Failed(format!("connecting into run {id}: {e}")))?
+            .map_err(LaneError::io(format!(
                 "connecting to port {port} in run {id}"
             )))
+    }
+
+    /// Freezes the run's cgroup ([`crate::freezer`]).
+    async fn suspend(&self) -> Result<(), LaneError> {
+        crate::freezer::Freezer::of(self.id)?.freeze().await
+    }
+
+    /// Thaws the run's cgroup.
+    async fn resume(&self) -> Result<(), LaneError> {
+        crate::freezer::Freezer::of(self.id)?.thaw()
     }
 }
 
@@ -683,11 +743,11 @@ const WARM_DIR: &str = "warm";
 /// volume's path. A fork's disk already holds the parent's layer, whose
 /// scratch directory is reset. Returns the merged mount.
 fn mount_warm(
-    warm: &runbox_core::backend::WarmMount,
+    warm: &runbox_core::lane::WarmMount,
     disk: &Path,
     dir: &Path,
     forked: bool,
-) -> Result<PathBuf, BackendError> {
+) -> Result<PathBuf, LaneError> {
     let layer = disk.join(WARM_DIR);
     let (upper, work, empty) = (
         layer.join("upper"),
@@ -698,7 +758,7 @@ fn mount_warm(
         match std::fs::remove_dir_all(&work) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(BackendError::io(format!("resetting {}", work.display()))(e)),
+            Err(e) => return Err(LaneError::io(format!("resetting {}", work.display()))(e)),
         }
     }
     let merged = dir.join(WARM_DIR);
@@ -706,7 +766,7 @@ fn mount_warm(
         match std::fs::DirBuilder::new().mode(0o755).create(d) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && forked => {}
-            Err(e) => return Err(BackendError::io(format!("creating {}", d.display()))(e)),
+            Err(e) => return Err(LaneError::io(format!("creating {}", d.display()))(e)),
         }
     }
     let lower = warm.lower.clone().unwrap_or(empty);
@@ -730,17 +790,17 @@ pub fn runtime_root(state_dir: &Path, runtime: &str) -> PathBuf {
     state_dir.join("oci").join(runtime)
 }
 
-fn write(path: &Path, data: &[u8]) -> Result<(), BackendError> {
-    std::fs::write(path, data).map_err(BackendError::io(format!("writing {}", path.display())))
+fn write(path: &Path, data: &[u8]) -> Result<(), LaneError> {
+    std::fs::write(path, data).map_err(LaneError::io(format!("writing {}", path.display())))
 }
 
 /// Refuses paths that would corrupt an overlayfs option string.
-fn check_mount_safe(path: &Path) -> Result<(), BackendError> {
+fn check_mount_safe(path: &Path) -> Result<(), LaneError> {
     let s = path
         .to_str()
-        .ok_or_else(|| BackendError::Failed(format!("{} is not UTF-8", path.display())))?;
+        .ok_or_else(|| LaneError::Failed(format!("{} is not UTF-8", path.display())))?;
     if !path.is_absolute() || s.contains([',', ':', '\n', '\\']) {
-        return Err(BackendError::Failed(format!(
+        return Err(LaneError::Failed(format!(
             "{s} must be an absolute path without ',', ':' or '\\' (overlayfs options cannot carry them)"
         )));
     }
@@ -755,9 +815,9 @@ fn mount_overlay(
     upper: &Path,
     work: &Path,
     target: &Path,
-) -> Result<(), BackendError> {
+) -> Result<(), LaneError> {
     if lowers.is_empty() {
-        return Err(BackendError::Failed(
+        return Err(LaneError::Failed(
             "an image needs at least one layer".into(),
         ));
     }
@@ -774,14 +834,14 @@ fn mount_overlay(
         work.display()
     );
     if options.len() > MAX_MOUNT_OPTIONS {
-        return Err(BackendError::Failed(format!(
+        return Err(LaneError::Failed(format!(
             "the image has too many layers ({}) for one overlay mount under this state directory; \
              use a shorter --state-dir or flatten the image",
             lowers.len()
         )));
     }
     let options = std::ffi::CString::new(options)
-        .map_err(|_| BackendError::Failed("overlay options contain a NUL byte".into()))?;
+        .map_err(|_| LaneError::Failed("overlay options contain a NUL byte".into()))?;
     rustix::mount::mount(
         "overlay",
         target,
@@ -790,7 +850,7 @@ fn mount_overlay(
         Some(options.as_c_str()),
     )
     .map_err(|e| {
-        BackendError::Failed(format!(
+        LaneError::Failed(format!(
             "mounting the overlay root at {}: {e}",
             target.display()
         ))
@@ -836,22 +896,22 @@ fn unescape_mountinfo(field: &str) -> String {
 
 /// Creates run `id`'s network namespace, loopback up ([`crate::netns`]).
 /// On a blocking thread: it mounts and spawns a short-lived thread.
-async fn create_netns(id: Ulid) -> Result<PathBuf, BackendError> {
+async fn create_netns(id: Ulid) -> Result<PathBuf, LaneError> {
     let name = netns_name(id);
     tokio::task::spawn_blocking(move || crate::netns::create_named(&name))
         .await
-        .map_err(|e| BackendError::Failed(format!("creating the network namespace: {e}")))?
-        .map_err(BackendError::io(format!(
+        .map_err(|e| LaneError::Failed(format!("creating the network namespace: {e}")))?
+        .map_err(LaneError::io(format!(
             "creating the network namespace of run {id}"
         )))
 }
 
-async fn delete_netns(id: Ulid) -> Result<(), BackendError> {
+async fn delete_netns(id: Ulid) -> Result<(), LaneError> {
     let name = netns_name(id);
     tokio::task::spawn_blocking(move || crate::netns::delete_named(&name))
         .await
-        .map_err(|e| BackendError::Failed(format!("deleting the network namespace: {e}")))?
-        .map_err(BackendError::io(format!(
+        .map_err(|e| LaneError::Failed(format!("deleting the network namespace: {e}")))?
+        .map_err(LaneError::io(format!(
             "deleting the network namespace of run {id}"
         )))
 }
@@ -933,22 +993,22 @@ pub(crate) fn pass_fd_as_3(cmd: &mut Command, fd: RawFd) {
 /// them, so a pipe would keep the agent writing into the daemon (and keep
 /// this call waiting for an end of file that never comes). The runtime
 /// reports its errors through `--log` instead.
-async fn run_checked(mut cmd: Command, log: &Path, what: &str) -> Result<(), BackendError> {
+async fn run_checked(mut cmd: Command, log: &Path, what: &str) -> Result<(), LaneError> {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .kill_on_drop(true);
     let child = cmd
         .spawn()
-        .map_err(BackendError::io(format!("{what}: spawning the runtime")))?;
+        .map_err(LaneError::io(format!("{what}: spawning the runtime")))?;
     let out = tokio::time::timeout(RUNTIME_TIMEOUT, child.wait_with_output())
         .await
         .map_err(|_| {
-            BackendError::Failed(format!(
+            LaneError::Failed(format!(
                 "{what}: the runtime did not finish within {RUNTIME_TIMEOUT:?}"
             ))
         })?
-        .map_err(BackendError::io(format!("{what}: waiting for the runtime")))?;
+        .map_err(LaneError::io(format!("{what}: waiting for the runtime")))?;
     if out.status.success() {
         return Ok(());
     }
@@ -956,7 +1016,7 @@ async fn run_checked(mut cmd: Command, log: &Path, what: &str) -> Result<(), Bac
     if detail.is_empty() {
         detail = "no error in the runtime's log".to_owned();
     }
-    Err(BackendError::Failed(format!(
+    Err(LaneError::Failed(format!(
         "{what}: {} ({})",
         crate::probe::bounded(&detail, 2000),
         out.status

@@ -61,7 +61,7 @@ use std::str::FromStr;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use runbox_core::backend::BackendError;
+use runbox_core::lane::LaneError;
 use tokio::io::AsyncWriteExt;
 use tokio::process::Command;
 use ulid::Ulid;
@@ -345,7 +345,7 @@ impl Allocator {
     }
 }
 
-/// The open tier of one backend: its pool, table and allocations.
+/// The open tier of one lane: its pool, table and allocations.
 pub(crate) struct OpenNet {
     pool: OpenPool,
     table: String,
@@ -384,7 +384,7 @@ impl OpenNet {
         self.unsupported.as_deref()
     }
 
-    /// The /30 run `id` holds, if it is an open run of this backend.
+    /// The /30 run `id` holds, if it is an open run of this lane.
     pub(crate) fn subnet_of(&self, id: Ulid) -> Option<Subnet> {
         self.allocator().runs.get(&id).map(|a| a.subnet)
     }
@@ -431,15 +431,15 @@ impl OpenNet {
         id: Ulid,
         run_dir: &Path,
         netns: &str,
-    ) -> Result<PathBuf, BackendError> {
+    ) -> Result<PathBuf, LaneError> {
         if let Some(why) = &self.unsupported {
-            return Err(BackendError::Unsupported(why.clone()));
+            return Err(LaneError::Unsupported(why.clone()));
         }
         // 1. The address, recorded before anything exists.
         let allocation = self
             .allocator()
             .reserve(&self.pool, id, &self.table)
-            .map_err(BackendError::Failed)?;
+            .map_err(LaneError::Failed)?;
         write_record(run_dir, &allocation)?;
         // 2. Forwarding.
         enable_forwarding()?;
@@ -492,12 +492,12 @@ impl OpenNet {
     /// Undoes [`OpenNet::setup`] for run `id`: deletes its link and its set
     /// element. Does nothing when the run directory has no record (not an
     /// open run, or never seen). Idempotent.
-    pub(crate) async fn teardown(&self, id: Ulid, run_dir: &Path) -> Result<(), BackendError> {
+    pub(crate) async fn teardown(&self, id: Ulid, run_dir: &Path) -> Result<(), LaneError> {
         let (host_if, table) = match read_record(run_dir) {
             Ok(Some(a)) => (a.host_if, a.table),
             Ok(None) => return Ok(()),
             // A record exists but cannot be read: fall back to the names
-            // this backend would have used.
+            // this lane would have used.
             Err(why) => {
                 tracing::warn!(run = %id, %why, "unreadable network record; using derived names");
                 (host_ifname(id), self.table.clone())
@@ -532,11 +532,11 @@ impl OpenNet {
         self.allocator().runs.remove(&id);
     }
 
-    /// After the backend's sweep destroyed every run not kept: reloads the
+    /// After the lane's sweep destroyed every run not kept: reloads the
     /// allocations of the runs left under `runs_dir`, deletes this table's
     /// links and set elements that belong to none of them, and deletes the
     /// table when no open run is left.
-    pub(crate) async fn sweep(&self, runs_dir: &Path) -> Result<(), BackendError> {
+    pub(crate) async fn sweep(&self, runs_dir: &Path) -> Result<(), LaneError> {
         self.load(runs_dir);
         let _table = self.nft_lock.lock().await;
         let live: HashSet<String> = self
@@ -636,7 +636,7 @@ fn probe(pool: &OpenPool, table: &str) -> Option<String> {
     }
 }
 
-fn write_record(run_dir: &Path, allocation: &Allocation) -> Result<(), BackendError> {
+fn write_record(run_dir: &Path, allocation: &Allocation) -> Result<(), LaneError> {
     // Written whole or not at all (rename), so a crash never leaves a
     // record sweep cannot read. No fsync: everything it describes is gone
     // after a power loss anyway.
@@ -644,7 +644,7 @@ fn write_record(run_dir: &Path, allocation: &Allocation) -> Result<(), BackendEr
     let path = run_dir.join(NET_RECORD);
     std::fs::write(&tmp, allocation.to_json())
         .and_then(|()| std::fs::rename(&tmp, &path))
-        .map_err(BackendError::io(format!("writing {}", path.display())))
+        .map_err(LaneError::io(format!("writing {}", path.display())))
 }
 
 /// The record in `run_dir`: None when there is none, Err when it is there
@@ -662,13 +662,13 @@ fn read_record(run_dir: &Path) -> Result<Option<Allocation>, String> {
 
 /// Turns on IPv4 forwarding, which NAT for open runs needs, when it is off.
 /// It is a host-wide setting, so changing it is logged, and it is left on.
-fn enable_forwarding() -> Result<(), BackendError> {
+fn enable_forwarding() -> Result<(), LaneError> {
     let current = std::fs::read_to_string(IP_FORWARD)
-        .map_err(BackendError::io(format!("reading {IP_FORWARD}")))?;
+        .map_err(LaneError::io(format!("reading {IP_FORWARD}")))?;
     if current.trim() == "1" {
         return Ok(());
     }
-    std::fs::write(IP_FORWARD, "1\n").map_err(BackendError::io(format!(
+    std::fs::write(IP_FORWARD, "1\n").map_err(LaneError::io(format!(
         "enabling IPv4 forwarding ({IP_FORWARD}) for open-tier runs"
     )))?;
     tracing::warn!(
@@ -679,7 +679,7 @@ fn enable_forwarding() -> Result<(), BackendError> {
 }
 
 /// Writes `<run_dir>/resolv.conf` from the host's resolver configuration.
-fn write_resolv_conf(run_dir: &Path) -> Result<PathBuf, BackendError> {
+fn write_resolv_conf(run_dir: &Path) -> Result<PathBuf, LaneError> {
     let mut generated = String::new();
     let mut servers = 0;
     for source in HOST_RESOLV_CONFS {
@@ -709,7 +709,7 @@ fn write_resolv_conf(run_dir: &Path) -> Result<PathBuf, BackendError> {
             .mode(0o644)
             .open(&path)
             .and_then(|mut f| f.write_all(generated.as_bytes()))
-            .map_err(BackendError::io(format!("writing {}", path.display())))?;
+            .map_err(LaneError::io(format!("writing {}", path.display())))?;
     }
     Ok(path)
 }
@@ -768,12 +768,12 @@ struct Link {
 }
 
 /// The host's interfaces whose names start with [`HOST_IF_PREFIX`].
-async fn links() -> Result<Vec<Link>, BackendError> {
+async fn links() -> Result<Vec<Link>, LaneError> {
     let out = output(Command::new("ip").args(["-j", "link", "show"]), None)
         .await
-        .map_err(|e| BackendError::Failed(format!("ip -j link show: {e}")))?;
+        .map_err(|e| LaneError::Failed(format!("ip -j link show: {e}")))?;
     let list: serde_json::Value = serde_json::from_slice(&out)
-        .map_err(|e| BackendError::Failed(format!("parsing `ip -j link show`: {e}")))?;
+        .map_err(|e| LaneError::Failed(format!("parsing `ip -j link show`: {e}")))?;
     Ok(list
         .as_array()
         .into_iter()
@@ -789,7 +789,7 @@ async fn links() -> Result<Vec<Link>, BackendError> {
 }
 
 /// Deletes a link (both ends of a veth); gone already is fine.
-async fn delete_link(name: &str) -> Result<(), BackendError> {
+async fn delete_link(name: &str) -> Result<(), LaneError> {
     match output(
         Command::new("ip").args(["link", "delete", "dev", name]),
         None,
@@ -798,14 +798,14 @@ async fn delete_link(name: &str) -> Result<(), BackendError> {
     {
         Ok(_) => Ok(()),
         Err(_) if !links().await?.iter().any(|l| l.name == name) => Ok(()),
-        Err(e) => Err(BackendError::Failed(format!("ip link delete {name}: {e}"))),
+        Err(e) => Err(LaneError::Failed(format!("ip link delete {name}: {e}"))),
     }
 }
 
-async fn table_exists(table: &str) -> Result<bool, BackendError> {
+async fn table_exists(table: &str) -> Result<bool, LaneError> {
     let out = output(Command::new("nft").args(["list", "tables", "inet"]), None)
         .await
-        .map_err(|e| BackendError::Failed(format!("nft list tables: {e}")))?;
+        .map_err(|e| LaneError::Failed(format!("nft list tables: {e}")))?;
     let wanted = format!("table inet {table}");
     Ok(String::from_utf8_lossy(&out)
         .lines()
@@ -813,15 +813,15 @@ async fn table_exists(table: &str) -> Result<bool, BackendError> {
 }
 
 /// The elements of `table`'s `open_ifs` set.
-async fn elements(table: &str) -> Result<Vec<String>, BackendError> {
+async fn elements(table: &str) -> Result<Vec<String>, LaneError> {
     let out = output(
         Command::new("nft").args(["-j", "list", "set", "inet", table, OPEN_IFS_SET]),
         None,
     )
     .await
-    .map_err(|e| BackendError::Failed(format!("listing {table}'s {OPEN_IFS_SET}: {e}")))?;
+    .map_err(|e| LaneError::Failed(format!("listing {table}'s {OPEN_IFS_SET}: {e}")))?;
     let value: serde_json::Value = serde_json::from_slice(&out)
-        .map_err(|e| BackendError::Failed(format!("parsing nft's set listing: {e}")))?;
+        .map_err(|e| LaneError::Failed(format!("parsing nft's set listing: {e}")))?;
     Ok(value["nftables"]
         .as_array()
         .into_iter()
@@ -833,7 +833,7 @@ async fn elements(table: &str) -> Result<Vec<String>, BackendError> {
 }
 
 /// Removes `name` from `table`'s set; a missing element or table is fine.
-async fn delete_element(table: &str, name: &str) -> Result<(), BackendError> {
+async fn delete_element(table: &str, name: &str) -> Result<(), LaneError> {
     // Adding first makes the delete succeed whether or not it was there,
     // in one transaction.
     let script = format!(
@@ -848,18 +848,18 @@ async fn delete_element(table: &str, name: &str) -> Result<(), BackendError> {
 }
 
 /// Runs an nftables script as one transaction.
-async fn nft(script: &str) -> Result<(), BackendError> {
+async fn nft(script: &str) -> Result<(), LaneError> {
     let mut cmd = Command::new("nft");
     cmd.args(["-f", "-"]);
     output(&mut cmd, Some(script.as_bytes()))
         .await
         .map(drop)
-        .map_err(|e| BackendError::Failed(format!("nft: {e}")))
+        .map_err(|e| LaneError::Failed(format!("nft: {e}")))
 }
 
 /// Runs `ip` commands in batch mode (stopping at the first error), in the
 /// named network namespace or the host's.
-async fn ip_batch(netns: Option<&str>, commands: &[String]) -> Result<(), BackendError> {
+async fn ip_batch(netns: Option<&str>, commands: &[String]) -> Result<(), LaneError> {
     let mut cmd = Command::new("ip");
     if let Some(ns) = netns {
         cmd.args(["-n", ns]);
@@ -869,9 +869,7 @@ async fn ip_batch(netns: Option<&str>, commands: &[String]) -> Result<(), Backen
     output(&mut cmd, Some(script.as_bytes()))
         .await
         .map(drop)
-        .map_err(|e| {
-            BackendError::Failed(format!("ip: {e} (while running: {})", commands.join("; ")))
-        })
+        .map_err(|e| LaneError::Failed(format!("ip: {e} (while running: {})", commands.join("; "))))
 }
 
 /// Runs a helper command with `input` on its stdin; Ok is its stdout, Err

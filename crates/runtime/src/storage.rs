@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use linux_raw_sys::btrfs as sys;
-use runbox_core::backend::BackendError;
+use runbox_core::lane::LaneError;
 
 /// The name of a run's writable-layer directory inside its run directory.
 pub const DISK_DIR: &str = "disk";
@@ -121,34 +121,31 @@ impl RunStorage {
 
     /// Makes `<run_dir>/disk`, limited to `limit` bytes when given, and
     /// returns its path. Refuses a limit it cannot enforce.
-    pub(crate) fn create(
-        &self,
-        run_dir: &Path,
-        limit: Option<u64>,
-    ) -> Result<PathBuf, BackendError> {
+    pub(crate) fn create(&self, run_dir: &Path, limit: Option<u64>) -> Result<PathBuf, LaneError> {
         let disk = run_dir.join(DISK_DIR);
         match (&self.kind, limit) {
             (Kind::Subvolumes { why } | Kind::Plain { why }, Some(_)) => {
-                Err(BackendError::Unsupported(why.clone()))
+                Err(LaneError::Unsupported(why.clone()))
             }
             (Kind::Plain { .. }, None) => {
                 std::fs::DirBuilder::new()
                     .mode(0o700)
                     .create(&disk)
-                    .map_err(BackendError::io(format!("creating {}", disk.display())))?;
+                    .map_err(LaneError::io(format!("creating {}", disk.display())))?;
                 Ok(disk)
             }
             (Kind::Quota { .. } | Kind::Subvolumes { .. }, limit) => {
                 let parent = open_dir(run_dir)
-                    .map_err(BackendError::io(format!("opening {}", run_dir.display())))?;
-                create_subvolume(&parent, OsStr::new(DISK_DIR)).map_err(BackendError::io(
-                    format!("creating the btrfs subvolume {}", disk.display()),
-                ))?;
+                    .map_err(LaneError::io(format!("opening {}", run_dir.display())))?;
+                create_subvolume(&parent, OsStr::new(DISK_DIR)).map_err(LaneError::io(format!(
+                    "creating the btrfs subvolume {}",
+                    disk.display()
+                )))?;
                 if let Some(bytes) = limit {
                     let limited = open_dir(&disk).and_then(|sub| limit_subvolume(&sub, bytes));
                     if let Err(e) = limited {
                         let _ = destroy_subvolume(&parent, OsStr::new(DISK_DIR));
-                        return Err(BackendError::io(format!(
+                        return Err(LaneError::io(format!(
                             "limiting {} to {bytes} bytes",
                             disk.display()
                         ))(e));
@@ -163,7 +160,7 @@ impl RunStorage {
     /// plain directories with the rest of the run directory). Deleting a
     /// subvolume is one call however much the run wrote; btrfs frees its
     /// blocks in the background.
-    pub(crate) fn remove(&self, run_dir: &Path) -> Result<(), BackendError> {
+    pub(crate) fn remove(&self, run_dir: &Path) -> Result<(), LaneError> {
         if matches!(self.kind, Kind::Plain { .. }) {
             return Ok(());
         }
@@ -172,11 +169,11 @@ impl RunStorage {
             Ok(meta) if meta.is_dir() && is_subvolume_root(&meta) => {}
             Ok(_) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(BackendError::io(format!("reading {}", disk.display()))(e)),
+            Err(e) => return Err(LaneError::io(format!("reading {}", disk.display()))(e)),
         }
-        let parent = open_dir(run_dir)
-            .map_err(BackendError::io(format!("opening {}", run_dir.display())))?;
-        destroy_subvolume(&parent, OsStr::new(DISK_DIR)).map_err(BackendError::io(format!(
+        let parent =
+            open_dir(run_dir).map_err(LaneError::io(format!("opening {}", run_dir.display())))?;
+        destroy_subvolume(&parent, OsStr::new(DISK_DIR)).map_err(LaneError::io(format!(
             "deleting the btrfs subvolume {}",
             disk.display()
         )))
@@ -212,9 +209,9 @@ impl RunStorage {
         run_dir: &Path,
         runs: &Path,
         name: &str,
-    ) -> Result<PathBuf, BackendError> {
+    ) -> Result<PathBuf, LaneError> {
         if matches!(self.kind, Kind::Plain { .. }) {
-            return Err(BackendError::Unsupported(
+            return Err(LaneError::Unsupported(
                 "snapshots need the btrfs run store (start the daemon with --storage-gb N)".into(),
             ));
         }
@@ -223,16 +220,14 @@ impl RunStorage {
             .mode(0o700)
             .recursive(true)
             .create(&captures)
-            .map_err(BackendError::io(format!("creating {}", captures.display())))?;
+            .map_err(LaneError::io(format!("creating {}", captures.display())))?;
         let source = run_dir.join(DISK_DIR);
         let sub =
-            open_dir(&source).map_err(BackendError::io(format!("opening {}", source.display())))?;
+            open_dir(&source).map_err(LaneError::io(format!("opening {}", source.display())))?;
         let parent = open_dir(&captures)
-            .map_err(BackendError::io(format!("opening {}", captures.display())))?;
-        snapshot_subvolume(&sub, &parent, OsStr::new(name)).map_err(BackendError::io(format!(
-            "snapshotting {}",
-            source.display()
-        )))?;
+            .map_err(LaneError::io(format!("opening {}", captures.display())))?;
+        snapshot_subvolume(&sub, &parent, OsStr::new(name))
+            .map_err(LaneError::io(format!("snapshotting {}", source.display())))?;
         Ok(captures.join(name))
     }
 
@@ -246,20 +241,20 @@ impl RunStorage {
         seed: &Path,
         run_dir: &Path,
         limit: Option<u64>,
-    ) -> Result<PathBuf, BackendError> {
+    ) -> Result<PathBuf, LaneError> {
         match (&self.kind, limit) {
             (Kind::Plain { why }, _) | (Kind::Subvolumes { why }, Some(_)) => {
-                return Err(BackendError::Unsupported(why.clone()))
+                return Err(LaneError::Unsupported(why.clone()))
             }
             _ => {}
         }
         let source =
-            open_dir(seed).map_err(BackendError::io(format!("opening {}", seed.display())))?;
-        let parent = open_dir(run_dir)
-            .map_err(BackendError::io(format!("opening {}", run_dir.display())))?;
+            open_dir(seed).map_err(LaneError::io(format!("opening {}", seed.display())))?;
+        let parent =
+            open_dir(run_dir).map_err(LaneError::io(format!("opening {}", run_dir.display())))?;
         let disk = run_dir.join(DISK_DIR);
         snapshot_subvolume_with(&source, &parent, OsStr::new(DISK_DIR), 0).map_err(
-            BackendError::io(format!(
+            LaneError::io(format!(
                 "cloning {} into {}",
                 seed.display(),
                 disk.display()
@@ -279,7 +274,7 @@ impl RunStorage {
         })();
         if let Err(e) = fresh {
             let _ = destroy_subvolume(&parent, OsStr::new(DISK_DIR));
-            return Err(BackendError::io(format!("preparing {}", disk.display()))(e));
+            return Err(LaneError::io(format!("preparing {}", disk.display()))(e));
         }
         Ok(disk)
     }
@@ -287,21 +282,17 @@ impl RunStorage {
 
 /// Deletes a snapshot [`RunStorage::snapshot_disk`] made; nothing to do
 /// when it is gone.
-pub(crate) fn remove_capture(runs: &Path, name: &str) -> Result<(), BackendError> {
+pub(crate) fn remove_capture(runs: &Path, name: &str) -> Result<(), LaneError> {
     let captures = runs.join(CAPTURES_DIR);
     let parent = match open_dir(&captures) {
         Ok(parent) => parent,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => {
-            return Err(BackendError::io(format!("opening {}", captures.display()))(
-                e,
-            ))
-        }
+        Err(e) => return Err(LaneError::io(format!("opening {}", captures.display()))(e)),
     };
     match destroy_subvolume(&parent, OsStr::new(name)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(BackendError::io(format!("deleting capture {name}"))(e)),
+        Err(e) => Err(LaneError::io(format!("deleting capture {name}"))(e)),
     }
 }
 
@@ -727,7 +718,7 @@ mod tests {
         let why = storage.limits_unsupported().expect("not a quota store");
         assert!(why.contains("--storage-gb"), "{why}");
         let err = storage.create(dir.path(), Some(1 << 20)).unwrap_err();
-        assert!(matches!(err, BackendError::Unsupported(_)), "{err}");
+        assert!(matches!(err, LaneError::Unsupported(_)), "{err}");
         assert!(!dir.path().join(DISK_DIR).exists());
         let disk = storage.create(dir.path(), None).unwrap();
         assert!(disk.is_dir());

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{FileType, Mode, OFlags, ResolveFlags};
 
-pub use runbox_core::backend::{EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
+pub use runbox_core::lane::{EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
 /// The largest image bundle read. Debian's is about 220 KiB; anything near
 /// this is not a CA bundle.

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use runbox_core::backend::Usage;
+use runbox_core::lane::Usage;
 use ulid::Ulid;
 
 fn read_u64(path: &Path) -> Option<u64> {

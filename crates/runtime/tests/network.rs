@@ -19,10 +19,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use runbox_core::backend::{Backend, BackendError, SandboxSpec};
+use runbox_core::lane::{Lane, LaneError, SandboxSpec};
 use runbox_runtime::netns::in_netns;
 use runbox_runtime::{
-    bind_in_netns, OciBackend, OciOptions, Runtime, EGRESS_PROXY_ADDR, EXTRA_CA_PATH,
+    bind_in_netns, OciLane, OciOptions, Runtime, EGRESS_PROXY_ADDR, EXTRA_CA_PATH,
     TRUST_BUNDLE_PATH,
 };
 use runbox_types::{Limits, NetworkTier};
@@ -95,7 +95,7 @@ fn agent_bin() -> PathBuf {
 }
 
 /// Keeps `net.ipv4.ip_forward` as the host had it once the last test that
-/// creates open runs is done (the backend turns it on and leaves it on).
+/// creates open runs is done (the lane turns it on and leaves it on).
 struct ForwardGuard;
 
 static FORWARD: Mutex<(usize, Option<String>)> = Mutex::new((0, None));
@@ -126,7 +126,7 @@ impl Drop for ForwardGuard {
 
 /// One test's world: a state directory, options with its own table and
 /// pool, the namespaces and links it made, and a runtime to drive the
-/// backend. Dropping it sweeps everything away.
+/// lane. Dropping it sweeps everything away.
 struct Env {
     rt: tokio::runtime::Runtime,
     state: tempfile::TempDir,
@@ -186,14 +186,14 @@ impl Env {
         }
     }
 
-    fn backend(&self) -> OciBackend {
-        OciBackend::with_options(
+    fn lane(&self) -> OciLane {
+        OciLane::with_options(
             self.runtime.clone(),
             self.state.path().to_path_buf(),
             self.agent.clone(),
             self.options.clone(),
         )
-        .expect("backend")
+        .expect("lane")
     }
 
     fn spec(&self, network: NetworkTier, layer: &Path, trust_pem: Option<&str>) -> SandboxSpec {
@@ -259,11 +259,11 @@ impl Env {
 
 impl Drop for Env {
     fn drop(&mut self) {
-        // A fresh backend, as after a crash: sweeping with nothing kept
+        // A fresh lane, as after a crash: sweeping with nothing kept
         // removes every run of this state dir, its links and set elements,
         // and the table.
-        let backend = self.backend();
-        if let Err(e) = self.rt.block_on(backend.sweep(&HashSet::new())) {
+        let lane = self.lane();
+        if let Err(e) = self.rt.block_on(lane.sweep(&HashSet::new())) {
             eprintln!("cleanup: sweep failed: {e}");
         }
         sh_quiet(&["nft", "delete", "table", "inet", &self.options.nft_table]);
@@ -455,12 +455,12 @@ fn bind_in_netns_binds_inside_the_namespace() {
 fn allowlist_run_has_loopback_only_and_an_egress_listener() {
     let env = Env::new(false);
     let image = layer(|_| {});
-    let backend = env.backend();
-    assert!(backend.check_network(NetworkTier::Allowlist).is_ok());
+    let lane = env.lane();
+    assert!(lane.capabilities().network(NetworkTier::Allowlist).is_ok());
     env.rt.block_on(async {
         let spec = env.spec(NetworkTier::Allowlist, image.path(), None);
         let id = spec.id;
-        backend.create(&spec).await.expect("create");
+        lane.create(&spec).await.expect("create");
         let ns = format!("runbox-{id}");
 
         let links = sh(&["ip", "-n", &ns, "-o", "link"]);
@@ -472,7 +472,11 @@ fn allowlist_run_has_loopback_only_and_an_egress_listener() {
         assert_eq!(sh(&["ip", "-n", &ns, "-4", "route", "show"]).trim(), "");
         assert_eq!(sh(&["ip", "-n", &ns, "-6", "route", "show"]).trim(), "");
 
-        let listener = backend.egress_listener(id).await.expect("egress listener");
+        let listener = lane
+            .sandbox(id)
+            .egress_listener()
+            .await
+            .expect("egress listener");
         assert_eq!(listener.local_addr().unwrap(), EGRESS_PROXY_ADDR);
         let listener = tokio::net::TcpListener::from_std(listener).expect("non-blocking");
         let client = tokio::task::spawn_blocking(move || {
@@ -493,20 +497,24 @@ fn allowlist_run_has_loopback_only_and_an_egress_listener() {
         client.await.unwrap().unwrap().unwrap();
         drop(listener);
         // After a daemon restart the listener is made again.
-        let again = backend.egress_listener(id).await.expect("re-binding");
+        let again = lane
+            .sandbox(id)
+            .egress_listener()
+            .await
+            .expect("re-binding");
         drop(again);
 
         // A run without the allowlist tier gets no proxy.
         let none = env.spec(NetworkTier::None, image.path(), None);
-        backend.create(&none).await.expect("create none");
-        match backend.egress_listener(none.id).await {
-            Err(BackendError::Unsupported(_)) => {}
+        lane.create(&none).await.expect("create none");
+        match lane.sandbox(none.id).egress_listener().await {
+            Err(LaneError::Unsupported(_)) => {}
             other => panic!("a none run got {other:?}"),
         }
-        assert!(backend.egress_listener(Ulid::new()).await.is_err());
+        assert!(lane.sandbox(Ulid::new()).egress_listener().await.is_err());
 
-        backend.destroy(id).await.expect("destroy");
-        backend.destroy(none.id).await.expect("destroy");
+        lane.sandbox(id).destroy().await.expect("destroy");
+        lane.sandbox(none.id).destroy().await.expect("destroy");
         assert!(!netns_path(id).exists());
     });
 }
@@ -517,8 +525,8 @@ fn allowlist_run_has_loopback_only_and_an_egress_listener() {
 fn open_run_reaches_the_internet_but_not_the_host_or_other_runs() {
     let env = Env::new(true);
     let image = layer(|_| {});
-    let backend = env.backend();
-    if let Some(why) = backend.open_unsupported() {
+    let lane = env.lane();
+    if let Some(why) = lane.open_unsupported() {
         panic!("the open tier is unavailable here: {why}");
     }
     let server = env.internet();
@@ -533,12 +541,12 @@ fn open_run_reaches_the_internet_but_not_the_host_or_other_runs() {
     env.rt.block_on(async {
         let a = env.spec(NetworkTier::Open, image.path(), None);
         let b = env.spec(NetworkTier::Open, image.path(), None);
-        backend.create(&a).await.expect("create a");
-        backend.create(&b).await.expect("create b");
+        lane.create(&a).await.expect("create a");
+        lane.create(&b).await.expect("create b");
         let (na, nb) = (netns_path(a.id), netns_path(b.id));
         let (sa, sb) = (
-            backend.open_subnet(a.id).expect("a's subnet"),
-            backend.open_subnet(b.id).expect("b's subnet"),
+            lane.open_subnet(a.id).expect("a's subnet"),
+            lane.open_subnet(b.id).expect("b's subnet"),
         );
         assert_ne!(sa, sb);
 
@@ -615,43 +623,46 @@ fn open_run_reaches_the_internet_but_not_the_host_or_other_runs() {
             assert_eq!(resolv.contains(line), usable, "{line:?} in\n{resolv}");
         }
 
-        backend.destroy(a.id).await.expect("destroy a");
-        backend.destroy(b.id).await.expect("destroy b");
+        lane.sandbox(a.id).destroy().await.expect("destroy a");
+        lane.sandbox(b.id).destroy().await.expect("destroy b");
     });
 }
 
 /// (d) destroy removes the link and the set element; after a crash, a new
-/// backend's sweep removes links, elements and the table.
+/// lane's sweep removes links, elements and the table.
 #[test]
 fn destroy_and_sweep_remove_every_trace() {
     let env = Env::new(true);
     let image = layer(|_| {});
     let table = env.options.nft_table.clone();
     env.rt.block_on(async {
-        let backend = env.backend();
+        let lane = env.lane();
         let spec = env.spec(NetworkTier::Open, image.path(), None);
         let id = spec.id;
         let host_if = host_ifname(id);
-        backend.create(&spec).await.expect("create");
+        lane.create(&spec).await.expect("create");
         assert!(link_exists(&host_if));
         assert_eq!(set_elements(&table), std::slice::from_ref(&host_if));
-        backend.destroy(id).await.expect("destroy");
+        lane.sandbox(id).destroy().await.expect("destroy");
         assert!(!link_exists(&host_if), "{host_if} survived destroy");
         assert!(set_elements(&table).is_empty());
         assert!(!netns_path(id).exists());
         // Again, and for an id never seen.
-        backend.destroy(id).await.expect("destroy twice");
-        backend.destroy(Ulid::new()).await.expect("destroy unknown");
+        lane.sandbox(id).destroy().await.expect("destroy twice");
+        lane.sandbox(Ulid::new())
+            .destroy()
+            .await
+            .expect("destroy unknown");
 
-        // A crash: the backend disappears with a run alive.
+        // A crash: the lane disappears with a run alive.
         let spec = env.spec(NetworkTier::Open, image.path(), None);
         let crashed = spec.id;
-        backend.create(&spec).await.expect("create");
-        std::mem::forget(backend);
+        lane.create(&spec).await.expect("create");
+        std::mem::forget(lane);
         let host_if = host_ifname(crashed);
         assert!(link_exists(&host_if));
 
-        let restarted = env.backend();
+        let restarted = env.lane();
         let swept = restarted.sweep(&HashSet::new()).await.expect("sweep");
         assert_eq!(swept, [crashed]);
         assert!(!link_exists(&host_if), "{host_if} survived the sweep");
@@ -697,7 +708,7 @@ fn destroy_and_sweep_remove_every_trace() {
             "open_ifs",
             &format!("{{ \"{stray_if}\" }}"),
         ]);
-        let fresh = env.backend();
+        let fresh = env.lane();
         let keep: HashSet<Ulid> = [spec.id].into();
         assert!(fresh.sweep(&keep).await.expect("sweep").is_empty());
         assert!(link_exists(&host_ifname(spec.id)));
@@ -709,8 +720,8 @@ fn destroy_and_sweep_remove_every_trace() {
         let other = env.spec(NetworkTier::Open, image.path(), None);
         fresh.create(&other).await.expect("create");
         assert_ne!(fresh.open_subnet(other.id), fresh.open_subnet(spec.id));
-        fresh.destroy(other.id).await.expect("destroy");
-        fresh.destroy(spec.id).await.expect("destroy");
+        fresh.sandbox(other.id).destroy().await.expect("destroy");
+        fresh.sandbox(spec.id).destroy().await.expect("destroy");
     });
 }
 
@@ -719,7 +730,7 @@ fn destroy_and_sweep_remove_every_trace() {
 #[test]
 fn trust_bundle_appends_to_the_image_bundle_inside_the_root() {
     let env = Env::new(false);
-    let backend = env.backend();
+    let lane = env.lane();
     let plain = layer(|root| {
         std::fs::write(
             root.join("etc/ssl/certs/ca-certificates.crt"),
@@ -739,16 +750,16 @@ fn trust_bundle_appends_to_the_image_bundle_inside_the_root() {
     let bare = layer(|_| {});
     env.rt.block_on(async {
         let spec = env.spec(NetworkTier::None, plain.path(), Some(PEM));
-        backend.create(&spec).await.expect("create");
+        lane.create(&spec).await.expect("create");
         assert_eq!(
             read_in_run(&env, spec.id, TRUST_BUNDLE_PATH),
             format!("IMAGE BUNDLE\n\n{PEM}")
         );
         assert_eq!(read_in_run(&env, spec.id, EXTRA_CA_PATH), PEM);
-        backend.destroy(spec.id).await.expect("destroy");
+        lane.sandbox(spec.id).destroy().await.expect("destroy");
 
         let spec = env.spec(NetworkTier::None, linked.path(), Some(PEM));
-        backend.create(&spec).await.expect("create");
+        lane.create(&spec).await.expect("create");
         let expected = format!("{marker}\n{PEM}");
         let run_dir = env.state.path().join("runs").join(spec.id.to_string());
         assert_eq!(
@@ -759,23 +770,23 @@ fn trust_bundle_appends_to_the_image_bundle_inside_the_root() {
         assert_eq!(in_run, expected);
         let host_hostname = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
         assert!(host_hostname.is_empty() || !in_run.contains(&host_hostname));
-        backend.destroy(spec.id).await.expect("destroy");
+        lane.sandbox(spec.id).destroy().await.expect("destroy");
 
         let spec = env.spec(NetworkTier::None, bare.path(), Some(PEM));
-        backend.create(&spec).await.expect("create");
+        lane.create(&spec).await.expect("create");
         assert_eq!(
             read_in_run(&env, spec.id, TRUST_BUNDLE_PATH),
             format!("\n{PEM}")
         );
-        backend.destroy(spec.id).await.expect("destroy");
+        lane.sandbox(spec.id).destroy().await.expect("destroy");
 
         // Without extra CAs the image's bundle is left alone.
         let spec = env.spec(NetworkTier::None, plain.path(), None);
-        backend.create(&spec).await.expect("create");
+        lane.create(&spec).await.expect("create");
         assert_eq!(
             read_in_run(&env, spec.id, TRUST_BUNDLE_PATH),
             "IMAGE BUNDLE\n"
         );
-        backend.destroy(spec.id).await.expect("destroy");
+        lane.sandbox(spec.id).destroy().await.expect("destroy");
     });
 }

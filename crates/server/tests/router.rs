@@ -9,7 +9,7 @@ use axum::body::Body;
 use axum::http::{HeaderValue, Request, StatusCode};
 use futures::StreamExt;
 use http_body_util::BodyExt;
-use runbox_core::backend::BackendError;
+use runbox_core::lane::LaneError;
 use runbox_core::lease::Lease;
 use runbox_core::runs::{ExecEvent, FileDownload, Scope};
 use runbox_core::service::{ExecStream, LeaseCredential, UploadStream};
@@ -105,10 +105,10 @@ impl RunService for Stub {
             return Ok(run);
         }
         match req.image.as_str() {
-            "boom" => Err(CoreError::Backend(BackendError::Failed(
+            "boom" => Err(CoreError::Lane(LaneError::Failed(
                 "runc said /secret/host/path".into(),
             ))),
-            "unsupported" => Err(CoreError::Backend(BackendError::Unsupported(
+            "unsupported" => Err(CoreError::Lane(LaneError::Unsupported(
                 "nft is not installed; install nftables".into(),
             ))),
             "full" => Err(CoreError::Capacity(1)),
@@ -433,7 +433,7 @@ impl RunService for Stub {
         found(id)?;
         Ok(Vec::new())
     }
-    fn usage(&self, id: Ulid) -> Result<Option<runbox_core::backend::Usage>, CoreError> {
+    fn usage(&self, id: Ulid) -> Result<Option<runbox_core::lane::Usage>, CoreError> {
         found(id)?;
         Ok(None)
     }

@@ -1207,7 +1207,7 @@ pub struct Info {
     pub server: String,
     /// The daemon's version.
     pub version: String,
-    /// The isolation backend, e.g. `oci/crun`.
+    /// The isolation lane, e.g. `oci/crun`.
     pub runtime: String,
     /// Run counts.
     pub capacity: Capacity,

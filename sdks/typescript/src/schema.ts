@@ -1008,7 +1008,7 @@ export interface components {
             draining: boolean;
             /** @description The warm pools. */
             pools: components["schemas"]["PoolStatus"][];
-            /** @description The isolation backend, e.g. `oci/crun`. */
+            /** @description The isolation lane, e.g. `oci/crun`. */
             runtime: string;
             /** @description The node's id. */
             server: string;

@@ -17,13 +17,13 @@
 //!    `Running`, answer the creator. If the creator has gone away by then
 //!    (its client hung up), nobody knows the run's id: it is destroyed.
 //! 2. serve commands until the run is stopped (delete, TTL) or dies (its
-//!    init exits: [`crate::backend::Backend::watch_exit`]);
+//!    init exits: [`crate::lane::Sandbox::watch_exit`]);
 //! 3. tear the sandbox down under the shared teardown budget, retrying with
 //!    backoff until it is gone ([`super::reaper`]); delete the record;
 //!    leave the registry. Only then is the capacity slot free.
 //!
 //! Cancellation: nothing here runs inside a request's future, so a client
-//! that disconnects cannot stop a backend call or a commit half-way. A
+//! that disconnects cannot stop a lane call or a commit half-way. A
 //! dropped reply channel only means nobody waits for the answer.
 
 use std::sync::{Arc, OnceLock};
@@ -38,8 +38,8 @@ use ulid::Ulid;
 
 use super::phase::{transition, Event, Phase};
 use super::{error_chain, reaper, Manager};
-use crate::backend::{ExitWatch, SandboxSpec};
 use crate::error::CoreError;
+use crate::lane::{AgentEndpoint, ExitWatch, SandboxSpec};
 use crate::lease::{Credential, Fence, Lease};
 use crate::store::{Durability, RunRecord};
 
@@ -423,7 +423,7 @@ impl RunActor {
         // Written as `Creating` before any resource exists, without waiting
         // for the disk: a crash before the durable `Running` commit below
         // may forget it, and then the start-up sweep still finds what the
-        // backend made by the names it derives from the id.
+        // lane made by the names it derives from the id.
         manager
             .store
             .put_async_with(self.record.clone(), Durability::None)
@@ -437,10 +437,13 @@ impl RunActor {
         if let Some(e) = gone(reply) {
             return Err(e);
         }
-        let sandbox = manager.backend.create(spec).await?;
-        self.record.runtime = sandbox.runtime;
-        self.record.agent_socket = sandbox.agent_socket;
-        let agent = runbox_agent_proto::connect_unix(self.record.agent_socket.clone());
+        let sandbox = manager.lane.create(spec).await?;
+        self.record.runtime = sandbox.runtime();
+        let endpoint = sandbox.agent();
+        self.record.agent_socket = match &endpoint {
+            AgentEndpoint::Unix(path) => path.clone(),
+        };
+        let agent = endpoint.client();
         // The durable commit of `Running` overlaps the agent's start: a
         // crash in between finds a running record whose sandbox reconcile
         // judges like any other, and a failed start deletes it again.
@@ -472,9 +475,9 @@ impl RunActor {
         Ok(())
     }
 
-    /// Starts watching the sandbox's init, where the backend can.
+    /// Starts watching the sandbox's init, where the lane can.
     async fn watch(&mut self) {
-        match self.manager.backend.watch_exit(self.record.id).await {
+        match self.manager.lane.sandbox(self.record.id).watch_exit().await {
             Ok(watch) => self.exit = Some(watch),
             Err(e) => {
                 tracing::debug!(run = %self.record.id, error = %e, "not watching the run's init")
@@ -718,7 +721,7 @@ impl RunActor {
             let result = {
                 let _gate = self.manager.teardown_gate.acquire().await;
                 let _permit = self.manager.budget.acquire().await;
-                self.manager.backend.destroy(id).await
+                self.manager.lane.sandbox(id).destroy().await
             };
             match result {
                 Ok(()) => break,

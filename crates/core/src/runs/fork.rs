@@ -1,7 +1,7 @@
 //! Forks: new runs whose filesystems equal a parent's at one instant.
 //!
 //! The parent is captured once (frozen, its writable layer snapshotted in
-//! constant time, thawed: see [`crate::Backend::capture`]); each child is
+//! constant time, thawed: see [`crate::lane::Sandbox::capture`]); each child is
 //! an ordinary create whose writable layer starts as a writable snapshot of
 //! that capture (`SandboxSpec::seed`), over the parent's image layers. No
 //! data is copied: parent and children share blocks until one of them
@@ -19,8 +19,8 @@ use ulid::Ulid;
 
 use super::actor::Access;
 use super::Manager;
-use crate::backend::SandboxSpec;
 use crate::error::CoreError;
+use crate::lane::SandboxSpec;
 use crate::store::RunRecord;
 use crate::validate;
 

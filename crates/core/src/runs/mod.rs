@@ -49,11 +49,11 @@ use ulid::Ulid;
 
 use self::actor::{Command, Creation, LeaseOp, RunActor, RunHandle};
 use self::phase::Phase;
-use crate::backend::{Backend, SandboxSpec};
 use crate::config::Config;
 use crate::egress;
 use crate::error::CoreError;
 use crate::images::ImageStore;
+use crate::lane::{Lane, SandboxSpec};
 use crate::lease::Lease;
 use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
@@ -73,7 +73,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// The run manager. Cheap to share (`Arc<Manager>`).
 pub struct Manager {
     pub(crate) config: Config,
-    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) lane: Arc<dyn Lane>,
     pub(crate) store: Store,
     pub(crate) images: ImageStore,
     /// Every run with a sandbox, in any phase. Only map operations happen
@@ -82,7 +82,7 @@ pub struct Manager {
     /// Serialises "image is in use" checks with run creation. Async: the
     /// image lookups it covers run on blocking threads.
     pub(crate) image_lock: tokio::sync::Mutex<()>,
-    /// The one budget of backend work in the background: refills, forks
+    /// The one budget of lane work in the background: refills, forks
     /// and teardowns (see [`reaper`]).
     pub(crate) budget: Arc<Semaphore>,
     /// What teardowns may take of `budget`: all but its last quarter, so a
@@ -104,7 +104,7 @@ impl Manager {
     /// runs are re-adopted, everything else is destroyed.
     pub async fn start(
         config: Config,
-        backend: Arc<dyn Backend>,
+        lane: Arc<dyn Lane>,
         store: Store,
         images: ImageStore,
     ) -> Result<Arc<Manager>, CoreError> {
@@ -126,7 +126,7 @@ impl Manager {
         let decay = config.pool_decay;
         let manager = Arc::new(Manager {
             config,
-            backend,
+            lane,
             store,
             images,
             registry: Mutex::new(HashMap::new()),
@@ -154,9 +154,9 @@ impl Manager {
         &self.config
     }
 
-    /// The backend's name.
-    pub fn backend_name(&self) -> String {
-        self.backend.name()
+    /// The lane's name.
+    pub fn lane_name(&self) -> String {
+        self.lane.name()
     }
 
     fn registry(&self) -> MutexGuard<'_, HashMap<Ulid, Arc<RunHandle>>> {
@@ -242,7 +242,7 @@ impl Manager {
         )?;
         let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
         if limits.disk_mb.is_some() {
-            if let Err(why) = self.backend.check_disk() {
+            if let Err(why) = self.lane.capabilities().disk_limit.check() {
                 return Err(CoreError::invalid(
                     ErrorCode::DiskLimitUnsupported,
                     format!("this server cannot limit a run's disk: {why}"),
@@ -250,7 +250,7 @@ impl Manager {
             }
         }
         let network = req.network.unwrap_or_default();
-        if let Err(why) = self.backend.check_network(network) {
+        if let Err(why) = self.lane.capabilities().network(network) {
             return Err(CoreError::invalid(
                 ErrorCode::NetworkUnsupported,
                 format!(
@@ -379,18 +379,18 @@ impl Manager {
     }
 
     /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
-    /// backend or storage that cannot is a 400 saying why.
+    /// lane or storage that cannot is a 400 saying why.
     pub(crate) async fn capture(
         &self,
         id: Ulid,
         what: &str,
-    ) -> Result<crate::backend::Capture, CoreError> {
-        self.backend.capture(id).await.map_err(|e| match e {
-            crate::backend::BackendError::Unsupported(why) => CoreError::invalid(
+    ) -> Result<crate::lane::Capture, CoreError> {
+        self.lane.sandbox(id).capture().await.map_err(|e| match e {
+            crate::lane::LaneError::Unsupported(why) => CoreError::invalid(
                 ErrorCode::BadRequest,
                 format!("run {id} cannot be {what}: {why}"),
             ),
-            other => CoreError::Backend(other),
+            other => CoreError::Lane(other),
         })
     }
 
@@ -467,12 +467,12 @@ impl Manager {
         Ok(self.handle(id)?.snapshot().record.image_config.clone())
     }
 
-    /// What run `id` uses now, where its backend measures it. An
+    /// What run `id` uses now, where its lane measures it. An
     /// observation of the published phase, not an operation: it is not
     /// admitted by the run's owner.
-    pub fn usage(&self, id: Ulid) -> Result<Option<crate::backend::Usage>, CoreError> {
+    pub fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError> {
         match self.handle(id)?.snapshot().phase {
-            Phase::Running => Ok(self.backend.usage(id)),
+            Phase::Running => Ok(self.lane.sandbox(id).usage()),
             Phase::Failed(why) => Err(CoreError::RunFailed(id, why)),
             _ => Err(CoreError::RunNotRunning(id, "still being created")),
         }
@@ -482,11 +482,11 @@ impl Manager {
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
         let mut run = handle.snapshot().record.to_run(&self.config.server_id);
         run.egress = handle.egress.get().map(|meter| meter.stats());
-        run.disk_used_bytes = self.backend.disk_used(run.id);
+        run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
         run
     }
 
-    /// Serves an `allowlist` run's proxy on a listener the backend binds in
+    /// Serves an `allowlist` run's proxy on a listener the lane binds in
     /// the run's network namespace; stops with the run. Other tiers: nothing.
     pub(crate) async fn start_egress(
         &self,
@@ -502,7 +502,7 @@ impl Manager {
                 "this server has no egress proxy; use network \"none\"",
             )
         })?;
-        let listener = self.backend.egress_listener(record.id).await?;
+        let listener = self.lane.sandbox(record.id).egress_listener().await?;
         let meter = config
             .start(
                 record.id,
@@ -511,7 +511,7 @@ impl Manager {
                 handle.ended.child_token(),
             )
             .map_err(|e| {
-                CoreError::Backend(crate::backend::BackendError::Failed(format!(
+                CoreError::Lane(crate::lane::LaneError::Failed(format!(
                     "starting the run's egress proxy: {e}"
                 )))
             })?;

@@ -18,7 +18,7 @@
 //!                            └─────────────────────────► Stopping
 //! ```
 //!
-//! * `Creating`: the record is stored and the backend is building the
+//! * `Creating`: the record is stored and the lane is building the
 //!   sandbox. Counted against capacity; not usable yet.
 //! * `Running`: the sandbox is up and its agent answered.
 //! * `Pooled`: an idle warm-pool member, up and answering, that no create

@@ -24,8 +24,8 @@ use ulid::Ulid;
 use super::actor::{Claim, Command, RunHandle};
 use super::phase::Phase;
 use super::{counted, error_chain, find_by_key, lock, Manager};
-use crate::backend::SandboxSpec;
 use crate::error::CoreError;
+use crate::lane::SandboxSpec;
 use crate::pools::{Membership, PoolConfig, PoolKey};
 use crate::store::RunRecord;
 use crate::validate;
@@ -59,12 +59,15 @@ impl Manager {
     fn check_pools(&self, set: &PoolSet) -> Result<Vec<PoolConfig>, CoreError> {
         crate::pools::configs(set, |key| {
             validate::image_name(&key.image).map_err(|e| e.to_string())?;
-            self.backend.check_network(key.network).map_err(|why| {
-                format!(
-                    "network {} is not available here: {why}",
-                    key.network.as_str()
-                )
-            })?;
+            self.lane
+                .capabilities()
+                .network(key.network)
+                .map_err(|why| {
+                    format!(
+                        "network {} is not available here: {why}",
+                        key.network.as_str()
+                    )
+                })?;
             if key.network == NetworkTier::Allowlist && self.config.egress.is_none() {
                 return Err("network allowlist needs the egress proxy, which is off".into());
             }
@@ -173,7 +176,7 @@ impl Manager {
             &self.config.max_limits,
         )?;
         if limits.disk_mb.is_some() {
-            if let Err(why) = self.backend.check_disk() {
+            if let Err(why) = self.lane.capabilities().disk_limit.check() {
                 return Err(CoreError::invalid(
                     ErrorCode::DiskLimitUnsupported,
                     format!("this server cannot limit a run's disk: {why}"),
@@ -468,7 +471,7 @@ impl Manager {
         Info {
             server: self.config.server_id.clone(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            runtime: self.backend.name(),
+            runtime: self.lane.name(),
             capacity: runbox_types::Capacity {
                 max: self.config.max_runs,
                 live,
@@ -477,7 +480,7 @@ impl Manager {
             },
             pools: pools.status(),
             draining: pools.draining(),
-            storage: self.backend.storage(),
+            storage: self.lane.storage(),
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Reaching ports inside a run: preview URLs (signed, expiring, served by
 //! the preview listener) and raw connections for port forwarding. Both
-//! connect from inside the run's network namespace through the backend,
+//! connect from inside the run's network namespace through the lane,
 //! so they work for every network tier, `none` included.
 
 use std::time::Duration;
@@ -11,8 +11,8 @@ use ulid::Ulid;
 
 use super::actor::Access;
 use super::Manager;
-use crate::backend::BackendError;
 use crate::error::CoreError;
+use crate::lane::LaneError;
 use crate::preview::{Grant, TokenError};
 
 /// A preview URL's lifetime when the request names none.
@@ -114,23 +114,28 @@ impl Manager {
 
     /// Connects to `port` on the loopback of run `id`, admitted already.
     async fn connect(&self, id: Ulid, port: u16) -> Result<tokio::net::TcpStream, CoreError> {
-        let stream = self.backend.dial(id, port).await.map_err(|e| match e {
-            BackendError::Io { source, .. }
-                if matches!(
-                    source.kind(),
-                    std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                CoreError::invalid(
-                    ErrorCode::PortUnreachable,
-                    format!(
-                        "nothing accepts connections on port {port} in run {id} \
+        let stream = self
+            .lane
+            .sandbox(id)
+            .dial(port)
+            .await
+            .map_err(|e| match e {
+                LaneError::Io { source, .. }
+                    if matches!(
+                        source.kind(),
+                        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    CoreError::invalid(
+                        ErrorCode::PortUnreachable,
+                        format!(
+                            "nothing accepts connections on port {port} in run {id} \
                          (a server must listen on 0.0.0.0, 127.0.0.1 or ::1 there)"
-                    ),
-                )
-            }
-            other => CoreError::Backend(other),
-        })?;
+                        ),
+                    )
+                }
+                other => CoreError::Lane(other),
+            })?;
         stream
             .set_nonblocking(true)
             .and_then(|()| tokio::net::TcpStream::from_std(stream))

@@ -7,7 +7,7 @@
 //!
 //! * [`deadline`]: a stored wall-clock expiry as a timer deadline;
 //! * a shared background budget (a semaphore of [`budget_for`] permits, or
-//!   `--refill-concurrency`), held across each `Backend::destroy` call and
+//!   `--refill-concurrency`), held across each `Sandbox::destroy` call and
 //!   shared with pool refills and forks, so a mass expiry or a start-up
 //!   full of dead runs tears down many at once but never floods the
 //!   runtime; teardowns may hold only [`teardown_share`] of it, so refills

@@ -9,7 +9,7 @@
 //!    * anything else (a crash mid-create or mid-teardown, a dead sandbox,
 //!      an expired run): given an owner that destroys it at once, under the
 //!      shared teardown budget, retrying with backoff if that fails.
-//! 2. Once every doomed run's first teardown attempt is over, the backend
+//! 2. Once every doomed run's first teardown attempt is over, the lane
 //!    sweeps whatever it made that no record claims (a crash between its
 //!    first step and the record).
 
@@ -78,7 +78,7 @@ impl Manager {
         for waiter in waiters {
             let _ = waiter.await;
         }
-        match self.backend.sweep(&keep).await {
+        match self.lane.sweep(&keep).await {
             Ok(swept) if !swept.is_empty() => {
                 tracing::info!(count = swept.len(), "removed leftover sandboxes")
             }
@@ -133,10 +133,10 @@ impl Manager {
                 return Adopted::Doomed(ExitReason::RunDeleted)
             }
         }
-        if !self.backend.is_alive(id).await.unwrap_or(false) {
+        let Ok(Some(sandbox)) = self.lane.adopt(id).await else {
             return Adopted::Doomed(ExitReason::AgentLost);
-        }
-        let agent = runbox_agent_proto::connect_unix(record.agent_socket.clone());
+        };
+        let agent = sandbox.agent().client();
         match wait_ready(agent.clone(), READOPT_TIMEOUT).await {
             Ok(protocol) => Adopted::Running(agent, protocol),
             Err(e) => {

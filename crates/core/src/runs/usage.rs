@@ -2,7 +2,7 @@
 //! [`SAMPLE_EVERY`], the newest [`KEEP`] samples kept in memory.
 //!
 //! One task per manager samples every running run (idle pool members
-//! included: a claim keeps their history) through `Backend::usage`, off the
+//! included: a claim keeps their history) through `Sandbox::usage`, off the
 //! async threads, and the samples live in the run's handle, so they go with
 //! the run. A history is node-local and lost on restart: it answers "what
 //! did this run use lately", not accounting (usage for tenants is its own
@@ -17,8 +17,8 @@ use ulid::Ulid;
 
 use super::actor::RunHandle;
 use super::Manager;
-use crate::backend::{Backend, Usage};
 use crate::error::CoreError;
+use crate::lane::{Lane, Usage};
 
 /// How often every running run is sampled.
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(5);
@@ -103,7 +103,7 @@ impl History {
 }
 
 /// Takes one sample of every running run among `handles`.
-fn sample_usage(handles: &[Arc<RunHandle>], backend: &dyn Backend) {
+fn sample_usage(handles: &[Arc<RunHandle>], lane: &dyn Lane) {
     for handle in handles {
         let snapshot = handle.snapshot();
         if !matches!(
@@ -112,14 +112,14 @@ fn sample_usage(handles: &[Arc<RunHandle>], backend: &dyn Backend) {
         ) {
             continue;
         }
-        let Some(usage) = backend.usage(handle.id) else {
+        let Some(usage) = lane.sandbox(handle.id).usage() else {
             continue;
         };
         let record = &snapshot.record;
         handle.usage.record(
             OffsetDateTime::now_utc(),
             usage,
-            backend.disk_used(handle.id),
+            lane.sandbox(handle.id).disk_used(),
             record.limits.cpus,
             record.created_at,
         );
@@ -139,16 +139,16 @@ impl Manager {
                 // The manager is held only to copy out what a sample needs,
                 // never across the blocking reads: a sample must not keep a
                 // manager that is being shut down alive.
-                let (handles, backend) = match manager.upgrade() {
+                let (handles, lane) = match manager.upgrade() {
                     Some(m) => (
                         m.registry().values().cloned().collect::<Vec<_>>(),
-                        Arc::clone(&m.backend),
+                        Arc::clone(&m.lane),
                     ),
                     None => return,
                 };
                 // cgroup files are read with blocking calls.
                 let sampled =
-                    tokio::task::spawn_blocking(move || sample_usage(&handles, backend.as_ref()))
+                    tokio::task::spawn_blocking(move || sample_usage(&handles, lane.as_ref()))
                         .await;
                 if let Err(e) = sampled {
                     tracing::error!(error = %e, "the usage sampler failed");

@@ -10,8 +10,8 @@ use ulid::Ulid;
 
 use super::actor::Access;
 use super::Manager;
-use crate::backend::WarmMount;
 use crate::error::CoreError;
+use crate::lane::WarmMount;
 use crate::validate;
 use crate::warm::{join_dir, lockfile, Pin, WarmCache, WarmVolume};
 
@@ -37,7 +37,7 @@ impl Manager {
         self.warm_cache()?;
         let repo = validate::repo(&req.repo)?;
         let path = validate::warm_path(req.path.as_deref().unwrap_or(DEFAULT_WARM_PATH))?;
-        if let Err(why) = self.backend.check_warm() {
+        if let Err(why) = self.lane.capabilities().warm_volumes.check() {
             return Err(CoreError::invalid(
                 ErrorCode::WarmCacheDisabled,
                 format!("this server cannot give runs a warm volume: {why}"),
@@ -155,10 +155,10 @@ impl Manager {
     pub async fn warm_status(&self, id: Ulid) -> Result<WarmStatus, CoreError> {
         let record = self.admit(id, Access::Open).await?.record;
         let volume = record.warm.clone().ok_or_else(|| not_warm(id))?;
-        let root = self
-            .backend
-            .warm_volume(id)
-            .ok_or_else(|| CoreError::Store(format!("run {id}'s warm volume is not mounted")))?;
+        let root =
+            self.lane.sandbox(id).warm_volume().ok_or_else(|| {
+                CoreError::Store(format!("run {id}'s warm volume is not mounted"))
+            })?;
         let set = tokio::task::spawn_blocking(move || lockfile::lock_set(&root))
             .await
             .map_err(|e| CoreError::Store(format!("lockfile task failed: {e}")))?

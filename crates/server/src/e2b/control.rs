@@ -671,7 +671,7 @@ async fn metrics<S: RunService>(
         };
         return Ok(Json(history.into_iter().map(metric).collect()));
     }
-    let unmeasured = || E2bError::unsupported("metrics of this sandbox's backend");
+    let unmeasured = || E2bError::unsupported("metrics of this sandbox's lane");
     let before = state.service.usage(id)?.ok_or_else(unmeasured)?;
     let started = std::time::Instant::now();
     tokio::time::sleep(CPU_SAMPLE).await;

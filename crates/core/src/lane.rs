@@ -1,0 +1,392 @@
+//! The boundary between runbox's core and an isolation lane.
+//!
+//! A [`Lane`] makes sandboxes, re-adopts the ones a previous daemon left
+//! running, and sweeps what nobody claims; each sandbox is then driven
+//! through a per-sandbox handle, [`Sandbox`]: its agent's endpoint,
+//! destroy, exit watch, capture, usage, suspend and resume. What a lane
+//! can do on this host is stated once, up front, in its [`Capabilities`].
+//!
+//! A lane does not run commands or move files: every lane starts the same
+//! agent inside the sandbox and says where it listens
+//! ([`AgentEndpoint`]), so exec and files behave the same whatever isolates
+//! the run, and a second lane (a microVM, say) is a crate of its own that
+//! touches no handler.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use runbox_types::{Limits, NetworkTier};
+use ulid::Ulid;
+
+/// Where the egress proxy listens inside every `allowlist` run: the run's own
+/// loopback, port 3128 (the conventional proxy port). Lanes bind it in
+/// [`Sandbox::egress_listener`]; the core points `HTTP_PROXY` at
+/// [`EGRESS_PROXY_URL`].
+pub const EGRESS_PROXY_ADDR: std::net::SocketAddr = std::net::SocketAddr::V4(
+    std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(127, 0, 0, 1), 3128),
+);
+
+/// [`EGRESS_PROXY_ADDR`] as a proxy URL, for `HTTP_PROXY` and friends.
+pub const EGRESS_PROXY_URL: &str = "http://127.0.0.1:3128";
+
+/// The system CA bundle inside a run (Debian, Ubuntu and Alpine keep it
+/// here); with [`SandboxSpec::trust_pem`] the lane replaces it by the
+/// image's bundle plus those certificates.
+pub const TRUST_BUNDLE_PATH: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// The extra certificates of [`SandboxSpec::trust_pem`] alone, inside a run.
+pub const EXTRA_CA_PATH: &str = "/.runbox/ca.pem";
+
+/// What the core asks a lane to build.
+#[derive(Clone, Debug)]
+pub struct SandboxSpec {
+    /// The run's id; lanes derive every resource name from it.
+    pub id: Ulid,
+    /// The image's layer directories, base first, used read-only as the
+    /// overlay's lower layers.
+    pub image_layers: Vec<PathBuf>,
+    /// Resource limits, already validated against the server maxima.
+    pub limits: Limits,
+    /// Network tier, already checked to be one the lane supports.
+    pub network: NetworkTier,
+    /// Extra CA certificates (PEM) the run must trust, appended to the
+    /// image's system bundle (the egress proxy's interception CA).
+    pub trust_pem: Option<String>,
+    /// A fork's starting point: the directory of a [`Capture`] (its
+    /// `upper`'s parent) whose writable layer the new run starts from,
+    /// shared until either side writes. None: an empty writable layer.
+    pub seed: Option<PathBuf>,
+    /// A warm volume to mount (see [`WarmMount`]).
+    pub warm: Option<WarmMount>,
+}
+
+/// A run's warm volume: an overlay of its own writable layer over a
+/// read-only template directory (or over nothing), mounted at `path`. The
+/// volume's writes live in the run's disk, under its limit.
+#[derive(Clone, Debug)]
+pub struct WarmMount {
+    /// Where in the run (absolute, checked).
+    pub path: String,
+    /// The template generation's files, never written; None: the volume
+    /// starts empty.
+    pub lower: Option<PathBuf>,
+}
+
+/// Where a sandbox's agent serves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentEndpoint {
+    /// A Unix socket on the host (the OCI lane: the daemon binds it and
+    /// hands the sandbox only the listening descriptor).
+    Unix(PathBuf),
+}
+
+impl AgentEndpoint {
+    /// A client of the agent at this endpoint (connects on first use).
+    pub fn client(&self) -> runbox_agent_proto::AgentClient {
+        match self {
+            AgentEndpoint::Unix(path) => runbox_agent_proto::connect_unix(path.clone()),
+        }
+    }
+}
+
+/// Whether a lane can do one thing on this host; if not, why, in words
+/// that say what the operator would have to change.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Support {
+    /// It can.
+    Yes,
+    /// It cannot, for this reason.
+    No(String),
+}
+
+impl Support {
+    /// `Ok` when supported, else the reason.
+    pub fn check(&self) -> Result<(), &str> {
+        match self {
+            Support::Yes => Ok(()),
+            Support::No(why) => Err(why),
+        }
+    }
+
+    /// Whether it is supported.
+    pub fn yes(&self) -> bool {
+        *self == Support::Yes
+    }
+}
+
+/// What a lane can do on this host, decided when it starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// `allowlist` runs: a loopback-only namespace with an egress proxy
+    /// listener inside ([`Sandbox::egress_listener`]).
+    pub allowlist: Support,
+    /// `open` runs: a routed network of their own.
+    pub open: Support,
+    /// A limit on a run's disk (`limits.diskMb`); a lane never creates a
+    /// run without the limit it was asked for.
+    pub disk_limit: Support,
+    /// Warm volumes ([`SandboxSpec::warm`]).
+    pub warm_volumes: Support,
+    /// Capturing a run's filesystem ([`Sandbox::capture`]): snapshots,
+    /// forks and warm commits.
+    pub capture: Support,
+    /// Noticing a sandbox whose init exited ([`Sandbox::watch_exit`]);
+    /// without it a dead run is found only when a call fails.
+    pub exit_watch: Support,
+    /// Connections into a run ([`Sandbox::dial`]): previews, ports.
+    pub dial: Support,
+    /// Suspending and resuming a run's processes ([`Sandbox::suspend`]).
+    pub suspend: Support,
+}
+
+impl Capabilities {
+    /// A lane that can do nothing but make `none` runs; each field says
+    /// `why`.
+    pub fn none(why: &str) -> Capabilities {
+        let no = || Support::No(why.to_owned());
+        Capabilities {
+            allowlist: no(),
+            open: no(),
+            disk_limit: no(),
+            warm_volumes: no(),
+            capture: no(),
+            exit_watch: no(),
+            dial: no(),
+            suspend: no(),
+        }
+    }
+
+    /// Whether runs of `tier` can be made.
+    pub fn network(&self, tier: NetworkTier) -> Result<(), &str> {
+        match tier {
+            NetworkTier::None => Ok(()),
+            NetworkTier::Allowlist => self.allowlist.check(),
+            NetworkTier::Open => self.open.check(),
+        }
+    }
+}
+
+/// A copy of a run's writable layer as it was at one instant, taken while
+/// the run was frozen. Read-only; removed when dropped.
+pub struct Capture {
+    /// The overlay upper directory of the copy: everything the run changed.
+    pub upper: PathBuf,
+    /// Paths below `upper` the lane itself put there (mount points of
+    /// what it injects: the agent, CA bundles, resolv.conf); never part of
+    /// a snapshot.
+    pub injected: Vec<String>,
+    /// How long the run's processes were frozen.
+    pub frozen: std::time::Duration,
+    /// The upper directory of the run's warm volume in the copy, when the
+    /// run has one: what the run changed in it.
+    pub warm_upper: Option<PathBuf>,
+    release: Option<Box<dyn FnOnce() + Send + Sync>>,
+}
+
+impl Capture {
+    /// A capture at `upper` that `release` removes.
+    pub fn new(
+        upper: PathBuf,
+        injected: Vec<String>,
+        frozen: std::time::Duration,
+        release: impl FnOnce() + Send + Sync + 'static,
+    ) -> Capture {
+        Capture {
+            upper,
+            injected,
+            frozen,
+            warm_upper: None,
+            release: Some(Box::new(release)),
+        }
+    }
+
+    /// The same capture, with the warm volume's upper directory.
+    pub fn with_warm_upper(mut self, upper: Option<PathBuf>) -> Capture {
+        self.warm_upper = upper;
+        self
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release();
+        }
+    }
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("upper", &self.upper)
+            .field("frozen", &self.frozen)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Resolves, with a sentence saying what happened, once a sandbox's init
+/// process (the agent) has exited. See [`Sandbox::watch_exit`].
+pub type ExitWatch = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
+
+/// Errors from a lane. Messages are for operators; the API shows a generic
+/// message for them and logs this one.
+#[derive(Debug, thiserror::Error)]
+pub enum LaneError {
+    /// The lane cannot do this on this host (for example a network tier).
+    #[error("{0}")]
+    Unsupported(String),
+    /// Creating or destroying the sandbox failed.
+    #[error("{0}")]
+    Failed(String),
+    /// An I/O error while handling lane files.
+    #[error("{context}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl LaneError {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> LaneError {
+        let context = context.into();
+        move |source| LaneError::Io { context, source }
+    }
+
+    fn unsupported(what: &str) -> LaneError {
+        LaneError::Unsupported(format!("this lane cannot {what}"))
+    }
+}
+
+/// What a run uses at one moment, as its cgroup counts it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// CPU time used since it started, in nanoseconds.
+    pub cpu_ns: u64,
+    /// Memory charged to it now, page cache included.
+    pub memory_bytes: u64,
+    /// The page cache part of `memory_bytes`.
+    pub memory_cache_bytes: u64,
+}
+
+/// One sandbox of a lane, by its run's id. Handles are cheap and stateless:
+/// the lane finds everything from the id, so a handle works for a sandbox
+/// made by a previous daemon, and for one that is half-made or already
+/// gone. Every method is idempotent.
+///
+/// Cancellation: the core never drops these futures mid-way on purpose (it
+/// spawns them), but a daemon crash can stop any of them anywhere. A lane
+/// must therefore write down what it created before it creates it, so that
+/// [`Lane::sweep`] can remove half-made sandboxes after a restart.
+#[async_trait]
+pub trait Sandbox: Send + Sync {
+    /// The run's id.
+    fn id(&self) -> Ulid;
+
+    /// Which runtime isolates it (shown on the run, e.g. `runc`).
+    fn runtime(&self) -> String;
+
+    /// Where its agent serves.
+    fn agent(&self) -> AgentEndpoint;
+
+    /// Destroys it and everything the lane made for it. Succeeds when
+    /// there is nothing left to destroy.
+    async fn destroy(&self) -> Result<(), LaneError>;
+
+    /// A future that resolves when its init process exits, so the core
+    /// notices a run that died on its own. Called once the run is up, and
+    /// again for a run re-adopted after a restart.
+    async fn watch_exit(&self) -> Result<ExitWatch, LaneError> {
+        Err(LaneError::unsupported("watch a sandbox's init process"))
+    }
+
+    /// Freezes the run, copies its writable layer as it is in constant time
+    /// where the storage can (a subvolume snapshot), and thaws it: commands
+    /// in flight only pause. The copy goes when the [`Capture`] is dropped.
+    async fn capture(&self) -> Result<Capture, LaneError> {
+        Err(LaneError::unsupported("capture a run's filesystem"))
+    }
+
+    /// What it uses now (CPU time, memory), where that is measured.
+    fn usage(&self) -> Option<Usage> {
+        None
+    }
+
+    /// Bytes it has written to its own disk, where that is counted.
+    fn disk_used(&self) -> Option<u64> {
+        None
+    }
+
+    /// The host path where its warm volume shows as the run sees it (for
+    /// reading its lockfiles), if it has one.
+    fn warm_volume(&self) -> Option<PathBuf> {
+        None
+    }
+
+    /// A listening TCP socket inside an `allowlist` run's network
+    /// namespace, on which the daemon serves that run's egress proxy.
+    /// Called after `create` and again after a restart re-adopts the run
+    /// (the old socket died with the old daemon).
+    async fn egress_listener(&self) -> Result<std::net::TcpListener, LaneError> {
+        Err(LaneError::unsupported(
+            "give a run an egress proxy listener",
+        ))
+    }
+
+    /// A TCP connection to `port` on its loopback, made from inside its
+    /// network namespace: it works for every network tier, and needs no
+    /// route into the run.
+    async fn dial(&self, port: u16) -> Result<std::net::TcpStream, LaneError> {
+        let _ = port;
+        Err(LaneError::unsupported("connect into a run"))
+    }
+
+    /// Stops every process of the run where it is, memory kept.
+    async fn suspend(&self) -> Result<(), LaneError> {
+        Err(LaneError::unsupported("suspend a run"))
+    }
+
+    /// Lets a suspended run's processes go on.
+    async fn resume(&self) -> Result<(), LaneError> {
+        Err(LaneError::unsupported("resume a run"))
+    }
+}
+
+/// An isolation lane: makes sandboxes, re-adopts them after a restart, and
+/// sweeps what nobody claims.
+#[async_trait]
+pub trait Lane: Send + Sync + 'static {
+    /// A short name for logs and the health endpoint, e.g. `oci/runc`.
+    fn name(&self) -> String;
+
+    /// What it can do on this host.
+    fn capabilities(&self) -> &Capabilities;
+
+    /// Bytes used and in all on the filesystem holding runs' disks, where
+    /// that can be measured.
+    fn storage(&self) -> Option<runbox_types::StorageInfo> {
+        None
+    }
+
+    /// Creates and starts a sandbox whose agent is serving (or about to).
+    /// On error nothing of the sandbox is left behind.
+    async fn create(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError>;
+
+    /// The handle of run `id`'s sandbox, whatever state it is in.
+    fn sandbox(&self, id: Ulid) -> Arc<dyn Sandbox>;
+
+    /// Run `id`'s sandbox if a previous daemon left it running (a sandbox
+    /// that daemon left frozen is thawed first); None when it is not.
+    async fn adopt(&self, id: Ulid) -> Result<Option<Arc<dyn Sandbox>>, LaneError>;
+
+    /// Destroys every sandbox this lane made that is not in `keep`, and
+    /// returns the ids it destroyed. Runs at start-up, after the store's
+    /// records have been reconciled.
+    async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, LaneError>;
+}
