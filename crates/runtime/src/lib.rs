@@ -8,17 +8,15 @@
 //! and [`netns`] how the daemon acts inside a run's network namespace.
 
 pub mod agent_binary;
-mod freezer;
-pub mod netns;
 pub mod oci;
 pub mod open_net;
 pub mod probe;
 pub mod seccomp;
 pub mod spec;
-pub mod storage;
-pub mod trust;
-mod usage;
-pub mod watch;
+
+// The host modules every lane uses live in `runbox-host`; re-exported under
+// their old paths.
+pub use runbox_host::{freezer, netns, storage, trust, usage, watch};
 
 pub use netns::{bind_in_netns, EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
 pub use oci::{OciLane, OciOptions};

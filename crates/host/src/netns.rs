@@ -8,7 +8,7 @@
 //! was created in after the thread is gone.
 //!
 //! Named namespaces follow iproute2's convention, so `ip netns`, `ip -n` and
-//! the open tier's setup ([`crate::open_net`]) see them: a bind mount of the
+//! the OCI lane's open-tier setup (`runbox_runtime::open_net`) see them: a bind mount of the
 //! namespace on `/run/netns/<name>`, with `/run/netns` itself a shared
 //! mount. Creating and deleting one costs a few system calls and no process
 //! (`ip netns add` plus `ip link set lo up` were two processes per create,

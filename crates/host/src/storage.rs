@@ -121,7 +121,7 @@ impl RunStorage {
 
     /// Makes `<run_dir>/disk`, limited to `limit` bytes when given, and
     /// returns its path. Refuses a limit it cannot enforce.
-    pub(crate) fn create(&self, run_dir: &Path, limit: Option<u64>) -> Result<PathBuf, LaneError> {
+    pub fn create(&self, run_dir: &Path, limit: Option<u64>) -> Result<PathBuf, LaneError> {
         let disk = run_dir.join(DISK_DIR);
         match (&self.kind, limit) {
             (Kind::Subvolumes { why } | Kind::Plain { why }, Some(_)) => {
@@ -160,7 +160,7 @@ impl RunStorage {
     /// plain directories with the rest of the run directory). Deleting a
     /// subvolume is one call however much the run wrote; btrfs frees its
     /// blocks in the background.
-    pub(crate) fn remove(&self, run_dir: &Path) -> Result<(), LaneError> {
+    pub fn remove(&self, run_dir: &Path) -> Result<(), LaneError> {
         if matches!(self.kind, Kind::Plain { .. }) {
             return Ok(());
         }
@@ -204,7 +204,7 @@ impl RunStorage {
     /// Takes a read-only snapshot of `<run_dir>/disk` into
     /// `<runs>/.captures/<name>` and returns its path. Constant time: the
     /// blocks are shared until either side changes. Needs btrfs.
-    pub(crate) fn snapshot_disk(
+    pub fn snapshot_disk(
         &self,
         run_dir: &Path,
         runs: &Path,
@@ -236,7 +236,7 @@ impl RunStorage {
     /// bytes: a fork's disk, sharing every block with the parent's until
     /// either writes. Constant time. The overlay's scratch directory starts
     /// empty.
-    pub(crate) fn clone_disk(
+    pub fn clone_disk(
         &self,
         seed: &Path,
         run_dir: &Path,
@@ -282,7 +282,7 @@ impl RunStorage {
 
 /// Deletes a snapshot [`RunStorage::snapshot_disk`] made; nothing to do
 /// when it is gone.
-pub(crate) fn remove_capture(runs: &Path, name: &str) -> Result<(), LaneError> {
+pub fn remove_capture(runs: &Path, name: &str) -> Result<(), LaneError> {
     let captures = runs.join(CAPTURES_DIR);
     let parent = match open_dir(&captures) {
         Ok(parent) => parent,
@@ -298,7 +298,7 @@ pub(crate) fn remove_capture(runs: &Path, name: &str) -> Result<(), LaneError> {
 
 /// Deletes every capture left in the run store (a daemon that died while
 /// capturing); at start-up, before any capture can be in progress.
-pub(crate) fn remove_all_captures(runs: &Path) {
+pub fn remove_all_captures(runs: &Path) {
     let Ok(entries) = std::fs::read_dir(runs.join(CAPTURES_DIR)) else {
         return;
     };
@@ -324,7 +324,7 @@ pub fn provision_loop(image: &Path, size: u64, mount_at: &Path) -> Result<(), St
         .mode(0o700)
         .create(mount_at)
         .map_err(|e| format!("creating {}: {e}", mount_at.display()))?;
-    if !crate::oci::is_mount_point(mount_at) {
+    if !crate::mounts::is_mount_point(mount_at) {
         let mut entries = std::fs::read_dir(mount_at)
             .map_err(|e| format!("reading {}: {e}", mount_at.display()))?;
         if entries.next().is_some() {
@@ -386,7 +386,7 @@ pub fn provision_loop(image: &Path, size: u64, mount_at: &Path) -> Result<(), St
 /// mounted (the loop device goes with it). Lazy, so a process holding a
 /// file in it cannot make uninstalling fail.
 pub fn release_loop(mount_at: &Path) -> Result<(), String> {
-    if !crate::oci::is_mount_point(mount_at) {
+    if !crate::mounts::is_mount_point(mount_at) {
         return Ok(());
     }
     rustix::mount::unmount(mount_at, rustix::mount::UnmountFlags::DETACH)

@@ -17,7 +17,7 @@ use ulid::Ulid;
 const FREEZE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A run's freezer.
-pub(crate) struct Freezer {
+pub struct Freezer {
     kind: Kind,
 }
 
@@ -30,7 +30,7 @@ enum Kind {
 
 impl Freezer {
     /// The freezer of run `id`, which must exist.
-    pub(crate) fn of(id: Ulid) -> Result<Freezer, LaneError> {
+    pub fn of(id: Ulid) -> Result<Freezer, LaneError> {
         let v1 = PathBuf::from(format!("/sys/fs/cgroup/freezer/runbox/{id}/freezer.state"));
         if v1.exists() {
             return Ok(Freezer { kind: Kind::V1(v1) });
@@ -47,7 +47,7 @@ impl Freezer {
     }
 
     /// Freezes every task and waits until the kernel says they all are.
-    pub(crate) async fn freeze(&self) -> Result<(), LaneError> {
+    pub async fn freeze(&self) -> Result<(), LaneError> {
         match &self.kind {
             Kind::V1(state) => write(state, "FROZEN")?,
             Kind::V2(dir) => write(&dir.join("cgroup.freeze"), "1")?,
@@ -79,7 +79,7 @@ impl Freezer {
     }
 
     /// Lets the tasks run again.
-    pub(crate) fn thaw(&self) -> Result<(), LaneError> {
+    pub fn thaw(&self) -> Result<(), LaneError> {
         match &self.kind {
             Kind::V1(state) => write(state, "THAWED"),
             Kind::V2(dir) => write(&dir.join("cgroup.freeze"), "0"),

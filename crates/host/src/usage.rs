@@ -24,7 +24,7 @@ fn keyed(path: &Path, key: &str) -> Option<u64> {
 
 /// Run `id`'s usage, or None when its cgroup is not there (gone, or a
 /// layout this reader does not know).
-pub(crate) fn of(id: Ulid) -> Option<Usage> {
+pub fn of(id: Ulid) -> Option<Usage> {
     let v1_memory = Path::new("/sys/fs/cgroup/memory/runbox").join(id.to_string());
     if v1_memory.is_dir() {
         let cpu = Path::new("/sys/fs/cgroup/cpuacct/runbox").join(id.to_string());
