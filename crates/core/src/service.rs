@@ -32,6 +32,15 @@ pub type UploadStream = BoxStream<'static, Result<Bytes, std::io::Error>>;
 /// A lease credential: owner and generation.
 pub type LeaseCredential = Option<(String, u64)>;
 
+/// A byte stream both ways.
+pub trait Duplex: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Duplex for T {}
+
+/// A connection to a port inside a run: a TCP connection made in the
+/// run's namespace on this node; a tunnel through another node later.
+pub type Connection = Box<dyn Duplex>;
+
 /// Everything an API surface can ask of runbox. Cheap to clone (a handle).
 pub trait RunService: Clone + Send + Sync + 'static {
     /// This node's id, shown as `server` on responses.
@@ -247,7 +256,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         id: Ulid,
         port: u32,
-    ) -> impl Future<Output = Result<tokio::net::TcpStream, CoreError>> + Send;
+    ) -> impl Future<Output = Result<Connection, CoreError>> + Send;
     /// A connection to a port on a run's loopback for a port-forward,
     /// admitted under the lease.
     fn open_port(
@@ -255,7 +264,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         port: u32,
         credential: LeaseCredential,
-    ) -> impl Future<Output = Result<tokio::net::TcpStream, CoreError>> + Send;
+    ) -> impl Future<Output = Result<Connection, CoreError>> + Send;
     /// The warm pools.
     fn pools(&self) -> runbox_types::PoolList;
     /// Replaces the warm pools.
@@ -267,11 +276,11 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn set_draining(&self, draining: bool) -> runbox_types::PoolList;
     /// What the node is and how full.
     fn info(&self) -> runbox_types::Info;
-    /// Imports an image from a tar stream (read on a blocking thread).
+    /// Imports an image from the bytes of a tar archive, as they arrive.
     fn import_image(
         &self,
         name: String,
-        reader: Box<dyn std::io::Read + Send>,
+        body: UploadStream,
     ) -> impl Future<Output = Result<Image, CoreError>> + Send;
     /// The checks of a pull that can fail before anything is fetched.
     fn check_pull(&self, req: &PullRequest) -> Result<(), CoreError>;
@@ -552,8 +561,8 @@ impl RunService for Arc<Manager> {
         Manager::verify_preview(self, token)
     }
 
-    async fn dial(&self, id: Ulid, port: u32) -> Result<tokio::net::TcpStream, CoreError> {
-        Manager::dial(self, id, port).await
+    async fn dial(&self, id: Ulid, port: u32) -> Result<Connection, CoreError> {
+        Ok(Box::new(Manager::dial(self, id, port).await?))
     }
 
     async fn open_port(
@@ -561,8 +570,10 @@ impl RunService for Arc<Manager> {
         id: Ulid,
         port: u32,
         credential: LeaseCredential,
-    ) -> Result<tokio::net::TcpStream, CoreError> {
-        Manager::open_port(self, id, port, credential).await
+    ) -> Result<Connection, CoreError> {
+        Ok(Box::new(
+            Manager::open_port(self, id, port, credential).await?,
+        ))
     }
 
     fn pools(&self) -> runbox_types::PoolList {
@@ -593,11 +604,10 @@ impl RunService for Arc<Manager> {
         Manager::get_file(self, id, scope, &path).await
     }
 
-    async fn import_image(
-        &self,
-        name: String,
-        reader: Box<dyn std::io::Read + Send>,
-    ) -> Result<Image, CoreError> {
+    async fn import_image(&self, name: String, body: UploadStream) -> Result<Image, CoreError> {
+        // Unpacked on a blocking thread, which reads the body through this
+        // bridge as it arrives.
+        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(body));
         Manager::import_image(self, name, reader).await
     }
 

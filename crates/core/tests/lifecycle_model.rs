@@ -433,7 +433,10 @@ impl World {
         world.block_on(async move {
             let tar = busybox_like_tar();
             manager
-                .import_image("base".into(), Box::new(std::io::Cursor::new(tar)))
+                .import_image(
+                    "base".into(),
+                    futures::stream::iter([Ok(bytes::Bytes::from(tar))]).boxed(),
+                )
                 .await
                 .expect("importing the image");
         });

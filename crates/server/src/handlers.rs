@@ -664,9 +664,11 @@ pub async fn import_image<S: RunService>(
     AppPath(name): AppPath<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let stream = body.into_data_stream().map_err(std::io::Error::other);
-    let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
-    let image = state.service.import_image(name, Box::new(reader)).await?;
+    let stream = body
+        .into_data_stream()
+        .map_err(std::io::Error::other)
+        .boxed();
+    let image = state.service.import_image(name, stream).await?;
     Ok((StatusCode::CREATED, Json(image)).into_response())
 }
 

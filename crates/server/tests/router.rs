@@ -1,7 +1,9 @@
-//! Router tests: the real router over a stub service, no socket and no
-//! runtime. They pin what the HTTP layer itself decides: authentication,
-//! the error shape of every rejection, status codes, the SSE encoding of an
-//! exec, and that a 5xx never shows its detail.
+//! Router tests: the real router over a stub service, no runtime. They pin
+//! what the HTTP layer itself decides: authentication, the error shape of
+//! every rejection, status codes, the SSE encoding of an exec, that a 5xx
+//! never shows its detail, and (served on a loopback port, through the Rust
+//! client) WebSocket sessions and port tunnels, whose ends the stub builds
+//! from `RunService`'s transport-neutral types.
 
 use std::sync::Arc;
 
@@ -12,7 +14,7 @@ use http_body_util::BodyExt;
 use runbox_core::lane::LaneError;
 use runbox_core::lease::Lease;
 use runbox_core::runs::{ExecEvent, FileDownload, Scope};
-use runbox_core::service::{ExecStream, LeaseCredential, UploadStream};
+use runbox_core::service::{Connection, ExecStream, LeaseCredential, UploadStream};
 use runbox_core::{CoreError, RunService};
 use runbox_types::{
     CreateRunRequest, ExecRequest, ExitEvent, ExitReason, Image, LeaseReleaseRequest,
@@ -307,13 +309,44 @@ impl RunService for Stub {
         );
         Ok(out)
     }
+    /// An echo: what comes in on stdin goes out on stdout; end of input
+    /// ends the command with status 0, a signal with 128 + its number.
     async fn exec_session(
         &self,
         id: Ulid,
         _req: ExecRequest,
     ) -> Result<runbox_core::runs::Session, CoreError> {
+        use runbox_core::runs::SessionInput;
         found(id)?;
-        Err(CoreError::Agent("no sessions in the stub".into()))
+        let (out, events) = mpsc::channel(16);
+        let (session, mut input) = runbox_core::runs::Session::new(
+            77,
+            tokio_stream::wrappers::ReceiverStream::new(events).boxed(),
+        );
+        tokio::spawn(async move {
+            let _ = out.send(ExecEvent::Started(77)).await;
+            let exit = |code, signal| ExitEvent {
+                exit_code: code,
+                timed_out: false,
+                signal,
+                reason: ExitReason::Exited,
+            };
+            while let Some(next) = input.recv().await {
+                let event = match next {
+                    SessionInput::Stdin(data) => ExecEvent::Stdout(data),
+                    SessionInput::Eof => ExecEvent::Exit(exit(0, None)),
+                    SessionInput::Signal(n) => ExecEvent::Exit(exit(128 + n, Some(n))),
+                    SessionInput::Resize { rows, cols } => {
+                        ExecEvent::Stderr(format!("{rows}x{cols}").into())
+                    }
+                };
+                let last = matches!(event, ExecEvent::Exit(_));
+                if out.send(event).await.is_err() || last {
+                    return;
+                }
+            }
+        });
+        Ok(session)
     }
     async fn attach(
         &self,
@@ -349,19 +382,28 @@ impl RunService for Stub {
             "the stub knows no tokens",
         ))
     }
-    async fn dial(&self, id: Ulid, _port: u32) -> Result<tokio::net::TcpStream, CoreError> {
+    /// Port 7 echoes (in memory); nothing else listens.
+    async fn dial(&self, id: Ulid, port: u32) -> Result<Connection, CoreError> {
         found(id)?;
-        Err(CoreError::invalid(
-            runbox_types::ErrorCode::PortUnreachable,
-            "nothing listens in the stub",
-        ))
+        if port != 7 {
+            return Err(CoreError::invalid(
+                runbox_types::ErrorCode::PortUnreachable,
+                "nothing listens in the stub",
+            ));
+        }
+        let (ours, mut theirs) = tokio::io::duplex(1024);
+        tokio::spawn(async move {
+            let (mut read, mut write) = tokio::io::split(&mut theirs);
+            let _ = tokio::io::copy(&mut read, &mut write).await;
+        });
+        Ok(Box::new(ours))
     }
     async fn open_port(
         &self,
         id: Ulid,
         port: u32,
         _credential: LeaseCredential,
-    ) -> Result<tokio::net::TcpStream, CoreError> {
+    ) -> Result<Connection, CoreError> {
         self.dial(id, port).await
     }
     fn pools(&self) -> runbox_types::PoolList {
@@ -505,11 +547,7 @@ impl RunService for Stub {
             body: futures::stream::iter([Ok(bytes::Bytes::from_static(b"abc"))]).boxed(),
         })
     }
-    async fn import_image(
-        &self,
-        name: String,
-        _reader: Box<dyn std::io::Read + Send>,
-    ) -> Result<Image, CoreError> {
+    async fn import_image(&self, name: String, _body: UploadStream) -> Result<Image, CoreError> {
         Err(CoreError::ImageNotFound(name))
     }
     fn check_pull(&self, _req: &PullRequest) -> Result<(), CoreError> {
@@ -929,7 +967,7 @@ async fn a_server_fault_never_shows_its_detail() {
 }
 
 #[tokio::test]
-async fn a_backend_refusal_says_why() {
+async fn a_lane_refusal_says_why() {
     let (status, text) = authed("POST", "/v1/runs", r#"{"image":"unsupported"}"#).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(code(&text), "network_unsupported");
@@ -1348,4 +1386,62 @@ async fn a_whole_number_written_as_a_float_is_that_integer() {
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{text}");
+}
+
+/// The router served on a loopback port, for the clients that need a real
+/// connection (WebSocket sessions, upgraded tunnels).
+async fn served() -> runbox_client::Client {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app()).await;
+    });
+    runbox_client::Client::new(&format!("http://{addr}"), TOKEN).unwrap()
+}
+
+#[tokio::test]
+async fn a_websocket_session_carries_input_and_output_both_ways() {
+    let client = served().await;
+    let req = ExecRequest {
+        cmd: vec!["cat".into()],
+        ..Default::default()
+    };
+    let mut session = client.exec_session(KNOWN, &req).await.expect("session");
+    assert_eq!(session.pid, 77);
+    session.writer.stdin("hello ").await.unwrap();
+    session.writer.stdin("world").await.unwrap();
+    session.writer.eof().await.unwrap();
+    let mut stdout = Vec::new();
+    let mut exit = None;
+    while let Some(event) = session.events.next().await {
+        match event.expect("event") {
+            runbox_client::ExecEvent::Stdout(chunk) => stdout.extend_from_slice(&chunk),
+            runbox_client::ExecEvent::Exit(e) => exit = Some(e),
+            _ => {}
+        }
+    }
+    assert_eq!(stdout, b"hello world");
+    assert_eq!(exit.expect("an exit").exit_code, 0);
+    // An unknown run is refused before the upgrade, with the API's error.
+    let err = client
+        .exec_session(&Ulid::new().to_string(), &req)
+        .await
+        .expect_err("unknown run");
+    assert!(err.to_string().contains("run_not_found"), "{err}");
+}
+
+#[tokio::test]
+async fn a_port_tunnel_is_a_byte_stream_both_ways() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let client = served().await;
+    let mut tunnel = client.connect_port(KNOWN, 7, None).await.expect("tunnel");
+    tunnel.write_all(b"ping").await.unwrap();
+    let mut back = [0u8; 4];
+    tunnel.read_exact(&mut back).await.unwrap();
+    assert_eq!(&back, b"ping");
+    let err = client
+        .connect_port(KNOWN, 8, None)
+        .await
+        .expect_err("closed port");
+    assert!(err.to_string().contains("port_unreachable"), "{err}");
 }

@@ -62,31 +62,75 @@ pub struct Session {
     pub input: SessionWriter,
 }
 
+impl Session {
+    /// A session over `events`, whatever produces them (an agent, a remote
+    /// node, a test's stand-in): its input arrives, checked and in order, on
+    /// the receiver returned; dropping the receiver ends the input side.
+    pub fn new(
+        pid: u32,
+        events: BoxStream<'static, ExecEvent>,
+    ) -> (Session, mpsc::Receiver<SessionInput>) {
+        let (input, inputs) = mpsc::channel(8);
+        let session = Session {
+            pid,
+            events,
+            input: SessionWriter(input),
+        };
+        (session, inputs)
+    }
+
+    /// A session whose input goes to an agent's exec stream `agent`.
+    fn to_agent(
+        pid: u32,
+        events: BoxStream<'static, ExecEvent>,
+        agent: mpsc::Sender<pb::ExecInput>,
+    ) -> Session {
+        let (session, mut inputs) = Session::new(pid, events);
+        // Ends when every writer is dropped or the agent's stream closes.
+        tokio::spawn(async move {
+            while let Some(input) = inputs.recv().await {
+                let kind = match input {
+                    SessionInput::Stdin(data) => exec_input::Kind::Stdin(data.to_vec()),
+                    SessionInput::Eof => exec_input::Kind::CloseStdin(pb::CloseStdin {}),
+                    SessionInput::Signal(signal) => {
+                        exec_input::Kind::Signal(pb::ExecSignal { signal })
+                    }
+                    SessionInput::Resize { rows, cols } => {
+                        exec_input::Kind::Resize(pb::PtySize { rows, cols })
+                    }
+                };
+                if agent
+                    .send(pb::ExecInput { kind: Some(kind) })
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        });
+        session
+    }
+}
+
 /// The input side of a [`Session`]; cheap to clone.
 #[derive(Clone, Debug)]
-pub struct SessionWriter(mpsc::Sender<pb::ExecInput>);
+pub struct SessionWriter(mpsc::Sender<SessionInput>);
 
 impl SessionWriter {
     /// Sends one input in order; fails once the session is over.
     pub async fn send(&self, input: SessionInput) -> Result<(), CoreError> {
-        let kind = match input {
-            SessionInput::Stdin(data) => exec_input::Kind::Stdin(data.to_vec()),
-            SessionInput::Eof => exec_input::Kind::CloseStdin(pb::CloseStdin {}),
-            SessionInput::Signal(signal) => exec_input::Kind::Signal(pb::ExecSignal { signal }),
-            SessionInput::Resize { rows, cols } => {
-                for (name, value) in [("rows", rows), ("cols", cols)] {
-                    if !(1..=validate::MAX_PTY_SIDE).contains(&value) {
-                        return Err(CoreError::invalid(
-                            ErrorCode::BadProcess,
-                            format!("{name} must be 1-{}, not {value}", validate::MAX_PTY_SIDE),
-                        ));
-                    }
+        if let SessionInput::Resize { rows, cols } = input {
+            for (name, value) in [("rows", rows), ("cols", cols)] {
+                if !(1..=validate::MAX_PTY_SIDE).contains(&value) {
+                    return Err(CoreError::invalid(
+                        ErrorCode::BadProcess,
+                        format!("{name} must be 1-{}, not {value}", validate::MAX_PTY_SIDE),
+                    ));
                 }
-                exec_input::Kind::Resize(pb::PtySize { rows, cols })
             }
-        };
+        }
         self.0
-            .send(pb::ExecInput { kind: Some(kind) })
+            .send(input)
             .await
             .map_err(|_| CoreError::invalid(ErrorCode::ProcessEnded, "the session has ended"))
     }
@@ -193,13 +237,8 @@ impl Manager {
         let opened = self
             .open_exec(self.handle(id)?, req, ExecMode::Session)
             .await?;
-        let pid = opened.pid;
-        let input = SessionWriter(opened.input.clone());
-        Ok(Session {
-            pid,
-            events: opened.into_events(),
-            input,
-        })
+        let (pid, input) = (opened.pid, opened.input.clone());
+        Ok(Session::to_agent(pid, opened.into_events(), input))
     }
 
     /// Sets the terminal size of a process that runs on one (fenced by the
@@ -293,11 +332,8 @@ impl Manager {
             _ => return Err(CoreError::Agent("expected a started message".into())),
         };
         let state = ExecState::attached(output, input.clone(), handle, pid, in_flight);
-        Ok(Session {
-            pid,
-            events: futures::StreamExt::boxed(futures::stream::unfold(state, ExecState::next)),
-            input: SessionWriter(input),
-        })
+        let events = futures::StreamExt::boxed(futures::stream::unfold(state, ExecState::next));
+        Ok(Session::to_agent(pid, events, input))
     }
 
     /// The run's running processes and recently ended background ones.
