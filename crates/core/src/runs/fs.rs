@@ -16,7 +16,7 @@ use time::OffsetDateTime;
 use ulid::Ulid;
 
 use super::actor::Access;
-use super::relay::{bounded, file_error, Admission};
+use super::relay::{bounded, file_error, Admission, AgentFeature};
 use super::Manager;
 use crate::error::CoreError;
 use crate::validate;
@@ -69,9 +69,6 @@ pub struct WriteOptions {
 /// user.e2b.author`) shows too.
 const METADATA_XATTR_PREFIX: &str = "user.e2b.";
 
-/// The agent protocol that keeps extended attributes.
-const METADATA_PROTOCOL: u32 = 5;
-
 /// The most metadata keys on one file.
 pub const MAX_METADATA: usize = 64;
 
@@ -80,9 +77,6 @@ pub const MAX_METADATA: usize = 64;
 pub(super) fn owner(record: &crate::store::RunRecord, user: Option<String>) -> String {
     user.unwrap_or_else(|| record.image_config.user.clone().unwrap_or_default())
 }
-
-/// The agent protocol that takes [`Scope::Root`].
-const ROOT_SCOPE_PROTOCOL: u32 = 4;
 
 impl Scope {
     /// The extended attribute prefix file metadata is kept under; empty
@@ -178,13 +172,10 @@ impl Scope {
     /// Refuses [`Scope::Root`] on a run whose agent (speaking `protocol`)
     /// predates it.
     pub(super) fn check(self, protocol: u32) -> Result<(), CoreError> {
-        if self == Scope::Root && protocol < ROOT_SCOPE_PROTOCOL {
-            return Err(CoreError::invalid(
-                runbox_types::ErrorCode::AgentTooOld,
-                "this run's agent predates paths outside /work; create the run again",
-            ));
+        match self {
+            Scope::Root => AgentFeature::RootScope.check(protocol),
+            Scope::Work => Ok(()),
         }
-        Ok(())
     }
 }
 
@@ -194,13 +185,10 @@ pub(super) fn check_metadata(
     protocol: u32,
     xattrs: &HashMap<String, String>,
 ) -> Result<(), CoreError> {
-    if !xattrs.is_empty() && protocol < METADATA_PROTOCOL {
-        return Err(CoreError::invalid(
-            runbox_types::ErrorCode::AgentTooOld,
-            "this run's agent predates file metadata; create the run again",
-        ));
+    if xattrs.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    AgentFeature::Metadata.check(protocol)
 }
 
 /// An agent's description, checked, with its path as `scope` shows it.

@@ -20,7 +20,7 @@ use ulid::Ulid;
 
 use super::actor::Access;
 use super::relay::{
-    agent_error, agent_too_old, bounded, Admission, ExecEvent, ExecMode, ExecState,
+    agent_error, agent_too_old, bounded, Admission, AgentFeature, ExecEvent, ExecMode, ExecState,
 };
 use super::Manager;
 use crate::error::CoreError;
@@ -200,9 +200,7 @@ impl Manager {
     /// Admits a process call on a run whose agent knows processes.
     async fn process_call(&self, id: Ulid, access: Access) -> Result<Admission, CoreError> {
         let admission = self.admit(id, access).await?;
-        if admission.protocol < 3 {
-            return Err(agent_too_old());
-        }
+        AgentFeature::Processes.check(admission.protocol)?;
         Ok(admission)
     }
 
@@ -266,12 +264,7 @@ impl Manager {
             ..
         } = self.process_call(id, Access::Fenced(None)).await?;
         // Older agents would take the call and ignore the size.
-        if protocol < 4 {
-            return Err(CoreError::invalid(
-                ErrorCode::AgentTooOld,
-                "this run's agent predates resizing a terminal outside a session; create the run again",
-            ));
-        }
+        AgentFeature::Resize.check(protocol)?;
         let request = pb::SendInputRequest {
             process: Some(target),
             resize: Some(pb::PtySize { rows, cols }),

@@ -196,7 +196,7 @@ impl Manager {
                 format!("stdin is larger than {MAX_STDIN_TEXT} bytes; upload the data as a file instead"),
             ));
         }
-        let needs_protocol_3 = pty.is_some() || mode != ExecMode::Foreground;
+        let needs_processes = pty.is_some() || mode != ExecMode::Foreground;
         let Admission {
             handle,
             mut agent,
@@ -206,8 +206,8 @@ impl Manager {
         } = self
             .admit_handle(target, Access::Fenced(credential))
             .await?;
-        if needs_protocol_3 && protocol < 3 {
-            return Err(agent_too_old());
+        if needs_processes {
+            AgentFeature::Processes.check(protocol)?;
         }
         let image = &record.image_config;
         // An exec without a command runs the image's Entrypoint + Cmd.
@@ -666,10 +666,55 @@ const MAX_STDIN_TEXT: usize = 512 * 1024;
 
 /// A protocol-3 operation asked of an older agent.
 pub(super) fn agent_too_old() -> CoreError {
-    CoreError::invalid(
-        ErrorCode::AgentTooOld,
-        "this run's agent predates terminals and background processes; create the run again",
-    )
+    AgentFeature::Processes.refusal()
+}
+
+/// What a run's agent can do beyond exec and files, each from the protocol
+/// revision that brought it: the one place those revisions are named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AgentFeature {
+    /// Terminals, background processes, stdin sessions and attach.
+    Processes,
+    /// Resizing a terminal outside its session.
+    Resize,
+    /// Paths outside `/work` ([`super::Scope::Root`]).
+    RootScope,
+    /// File metadata kept as extended attributes.
+    Metadata,
+}
+
+impl AgentFeature {
+    /// The first protocol revision with it.
+    fn protocol(self) -> u32 {
+        match self {
+            AgentFeature::Processes => 3,
+            AgentFeature::Resize | AgentFeature::RootScope => 4,
+            AgentFeature::Metadata => 5,
+        }
+    }
+
+    /// The refusal of a run whose agent predates it.
+    fn refusal(self) -> CoreError {
+        let what = match self {
+            AgentFeature::Processes => "terminals and background processes",
+            AgentFeature::Resize => "resizing a terminal outside a session",
+            AgentFeature::RootScope => "paths outside /work",
+            AgentFeature::Metadata => "file metadata",
+        };
+        CoreError::invalid(
+            ErrorCode::AgentTooOld,
+            format!("this run's agent predates {what}; create the run again"),
+        )
+    }
+
+    /// `Ok` when an agent speaking `protocol` has it.
+    pub(crate) fn check(self, protocol: u32) -> Result<(), CoreError> {
+        if protocol >= self.protocol() {
+            Ok(())
+        } else {
+            Err(self.refusal())
+        }
+    }
 }
 
 /// The state of one exec stream.
@@ -783,6 +828,25 @@ fn exit(exit_code: i32, signal: Option<i32>, timed_out: bool, reason: ExitReason
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agent_features_come_with_their_protocol_and_say_what_is_missing() {
+        for (feature, first) in [
+            (AgentFeature::Processes, 3),
+            (AgentFeature::Resize, 4),
+            (AgentFeature::RootScope, 4),
+            (AgentFeature::Metadata, 5),
+        ] {
+            assert!(feature.check(first).is_ok(), "{feature:?}");
+            assert!(feature.check(first + 1).is_ok(), "{feature:?}");
+            let refused = feature.check(first - 1).unwrap_err();
+            assert_eq!(refused.code(), ErrorCode::AgentTooOld);
+            assert!(
+                refused.to_string().contains("create the run again"),
+                "{refused}"
+            );
+        }
+    }
 
     fn status(kind: &str) -> tonic::Status {
         let mut status = tonic::Status::internal("agent says \u{7}no");
