@@ -37,7 +37,7 @@ use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
 use super::phase::{transition, Event, Phase};
-use super::{error_chain, reaper, Manager};
+use super::{error_chain, reaper, RunContext};
 use crate::error::CoreError;
 use crate::lane::{AgentEndpoint, ExitWatch, SandboxSpec};
 use crate::lease::{Credential, Fence, Lease};
@@ -152,7 +152,7 @@ pub(crate) struct RunHandle {
     /// counts it at once and a repeat of that create (with the key held
     /// here) finds it.
     pub ticket: OnceLock<Option<crate::store::Idempotency>>,
-    /// What it used lately, sampled by the manager.
+    /// What it used lately, sampled by the daemon.
     pub usage: super::usage::History,
 }
 
@@ -241,7 +241,7 @@ pub(crate) enum Adopted {
 
 /// The task that owns one run.
 pub(crate) struct RunActor {
-    manager: Arc<Manager>,
+    context: Arc<RunContext>,
     handle: Arc<RunHandle>,
     commands: mpsc::UnboundedReceiver<Command>,
     publish: watch::Sender<Snapshot>,
@@ -259,7 +259,7 @@ pub(crate) struct RunActor {
 impl RunActor {
     /// A run's handle and its owner, in `phase`; nothing runs until
     /// [`RunActor::spawn`].
-    pub fn new(manager: Arc<Manager>, record: RunRecord, phase: Phase) -> RunActor {
+    pub fn new(context: Arc<RunContext>, record: RunRecord, phase: Phase) -> RunActor {
         let (commands_tx, commands) = mpsc::unbounded_channel();
         let mut record = record;
         record.status = phase.status();
@@ -278,7 +278,7 @@ impl RunActor {
             usage: Default::default(),
         });
         RunActor {
-            manager,
+            context,
             handle,
             commands,
             publish,
@@ -318,7 +318,7 @@ impl RunActor {
                     // Without its proxy the run has no way out at all: it
                     // keeps its files and processes, and the log says why.
                     if let Err(e) = actor
-                        .manager
+                        .context
                         .start_egress(&actor.handle, &actor.record)
                         .await
                     {
@@ -393,7 +393,7 @@ impl RunActor {
             Ok(()) => {
                 tracing::info!(run = %id, image = %self.record.image, runtime = %self.record.runtime,
                     elapsed_ms = started.elapsed().as_millis() as u64, "run created");
-                let run = self.manager.view(&self.handle);
+                let run = self.context.view(&self.handle);
                 let taken = reply.send(Ok(run)).is_ok()
                     && !matches!(
                         tokio::time::timeout(DELIVERY_TIMEOUT, delivered).await,
@@ -419,12 +419,12 @@ impl RunActor {
         spec: &SandboxSpec,
         reply: &oneshot::Sender<Result<Run, CoreError>>,
     ) -> Result<(), CoreError> {
-        let manager = self.manager.clone();
+        let context = self.context.clone();
         // Written as `Creating` before any resource exists, without waiting
         // for the disk: a crash before the durable `Running` commit below
         // may forget it, and then the start-up sweep still finds what the
         // lane made by the names it derives from the id.
-        manager
+        context
             .store
             .put_async_with(self.record.clone(), Durability::None)
             .await?;
@@ -437,7 +437,7 @@ impl RunActor {
         if let Some(e) = gone(reply) {
             return Err(e);
         }
-        let sandbox = manager.lane.create(spec).await?;
+        let sandbox = context.lane.create(spec).await?;
         self.record.runtime = sandbox.runtime();
         let endpoint = sandbox.agent();
         self.record.agent_socket = match &endpoint {
@@ -450,8 +450,8 @@ impl RunActor {
         let mut running = self.record.clone();
         running.status = RunStatus::Running;
         let (ready, stored) = tokio::join!(
-            super::wait_ready(agent.clone(), manager.config.agent_ready_timeout),
-            manager.store.put_async(running),
+            super::wait_ready(agent.clone(), context.config.agent_ready_timeout),
+            context.store.put_async(running),
         );
         let protocol = ready.map_err(|e| {
             CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
@@ -462,7 +462,7 @@ impl RunActor {
         }
         // An idle pool member's proxy starts with the create it serves.
         if !self.record.is_idle_member() {
-            manager.start_egress(&self.handle, &self.record).await?;
+            context.start_egress(&self.handle, &self.record).await?;
         }
         self.agent = Some((agent, protocol));
         self.apply(if self.record.is_idle_member() {
@@ -477,7 +477,7 @@ impl RunActor {
 
     /// Starts watching the sandbox's init, where the lane can.
     async fn watch(&mut self) {
-        match self.manager.lane.sandbox(self.record.id).watch_exit().await {
+        match self.context.lane.sandbox(self.record.id).watch_exit().await {
             Ok(watch) => self.exit = Some(watch),
             Err(e) => {
                 tracing::debug!(run = %self.record.id, error = %e, "not watching the run's init")
@@ -517,7 +517,7 @@ impl RunActor {
         if matches!(self.phase, Phase::Stopping(_)) {
             self.teardown().await;
         }
-        self.manager.forget(self.record.id);
+        self.context.forget(self.record.id);
         let reason = self.handle.end_reason.get().copied();
         tracing::info!(run = %self.record.id, ?reason, "run destroyed");
     }
@@ -532,7 +532,7 @@ impl RunActor {
             return;
         }
         self.apply(Event::Died(why));
-        if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %self.record.id, error = %e, "could not store that the run failed");
         }
         self.publish();
@@ -550,7 +550,7 @@ impl RunActor {
             Command::Renew { ttl, reply } => {
                 let before = self.record.expires_at;
                 self.record.expires_at = now + ttl;
-                let answer = match self.manager.store.put_async(self.record.clone()).await {
+                let answer = match self.context.store.put_async(self.record.clone()).await {
                     Ok(()) => {
                         self.publish();
                         Ok(self.record.clone())
@@ -588,12 +588,12 @@ impl RunActor {
                 // costs this run, never a second claim (see `claim`).
                 if claimed {
                     match self
-                        .manager
+                        .context
                         .store
                         .put_async_with(self.record.clone(), Durability::None)
                         .await
                     {
-                        Ok(()) => self.manager.store.flush_in_background(),
+                        Ok(()) => self.context.store.flush_in_background(),
                         Err(e) => {
                             tracing::warn!(run = %id, error = %e, "could not store a pool member's claim")
                         }
@@ -622,7 +622,7 @@ impl RunActor {
         }
         self.apply(Event::Claimed);
         self.publish();
-        self.manager.start_egress(&self.handle, &self.record).await
+        self.context.start_egress(&self.handle, &self.record).await
     }
 
     /// The one door: admits an operation if the run can take it, under
@@ -701,7 +701,7 @@ impl RunActor {
         if next.book != self.fence.book {
             let mut record = self.record.clone();
             record.lease = next.book.clone();
-            self.manager.store.put_async(record.clone()).await?;
+            self.context.store.put_async(record.clone()).await?;
             self.record = record;
         }
         self.fence = next;
@@ -713,15 +713,15 @@ impl RunActor {
     /// command meanwhile as a run that is gone.
     async fn teardown(&mut self) {
         let id = self.record.id;
-        if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %id, error = %e, "could not mark the run as stopping");
         }
         let mut attempt = 0u32;
         loop {
             let result = {
-                let _gate = self.manager.teardown_gate.acquire().await;
-                let _permit = self.manager.budget.acquire().await;
-                self.manager.lane.sandbox(id).destroy().await
+                let _gate = self.context.teardown_gate.acquire().await;
+                let _permit = self.context.budget.acquire().await;
+                self.context.lane.sandbox(id).destroy().await
             };
             match result {
                 Ok(()) => break,
@@ -732,7 +732,7 @@ impl RunActor {
                     tracing::error!(run = %id, attempt, retry_in_ms = delay.as_millis() as u64,
                         error = %message, "destroying the run failed; will retry");
                     self.record.failure = Some(format!("teardown failed: {message}"));
-                    if let Err(e) = self.manager.store.put_async(self.record.clone()).await {
+                    if let Err(e) = self.context.store.put_async(self.record.clone()).await {
                         tracing::warn!(run = %id, error = %e, "could not store the teardown error");
                     }
                     self.answer_stop_waiters();
@@ -740,7 +740,7 @@ impl RunActor {
                 }
             }
         }
-        if let Err(e) = self.manager.store.delete_async(id).await {
+        if let Err(e) = self.context.store.delete_async(id).await {
             // Reconcile finds it at the next start and destroys it again,
             // which finds nothing left and deletes the record.
             tracing::error!(run = %id, error = %e, "could not delete the run record");

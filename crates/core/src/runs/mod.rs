@@ -72,31 +72,95 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The run manager. Cheap to share (`Arc<Manager>`).
 pub struct Manager {
-    pub(crate) config: Config,
+    pub(crate) config: Arc<Config>,
     pub(crate) lane: Arc<dyn Lane>,
     pub(crate) store: Store,
     pub(crate) images: ImageStore,
     /// Every run with a sandbox, in any phase. Only map operations happen
     /// under this lock.
-    registry: Mutex<HashMap<Ulid, Arc<RunHandle>>>,
+    registry: Arc<Mutex<HashMap<Ulid, Arc<RunHandle>>>>,
     /// Serialises "image is in use" checks with run creation. Async: the
     /// image lookups it covers run on blocking threads.
     pub(crate) image_lock: tokio::sync::Mutex<()>,
     /// The one budget of lane work in the background: refills, forks
     /// and teardowns (see [`reaper`]).
     pub(crate) budget: Arc<Semaphore>,
-    /// What teardowns may take of `budget`: all but its last quarter, so a
-    /// mass expiry cannot stop refills.
-    pub(crate) teardown_gate: Semaphore,
     /// The warm pools' bookkeeping (see [`crate::pools`]); only taken
     /// after the registry lock, never before it.
-    pub(crate) pools: Mutex<crate::pools::Pools>,
+    pub(crate) pools: Arc<Mutex<crate::pools::Pools>>,
     /// Wakes the pool controller (a claim, a refill done, a new set).
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
     /// The size of `budget`.
     pub(crate) budget_size: usize,
     /// The warm repo cache, when it is on.
     pub(crate) warm: Option<Arc<crate::warm::WarmCache>>,
+    /// What each run's owner is given (the same store, lane, settings,
+    /// budget and registry).
+    pub(crate) context: Arc<RunContext>,
+}
+
+/// What a run's owner needs from the daemon, and all it gets: the store,
+/// the lane, the settings, the background budget, and the registry it
+/// leaves once its run is destroyed. An owner never calls back into the
+/// [`Manager`].
+pub(crate) struct RunContext {
+    pub config: Arc<Config>,
+    pub lane: Arc<dyn Lane>,
+    pub store: Store,
+    pub budget: Arc<Semaphore>,
+    pub teardown_gate: Arc<Semaphore>,
+    registry: Arc<Mutex<HashMap<Ulid, Arc<RunHandle>>>>,
+    pools: Arc<Mutex<crate::pools::Pools>>,
+}
+
+impl RunContext {
+    /// Removes a destroyed run from the registry; called by its owner last.
+    fn forget(&self, id: Ulid) {
+        let registry = &mut lock(&self.registry);
+        registry.remove(&id);
+        lock(&self.pools).remove(id);
+    }
+
+    /// The API view of a run: its record plus live counters.
+    pub(crate) fn view(&self, handle: &RunHandle) -> Run {
+        let mut run = handle.snapshot().record.to_run(&self.config.server_id);
+        run.egress = handle.egress.get().map(|meter| meter.stats());
+        run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
+        run
+    }
+
+    /// Serves an `allowlist` run's proxy on a listener its sandbox binds in
+    /// the run's network namespace. Other tiers: nothing.
+    pub(crate) async fn start_egress(
+        &self,
+        handle: &RunHandle,
+        record: &RunRecord,
+    ) -> Result<(), CoreError> {
+        if record.network != NetworkTier::Allowlist {
+            return Ok(());
+        }
+        let config = self.config.egress.as_ref().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::NetworkUnsupported,
+                "this server has no egress proxy; use network \"none\"",
+            )
+        })?;
+        let listener = self.lane.sandbox(record.id).egress_listener().await?;
+        let meter = config
+            .start(
+                record.id,
+                &record.egress,
+                listener,
+                handle.ended.child_token(),
+            )
+            .map_err(|e| {
+                CoreError::Lane(crate::lane::LaneError::Failed(format!(
+                    "starting the run's egress proxy: {e}"
+                )))
+            })?;
+        let _ = handle.egress.set(meter);
+        Ok(())
+    }
 }
 
 impl Manager {
@@ -124,19 +188,28 @@ impl Manager {
             None => None,
         };
         let decay = config.pool_decay;
-        let manager = Arc::new(Manager {
-            config,
+        let context = Arc::new(RunContext {
+            config: Arc::new(config),
             lane,
             store,
-            images,
-            registry: Mutex::new(HashMap::new()),
-            image_lock: tokio::sync::Mutex::new(()),
             budget: Arc::new(Semaphore::new(budget)),
-            teardown_gate: Semaphore::new(reaper::teardown_share(budget)),
-            pools: Mutex::new(crate::pools::Pools::new(decay)),
+            teardown_gate: Arc::new(Semaphore::new(reaper::teardown_share(budget))),
+            registry: Arc::new(Mutex::new(HashMap::new())),
+            pools: Arc::new(Mutex::new(crate::pools::Pools::new(decay))),
+        });
+        let manager = Arc::new(Manager {
+            config: context.config.clone(),
+            lane: context.lane.clone(),
+            store: context.store.clone(),
+            images,
+            registry: context.registry.clone(),
+            image_lock: tokio::sync::Mutex::new(()),
+            budget: context.budget.clone(),
+            pools: context.pools.clone(),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
             budget_size: budget,
             warm,
+            context,
         });
         manager.reconcile().await?;
         // After reconcile: the runs it re-adopted hold their generations.
@@ -161,13 +234,6 @@ impl Manager {
 
     fn registry(&self) -> MutexGuard<'_, HashMap<Ulid, Arc<RunHandle>>> {
         lock(&self.registry)
-    }
-
-    /// Removes a destroyed run from the registry; called by its owner last.
-    fn forget(&self, id: Ulid) {
-        let registry = &mut self.registry();
-        registry.remove(&id);
-        lock(&self.pools).remove(id);
     }
 
     /// Creates a run and waits until its agent answers.
@@ -410,7 +476,7 @@ impl Manager {
         let (reply, answer) = tokio::sync::oneshot::channel();
         let (delivered, delivery) = tokio::sync::oneshot::channel();
         let id = record.id;
-        let actor = RunActor::new(self.clone(), record, Phase::Creating);
+        let actor = RunActor::new(self.context.clone(), record, Phase::Creating);
         registry.insert(id, actor.handle().clone());
         actor.spawn_create(Creation {
             spec,
@@ -480,43 +546,7 @@ impl Manager {
 
     /// The API view of a run: its record plus live counters.
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
-        let mut run = handle.snapshot().record.to_run(&self.config.server_id);
-        run.egress = handle.egress.get().map(|meter| meter.stats());
-        run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
-        run
-    }
-
-    /// Serves an `allowlist` run's proxy on a listener the lane binds in
-    /// the run's network namespace; stops with the run. Other tiers: nothing.
-    pub(crate) async fn start_egress(
-        &self,
-        handle: &RunHandle,
-        record: &RunRecord,
-    ) -> Result<(), CoreError> {
-        if record.network != NetworkTier::Allowlist {
-            return Ok(());
-        }
-        let config = self.config.egress.as_ref().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::NetworkUnsupported,
-                "this server has no egress proxy; use network \"none\"",
-            )
-        })?;
-        let listener = self.lane.sandbox(record.id).egress_listener().await?;
-        let meter = config
-            .start(
-                record.id,
-                &record.egress,
-                listener,
-                handle.ended.child_token(),
-            )
-            .map_err(|e| {
-                CoreError::Lane(crate::lane::LaneError::Failed(format!(
-                    "starting the run's egress proxy: {e}"
-                )))
-            })?;
-        let _ = handle.egress.set(meter);
-        Ok(())
+        self.context.view(handle)
     }
 
     /// The handle of a run the API shows.

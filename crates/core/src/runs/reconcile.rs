@@ -71,7 +71,7 @@ impl Manager {
                     }
                 }
             };
-            let actor = RunActor::new(self.clone(), record, phase);
+            let actor = RunActor::new(self.context.clone(), record, phase);
             self.registry().insert(id, actor.handle().clone());
             waiters.push(actor.spawn_adopted(adopted));
         }
