@@ -91,6 +91,11 @@ enum Command {
     Rm(runs::RmArgs),
     /// Give a run a new time to live
     Renew(runs::RenewArgs),
+    /// Freeze a run's processes where they are, memory kept (the next call
+    /// that reaches it resumes it)
+    Pause(runs::IdsArgs),
+    /// Let paused runs' processes go on
+    Resume(runs::IdsArgs),
     /// Record a run's filesystem as a new image (the run keeps running)
     Snapshot(runs::SnapshotArgs),
     /// Start new runs from a run's filesystem as it is now
@@ -173,6 +178,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Ls(args) => runs::ls(args).await,
         Command::Rm(args) => runs::rm(args).await,
         Command::Renew(args) => runs::renew(args).await,
+        Command::Pause(args) => runs::pause(args).await,
+        Command::Resume(args) => runs::resume(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
         Command::Lease(command) => lease::run(command).await,

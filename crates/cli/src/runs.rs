@@ -249,6 +249,16 @@ pub struct RenewArgs {
     pub conn: ConnectOpts,
 }
 
+/// `runbox pause` and `runbox resume`.
+#[derive(Debug, Args)]
+pub struct IdsArgs {
+    /// The runs' ids
+    #[arg(required = true)]
+    pub ids: Vec<String>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
 /// `runbox snapshot`.
 #[derive(Debug, Args)]
 pub struct SnapshotArgs {
@@ -354,6 +364,7 @@ fn status_name(status: RunStatus) -> &'static str {
     match status {
         RunStatus::Creating => "creating",
         RunStatus::Running => "running",
+        RunStatus::Paused => "paused",
         RunStatus::Stopping => "stopping",
         RunStatus::Failed => "failed",
     }
@@ -386,6 +397,48 @@ pub async fn renew(args: RenewArgs) -> anyhow::Result<ExitCode> {
     let run = conn.check(conn.client.renew_run(&args.id, args.ttl).await)?;
     println!("{} expires at {}", run.id, run.expires_at.format(&Rfc3339)?);
     Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox pause`: pauses every run given, printing each one's status,
+/// and fails if any could not be paused.
+pub async fn pause(args: IdsArgs) -> anyhow::Result<ExitCode> {
+    each_run(args, "pause", |client, id| async move {
+        client.pause_run(&id).await
+    })
+    .await
+}
+
+/// `runbox resume`: resumes every run given, as `pause` does.
+pub async fn resume(args: IdsArgs) -> anyhow::Result<ExitCode> {
+    each_run(args, "resume", |client, id| async move {
+        client.resume_run(&id).await
+    })
+    .await
+}
+
+/// Applies `call` to every run in `args`, printing `<id> <status>` or the
+/// error for each; fails if any failed.
+async fn each_run<F, Fut>(args: IdsArgs, what: &str, call: F) -> anyhow::Result<ExitCode>
+where
+    F: Fn(runbox_client::Client, String) -> Fut,
+    Fut: std::future::Future<Output = Result<Run, runbox_client::ClientError>>,
+{
+    let conn = args.conn.connect()?;
+    let mut failed = false;
+    for id in args.ids {
+        match conn.check(call(conn.client.clone(), id.clone()).await) {
+            Ok(run) => println!("{} {}", run.id, status_name(run.status)),
+            Err(err) => {
+                eprintln!("runbox: cannot {what} {id}: {err:#}");
+                failed = true;
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// `runbox snapshot`: prints the new image's name (create runs from it

@@ -215,6 +215,19 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/runs/{id}/pause`: freezes the run's processes where they
+    /// are, memory kept; the next call that reaches the run resumes it.
+    pub async fn pause_run(&self, id: &str) -> Result<Run, ClientError> {
+        let path = format!("{}/pause", run_path(id)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
+    }
+
+    /// `POST /v1/runs/{id}/resume`: lets a paused run's processes go on.
+    pub async fn resume_run(&self, id: &str) -> Result<Run, ClientError> {
+        let path = format!("{}/resume", run_path(id)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
+    }
+
     /// `POST /v1/runs/{id}/snapshot`: records the run's filesystem as an
     /// image (named `name`, or a generated `snap-…`).
     pub async fn snapshot_run(

@@ -381,9 +381,12 @@ pub trait Lane: Send + Sync + 'static {
     /// The handle of run `id`'s sandbox, whatever state it is in.
     fn sandbox(&self, id: Ulid) -> Arc<dyn Sandbox>;
 
-    /// Run `id`'s sandbox if a previous daemon left it running (a sandbox
-    /// that daemon left frozen is thawed first); None when it is not.
-    async fn adopt(&self, id: Ulid) -> Result<Option<Arc<dyn Sandbox>>, LaneError>;
+    /// Run `id`'s sandbox if a previous daemon left it alive; None when it
+    /// is not. A sandbox that daemon left frozen is thawed first (it died
+    /// in the middle of a capture), unless the run was `suspended` on
+    /// purpose, which it stays.
+    async fn adopt(&self, id: Ulid, suspended: bool)
+        -> Result<Option<Arc<dyn Sandbox>>, LaneError>;
 
     /// Destroys every sandbox this lane made that is not in `keep`, and
     /// returns the ids it destroyed. Runs at start-up, after the store's

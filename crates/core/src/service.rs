@@ -71,6 +71,10 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError>;
     /// Destroys a run.
     fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// Pauses a run (its processes frozen, memory kept).
+    fn pause(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Resumes a paused run.
+    fn resume(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Sets a run's expiry to now + `ttl_sec`.
     fn renew(&self, id: Ulid, ttl_sec: u64) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Grants a run's writable lease.
@@ -338,6 +342,14 @@ impl RunService for Arc<Manager> {
 
     async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
         Manager::delete(self, id).await
+    }
+
+    async fn pause(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::pause(self, id).await
+    }
+
+    async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::resume(self, id).await
     }
 
     async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {

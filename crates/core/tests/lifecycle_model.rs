@@ -332,7 +332,11 @@ impl Lane for FakeLane {
         self.handle(id)
     }
 
-    async fn adopt(&self, id: Ulid) -> Result<Option<Arc<dyn Sandbox>>, LaneError> {
+    async fn adopt(
+        &self,
+        id: Ulid,
+        _suspended: bool,
+    ) -> Result<Option<Arc<dyn Sandbox>>, LaneError> {
         let alive = self
             .0
             .sandboxes

@@ -512,17 +512,29 @@ impl Lane for OciLane {
 
     /// A run a dead daemon left frozen (it died in the middle of a capture)
     /// is thawed first: the runtime would report it `paused`, and its agent
-    /// could not answer.
-    async fn adopt(&self, id: Ulid) -> Result<Option<Arc<dyn Sandbox>>, LaneError> {
-        if let Ok(freezer) = crate::freezer::Freezer::of(id) {
-            if let Err(e) = freezer.thaw() {
-                tracing::warn!(run = %id, error = %e, "could not thaw a run");
+    /// could not answer. A run suspended on purpose stays frozen.
+    async fn adopt(
+        &self,
+        id: Ulid,
+        suspended: bool,
+    ) -> Result<Option<Arc<dyn Sandbox>>, LaneError> {
+        if !suspended {
+            if let Ok(freezer) = crate::freezer::Freezer::of(id) {
+                if let Err(e) = freezer.thaw() {
+                    tracing::warn!(run = %id, error = %e, "could not thaw a run");
+                }
             }
         }
         let runtime = self.0.runtime_of(id);
         let root = self.0.runtime_root(&runtime.name);
-        let running = runtime.status(&root, &container_id(id)).await.as_deref() == Some("running");
-        Ok(running.then(|| self.sandbox(id)))
+        let status = runtime.status(&root, &container_id(id)).await;
+        let alive = match status.as_deref() {
+            Some("running") => true,
+            // The runtime reports a frozen container as paused.
+            Some("paused") => suspended,
+            _ => false,
+        };
+        Ok(alive.then(|| self.sandbox(id)))
     }
 
     async fn sweep(&self, keep: &HashSet<Ulid>) -> Result<Vec<Ulid>, LaneError> {

@@ -288,6 +288,22 @@ pub async fn renew_run<S: RunService>(
     Ok(Json(state.service.renew(id, req.ttl_sec).await?).into_response())
 }
 
+/// `POST /v1/runs/{id}/pause`: freezes the run's processes, memory kept.
+pub async fn pause_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.service.pause(id).await?).into_response())
+}
+
+/// `POST /v1/runs/{id}/resume`: lets a paused run's processes go on.
+pub async fn resume_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.service.resume(id).await?).into_response())
+}
+
 /// `POST /v1/runs/{id}/snapshot`: records the run's filesystem as an image.
 pub async fn snapshot_run<S: RunService>(
     State(state): State<AppState<S>>,

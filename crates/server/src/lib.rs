@@ -72,6 +72,8 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             get(handlers::get_run::<S>).delete(handlers::delete_run::<S>),
         )
         .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
+        .route("/v1/runs/{id}/pause", post(handlers::pause_run::<S>))
+        .route("/v1/runs/{id}/resume", post(handlers::resume_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
         .route("/v1/runs/{id}/fs/stat", get(handlers::fs_stat::<S>))

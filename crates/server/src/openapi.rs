@@ -187,6 +187,8 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/runs/{id}", "getRun", "One run", Nothing, 200, Json("Run")),
         op(Delete, "/v1/runs/{id}", "deleteRun", "Destroy a run", Nothing, 204, Empty),
         op(Post, "/v1/runs/{id}/renew", "renewRun", "Set a run's expiry to now + ttlSec", Body("RenewRequest"), 200, Json("Run")),
+        op(Post, "/v1/runs/{id}/pause", "pauseRun", "Freeze the run's processes where they are, memory kept; the next call that reaches it resumes it", Nothing, 200, Json("Run")),
+        op(Post, "/v1/runs/{id}/resume", "resumeRun", "Let a paused run's processes go on", Nothing, 200, Json("Run")),
         op(Post, "/v1/runs/{id}/lease", "acquireLease", "Take the run's writable lease", Body("LeaseRequest"), 200, Json("LeaseResponse")),
         op(Post, "/v1/runs/{id}/lease/renew", "renewLease", "Extend a lease", Body("LeaseRenewRequest"), 200, Json("LeaseResponse")),
         op(Post, "/v1/runs/{id}/lease/release", "releaseLease", "Give a lease up", Body("LeaseReleaseRequest"), 204, Empty),

@@ -493,6 +493,17 @@ impl RunService for Stub {
     async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
         found(id)
     }
+    async fn pause(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(Run {
+            status: RunStatus::Paused,
+            ..run()
+        })
+    }
+    async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(run())
+    }
     async fn renew(&self, id: Ulid, _ttl_sec: u64) -> Result<Run, CoreError> {
         found(id).map(|()| run())
     }

@@ -130,6 +130,8 @@ codes! {
     /// The run would have a disk limit and this server's storage cannot
     /// enforce one; the message says what the operator can change.
     DiskLimitUnsupported = "disk_limit_unsupported", 400;
+    /// This server's isolation lane cannot pause runs; the message says why.
+    PauseUnsupported = "pause_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.
     WarmCacheDisabled = "warm_cache_disabled", 400;
     /// A label key or value breaks the rules, or there are too many.

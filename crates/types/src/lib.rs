@@ -369,6 +369,11 @@ pub enum RunStatus {
     Creating,
     /// The sandbox and its agent are up.
     Running,
+    /// Paused: every process of the run is stopped where it was, its memory,
+    /// open files and connections kept; it uses no CPU. The next call that
+    /// reaches it (exec, files, processes, sessions, previews, ports,
+    /// snapshots, forks) resumes it first; so does `POST .../resume`.
+    Paused,
     /// Being destroyed.
     Stopping,
     /// The sandbox died on its own (its init process exited); `failure`

@@ -30,7 +30,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use runbox_agent_proto::AgentClient;
-use runbox_types::{ExitReason, Run, RunStatus};
+use runbox_types::{ErrorCode, ExitReason, Run, RunStatus};
 use time::OffsetDateTime;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
@@ -70,6 +70,9 @@ pub(crate) enum LeaseOp {
 }
 
 type Reply<T> = oneshot::Sender<Result<T, CoreError>>;
+
+/// The protocol of an agent not asked yet (a run adopted while paused).
+const PROTOCOL_UNKNOWN: u32 = 0;
 
 /// How an operation on a run is admitted.
 #[derive(Clone, Debug)]
@@ -122,6 +125,10 @@ pub(crate) enum Command {
     /// Hand an idle pool member out to a create: apply what the create
     /// asked for and start serving it as the create's run.
     Claim { claim: Box<Claim>, reply: Reply<()> },
+    /// Freeze the run's processes (nothing to do when paused already).
+    Pause { reply: Reply<()> },
+    /// Let a paused run's processes go on (nothing to do when running).
+    Resume { reply: Reply<()> },
 }
 
 /// What a create applies to the pool member it is served with.
@@ -233,6 +240,9 @@ const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) enum Adopted {
     /// Alive, its agent answering.
     Running(AgentClient, u32),
+    /// Paused before the restart, and frozen still; its agent is asked
+    /// for its protocol when the run resumes.
+    Paused(AgentClient),
     /// Failed before the restart; kept until its TTL.
     Failed,
     /// Dead or expired: to be destroyed at once.
@@ -317,6 +327,20 @@ impl RunActor {
                     actor.agent = Some((agent, protocol));
                     // Without its proxy the run has no way out at all: it
                     // keeps its files and processes, and the log says why.
+                    if let Err(e) = actor
+                        .context
+                        .start_egress(&actor.handle, &actor.record)
+                        .await
+                    {
+                        tracing::error!(run = %actor.record.id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
+                    }
+                    actor.watch().await;
+                    let _ = done.send(Ok(()));
+                }
+                Adopted::Paused(agent) => {
+                    actor.agent = Some((agent, PROTOCOL_UNKNOWN));
+                    // The proxy's listener lives in the run's namespace,
+                    // which a frozen run keeps.
                     if let Err(e) = actor
                         .context
                         .start_egress(&actor.handle, &actor.record)
@@ -490,7 +514,7 @@ impl RunActor {
     async fn serve(mut self) {
         while matches!(
             self.phase,
-            Phase::Running | Phase::Pooled | Phase::Failed(_)
+            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Failed(_)
         ) {
             let expires = reaper::deadline(self.record.expires_at);
             let watch = &mut self.exit;
@@ -543,7 +567,7 @@ impl RunActor {
         let now = OffsetDateTime::now_utc();
         match command {
             Command::Admit { access, reply } => {
-                let answer = self.admit(access, now);
+                let answer = self.admit(access, now).await;
                 let _ = reply.send(answer);
             }
             Command::End => self.fence.end(),
@@ -564,7 +588,7 @@ impl RunActor {
             }
             Command::Lease { op, reply } => {
                 let answer = match &self.phase {
-                    Phase::Running => self.change_lease(op, now).await,
+                    Phase::Running | Phase::Paused => self.change_lease(op, now).await,
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
@@ -573,6 +597,22 @@ impl RunActor {
                 tracing::debug!(run = %id, ?reason, "stopping the run");
                 self.stop(reason);
                 self.stop_waiters.push(reply);
+            }
+            Command::Pause { reply } => {
+                let answer = match &self.phase {
+                    Phase::Paused => Ok(()),
+                    Phase::Running => self.pause().await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Resume { reply } => {
+                let answer = match &self.phase {
+                    Phase::Running => Ok(()),
+                    Phase::Paused => self.resume().await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
             }
             Command::Claim { claim, reply } => {
                 let answer = match &self.phase {
@@ -625,9 +665,70 @@ impl RunActor {
         self.context.start_egress(&self.handle, &self.record).await
     }
 
+    /// Freezes the run's processes where they are, then stores that it is
+    /// paused. A crash in between finds a running record, whose run is
+    /// thawed at adoption: it is running, as recorded.
+    async fn pause(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        if let Err(why) = self.context.lane.capabilities().suspend.check() {
+            return Err(CoreError::invalid(
+                ErrorCode::PauseUnsupported,
+                format!("this server cannot pause runs: {why}"),
+            ));
+        }
+        let sandbox = self.context.lane.sandbox(id);
+        let started = std::time::Instant::now();
+        sandbox.suspend().await?;
+        self.apply(Event::Paused);
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+            // Not paused unless recorded: thawed again, and the caller told.
+            let thawed = sandbox.resume().await;
+            self.apply(Event::Resumed);
+            self.publish();
+            thawed?;
+            return Err(e);
+        }
+        self.publish();
+        tracing::info!(run = %id, elapsed_us = started.elapsed().as_micros() as u64, "run paused");
+        Ok(())
+    }
+
+    /// Thaws a paused run, then stores that it runs. A crash in between
+    /// finds a paused record, whose run is frozen again at adoption.
+    async fn resume(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        let started = std::time::Instant::now();
+        self.context.lane.sandbox(id).resume().await?;
+        // A run adopted while paused: its agent is asked what it speaks now
+        // that it can answer.
+        if let Some((agent, PROTOCOL_UNKNOWN)) = &self.agent {
+            let agent = agent.clone();
+            let protocol =
+                super::wait_ready(agent.clone(), self.context.config.agent_ready_timeout)
+                    .await
+                    .map_err(|e| {
+                        CoreError::Agent(format!("the resumed run's agent did not answer: {e}"))
+                    })?;
+            self.agent = Some((agent, protocol));
+        }
+        self.apply(Event::Resumed);
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+            tracing::warn!(run = %id, error = %e, "could not store that the run resumed; a restart pauses it again");
+        }
+        self.publish();
+        tracing::info!(run = %id, elapsed_us = started.elapsed().as_micros() as u64, "run resumed");
+        Ok(())
+    }
+
     /// The one door: admits an operation if the run can take it, under
     /// the lease for a fenced one.
-    fn admit(&mut self, access: Access, now: OffsetDateTime) -> Result<Admitted, CoreError> {
+    async fn admit(&mut self, access: Access, now: OffsetDateTime) -> Result<Admitted, CoreError> {
+        // A paused run is resumed first, here, where every operation comes
+        // in: commands wait their turn, so callers that arrive together
+        // share one resume.
+        if self.phase == Phase::Paused {
+            self.resume().await?;
+        }
         // A pool member is reached only by its pool's warm-up: the API
         // cannot name it.
         let (agent, protocol) = match (&self.phase, &self.agent) {
@@ -656,7 +757,7 @@ impl RunActor {
         match phase {
             Phase::Failed(why) => CoreError::RunFailed(self.record.id, why.clone()),
             Phase::Creating => CoreError::RunNotRunning(self.record.id, "still being created"),
-            Phase::Running | Phase::Pooled | Phase::Stopping(_) | Phase::Gone => {
+            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Stopping(_) | Phase::Gone => {
                 CoreError::RunNotFound(self.record.id)
             }
         }
@@ -770,6 +871,7 @@ impl RunActor {
                         Some(Command::Lease { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Stop { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Claim { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Pause { reply }) | Some(Command::Resume { reply }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }

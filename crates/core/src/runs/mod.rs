@@ -538,7 +538,7 @@ impl Manager {
     /// admitted by the run's owner.
     pub fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError> {
         match self.handle(id)?.snapshot().phase {
-            Phase::Running => Ok(self.lane.sandbox(id).usage()),
+            Phase::Running | Phase::Paused => Ok(self.lane.sandbox(id).usage()),
             Phase::Failed(why) => Err(CoreError::RunFailed(id, why)),
             _ => Err(CoreError::RunNotRunning(id, "still being created")),
         }
@@ -567,6 +567,23 @@ impl Manager {
         let ttl = validate::ttl(Some(ttl_sec), self.config.default_ttl, self.config.max_ttl)?;
         let handle = self.handle(id)?;
         handle.ask(|reply| Command::Renew { ttl, reply }).await?;
+        Ok(self.view(&handle))
+    }
+
+    /// Pauses a run: its processes stop where they are, its memory, open
+    /// files and connections kept; it uses no CPU until the next call that
+    /// reaches it, or [`Manager::resume`]. Pausing a paused run does
+    /// nothing.
+    pub async fn pause(&self, id: Ulid) -> Result<Run, CoreError> {
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Pause { reply }).await?;
+        Ok(self.view(&handle))
+    }
+
+    /// Resumes a paused run; a running one is left as it is.
+    pub async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Resume { reply }).await?;
         Ok(self.view(&handle))
     }
 

@@ -16,11 +16,17 @@
 //!   Creating ── Parked ──► Pooled ── Claimed ──► Running
 //!                            │ Died(why) or Stop(reason)
 //!                            └─────────────────────────► Stopping
+//!
+//!   Running ── Paused ──► Paused ── Resumed ──► Running
+//!                           │ Died(why) ──► Failed;  Stop(reason) ──► Stopping
 //! ```
 //!
 //! * `Creating`: the record is stored and the lane is building the
 //!   sandbox. Counted against capacity; not usable yet.
 //! * `Running`: the sandbox is up and its agent answered.
+//! * `Paused`: the run's processes are frozen where they were (memory,
+//!   open files and connections kept); shown, counted against capacity.
+//!   Its owner resumes it before it admits any operation.
 //! * `Pooled`: an idle warm-pool member, up and answering, that no create
 //!   has claimed: hidden from the API and not counted against capacity;
 //!   only the pool's own warm-up reaches it. A claim makes it `Running`; a
@@ -33,7 +39,7 @@
 //!   it succeeds. No operation is admitted any more.
 //! * `Gone`: destroyed and forgotten; the run's owner exits.
 //!
-//! Room is left for `Snapshotting`, `Paused` and `Archived`: each
+//! Room is left for `Snapshotting`, `Hibernated` and `Archived`: each
 //! is a new variant with its own arms in [`transition`], never a flag beside
 //! the phase.
 //!
@@ -49,6 +55,8 @@ pub enum Phase {
     Creating,
     /// The sandbox is up and its agent answers.
     Running,
+    /// The run's processes are frozen where they were, memory kept.
+    Paused,
     /// An idle pool member: up, hidden, not counted, waiting for a create.
     Pooled,
     /// The sandbox died on its own, for this reason.
@@ -68,6 +76,10 @@ pub enum Event {
     Parked,
     /// A create took the idle pool member and its settings are applied.
     Claimed,
+    /// The run's processes were frozen.
+    Paused,
+    /// A paused run's processes were let go on.
+    Resumed,
     /// Building the sandbox failed.
     CreateFailed,
     /// The sandbox's init process exited on its own.
@@ -96,6 +108,7 @@ impl Phase {
             Phase::Creating => "creating",
             Phase::Running => "running",
             Phase::Pooled => "pooled",
+            Phase::Paused => "paused",
             Phase::Failed(_) => "failed",
             Phase::Stopping(_) => "stopping",
             Phase::Gone => "gone",
@@ -107,6 +120,7 @@ impl Phase {
         match self {
             Phase::Creating => RunStatus::Creating,
             Phase::Running | Phase::Pooled => RunStatus::Running,
+            Phase::Paused => RunStatus::Paused,
             Phase::Failed(_) => RunStatus::Failed,
             Phase::Stopping(_) | Phase::Gone => RunStatus::Stopping,
         }
@@ -115,7 +129,10 @@ impl Phase {
     /// Whether the API still shows the run. A run being destroyed is not
     /// shown: once a delete is accepted, the run never answers again.
     pub fn visible(&self) -> bool {
-        matches!(self, Phase::Creating | Phase::Running | Phase::Failed(_))
+        matches!(
+            self,
+            Phase::Creating | Phase::Running | Phase::Paused | Phase::Failed(_)
+        )
     }
 }
 
@@ -130,8 +147,10 @@ pub fn transition(from: &Phase, event: Event) -> Result<Phase, InvalidTransition
         // Nobody can see a dead idle member; it goes at once.
         (P::Pooled, E::Died(_)) => P::Stopping(ExitReason::RunDeleted),
         (P::Creating, E::CreateFailed) => P::Stopping(ExitReason::RunDeleted),
-        (P::Running, E::Died(why)) => P::Failed(why.clone()),
-        (P::Creating | P::Running | P::Pooled | P::Failed(_), E::Stop(reason)) => {
+        (P::Running | P::Paused, E::Died(why)) => P::Failed(why.clone()),
+        (P::Running, E::Paused) => P::Paused,
+        (P::Paused, E::Resumed) => P::Running,
+        (P::Creating | P::Running | P::Paused | P::Pooled | P::Failed(_), E::Stop(reason)) => {
             P::Stopping(*reason)
         }
         (P::Stopping(_), E::Destroyed) => P::Gone,
@@ -155,6 +174,8 @@ mod tests {
             Just(Event::Started),
             Just(Event::Parked),
             Just(Event::Claimed),
+            Just(Event::Paused),
+            Just(Event::Resumed),
             Just(Event::CreateFailed),
             Just(Event::Died("init exited".into())),
             Just(Event::Stop(ExitReason::RunDeleted)),
@@ -203,6 +224,27 @@ mod tests {
     }
 
     #[test]
+    fn a_paused_run_is_shown_resumes_to_running_and_can_die_or_stop() {
+        let paused = transition(&Phase::Running, Event::Paused).unwrap();
+        assert_eq!(paused, Phase::Paused);
+        assert!(paused.visible());
+        assert_eq!(paused.status(), RunStatus::Paused);
+        assert_eq!(transition(&paused, Event::Resumed).unwrap(), Phase::Running);
+        assert!(transition(&paused, Event::Paused).is_err());
+        assert!(transition(&Phase::Running, Event::Resumed).is_err());
+        assert!(transition(&Phase::Pooled, Event::Paused).is_err());
+        assert!(transition(&Phase::Failed("x".into()), Event::Paused).is_err());
+        assert_eq!(
+            transition(&paused, Event::Died("killed".into())).unwrap(),
+            Phase::Failed("killed".into())
+        );
+        assert_eq!(
+            transition(&paused, Event::Stop(ExitReason::RunExpired)).unwrap(),
+            Phase::Stopping(ExitReason::RunExpired)
+        );
+    }
+
+    #[test]
     fn invalid_transitions_say_what_was_asked() {
         let err = transition(&Phase::Gone, Event::Started).unwrap_err();
         assert_eq!(err.from, "gone");
@@ -235,11 +277,11 @@ mod tests {
                 if stopped {
                     prop_assert!(!phase.visible());
                 }
-                served |= matches!(phase, Phase::Running | Phase::Failed(_));
+                served |= matches!(phase, Phase::Running | Phase::Paused | Phase::Failed(_));
                 if served {
                     prop_assert_ne!(&phase, &Phase::Pooled);
                 }
-                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Failed(_)));
+                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Paused | Phase::Failed(_)));
             }
         }
     }

@@ -54,6 +54,10 @@ impl Manager {
                     tracing::info!(run = %id, "re-adopted a live run");
                     Phase::Running
                 }
+                Adopted::Paused(_) => {
+                    tracing::info!(run = %id, "re-adopted a paused run");
+                    Phase::Paused
+                }
                 Adopted::Failed => {
                     tracing::info!(run = %id, "kept a failed run until its TTL");
                     Phase::Failed(record.failure.clone().unwrap_or_default())
@@ -68,6 +72,7 @@ impl Manager {
                             Phase::Failed(record.failure.clone().unwrap_or_default())
                         }
                         RunStatus::Running | RunStatus::Stopping => Phase::Running,
+                        RunStatus::Paused => Phase::Paused,
                     }
                 }
             };
@@ -126,17 +131,31 @@ impl Manager {
             tracing::info!(run = %id, "destroying an idle pool member of the last daemon; its pool refills");
             return Adopted::Doomed(ExitReason::RunDeleted);
         }
-        match record.status {
+        let paused = match record.status {
             RunStatus::Failed => return Adopted::Failed,
-            RunStatus::Running => {}
+            RunStatus::Running => false,
+            RunStatus::Paused => true,
             RunStatus::Creating | RunStatus::Stopping => {
                 return Adopted::Doomed(ExitReason::RunDeleted)
             }
-        }
-        let Ok(Some(sandbox)) = self.lane.adopt(id).await else {
+        };
+        let Ok(Some(sandbox)) = self.lane.adopt(id, paused).await else {
             return Adopted::Doomed(ExitReason::AgentLost);
         };
         let agent = sandbox.agent().client();
+        if paused {
+            // Frozen again if the last daemon died while resuming it: it is
+            // as its record says. Its agent cannot answer until it resumes.
+            match sandbox.suspend().await {
+                Ok(()) => return Adopted::Paused(agent),
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %e, "could not keep the run paused; it runs");
+                    if let Err(e) = sandbox.resume().await {
+                        tracing::warn!(run = %id, error = %e, "could not thaw the run");
+                    }
+                }
+            }
+        }
         match wait_ready(agent.clone(), READOPT_TIMEOUT).await {
             Ok(protocol) => Adopted::Running(agent, protocol),
             Err(e) => {

@@ -108,7 +108,9 @@ fn sample_usage(handles: &[Arc<RunHandle>], lane: &dyn Lane) {
         let snapshot = handle.snapshot();
         if !matches!(
             snapshot.phase,
-            super::phase::Phase::Running | super::phase::Phase::Pooled
+            super::phase::Phase::Running
+                | super::phase::Phase::Paused
+                | super::phase::Phase::Pooled
         ) {
             continue;
         }
