@@ -307,6 +307,18 @@ impl Tools {
         to_json(&self.client.list_runs().await.map_err(refused)?)
     }
 
+    #[tool(
+        description = "Pause a run: its processes stop where they are and keep their memory; it uses no CPU. The next call that reaches the run (exec, files, ...) resumes it. Answers the run."
+    )]
+    async fn pause_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        to_json(&self.client.pause_run(&p.run).await.map_err(refused)?)
+    }
+
+    #[tool(description = "Resume a paused run. Answers the run.")]
+    async fn resume_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        to_json(&self.client.resume_run(&p.run).await.map_err(refused)?)
+    }
+
     #[tool(description = "Delete a run and everything in it.")]
     async fn delete_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
         self.client.delete_run(&p.run).await.map_err(refused)?;

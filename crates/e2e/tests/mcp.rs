@@ -90,8 +90,10 @@ async fn a_stdio_session_drives_runs_end_to_end() {
             "fork",
             "list_files",
             "list_runs",
+            "pause_run",
             "preview_url",
             "read_file",
+            "resume_run",
             "snapshot",
             "start_process",
             "write_file"
@@ -133,6 +135,19 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     )
     .await;
     assert_eq!(out["timedOut"], true);
+
+    // Pause: shown as paused; the next exec resumes it.
+    let paused = ok(&session, "pause_run", json!({"run": id})).await;
+    assert_eq!(paused["status"], "paused");
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "echo awake"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "awake\n");
+    let resumed = ok(&session, "resume_run", json!({"run": id})).await;
+    assert_eq!(resumed["status"], "running");
 
     // Files.
     ok(

@@ -18,8 +18,11 @@ async def test_the_async_client_does_what_the_sync_one_does(daemon):
             assert (result.stdout, result.exit_code) == (b"async\n", 2)
             events = [e async for e in rb.exec(run.id, "echo x")]
             assert isinstance(events[-1], Exit)
-            # Several commands at once.
+            # Several commands at once, reaching a paused run: it resumes once.
+            assert (await rb.pause_run(run.id)).status == "paused"
             outs = await asyncio.gather(*(rb.run(run.id, f"echo {i}") for i in range(5)))
+            assert (await rb.get_run(run.id)).status == "running"
+            assert (await rb.resume_run(run.id)).status == "running"
             assert [o.text for o in outs] == [f"{i}\n" for i in range(5)]
             await rb.write_file(run.id, "a.txt", b"bytes")
             assert await rb.read_file(run.id, "a.txt") == b"bytes"

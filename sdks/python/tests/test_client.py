@@ -21,6 +21,10 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
         assert rb.get_run(run.id).image == "base"
         renewed = rb.renew_run(run.id, 1200)
         assert renewed.expires_at > run.expires_at
+        assert rb.pause_run(run.id).status == "paused"
+        assert rb.get_run(run.id).status == "paused"
+        assert rb.resume_run(run.id).status == "running"
+        rb.pause_run(run.id)
         result = rb.run(run.id, "echo $GREETING; echo oops >&2; exit 3")
         assert (result.stdout, result.stderr, result.exit_code) == (b"hi\n", b"oops\n", 3)
         assert result.exit.reason == "exited"

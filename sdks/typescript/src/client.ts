@@ -334,6 +334,16 @@ export class Runbox {
     return this.call({ method: "POST", path: `${runPath(runId)}/renew`, json: { ttlSec } });
   }
 
+  /** Freezes the run's processes where they are, memory kept; the next call that reaches the run resumes it. */
+  async pauseRun(runId: string): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/pause` });
+  }
+
+  /** Lets a paused run's processes go on. */
+  async resumeRun(runId: string): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/resume` });
+  }
+
   // -- leases -------------------------------------------------------------
 
   async acquireLease(runId: string, owner: string, ttlSec?: number): Promise<Lease> {

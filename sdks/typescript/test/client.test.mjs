@@ -46,6 +46,10 @@ test("health and a run's lifecycle", async () => {
     assert.equal((await rb.getRun(run.id)).image, "base");
     const renewed = await rb.renewRun(run.id, 1200);
     assert.ok(Date.parse(renewed.expiresAt) > Date.parse(run.expiresAt));
+    assert.equal((await rb.pauseRun(run.id)).status, "paused");
+    assert.equal((await rb.getRun(run.id)).status, "paused");
+    assert.equal((await rb.resumeRun(run.id)).status, "running");
+    await rb.pauseRun(run.id);
     const result = await rb.run(run.id, "echo $GREETING; echo oops >&2; exit 3");
     assert.equal(result.text, "hi\n");
     assert.equal(result.stderrText, "oops\n");

@@ -75,6 +75,14 @@ def renew_run(run_id: str, ttl: int) -> Call[Run]:
     return Call("POST", f"{run_path(run_id)}/renew", json={"ttlSec": ttl}, parse=Run.from_json)
 
 
+def pause_run(run_id: str) -> Call[Run]:
+    return Call("POST", f"{run_path(run_id)}/pause", parse=Run.from_json)
+
+
+def resume_run(run_id: str) -> Call[Run]:
+    return Call("POST", f"{run_path(run_id)}/resume", parse=Run.from_json)
+
+
 def acquire_lease(run_id: str, owner: str, ttl: Optional[int] = None) -> Call[Lease]:
     return Call(
         "POST",

@@ -177,6 +177,15 @@ class AsyncRunbox:
     async def renew_run(self, run_id: str, ttl: int) -> Run:
         return await self._do(calls.renew_run(run_id, ttl))
 
+    async def pause_run(self, run_id: str) -> Run:
+        """Freezes the run's processes where they are, memory kept; the next
+        call that reaches the run resumes it."""
+        return await self._do(calls.pause_run(run_id))
+
+    async def resume_run(self, run_id: str) -> Run:
+        """Lets a paused run's processes go on."""
+        return await self._do(calls.resume_run(run_id))
+
     async def info(self) -> Dict[str, Any]:
         return await self._do(calls.info())
 

@@ -114,6 +114,15 @@ class Runbox:
     def renew_run(self, run_id: str, ttl: int) -> Run:
         return self._do(calls.renew_run(run_id, ttl))
 
+    def pause_run(self, run_id: str) -> Run:
+        """Freezes the run's processes where they are, memory kept; the next
+        call that reaches the run resumes it."""
+        return self._do(calls.pause_run(run_id))
+
+    def resume_run(self, run_id: str) -> Run:
+        """Lets a paused run's processes go on."""
+        return self._do(calls.resume_run(run_id))
+
     def info(self) -> Dict[str, Any]:
         return self._do(calls.info())
 
