@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from e2b import FileType, Sandbox
+from e2b import FileType, Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import AuthenticationException
 
 
@@ -320,3 +320,57 @@ def test_runbox_runs_serve_ports_by_host_only_when_public(daemon):
     finally:
         for run in (private, public):
             httpx.delete(f"{daemon.url}/v1/runs/{run['id']}", headers=auth)
+
+
+def test_pause_keeps_the_sandbox_and_connect_resumes_it(sbx):
+    # A counter in memory: after a pause and a connect it goes on from
+    # where it stood (a full pause, not a reboot).
+    sbx.commands.run(
+        "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done'",
+        background=True,
+    )
+    time.sleep(0.5)
+    assert sbx.pause() is True
+    assert not sbx.is_running()
+    # Pausing again is a no-op the SDK reports as False (E2B answers 409).
+    assert Sandbox.pause(sbx.sandbox_id) is False
+    paused = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
+    assert sbx.sandbox_id in paused
+    assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+    resumed = sbx.connect()
+    assert resumed.sandbox_id == sbx.sandbox_id
+    assert sbx.is_running()
+    first = int(sbx.files.read("/tmp/n"))
+    time.sleep(0.3)
+    assert int(sbx.files.read("/tmp/n")) > first
+    running = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.RUNNING])).next_items()]
+    assert sbx.sandbox_id in running
+
+
+def test_a_paused_sandbox_resumes_on_traffic_only_with_auto_resume():
+    from e2b.api.client.models import SandboxAutoResumeConfig  # noqa: F401 (the SDK has it)
+
+    plain = Sandbox.create(timeout=120)
+    waking = Sandbox.create(timeout=120, lifecycle={"on_timeout": "kill", "auto_resume": True})
+    try:
+        for s in (plain, waking):
+            s.files.write("/tmp/x", "kept")
+            assert s.pause() is True
+        # Without autoResume, a call to the paused sandbox is refused as
+        # by E2B; with it, the call wakes the sandbox.
+        assert not plain.is_running()
+        assert waking.files.read("/tmp/x") == "kept"
+        assert Sandbox.get_info(waking.sandbox_id).state == SandboxState.RUNNING
+        assert Sandbox.get_info(plain.sandbox_id).state == SandboxState.PAUSED
+        Sandbox.connect(plain.sandbox_id)
+        assert plain.files.read("/tmp/x") == "kept"
+    finally:
+        plain.kill()
+        waking.kill()
+
+
+def test_a_filesystem_only_pause_is_refused_until_runbox_has_one(sbx):
+    with pytest.raises(Exception) as e:
+        sbx.pause(keep_memory=False)
+    assert "filesystem-only" in str(e.value)
+    assert sbx.is_running()

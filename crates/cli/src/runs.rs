@@ -41,6 +41,16 @@ impl From<NetworkArg> for NetworkTier {
     }
 }
 
+/// What happens at a run's TTL.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum OnExpireArg {
+    /// It is destroyed
+    Delete,
+    /// It is paused and kept for the server's retention; a resume gives
+    /// it a fresh TTL
+    Pause,
+}
+
 /// When a create pulls its image.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PullArg {
@@ -112,6 +122,13 @@ pub struct CreateArgs {
     /// host, <port>-<run id>.<domain> (E2B's addressing; docs/e2b.md)
     #[arg(long)]
     pub public_ports: bool,
+    /// While the run is paused, refuse calls (run_paused) instead of
+    /// resuming it; only `runbox resume` wakes it
+    #[arg(long)]
+    pub no_auto_resume: bool,
+    /// What happens at the run's TTL [default: delete]
+    #[arg(long, value_enum)]
+    pub on_expire: Option<OnExpireArg>,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -156,6 +173,11 @@ impl CreateArgs {
                     .collect()
             }),
             public_ports: self.public_ports.then_some(true),
+            auto_resume: self.no_auto_resume.then_some(false),
+            on_expire: self.on_expire.map(|o| match o {
+                OnExpireArg::Delete => runbox_types::OnExpire::Delete,
+                OnExpireArg::Pause => runbox_types::OnExpire::Pause,
+            }),
         }
     }
 }
@@ -594,6 +616,8 @@ mod tests {
             labels: Default::default(),
             pooled: false,
             public_ports: false,
+            auto_resume: true,
+            on_expire: Default::default(),
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

@@ -109,6 +109,11 @@ pub struct ServeArgs {
     /// Longest TTL (seconds) a run may ask for.
     #[arg(long, default_value_t = 86400)]
     pub max_ttl: u64,
+    /// Seconds a run paused at its TTL (`onExpire: pause`) is kept before
+    /// it is destroyed (default 7 days).
+    #[arg(long, default_value_t = 7 * 86400, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=366 * 86400))]
+    pub paused_retention_sec: u64,
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
@@ -245,6 +250,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             .map(|(d, m)| d.min(m)),
     };
     config.max_ttl = Duration::from_secs(args.max_ttl);
+    config.paused_retention = Duration::from_secs(args.paused_retention_sec);
     config.default_ttl = config.default_ttl.min(config.max_ttl);
     config.max_upload_bytes = args.max_upload_bytes;
     config.insecure_registries = args.insecure_registries.clone();

@@ -17,6 +17,9 @@ pub struct Config {
     pub default_ttl: Duration,
     /// The longest TTL a create or renew may ask for.
     pub max_ttl: Duration,
+    /// How long a run paused at its TTL (`onExpire: pause`) is kept before
+    /// it is destroyed.
+    pub paused_retention: Duration,
     /// How many runs may exist at once.
     pub max_runs: usize,
     /// The most children one fork may make.
@@ -90,6 +93,7 @@ impl Config {
             },
             default_ttl: Duration::from_secs(30 * 60),
             max_ttl: Duration::from_secs(24 * 60 * 60),
+            paused_retention: Duration::from_secs(7 * 24 * 60 * 60),
             max_runs: 256,
             max_fork_count: 16,
             max_upload_bytes: 16 << 30,

@@ -81,10 +81,29 @@ pub struct RunRecord {
     /// Its ports are served by host without a token (`publicPorts`).
     #[serde(default)]
     pub public_ports: bool,
+    /// A call that reaches it while paused resumes it (`autoResume`).
+    #[serde(default = "resume_by_default")]
+    pub auto_resume: bool,
+    /// What happens at its TTL (`onExpire`).
+    #[serde(default)]
+    pub on_expire: runbox_types::OnExpire,
+    /// The TTL it was created with, in seconds: what a resume after an
+    /// expiry gives it again. 0 for records from before it was kept.
+    #[serde(default)]
+    pub ttl_sec: u64,
+    /// Paused at its TTL (`onExpire: pause`): `expires_at` is now the end
+    /// of its retention, and a resume gives it a fresh TTL.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expired: bool,
     /// The warm pool it was made for, and whether a create has claimed it;
     /// None for runs made by a create.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<crate::pools::Membership>,
+}
+
+/// Records written before `autoResume` existed resume on traffic.
+fn resume_by_default() -> bool {
+    true
 }
 
 impl RunRecord {
@@ -132,6 +151,8 @@ impl RunRecord {
             labels: self.labels.clone(),
             pooled: self.pool.as_ref().is_some_and(|m| m.claimed),
             public_ports: self.public_ports,
+            auto_resume: self.auto_resume,
+            on_expire: self.on_expire,
         }
     }
 }
@@ -293,6 +314,10 @@ mod tests {
             size: None,
             labels: Default::default(),
             public_ports: false,
+            auto_resume: true,
+            on_expire: Default::default(),
+            ttl_sec: 0,
+            expired: false,
             pool: None,
         }
     }

@@ -190,3 +190,76 @@ async fn a_daemon_killed_while_a_run_is_paused_finds_it_paused() {
         assert!(count(&path) > at_pause);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_does_not_resume_on_traffic_refuses_calls_until_resumed() {
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon
+        .create_with(runbox_types::CreateRunRequest {
+            image: "base".into(),
+            auto_resume: Some(false),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    assert!(!daemon.client.get_run(&id).await.unwrap().auto_resume);
+    daemon.client.pause_run(&id).await.unwrap();
+    let req = runbox_types::ExecRequest {
+        cmd: vec!["true".into()],
+        ..Default::default()
+    };
+    let err = match daemon.client.exec(&id, &req).await {
+        Ok(_) => panic!("an exec reached a paused run that does not resume on traffic"),
+        Err(e) => e,
+    };
+    assert_eq!(err.status(), Some(409), "{err}");
+    assert!(err.to_string().contains("run_paused"), "{err}");
+    assert_eq!(
+        daemon.client.get_run(&id).await.unwrap().status,
+        RunStatus::Paused
+    );
+    daemon.client.resume_run(&id).await.unwrap();
+    assert_eq!(daemon.sh(&id, "echo up").await.stdout, b"up\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_expire_pause_keeps_the_run_until_its_retention_and_a_resume_renews_it() {
+    let daemon = TestDaemon::start_with(None, &["--paused-retention-sec", "4"], &[]).await;
+    let create = |ttl| runbox_types::CreateRunRequest {
+        image: "base".into(),
+        ttl_sec: Some(ttl),
+        on_expire: Some(runbox_types::OnExpire::Pause),
+        ..Default::default()
+    };
+    let run = daemon.create_with(create(2)).await;
+    let id = run.id.to_string();
+    assert_eq!(run.on_expire, runbox_types::OnExpire::Pause);
+    daemon
+        .client
+        .put_file(&id, "kept", runbox_e2e::body(b"yes".to_vec()))
+        .await
+        .unwrap();
+    let paused = runbox_e2e::eventually_async(Duration::from_secs(15), || async {
+        daemon
+            .client
+            .get_run(&id)
+            .await
+            .is_ok_and(|r| r.status == RunStatus::Paused)
+    })
+    .await;
+    assert!(paused, "not paused at its TTL: {}", daemon.log());
+    // A call wakes it with a fresh TTL of the length it was made with.
+    assert_eq!(daemon.sh(&id, "cat /work/kept").await.stdout, b"yes");
+    let woken = daemon.client.get_run(&id).await.unwrap();
+    assert_eq!(woken.status, RunStatus::Running);
+    let left = woken.expires_at - time::OffsetDateTime::now_utc();
+    assert!(left <= time::Duration::seconds(3), "{left}");
+    // Its TTL passes again: paused again, then gone at the retention's end.
+    let gone = runbox_e2e::eventually_async(Duration::from_secs(30), || async {
+        daemon.client.get_run(&id).await.is_err()
+    })
+    .await;
+    assert!(gone, "kept past its retention: {}", daemon.log());
+    assert!(daemon.log().contains("paused and kept"));
+}

@@ -63,6 +63,8 @@ fn run() -> Run {
         labels: Default::default(),
         pooled: false,
         public_ports: false,
+        auto_resume: true,
+        on_expire: Default::default(),
     }
 }
 

@@ -130,6 +130,9 @@ codes! {
     /// The run would have a disk limit and this server's storage cannot
     /// enforce one; the message says what the operator can change.
     DiskLimitUnsupported = "disk_limit_unsupported", 400;
+    /// The run is paused and was created with `autoResume: false`: resume
+    /// it first (`POST /v1/runs/{id}/resume`).
+    RunPaused = "run_paused", 409;
     /// This server's isolation lane cannot pause runs; the message says why.
     PauseUnsupported = "pause_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.

@@ -210,6 +210,28 @@ pub struct CreateRunRequest {
     /// signed preview URL, a tunnel, or the sandbox's traffic token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub public_ports: Option<bool>,
+    /// Whether a call that reaches the run while it is paused resumes it
+    /// (default true). With false, such a call is refused with
+    /// `run_paused` and only `POST .../resume` wakes the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_resume: Option<bool>,
+    /// What happens at the run's TTL (default `delete`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_expire: Option<OnExpire>,
+}
+
+/// What happens to a run when its TTL passes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum OnExpire {
+    /// It is destroyed.
+    #[default]
+    Delete,
+    /// It is paused and kept for the server's retention
+    /// (`--paused-retention-sec`, default 7 days), then destroyed; a resume
+    /// before then gives it a fresh TTL of the length it was created with.
+    Pause,
 }
 
 /// `warm` on `POST /v1/runs`.
@@ -445,6 +467,17 @@ pub struct Run {
     /// (`publicPorts` at create).
     #[serde(default)]
     pub public_ports: bool,
+    /// Whether a call that reaches it while it is paused resumes it
+    /// (`autoResume` at create).
+    #[serde(default = "yes")]
+    pub auto_resume: bool,
+    /// What happens at its TTL.
+    #[serde(default)]
+    pub on_expire: OnExpire,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Egress accounting of one run.

@@ -780,6 +780,12 @@ export interface components {
         /** @description `POST /v1/runs`. */
         CreateRunRequest: {
             /**
+             * @description Whether a call that reaches the run while it is paused resumes it
+             *     (default true). With false, such a call is refused with
+             *     `run_paused` and only `POST .../resume` wakes the run.
+             */
+            autoResume?: boolean | null;
+            /**
              * @description Extra allowlist entries for this run only (`allowlist` tier):
              *     `host`, `.suffix` or `host:port`.
              */
@@ -800,6 +806,7 @@ export interface components {
             } | null;
             limits?: null | components["schemas"]["LimitsRequest"];
             network?: null | components["schemas"]["NetworkTier"];
+            onExpire?: null | components["schemas"]["OnExpire"];
             /**
              * @description Serve the run's ports, without a token, to requests that name them
              *     by host (`<port>-<run id>.<domain>`, E2B's addressing; see
@@ -1204,6 +1211,11 @@ export interface components {
          * @enum {string}
          */
         NetworkTier: "none" | "allowlist" | "open";
+        /**
+         * @description What happens to a run when its TTL passes.
+         * @enum {string}
+         */
+        OnExpire: "delete" | "pause";
         /** @description `GET /v1/pools`. */
         PoolList: {
             /** @description Whether the node is cordoned (pools drained, creates refused). */
@@ -1501,6 +1513,11 @@ export interface components {
         /** @description A run as the API shows it. */
         Run: {
             /**
+             * @description Whether a call that reaches it while it is paused resumes it
+             *     (`autoResume` at create).
+             */
+            autoResume?: boolean;
+            /**
              * Format: date-time
              * @description Creation time (RFC 3339).
              */
@@ -1538,6 +1555,8 @@ export interface components {
             limits: components["schemas"]["Limits"];
             /** @description The network tier in force. */
             network: components["schemas"]["NetworkTier"];
+            /** @description What happens at its TTL. */
+            onExpire?: components["schemas"]["OnExpire"];
             /**
              * @description Whether the create was served by a warm pool (the run was made
              *     ahead of time and handed out; everything per-create applied then).

@@ -139,6 +139,8 @@ pub(crate) struct Claim {
     pub egress: crate::egress::RunEgressRequest,
     pub labels: std::collections::BTreeMap<String, String>,
     pub public_ports: bool,
+    pub auto_resume: bool,
+    pub on_expire: runbox_types::OnExpire,
     pub idempotency: Option<crate::store::Idempotency>,
 }
 
@@ -532,10 +534,7 @@ impl RunActor {
                     None => self.stop(ExitReason::RunDeleted),
                 },
                 why = exit => self.died(why).await,
-                () = tokio::time::sleep_until(expires) => {
-                    tracing::info!(run = %self.record.id, "run reached its TTL");
-                    self.stop(ExitReason::RunExpired);
-                }
+                () = tokio::time::sleep_until(expires) => self.expired().await,
             }
         }
         if matches!(self.phase, Phase::Stopping(_)) {
@@ -572,8 +571,10 @@ impl RunActor {
             }
             Command::End => self.fence.end(),
             Command::Renew { ttl, reply } => {
-                let before = self.record.expires_at;
+                let (before, expired) = (self.record.expires_at, self.record.expired);
                 self.record.expires_at = now + ttl;
+                // A new TTL: its end applies `onExpire` again.
+                self.record.expired = false;
                 let answer = match self.context.store.put_async(self.record.clone()).await {
                     Ok(()) => {
                         self.publish();
@@ -581,6 +582,7 @@ impl RunActor {
                     }
                     Err(e) => {
                         self.record.expires_at = before;
+                        self.record.expired = expired;
                         Err(e)
                     }
                 };
@@ -656,6 +658,9 @@ impl RunActor {
         self.record.egress = claim.egress;
         self.record.labels = claim.labels;
         self.record.public_ports = claim.public_ports;
+        self.record.auto_resume = claim.auto_resume;
+        self.record.on_expire = claim.on_expire;
+        self.record.ttl_sec = claim.ttl.as_secs();
         self.record.idempotency = claim.idempotency;
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;
@@ -663,6 +668,41 @@ impl RunActor {
         self.apply(Event::Claimed);
         self.publish();
         self.context.start_egress(&self.handle, &self.record).await
+    }
+
+    /// The run's TTL passed: it is destroyed, or with `onExpire: pause`
+    /// paused and kept for the retention (once: at the end of that, it is
+    /// destroyed).
+    async fn expired(&mut self) {
+        let id = self.record.id;
+        let keep = self.record.on_expire == runbox_types::OnExpire::Pause
+            && !self.record.expired
+            && matches!(self.phase, Phase::Running | Phase::Paused);
+        if !keep {
+            tracing::info!(run = %id, "run reached its TTL");
+            self.stop(ExitReason::RunExpired);
+            return;
+        }
+        if self.phase == Phase::Running {
+            if let Err(e) = self.pause().await {
+                tracing::warn!(run = %id, error = %error_chain(&e), "could not pause the run at its TTL; destroying it");
+                self.stop(ExitReason::RunExpired);
+                return;
+            }
+        }
+        let before = (self.record.expires_at, self.record.expired);
+        self.record.expired = true;
+        self.record.expires_at = OffsetDateTime::now_utc() + self.context.config.paused_retention;
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+            // Kept as it was: paused, with the old expiry passed, so the
+            // next turn of the loop tries again.
+            tracing::warn!(run = %id, error = %e, "could not store the run's retention");
+            (self.record.expires_at, self.record.expired) = before;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            return;
+        }
+        self.publish();
+        tracing::info!(run = %id, until = %self.record.expires_at, "run reached its TTL; paused and kept");
     }
 
     /// Freezes the run's processes where they are, then stores that it is
@@ -712,6 +752,15 @@ impl RunActor {
             self.agent = Some((agent, protocol));
         }
         self.apply(Event::Resumed);
+        if self.record.expired {
+            // Woken after its TTL: a fresh one, as long as it was made with.
+            let ttl = match self.record.ttl_sec {
+                0 => self.context.config.default_ttl,
+                secs => Duration::from_secs(secs),
+            };
+            self.record.expired = false;
+            self.record.expires_at = OffsetDateTime::now_utc() + ttl;
+        }
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %id, error = %e, "could not store that the run resumed; a restart pauses it again");
         }
@@ -727,6 +776,16 @@ impl RunActor {
         // in: commands wait their turn, so callers that arrive together
         // share one resume.
         if self.phase == Phase::Paused {
+            if !self.record.auto_resume {
+                return Err(CoreError::invalid(
+                    ErrorCode::RunPaused,
+                    format!(
+                        "run {} is paused and does not resume on traffic (autoResume: false); \
+                         resume it with POST /v1/runs/{}/resume",
+                        self.record.id, self.record.id
+                    ),
+                ));
+            }
             self.resume().await?;
         }
         // A pool member is reached only by its pool's warm-up: the API

@@ -349,6 +349,8 @@ impl Manager {
                 egress: egress.clone(),
                 labels: labels.clone(),
                 public_ports: req.public_ports.unwrap_or(false),
+                auto_resume: req.auto_resume.unwrap_or(true),
+                on_expire: req.on_expire.unwrap_or_default(),
                 idempotency: idempotency.clone(),
             };
             if let Some(served) = self.claim_from_pool(&key, claim).await? {
@@ -396,6 +398,10 @@ impl Manager {
             size: req.size,
             labels,
             public_ports: req.public_ports.unwrap_or(false),
+            auto_resume: req.auto_resume.unwrap_or(true),
+            on_expire: req.on_expire.unwrap_or_default(),
+            ttl_sec: ttl.as_secs(),
+            expired: false,
             pool: None,
         };
         let spec = SandboxSpec {

@@ -215,6 +215,10 @@ impl Manager {
             size: Some(key.size),
             labels: Default::default(),
             public_ports: false,
+            auto_resume: true,
+            on_expire: Default::default(),
+            ttl_sec: 0,
+            expired: false,
             pool: Some(Membership {
                 key: key.clone(),
                 claimed: false,

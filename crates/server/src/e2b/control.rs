@@ -48,6 +48,10 @@ impl E2bError {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
+    fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, message)
+    }
+
     /// What runbox does not have yet: `501` with a message that says so.
     fn unsupported(what: &str) -> Self {
         Self::new(
@@ -106,8 +110,8 @@ pub fn routes<S: RunService>() -> Router<AppState<S>> {
             axum::routing::delete(delete_template::<S>),
         )
         .route("/templates/aliases/{alias}", get(template_alias::<S>))
-        .route("/sandboxes/{id}/pause", post(pause))
-        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/pause", post(pause::<S>))
+        .route("/sandboxes/{id}/resume", post(resume::<S>))
         .route("/sandboxes/{id}/network", axum::routing::put(network))
         .route("/sandboxes/{id}/logs", get(logs))
         .route("/v2/sandboxes/{id}/logs", get(logs))
@@ -215,6 +219,24 @@ fn public_traffic(network: Option<&Value>) -> Result<bool, E2bError> {
     Ok(public)
 }
 
+/// E2B's `autoResume: {enabled}`: whether traffic to the sandbox while it
+/// is paused resumes it. Off unless enabled, as on E2B.
+fn auto_resume(config: Option<&Value>) -> Result<bool, E2bError> {
+    match config {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(enabled)) => Ok(*enabled),
+        Some(Value::Object(o)) => match o.get("enabled") {
+            None | Some(Value::Null) => Ok(false),
+            Some(Value::Bool(enabled)) if o.len() == 1 => Ok(*enabled),
+            Some(Value::Bool(_)) => Err(E2bError::bad("autoResume takes only `enabled`")),
+            Some(_) => Err(E2bError::bad("autoResume.enabled must be true or false")),
+        },
+        Some(_) => Err(E2bError::bad(
+            "autoResume must be an object: {\"enabled\": true}",
+        )),
+    }
+}
+
 fn is_null_or_empty(v: &Option<Value>) -> bool {
     match v {
         None | Some(Value::Null) => true,
@@ -233,9 +255,18 @@ async fn create<S: RunService>(
     if let Some(name) = req.other.keys().next() {
         return Err(E2bError::bad(format!("unknown field {name:?}")));
     }
-    if req.auto_pause == Some(true) || !is_null_or_empty(&req.auto_resume) {
-        return Err(E2bError::unsupported("pausing and resuming sandboxes"));
+    let auto_resume = auto_resume(req.auto_resume.as_ref())?;
+    // `autoPauseMemory: false` asks for a filesystem-only pause at the
+    // timeout, which is never silently turned into a full one.
+    if req.auto_pause == Some(true) && req.auto_pause_memory == Some(Value::Bool(false)) {
+        return Err(E2bError::unsupported(
+            "a filesystem-only pause at the timeout (`autoPauseMemory: false`)",
+        ));
     }
+    let on_expire = match req.auto_pause {
+        Some(true) => runbox_types::OnExpire::Pause,
+        _ => runbox_types::OnExpire::Delete,
+    };
     let public_ports = public_traffic(req.network.as_ref())?;
     for (name, value) in [
         ("mcp", &req.mcp),
@@ -246,7 +277,7 @@ async fn create<S: RunService>(
             return Err(E2bError::unsupported(&format!("`{name}`")));
         }
     }
-    let _ = (req.auto_pause_memory, req.secure);
+    let _ = req.secure;
     if req.template_id.is_empty() {
         return Err(E2bError::bad("templateID is empty; name an image"));
     }
@@ -277,6 +308,8 @@ async fn create<S: RunService>(
         network,
         labels: req.metadata.filter(|m| !m.is_empty()),
         public_ports: Some(public_ports),
+        auto_resume: Some(auto_resume),
+        on_expire: Some(on_expire),
         ..Default::default()
     };
     let key = match headers.get(crate::handlers::IDEMPOTENCY_KEY) {
@@ -313,6 +346,24 @@ struct Listed {
     metadata: BTreeMap<String, String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     envd_access_token: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lifecycle: Option<Lifecycle>,
+}
+
+/// What a sandbox does at its timeout and on traffic while paused.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Lifecycle {
+    auto_resume: bool,
+    on_timeout: &'static str,
+}
+
+/// A run's E2B state: `running`, or `paused`.
+fn e2b_state(run: &Run) -> &'static str {
+    match run.status {
+        RunStatus::Paused => "paused",
+        _ => "running",
+    }
 }
 
 /// A run's CPU limit as E2B's whole CPU count.
@@ -335,20 +386,27 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
         cpu_count: cpu_count(run),
         memory_mb: run.limits.memory_mb,
         disk_size_mb: run.limits.disk_mb.unwrap_or(0),
-        state: "running",
+        state: e2b_state(run),
         metadata: run.labels.clone(),
         envd_access_token: detail.then(|| access_token(&state.token, run.id)),
+        lifecycle: detail.then_some(Lifecycle {
+            auto_resume: run.auto_resume,
+            on_timeout: match run.on_expire {
+                runbox_types::OnExpire::Pause => "pause",
+                runbox_types::OnExpire::Delete => "kill",
+            },
+        }),
     }
 }
 
-/// Runs the E2B surface shows: running ones (a failed or stopping run is
-/// no sandbox any more).
+/// Runs the E2B surface shows: running and paused ones (a failed or
+/// stopping run is no sandbox any more).
 fn live<S: RunService>(state: &AppState<S>) -> Vec<Run> {
     state
         .service
         .list()
         .into_iter()
-        .filter(|r| r.status == RunStatus::Running)
+        .filter(|r| matches!(r.status, RunStatus::Running | RunStatus::Paused))
         .collect()
 }
 
@@ -380,7 +438,11 @@ async fn set_timeout<S: RunService>(
     bytes: Bytes,
 ) -> Result<StatusCode, E2bError> {
     let req: Timeout = body(&bytes)?;
-    state.service.renew(sandbox_id(&id)?, req.timeout).await?;
+    // E2B's 0 is "time out now": the shortest TTL runbox has.
+    state
+        .service
+        .renew(sandbox_id(&id)?, req.timeout.max(1))
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -407,8 +469,9 @@ struct Connect {
     memory: Option<Value>,
 }
 
-/// Connecting to a running sandbox; with `timeout`, its TTL becomes at
-/// least that (a connect never shortens it).
+/// Connecting to a sandbox: a paused one is resumed (`201`), a running one
+/// answered as it is (`200`); with `timeout`, its TTL becomes at least
+/// that (a connect never shortens it).
 async fn connect<S: RunService>(
     State(state): State<AppState<S>>,
     Path(id): Path<String>,
@@ -417,13 +480,19 @@ async fn connect<S: RunService>(
     let req: Connect = body(&bytes)?;
     let id = sandbox_id(&id)?;
     let mut run = state.service.get(id)?;
+    let status = if run.status == RunStatus::Paused {
+        run = state.service.resume(id).await?;
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
     if let Some(timeout) = req.timeout {
         let left = (run.expires_at - time::OffsetDateTime::now_utc()).whole_seconds();
         if left < timeout as i64 {
             run = state.service.renew(id, timeout).await?;
         }
     }
-    Ok((StatusCode::OK, Json(sandbox(&state, &run))).into_response())
+    Ok((status, Json(sandbox(&state, &run))).into_response())
 }
 
 /// The filters and page of `GET /v2/sandboxes`.
@@ -531,11 +600,9 @@ async fn list<S: RunService>(
     RawQuery(raw): RawQuery,
 ) -> Result<Response, E2bError> {
     let q = list_query(raw.as_deref())?;
-    // No run is ever paused: a filter for paused ones alone matches none.
-    let wants_running = q.states.is_empty() || q.states.iter().any(|s| s == "running");
     let mut runs: Vec<Run> = live(&state)
         .into_iter()
-        .filter(|_| wants_running)
+        .filter(|r| q.states.is_empty() || q.states.iter().any(|s| s == e2b_state(r)))
         .filter(|r| q.admits(r))
         .collect();
     // Ids are ULIDs: their order is their creation order.
@@ -588,7 +655,11 @@ async fn list_v1<S: RunService>(
     RawQuery(raw): RawQuery,
 ) -> Result<Json<Vec<Listed>>, E2bError> {
     let q = list_query(raw.as_deref())?;
-    let mut runs: Vec<Run> = live(&state).into_iter().filter(|r| q.admits(r)).collect();
+    // The first API lists running sandboxes only.
+    let mut runs: Vec<Run> = live(&state)
+        .into_iter()
+        .filter(|r| r.status == RunStatus::Running && q.admits(r))
+        .collect();
     runs.sort_by_key(|r| std::cmp::Reverse(r.id));
     Ok(Json(
         runs.iter().map(|r| listed(&state, r, false)).collect(),
@@ -877,12 +948,74 @@ async fn template_alias<S: RunService>(
     ))
 }
 
-async fn pause() -> E2bError {
-    E2bError::unsupported("pausing a sandbox (runbox has no hibernation yet)")
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PauseRequest {
+    /// Keep memory (the default): runbox's pause. False asks for a
+    /// filesystem-only pause, which is never silently turned into this one.
+    memory: Option<bool>,
 }
 
-async fn resume() -> E2bError {
-    E2bError::unsupported("resuming a sandbox (runbox has no hibernation yet)")
+/// `POST /sandboxes/{id}/pause`: `204`; `409` when already paused.
+async fn pause<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<StatusCode, E2bError> {
+    let req: PauseRequest = if bytes.is_empty() {
+        PauseRequest::default()
+    } else {
+        body(&bytes)?
+    };
+    if req.memory == Some(false) {
+        return Err(E2bError::unsupported(
+            "a filesystem-only pause (`memory: false`, `keep_memory=False`)",
+        ));
+    }
+    let id = sandbox_id(&id)?;
+    if state.service.get(id)?.status == RunStatus::Paused {
+        return Err(E2bError::conflict(format!(
+            "sandbox {id} is already paused"
+        )));
+    }
+    state.service.pause(id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ResumeRequest {
+    timeout: Option<u64>,
+    auto_pause: Option<bool>,
+}
+
+/// `POST /sandboxes/{id}/resume` (E2B's older call; the SDKs now connect):
+/// resumes a paused sandbox with a new timeout, `201`; `409` when it runs.
+async fn resume<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<Response, E2bError> {
+    let req: ResumeRequest = if bytes.is_empty() {
+        ResumeRequest::default()
+    } else {
+        body(&bytes)?
+    };
+    if req.auto_pause == Some(true) {
+        return Err(E2bError::unsupported(
+            "pausing a sandbox at its timeout (`autoPause`); pause it explicitly",
+        ));
+    }
+    let id = sandbox_id(&id)?;
+    if state.service.get(id)?.status != RunStatus::Paused {
+        return Err(E2bError::conflict(format!("sandbox {id} is not paused")));
+    }
+    state.service.resume(id).await?;
+    let run = state
+        .service
+        .renew(id, req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC))
+        .await?;
+    Ok((StatusCode::CREATED, Json(sandbox(&state, &run))).into_response())
 }
 
 async fn network() -> E2bError {

@@ -159,7 +159,7 @@ async fn port_request<S: RunService>(
 ) -> Response {
     use subtle::ConstantTimeEq;
     let run = match app.service.get(id) {
-        Ok(run) if run.status == runbox_types::RunStatus::Running => run,
+        Ok(run) if takes_traffic(&run) => run,
         // E2B's proxy answers a sandbox that is gone with this shape.
         _ => {
             let body = serde_json::json!({
@@ -264,13 +264,26 @@ fn signed_by(token: &str, id: Ulid, signed: &SignedFileUrl) -> bool {
     bool::from(expected.as_bytes().ct_eq(signed.signature.as_bytes()))
 }
 
+/// Whether E2B traffic (envd calls, ports, signed file URLs) reaches a
+/// run: a running one, or a paused one that resumes on traffic (E2B's
+/// `autoResume`; runbox's core resumes it when the call arrives). A paused
+/// sandbox without it answers as E2B's does for a sandbox that is not
+/// running.
+fn takes_traffic(run: &runbox_types::Run) -> bool {
+    match run.status {
+        runbox_types::RunStatus::Running => true,
+        runbox_types::RunStatus::Paused => run.auto_resume,
+        _ => false,
+    }
+}
+
 /// The running sandbox whose access token signed `signed`: one SHA-256
 /// per running sandbox, so a URL needs no sandbox name.
 fn signer<S: RunService>(app: &AppState<S>, signed: &SignedFileUrl) -> Option<Ulid> {
     app.service
         .list()
         .into_iter()
-        .filter(|r| r.status == runbox_types::RunStatus::Running)
+        .filter(takes_traffic)
         .map(|r| r.id)
         .find(|id| signed_by(&app.token, *id, signed))
 }
@@ -367,7 +380,7 @@ async fn require_access<S: RunService>(
         }
     }
     match state.service.get(id) {
-        Ok(run) if run.status == runbox_types::RunStatus::Running => next.run(request).await,
+        Ok(run) if takes_traffic(&run) => next.run(request).await,
         Ok(_) => envd_error(
             StatusCode::BAD_GATEWAY,
             format!("The sandbox {id} is not running"),
