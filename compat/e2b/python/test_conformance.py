@@ -105,7 +105,6 @@ def test_an_upload_is_seen_as_envd_makes_files(sbx):
 def test_listing_is_newest_first_and_filters_apply(daemon):
     from datetime import timedelta
 
-    from e2b import SandboxQuery
 
     tag = {"suite": f"order-{time.monotonic_ns()}"}
     first = Sandbox.create(timeout=120, metadata=tag)
@@ -348,10 +347,8 @@ def test_pause_keeps_the_sandbox_and_connect_resumes_it(sbx):
 
 
 def test_a_paused_sandbox_resumes_on_traffic_only_with_auto_resume():
-    from e2b.api.client.models import SandboxAutoResumeConfig  # noqa: F401 (the SDK has it)
-
     plain = Sandbox.create(timeout=120)
-    waking = Sandbox.create(timeout=120, lifecycle={"on_timeout": "kill", "auto_resume": True})
+    waking = Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
     try:
         for s in (plain, waking):
             s.files.write("/tmp/x", "kept")
@@ -359,14 +356,31 @@ def test_a_paused_sandbox_resumes_on_traffic_only_with_auto_resume():
         # Without autoResume, a call to the paused sandbox is refused as
         # by E2B; with it, the call wakes the sandbox.
         assert not plain.is_running()
+        assert Sandbox.get_info(plain.sandbox_id).state == SandboxState.PAUSED
         assert waking.files.read("/tmp/x") == "kept"
         assert Sandbox.get_info(waking.sandbox_id).state == SandboxState.RUNNING
-        assert Sandbox.get_info(plain.sandbox_id).state == SandboxState.PAUSED
         Sandbox.connect(plain.sandbox_id)
         assert plain.files.read("/tmp/x") == "kept"
     finally:
         plain.kill()
         waking.kill()
+
+
+def test_a_sandbox_that_pauses_at_its_timeout_is_kept_and_connect_wakes_it():
+    sbx = Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause"})
+    try:
+        sbx.commands.run("echo $$ > /tmp/pid; sleep 600", background=True)
+        pid = sbx.files.read("/tmp/pid").strip()
+        sbx.set_timeout(0)
+        deadline = time.time() + 15
+        while Sandbox.get_info(sbx.sandbox_id).state != SandboxState.PAUSED:
+            assert time.time() < deadline, "not paused at its timeout"
+            time.sleep(0.2)
+        assert sbx.connect().sandbox_id == sbx.sandbox_id
+        # The same machine: the background command is still there.
+        assert sbx.commands.run(f"kill -0 {pid} && echo alive").stdout == "alive\n"
+    finally:
+        sbx.kill()
 
 
 def test_a_filesystem_only_pause_is_refused_until_runbox_has_one(sbx):

@@ -263,3 +263,57 @@ test("signed file URLs work for secure sandboxes", async () => {
     assert.equal(await sbx.files.read("up.txt"), "sent up");
   });
 });
+
+test("a paused sandbox keeps its processes and memory, and connect resumes it", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.commands.run(
+      "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done'",
+      { background: true },
+    );
+    await sleep(500);
+    assert.equal(await sbx.pause(), true);
+    assert.equal(await sbx.isRunning(), false);
+    // Pausing again is a no-op the SDK reports as false (E2B answers 409).
+    assert.equal(await Sandbox.pause(sbx.sandboxId), false);
+    const paused = await Sandbox.list({ query: { state: ["paused"] } }).nextItems();
+    assert.ok(paused.some((s) => s.sandboxId === sbx.sandboxId));
+    assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, "paused");
+    const resumed = await sbx.connect();
+    assert.equal(resumed.sandboxId, sbx.sandboxId);
+    assert.equal(await sbx.isRunning(), true);
+    const first = Number(await sbx.files.read("/tmp/n"));
+    await sleep(300);
+    assert.ok(Number(await sbx.files.read("/tmp/n")) > first);
+  });
+});
+
+test("a paused sandbox resumes on traffic only with autoResume", async () => {
+  await withSandbox({}, async (plain) => {
+    await withSandbox({ lifecycle: { onTimeout: "pause", autoResume: true } }, async (waking) => {
+      for (const s of [plain, waking]) {
+        await s.files.write("/tmp/x", "kept");
+        assert.equal(await s.pause(), true);
+      }
+      assert.equal(await plain.isRunning(), false);
+      assert.equal(await waking.files.read("/tmp/x"), "kept");
+      assert.equal((await Sandbox.getInfo(waking.sandboxId)).state, "running");
+      await Sandbox.connect(plain.sandboxId);
+      assert.equal(await plain.files.read("/tmp/x"), "kept");
+    });
+  });
+});
+
+test("a sandbox that pauses at its timeout is kept, and connect wakes it", async () => {
+  await withSandbox({ lifecycle: { onTimeout: "pause" } }, async (sbx) => {
+    await sbx.commands.run("echo $$ > /tmp/pid; sleep 600", { background: true });
+    const pid = (await sbx.files.read("/tmp/pid")).trim();
+    await sbx.setTimeout(0);
+    const deadline = Date.now() + 15_000;
+    while ((await Sandbox.getInfo(sbx.sandboxId)).state !== "paused") {
+      assert.ok(Date.now() < deadline, "not paused at its timeout");
+      await sleep(200);
+    }
+    assert.equal((await sbx.connect()).sandboxId, sbx.sandboxId);
+    assert.equal((await sbx.commands.run(`kill -0 ${pid} && echo alive`)).stdout, "alive\n");
+  });
+});
