@@ -263,3 +263,43 @@ async fn on_expire_pause_keeps_the_run_until_its_retention_and_a_resume_renews_i
     assert!(gone, "kept past its retention: {}", daemon.log());
     assert!(daemon.log().contains("paused and kept"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_connection_into_a_paused_run_survives_the_pause() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    // An echo server for one connection.
+    daemon
+        .sh(&id, "nc -l -p 9000 -e cat > /dev/null 2>&1 &")
+        .await;
+    let mut tunnel = None;
+    for _ in 0..100 {
+        if let Ok(t) = daemon.client.connect_port(&id, 9000, None).await {
+            tunnel = Some(t);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut tunnel = tunnel.expect("the echo server never listened");
+    tunnel.write_all(b"one\n").await.unwrap();
+    let mut back = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(10), tunnel.read_exact(&mut back))
+        .await
+        .expect("no echo")
+        .unwrap();
+    assert_eq!(&back, b"one\n");
+    daemon.client.pause_run(&id).await.unwrap();
+    // Written while the run is frozen: the kernel keeps it for the server.
+    tunnel.write_all(b"mid\n").await.unwrap();
+    let mut early = [0u8; 4];
+    let read = tokio::time::timeout(Duration::from_millis(500), tunnel.read(&mut early)).await;
+    assert!(read.is_err(), "a frozen server answered");
+    daemon.client.resume_run(&id).await.unwrap();
+    let mut back = [0u8; 4];
+    tokio::time::timeout(Duration::from_secs(10), tunnel.read_exact(&mut back))
+        .await
+        .expect("no echo after the resume")
+        .unwrap();
+    assert_eq!(&back, b"mid\n");
+}
