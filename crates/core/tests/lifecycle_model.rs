@@ -54,6 +54,18 @@ const MAX_RUNS: usize = 3;
 #[derive(Clone, Default)]
 struct FakeAgent {
     files: Arc<Mutex<HashMap<String, Vec<u8>>>>,
+    /// A suspended sandbox: its agent cannot answer, as a frozen one
+    /// cannot, so any call the core makes before resuming it fails.
+    frozen: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl FakeAgent {
+    fn awake(&self) -> Result<(), Status> {
+        if self.frozen.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::unavailable("the fake sandbox is frozen"));
+        }
+        Ok(())
+    }
 }
 
 type OutStream<T> = std::pin::Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send>>;
@@ -64,6 +76,7 @@ impl Agent for FakeAgent {
         &self,
         _: Request<pb::HelloRequest>,
     ) -> Result<Response<pb::HelloReply>, Status> {
+        self.awake()?;
         Ok(Response::new(pb::HelloReply {
             version: "fake".into(),
             protocol: runbox_agent_proto::PROTOCOL,
@@ -76,6 +89,7 @@ impl Agent for FakeAgent {
         &self,
         request: Request<Streaming<pb::ExecInput>>,
     ) -> Result<Response<Self::ExecStream>, Status> {
+        self.awake()?;
         let mut input = request.into_inner();
         let Some(pb::ExecInput {
             kind: Some(pb::exec_input::Kind::Start(start)),
@@ -102,6 +116,7 @@ impl Agent for FakeAgent {
         &self,
         request: Request<Streaming<pb::WriteFileChunk>>,
     ) -> Result<Response<pb::WriteFileReply>, Status> {
+        self.awake()?;
         use pb::write_file_chunk::Kind;
         let mut input = request.into_inner();
         let (mut path, mut data) = (None, Vec::new());
@@ -204,6 +219,7 @@ impl Agent for FakeAgent {
         &self,
         request: Request<pb::ReadFileRequest>,
     ) -> Result<Response<Self::ReadFileStream>, Status> {
+        self.awake()?;
         use pb::read_file_chunk::Kind;
         let path = request.into_inner().path;
         let data = self
@@ -235,6 +251,7 @@ impl Agent for FakeAgent {
 struct FakeSandbox {
     server: tokio::task::JoinHandle<()>,
     died: watch::Sender<Option<String>>,
+    frozen: Arc<std::sync::atomic::AtomicBool>,
 }
 
 struct FakeLane(Arc<FakeKernel>);
@@ -253,11 +270,25 @@ struct FakeHandle {
     id: Ulid,
 }
 
+impl FakeHandle {
+    fn set_frozen(&self, frozen: bool) -> Result<(), LaneError> {
+        let sandboxes = self.kernel.sandboxes.lock().unwrap();
+        let sandbox = sandboxes
+            .get(&self.id)
+            .ok_or_else(|| LaneError::Failed(format!("no sandbox {}", self.id)))?;
+        sandbox
+            .frozen
+            .store(frozen, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
 impl FakeLane {
     fn new(kernel: tokio::runtime::Handle, dir: PathBuf) -> FakeLane {
         let mut capabilities = Capabilities::none("the fake lane cannot");
         capabilities.disk_limit = Support::Yes;
         capabilities.exit_watch = Support::Yes;
+        capabilities.suspend = Support::Yes;
         FakeLane(Arc::new(FakeKernel {
             kernel,
             dir,
@@ -312,19 +343,27 @@ impl Lane for FakeLane {
         listener
             .set_nonblocking(true)
             .map_err(LaneError::io("nonblocking"))?;
+        let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let agent = FakeAgent {
+            frozen: frozen.clone(),
+            ..Default::default()
+        };
         let server = self.0.kernel.spawn(async move {
             let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
             let _ = tonic::transport::Server::builder()
-                .add_service(AgentServer::new(FakeAgent::default()))
+                .add_service(AgentServer::new(agent))
                 .serve_with_incoming(UnixListenerStream::new(listener))
                 .await;
         });
         let (died, _) = watch::channel(None);
-        self.0
-            .sandboxes
-            .lock()
-            .unwrap()
-            .insert(spec.id, FakeSandbox { server, died });
+        self.0.sandboxes.lock().unwrap().insert(
+            spec.id,
+            FakeSandbox {
+                server,
+                died,
+                frozen,
+            },
+        );
         Ok(self.handle(spec.id))
     }
 
@@ -377,6 +416,14 @@ impl Sandbox for FakeHandle {
     async fn destroy(&self) -> Result<(), LaneError> {
         self.kernel.remove(self.id);
         Ok(())
+    }
+
+    async fn suspend(&self) -> Result<(), LaneError> {
+        self.set_frozen(true)
+    }
+
+    async fn resume(&self) -> Result<(), LaneError> {
+        self.set_frozen(false)
     }
 
     async fn watch_exit(&self) -> Result<ExitWatch, LaneError> {
@@ -549,6 +596,8 @@ enum Op {
     Delete { run: usize },
     DeleteHangUp { run: usize, after_ms: u64 },
     Kill { run: usize },
+    Pause { run: usize },
+    Resume { run: usize },
     Wait { ms: u64 },
     Restart,
 }
@@ -564,6 +613,8 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0usize..8).prop_map(|run| Op::Delete { run }),
         1 => ((0usize..8), (0u64..5)).prop_map(|(run, after_ms)| Op::DeleteHangUp { run, after_ms }),
         2 => (0usize..8).prop_map(|run| Op::Kill { run }),
+        2 => (0usize..8).prop_map(|run| Op::Pause { run }),
+        1 => (0usize..8).prop_map(|run| Op::Resume { run }),
         1 => (100u64..1300).prop_map(|ms| Op::Wait { ms }),
         2 => Just(Op::Restart),
     ]
@@ -581,6 +632,8 @@ struct Model {
     gone: HashSet<Ulid>,
     /// Leases held: owner and generation.
     leases: HashMap<Ulid, (String, u64)>,
+    /// Runs paused (and not resumed by a call since).
+    paused: HashSet<Ulid>,
 }
 
 impl Model {
@@ -590,6 +643,7 @@ impl Model {
 
     fn forget(&mut self, id: Ulid) {
         self.live.remove(&id);
+        self.paused.remove(&id);
         self.failed.remove(&id);
         self.leases.remove(&id);
         self.gone.insert(id);
@@ -696,6 +750,8 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                     .flatten()
                     .collect();
                 prop_assert_eq!(stdout, b"hi\n".to_vec());
+                // It reached the run: a paused one was resumed first.
+                model.paused.remove(&id);
             } else {
                 let err = result.err().unwrap();
                 // A short run may just have expired.
@@ -735,7 +791,11 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 body,
             ));
             match written {
-                Ok(n) => prop_assert_eq!(n, content.len() as u64),
+                Ok(n) => {
+                    prop_assert_eq!(n, content.len() as u64);
+                    // It reached the run: a paused one was resumed first.
+                    model.paused.remove(&id);
+                }
                 Err(e) if code(&e) == ErrorCode::RunNotFound && expired(model, id) => {
                     model.forget(id);
                     return Ok(());
@@ -875,12 +935,60 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                     prop_assert!(run.failure.is_some());
                     model.failed.insert(id);
                     model.leases.remove(&id);
+                    model.paused.remove(&id);
                 }
                 Some(false) if expired(model, id) => model.forget(id),
                 other => {
                     return Err(TestCaseError::fail(format!(
                         "a killed run was not failed: {other:?}"
                     )))
+                }
+            }
+        }
+        Op::Pause { run } | Op::Resume { run } => {
+            let Some(id) = model.pick(run) else {
+                return Ok(());
+            };
+            let pause = matches!(op, Op::Pause { .. });
+            let result = world.block_on(async {
+                if pause {
+                    m.pause(id).await
+                } else {
+                    m.resume(id).await
+                }
+            });
+            if model.gone.contains(&id) {
+                prop_assert_eq!(
+                    code(&result.expect_err("gone run answered")),
+                    ErrorCode::RunNotFound
+                );
+            } else if model.failed.contains(&id) {
+                prop_assert_eq!(
+                    code(&result.expect_err("failed run paused")),
+                    ErrorCode::RunFailed
+                );
+            } else {
+                match result {
+                    Ok(run) => {
+                        let want = if pause {
+                            RunStatus::Paused
+                        } else {
+                            RunStatus::Running
+                        };
+                        prop_assert_eq!(run.status, want);
+                        if pause {
+                            model.paused.insert(id);
+                        } else {
+                            model.paused.remove(&id);
+                        }
+                    }
+                    Err(err) => {
+                        prop_assert!(
+                            code(&err) == ErrorCode::RunNotFound && expired(model, id),
+                            "pause or resume of a live run: {err}"
+                        );
+                        model.forget(id);
+                    }
                 }
             }
         }
@@ -931,11 +1039,24 @@ fn check_invariants(world: &mut World, model: &mut Model) -> Result<(), TestCase
     prop_assert_eq!(listed.len(), runs.len());
     for run in &runs {
         prop_assert!(
-            matches!(run.status, RunStatus::Running | RunStatus::Failed),
+            matches!(
+                run.status,
+                RunStatus::Running | RunStatus::Paused | RunStatus::Failed
+            ),
             "{:?} is {:?}",
             run.id,
             run.status
         );
+        // Paused exactly when the model says (a restart keeps it paused).
+        if !model.failed.contains(&run.id) {
+            prop_assert_eq!(
+                run.status == RunStatus::Paused,
+                model.paused.contains(&run.id),
+                "{:?} is {:?}",
+                run.id,
+                run.status
+            );
+        }
     }
     // Runs the reaper was due to remove: gone now, or about to be.
     for (id, at) in model.live.clone() {

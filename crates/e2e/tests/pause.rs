@@ -303,3 +303,40 @@ async fn an_open_connection_into_a_paused_run_survives_the_pause() {
         .unwrap();
     assert_eq!(&back, b"mid\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_lease_refuses_does_not_wake_a_paused_run() {
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    let lease = daemon
+        .client
+        .acquire_lease(&id, "alice@laptop", None)
+        .await
+        .expect("lease");
+    daemon.client.pause_run(&id).await.unwrap();
+    let req = runbox_types::ExecRequest {
+        cmd: vec!["true".into()],
+        ..Default::default()
+    };
+    let err = match daemon.client.exec(&id, &req).await {
+        Ok(_) => panic!("a call without the lease was admitted"),
+        Err(e) => e,
+    };
+    assert!(err.to_string().contains("leased"), "{err}");
+    assert_eq!(
+        daemon.client.get_run(&id).await.unwrap().status,
+        RunStatus::Paused
+    );
+    // The holder's call wakes it.
+    let held = runbox_types::ExecRequest {
+        cmd: vec!["echo".into(), "mine".into()],
+        owner: Some(lease.holder.clone()),
+        generation: Some(lease.generation),
+        ..Default::default()
+    };
+    assert_eq!(daemon.exec(&id, held).await.stdout, b"mine\n");
+    assert_eq!(
+        daemon.client.get_run(&id).await.unwrap().status,
+        RunStatus::Running
+    );
+}

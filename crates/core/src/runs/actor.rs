@@ -772,9 +772,26 @@ impl RunActor {
     /// The one door: admits an operation if the run can take it, under
     /// the lease for a fenced one.
     async fn admit(&mut self, access: Access, now: OffsetDateTime) -> Result<Admitted, CoreError> {
-        // A paused run is resumed first, here, where every operation comes
-        // in: commands wait their turn, so callers that arrive together
-        // share one resume.
+        let presented = match &access {
+            Access::Fenced(credential) => {
+                Some(credential.as_ref().map(|(owner, generation)| Credential {
+                    owner,
+                    generation: *generation,
+                }))
+            }
+            Access::Open => None,
+        };
+        if !matches!(self.phase, Phase::Running | Phase::Paused | Phase::Pooled) {
+            return Err(self.refusal(&self.phase));
+        }
+        // The lease is asked before a resume, so a caller it refuses does
+        // not wake a paused run.
+        if let Some(presented) = presented {
+            self.fence.book.admit(presented, now)?;
+        }
+        // A paused run is resumed here, where every operation comes in:
+        // commands wait their turn, so callers that arrive together share
+        // one resume.
         if self.phase == Phase::Paused {
             if !self.record.auto_resume {
                 return Err(CoreError::invalid(
@@ -797,11 +814,7 @@ impl RunActor {
             }
             (other, _) => return Err(self.refusal(other)),
         };
-        if let Access::Fenced(credential) = &access {
-            let presented = credential.as_ref().map(|(owner, generation)| Credential {
-                owner,
-                generation: *generation,
-            });
+        if let Some(presented) = presented {
             self.fence.begin(presented, now)?;
         }
         Ok(Admitted {
