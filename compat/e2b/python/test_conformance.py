@@ -325,7 +325,7 @@ def test_pause_keeps_the_sandbox_and_connect_resumes_it(sbx):
     # A counter in memory: after a pause and a connect it goes on from
     # where it stood (a full pause, not a reboot).
     sbx.commands.run(
-        "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done'",
+        "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.05; done'",
         background=True,
     )
     time.sleep(0.5)

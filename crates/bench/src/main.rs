@@ -59,6 +59,7 @@ mod loopback;
 mod pools;
 mod raw;
 mod report;
+mod sleep;
 mod snapshots;
 mod stats;
 
@@ -157,6 +158,9 @@ struct Args {
     /// Measured keystrokes and preview requests of the interactive phase.
     #[arg(long, default_value_t = 1000)]
     interactive_iterations: usize,
+    /// Measured rounds of the sleep phase (pause, resume, wake on exec).
+    #[arg(long, default_value_t = 200)]
+    sleep_iterations: usize,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -171,6 +175,7 @@ enum PhaseName {
     Snapshots,
     Pools,
     Interactive,
+    Sleep,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -204,6 +209,7 @@ struct Plan {
     snapshot_image_mib: u64,
     pool_iterations: Option<usize>,
     interactive_iterations: Option<usize>,
+    sleep_iterations: Option<usize>,
 }
 
 /// What the images phase does, when it runs.
@@ -296,6 +302,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             snapshot_image_mib: args.image_mib,
             pool_iterations: None,
             interactive_iterations: None,
+            sleep_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -400,6 +407,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Interactive)
             .then_some(args.interactive_iterations.max(1)),
+        sleep_iterations: args
+            .phases
+            .contains(&PhaseName::Sleep)
+            .then_some(args.sleep_iterations.max(1)),
     })
 }
 
@@ -503,6 +514,7 @@ impl Bench {
                 snapshots: None,
                 pools: None,
                 interactive: None,
+                sleep: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -596,6 +608,13 @@ impl Bench {
             }
             None => None,
         };
+        let sleep = match plan.sleep_iterations {
+            Some(n) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(sleep::measure(&mut self.daemons[i], n, plan.warmup).await?)
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             phases,
@@ -604,6 +623,7 @@ impl Bench {
             snapshots,
             pools,
             interactive,
+            sleep,
         })
     }
 

@@ -162,6 +162,9 @@ pub struct Report {
     /// The interactive phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interactive: Option<crate::interactive::InteractiveReport>,
+    /// The sleep phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sleep: Option<crate::sleep::SleepReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -396,6 +399,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(pools) = &report.pools {
         out.push_str(&crate::pools::markdown(pools));
     }
+    if let Some(sleep) = &report.sleep {
+        out.push_str(&crate::sleep::markdown(sleep));
+    }
     if let Some(snapshots) = &report.snapshots {
         out.push_str(&crate::snapshots::markdown(snapshots));
     }
@@ -558,6 +564,7 @@ mod tests {
             snapshots: None,
             pools: None,
             interactive: None,
+            sleep: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -622,6 +629,7 @@ mod tests {
             snapshots: None,
             pools: None,
             interactive: None,
+            sleep: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),

@@ -15,7 +15,8 @@ async fn start_counter(daemon: &TestDaemon, id: &str) -> String {
     let out = daemon
         .sh(
             id,
-            "i=0; while true; do i=$((i+1)); echo $i > /work/count; sleep 0.05; done \
+            "i=0; while true; do i=$((i+1)); echo $i > /work/count.new; mv /work/count.new /work/count; \
+             sleep 0.05; done \
              > /dev/null 2>&1 & echo $!",
         )
         .await;

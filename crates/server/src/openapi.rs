@@ -247,6 +247,12 @@ const IMAGE_NAME: &str = "^[a-z0-9][a-z0-9._-]{0,63}$";
 /// not only whitespace (the length is `maxLength`).
 const OWNER_PATTERN: &str = "^[^\\u0000-\\u001f\\u007f-\\u009f]*[^\\s\\u0000-\\u001f\\u007f-\\u009f][^\\u0000-\\u001f\\u007f-\\u009f]*$";
 
+/// A file path as the daemon takes it, as far as a pattern says it cheaply:
+/// no NUL. (`..` components, absolute paths and over-long ones are refused
+/// too, with `400 bad_path`; a pattern that states them makes JSON Schema
+/// generators crawl.)
+const FILE_PATH: &str = "^[^\\u0000]*$";
+
 /// One half of a repository's `owner/name`, as `validate::repo` takes it.
 const REPO_PART: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$";
 
@@ -266,6 +272,7 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
         "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
         "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
         "generation" => schema.minimum(Some(0.0)),
+        "path" => schema.pattern(Some(FILE_PATH)),
         "owner" => schema
             .min_length(Some(1))
             .max_length(Some(runbox_core::validate::MAX_OWNER_CHARS))
@@ -496,6 +503,15 @@ fn cross_field_rules(document: &mut serde_json::Value) {
         {"type": "integer", "minimum": 1, "maximum": 64, "description": "A Linux signal number."},
         {"type": "string", "pattern": signal_pattern(), "description": "A name (TERM, SIGINT, ...) or a number as text."}
     ]);
+    // File paths: no NUL.
+    for (schema, field) in [
+        ("MakeDirRequest", "path"),
+        ("RemoveRequest", "path"),
+        ("MoveRequest", "from"),
+        ("MoveRequest", "to"),
+    ] {
+        schemas[schema]["properties"][field]["pattern"] = FILE_PATH.into();
+    }
     // A snapshot may not take the name the pull route has.
     schemas["SnapshotRequest"]["properties"]["name"]["not"] = serde_json::json!({"const": "pull"});
     // A warm-up command names its program first.

@@ -267,7 +267,7 @@ test("signed file URLs work for secure sandboxes", async () => {
 test("a paused sandbox keeps its processes and memory, and connect resumes it", async () => {
   await withSandbox({}, async (sbx) => {
     await sbx.commands.run(
-      "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.05; done'",
+      "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.05; done'",
       { background: true },
     );
     await sleep(500);
