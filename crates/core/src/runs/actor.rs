@@ -327,30 +327,13 @@ impl RunActor {
             match adopted {
                 Adopted::Running(agent, protocol) => {
                     actor.agent = Some((agent, protocol));
-                    // Without its proxy the run has no way out at all: it
-                    // keeps its files and processes, and the log says why.
-                    if let Err(e) = actor
-                        .context
-                        .start_egress(&actor.handle, &actor.record)
-                        .await
-                    {
-                        tracing::error!(run = %actor.record.id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
-                    }
-                    actor.watch().await;
+                    actor.serve_again().await;
                     let _ = done.send(Ok(()));
                 }
                 Adopted::Paused(agent) => {
+                    // Its agent answers once the run resumes.
                     actor.agent = Some((agent, PROTOCOL_UNKNOWN));
-                    // The proxy's listener lives in the run's namespace,
-                    // which a frozen run keeps.
-                    if let Err(e) = actor
-                        .context
-                        .start_egress(&actor.handle, &actor.record)
-                        .await
-                    {
-                        tracing::error!(run = %actor.record.id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
-                    }
-                    actor.watch().await;
+                    actor.serve_again().await;
                     let _ = done.send(Ok(()));
                 }
                 Adopted::Failed => {
@@ -364,6 +347,19 @@ impl RunActor {
             actor.serve().await;
         });
         waiter
+    }
+
+    /// What a re-adopted live run needs again (its old proxy socket and
+    /// exit watch died with the old daemon): the egress proxy, whose
+    /// listener lives in the run's namespace (a frozen run keeps it), and
+    /// the watch on its init.
+    async fn serve_again(&mut self) {
+        // Without its proxy the run has no way out at all: it keeps its
+        // files and processes, and the log says why.
+        if let Err(e) = self.context.start_egress(&self.handle, &self.record).await {
+            tracing::error!(run = %self.record.id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
+        }
+        self.watch().await;
     }
 
     /// Applies a lifecycle event: the only place a phase changes. The

@@ -948,7 +948,7 @@ async fn template_alias<S: RunService>(
     ))
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PauseRequest {
     /// Keep memory (the default): runbox's pause. False asks for a
@@ -962,11 +962,8 @@ async fn pause<S: RunService>(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> Result<StatusCode, E2bError> {
-    let req: PauseRequest = if bytes.is_empty() {
-        PauseRequest::default()
-    } else {
-        body(&bytes)?
-    };
+    // An empty body reads as `{}`.
+    let req: PauseRequest = body(&bytes)?;
     if req.memory == Some(false) {
         return Err(E2bError::unsupported(
             "a filesystem-only pause (`memory: false`, `keep_memory=False`)",
@@ -982,7 +979,7 @@ async fn pause<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct ResumeRequest {
     timeout: Option<u64>,
@@ -996,11 +993,8 @@ async fn resume<S: RunService>(
     Path(id): Path<String>,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
-    let req: ResumeRequest = if bytes.is_empty() {
-        ResumeRequest::default()
-    } else {
-        body(&bytes)?
-    };
+    // An empty body reads as `{}`.
+    let req: ResumeRequest = body(&bytes)?;
     if req.auto_pause == Some(true) {
         return Err(E2bError::unsupported(
             "pausing a sandbox at its timeout (`autoPause`); pause it explicitly",
