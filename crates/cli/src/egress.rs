@@ -110,6 +110,10 @@ impl EgressMeter for Meter {
             requests: self.0.requests.load(Relaxed),
         }
     }
+
+    fn active(&self) -> u64 {
+        self.0.open.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl EgressProxy for NodeProxy {

@@ -94,8 +94,14 @@ enum Command {
     /// Freeze a run's processes where they are, memory kept (the next call
     /// that reaches it resumes it)
     Pause(runs::IdsArgs),
-    /// Let paused runs' processes go on
+    /// Let paused runs' processes go on (hibernated runs are woken)
     Resume(runs::IdsArgs),
+    /// Stop runs down to their disks: processes and memory are lost, CPU,
+    /// memory, network and the capacity slot freed (the next call that
+    /// reaches a run boots it again)
+    Hibernate(runs::IdsArgs),
+    /// Boot hibernated or failed runs again on their disks
+    Wake(runs::IdsArgs),
     /// Record a run's filesystem as a new image (the run keeps running)
     Snapshot(runs::SnapshotArgs),
     /// Start new runs from a run's filesystem as it is now
@@ -180,6 +186,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Renew(args) => runs::renew(args).await,
         Command::Pause(args) => runs::pause(args).await,
         Command::Resume(args) => runs::resume(args).await,
+        Command::Hibernate(args) => runs::hibernate(args).await,
+        Command::Wake(args) => runs::wake(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
         Command::Lease(command) => lease::run(command).await,

@@ -49,6 +49,9 @@ pub enum OnExpireArg {
     /// It is paused and kept for the server's retention; a resume gives
     /// it a fresh TTL
     Pause,
+    /// It is hibernated (processes and memory lost, disk kept) and kept
+    /// for the server's retention; a wake gives it a fresh TTL
+    Hibernate,
 }
 
 /// When a create pulls its image.
@@ -129,6 +132,14 @@ pub struct CreateArgs {
     /// What happens at the run's TTL [default: delete]
     #[arg(long, value_enum)]
     pub on_expire: Option<OnExpireArg>,
+    /// Pause the run after this many seconds nobody uses it (0: off)
+    /// [default: the server's --idle-pause-sec]
+    #[arg(long, value_name = "SECS")]
+    pub idle_pause: Option<u64>,
+    /// Hibernate the run after this many seconds nobody uses it (0: off)
+    /// [default: the server's --idle-hibernate-sec]
+    #[arg(long, value_name = "SECS")]
+    pub idle_hibernate: Option<u64>,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -177,7 +188,14 @@ impl CreateArgs {
             on_expire: self.on_expire.map(|o| match o {
                 OnExpireArg::Delete => runbox_types::OnExpire::Delete,
                 OnExpireArg::Pause => runbox_types::OnExpire::Pause,
+                OnExpireArg::Hibernate => runbox_types::OnExpire::Hibernate,
             }),
+            idle: (self.idle_pause.is_some() || self.idle_hibernate.is_some()).then_some(
+                runbox_types::IdlePolicy {
+                    pause_after_sec: self.idle_pause,
+                    hibernate_after_sec: self.idle_hibernate,
+                },
+            ),
         }
     }
 }
@@ -387,6 +405,7 @@ fn status_name(status: RunStatus) -> &'static str {
         RunStatus::Creating => "creating",
         RunStatus::Running => "running",
         RunStatus::Paused => "paused",
+        RunStatus::Hibernated => "hibernated",
         RunStatus::Stopping => "stopping",
         RunStatus::Failed => "failed",
     }
@@ -434,6 +453,22 @@ pub async fn pause(args: IdsArgs) -> anyhow::Result<ExitCode> {
 pub async fn resume(args: IdsArgs) -> anyhow::Result<ExitCode> {
     each_run(args, "resume", |client, id| async move {
         client.resume_run(&id).await
+    })
+    .await
+}
+
+/// `runbox hibernate`: hibernates every run given, as `pause` does.
+pub async fn hibernate(args: IdsArgs) -> anyhow::Result<ExitCode> {
+    each_run(args, "hibernate", |client, id| async move {
+        client.hibernate_run(&id).await
+    })
+    .await
+}
+
+/// `runbox wake`: wakes every run given, as `pause` does.
+pub async fn wake(args: IdsArgs) -> anyhow::Result<ExitCode> {
+    each_run(args, "wake", |client, id| async move {
+        client.wake_run(&id).await
     })
     .await
 }
@@ -618,6 +653,9 @@ mod tests {
             public_ports: false,
             auto_resume: true,
             on_expire: Default::default(),
+            idle: Default::default(),
+            restarts: 0,
+            restarted_at: None,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

@@ -27,6 +27,15 @@ const POOLS_FILE: &str = "pools.json";
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Arguments of `runbox serve`.
+/// `--restart-policy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum RestartPolicyArg {
+    /// Boot the run again on its own disk, under the same id
+    Cold,
+    /// Mark the run failed
+    None,
+}
+
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// Address to listen on. Anything but loopback also needs
@@ -114,6 +123,27 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 7 * 86400, value_name = "SECS",
           value_parser = clap::value_parser!(u64).range(1..=366 * 86400))]
     pub paused_retention_sec: u64,
+    /// Seconds a run hibernated at its TTL (`onExpire: hibernate`) is
+    /// kept before it is destroyed (default 7 days).
+    #[arg(long, default_value_t = 7 * 86400, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=366 * 86400))]
+    pub hibernated_retention_sec: u64,
+    /// Pause a run after this many seconds nobody uses it (no exec,
+    /// session, attach, connection or egress request open), unless its
+    /// create says otherwise; 0 is off.
+    #[arg(long, default_value_t = 0, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(0..=365 * 86400))]
+    pub idle_pause_sec: u64,
+    /// Hibernate a run after this many seconds nobody uses it, unless its
+    /// create says otherwise; 0 is off.
+    #[arg(long, default_value_t = 0, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(0..=365 * 86400))]
+    pub idle_hibernate_sec: u64,
+    /// What happens to a run whose init exits on its own: `cold` boots it
+    /// again on its disk (at most 3 times in 10 minutes), `none` marks it
+    /// failed.
+    #[arg(long, value_enum, default_value_t = RestartPolicyArg::Cold)]
+    pub restart_policy: RestartPolicyArg,
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
@@ -251,6 +281,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     config.max_ttl = Duration::from_secs(args.max_ttl);
     config.paused_retention = Duration::from_secs(args.paused_retention_sec);
+    config.hibernated_retention = Duration::from_secs(args.hibernated_retention_sec);
+    config.idle = runbox_types::IdlePolicy {
+        pause_after_sec: (args.idle_pause_sec > 0).then_some(args.idle_pause_sec),
+        hibernate_after_sec: (args.idle_hibernate_sec > 0).then_some(args.idle_hibernate_sec),
+    };
+    config.restart_policy = match args.restart_policy {
+        RestartPolicyArg::Cold => runbox_core::config::RestartPolicy::Cold,
+        RestartPolicyArg::None => runbox_core::config::RestartPolicy::None,
+    };
     config.default_ttl = config.default_ttl.min(config.max_ttl);
     config.max_upload_bytes = args.max_upload_bytes;
     config.insecure_registries = args.insecure_registries.clone();

@@ -228,6 +228,20 @@ impl Client {
         json(self.send(self.request(Method::POST, &path)).await?).await
     }
 
+    /// `POST /v1/runs/{id}/hibernate`: stops the run down to its disk
+    /// (its processes and memory are lost; the next call wakes it).
+    pub async fn hibernate_run(&self, id: &str) -> Result<Run, ClientError> {
+        let path = format!("{}/hibernate", run_path(id)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
+    }
+
+    /// `POST /v1/runs/{id}/wake`: boots a hibernated or failed run again
+    /// on its disk (resumes a paused one).
+    pub async fn wake_run(&self, id: &str) -> Result<Run, ClientError> {
+        let path = format!("{}/wake", run_path(id)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
+    }
+
     /// `POST /v1/runs/{id}/snapshot`: records the run's filesystem as an
     /// image (named `name`, or a generated `snap-…`).
     pub async fn snapshot_run(

@@ -20,7 +20,14 @@ pub struct Config {
     /// How long a run paused at its TTL (`onExpire: pause`) is kept before
     /// it is destroyed.
     pub paused_retention: Duration,
-    /// How many runs may exist at once.
+    /// How long a run hibernated at its TTL (`onExpire: hibernate`) is kept
+    /// before it is destroyed.
+    pub hibernated_retention: Duration,
+    /// A run's idle policy when its create names none (zero: off).
+    pub idle: runbox_types::IdlePolicy,
+    /// What happens to a run whose init exits on its own.
+    pub restart_policy: RestartPolicy,
+    /// How many runs may exist at once. runs may exist at once.
     pub max_runs: usize,
     /// The most children one fork may make.
     pub max_fork_count: usize,
@@ -50,6 +57,24 @@ pub struct Config {
     /// Preview URLs; None: the server has no preview listener.
     pub preview: Option<PreviewConfig>,
 }
+
+/// What the daemon does when a run's init exits on its own.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RestartPolicy {
+    /// Boot it again on its own disk under the same id, within a budget
+    /// ([`RESTART_BUDGET`] restarts in [`RESTART_WINDOW`]).
+    #[default]
+    Cold,
+    /// Mark it failed at once.
+    None,
+}
+
+/// How many restarts a run gets within [`RESTART_WINDOW`] before it is
+/// marked failed instead; also how many boots in a row may fail.
+pub const RESTART_BUDGET: usize = 3;
+
+/// The window [`RESTART_BUDGET`] counts restarts in.
+pub const RESTART_WINDOW: Duration = Duration::from_secs(10 * 60);
 
 /// How preview URLs are signed and where they point.
 #[derive(Clone, Debug)]
@@ -94,6 +119,9 @@ impl Config {
             default_ttl: Duration::from_secs(30 * 60),
             max_ttl: Duration::from_secs(24 * 60 * 60),
             paused_retention: Duration::from_secs(7 * 24 * 60 * 60),
+            hibernated_retention: Duration::from_secs(7 * 24 * 60 * 60),
+            idle: runbox_types::IdlePolicy::default(),
+            restart_policy: RestartPolicy::Cold,
             max_runs: 256,
             max_fork_count: 16,
             max_upload_bytes: 16 << 30,

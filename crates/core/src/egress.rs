@@ -60,6 +60,12 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
 pub trait EgressMeter: Send + Sync {
     /// A snapshot of the counters.
     fn stats(&self) -> EgressStats;
+
+    /// Connections the proxy holds open for the run now (a request in
+    /// flight keeps a run from counting as idle).
+    fn active(&self) -> u64 {
+        0
+    }
 }
 
 /// A run's checked egress request: canonical entries and secret names.

@@ -140,6 +140,10 @@ pub struct Capabilities {
     pub dial: Support,
     /// Suspending and resuming a run's processes ([`Sandbox::suspend`]).
     pub suspend: Support,
+    /// Stopping a run down to its disk and booting it again on that disk
+    /// ([`Sandbox::hibernate`], [`Lane::boot`]): hibernation, wake and the
+    /// restart policy.
+    pub hibernate: Support,
 }
 
 impl Capabilities {
@@ -156,6 +160,7 @@ impl Capabilities {
             exit_watch: no(),
             dial: no(),
             suspend: no(),
+            hibernate: no(),
         }
     }
 
@@ -356,6 +361,14 @@ pub trait Sandbox: Send + Sync {
     async fn resume(&self) -> Result<(), LaneError> {
         Err(LaneError::unsupported("resume a run"))
     }
+
+    /// Stops the run down to its disk: its processes (suspended or not),
+    /// agent, namespaces, cgroup and mounts go; its disk (the writable
+    /// layer, a warm volume's layer) stays, for [`Lane::boot`]. Also what
+    /// is left of a run whose init died, or of a boot that failed half-way.
+    async fn hibernate(&self) -> Result<(), LaneError> {
+        Err(LaneError::unsupported("hibernate a run"))
+    }
 }
 
 /// An isolation lane: makes sandboxes, re-adopts them after a restart, and
@@ -377,6 +390,16 @@ pub trait Lane: Send + Sync + 'static {
     /// Creates and starts a sandbox whose agent is serving (or about to).
     /// On error nothing of the sandbox is left behind.
     async fn create(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError>;
+
+    /// Boots run `spec.id` again on the disk [`Sandbox::hibernate`] kept
+    /// (`spec.seed` is ignored): a new sandbox under the same id, with a
+    /// fresh agent. First removes whatever is left of the previous one
+    /// besides its disk. On error the run is as hibernated again: its disk
+    /// kept, nothing else.
+    async fn boot(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
+        let _ = spec;
+        Err(LaneError::unsupported("boot a hibernated run"))
+    }
 
     /// The handle of run `id`'s sandbox, whatever state it is in.
     fn sandbox(&self, id: Ulid) -> Arc<dyn Sandbox>;

@@ -73,8 +73,13 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Pauses a run (its processes frozen, memory kept).
     fn pause(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
-    /// Resumes a paused run.
+    /// Resumes a paused run; wakes a hibernated one.
     fn resume(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Hibernates a run (stopped down to its disk).
+    fn hibernate(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Wakes a hibernated or failed run (boots it on its disk), resumes a
+    /// paused one.
+    fn wake(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Sets a run's expiry to now + `ttl_sec`.
     fn renew(&self, id: Ulid, ttl_sec: u64) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Grants a run's writable lease.
@@ -350,6 +355,14 @@ impl RunService for Arc<Manager> {
 
     async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
         Manager::resume(self, id).await
+    }
+
+    async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::hibernate(self, id).await
+    }
+
+    async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::wake(self, id).await
     }
 
     async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {

@@ -99,6 +99,24 @@ pub struct RunRecord {
     /// None for runs made by a create.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pool: Option<crate::pools::Membership>,
+    /// When it pauses or hibernates for want of use (the server's defaults
+    /// filled in at create; zero is off).
+    #[serde(default)]
+    pub idle: runbox_types::IdlePolicy,
+    /// How many times the restart policy booted it again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub restarts: u32,
+    /// When the restart policy last booted it again.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub restarted_at: Option<OffsetDateTime>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Records written before `autoResume` existed resume on traffic.
@@ -153,6 +171,9 @@ impl RunRecord {
             public_ports: self.public_ports,
             auto_resume: self.auto_resume,
             on_expire: self.on_expire,
+            idle: self.idle,
+            restarts: self.restarts,
+            restarted_at: self.restarted_at,
         }
     }
 }
@@ -319,6 +340,9 @@ mod tests {
             ttl_sec: 0,
             expired: false,
             pool: None,
+            idle: Default::default(),
+            restarts: 0,
+            restarted_at: None,
         }
     }
 

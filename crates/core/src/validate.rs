@@ -301,6 +301,41 @@ pub fn ttl(req: Option<u64>, default: Duration, max: Duration) -> Result<Duratio
     }
 }
 
+/// The longest idle interval a run may ask for: a year.
+pub const MAX_IDLE_SEC: u64 = 365 * 24 * 3600;
+
+/// A create's idle policy with the server's `default` filled in where it
+/// names nothing; zero (off) is kept as nothing.
+pub fn idle(
+    req: Option<runbox_types::IdlePolicy>,
+    default: runbox_types::IdlePolicy,
+) -> Result<runbox_types::IdlePolicy, CoreError> {
+    let req = req.unwrap_or_default();
+    let pick = |asked: Option<u64>, default: Option<u64>, name: &str| match asked {
+        Some(secs) if secs > MAX_IDLE_SEC => Err(CoreError::invalid(
+            ErrorCode::BadRequest,
+            format!(
+                "idle.{name} must be at most {MAX_IDLE_SEC} (a year), not {secs}; 0 turns it off"
+            ),
+        )),
+        Some(0) => Ok(None),
+        Some(secs) => Ok(Some(secs)),
+        None => Ok(default.filter(|&secs| secs > 0)),
+    };
+    Ok(runbox_types::IdlePolicy {
+        pause_after_sec: pick(
+            req.pause_after_sec,
+            default.pause_after_sec,
+            "pauseAfterSec",
+        )?,
+        hibernate_after_sec: pick(
+            req.hibernate_after_sec,
+            default.hibernate_after_sec,
+            "hibernateAfterSec",
+        )?,
+    })
+}
+
 /// Longest lease owner name, in characters (as JSON Schema's `maxLength`
 /// counts them).
 pub const MAX_OWNER_CHARS: usize = 128;

@@ -13,8 +13,13 @@
 //! 3. A deleted (or expired) run never answers again: get, exec, renew and
 //!    lease say `run_not_found`, after restarts too, and no late write
 //!    brings its record back.
-//! 4. A run whose sandbox died is `failed`, answers exec with `run_failed`,
-//!    and keeps its slot until it is deleted or expires.
+//! 4. A run whose sandbox died is booted again on its disk (its files
+//!    kept), up to three times in one daemon's life; after that it is
+//!    `failed`, answers exec with `run_failed`, and keeps its slot until it
+//!    is woken, deleted or expires.
+//! 7. A hibernated run is listed as such, holds no sandbox but its disk
+//!    and no capacity slot; the next call (or a wake) boots it again with
+//!    its files, unless capacity is full, when it stays hibernated.
 //! 5. A create beyond `max_runs` is refused and changes nothing.
 //! 6. A leased run refuses writes without the lease; what was written is
 //!    read back.
@@ -51,9 +56,12 @@ const MAX_RUNS: usize = 3;
 // ---------------------------------------------------------------------------
 // The stand-in agent: Hello, an echoing exec, in-memory files.
 
+/// A fake sandbox's disk: its files, which outlive its agent.
+type Disk = Arc<Mutex<HashMap<String, Vec<u8>>>>;
+
 #[derive(Clone, Default)]
 struct FakeAgent {
-    files: Arc<Mutex<HashMap<String, Vec<u8>>>>,
+    files: Disk,
     /// A suspended sandbox: its agent cannot answer, as a frozen one
     /// cannot, so any call the core makes before resuming it fails.
     frozen: Arc<std::sync::atomic::AtomicBool>,
@@ -261,6 +269,8 @@ struct FakeKernel {
     kernel: tokio::runtime::Handle,
     dir: PathBuf,
     sandboxes: Mutex<HashMap<Ulid, FakeSandbox>>,
+    /// Every run's disk, from its create until it is destroyed.
+    disks: Mutex<HashMap<Ulid, Disk>>,
     capabilities: Capabilities,
 }
 
@@ -289,15 +299,23 @@ impl FakeLane {
         capabilities.disk_limit = Support::Yes;
         capabilities.exit_watch = Support::Yes;
         capabilities.suspend = Support::Yes;
+        capabilities.hibernate = Support::Yes;
         FakeLane(Arc::new(FakeKernel {
             kernel,
             dir,
             sandboxes: Mutex::new(HashMap::new()),
+            disks: Mutex::new(HashMap::new()),
             capabilities,
         }))
     }
 
+    /// Runs holding anything (a disk at least).
     fn live(&self) -> BTreeSet<Ulid> {
+        self.0.disks.lock().unwrap().keys().copied().collect()
+    }
+
+    /// Runs with a sandbox up.
+    fn booted(&self) -> BTreeSet<Ulid> {
         self.0.sandboxes.lock().unwrap().keys().copied().collect()
     }
 
@@ -319,10 +337,48 @@ impl FakeLane {
 
 impl FakeKernel {
     fn remove(&self, id: Ulid) {
+        self.stop(id);
+        self.disks.lock().unwrap().remove(&id);
+    }
+
+    /// Everything but the disk.
+    fn stop(&self, id: Ulid) {
         if let Some(sandbox) = self.sandboxes.lock().unwrap().remove(&id) {
             sandbox.server.abort();
         }
         let _ = std::fs::remove_file(self.dir.join(format!("{id}.sock")));
+    }
+
+    /// Starts a sandbox whose agent serves `disk`.
+    fn start(&self, id: Ulid, disk: Disk) -> Result<(), LaneError> {
+        let socket = self.dir.join(format!("{id}.sock"));
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(LaneError::io("binding the fake agent socket"))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(LaneError::io("nonblocking"))?;
+        let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let agent = FakeAgent {
+            frozen: frozen.clone(),
+            files: disk,
+        };
+        let server = self.kernel.spawn(async move {
+            let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
+            let _ = tonic::transport::Server::builder()
+                .add_service(AgentServer::new(agent))
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await;
+        });
+        let (died, _) = watch::channel(None);
+        self.sandboxes.lock().unwrap().insert(
+            id,
+            FakeSandbox {
+                server,
+                died,
+                frozen,
+            },
+        );
+        Ok(())
     }
 }
 
@@ -337,33 +393,17 @@ impl Lane for FakeLane {
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
-        let socket = self.0.dir.join(format!("{}.sock", spec.id));
-        let listener = std::os::unix::net::UnixListener::bind(&socket)
-            .map_err(LaneError::io("binding the fake agent socket"))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(LaneError::io("nonblocking"))?;
-        let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let agent = FakeAgent {
-            frozen: frozen.clone(),
-            ..Default::default()
-        };
-        let server = self.0.kernel.spawn(async move {
-            let listener = tokio::net::UnixListener::from_std(listener).expect("listener");
-            let _ = tonic::transport::Server::builder()
-                .add_service(AgentServer::new(agent))
-                .serve_with_incoming(UnixListenerStream::new(listener))
-                .await;
-        });
-        let (died, _) = watch::channel(None);
-        self.0.sandboxes.lock().unwrap().insert(
-            spec.id,
-            FakeSandbox {
-                server,
-                died,
-                frozen,
-            },
-        );
+        let disk = Disk::default();
+        self.0.disks.lock().unwrap().insert(spec.id, disk.clone());
+        self.0.start(spec.id, disk)?;
+        Ok(self.handle(spec.id))
+    }
+
+    async fn boot(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
+        self.0.stop(spec.id);
+        let disk = self.0.disks.lock().unwrap().get(&spec.id).cloned();
+        let disk = disk.ok_or_else(|| LaneError::Failed(format!("no disk {}", spec.id)))?;
+        self.0.start(spec.id, disk)?;
         Ok(self.handle(spec.id))
     }
 
@@ -420,6 +460,11 @@ impl Sandbox for FakeHandle {
 
     async fn suspend(&self) -> Result<(), LaneError> {
         self.set_frozen(true)
+    }
+
+    async fn hibernate(&self) -> Result<(), LaneError> {
+        self.kernel.stop(self.id);
+        Ok(())
     }
 
     async fn resume(&self) -> Result<(), LaneError> {
@@ -598,6 +643,8 @@ enum Op {
     Kill { run: usize },
     Pause { run: usize },
     Resume { run: usize },
+    Hibernate { run: usize },
+    Wake { run: usize },
     Wait { ms: u64 },
     Restart,
 }
@@ -615,6 +662,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0usize..8).prop_map(|run| Op::Kill { run }),
         2 => (0usize..8).prop_map(|run| Op::Pause { run }),
         1 => (0usize..8).prop_map(|run| Op::Resume { run }),
+        2 => (0usize..8).prop_map(|run| Op::Hibernate { run }),
+        1 => (0usize..8).prop_map(|run| Op::Wake { run }),
         1 => (100u64..1300).prop_map(|ms| Op::Wait { ms }),
         2 => Just(Op::Restart),
     ]
@@ -634,6 +683,12 @@ struct Model {
     leases: HashMap<Ulid, (String, u64)>,
     /// Runs paused (and not resumed by a call since).
     paused: HashSet<Ulid>,
+    /// Runs hibernated (and not woken by a call since).
+    hibernated: HashSet<Ulid>,
+    /// How often each run died in this daemon's life (its restart budget).
+    deaths: HashMap<Ulid, usize>,
+    /// How often each run was restarted, as its record counts.
+    restarts: HashMap<Ulid, u32>,
 }
 
 impl Model {
@@ -644,9 +699,22 @@ impl Model {
     fn forget(&mut self, id: Ulid) {
         self.live.remove(&id);
         self.paused.remove(&id);
+        self.hibernated.remove(&id);
         self.failed.remove(&id);
         self.leases.remove(&id);
         self.gone.insert(id);
+    }
+
+    /// A call reached run `id` and was answered: it runs now.
+    fn reached(&mut self, id: Ulid) {
+        self.paused.remove(&id);
+        self.hibernated.remove(&id);
+    }
+
+    /// Whether refusal `err` of a call to run `id` is a wake that found no
+    /// capacity slot (the run stays hibernated).
+    fn no_room_to_wake(&self, id: Ulid, err: &CoreError) -> bool {
+        self.hibernated.contains(&id) && code(err) == ErrorCode::Capacity
     }
 }
 
@@ -676,7 +744,17 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             // with nothing stopping means a refusal; full while a run is
             // being torn down may go either way.
             let used = m.capacity_used();
-            let stopping = used - world.listed().len();
+            let runs = m.list();
+            let asleep = runs
+                .iter()
+                .filter(|r| r.status == RunStatus::Hibernated)
+                .count();
+            // Counted but not listed: being torn down.
+            let stopping = (used + asleep).saturating_sub(runs.len());
+            // The server's clock starts during the create: the model's
+            // starts before it, never later (a slow create under load must
+            // not make the model expect a run the server expired).
+            let started = Instant::now();
             let result = world.block_on(m.create(request(short_ttl), None));
             match result {
                 Ok(run) => {
@@ -687,7 +765,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                     prop_assert_eq!(run.status, RunStatus::Running);
                     let ttl = Duration::from_secs(if short_ttl { SHORT_TTL } else { 3600 });
                     model.known.push(run.id);
-                    model.live.insert(run.id, Instant::now() + ttl);
+                    model.live.insert(run.id, started + ttl);
                 }
                 Err(err) => {
                     prop_assert!(used >= MAX_RUNS, "create refused with room left: {err}");
@@ -750,10 +828,13 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                     .flatten()
                     .collect();
                 prop_assert_eq!(stdout, b"hi\n".to_vec());
-                // It reached the run: a paused one was resumed first.
-                model.paused.remove(&id);
+                // It reached the run: a sleeping one was woken first.
+                model.reached(id);
             } else {
                 let err = result.err().unwrap();
+                if model.no_room_to_wake(id, &err) {
+                    return Ok(());
+                }
                 // A short run may just have expired.
                 prop_assert!(
                     code(&err) == ErrorCode::RunNotFound && expired(model, id),
@@ -780,6 +861,9 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                     model.forget(id);
                     return Ok(());
                 }
+                if model.no_room_to_wake(id, &err) {
+                    return Ok(());
+                }
                 prop_assert_eq!(code(&err), ErrorCode::Leased);
                 return Ok(());
             }
@@ -793,13 +877,14 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             match written {
                 Ok(n) => {
                     prop_assert_eq!(n, content.len() as u64);
-                    // It reached the run: a paused one was resumed first.
-                    model.paused.remove(&id);
+                    // It reached the run: a sleeping one was woken first.
+                    model.reached(id);
                 }
                 Err(e) if code(&e) == ErrorCode::RunNotFound && expired(model, id) => {
                     model.forget(id);
                     return Ok(());
                 }
+                Err(e) if model.no_room_to_wake(id, &e) => return Ok(()),
                 Err(e) => return Err(TestCaseError::fail(format!("write: {e}"))),
             }
             let read = world.block_on(async {
@@ -913,15 +998,32 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             let Some(id) = model.pick(run) else {
                 return Ok(());
             };
-            if !model.live.contains_key(&id) {
+            // Only a sandbox that is up can die.
+            if !model.live.contains_key(&id)
+                || model.failed.contains(&id)
+                || model.hibernated.contains(&id)
+            {
                 return Ok(());
             }
+            // Within its budget it is booted again; past it, failed.
+            let deaths = model.deaths.get(&id).copied().unwrap_or(0);
+            let restarts = model.restarts.get(&id).copied().unwrap_or(0);
+            let restart = deaths < 3;
             world.lane.kill(id);
-            let failed = world.block_on(async {
-                let deadline = Instant::now() + Duration::from_secs(3);
+            let settled = world.block_on(async {
+                let deadline = Instant::now() + Duration::from_secs(5);
                 while Instant::now() < deadline {
                     match m.get(id) {
-                        Ok(run) if run.status == RunStatus::Failed => return Some(true),
+                        Ok(run) if !restart && run.status == RunStatus::Failed => {
+                            return Some(true)
+                        }
+                        Ok(run)
+                            if restart
+                                && run.status == RunStatus::Running
+                                && run.restarts == restarts + 1 =>
+                        {
+                            return Some(true)
+                        }
                         Ok(_) => {}
                         Err(_) => return Some(false),
                     }
@@ -929,18 +1031,24 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 }
                 None
             });
-            match failed {
+            match settled {
                 Some(true) => {
                     let run = m.get(id).unwrap();
-                    prop_assert!(run.failure.is_some());
-                    model.failed.insert(id);
-                    model.leases.remove(&id);
                     model.paused.remove(&id);
+                    *model.deaths.entry(id).or_default() += 1;
+                    if restart {
+                        prop_assert!(run.restarted_at.is_some());
+                        model.restarts.insert(id, restarts + 1);
+                    } else {
+                        prop_assert!(run.failure.is_some());
+                        model.failed.insert(id);
+                    }
                 }
                 Some(false) if expired(model, id) => model.forget(id),
                 other => {
                     return Err(TestCaseError::fail(format!(
-                        "a killed run was not failed: {other:?}"
+                        "a killed run was not {}: {other:?}",
+                        if restart { "restarted" } else { "failed" }
                     )))
                 }
             }
@@ -969,6 +1077,10 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 );
             } else {
                 match result {
+                    // Pausing a hibernated run leaves it hibernated.
+                    Ok(run) if pause && model.hibernated.contains(&id) => {
+                        prop_assert_eq!(run.status, RunStatus::Hibernated);
+                    }
                     Ok(run) => {
                         let want = if pause {
                             RunStatus::Paused
@@ -979,9 +1091,10 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                         if pause {
                             model.paused.insert(id);
                         } else {
-                            model.paused.remove(&id);
+                            model.reached(id);
                         }
                     }
+                    Err(err) if model.no_room_to_wake(id, &err) => {}
                     Err(err) => {
                         prop_assert!(
                             code(&err) == ErrorCode::RunNotFound && expired(model, id),
@@ -992,11 +1105,78 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
                 }
             }
         }
+        Op::Hibernate { run } => {
+            let Some(id) = model.pick(run) else {
+                return Ok(());
+            };
+            let result = world.block_on(m.hibernate(id));
+            if model.gone.contains(&id) {
+                prop_assert_eq!(
+                    code(&result.expect_err("gone run answered")),
+                    ErrorCode::RunNotFound
+                );
+            } else if model.failed.contains(&id) {
+                prop_assert_eq!(
+                    code(&result.expect_err("failed run hibernated")),
+                    ErrorCode::RunFailed
+                );
+            } else {
+                match result {
+                    Ok(run) => {
+                        prop_assert_eq!(run.status, RunStatus::Hibernated);
+                        prop_assert!(!world.lane.booted().contains(&id));
+                        model.paused.remove(&id);
+                        model.hibernated.insert(id);
+                    }
+                    Err(err) => {
+                        prop_assert!(
+                            code(&err) == ErrorCode::RunNotFound && expired(model, id),
+                            "hibernate of a live run: {err}"
+                        );
+                        model.forget(id);
+                    }
+                }
+            }
+        }
+        Op::Wake { run } => {
+            let Some(id) = model.pick(run) else {
+                return Ok(());
+            };
+            let result = world.block_on(m.wake(id));
+            if model.gone.contains(&id) {
+                prop_assert_eq!(
+                    code(&result.expect_err("gone run answered")),
+                    ErrorCode::RunNotFound
+                );
+                return Ok(());
+            }
+            match result {
+                Ok(run) => {
+                    prop_assert_eq!(run.status, RunStatus::Running);
+                    prop_assert!(world.lane.booted().contains(&id));
+                    model.reached(id);
+                    // A failed run woken gets a new budget.
+                    if model.failed.remove(&id) {
+                        model.deaths.remove(&id);
+                    }
+                }
+                Err(err) if model.no_room_to_wake(id, &err) => {}
+                Err(err) => {
+                    prop_assert!(
+                        code(&err) == ErrorCode::RunNotFound && expired(model, id),
+                        "wake of a live run: {err}"
+                    );
+                    model.forget(id);
+                }
+            }
+        }
         Op::Wait { ms } => {
             std::thread::sleep(Duration::from_millis(ms));
         }
         Op::Restart => {
             world.restart();
+            // Restart budgets live in the daemon's memory.
+            model.deaths.clear();
         }
     }
     Ok(())
@@ -1020,7 +1200,11 @@ async fn settle(world: &World) -> bool {
         let runs = m.list();
         let listed: BTreeSet<Ulid> = runs.iter().map(|r| r.id).collect();
         let creating = runs.iter().any(|r| r.status == RunStatus::Creating);
-        if !creating && listed == world.lane.live() && m.capacity_used() == listed.len() {
+        let asleep = runs
+            .iter()
+            .filter(|r| r.status == RunStatus::Hibernated)
+            .count();
+        if !creating && listed == world.lane.live() && m.capacity_used() + asleep == listed.len() {
             return true;
         }
         if Instant::now() > deadline {
@@ -1041,17 +1225,32 @@ fn check_invariants(world: &mut World, model: &mut Model) -> Result<(), TestCase
         prop_assert!(
             matches!(
                 run.status,
-                RunStatus::Running | RunStatus::Paused | RunStatus::Failed
+                RunStatus::Running | RunStatus::Paused | RunStatus::Hibernated | RunStatus::Failed
             ),
             "{:?} is {:?}",
             run.id,
             run.status
         );
-        // Paused exactly when the model says (a restart keeps it paused).
+        // Paused and hibernated exactly when the model says (a restart
+        // keeps them so); a hibernated run holds no sandbox.
         if !model.failed.contains(&run.id) {
             prop_assert_eq!(
                 run.status == RunStatus::Paused,
                 model.paused.contains(&run.id),
+                "{:?} is {:?}",
+                run.id,
+                run.status
+            );
+            prop_assert_eq!(
+                run.status == RunStatus::Hibernated,
+                model.hibernated.contains(&run.id),
+                "{:?} is {:?}",
+                run.id,
+                run.status
+            );
+            prop_assert_eq!(
+                world.lane.booted().contains(&run.id),
+                run.status != RunStatus::Hibernated,
                 "{:?} is {:?}",
                 run.id,
                 run.status
@@ -1083,7 +1282,11 @@ fn check_invariants(world: &mut World, model: &mut Model) -> Result<(), TestCase
         &model_live,
         "the API's runs differ from the model's"
     );
-    prop_assert!(listed.len() <= MAX_RUNS);
+    let asleep = runs
+        .iter()
+        .filter(|r| r.status == RunStatus::Hibernated)
+        .count();
+    prop_assert!(listed.len() - asleep <= MAX_RUNS);
     // 3. Gone runs never answer.
     for id in &model.gone {
         prop_assert_eq!(code(&m.get(*id).unwrap_err()), ErrorCode::RunNotFound);
@@ -1104,9 +1307,10 @@ fn check_invariants(world: &mut World, model: &mut Model) -> Result<(), TestCase
 fn run_case(ops: &[Op]) -> Result<(), TestCaseError> {
     let mut world = World::new();
     let mut model = Model::default();
-    for op in ops {
-        apply(&mut world, &mut model, op)?;
-        check_invariants(&mut world, &mut model)?;
+    for (step, op) in ops.iter().enumerate() {
+        let at = |e: TestCaseError| TestCaseError::fail(format!("step {step} ({op:?}): {e}"));
+        apply(&mut world, &mut model, op).map_err(at)?;
+        check_invariants(&mut world, &mut model).map_err(at)?;
     }
     // A last restart: the store agrees with everything above.
     world.restart();
@@ -1158,6 +1362,37 @@ fn a_fixed_story_keeps_its_invariants() {
         Op::Create { short_ttl: false },
         Op::Renew { run: 1 },
         Op::Delete { run: 0 },
+    ];
+    run_case(&ops).unwrap();
+}
+
+#[test]
+fn a_fixed_story_of_sleep_death_and_waking_keeps_its_invariants() {
+    // Hibernate one of a full node, fill its slot, find no room to wake
+    // it, make room; kill a run past its restart budget and wake it.
+    let ops = [
+        Op::Create { short_ttl: false },
+        Op::Create { short_ttl: false },
+        Op::Create { short_ttl: false },
+        Op::WriteRead { run: 0 },
+        Op::Hibernate { run: 0 },
+        Op::Create { short_ttl: false },
+        Op::Wake { run: 0 },
+        Op::Exec { run: 0 },
+        Op::Delete { run: 1 },
+        Op::Exec { run: 0 },
+        Op::Kill { run: 2 },
+        Op::Kill { run: 2 },
+        Op::Kill { run: 2 },
+        Op::Kill { run: 2 },
+        Op::Exec { run: 2 },
+        Op::Wake { run: 2 },
+        Op::Pause { run: 3 },
+        Op::Hibernate { run: 3 },
+        Op::Restart,
+        Op::WriteRead { run: 0 },
+        Op::Kill { run: 0 },
+        Op::Exec { run: 3 },
     ];
     run_case(&ops).unwrap();
 }

@@ -1521,6 +1521,38 @@ async fn allowlist_runs_keep_their_proxy_across_a_daemon_restart() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowlist_runs_get_their_proxy_and_secrets_back_when_woken() {
+    let w = World::start().await;
+    let secret = format!("secret.test:{}", w.https_port);
+    let http = format!("allowed.test:{}", w.http_port);
+    let id = w
+        .allowlist_run(&[&secret, &http], &[SECRET_NAME])
+        .await
+        .id
+        .to_string();
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{http}/before")])
+            .await
+            .status,
+        200
+    );
+    w.daemon.client.hibernate_run(&id).await.unwrap();
+    assert!(!netns_exists(&id), "a hibernated run keeps its namespace");
+    // The call that wakes it goes out through a new proxy with the same
+    // policy, secrets and trust.
+    let got = w.curl(&id, &[&format!("http://{http}/after")]).await;
+    assert_eq!(got.status, 200, "{got:?}; log:\n{}", w.daemon.log());
+    assert_eq!(w.curl(&id, &["http://example.org/"]).await.status, 403);
+    let got = w.curl(&id, &[&format!("https://{secret}/allowed")]).await;
+    assert_eq!(got.status, 200, "{got:?}; log:\n{}", w.daemon.log());
+    assert!(
+        got.body
+            .contains(&format!("authorization: Bearer {SECRET_SEEN}\n")),
+        "{got:?}"
+    );
+}
+
 /// Keeps `net.ipv4.ip_forward` as the host had it once the last test that
 /// creates open runs is done (the daemon turns it on and leaves it on).
 struct ForwardGuard;
@@ -1771,8 +1803,9 @@ async fn open_run_links_and_rules_go_with_their_runs() {
     assert_eq!(table_state(&table), (true, names(&[&died, &kept])));
     assert!(!netns_exists(&deleted));
 
-    // A run that dies while the daemon is down is cleaned up when it
-    // comes back; the live one keeps its network.
+    // A run that dies while the daemon is down is booted again when it
+    // comes back (the restart policy), with a network of its own again;
+    // the live one keeps its network.
     let runtime = w.daemon.client.get_run(&died).await.unwrap().runtime;
     w.daemon.kill9();
     let root = w.daemon.state.path().join("oci").join(&runtime);
@@ -1797,15 +1830,29 @@ async fn open_run_links_and_rules_go_with_their_runs() {
     assert!(stopped, "the killed sandbox did not stop");
     w.daemon.spawn().await;
     assert_eq!(
-        links_of(&table),
-        names(&[&kept]),
+        sorted(links_of(&table)),
+        names(&[&died, &kept]),
         "log:\n{}",
         w.daemon.log()
     );
+    assert_eq!(table_state(&table), (true, names(&[&died, &kept])));
+    assert!(netns_exists(&died));
+    assert_eq!(w.daemon.client.get_run(&died).await.unwrap().restarts, 1);
+    for id in [&kept, &died] {
+        let (_, route, _) = w.sh(id, "ip -4 route show default").await;
+        assert!(route.contains("via"), "{route}");
+    }
+
+    // Hibernating a run removes its link and element; its wake brings
+    // them back.
+    w.daemon.client.hibernate_run(&died).await.unwrap();
+    assert_eq!(sorted(links_of(&table)), names(&[&kept]));
     assert_eq!(table_state(&table), (true, names(&[&kept])));
     assert!(!netns_exists(&died));
-    let (_, route, _) = w.sh(&kept, "ip -4 route show default").await;
+    let (_, route, _) = w.sh(&died, "ip -4 route show default").await;
     assert!(route.contains("via"), "{route}");
+    assert_eq!(sorted(links_of(&table)), names(&[&died, &kept]));
+    w.daemon.client.delete_run(&died).await.unwrap();
 
     // Deleted after the restart: gone too, and once no open run is left a
     // restart removes the table itself.

@@ -94,6 +94,24 @@ pub struct Counters {
     pub bytes_down: AtomicU64,
     /// Requests handled (CONNECTs and plain requests, allowed or not).
     pub requests: AtomicU64,
+    /// Connections from the run open now.
+    pub open: AtomicU64,
+}
+
+/// Counts one connection from the run as open while it is held.
+struct OpenConnection(Arc<RunEgress>);
+
+impl OpenConnection {
+    fn new(run: Arc<RunEgress>) -> OpenConnection {
+        run.counters.open.fetch_add(1, Ordering::Relaxed);
+        OpenConnection(run)
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.0.counters.open.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// One run's egress settings.
@@ -140,7 +158,11 @@ pub async fn serve(
         match accepted {
             Ok((tcp, _peer)) => {
                 let conn_ctx = Arc::clone(&ctx);
-                ctx.spawn(serve_connection(conn_ctx, tcp));
+                let open = OpenConnection::new(ctx.run.clone());
+                ctx.spawn(async move {
+                    serve_connection(conn_ctx, tcp).await;
+                    drop(open);
+                });
             }
             Err(e) => {
                 // Usually EMFILE/ENFILE: back off a little rather than spin

@@ -187,6 +187,7 @@ impl OciLane {
             exit_watch: Support::Yes,
             dial: Support::Yes,
             suspend: Support::Yes,
+            hibernate: Support::Yes,
         };
         Ok(OciLane(Arc::new(Shared {
             runtime,
@@ -264,7 +265,9 @@ impl Shared {
         }
     }
 
-    async fn create_steps(&self, spec: &SandboxSpec) -> Result<(), LaneError> {
+    /// The creation steps; with `boot`, on the disk a hibernated run kept
+    /// (its directory and disk exist, nothing else does).
+    async fn create_steps(&self, spec: &SandboxSpec, boot: bool) -> Result<(), LaneError> {
         let id = spec.id;
         let dir = self.run_dir(id);
         // Fail closed before anything exists: never a different tier.
@@ -274,17 +277,26 @@ impl Shared {
             }
         }
         // 1. The directory, which runtime owns the run, and its tier.
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&dir)
-            .map_err(LaneError::io(format!("creating {}", dir.display())))?;
+        if boot {
+            if !dir.join(crate::storage::DISK_DIR).is_dir() {
+                return Err(LaneError::Failed(format!(
+                    "run {id}'s disk is gone; it cannot be booted again"
+                )));
+            }
+        } else {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .map_err(LaneError::io(format!("creating {}", dir.display())))?;
+        }
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
         write(&dir.join("network"), spec.network.as_str().as_bytes())?;
         // 2. The run's disk and overlay root, and 3. the network namespace,
         // side by side: the namespace is made on a blocking thread while
         // this one mounts. Both finish before either error is returned, so
         // the caller's cleanup sees everything that was made.
-        let (netns, root) = tokio::join!(create_netns(id), async { self.make_root(spec, &dir) });
+        let (netns, root) =
+            tokio::join!(create_netns(id), async { self.make_root(spec, &dir, boot) });
         let (rootfs, trust_files, volume) = root?;
         let netns = netns?;
         let resolv_conf = match spec.network {
@@ -293,6 +305,7 @@ impl Shared {
         };
         // 4. The agent's socket.
         let socket = dir.join("agent.sock");
+        remove_if_present(&socket)?;
         let listener = std::os::unix::net::UnixListener::bind(&socket)
             .map_err(LaneError::io(format!("binding {}", socket.display())))?;
         std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o600))
@@ -365,19 +378,25 @@ impl Shared {
         &self,
         spec: &SandboxSpec,
         dir: &Path,
+        boot: bool,
     ) -> Result<(PathBuf, Option<trust::TrustFiles>, Option<PathBuf>), LaneError> {
         let limit = spec.limits.disk_mb.map(|mb| mb << 20);
         let rootfs = dir.join("rootfs");
         let disk = match &spec.seed {
+            // A hibernated run: its own disk, limit and all, as it was.
+            _ if boot => dir.join(crate::storage::DISK_DIR),
             // A fork: the parent's layer as it was, shared until written.
             Some(seed) => self.storage.clone_disk(seed, dir, limit)?,
             None => self.storage.create(dir, limit)?,
         };
+        // A disk that already holds a layer (a fork's, a hibernated run's)
+        // has these directories; overlayfs clears its scratch itself.
+        let existing = boot || spec.seed.is_some();
         let (upper, work) = (disk.join("upper"), disk.join("ovl-work"));
         for d in [&upper, &work, &rootfs] {
             match std::fs::create_dir(d) {
                 Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && spec.seed.is_some() => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && existing => {}
                 Err(e) => return Err(LaneError::io(format!("creating {}", d.display()))(e)),
             }
         }
@@ -402,18 +421,27 @@ impl Shared {
             None => None,
         };
         let volume = match &spec.warm {
-            Some(warm) => Some(mount_warm(warm, &disk, dir, spec.seed.is_some())?),
+            Some(warm) => Some(mount_warm(warm, &disk, dir, existing)?),
             None => None,
         };
         Ok((rootfs, trust_files, volume))
     }
 
-    async fn destroy_steps(&self, id: Ulid) -> Result<(), LaneError> {
+    /// Everything of run `id` but its directory and disk: the container
+    /// (thawed first, so a frozen one can die), mounts, open-tier network,
+    /// namespace and cgroups; with `forget_net`, also the open tier's
+    /// record and /30 (a hibernating run; a destroyed one gives its /30
+    /// back only once its directory is gone).
+    async fn stop_steps(&self, id: Ulid, forget_net: bool) -> Result<(), LaneError> {
         let dir = self.run_dir(id);
         let runtime = self.runtime_of(id);
         let root = self.runtime_root(&runtime.name);
         let cid = container_id(id);
         if runtime.may_have_container(&root, &cid).await {
+            // A frozen process does not die of SIGKILL until it is thawed.
+            if let Ok(freezer) = crate::freezer::Freezer::of(id) {
+                let _ = freezer.thaw();
+            }
             // Kill the init ourselves through its pidfd and wait for it:
             // runc's own forced delete polls the dying container in 100 ms
             // steps, so a delete that finds it already dead is much faster.
@@ -451,7 +479,11 @@ impl Shared {
         }
         // Before the namespace: the veth goes at once with its host side,
         // while a deleted namespace is torn down by the kernel later.
-        self.open.teardown(id, &dir).await?;
+        if forget_net {
+            self.open.remove(id, &dir).await?;
+        } else {
+            self.open.teardown(id, &dir).await?;
+        }
         delete_netns(id).await?;
         remove_cgroups(id).await;
         for mount in [&volume, &rootfs] {
@@ -462,6 +494,12 @@ impl Shared {
                 )));
             }
         }
+        Ok(())
+    }
+
+    async fn destroy_steps(&self, id: Ulid) -> Result<(), LaneError> {
+        let dir = self.run_dir(id);
+        self.stop_steps(id, false).await?;
         self.storage.remove(&dir)?;
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
@@ -472,6 +510,34 @@ impl Shared {
         // crash before this point cannot hand it to two runs.
         self.open.release(id);
         Ok(())
+    }
+
+    /// [`Sandbox::hibernate`]: [`Shared::stop_steps`], then the files that
+    /// described the stopped sandbox (its socket, config, pid and log).
+    async fn hibernate_steps(&self, id: Ulid) -> Result<(), LaneError> {
+        let dir = self.run_dir(id);
+        if !dir.is_dir() {
+            return Err(LaneError::Failed(format!("run {id} has no directory")));
+        }
+        self.stop_steps(id, true).await?;
+        for name in [
+            "agent.sock",
+            "config.json",
+            crate::watch::PID_FILE,
+            "runtime.log",
+        ] {
+            remove_if_present(&dir.join(name))?;
+        }
+        Ok(())
+    }
+}
+
+/// Removes a file that may not exist.
+fn remove_if_present(path: &Path) -> Result<(), LaneError> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(LaneError::io(format!("removing {}", path.display()))(e)),
     }
 }
 
@@ -495,11 +561,26 @@ impl Lane for OciLane {
     }
 
     async fn create(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
-        match self.0.create_steps(spec).await {
+        match self.0.create_steps(spec, false).await {
             Ok(()) => Ok(Arc::new(self.oci_sandbox(spec.id))),
             Err(e) => {
                 if let Err(cleanup) = self.0.destroy_steps(spec.id).await {
                     tracing::error!(run = %spec.id, error = %cleanup, "cleaning up a failed create");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// What is left of the last sandbox is stopped first (idempotent);
+    /// a failed boot is stopped again, down to the disk.
+    async fn boot(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
+        self.0.hibernate_steps(spec.id).await?;
+        match self.0.create_steps(spec, true).await {
+            Ok(()) => Ok(Arc::new(self.oci_sandbox(spec.id))),
+            Err(e) => {
+                if let Err(cleanup) = self.0.hibernate_steps(spec.id).await {
+                    tracing::error!(run = %spec.id, error = %cleanup, "cleaning up a failed boot");
                 }
                 Err(e)
             }
@@ -743,6 +824,10 @@ impl Sandbox for OciSandbox {
     /// Thaws the run's cgroup.
     async fn resume(&self) -> Result<(), LaneError> {
         crate::freezer::Freezer::of(self.id)?.thaw()
+    }
+
+    async fn hibernate(&self) -> Result<(), LaneError> {
+        self.lane.hibernate_steps(self.id).await
     }
 }
 

@@ -526,6 +526,21 @@ impl OpenNet {
         delete_element(&table, &host_if).await
     }
 
+    /// Undoes [`OpenNet::setup`] entirely while the run directory stays (a
+    /// hibernating run): the link and element, then the record, then the
+    /// /30. Its next boot sets it up again, maybe on another /30.
+    pub(crate) async fn remove(&self, id: Ulid, run_dir: &Path) -> Result<(), LaneError> {
+        self.teardown(id, run_dir).await?;
+        let path = run_dir.join(NET_RECORD);
+        match std::fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(LaneError::io(format!("removing {}", path.display()))(e)),
+        }
+        self.release(id);
+        Ok(())
+    }
+
     /// Returns run `id`'s /30 to the pool. Called once its run directory
     /// (and so its record) is gone.
     pub(crate) fn release(&self, id: Ulid) {

@@ -304,6 +304,22 @@ pub async fn resume_run<S: RunService>(
     Ok(Json(state.service.resume(id).await?).into_response())
 }
 
+/// `POST /v1/runs/{id}/hibernate`: stops the run down to its disk.
+pub async fn hibernate_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.service.hibernate(id).await?).into_response())
+}
+
+/// `POST /v1/runs/{id}/wake`: boots a hibernated or failed run again.
+pub async fn wake_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.service.wake(id).await?).into_response())
+}
+
 /// `POST /v1/runs/{id}/snapshot`: records the run's filesystem as an image.
 pub async fn snapshot_run<S: RunService>(
     State(state): State<AppState<S>>,

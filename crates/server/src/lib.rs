@@ -74,6 +74,11 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
         .route("/v1/runs/{id}/pause", post(handlers::pause_run::<S>))
         .route("/v1/runs/{id}/resume", post(handlers::resume_run::<S>))
+        .route(
+            "/v1/runs/{id}/hibernate",
+            post(handlers::hibernate_run::<S>),
+        )
+        .route("/v1/runs/{id}/wake", post(handlers::wake_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
         .route("/v1/runs/{id}/fs/stat", get(handlers::fs_stat::<S>))

@@ -65,6 +65,9 @@ fn run() -> Run {
         public_ports: false,
         auto_resume: true,
         on_expire: Default::default(),
+        idle: Default::default(),
+        restarts: 0,
+        restarted_at: None,
     }
 }
 
@@ -503,6 +506,17 @@ impl RunService for Stub {
         })
     }
     async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(run())
+    }
+    async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(Run {
+            status: RunStatus::Hibernated,
+            ..run()
+        })
+    }
+    async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
         found(id)?;
         Ok(run())
     }

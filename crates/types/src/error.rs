@@ -135,6 +135,9 @@ codes! {
     RunPaused = "run_paused", 409;
     /// This server's isolation lane cannot pause runs; the message says why.
     PauseUnsupported = "pause_unsupported", 400;
+    /// This server's isolation lane cannot hibernate runs; the message says
+    /// why.
+    HibernateUnsupported = "hibernate_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.
     WarmCacheDisabled = "warm_cache_disabled", 400;
     /// A label key or value breaks the rules, or there are too many.

@@ -218,6 +218,9 @@ pub struct CreateRunRequest {
     /// What happens at the run's TTL (default `delete`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_expire: Option<OnExpire>,
+    /// Pause or hibernate the run when nobody uses it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle: Option<IdlePolicy>,
 }
 
 /// What happens to a run when its TTL passes.
@@ -232,6 +235,33 @@ pub enum OnExpire {
     /// (`--paused-retention-sec`, default 7 days), then destroyed; a resume
     /// before then gives it a fresh TTL of the length it was created with.
     Pause,
+    /// It is hibernated (processes and memory dropped, its disk kept) and
+    /// kept for the server's retention (`--hibernated-retention-sec`,
+    /// default 7 days), then destroyed; a wake before then gives it a fresh
+    /// TTL of the length it was created with.
+    Hibernate,
+}
+
+/// `idle` on `POST /v1/runs`: what happens to a run nobody uses. A run is
+/// idle while no data-plane connection is open to it (an exec stream, a
+/// WebSocket session, an attach, a process output stream, a preview
+/// request, a port connection) and its egress proxy has no request in
+/// flight; the clock starts when the last one closes. 0 turns a step off;
+/// an absent field takes the server's default (`--idle-pause-sec`,
+/// `--idle-hibernate-sec`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct IdlePolicy {
+    /// Pause the run after this many idle seconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 31536000))]
+    pub pause_after_sec: Option<u64>,
+    /// Hibernate the run after this many idle seconds (counted from the
+    /// same moment as `pauseAfterSec`, so it should be the longer one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 31536000))]
+    pub hibernate_after_sec: Option<u64>,
 }
 
 /// `warm` on `POST /v1/runs`.
@@ -396,11 +426,19 @@ pub enum RunStatus {
     /// reaches it (exec, files, processes, sessions, previews, ports,
     /// snapshots, forks) resumes it first; so does `POST .../resume`.
     Paused,
+    /// Hibernated: its processes and memory are gone and it holds no CPU,
+    /// memory, network namespace, proxy or capacity slot, only its disk
+    /// (root-filesystem writes, `/work`, a warm volume) and its record. The
+    /// next call that reaches it boots it again on that disk under the same
+    /// id (a wake); so does `POST .../wake`.
+    Hibernated,
     /// Being destroyed.
     Stopping,
-    /// The sandbox died on its own (its init process exited); `failure`
-    /// says why. It keeps its resources until it is deleted or its TTL
-    /// passes; execs and file operations answer `run_failed`.
+    /// The sandbox died on its own (its init process exited) and the
+    /// restart policy did not bring it back, or a wake failed; `failure`
+    /// says why. It keeps its disk until it is deleted or its TTL passes;
+    /// execs and file operations answer `run_failed`, and
+    /// `POST .../wake` boots it again.
     Failed,
 }
 
@@ -474,6 +512,21 @@ pub struct Run {
     /// What happens at its TTL.
     #[serde(default)]
     pub on_expire: OnExpire,
+    /// When it pauses or hibernates on its own for want of use (the
+    /// server's defaults filled in; 0 is off).
+    #[serde(default)]
+    pub idle: IdlePolicy,
+    /// How many times the daemon booted it again after its init exited on
+    /// its own (the restart policy).
+    #[serde(default)]
+    pub restarts: u32,
+    /// When it was last booted again by the restart policy.
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub restarted_at: Option<OffsetDateTime>,
 }
 
 fn yes() -> bool {

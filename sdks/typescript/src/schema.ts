@@ -351,6 +351,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runs/{id}/hibernate": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Stop the run down to its disk: processes and memory are lost, CPU, memory, network and capacity freed; the next call that reaches it boots it again */
+        post: operations["hibernateRun"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runs/{id}/lease": {
         parameters: {
             query?: never;
@@ -599,7 +616,7 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Let a paused run's processes go on */
+        /** Let a paused run's processes go on; a hibernated run is woken */
         post: operations["resumeRun"];
         delete?: never;
         options?: never;
@@ -618,6 +635,23 @@ export interface paths {
         put?: never;
         /** Record the run's filesystem as a new image */
         post: operations["snapshotRun"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/wake": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Boot a hibernated or failed run again on its disk (a paused one is resumed) */
+        post: operations["wakeRun"];
         delete?: never;
         options?: never;
         head?: never;
@@ -791,6 +825,7 @@ export interface components {
              */
             egressAllow?: string[] | null;
             env?: null | components["schemas"]["Env"];
+            idle?: null | components["schemas"]["IdlePolicy"];
             /**
              * @description A stored image's local name, or an image reference as Docker spells
              *     it (`alpine:3.20`, `127.0.0.1:5000/team/app:1`, `…@sha256:…`),
@@ -1005,6 +1040,28 @@ export interface components {
             /** @description The daemon's version. */
             version: string;
         };
+        /**
+         * @description `idle` on `POST /v1/runs`: what happens to a run nobody uses. A run is
+         *     idle while no data-plane connection is open to it (an exec stream, a
+         *     WebSocket session, an attach, a process output stream, a preview
+         *     request, a port connection) and its egress proxy has no request in
+         *     flight; the clock starts when the last one closes. 0 turns a step off;
+         *     an absent field takes the server's default (`--idle-pause-sec`,
+         *     `--idle-hibernate-sec`).
+         */
+        IdlePolicy: {
+            /**
+             * Format: uint64
+             * @description Hibernate the run after this many idle seconds (counted from the
+             *     same moment as `pauseAfterSec`, so it should be the longer one).
+             */
+            hibernateAfterSec?: number | null;
+            /**
+             * Format: uint64
+             * @description Pause the run after this many idle seconds.
+             */
+            pauseAfterSec?: number | null;
+        };
         /** @description An image as the API shows it. */
         Image: {
             /**
@@ -1215,7 +1272,7 @@ export interface components {
          * @description What happens to a run when its TTL passes.
          * @enum {string}
          */
-        OnExpire: "delete" | "pause";
+        OnExpire: "delete" | "pause" | "hibernate";
         /** @description `GET /v1/pools`. */
         PoolList: {
             /** @description Whether the node is cordoned (pools drained, creates refused). */
@@ -1544,6 +1601,11 @@ export interface components {
              * @description The run's ULID.
              */
             id: string;
+            /**
+             * @description When it pauses or hibernates on its own for want of use (the
+             *     server's defaults filled in; 0 is off).
+             */
+            idle?: components["schemas"]["IdlePolicy"];
             /** @description The image the run was created from. */
             image: string;
             /** @description Its labels. */
@@ -1567,6 +1629,17 @@ export interface components {
              *     (`publicPorts` at create).
              */
             publicPorts?: boolean;
+            /**
+             * Format: date-time
+             * @description When it was last booted again by the restart policy.
+             */
+            restartedAt?: string | null;
+            /**
+             * Format: uint32
+             * @description How many times the daemon booted it again after its init exited on
+             *     its own (the restart policy).
+             */
+            restarts?: number;
             /** @description The OCI runtime that isolates the run (`runc`, `crun`, `runsc`). */
             runtime: string;
             /** @description The secrets the run may use, by name. */
@@ -1589,7 +1662,7 @@ export interface components {
          * @description Where a run is in its life.
          * @enum {string}
          */
-        RunStatus: "creating" | "running" | "paused" | "stopping" | "failed";
+        RunStatus: "creating" | "running" | "paused" | "hibernated" | "stopping" | "failed";
         /** @description A run's warm volume, as the API shows it. */
         RunWarm: {
             /** @description Whether the volume started from a template (false: it started empty). */
@@ -2984,6 +3057,47 @@ export interface operations {
             };
         };
     };
+    hibernateRun: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Run"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     acquireLease: {
         parameters: {
             query?: never;
@@ -3728,6 +3842,47 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Snapshot"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    wakeRun: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Run"];
                 };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */

@@ -26,7 +26,9 @@
 //! that disconnects cannot stop a lane call or a commit half-way. A
 //! dropped reply channel only means nobody waits for the answer.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use runbox_agent_proto::AgentClient;
@@ -38,6 +40,7 @@ use ulid::Ulid;
 
 use super::phase::{transition, Event, Phase};
 use super::{error_chain, reaper, RunContext};
+use crate::config::{RestartPolicy, RESTART_BUDGET, RESTART_WINDOW};
 use crate::error::CoreError;
 use crate::lane::{AgentEndpoint, ExitWatch, SandboxSpec};
 use crate::lease::{Credential, Fence, Lease};
@@ -93,6 +96,8 @@ pub(crate) struct Admitted {
     pub protocol: u32,
     /// The record as it was at admission.
     pub record: Arc<RunRecord>,
+    /// Keeps the run from counting as idle while the operation lasts.
+    pub busy: Busy,
 }
 
 /// What others ask of a run's owner.
@@ -127,8 +132,14 @@ pub(crate) enum Command {
     Claim { claim: Box<Claim>, reply: Reply<()> },
     /// Freeze the run's processes (nothing to do when paused already).
     Pause { reply: Reply<()> },
-    /// Let a paused run's processes go on (nothing to do when running).
+    /// Let a paused run's processes go on (nothing to do when running);
+    /// a hibernated run is woken.
     Resume { reply: Reply<()> },
+    /// Stop the run down to its disk (nothing to do when hibernated).
+    Hibernate { reply: Reply<()> },
+    /// Boot a hibernated or failed run again, resume a paused one (nothing
+    /// to do when running).
+    Wake { reply: Reply<()> },
 }
 
 /// What a create applies to the pool member it is served with.
@@ -141,7 +152,60 @@ pub(crate) struct Claim {
     pub public_ports: bool,
     pub auto_resume: bool,
     pub on_expire: runbox_types::OnExpire,
+    pub idle: runbox_types::IdlePolicy,
     pub idempotency: Option<crate::store::Idempotency>,
+}
+
+/// How busy a run is: the operations open on it now, and when the last
+/// one ended. Its idle policy reads it.
+pub(crate) struct Activity {
+    open: AtomicUsize,
+    since: Mutex<tokio::time::Instant>,
+}
+
+impl Default for Activity {
+    fn default() -> Activity {
+        Activity {
+            open: AtomicUsize::new(0),
+            since: Mutex::new(tokio::time::Instant::now()),
+        }
+    }
+}
+
+impl Activity {
+    /// Operations open now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// When the run was last used.
+    pub fn since(&self) -> tokio::time::Instant {
+        *self.since.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn touch(&self) {
+        *self.since.lock().unwrap_or_else(|p| p.into_inner()) = tokio::time::Instant::now();
+    }
+}
+
+/// An operation open on a run (an exec stream, a session, a connection
+/// into it, any call while it lasts): the run is not idle while one is
+/// held, and its idle clock starts again when the last one drops.
+pub(crate) struct Busy(Arc<RunHandle>);
+
+impl Busy {
+    pub fn new(handle: Arc<RunHandle>) -> Busy {
+        handle.activity.open.fetch_add(1, Ordering::SeqCst);
+        handle.activity.touch();
+        Busy(handle)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.activity.touch();
+        self.0.activity.open.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The shared side of a run: what handlers and the registry hold.
@@ -153,8 +217,14 @@ pub(crate) struct RunHandle {
     pub ended: CancellationToken,
     /// Why the run is stopping, set before `ended` is cancelled.
     pub end_reason: OnceLock<ExitReason>,
-    /// The egress proxy's counters, once it serves (`allowlist` runs).
-    pub egress: OnceLock<Arc<dyn crate::egress::EgressMeter>>,
+    /// The egress proxy's counters while it serves (`allowlist` runs; a
+    /// new proxy, with new counters, each time the run boots).
+    pub egress: Mutex<Option<Arc<dyn crate::egress::EgressMeter>>>,
+    /// What is open on the run now, for its idle policy.
+    pub activity: Activity,
+    /// A hibernated run being woken: counted against capacity from the
+    /// moment its owner took the slot (see [`RunHandle::counts`]).
+    pub waking: AtomicBool,
     /// The ticket of the create that took this pool member: set once,
     /// under the registry lock, when the create takes it (before its owner
     /// has applied the claim and left [`Phase::Pooled`]), so capacity
@@ -181,6 +251,23 @@ impl RunHandle {
             .map(|snapshot| snapshot.clone());
         // The owner ended: whatever it last published.
         settled.unwrap_or_else(|_| self.snapshot())
+    }
+
+    /// The egress proxy's counters now.
+    pub fn egress(&self) -> Option<Arc<dyn crate::egress::EgressMeter>> {
+        self.egress
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Whether it counts against `--max-runs`: every run but idle pool
+    /// members and hibernated runs (which hold only their disk) that are
+    /// not being woken.
+    pub fn counts(&self) -> bool {
+        !self.is_idle()
+            && (self.state.borrow().phase != Phase::Hibernated
+                || self.waking.load(Ordering::SeqCst))
     }
 
     /// Whether this is a pool member no create has taken (yet to be
@@ -245,6 +332,12 @@ pub(crate) enum Adopted {
     /// Paused before the restart, and frozen still; its agent is asked
     /// for its protocol when the run resumes.
     Paused(AgentClient),
+    /// Hibernated (or being hibernated) before the restart: whatever is
+    /// left of its sandbox besides the disk is stopped.
+    Hibernated,
+    /// Running or paused before the restart, its sandbox gone or its agent
+    /// silent since, for this reason: the restart policy applies.
+    Dead(String),
     /// Failed before the restart; kept until its TTL.
     Failed,
     /// Dead or expired: to be destroyed at once.
@@ -266,6 +359,12 @@ pub(crate) struct RunActor {
     agent: Option<(AgentClient, u32)>,
     /// Deletes waiting for the first teardown attempt.
     stop_waiters: Vec<Reply<()>>,
+    /// Cancelled when the current sandbox stops (hibernate, death, end):
+    /// its egress proxy goes with it.
+    incarnation: CancellationToken,
+    /// When the restart policy booted the run lately (within
+    /// [`RESTART_WINDOW`]); in memory, so a daemon restart resets it.
+    restarts: VecDeque<tokio::time::Instant>,
 }
 
 impl RunActor {
@@ -285,10 +384,13 @@ impl RunActor {
             state,
             ended: CancellationToken::new(),
             end_reason: OnceLock::new(),
-            egress: OnceLock::new(),
+            egress: Mutex::new(None),
+            activity: Activity::default(),
+            waking: AtomicBool::new(false),
             ticket: OnceLock::new(),
             usage: Default::default(),
         });
+        let token = handle.ended.child_token();
         RunActor {
             context,
             handle,
@@ -300,6 +402,8 @@ impl RunActor {
             exit: None,
             agent: None,
             stop_waiters: Vec::new(),
+            incarnation: token,
+            restarts: VecDeque::new(),
         }
     }
 
@@ -339,6 +443,26 @@ impl RunActor {
                 Adopted::Failed => {
                     let _ = done.send(Ok(()));
                 }
+                Adopted::Hibernated => {
+                    // Finishes a hibernation a crash cut short, or clears
+                    // what a crash left of a wake: as recorded.
+                    if let Err(e) = actor
+                        .context
+                        .lane
+                        .sandbox(actor.record.id)
+                        .hibernate()
+                        .await
+                    {
+                        tracing::warn!(run = %actor.record.id, error = %error_chain(&e), "could not stop what is left of a hibernated run's sandbox; its wake or delete retries");
+                    }
+                    let _ = done.send(Ok(()));
+                }
+                Adopted::Dead(why) => {
+                    // Before the API opens: it shows the run restarted (or
+                    // failed), never a dead one as running.
+                    actor.died(why).await;
+                    let _ = done.send(Ok(()));
+                }
                 Adopted::Doomed(reason) => {
                     actor.stop(reason);
                     actor.stop_waiters.push(done);
@@ -356,7 +480,12 @@ impl RunActor {
     async fn serve_again(&mut self) {
         // Without its proxy the run has no way out at all: it keeps its
         // files and processes, and the log says why.
-        if let Err(e) = self.context.start_egress(&self.handle, &self.record).await {
+        let stop = self.incarnation.clone();
+        if let Err(e) = self
+            .context
+            .start_egress(&self.handle, &self.record, stop)
+            .await
+        {
             tracing::error!(run = %self.record.id, error = %error_chain(&e), "could not restart the run's egress proxy; the run has no network");
         }
         self.watch().await;
@@ -484,7 +613,10 @@ impl RunActor {
         }
         // An idle pool member's proxy starts with the create it serves.
         if !self.record.is_idle_member() {
-            context.start_egress(&self.handle, &self.record).await?;
+            let stop = self.incarnation.clone();
+            context
+                .start_egress(&self.handle, &self.record, stop)
+                .await?;
         }
         self.agent = Some((agent, protocol));
         self.apply(if self.record.is_idle_member() {
@@ -512,9 +644,11 @@ impl RunActor {
     async fn serve(mut self) {
         while matches!(
             self.phase,
-            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Failed(_)
+            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Failed(_) | Phase::Hibernated
         ) {
             let expires = reaper::deadline(self.record.expires_at);
+            let idle = self.idle_step();
+            let idle_at = idle.map(|(at, _)| at);
             let watch = &mut self.exit;
             let exit = async {
                 match watch.as_mut() {
@@ -531,6 +665,11 @@ impl RunActor {
                 },
                 why = exit => self.died(why).await,
                 () = tokio::time::sleep_until(expires) => self.expired().await,
+                () = sleep_until_some(idle_at) => {
+                    if let Some((_, step)) = idle {
+                        self.idle(step).await;
+                    }
+                }
             }
         }
         if matches!(self.phase, Phase::Stopping(_)) {
@@ -541,20 +680,305 @@ impl RunActor {
         tracing::info!(run = %self.record.id, ?reason, "run destroyed");
     }
 
-    /// The sandbox's init exited on its own.
+    /// The sandbox's init exited on its own: the restart policy applies.
     async fn died(&mut self, why: String) {
+        let id = self.record.id;
         self.exit = None;
-        tracing::warn!(run = %self.record.id, reason = %why, "the run died");
+        tracing::warn!(run = %id, reason = %why, "the run died");
         if self.phase == Phase::Pooled {
             // An idle member: nobody to tell; it goes, and its pool refills.
             self.end(Event::Died(why), ExitReason::RunDeleted);
             return;
         }
-        self.apply(Event::Died(why));
+        self.end_incarnation();
+        self.apply(Event::Died(why.clone()));
+        let restart = match self.restart_refusal() {
+            None => true,
+            Some(refusal) => {
+                if let Some(refusal) = refusal {
+                    tracing::warn!(run = %id, "{refusal}; not restarting it");
+                    self.record.failure = Some(format!("{why}; {refusal}"));
+                    self.apply_failure();
+                }
+                false
+            }
+        };
+        if restart {
+            let now = tokio::time::Instant::now();
+            self.restarts.push_back(now);
+            self.record.restarts += 1;
+            self.record.restarted_at = Some(OffsetDateTime::now_utc());
+            match self.boot_with_retries().await {
+                Ok(()) => {
+                    self.apply(Event::Woken);
+                    self.record.failure = None;
+                    tracing::info!(run = %id, restarts = self.record.restarts, "restarted the run after its init exited");
+                }
+                Err(e) => {
+                    let failure = format!(
+                        "{why}; booting it again failed {RESTART_BUDGET} times: {}",
+                        error_chain(&e)
+                    );
+                    tracing::error!(run = %id, error = %failure, "could not restart the run");
+                    self.apply(Event::WakeFailed(failure));
+                }
+            }
+        }
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
-            tracing::warn!(run = %self.record.id, error = %e, "could not store that the run failed");
+            tracing::warn!(run = %id, error = %e, "could not store the run's restart or failure");
         }
         self.publish();
+    }
+
+    /// Why the restart policy does not restart the run now: `Some(None)`
+    /// when it never does (policy `none`, a lane that cannot),
+    /// `Some(Some(why))` when its budget is spent; None to restart.
+    fn restart_refusal(&mut self) -> Option<Option<String>> {
+        if self.context.config.restart_policy == RestartPolicy::None
+            || !self.context.lane.capabilities().hibernate.yes()
+        {
+            return Some(None);
+        }
+        let now = tokio::time::Instant::now();
+        while self
+            .restarts
+            .front()
+            .is_some_and(|at| now.duration_since(*at) > RESTART_WINDOW)
+        {
+            self.restarts.pop_front();
+        }
+        (self.restarts.len() >= RESTART_BUDGET).then(|| {
+            Some(format!(
+                "it was restarted {RESTART_BUDGET} times in {} minutes; wake it with POST /v1/runs/{}/wake",
+                RESTART_WINDOW.as_secs() / 60,
+                self.record.id
+            ))
+        })
+    }
+
+    /// Keeps the record's failure in step with a `Failed` phase whose
+    /// reason was rewritten.
+    fn apply_failure(&mut self) {
+        if let (Phase::Failed(_), Some(why)) = (&self.phase, &self.record.failure) {
+            self.phase = Phase::Failed(why.clone());
+        }
+    }
+
+    /// Stops serving the current sandbox: its egress proxy goes, its agent
+    /// and exit watch are forgotten.
+    fn end_incarnation(&mut self) {
+        self.incarnation.cancel();
+        self.incarnation = self.handle.ended.child_token();
+        *self.handle.egress.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.agent = None;
+        self.exit = None;
+    }
+
+    /// Boots the run again on its disk, up to [`RESTART_BUDGET`] tries.
+    async fn boot_with_retries(&mut self) -> Result<(), CoreError> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.boot().await {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt >= RESTART_BUDGET => return Err(e),
+                Err(e) => {
+                    tracing::warn!(run = %self.record.id, attempt, error = %error_chain(&e), "booting the run again failed; retrying");
+                    tokio::time::sleep(reaper::backoff(attempt as u32)).await;
+                }
+            }
+        }
+    }
+
+    /// Boots a new sandbox on the run's disk, under its id, with what its
+    /// record says (limits, egress, warm volume); on success it serves,
+    /// its agent answering. On error what was made is stopped again.
+    async fn boot(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        let (spec, _pin) = self.context.boot_spec(&self.record).await?;
+        let sandbox = self.context.lane.boot(&spec).await?;
+        let started = async {
+            let endpoint = sandbox.agent();
+            let agent = endpoint.client();
+            let protocol =
+                super::wait_ready(agent.clone(), self.context.config.agent_ready_timeout)
+                    .await
+                    .map_err(|e| {
+                        CoreError::Agent(format!("the booted run's agent did not answer: {e}"))
+                    })?;
+            let stop = self.incarnation.clone();
+            self.context
+                .start_egress(&self.handle, &self.record, stop)
+                .await?;
+            Ok::<_, CoreError>((endpoint, agent, protocol))
+        }
+        .await;
+        let (endpoint, agent, protocol) = match started {
+            Ok(started) => started,
+            Err(e) => {
+                self.end_incarnation();
+                if let Err(cleanup) = sandbox.hibernate().await {
+                    tracing::warn!(run = %id, error = %error_chain(&cleanup), "could not stop a sandbox whose boot failed");
+                }
+                return Err(e);
+            }
+        };
+        self.record.runtime = sandbox.runtime();
+        self.record.agent_socket = match &endpoint {
+            AgentEndpoint::Unix(path) => path.clone(),
+        };
+        self.agent = Some((agent, protocol));
+        self.watch().await;
+        // A fresh clock: a woken run is not idle yet.
+        self.handle.activity.touch();
+        Ok(())
+    }
+
+    /// Stops the run down to its disk. Stored first: a crash from here on
+    /// finds a hibernated record, and the next daemon finishes the job.
+    async fn hibernate(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        if let Err(why) = self.context.lane.capabilities().hibernate.check() {
+            return Err(CoreError::invalid(
+                ErrorCode::HibernateUnsupported,
+                format!("this server cannot hibernate runs: {why}"),
+            ));
+        }
+        let started = std::time::Instant::now();
+        let mut record = self.record.clone();
+        record.status = RunStatus::Hibernated;
+        self.context.store.put_async(record).await?;
+        self.end_incarnation();
+        let stopped = self.context.lane.sandbox(id).hibernate().await;
+        self.apply(Event::Hibernated);
+        self.publish();
+        match stopped {
+            Ok(()) => {
+                tracing::info!(run = %id, elapsed_us = started.elapsed().as_micros() as u64, "run hibernated")
+            }
+            // Hibernated as recorded; what is left goes at its wake or
+            // delete, which stop it again first.
+            Err(e) => {
+                tracing::warn!(run = %id, error = %error_chain(&e), "run hibernated, but stopping its sandbox failed; its wake or delete retries")
+            }
+        }
+        Ok(())
+    }
+
+    /// Boots a hibernated or failed run again: a hibernated one takes a
+    /// capacity slot first (429 when there is none, the run left as it
+    /// was). A failed boot marks the run failed, with the reason.
+    async fn wake(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        if let Err(why) = self.context.lane.capabilities().hibernate.check() {
+            return Err(CoreError::invalid(
+                ErrorCode::HibernateUnsupported,
+                format!("this server cannot wake runs: {why}"),
+            ));
+        }
+        let _slot = match self.phase {
+            Phase::Hibernated => Some(self.context.take_slot(&self.handle)?),
+            _ => None,
+        };
+        let started = std::time::Instant::now();
+        let was_failed = matches!(self.phase, Phase::Failed(_));
+        let booted = self.boot().await;
+        match &booted {
+            Ok(()) => {
+                self.apply(Event::Woken);
+                self.record.failure = None;
+                if was_failed {
+                    // An explicit wake of a failed run: a new budget.
+                    self.restarts.clear();
+                }
+                self.refresh_expiry();
+                tracing::info!(run = %id, elapsed_ms = started.elapsed().as_millis() as u64, "run woken");
+            }
+            Err(e) => {
+                let why = format!("waking the run failed: {}", error_chain(e));
+                tracing::error!(run = %id, error = %why, "could not wake the run");
+                self.apply(Event::WakeFailed(why));
+            }
+        }
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+            tracing::warn!(run = %id, error = %e, "could not store the run's wake");
+        }
+        self.publish();
+        match (booted, &self.phase) {
+            (Ok(()), _) => Ok(()),
+            (Err(_), Phase::Failed(why)) => Err(CoreError::RunFailed(id, why.clone())),
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    /// A run woken or resumed after its TTL passed gets a fresh one, as
+    /// long as it was made with.
+    fn refresh_expiry(&mut self) {
+        if self.record.expired {
+            let ttl = match self.record.ttl_sec {
+                0 => self.context.config.default_ttl,
+                secs => Duration::from_secs(secs),
+            };
+            self.record.expired = false;
+            self.record.expires_at = OffsetDateTime::now_utc() + ttl;
+        }
+    }
+
+    /// What the idle policy does next and when, if anything: pause or
+    /// hibernate at the last use plus its interval. While something is
+    /// open on the run (or its proxy has a request in flight) it is not
+    /// idle, and the clock is looked at again each second.
+    fn idle_step(&self) -> Option<(tokio::time::Instant, IdleStep)> {
+        let policy = self.record.idle;
+        let (pause, hibernate) = (
+            policy.pause_after_sec.filter(|&s| s > 0),
+            policy.hibernate_after_sec.filter(|&s| s > 0),
+        );
+        let (step, after) = match (&self.phase, pause, hibernate) {
+            (Phase::Running, Some(p), Some(h)) if h <= p => (IdleStep::Hibernate, h),
+            (Phase::Running, Some(p), _) => (IdleStep::Pause, p),
+            (Phase::Running | Phase::Paused, _, Some(h)) => (IdleStep::Hibernate, h),
+            _ => return None,
+        };
+        if self.record.is_idle_member() {
+            return None;
+        }
+        let activity = &self.handle.activity;
+        // A frozen run's proxy connections wait for it; they are not use.
+        let egress = match self.phase {
+            Phase::Running => self.handle.egress().map_or(0, |m| m.active()),
+            _ => 0,
+        };
+        if activity.open() > 0 || egress > 0 {
+            return Some((
+                tokio::time::Instant::now() + Duration::from_secs(1),
+                IdleStep::Recheck,
+            ));
+        }
+        Some((activity.since() + Duration::from_secs(after), step))
+    }
+
+    /// The idle policy's clock ran out: the run is paused or hibernated
+    /// (if it is still idle: an operation may have come and gone).
+    async fn idle(&mut self, step: IdleStep) {
+        let id = self.record.id;
+        match self.idle_step() {
+            Some((at, now_step)) if now_step == step && at <= tokio::time::Instant::now() => {}
+            _ => return,
+        }
+        let done = match step {
+            IdleStep::Pause => self.pause().await,
+            IdleStep::Hibernate => self.hibernate().await,
+            IdleStep::Recheck => return,
+        };
+        match done {
+            Ok(()) => tracing::info!(run = %id, ?step, "run idle; put to sleep"),
+            Err(e) => {
+                tracing::warn!(run = %id, ?step, error = %error_chain(&e), "could not put an idle run to sleep; trying again later");
+                // Not at once again: the clock starts over.
+                self.handle.activity.touch();
+            }
+        }
     }
 
     async fn handle_command(&mut self, command: Command) {
@@ -586,7 +1010,9 @@ impl RunActor {
             }
             Command::Lease { op, reply } => {
                 let answer = match &self.phase {
-                    Phase::Running | Phase::Paused => self.change_lease(op, now).await,
+                    Phase::Running | Phase::Paused | Phase::Hibernated => {
+                        self.change_lease(op, now).await
+                    }
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
@@ -598,7 +1024,8 @@ impl RunActor {
             }
             Command::Pause { reply } => {
                 let answer = match &self.phase {
-                    Phase::Paused => Ok(()),
+                    // Asleep already, more deeply for a hibernated run.
+                    Phase::Paused | Phase::Hibernated => Ok(()),
                     Phase::Running => self.pause().await,
                     other => Err(self.refusal(other)),
                 };
@@ -608,6 +1035,24 @@ impl RunActor {
                 let answer = match &self.phase {
                     Phase::Running => Ok(()),
                     Phase::Paused => self.resume().await,
+                    Phase::Hibernated => self.wake().await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Hibernate { reply } => {
+                let answer = match &self.phase {
+                    Phase::Hibernated => Ok(()),
+                    Phase::Running | Phase::Paused => self.hibernate().await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Wake { reply } => {
+                let answer = match &self.phase {
+                    Phase::Running => Ok(()),
+                    Phase::Paused => self.resume().await,
+                    Phase::Hibernated | Phase::Failed(_) => self.wake().await,
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
@@ -656,39 +1101,59 @@ impl RunActor {
         self.record.public_ports = claim.public_ports;
         self.record.auto_resume = claim.auto_resume;
         self.record.on_expire = claim.on_expire;
+        self.record.idle = claim.idle;
         self.record.ttl_sec = claim.ttl.as_secs();
         self.record.idempotency = claim.idempotency;
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;
         }
         self.apply(Event::Claimed);
+        // Its idle clock starts now, not when it was parked.
+        self.handle.activity.touch();
         self.publish();
-        self.context.start_egress(&self.handle, &self.record).await
+        let stop = self.incarnation.clone();
+        self.context
+            .start_egress(&self.handle, &self.record, stop)
+            .await
     }
 
-    /// The run's TTL passed: it is destroyed, or with `onExpire: pause`
-    /// paused and kept for the retention (once: at the end of that, it is
-    /// destroyed).
+    /// The run's TTL passed: it is destroyed, or with `onExpire: pause` or
+    /// `hibernate` put to sleep so and kept for the retention (once: at the
+    /// end of that, it is destroyed). A run hibernated already stays so.
     async fn expired(&mut self) {
+        use runbox_types::OnExpire;
         let id = self.record.id;
-        let keep = self.record.on_expire == runbox_types::OnExpire::Pause
+        let keep = self.record.on_expire != OnExpire::Delete
             && !self.record.expired
-            && matches!(self.phase, Phase::Running | Phase::Paused);
+            && matches!(
+                self.phase,
+                Phase::Running | Phase::Paused | Phase::Hibernated
+            );
         if !keep {
             tracing::info!(run = %id, "run reached its TTL");
             self.stop(ExitReason::RunExpired);
             return;
         }
-        if self.phase == Phase::Running {
-            if let Err(e) = self.pause().await {
-                tracing::warn!(run = %id, error = %error_chain(&e), "could not pause the run at its TTL; destroying it");
-                self.stop(ExitReason::RunExpired);
-                return;
-            }
+        let hibernate =
+            self.record.on_expire == OnExpire::Hibernate || self.phase == Phase::Hibernated;
+        let slept = match (&self.phase, hibernate) {
+            (Phase::Hibernated, _) | (Phase::Paused, false) => Ok(()),
+            (_, true) => self.hibernate().await,
+            (_, false) => self.pause().await,
+        };
+        if let Err(e) = slept {
+            tracing::warn!(run = %id, error = %error_chain(&e), "could not put the run to sleep at its TTL; destroying it");
+            self.stop(ExitReason::RunExpired);
+            return;
         }
+        let retention = if hibernate {
+            self.context.config.hibernated_retention
+        } else {
+            self.context.config.paused_retention
+        };
         let before = (self.record.expires_at, self.record.expired);
         self.record.expired = true;
-        self.record.expires_at = OffsetDateTime::now_utc() + self.context.config.paused_retention;
+        self.record.expires_at = OffsetDateTime::now_utc() + retention;
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             // Kept as it was: paused, with the old expiry passed, so the
             // next turn of the loop tries again.
@@ -698,7 +1163,7 @@ impl RunActor {
             return;
         }
         self.publish();
-        tracing::info!(run = %id, until = %self.record.expires_at, "run reached its TTL; paused and kept");
+        tracing::info!(run = %id, until = %self.record.expires_at, "run reached its TTL; asleep and kept");
     }
 
     /// Freezes the run's processes where they are, then stores that it is
@@ -748,15 +1213,7 @@ impl RunActor {
             self.agent = Some((agent, protocol));
         }
         self.apply(Event::Resumed);
-        if self.record.expired {
-            // Woken after its TTL: a fresh one, as long as it was made with.
-            let ttl = match self.record.ttl_sec {
-                0 => self.context.config.default_ttl,
-                secs => Duration::from_secs(secs),
-            };
-            self.record.expired = false;
-            self.record.expires_at = OffsetDateTime::now_utc() + ttl;
-        }
+        self.refresh_expiry();
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %id, error = %e, "could not store that the run resumed; a restart pauses it again");
         }
@@ -777,7 +1234,10 @@ impl RunActor {
             }
             Access::Open => None,
         };
-        if !matches!(self.phase, Phase::Running | Phase::Paused | Phase::Pooled) {
+        if !matches!(
+            self.phase,
+            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Hibernated
+        ) {
             return Err(self.refusal(&self.phase));
         }
         // The lease is asked before a resume, so a caller it refuses does
@@ -788,18 +1248,24 @@ impl RunActor {
         // A paused run is resumed here, where every operation comes in:
         // commands wait their turn, so callers that arrive together share
         // one resume.
-        if self.phase == Phase::Paused {
+        if matches!(self.phase, Phase::Paused | Phase::Hibernated) {
             if !self.record.auto_resume {
                 return Err(CoreError::invalid(
                     ErrorCode::RunPaused,
                     format!(
-                        "run {} is paused and does not resume on traffic (autoResume: false); \
-                         resume it with POST /v1/runs/{}/resume",
-                        self.record.id, self.record.id
+                        "run {} is {} and does not wake on traffic (autoResume: false); \
+                         wake it with POST /v1/runs/{}/resume",
+                        self.record.id,
+                        self.phase.name(),
+                        self.record.id
                     ),
                 ));
             }
-            self.resume().await?;
+            if self.phase == Phase::Paused {
+                self.resume().await?;
+            } else {
+                self.wake().await?;
+            }
         }
         // A pool member is reached only by its pool's warm-up: the API
         // cannot name it.
@@ -817,6 +1283,7 @@ impl RunActor {
             agent,
             protocol,
             record: self.publish.borrow().record.clone(),
+            busy: Busy::new(self.handle.clone()),
         })
     }
 
@@ -825,9 +1292,12 @@ impl RunActor {
         match phase {
             Phase::Failed(why) => CoreError::RunFailed(self.record.id, why.clone()),
             Phase::Creating => CoreError::RunNotRunning(self.record.id, "still being created"),
-            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Stopping(_) | Phase::Gone => {
-                CoreError::RunNotFound(self.record.id)
-            }
+            Phase::Running
+            | Phase::Paused
+            | Phase::Hibernated
+            | Phase::Pooled
+            | Phase::Stopping(_)
+            | Phase::Gone => CoreError::RunNotFound(self.record.id),
         }
     }
 
@@ -939,13 +1409,33 @@ impl RunActor {
                         Some(Command::Lease { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Stop { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Claim { reply, .. }) => { let _ = reply.send(Err(gone)); }
-                        Some(Command::Pause { reply }) | Some(Command::Resume { reply }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Pause { reply })
+                        | Some(Command::Resume { reply })
+                        | Some(Command::Hibernate { reply })
+                        | Some(Command::Wake { reply }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }
                 }
             }
         }
+    }
+}
+
+/// What a run's idle policy does when its clock runs out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum IdleStep {
+    Pause,
+    Hibernate,
+    /// The run was busy: look again.
+    Recheck,
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -118,6 +118,9 @@ impl Manager {
                     idempotency: None,
                     failure: None,
                     pool: None,
+                    restarts: 0,
+                    restarted_at: None,
+                    expired: false,
                     ..parent.clone()
                 };
                 let spec = SandboxSpec {

@@ -59,6 +59,7 @@ use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
 
 pub use self::fs::{Scope, WriteOptions, MAX_LIST_DEPTH, MAX_LIST_ENTRIES};
+pub use self::ports::RunConnection;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
@@ -111,9 +112,81 @@ pub(crate) struct RunContext {
     pub teardown_gate: Arc<Semaphore>,
     registry: Arc<Mutex<HashMap<Ulid, Arc<RunHandle>>>>,
     pools: Arc<Mutex<crate::pools::Pools>>,
+    /// Where a booting run's image layers are found.
+    images: ImageStore,
+    /// Where a booting run's warm template is found.
+    warm: Option<Arc<crate::warm::WarmCache>>,
+}
+
+/// A hibernated run's capacity slot while it is being woken; the run
+/// counts as a running one once it runs, so the slot goes when dropped.
+pub(crate) struct Slot(Arc<RunHandle>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0
+            .waking
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl RunContext {
+    /// Takes a capacity slot for waking the hibernated run of `handle`, or
+    /// refuses with 429 when there is none.
+    pub(crate) fn take_slot(&self, handle: &Arc<RunHandle>) -> Result<Slot, CoreError> {
+        let registry = lock(&self.registry);
+        if counted(&registry) >= self.config.max_runs {
+            return Err(CoreError::Capacity(self.config.max_runs));
+        }
+        handle
+            .waking
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(Slot(handle.clone()))
+    }
+
+    /// What the lane needs to boot run `record` again on its disk: what
+    /// its create asked for, from its record (the layers it mounts, the
+    /// warm generation it holds), and the pin that keeps that generation
+    /// while the boot runs.
+    pub(crate) async fn boot_spec(
+        &self,
+        record: &RunRecord,
+    ) -> Result<(SandboxSpec, Option<crate::warm::Pin>), CoreError> {
+        let images = self.images.clone();
+        let layers = record.layers.clone();
+        let image_layers = tokio::task::spawn_blocking(move || images.layer_dirs(&layers))
+            .await
+            .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
+        let (warm, pin) = match &record.warm {
+            Some(volume) => {
+                let (mount, pin) = warm::pinned_mount(self.warm.as_ref(), volume)?;
+                (Some(mount), pin)
+            }
+            None => (None, None),
+        };
+        // As at create: runs with secrets, and allowlist pool members
+        // (whose claim may have brought some), trust the interception CA.
+        let trust_pem = match &self.config.egress {
+            Some(config)
+                if record.network == NetworkTier::Allowlist
+                    && (!record.egress.secrets.is_empty() || record.pool.is_some()) =>
+            {
+                Some(config.ca_pem())
+            }
+            _ => None,
+        };
+        let spec = SandboxSpec {
+            id: record.id,
+            image_layers,
+            limits: record.limits,
+            network: record.network,
+            trust_pem,
+            seed: None,
+            warm,
+        };
+        Ok((spec, pin))
+    }
+
     /// Removes a destroyed run from the registry; called by its owner last.
     fn forget(&self, id: Ulid) {
         let registry = &mut lock(&self.registry);
@@ -124,7 +197,7 @@ impl RunContext {
     /// The API view of a run: its record plus live counters.
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
         let mut run = handle.snapshot().record.to_run(&self.config.server_id);
-        run.egress = handle.egress.get().map(|meter| meter.stats());
+        run.egress = handle.egress().map(|meter| meter.stats());
         run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
         run
     }
@@ -135,6 +208,7 @@ impl RunContext {
         &self,
         handle: &RunHandle,
         record: &RunRecord,
+        stop: tokio_util::sync::CancellationToken,
     ) -> Result<(), CoreError> {
         if record.network != NetworkTier::Allowlist {
             return Ok(());
@@ -147,18 +221,13 @@ impl RunContext {
         })?;
         let listener = self.lane.sandbox(record.id).egress_listener().await?;
         let meter = config
-            .start(
-                record.id,
-                &record.egress,
-                listener,
-                handle.ended.child_token(),
-            )
+            .start(record.id, &record.egress, listener, stop)
             .map_err(|e| {
                 CoreError::Lane(crate::lane::LaneError::Failed(format!(
                     "starting the run's egress proxy: {e}"
                 )))
             })?;
-        let _ = handle.egress.set(meter);
+        *handle.egress.lock().unwrap_or_else(|p| p.into_inner()) = Some(meter);
         Ok(())
     }
 }
@@ -196,6 +265,8 @@ impl Manager {
             teardown_gate: Arc::new(Semaphore::new(reaper::teardown_share(budget))),
             registry: Arc::new(Mutex::new(HashMap::new())),
             pools: Arc::new(Mutex::new(crate::pools::Pools::new(decay))),
+            images: images.clone(),
+            warm: warm.clone(),
         });
         let manager = Arc::new(Manager {
             config: context.config.clone(),
@@ -307,6 +378,8 @@ impl Manager {
             &self.config.max_limits,
         )?;
         let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
+        let idle = validate::idle(req.idle, self.config.idle)?;
+        self.check_sleep(idle, req.on_expire)?;
         if limits.disk_mb.is_some() {
             if let Err(why) = self.lane.capabilities().disk_limit.check() {
                 return Err(CoreError::invalid(
@@ -351,6 +424,7 @@ impl Manager {
                 public_ports: req.public_ports.unwrap_or(false),
                 auto_resume: req.auto_resume.unwrap_or(true),
                 on_expire: req.on_expire.unwrap_or_default(),
+                idle,
                 idempotency: idempotency.clone(),
             };
             if let Some(served) = self.claim_from_pool(&key, claim).await? {
@@ -403,6 +477,9 @@ impl Manager {
             ttl_sec: ttl.as_secs(),
             expired: false,
             pool: None,
+            idle,
+            restarts: 0,
+            restarted_at: None,
         };
         let spec = SandboxSpec {
             id,
@@ -448,6 +525,35 @@ impl Manager {
         // Held: from here the answer is the caller's (no await follows).
         let _ = delivered.send(());
         run
+    }
+
+    /// Refuses an idle policy or `onExpire` that needs what the lane
+    /// cannot do (pausing, hibernating), saying why.
+    fn check_sleep(
+        &self,
+        idle: runbox_types::IdlePolicy,
+        on_expire: Option<runbox_types::OnExpire>,
+    ) -> Result<(), CoreError> {
+        let caps = self.lane.capabilities();
+        if idle.pause_after_sec.is_some() || on_expire == Some(runbox_types::OnExpire::Pause) {
+            if let Err(why) = caps.suspend.check() {
+                return Err(CoreError::invalid(
+                    ErrorCode::PauseUnsupported,
+                    format!("this server cannot pause runs: {why}"),
+                ));
+            }
+        }
+        if idle.hibernate_after_sec.is_some()
+            || on_expire == Some(runbox_types::OnExpire::Hibernate)
+        {
+            if let Err(why) = caps.hibernate.check() {
+                return Err(CoreError::invalid(
+                    ErrorCode::HibernateUnsupported,
+                    format!("this server cannot hibernate runs: {why}"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
@@ -593,6 +699,26 @@ impl Manager {
         Ok(self.view(&handle))
     }
 
+    /// Hibernates a run: its processes and memory go, and with them its
+    /// CPU, memory, network namespace, proxy and capacity slot; its disk,
+    /// record, lease and preview tokens stay. The next call that reaches
+    /// it, or [`Manager::wake`], boots it again on that disk. Hibernating
+    /// a hibernated run does nothing.
+    pub async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Hibernate { reply }).await?;
+        Ok(self.view(&handle))
+    }
+
+    /// Wakes a run: boots a hibernated or failed one again on its disk
+    /// (a failed one's restart budget starts over), resumes a paused one;
+    /// a running one is left as it is.
+    pub async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Wake { reply }).await?;
+        Ok(self.view(&handle))
+    }
+
     /// Destroys a run. Answers once the sandbox is gone, or once the first
     /// attempt failed (the run's owner then retries with backoff).
     ///
@@ -679,7 +805,7 @@ impl Manager {
 /// there is none, a conflict when the key came with another request.
 /// The runs counted against `--max-runs`: all but idle pool members.
 fn counted(registry: &HashMap<Ulid, Arc<RunHandle>>) -> usize {
-    registry.values().filter(|h| !h.is_idle()).count()
+    registry.values().filter(|h| h.counts()).count()
 }
 
 fn find_by_key(

@@ -19,6 +19,12 @@
 //!
 //!   Running ── Paused ──► Paused ── Resumed ──► Running
 //!                           │ Died(why) ──► Failed;  Stop(reason) ──► Stopping
+//!
+//!   Running, Paused ── Hibernated ──► Hibernated ── Woken ──► Running
+//!                                        │ WakeFailed(why) ──► Failed
+//!                                        │ Stop(reason) ──► Stopping
+//!   Failed ── Woken ──► Running  (a restart, or an explicit wake)
+//!   Failed ── WakeFailed(why) ──► Failed(why)
 //! ```
 //!
 //! * `Creating`: the record is stored and the lane is building the
@@ -31,15 +37,19 @@
 //!   has claimed: hidden from the API and not counted against capacity;
 //!   only the pool's own warm-up reaches it. A claim makes it `Running`; a
 //!   member that dies is of no use to anyone and is destroyed at once.
-//! * `Failed`: the sandbox died on its own (its init exited). It keeps its
-//!   resources and record until it is deleted or its TTL passes, so the
-//!   caller can see why; execs and file operations are refused with the
-//!   reason. A restart policy (with hibernation) will add `Failed → Running`.
+//! * `Hibernated`: the sandbox is stopped down to its disk; shown, not
+//!   counted against capacity. Its owner boots it again (a wake) before it
+//!   admits any operation.
+//! * `Failed`: the sandbox died on its own (its init exited) and the
+//!   restart policy did not boot it again, or a wake failed. It keeps its
+//!   disk and record until it is deleted or its TTL passes, so the caller
+//!   can see why; execs and file operations are refused with the reason.
+//!   A restart, or an explicit wake, boots it again (`Woken`).
 //! * `Stopping`: the sandbox is being destroyed; retried with backoff until
 //!   it succeeds. No operation is admitted any more.
 //! * `Gone`: destroyed and forgotten; the run's owner exits.
 //!
-//! Room is left for `Snapshotting`, `Hibernated` and `Archived`: each
+//! Room is left for `Snapshotting` and `Archived`: each
 //! is a new variant with its own arms in [`transition`], never a flag beside
 //! the phase.
 //!
@@ -57,6 +67,8 @@ pub enum Phase {
     Running,
     /// The run's processes are frozen where they were, memory kept.
     Paused,
+    /// Stopped down to its disk; booted again by a wake.
+    Hibernated,
     /// An idle pool member: up, hidden, not counted, waiting for a create.
     Pooled,
     /// The sandbox died on its own, for this reason.
@@ -80,6 +92,12 @@ pub enum Event {
     Paused,
     /// A paused run's processes were let go on.
     Resumed,
+    /// The run was stopped down to its disk.
+    Hibernated,
+    /// A new sandbox was booted on the run's disk and its agent answered.
+    Woken,
+    /// Booting the run again failed, for this reason.
+    WakeFailed(String),
     /// Building the sandbox failed.
     CreateFailed,
     /// The sandbox's init process exited on its own.
@@ -109,6 +127,7 @@ impl Phase {
             Phase::Running => "running",
             Phase::Pooled => "pooled",
             Phase::Paused => "paused",
+            Phase::Hibernated => "hibernated",
             Phase::Failed(_) => "failed",
             Phase::Stopping(_) => "stopping",
             Phase::Gone => "gone",
@@ -121,6 +140,7 @@ impl Phase {
             Phase::Creating => RunStatus::Creating,
             Phase::Running | Phase::Pooled => RunStatus::Running,
             Phase::Paused => RunStatus::Paused,
+            Phase::Hibernated => RunStatus::Hibernated,
             Phase::Failed(_) => RunStatus::Failed,
             Phase::Stopping(_) | Phase::Gone => RunStatus::Stopping,
         }
@@ -131,7 +151,7 @@ impl Phase {
     pub fn visible(&self) -> bool {
         matches!(
             self,
-            Phase::Creating | Phase::Running | Phase::Paused | Phase::Failed(_)
+            Phase::Creating | Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Failed(_)
         )
     }
 }
@@ -150,9 +170,13 @@ pub fn transition(from: &Phase, event: Event) -> Result<Phase, InvalidTransition
         (P::Running | P::Paused, E::Died(why)) => P::Failed(why.clone()),
         (P::Running, E::Paused) => P::Paused,
         (P::Paused, E::Resumed) => P::Running,
-        (P::Creating | P::Running | P::Paused | P::Pooled | P::Failed(_), E::Stop(reason)) => {
-            P::Stopping(*reason)
-        }
+        (P::Running | P::Paused, E::Hibernated) => P::Hibernated,
+        (P::Hibernated | P::Failed(_), E::Woken) => P::Running,
+        (P::Hibernated | P::Failed(_), E::WakeFailed(why)) => P::Failed(why.clone()),
+        (
+            P::Creating | P::Running | P::Paused | P::Hibernated | P::Pooled | P::Failed(_),
+            E::Stop(reason),
+        ) => P::Stopping(*reason),
         (P::Stopping(_), E::Destroyed) => P::Gone,
         _ => {
             return Err(InvalidTransition {
@@ -176,6 +200,9 @@ mod tests {
             Just(Event::Claimed),
             Just(Event::Paused),
             Just(Event::Resumed),
+            Just(Event::Hibernated),
+            Just(Event::Woken),
+            Just(Event::WakeFailed("boot failed".into())),
             Just(Event::CreateFailed),
             Just(Event::Died("init exited".into())),
             Just(Event::Stop(ExitReason::RunDeleted)),
@@ -245,6 +272,36 @@ mod tests {
     }
 
     #[test]
+    fn a_hibernated_run_is_shown_wakes_to_running_or_fails() {
+        for from in [Phase::Running, Phase::Paused] {
+            let asleep = transition(&from, Event::Hibernated).unwrap();
+            assert_eq!(asleep, Phase::Hibernated);
+            assert!(asleep.visible());
+            assert_eq!(asleep.status(), RunStatus::Hibernated);
+        }
+        let asleep = Phase::Hibernated;
+        assert_eq!(transition(&asleep, Event::Woken).unwrap(), Phase::Running);
+        assert_eq!(
+            transition(&asleep, Event::WakeFailed("no disk".into())).unwrap(),
+            Phase::Failed("no disk".into())
+        );
+        assert_eq!(
+            transition(&asleep, Event::Stop(ExitReason::RunExpired)).unwrap(),
+            Phase::Stopping(ExitReason::RunExpired)
+        );
+        // Asleep, it has no processes to die, pause or resume.
+        assert!(transition(&asleep, Event::Died("x".into())).is_err());
+        assert!(transition(&asleep, Event::Paused).is_err());
+        assert!(transition(&asleep, Event::Resumed).is_err());
+        assert!(transition(&Phase::Pooled, Event::Hibernated).is_err());
+        assert!(transition(&Phase::Running, Event::Woken).is_err());
+        // A failed run is booted again by a restart or a wake.
+        let failed = Phase::Failed("init exited".into());
+        assert_eq!(transition(&failed, Event::Woken).unwrap(), Phase::Running);
+        assert!(transition(&failed, Event::Hibernated).is_err());
+    }
+
+    #[test]
     fn invalid_transitions_say_what_was_asked() {
         let err = transition(&Phase::Gone, Event::Started).unwrap_err();
         assert_eq!(err.from, "gone");
@@ -277,11 +334,11 @@ mod tests {
                 if stopped {
                     prop_assert!(!phase.visible());
                 }
-                served |= matches!(phase, Phase::Running | Phase::Paused | Phase::Failed(_));
+                served |= matches!(phase, Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Failed(_));
                 if served {
                     prop_assert_ne!(&phase, &Phase::Pooled);
                 }
-                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Paused | Phase::Failed(_)));
+                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Failed(_)));
             }
         }
     }

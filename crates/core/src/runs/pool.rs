@@ -223,6 +223,9 @@ impl Manager {
                 key: key.clone(),
                 claimed: false,
             }),
+            idle: Default::default(),
+            restarts: 0,
+            restarted_at: None,
         };
         let spec = SandboxSpec {
             id,

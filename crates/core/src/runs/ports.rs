@@ -9,7 +9,7 @@ use runbox_types::{ErrorCode, Preview, PreviewRequest};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
-use super::actor::Access;
+use super::actor::{Access, Busy};
 use super::Manager;
 use crate::error::CoreError;
 use crate::lane::LaneError;
@@ -98,18 +98,24 @@ impl Manager {
         id: Ulid,
         port: u32,
         credential: Option<(String, u64)>,
-    ) -> Result<tokio::net::TcpStream, CoreError> {
+    ) -> Result<RunConnection, CoreError> {
         let port = port_of(port)?;
         let admission = self.admit(id, Access::Fenced(credential)).await?;
         drop(admission.in_flight);
-        self.connect(id, port).await
+        Ok(RunConnection {
+            stream: self.connect(id, port).await?,
+            _busy: admission.busy,
+        })
     }
 
     /// A connection to `port` on run `id`'s loopback (a preview request).
-    pub async fn dial(&self, id: Ulid, port: u32) -> Result<tokio::net::TcpStream, CoreError> {
+    pub async fn dial(&self, id: Ulid, port: u32) -> Result<RunConnection, CoreError> {
         let port = port_of(port)?;
-        self.admit(id, Access::Open).await?;
-        self.connect(id, port).await
+        let admission = self.admit(id, Access::Open).await?;
+        Ok(RunConnection {
+            stream: self.connect(id, port).await?,
+            _busy: admission.busy,
+        })
     }
 
     /// Connects to `port` on the loopback of run `id`, admitted already.
@@ -140,5 +146,65 @@ impl Manager {
             .set_nonblocking(true)
             .and_then(|()| tokio::net::TcpStream::from_std(stream))
             .map_err(CoreError::io("registering a connection into a run"))
+    }
+}
+
+/// A TCP connection into a run; the run does not count as idle while it
+/// is open.
+pub struct RunConnection {
+    stream: tokio::net::TcpStream,
+    _busy: Busy,
+}
+
+impl RunConnection {
+    /// The connection itself.
+    pub fn stream(&self) -> &tokio::net::TcpStream {
+        &self.stream
+    }
+}
+
+impl tokio::io::AsyncRead for RunConnection {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for RunConnection {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
     }
 }

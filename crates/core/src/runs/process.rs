@@ -295,6 +295,7 @@ impl Manager {
             handle,
             mut agent,
             in_flight,
+            busy,
             ..
         } = self.process_call(id, access).await?;
         let (input, input_rx) = mpsc::channel(8);
@@ -324,7 +325,7 @@ impl Manager {
             Some(pb::exec_output::Kind::Started(s)) => s.pid,
             _ => return Err(CoreError::Agent("expected a started message".into())),
         };
-        let state = ExecState::attached(output, input.clone(), handle, pid, in_flight);
+        let state = ExecState::attached(output, input.clone(), handle, pid, in_flight, busy);
         let events = futures::StreamExt::boxed(futures::stream::unfold(state, ExecState::next));
         Ok(Session::to_agent(pid, events, input))
     }

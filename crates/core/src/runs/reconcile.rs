@@ -4,8 +4,16 @@
 //!    the runtime and the agents together):
 //!    * `running`, not expired, sandbox alive and agent answering: re-adopted
 //!      as running, its egress proxy and init watch restarted;
+//!    * `paused`: re-adopted frozen, as it was;
+//!    * `hibernated` (or being hibernated when the daemon died): kept
+//!      hibernated, whatever is left of its sandbox but its disk stopped;
+//!    * `running` or `paused` whose sandbox is gone or whose agent is
+//!      silent: the restart policy applies (`cold` boots it again on its
+//!      disk; `none` marks it failed);
 //!    * `failed` and not expired: kept as failed until its TTL, so the
 //!      caller still sees why it died;
+//!    * past its TTL with `onExpire: pause | hibernate` not applied yet:
+//!      adopted, and its owner applies it at once;
 //!    * anything else (a crash mid-create or mid-teardown, a dead sandbox,
 //!      an expired run): given an owner that destroys it at once, under the
 //!      shared teardown budget, retrying with backoff if that fails.
@@ -62,6 +70,17 @@ impl Manager {
                     tracing::info!(run = %id, "kept a failed run until its TTL");
                     Phase::Failed(record.failure.clone().unwrap_or_default())
                 }
+                Adopted::Hibernated => {
+                    tracing::info!(run = %id, "kept a hibernated run");
+                    Phase::Hibernated
+                }
+                Adopted::Dead(why) => {
+                    tracing::info!(run = %id, reason = %why, "a run's sandbox did not survive; applying the restart policy");
+                    match record.status {
+                        RunStatus::Paused => Phase::Paused,
+                        _ => Phase::Running,
+                    }
+                }
                 Adopted::Doomed(_) => {
                     tracing::info!(run = %id, status = ?record.status, "cleaning up a run that did not survive");
                     // The owner stops it first thing; any phase that can
@@ -73,6 +92,7 @@ impl Manager {
                         }
                         RunStatus::Running | RunStatus::Stopping => Phase::Running,
                         RunStatus::Paused => Phase::Paused,
+                        RunStatus::Hibernated => Phase::Hibernated,
                     }
                 }
             };
@@ -121,7 +141,17 @@ impl Manager {
 
     async fn judge(&self, record: &RunRecord) -> Adopted {
         let id = record.id;
-        if record.expires_at <= OffsetDateTime::now_utc() {
+        // A run whose TTL passed meanwhile with `onExpire: pause |
+        // hibernate` still to apply is adopted; its owner applies it.
+        let sleeps_at_expiry =
+            record.on_expire != runbox_types::OnExpire::Delete && !record.expired;
+        if record.expires_at <= OffsetDateTime::now_utc()
+            && !(sleeps_at_expiry
+                && matches!(
+                    record.status,
+                    RunStatus::Running | RunStatus::Paused | RunStatus::Hibernated
+                ))
+        {
             return Adopted::Doomed(ExitReason::RunExpired);
         }
         // A claim is stored without waiting for the disk, so a member whose
@@ -133,6 +163,7 @@ impl Manager {
         }
         let paused = match record.status {
             RunStatus::Failed => return Adopted::Failed,
+            RunStatus::Hibernated => return Adopted::Hibernated,
             RunStatus::Running => false,
             RunStatus::Paused => true,
             RunStatus::Creating | RunStatus::Stopping => {
@@ -140,7 +171,7 @@ impl Manager {
             }
         };
         let Ok(Some(sandbox)) = self.lane.adopt(id, paused).await else {
-            return Adopted::Doomed(ExitReason::AgentLost);
+            return Adopted::Dead("the run's sandbox did not survive the daemon's restart".into());
         };
         let agent = sandbox.agent().client();
         if paused {
@@ -159,8 +190,10 @@ impl Manager {
         match wait_ready(agent.clone(), READOPT_TIMEOUT).await {
             Ok(protocol) => Adopted::Running(agent, protocol),
             Err(e) => {
-                tracing::warn!(run = %id, error = %e, "run's agent does not answer; destroying it");
-                Adopted::Doomed(ExitReason::AgentLost)
+                tracing::warn!(run = %id, error = %e, "run's agent does not answer after the restart");
+                Adopted::Dead(format!(
+                    "the run's agent did not answer after the daemon's restart: {e}"
+                ))
             }
         }
     }

@@ -23,7 +23,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
-use super::actor::{Access, Command, InFlight, RunHandle};
+use super::actor::{Access, Busy, Command, InFlight, RunHandle};
 use super::Manager;
 use crate::egress;
 use crate::error::CoreError;
@@ -83,6 +83,8 @@ pub(crate) struct Admission {
     pub record: Arc<RunRecord>,
     /// A fenced operation's in-flight guard; None for an open one.
     pub in_flight: Option<InFlight>,
+    /// Keeps the run from counting as idle while it is held.
+    pub busy: Busy,
 }
 
 impl Manager {
@@ -109,6 +111,7 @@ impl Manager {
             protocol: admitted.protocol,
             record: admitted.record,
             in_flight,
+            busy: admitted.busy,
         })
     }
 
@@ -203,6 +206,7 @@ impl Manager {
             protocol,
             record,
             in_flight,
+            busy,
         } = self
             .admit_handle(target, Access::Fenced(credential))
             .await?;
@@ -347,6 +351,7 @@ impl Manager {
             started: Some(pid),
             done: false,
             _in_flight: in_flight,
+            _busy: busy,
         };
         Ok(Opened {
             pid,
@@ -392,6 +397,7 @@ impl Manager {
             protocol,
             record,
             in_flight: _in_flight,
+            busy: _busy,
             ..
         } = self.admit(id, Access::Fenced(credential)).await?;
         scope.check(protocol)?;
@@ -476,6 +482,7 @@ impl Manager {
         let Admission {
             mut agent,
             protocol,
+            busy,
             ..
         } = self.admit(id, Access::Open).await?;
         scope.check(protocol)?;
@@ -505,9 +512,10 @@ impl Manager {
         };
         // Never trust the agent's byte count: stop at `size`, and fail the
         // stream if fewer bytes arrive, so the HTTP length is never a lie.
+        // The run is busy until the body is read out (or dropped).
         let body = futures::stream::unfold(
-            (stream, 0u64, false),
-            move |(mut stream, mut seen, done)| async move {
+            (stream, 0u64, false, busy),
+            move |(mut stream, mut seen, done, busy)| async move {
                 if done {
                     return None;
                 }
@@ -535,7 +543,7 @@ impl Manager {
                     Err(status) => Err(file_error(status)),
                 };
                 let done = item.is_err();
-                Some((item, (stream, seen, done)))
+                Some((item, (stream, seen, done, busy)))
             },
         );
         Ok(FileDownload {
@@ -728,6 +736,8 @@ pub(super) struct ExecState {
     /// Counts the exec in flight until the stream is dropped (not for a
     /// read-only attach).
     _in_flight: Option<InFlight>,
+    /// Keeps the run from counting as idle while the stream is open.
+    _busy: Busy,
     /// When the daemon stops waiting for a timed-out command's exit report.
     deadline: Option<tokio::time::Instant>,
     started: Option<u32>,
@@ -742,6 +752,7 @@ impl ExecState {
         handle: Arc<RunHandle>,
         pid: u32,
         in_flight: Option<InFlight>,
+        busy: Busy,
     ) -> Self {
         Self {
             output,
@@ -752,6 +763,7 @@ impl ExecState {
             started: Some(pid),
             done: false,
             _in_flight: in_flight,
+            _busy: busy,
         }
     }
 

@@ -67,30 +67,7 @@ impl Manager {
         &self,
         parent: &WarmVolume,
     ) -> Result<(WarmMount, Option<Pin>), CoreError> {
-        let Some(generation) = parent.generation else {
-            return Ok((
-                WarmMount {
-                    path: parent.path.clone(),
-                    lower: None,
-                },
-                None,
-            ));
-        };
-        let pin = self
-            .warm_cache()?
-            .pin_generation(&parent.repo, generation)
-            .ok_or_else(|| {
-                CoreError::Store(format!(
-                    "the warm generation {generation} the run mounts is gone from the cache"
-                ))
-            })?;
-        Ok((
-            WarmMount {
-                path: parent.path.clone(),
-                lower: Some(pin.tree.clone()),
-            },
-            Some(pin),
-        ))
+        pinned_mount(self.warm.as_ref(), parent)
     }
 
     /// Publishes run `id`'s warm volume as the template of `req.repo` (by
@@ -298,4 +275,41 @@ fn no_template(repo: &str) -> CoreError {
         ErrorCode::TemplateNotFound,
         format!("no warm template for {repo}; commit one with POST /v1/runs/{{id}}/warm-commit"),
     )
+}
+
+/// What a run with warm `volume` mounts (a fork's child, a run booted
+/// again): the generation the volume holds, pinned while it is mounted.
+pub(crate) fn pinned_mount(
+    cache: Option<&Arc<WarmCache>>,
+    volume: &WarmVolume,
+) -> Result<(WarmMount, Option<Pin>), CoreError> {
+    let Some(generation) = volume.generation else {
+        return Ok((
+            WarmMount {
+                path: volume.path.clone(),
+                lower: None,
+            },
+            None,
+        ));
+    };
+    let pin = cache
+        .ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::WarmCacheDisabled,
+                "this server's warm repo cache is off (start it with --cache-root DIR)",
+            )
+        })?
+        .pin_generation(&volume.repo, generation)
+        .ok_or_else(|| {
+            CoreError::Store(format!(
+                "the warm generation {generation} the run mounts is gone from the cache"
+            ))
+        })?;
+    Ok((
+        WarmMount {
+            path: volume.path.clone(),
+            lower: Some(pin.tree.clone()),
+        },
+        Some(pin),
+    ))
 }

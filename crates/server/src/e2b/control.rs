@@ -256,15 +256,16 @@ async fn create<S: RunService>(
         return Err(E2bError::bad(format!("unknown field {name:?}")));
     }
     let auto_resume = auto_resume(req.auto_resume.as_ref())?;
-    // `autoPauseMemory: false` asks for a filesystem-only pause at the
-    // timeout, which is never silently turned into a full one.
-    if req.auto_pause == Some(true) && req.auto_pause_memory == Some(Value::Bool(false)) {
-        return Err(E2bError::unsupported(
-            "a filesystem-only pause at the timeout (`autoPauseMemory: false`)",
-        ));
-    }
-    let on_expire = match req.auto_pause {
-        Some(true) => runbox_types::OnExpire::Pause,
+    // A pause at the timeout keeps memory unless `autoPauseMemory: false`
+    // asks for a filesystem-only one: runbox's hibernation.
+    let keep_memory = match &req.auto_pause_memory {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(keep)) => *keep,
+        Some(_) => return Err(E2bError::bad("autoPauseMemory must be true or false")),
+    };
+    let on_expire = match (req.auto_pause, keep_memory) {
+        (Some(true), true) => runbox_types::OnExpire::Pause,
+        (Some(true), false) => runbox_types::OnExpire::Hibernate,
         _ => runbox_types::OnExpire::Delete,
     };
     let public_ports = public_traffic(req.network.as_ref())?;
@@ -358,12 +359,18 @@ struct Lifecycle {
     on_timeout: &'static str,
 }
 
-/// A run's E2B state: `running`, or `paused`.
+/// A run's E2B state: `running`, or `paused` (runbox's paused and
+/// hibernated runs: E2B's full and filesystem-only pauses).
 fn e2b_state(run: &Run) -> &'static str {
     match run.status {
-        RunStatus::Paused => "paused",
+        RunStatus::Paused | RunStatus::Hibernated => "paused",
         _ => "running",
     }
+}
+
+/// Whether a run sleeps (paused or hibernated).
+fn asleep(run: &Run) -> bool {
+    matches!(run.status, RunStatus::Paused | RunStatus::Hibernated)
 }
 
 /// A run's CPU limit as E2B's whole CPU count.
@@ -392,21 +399,21 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
         lifecycle: detail.then_some(Lifecycle {
             auto_resume: run.auto_resume,
             on_timeout: match run.on_expire {
-                runbox_types::OnExpire::Pause => "pause",
+                runbox_types::OnExpire::Pause | runbox_types::OnExpire::Hibernate => "pause",
                 runbox_types::OnExpire::Delete => "kill",
             },
         }),
     }
 }
 
-/// Runs the E2B surface shows: running and paused ones (a failed or
-/// stopping run is no sandbox any more).
+/// Runs the E2B surface shows: running, paused and hibernated ones (a
+/// failed or stopping run is no sandbox any more).
 fn live<S: RunService>(state: &AppState<S>) -> Vec<Run> {
     state
         .service
         .list()
         .into_iter()
-        .filter(|r| matches!(r.status, RunStatus::Running | RunStatus::Paused))
+        .filter(|r| r.status == RunStatus::Running || asleep(r))
         .collect()
 }
 
@@ -469,7 +476,8 @@ struct Connect {
     memory: Option<Value>,
 }
 
-/// Connecting to a sandbox: a paused one is resumed (`201`), a running one
+/// Connecting to a sandbox: a paused one is resumed, a hibernated one
+/// woken (`201`), a running one
 /// answered as it is (`200`); with `timeout`, its TTL becomes at least
 /// that (a connect never shortens it).
 async fn connect<S: RunService>(
@@ -480,7 +488,7 @@ async fn connect<S: RunService>(
     let req: Connect = body(&bytes)?;
     let id = sandbox_id(&id)?;
     let mut run = state.service.get(id)?;
-    let status = if run.status == RunStatus::Paused {
+    let status = if asleep(&run) {
         run = state.service.resume(id).await?;
         StatusCode::CREATED
     } else {
@@ -952,7 +960,7 @@ async fn template_alias<S: RunService>(
 #[serde(deny_unknown_fields)]
 struct PauseRequest {
     /// Keep memory (the default): runbox's pause. False asks for a
-    /// filesystem-only pause, which is never silently turned into this one.
+    /// filesystem-only pause: runbox's hibernation.
     memory: Option<bool>,
 }
 
@@ -964,18 +972,17 @@ async fn pause<S: RunService>(
 ) -> Result<StatusCode, E2bError> {
     // An empty body reads as `{}`.
     let req: PauseRequest = body(&bytes)?;
-    if req.memory == Some(false) {
-        return Err(E2bError::unsupported(
-            "a filesystem-only pause (`memory: false`, `keep_memory=False`)",
-        ));
-    }
     let id = sandbox_id(&id)?;
-    if state.service.get(id)?.status == RunStatus::Paused {
+    if asleep(&state.service.get(id)?) {
         return Err(E2bError::conflict(format!(
             "sandbox {id} is already paused"
         )));
     }
-    state.service.pause(id).await?;
+    if req.memory == Some(false) {
+        state.service.hibernate(id).await?;
+    } else {
+        state.service.pause(id).await?;
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -987,7 +994,8 @@ struct ResumeRequest {
 }
 
 /// `POST /sandboxes/{id}/resume` (E2B's older call; the SDKs now connect):
-/// resumes a paused sandbox with a new timeout, `201`; `409` when it runs.
+/// resumes a paused sandbox (wakes a hibernated one) with a new timeout,
+/// `201`; `409` when it runs.
 async fn resume<S: RunService>(
     State(state): State<AppState<S>>,
     Path(id): Path<String>,
@@ -1001,7 +1009,7 @@ async fn resume<S: RunService>(
         ));
     }
     let id = sandbox_id(&id)?;
-    if state.service.get(id)?.status != RunStatus::Paused {
+    if !asleep(&state.service.get(id)?) {
         return Err(E2bError::conflict(format!("sandbox {id} is not paused")));
     }
     state.service.resume(id).await?;
