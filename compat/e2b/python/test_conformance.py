@@ -383,8 +383,37 @@ def test_a_sandbox_that_pauses_at_its_timeout_is_kept_and_connect_wakes_it():
         sbx.kill()
 
 
-def test_a_filesystem_only_pause_is_refused_until_runbox_has_one(sbx):
-    with pytest.raises(Exception) as e:
-        sbx.pause(keep_memory=False)
-    assert "filesystem-only" in str(e.value)
+def test_a_filesystem_only_pause_keeps_files_and_connect_boots_it_again(sbx):
+    # keep_memory=False is runbox's hibernation: processes and memory go,
+    # the filesystem stays, and connect boots the same sandbox again.
+    sbx.files.write("/home/user/kept.txt", "kept")
+    sbx.commands.run("echo $$ > /tmp/pid; sleep 600", background=True)
+    time.sleep(0.3)
+    pid = sbx.files.read("/tmp/pid").strip()
+    assert sbx.pause(keep_memory=False) is True
+    assert not sbx.is_running()
+    assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+    paused = [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()]
+    assert sbx.sandbox_id in paused
+    # Pausing again is a no-op the SDK reports as False (E2B answers 409).
+    assert Sandbox.pause(sbx.sandbox_id) is False
+    assert sbx.connect().sandbox_id == sbx.sandbox_id
     assert sbx.is_running()
+    assert sbx.files.read("/home/user/kept.txt") == "kept"
+    gone = sbx.commands.run(f"kill -0 {pid} 2>/dev/null && echo alive || echo gone")
+    assert gone.stdout == "gone\n"
+
+
+def test_a_sandbox_that_hibernates_at_its_timeout_is_kept_and_connect_boots_it():
+    sbx = Sandbox.create(timeout=120, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    try:
+        sbx.files.write("/home/user/kept.txt", "kept")
+        sbx.set_timeout(0)
+        deadline = time.time() + 15
+        while Sandbox.get_info(sbx.sandbox_id).state != SandboxState.PAUSED:
+            assert time.time() < deadline, "not paused at its timeout"
+            time.sleep(0.2)
+        assert sbx.connect().sandbox_id == sbx.sandbox_id
+        assert sbx.files.read("/home/user/kept.txt") == "kept"
+    finally:
+        sbx.kill()

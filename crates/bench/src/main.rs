@@ -51,6 +51,7 @@
 //! runbox-cli -p runbox-bench && scripts/build-agent --release`.
 
 mod daemon;
+mod docker;
 mod egress;
 mod image_tables;
 mod images;
@@ -611,7 +612,9 @@ impl Bench {
         let sleep = match plan.sleep_iterations {
             Some(n) => {
                 let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
-                Some(sleep::measure(&mut self.daemons[i], n, plan.warmup).await?)
+                let tar = self.work.join("rootfs.tar");
+                std::fs::write(&tar, self.make_rootfs()?).context("writing rootfs.tar")?;
+                Some(sleep::measure(&mut self.daemons[i], n, plan.warmup, &self.work, &tar).await?)
             }
             None => None,
         };

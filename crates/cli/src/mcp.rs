@@ -314,9 +314,23 @@ impl Tools {
         to_json(&self.client.pause_run(&p.run).await.map_err(refused)?)
     }
 
-    #[tool(description = "Resume a paused run. Answers the run.")]
+    #[tool(description = "Resume a paused run (a hibernated one is woken). Answers the run.")]
     async fn resume_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
         to_json(&self.client.resume_run(&p.run).await.map_err(refused)?)
+    }
+
+    #[tool(
+        description = "Hibernate a run: its processes and memory are lost, its files kept; it holds no CPU, memory or network until the next call that reaches it boots it again. Answers the run."
+    )]
+    async fn hibernate_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        to_json(&self.client.hibernate_run(&p.run).await.map_err(refused)?)
+    }
+
+    #[tool(
+        description = "Wake a hibernated or failed run: boot it again on its disk. Answers the run."
+    )]
+    async fn wake_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        to_json(&self.client.wake_run(&p.run).await.map_err(refused)?)
     }
 
     #[tool(description = "Delete a run and everything in it.")]

@@ -88,6 +88,7 @@ async fn a_stdio_session_drives_runs_end_to_end() {
             "delete_run",
             "exec",
             "fork",
+            "hibernate_run",
             "list_files",
             "list_runs",
             "pause_run",
@@ -96,6 +97,7 @@ async fn a_stdio_session_drives_runs_end_to_end() {
             "resume_run",
             "snapshot",
             "start_process",
+            "wake_run",
             "write_file"
         ]
     );
@@ -148,6 +150,11 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     assert_eq!(out["stdout"], "awake\n");
     let resumed = ok(&session, "resume_run", json!({"run": id})).await;
     assert_eq!(resumed["status"], "running");
+    // Hibernate and wake.
+    let asleep = ok(&session, "hibernate_run", json!({"run": id})).await;
+    assert_eq!(asleep["status"], "hibernated");
+    let woken = ok(&session, "wake_run", json!({"run": id})).await;
+    assert_eq!(woken["status"], "running");
 
     // Files.
     ok(

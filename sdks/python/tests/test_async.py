@@ -23,6 +23,8 @@ async def test_the_async_client_does_what_the_sync_one_does(daemon):
             outs = await asyncio.gather(*(rb.run(run.id, f"echo {i}") for i in range(5)))
             assert (await rb.get_run(run.id)).status == "running"
             assert (await rb.resume_run(run.id)).status == "running"
+            assert (await rb.hibernate_run(run.id)).status == "hibernated"
+            assert (await rb.wake_run(run.id)).status == "running"
             assert [o.text for o in outs] == [f"{i}\n" for i in range(5)]
             await rb.write_file(run.id, "a.txt", b"bytes")
             assert await rb.read_file(run.id, "a.txt") == b"bytes"

@@ -28,6 +28,13 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
         result = rb.run(run.id, "echo $GREETING; echo oops >&2; exit 3")
         assert (result.stdout, result.stderr, result.exit_code) == (b"hi\n", b"oops\n", 3)
         assert result.exit.reason == "exited"
+        # Hibernated: files kept, the next call (or a wake) boots it again.
+        rb.write_file(run.id, "kept.txt", b"kept")
+        assert rb.hibernate_run(run.id).status == "hibernated"
+        assert rb.get_run(run.id).status == "hibernated"
+        assert rb.read_file(run.id, "kept.txt") == b"kept"
+        rb.hibernate_run(run.id)
+        assert rb.wake_run(run.id).status == "running"
     finally:
         rb.delete_run(run.id)
     with pytest.raises(runbox.NotFound) as e:

@@ -339,9 +339,19 @@ export class Runbox {
     return this.call({ method: "POST", path: `${runPath(runId)}/pause` });
   }
 
-  /** Lets a paused run's processes go on. */
+  /** Lets a paused run's processes go on (wakes a hibernated one). */
   async resumeRun(runId: string): Promise<Run> {
     return this.call({ method: "POST", path: `${runPath(runId)}/resume` });
+  }
+
+  /** Stops the run down to its disk: processes and memory are lost, files kept; the next call that reaches it boots it again. */
+  async hibernateRun(runId: string): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/hibernate` });
+  }
+
+  /** Boots a hibernated or failed run again on its disk. */
+  async wakeRun(runId: string): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/wake` });
   }
 
   // -- leases -------------------------------------------------------------

@@ -55,6 +55,13 @@ test("health and a run's lifecycle", async () => {
     assert.equal(result.stderrText, "oops\n");
     assert.equal(result.exitCode, 3);
     assert.equal(result.exit.reason, "exited");
+    // Hibernated: files kept, the next call (or a wake) boots it again.
+    await rb.writeFile(run.id, "kept.txt", "kept");
+    assert.equal((await rb.hibernateRun(run.id)).status, "hibernated");
+    assert.equal((await rb.getRun(run.id)).status, "hibernated");
+    assert.equal(new TextDecoder().decode(await rb.readFile(run.id, "kept.txt")), "kept");
+    await rb.hibernateRun(run.id);
+    assert.equal((await rb.wakeRun(run.id)).status, "running");
   } finally {
     await rb.deleteRun(run.id);
   }

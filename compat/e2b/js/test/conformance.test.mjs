@@ -303,6 +303,37 @@ test("a paused sandbox resumes on traffic only with autoResume", async () => {
   });
 });
 
+test("a filesystem-only pause keeps the files, and connect boots the sandbox again", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.write("/home/user/kept.txt", "kept");
+    await sbx.commands.run("echo $$ > /tmp/pid; sleep 600", { background: true });
+    await sleep(300);
+    const pid = (await sbx.files.read("/tmp/pid")).trim();
+    assert.equal(await sbx.pause({ keepMemory: false }), true);
+    assert.equal(await sbx.isRunning(), false);
+    assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, "paused");
+    assert.equal(await Sandbox.pause(sbx.sandboxId), false);
+    assert.equal((await sbx.connect()).sandboxId, sbx.sandboxId);
+    assert.equal(await sbx.files.read("/home/user/kept.txt"), "kept");
+    const gone = await sbx.commands.run(`kill -0 ${pid} 2>/dev/null && echo alive || echo gone`);
+    assert.equal(gone.stdout, "gone\n");
+  });
+});
+
+test("a sandbox that hibernates at its timeout is kept, and connect boots it", async () => {
+  await withSandbox({ lifecycle: { onTimeout: { action: "pause", keepMemory: false } } }, async (sbx) => {
+    await sbx.files.write("/home/user/kept.txt", "kept");
+    await sbx.setTimeout(0);
+    const deadline = Date.now() + 15_000;
+    while ((await Sandbox.getInfo(sbx.sandboxId)).state !== "paused") {
+      assert.ok(Date.now() < deadline, "not paused at its timeout");
+      await sleep(200);
+    }
+    assert.equal((await sbx.connect()).sandboxId, sbx.sandboxId);
+    assert.equal(await sbx.files.read("/home/user/kept.txt"), "kept");
+  });
+});
+
 test("a sandbox that pauses at its timeout is kept, and connect wakes it", async () => {
   await withSandbox({ lifecycle: { onTimeout: "pause" } }, async (sbx) => {
     await sbx.commands.run("echo $$ > /tmp/pid; sleep 600", { background: true });

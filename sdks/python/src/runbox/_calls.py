@@ -83,6 +83,14 @@ def resume_run(run_id: str) -> Call[Run]:
     return Call("POST", f"{run_path(run_id)}/resume", parse=Run.from_json)
 
 
+def hibernate_run(run_id: str) -> Call[Run]:
+    return Call("POST", f"{run_path(run_id)}/hibernate", parse=Run.from_json)
+
+
+def wake_run(run_id: str) -> Call[Run]:
+    return Call("POST", f"{run_path(run_id)}/wake", parse=Run.from_json)
+
+
 def acquire_lease(run_id: str, owner: str, ttl: Optional[int] = None) -> Call[Lease]:
     return Call(
         "POST",

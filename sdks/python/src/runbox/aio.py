@@ -183,8 +183,17 @@ class AsyncRunbox:
         return await self._do(calls.pause_run(run_id))
 
     async def resume_run(self, run_id: str) -> Run:
-        """Lets a paused run's processes go on."""
+        """Lets a paused run's processes go on (wakes a hibernated one)."""
         return await self._do(calls.resume_run(run_id))
+
+    async def hibernate_run(self, run_id: str) -> Run:
+        """Stops the run down to its disk: its processes and memory are
+        lost, its files kept; the next call that reaches it boots it again."""
+        return await self._do(calls.hibernate_run(run_id))
+
+    async def wake_run(self, run_id: str) -> Run:
+        """Boots a hibernated or failed run again on its disk."""
+        return await self._do(calls.wake_run(run_id))
 
     async def info(self) -> Dict[str, Any]:
         return await self._do(calls.info())
