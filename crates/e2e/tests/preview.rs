@@ -359,3 +359,27 @@ async fn port_forward_carries_bytes_both_ways() {
     let _ = child.wait();
     assert_eq!(result.unwrap(), b"hello through the forward\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preview_request_wakes_a_hibernated_run_and_its_url_stays_valid() {
+    let daemon = start_preview_daemon().await;
+    let id = daemon.create().await.id.to_string();
+    start_servers(&daemon, &id).await;
+    let c = &daemon.client;
+    let preview = c.mint_preview(&id, WEB_PORT, Some(600)).await.unwrap();
+    assert_eq!(http().get(&preview.url).send().await.unwrap().status(), 200);
+    c.hibernate_run(&id).await.unwrap();
+    // The request wakes the run; its servers were processes, which the
+    // hibernation ended, so nothing listens yet.
+    let response = http().get(&preview.url).send().await.unwrap();
+    assert_eq!(
+        c.get_run(&id).await.unwrap().status,
+        runbox_types::RunStatus::Running
+    );
+    assert_eq!(response.status(), 502, "{:?}", response.text().await);
+    // Started again, they answer through the same URL.
+    start_servers(&daemon, &id).await;
+    let response = http().get(&preview.url).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.text().await.unwrap(), INDEX);
+}

@@ -651,6 +651,8 @@ impl Manager {
     pub fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError> {
         match self.handle(id)?.snapshot().phase {
             Phase::Running | Phase::Paused => Ok(self.lane.sandbox(id).usage()),
+            // Nothing runs: nothing is used.
+            Phase::Hibernated => Ok(None),
             Phase::Failed(why) => Err(CoreError::RunFailed(id, why)),
             _ => Err(CoreError::RunNotRunning(id, "still being created")),
         }
