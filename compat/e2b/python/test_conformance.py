@@ -418,3 +418,13 @@ def test_a_sandbox_that_hibernates_at_its_timeout_is_kept_and_connect_boots_it()
         assert sbx.files.read("/home/user/kept.txt") == "kept"
     finally:
         sbx.kill()
+
+def test_files_of_proc_that_report_no_size_are_read_whole(sbx):
+    # /proc and /sys files say they hold 0 bytes; their content is read all
+    # the same.
+    boot_id = sbx.files.read("/proc/sys/kernel/random/boot_id").strip()
+    assert len(boot_id) == 36 and boot_id.count("-") == 4, boot_id
+    assert "Name:" in sbx.files.read("/proc/self/status")
+    # An empty regular file is still empty.
+    sbx.files.write("/home/user/empty.txt", "")
+    assert sbx.files.read("/home/user/empty.txt") == ""

@@ -149,14 +149,58 @@ pub async fn read_file(work: Arc<WorkDir>, path: String) -> Result<ReadStream, S
         blocking(move || open_for_read(&work, &rel)).await??
     };
     let (tx, rx) = mpsc::channel(READ_CAPACITY);
-    tokio::spawn(send_file(
-        tokio::fs::File::from_std(file),
-        size,
-        mode,
-        rel,
-        tx,
-    ));
+    if size == 0 {
+        // Files of /proc and /sys say they hold nothing and have content
+        // all the same: read what is there (bounded), and say that size.
+        let contents = {
+            let rel = rel.clone();
+            blocking(move || read_unsized(file, &rel)).await??
+        };
+        let size = contents.len() as u64;
+        tokio::spawn(send_file(
+            std::io::Cursor::new(contents),
+            size,
+            mode,
+            rel,
+            tx,
+        ));
+    } else {
+        tokio::spawn(send_file(
+            tokio::fs::File::from_std(file),
+            size,
+            mode,
+            rel,
+            tx,
+        ));
+    }
     Ok(ReceiverStream::new(rx))
+}
+
+/// The most a file that reports no size is read for (pseudo-files of
+/// /proc and /sys are a few KiB).
+const MAX_UNSIZED: u64 = 1 << 20;
+
+/// Reads a file whose size says 0 to its end, up to [`MAX_UNSIZED`].
+fn read_unsized(file: File, rel: &RelPath) -> Result<Vec<u8>, FileError> {
+    use std::io::Read as _;
+    let mut contents = Vec::new();
+    file.take(MAX_UNSIZED + 1)
+        .read_to_end(&mut contents)
+        .map_err(|source| FileError::Io {
+            op: "read",
+            path: rel.original().to_owned(),
+            source,
+        })?;
+    if contents.len() as u64 > MAX_UNSIZED {
+        return Err(FileError::Io {
+            op: "read",
+            path: rel.original().to_owned(),
+            source: std::io::Error::other(format!(
+                "it reports no size and holds more than {MAX_UNSIZED} bytes"
+            )),
+        });
+    }
+    Ok(contents)
 }
 
 /// Opens `rel` for reading and returns it with its size and permission bits.
@@ -188,7 +232,7 @@ fn open_for_read(work: &WorkDir, rel: &RelPath) -> Result<(File, u64, u32), File
 
 /// Streams the header and exactly `size` bytes of `file` into `tx`.
 async fn send_file(
-    mut file: tokio::fs::File,
+    mut file: impl tokio::io::AsyncRead + Unpin,
     size: u64,
     mode: u32,
     rel: RelPath,
