@@ -262,7 +262,7 @@ async fn on_expire_pause_keeps_the_run_until_its_retention_and_a_resume_renews_i
     })
     .await;
     assert!(gone, "kept past its retention: {}", daemon.log());
-    assert!(daemon.log().contains("paused and kept"));
+    assert!(daemon.log().contains("asleep and kept"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,12 +1,13 @@
 //! A `kill -9` of the daemon loses no live run: the restarted daemon
-//! re-adopts runs whose sandbox lives and cleans up the ones that died.
+//! re-adopts runs whose sandbox lives and boots the ones that died again
+//! on their disks (the restart policy; `none` keeps them failed).
 
 use std::time::Duration;
 
 use runbox_e2e::{cgroup_exists, eventually, mounts_under, netns_exists, TestDaemon};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kill9_then_restart_readopts_live_runs_and_cleans_dead_ones() {
+async fn kill9_then_restart_readopts_live_runs_and_boots_dead_ones_again() {
     let mut daemon = TestDaemon::start(None).await;
     let live = daemon.create().await;
     let dead = daemon.create().await;
@@ -21,6 +22,7 @@ async fn kill9_then_restart_readopts_live_runs_and_cleans_dead_ones() {
         .await
         .unwrap();
     daemon.sh(&live_id, "sleep 1000 > /dev/null 2>&1 &").await;
+    daemon.sh(&dead_id, "echo kept > /work/kept").await;
 
     daemon.kill9();
     // While the daemon is down, one sandbox dies (its PID 1 is killed).
@@ -48,8 +50,11 @@ async fn kill9_then_restart_readopts_live_runs_and_cleans_dead_ones() {
 
     daemon.spawn().await;
     let runs = daemon.client.list_runs().await.expect("list after restart");
-    let ids: Vec<String> = runs.runs.iter().map(|r| r.id.to_string()).collect();
-    assert_eq!(ids, vec![live_id.clone()], "daemon log:\n{}", daemon.log());
+    let mut ids: Vec<String> = runs.runs.iter().map(|r| r.id.to_string()).collect();
+    ids.sort();
+    let mut want = vec![live_id.clone(), dead_id.clone()];
+    want.sort();
+    assert_eq!(ids, want, "daemon log:\n{}", daemon.log());
     let adopted = daemon.client.get_run(&live_id).await.unwrap();
     assert_eq!(adopted.expires_at, live.expires_at);
     // The live run kept its files and its processes, and still works.
@@ -60,7 +65,18 @@ async fn kill9_then_restart_readopts_live_runs_and_cleans_dead_ones() {
         )
         .await;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "survives\n1\n");
-    // The dead one left nothing behind.
+    // The dead one was booted again on its disk: its files, not its
+    // processes, under the same id and expiry.
+    let booted = daemon.client.get_run(&dead_id).await.unwrap();
+    assert_eq!(booted.status, runbox_types::RunStatus::Running);
+    assert_eq!(booted.restarts, 1);
+    assert_eq!(booted.expires_at, dead.expires_at);
+    assert_eq!(
+        daemon.sh(&dead_id, "cat /work/kept").await.stdout,
+        b"kept\n"
+    );
+    // Deleted, it leaves nothing behind.
+    daemon.client.delete_run(&dead_id).await.unwrap();
     assert!(!netns_exists(&dead_id));
     assert!(!cgroup_exists(&dead_id));
     assert!(!daemon.state.path().join("runs").join(&dead_id).exists());
