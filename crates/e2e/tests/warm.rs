@@ -521,3 +521,35 @@ async fn a_warm_run_forks_and_snapshots_with_its_volume() {
     }
     daemon.client.delete_snapshot("warm-snap").await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hibernated_warm_run_wakes_with_its_volume_and_template() {
+    let daemon = daemon_with(&[]).await;
+    let setup = warm_run(&daemon, "acme/sleep", None).await.id.to_string();
+    sh_ok(
+        &daemon,
+        &setup,
+        "mkdir -p /work/app && echo dep > /work/app/dep && echo lock > /work/app/Cargo.lock",
+    )
+    .await;
+    daemon.client.warm_commit(&setup, None).await.unwrap();
+    let run = warm_run(&daemon, "acme/sleep", None).await;
+    let id = run.id.to_string();
+    let generation = run.warm.as_ref().unwrap().generation.clone();
+    assert!(generation.is_some(), "the run started from the template");
+    sh_ok(&daemon, &id, "echo mine > /work/app/mine; rm /work/app/dep").await;
+    let asleep = daemon.client.hibernate_run(&id).await.unwrap();
+    assert_eq!(asleep.status, runbox_types::RunStatus::Hibernated);
+    // A newer template meanwhile: the run keeps the generation it mounts.
+    sh_ok(&daemon, &setup, "echo newer > /work/app/newer").await;
+    daemon.client.warm_commit(&setup, None).await.unwrap();
+    // Woken, it has the template it was made with plus its own changes.
+    let check = "cat /work/app/mine /work/app/Cargo.lock; [ -e /work/app/dep ] || echo no-dep; \
+                 [ -e /work/app/newer ] || echo no-newer";
+    assert_eq!(
+        sh_ok(&daemon, &id, check).await,
+        "mine\nlock\nno-dep\nno-newer\n"
+    );
+    let woken = daemon.client.get_run(&id).await.unwrap();
+    assert_eq!(woken.warm.as_ref().unwrap().generation, generation);
+}
