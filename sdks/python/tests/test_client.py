@@ -35,8 +35,19 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
         assert rb.read_file(run.id, "kept.txt") == b"kept"
         rb.hibernate_run(run.id)
         assert rb.wake_run(run.id).status == "running"
+        assert run.restarts == 0 and run.on_expire == "delete"
     finally:
         rb.delete_run(run.id)
+    sleepy = rb.create_run("base", on_expire="hibernate", idle_hibernate_after=600, auto_resume=False)
+    try:
+        assert (sleepy.on_expire, sleepy.auto_resume) == ("hibernate", False)
+        assert sleepy.idle == {"hibernateAfterSec": 600}
+        rb.hibernate_run(sleepy.id)
+        with pytest.raises(runbox.RunboxError) as e:
+            rb.run(sleepy.id, "true")
+        assert e.value.code == "run_paused"
+    finally:
+        rb.delete_run(sleepy.id)
     with pytest.raises(runbox.NotFound) as e:
         rb.get_run(run.id)
     assert e.value.code == "run_not_found" and e.value.status == 404

@@ -77,6 +77,12 @@ export interface CreateRunOptions {
   labels?: Record<string, string>;
   egressAllow?: string[];
   secrets?: string[];
+  /** Whether a call that reaches the run while it sleeps wakes it (default true). */
+  autoResume?: boolean;
+  /** What happens at the TTL: `delete` (default), `pause` or `hibernate`. */
+  onExpire?: CreateRunRequest["onExpire"];
+  /** Pause and hibernate the run after this many idle seconds (0: off). */
+  idle?: { pauseAfterSec?: number; hibernateAfterSec?: number };
   /** Makes a retried create return the first run instead of a second one. */
   idempotencyKey?: string;
 }
@@ -310,6 +316,9 @@ export class Runbox {
         labels: options.labels,
         egressAllow: options.egressAllow,
         secrets: options.secrets,
+        autoResume: options.autoResume,
+        onExpire: options.onExpire,
+        idle: options.idle ? compact(options.idle) : undefined,
       }),
       headers: options.idempotencyKey ? { "Idempotency-Key": options.idempotencyKey } : {},
       // A create may pull its image first.

@@ -65,6 +65,16 @@ test("health and a run's lifecycle", async () => {
   } finally {
     await rb.deleteRun(run.id);
   }
+  const sleepy = await rb.createRun("base", { onExpire: "hibernate", idle: { hibernateAfterSec: 600 }, autoResume: false });
+  try {
+    assert.equal(sleepy.onExpire, "hibernate");
+    assert.equal(sleepy.autoResume, false);
+    assert.deepEqual(sleepy.idle, { hibernateAfterSec: 600 });
+    await rb.hibernateRun(sleepy.id);
+    await assert.rejects(rb.run(sleepy.id, "true"), (e) => e.code === "run_paused" && e.status === 409);
+  } finally {
+    await rb.deleteRun(sleepy.id);
+  }
   await assert.rejects(rb.getRun(run.id), (e) => e instanceof NotFound && e.code === "run_not_found" && e.status === 404);
 });
 

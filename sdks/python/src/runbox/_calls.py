@@ -41,6 +41,10 @@ def create_run(
     labels: Optional[Dict[str, str]] = None,
     egress_allow: Optional[List[str]] = None,
     secrets: Optional[List[str]] = None,
+    auto_resume: Optional[bool] = None,
+    on_expire: Optional[str] = None,
+    idle_pause_after: Optional[int] = None,
+    idle_hibernate_after: Optional[int] = None,
     idempotency_key: Optional[str] = None,
 ) -> Call[Run]:
     limits = compact(cpus=cpus, memoryMb=memory_mb, pids=pids, diskMb=disk_mb) or None
@@ -54,6 +58,9 @@ def create_run(
         labels=labels,
         egressAllow=egress_allow,
         secrets=secrets,
+        autoResume=auto_resume,
+        onExpire=on_expire,
+        idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,
     )
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     return Call("POST", "/v1/runs", json=body, headers=headers, parse=Run.from_json)

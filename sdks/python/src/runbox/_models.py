@@ -63,6 +63,11 @@ class Run:
     labels: Dict[str, str]
     pooled: bool
     raw: Dict[str, Any] = field(repr=False)
+    auto_resume: bool = True
+    on_expire: str = "delete"
+    idle: Dict[str, int] = field(default_factory=dict)
+    restarts: int = 0
+    failure: Optional[str] = None
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "Run":
@@ -79,6 +84,11 @@ class Run:
             labels=dict(d.get("labels") or {}),
             pooled=bool(d.get("pooled", False)),
             raw=d,
+            auto_resume=bool(d.get("autoResume", True)),
+            on_expire=d.get("onExpire", "delete"),
+            idle=dict(d.get("idle") or {}),
+            restarts=int(d.get("restarts", 0)),
+            failure=d.get("failure"),
         )
 
 

@@ -99,6 +99,8 @@ class Runbox:
         """Create a run and wait until it is usable. Keyword arguments:
         ``env``, ``ttl``, ``network``, ``size``, ``cpus``, ``memory_mb``,
         ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``,
+        ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``),
+        ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``idempotency_key``."""
         return self._do(calls.create_run(image, **kwargs))
 
