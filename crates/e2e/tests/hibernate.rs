@@ -549,3 +549,47 @@ async fn pool_members_are_not_put_to_sleep_by_the_idle_policy() {
     );
     assert_eq!(daemon.sh(&id, "echo up").await.stdout, b"up\n");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_killed_in_the_middle_of_a_hibernate_or_a_wake_leaves_a_whole_run() {
+    // The daemon is killed a few milliseconds into each transition, at a
+    // different point each round: the next daemon finds the run hibernated
+    // or running, never half-made, and the next call works.
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon.sh(&id, "echo kept > /work/kept").await;
+    for round in 0..6u64 {
+        let hibernating = round % 2 == 0;
+        if !hibernating {
+            daemon.client.hibernate_run(&id).await.unwrap();
+        }
+        let client = daemon.client.clone();
+        let target = id.clone();
+        let call = tokio::spawn(async move {
+            if hibernating {
+                client.hibernate_run(&target).await.map(|_| ())
+            } else {
+                client.wake_run(&target).await.map(|_| ())
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(2 + round * 7)).await;
+        daemon.kill9();
+        let _ = call.await;
+        daemon.spawn().await;
+        let run = daemon.client.get_run(&id).await.expect("the run is kept");
+        let held = held(&daemon, &id);
+        match run.status {
+            RunStatus::Hibernated => assert!(
+                !held.root && !held.netns && !held.cgroup,
+                "round {round}: hibernated but holding its sandbox"
+            ),
+            RunStatus::Running => assert!(held.root && held.netns, "round {round}"),
+            other => panic!("round {round}: {other:?}\n{}", daemon.log()),
+        }
+        assert_eq!(
+            daemon.sh(&id, "cat /work/kept").await.stdout,
+            b"kept\n",
+            "round {round}"
+        );
+    }
+}
