@@ -172,6 +172,17 @@ impl Manager {
         tokio::spawn(async move {
             let capture = manager.capture(id, "snapshotted").await?;
             let frozen = capture.frozen;
+            let snapshot = |image: runbox_types::Image, layer: String, bytes: u64| {
+                runbox_types::Snapshot {
+                    image: image.name,
+                    parent: record.image.clone(),
+                    run: id,
+                    layer,
+                    layer_bytes: bytes,
+                    frozen_ms: frozen.as_secs_f64() * 1000.0,
+                    elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
+                }
+            };
             let images = manager.images.clone();
             let server = manager.config.server_id.clone();
             let base = crate::images::SnapshotBase {
@@ -182,6 +193,15 @@ impl Manager {
                 layers: record.layers.clone(),
                 run: id,
             };
+            // Where the storage can, the capture itself becomes the new
+            // layer, in constant time: no tar is written or unpacked. A
+            // warm volume is grafted at its path by writing a layer.
+            if manager.lane.capabilities().layers.yes() && capture.warm_upper.is_none() {
+                let (image, layer, bytes) =
+                    manager.keep_snapshot(&name, &base, &capture).await?;
+                drop(capture);
+                return Ok(snapshot(image, layer, bytes));
+            }
             // The warm volume was mounted over its path: its files go there.
             let volume = match (&record.warm, &capture.warm_upper) {
                 (Some(volume), Some(upper)) => {
@@ -226,15 +246,34 @@ impl Manager {
             })
             .await
             .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))??;
-            Ok(runbox_types::Snapshot {
-                image: image.name,
-                parent: record.image.clone(),
-                run: id,
-                layer,
-                layer_bytes: bytes,
-                frozen_ms: frozen.as_secs_f64() * 1000.0,
-                elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
-            })
+            Ok(snapshot(image, layer, bytes))
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?
+    }
+
+    /// Keeps `capture` as a local layer and records image `name` of `base`
+    /// plus that layer. The layer is made first; a failure after that
+    /// deletes it again, and a crash in between leaves a layer the next
+    /// start sweeps (unrecorded) or collects (recorded, in no image).
+    async fn keep_snapshot(
+        &self,
+        name: &str,
+        base: &crate::images::SnapshotBase,
+        capture: &crate::lane::Capture,
+    ) -> Result<(runbox_types::Image, String, u64), CoreError> {
+        let layer = ulid::Ulid::new();
+        let size = self.lane.keep_layer(capture, layer).await?;
+        let (images, lane) = (self.images.clone(), self.lane.clone());
+        let (name, base, server) = (name.to_owned(), base.clone(), self.config.server_id.clone());
+        tokio::task::spawn_blocking(move || {
+            let recorded = images.record_local_snapshot(&name, &base, layer, size, &server);
+            if recorded.is_err() {
+                if let Err(e) = lane.remove_layer(&layer.to_string()) {
+                    tracing::warn!(%layer, error = %crate::runs::error_chain(&e), "could not delete the layer of a failed snapshot");
+                }
+            }
+            recorded
         })
         .await
         .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?
@@ -248,10 +287,15 @@ impl Manager {
             let _guard = self.image_lock.lock().await;
             self.layers_in_use()
         };
-        let images = self.images.clone();
-        tokio::task::spawn_blocking(move || images.collect_garbage(&keep))
-            .await
-            .map_err(|e| CoreError::Store(format!("garbage collection task failed: {e}")))?
+        let (images, lane) = (self.images.clone(), self.lane.clone());
+        tokio::task::spawn_blocking(move || {
+            images.collect_garbage(&keep, &mut |id| {
+                lane.remove_layer(id)
+                    .map_err(|e| std::io::Error::other(crate::runs::error_chain(&e)))
+            })
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("garbage collection task failed: {e}")))?
     }
 
     /// Pulls `reference` for a create, under its default local name, or

@@ -265,7 +265,11 @@ impl ImageStore {
     /// Removes every layer no image references and `keep` (the layers live
     /// runs mount) does not name. Waits for imports in progress, whose
     /// layers are not referenced until they finish. Blocking.
-    pub fn collect_garbage(&self, keep: &[String]) -> Result<(), CoreError> {
+    pub fn collect_garbage(
+        &self,
+        keep: &[String],
+        remove_local: &mut dyn FnMut(&str) -> std::io::Result<()>,
+    ) -> Result<(), CoreError> {
         let _exclusive = self.gc_lock.write().unwrap_or_else(|p| p.into_inner());
         if self.pulls.load(Ordering::SeqCst) > 0 {
             // A pull holds layers it has not recorded yet; the next
@@ -273,7 +277,7 @@ impl ImageStore {
             tracing::info!("a pull is in progress; garbage collection skipped");
             return Ok(());
         }
-        let removed = self.store.gc(keep).map_err(store_error)?;
+        let removed = self.store.gc(keep, remove_local).map_err(store_error)?;
         if !removed.is_empty() {
             tracing::info!(layers = removed.len(), "removed unused layers");
         }
@@ -363,9 +367,72 @@ impl ImageStore {
         (record.layers == layers).then_some(record.config)
     }
 
+    /// Records image `name` made of `base` plus local layer `layer` (a
+    /// capture the lane kept, [`crate::lane::Lane::keep_layer`]), and
+    /// returns it with the layer's key and bytes. The layer's record comes
+    /// before the image's: a crash in between leaves an unreferenced layer
+    /// for garbage collection, never an image that looks whole and is not.
+    /// Blocking.
+    pub fn record_local_snapshot(
+        &self,
+        name: &str,
+        base: &SnapshotBase,
+        layer: ulid::Ulid,
+        size: crate::lane::LayerSize,
+        server: &str,
+    ) -> Result<(Image, String, u64), CoreError> {
+        validate::image_name(name)?;
+        if self.store.image(name).is_ok() {
+            return Err(exists(name));
+        }
+        // Held so that collection cannot take the layer between its record
+        // and the image's.
+        let _shared = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
+        let record = self
+            .store
+            .add_local_layer(&layer.to_string(), size.bytes, size.entries)
+            .map_err(store_error)?;
+        let image = self.put_snapshot_image(name, base, &record.digest)?;
+        tracing::info!(image = name, run = %base.run, layer = %record.digest, bytes = size.bytes, "snapshot recorded");
+        Ok((to_image(image, server, false), record.digest, size.bytes))
+    }
+
+    /// Records image `name` of `base`'s layers and `layer` on top.
+    fn put_snapshot_image(
+        &self,
+        name: &str,
+        base: &SnapshotBase,
+        layer: &str,
+    ) -> Result<ImageRecord, CoreError> {
+        let mut layers = base.layers.clone();
+        layers.push(layer.to_owned());
+        let mut size = 0;
+        for key in &layers {
+            size += self.store.layer_size(key).map_err(store_error)?;
+        }
+        let mut config = base.config.clone();
+        if let Some(object) = config.as_object_mut() {
+            object.insert(
+                "rootfs".into(),
+                serde_json::json!({"type": "layers", "diff_ids": layers}),
+            );
+        }
+        self.store
+            .put_image(ImageRecord {
+                name: name.to_owned(),
+                source: format!("snapshot:{}:{}", base.run, base.parent),
+                config,
+                layers,
+                size_bytes: size,
+                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+            })
+            .map_err(store_error)
+    }
+
     /// Records image `name` made of `base` plus one layer captured from a
     /// run's upper directory `upper` (entries at `skip` left out; `graft`,
-    /// the run's warm volume, written at its path), and returns it with the new layer's key and unpacked bytes. The layer is
+    /// the run's warm volume, written at its path) written as a tar, and
+    /// returns it with the new layer's key and unpacked bytes. The layer is
     /// stored (written, verified, renamed into place) before the image
     /// record, which is written last: a crash in between leaves an
     /// unreferenced layer for garbage collection, never an image that looks
@@ -409,30 +476,7 @@ impl ImageStore {
         };
         let blob = File::open(&spooled).map_err(CoreError::io("reopening the snapshot spool"))?;
         let layer = self.store.add_layer(&digest, blob).map_err(store_error)?;
-        let mut layers = base.layers.clone();
-        layers.push(layer.digest.clone());
-        let mut size = 0;
-        for key in &layers {
-            size += self.store.layer_size(key).map_err(store_error)?;
-        }
-        let mut config = base.config.clone();
-        if let Some(object) = config.as_object_mut() {
-            object.insert(
-                "rootfs".into(),
-                serde_json::json!({"type": "layers", "diff_ids": layers}),
-            );
-        }
-        let record = self
-            .store
-            .put_image(ImageRecord {
-                name: name.to_owned(),
-                source: format!("snapshot:{}:{}", base.run, base.parent),
-                config,
-                layers,
-                size_bytes: size,
-                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
-            })
-            .map_err(store_error)?;
+        let record = self.put_snapshot_image(name, base, &layer.digest)?;
         tracing::info!(image = name, run = %base.run, layer = %layer.digest, bytes = layer.unpacked_bytes, "snapshot recorded");
         Ok((
             to_image(record, server, false),

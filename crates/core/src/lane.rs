@@ -144,6 +144,9 @@ pub struct Capabilities {
     /// ([`Sandbox::hibernate`], [`Lane::boot`]): hibernation, wake and the
     /// restart policy.
     pub hibernate: Support,
+    /// Keeping a capture as a local layer in constant time
+    /// ([`Lane::keep_layer`]): snapshots without writing a tar.
+    pub layers: Support,
 }
 
 impl Capabilities {
@@ -161,6 +164,7 @@ impl Capabilities {
             dial: no(),
             suspend: no(),
             hibernate: no(),
+            layers: no(),
         }
     }
 
@@ -230,6 +234,15 @@ impl std::fmt::Debug for Capture {
             .field("frozen", &self.frozen)
             .finish_non_exhaustive()
     }
+}
+
+/// What a local layer holds ([`Lane::keep_layer`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerSize {
+    /// Bytes of file data.
+    pub bytes: u64,
+    /// Entries (files, directories, links, whiteouts).
+    pub entries: u64,
 }
 
 /// Resolves, with a sentence saying what happened, once a sandbox's init
@@ -399,6 +412,38 @@ pub trait Lane: Send + Sync + 'static {
     async fn boot(&self, spec: &SandboxSpec) -> Result<Arc<dyn Sandbox>, LaneError> {
         let _ = spec;
         Err(LaneError::unsupported("boot a hibernated run"))
+    }
+
+    /// Where this lane keeps the local layers it makes of captures
+    /// ([`Lane::keep_layer`]): layer `<id>` is the directory `<root>/<id>`,
+    /// whose `upper` an image mounts. None when it makes none.
+    fn layer_root(&self) -> Option<PathBuf> {
+        None
+    }
+
+    /// Keeps what `capture` holds as local layer `id`: `<root>/<id>/upper`
+    /// is what the run changed (overlayfs' whiteouts and opaque
+    /// directories as it wrote them), less what the lane injected
+    /// ([`Capture::injected`]) and less a warm volume, read-only from then
+    /// on. Constant time where the storage can (a snapshot of the
+    /// capture). On error nothing of the layer is left.
+    async fn keep_layer(&self, capture: &Capture, id: Ulid) -> Result<LayerSize, LaneError> {
+        let _ = (capture, id);
+        Err(LaneError::unsupported("keep a capture as a layer"))
+    }
+
+    /// Deletes local layer `id`; nothing to do when it is gone.
+    fn remove_layer(&self, id: &str) -> Result<(), LaneError> {
+        let _ = id;
+        Ok(())
+    }
+
+    /// Deletes every local layer whose id is not in `keep` (made, then not
+    /// recorded, by a daemon that died); returns the ids deleted. Runs at
+    /// start-up.
+    fn sweep_layers(&self, keep: &HashSet<String>) -> Vec<String> {
+        let _ = keep;
+        Vec::new()
     }
 
     /// The handle of run `id`'s sandbox, whatever state it is in.

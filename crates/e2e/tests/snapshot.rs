@@ -20,6 +20,28 @@ async fn run_from(daemon: &TestDaemon, image: &str) -> String {
         .to_string()
 }
 
+/// The directory of snapshot layer `key` (`local:<id>`): the capture kept
+/// in the run store, its `upper` what the image mounts.
+fn local_layer(daemon: &TestDaemon, key: &str) -> std::path::PathBuf {
+    let id = key
+        .strip_prefix("local:")
+        .unwrap_or_else(|| panic!("not a kept layer: {key}"));
+    daemon.state.path().join("runs/.layers").join(id)
+}
+
+/// Kept layers in the run store.
+fn local_layers(daemon: &TestDaemon) -> Vec<String> {
+    let mut ids: Vec<String> = std::fs::read_dir(daemon.state.path().join("runs/.layers"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    ids.sort();
+    ids
+}
+
 /// Every capture is gone once its snapshot is recorded.
 fn captures_left(daemon: &TestDaemon) -> usize {
     std::fs::read_dir(daemon.state.path().join("runs/.captures"))
@@ -56,11 +78,25 @@ async fn a_snapshot_boots_with_every_change_and_nothing_injected() {
     let base = daemon.client.get_image("base").await.unwrap();
     assert_eq!(image.layers.len(), base.layers.len() + 1);
     assert_eq!(image.layers[..base.layers.len()], base.layers[..]);
-    // Nothing runbox put in the run is in the layer.
-    let hex = snap.layer.trim_start_matches("sha256:");
-    let layer = daemon.state.path().join("images/layers").join(hex);
+    // The layer is the capture itself, kept in the run store (no tar was
+    // written): a read-only subvolume of its own, holding what the run
+    // changed and nothing runbox put in the run.
+    assert_eq!(image.layers.last(), Some(&snap.layer));
+    let kept = local_layer(&daemon, &snap.layer);
+    let layer = kept.join("upper");
     assert!(layer.join("work/a.txt").is_file());
     assert!(!layer.join(".runbox").exists());
+    assert!(!kept.join("ovl-work").exists());
+    {
+        use std::os::unix::fs::MetadataExt;
+        // A btrfs subvolume's root directory is inode 256.
+        assert_eq!(std::fs::metadata(&kept).unwrap().ino(), 256);
+    }
+    let write = std::fs::write(layer.join("work/new"), b"x").unwrap_err();
+    assert_eq!(write.raw_os_error(), Some(libc::EROFS), "{write}");
+    assert!(std::fs::read_dir(daemon.state.path().join("images/spool"))
+        .map(|d| d.count() == 0)
+        .unwrap_or(true));
 
     // The parent goes on; what it writes now is not in the snapshot.
     daemon.sh(&parent, "echo later > /work/later.txt").await;
@@ -221,12 +257,17 @@ async fn snapshots_are_listed_and_deleted_apart_from_other_images() {
         .snapshots
         .is_empty());
     // Their layers went with them; the run they came from is untouched.
+    assert!(
+        local_layers(&daemon).is_empty(),
+        "{:?}",
+        local_layers(&daemon)
+    );
     let out = daemon.sh(&id, "cat /work/k").await;
     assert_eq!(text(&out.stdout), "kept\n");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_daemon_killed_mid_capture_leaves_no_snapshot_and_no_leak() {
+async fn a_large_change_is_kept_in_constant_time_and_a_killed_daemon_leaks_nothing() {
     let mut daemon = TestDaemon::start(None).await;
     let id = daemon.create().await.id.to_string();
     daemon
@@ -235,47 +276,63 @@ async fn a_daemon_killed_mid_capture_leaves_no_snapshot_and_no_leak() {
             "dd if=/dev/urandom of=/work/big bs=1M count=400 2>/dev/null; sync",
         )
         .await;
-    let layers = |daemon: &TestDaemon| {
+    let stored = |daemon: &TestDaemon| {
         std::fs::read_dir(daemon.state.path().join("images/layers"))
             .unwrap()
             .flatten()
             .filter(|e| e.path().is_dir())
             .count()
     };
-    let before = layers(&daemon);
-    // The snapshot takes seconds (400 MiB to write as a layer); kill the
-    // daemon in the middle of it.
-    let client = daemon.client.clone();
-    let target = id.clone();
-    let pending =
-        tokio::spawn(async move { client.snapshot_run(&target, Some("half-made")).await });
-    let spool = daemon.state.path().join("images/spool");
-    let started = runbox_e2e::eventually(std::time::Duration::from_secs(10), || {
-        std::fs::read_dir(&spool)
-            .map(|d| d.count() > 0)
-            .unwrap_or(false)
-    })
-    .await;
-    assert!(started, "the capture never started writing");
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
-    daemon.kill9();
-    assert!(
-        pending.await.unwrap().is_err(),
-        "the snapshot finished first"
-    );
-    daemon.spawn().await;
-    // No snapshot that looks valid, no capture, no half-made or orphan layer.
-    let err = daemon.client.get_image("half-made").await.unwrap_err();
-    assert_eq!(err.code(), Some(ErrorCode::ImageNotFound), "{err}");
-    assert!(daemon
-        .client
-        .list_snapshots()
-        .await
-        .unwrap()
-        .snapshots
-        .is_empty());
-    assert_eq!(captures_left(&daemon), 0);
-    assert_eq!(layers(&daemon), before);
+    let before = stored(&daemon);
+    // 400 MiB changed: the layer is a snapshot of the run's disk. Nothing
+    // is written to the image store, and the layer shares the run's blocks
+    // (the run store's usage does not grow by the file's size).
+    let snap = daemon.client.snapshot_run(&id, Some("big")).await.unwrap();
+    assert_eq!(stored(&daemon), before);
+    assert_eq!(snap.layer_bytes, 400 << 20, "{snap:?}");
+    let big = local_layer(&daemon, &snap.layer).join("upper/work/big");
+    assert_eq!(std::fs::metadata(&big).unwrap().len(), 400 << 20);
+    let child = run_from(&daemon, "big").await;
+    let out = daemon.sh(&child, "wc -c < /work/big").await;
+    assert_eq!(text(&out.stdout).trim(), (400u64 << 20).to_string());
+
+    // The daemon killed a few milliseconds into a snapshot, at a different
+    // point each round: a snapshot is recorded whole or not at all, and no
+    // capture or unrecorded layer is left after the restart.
+    for round in 0..5u64 {
+        let name = format!("round-{round}");
+        let client = daemon.client.clone();
+        let target = id.clone();
+        let pending = {
+            let name = name.clone();
+            tokio::spawn(async move { client.snapshot_run(&target, Some(&name)).await })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(round * 4)).await;
+        daemon.kill9();
+        let _ = pending.await;
+        daemon.spawn().await;
+        assert_eq!(captures_left(&daemon), 0, "round {round}");
+        let images = daemon.client.list_images().await.unwrap().images;
+        // Every kept layer belongs to a recorded image.
+        let recorded: Vec<String> = images
+            .iter()
+            .flat_map(|i| i.layers.clone())
+            .filter_map(|l| l.strip_prefix("local:").map(str::to_owned))
+            .collect();
+        for layer in local_layers(&daemon) {
+            assert!(
+                recorded.contains(&layer),
+                "round {round}: unrecorded layer {layer}"
+            );
+        }
+        if images.iter().any(|i| i.name == name) {
+            let copy = run_from(&daemon, &name).await;
+            let out = daemon.sh(&copy, "wc -c < /work/big").await;
+            assert_eq!(text(&out.stdout).trim(), (400u64 << 20).to_string());
+            daemon.client.delete_run(&copy).await.unwrap();
+        }
+        assert_eq!(stored(&daemon), before, "round {round}");
+    }
     // The run itself is untouched.
     let out = daemon.sh(&id, "wc -c < /work/big").await;
     assert_eq!(text(&out.stdout).trim(), (400u64 << 20).to_string());

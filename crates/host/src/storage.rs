@@ -25,7 +25,7 @@
 //! such an image for hosts whose state directory is on another filesystem
 //! (`runbox serve --storage-gb N`).
 //!
-//! The five btrfs ioctls used here are called directly: their structures
+//! The btrfs ioctls used here are called directly: their structures
 //! come from `linux-raw-sys`, while the btrfs crates available either link
 //! the C library (which has no qgroup limit call) or need libclang at build
 //! time.
@@ -107,6 +107,15 @@ impl RunStorage {
         match &self.kind {
             Kind::Quota { .. } => None,
             Kind::Subvolumes { why } | Kind::Plain { why } => Some(why),
+        }
+    }
+
+    /// Why captures cannot be taken (or kept as layers) here, if they
+    /// cannot: they need subvolume snapshots.
+    pub fn snapshots_unsupported(&self) -> Option<&str> {
+        match &self.kind {
+            Kind::Quota { .. } | Kind::Subvolumes { .. } => None,
+            Kind::Plain { why } => Some(why),
         }
     }
 
@@ -277,6 +286,134 @@ impl RunStorage {
             return Err(LaneError::io(format!("preparing {}", disk.display()))(e));
         }
         Ok(disk)
+    }
+}
+
+/// Where captures kept as image layers live in the run store, one
+/// read-only subvolume each, named by the layer's id.
+pub const LAYERS_DIR: &str = ".layers";
+
+impl RunStorage {
+    /// Keeps capture `capture` (a directory [`RunStorage::snapshot_disk`]
+    /// made) as layer `id`: `<runs>/.layers/<id>` becomes a snapshot of it
+    /// (constant time), less overlayfs' scratch directory, the warm
+    /// volume's layer and the entries `strip` names under `upper`, then
+    /// read-only. On error nothing of it is left. Returns its path.
+    pub fn keep_capture(
+        &self,
+        capture: &Path,
+        runs: &Path,
+        id: &str,
+        strip: &[String],
+    ) -> Result<PathBuf, LaneError> {
+        if let Some(why) = self.snapshots_unsupported() {
+            return Err(LaneError::Unsupported(why.to_owned()));
+        }
+        let layers = runs.join(LAYERS_DIR);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .recursive(true)
+            .create(&layers)
+            .map_err(LaneError::io(format!("creating {}", layers.display())))?;
+        let source =
+            open_dir(capture).map_err(LaneError::io(format!("opening {}", capture.display())))?;
+        let parent =
+            open_dir(&layers).map_err(LaneError::io(format!("opening {}", layers.display())))?;
+        snapshot_subvolume_with(&source, &parent, OsStr::new(id), 0).map_err(LaneError::io(
+            format!("keeping {} as layer {id}", capture.display()),
+        ))?;
+        let layer = layers.join(id);
+        let prepared = (|| {
+            for scratch in ["ovl-work", "warm"] {
+                remove_entry(&layer.join(scratch))?;
+            }
+            let upper = layer.join("upper");
+            for path in strip {
+                // Lane-made relative paths; never anything that climbs.
+                if Path::new(path)
+                    .components()
+                    .all(|c| matches!(c, std::path::Component::Normal(_)))
+                {
+                    remove_entry(&upper.join(path))?;
+                }
+            }
+            set_readonly(&open_dir(&layer)?)
+        })();
+        if let Err(e) = prepared {
+            let _ = destroy_subvolume(&parent, OsStr::new(id));
+            return Err(LaneError::io(format!("preparing layer {id}"))(e));
+        }
+        Ok(layer)
+    }
+}
+
+/// Removes a file or a directory tree; nothing to do when it is not there.
+fn remove_entry(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Deletes layer `id` of the run store; nothing to do when it is gone.
+pub fn remove_layer(runs: &Path, id: &str) -> Result<(), LaneError> {
+    let layers = runs.join(LAYERS_DIR);
+    let parent = match open_dir(&layers) {
+        Ok(parent) => parent,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(LaneError::io(format!("opening {}", layers.display()))(e)),
+    };
+    match destroy_subvolume(&parent, OsStr::new(id)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(LaneError::io(format!("deleting layer {id}"))(e)),
+    }
+}
+
+/// The ids of the layers in the run store.
+pub fn layer_ids(runs: &Path) -> Vec<String> {
+    std::fs::read_dir(runs.join(LAYERS_DIR))
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter_map(|e| e.file_name().to_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Bytes of file data and entries below `dir`, not following links: what a
+/// layer holds, found from metadata alone (no file is read).
+pub fn tree_size(dir: &Path) -> io::Result<(u64, u64)> {
+    let (mut bytes, mut entries) = (0u64, 0u64);
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(next) = pending.pop() {
+        for entry in std::fs::read_dir(&next)? {
+            let entry = entry?;
+            let meta = entry.metadata()?;
+            entries += 1;
+            if meta.is_dir() {
+                pending.push(entry.path());
+            } else if meta.is_file() {
+                bytes += meta.len();
+            }
+        }
+    }
+    Ok((bytes, entries))
+}
+
+/// Makes the subvolume open at `sub` read-only.
+fn set_readonly(sub: &File) -> io::Result<()> {
+    let mut flags = u64::from(sys::BTRFS_SUBVOL_RDONLY);
+    // SAFETY: SUBVOL_SETFLAGS reads one u64 of flags.
+    unsafe {
+        ioctl(
+            sub,
+            linux_raw_sys::ioctl::BTRFS_IOC_SUBVOL_SETFLAGS,
+            &mut flags,
+        )
     }
 }
 

@@ -11,7 +11,18 @@
 //!                      -> the diff_id of the layer it unpacked to
 //! images/<name>.json   an image: its config and its ordered layer digests
 //! tmp/                 work in progress; emptied at open
+//! layers/local-<id>.json  a *local layer*'s metadata (see below)
 //! ```
+//!
+//! A **local layer** (key `local:<id>`, a ULID) is a directory kept outside
+//! this store, under the local root its owner names
+//! ([`Store::set_local_root`]): `<local root>/<id>/upper`, an overlayfs
+//! upper directory used as a lower one (whiteouts and opaque directories
+//! as overlayfs wrote them). A run snapshot becomes one without writing a
+//! tar: the run store snapshots the run's disk in constant time and the
+//! store records it. It has no digest until something needs one; its
+//! metadata, written once the directory is in place, is the commit point,
+//! and [`Store::gc`] hands unused ones back to their owner to delete.
 //!
 //! Layers are keyed by diff_id, so the same content compressed differently
 //! (a registry's gzip and a `docker save` tar, or two compressors) is
@@ -153,6 +164,23 @@ pub struct Store {
     root: PathBuf,
     limits: UnpackLimits,
     tmp_seq: AtomicU64,
+    /// Where local layers live, once their owner said.
+    local_root: std::sync::OnceLock<PathBuf>,
+}
+
+/// The prefix of a local layer's key.
+pub const LOCAL_PREFIX: &str = "local:";
+
+/// The id of local layer key `key` (`local:<ULID>`), checked; None for any
+/// other key.
+pub fn local_id(key: &str) -> Option<&str> {
+    let id = key.strip_prefix(LOCAL_PREFIX)?;
+    // A ULID in Crockford base32, as `ulid` writes it.
+    (id.len() == 26
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b.is_ascii_uppercase() && !b"ILOU".contains(&b))))
+    .then_some(id)
 }
 
 /// The hex part of a sha256 digest, checked.
@@ -194,7 +222,81 @@ impl Store {
             root,
             limits,
             tmp_seq: AtomicU64::new(0),
+            local_root: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Says where local layers live (once; a second call changes nothing
+    /// and answers false).
+    pub fn set_local_root(&self, dir: PathBuf) -> bool {
+        self.local_root.set(dir).is_ok()
+    }
+
+    /// Where local layer `id` lives (the directory holding its `upper`).
+    pub fn local_layer_path(&self, id: &str) -> Result<PathBuf, StoreError> {
+        let root = self.local_root.get().ok_or_else(|| {
+            io_err(format!("finding local layer {id}"))(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "this store has no local layers",
+            ))
+        })?;
+        Ok(root.join(id))
+    }
+
+    /// Records local layer `id` (its directory in place under the local
+    /// root) with its size: the commit point that makes it count. Blocking.
+    pub fn add_local_layer(
+        &self,
+        id: &str,
+        unpacked_bytes: u64,
+        entries: u64,
+    ) -> Result<LayerRecord, StoreError> {
+        let key = format!("{LOCAL_PREFIX}{id}");
+        if local_id(&key).is_none() {
+            return Err(StoreError::BadDigest(key));
+        }
+        let dir = self.layer_dir(&key)?;
+        if !dir.is_dir() {
+            return Err(io_err(format!("recording local layer {id}"))(
+                io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("{} is missing", dir.display()),
+                ),
+            ));
+        }
+        let record = LayerRecord {
+            digest: key.clone(),
+            diff_id: None,
+            unpacked_bytes,
+            entries,
+        };
+        let meta = self.meta_path(&key)?;
+        let bytes = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&meta, e))?;
+        write_atomic(&meta, &bytes)?;
+        Ok(record)
+    }
+
+    /// The ids of every recorded local layer.
+    pub fn local_layers(&self) -> Result<Vec<String>, StoreError> {
+        let mut ids: Vec<String> = fs::read_dir(self.root.join("layers"))
+            .map_err(io_err("reading layers"))?
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_str()?.to_owned();
+                let id = name.strip_prefix("local-")?.strip_suffix(".json")?;
+                local_id(&format!("{LOCAL_PREFIX}{id}")).map(str::to_owned)
+            })
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Where layer `key`'s metadata is.
+    fn meta_path(&self, key: &str) -> Result<PathBuf, StoreError> {
+        match local_id(key) {
+            Some(id) => Ok(self.root.join("layers").join(format!("local-{id}.json"))),
+            None => Ok(self.layer_dir(key)?.with_extension("json")),
+        }
     }
 
     /// A fresh directory under `tmp/`.
@@ -208,8 +310,12 @@ impl Store {
         Ok(dir)
     }
 
-    /// The unpacked directory of layer `digest`.
+    /// The unpacked directory of layer `digest` (for a local layer, its
+    /// upper directory under the local root).
     pub fn layer_dir(&self, digest: &str) -> Result<PathBuf, StoreError> {
+        if let Some(id) = local_id(digest) {
+            return Ok(self.local_layer_path(id)?.join("upper"));
+        }
         Ok(self.root.join("layers").join(digest_hex(digest)?))
     }
 
@@ -223,12 +329,12 @@ impl Store {
     /// is stored under it (a diff_id, or a blob digest from before diff_id
     /// keying), else the layer a blob with that digest unpacked to.
     pub fn layer_key(&self, digest: &str) -> Option<String> {
-        let finished = |key: &str| {
-            self.layer_dir(key)
-                .is_ok_and(|d| d.with_extension("json").is_file())
-        };
+        let finished = |key: &str| self.meta_path(key).is_ok_and(|m| m.is_file());
         if finished(digest) {
             return Some(digest.to_owned());
+        }
+        if local_id(digest).is_some() {
+            return None;
         }
         let key = fs::read_to_string(self.blob_path(digest).ok()?).ok()?;
         let key = key.trim();
@@ -389,7 +495,7 @@ impl Store {
     }
 
     fn layer_record(&self, digest: &str) -> Result<Option<LayerRecord>, StoreError> {
-        let path = self.layer_dir(digest)?.with_extension("json");
+        let path = self.meta_path(digest)?;
         match fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes)
                 .map(Some)
@@ -532,8 +638,15 @@ impl Store {
 
     /// Removes every layer no image references, except those in `keep`
     /// (layers a run still mounts although its image was removed). Returns
-    /// the digests removed. Blocking.
-    pub fn gc(&self, keep: &[String]) -> Result<Vec<String>, StoreError> {
+    /// the digests removed. Local layers are forgotten (their metadata
+    /// first) and handed to `remove_local` with their id, to delete where
+    /// they live; one it fails to delete is an orphan its owner sweeps
+    /// later. Blocking.
+    pub fn gc(
+        &self,
+        keep: &[String],
+        remove_local: &mut dyn FnMut(&str) -> io::Result<()>,
+    ) -> Result<Vec<String>, StoreError> {
         let mut used: std::collections::HashSet<String> = keep.iter().cloned().collect();
         for image in self.images()? {
             used.extend(image.layers);
@@ -543,7 +656,7 @@ impl Store {
             .map_err(io_err("reading layers"))?
             .flatten()
         {
-            let Some(hex) = entry
+            let Some(stem) = entry
                 .file_name()
                 .to_str()
                 .and_then(|n| n.strip_suffix(".json"))
@@ -551,7 +664,19 @@ impl Store {
             else {
                 continue;
             };
-            let digest = format!("sha256:{hex}");
+            if let Some(id) = stem.strip_prefix("local-") {
+                let key = format!("{LOCAL_PREFIX}{id}");
+                if used.contains(&key) || local_id(&key).is_none() {
+                    continue;
+                }
+                fs::remove_file(entry.path()).map_err(io_err(format!("removing layer {key}")))?;
+                if let Err(e) = remove_local(id) {
+                    tracing::warn!(layer = %key, error = %e, "could not delete a local layer; it is swept later");
+                }
+                removed.push(key);
+                continue;
+            }
+            let digest = format!("sha256:{stem}");
             if used.contains(&digest) {
                 continue;
             }
@@ -709,7 +834,7 @@ mod tests {
         assert_eq!(fourth.digest, plain);
         assert_eq!(store.layer_key(&other).as_deref(), Some(plain.as_str()));
         // Once no image uses it, the layer and its blob names go.
-        store.gc(&[]).unwrap();
+        store.gc(&[], &mut |_| Ok(())).unwrap();
         assert!(!store.has_layer(&plain) && !store.has_layer(&zipped));
         assert_eq!(fs::read_dir(dir.path().join("blobs")).unwrap().count(), 0);
     }
@@ -821,12 +946,85 @@ mod tests {
         assert_eq!(store.images().unwrap().len(), 2);
         store.remove_image("two").unwrap();
         // The top layer is kept while a run still uses it, then collected.
-        assert!(store.gc(&[digest(&top)]).unwrap().is_empty());
-        assert_eq!(store.gc(&[]).unwrap(), vec![digest(&top)]);
+        assert!(store
+            .gc(&[digest(&top)], &mut |_| Ok(()))
+            .unwrap()
+            .is_empty());
+        assert_eq!(store.gc(&[], &mut |_| Ok(())).unwrap(), vec![digest(&top)]);
         assert!(store.has_layer(&digest(&base)));
         store.remove_image("one").unwrap();
-        assert_eq!(store.gc(&[]).unwrap(), vec![digest(&base)]);
+        assert_eq!(store.gc(&[], &mut |_| Ok(())).unwrap(), vec![digest(&base)]);
         assert!(matches!(store.image("one"), Err(StoreError::NoImage(_))));
+    }
+
+    #[test]
+    fn local_layers_count_once_recorded_and_go_back_to_their_owner() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let id = "01JABCDEFGHJKMNPQRSTVWXYZ0";
+        let key = format!("local:{id}");
+        // Without a local root there are no local layers.
+        assert!(store.layer_dir(&key).is_err());
+        let local = dir.path().join("local");
+        assert!(store.set_local_root(local.clone()));
+        assert!(!store.set_local_root(dir.path().to_path_buf()));
+        assert_eq!(store.layer_dir(&key).unwrap(), local.join(id).join("upper"));
+        // Not there, or there but unrecorded: not a layer.
+        assert!(store.add_local_layer(id, 5, 1).is_err());
+        std::fs::create_dir_all(local.join(id).join("upper")).unwrap();
+        std::fs::write(local.join(id).join("upper/f"), b"hello").unwrap();
+        assert!(!store.has_layer(&key));
+        let record = store.add_local_layer(id, 5, 1).unwrap();
+        assert_eq!(
+            (record.digest.as_str(), record.diff_id.as_ref()),
+            (key.as_str(), None)
+        );
+        assert!(store.has_layer(&key));
+        assert_eq!(store.layer_size(&key).unwrap(), 5);
+        assert_eq!(store.local_layers().unwrap(), vec![id.to_owned()]);
+        // An image on top of a stored layer and the local one.
+        let base = layer_tar(&[("etc/os", b"base")]);
+        let base_key = store
+            .add_layer(&digest(&base), std::io::Cursor::new(base.clone()))
+            .unwrap()
+            .digest;
+        store
+            .put_image(ImageRecord {
+                name: "snap".into(),
+                source: "snapshot".into(),
+                config: serde_json::json!({}),
+                layers: vec![base_key.clone(), key.clone()],
+                size_bytes: 0,
+                created_unix: 0,
+            })
+            .unwrap();
+        let dirs = store.image_layer_dirs("snap").unwrap();
+        assert_eq!(dirs[1], local.join(id).join("upper"));
+        let mut handed = Vec::new();
+        let mut remove = |id: &str| {
+            handed.push(id.to_owned());
+            Ok(())
+        };
+        assert!(store.gc(&[], &mut remove).unwrap().is_empty());
+        // Unused: forgotten first, then handed back to be deleted.
+        store.remove_image("snap").unwrap();
+        let mut removed = store.gc(&[], &mut remove).unwrap();
+        removed.sort();
+        let mut want = vec![base_key, key.clone()];
+        want.sort();
+        assert_eq!(removed, want);
+        assert_eq!(handed, vec![id.to_owned()]);
+        assert!(!store.has_layer(&key));
+        assert!(store.local_layers().unwrap().is_empty());
+        // Keys that are not ULIDs are never local layers.
+        for bad in [
+            "local:",
+            "local:../x",
+            "local:01jabcdefghjkmnpqrstvwxyz0",
+            "local:01JABCDEFGHJKMNPQRSTVWXYZI",
+        ] {
+            assert_eq!(local_id(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -188,6 +188,7 @@ impl OciLane {
             dial: Support::Yes,
             suspend: Support::Yes,
             hibernate: Support::Yes,
+            layers: support(storage.snapshots_unsupported()),
         };
         Ok(OciLane(Arc::new(Shared {
             runtime,
@@ -591,6 +592,67 @@ impl Lane for OciLane {
         Arc::new(self.oci_sandbox(id))
     }
 
+    fn layer_root(&self) -> Option<PathBuf> {
+        self.0.capabilities.layers.yes().then(|| {
+            self.0
+                .state_dir
+                .join("runs")
+                .join(crate::storage::LAYERS_DIR)
+        })
+    }
+
+    /// A writable snapshot of the capture, stripped of what the lane put in
+    /// the run, made read-only (`crate::storage::RunStorage::keep_capture`);
+    /// then its size, from metadata.
+    async fn keep_layer(
+        &self,
+        capture: &Capture,
+        id: Ulid,
+    ) -> Result<runbox_core::lane::LayerSize, LaneError> {
+        let lane = self.0.clone();
+        let dir = capture
+            .upper
+            .parent()
+            .map(Path::to_path_buf)
+            .ok_or_else(|| LaneError::Failed("a capture without a directory".into()))?;
+        let strip = capture.injected.clone();
+        tokio::task::spawn_blocking(move || {
+            let runs = lane.state_dir.join("runs");
+            let name = id.to_string();
+            let layer = lane.storage.keep_capture(&dir, &runs, &name, &strip)?;
+            match crate::storage::tree_size(&layer.join("upper")) {
+                Ok((bytes, entries)) => Ok(runbox_core::lane::LayerSize { bytes, entries }),
+                Err(e) => {
+                    let _ = crate::storage::remove_layer(&runs, &name);
+                    Err(LaneError::io(format!("measuring layer {name}"))(e))
+                }
+            }
+        })
+        .await
+        .map_err(|e| LaneError::Failed(format!("keeping a layer: {e}")))?
+    }
+
+    fn remove_layer(&self, id: &str) -> Result<(), LaneError> {
+        crate::storage::remove_layer(&self.0.state_dir.join("runs"), id)
+    }
+
+    fn sweep_layers(&self, keep: &HashSet<String>) -> Vec<String> {
+        let runs = self.0.state_dir.join("runs");
+        let mut swept = Vec::new();
+        for id in crate::storage::layer_ids(&runs) {
+            if keep.contains(&id) {
+                continue;
+            }
+            match crate::storage::remove_layer(&runs, &id) {
+                Ok(()) => swept.push(id),
+                Err(e) => {
+                    tracing::warn!(layer = %id, error = %e, "could not remove an unrecorded layer")
+                }
+            }
+        }
+        swept
+    }
+
     /// A run a dead daemon left frozen (it died in the middle of a capture)
     /// is thawed first: the runtime would report it `paused`, and its agent
     /// could not answer. A run suspended on purpose stays frozen.
@@ -639,7 +701,8 @@ impl Lane for OciLane {
                 }
                 Some(_) => {}
                 None if entry.file_name() == crate::storage::CAPTURES_DIR
-                    || entry.file_name() == crate::storage::WARM_CACHE_DIR => {}
+                    || entry.file_name() == crate::storage::WARM_CACHE_DIR
+                    || entry.file_name() == crate::storage::LAYERS_DIR => {}
                 None => {
                     tracing::warn!(path = %entry.path().display(), "ignoring a stray entry in the runs directory")
                 }

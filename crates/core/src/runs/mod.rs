@@ -282,6 +282,11 @@ impl Manager {
             warm,
             context,
         });
+        // Local layers (snapshots kept where the lane keeps runs) are found
+        // where the lane says, before any run mounts one.
+        if let Some(root) = manager.lane.layer_root() {
+            manager.images.store().set_local_root(root);
+        }
         manager.reconcile().await?;
         // After reconcile: the runs it re-adopted hold their generations.
         manager.spawn_warm_tick();
@@ -290,6 +295,21 @@ impl Manager {
         // Layers nothing references any more: a snapshot or import a crash
         // cut short after its layer was stored, before its image record.
         manager.collect_garbage().await?;
+        // Local layers made by a daemon that died before recording them.
+        let recorded: std::collections::HashSet<String> = manager
+            .images
+            .store()
+            .local_layers()
+            .map_err(|e| CoreError::Store(e.to_string()))?
+            .into_iter()
+            .collect();
+        let swept = manager.lane.sweep_layers(&recorded);
+        if !swept.is_empty() {
+            tracing::info!(
+                layers = swept.len(),
+                "removed local layers no image recorded"
+            );
+        }
         Ok(manager)
     }
 
