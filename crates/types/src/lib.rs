@@ -656,7 +656,9 @@ pub struct Snapshot {
     pub parent: String,
     /// The run it was taken from.
     pub run: Ulid,
-    /// Digest (diff_id) of the new layer.
+    /// The new layer's key: `local:<ulid>` for the run's copy kept in the
+    /// run store as the layer (constant cost), or a `sha256:` digest
+    /// (diff_id) for a layer written as a tar (a run with a warm volume).
     pub layer: String,
     /// Bytes of file data in the new layer.
     pub layer_bytes: u64,
@@ -1030,7 +1032,9 @@ pub struct Image {
     /// Where it came from: `rootfs`, `oci-layout`, `docker-save`, or the
     /// registry reference it was pulled from.
     pub source: String,
-    /// Its layers' digests, base first. Layers are stored once and shared.
+    /// Its layers, base first: `sha256:` digests (diff_ids), and
+    /// `local:<ulid>` for a snapshot layer kept in the run store. Layers are
+    /// stored once and shared.
     pub layers: Vec<String>,
     /// The image config document (OCI image configuration); only on
     /// `GET /v1/images/{name}`.

@@ -1074,7 +1074,11 @@ export interface components {
              * @description Import time (RFC 3339).
              */
             createdAt: string;
-            /** @description Its layers' digests, base first. Layers are stored once and shared. */
+            /**
+             * @description Its layers, base first: `sha256:` digests (diff_ids), and
+             *     `local:<ulid>` for a snapshot layer kept in the run store. Layers are
+             *     stored once and shared.
+             */
             layers: string[];
             /** @description The image's name. */
             name: string;
@@ -1751,7 +1755,11 @@ export interface components {
             frozenMs: number;
             /** @description The snapshot's image name: give it as `image` to create a run from it. */
             image: string;
-            /** @description Digest (diff_id) of the new layer. */
+            /**
+             * @description The new layer's key: `local:<ulid>` for the run's copy kept in the
+             *     run store as the layer (constant cost), or a `sha256:` digest
+             *     (diff_id) for a layer written as a tar (a run with a warm volume).
+             */
             layer: string;
             /**
              * Format: uint64
