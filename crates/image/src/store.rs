@@ -276,6 +276,58 @@ impl Store {
         Ok(record)
     }
 
+    /// Writes local layer `key` to `out` as an OCI layer tar (overlayfs'
+    /// whiteouts and opaque directories as `.wh.` entries) and returns its
+    /// diff_id, the sha256 of that tar. The first call records the diff_id
+    /// in the layer's metadata, so the digest is computed once; the tar is
+    /// made only when something needs it (an export, a checkpoint). A
+    /// layer's content never changes, so every call writes the same bytes.
+    /// Blocking.
+    pub fn write_local_layer(&self, key: &str, out: impl io::Write) -> Result<String, StoreError> {
+        if local_id(key).is_none() {
+            return Err(StoreError::BadDigest(key.to_owned()));
+        }
+        let mut record = self.layer_record(key)?.ok_or_else(|| {
+            io_err(format!("reading layer {key}"))(io::Error::new(
+                io::ErrorKind::NotFound,
+                "the layer is not stored",
+            ))
+        })?;
+        let mut hashing = HashingWriter {
+            inner: out,
+            hasher: Sha256::new(),
+        };
+        crate::capture::upper_to_tar(&self.layer_dir(key)?, &[], &mut hashing)
+            .map_err(io_err(format!("writing layer {key} as a tar")))?;
+        let diff_id = format!("sha256:{}", hex(&hashing.hasher.finalize()));
+        match &record.diff_id {
+            Some(known) if *known != diff_id => {
+                return Err(StoreError::DiffIdMismatch {
+                    blob: key.to_owned(),
+                    expected: known.clone(),
+                    actual: diff_id,
+                })
+            }
+            Some(_) => {}
+            None => {
+                record.diff_id = Some(diff_id.clone());
+                let meta = self.meta_path(key)?;
+                let bytes = serde_json::to_vec_pretty(&record).map_err(|e| corrupt(&meta, e))?;
+                write_atomic(&meta, &bytes)?;
+            }
+        }
+        Ok(diff_id)
+    }
+
+    /// The diff_id of local layer `key`: recorded, or computed once by
+    /// [`Store::write_local_layer`] into nothing. Blocking.
+    pub fn local_diff_id(&self, key: &str) -> Result<String, StoreError> {
+        match self.layer_record(key)?.and_then(|r| r.diff_id) {
+            Some(known) => Ok(known),
+            None => self.write_local_layer(key, io::sink()),
+        }
+    }
+
     /// The ids of every recorded local layer.
     pub fn local_layers(&self) -> Result<Vec<String>, StoreError> {
         let mut ids: Vec<String> = fs::read_dir(self.root.join("layers"))
@@ -721,6 +773,24 @@ pub fn config_diff_ids(config: &serde_json::Value, layers: usize) -> Option<Vec<
     (ids.len() == layers && ids.iter().all(|id| digest_hex(id).is_ok())).then_some(ids)
 }
 
+/// Hashes what passes through it to `inner`.
+struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W: io::Write> io::Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 struct HashingReader<R> {
     inner: R,
     hasher: Sha256,
@@ -1010,13 +1080,14 @@ mod tests {
         store.remove_image("snap").unwrap();
         let mut removed = store.gc(&[], &mut remove).unwrap();
         removed.sort();
-        let mut want = vec![base_key, key.clone()];
+        let mut want = vec![base_key.clone(), key.clone()];
         want.sort();
         assert_eq!(removed, want);
         assert_eq!(handed, vec![id.to_owned()]);
         assert!(!store.has_layer(&key));
         assert!(store.local_layers().unwrap().is_empty());
         // Keys that are not ULIDs are never local layers.
+        assert!(store.write_local_layer(&base_key, io::sink()).is_err());
         for bad in [
             "local:",
             "local:../x",
@@ -1025,6 +1096,38 @@ mod tests {
         ] {
             assert_eq!(local_id(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_local_layer_becomes_a_tar_on_demand_with_its_digest_computed_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store(dir.path());
+        let local = dir.path().join("local");
+        store.set_local_root(local.clone());
+        let id = "01JABCDEFGHJKMNPQRSTVWXYZ1";
+        let key = format!("local:{id}");
+        let upper = local.join(id).join("upper");
+        std::fs::create_dir_all(upper.join("work")).unwrap();
+        std::fs::write(upper.join("work/a.txt"), b"alpha").unwrap();
+        store.add_local_layer(id, 5, 2).unwrap();
+        let mut tar = Vec::new();
+        let diff_id = store.write_local_layer(&key, &mut tar).unwrap();
+        assert_eq!(diff_id, digest(&tar));
+        // Recorded once; the same again without writing anything.
+        assert_eq!(store.local_diff_id(&key).unwrap(), diff_id);
+        let mut again = Vec::new();
+        assert_eq!(store.write_local_layer(&key, &mut again).unwrap(), diff_id);
+        assert_eq!(again, tar);
+        // The tar is a layer like any other: stored, it unpacks to the same.
+        let stored = store
+            .add_layer(&diff_id, std::io::Cursor::new(tar))
+            .unwrap();
+        assert_eq!(stored.digest, diff_id);
+        let unpacked = store.layer_dir(&diff_id).unwrap();
+        assert_eq!(
+            std::fs::read(unpacked.join("work/a.txt")).unwrap(),
+            b"alpha"
+        );
     }
 
     #[test]
