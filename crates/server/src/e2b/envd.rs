@@ -1120,6 +1120,74 @@ fn upload_metadata(headers: &HeaderMap) -> Result<BTreeMap<String, String>, Stri
     Ok(out)
 }
 
+/// The most of a refused upload read before the refusal is sent.
+const DRAIN_LIMIT: usize = 1 << 20;
+
+/// How long reading a refused upload may take.
+const DRAIN_TIME: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Reads what is left of a multipart upload refused part-way, up to
+/// [`DRAIN_LIMIT`] bytes or [`DRAIN_TIME`] in all: a client still sending
+/// its body then reads the refusal, where a connection closed under it would
+/// only say "broken pipe". A larger or slower body is left unread, and the
+/// connection closes.
+struct Drain {
+    read: usize,
+    until: tokio::time::Instant,
+}
+
+impl Drain {
+    fn new() -> Drain {
+        Drain {
+            read: 0,
+            until: tokio::time::Instant::now() + DRAIN_TIME,
+        }
+    }
+
+    /// Reads the rest of `field`; false once the budget is spent.
+    async fn field(&mut self, mut field: axum::extract::multipart::Field<'_>) -> bool {
+        loop {
+            match tokio::time::timeout_at(self.until, field.chunk()).await {
+                Ok(Ok(Some(chunk))) => {
+                    self.read += chunk.len();
+                    if self.read > DRAIN_LIMIT {
+                        return false;
+                    }
+                }
+                Ok(Ok(None)) => return true,
+                Ok(Err(_)) | Err(_) => return false,
+            }
+        }
+    }
+
+    /// Whether the budget is spent.
+    fn spent(&self) -> bool {
+        self.read > DRAIN_LIMIT || tokio::time::Instant::now() >= self.until
+    }
+
+    /// Reads the parts left in `form`.
+    async fn rest(&mut self, form: &mut Multipart) {
+        while let Ok(Ok(Some(next))) = tokio::time::timeout_at(self.until, form.next_field()).await
+        {
+            if !self.field(next).await {
+                return;
+            }
+        }
+    }
+}
+
+/// [`Drain`] the current part and the rest of the form, then answer
+/// `status` with `message`.
+macro_rules! refuse_drained {
+    ($field:expr, $form:expr, $status:expr, $message:expr) => {{
+        let mut drain = Drain::new();
+        if drain.field($field).await {
+            drain.rest(&mut $form).await;
+        }
+        return envd_error($status, $message);
+    }};
+}
+
 async fn upload<S: RunService>(
     State(envd): State<Envd<S>>,
     Extension(SandboxId(id)): Extension<SandboxId>,
@@ -1161,32 +1229,42 @@ async fn upload<S: RunService>(
             let named = field.file_name().map(str::to_owned);
             let path = match query.path.clone().filter(|_| results.is_empty()).or(named) {
                 Some(p) => p,
-                None => {
-                    return envd_error(
-                        StatusCode::BAD_REQUEST,
-                        "name the file: ?path= or the part's filename",
-                    )
-                }
+                None => refuse_drained!(
+                    field,
+                    form,
+                    StatusCode::BAD_REQUEST,
+                    "name the file: ?path= or the part's filename"
+                ),
             };
             let path = match caller.path(&service, &path).await {
                 Ok(p) => p,
-                Err(e) => return envd_error(StatusCode::BAD_REQUEST, e.message),
+                Err(e) => refuse_drained!(field, form, StatusCode::BAD_REQUEST, e.message),
             };
             // The part borrows the form; the upload takes a stream of its
             // own, fed from the part as the upload reads it.
             let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::io::Error>>(4);
             let body = tokio_stream::wrappers::ReceiverStream::new(rx).boxed();
-            let mut field = field;
+            // When the write is refused part-way (the upload stops taking
+            // the stream), the rest of the part is drained (bounded), so the
+            // client reads the refusal.
+            // Answers whether that spent the drain's budget.
             let pump = async move {
+                let mut field = field;
                 while let Some(chunk) = field.next().await {
                     let chunk = chunk.map_err(std::io::Error::other);
                     let failed = chunk.is_err();
-                    if tx.send(chunk).await.is_err() || failed {
+                    if tx.send(chunk).await.is_err() {
+                        let mut drain = Drain::new();
+                        drain.field(field).await;
+                        return drain.spent();
+                    }
+                    if failed {
                         break;
                     }
                 }
+                false
             };
-            let (written_ok, ()) = tokio::join!(
+            let (written_ok, spent) = tokio::join!(
                 service.put_file(
                     id,
                     Scope::Root,
@@ -1201,6 +1279,9 @@ async fn upload<S: RunService>(
                 pump
             );
             if let Err(e) = written_ok {
+                if !spent {
+                    Drain::new().rest(&mut form).await;
+                }
                 return file_error(e);
             }
             results.push(written(&path, &metadata));
