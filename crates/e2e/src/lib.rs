@@ -815,3 +815,44 @@ pub fn docker_save_tar(layers: &[Vec<u8>], config: &serde_json::Value) -> Vec<u8
     ));
     tar_of_files(&files)
 }
+
+impl TestDaemon {
+    /// Starts a one-connection echo server (`nc -e cat`) on `port` in run
+    /// `id` and returns a tunnel to it once it listens, checked with one
+    /// echoed line.
+    pub async fn echo_tunnel(&self, id: &str, port: u16) -> reqwest::Upgraded {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        self.sh(id, &format!("nc -l -p {port} -e cat > /dev/null 2>&1 &"))
+            .await;
+        let mut tunnel = None;
+        for _ in 0..100 {
+            if let Ok(t) = self.client.connect_port(id, port, None).await {
+                tunnel = Some(t);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let mut tunnel = tunnel.expect("the echo server never listened");
+        tunnel.write_all(b"one\n").await.unwrap();
+        let mut back = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(10), tunnel.read_exact(&mut back))
+            .await
+            .expect("no echo")
+            .unwrap();
+        assert_eq!(&back, b"one\n");
+        tunnel
+    }
+
+    /// The refusal of an exec of `true` in run `id`; panics with `why` if
+    /// the exec is admitted.
+    pub async fn exec_refusal(&self, id: &str, why: &str) -> runbox_client::ClientError {
+        let req = ExecRequest {
+            cmd: vec!["true".into()],
+            ..Default::default()
+        };
+        match self.client.exec(id, &req).await {
+            Ok(_) => panic!("{why}"),
+            Err(e) => e,
+        }
+    }
+}

@@ -132,7 +132,6 @@ async fn a_hibernated_run_keeps_only_its_disk_and_the_next_call_boots_it_again()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_kind_of_call_wakes_a_hibernated_run_and_calls_together_share_one_wake() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let daemon = TestDaemon::start(None).await;
     let id = daemon.create().await.id.to_string();
     daemon
@@ -171,26 +170,7 @@ async fn each_kind_of_call_wakes_a_hibernated_run_and_calls_together_share_one_w
     let err = daemon.client.connect_port(&id, 9000, None).await;
     assert!(err.is_err(), "nothing listens on 9000 after a wake");
     assert_eq!(status(&daemon, &id).await, Some(RunStatus::Running));
-    daemon
-        .sh(&id, "nc -l -p 9000 -e cat > /dev/null 2>&1 &")
-        .await;
-    let mut tunnel = None;
-    for _ in 0..100 {
-        if let Ok(t) = daemon.client.connect_port(&id, 9000, None).await {
-            tunnel = Some(t);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let mut tunnel = tunnel.expect("the echo server never listened");
-    tunnel.write_all(b"one\n").await.unwrap();
-    let mut back = [0u8; 4];
-    tokio::time::timeout(Duration::from_secs(10), tunnel.read_exact(&mut back))
-        .await
-        .expect("no echo")
-        .unwrap();
-    assert_eq!(&back, b"one\n");
-    drop(tunnel);
+    drop(daemon.echo_tunnel(&id, 9000).await);
 
     // Eight execs at once: one wake.
     daemon.client.hibernate_run(&id).await.unwrap();
@@ -224,14 +204,9 @@ async fn hibernated_runs_free_their_capacity_slot_and_a_wake_without_one_is_refu
     // Waking the first would exceed --max-runs: 429, still hibernated.
     let err = daemon.client.wake_run(&first).await.unwrap_err();
     assert_eq!(err.status(), Some(429), "{err}");
-    let req = ExecRequest {
-        cmd: vec!["true".into()],
-        ..Default::default()
-    };
-    let err = match daemon.client.exec(&first, &req).await {
-        Ok(_) => panic!("an exec woke a run past capacity"),
-        Err(e) => e,
-    };
+    let err = daemon
+        .exec_refusal(&first, "an exec woke a run past capacity")
+        .await;
     assert_eq!(err.status(), Some(429), "{err}");
     assert_eq!(status(&daemon, &first).await, Some(RunStatus::Hibernated));
     // Once the slot is free, it wakes.
@@ -338,14 +313,9 @@ async fn a_run_whose_init_dies_is_booted_again_until_its_budget_is_spent() {
     let run = daemon.client.get_run(&id).await.unwrap();
     let failure = run.failure.unwrap_or_default();
     assert!(failure.contains("restarted 3 times"), "{failure}");
-    let req = ExecRequest {
-        cmd: vec!["true".into()],
-        ..Default::default()
-    };
-    let err = match daemon.client.exec(&id, &req).await {
-        Ok(_) => panic!("an exec reached a failed run"),
-        Err(e) => e,
-    };
+    let err = daemon
+        .exec_refusal(&id, "an exec reached a failed run")
+        .await;
     assert_eq!(err.status(), Some(409));
     assert!(err.to_string().contains("run_failed"), "{err}");
     // An explicit wake boots it again, files kept.

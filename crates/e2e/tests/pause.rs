@@ -206,14 +206,12 @@ async fn a_run_that_does_not_resume_on_traffic_refuses_calls_until_resumed() {
         .to_string();
     assert!(!daemon.client.get_run(&id).await.unwrap().auto_resume);
     daemon.client.pause_run(&id).await.unwrap();
-    let req = runbox_types::ExecRequest {
-        cmd: vec!["true".into()],
-        ..Default::default()
-    };
-    let err = match daemon.client.exec(&id, &req).await {
-        Ok(_) => panic!("an exec reached a paused run that does not resume on traffic"),
-        Err(e) => e,
-    };
+    let err = daemon
+        .exec_refusal(
+            &id,
+            "an exec reached a paused run that does not resume on traffic",
+        )
+        .await;
     assert_eq!(err.status(), Some(409), "{err}");
     assert!(err.to_string().contains("run_paused"), "{err}");
     assert_eq!(
@@ -270,26 +268,7 @@ async fn an_open_connection_into_a_paused_run_survives_the_pause() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let daemon = TestDaemon::start(None).await;
     let id = daemon.create().await.id.to_string();
-    // An echo server for one connection.
-    daemon
-        .sh(&id, "nc -l -p 9000 -e cat > /dev/null 2>&1 &")
-        .await;
-    let mut tunnel = None;
-    for _ in 0..100 {
-        if let Ok(t) = daemon.client.connect_port(&id, 9000, None).await {
-            tunnel = Some(t);
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let mut tunnel = tunnel.expect("the echo server never listened");
-    tunnel.write_all(b"one\n").await.unwrap();
-    let mut back = [0u8; 4];
-    tokio::time::timeout(Duration::from_secs(10), tunnel.read_exact(&mut back))
-        .await
-        .expect("no echo")
-        .unwrap();
-    assert_eq!(&back, b"one\n");
+    let mut tunnel = daemon.echo_tunnel(&id, 9000).await;
     daemon.client.pause_run(&id).await.unwrap();
     // Written while the run is frozen: the kernel keeps it for the server.
     tunnel.write_all(b"mid\n").await.unwrap();

@@ -21,12 +21,7 @@ pub const DEFAULT_WARM_PATH: &str = "/work";
 impl Manager {
     /// The cache, or why a warm operation is refused.
     fn warm_cache(&self) -> Result<&Arc<WarmCache>, CoreError> {
-        self.warm.as_ref().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::WarmCacheDisabled,
-                "this server's warm repo cache is off (start it with --cache-root DIR)",
-            )
-        })
+        cache_or_refusal(self.warm.as_ref())
     }
 
     /// Checks a create's `warm` and returns the repository and path.
@@ -292,13 +287,7 @@ pub(crate) fn pinned_mount(
             None,
         ));
     };
-    let pin = cache
-        .ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::WarmCacheDisabled,
-                "this server's warm repo cache is off (start it with --cache-root DIR)",
-            )
-        })?
+    let pin = cache_or_refusal(cache)?
         .pin_generation(&volume.repo, generation)
         .ok_or_else(|| {
             CoreError::Store(format!(
@@ -312,4 +301,14 @@ pub(crate) fn pinned_mount(
         },
         Some(pin),
     ))
+}
+
+/// The warm cache, or why a warm operation is refused.
+fn cache_or_refusal(cache: Option<&Arc<WarmCache>>) -> Result<&Arc<WarmCache>, CoreError> {
+    cache.ok_or_else(|| {
+        CoreError::invalid(
+            ErrorCode::WarmCacheDisabled,
+            "this server's warm repo cache is off (start it with --cache-root DIR)",
+        )
+    })
 }
