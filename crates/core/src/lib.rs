@@ -13,6 +13,7 @@
 //! It does not own sockets to clients, HTTP, or any runtime binary.
 
 mod catalog;
+pub mod checkpoints;
 pub mod config;
 mod durable;
 pub mod egress;

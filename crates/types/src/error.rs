@@ -140,6 +140,12 @@ codes! {
     HibernateUnsupported = "hibernate_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.
     WarmCacheDisabled = "warm_cache_disabled", 400;
+    /// A checkpoint's objects are missing, truncated or do not match their
+    /// recorded digests; it is refused, never booted.
+    CheckpointCorrupt = "checkpoint_corrupt", 422;
+    /// A checkpoint needs image layers this node does not have and cannot
+    /// pull (its base image was imported elsewhere, or changed).
+    CheckpointBaseMissing = "checkpoint_base_missing", 409;
     /// A label key or value breaks the rules, or there are too many.
     BadLabels = "bad_labels", 400;
     /// A pool set breaks the rules (a duplicate pool, `warmMax` below `warm`, ...).
@@ -169,6 +175,8 @@ codes! {
     RunNotFound = "run_not_found", 404;
     /// No such image.
     ImageNotFound = "image_not_found", 404;
+    /// No checkpoint with this id in the checkpoint store.
+    CheckpointNotFound = "checkpoint_not_found", 404;
     /// No such file in the run.
     FileNotFound = "file_not_found", 404;
     /// No such route.
@@ -205,6 +213,9 @@ codes! {
     Capacity = "capacity", 429;
     /// The server is cordoned (`POST /v1/drain`) and takes no new runs.
     Draining = "draining", 503;
+    /// The checkpoint store could not be reached or refused the request;
+    /// nothing was changed, retry after `Retry-After`.
+    CheckpointStoreUnavailable = "checkpoint_store_unavailable", 503;
     /// The sandbox's agent did not answer as it should.
     AgentUnavailable = "agent_unavailable", 502;
     /// A fault in runbox itself; the detail is in the server log.

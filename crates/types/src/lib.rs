@@ -166,8 +166,18 @@ pub struct Limits {
 pub struct CreateRunRequest {
     /// A stored image's local name, or an image reference as Docker spells
     /// it (`alpine:3.20`, `127.0.0.1:5000/team/app:1`, `…@sha256:…`),
-    /// pulled first when it is not stored (see `pull`).
+    /// pulled first when it is not stored (see `pull`). Required unless
+    /// `checkpoint` is given.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub image: String,
+    /// Start from a checkpoint instead of an image (`POST
+    /// /v1/runs/{id}/checkpoint`): the new run gets the checkpointed disk
+    /// and, for every field this request leaves out, the checkpointed
+    /// run's settings (env, limits or size, network and egress, labels,
+    /// TTL, idle policy, `onExpire`). Any number of runs may start from one
+    /// checkpoint. Not with `image`, `pull` or `warm`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<Ulid>,
     /// When to pull `image` (default `if-not-present`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pull: Option<PullPolicy>,
@@ -666,6 +676,54 @@ pub struct Snapshot {
     pub frozen_ms: f64,
     /// How long the whole snapshot took, in milliseconds.
     pub elapsed_ms: f64,
+}
+
+/// `POST /v1/runs/{id}/checkpoint` (the body may be empty).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CheckpointRequest {
+    /// Labels for the checkpoint (the rules of a run's labels); default:
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
+}
+
+/// A run's disk and settings, kept in the checkpoint store.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    /// Its id: give it as `checkpoint` to `POST /v1/runs`.
+    pub id: Ulid,
+    /// The run it was taken from.
+    pub run: Ulid,
+    /// That run's image.
+    pub image: String,
+    /// When it was taken.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// When the store's sweep removes it (`--checkpoint-ttl-hours`); null:
+    /// kept until deleted.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    pub expires_at: Option<OffsetDateTime>,
+    /// Bytes it takes in the store (compressed layers and its record).
+    pub stored_bytes: u64,
+    /// Bytes of file data in the run's disk layer.
+    pub disk_bytes: u64,
+    /// Its labels.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// The node that took it.
+    pub server: String,
+}
+
+/// `GET /v1/checkpoints`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct CheckpointList {
+    /// Every committed checkpoint, oldest first.
+    pub checkpoints: Vec<Checkpoint>,
 }
 
 /// `POST /v1/runs/{id}/fork`.

@@ -1,0 +1,1269 @@
+//! The checkpoint store: runs' disks and settings kept in a directory or an
+//! S3-compatible bucket, so that a run can be brought back on any node that
+//! can have its image, after this node's copy is gone.
+//!
+//! Every write is a new *generation* of a checkpoint, laid out under the
+//! store's prefix as
+//!
+//! ```text
+//! data/<id>/<generation>/layer-<n>.tar.zst   layers, zstd-compressed OCI layer tars
+//! data/<id>/<generation>/record.json         what the run was (CheckpointRecord)
+//! commits/<id>/<generation>.json             the commit point, written last
+//! ```
+//!
+//! Only a generation with a commit object exists for readers: a crash (or a
+//! store outage) before the commit leaves data objects no listing shows,
+//! which the sweep removes once the newest of them is an hour old and no
+//! upload of this daemon is still writing them. The commit names the
+//! record's digest and the record every layer's, so a corrupted, truncated
+//! or swapped object is refused when it is read, never booted.
+//!
+//! The store is reached through `object_store` (the directory store and the
+//! S3 client with its request signing, credential chain and retries); this
+//! module only decides what goes where.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{self, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
+use runbox_types::ErrorCode;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+use crate::error::CoreError;
+
+/// The version of the record and commit formats this daemon writes.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// How old an uncommitted generation must be before the sweep removes it.
+pub const ORPHAN_AGE: Duration = Duration::from_secs(60 * 60);
+
+/// How long a `503 checkpoint_store_unavailable` asks a client to wait.
+pub const RETRY_AFTER: Duration = Duration::from_secs(10);
+
+/// The zstd level layers are compressed at: fast, and about as small as
+/// gzip's default.
+const ZSTD_LEVEL: i32 = 3;
+
+/// Bytes handed from the tar writer to the uploader at a time.
+const CHUNK: usize = 1 << 20;
+
+/// Size of one part of a multipart upload.
+const PART: usize = 16 << 20;
+
+/// Parts uploaded at once.
+const PARTS_IN_FLIGHT: usize = 4;
+
+/// The largest record or commit object read back.
+const MAX_RECORD_BYTES: u64 = 4 << 20;
+
+/// One layer as stored.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StoredLayer {
+    /// Its object's name within the generation (`layer-<n>.tar.zst`).
+    pub object: String,
+    /// `sha256:` of the object's bytes (the compressed blob).
+    pub digest: String,
+    /// `sha256:` of the uncompressed tar.
+    pub diff_id: String,
+    /// The object's size in bytes.
+    pub size: u64,
+    /// The uncompressed tar's size in bytes.
+    pub tar_bytes: u64,
+}
+
+/// Everything needed to bring a checkpointed run back.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointRecord {
+    /// [`FORMAT_VERSION`] when written.
+    pub version: u32,
+    /// The checkpoint.
+    pub id: Ulid,
+    /// The generation this record belongs to.
+    pub generation: u64,
+    /// The run it was taken from.
+    pub run: Ulid,
+    /// That run's image name.
+    pub image: String,
+    /// A registry reference the `base` layers can be pulled from again;
+    /// None when they were not pulled (imported, or made on a node).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<String>,
+    /// Layer keys (diff_ids) below the stored layers that the restoring node
+    /// must have or pull from `pull`; base first.
+    pub base: Vec<String>,
+    /// The stored layers, above `base`, the run's disk last.
+    pub layers: Vec<StoredLayer>,
+    /// The image's OCI config document.
+    pub config: serde_json::Value,
+    /// The run's settings, as a create would give them (`image` empty).
+    pub settings: runbox_types::CreateRunRequest,
+}
+
+/// The commit object of one generation: what a listing shows, and the
+/// record's digest.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Commit {
+    /// [`FORMAT_VERSION`] when written.
+    pub version: u32,
+    /// The generation it commits.
+    pub generation: u64,
+    /// The checkpoint as the API shows it (`expiresAt` left empty: it
+    /// follows the reading daemon's TTL).
+    pub checkpoint: runbox_types::Checkpoint,
+    /// `sha256:` of `record.json`.
+    pub record_digest: String,
+    /// Its size in bytes.
+    pub record_bytes: u64,
+}
+
+/// What one sweep removed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Checkpoints past their TTL.
+    pub expired: usize,
+    /// Uncommitted or superseded generations.
+    pub orphans: usize,
+}
+
+/// A checkpoint store.
+pub struct CheckpointStore {
+    objects: Arc<dyn ObjectStore>,
+    /// The prefix every key is under (empty for a directory store).
+    root: ObjectPath,
+    /// Where it is, for messages: a directory or `s3://bucket/prefix`.
+    location: String,
+    /// Generations this daemon is writing (`<id>/<generation>`): never
+    /// orphans, however old their first objects are.
+    writing: Mutex<HashSet<String>>,
+}
+
+impl std::fmt::Debug for CheckpointStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckpointStore")
+            .field("location", &self.location)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CheckpointStore {
+    /// Opens the store `location` names: `s3://bucket[/prefix]` (see
+    /// [`s3_builder`] for where its endpoint and credentials come from), or
+    /// an absolute directory, created if missing. Nothing is sent to a
+    /// bucket until the store is used.
+    pub fn open(location: &str) -> Result<CheckpointStore, CoreError> {
+        if location.starts_with("s3://") {
+            let (builder, prefix) = s3_builder(location, &|k| std::env::var(k).ok())
+                .map_err(|why| CoreError::invalid(ErrorCode::BadRequest, why))?;
+            let s3 = builder.build().map_err(|e| {
+                CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    format!("checkpoint store {location}: {e}"),
+                )
+            })?;
+            return Ok(CheckpointStore::new(Arc::new(s3), &prefix, location));
+        }
+        let dir = std::path::Path::new(location);
+        if !dir.is_absolute() {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!(
+                    "checkpoint store {location:?}: give an absolute directory or s3://bucket/prefix"
+                ),
+            ));
+        }
+        std::fs::create_dir_all(dir).map_err(CoreError::io(format!(
+            "creating checkpoint store {location}"
+        )))?;
+        let local = object_store::local::LocalFileSystem::new_with_prefix(dir)
+            .map_err(|e| CoreError::Store(format!("checkpoint store {location}: {e}")))?
+            .with_automatic_cleanup(true);
+        Ok(CheckpointStore::new(Arc::new(local), "", location))
+    }
+
+    fn new(objects: Arc<dyn ObjectStore>, prefix: &str, location: &str) -> CheckpointStore {
+        CheckpointStore {
+            objects,
+            root: ObjectPath::from(prefix),
+            location: location.to_owned(),
+            writing: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Where the store is: a directory or `s3://bucket/prefix`.
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    fn commits_of(&self, id: Ulid) -> ObjectPath {
+        self.root.clone().join("commits").join(id.to_string())
+    }
+
+    fn data_of(&self, id: Ulid, generation: u64) -> ObjectPath {
+        self.root
+            .clone()
+            .join("data")
+            .join(id.to_string())
+            .join(generation_name(generation))
+    }
+
+    fn unavailable(&self, doing: &str) -> impl FnOnce(object_store::Error) -> CoreError + '_ {
+        let doing = doing.to_owned();
+        move |e| CoreError::Conflict {
+            code: ErrorCode::CheckpointStoreUnavailable,
+            message: format!(
+                "the checkpoint store ({}) failed while {doing}: {}",
+                self.location,
+                error_text(&e)
+            ),
+        }
+    }
+
+    /// Starts generation `generation` of checkpoint `id`: until it is
+    /// committed or dropped, the sweep leaves its objects alone.
+    pub fn begin(&self, id: Ulid, generation: u64) -> Upload<'_> {
+        let key = format!("{id}/{}", generation_name(generation));
+        lock(&self.writing).insert(key.clone());
+        Upload {
+            store: self,
+            id,
+            generation,
+            key,
+            layers: Vec::new(),
+        }
+    }
+
+    /// Every committed checkpoint (its newest generation), oldest first.
+    pub async fn list(&self) -> Result<Vec<Commit>, CoreError> {
+        let prefix = self.root.clone().join("commits");
+        let metas: Vec<object_store::ObjectMeta> = self
+            .objects
+            .list(Some(&prefix))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(self.unavailable("listing checkpoints"))?;
+        let mut newest: BTreeMap<Ulid, (u64, ObjectPath)> = BTreeMap::new();
+        for meta in metas {
+            let Some((id, generation)) = parse_commit_path(&prefix, &meta.location) else {
+                continue;
+            };
+            let entry = newest.entry(id).or_insert((0, meta.location.clone()));
+            if generation >= entry.0 {
+                *entry = (generation, meta.location);
+            }
+        }
+        let mut commits = Vec::with_capacity(newest.len());
+        for (id, (generation, path)) in newest {
+            match self.read_commit(&path, id, generation).await {
+                Ok(commit) => commits.push(commit),
+                // Deleted since the listing.
+                Err(CoreError::Invalid {
+                    code: ErrorCode::CheckpointNotFound,
+                    ..
+                }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        commits.sort_by_key(|c| (c.checkpoint.created_at, c.checkpoint.id));
+        Ok(commits)
+    }
+
+    /// The newest committed generation of checkpoint `id`.
+    pub async fn get(&self, id: Ulid) -> Result<Commit, CoreError> {
+        let generations = self.committed(id).await?;
+        let Some((generation, path)) = generations.into_iter().next_back() else {
+            return Err(not_found(id));
+        };
+        self.read_commit(&path, id, generation).await
+    }
+
+    /// The committed generations of `id`, oldest first.
+    async fn committed(&self, id: Ulid) -> Result<BTreeMap<u64, ObjectPath>, CoreError> {
+        let prefix = self.root.clone().join("commits");
+        let metas: Vec<object_store::ObjectMeta> = self
+            .objects
+            .list(Some(&self.commits_of(id)))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(self.unavailable("reading a checkpoint"))?;
+        Ok(metas
+            .into_iter()
+            .filter_map(|m| {
+                let (found, generation) = parse_commit_path(&prefix, &m.location)?;
+                (found == id).then_some((generation, m.location))
+            })
+            .collect())
+    }
+
+    async fn read_commit(
+        &self,
+        path: &ObjectPath,
+        id: Ulid,
+        generation: u64,
+    ) -> Result<Commit, CoreError> {
+        let bytes = match self.read_small(path, "reading a checkpoint").await {
+            Ok(bytes) => bytes,
+            Err(None) => return Err(not_found(id)),
+            Err(Some(e)) => return Err(e),
+        };
+        let commit: Commit = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(id, format!("its commit object does not parse: {e}")))?;
+        if commit.version > FORMAT_VERSION {
+            return Err(corrupt(
+                id,
+                format!(
+                    "it was written in format {} and this daemon reads up to {FORMAT_VERSION}",
+                    commit.version
+                ),
+            ));
+        }
+        if commit.checkpoint.id != id || commit.generation != generation {
+            return Err(corrupt(id, "its commit object names another checkpoint"));
+        }
+        Ok(commit)
+    }
+
+    /// Reads a small object whole; `Err(None)` when it does not exist.
+    async fn read_small(&self, path: &ObjectPath, doing: &str) -> Result<Bytes, Option<CoreError>> {
+        let got = match self.objects.get(path).await {
+            Ok(got) => got,
+            Err(object_store::Error::NotFound { .. }) => return Err(None),
+            Err(e) => return Err(Some(self.unavailable(doing)(e))),
+        };
+        if got.meta.size > MAX_RECORD_BYTES {
+            return Err(Some(CoreError::invalid(
+                ErrorCode::CheckpointCorrupt,
+                format!(
+                    "object {path} is {} bytes, more than a record may be",
+                    got.meta.size
+                ),
+            )));
+        }
+        got.bytes()
+            .await
+            .map_err(|e| Some(self.unavailable(doing)(e)))
+    }
+
+    /// The record `commit` commits, checked against its digest.
+    pub async fn record(&self, commit: &Commit) -> Result<CheckpointRecord, CoreError> {
+        let id = commit.checkpoint.id;
+        let path = self.data_of(id, commit.generation).join("record.json");
+        let bytes = match self.read_small(&path, "reading a checkpoint").await {
+            Ok(bytes) => bytes,
+            Err(None) => return Err(corrupt(id, "its record object is missing")),
+            Err(Some(e)) => return Err(e),
+        };
+        let digest = sha256_of(&bytes);
+        if digest != commit.record_digest || bytes.len() as u64 != commit.record_bytes {
+            return Err(corrupt(
+                id,
+                format!(
+                    "its record is {} bytes with digest {digest}; the commit recorded {} bytes with {}",
+                    bytes.len(),
+                    commit.record_bytes,
+                    commit.record_digest
+                ),
+            ));
+        }
+        let record: CheckpointRecord = serde_json::from_slice(&bytes)
+            .map_err(|e| corrupt(id, format!("its record does not parse: {e}")))?;
+        if record.id != id || record.generation != commit.generation {
+            return Err(corrupt(id, "its record names another checkpoint"));
+        }
+        for layer in &record.layers {
+            if !valid_object_name(&layer.object) {
+                return Err(corrupt(
+                    id,
+                    format!("its record names object {:?}", layer.object),
+                ));
+            }
+        }
+        Ok(record)
+    }
+
+    /// Streams stored layer `layer` of `record` into `sink`, at most its
+    /// recorded size; the sink verifies the digests.
+    pub async fn read_layer(
+        &self,
+        record: &CheckpointRecord,
+        layer: &StoredLayer,
+        mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+    ) -> Result<(), CoreError> {
+        let id = record.id;
+        let path = self
+            .data_of(id, record.generation)
+            .join(layer.object.as_str());
+        let doing = "downloading a checkpoint layer";
+        let got = match self.objects.get(&path).await {
+            Ok(got) => got,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(corrupt(
+                    id,
+                    format!("its layer {} is missing", layer.object),
+                ))
+            }
+            Err(e) => return Err(self.unavailable(doing)(e)),
+        };
+        if got.meta.size != layer.size {
+            return Err(corrupt(
+                id,
+                format!(
+                    "its layer {} is {} bytes; the record says {}",
+                    layer.object, got.meta.size, layer.size
+                ),
+            ));
+        }
+        let mut stream = got.into_stream();
+        let mut seen = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(self.unavailable(doing))?;
+            seen += chunk.len() as u64;
+            if seen > layer.size {
+                return Err(corrupt(
+                    id,
+                    format!("its layer {} is longer than recorded", layer.object),
+                ));
+            }
+            sink(&chunk)
+                .map_err(|e| corrupt(id, format!("its layer {} was refused: {e}", layer.object)))?;
+        }
+        Ok(())
+    }
+
+    /// Removes every generation of checkpoint `id`: the commits first, so
+    /// that it stops existing at once, then the data (what a failure leaves
+    /// is an orphan for the sweep).
+    pub async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
+        let generations = self.committed(id).await?;
+        if generations.is_empty() {
+            return Err(not_found(id));
+        }
+        for path in generations.values() {
+            self.remove(path).await?;
+        }
+        for generation in generations.keys() {
+            self.remove_data(id, *generation).await?;
+        }
+        Ok(())
+    }
+
+    async fn remove(&self, path: &ObjectPath) -> Result<(), CoreError> {
+        match self.objects.delete(path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(self.unavailable("deleting a checkpoint")(e)),
+        }
+    }
+
+    async fn remove_data(&self, id: Ulid, generation: u64) -> Result<(), CoreError> {
+        let prefix = self.data_of(id, generation);
+        let metas: Vec<object_store::ObjectMeta> = self
+            .objects
+            .list(Some(&prefix))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(self.unavailable("deleting a checkpoint"))?;
+        for meta in metas {
+            self.remove(&meta.location).await?;
+        }
+        Ok(())
+    }
+
+    /// Removes checkpoints older than `ttl` (when given), generations a
+    /// newer one superseded, and uncommitted data older than
+    /// [`ORPHAN_AGE`] that this daemon is not writing.
+    pub async fn sweep(
+        &self,
+        now: OffsetDateTime,
+        ttl: Option<Duration>,
+    ) -> Result<Swept, CoreError> {
+        let mut swept = Swept::default();
+        let commits_prefix = self.root.clone().join("commits");
+        let metas: Vec<object_store::ObjectMeta> = self
+            .objects
+            .list(Some(&commits_prefix))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(self.unavailable("sweeping checkpoints"))?;
+        let mut committed: HashMap<Ulid, BTreeMap<u64, ObjectPath>> = HashMap::new();
+        for meta in metas {
+            if let Some((id, generation)) = parse_commit_path(&commits_prefix, &meta.location) {
+                committed
+                    .entry(id)
+                    .or_default()
+                    .insert(generation, meta.location);
+            }
+        }
+        let mut live: HashSet<(Ulid, u64)> = HashSet::new();
+        for (id, generations) in &committed {
+            let Some((&newest, path)) = generations.iter().next_back() else {
+                continue;
+            };
+            if let Some(ttl) = ttl {
+                match self.read_commit(path, *id, newest).await {
+                    Ok(commit) if commit.checkpoint.created_at + ttl <= now => {
+                        tracing::info!(checkpoint = %id, "checkpoint past its TTL removed");
+                        self.delete(*id).await?;
+                        swept.expired += 1;
+                        continue;
+                    }
+                    Ok(_) => {}
+                    Err(e) if e.code() == ErrorCode::CheckpointCorrupt => {
+                        tracing::warn!(checkpoint = %id, error = %e, "unreadable commit object left in place");
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            for (&generation, path) in generations.iter() {
+                if generation == newest {
+                    live.insert((*id, generation));
+                } else {
+                    // Superseded: its data goes with the data sweep below.
+                    self.remove(path).await?;
+                }
+            }
+        }
+        let data_prefix = self.root.clone().join("data");
+        let metas: Vec<object_store::ObjectMeta> = self
+            .objects
+            .list(Some(&data_prefix))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(self.unavailable("sweeping checkpoints"))?;
+        let mut orphans: BTreeMap<(Ulid, u64), (OffsetDateTime, Vec<ObjectPath>)> = BTreeMap::new();
+        for meta in metas {
+            let Some((id, generation)) = parse_data_path(&data_prefix, &meta.location) else {
+                continue;
+            };
+            if live.contains(&(id, generation)) {
+                continue;
+            }
+            let modified = OffsetDateTime::from_unix_timestamp(meta.last_modified.timestamp())
+                .unwrap_or(OffsetDateTime::UNIX_EPOCH);
+            let entry = orphans
+                .entry((id, generation))
+                .or_insert((OffsetDateTime::UNIX_EPOCH, Vec::new()));
+            entry.0 = entry.0.max(modified);
+            entry.1.push(meta.location);
+        }
+        let writing = lock(&self.writing).clone();
+        for ((id, generation), (newest, paths)) in orphans {
+            let superseded = committed
+                .get(&id)
+                .is_some_and(|g| g.keys().any(|&other| other > generation));
+            if writing.contains(&format!("{id}/{}", generation_name(generation))) {
+                continue;
+            }
+            if !superseded && newest + ORPHAN_AGE > now {
+                continue;
+            }
+            for path in paths {
+                self.remove(&path).await?;
+            }
+            tracing::info!(checkpoint = %id, generation, "uncommitted checkpoint data removed");
+            swept.orphans += 1;
+        }
+        Ok(swept)
+    }
+}
+
+/// One generation being written; see [`CheckpointStore::begin`].
+pub struct Upload<'a> {
+    store: &'a CheckpointStore,
+    id: Ulid,
+    generation: u64,
+    key: String,
+    layers: Vec<StoredLayer>,
+}
+
+impl Drop for Upload<'_> {
+    fn drop(&mut self) {
+        lock(&self.store.writing).remove(&self.key);
+    }
+}
+
+impl Upload<'_> {
+    /// Uploads the next layer: `produce` writes an uncompressed OCI layer
+    /// tar (on a blocking thread), which is compressed, hashed and sent
+    /// in parts as it is made; nothing is spooled to disk.
+    pub async fn put_layer(
+        &mut self,
+        produce: impl FnOnce(&mut dyn Write) -> io::Result<()> + Send + 'static,
+    ) -> Result<StoredLayer, CoreError> {
+        let object = format!("layer-{}.tar.zst", self.layers.len());
+        let path = self
+            .store
+            .data_of(self.id, self.generation)
+            .join(object.as_str());
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(PARTS_IN_FLIGHT);
+        let producer = tokio::task::spawn_blocking(move || -> io::Result<_> {
+            let sink = ChunkWriter {
+                tx,
+                buf: Vec::with_capacity(CHUNK),
+            };
+            let blob = HashingWriter::new(sink);
+            let mut encoder = zstd::stream::Encoder::new(blob, ZSTD_LEVEL)?;
+            let mut tar = HashingWriter::new(&mut encoder);
+            produce(&mut tar)?;
+            let (diff_id, tar_bytes) = (tar.digest(), tar.count);
+            let mut blob = encoder.finish()?;
+            blob.inner.send_rest()?;
+            Ok((blob.digest(), blob.count, diff_id, tar_bytes))
+        });
+        let doing = "uploading a checkpoint layer";
+        let sent = async {
+            let upload = self
+                .store
+                .objects
+                .put_multipart(&path)
+                .await
+                .map_err(self.store.unavailable(doing))?;
+            let mut writer = WriteMultipart::new_with_chunk_size(upload, PART);
+            while let Some(chunk) = rx.recv().await {
+                if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
+                    let _ = writer.abort().await;
+                    return Err(self.store.unavailable(doing)(e));
+                }
+                writer.put(chunk);
+            }
+            Ok(writer)
+        }
+        .await;
+        // Whatever happened above, the producer stops at its next write.
+        drop(rx);
+        let produced = producer
+            .await
+            .map_err(|e| CoreError::Store(format!("checkpoint layer task failed: {e}")))?;
+        let writer = sent?;
+        let (digest, size, diff_id, tar_bytes) = match produced {
+            Ok(done) => done,
+            Err(e) => {
+                let _ = writer.abort().await;
+                return Err(CoreError::io("writing the run's disk as a layer")(e));
+            }
+        };
+        writer
+            .finish()
+            .await
+            .map_err(self.store.unavailable(doing))?;
+        let layer = StoredLayer {
+            object,
+            digest,
+            diff_id,
+            size,
+            tar_bytes,
+        };
+        self.layers.push(layer.clone());
+        Ok(layer)
+    }
+
+    /// The layers uploaded so far, in order.
+    pub fn layers(&self) -> &[StoredLayer] {
+        &self.layers
+    }
+
+    /// Writes the record, then the commit object that makes the generation
+    /// exist, then removes the generations before it.
+    pub async fn commit(
+        self,
+        record: &CheckpointRecord,
+        mut checkpoint: runbox_types::Checkpoint,
+    ) -> Result<Commit, CoreError> {
+        let store = self.store;
+        let record_bytes = serde_json::to_vec_pretty(record)
+            .map_err(|e| CoreError::Store(format!("encoding a checkpoint record: {e}")))?;
+        let data = store.data_of(self.id, self.generation);
+        checkpoint.stored_bytes =
+            self.layers.iter().map(|l| l.size).sum::<u64>() + record_bytes.len() as u64;
+        checkpoint.expires_at = None;
+        let commit = Commit {
+            version: FORMAT_VERSION,
+            generation: self.generation,
+            checkpoint,
+            record_digest: sha256_of(&record_bytes),
+            record_bytes: record_bytes.len() as u64,
+        };
+        let doing = "committing a checkpoint";
+        store
+            .objects
+            .put(&data.join("record.json"), PutPayload::from(record_bytes))
+            .await
+            .map_err(store.unavailable(doing))?;
+        let commit_bytes = serde_json::to_vec_pretty(&commit)
+            .map_err(|e| CoreError::Store(format!("encoding a checkpoint commit: {e}")))?;
+        let path = store
+            .commits_of(self.id)
+            .join(format!("{}.json", generation_name(self.generation)).as_str());
+        store
+            .objects
+            .put(&path, PutPayload::from(commit_bytes))
+            .await
+            .map_err(store.unavailable(doing))?;
+        // Older generations: best effort; the sweep finishes what fails.
+        if let Ok(generations) = store.committed(self.id).await {
+            for (&generation, old) in generations.range(..self.generation) {
+                if store.remove(old).await.is_ok() {
+                    let _ = store.remove_data(self.id, generation).await;
+                }
+            }
+        }
+        Ok(commit)
+    }
+
+    /// Removes what this generation uploaded (a failed checkpoint); what
+    /// cannot be removed now is left to the sweep.
+    pub async fn abandon(self) {
+        let _ = self.store.remove_data(self.id, self.generation).await;
+    }
+}
+
+/// Reads `s3://bucket[/prefix]` and the AWS environment (`env`) into a
+/// client builder and the key prefix.
+///
+/// Credentials and region come from the standard AWS variables and
+/// credential chain as `object_store` reads them (`AWS_ACCESS_KEY_ID`,
+/// `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`, `AWS_REGION` or
+/// `AWS_DEFAULT_REGION`, web identity, container and instance
+/// credentials), never from runbox's own flags. The endpoint is
+/// `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` (AWS itself when neither is
+/// set); one that is an IP address or has a port gets path-style requests,
+/// any other virtual-hosted ones, and plain `http://` is accepted only for
+/// a loopback endpoint.
+pub fn s3_builder(
+    location: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(object_store::aws::AmazonS3Builder, String), String> {
+    use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+    let rest = location
+        .strip_prefix("s3://")
+        .ok_or_else(|| format!("checkpoint store {location:?}: not an s3:// URL"))?;
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    let bucket_ok = (3..=63).contains(&bucket.len())
+        && bucket
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+        && !bucket.starts_with(['-', '.'])
+        && !bucket.ends_with(['-', '.']);
+    if !bucket_ok {
+        return Err(format!(
+            "checkpoint store {location:?}: {bucket:?} is not a bucket name (3-63 lowercase letters, digits, '-' and '.')"
+        ));
+    }
+    let prefix = prefix.trim_matches('/');
+    if prefix
+        .split('/')
+        .any(|p| p.is_empty() && !prefix.is_empty())
+        || prefix.split('/').any(|p| p == "." || p == "..")
+        || prefix.chars().any(|c| c.is_control())
+    {
+        return Err(format!(
+            "checkpoint store {location:?}: the prefix must be plain path segments"
+        ));
+    }
+    let mut builder = AmazonS3Builder::new().with_bucket_name(bucket);
+    // The credential chain's own variables, as object_store names them.
+    for (var, key) in [
+        ("AWS_ACCESS_KEY_ID", AmazonS3ConfigKey::AccessKeyId),
+        ("AWS_SECRET_ACCESS_KEY", AmazonS3ConfigKey::SecretAccessKey),
+        ("AWS_SESSION_TOKEN", AmazonS3ConfigKey::Token),
+        ("AWS_DEFAULT_REGION", AmazonS3ConfigKey::DefaultRegion),
+        ("AWS_REGION", AmazonS3ConfigKey::Region),
+        (
+            "AWS_WEB_IDENTITY_TOKEN_FILE",
+            AmazonS3ConfigKey::WebIdentityTokenFile,
+        ),
+        ("AWS_ROLE_ARN", AmazonS3ConfigKey::RoleArn),
+        ("AWS_ROLE_SESSION_NAME", AmazonS3ConfigKey::RoleSessionName),
+        (
+            "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+            AmazonS3ConfigKey::ContainerCredentialsRelativeUri,
+        ),
+    ] {
+        if let Some(value) = env(var).filter(|v| !v.is_empty()) {
+            builder = builder.with_config(key, value);
+        }
+    }
+    let endpoint = env("AWS_ENDPOINT_URL_S3")
+        .filter(|v| !v.is_empty())
+        .or_else(|| env("AWS_ENDPOINT_URL").filter(|v| !v.is_empty()));
+    match endpoint {
+        None => {
+            builder = builder.with_virtual_hosted_style_request(true);
+        }
+        Some(endpoint) => {
+            let url = url::Url::parse(&endpoint)
+                .map_err(|e| format!("AWS_ENDPOINT_URL {endpoint:?} is not a URL: {e}"))?;
+            let host = url
+                .host()
+                .ok_or_else(|| format!("AWS_ENDPOINT_URL {endpoint:?} has no host"))?;
+            if !matches!(url.path(), "" | "/")
+                || url.query().is_some()
+                || !url.username().is_empty()
+            {
+                return Err(format!(
+                    "AWS_ENDPOINT_URL {endpoint:?}: give only scheme, host and port"
+                ));
+            }
+            let loopback = match &host {
+                url::Host::Ipv4(ip) => ip.is_loopback(),
+                url::Host::Ipv6(ip) => ip.is_loopback(),
+                url::Host::Domain(name) => *name == "localhost",
+            };
+            match url.scheme() {
+                "https" => {}
+                "http" if loopback => builder = builder.with_allow_http(true),
+                "http" => {
+                    return Err(format!(
+                        "AWS_ENDPOINT_URL {endpoint:?}: plain http is accepted only for a loopback endpoint; use https"
+                    ))
+                }
+                other => {
+                    return Err(format!(
+                        "AWS_ENDPOINT_URL {endpoint:?}: scheme {other:?} is neither http nor https"
+                    ))
+                }
+            }
+            let by_address = !matches!(host, url::Host::Domain(_)) || url.port().is_some();
+            let base = endpoint.trim_end_matches('/');
+            builder = if by_address || loopback {
+                builder
+                    .with_endpoint(base)
+                    .with_virtual_hosted_style_request(false)
+            } else {
+                // Virtual-hosted: the bucket is part of the host name.
+                builder
+                    .with_endpoint(format!("{}://{bucket}.{host}", url.scheme()))
+                    .with_virtual_hosted_style_request(true)
+            };
+        }
+    }
+    if env("AWS_REGION").is_none() && env("AWS_DEFAULT_REGION").is_none() {
+        builder = builder.with_region("us-east-1");
+    }
+    // A store that is down answers within seconds, so a create or an
+    // archive can say so (and be retried) instead of hanging for minutes.
+    let allow_http = builder
+        .get_config_value(&AmazonS3ConfigKey::Client(
+            object_store::ClientConfigKey::AllowHttp,
+        ))
+        .is_some_and(|v| v == "true");
+    builder = builder
+        .with_retry(object_store::RetryConfig {
+            backoff: object_store::BackoffConfig::default(),
+            max_retries: 3,
+            retry_timeout: Duration::from_secs(20),
+        })
+        .with_client_options(
+            object_store::ClientOptions::new()
+                .with_connect_timeout(Duration::from_secs(5))
+                .with_timeout(Duration::from_secs(300))
+                .with_allow_http(allow_http),
+        );
+    Ok((builder, prefix.to_owned()))
+}
+
+fn generation_name(generation: u64) -> String {
+    format!("{generation:020}")
+}
+
+/// `<commits>/<id>/<generation>.json` → (id, generation).
+fn parse_commit_path(prefix: &ObjectPath, path: &ObjectPath) -> Option<(Ulid, u64)> {
+    let mut parts = path.prefix_match(prefix)?;
+    let id = parts.next()?.as_ref().parse::<Ulid>().ok()?;
+    let file = parts.next()?;
+    let generation = file.as_ref().strip_suffix(".json")?.parse::<u64>().ok()?;
+    parts.next().is_none().then_some((id, generation))
+}
+
+/// `<data>/<id>/<generation>/<object>` → (id, generation).
+fn parse_data_path(prefix: &ObjectPath, path: &ObjectPath) -> Option<(Ulid, u64)> {
+    let mut parts = path.prefix_match(prefix)?;
+    let id = parts.next()?.as_ref().parse::<Ulid>().ok()?;
+    let generation = parts.next()?.as_ref().parse::<u64>().ok()?;
+    Some((id, generation))
+}
+
+/// A layer object's name as this daemon writes them.
+fn valid_object_name(name: &str) -> bool {
+    name.strip_prefix("layer-")
+        .and_then(|n| n.strip_suffix(".tar.zst"))
+        .is_some_and(|n| !n.is_empty() && n.len() <= 4 && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+fn not_found(id: Ulid) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::CheckpointNotFound,
+        format!("no checkpoint with id {id} in the checkpoint store"),
+    )
+}
+
+fn corrupt(id: Ulid, why: impl std::fmt::Display) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::CheckpointCorrupt,
+        format!("checkpoint {id} is damaged and was not used: {why}"),
+    )
+}
+
+/// An `object_store` error with its causes, which say what the store
+/// answered.
+fn error_text(e: &object_store::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = s.source();
+    }
+    text
+}
+
+fn sha256_of(bytes: &[u8]) -> String {
+    format!("sha256:{}", hex(&Sha256::digest(bytes)))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A writer that hashes and counts what passes through it.
+struct HashingWriter<W> {
+    inner: W,
+    hasher: Sha256,
+    count: u64,
+}
+
+impl<W> HashingWriter<W> {
+    fn new(inner: W) -> Self {
+        HashingWriter {
+            inner,
+            hasher: Sha256::new(),
+            count: 0,
+        }
+    }
+
+    fn digest(&self) -> String {
+        format!("sha256:{}", hex(&self.hasher.clone().finalize()))
+    }
+}
+
+impl<W: Write> Write for HashingWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.count += n as u64;
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+/// Hands what is written to the uploader in [`CHUNK`]-sized pieces; a
+/// write fails once the uploader has stopped.
+struct ChunkWriter {
+    tx: tokio::sync::mpsc::Sender<Bytes>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    fn send(&mut self) -> io::Result<()> {
+        let chunk = Bytes::from(std::mem::replace(&mut self.buf, Vec::with_capacity(CHUNK)));
+        self.tx
+            .blocking_send(chunk)
+            .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the upload stopped"))
+    }
+
+    fn send_rest(&mut self) -> io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        self.send()
+    }
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let room = CHUNK - self.buf.len();
+        let n = buf.len().min(room);
+        self.buf.extend_from_slice(&buf[..n]);
+        if self.buf.len() == CHUNK {
+            self.send()?;
+        }
+        Ok(n)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use object_store::aws::AmazonS3ConfigKey;
+
+    fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    fn endpoint_of(b: &object_store::aws::AmazonS3Builder) -> (Option<String>, bool, bool) {
+        (
+            b.get_config_value(&AmazonS3ConfigKey::Endpoint),
+            b.get_config_value(&AmazonS3ConfigKey::VirtualHostedStyleRequest)
+                .is_some_and(|v| v == "true"),
+            b.get_config_value(&AmazonS3ConfigKey::Client(
+                object_store::ClientConfigKey::AllowHttp,
+            ))
+            .is_some_and(|v| v == "true"),
+        )
+    }
+
+    #[test]
+    fn endpoints_pick_their_addressing_style() {
+        let (b, prefix) = s3_builder(
+            "s3://runbox/ckpt/node-1/",
+            &env(&[("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")]),
+        )
+        .unwrap();
+        assert_eq!(prefix, "ckpt/node-1");
+        assert_eq!(
+            endpoint_of(&b),
+            (Some("http://127.0.0.1:9000".into()), false, true)
+        );
+        // An address or a port: path-style; https, so no plain http.
+        let (b, _) = s3_builder(
+            "s3://runbox",
+            &env(&[("AWS_ENDPOINT_URL", "https://store.example:8443")]),
+        )
+        .unwrap();
+        assert_eq!(
+            endpoint_of(&b),
+            (Some("https://store.example:8443".into()), false, false)
+        );
+        // A plain host name: virtual-hosted, the bucket in the host.
+        let (b, _) = s3_builder(
+            "s3://runbox",
+            &env(&[("AWS_ENDPOINT_URL", "https://s3.example.com")]),
+        )
+        .unwrap();
+        assert_eq!(
+            endpoint_of(&b),
+            (Some("https://runbox.s3.example.com".into()), true, false)
+        );
+        // The S3-specific variable wins.
+        let (b, _) = s3_builder(
+            "s3://runbox",
+            &env(&[
+                ("AWS_ENDPOINT_URL", "https://other.example"),
+                ("AWS_ENDPOINT_URL_S3", "http://[::1]:9000"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(endpoint_of(&b).0.as_deref(), Some("http://[::1]:9000"));
+        // AWS itself.
+        let (b, _) = s3_builder("s3://runbox", &env(&[])).unwrap();
+        assert_eq!(endpoint_of(&b), (None, true, false));
+    }
+
+    #[test]
+    fn bad_locations_and_endpoints_are_refused() {
+        for (location, vars) in [
+            ("s3://", vec![]),
+            ("s3://Upper", vec![]),
+            ("s3://ab", vec![]),
+            ("s3://bucket/a/../b", vec![]),
+            ("s3://bucket/a//b", vec![]),
+            (
+                "s3://bucket",
+                vec![("AWS_ENDPOINT_URL", "http://10.0.0.5:9000")],
+            ),
+            (
+                "s3://bucket",
+                vec![("AWS_ENDPOINT_URL", "http://store.example")],
+            ),
+            ("s3://bucket", vec![("AWS_ENDPOINT_URL", "ftp://127.0.0.1")]),
+            (
+                "s3://bucket",
+                vec![("AWS_ENDPOINT_URL", "https://h.example/path")],
+            ),
+            ("s3://bucket", vec![("AWS_ENDPOINT_URL", "not a url")]),
+        ] {
+            assert!(
+                s3_builder(location, &env(&vars)).is_err(),
+                "{location} {vars:?} was accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn paths_parse_back() {
+        let root = ObjectPath::from("pre/fix");
+        let id = Ulid::new();
+        let commits = root.clone().join("commits");
+        let path = commits
+            .clone()
+            .join(id.to_string())
+            .join(format!("{}.json", generation_name(7)).as_str());
+        assert_eq!(parse_commit_path(&commits, &path), Some((id, 7)));
+        let data = root.clone().join("data");
+        let path = data
+            .clone()
+            .join(id.to_string())
+            .join(generation_name(3))
+            .join("layer-0.tar.zst");
+        assert_eq!(parse_data_path(&data, &path), Some((id, 3)));
+        assert_eq!(parse_commit_path(&commits, &root.join("x")), None);
+        assert!(valid_object_name("layer-12.tar.zst"));
+        assert!(!valid_object_name("../record.json"));
+        assert!(!valid_object_name("layer-.tar.zst"));
+    }
+
+    /// A checkpoint written to a directory store reads back whole; a
+    /// changed byte in a layer or in the record is refused; an uncommitted
+    /// generation is invisible, and the sweep removes it once it is old.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn directory_store_round_trip_and_refusals() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(dir.path().to_str().unwrap()).unwrap();
+        let id = Ulid::new();
+        let mut upload = store.begin(id, 1);
+        let payload: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        let written = payload.clone();
+        let layer = upload
+            .put_layer(move |out| out.write_all(&written))
+            .await
+            .unwrap();
+        assert_eq!(layer.tar_bytes, payload.len() as u64);
+        assert_eq!(layer.diff_id, sha256_of(&payload));
+        let record = CheckpointRecord {
+            version: FORMAT_VERSION,
+            id,
+            generation: 1,
+            run: Ulid::new(),
+            image: "base".into(),
+            pull: None,
+            base: vec![],
+            layers: upload.layers().to_vec(),
+            config: serde_json::json!({}),
+            settings: Default::default(),
+        };
+        let summary = runbox_types::Checkpoint {
+            id,
+            run: record.run,
+            image: "base".into(),
+            created_at: OffsetDateTime::now_utc(),
+            expires_at: None,
+            stored_bytes: 0,
+            disk_bytes: layer.tar_bytes,
+            labels: Default::default(),
+            server: "test".into(),
+        };
+        // Not committed yet: nothing to see.
+        assert!(store.list().await.unwrap().is_empty());
+        let commit = upload.commit(&record, summary).await.unwrap();
+        assert_eq!(store.list().await.unwrap(), vec![commit.clone()]);
+        let read = store.record(&store.get(id).await.unwrap()).await.unwrap();
+        assert_eq!(
+            serde_json::to_value(&read).unwrap(),
+            serde_json::to_value(&record).unwrap()
+        );
+        let mut back = Vec::new();
+        store
+            .read_layer(&read, &read.layers[0], |chunk| {
+                back.extend_from_slice(chunk);
+                Ok(())
+            })
+            .await
+            .unwrap();
+        let mut unpacked = Vec::new();
+        zstd::stream::copy_decode(&back[..], &mut unpacked).unwrap();
+        assert_eq!(unpacked, payload);
+        assert_eq!(sha256_of(&back), read.layers[0].digest);
+
+        // A changed record is refused.
+        let record_path = dir
+            .path()
+            .join(format!("data/{id}/{}/record.json", generation_name(1)));
+        let original = std::fs::read(&record_path).unwrap();
+        let mut tampered = original.clone();
+        let at = tampered.iter().position(|&b| b == b'b').unwrap();
+        tampered[at] = b'c';
+        std::fs::write(&record_path, &tampered).unwrap();
+        let e = store.record(&commit).await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::CheckpointCorrupt, "{e}");
+        std::fs::write(&record_path, &original).unwrap();
+        // A truncated layer is refused before a byte reaches the sink.
+        let layer_path = record_path.with_file_name("layer-0.tar.zst");
+        std::fs::write(&layer_path, &back[..back.len() / 2]).unwrap();
+        let e = store
+            .read_layer(&read, &read.layers[0], |_| panic!("read a truncated layer"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::CheckpointCorrupt, "{e}");
+
+        // An uncommitted generation: invisible, kept while young or being
+        // written, removed once old.
+        let other = Ulid::new();
+        let mut upload = store.begin(other, 1);
+        upload.put_layer(|out| out.write_all(b"x")).await.unwrap();
+        assert_eq!(store.list().await.unwrap().len(), 1);
+        let later = OffsetDateTime::now_utc() + ORPHAN_AGE + Duration::from_secs(60);
+        assert_eq!(store.sweep(later, None).await.unwrap(), Swept::default());
+        drop(upload);
+        let now = OffsetDateTime::now_utc();
+        assert_eq!(store.sweep(now, None).await.unwrap(), Swept::default());
+        assert_eq!(
+            store.sweep(later, None).await.unwrap(),
+            Swept {
+                expired: 0,
+                orphans: 1
+            }
+        );
+        assert!(!dir.path().join(format!("data/{other}")).exists());
+        // The TTL sweep removes the committed one.
+        assert_eq!(
+            store
+                .sweep(later, Some(Duration::from_secs(3600)))
+                .await
+                .unwrap(),
+            Swept {
+                expired: 1,
+                orphans: 0
+            }
+        );
+        assert!(store.list().await.unwrap().is_empty());
+        assert_eq!(
+            store.delete(id).await.unwrap_err().code(),
+            ErrorCode::CheckpointNotFound
+        );
+    }
+}
