@@ -18,6 +18,7 @@
 //! command's own status through).
 
 mod args;
+mod checkpoints;
 mod connect;
 mod cp;
 #[cfg(feature = "daemon")]
@@ -106,6 +107,13 @@ enum Command {
     Snapshot(runs::SnapshotArgs),
     /// Start new runs from a run's filesystem as it is now
     Fork(runs::ForkArgs),
+    /// Send a run's disk and settings to the server's checkpoint store (the
+    /// run keeps running); `runbox run create --checkpoint ID` starts runs
+    /// from it
+    Checkpoint(checkpoints::CheckpointArgs),
+    /// List, show and delete checkpoints
+    #[command(subcommand)]
+    Checkpoints(checkpoints::CheckpointsCommand),
     /// The warm repo cache: commit a run's volume, check lockfiles, list
     /// and drop templates
     #[command(subcommand)]
@@ -190,6 +198,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Wake(args) => runs::wake(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
+        Command::Checkpoint(args) => checkpoints::checkpoint(args).await,
+        Command::Checkpoints(command) => checkpoints::run(command).await,
         Command::Lease(command) => lease::run(command).await,
         Command::Warm(command) => warm::run(command).await,
         Command::Pools(command) => pools::run(command).await,

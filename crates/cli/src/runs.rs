@@ -70,8 +70,17 @@ pub enum PullArg {
 pub struct CreateArgs {
     /// A stored image's name, or a reference such as alpine:3.20 or
     /// 127.0.0.1:5000/team/app:1 (pulled first if not stored)
-    #[arg(long, value_name = "IMAGE")]
-    pub image: String,
+    #[arg(
+        long,
+        value_name = "IMAGE",
+        required_unless_present = "checkpoint",
+        conflicts_with = "checkpoint"
+    )]
+    pub image: Option<String>,
+    /// Start from a checkpoint (`runbox checkpoint`) instead of an image:
+    /// its disk, and its run's settings for every option not given here
+    #[arg(long, value_name = "ID")]
+    pub checkpoint: Option<ulid::Ulid>,
     /// When to pull the image [default: if-not-present]
     #[arg(long, value_enum, value_name = "WHEN")]
     pub pull: Option<PullArg>,
@@ -160,7 +169,8 @@ impl CreateArgs {
             disk_mb: self.disk,
         });
         CreateRunRequest {
-            image: self.image.clone(),
+            image: self.image.clone().unwrap_or_default(),
+            checkpoint: self.checkpoint,
             pull: self.pull.map(|p| match p {
                 PullArg::IfNotPresent => runbox_types::PullPolicy::IfNotPresent,
                 PullArg::Always => runbox_types::PullPolicy::Always,

@@ -144,6 +144,18 @@ pub struct ServeArgs {
     /// failed.
     #[arg(long, value_enum, default_value_t = RestartPolicyArg::Cold)]
     pub restart_policy: RestartPolicyArg,
+    /// Where checkpoints go: an absolute directory [default:
+    /// <state-dir>/checkpoints], or an S3-compatible bucket as
+    /// `s3://bucket/prefix`, reached with the standard AWS environment
+    /// (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+    /// `AWS_ENDPOINT_URL`, …), never credentials on the command line
+    #[arg(long, value_name = "DIR|S3-URL")]
+    pub checkpoint_store: Option<String>,
+    /// Remove checkpoints this many hours old in the hourly sweep; 0 keeps
+    /// them until deleted
+    #[arg(long, default_value_t = 0, value_name = "HOURS",
+          value_parser = clap::value_parser!(u64).range(0..=100 * 366 * 24))]
+    pub checkpoint_ttl_hours: u64,
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
@@ -294,6 +306,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.max_upload_bytes = args.max_upload_bytes;
     config.insecure_registries = args.insecure_registries.clone();
     config.warm_cache = warm_cache_config(&args, &state_dir)?;
+    let checkpoint_store = match &args.checkpoint_store {
+        Some(location) => location.clone(),
+        None => state_dir.join("checkpoints").display().to_string(),
+    };
+    let checkpoints = runbox_core::checkpoints::CheckpointStore::open(&checkpoint_store)
+        .map_err(|e| anyhow::anyhow!("--checkpoint-store: {e}"))?;
+    tracing::info!(store = checkpoints.location(), "checkpoint store");
+    config.checkpoints = Some(std::sync::Arc::new(checkpoints));
+    config.checkpoint_ttl = (args.checkpoint_ttl_hours > 0)
+        .then(|| Duration::from_secs(args.checkpoint_ttl_hours * 3600));
     let pools_file = state_dir.join(POOLS_FILE);
     config.pools = load_pools(args.pools.as_deref(), &pools_file)?;
     config.pools_file = Some(pools_file);

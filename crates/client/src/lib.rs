@@ -259,6 +259,42 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/runs/{id}/checkpoint`: sends the run's disk and settings
+    /// to the server's checkpoint store; the run keeps running.
+    pub async fn checkpoint_run(
+        &self,
+        id: &str,
+        req: &runbox_types::CheckpointRequest,
+    ) -> Result<runbox_types::Checkpoint, ClientError> {
+        let path = format!("{}/checkpoint", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::POST, &path).json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/checkpoints`.
+    pub async fn list_checkpoints(&self) -> Result<runbox_types::CheckpointList, ClientError> {
+        json(
+            self.send(self.request(Method::GET, "/v1/checkpoints"))
+                .await?,
+        )
+        .await
+    }
+
+    /// `GET /v1/checkpoints/{id}`.
+    pub async fn get_checkpoint(&self, id: &str) -> Result<runbox_types::Checkpoint, ClientError> {
+        let path = format!("/v1/checkpoints/{}", paths::segment("checkpoint id", id)?);
+        json(self.send(self.request(Method::GET, &path)).await?).await
+    }
+
+    /// `DELETE /v1/checkpoints/{id}`.
+    pub async fn delete_checkpoint(&self, id: &str) -> Result<(), ClientError> {
+        let path = format!("/v1/checkpoints/{}", paths::segment("checkpoint id", id)?);
+        self.send(self.request(Method::DELETE, &path)).await?;
+        Ok(())
+    }
+
     /// `POST /v1/runs/{id}/fork`: `count` new runs starting from the run's
     /// filesystem as it is now.
     pub async fn fork_run(

@@ -146,6 +146,8 @@ pub struct CheckpointStore {
     /// Generations this daemon is writing (`<id>/<generation>`): never
     /// orphans, however old their first objects are.
     writing: Mutex<HashSet<String>>,
+    /// A directory store's directory.
+    local: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for CheckpointStore {
@@ -188,7 +190,9 @@ impl CheckpointStore {
         let local = object_store::local::LocalFileSystem::new_with_prefix(dir)
             .map_err(|e| CoreError::Store(format!("checkpoint store {location}: {e}")))?
             .with_automatic_cleanup(true);
-        Ok(CheckpointStore::new(Arc::new(local), "", location))
+        let mut store = CheckpointStore::new(Arc::new(local), "", location);
+        store.local = Some(dir.to_path_buf());
+        Ok(store)
     }
 
     fn new(objects: Arc<dyn ObjectStore>, prefix: &str, location: &str) -> CheckpointStore {
@@ -197,6 +201,7 @@ impl CheckpointStore {
             root: ObjectPath::from(prefix),
             location: location.to_owned(),
             writing: Mutex::new(HashSet::new()),
+            local: None,
         }
     }
 
@@ -582,6 +587,13 @@ impl CheckpointStore {
             tracing::info!(checkpoint = %id, generation, "uncommitted checkpoint data removed");
             swept.orphans += 1;
         }
+        if let Some(dir) = &self.local {
+            let (data, cutoff) = (dir.join("data"), now - ORPHAN_AGE);
+            swept.orphans +=
+                tokio::task::spawn_blocking(move || sweep_staging(&data, cutoff, &writing))
+                    .await
+                    .map_err(|e| CoreError::Store(format!("checkpoint sweep task failed: {e}")))?;
+        }
         Ok(swept)
     }
 }
@@ -879,6 +891,63 @@ pub fn s3_builder(
                 .with_allow_http(allow_http),
         );
     Ok((builder, prefix.to_owned()))
+}
+
+/// What an interrupted upload leaves in a directory store and no listing
+/// shows: staging files of unfinished multipart uploads (`<object>#<n>`)
+/// and empty directories, older than `cutoff` and not being written.
+/// Returns how many generations it emptied. Blocking.
+fn sweep_staging(
+    data: &std::path::Path,
+    cutoff: OffsetDateTime,
+    writing: &HashSet<String>,
+) -> usize {
+    let old = |meta: &std::fs::Metadata| {
+        meta.modified()
+            .map(OffsetDateTime::from)
+            .is_ok_and(|m| m < cutoff)
+    };
+    let mut emptied = 0;
+    let Ok(ids) = std::fs::read_dir(data) else {
+        return 0;
+    };
+    for id in ids.flatten() {
+        let id_settled = id.metadata().is_ok_and(|m| old(&m));
+        let Ok(generations) = std::fs::read_dir(id.path()) else {
+            continue;
+        };
+        for generation in generations.flatten() {
+            let key = format!(
+                "{}/{}",
+                id.file_name().to_string_lossy(),
+                generation.file_name().to_string_lossy()
+            );
+            if writing.contains(&key) {
+                continue;
+            }
+            // A directory made just now is an upload starting.
+            let settled = generation.metadata().is_ok_and(|m| old(&m));
+            let mut removed = false;
+            for file in std::fs::read_dir(generation.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let staged = file.file_name().to_string_lossy().contains('#');
+                if staged && file.metadata().is_ok_and(|m| old(&m)) {
+                    removed |= std::fs::remove_file(file.path()).is_ok();
+                }
+            }
+            // Only empty directories go.
+            if settled && std::fs::remove_dir(generation.path()).is_ok() && removed {
+                emptied += 1;
+            }
+        }
+        if id_settled {
+            let _ = std::fs::remove_dir(id.path());
+        }
+    }
+    emptied
 }
 
 fn generation_name(generation: u64) -> String {

@@ -56,6 +56,10 @@ pub struct Config {
     pub refill_concurrency: usize,
     /// Preview URLs; None: the server has no preview listener.
     pub preview: Option<PreviewConfig>,
+    /// The checkpoint store; None: checkpoints are refused.
+    pub checkpoints: Option<std::sync::Arc<crate::checkpoints::CheckpointStore>>,
+    /// How long a checkpoint is kept (None: until deleted).
+    pub checkpoint_ttl: Option<Duration>,
 }
 
 /// What the daemon does when a run's init exits on its own.
@@ -135,6 +139,8 @@ impl Config {
             pool_decay: Duration::from_secs(60),
             refill_concurrency: 0,
             preview: None,
+            checkpoints: None,
+            checkpoint_ttl: None,
         }
     }
 }

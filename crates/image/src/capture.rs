@@ -143,6 +143,7 @@ impl<W: Write> Walk<W> {
         }
         if kind.is_dir() {
             header.set_entry_type(tar::EntryType::Directory);
+            self.user_xattrs(path)?;
             self.append(&mut header, rel, io::empty())?;
             if is_opaque(path) {
                 self.opaque_marker(rel, &meta)?;
@@ -168,6 +169,7 @@ impl<W: Write> Walk<W> {
             header.set_entry_type(tar::EntryType::Regular);
             header.set_size(meta.len());
             self.stats.bytes += meta.len();
+            self.user_xattrs(path)?;
             let file = fs::File::open(path)?;
             return self.append(&mut header, rel, file);
         }
@@ -186,6 +188,44 @@ impl<W: Write> Walk<W> {
         }
         // Sockets: nothing to store.
         Ok(())
+    }
+
+    /// Writes `path`'s `user.*` extended attributes as a PAX header for
+    /// the entry that follows (`SCHILY.xattr.<name>`, as GNU tar does);
+    /// overlayfs' own (`trusted.*`) and the rest stay behind.
+    fn user_xattrs(&mut self, path: &Path) -> io::Result<()> {
+        let mut names = vec![0u8; 4096];
+        let n = match rustix::fs::llistxattr(path, &mut names) {
+            Ok(n) => n,
+            // Too many to list in 4 KiB: more than any layer keeps.
+            Err(rustix::io::Errno::RANGE) => return Ok(()),
+            Err(rustix::io::Errno::NOTSUP) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let mut records: Vec<(String, Vec<u8>)> = Vec::new();
+        for name in names[..n].split(|&b| b == 0).filter(|n| !n.is_empty()) {
+            let Ok(name) = std::str::from_utf8(name) else {
+                continue;
+            };
+            if !name.starts_with("user.") {
+                continue;
+            }
+            let mut value = vec![0u8; 64 * 1024];
+            match rustix::fs::lgetxattr(path, name, &mut value) {
+                Ok(len) => {
+                    value.truncate(len);
+                    records.push((format!("SCHILY.xattr.{name}"), value));
+                }
+                // Removed since it was listed.
+                Err(rustix::io::Errno::NODATA) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        if records.is_empty() {
+            return Ok(());
+        }
+        self.builder
+            .append_pax_extensions(records.iter().map(|(k, v)| (k.as_str(), v.as_slice())))
     }
 
     fn append(

@@ -47,14 +47,17 @@
 //!   or as the missing parent of a later entry — is opaque for the same
 //!   reason. `.wh..wh.*` names other than the opaque marker are AUFS
 //!   bookkeeping and are skipped.
-//! * **Device nodes and FIFOs are neutralised: skipped.** Every run gets its
-//!   own minimal `/dev`, so an image never needs to bring its own. They are
-//!   counted in [`UnpackStats::skipped`] and logged at debug.
+//! * **Device nodes are neutralised: skipped.** Every run gets its own
+//!   minimal `/dev`, so an image never needs to bring its own. They are
+//!   counted in [`UnpackStats::skipped`] and logged at debug. FIFOs are
+//!   made: a FIFO is a name that reaches nothing outside the run.
 //! * **Setuid and setgid bits are kept.** Runs have `no_new_privileges`, which
 //!   makes them inert, and stripping them would change what images see.
-//! * **Extended attributes (PAX `SCHILY.xattr.*`) are ignored**, so file
-//!   capabilities are not restored; a run's capabilities come from its
-//!   config, never from files in an image.
+//! * **Extended attributes (PAX `SCHILY.xattr.*`): only `user.*` ones are
+//!   applied** (at most [`MAX_XATTRS`] per entry, on files and directories),
+//!   so what a run set on its files comes back from a checkpoint; file
+//!   capabilities, ACLs and SELinux labels are not restored: a run's
+//!   capabilities come from its config, never from files in an image.
 //! * Owners are applied as the raw uid/gid numbers in the header. Times have
 //!   second precision (PAX sub-second mtimes are dropped). GNU sparse files
 //!   are written out in full and count at their full size.
@@ -116,8 +119,8 @@ pub struct UnpackStats {
     pub entries: u64,
     /// Whiteouts and opaque-directory markers applied.
     pub whiteouts: u64,
-    /// Entries deliberately not unpacked: device nodes, FIFOs, PAX global
-    /// headers and AUFS `.wh..wh.*` bookkeeping.
+    /// Entries deliberately not unpacked: device nodes, PAX global headers
+    /// and AUFS `.wh..wh.*` bookkeeping.
     pub skipped: u64,
 }
 
@@ -378,6 +381,9 @@ fn next_entry_path(entries_so_far: u64) -> String {
 /// Size of the buffer file data is streamed through.
 const COPY_BUF_BYTES: usize = 128 * 1024;
 
+/// The most `user.*` extended attributes applied to one entry.
+pub const MAX_XATTRS: usize = 64;
+
 /// At most this many bytes of directory names are remembered to set their
 /// mtimes at the end; past it, mtimes are set at once (and may then be
 /// bumped by later entries) so memory stays bounded.
@@ -468,12 +474,18 @@ impl Unpacker<'_> {
             EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => {
                 self.file(&mut entry, &name, &path, budget)?;
             }
-            EntryType::Directory => self.dir(&entry, &name, &path)?,
+            EntryType::Directory => self.dir(&mut entry, &name, &path)?,
             EntryType::Symlink => self.symlink(&entry, &name, &path)?,
             EntryType::Link => self.hard_link(&entry, &name, &path)?,
-            EntryType::Char | EntryType::Block | EntryType::Fifo => {
+            EntryType::Fifo => {
+                let meta = header_meta(entry.header()).map_err(|err| corrupt(path.clone(), err))?;
+                let parent = self.parent(&name, &path)?;
+                fs::make_fifo(parent.as_fd(), name.file_name(), &meta)
+                    .map_err(|errno| io_error(&path, errno))?;
+            }
+            EntryType::Char | EntryType::Block => {
                 // Neutralised: runs get their own minimal /dev.
-                tracing::debug!(path, kind = ?kind, "skipping device node or FIFO");
+                tracing::debug!(path, kind = ?kind, "skipping device node");
                 self.stats.skipped += 1;
             }
             EntryType::XGlobalHeader => {
@@ -530,14 +542,54 @@ impl Unpacker<'_> {
                 format!("archive ends after {copied} of the entry's {size} bytes"),
             ));
         }
+        self.xattrs(entry, file.as_fd(), path)?;
         fs::set_owner_mode(file.as_fd(), &meta).map_err(|errno| io_error(path, errno))?;
         fs::set_mtime(file.as_fd(), &meta).map_err(|errno| io_error(path, errno))
+    }
+
+    /// Applies the entry's `user.*` extended attributes (see the module
+    /// doc) to the file or directory open at `fd`.
+    fn xattrs<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        path: &str,
+    ) -> Result<(), UnpackError> {
+        let Some(extensions) = entry
+            .pax_extensions()
+            .map_err(|err| corrupt(path.to_owned(), err))?
+        else {
+            return Ok(());
+        };
+        let mut applied = 0;
+        for extension in extensions {
+            let extension = extension.map_err(|err| corrupt(path.to_owned(), err))?;
+            let Ok(key) = extension.key() else {
+                continue;
+            };
+            let Some(name) = key.strip_prefix("SCHILY.xattr.") else {
+                continue;
+            };
+            if !name.starts_with("user.") || name.len() > 255 || name.contains('\0') {
+                continue;
+            }
+            applied += 1;
+            if applied > MAX_XATTRS {
+                return Err(corrupt(
+                    path.to_owned(),
+                    format!("more than {MAX_XATTRS} extended attributes"),
+                ));
+            }
+            fs::set_xattr(fd, name, extension.value_bytes())
+                .map_err(|errno| io_error(path, errno))?;
+        }
+        Ok(())
     }
 
     /// A directory: created, or kept if one is there, then its metadata.
     fn dir<R: Read>(
         &mut self,
-        entry: &tar::Entry<'_, R>,
+        entry: &mut tar::Entry<'_, R>,
         name: &EntryName,
         path: &str,
     ) -> Result<(), UnpackError> {
@@ -550,6 +602,7 @@ impl Unpacker<'_> {
             // may show through the new directory.
             fs::set_opaque(dir.as_fd()).map_err(|errno| io_error(path, errno))?;
         }
+        self.xattrs(entry, dir.as_fd(), path)?;
         fs::set_owner_mode(dir.as_fd(), &meta).map_err(|errno| io_error(path, errno))?;
         let name_bytes = name.as_bytes().len();
         if self.dir_times_bytes + name_bytes <= DIR_TIMES_MAX_BYTES {

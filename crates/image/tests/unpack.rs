@@ -1053,7 +1053,7 @@ fn broken_archives_are_corrupt() {
 // Devices and replacement
 
 #[test]
-fn device_nodes_and_fifos_are_skipped() {
+fn device_nodes_are_skipped_and_fifos_made() {
     require_root!();
     let sb = Sandbox::new();
     let layer = Layer::new()
@@ -1065,15 +1065,94 @@ fn device_nodes_and_fifos_are_skipped() {
             device: (8, 0),
             ..Raw::new(EntryType::Block, "./dev/sda")
         })
-        .raw(Raw::new(EntryType::Fifo, "./run/fifo"))
+        .raw(Raw {
+            mode: 0o640,
+            uid: 1234,
+            gid: 99,
+            ..Raw::new(EntryType::Fifo, "./run/fifo")
+        })
         .file("./ok", b"ok")
         .finish();
     let stats = sb.unpack(&layer).unwrap();
-    assert_eq!((stats.entries, stats.skipped), (4, 3));
+    assert_eq!((stats.entries, stats.skipped), (4, 2));
     assert!(!exists(&sb.at("dev/null")));
     assert!(!exists(&sb.at("dev/sda")));
-    assert!(!exists(&sb.at("run/fifo")));
+    let fifo = fs::symlink_metadata(sb.at("run/fifo")).unwrap();
+    use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _};
+    assert!(fifo.file_type().is_fifo());
+    assert_eq!(
+        (fifo.mode() & 0o7777, fifo.uid(), fifo.gid()),
+        (0o640, 1234, 99)
+    );
     assert_eq!(fs::read(sb.at("ok")).unwrap(), b"ok");
+}
+
+#[test]
+fn only_user_xattrs_are_applied() {
+    require_root!();
+    let sb = Sandbox::new();
+    let mut builder = tar::Builder::new(Vec::new());
+    let add = |builder: &mut tar::Builder<Vec<u8>>, kind: EntryType, name: &str| {
+        builder
+            .append_pax_extensions([
+                ("SCHILY.xattr.user.origin", &b"checkpoint"[..]),
+                ("SCHILY.xattr.trusted.overlay.opaque", &b"y"[..]),
+                ("SCHILY.xattr.security.capability", &b"\x01\x00\x00\x02"[..]),
+                ("SCHILY.xattr.user.empty", &b""[..]),
+            ])
+            .unwrap();
+        let mut header = tar::Header::new_gnu();
+        header.set_entry_type(kind);
+        header.set_mode(0o755);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        header.set_size(0);
+        builder
+            .append_data(&mut header, name, std::io::empty())
+            .unwrap();
+    };
+    add(&mut builder, EntryType::Directory, "d");
+    add(&mut builder, EntryType::Regular, "d/f");
+    let layer = builder.into_inner().unwrap();
+    sb.unpack(&layer).unwrap();
+    for path in [sb.at("d"), sb.at("d/f")] {
+        let mut names = vec![0u8; 1024];
+        let n = rustix::fs::llistxattr(&path, &mut names).unwrap();
+        let mut names: Vec<&[u8]> = names[..n]
+            .split(|&b| b == 0)
+            .filter(|n| !n.is_empty())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            vec![&b"user.empty"[..], &b"user.origin"[..]],
+            "{}",
+            path.display()
+        );
+        let mut value = [0u8; 32];
+        let n = rustix::fs::lgetxattr(&path, "user.origin", &mut value).unwrap();
+        assert_eq!(&value[..n], b"checkpoint");
+    }
+    // Too many: refused.
+    let mut builder = tar::Builder::new(Vec::new());
+    let names: Vec<String> = (0..=runbox_image::unpack::MAX_XATTRS)
+        .map(|i| format!("SCHILY.xattr.user.n{i}"))
+        .collect();
+    builder
+        .append_pax_extensions(names.iter().map(|n| (n.as_str(), &b"v"[..])))
+        .unwrap();
+    let mut header = tar::Header::new_gnu();
+    header.set_size(0);
+    header.set_mode(0o644);
+    header.set_uid(0);
+    header.set_gid(0);
+    header.set_mtime(0);
+    builder
+        .append_data(&mut header, "many", std::io::empty())
+        .unwrap();
+    let sb = Sandbox::new();
+    assert!(sb.unpack(&builder.into_inner().unwrap()).is_err());
 }
 
 #[test]

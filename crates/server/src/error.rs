@@ -51,7 +51,9 @@ impl From<CoreError> for ApiError {
                     "the run's agent did not answer as expected; see the server log"
                 }
                 // Not runbox's fault, and the message is what the user needs.
-                ErrorCode::Draining | ErrorCode::RegistryError => {
+                ErrorCode::Draining
+                | ErrorCode::RegistryError
+                | ErrorCode::CheckpointStoreUnavailable => {
                     return ApiError {
                         code,
                         message: e.to_string(),
@@ -87,6 +89,9 @@ impl IntoResponse for ApiError {
         let retry = match self.code {
             ErrorCode::Capacity => Some(RETRY_CAPACITY_SECS),
             ErrorCode::Draining => Some(RETRY_DRAINING_SECS),
+            ErrorCode::CheckpointStoreUnavailable => {
+                Some(runbox_core::checkpoints::RETRY_AFTER.as_secs() as u32)
+            }
             _ => None,
         };
         if let Some(secs) = retry {

@@ -67,6 +67,27 @@ where
     }
 }
 
+/// [`AppJson`] for a body that may be left out: a request whose body is
+/// known to be empty (`Content-Length: 0`, or none) gets `T`'s default.
+pub struct OptionalJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for OptionalJson<T>
+where
+    T: serde::de::DeserializeOwned + Default,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        use axum::body::HttpBody;
+        if req.body().size_hint().exact() == Some(0) {
+            return Ok(OptionalJson(T::default()));
+        }
+        let AppJson(value) = AppJson::from_request(req, state).await?;
+        Ok(OptionalJson(value))
+    }
+}
+
 /// A JSON value whose objects have no key twice: `serde_json::Value` keeps
 /// the last of a repeated key, where a struct refuses it.
 struct UniqueKeys(serde_json::Value);
@@ -220,6 +241,23 @@ impl<S: Send + Sync> FromRequestParts<S> for RunId {
     }
 }
 
+/// The `{id}` of a checkpoint route; a malformed one is a 404.
+pub struct CheckpointId(pub Ulid);
+
+impl<S: Send + Sync> FromRequestParts<S> for CheckpointId {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let Path(raw): Path<String> = Path::from_request_parts(parts, state).await?;
+        Ulid::from_string(&raw).map(CheckpointId).map_err(|_| {
+            ApiError::new(
+                ErrorCode::CheckpointNotFound,
+                format!("no checkpoint with id {raw:?} (checkpoint ids are ULIDs)"),
+            )
+        })
+    }
+}
+
 /// `GET /health`.
 pub async fn health<S: RunService>(State(state): State<AppState<S>>) -> Json<Health> {
     Json(Health {
@@ -328,6 +366,43 @@ pub async fn snapshot_run<S: RunService>(
 ) -> Result<Response, ApiError> {
     let snapshot = state.service.snapshot(id, req).await?;
     Ok((StatusCode::CREATED, Json(snapshot)).into_response())
+}
+
+/// `POST /v1/runs/{id}/checkpoint`: sends the run's disk and settings to
+/// the checkpoint store.
+pub async fn checkpoint_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    OptionalJson(req): OptionalJson<runbox_types::CheckpointRequest>,
+) -> Result<Response, ApiError> {
+    let checkpoint = state.service.checkpoint(id, req).await?;
+    Ok((StatusCode::CREATED, Json(checkpoint)).into_response())
+}
+
+/// `GET /v1/checkpoints`.
+pub async fn list_checkpoints<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<runbox_types::CheckpointList>, ApiError> {
+    Ok(Json(runbox_types::CheckpointList {
+        checkpoints: state.service.list_checkpoints().await?,
+    }))
+}
+
+/// `GET /v1/checkpoints/{id}`.
+pub async fn get_checkpoint<S: RunService>(
+    State(state): State<AppState<S>>,
+    CheckpointId(id): CheckpointId,
+) -> Result<Json<runbox_types::Checkpoint>, ApiError> {
+    Ok(Json(state.service.get_checkpoint(id).await?))
+}
+
+/// `DELETE /v1/checkpoints/{id}`.
+pub async fn delete_checkpoint<S: RunService>(
+    State(state): State<AppState<S>>,
+    CheckpointId(id): CheckpointId,
+) -> Result<StatusCode, ApiError> {
+    state.service.delete_checkpoint(id).await?;
+    Ok(StatusCode::NO_CONTENT)
 }
 
 /// `POST /v1/runs/{id}/fork`: new runs starting from the run's filesystem.

@@ -81,6 +81,15 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/wake", post(handlers::wake_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
+        .route(
+            "/v1/runs/{id}/checkpoint",
+            post(handlers::checkpoint_run::<S>),
+        )
+        .route("/v1/checkpoints", get(handlers::list_checkpoints::<S>))
+        .route(
+            "/v1/checkpoints/{id}",
+            get(handlers::get_checkpoint::<S>).delete(handlers::delete_checkpoint::<S>),
+        )
         .route("/v1/runs/{id}/fs/stat", get(handlers::fs_stat::<S>))
         .route("/v1/runs/{id}/fs/list", get(handlers::fs_list::<S>))
         .route("/v1/runs/{id}/fs/watch", get(handlers::fs_watch::<S>))

@@ -123,6 +123,33 @@ impl RunService for Stub {
             _ => Ok(run()),
         }
     }
+    async fn checkpoint(
+        &self,
+        id: Ulid,
+        _req: runbox_types::CheckpointRequest,
+    ) -> Result<runbox_types::Checkpoint, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::CheckpointStoreUnavailable,
+            message: "the checkpoint store (s3://bucket) failed while uploading".into(),
+        })
+    }
+
+    async fn list_checkpoints(&self) -> Result<Vec<runbox_types::Checkpoint>, CoreError> {
+        Ok(Vec::new())
+    }
+
+    async fn get_checkpoint(&self, id: Ulid) -> Result<runbox_types::Checkpoint, CoreError> {
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::CheckpointNotFound,
+            format!("no checkpoint with id {id}"),
+        ))
+    }
+
+    async fn delete_checkpoint(&self, id: Ulid) -> Result<(), CoreError> {
+        self.get_checkpoint(id).await.map(|_| ())
+    }
+
     async fn snapshot(
         &self,
         id: Ulid,
@@ -1471,4 +1498,48 @@ async fn a_port_tunnel_is_a_byte_stream_both_ways() {
         .await
         .expect_err("closed port");
     assert!(err.to_string().contains("port_unreachable"), "{err}");
+}
+
+#[tokio::test]
+async fn checkpoint_routes_check_their_input_and_say_when_to_retry() {
+    // An empty body is the default request; the store being down is a 503
+    // that says when to retry and what failed.
+    let req = Request::builder()
+        .method("POST")
+        .uri(format!("/v1/runs/{KNOWN}/checkpoint"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .body(Body::empty())
+        .unwrap();
+    let response = app().oneshot(req).await.unwrap();
+    assert_eq!(response.status().as_u16(), 503);
+    assert_eq!(
+        response.headers().get("retry-after"),
+        Some(&HeaderValue::from_static("10"))
+    );
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = String::from_utf8_lossy(&bytes).into_owned();
+    assert_eq!(code(&body), "checkpoint_store_unavailable");
+    assert!(body.contains("s3://bucket"), "{body}");
+    // A body, when given, is checked.
+    let (status, body) = authed(
+        "POST",
+        &format!("/v1/runs/{KNOWN}/checkpoint"),
+        r#"{"labels":{"ok":"yes"},"extra":1}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("extra"), "{body}");
+    let (status, body) = authed("GET", "/v1/checkpoints", "").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body, r#"{"checkpoints":[]}"#);
+    for method in ["GET", "DELETE"] {
+        let (status, body) = authed(method, "/v1/checkpoints/not-a-ulid", "").await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+        assert_eq!(code(&body), "checkpoint_not_found");
+        let (status, body) = authed(method, &format!("/v1/checkpoints/{}", Ulid::new()), "").await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+        assert_eq!(code(&body), "checkpoint_not_found");
+    }
+    let (status, _) = call("GET", "/v1/checkpoints", None, "", false).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
 }

@@ -21,6 +21,7 @@
 //! so a crash at any point leaves something reconciliation can find.
 
 pub mod actor;
+mod checkpoint;
 mod fork;
 mod fs;
 pub mod phase;
@@ -83,6 +84,9 @@ pub struct Manager {
     /// Serialises "image is in use" checks with run creation. Async: the
     /// image lookups it covers run on blocking threads.
     pub(crate) image_lock: tokio::sync::Mutex<()>,
+    /// Serialises making images of checkpoints, so that creates from one
+    /// checkpoint download it once.
+    pub(crate) restore_lock: tokio::sync::Mutex<()>,
     /// The one budget of lane work in the background: refills, forks
     /// and teardowns (see [`reaper`]).
     pub(crate) budget: Arc<Semaphore>,
@@ -275,6 +279,7 @@ impl Manager {
             images,
             registry: context.registry.clone(),
             image_lock: tokio::sync::Mutex::new(()),
+            restore_lock: tokio::sync::Mutex::new(()),
             budget: context.budget.clone(),
             pools: context.pools.clone(),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
@@ -291,6 +296,7 @@ impl Manager {
         // After reconcile: the runs it re-adopted hold their generations.
         manager.spawn_warm_tick();
         manager.spawn_usage_sampler();
+        manager.spawn_checkpoint_sweep();
         manager.start_pools()?;
         // Layers nothing references any more: a snapshot or import a crash
         // cut short after its layer was stored, before its image record.
@@ -386,6 +392,15 @@ impl Manager {
         };
         if lock(&self.pools).draining() {
             return Err(CoreError::Draining);
+        }
+        // Checked and digested as the caller sent it; a retry with the
+        // same key finds the run this create makes.
+        let req = self.from_checkpoint(req).await?;
+        if req.image.is_empty() {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                "give image (a stored image or a registry reference) or checkpoint",
+            ));
         }
         let env = req.env.unwrap_or_default();
         validate::env(&env)?;

@@ -260,6 +260,28 @@ pub(crate) fn make_whiteout(dir: BorrowedFd<'_>, name: &[u8]) -> Result<(), Errn
     }
 }
 
+/// Creates a FIFO at `name` in `dir` (replacing whatever was there) with
+/// `meta`'s owner, mode and time. A FIFO is a name, not a device: it
+/// reaches nothing outside the run that opens it.
+pub(crate) fn make_fifo(dir: BorrowedFd<'_>, name: &[u8], meta: &Meta) -> Result<(), Errno> {
+    make_room(dir, name)?;
+    mknodat(dir, name, FileType::Fifo, Mode::empty(), 0)?;
+    rustix::fs::chownat(
+        dir,
+        name,
+        Some(Uid::from_raw(meta.uid)),
+        Some(Gid::from_raw(meta.gid)),
+        AtFlags::SYMLINK_NOFOLLOW,
+    )?;
+    rustix::fs::chmodat(dir, name, Mode::from_raw_mode(meta.mode), AtFlags::empty())?;
+    rustix::fs::utimensat(dir, name, &meta.timestamps(), AtFlags::SYMLINK_NOFOLLOW)
+}
+
+/// Sets extended attribute `name` of the file or directory open at `fd`.
+pub(crate) fn set_xattr(fd: BorrowedFd<'_>, name: &str, value: &[u8]) -> Result<(), Errno> {
+    fsetxattr(fd, name, value, XattrFlags::empty())
+}
+
 /// Marks the directory open at `dir` opaque for overlayfs.
 pub(crate) fn set_opaque(dir: BorrowedFd<'_>) -> Result<(), Errno> {
     fsetxattr(dir, OPAQUE_XATTR, b"y", XattrFlags::empty())
