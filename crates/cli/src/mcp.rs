@@ -165,6 +165,9 @@ fn text(bytes: &[u8], max: usize) -> (String, bool) {
 pub struct CreateRun {
     /// Image to start from (default `base`)
     pub image: Option<String>,
+    /// A checkpoint to start from instead of an image (its files, and its
+    /// run's settings for what is not given here)
+    pub checkpoint: Option<String>,
     /// Time to live in seconds (default: the server's, 30 minutes)
     pub ttl_sec: Option<u64>,
     /// Network tier: `none` (default), `allowlist` or `open`
@@ -289,8 +292,21 @@ impl Tools {
 
     #[tool(description = "Create a run: an isolated Linux sandbox. Answers the run, with its id.")]
     async fn create_run(&self, Parameters(p): Parameters<CreateRun>) -> Result<String, String> {
+        let checkpoint = p
+            .checkpoint
+            .map(|c| {
+                c.parse::<ulid::Ulid>()
+                    .map_err(|_| format!("checkpoint {c:?} is not a checkpoint id"))
+            })
+            .transpose()?;
+        let image = match (p.image, &checkpoint) {
+            (Some(image), _) => image,
+            (None, Some(_)) => String::new(),
+            (None, None) => "base".to_owned(),
+        };
         let req = CreateRunRequest {
-            image: p.image.unwrap_or_else(|| "base".to_owned()),
+            image,
+            checkpoint,
             ttl_sec: p.ttl_sec,
             network: parse::<NetworkTier>("network", p.network)?,
             egress_allow: p.egress_allow,
@@ -414,6 +430,20 @@ impl Tools {
             &self
                 .client
                 .snapshot_run(&p.run, p.name.as_deref())
+                .await
+                .map_err(refused)?,
+        )
+    }
+
+    #[tool(
+        description = "Checkpoint a run: its files and settings go to the server's checkpoint store, where they outlive the run and this server; create_run with the checkpoint's id starts new runs from it. The run keeps running. Answers the checkpoint."
+    )]
+    async fn checkpoint_run(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        let req = runbox_types::CheckpointRequest::default();
+        to_json(
+            &self
+                .client
+                .checkpoint_run(&p.run, &req)
                 .await
                 .map_err(refused)?,
         )

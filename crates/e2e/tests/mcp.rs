@@ -84,6 +84,7 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     assert_eq!(
         tools,
         [
+            "checkpoint_run",
             "create_run",
             "delete_run",
             "exec",
@@ -172,6 +173,22 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     assert_eq!(text(&read), "alpha\n");
     let listing = ok(&session, "list_files", json!({"run": id, "depth": 2})).await;
     assert!(listing.to_string().contains("src/a.txt"), "{listing}");
+    // A checkpoint, and a run started from it.
+    let checkpoint = ok(&session, "checkpoint_run", json!({"run": id})).await;
+    let from = ok(
+        &session,
+        "create_run",
+        json!({"checkpoint": checkpoint["id"]}),
+    )
+    .await;
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": from["id"], "command": "cat /work/src/a.txt"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "alpha\n");
+    ok(&session, "delete_run", json!({"run": from["id"]})).await;
     let out = ok(
         &session,
         "exec",

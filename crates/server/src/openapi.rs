@@ -48,6 +48,9 @@ use runbox_types as t;
     t::SnapshotList,
     t::ForkRequest,
     t::ForkResponse,
+    t::CheckpointRequest,
+    t::Checkpoint,
+    t::CheckpointList,
     t::WarmCommitRequest,
     t::WarmCommit,
     t::WarmStatus,
@@ -77,6 +80,8 @@ struct Schemas;
 enum In {
     Nothing,
     Json(&'static str),
+    /// A JSON body that may be left out (an empty body is its defaults).
+    OptionalJson(&'static str),
     Bytes(&'static str),
 }
 
@@ -167,7 +172,7 @@ const ATTACH_QUERY: &[Query] = &[REPLAY, OWNER, GENERATION];
 /// Every route of the API router, in the order `docs/api.md` lists them.
 fn operations() -> Vec<Op> {
     use HttpMethod::{Delete, Get, Post, Put};
-    use In::{Bytes as InBytes, Json as Body, Nothing};
+    use In::{Bytes as InBytes, Json as Body, Nothing, OptionalJson};
     use Out::{Bytes as OutBytes, Empty, Events, Json, Upgrade};
     let op = |method, path, id, summary, input, status, output| Op {
         method,
@@ -216,6 +221,7 @@ fn operations() -> Vec<Op> {
         Op { query: CREDENTIAL, ..op(Get, "/v1/runs/{id}/ports/{port}/connect", "connectPort", "One TCP connection to a port inside the run, after an upgrade to runbox-tcp", Nothing, 101, Upgrade("runbox-tcp")) },
         op(Post, "/v1/runs/{id}/snapshot", "snapshotRun", "Record the run's filesystem as a new image", Body("SnapshotRequest"), 201, Json("Snapshot")),
         op(Post, "/v1/runs/{id}/fork", "forkRun", "Start new runs from the run's filesystem", Body("ForkRequest"), 201, Json("ForkResponse")),
+        op(Post, "/v1/runs/{id}/checkpoint", "checkpointRun", "Send the run's disk and settings to the checkpoint store; the run keeps running", OptionalJson("CheckpointRequest"), 201, Json("Checkpoint")),
         op(Post, "/v1/runs/{id}/warm-commit", "warmCommit", "Publish the run's warm volume as its repository's template", Body("WarmCommitRequest"), 201, Json("WarmCommit")),
         op(Get, "/v1/runs/{id}/warm", "warmStatus", "The run's warm volume and lockfile hashes", Nothing, 200, Json("WarmStatus")),
         op(Get, "/v1/warmcache", "warmTemplates", "Every warm template", Nothing, 200, Json("WarmTemplateList")),
@@ -229,6 +235,9 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/snapshots", "listSnapshots", "Every snapshot", Nothing, 200, Json("SnapshotList")),
         Op { query: &[("image", Kind::Str, "the snapshot's image name")], ..op(Delete, "/v1/snapshots", "deleteSnapshotByQuery", "Delete a snapshot named in the query", Nothing, 204, Empty) },
         op(Delete, "/v1/snapshots/{name}", "deleteSnapshot", "Delete a snapshot", Nothing, 204, Empty),
+        op(Get, "/v1/checkpoints", "listCheckpoints", "Every checkpoint in the store", Nothing, 200, Json("CheckpointList")),
+        op(Get, "/v1/checkpoints/{id}", "getCheckpoint", "One checkpoint", Nothing, 200, Json("Checkpoint")),
+        op(Delete, "/v1/checkpoints/{id}", "deleteCheckpoint", "Delete a checkpoint from the store", Nothing, 204, Empty),
         op(Get, "/v1/pools", "listPools", "The warm pools", Nothing, 200, Json("PoolList")),
         op(Put, "/v1/pools", "setPools", "Replace the warm pools", Body("PoolSet"), 200, Json("PoolList")),
         op(Get, "/v1/info", "info", "What the node is and how full", Nothing, 200, Json("Info")),
@@ -293,6 +302,7 @@ fn path_parameters(path: &str) -> Vec<Parameter> {
         .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
         .map(|name| {
             let description = match name {
+                "id" if path.starts_with("/v1/checkpoints") => "the checkpoint's id (a ULID)",
                 "id" => "the run's id (a ULID)",
                 "path" => "a file path relative to /work, each segment percent-encoded",
                 "process" => "a pid, or a tag",
@@ -360,9 +370,13 @@ fn operation(op: &Op) -> utoipa::openapi::path::Operation {
         ));
     builder = match &op.input {
         In::Nothing => builder,
-        In::Json(name) => builder.request_body(Some(
+        In::Json(name) | In::OptionalJson(name) => builder.request_body(Some(
             RequestBodyBuilder::new()
-                .required(Some(utoipa::openapi::Required::True))
+                .required(Some(if matches!(op.input, In::OptionalJson(_)) {
+                    utoipa::openapi::Required::False
+                } else {
+                    utoipa::openapi::Required::True
+                }))
                 .content(
                     "application/json",
                     ContentBuilder::new().schema(Some(schema_ref(name))).build(),

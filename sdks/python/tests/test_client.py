@@ -191,6 +191,23 @@ def test_leases_fence_writes(rb: Runbox, run_id: str):
     assert rb.run(run_id, "cat /work/leased.txt").stdout == b"x"
 
 
+def test_checkpoints(rb: Runbox, run_id: str):
+    rb.run(run_id, "echo kept > /work/ck.txt")
+    ck = rb.checkpoint(run_id, labels={"sdk": "python"})
+    assert ck["run"] == run_id and ck["labels"] == {"sdk": "python"}
+    assert any(c["id"] == ck["id"] for c in rb.list_checkpoints())
+    assert rb.get_checkpoint(ck["id"])["storedBytes"] > 0
+    child = rb.create_run(checkpoint=ck["id"])
+    try:
+        assert rb.run(child.id, "cat /work/ck.txt").stdout == b"kept\n"
+    finally:
+        rb.delete_run(child.id)
+    rb.delete_checkpoint(ck["id"])
+    with pytest.raises(runbox.NotFound) as e:
+        rb.get_checkpoint(ck["id"])
+    assert e.value.code == "checkpoint_not_found"
+
+
 def test_snapshots_forks_and_previews(rb: Runbox, run_id: str, daemon):
     rb.run(run_id, "echo state > /work/state.txt")
     snap = rb.snapshot(run_id, name=f"py-snap-{int(time.time())}")

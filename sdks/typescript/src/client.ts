@@ -19,6 +19,7 @@ import {
   type PullEvent,
   type Run,
   type Snapshot,
+  type Checkpoint,
   type WatchEvent,
 } from "./types.js";
 
@@ -85,6 +86,9 @@ export interface CreateRunOptions {
   idle?: { pauseAfterSec?: number; hibernateAfterSec?: number };
   /** Makes a retried create return the first run instead of a second one. */
   idempotencyKey?: string;
+  /** Start from this checkpoint (its disk, and its run's settings for what
+   * these options leave out) instead of an image. */
+  checkpoint?: string;
 }
 
 type Query = Record<string, string | number | boolean | undefined>;
@@ -301,13 +305,16 @@ export class Runbox {
   }
 
   /** Creates a run and waits until it is usable. `image` is a stored image or a reference (`alpine:3.20`). */
-  async createRun(image = "base", options: CreateRunOptions = {}): Promise<Run> {
+  /** Creates a run of `image` (default `base`), or, with
+   * `options.checkpoint`, from a checkpoint. */
+  async createRun(image?: string, options: CreateRunOptions = {}): Promise<Run> {
     const limits = options.limits ? compact(options.limits) : undefined;
     return this.call({
       method: "POST",
       path: "/v1/runs",
       json: compact({
-        image,
+        image: image ?? (options.checkpoint === undefined ? "base" : undefined),
+        checkpoint: options.checkpoint,
         env: options.env,
         ttlSec: options.ttlSec,
         network: options.network,
@@ -565,6 +572,25 @@ export class Runbox {
   /** Saves the run's files as an image that new runs can start from. */
   async snapshot(runId: string, name?: string): Promise<Snapshot> {
     return this.call({ method: "POST", path: `${runPath(runId)}/snapshot`, json: compact({ name }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
+  /** Sends the run's disk and settings to the server's checkpoint store;
+   * the run keeps running. `createRun(undefined, { checkpoint: id })`
+   * starts runs from it. */
+  async checkpoint(runId: string, labels?: Record<string, string>): Promise<Checkpoint> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/checkpoint`, json: compact({ labels }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
+  async listCheckpoints(): Promise<Checkpoint[]> {
+    return (await this.call<{ checkpoints: Checkpoint[] }>({ method: "GET", path: "/v1/checkpoints" })).checkpoints;
+  }
+
+  async getCheckpoint(id: string): Promise<Checkpoint> {
+    return this.call({ method: "GET", path: `/v1/checkpoints/${segment("checkpoint id", id)}` });
+  }
+
+  async deleteCheckpoint(id: string): Promise<void> {
+    await this.call({ method: "DELETE", path: `/v1/checkpoints/${segment("checkpoint id", id)}` });
   }
 
   /** Makes `count` copies of a run, each running. */

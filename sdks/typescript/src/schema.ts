@@ -21,6 +21,41 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/checkpoints": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Every checkpoint in the store */
+        get: operations["listCheckpoints"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/checkpoints/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** One checkpoint */
+        get: operations["getCheckpoint"];
+        put?: never;
+        post?: never;
+        /** Delete a checkpoint from the store */
+        delete: operations["deleteCheckpoint"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/drain": {
         parameters: {
             query?: never;
@@ -175,6 +210,23 @@ export interface paths {
         post?: never;
         /** Destroy a run */
         delete: operations["deleteRun"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/checkpoint": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Send the run's disk and settings to the checkpoint store; the run keeps running */
+        post: operations["checkpointRun"];
+        delete?: never;
         options?: never;
         head?: never;
         patch?: never;
@@ -780,6 +832,63 @@ export interface components {
             /** @description Idle pool members, ready or being made. */
             pooled: number;
         };
+        /** @description A run's disk and settings, kept in the checkpoint store. */
+        Checkpoint: {
+            /**
+             * Format: date-time
+             * @description When it was taken.
+             */
+            createdAt: string;
+            /**
+             * Format: uint64
+             * @description Bytes of file data in the run's disk layer.
+             */
+            diskBytes: number;
+            /**
+             * Format: date-time
+             * @description When the store's sweep removes it (`--checkpoint-ttl-hours`); null:
+             *     kept until deleted.
+             */
+            expiresAt?: string | null;
+            /**
+             * Format: ulid
+             * @description Its id: give it as `checkpoint` to `POST /v1/runs`.
+             */
+            id: string;
+            /** @description That run's image. */
+            image: string;
+            /** @description Its labels. */
+            labels?: {
+                [key: string]: string;
+            };
+            /**
+             * Format: ulid
+             * @description The run it was taken from.
+             */
+            run: string;
+            /** @description The node that took it. */
+            server: string;
+            /**
+             * Format: uint64
+             * @description Bytes it takes in the store (compressed layers and its record).
+             */
+            storedBytes: number;
+        };
+        /** @description `GET /v1/checkpoints`. */
+        CheckpointList: {
+            /** @description Every committed checkpoint, oldest first. */
+            checkpoints: components["schemas"]["Checkpoint"][];
+        };
+        /** @description `POST /v1/runs/{id}/checkpoint` (the body may be empty). */
+        CheckpointRequest: {
+            /**
+             * @description Labels for the checkpoint (the rules of a run's labels); default:
+             *     none.
+             */
+            labels?: {
+                [key: string]: string;
+            } | null;
+        };
         /** @description A text frame from the client. */
         ClientFrame: (components["schemas"]["ExecRequest"] & {
             /** @enum {string} */
@@ -820,6 +929,16 @@ export interface components {
              */
             autoResume?: boolean | null;
             /**
+             * Format: ulid
+             * @description Start from a checkpoint instead of an image (`POST
+             *     /v1/runs/{id}/checkpoint`): the new run gets the checkpointed disk
+             *     and, for every field this request leaves out, the checkpointed
+             *     run's settings (env, limits or size, network and egress, labels,
+             *     TTL, idle policy, `onExpire`). Any number of runs may start from one
+             *     checkpoint. Not with `image`, `pull` or `warm`.
+             */
+            checkpoint?: string | null;
+            /**
              * @description Extra allowlist entries for this run only (`allowlist` tier):
              *     `host`, `.suffix` or `host:port`.
              */
@@ -829,9 +948,10 @@ export interface components {
             /**
              * @description A stored image's local name, or an image reference as Docker spells
              *     it (`alpine:3.20`, `127.0.0.1:5000/team/app:1`, `…@sha256:…`),
-             *     pulled first when it is not stored (see `pull`).
+             *     pulled first when it is not stored (see `pull`). Required unless
+             *     `checkpoint` is given.
              */
-            image: string;
+            image?: string;
             /**
              * @description Labels shown on the run (at most 64; keys 1-63 characters of
              *     letters, digits, `.`, `_`, `-` and `/`; values up to 256 characters).
@@ -1973,6 +2093,124 @@ export interface operations {
             };
         };
     };
+    listCheckpoints: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["CheckpointList"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getCheckpoint: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the checkpoint's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Checkpoint"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    deleteCheckpoint: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the checkpoint's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     drain: {
         parameters: {
             query?: never;
@@ -2549,6 +2787,51 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    checkpointRun: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["CheckpointRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Checkpoint"];
+                };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {

@@ -19,6 +19,7 @@ export type FileList = Schemas["FileList"];
 export type WatchEvent = Schemas["WatchEvent"];
 export type Image = Schemas["Image"];
 export type Snapshot = Schemas["Snapshot"];
+export type Checkpoint = Schemas["Checkpoint"];
 export type Preview = Schemas["Preview"];
 export type Info = Schemas["Info"];
 export type Health = Schemas["Health"];

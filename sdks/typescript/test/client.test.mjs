@@ -193,6 +193,24 @@ test("leases fence writes", () =>
     assert.equal((await rb.run(id, "cat /work/leased.txt")).text, "x");
   }));
 
+test("checkpoints", () =>
+  withRun(async (id) => {
+    await rb.run(id, "echo kept > /work/ck.txt");
+    const ck = await rb.checkpoint(id, { sdk: "ts" });
+    assert.equal(ck.run, id);
+    assert.deepEqual(ck.labels, { sdk: "ts" });
+    assert.ok((await rb.listCheckpoints()).some((c) => c.id === ck.id));
+    assert.ok((await rb.getCheckpoint(ck.id)).storedBytes > 0);
+    const child = await rb.createRun(undefined, { checkpoint: ck.id });
+    try {
+      assert.equal((await rb.run(child.id, "cat /work/ck.txt")).text, "kept\n");
+    } finally {
+      await rb.deleteRun(child.id);
+    }
+    await rb.deleteCheckpoint(ck.id);
+    await assert.rejects(rb.getCheckpoint(ck.id), (e) => e.code === "checkpoint_not_found");
+  }));
+
 test("snapshots, forks and previews", () =>
   withRun(async (id) => {
     await rb.run(id, "echo state > /work/state.txt");

@@ -28,8 +28,9 @@ def health() -> Call[Dict[str, Any]]:
 
 
 def create_run(
-    image: str,
+    image: Optional[str],
     *,
+    checkpoint: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
     ttl: Optional[int] = None,
     network: Optional[str] = None,
@@ -48,8 +49,11 @@ def create_run(
     idempotency_key: Optional[str] = None,
 ) -> Call[Run]:
     limits = compact(cpus=cpus, memoryMb=memory_mb, pids=pids, diskMb=disk_mb) or None
+    if image is None and checkpoint is None:
+        image = "base"
     body = compact(
         image=image,
+        checkpoint=checkpoint,
         env=env,
         ttlSec=ttl,
         network=network,
@@ -224,6 +228,22 @@ def snapshot(run_id: str, name: Optional[str] = None) -> Call[Dict[str, Any]]:
 
 def fork(run_id: str, count: int = 1, ttl: Optional[int] = None) -> Call[List[Run]]:
     return Call("POST", f"{run_path(run_id)}/fork", json=compact(count=count, ttlSec=ttl), parse=parse_runs)
+
+
+def checkpoint(run_id: str, labels: Optional[Dict[str, str]] = None) -> Call[Dict[str, Any]]:
+    return Call("POST", f"{run_path(run_id)}/checkpoint", json=compact(labels=labels))
+
+
+def list_checkpoints() -> Call[List[Dict[str, Any]]]:
+    return Call("GET", "/v1/checkpoints", parse=lambda body: list(body["checkpoints"]))
+
+
+def get_checkpoint(checkpoint_id: str) -> Call[Dict[str, Any]]:
+    return Call("GET", f"/v1/checkpoints/{segment('checkpoint id', checkpoint_id)}")
+
+
+def delete_checkpoint(checkpoint_id: str) -> Call[None]:
+    return Call("DELETE", f"/v1/checkpoints/{segment('checkpoint id', checkpoint_id)}", empty=True)
 
 
 def list_images() -> Call[List[Image]]:

@@ -162,7 +162,7 @@ class AsyncRunbox:
     async def health(self) -> Dict[str, Any]:
         return await self._do(calls.health())
 
-    async def create_run(self, image: str = "base", **kwargs: Any) -> Run:
+    async def create_run(self, image: Optional[str] = None, **kwargs: Any) -> Run:
         return await self._do(calls.create_run(image, **kwargs))
 
     async def list_runs(self) -> List[Run]:
@@ -307,6 +307,21 @@ class AsyncRunbox:
 
     async def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
         return await self._do(calls.snapshot(run_id, name))
+
+    async def checkpoint(self, run_id: str, labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+        """Send the run's disk and settings to the server's checkpoint store;
+        the run keeps running. ``create_run(checkpoint=id)`` starts runs
+        from it."""
+        return await self._do(calls.checkpoint(run_id, labels))
+
+    async def list_checkpoints(self) -> List[Dict[str, Any]]:
+        return await self._do(calls.list_checkpoints())
+
+    async def get_checkpoint(self, checkpoint_id: str) -> Dict[str, Any]:
+        return await self._do(calls.get_checkpoint(checkpoint_id))
+
+    async def delete_checkpoint(self, checkpoint_id: str) -> None:
+        await self._do(calls.delete_checkpoint(checkpoint_id))
 
     async def fork(self, run_id: str, count: int = 1, ttl: Optional[int] = None) -> List[Run]:
         return await self._do(calls.fork(run_id, count, ttl))

@@ -95,13 +95,15 @@ class Runbox:
     def health(self) -> Dict[str, Any]:
         return self._do(calls.health())
 
-    def create_run(self, image: str = "base", **kwargs: Any) -> Run:
+    def create_run(self, image: Optional[str] = None, **kwargs: Any) -> Run:
         """Create a run and wait until it is usable. Keyword arguments:
         ``env``, ``ttl``, ``network``, ``size``, ``cpus``, ``memory_mb``,
         ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``,
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
-        ``idempotency_key``."""
+        ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
+        starts the run from a checkpoint. Without either, the image is
+        ``base``."""
         return self._do(calls.create_run(image, **kwargs))
 
     def list_runs(self) -> List[Run]:
@@ -281,6 +283,21 @@ class Runbox:
 
     def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
         return self._do(calls.snapshot(run_id, name))
+
+    def checkpoint(self, run_id: str, labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+        """Send the run's disk and settings to the server's checkpoint store;
+        the run keeps running. ``create_run(checkpoint=id)`` starts runs
+        from it."""
+        return self._do(calls.checkpoint(run_id, labels))
+
+    def list_checkpoints(self) -> List[Dict[str, Any]]:
+        return self._do(calls.list_checkpoints())
+
+    def get_checkpoint(self, checkpoint_id: str) -> Dict[str, Any]:
+        return self._do(calls.get_checkpoint(checkpoint_id))
+
+    def delete_checkpoint(self, checkpoint_id: str) -> None:
+        self._do(calls.delete_checkpoint(checkpoint_id))
 
     def fork(self, run_id: str, count: int = 1, ttl: Optional[int] = None) -> List[Run]:
         return self._do(calls.fork(run_id, count, ttl))
