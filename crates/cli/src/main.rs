@@ -101,8 +101,12 @@ enum Command {
     /// memory, network and the capacity slot freed (the next call that
     /// reaches a run boots it again)
     Hibernate(runs::IdsArgs),
-    /// Boot hibernated or failed runs again on their disks
+    /// Boot hibernated or failed runs again on their disks (archived runs
+    /// are restored)
     Wake(runs::IdsArgs),
+    /// Send runs' disks to the checkpoint store and drop them on the node
+    /// (running runs are hibernated first; the next call restores them)
+    Archive(runs::IdsArgs),
     /// Record a run's filesystem as a new image (the run keeps running)
     Snapshot(runs::SnapshotArgs),
     /// Start new runs from a run's filesystem as it is now
@@ -196,6 +200,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Resume(args) => runs::resume(args).await,
         Command::Hibernate(args) => runs::hibernate(args).await,
         Command::Wake(args) => runs::wake(args).await,
+        Command::Archive(args) => runs::archive(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
         Command::Checkpoint(args) => checkpoints::checkpoint(args).await,

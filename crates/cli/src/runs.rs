@@ -52,6 +52,9 @@ pub enum OnExpireArg {
     /// It is hibernated (processes and memory lost, disk kept) and kept
     /// for the server's retention; a wake gives it a fresh TTL
     Hibernate,
+    /// It is archived to the checkpoint store (nothing left on the node)
+    /// and kept for the server's retention; a restore gives it a fresh TTL
+    Archive,
 }
 
 /// When a create pulls its image.
@@ -198,6 +201,7 @@ impl CreateArgs {
             on_expire: self.on_expire.map(|o| match o {
                 OnExpireArg::Delete => runbox_types::OnExpire::Delete,
                 OnExpireArg::Pause => runbox_types::OnExpire::Pause,
+                OnExpireArg::Archive => runbox_types::OnExpire::Archive,
                 OnExpireArg::Hibernate => runbox_types::OnExpire::Hibernate,
             }),
             idle: (self.idle_pause.is_some() || self.idle_hibernate.is_some()).then_some(
@@ -416,6 +420,7 @@ fn status_name(status: RunStatus) -> &'static str {
         RunStatus::Running => "running",
         RunStatus::Paused => "paused",
         RunStatus::Hibernated => "hibernated",
+        RunStatus::Archived => "archived",
         RunStatus::Stopping => "stopping",
         RunStatus::Failed => "failed",
     }
@@ -471,6 +476,14 @@ pub async fn resume(args: IdsArgs) -> anyhow::Result<ExitCode> {
 pub async fn hibernate(args: IdsArgs) -> anyhow::Result<ExitCode> {
     each_run(args, "hibernate", |client, id| async move {
         client.hibernate_run(&id).await
+    })
+    .await
+}
+
+/// `runbox archive`: archives every run given, as `pause` does.
+pub async fn archive(args: IdsArgs) -> anyhow::Result<ExitCode> {
+    each_run(args, "archive", |client, id| async move {
+        client.archive_run(&id).await
     })
     .await
 }
@@ -666,6 +679,8 @@ mod tests {
             idle: Default::default(),
             restarts: 0,
             restarted_at: None,
+            archived_at: None,
+            archive_error: None,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

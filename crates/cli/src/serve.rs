@@ -151,6 +151,18 @@ pub struct ServeArgs {
     /// `AWS_ENDPOINT_URL`, …), never credentials on the command line
     #[arg(long, value_name = "DIR|S3-URL")]
     pub checkpoint_store: Option<String>,
+    /// Archive runs that have been hibernated this many seconds: their
+    /// disks go to the checkpoint store and nothing stays on the node; 0 is
+    /// off (runs are archived only when asked, or at their TTL with
+    /// `onExpire: archive`)
+    #[arg(long, default_value_t = 0, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(0..=10 * 366 * 86400))]
+    pub archive_after_sec: u64,
+    /// Seconds a run archived at its TTL (`onExpire: archive`) is kept
+    /// before it is destroyed with its archive (default 30 days)
+    #[arg(long, default_value_t = 30 * 86400, value_name = "SECS",
+          value_parser = clap::value_parser!(u64).range(1..=10 * 366 * 86400))]
+    pub archive_delete_after_sec: u64,
     /// Remove checkpoints this many hours old in the hourly sweep; 0 keeps
     /// them until deleted
     #[arg(long, default_value_t = 0, value_name = "HOURS",
@@ -314,6 +326,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--checkpoint-store: {e}"))?;
     tracing::info!(store = checkpoints.location(), "checkpoint store");
     config.checkpoints = Some(std::sync::Arc::new(checkpoints));
+    config.archive_after =
+        (args.archive_after_sec > 0).then(|| Duration::from_secs(args.archive_after_sec));
+    config.archive_retention = Duration::from_secs(args.archive_delete_after_sec);
     config.checkpoint_ttl = (args.checkpoint_ttl_hours > 0)
         .then(|| Duration::from_secs(args.checkpoint_ttl_hours * 3600));
     let pools_file = state_dir.join(POOLS_FILE);

@@ -235,6 +235,14 @@ impl Client {
         json(self.send(self.request(Method::POST, &path)).await?).await
     }
 
+    /// `POST /v1/runs/{id}/archive`: sends the run's disk to the server's
+    /// checkpoint store and drops it on the node (the next call restores
+    /// it).
+    pub async fn archive_run(&self, id: &str) -> Result<Run, ClientError> {
+        let path = format!("{}/archive", run_path(id)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
+    }
+
     /// `POST /v1/runs/{id}/wake`: boots a hibernated or failed run again
     /// on its disk (resumes a paused one).
     pub async fn wake_run(&self, id: &str) -> Result<Run, ClientError> {

@@ -45,6 +45,10 @@ pub const FORMAT_VERSION: u32 = 1;
 /// How old an uncommitted generation must be before the sweep removes it.
 pub const ORPHAN_AGE: Duration = Duration::from_secs(60 * 60);
 
+/// The label that marks a checkpoint as an archived run's disk: its life is
+/// the run's, so the TTL sweep leaves it alone.
+pub const ARCHIVE_LABEL: &str = "runbox.archive";
+
 /// How long a `503 checkpoint_store_unavailable` asks a client to wait.
 pub const RETRY_AFTER: Duration = Duration::from_secs(10);
 
@@ -78,6 +82,10 @@ pub struct StoredLayer {
     pub size: u64,
     /// The uncompressed tar's size in bytes.
     pub tar_bytes: u64,
+    /// The layer's key on the node that wrote it, for a layer below the
+    /// run's disk: a node that still has it uses it instead of a download.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 /// Everything needed to bring a checkpointed run back.
@@ -292,6 +300,22 @@ impl CheckpointStore {
             return Err(not_found(id));
         };
         self.read_commit(&path, id, generation).await
+    }
+
+    /// The generation after the newest committed one of `id` (1 for a new
+    /// checkpoint).
+    pub async fn next_generation(&self, id: Ulid) -> Result<u64, CoreError> {
+        Ok(self
+            .committed(id)
+            .await?
+            .keys()
+            .next_back()
+            .map_or(1, |g| g + 1))
+    }
+
+    /// Whether checkpoint `id` has a committed generation.
+    pub async fn exists(&self, id: Ulid) -> Result<bool, CoreError> {
+        Ok(!self.committed(id).await?.is_empty())
     }
 
     /// The committed generations of `id`, oldest first.
@@ -523,7 +547,10 @@ impl CheckpointStore {
             };
             if let Some(ttl) = ttl {
                 match self.read_commit(path, *id, newest).await {
-                    Ok(commit) if commit.checkpoint.created_at + ttl <= now => {
+                    Ok(commit)
+                        if commit.checkpoint.created_at + ttl <= now
+                            && !commit.checkpoint.labels.contains_key(ARCHIVE_LABEL) =>
+                    {
                         tracing::info!(checkpoint = %id, "checkpoint past its TTL removed");
                         self.delete(*id).await?;
                         swept.expired += 1;
@@ -683,6 +710,7 @@ impl Upload<'_> {
             diff_id,
             size,
             tar_bytes,
+            key: None,
         };
         self.layers.push(layer.clone());
         Ok(layer)
@@ -691,6 +719,13 @@ impl Upload<'_> {
     /// The layers uploaded so far, in order.
     pub fn layers(&self) -> &[StoredLayer] {
         &self.layers
+    }
+
+    /// Notes that the last layer uploaded is layer `key` of this node.
+    pub fn set_last_key(&mut self, key: String) {
+        if let Some(last) = self.layers.last_mut() {
+            last.key = Some(key);
+        }
     }
 
     /// Writes the record, then the commit object that makes the generation
@@ -880,8 +915,12 @@ pub fn s3_builder(
         .is_some_and(|v| v == "true");
     builder = builder
         .with_retry(object_store::RetryConfig {
-            backoff: object_store::BackoffConfig::default(),
-            max_retries: 3,
+            backoff: object_store::BackoffConfig {
+                init_backoff: Duration::from_millis(200),
+                max_backoff: Duration::from_secs(5),
+                base: 2.0,
+            },
+            max_retries: 5,
             retry_timeout: Duration::from_secs(20),
         })
         .with_client_options(

@@ -60,6 +60,12 @@ pub struct Config {
     pub checkpoints: Option<std::sync::Arc<crate::checkpoints::CheckpointStore>>,
     /// How long a checkpoint is kept (None: until deleted).
     pub checkpoint_ttl: Option<Duration>,
+    /// Archive runs hibernated this long (None: only when asked, or at
+    /// their TTL with `onExpire: archive`).
+    pub archive_after: Option<Duration>,
+    /// How long a run archived at its TTL (`onExpire: archive`) is kept
+    /// before it is destroyed with its archive.
+    pub archive_retention: Duration,
 }
 
 /// What the daemon does when a run's init exits on its own.
@@ -141,6 +147,8 @@ impl Config {
             preview: None,
             checkpoints: None,
             checkpoint_ttl: None,
+            archive_after: None,
+            archive_retention: Duration::from_secs(30 * 24 * 60 * 60),
         }
     }
 }

@@ -331,6 +331,12 @@ pub trait Sandbox: Send + Sync {
         Err(LaneError::unsupported("capture a run's filesystem"))
     }
 
+    /// [`Sandbox::capture`] of a sandbox stopped down to its disk (a
+    /// hibernated run): nothing runs, so nothing is frozen.
+    async fn capture_stopped(&self) -> Result<Capture, LaneError> {
+        Err(LaneError::unsupported("capture a stopped run's filesystem"))
+    }
+
     /// What it uses now (CPU time, memory), where that is measured.
     fn usage(&self) -> Option<Usage> {
         None

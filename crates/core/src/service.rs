@@ -77,6 +77,8 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn resume(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Hibernates a run (stopped down to its disk).
     fn hibernate(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Archives a run to the checkpoint store.
+    fn archive(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Wakes a hibernated or failed run (boots it on its disk), resumes a
     /// paused one.
     fn wake(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
@@ -380,6 +382,10 @@ impl RunService for Arc<Manager> {
 
     async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
         Manager::wake(self, id).await
+    }
+
+    async fn archive(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::archive(self, id).await
     }
 
     async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {

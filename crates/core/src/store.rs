@@ -113,6 +113,16 @@ pub struct RunRecord {
         skip_serializing_if = "Option::is_none"
     )]
     pub restarted_at: Option<OffsetDateTime>,
+    /// When its disk went to the checkpoint store (status `archived`).
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub archived_at: Option<OffsetDateTime>,
+    /// Why its last archive failed (it stays hibernated meanwhile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive_error: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -174,6 +184,8 @@ impl RunRecord {
             idle: self.idle,
             restarts: self.restarts,
             restarted_at: self.restarted_at,
+            archived_at: self.archived_at,
+            archive_error: self.archive_error.clone(),
         }
     }
 }
@@ -343,6 +355,8 @@ mod tests {
             idle: Default::default(),
             restarts: 0,
             restarted_at: None,
+            archived_at: None,
+            archive_error: None,
         }
     }
 

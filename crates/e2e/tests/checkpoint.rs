@@ -510,3 +510,211 @@ async fn checkpoints_in_an_s3_bucket() {
         "{e}"
     );
 }
+
+async fn status_of(daemon: &TestDaemon, id: &str) -> runbox_types::RunStatus {
+    daemon.client.get_run(id).await.unwrap().status
+}
+
+/// Archive: the run's disk goes to the store and nothing stays on the node
+/// but its record; the next call restores it with every file, under the
+/// same id, with a fresh TTL; a daemon restart keeps it archived; a delete
+/// takes its archive with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_archived_run_holds_nothing_here_and_comes_back_on_the_next_call() {
+    use runbox_types::RunStatus;
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            ttl_sec: Some(900),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    write_files(&daemon, &id).await;
+    let before = listing(&daemon, &id).await;
+    let run = daemon.client.archive_run(&id).await.unwrap();
+    assert_eq!(run.status, RunStatus::Archived);
+    assert!(run.archived_at.is_some());
+    assert!(!daemon.state.path().join("runs").join(&id).exists());
+    let listed = daemon.client.list_checkpoints().await.unwrap().checkpoints;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id.to_string(), id);
+    assert_eq!(
+        listed[0].labels.get("runbox.archive").map(String::as_str),
+        Some("true")
+    );
+    // Its archive is not deleted from under it.
+    let e = daemon.client.delete_checkpoint(&id).await.unwrap_err();
+    assert_eq!(code_of(&e), Some(ErrorCode::CheckpointInUse), "{e}");
+    // A user's label may not claim to be an archive.
+    let other = daemon.create().await.id.to_string();
+    let e = daemon
+        .client
+        .checkpoint_run(
+            &other,
+            &CheckpointRequest {
+                labels: Some([("runbox.archive".to_owned(), "true".to_owned())].into()),
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code_of(&e), Some(ErrorCode::BadLabels), "{e}");
+
+    // Still archived after a daemon restart.
+    daemon.kill9();
+    daemon.spawn().await;
+    assert_eq!(status_of(&daemon, &id).await, RunStatus::Archived);
+    // The next call restores it.
+    assert_eq!(listing(&daemon, &id).await, before);
+    let run = daemon.client.get_run(&id).await.unwrap();
+    assert_eq!(run.status, RunStatus::Running);
+    assert!(run.archived_at.is_none());
+    let ttl = (run.expires_at - time::OffsetDateTime::now_utc()).whole_seconds();
+    assert!((880..=900).contains(&ttl), "{ttl}");
+    assert_eq!(xattr_of(&daemon, &id).as_deref(), Some(&b"kept"[..]));
+    // The restored run's archive is gone; it writes as before.
+    assert!(daemon
+        .client
+        .list_checkpoints()
+        .await
+        .unwrap()
+        .checkpoints
+        .is_empty());
+    let out = daemon.sh(&id, "echo after > /work/after").await;
+    assert_eq!(out.exit.exit_code, 0);
+    // Archived again and woken explicitly; then deleted while archived.
+    daemon.client.archive_run(&id).await.unwrap();
+    let run = daemon.client.wake_run(&id).await.unwrap();
+    assert_eq!(run.status, RunStatus::Running);
+    let out = daemon.sh(&id, "cat /work/after /work/a.txt").await;
+    assert_eq!(text(&out.stdout), "after\none\n");
+    daemon.client.archive_run(&id).await.unwrap();
+    daemon.client.delete_run(&id).await.unwrap();
+    assert!(daemon
+        .client
+        .list_checkpoints()
+        .await
+        .unwrap()
+        .checkpoints
+        .is_empty());
+}
+
+/// The store down during an archive: the run stays hibernated with the
+/// error on it; during a restore: 503 with Retry-After, the run stays
+/// archived. Back up, both work. A daemon killed mid-archive leaves the run
+/// hibernated with its disk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_archive_survives_the_store_going_down_and_a_kill_9() {
+    use runbox_types::RunStatus;
+    let mut s3 = S3Server::start().await;
+    let location = format!("s3://{}/archive", s3.bucket);
+    let env = s3.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let mut daemon = TestDaemon::start_with(None, &["--checkpoint-store", &location], &env).await;
+    let id = daemon.create().await.id.to_string();
+    let out = daemon.sh(&id, "echo kept > /work/kept").await;
+    assert_eq!(out.exit.exit_code, 0);
+
+    s3.stop();
+    let e = daemon.client.archive_run(&id).await.unwrap_err();
+    assert_eq!(
+        code_of(&e),
+        Some(ErrorCode::CheckpointStoreUnavailable),
+        "{e}"
+    );
+    let run = daemon.client.get_run(&id).await.unwrap();
+    assert_eq!(run.status, RunStatus::Hibernated);
+    assert!(run.archive_error.is_some(), "{run:?}");
+    s3.spawn().await;
+    daemon.client.archive_run(&id).await.unwrap();
+    assert!(daemon
+        .client
+        .get_run(&id)
+        .await
+        .unwrap()
+        .archive_error
+        .is_none());
+
+    s3.stop();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/runs/{id}/exec", daemon.url))
+        .bearer_auth(&daemon.token)
+        .json(&serde_json::json!({"cmd": ["cat", "/work/kept"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(resp.headers()["retry-after"], "10");
+    assert_eq!(status_of(&daemon, &id).await, RunStatus::Archived);
+    s3.spawn().await;
+    let out = daemon.sh(&id, "cat /work/kept").await;
+    assert_eq!(text(&out.stdout), "kept\n");
+
+    // Killed mid-upload: hibernated with its disk, whole.
+    let out = daemon
+        .sh(
+            &id,
+            "head -c 200000000 /dev/urandom > /work/big; md5sum /work/big",
+        )
+        .await;
+    let sum = text(&out.stdout);
+    let client = daemon.client.clone();
+    let run = id.clone();
+    let archiving = tokio::spawn(async move { client.archive_run(&run).await });
+    let hibernated = runbox_e2e::eventually(Duration::from_secs(60), || {
+        std::fs::read_to_string(daemon.state.path().join("daemon.log"))
+            .unwrap_or_default()
+            .contains("run hibernated")
+    })
+    .await;
+    assert!(hibernated);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    daemon.kill9();
+    let _ = archiving.await;
+    daemon.spawn().await;
+    let status = status_of(&daemon, &id).await;
+    assert!(
+        matches!(status, RunStatus::Hibernated | RunStatus::Archived),
+        "{status:?}"
+    );
+    let out = daemon.sh(&id, "md5sum /work/big").await;
+    assert_eq!(text(&out.stdout), sum);
+}
+
+/// `--archive-after-sec` archives a run hibernated that long, and
+/// `onExpire: archive` archives a run at its TTL and keeps it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_are_archived_after_sleeping_and_at_their_ttl() {
+    use runbox_types::RunStatus;
+    let daemon = TestDaemon::start_with(None, &["--archive-after-sec", "2"], &[]).await;
+    let asleep = daemon.create().await.id.to_string();
+    daemon.client.hibernate_run(&asleep).await.unwrap();
+    let expiring = daemon
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            ttl_sec: Some(3),
+            on_expire: Some(runbox_types::OnExpire::Archive),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    for id in [&asleep, &expiring] {
+        let mut archived = false;
+        for _ in 0..200 {
+            if status_of(&daemon, id).await == RunStatus::Archived {
+                archived = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(archived, "run {id}; log:\n{}", daemon.log());
+    }
+    // Kept for the archive retention, not deleted at its TTL.
+    let run = daemon.client.get_run(&expiring).await.unwrap();
+    assert!(run.expires_at - time::OffsetDateTime::now_utc() > time::Duration::days(29));
+    let out = daemon.sh(&expiring, "echo back").await;
+    assert_eq!(text(&out.stdout), "back\n");
+}

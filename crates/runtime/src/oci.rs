@@ -747,6 +747,57 @@ impl Lane for OciLane {
     }
 }
 
+impl OciSandbox {
+    /// A constant-time copy of the run's disk: a read-only subvolume
+    /// snapshot, taken with the run frozen when `freeze` (a running run),
+    /// or as it is (a stopped one).
+    async fn capture_disk(&self, freeze: bool) -> Result<Capture, LaneError> {
+        let id = self.id;
+        let dir = self.lane.run_dir(id);
+        if !dir.join(crate::storage::DISK_DIR).is_dir() {
+            return Err(LaneError::Unsupported(format!(
+                "run {id} predates per-run disks and cannot be captured"
+            )));
+        }
+        let runs = self.lane.state_dir.join("runs");
+        let name = Ulid::new().to_string();
+        let freezer = match freeze {
+            true => Some(crate::freezer::Freezer::of(id)?),
+            false => None,
+        };
+        if let Some(freezer) = &freezer {
+            freezer.freeze().await?;
+        }
+        let started = std::time::Instant::now();
+        let snapshot = self.lane.storage.snapshot_disk(&dir, &runs, &name);
+        let frozen = started.elapsed();
+        let thawed = freezer.as_ref().map_or(Ok(()), |f| f.thaw());
+        let copy = snapshot?;
+        if let Err(e) = thawed {
+            let _ = crate::storage::remove_capture(&runs, &name);
+            return Err(e);
+        }
+        // What the runtime put in the run's layer for the run's own mounts:
+        // the agent's directory always, the files only where they are
+        // mounted (elsewhere the same path is the run's own file).
+        let mut injected = vec![".runbox".to_owned()];
+        if dir.join("trust.pem").exists() {
+            injected.push(TRUST_BUNDLE_PATH.trim_start_matches('/').to_owned());
+        }
+        if dir.join("resolv.conf").exists() {
+            injected.push(RESOLV_CONF_PATH.trim_start_matches('/').to_owned());
+        }
+        let warm_upper = copy.join(WARM_DIR).join("upper");
+        let warm_upper = warm_upper.is_dir().then_some(warm_upper);
+        Ok(Capture::new(copy.join("upper"), injected, frozen, move || {
+            if let Err(e) = crate::storage::remove_capture(&runs, &name) {
+                tracing::warn!(error = %e, capture = %name, "could not remove a capture");
+            }
+        })
+        .with_warm_upper(warm_upper))
+    }
+}
+
 #[async_trait]
 impl Sandbox for OciSandbox {
     fn id(&self) -> Ulid {
@@ -777,44 +828,11 @@ impl Sandbox for OciSandbox {
     /// Freezes the run, snapshots its disk subvolume (constant time: only
     /// metadata is written while it is frozen) and thaws it.
     async fn capture(&self) -> Result<Capture, LaneError> {
-        let id = self.id;
-        let dir = self.lane.run_dir(id);
-        if !dir.join(crate::storage::DISK_DIR).is_dir() {
-            return Err(LaneError::Unsupported(format!(
-                "run {id} predates per-run disks and cannot be captured"
-            )));
-        }
-        let runs = self.lane.state_dir.join("runs");
-        let name = Ulid::new().to_string();
-        let freezer = crate::freezer::Freezer::of(id)?;
-        freezer.freeze().await?;
-        let started = std::time::Instant::now();
-        let snapshot = self.lane.storage.snapshot_disk(&dir, &runs, &name);
-        let frozen = started.elapsed();
-        let thawed = freezer.thaw();
-        let copy = snapshot?;
-        if let Err(e) = thawed {
-            let _ = crate::storage::remove_capture(&runs, &name);
-            return Err(e);
-        }
-        // What the runtime put in the run's layer for the run's own mounts:
-        // the agent's directory always, the files only where they are
-        // mounted (elsewhere the same path is the run's own file).
-        let mut injected = vec![".runbox".to_owned()];
-        if dir.join("trust.pem").exists() {
-            injected.push(TRUST_BUNDLE_PATH.trim_start_matches('/').to_owned());
-        }
-        if dir.join("resolv.conf").exists() {
-            injected.push(RESOLV_CONF_PATH.trim_start_matches('/').to_owned());
-        }
-        let warm_upper = copy.join(WARM_DIR).join("upper");
-        let warm_upper = warm_upper.is_dir().then_some(warm_upper);
-        Ok(Capture::new(copy.join("upper"), injected, frozen, move || {
-            if let Err(e) = crate::storage::remove_capture(&runs, &name) {
-                tracing::warn!(error = %e, capture = %name, "could not remove a capture");
-            }
-        })
-        .with_warm_upper(warm_upper))
+        self.capture_disk(true).await
+    }
+
+    async fn capture_stopped(&self) -> Result<Capture, LaneError> {
+        self.capture_disk(false).await
     }
 
     fn usage(&self) -> Option<runbox_core::lane::Usage> {

@@ -350,6 +350,15 @@ pub async fn hibernate_run<S: RunService>(
     Ok(Json(state.service.hibernate(id).await?).into_response())
 }
 
+/// `POST /v1/runs/{id}/archive`: sends the run's disk to the checkpoint
+/// store and drops it here.
+pub async fn archive_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.service.archive(id).await?).into_response())
+}
+
 /// `POST /v1/runs/{id}/wake`: boots a hibernated or failed run again.
 pub async fn wake_run<S: RunService>(
     State(state): State<AppState<S>>,

@@ -81,6 +81,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/wake", post(handlers::wake_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
+        .route("/v1/runs/{id}/archive", post(handlers::archive_run::<S>))
         .route(
             "/v1/runs/{id}/checkpoint",
             post(handlers::checkpoint_run::<S>),

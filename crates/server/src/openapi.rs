@@ -196,6 +196,7 @@ fn operations() -> Vec<Op> {
         op(Post, "/v1/runs/{id}/resume", "resumeRun", "Let a paused run's processes go on; a hibernated run is woken", Nothing, 200, Json("Run")),
         op(Post, "/v1/runs/{id}/hibernate", "hibernateRun", "Stop the run down to its disk: processes and memory are lost, CPU, memory, network and capacity freed; the next call that reaches it boots it again", Nothing, 200, Json("Run")),
         op(Post, "/v1/runs/{id}/wake", "wakeRun", "Boot a hibernated or failed run again on its disk (a paused one is resumed)", Nothing, 200, Json("Run")),
+        op(Post, "/v1/runs/{id}/archive", "archiveRun", "Send the run's disk to the checkpoint store and drop it on the node (a running run is hibernated first); the next call that reaches it restores it", Nothing, 200, Json("Run")),
         op(Post, "/v1/runs/{id}/lease", "acquireLease", "Take the run's writable lease", Body("LeaseRequest"), 200, Json("LeaseResponse")),
         op(Post, "/v1/runs/{id}/lease/renew", "renewLease", "Extend a lease", Body("LeaseRenewRequest"), 200, Json("LeaseResponse")),
         op(Post, "/v1/runs/{id}/lease/release", "releaseLease", "Give a lease up", Body("LeaseReleaseRequest"), 204, Empty),

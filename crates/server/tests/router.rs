@@ -68,6 +68,8 @@ fn run() -> Run {
         idle: Default::default(),
         restarts: 0,
         restarted_at: None,
+        archived_at: None,
+        archive_error: None,
     }
 }
 
@@ -540,6 +542,13 @@ impl RunService for Stub {
         found(id)?;
         Ok(Run {
             status: RunStatus::Hibernated,
+            ..run()
+        })
+    }
+    async fn archive(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(Run {
+            status: RunStatus::Archived,
             ..run()
         })
     }

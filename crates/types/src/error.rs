@@ -146,6 +146,8 @@ codes! {
     /// A checkpoint needs image layers this node does not have and cannot
     /// pull (its base image was imported elsewhere, or changed).
     CheckpointBaseMissing = "checkpoint_base_missing", 409;
+    /// The checkpoint is an archived run's disk; delete the run instead.
+    CheckpointInUse = "checkpoint_in_use", 409;
     /// A label key or value breaks the rules, or there are too many.
     BadLabels = "bad_labels", 400;
     /// A pool set breaks the rules (a duplicate pool, `warmMax` below `warm`, ...).

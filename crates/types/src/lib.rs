@@ -250,6 +250,12 @@ pub enum OnExpire {
     /// default 7 days), then destroyed; a wake before then gives it a fresh
     /// TTL of the length it was created with.
     Hibernate,
+    /// It is archived (its disk sent to the checkpoint store, nothing left
+    /// on the node) and kept for the server's retention
+    /// (`--archive-delete-after-sec`, default 30 days), then destroyed with
+    /// its archive; a restore before then gives it a fresh TTL of the
+    /// length it was created with.
+    Archive,
 }
 
 /// `idle` on `POST /v1/runs`: what happens to a run nobody uses. A run is
@@ -442,6 +448,11 @@ pub enum RunStatus {
     /// next call that reaches it boots it again on that disk under the same
     /// id (a wake); so does `POST .../wake`.
     Hibernated,
+    /// Archived: its disk is in the checkpoint store and nothing of it is on
+    /// the node but its record. The next call that reaches it restores it
+    /// (download, a fresh disk, boot) under the same id; so does
+    /// `POST .../wake`.
+    Archived,
     /// Being destroyed.
     Stopping,
     /// The sandbox died on its own (its init process exited) and the
@@ -537,6 +548,17 @@ pub struct Run {
         skip_serializing_if = "Option::is_none"
     )]
     pub restarted_at: Option<OffsetDateTime>,
+    /// When its disk went to the checkpoint store (status `archived`).
+    #[serde(
+        default,
+        with = "time::serde::rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub archived_at: Option<OffsetDateTime>,
+    /// Why its last archive failed; it stays hibernated, and an automatic
+    /// archive is tried again later.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub archive_error: Option<String>,
 }
 
 fn yes() -> bool {

@@ -203,6 +203,10 @@ def test_checkpoints(rb: Runbox, run_id: str):
     finally:
         rb.delete_run(child.id)
     rb.delete_checkpoint(ck["id"])
+    archived = rb.archive_run(run_id)
+    assert archived.status == "archived"
+    assert rb.run(run_id, "cat /work/ck.txt").stdout == b"kept\n"
+    assert rb.get_run(run_id).status == "running"
     with pytest.raises(runbox.NotFound) as e:
         rb.get_checkpoint(ck["id"])
     assert e.value.code == "checkpoint_not_found"

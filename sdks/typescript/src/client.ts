@@ -365,6 +365,12 @@ export class Runbox {
     return this.call({ method: "POST", path: `${runPath(runId)}/hibernate` });
   }
 
+  /** Sends the run's disk to the server's checkpoint store and drops it on
+   * the node; the next call that reaches it restores it. */
+  async archiveRun(runId: string): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/archive`, timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
   /** Boots a hibernated or failed run again on its disk. */
   async wakeRun(runId: string): Promise<Run> {
     return this.call({ method: "POST", path: `${runPath(runId)}/wake` });

@@ -215,6 +215,23 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runs/{id}/archive": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Send the run's disk to the checkpoint store and drop it on the node (a running run is hibernated first); the next call that reaches it restores it */
+        post: operations["archiveRun"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/runs/{id}/checkpoint": {
         parameters: {
             query?: never;
@@ -1396,7 +1413,7 @@ export interface components {
          * @description What happens to a run when its TTL passes.
          * @enum {string}
          */
-        OnExpire: "delete" | "pause" | "hibernate";
+        OnExpire: "delete" | "pause" | "hibernate" | "archive";
         /** @description `GET /v1/pools`. */
         PoolList: {
             /** @description Whether the node is cordoned (pools drained, creates refused). */
@@ -1694,6 +1711,16 @@ export interface components {
         /** @description A run as the API shows it. */
         Run: {
             /**
+             * @description Why its last archive failed; it stays hibernated, and an automatic
+             *     archive is tried again later.
+             */
+            archiveError?: string | null;
+            /**
+             * Format: date-time
+             * @description When its disk went to the checkpoint store (status `archived`).
+             */
+            archivedAt?: string | null;
+            /**
              * @description Whether a call that reaches it while it is paused resumes it
              *     (`autoResume` at create).
              */
@@ -1786,7 +1813,7 @@ export interface components {
          * @description Where a run is in its life.
          * @enum {string}
          */
-        RunStatus: "creating" | "running" | "paused" | "hibernated" | "stopping" | "failed";
+        RunStatus: "creating" | "running" | "paused" | "hibernated" | "archived" | "stopping" | "failed";
         /** @description A run's warm volume, as the API shows it. */
         RunWarm: {
             /** @description Whether the volume started from a template (false: it started empty). */
@@ -2787,6 +2814,47 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    archiveRun: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Run"];
+                };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {

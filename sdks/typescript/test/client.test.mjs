@@ -208,6 +208,9 @@ test("checkpoints", () =>
       await rb.deleteRun(child.id);
     }
     await rb.deleteCheckpoint(ck.id);
+    assert.equal((await rb.archiveRun(id)).status, "archived");
+    assert.equal((await rb.run(id, "cat /work/ck.txt")).text, "kept\n");
+    assert.equal((await rb.getRun(id)).status, "running");
     await assert.rejects(rb.getCheckpoint(ck.id), (e) => e.code === "checkpoint_not_found");
   }));
 

@@ -140,6 +140,9 @@ pub(crate) enum Command {
     /// Boot a hibernated or failed run again, resume a paused one (nothing
     /// to do when running).
     Wake { reply: Reply<()> },
+    /// Send the run's disk to the checkpoint store and drop it here
+    /// (hibernating the run first).
+    Archive { reply: Reply<()> },
 }
 
 /// What a create applies to the pool member it is served with.
@@ -266,8 +269,10 @@ impl RunHandle {
     /// not being woken.
     pub fn counts(&self) -> bool {
         !self.is_idle()
-            && (self.state.borrow().phase != Phase::Hibernated
-                || self.waking.load(Ordering::SeqCst))
+            && (!matches!(
+                self.state.borrow().phase,
+                Phase::Hibernated | Phase::Archived
+            ) || self.waking.load(Ordering::SeqCst))
     }
 
     /// Whether this is a pool member no create has taken (yet to be
@@ -335,6 +340,9 @@ pub(crate) enum Adopted {
     /// Hibernated (or being hibernated) before the restart: whatever is
     /// left of its sandbox besides the disk is stopped.
     Hibernated,
+    /// Archived before the restart: whatever is left of its sandbox, disk
+    /// included (an archive a crash cut short), is removed.
+    Archived,
     /// Running or paused before the restart, its sandbox gone or its agent
     /// silent since, for this reason: the restart policy applies.
     Dead(String),
@@ -365,6 +373,9 @@ pub(crate) struct RunActor {
     /// When the restart policy booted the run lately (within
     /// [`RESTART_WINDOW`]); in memory, so a daemon restart resets it.
     restarts: VecDeque<tokio::time::Instant>,
+    /// After a failed automatic archive: when to try again, and how many
+    /// tries failed in a row.
+    archive_retry: Option<(tokio::time::Instant, u32)>,
 }
 
 impl RunActor {
@@ -404,6 +415,7 @@ impl RunActor {
             stop_waiters: Vec::new(),
             incarnation: token,
             restarts: VecDeque::new(),
+            archive_retry: None,
         }
     }
 
@@ -454,6 +466,12 @@ impl RunActor {
                         .await
                     {
                         tracing::warn!(run = %actor.record.id, error = %error_chain(&e), "could not stop what is left of a hibernated run's sandbox; its wake or delete retries");
+                    }
+                    let _ = done.send(Ok(()));
+                }
+                Adopted::Archived => {
+                    if let Err(e) = actor.context.lane.sandbox(actor.record.id).destroy().await {
+                        tracing::warn!(run = %actor.record.id, error = %error_chain(&e), "could not remove what is left of an archived run's sandbox; its restore or delete retries");
                     }
                     let _ = done.send(Ok(()));
                 }
@@ -644,7 +662,12 @@ impl RunActor {
     async fn serve(mut self) {
         while matches!(
             self.phase,
-            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Failed(_) | Phase::Hibernated
+            Phase::Running
+                | Phase::Paused
+                | Phase::Pooled
+                | Phase::Failed(_)
+                | Phase::Hibernated
+                | Phase::Archived
         ) {
             let expires = reaper::deadline(self.record.expires_at);
             let idle = self.idle_step();
@@ -794,9 +817,20 @@ impl RunActor {
     /// record says (limits, egress, warm volume); on success it serves,
     /// its agent answering. On error what was made is stopped again.
     async fn boot(&mut self) -> Result<(), CoreError> {
-        let id = self.record.id;
         let (spec, _pin) = self.context.boot_spec(&self.record).await?;
-        let sandbox = self.context.lane.boot(&spec).await?;
+        self.start_sandbox(&spec, false).await
+    }
+
+    /// Starts a sandbox for the run: booted on its disk, or (`fresh`) made
+    /// anew with an empty writable layer over `spec`'s image layers (a
+    /// restore). On success it serves, its agent answering; on error what
+    /// was made is stopped again (a fresh one destroyed).
+    async fn start_sandbox(&mut self, spec: &SandboxSpec, fresh: bool) -> Result<(), CoreError> {
+        let id = self.record.id;
+        let sandbox = match fresh {
+            true => self.context.lane.create(spec).await?,
+            false => self.context.lane.boot(spec).await?,
+        };
         let started = async {
             let endpoint = sandbox.agent();
             let agent = endpoint.client();
@@ -817,7 +851,11 @@ impl RunActor {
             Ok(started) => started,
             Err(e) => {
                 self.end_incarnation();
-                if let Err(cleanup) = sandbox.hibernate().await {
+                let cleanup = match fresh {
+                    true => sandbox.destroy().await,
+                    false => sandbox.hibernate().await,
+                };
+                if let Err(cleanup) = cleanup {
                     tracing::warn!(run = %id, error = %error_chain(&cleanup), "could not stop a sandbox whose boot failed");
                 }
                 return Err(e);
@@ -911,6 +949,131 @@ impl RunActor {
         }
     }
 
+    /// Sends the run's disk to the checkpoint store (as checkpoint `<run
+    /// id>`, a new generation each time) and drops the local copy; a
+    /// running or paused run is hibernated first. The stored record is the
+    /// commit point: until it says `archived` the run is hibernated with its
+    /// disk, and a failed upload leaves it so, the error on the run.
+    async fn archive(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        let store = self.context.config.checkpoints.clone().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::BadRequest,
+                "this server has no checkpoint store (--checkpoint-store)",
+            )
+        })?;
+        if matches!(self.phase, Phase::Running | Phase::Paused) {
+            self.hibernate().await?;
+        }
+        if self.phase != Phase::Hibernated {
+            return Err(self.refusal(&self.phase));
+        }
+        let started = std::time::Instant::now();
+        let uploaded = async {
+            let generation = store.next_generation(id).await?;
+            let capture = self.context.lane.sandbox(id).capture_stopped().await?;
+            let labels = [(
+                crate::checkpoints::ARCHIVE_LABEL.to_owned(),
+                "true".to_owned(),
+            )]
+            .into();
+            self.context
+                .upload_checkpoint(&self.record, capture, id, generation, labels)
+                .await
+        }
+        .await;
+        if let Err(e) = uploaded {
+            self.record.archive_error = Some(error_chain(&e));
+            if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+                tracing::warn!(run = %id, error = %e, "could not store the run's archive error");
+            }
+            self.publish();
+            return Err(e);
+        }
+        let now = OffsetDateTime::now_utc();
+        let mut record = self.record.clone();
+        record.status = RunStatus::Archived;
+        record.archived_at = Some(now);
+        record.archive_error = None;
+        // Its files are in the archive now: the warm generation is not.
+        record.warm = None;
+        self.context.store.put_async(record.clone()).await?;
+        self.record = record;
+        self.apply(Event::Archived);
+        self.publish();
+        if let Err(e) = self.context.lane.sandbox(id).destroy().await {
+            tracing::warn!(run = %id, error = %error_chain(&e), "run archived, but removing its local disk failed; its restore or delete retries");
+        }
+        tracing::info!(run = %id, elapsed_ms = started.elapsed().as_millis() as u64, "run archived");
+        Ok(())
+    }
+
+    /// Brings an archived run back: its archive downloaded and verified
+    /// (layers this node still has are used as they are), a fresh disk over
+    /// them, a boot; a fresh TTL of its original length. A restore that
+    /// fails (the store down, a damaged archive, no capacity) leaves the
+    /// run archived and says why.
+    async fn restore(&mut self) -> Result<(), CoreError> {
+        let id = self.record.id;
+        let store = self.context.config.checkpoints.clone().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::BadRequest,
+                "this server has no checkpoint store (--checkpoint-store) to restore the run from",
+            )
+        })?;
+        let _slot = self.context.take_slot(&self.handle)?;
+        let started = std::time::Instant::now();
+        let layers = {
+            let _restoring = self.context.restore_lock.lock().await;
+            let commit = store.get(id).await.map_err(|e| match e.code() {
+                ErrorCode::CheckpointNotFound => CoreError::invalid(
+                    ErrorCode::CheckpointNotFound,
+                    format!("run {id} is archived, but its archive is no longer in the checkpoint store; delete the run"),
+                ),
+                _ => e,
+            })?;
+            let archive = store.record(&commit).await?;
+            if !self.context.images.has_layers(&archive.base) {
+                return Err(CoreError::invalid(
+                    ErrorCode::CheckpointBaseMissing,
+                    format!(
+                        "run {id} needs the layers of image {:?}, which this server no longer has",
+                        archive.image
+                    ),
+                ));
+            }
+            self.context.restore_layers(&store, &archive).await?
+        };
+        let mut restored = self.record.clone();
+        restored.layers = layers;
+        restored.warm = None;
+        let (spec, _pin) = self.context.boot_spec(&restored).await?;
+        let before = std::mem::replace(&mut self.record, restored);
+        if let Err(e) = self.start_sandbox(&spec, true).await {
+            self.record = before;
+            tracing::error!(run = %id, error = %error_chain(&e), "could not restore the run");
+            return Err(e);
+        }
+        self.apply(Event::Restored);
+        self.record.archived_at = None;
+        let ttl = match self.record.ttl_sec {
+            0 => self.context.config.default_ttl,
+            secs => Duration::from_secs(secs),
+        };
+        self.record.expired = false;
+        self.record.expires_at = OffsetDateTime::now_utc() + ttl;
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+            tracing::warn!(run = %id, error = %e, "could not store the run's restore");
+        }
+        self.publish();
+        // The run has its disk again; its archive is of no more use.
+        if let Err(e) = store.delete(id).await {
+            tracing::warn!(run = %id, error = %error_chain(&e), "could not delete a restored run's archive; delete it with DELETE /v1/checkpoints/{id}");
+        }
+        tracing::info!(run = %id, elapsed_ms = started.elapsed().as_millis() as u64, "run restored");
+        Ok(())
+    }
+
     /// A run woken or resumed after its TTL passed gets a fresh one, as
     /// long as it was made with.
     fn refresh_expiry(&mut self) {
@@ -929,6 +1092,21 @@ impl RunActor {
     /// open on the run (or its proxy has a request in flight) it is not
     /// idle, and the clock is looked at again each second.
     fn idle_step(&self) -> Option<(tokio::time::Instant, IdleStep)> {
+        if self.phase == Phase::Hibernated && self.context.config.checkpoints.is_some() {
+            // Archived after `--archive-after-sec` asleep, or at once when
+            // its TTL asked for an archive that has not happened yet.
+            let after = match (self.record.on_expire, self.record.expired) {
+                (runbox_types::OnExpire::Archive, true) => Some(Duration::ZERO),
+                _ => self.context.config.archive_after,
+            };
+            if let Some(after) = after {
+                let mut at = self.handle.activity.since() + after;
+                if let Some((retry, _)) = self.archive_retry {
+                    at = at.max(retry);
+                }
+                return Some((at, IdleStep::Archive));
+            }
+        }
         let policy = self.record.idle;
         let (pause, hibernate) = (
             policy.pause_after_sec.filter(|&s| s > 0),
@@ -969,6 +1147,23 @@ impl RunActor {
         let done = match step {
             IdleStep::Pause => self.pause().await,
             IdleStep::Hibernate => self.hibernate().await,
+            IdleStep::Archive => {
+                let archived = self.archive().await;
+                match &archived {
+                    Ok(()) => self.archive_retry = None,
+                    Err(e) => {
+                        // The store may be down: later, less and less often.
+                        let failures = self.archive_retry.map_or(0, |(_, n)| n) + 1;
+                        let delay = Duration::from_secs(30)
+                            .saturating_mul(1 << failures.min(7))
+                            .min(Duration::from_secs(3600));
+                        tracing::warn!(run = %id, error = %error_chain(e), retry_in_sec = delay.as_secs(), "could not archive a hibernated run; it stays hibernated");
+                        self.archive_retry = Some((tokio::time::Instant::now() + delay, failures));
+                        return;
+                    }
+                }
+                archived
+            }
             IdleStep::Recheck => return,
         };
         match done {
@@ -1010,7 +1205,7 @@ impl RunActor {
             }
             Command::Lease { op, reply } => {
                 let answer = match &self.phase {
-                    Phase::Running | Phase::Paused | Phase::Hibernated => {
+                    Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Archived => {
                         self.change_lease(op, now).await
                     }
                     other => Err(self.refusal(other)),
@@ -1025,7 +1220,7 @@ impl RunActor {
             Command::Pause { reply } => {
                 let answer = match &self.phase {
                     // Asleep already, more deeply for a hibernated run.
-                    Phase::Paused | Phase::Hibernated => Ok(()),
+                    Phase::Paused | Phase::Hibernated | Phase::Archived => Ok(()),
                     Phase::Running => self.pause().await,
                     other => Err(self.refusal(other)),
                 };
@@ -1036,13 +1231,14 @@ impl RunActor {
                     Phase::Running => Ok(()),
                     Phase::Paused => self.resume().await,
                     Phase::Hibernated => self.wake().await,
+                    Phase::Archived => self.restore().await,
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
             }
             Command::Hibernate { reply } => {
                 let answer = match &self.phase {
-                    Phase::Hibernated => Ok(()),
+                    Phase::Hibernated | Phase::Archived => Ok(()),
                     Phase::Running | Phase::Paused => self.hibernate().await,
                     other => Err(self.refusal(other)),
                 };
@@ -1053,6 +1249,15 @@ impl RunActor {
                     Phase::Running => Ok(()),
                     Phase::Paused => self.resume().await,
                     Phase::Hibernated | Phase::Failed(_) => self.wake().await,
+                    Phase::Archived => self.restore().await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Archive { reply } => {
+                let answer = match &self.phase {
+                    Phase::Archived => Ok(()),
+                    Phase::Running | Phase::Paused | Phase::Hibernated => self.archive().await,
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
@@ -1127,26 +1332,40 @@ impl RunActor {
             && !self.record.expired
             && matches!(
                 self.phase,
-                Phase::Running | Phase::Paused | Phase::Hibernated
+                Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Archived
             );
         if !keep {
             tracing::info!(run = %id, "run reached its TTL");
             self.stop(ExitReason::RunExpired);
             return;
         }
-        let hibernate =
-            self.record.on_expire == OnExpire::Hibernate || self.phase == Phase::Hibernated;
-        let slept = match (&self.phase, hibernate) {
-            (Phase::Hibernated, _) | (Phase::Paused, false) => Ok(()),
-            (_, true) => self.hibernate().await,
-            (_, false) => self.pause().await,
+        let archive = self.record.on_expire == OnExpire::Archive;
+        let hibernate = self.record.on_expire == OnExpire::Hibernate
+            || matches!(self.phase, Phase::Hibernated | Phase::Archived)
+            || archive;
+        let slept = match (&self.phase, archive, hibernate) {
+            (Phase::Archived, _, _) => Ok(()),
+            (_, true, _) => match self.archive().await {
+                Ok(()) => Ok(()),
+                // Kept hibernated; the idle tick tries the archive again.
+                Err(e) if self.phase == Phase::Hibernated => {
+                    tracing::warn!(run = %id, error = %error_chain(&e), "could not archive the run at its TTL; it stays hibernated and the archive is tried again");
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            },
+            (Phase::Hibernated, _, _) | (Phase::Paused, _, false) => Ok(()),
+            (_, _, true) => self.hibernate().await,
+            (_, _, false) => self.pause().await,
         };
         if let Err(e) = slept {
             tracing::warn!(run = %id, error = %error_chain(&e), "could not put the run to sleep at its TTL; destroying it");
             self.stop(ExitReason::RunExpired);
             return;
         }
-        let retention = if hibernate {
+        let retention = if archive {
+            self.context.config.archive_retention
+        } else if hibernate {
             self.context.config.hibernated_retention
         } else {
             self.context.config.paused_retention
@@ -1236,7 +1455,7 @@ impl RunActor {
         };
         if !matches!(
             self.phase,
-            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Hibernated
+            Phase::Running | Phase::Paused | Phase::Pooled | Phase::Hibernated | Phase::Archived
         ) {
             return Err(self.refusal(&self.phase));
         }
@@ -1248,7 +1467,10 @@ impl RunActor {
         // A paused run is resumed here, where every operation comes in:
         // commands wait their turn, so callers that arrive together share
         // one resume.
-        if matches!(self.phase, Phase::Paused | Phase::Hibernated) {
+        if matches!(
+            self.phase,
+            Phase::Paused | Phase::Hibernated | Phase::Archived
+        ) {
             if !self.record.auto_resume {
                 return Err(CoreError::invalid(
                     ErrorCode::RunPaused,
@@ -1261,10 +1483,10 @@ impl RunActor {
                     ),
                 ));
             }
-            if self.phase == Phase::Paused {
-                self.resume().await?;
-            } else {
-                self.wake().await?;
+            match self.phase {
+                Phase::Paused => self.resume().await?,
+                Phase::Archived => self.restore().await?,
+                _ => self.wake().await?,
             }
         }
         // A pool member is reached only by its pool's warm-up: the API
@@ -1295,6 +1517,7 @@ impl RunActor {
             Phase::Running
             | Phase::Paused
             | Phase::Hibernated
+            | Phase::Archived
             | Phase::Pooled
             | Phase::Stopping(_)
             | Phase::Gone => CoreError::RunNotFound(self.record.id),
@@ -1379,6 +1602,17 @@ impl RunActor {
                 }
             }
         }
+        if self.record.archived_at.is_some() {
+            if let Some(store) = &self.context.config.checkpoints {
+                match store.delete(id).await {
+                    Ok(()) => {}
+                    Err(e) if e.code() == ErrorCode::CheckpointNotFound => {}
+                    Err(e) => {
+                        tracing::warn!(run = %id, error = %error_chain(&e), "could not delete a destroyed run's archive; delete it with DELETE /v1/checkpoints/{id}")
+                    }
+                }
+            }
+        }
         if let Err(e) = self.context.store.delete_async(id).await {
             // Reconcile finds it at the next start and destroys it again,
             // which finds nothing left and deletes the record.
@@ -1412,7 +1646,8 @@ impl RunActor {
                         Some(Command::Pause { reply })
                         | Some(Command::Resume { reply })
                         | Some(Command::Hibernate { reply })
-                        | Some(Command::Wake { reply }) => { let _ = reply.send(Err(gone)); }
+                        | Some(Command::Wake { reply })
+                        | Some(Command::Archive { reply }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }
@@ -1427,6 +1662,8 @@ impl RunActor {
 enum IdleStep {
     Pause,
     Hibernate,
+    /// Send the hibernated run's disk to the checkpoint store.
+    Archive,
     /// The run was busy: look again.
     Recheck,
 }

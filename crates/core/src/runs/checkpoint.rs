@@ -61,6 +61,12 @@ impl Manager {
     ) -> Result<Checkpoint, CoreError> {
         let labels = req.labels.unwrap_or_default();
         validate::labels(&labels)?;
+        if let Some(key) = labels.keys().find(|k| k.starts_with("runbox.")) {
+            return Err(CoreError::invalid(
+                ErrorCode::BadLabels,
+                format!("label {key:?}: keys starting with \"runbox.\" are runbox's own"),
+            ));
+        }
         self.checkpoint_store()?;
         let record = (*self.admit(id, Access::Open).await?.record).clone();
         let manager = self.clone();
@@ -74,119 +80,12 @@ impl Manager {
         record: RunRecord,
         labels: std::collections::BTreeMap<String, String>,
     ) -> Result<Checkpoint, CoreError> {
-        let store = self.checkpoint_store()?.clone();
-        let checkpoint = Ulid::new();
-        let generation = 1;
-        // The layers a registry can give back stay references; the rest
-        // (imported images, snapshots) travel with the checkpoint.
-        let source = self.images.source(&record.image);
-        let pull = source.filter(|s| pullable(s)).filter(|_| {
-            self.images
-                .config_if_layers(&record.image, &record.layers)
-                .is_some()
-        });
-        let (base, carried) = match &pull {
-            Some(_) => (record.layers.clone(), Vec::new()),
-            None => (Vec::new(), record.layers.clone()),
-        };
-        let config = self
-            .images
-            .config_if_layers(&record.image, &record.layers)
-            .unwrap_or_else(|| record.image_config.to_oci());
         let capture = self.capture(record.id, "checkpointed").await?;
-        let warm = match (&record.warm, &capture.warm_upper) {
-            (Some(volume), Some(upper)) => {
-                let cache = self.warm.clone().ok_or_else(|| {
-                    CoreError::invalid(
-                        ErrorCode::WarmCacheDisabled,
-                        "this run's warm volume cannot be checkpointed while the warm cache is off",
-                    )
-                })?;
-                Some((cache, volume.clone(), upper.clone()))
-            }
-            _ => None,
-        };
-        let mut upload = store.begin(checkpoint, generation);
-        let uploaded = async {
-            for key in carried {
-                let images = self.images.clone();
-                upload
-                    .put_layer(move |out| {
-                        images
-                            .write_layer(&key, out)
-                            .map_err(|e| std::io::Error::other(super::error_chain(&e)))
-                    })
-                    .await?;
-            }
-            let upper = capture.upper.clone();
-            let skip = capture.injected.clone();
-            upload
-                .put_layer(move |out| {
-                    let flat = warm
-                        .map(|(cache, volume, upper)| {
-                            cache
-                                .flatten_volume(&volume, &upper)
-                                .map(|(scratch, tree)| (scratch, tree, volume.path))
-                        })
-                        .transpose()
-                        .map_err(|e| std::io::Error::other(super::error_chain(&e)))?;
-                    let at = flat
-                        .as_ref()
-                        .map(|(_, _, path)| std::path::PathBuf::from(path.trim_start_matches('/')));
-                    let graft = match (&flat, &at) {
-                        (Some((_, tree, _)), Some(at)) => {
-                            Some(runbox_image::capture::Graft { at, dir: tree })
-                        }
-                        _ => None,
-                    };
-                    let skip: Vec<&str> = skip.iter().map(String::as_str).collect();
-                    runbox_image::capture::upper_to_tar_with(&upper, &skip, graft, out)?;
-                    Ok(())
-                })
-                .await
-        }
-        .await;
-        drop(capture);
-        let disk = match uploaded {
-            Ok(disk) => disk,
-            Err(e) => {
-                upload.abandon().await;
-                return Err(e);
-            }
-        };
-        let stored = CheckpointRecord {
-            version: FORMAT_VERSION,
-            id: checkpoint,
-            generation,
-            run: record.id,
-            image: record.image.clone(),
-            pull,
-            base,
-            layers: upload.layers().to_vec(),
-            config,
-            settings: settings_of(&record),
-        };
-        let summary = Checkpoint {
-            id: checkpoint,
-            run: record.id,
-            image: record.image.clone(),
-            created_at: OffsetDateTime::now_utc(),
-            expires_at: None,
-            stored_bytes: 0,
-            disk_bytes: disk.tar_bytes,
-            labels,
-            server: self.config.server_id.clone(),
-        };
-        let commit = match upload.commit(&stored, summary).await {
-            Ok(commit) => commit,
-            Err(e) => {
-                // The commit may or may not have landed; a checkpoint that
-                // did is whole, one that did not is swept as an orphan.
-                return Err(e);
-            }
-        };
-        tracing::info!(run = %record.id, checkpoint = %checkpoint, bytes = commit.checkpoint.stored_bytes, "run checkpointed");
-        Ok(self.shown(commit.checkpoint))
+        let checkpoint = self
+            .context
+            .upload_checkpoint(&record, capture, Ulid::new(), 1, labels)
+            .await?;
+        Ok(self.shown(checkpoint))
     }
 
     /// Every checkpoint in the store, oldest first.
@@ -209,6 +108,17 @@ impl Manager {
     /// Deletes checkpoint `id` from the store. Runs started from it keep
     /// running (their image holds the layers on this node).
     pub async fn delete_checkpoint(&self, id: Ulid) -> Result<(), CoreError> {
+        let archived = self
+            .get(id)
+            .is_ok_and(|run| run.status == runbox_types::RunStatus::Archived);
+        if archived {
+            return Err(CoreError::Conflict {
+                code: ErrorCode::CheckpointInUse,
+                message: format!(
+                    "checkpoint {id} is the disk of archived run {id}; delete the run (DELETE /v1/runs/{id}) to delete both"
+                ),
+            });
+        }
         self.checkpoint_store()?.delete(id).await?;
         tracing::info!(checkpoint = %id, "checkpoint deleted");
         Ok(())
@@ -273,15 +183,11 @@ impl Manager {
         );
         // One restore at a time: two creates from one checkpoint download
         // it once.
-        let _restoring = self.restore_lock.lock().await;
-        let layers: Vec<String> = record
-            .base
-            .iter()
-            .cloned()
-            .chain(record.layers.iter().map(|l| l.diff_id.clone()))
-            .collect();
-        if self.images.config_if_layers(&name, &layers).is_some() {
-            return Ok(name);
+        let _restoring = self.context.restore_lock.lock().await;
+        if let Ok(existing) = self.images.get(&name, &self.config.server_id, false) {
+            if existing.source == format!("checkpoint:{}", record.id) {
+                return Ok(name);
+            }
         }
         if !self.images.has_layers(&record.base) {
             let missing = || {
@@ -311,57 +217,7 @@ impl Manager {
                 return Err(missing());
             }
         }
-        // The layers are unreferenced until the image is recorded.
-        let _importing = self.images.import_guard();
-        for layer in &record.layers {
-            if self.images.has_layers(std::slice::from_ref(&layer.diff_id)) {
-                continue;
-            }
-            let sink = crate::images::StoreSink {
-                store: self.images.store().clone(),
-            };
-            let info = runbox_image::pull::LayerInfo {
-                digest: layer.digest.clone(),
-                media_type: LAYER_MEDIA_TYPE.to_owned(),
-                size: layer.size,
-                diff_id: Some(layer.diff_id.clone()),
-            };
-            runbox_image::store::digest_hex(&layer.digest)
-                .and_then(|_| runbox_image::store::digest_hex(&layer.diff_id))
-                .map_err(|e| {
-                    CoreError::invalid(
-                        ErrorCode::CheckpointCorrupt,
-                        format!("checkpoint {} is damaged: {e}", record.id),
-                    )
-                })?;
-            use runbox_image::pull::LayerSink;
-            let mut writer = Some(
-                sink.begin(&info)
-                    .map_err(CoreError::io("storing a checkpoint layer"))?,
-            );
-            let read = store
-                .read_layer(record, layer, |chunk| match writer.as_mut() {
-                    Some(w) => w.write(chunk),
-                    None => Err(std::io::Error::other("the layer store stopped")),
-                })
-                .await;
-            let writer = writer.take().expect("taken only here");
-            match read {
-                Ok(()) => writer.finish().map_err(|e| {
-                    CoreError::invalid(
-                        ErrorCode::CheckpointCorrupt,
-                        format!(
-                            "checkpoint {} is damaged and was not used: its layer {} was refused: {e}",
-                            record.id, layer.object
-                        ),
-                    )
-                })?,
-                Err(e) => {
-                    writer.abort();
-                    return Err(e);
-                }
-            }
-        }
+        let layers = self.context.restore_layers(store, record).await?;
         let images = self.images.clone();
         let (config, source) = (record.config.clone(), format!("checkpoint:{}", record.id));
         let restored = name.clone();
@@ -414,6 +270,204 @@ impl Manager {
                 manager.sweep_checkpoints().await;
             }
         });
+    }
+}
+
+impl super::RunContext {
+    /// Uploads `capture` of run `record` as generation `generation` of
+    /// checkpoint `checkpoint`, and commits it. Layers below the disk that
+    /// a registry cannot give back go too. On failure what was uploaded is
+    /// removed (or left to the sweep).
+    pub(crate) async fn upload_checkpoint(
+        &self,
+        record: &RunRecord,
+        capture: crate::lane::Capture,
+        checkpoint: Ulid,
+        generation: u64,
+        labels: std::collections::BTreeMap<String, String>,
+    ) -> Result<Checkpoint, CoreError> {
+        let store = self.config.checkpoints.clone().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::BadRequest,
+                "this server has no checkpoint store (--checkpoint-store)",
+            )
+        })?;
+        // The layers a registry can give back stay references; the rest
+        // (imported images, snapshots) travel with the checkpoint.
+        let config_now = self.images.config_if_layers(&record.image, &record.layers);
+        let pull = self
+            .images
+            .source(&record.image)
+            .filter(|s| pullable(s))
+            .filter(|_| config_now.is_some());
+        let (base, carried) = match &pull {
+            Some(_) => (record.layers.clone(), Vec::new()),
+            None => (Vec::new(), record.layers.clone()),
+        };
+        let config = config_now.unwrap_or_else(|| record.image_config.to_oci());
+        let warm = match (&record.warm, &capture.warm_upper) {
+            (Some(volume), Some(upper)) => {
+                let cache = self.warm.clone().ok_or_else(|| {
+                    CoreError::invalid(
+                        ErrorCode::WarmCacheDisabled,
+                        "this run's warm volume cannot be checkpointed while the warm cache is off",
+                    )
+                })?;
+                Some((cache, volume.clone(), upper.clone()))
+            }
+            _ => None,
+        };
+        let mut upload = store.begin(checkpoint, generation);
+        let uploaded = async {
+            for key in carried {
+                let images = self.images.clone();
+                let from = key.clone();
+                upload
+                    .put_layer(move |out| {
+                        images
+                            .write_layer(&from, out)
+                            .map_err(|e| std::io::Error::other(super::error_chain(&e)))
+                    })
+                    .await?;
+                upload.set_last_key(key);
+            }
+            let upper = capture.upper.clone();
+            let skip = capture.injected.clone();
+            upload
+                .put_layer(move |out| {
+                    let flat = warm
+                        .map(|(cache, volume, upper)| {
+                            cache
+                                .flatten_volume(&volume, &upper)
+                                .map(|(scratch, tree)| (scratch, tree, volume.path))
+                        })
+                        .transpose()
+                        .map_err(|e| std::io::Error::other(super::error_chain(&e)))?;
+                    let at = flat
+                        .as_ref()
+                        .map(|(_, _, path)| std::path::PathBuf::from(path.trim_start_matches('/')));
+                    let graft = match (&flat, &at) {
+                        (Some((_, tree, _)), Some(at)) => {
+                            Some(runbox_image::capture::Graft { at, dir: tree })
+                        }
+                        _ => None,
+                    };
+                    let skip: Vec<&str> = skip.iter().map(String::as_str).collect();
+                    runbox_image::capture::upper_to_tar_with(&upper, &skip, graft, out)?;
+                    Ok(())
+                })
+                .await
+        }
+        .await;
+        drop(capture);
+        let disk = match uploaded {
+            Ok(disk) => disk,
+            Err(e) => {
+                upload.abandon().await;
+                return Err(e);
+            }
+        };
+        let stored = CheckpointRecord {
+            version: FORMAT_VERSION,
+            id: checkpoint,
+            generation,
+            run: record.id,
+            image: record.image.clone(),
+            pull,
+            base,
+            layers: upload.layers().to_vec(),
+            config,
+            settings: settings_of(record),
+        };
+        let summary = Checkpoint {
+            id: checkpoint,
+            run: record.id,
+            image: record.image.clone(),
+            created_at: OffsetDateTime::now_utc(),
+            expires_at: None,
+            stored_bytes: 0,
+            disk_bytes: disk.tar_bytes,
+            labels,
+            server: self.config.server_id.clone(),
+        };
+        // A commit that failed may or may not have landed: one that did is
+        // whole, one that did not is swept as an orphan.
+        let commit = upload.commit(&stored, summary).await?;
+        tracing::info!(run = %record.id, checkpoint = %checkpoint, generation, bytes = commit.checkpoint.stored_bytes, "run checkpointed");
+        Ok(commit.checkpoint)
+    }
+
+    /// The layer keys of checkpoint `record` on this node, base first:
+    /// its base layers (which the caller made sure are here), and each
+    /// stored layer: the node's own copy when it still has it, else
+    /// downloaded, verified and stored. The caller holds `restore_lock`.
+    pub(crate) async fn restore_layers(
+        &self,
+        store: &CheckpointStore,
+        record: &CheckpointRecord,
+    ) -> Result<Vec<String>, CoreError> {
+        let mut keys = record.base.clone();
+        // The layers are unreferenced until an image or a run records them.
+        let _importing = self.images.import_guard();
+        for layer in &record.layers {
+            if let Some(key) = layer
+                .key
+                .as_ref()
+                .filter(|k| self.images.has_layers(std::slice::from_ref(*k)))
+            {
+                keys.push(key.clone());
+                continue;
+            }
+            keys.push(layer.diff_id.clone());
+            if self.images.has_layers(std::slice::from_ref(&layer.diff_id)) {
+                continue;
+            }
+            runbox_image::store::digest_hex(&layer.digest)
+                .and_then(|_| runbox_image::store::digest_hex(&layer.diff_id))
+                .map_err(|e| {
+                    CoreError::invalid(
+                        ErrorCode::CheckpointCorrupt,
+                        format!("checkpoint {} is damaged: {e}", record.id),
+                    )
+                })?;
+            let sink = crate::images::StoreSink {
+                store: self.images.store().clone(),
+            };
+            let info = runbox_image::pull::LayerInfo {
+                digest: layer.digest.clone(),
+                media_type: LAYER_MEDIA_TYPE.to_owned(),
+                size: layer.size,
+                diff_id: Some(layer.diff_id.clone()),
+            };
+            use runbox_image::pull::LayerSink;
+            let mut writer = Some(
+                sink.begin(&info)
+                    .map_err(CoreError::io("storing a checkpoint layer"))?,
+            );
+            let read = store
+                .read_layer(record, layer, |chunk| match writer.as_mut() {
+                    Some(w) => w.write(chunk),
+                    None => Err(std::io::Error::other("the layer store stopped")),
+                })
+                .await;
+            let writer = writer.take().expect("taken only here");
+            match read {
+                Ok(()) => writer.finish().map_err(|e| {
+                    CoreError::invalid(
+                        ErrorCode::CheckpointCorrupt,
+                        format!(
+                            "checkpoint {} is damaged and was not used: its layer {} was refused: {e}",
+                            record.id, layer.object
+                        ),
+                    )
+                })?,
+                Err(e) => {
+                    writer.abort();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(keys)
     }
 }
 

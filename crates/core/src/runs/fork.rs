@@ -120,6 +120,8 @@ impl Manager {
                     pool: None,
                     restarts: 0,
                     restarted_at: None,
+                    archived_at: None,
+                    archive_error: None,
                     expired: false,
                     ..parent.clone()
                 };

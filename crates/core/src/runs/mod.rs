@@ -84,9 +84,6 @@ pub struct Manager {
     /// Serialises "image is in use" checks with run creation. Async: the
     /// image lookups it covers run on blocking threads.
     pub(crate) image_lock: tokio::sync::Mutex<()>,
-    /// Serialises making images of checkpoints, so that creates from one
-    /// checkpoint download it once.
-    pub(crate) restore_lock: tokio::sync::Mutex<()>,
     /// The one budget of lane work in the background: refills, forks
     /// and teardowns (see [`reaper`]).
     pub(crate) budget: Arc<Semaphore>,
@@ -120,6 +117,9 @@ pub(crate) struct RunContext {
     images: ImageStore,
     /// Where a booting run's warm template is found.
     warm: Option<Arc<crate::warm::WarmCache>>,
+    /// Serialises restores from the checkpoint store, so that creates from
+    /// one checkpoint download it once.
+    pub(crate) restore_lock: tokio::sync::Mutex<()>,
 }
 
 /// A hibernated run's capacity slot while it is being woken; the run
@@ -271,6 +271,7 @@ impl Manager {
             pools: Arc::new(Mutex::new(crate::pools::Pools::new(decay))),
             images: images.clone(),
             warm: warm.clone(),
+            restore_lock: tokio::sync::Mutex::new(()),
         });
         let manager = Arc::new(Manager {
             config: context.config.clone(),
@@ -279,7 +280,6 @@ impl Manager {
             images,
             registry: context.registry.clone(),
             image_lock: tokio::sync::Mutex::new(()),
-            restore_lock: tokio::sync::Mutex::new(()),
             budget: context.budget.clone(),
             pools: context.pools.clone(),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
@@ -515,6 +515,8 @@ impl Manager {
             idle,
             restarts: 0,
             restarted_at: None,
+            archived_at: None,
+            archive_error: None,
         };
         let spec = SandboxSpec {
             id,
@@ -578,8 +580,16 @@ impl Manager {
                 ));
             }
         }
+        let archive = on_expire == Some(runbox_types::OnExpire::Archive);
+        if archive && self.config.checkpoints.is_none() {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                "onExpire \"archive\" needs a checkpoint store (--checkpoint-store)",
+            ));
+        }
         if idle.hibernate_after_sec.is_some()
             || on_expire == Some(runbox_types::OnExpire::Hibernate)
+            || archive
         {
             if let Err(why) = caps.hibernate.check() {
                 return Err(CoreError::invalid(
@@ -744,6 +754,15 @@ impl Manager {
     pub async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
         let handle = self.handle(id)?;
         handle.ask(|reply| Command::Hibernate { reply }).await?;
+        Ok(self.view(&handle))
+    }
+
+    /// Archives a run: its disk goes to the checkpoint store and nothing of
+    /// it stays on the node but its record (a running or paused run is
+    /// hibernated first). The next call that reaches it restores it.
+    pub async fn archive(&self, id: Ulid) -> Result<Run, CoreError> {
+        let handle = self.handle(id)?;
+        handle.ask(|reply| Command::Archive { reply }).await?;
         Ok(self.view(&handle))
     }
 

@@ -25,6 +25,9 @@
 //!                                        │ Stop(reason) ──► Stopping
 //!   Failed ── Woken ──► Running  (a restart, or an explicit wake)
 //!   Failed ── WakeFailed(why) ──► Failed(why)
+//!
+//!   Hibernated ── Archived ──► Archived ── Restored ──► Running
+//!                                 │ Stop(reason) ──► Stopping
 //! ```
 //!
 //! * `Creating`: the record is stored and the lane is building the
@@ -40,6 +43,10 @@
 //! * `Hibernated`: the sandbox is stopped down to its disk; shown, not
 //!   counted against capacity. Its owner boots it again (a wake) before it
 //!   admits any operation.
+//! * `Archived`: the run's disk is in the checkpoint store and nothing of
+//!   it is on the node but its record; shown, not counted. Its owner
+//!   restores it (a fresh disk from the archive, then a boot) before it
+//!   admits any operation; a restore that fails leaves it archived.
 //! * `Failed`: the sandbox died on its own (its init exited) and the
 //!   restart policy did not boot it again, or a wake failed. It keeps its
 //!   disk and record until it is deleted or its TTL passes, so the caller
@@ -49,8 +56,8 @@
 //!   it succeeds. No operation is admitted any more.
 //! * `Gone`: destroyed and forgotten; the run's owner exits.
 //!
-//! Room is left for `Snapshotting` and `Archived`: each
-//! is a new variant with its own arms in [`transition`], never a flag beside
+//! Room is left for `Snapshotting`: it would be
+//! a new variant with its own arms in [`transition`], never a flag beside
 //! the phase.
 //!
 //! Pure: no I/O, no clock. The run's owner ([`super::actor`]) is the only
@@ -69,6 +76,8 @@ pub enum Phase {
     Paused,
     /// Stopped down to its disk; booted again by a wake.
     Hibernated,
+    /// Its disk is in the checkpoint store; restored by a wake.
+    Archived,
     /// An idle pool member: up, hidden, not counted, waiting for a create.
     Pooled,
     /// The sandbox died on its own, for this reason.
@@ -98,6 +107,11 @@ pub enum Event {
     Woken,
     /// Booting the run again failed, for this reason.
     WakeFailed(String),
+    /// A hibernated run's disk went to the checkpoint store and the local
+    /// copy was dropped.
+    Archived,
+    /// An archived run was restored onto a fresh disk and booted.
+    Restored,
     /// Building the sandbox failed.
     CreateFailed,
     /// The sandbox's init process exited on its own.
@@ -128,6 +142,7 @@ impl Phase {
             Phase::Pooled => "pooled",
             Phase::Paused => "paused",
             Phase::Hibernated => "hibernated",
+            Phase::Archived => "archived",
             Phase::Failed(_) => "failed",
             Phase::Stopping(_) => "stopping",
             Phase::Gone => "gone",
@@ -141,6 +156,7 @@ impl Phase {
             Phase::Running | Phase::Pooled => RunStatus::Running,
             Phase::Paused => RunStatus::Paused,
             Phase::Hibernated => RunStatus::Hibernated,
+            Phase::Archived => RunStatus::Archived,
             Phase::Failed(_) => RunStatus::Failed,
             Phase::Stopping(_) | Phase::Gone => RunStatus::Stopping,
         }
@@ -151,7 +167,12 @@ impl Phase {
     pub fn visible(&self) -> bool {
         matches!(
             self,
-            Phase::Creating | Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Failed(_)
+            Phase::Creating
+                | Phase::Running
+                | Phase::Paused
+                | Phase::Hibernated
+                | Phase::Archived
+                | Phase::Failed(_)
         )
     }
 }
@@ -173,8 +194,16 @@ pub fn transition(from: &Phase, event: Event) -> Result<Phase, InvalidTransition
         (P::Running | P::Paused, E::Hibernated) => P::Hibernated,
         (P::Hibernated | P::Failed(_), E::Woken) => P::Running,
         (P::Hibernated | P::Failed(_), E::WakeFailed(why)) => P::Failed(why.clone()),
+        (P::Hibernated, E::Archived) => P::Archived,
+        (P::Archived, E::Restored) => P::Running,
         (
-            P::Creating | P::Running | P::Paused | P::Hibernated | P::Pooled | P::Failed(_),
+            P::Creating
+            | P::Running
+            | P::Paused
+            | P::Hibernated
+            | P::Archived
+            | P::Pooled
+            | P::Failed(_),
             E::Stop(reason),
         ) => P::Stopping(*reason),
         (P::Stopping(_), E::Destroyed) => P::Gone,
@@ -203,6 +232,8 @@ mod tests {
             Just(Event::Hibernated),
             Just(Event::Woken),
             Just(Event::WakeFailed("boot failed".into())),
+            Just(Event::Archived),
+            Just(Event::Restored),
             Just(Event::CreateFailed),
             Just(Event::Died("init exited".into())),
             Just(Event::Stop(ExitReason::RunDeleted)),
@@ -302,6 +333,40 @@ mod tests {
     }
 
     #[test]
+    fn only_a_hibernated_run_is_archived_and_a_restore_runs_it() {
+        let archived = transition(&Phase::Hibernated, Event::Archived).unwrap();
+        assert_eq!(archived, Phase::Archived);
+        assert!(archived.visible());
+        assert_eq!(archived.status(), RunStatus::Archived);
+        for from in [
+            Phase::Running,
+            Phase::Paused,
+            Phase::Pooled,
+            Phase::Failed("x".into()),
+        ] {
+            assert!(transition(&from, Event::Archived).is_err(), "{from:?}");
+        }
+        assert_eq!(
+            transition(&archived, Event::Restored).unwrap(),
+            Phase::Running
+        );
+        assert!(transition(&Phase::Hibernated, Event::Restored).is_err());
+        // Archived, it has nothing to die, pause or boot on.
+        for event in [
+            Event::Died("x".into()),
+            Event::Paused,
+            Event::Woken,
+            Event::Hibernated,
+        ] {
+            assert!(transition(&archived, event).is_err());
+        }
+        assert_eq!(
+            transition(&archived, Event::Stop(ExitReason::RunExpired)).unwrap(),
+            Phase::Stopping(ExitReason::RunExpired)
+        );
+    }
+
+    #[test]
     fn invalid_transitions_say_what_was_asked() {
         let err = transition(&Phase::Gone, Event::Started).unwrap_err();
         assert_eq!(err.from, "gone");
@@ -334,11 +399,11 @@ mod tests {
                 if stopped {
                     prop_assert!(!phase.visible());
                 }
-                served |= matches!(phase, Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Failed(_));
+                served |= matches!(phase, Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Archived | Phase::Failed(_));
                 if served {
                     prop_assert_ne!(&phase, &Phase::Pooled);
                 }
-                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Failed(_)));
+                prop_assert_eq!(phase.visible(), matches!(phase, Phase::Creating | Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Archived | Phase::Failed(_)));
             }
         }
     }

@@ -226,6 +226,8 @@ impl Manager {
             idle: Default::default(),
             restarts: 0,
             restarted_at: None,
+            archived_at: None,
+            archive_error: None,
         };
         let spec = SandboxSpec {
             id,

@@ -74,6 +74,10 @@ impl Manager {
                     tracing::info!(run = %id, "kept a hibernated run");
                     Phase::Hibernated
                 }
+                Adopted::Archived => {
+                    tracing::info!(run = %id, "kept an archived run");
+                    Phase::Archived
+                }
                 Adopted::Dead(why) => {
                     tracing::info!(run = %id, reason = %why, "a run's sandbox did not survive; applying the restart policy");
                     match record.status {
@@ -93,6 +97,7 @@ impl Manager {
                         RunStatus::Running | RunStatus::Stopping => Phase::Running,
                         RunStatus::Paused => Phase::Paused,
                         RunStatus::Hibernated => Phase::Hibernated,
+                        RunStatus::Archived => Phase::Archived,
                     }
                 }
             };
@@ -149,7 +154,10 @@ impl Manager {
             && !(sleeps_at_expiry
                 && matches!(
                     record.status,
-                    RunStatus::Running | RunStatus::Paused | RunStatus::Hibernated
+                    RunStatus::Running
+                        | RunStatus::Paused
+                        | RunStatus::Hibernated
+                        | RunStatus::Archived
                 ))
         {
             return Adopted::Doomed(ExitReason::RunExpired);
@@ -164,6 +172,7 @@ impl Manager {
         let paused = match record.status {
             RunStatus::Failed => return Adopted::Failed,
             RunStatus::Hibernated => return Adopted::Hibernated,
+            RunStatus::Archived => return Adopted::Archived,
             RunStatus::Running => false,
             RunStatus::Paused => true,
             RunStatus::Creating | RunStatus::Stopping => {

@@ -363,14 +363,17 @@ struct Lifecycle {
 /// hibernated runs: E2B's full and filesystem-only pauses).
 fn e2b_state(run: &Run) -> &'static str {
     match run.status {
-        RunStatus::Paused | RunStatus::Hibernated => "paused",
+        RunStatus::Paused | RunStatus::Hibernated | RunStatus::Archived => "paused",
         _ => "running",
     }
 }
 
 /// Whether a run sleeps (paused or hibernated).
 fn asleep(run: &Run) -> bool {
-    matches!(run.status, RunStatus::Paused | RunStatus::Hibernated)
+    matches!(
+        run.status,
+        RunStatus::Paused | RunStatus::Hibernated | RunStatus::Archived
+    )
 }
 
 /// A run's CPU limit as E2B's whole CPU count.
@@ -399,14 +402,16 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
         lifecycle: detail.then_some(Lifecycle {
             auto_resume: run.auto_resume,
             on_timeout: match run.on_expire {
-                runbox_types::OnExpire::Pause | runbox_types::OnExpire::Hibernate => "pause",
+                runbox_types::OnExpire::Pause
+                | runbox_types::OnExpire::Hibernate
+                | runbox_types::OnExpire::Archive => "pause",
                 runbox_types::OnExpire::Delete => "kill",
             },
         }),
     }
 }
 
-/// Runs the E2B surface shows: running, paused and hibernated ones (a
+/// Runs the E2B surface shows: running, paused, hibernated and archived ones (a
 /// failed or stopping run is no sandbox any more).
 fn live<S: RunService>(state: &AppState<S>) -> Vec<Run> {
     state

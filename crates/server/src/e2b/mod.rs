@@ -272,7 +272,9 @@ fn signed_by(token: &str, id: Ulid, signed: &SignedFileUrl) -> bool {
 fn takes_traffic(run: &runbox_types::Run) -> bool {
     match run.status {
         runbox_types::RunStatus::Running => true,
-        runbox_types::RunStatus::Paused | runbox_types::RunStatus::Hibernated => run.auto_resume,
+        runbox_types::RunStatus::Paused
+        | runbox_types::RunStatus::Hibernated
+        | runbox_types::RunStatus::Archived => run.auto_resume,
         _ => false,
     }
 }

@@ -98,6 +98,10 @@ def hibernate_run(run_id: str) -> Call[Run]:
     return Call("POST", f"{run_path(run_id)}/hibernate", parse=Run.from_json)
 
 
+def archive_run(run_id: str) -> Call[Run]:
+    return Call("POST", f"{run_path(run_id)}/archive", parse=Run.from_json)
+
+
 def wake_run(run_id: str) -> Call[Run]:
     return Call("POST", f"{run_path(run_id)}/wake", parse=Run.from_json)
 

@@ -191,6 +191,11 @@ class AsyncRunbox:
         lost, its files kept; the next call that reaches it boots it again."""
         return await self._do(calls.hibernate_run(run_id))
 
+    async def archive_run(self, run_id: str) -> Run:
+        """Sends the run's disk to the server's checkpoint store and drops it
+        on the node; the next call that reaches it restores it."""
+        return await self._do(calls.archive_run(run_id))
+
     async def wake_run(self, run_id: str) -> Run:
         """Boots a hibernated or failed run again on its disk."""
         return await self._do(calls.wake_run(run_id))

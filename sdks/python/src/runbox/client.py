@@ -99,7 +99,7 @@ class Runbox:
         """Create a run and wait until it is usable. Keyword arguments:
         ``env``, ``ttl``, ``network``, ``size``, ``cpus``, ``memory_mb``,
         ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``,
-        ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``),
+        ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
         starts the run from a checkpoint. Without either, the image is
@@ -131,6 +131,11 @@ class Runbox:
         """Stops the run down to its disk: its processes and memory are
         lost, its files kept; the next call that reaches it boots it again."""
         return self._do(calls.hibernate_run(run_id))
+
+    def archive_run(self, run_id: str) -> Run:
+        """Sends the run's disk to the server's checkpoint store and drops it
+        on the node; the next call that reaches it restores it."""
+        return self._do(calls.archive_run(run_id))
 
     def wake_run(self, run_id: str) -> Run:
         """Boots a hibernated or failed run again on its disk."""
