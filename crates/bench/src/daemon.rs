@@ -54,6 +54,17 @@ impl Daemon {
     /// Starts `runbox serve --runtime <runtime>` with a fresh state directory
     /// and waits until it serves.
     pub async fn start(runbox: &Path, agent: &Path, runtime: &str) -> anyhow::Result<Daemon> {
+        Daemon::start_with(runbox, agent, runtime, &[]).await
+    }
+
+    /// [`Daemon::start`] with extra `serve` arguments (the environment is
+    /// the benchmark's own, AWS variables included).
+    pub async fn start_with(
+        runbox: &Path,
+        agent: &Path,
+        runtime: &str,
+        extra: &[String],
+    ) -> anyhow::Result<Daemon> {
         let state = tempfile::Builder::new()
             .prefix(&format!("runbox-bench-{runtime}-"))
             .tempdir_in("/tmp")
@@ -75,6 +86,7 @@ impl Daemon {
             .args(["--storage-gb", "8"])
             // The interactive phase's preview URLs.
             .args(["--preview-listen", "127.0.0.1:0"])
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -50,6 +50,7 @@
 //! runc and/or crun, and the release binaries: `cargo build --release -p
 //! runbox-cli -p runbox-bench && scripts/build-agent --release`.
 
+mod checkpoints;
 mod daemon;
 mod docker;
 mod egress;
@@ -162,6 +163,12 @@ struct Args {
     /// Measured rounds of the sleep phase (pause, resume, wake on exec).
     #[arg(long, default_value_t = 200)]
     sleep_iterations: usize,
+    /// Measured iterations per series of the checkpoints phase. With
+    /// `RUNBOX_BENCH_S3_STORE` (an `s3://` location, and the AWS
+    /// environment to reach it; `scripts/bench-s3` sets both up) the phase
+    /// also runs a daemon whose store is that bucket.
+    #[arg(long, default_value_t = 3)]
+    checkpoint_iterations: usize,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -177,6 +184,7 @@ enum PhaseName {
     Pools,
     Interactive,
     Sleep,
+    Checkpoints,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -211,6 +219,7 @@ struct Plan {
     pool_iterations: Option<usize>,
     interactive_iterations: Option<usize>,
     sleep_iterations: Option<usize>,
+    checkpoint_iterations: Option<usize>,
 }
 
 /// What the images phase does, when it runs.
@@ -304,6 +313,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             pool_iterations: None,
             interactive_iterations: None,
             sleep_iterations: None,
+            checkpoint_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -412,6 +422,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Sleep)
             .then_some(args.sleep_iterations.max(1)),
+        checkpoint_iterations: args
+            .phases
+            .contains(&PhaseName::Checkpoints)
+            .then_some(args.checkpoint_iterations.max(1)),
     })
 }
 
@@ -516,6 +530,7 @@ impl Bench {
                 pools: None,
                 interactive: None,
                 sleep: None,
+                checkpoints: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -618,6 +633,31 @@ impl Bench {
             }
             None => None,
         };
+        let checkpoints = match plan.checkpoint_iterations {
+            Some(n) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                let runtime = self.daemons[i].runtime.clone();
+                let mut s3 = match std::env::var("RUNBOX_BENCH_S3_STORE") {
+                    Ok(store) if !store.is_empty() => {
+                        eprintln!(
+                            "runbox-bench: starting a daemon whose checkpoint store is {store}"
+                        );
+                        let extra = ["--checkpoint-store".to_owned(), store];
+                        let daemon =
+                            Daemon::start_with(&plan.runbox, &plan.agent, &runtime, &extra).await?;
+                        daemon.import(tar.clone()).await?;
+                        Some(daemon)
+                    }
+                    _ => None,
+                };
+                let measured = checkpoints::measure(&mut self.daemons[i], s3.as_mut(), n).await;
+                if let Some(daemon) = s3 {
+                    daemon.shutdown().await;
+                }
+                Some(measured?)
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             phases,
@@ -627,6 +667,7 @@ impl Bench {
             pools,
             interactive,
             sleep,
+            checkpoints,
         })
     }
 

@@ -162,6 +162,9 @@ pub struct Report {
     /// The interactive phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub interactive: Option<crate::interactive::InteractiveReport>,
+    /// The checkpoints phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<crate::checkpoints::CheckpointReport>,
     /// The sleep phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sleep: Option<crate::sleep::SleepReport>,
@@ -405,6 +408,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(snapshots) = &report.snapshots {
         out.push_str(&crate::snapshots::markdown(snapshots));
     }
+    if let Some(checkpoints) = &report.checkpoints {
+        out.push_str(&crate::checkpoints::markdown(checkpoints));
+    }
     out
 }
 
@@ -565,6 +571,7 @@ mod tests {
             pools: None,
             interactive: None,
             sleep: None,
+            checkpoints: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -630,6 +637,7 @@ mod tests {
             pools: None,
             interactive: None,
             sleep: None,
+            checkpoints: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),
