@@ -5,7 +5,9 @@
 //! its first exec result, next to a cold create in the same loop.
 //!
 //! The data is random (incompressible), so the throughput is the pipeline's
-//! (tar, zstd, SHA-256 twice, the store), not the compressor's luck.
+//! (tar, zstd, SHA-256 twice, the store), not the compressor's luck. Where
+//! Docker's engine is installed (`scripts/bench-docker`), `docker commit` of
+//! a container that wrote the same bytes stands beside.
 
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -63,6 +65,45 @@ pub struct CheckpointReport {
     pub throughput: Vec<ThroughputRow>,
     /// Archive and restore-to-first-exec, by store.
     pub archive: Vec<ArchiveRow>,
+    /// `docker commit` by MiB changed, where the engine is installed.
+    pub docker_commit: Vec<(u64, Summary)>,
+}
+
+/// `docker commit` of a container that wrote N MiB, for each of
+/// [`DIRTY_MIB`]; empty without the engine.
+fn docker_commits(
+    work: &std::path::Path,
+    rootfs_tar: &std::path::Path,
+    iterations: usize,
+) -> anyhow::Result<Vec<(u64, Summary)>> {
+    use crate::docker::Docker;
+    if !Docker::available() {
+        eprintln!(
+            "runbox-bench: checkpoints: dockerd is not installed (scripts/bench-docker installs it); \
+             no docker commit column"
+        );
+        return Ok(Vec::new());
+    }
+    let mut docker = Docker::start(&work.join("docker-commit"), rootfs_tar)?;
+    let mut measured = || {
+        let mut rows = Vec::new();
+        for mib in DIRTY_MIB {
+            eprintln!("runbox-bench: checkpoints: docker commit, {mib} MiB changed");
+            let id = docker.idle_container()?;
+            docker.run(&["exec", &id, "sh", "-c", &dirty(mib)])?;
+            let mut samples = Vec::new();
+            for n in 0..iterations {
+                let image = format!("runbox-bench-commit:{mib}-{n}");
+                samples.push(docker.timed(&["commit", &id, &image])?);
+                docker.run(&["rmi", &image])?;
+            }
+            rows.push((mib, summarize(&samples).context("no samples")?));
+        }
+        Ok(rows)
+    };
+    let rows = measured();
+    docker.shutdown();
+    rows
 }
 
 async fn sh(daemon: &Daemon, id: &str, script: &str) -> anyhow::Result<()> {
@@ -179,6 +220,8 @@ pub async fn measure(
     daemon: &mut Daemon,
     s3: Option<&mut Daemon>,
     iterations: usize,
+    work: &std::path::Path,
+    rootfs_tar: &std::path::Path,
 ) -> anyhow::Result<CheckpointReport> {
     let mut throughput_rows = throughput(daemon, "directory", iterations).await?;
     let mut archive_rows = vec![archives(daemon, "directory", iterations).await?];
@@ -186,11 +229,15 @@ pub async fn measure(
         throughput_rows.extend(throughput(s3, "s3", iterations).await?);
         archive_rows.push(archives(s3, "s3", iterations).await?);
     }
+    let (work, tar) = (work.to_owned(), rootfs_tar.to_owned());
+    let docker_commit =
+        tokio::task::spawn_blocking(move || docker_commits(&work, &tar, iterations)).await??;
     Ok(CheckpointReport {
         runtime: daemon.runtime.clone(),
         iterations,
         throughput: throughput_rows,
         archive: archive_rows,
+        docker_commit,
     })
 }
 
@@ -231,6 +278,17 @@ pub fn markdown(r: &CheckpointReport) -> String {
             row.restore.p95_ms,
             mb_per_s(row.tar_bytes, &row.restore),
         );
+    }
+    if !r.docker_commit.is_empty() {
+        let _ = writeln!(
+            out,
+            "\n`docker commit` of a container (Docker's engine, its default storage driver) that \
+             wrote the same N MiB, for comparison with a snapshot (constant) and a checkpoint \
+             (which also uploads):\n\n| MiB changed | `docker commit` p50 ms | p95 ms |\n|--:|--:|--:|"
+        );
+        for (mib, s) in &r.docker_commit {
+            let _ = writeln!(out, "| {mib} | {:.0} | {:.0} |", s.p50_ms, s.p95_ms);
+        }
     }
     let _ = writeln!(
         out,
@@ -282,6 +340,7 @@ mod tests {
                 restore_exec: ms(&[1200, 1200]),
                 cold: ms(&[100, 100]),
             }],
+            docker_commit: vec![(10, ms(&[300, 300]))],
         };
         let text = markdown(&report);
         assert!(
@@ -292,5 +351,6 @@ mod tests {
             text.contains("| s3 | 800 | 1200 | 1200 | 100 | 12.00× |"),
             "{text}"
         );
+        assert!(text.contains("| 10 | 300 | 300 |"), "{text}");
     }
 }

@@ -650,7 +650,12 @@ impl Bench {
                     }
                     _ => None,
                 };
-                let measured = checkpoints::measure(&mut self.daemons[i], s3.as_mut(), n).await;
+                let rootfs_tar = self.work.join("rootfs.tar");
+                std::fs::write(&rootfs_tar, &tar).context("writing rootfs.tar")?;
+                let work = self.work.clone();
+                let measured =
+                    checkpoints::measure(&mut self.daemons[i], s3.as_mut(), n, &work, &rootfs_tar)
+                        .await;
                 if let Some(daemon) = s3 {
                     daemon.shutdown().await;
                 }
