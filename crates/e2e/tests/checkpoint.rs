@@ -718,3 +718,93 @@ async fn runs_are_archived_after_sleeping_and_at_their_ttl() {
     let out = daemon.sh(&expiring, "echo back").await;
     assert_eq!(text(&out.stdout), "back\n");
 }
+
+/// A warm volume's files go into the archive; a restored run snapshots and
+/// forks like any run (archive → restore → snapshot → fork); a daemon
+/// killed mid-restore leaves the run archived, and the next call restores
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archives_chain_with_warm_volumes_snapshots_forks_and_a_kill_9() {
+    use runbox_types::RunStatus;
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            warm: Some(runbox_types::WarmRequest {
+                repo: "acme/web".into(),
+                path: None,
+            }),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    let out = daemon
+        .sh(
+            &id,
+            "set -e; mkdir -p /work/app; echo deps > /work/app/Cargo.lock; chmod 600 /work/app/Cargo.lock; \
+             ln -s Cargo.lock /work/app/lock; echo root > /etc/rootfile",
+        )
+        .await;
+    assert_eq!(out.exit.exit_code, 0, "{}", text(&out.stderr));
+    let check = "stat -c '%a %s' /work/app/Cargo.lock; readlink /work/app/lock; cat /etc/rootfile";
+    let before = text(&daemon.sh(&id, check).await.stdout);
+    daemon.client.archive_run(&id).await.unwrap();
+    assert_eq!(text(&daemon.sh(&id, check).await.stdout), before);
+
+    // The restored run snapshots and forks.
+    let snap = daemon
+        .client
+        .snapshot_run(&id, Some("after-restore"))
+        .await
+        .unwrap();
+    let child = daemon
+        .create_with(CreateRunRequest {
+            image: snap.image.clone(),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    assert_eq!(text(&daemon.sh(&child, check).await.stdout), before);
+    let forked = daemon
+        .client
+        .fork_run(
+            &id,
+            &runbox_types::ForkRequest {
+                count: 2,
+                ttl_sec: None,
+            },
+        )
+        .await
+        .unwrap();
+    for run in &forked.runs {
+        assert_eq!(
+            text(&daemon.sh(&run.id.to_string(), check).await.stdout),
+            before
+        );
+    }
+
+    // Killed while a restore downloads: archived still, restored next.
+    let out = daemon
+        .sh(
+            &id,
+            "head -c 300000000 /dev/urandom > /work/big; md5sum /work/big",
+        )
+        .await;
+    let sum = text(&out.stdout);
+    daemon.client.archive_run(&id).await.unwrap();
+    let client = daemon.client.clone();
+    let run = id.clone();
+    let restoring = tokio::spawn(async move { client.wake_run(&run).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    daemon.kill9();
+    let _ = restoring.await;
+    daemon.spawn().await;
+    let status = status_of(&daemon, &id).await;
+    assert!(
+        matches!(status, RunStatus::Archived | RunStatus::Running),
+        "{status:?}"
+    );
+    assert_eq!(text(&daemon.sh(&id, "md5sum /work/big").await.stdout), sum);
+}
