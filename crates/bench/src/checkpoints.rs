@@ -189,7 +189,11 @@ async fn archives(
     let (mut archives, mut restores, mut colds) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..iterations {
         let started = Instant::now();
-        let archived = daemon.client.archive_run(&id).await?;
+        let archived = daemon
+            .client
+            .archive_run(&id)
+            .await
+            .with_context(|| format!("archiving a run; log:\n{}", daemon.log_tail()))?;
         archives.push(started.elapsed());
         ensure!(
             archived.status == runbox_types::RunStatus::Archived,
@@ -197,7 +201,9 @@ async fn archives(
             archived.status
         );
         let started = Instant::now();
-        sh(daemon, &id, "test -s /work/dirty").await?;
+        sh(daemon, &id, "test -s /work/dirty")
+            .await
+            .with_context(|| format!("restoring a run; log:\n{}", daemon.log_tail()))?;
         restores.push(started.elapsed());
         let started = Instant::now();
         let cold = daemon.create_run().await?;

@@ -721,6 +721,13 @@ impl Upload<'_> {
         &self.layers
     }
 
+    /// Leaves the last layer uploaded out of the record (an empty one: the
+    /// same empty layer twice in a stack is a stack overlayfs refuses to
+    /// mount); its object goes with the generation.
+    pub fn forget_last(&mut self) {
+        self.layers.pop();
+    }
+
     /// Notes that the last layer uploaded is layer `key` of this node.
     pub fn set_last_key(&mut self, key: String) {
         if let Some(last) = self.layers.last_mut() {

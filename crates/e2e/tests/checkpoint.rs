@@ -590,6 +590,14 @@ async fn an_archived_run_holds_nothing_here_and_comes_back_on_the_next_call() {
     assert_eq!(run.status, RunStatus::Running);
     let out = daemon.sh(&id, "cat /work/after /work/a.txt").await;
     assert_eq!(text(&out.stdout), "after\none\n");
+    // Archived again and again without a change in between: no empty
+    // layer piles up (the same layer twice would not mount).
+    for _ in 0..3 {
+        daemon.client.archive_run(&id).await.unwrap();
+        daemon.client.wake_run(&id).await.unwrap();
+    }
+    let out = daemon.sh(&id, "cat /work/after").await;
+    assert_eq!(text(&out.stdout), "after\n");
     daemon.client.archive_run(&id).await.unwrap();
     daemon.client.delete_run(&id).await.unwrap();
     assert!(daemon

@@ -367,6 +367,11 @@ impl super::RunContext {
                 return Err(e);
             }
         };
+        // A run that changed nothing (say, archived again right after a
+        // restore) adds no layer: a tar of nothing but its end marker.
+        if disk.tar_bytes <= EMPTY_TAR_BYTES {
+            upload.forget_last();
+        }
         let stored = CheckpointRecord {
             version: FORMAT_VERSION,
             id: checkpoint,
@@ -406,7 +411,7 @@ impl super::RunContext {
         store: &CheckpointStore,
         record: &CheckpointRecord,
     ) -> Result<Vec<String>, CoreError> {
-        let mut keys = record.base.clone();
+        let mut keys: Vec<String> = record.base.clone();
         // The layers are unreferenced until an image or a run records them.
         let _importing = self.images.import_guard();
         for layer in &record.layers {
@@ -415,10 +420,10 @@ impl super::RunContext {
                 .as_ref()
                 .filter(|k| self.images.has_layers(std::slice::from_ref(*k)))
             {
-                keys.push(key.clone());
+                push_layer(&mut keys, key.clone(), record.id)?;
                 continue;
             }
-            keys.push(layer.diff_id.clone());
+            push_layer(&mut keys, layer.diff_id.clone(), record.id)?;
             if self.images.has_layers(std::slice::from_ref(&layer.diff_id)) {
                 continue;
             }
@@ -469,6 +474,28 @@ impl super::RunContext {
         }
         Ok(keys)
     }
+}
+
+/// The size of a layer tar with no entries: its end marker, two zero
+/// blocks.
+const EMPTY_TAR_BYTES: u64 = 1024;
+
+/// Adds `key` on top of the layer stack `keys`. The same layer twice in a
+/// row is the layer once (applying a diff again changes nothing); twice
+/// apart, overlayfs cannot mount it, which only a hand-made record can ask
+/// for.
+fn push_layer(keys: &mut Vec<String>, key: String, checkpoint: Ulid) -> Result<(), CoreError> {
+    if keys.last() == Some(&key) {
+        return Ok(());
+    }
+    if keys.contains(&key) {
+        return Err(CoreError::invalid(
+            ErrorCode::CheckpointCorrupt,
+            format!("checkpoint {checkpoint} names layer {key} twice, apart; it cannot be mounted"),
+        ));
+    }
+    keys.push(key);
+    Ok(())
 }
 
 /// Whether an image source is a registry reference a node can pull again.
