@@ -458,6 +458,15 @@ impl CheckpointStore {
         }
         let mut stream = got.into_stream();
         let mut seen = 0u64;
+        // A directory store streams small reads; the sink gets them in
+        // pieces of about [`CHUNK`], as it would from a bucket.
+        let mut pending: Vec<u8> = Vec::with_capacity(CHUNK);
+        let mut flush = |pending: &mut Vec<u8>| {
+            let sent = sink(pending)
+                .map_err(|e| corrupt(id, format!("its layer {} was refused: {e}", layer.object)));
+            pending.clear();
+            sent
+        };
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(self.unavailable(doing))?;
             seen += chunk.len() as u64;
@@ -467,8 +476,13 @@ impl CheckpointStore {
                     format!("its layer {} is longer than recorded", layer.object),
                 ));
             }
-            sink(&chunk)
-                .map_err(|e| corrupt(id, format!("its layer {} was refused: {e}", layer.object)))?;
+            pending.extend_from_slice(&chunk);
+            if pending.len() >= CHUNK {
+                flush(&mut pending)?;
+            }
+        }
+        if !pending.is_empty() {
+            flush(&mut pending)?;
         }
         Ok(())
     }

@@ -624,6 +624,8 @@ async fn an_archive_survives_the_store_going_down_and_a_kill_9() {
     let id = daemon.create().await.id.to_string();
     let out = daemon.sh(&id, "echo kept > /work/kept").await;
     assert_eq!(out.exit.exit_code, 0);
+    write_files(&daemon, &id).await;
+    let before = listing(&daemon, &id).await;
 
     s3.stop();
     let e = daemon.client.archive_run(&id).await.unwrap_err();
@@ -659,6 +661,9 @@ async fn an_archive_survives_the_store_going_down_and_a_kill_9() {
     s3.spawn().await;
     let out = daemon.sh(&id, "cat /work/kept").await;
     assert_eq!(text(&out.stdout), "kept\n");
+    // Every file, owner, mode, link, FIFO, deletion and xattr came back.
+    assert_eq!(listing(&daemon, &id).await, before);
+    assert_eq!(xattr_of(&daemon, &id).as_deref(), Some(&b"kept"[..]));
 
     // Killed mid-upload: hibernated with its disk, whole.
     let out = daemon
