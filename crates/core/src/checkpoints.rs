@@ -436,6 +436,9 @@ impl CheckpointStore {
         let path = self
             .data_of(id, record.generation)
             .join(layer.object.as_str());
+        if let Some(dir) = &self.local {
+            return read_local_layer(&dir.join(path.as_ref()), id, layer, sink);
+        }
         let doing = "downloading a checkpoint layer";
         let got = match self.objects.get(&path).await {
             Ok(got) => got,
@@ -951,6 +954,62 @@ pub fn s3_builder(
                 .with_allow_http(allow_http),
         );
     Ok((builder, prefix.to_owned()))
+}
+
+/// [`CheckpointStore::read_layer`] from a directory store: the file read in
+/// pieces of [`CHUNK`] on this thread (the caller's sink blocks anyway).
+/// `object_store`'s local reader streams 8 KiB at a time, each on a
+/// blocking task of its own, which made a restore from a directory slower
+/// than one from a bucket on loopback.
+fn read_local_layer(
+    file: &std::path::Path,
+    id: Ulid,
+    layer: &StoredLayer,
+    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+) -> Result<(), CoreError> {
+    use std::io::Read;
+    let mut read = || -> Result<(), CoreError> {
+        let mut f = match std::fs::File::open(file) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Err(corrupt(
+                    id,
+                    format!("its layer {} is missing", layer.object),
+                ))
+            }
+            Err(e) => return Err(CoreError::io(format!("reading {}", file.display()))(e)),
+        };
+        let size = f
+            .metadata()
+            .map_err(CoreError::io(format!("reading {}", file.display())))?
+            .len();
+        if size != layer.size {
+            return Err(corrupt(
+                id,
+                format!(
+                    "its layer {} is {size} bytes; the record says {}",
+                    layer.object, layer.size
+                ),
+            ));
+        }
+        let mut buf = vec![0u8; CHUNK];
+        loop {
+            let n = match f.read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(CoreError::io(format!("reading {}", file.display()))(e)),
+            };
+            sink(&buf[..n])
+                .map_err(|e| corrupt(id, format!("its layer {} was refused: {e}", layer.object)))?;
+        }
+    };
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(read)
+        }
+        _ => read(),
+    }
 }
 
 /// What an interrupted upload leaves in a directory store and no listing
