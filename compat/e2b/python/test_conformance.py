@@ -4,6 +4,7 @@ itself; docs/e2b.md has its counts)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -418,6 +419,27 @@ def test_a_sandbox_that_hibernates_at_its_timeout_is_kept_and_connect_boots_it()
         assert sbx.files.read("/home/user/kept.txt") == "kept"
     finally:
         sbx.kill()
+
+def test_an_archived_sandbox_is_paused_to_the_sdk_and_connect_restores_it(sbx):
+    # runbox's archive (its disk to the checkpoint store, nothing left on the
+    # node) is one more kind of E2B pause: listed as paused, and a connect
+    # brings the sandbox back with its files.
+    import httpx
+
+    sbx.files.write("/home/user/kept.txt", "kept")
+    archived = httpx.post(
+        f"{os.environ['E2B_API_URL']}/v1/runs/{sbx.sandbox_id}/archive",
+        headers={"Authorization": f"Bearer {os.environ['E2B_API_KEY']}"},
+        timeout=120,
+    )
+    assert archived.status_code == 200, archived.text
+    assert archived.json()["status"] == "archived"
+    assert not sbx.is_running()
+    assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+    assert sbx.connect().sandbox_id == sbx.sandbox_id
+    assert sbx.is_running()
+    assert sbx.files.read("/home/user/kept.txt") == "kept"
+
 
 def test_files_of_proc_that_report_no_size_are_read_whole(sbx):
     # /proc and /sys files say they hold 0 bytes; their content is read all

@@ -335,6 +335,23 @@ test("a sandbox that hibernates at its timeout is kept, and connect boots it", a
   });
 });
 
+test("an archived sandbox is paused to the SDK, and connect restores it", async () => {
+  await withSandbox({}, async (sbx) => {
+    await sbx.files.write("/home/user/kept.txt", "kept");
+    // runbox's archive: its disk to the checkpoint store, nothing on the node.
+    const archived = await fetch(`${process.env.E2B_API_URL}/v1/runs/${sbx.sandboxId}/archive`, {
+      method: "POST",
+      headers: { Authorization: `Bearer ${process.env.E2B_API_KEY.replace(/^e2b_/, "")}` },
+    });
+    assert.equal(archived.status, 200, await archived.clone().text());
+    assert.equal((await archived.json()).status, "archived");
+    assert.equal(await sbx.isRunning(), false);
+    assert.equal((await Sandbox.getInfo(sbx.sandboxId)).state, "paused");
+    assert.equal((await sbx.connect()).sandboxId, sbx.sandboxId);
+    assert.equal(await sbx.files.read("/home/user/kept.txt"), "kept");
+  });
+});
+
 test("a sandbox that pauses at its timeout is kept, and connect wakes it", async () => {
   await withSandbox({ lifecycle: { onTimeout: "pause" } }, async (sbx) => {
     await sbx.commands.run("echo $$ > /tmp/pid; sleep 600", { background: true });
