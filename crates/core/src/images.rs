@@ -442,6 +442,19 @@ impl ImageStore {
             }
             return Err(exists(name));
         }
+        self.put_layered_image(name, source.to_owned(), layers, config)?;
+        Ok(())
+    }
+
+    /// Records image `name` of stored layers `layers` (base first), with
+    /// `config` (its `rootfs` set to them) and `source`.
+    fn put_layered_image(
+        &self,
+        name: &str,
+        source: String,
+        layers: Vec<String>,
+        config: &serde_json::Value,
+    ) -> Result<ImageRecord, CoreError> {
         let mut size = 0;
         for key in &layers {
             size += self.store.layer_size(key).map_err(store_error)?;
@@ -456,14 +469,13 @@ impl ImageStore {
         self.store
             .put_image(ImageRecord {
                 name: name.to_owned(),
-                source: source.to_owned(),
+                source,
                 config,
                 layers,
                 size_bytes: size,
                 created_unix: OffsetDateTime::now_utc().unix_timestamp(),
             })
-            .map_err(store_error)?;
-        Ok(())
+            .map_err(store_error)
     }
 
     /// Records image `name` of `base`'s layers and `layer` on top.
@@ -475,27 +487,8 @@ impl ImageStore {
     ) -> Result<ImageRecord, CoreError> {
         let mut layers = base.layers.clone();
         layers.push(layer.to_owned());
-        let mut size = 0;
-        for key in &layers {
-            size += self.store.layer_size(key).map_err(store_error)?;
-        }
-        let mut config = base.config.clone();
-        if let Some(object) = config.as_object_mut() {
-            object.insert(
-                "rootfs".into(),
-                serde_json::json!({"type": "layers", "diff_ids": layers}),
-            );
-        }
-        self.store
-            .put_image(ImageRecord {
-                name: name.to_owned(),
-                source: format!("snapshot:{}:{}", base.run, base.parent),
-                config,
-                layers,
-                size_bytes: size,
-                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
-            })
-            .map_err(store_error)
+        let source = format!("snapshot:{}:{}", base.run, base.parent);
+        self.put_layered_image(name, source, layers, &base.config)
     }
 
     /// Records image `name` made of `base` plus one layer captured from a

@@ -956,12 +956,7 @@ impl RunActor {
     /// disk, and a failed upload leaves it so, the error on the run.
     async fn archive(&mut self) -> Result<(), CoreError> {
         let id = self.record.id;
-        let store = self.context.config.checkpoints.clone().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::BadRequest,
-                "this server has no checkpoint store (--checkpoint-store)",
-            )
-        })?;
+        let store = self.context.checkpoint_store()?.clone();
         if matches!(self.phase, Phase::Running | Phase::Paused) {
             self.hibernate().await?;
         }
@@ -1015,12 +1010,7 @@ impl RunActor {
     /// run archived and says why.
     async fn restore(&mut self) -> Result<(), CoreError> {
         let id = self.record.id;
-        let store = self.context.config.checkpoints.clone().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::BadRequest,
-                "this server has no checkpoint store (--checkpoint-store) to restore the run from",
-            )
-        })?;
+        let store = self.context.checkpoint_store()?.clone();
         let _slot = self.context.take_slot(&self.handle)?;
         let started = std::time::Instant::now();
         let layers = {

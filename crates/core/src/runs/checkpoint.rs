@@ -31,12 +31,7 @@ const LAYER_MEDIA_TYPE: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 impl Manager {
     /// The checkpoint store.
     pub(crate) fn checkpoint_store(&self) -> Result<&Arc<CheckpointStore>, CoreError> {
-        self.config.checkpoints.as_ref().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::BadRequest,
-                "this server has no checkpoint store (--checkpoint-store)",
-            )
-        })
+        self.context.checkpoint_store()
     }
 
     /// The checkpoint as the API shows it: with its expiry under this
@@ -274,6 +269,16 @@ impl Manager {
 }
 
 impl super::RunContext {
+    /// The checkpoint store, or why there is none.
+    pub(crate) fn checkpoint_store(&self) -> Result<&Arc<CheckpointStore>, CoreError> {
+        self.config.checkpoints.as_ref().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::BadRequest,
+                "this server has no checkpoint store (--checkpoint-store)",
+            )
+        })
+    }
+
     /// Uploads `capture` of run `record` as generation `generation` of
     /// checkpoint `checkpoint`, and commits it. Layers below the disk that
     /// a registry cannot give back go too. On failure what was uploaded is
@@ -286,12 +291,7 @@ impl super::RunContext {
         generation: u64,
         labels: std::collections::BTreeMap<String, String>,
     ) -> Result<Checkpoint, CoreError> {
-        let store = self.config.checkpoints.clone().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::BadRequest,
-                "this server has no checkpoint store (--checkpoint-store)",
-            )
-        })?;
+        let store = self.checkpoint_store()?.clone();
         // The layers a registry can give back stay references; the rest
         // (imported images, snapshots) travel with the checkpoint.
         let config_now = self.images.config_if_layers(&record.image, &record.layers);
