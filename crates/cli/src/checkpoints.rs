@@ -157,6 +157,7 @@ mod tests {
             disk_bytes: 10 << 20,
             labels: Default::default(),
             server: "node".into(),
+            tenant: None,
         };
         let out = render(&[checkpoint]);
         assert_eq!(out.lines().count(), 2, "{out}");

@@ -35,6 +35,7 @@ mod runs;
 #[cfg(feature = "daemon")]
 mod serve;
 mod table;
+mod tenants;
 mod warm;
 
 use std::process::ExitCode;
@@ -122,6 +123,12 @@ enum Command {
     /// and drop templates
     #[command(subcommand)]
     Warm(warm::WarmCommand),
+    /// The server's tenants: their tokens and limits (root token only)
+    #[command(subcommand)]
+    Tenants(tenants::TenantsCommand),
+    /// What each tenant used: run-hours by size, CPU-seconds, peak memory,
+    /// egress (from the server's usage journal)
+    Usage(tenants::UsageArgs),
     /// Stat, list, make, move and remove paths in a run's /work
     #[command(subcommand)]
     Fs(fs::FsCommand),
@@ -207,6 +214,8 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Checkpoints(command) => checkpoints::run(command).await,
         Command::Lease(command) => lease::run(command).await,
         Command::Warm(command) => warm::run(command).await,
+        Command::Tenants(command) => tenants::run(command).await,
+        Command::Usage(args) => tenants::usage(args).await,
         Command::Pools(command) => pools::run(command).await,
         Command::Fs(command) => fs::run(command).await,
         Command::Info(args) => pools::info(args).await,

@@ -681,6 +681,8 @@ mod tests {
             restarted_at: None,
             archived_at: None,
             archive_error: None,
+            tenant: None,
+            token: None,
         };
         let text = runs_table(&[run], now);
         let lines: Vec<&str> = text.lines().collect();

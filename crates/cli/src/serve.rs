@@ -168,6 +168,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0, value_name = "HOURS",
           value_parser = clap::value_parser!(u64).range(0..=100 * 366 * 24))]
     pub checkpoint_ttl_hours: u64,
+    /// Rotate the usage journal, usage.jsonl (to usage.jsonl.1), when it
+    /// reaches this size
+    #[arg(long, default_value_t = 64, value_name = "MIB",
+          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    pub usage_max_mb: u64,
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
@@ -375,7 +380,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.egress = Some(egress.config.clone());
     let store = Store::open(&state_dir.join("runbox.db"))?;
     let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
-    let manager = Manager::start(config, lane, store, images).await?;
+    let tenants = runbox_core::tenants::FileTenants::open(state_dir.join("tenants.json"))?;
+    tracing::info!(
+        tenants = runbox_core::tenants::TenantStore::list(&tenants).len(),
+        "tenant set loaded"
+    );
+    let usage = runbox_core::accounting::UsageJournal::open(
+        state_dir.join("usage.jsonl"),
+        args.usage_max_mb << 20,
+    )
+    .context("opening usage.jsonl")?;
+    let usage: Arc<dyn runbox_core::accounting::UsageSink> = Arc::new(usage);
+    let manager = Manager::start(
+        config,
+        lane,
+        store,
+        images,
+        Arc::new(tenants),
+        usage.clone(),
+    )
+    .await?;
 
     let shutdown = CancellationToken::new();
     // Tests and scripts that ask for port 0 read the real address here.

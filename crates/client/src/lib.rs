@@ -471,6 +471,77 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/tenants`: the tenant and its token (shown this once).
+    pub async fn create_tenant(
+        &self,
+        req: &runbox_types::CreateTenantRequest,
+    ) -> Result<runbox_types::TenantToken, ClientError> {
+        let resp = self
+            .send(self.request(Method::POST, "/v1/tenants").json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/tenants`.
+    pub async fn list_tenants(&self) -> Result<runbox_types::TenantList, ClientError> {
+        json(self.send(self.request(Method::GET, "/v1/tenants")).await?).await
+    }
+
+    /// `GET /v1/tenants/{name}`.
+    pub async fn get_tenant(&self, name: &str) -> Result<runbox_types::Tenant, ClientError> {
+        let path = tenant_path(name)?;
+        json(self.send(self.request(Method::GET, &path)).await?).await
+    }
+
+    /// `PATCH /v1/tenants/{name}`: replaces the settings given.
+    pub async fn update_tenant(
+        &self,
+        name: &str,
+        req: &runbox_types::UpdateTenantRequest,
+    ) -> Result<runbox_types::Tenant, ClientError> {
+        let path = tenant_path(name)?;
+        let resp = self
+            .send(self.request(Method::PATCH, &path).json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/tenants/{name}/rotate`: a new token; the old one stops
+    /// working at once.
+    pub async fn rotate_tenant(
+        &self,
+        name: &str,
+    ) -> Result<runbox_types::TenantToken, ClientError> {
+        let path = format!("{}/rotate", tenant_path(name)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
+    }
+
+    /// `DELETE /v1/tenants/{name}`.
+    pub async fn delete_tenant(&self, name: &str) -> Result<(), ClientError> {
+        let path = tenant_path(name)?;
+        self.send(self.request(Method::DELETE, &path)).await?;
+        Ok(())
+    }
+
+    /// `GET /v1/usage`: usage per tenant since `since` (RFC 3339 or a span
+    /// such as `24h`), for `tenant` only when given.
+    pub async fn usage(
+        &self,
+        since: Option<&str>,
+        tenant: Option<&str>,
+    ) -> Result<runbox_types::UsageReport, ClientError> {
+        let query: Vec<String> = [("since", since), ("tenant", tenant)]
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| format!("{k}={}", paths::query_value(v))))
+            .collect();
+        let path = match query.is_empty() {
+            true => "/v1/usage".to_owned(),
+            false => format!("/v1/usage?{}", query.join("&")),
+        };
+        let resp = self.send(self.request(Method::GET, &path)).await?;
+        json(resp).await
+    }
+
     /// `GET /v1/snapshots`.
     pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
         let resp = self
@@ -892,6 +963,13 @@ fn process_path(id: &str, process: &str) -> Result<String, ClientError> {
         "{}/processes/{}",
         run_path(id)?,
         paths::segment("process", process)?
+    ))
+}
+
+fn tenant_path(name: &str) -> Result<String, ClientError> {
+    Ok(format!(
+        "/v1/tenants/{}",
+        paths::segment("tenant name", name)?
     ))
 }
 

@@ -24,6 +24,39 @@ impl Manager {
     ///
     /// Cancellation: the pull runs in a task of its own; a client that hangs
     /// up does not stop it, and the next create finds the image stored.
+    /// Refuses, for a tenant, an image it may not run: another tenant's
+    /// (as if it did not exist) or one its images rule leaves out (its own
+    /// snapshots are always allowed).
+    pub(crate) async fn check_image_for(
+        self: &Arc<Self>,
+        owner: &crate::tenants::Owner,
+        wanted: &str,
+    ) -> Result<(), CoreError> {
+        if owner.tenant().is_none() {
+            return Ok(());
+        }
+        let images = self.images.clone();
+        let server = self.config.server_id.clone();
+        let name = wanted.to_owned();
+        let stored = tokio::task::spawn_blocking(move || {
+            images
+                .resolve(&name)
+                .ok()
+                .flatten()
+                .and_then(|n| images.get(&n, &server, false).ok())
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))?;
+        match stored {
+            Some(image) => match image.tenant.as_deref() {
+                Some(stamp) if owner.sees(Some(stamp)) => Ok(()),
+                Some(_) => Err(CoreError::ImageNotFound(wanted.to_owned())),
+                None => owner.check_image(&[wanted, &image.name]),
+            },
+            None => owner.check_image(&[wanted]),
+        }
+    }
+
     pub(crate) async fn image_for_run(
         self: &Arc<Self>,
         wanted: &str,
@@ -158,6 +191,7 @@ impl Manager {
             .admit(id, crate::runs::actor::Access::Open)
             .await?
             .record;
+        let tenant = record.tenant.clone();
         if self
             .images
             .get(&name, &self.config.server_id, false)
@@ -169,7 +203,7 @@ impl Manager {
             });
         }
         let manager = self.clone();
-        tokio::spawn(async move {
+        let taken = tokio::spawn(async move {
             let capture = manager.capture(id, "snapshotted").await?;
             let frozen = capture.frozen;
             let snapshot = |image: runbox_types::Image, layer: String, bytes: u64| {
@@ -192,6 +226,7 @@ impl Manager {
                     .unwrap_or_else(|| record.image_config.to_oci()),
                 layers: record.layers.clone(),
                 run: id,
+                tenant: record.tenant.clone(),
             };
             // Where the storage can, the capture itself becomes the new
             // layer, in constant time: no tar is written or unpacked. A
@@ -249,7 +284,17 @@ impl Manager {
             Ok(snapshot(image, layer, bytes))
         })
         .await
-        .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?
+        .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?;
+        if taken.is_ok() {
+            self.context
+                .usage
+                .record(crate::accounting::UsageEvent::now(
+                    crate::accounting::UsageKind::Snapshot,
+                    id,
+                    tenant,
+                ));
+        }
+        taken
     }
 
     /// Keeps `capture` as a local layer and records image `name` of `base`

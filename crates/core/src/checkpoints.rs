@@ -1097,7 +1097,7 @@ fn valid_object_name(name: &str) -> bool {
         .is_some_and(|n| !n.is_empty() && n.len() <= 4 && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
-fn not_found(id: Ulid) -> CoreError {
+pub(crate) fn not_found(id: Ulid) -> CoreError {
     CoreError::invalid(
         ErrorCode::CheckpointNotFound,
         format!("no checkpoint with id {id} in the checkpoint store"),
@@ -1374,6 +1374,7 @@ mod tests {
             disk_bytes: layer.tar_bytes,
             labels: Default::default(),
             server: "test".into(),
+            tenant: None,
         };
         // Not committed yet: nothing to see.
         assert!(store.list().await.unwrap().is_empty());

@@ -20,6 +20,27 @@ pub(crate) fn write_json(path: &Path, value: &impl serde::Serialize) -> io::Resu
     }
 }
 
+/// As [`write_json`], but the file is readable by its owner only (mode
+/// 0600).
+pub(crate) fn write_json_private(path: &Path, value: &impl serde::Serialize) -> io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
+    let aside = path.with_extension("json.new");
+    let mut file = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&aside)?;
+    file.write_all(&bytes)?;
+    file.sync_all()?;
+    fs::rename(&aside, path)?;
+    match path.parent() {
+        Some(dir) => sync_dir(dir),
+        None => Ok(()),
+    }
+}
+
 /// Flushes a directory's entries (a rename or unlink in it) to disk.
 pub(crate) fn sync_dir(dir: &Path) -> io::Result<()> {
     fs::File::open(dir)?.sync_all()

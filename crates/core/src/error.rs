@@ -46,6 +46,14 @@ pub enum CoreError {
     /// Too many runs already.
     #[error("this server already has {0} runs, its maximum; delete some or raise --max-runs")]
     Capacity(usize),
+    /// The caller's tenant is at its `maxRuns`.
+    #[error("tenant {tenant:?} already has {max} live runs, its maxRuns; delete some or ask the operator to raise it")]
+    TenantQuota {
+        /// The tenant.
+        tenant: String,
+        /// Its maxRuns.
+        max: u32,
+    },
     /// The run's agent misbehaved or did not answer.
     #[error("the run's agent failed: {0}")]
     Agent(String),
@@ -91,6 +99,7 @@ impl CoreError {
             CoreError::RunNotRunning(..) => ErrorCode::RunNotRunning,
             CoreError::RunFailed(..) => ErrorCode::RunFailed,
             CoreError::Capacity(_) => ErrorCode::Capacity,
+            CoreError::TenantQuota { .. } => ErrorCode::TenantQuota,
             CoreError::Draining => ErrorCode::Draining,
             CoreError::Lease(e) => match e {
                 LeaseError::Busy(_) => ErrorCode::Busy,

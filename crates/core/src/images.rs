@@ -131,6 +131,8 @@ pub struct SnapshotBase {
     pub config: serde_json::Value,
     /// The run it is taken from.
     pub run: ulid::Ulid,
+    /// The run's tenant, whose image the snapshot is.
+    pub tenant: Option<String>,
 }
 
 /// The image directory.
@@ -343,6 +345,7 @@ impl ImageStore {
             layers,
             size_bytes: size,
             created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+            tenant: None,
         };
         let record = if replace {
             self.store.replace_image(record)
@@ -434,6 +437,7 @@ impl ImageStore {
         source: &str,
         layers: Vec<String>,
         config: &serde_json::Value,
+        tenant: Option<String>,
     ) -> Result<(), CoreError> {
         validate::image_name(name)?;
         if let Ok(existing) = self.store.image(name) {
@@ -442,7 +446,7 @@ impl ImageStore {
             }
             return Err(exists(name));
         }
-        self.put_layered_image(name, source.to_owned(), layers, config)?;
+        self.put_layered_image(name, source.to_owned(), layers, config, tenant)?;
         Ok(())
     }
 
@@ -454,6 +458,7 @@ impl ImageStore {
         source: String,
         layers: Vec<String>,
         config: &serde_json::Value,
+        tenant: Option<String>,
     ) -> Result<ImageRecord, CoreError> {
         let mut size = 0;
         for key in &layers {
@@ -474,6 +479,7 @@ impl ImageStore {
                 layers,
                 size_bytes: size,
                 created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+                tenant,
             })
             .map_err(store_error)
     }
@@ -488,7 +494,7 @@ impl ImageStore {
         let mut layers = base.layers.clone();
         layers.push(layer.to_owned());
         let source = format!("snapshot:{}:{}", base.run, base.parent);
-        self.put_layered_image(name, source, layers, &base.config)
+        self.put_layered_image(name, source, layers, &base.config, base.tenant.clone())
     }
 
     /// Records image `name` made of `base` plus one layer captured from a
@@ -582,6 +588,7 @@ impl ImageStore {
                         layers: vec![digest],
                         size_bytes: layer.unpacked_bytes,
                         created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+                        tenant: None,
                     })
                     .map_err(store_error)?
             }
@@ -751,6 +758,7 @@ fn to_image(record: ImageRecord, server: &str, with_config: bool) -> Image {
         source: record.source,
         layers: record.layers,
         config: with_config.then_some(record.config),
+        tenant: record.tenant,
     }
 }
 

@@ -291,6 +291,9 @@ pub struct Usage {
     pub memory_bytes: u64,
     /// The page cache part of `memory_bytes`.
     pub memory_cache_bytes: u64,
+    /// The most memory it was charged since it started, where the cgroup
+    /// keeps that (v1 `memory.max_usage_in_bytes`, v2 `memory.peak`).
+    pub memory_peak_bytes: Option<u64>,
 }
 
 /// One sandbox of a lane, by its run's id. Handles are cheap and stateless:

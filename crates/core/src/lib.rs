@@ -12,6 +12,7 @@
 //!
 //! It does not own sockets to clients, HTTP, or any runtime binary.
 
+pub mod accounting;
 mod catalog;
 pub mod checkpoints;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod preview;
 pub mod runs;
 pub mod service;
 pub mod store;
+pub mod tenants;
 pub mod validate;
 pub mod warm;
 

@@ -51,7 +51,22 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         req: CreateRunRequest,
         idempotency_key: Option<String>,
+        owner: crate::tenants::Owner,
     ) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// The tenant set.
+    fn tenants(&self) -> Arc<dyn crate::tenants::TenantStore>;
+    /// Live runs counted against each tenant's `maxRuns`.
+    fn tenant_runs(&self) -> std::collections::HashMap<String, usize>;
+    /// Removes a tenant with no runs left (its checkpoints and snapshots
+    /// stay, for the operator).
+    fn delete_tenant(&self, name: &str) -> Result<(), CoreError>;
+    /// What each tenant used since `since` (`tenant`: only that one, ""
+    /// for the operator's own runs), from the usage journal.
+    fn usage_report(
+        &self,
+        since: Option<time::OffsetDateTime>,
+        tenant: Option<String>,
+    ) -> impl Future<Output = Result<runbox_types::UsageReport, CoreError>> + Send;
     /// Every run the API shows, ordered by id.
     fn list(&self) -> Vec<Run>;
     /// One run.
@@ -335,8 +350,44 @@ impl RunService for Arc<Manager> {
         &self,
         req: CreateRunRequest,
         idempotency_key: Option<String>,
+        owner: crate::tenants::Owner,
     ) -> Result<Run, CoreError> {
-        Manager::create(self, req, idempotency_key).await
+        Manager::create(self, req, idempotency_key, owner).await
+    }
+
+    fn tenants(&self) -> Arc<dyn crate::tenants::TenantStore> {
+        self.context.tenants.clone()
+    }
+
+    fn tenant_runs(&self) -> std::collections::HashMap<String, usize> {
+        Manager::tenant_runs(self)
+    }
+
+    fn delete_tenant(&self, name: &str) -> Result<(), CoreError> {
+        Manager::delete_tenant(self, name)
+    }
+
+    async fn usage_report(
+        &self,
+        since: Option<time::OffsetDateTime>,
+        tenant: Option<String>,
+    ) -> Result<runbox_types::UsageReport, CoreError> {
+        let usage = self.context.usage.clone();
+        tokio::task::spawn_blocking(move || {
+            // What is still in the writer's batch counts too.
+            usage.flush();
+            let events = usage
+                .events()
+                .map_err(CoreError::io("reading the usage journal"))?;
+            Ok(crate::accounting::summarize(
+                &events,
+                since,
+                time::OffsetDateTime::now_utc(),
+                tenant.as_deref(),
+            ))
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("usage task failed: {e}")))?
     }
 
     fn list(&self) -> Vec<Run> {

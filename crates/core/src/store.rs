@@ -123,6 +123,9 @@ pub struct RunRecord {
     /// Why its last archive failed (it stays hibernated meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub archive_error: Option<String>,
+    /// The tenant that made it; None: the operator.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -151,6 +154,10 @@ pub struct Idempotency {
     /// sha256 of the request body as the server parsed it (the body holds
     /// the run's environment, so only a digest is kept).
     pub request: String,
+    /// The tenant that sent it: keys are the tenant's own, so another
+    /// tenant's create with the same key never finds this run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 impl RunRecord {
@@ -186,6 +193,8 @@ impl RunRecord {
             restarted_at: self.restarted_at,
             archived_at: self.archived_at,
             archive_error: self.archive_error.clone(),
+            tenant: self.tenant.clone(),
+            token: None,
         }
     }
 }
@@ -357,6 +366,7 @@ mod tests {
             restarted_at: None,
             archived_at: None,
             archive_error: None,
+            tenant: None,
         }
     }
 

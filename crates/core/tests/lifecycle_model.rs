@@ -563,7 +563,16 @@ impl World {
         let manager = rt.block_on(async move {
             let store = Store::open(&db).unwrap();
             let images = ImageStore::open(state.join("images"), 1 << 30).unwrap();
-            Manager::start(config, lane, store, images).await.unwrap()
+            Manager::start(
+                config,
+                lane,
+                store,
+                images,
+                std::sync::Arc::new(runbox_core::tenants::FileTenants::in_memory()),
+                std::sync::Arc::new(runbox_core::accounting::NoUsage),
+            )
+            .await
+            .unwrap()
         });
         self.daemon = Some(Daemon {
             rt,
@@ -755,7 +764,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             // starts before it, never later (a slow create under load must
             // not make the model expect a run the server expired).
             let started = Instant::now();
-            let result = world.block_on(m.create(request(short_ttl), None));
+            let result = world.block_on(m.create(request(short_ttl), None, Default::default()));
             match result {
                 Ok(run) => {
                     prop_assert!(
@@ -778,7 +787,7 @@ fn apply(world: &mut World, model: &mut Model, op: &Op) -> Result<(), TestCaseEr
             let outcome = world.block_on(async {
                 tokio::time::timeout(
                     Duration::from_millis(after_ms),
-                    m.create(request(false), None),
+                    m.create(request(false), None, Default::default()),
                 )
                 .await
             });

@@ -32,6 +32,7 @@ pub fn of(id: Ulid) -> Option<Usage> {
             cpu_ns: read_u64(&cpu.join("cpuacct.usage"))?,
             memory_bytes: read_u64(&v1_memory.join("memory.usage_in_bytes"))?,
             memory_cache_bytes: keyed(&v1_memory.join("memory.stat"), "cache").unwrap_or(0),
+            memory_peak_bytes: read_u64(&v1_memory.join("memory.max_usage_in_bytes")),
         });
     }
     let v2 = Path::new("/sys/fs/cgroup/runbox").join(id.to_string());
@@ -40,6 +41,7 @@ pub fn of(id: Ulid) -> Option<Usage> {
             cpu_ns: keyed(&v2.join("cpu.stat"), "usage_usec")?.saturating_mul(1000),
             memory_bytes: read_u64(&v2.join("memory.current"))?,
             memory_cache_bytes: keyed(&v2.join("memory.stat"), "file").unwrap_or(0),
+            memory_peak_bytes: read_u64(&v2.join("memory.peak")),
         });
     }
     None

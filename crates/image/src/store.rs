@@ -156,6 +156,9 @@ pub struct ImageRecord {
     pub size_bytes: u64,
     /// Import time, seconds since the Unix epoch.
     pub created_unix: i64,
+    /// The tenant whose snapshot or checkpoint it is; None: shared.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// The layer and image store.
@@ -588,6 +591,7 @@ impl Store {
             layers,
             size_bytes: size,
             created_unix: now_unix(),
+            tenant: None,
         })
     }
 
@@ -1066,6 +1070,7 @@ mod tests {
                 layers: vec![base_key.clone(), key.clone()],
                 size_bytes: 0,
                 created_unix: 0,
+                tenant: None,
             })
             .unwrap();
         let dirs = store.image_layer_dirs("snap").unwrap();

@@ -2,20 +2,14 @@
 //! decision and per state-changing API call, never a payload or a secret
 //! value. Rotated by size to one `.1` backup.
 //!
-//! This module owns the record shape, the file and its rotation. It does
-//! not decide what is worth recording (the proxy and the server do) and it
-//! never fails its caller: an audit write that cannot be done is reported
-//! through `tracing` and the request goes on.
-//!
-//! Each line is written with a single `write_all` while a mutex is held, so
-//! lines from concurrent requests never interleave, and a rotation happens
-//! only between whole lines.
+//! This module owns the record shape; the file and its rotation are
+//! `runbox-journal`'s (one write per line under a mutex, so lines from
+//! concurrent requests never interleave, and rotation only between whole
+//! lines). It does not decide what is worth recording (the proxy and the
+//! server do) and it never fails its caller: an audit write that cannot be
+//! done is reported through `tracing` and the request goes on.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::path::PathBuf;
 
 use time::format_description::well_known::Rfc3339;
 
@@ -74,102 +68,50 @@ pub enum AuditRecord {
         /// The run concerned, if any.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         run: Option<String>,
+        /// Who called: `root`, `tenant:<name>` or `run:<id>` (absent when
+        /// the token was refused).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        caller: Option<String>,
+    },
+    /// A change to the tenant set: names only, never a token.
+    Tenants {
+        /// RFC 3339 time.
+        t: String,
+        /// `create`, `update`, `rotate` or `delete`.
+        change: String,
+        /// The tenant.
+        tenant: String,
     },
 }
 
 /// The log writer. Cheap to share (`Arc<AuditLog>`); appends are serialised.
+/// The file is a [`runbox_journal::Journal`]: rotated by size with one
+/// `.1` backup, owner-only.
 pub struct AuditLog {
-    /// The live file, `audit.jsonl`.
-    path: PathBuf,
-    /// The one backup, `audit.jsonl.1`.
-    backup: PathBuf,
-    /// Rotate before a line would take the live file past this size.
-    max_bytes: u64,
-    /// The open file and its size, held together so the size check and the
-    /// write are one step.
-    state: Mutex<LogFile>,
-}
-
-/// The live file and how many bytes it holds.
-struct LogFile {
-    file: File,
-    size: u64,
-}
-
-/// Opens `path` for appending, creating it owner-only (the log names runs,
-/// hosts and API paths).
-fn open_append(path: &Path) -> std::io::Result<LogFile> {
-    let file = OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(path)?;
-    let size = file.metadata()?.len();
-    Ok(LogFile { file, size })
+    journal: runbox_journal::Journal,
 }
 
 impl AuditLog {
     /// Opens (appending) or creates `path`; rotates to `path.1` when a write
     /// would take it past `max_bytes`.
     pub fn open(path: PathBuf, max_bytes: u64) -> std::io::Result<AuditLog> {
-        let state = open_append(&path)?;
-        let mut backup = path.clone().into_os_string();
-        backup.push(".1");
         Ok(AuditLog {
-            backup: PathBuf::from(backup),
-            path,
-            max_bytes,
-            state: Mutex::new(state),
+            journal: runbox_journal::Journal::open(path, max_bytes)?,
         })
     }
 
     /// Appends one record. Errors are logged, not returned: auditing must not
     /// take the proxy down.
     pub fn append(&self, record: &AuditRecord) {
-        let mut line = match serde_json::to_vec(record) {
+        let line = match serde_json::to_vec(record) {
             Ok(line) => line,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot serialise audit record");
                 return;
             }
         };
-        line.push(b'\n');
-        let len = line.len() as u64;
-
-        // A panic elsewhere while the lock was held leaves the file and size
-        // as consistent as any failed write does; keep logging.
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if state.size > 0 && state.size.saturating_add(len) > self.max_bytes {
-            self.rotate(&mut state);
-        }
-        match state.file.write_all(&line) {
-            Ok(()) => state.size += len,
-            Err(e) => {
-                tracing::warn!(path = %self.path.display(), error = %e, "cannot write audit record");
-                // A partial write moved the end of the file; re-read it so
-                // rotation keeps working from the real size.
-                if let Ok(meta) = state.file.metadata() {
-                    state.size = meta.len();
-                }
-            }
-        }
-    }
-
-    /// Moves the live file to the backup (replacing an older one) and starts
-    /// a new live file. On failure the current file stays in use: one
-    /// oversized log is better than lost records.
-    fn rotate(&self, state: &mut LogFile) {
-        if let Err(e) = std::fs::rename(&self.path, &self.backup) {
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot rotate audit log");
-            return;
-        }
-        match open_append(&self.path) {
-            Ok(fresh) => *state = fresh,
-            Err(e) => {
-                // The old handle still points at the renamed file; writing
-                // there keeps the records, in the backup.
-                tracing::warn!(path = %self.path.display(), error = %e, "cannot start a new audit log");
-            }
+        if let Err(e) = self.journal.append(&[line], false) {
+            tracing::warn!(path = %self.journal.path().display(), error = %e, "cannot write audit record");
         }
     }
 }
@@ -187,6 +129,7 @@ mod tests {
     use super::*;
     use std::collections::HashSet;
     use std::os::unix::fs::PermissionsExt;
+    use std::path::Path;
     use std::sync::Arc;
 
     fn egress(i: usize) -> AuditRecord {
@@ -237,6 +180,7 @@ mod tests {
                 path: "/v1/runs".into(),
                 status: 201,
                 run: Some("r".into()),
+                caller: Some("tenant:acme".into()),
             },
             AuditRecord::Api {
                 t: now(),
@@ -244,6 +188,7 @@ mod tests {
                 path: "/v1/runs/r".into(),
                 status: 404,
                 run: None,
+                caller: None,
             },
         ];
         for r in &records {
@@ -265,6 +210,7 @@ mod tests {
             path: "/v1/runs".into(),
             status: 201,
             run: None,
+            caller: None,
         };
         assert_eq!(
             serde_json::to_string(&api).unwrap(),

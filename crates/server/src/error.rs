@@ -87,7 +87,7 @@ impl IntoResponse for ApiError {
         // Capacity comes back as runs end; a cordoned node serves again
         // once it is uncordoned or restarted.
         let retry = match self.code {
-            ErrorCode::Capacity => Some(RETRY_CAPACITY_SECS),
+            ErrorCode::Capacity | ErrorCode::TenantQuota => Some(RETRY_CAPACITY_SECS),
             ErrorCode::Draining => Some(RETRY_DRAINING_SECS),
             ErrorCode::CheckpointStoreUnavailable => {
                 Some(runbox_core::checkpoints::RETRY_AFTER.as_secs() as u32)

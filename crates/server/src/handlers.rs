@@ -14,15 +14,16 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures::{StreamExt, TryStreamExt};
 use runbox_types::{
-    pull_sse, CreateRunRequest, ErrorCode, ErrorDetail, ExecRequest, Health, ImageList,
+    pull_sse, CreateRunRequest, ErrorCode, ErrorDetail, ExecRequest, Health, Image, ImageList,
     LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest, LeaseResponse, PullEvent, PullRequest,
-    RenewRequest, RunList,
+    RenewRequest, Run, RunList,
 };
 use ulid::Ulid;
 
 use runbox_core::runs::Scope;
 use runbox_core::RunService;
 
+use crate::auth::Caller;
 use crate::{ApiError, AppState};
 
 /// `Json` whose rejections use runbox's error shape, and which takes an
@@ -40,6 +41,14 @@ where
     async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
         // axum checks the content type, the size limit and the syntax.
         let Json(raw) = Json::<Box<serde_json::value::RawValue>>::from_request(req, state).await?;
+        // Every request body is an object; serde would take a struct from
+        // an array too.
+        if !raw.get().starts_with('{') {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                "the body must be a JSON object",
+            ));
+        }
         let strict = |e: serde_path_to_error::Error<serde_json::Error>| {
             ApiError::new(
                 ErrorCode::BadRequest,
@@ -273,9 +282,13 @@ pub async fn health<S: RunService>(State(state): State<AppState<S>>) -> Json<Hea
 /// create answers with the run the first one made.
 pub async fn create_run<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     headers: HeaderMap,
     AppJson(req): AppJson<CreateRunRequest>,
 ) -> Result<Response, ApiError> {
+    if req.warm.is_some() && caller.tenant().is_some() {
+        return Err(warm_refused());
+    }
     let key = match headers.get(IDEMPOTENCY_KEY) {
         None => None,
         Some(value) => Some(value.to_str().map(str::to_owned).map_err(|_| {
@@ -285,18 +298,38 @@ pub async fn create_run<S: RunService>(
             )
         })?),
     };
-    let run = state.service.create(req, key).await?;
-    Ok((StatusCode::CREATED, Json(run)).into_response())
+    let run = state.service.create(req, key, caller.owner()).await?;
+    Ok((StatusCode::CREATED, Json(with_token(&state, run))).into_response())
+}
+
+/// `run` with its run token, for the caller that made or owns it.
+pub(crate) fn with_token<S: RunService>(state: &AppState<S>, mut run: Run) -> Run {
+    run.token = Some(crate::auth::run_token(&state.token, run.id));
+    run
+}
+
+/// Warm templates are one set per node, not yet kept apart per tenant:
+/// until they are, they are the operator's.
+fn warm_refused() -> ApiError {
+    ApiError::new(
+        ErrorCode::Forbidden,
+        "warm templates are shared by the whole node, so they take the root token",
+    )
 }
 
 /// The header that makes a create safe to retry.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// `GET /v1/runs`.
-pub async fn list_runs<S: RunService>(State(state): State<AppState<S>>) -> Json<RunList> {
+pub async fn list_runs<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+) -> Json<RunList> {
+    let mut runs = state.service.list();
+    runs.retain(|r| caller.sees(r.tenant.as_deref()));
     Json(RunList {
         server: state.service.server_id().to_owned(),
-        runs: state.service.list(),
+        runs,
     })
 }
 
@@ -305,7 +338,7 @@ pub async fn get_run<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
 ) -> Result<Response, ApiError> {
-    Ok(Json(state.service.get(id)?).into_response())
+    Ok(Json(with_token(&state, state.service.get(id)?)).into_response())
 }
 
 /// `DELETE /v1/runs/{id}`.
@@ -391,25 +424,46 @@ pub async fn checkpoint_run<S: RunService>(
 /// `GET /v1/checkpoints`.
 pub async fn list_checkpoints<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
 ) -> Result<Json<runbox_types::CheckpointList>, ApiError> {
-    Ok(Json(runbox_types::CheckpointList {
-        checkpoints: state.service.list_checkpoints().await?,
-    }))
+    let mut checkpoints = state.service.list_checkpoints().await?;
+    checkpoints.retain(|c| caller.sees(c.tenant.as_deref()));
+    Ok(Json(runbox_types::CheckpointList { checkpoints }))
+}
+
+/// Checkpoint `id` if `caller` may see it; another tenant's is as absent
+/// as one that never was.
+async fn own_checkpoint<S: RunService>(
+    state: &AppState<S>,
+    caller: &Caller,
+    id: ulid::Ulid,
+) -> Result<runbox_types::Checkpoint, ApiError> {
+    let checkpoint = state.service.get_checkpoint(id).await?;
+    if !caller.sees(checkpoint.tenant.as_deref()) {
+        return Err(ApiError::new(
+            ErrorCode::CheckpointNotFound,
+            format!("no checkpoint {id}"),
+        ));
+    }
+    Ok(checkpoint)
 }
 
 /// `GET /v1/checkpoints/{id}`.
 pub async fn get_checkpoint<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     CheckpointId(id): CheckpointId,
 ) -> Result<Json<runbox_types::Checkpoint>, ApiError> {
-    Ok(Json(state.service.get_checkpoint(id).await?))
+    Ok(Json(own_checkpoint(&state, &caller, id).await?))
 }
 
 /// `DELETE /v1/checkpoints/{id}`.
 pub async fn delete_checkpoint<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     CheckpointId(id): CheckpointId,
 ) -> Result<StatusCode, ApiError> {
+    own_checkpoint(&state, &caller, id).await?;
     state.service.delete_checkpoint(id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -420,7 +474,12 @@ pub async fn fork_run<S: RunService>(
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::ForkRequest>,
 ) -> Result<Response, ApiError> {
-    let forked = state.service.fork(id, req).await?;
+    let mut forked = state.service.fork(id, req).await?;
+    forked.runs = forked
+        .runs
+        .into_iter()
+        .map(|run| with_token(&state, run))
+        .collect();
     Ok((StatusCode::CREATED, Json(forked)).into_response())
 }
 
@@ -428,9 +487,13 @@ pub async fn fork_run<S: RunService>(
 /// repository's template.
 pub async fn warm_commit<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::WarmCommitRequest>,
 ) -> Result<Response, ApiError> {
+    if caller.tenant().is_some() {
+        return Err(warm_refused());
+    }
     let committed = state.service.warm_commit(id, req).await?;
     Ok((StatusCode::CREATED, Json(committed)).into_response())
 }
@@ -446,15 +509,23 @@ pub async fn warm_status<S: RunService>(
 /// `GET /v1/warmcache`: every template.
 pub async fn warm_templates<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
 ) -> Result<Json<runbox_types::WarmTemplateList>, ApiError> {
+    if caller.tenant().is_some() {
+        return Err(warm_refused());
+    }
     Ok(Json(state.service.warm_templates()?))
 }
 
 /// `GET /v1/warmcache/{owner}/{name}`: the repository's template.
 pub async fn warm_template<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     AppPath((owner, name)): AppPath<(String, String)>,
 ) -> Result<Json<runbox_types::WarmTemplate>, ApiError> {
+    if caller.tenant().is_some() {
+        return Err(warm_refused());
+    }
     Ok(Json(
         state.service.warm_template(&format!("{owner}/{name}"))?,
     ))
@@ -463,8 +534,12 @@ pub async fn warm_template<S: RunService>(
 /// `DELETE /v1/warmcache/{owner}/{name}`: drops the template.
 pub async fn warm_invalidate<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     AppPath((owner, name)): AppPath<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
+    if caller.tenant().is_some() {
+        return Err(warm_refused());
+    }
     state
         .service
         .warm_invalidate(format!("{owner}/{name}"))
@@ -794,10 +869,16 @@ pub async fn import_image<S: RunService>(
 /// appears when it is done.
 pub async fn pull_image<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     AppJson(req): AppJson<PullRequest>,
 ) -> Result<Response, ApiError> {
     // Fail fast, as a plain JSON error, on what can be checked up front.
     state.service.check_pull(&req)?;
+    // A tenant pulls only what its images rule lets it run (the image is
+    // shared once pulled).
+    let mut names = vec![req.reference.as_str()];
+    names.extend(req.name.as_deref());
+    caller.owner().check_image(&names)?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<PullEvent>();
     let manager = state.service.clone();
     let task = tokio::spawn(async move { manager.pull_image(req, tx).await });
@@ -837,16 +918,34 @@ pub async fn pull_image<S: RunService>(
 /// `GET /v1/images`.
 pub async fn list_images<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
 ) -> Result<Json<ImageList>, ApiError> {
+    let mut images = state.service.list_images()?;
+    images.retain(|i| i.tenant.is_none() || caller.sees(i.tenant.as_deref()));
     Ok(Json(ImageList {
         server: state.service.server_id().to_owned(),
-        images: state.service.list_images()?,
+        images,
     }))
+}
+
+/// Image `name` if `caller` may see it: shared images, and its own
+/// snapshots; another tenant's is as absent as one that never was.
+fn visible_image<S: RunService>(
+    state: &AppState<S>,
+    caller: &Caller,
+    name: &str,
+) -> Result<Image, ApiError> {
+    let image = state.service.get_image(name)?;
+    if image.tenant.is_some() && !caller.sees(image.tenant.as_deref()) {
+        return Err(runbox_core::CoreError::ImageNotFound(name.to_owned()).into());
+    }
+    Ok(image)
 }
 
 /// `GET /v1/snapshots`: the images made by snapshots.
 pub async fn list_snapshots<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
 ) -> Result<Json<runbox_types::SnapshotList>, ApiError> {
     Ok(Json(runbox_types::SnapshotList {
         server: state.service.server_id().to_owned(),
@@ -854,7 +953,7 @@ pub async fn list_snapshots<S: RunService>(
             .service
             .list_images()?
             .into_iter()
-            .filter(|i| i.is_snapshot())
+            .filter(|i| i.is_snapshot() && caller.sees(i.tenant.as_deref()))
             .collect(),
     }))
 }
@@ -862,14 +961,16 @@ pub async fn list_snapshots<S: RunService>(
 /// `DELETE /v1/snapshots/{name}`.
 pub async fn delete_snapshot<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     AppPath(name): AppPath<String>,
 ) -> Result<StatusCode, ApiError> {
-    remove_snapshot(&state, name).await
+    remove_snapshot(&state, &caller, name).await
 }
 
 /// `DELETE /v1/snapshots?image=NAME`.
 pub async fn delete_snapshot_by_query<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     query: Result<
         axum::extract::Query<runbox_types::SnapshotQuery>,
         axum::extract::rejection::QueryRejection,
@@ -881,16 +982,17 @@ pub async fn delete_snapshot_by_query<S: RunService>(
             format!("give the snapshot as ?image=NAME ({e})"),
         )
     })?;
-    remove_snapshot(&state, query.image).await
+    remove_snapshot(&state, &caller, query.image).await
 }
 
 /// Deletes snapshot image `name`; other images are not snapshots (404).
 async fn remove_snapshot<S: RunService>(
     state: &AppState<S>,
+    caller: &Caller,
     name: String,
 ) -> Result<StatusCode, ApiError> {
-    let image = state.service.get_image(&name)?;
-    if !image.is_snapshot() {
+    let image = visible_image(state, caller, &name)?;
+    if !image.is_snapshot() || !caller.sees(image.tenant.as_deref()) {
         return Err(ApiError::new(
             ErrorCode::ImageNotFound,
             format!(
@@ -905,16 +1007,28 @@ async fn remove_snapshot<S: RunService>(
 /// `GET /v1/images/{name}`: the image with its config document.
 pub async fn get_image<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     AppPath(name): AppPath<String>,
 ) -> Result<Response, ApiError> {
-    Ok(Json(state.service.get_image(&name)?).into_response())
+    Ok(Json(visible_image(&state, &caller, &name)?).into_response())
 }
 
-/// `DELETE /v1/images/{name}`.
+/// `DELETE /v1/images/{name}`: a tenant deletes its own snapshots only;
+/// shared images are the operator's.
 pub async fn delete_image<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: Caller,
     AppPath(name): AppPath<String>,
 ) -> Result<StatusCode, ApiError> {
+    if caller.tenant().is_some() {
+        let image = visible_image(&state, &caller, &name)?;
+        if image.tenant.is_none() {
+            return Err(ApiError::new(
+                ErrorCode::Forbidden,
+                format!("image {name:?} is shared; only the operator deletes it"),
+            ));
+        }
+    }
     state.service.delete_image(name).await?;
     Ok(StatusCode::NO_CONTENT)
 }

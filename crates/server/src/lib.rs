@@ -4,10 +4,11 @@
 //! logic lives here.
 //!
 //! Authentication: every route except `GET /health` needs
-//! `Authorization: Bearer <token>`, compared in constant time. E2B's control
-//! plane takes the same token as `X-API-Key`; E2B envd requests (see
-//! [`e2b`]) carry a per-sandbox token instead.
+//! `Authorization: Bearer <token>`: the root token, a tenant's or a run's
+//! (see [`auth`]). E2B's control plane takes the root or a tenant token as
+//! `X-API-Key`; E2B envd requests (see [`e2b`]) carry a run token instead.
 
+pub mod auth;
 mod conn;
 pub mod e2b;
 mod error;
@@ -15,13 +16,14 @@ mod handlers;
 pub mod openapi;
 mod preview;
 mod process;
+mod tenants;
 
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::{self, Next};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use axum::routing::{get, post, put};
 use axum::Router;
 use runbox_core::RunService;
@@ -167,11 +169,23 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             axum::routing::delete(handlers::delete_snapshot::<S>),
         )
         .route("/v1/images/pull", post(handlers::pull_image::<S>))
+        .route(
+            "/v1/tenants",
+            post(tenants::create::<S>).get(tenants::list::<S>),
+        )
+        .route(
+            "/v1/tenants/{name}",
+            get(tenants::get::<S>)
+                .patch(tenants::update::<S>)
+                .delete(tenants::delete::<S>),
+        )
+        .route("/v1/tenants/{name}/rotate", post(tenants::rotate::<S>))
+        .route("/v1/usage", get(tenants::usage::<S>))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
-            require_token::<S>,
+            auth::require::<S>,
         ));
     // E2B's control plane checks the same token, and answers in E2B's shape.
     let e2b_control = e2b::control_routes::<S>()
@@ -233,6 +247,10 @@ async fn audit_calls<S: RunService>(
     }
     let path = request.uri().path().to_owned();
     let response = next.run(request).await;
+    let caller = response
+        .extensions()
+        .get::<auth::AuditCaller>()
+        .map(|c| c.0.clone());
     let run = path
         .strip_prefix("/v1/runs/")
         .and_then(|rest| rest.split('/').next())
@@ -245,28 +263,11 @@ async fn audit_calls<S: RunService>(
         path: path.chars().take(512).collect(),
         status: response.status().as_u16(),
         run,
+        caller,
     };
     // The write is small but blocking; keep it off the async workers.
     tokio::task::spawn_blocking(move || audit.append(&record));
     response
-}
-
-async fn require_token<S: RunService>(
-    State(state): State<AppState<S>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let headers = request.headers();
-    let presented = bearer(headers).or_else(|| ws_protocol_token(headers));
-    if token_matches(presented, &state.token) {
-        next.run(request).await
-    } else {
-        ApiError::new(
-            ErrorCode::Unauthorized,
-            "missing or wrong bearer token (Authorization: Bearer <token>)",
-        )
-        .into_response()
-    }
 }
 
 /// The token of an `Authorization: Bearer <token>` header.
@@ -299,7 +300,7 @@ pub const WS_PROTOCOL: &str = "runbox.v1";
 pub const WS_TOKEN_PREFIX: &str = "runbox.bearer.";
 
 /// The token offered as a WebSocket subprotocol, on an upgrade only.
-fn ws_protocol_token(headers: &axum::http::HeaderMap) -> Option<&str> {
+pub(crate) fn ws_protocol_token(headers: &axum::http::HeaderMap) -> Option<&str> {
     headers.get(axum::http::header::UPGRADE)?;
     headers
         .get_all(axum::http::header::SEC_WEBSOCKET_PROTOCOL)

@@ -71,6 +71,14 @@ use runbox_types as t;
     t::SignalRequest,
     t::PreviewRequest,
     t::Preview,
+    t::Tenant,
+    t::TenantPolicy,
+    t::CreateTenantRequest,
+    t::UpdateTenantRequest,
+    t::TenantToken,
+    t::TenantList,
+    t::UsageReport,
+    t::UsageTotals,
     t::ws::ClientFrame,
     t::ws::ServerFrame,
 )))]
@@ -171,7 +179,7 @@ const ATTACH_QUERY: &[Query] = &[REPLAY, OWNER, GENERATION];
 
 /// Every route of the API router, in the order `docs/api.md` lists them.
 fn operations() -> Vec<Op> {
-    use HttpMethod::{Delete, Get, Post, Put};
+    use HttpMethod::{Delete, Get, Patch, Post, Put};
     use In::{Bytes as InBytes, Json as Body, Nothing, OptionalJson};
     use Out::{Bytes as OutBytes, Empty, Events, Json, Upgrade};
     let op = |method, path, id, summary, input, status, output| Op {
@@ -243,6 +251,13 @@ fn operations() -> Vec<Op> {
         op(Put, "/v1/pools", "setPools", "Replace the warm pools", Body("PoolSet"), 200, Json("PoolList")),
         op(Get, "/v1/info", "info", "What the node is and how full", Nothing, 200, Json("Info")),
         op(Post, "/v1/drain", "drain", "Cordon the node", Nothing, 200, Json("PoolList")),
+        op(Post, "/v1/tenants", "createTenant", "Add a tenant; its token is in the answer, once", Body("CreateTenantRequest"), 201, Json("TenantToken")),
+        op(Get, "/v1/tenants", "listTenants", "Every tenant", Nothing, 200, Json("TenantList")),
+        op(Get, "/v1/tenants/{name}", "getTenant", "One tenant", Nothing, 200, Json("Tenant")),
+        op(Patch, "/v1/tenants/{name}", "updateTenant", "Change a tenant's limits", Body("UpdateTenantRequest"), 200, Json("Tenant")),
+        op(Delete, "/v1/tenants/{name}", "deleteTenant", "Remove a tenant that has no runs", Nothing, 204, Empty),
+        Op { query: &[("since", Kind::Str, "the window's start: RFC 3339, or a span back from now (90m, 24h, 7d)"), ("tenant", Kind::Str, "only this tenant (\"\" for the operator's own runs); a tenant's token always sees its own")], ..op(Get, "/v1/usage", "usage", "What each tenant used: run-seconds by size, CPU-seconds, egress bytes", Nothing, 200, Json("UsageReport")) },
+        op(Post, "/v1/tenants/{name}/rotate", "rotateTenantToken", "Give a tenant a new token; the old one stops working at once", Nothing, 200, Json("TenantToken")),
         op(Delete, "/v1/drain", "undrain", "Uncordon the node", Nothing, 200, Json("PoolList")),
     ]
 }
@@ -265,6 +280,12 @@ const OWNER_PATTERN: &str = "^[^\\u0000-\\u001f\\u007f-\\u009f]*[^\\s\\u0000-\\u
 /// generators crawl.)
 const FILE_PATH: &str = "^[^\\u0000]*$";
 
+/// A tenant's image rule, as `tenants::check_policy` takes it.
+const IMAGE_RULE: &str = "^[^\\s\\u0000-\\u001f\\u007f-\\u009f*]*\\*?$";
+
+/// A tenant's name, as `tenants::check_name` takes it.
+const TENANT_NAME: &str = "^[a-z][a-z0-9_-]{0,31}$";
+
 /// One half of a repository's `owner/name`, as `validate::repo` takes it.
 const REPO_PART: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$";
 
@@ -278,6 +299,7 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
     match name {
         "port" => range(schema, 1.0, 65535.0),
         "name" if path.starts_with("/v1/warmcache/") => schema.pattern(Some(REPO_PART)),
+        "name" if path.starts_with("/v1/tenants/") => schema.pattern(Some(TENANT_NAME)),
         "owner" if path.starts_with("/v1/warmcache/") => schema.pattern(Some(REPO_PART)),
         "name" | "image" => schema.pattern(Some(IMAGE_NAME)),
         "depth" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_DEPTH)),
@@ -308,6 +330,7 @@ fn path_parameters(path: &str) -> Vec<Parameter> {
                 "path" => "a file path relative to /work, each segment percent-encoded",
                 "process" => "a pid, or a tag",
                 "port" => "a port inside the run, 1-65535",
+                "name" if path.starts_with("/v1/tenants/") => "the tenant's name",
                 "name" => "an image or snapshot name",
                 "owner" => "the repository's owner",
                 _ => "",
@@ -364,6 +387,7 @@ fn operation(op: &Op) -> utoipa::openapi::path::Operation {
     let mut builder = OperationBuilder::new()
         .operation_id(Some(op.id))
         .summary(Some(op.summary))
+        .description(Some(callers(op)))
         .parameters(Some(
             path_parameters(op.path)
                 .into_iter()
@@ -429,6 +453,30 @@ fn operation(op: &Op) -> utoipa::openapi::path::Operation {
     builder.build()
 }
 
+/// Which tokens a route takes (see `crate::auth::rule`).
+fn callers(op: &Op) -> &'static str {
+    use crate::auth::Rule;
+    if matches!(op.path, "/health" | "/v1/openapi.json") {
+        return "Open: no token.";
+    }
+    use axum::http::Method;
+    let method = match op.method {
+        HttpMethod::Post => Method::POST,
+        HttpMethod::Put => Method::PUT,
+        HttpMethod::Patch => Method::PATCH,
+        HttpMethod::Delete => Method::DELETE,
+        _ => Method::GET,
+    };
+    match crate::auth::rule(&method, op.path) {
+        Rule::Root => "Takes the root token (a tenant's is 403).",
+        Rule::Tenant => {
+            "Takes the root token or a tenant's (a tenant sees and changes its own things only)."
+        }
+        Rule::Run => "Takes the root token, the run's tenant's, or the run's own token.",
+        Rule::RunOwner => "Takes the root token or the run's tenant's (a run token is 403).",
+    }
+}
+
 /// The document.
 pub fn document() -> OpenApi {
     let mut paths = PathsBuilder::new();
@@ -467,6 +515,25 @@ pub fn document() -> OpenApi {
 /// say; patched into the generated schemas by name.
 fn cross_field_rules(document: &mut serde_json::Value) {
     let schemas = &mut document["components"]["schemas"];
+    // A tenant's image rule: a name, or a prefix ending in `*`; no
+    // whitespace or control characters (`tenants::check_policy`).
+    for request in ["CreateTenantRequest", "UpdateTenantRequest"] {
+        let items = &mut schemas[request]["properties"]["images"]["items"];
+        if let Some(items) = items.as_object_mut() {
+            items.insert("minLength".into(), 1.into());
+            items.insert("maxLength".into(), 256.into());
+            items.insert("pattern".into(), IMAGE_RULE.into());
+        }
+        // Each entry once; at most 64 image rules.
+        for list in ["images", "networks", "sizes"] {
+            if let Some(list) = schemas[request]["properties"][list].as_object_mut() {
+                list.insert("uniqueItems".into(), true.into());
+                if let Some(max) = (list.get("items").is_some()).then_some(64) {
+                    list.insert("maxItems".into(), max.into());
+                }
+            }
+        }
+    }
     // `egressAllow` and `secrets` belong to `allowlist` runs (`egress` is its
     // alias): on any other tier they are refused, even empty.
     schemas["CreateRunRequest"]["if"] = serde_json::json!({
@@ -596,6 +663,24 @@ fn integer_ranges(value: &mut serde_json::Value) {
     }
 }
 
+/// `GET /v1/usage?since=`: a time or a span back (`accounting::parse_since`).
+fn usage_window(document: &mut serde_json::Value) {
+    let Some(parameters) = document["paths"]["/v1/usage"]["get"]["parameters"].as_array_mut()
+    else {
+        return;
+    };
+    for parameter in parameters {
+        if parameter["name"] == "since" {
+            parameter["schema"] = serde_json::json!({
+                "anyOf": [
+                    {"type": "string", "pattern": "^[0-9]{1,6}[mhd]$"},
+                    {"type": "string", "format": "date-time"}
+                ]
+            });
+        }
+    }
+}
+
 /// The document as the committed file holds it: pretty JSON and a newline.
 pub fn document_json() -> String {
     let mut value = match serde_json::to_value(document()) {
@@ -603,6 +688,7 @@ pub fn document_json() -> String {
         Err(e) => return format!("{{\"error\": \"{e}\"}}\n"),
     };
     cross_field_rules(&mut value);
+    usage_window(&mut value);
     integer_ranges(&mut value);
     let mut text =
         serde_json::to_string_pretty(&value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));

@@ -45,7 +45,7 @@ fn routes_in_source() -> BTreeSet<(String, String)> {
         let body = &after[close..];
         let end = body.find(".route(").unwrap_or(body.len());
         let chain = &body[..end];
-        for method in ["get", "post", "put", "delete"] {
+        for method in ["get", "post", "put", "patch", "delete"] {
             let direct = format!("{method}(");
             let chained = format!(".{method}(");
             let found = chain.match_indices(&direct).any(|(i, _)| {

@@ -70,6 +70,8 @@ fn run() -> Run {
         restarted_at: None,
         archived_at: None,
         archive_error: None,
+        tenant: None,
+        token: None,
     }
 }
 
@@ -102,10 +104,35 @@ impl RunService for Stub {
     fn server_id(&self) -> &str {
         "node"
     }
+    fn tenants(&self) -> std::sync::Arc<dyn runbox_core::tenants::TenantStore> {
+        static TENANTS: std::sync::OnceLock<std::sync::Arc<runbox_core::tenants::FileTenants>> =
+            std::sync::OnceLock::new();
+        TENANTS
+            .get_or_init(|| std::sync::Arc::new(runbox_core::tenants::FileTenants::in_memory()))
+            .clone()
+    }
+    fn tenant_runs(&self) -> std::collections::HashMap<String, usize> {
+        Default::default()
+    }
+    fn delete_tenant(&self, name: &str) -> Result<(), CoreError> {
+        self.tenants().delete(name)
+    }
+    async fn usage_report(
+        &self,
+        since: Option<time::OffsetDateTime>,
+        _tenant: Option<String>,
+    ) -> Result<runbox_types::UsageReport, CoreError> {
+        Ok(runbox_types::UsageReport {
+            since,
+            until: time::OffsetDateTime::UNIX_EPOCH,
+            tenants: Default::default(),
+        })
+    }
     async fn create(
         &self,
         req: CreateRunRequest,
         idempotency_key: Option<String>,
+        _owner: runbox_core::tenants::Owner,
     ) -> Result<Run, CoreError> {
         if let Some(key) = idempotency_key {
             // Shows what arrived, so the test can see the header passed on.

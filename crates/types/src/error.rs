@@ -168,6 +168,22 @@ codes! {
     NotAFile = "not_a_file", 400;
     /// No or wrong bearer token.
     Unauthorized = "unauthorized", 401;
+    /// The token is valid but does not open this route: operator routes
+    /// take the root token only, a run token drives only its own run's
+    /// exec, files, processes, sessions and previews.
+    Forbidden = "forbidden", 403;
+    /// The caller's tenant may not use this image, network tier or size
+    /// tier; the message names the rule.
+    TenantPolicy = "tenant_policy", 403;
+    /// A tenant's name or settings break the rules.
+    BadTenant = "bad_tenant", 400;
+    /// No tenant with this name.
+    TenantNotFound = "tenant_not_found", 404;
+    /// A tenant with this name exists already.
+    TenantExists = "tenant_exists", 409;
+    /// The tenant still has runs; delete them first (or rotate its token
+    /// to shut it out at once).
+    TenantHasRuns = "tenant_has_runs", 409;
     /// A path leads outside `/work` (for example through a symlink).
     PathEscape = "path_escape", 403;
     /// The run's own file permissions refuse the operation (read-only file
@@ -213,6 +229,9 @@ codes! {
     /// The server is at its run capacity (`--max-runs`); retry after the
     /// `Retry-After` seconds.
     Capacity = "capacity", 429;
+    /// The caller's tenant has `maxRuns` live runs already; retry after the
+    /// `Retry-After` seconds, or delete some.
+    TenantQuota = "tenant_quota", 429;
     /// The server is cordoned (`POST /v1/drain`) and takes no new runs.
     Draining = "draining", 503;
     /// The checkpoint store could not be reached or refused the request;

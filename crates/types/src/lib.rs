@@ -13,8 +13,13 @@ use time::OffsetDateTime;
 use ulid::Ulid;
 
 pub mod error;
+mod tenants;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+pub use tenants::{
+    CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken, UpdateTenantRequest,
+    UsageReport, UsageTotals,
+};
 
 /// Environment variables for a run or an exec.
 ///
@@ -559,6 +564,14 @@ pub struct Run {
     /// archive is tried again later.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub archive_error: Option<String>,
+    /// The tenant that made it (absent: the operator's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Its run token: drives this run only (exec, files, processes,
+    /// sessions, previews), for the agent inside it or a browser. On the
+    /// answers to a create, a fork and `GET /v1/runs/{id}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 fn yes() -> bool {
@@ -738,6 +751,9 @@ pub struct Checkpoint {
     pub labels: BTreeMap<String, String>,
     /// The node that took it.
     pub server: String,
+    /// The tenant whose run it was taken from; absent: the operator's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// `GET /v1/checkpoints`.
@@ -1120,6 +1136,10 @@ pub struct Image {
     /// `GET /v1/images/{name}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config: Option<serde_json::Value>,
+    /// The tenant whose snapshot (or restored checkpoint) it is; absent:
+    /// shared by everyone the tenant rules allow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 /// `POST /v1/images/pull`.

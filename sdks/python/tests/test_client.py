@@ -244,3 +244,38 @@ def test_snapshots_forks_and_previews(rb: Runbox, run_id: str, daemon):
             pass
         time.sleep(0.05)
     assert response.text == "page\n"
+
+
+def test_tenants_tokens_and_usage(rb: Runbox, daemon):
+    name = f"py{int(time.time() * 1000) % 100000000}"
+    made = rb.create_tenant(name, max_runs=1, networks=["none"])
+    assert made["tenant"]["name"] == name and len(made["token"]) == 64
+    assert any(t["name"] == name for t in rb.list_tenants())
+    with Runbox(daemon.url, made["token"]) as tenant:
+        run = tenant.create_run("base", ttl=300)
+        try:
+            assert run.tenant == name and run.token.startswith("run_")
+            # The run token drives its run, nothing else.
+            with Runbox(daemon.url, run.token) as driver:
+                assert driver.run(run.id, "echo hi").stdout == b"hi\n"
+                with pytest.raises(runbox.RunboxError) as e:
+                    driver.list_runs()
+                assert e.value.code == "forbidden"
+            with pytest.raises(runbox.RunboxError) as e:
+                tenant.create_run("base", ttl=300)
+            assert e.value.code == "tenant_quota"
+            with pytest.raises(runbox.RunboxError) as e:
+                tenant.info()
+            assert e.value.code == "forbidden"
+            assert [r.id for r in tenant.list_runs()] == [run.id]
+            report = tenant.usage(since="1h")
+            assert list(report["tenants"]) == [name]
+            assert report["tenants"][name]["events"]["create"] == 1
+        finally:
+            tenant.delete_run(run.id)
+    assert rb.update_tenant(name, max_runs=3)["maxRuns"] == 3
+    rotated = rb.rotate_tenant(name)
+    assert rotated["token"] != made["token"]
+    rb.delete_tenant(name)
+    with pytest.raises(runbox.NotFound):
+        rb.get_tenant(name)

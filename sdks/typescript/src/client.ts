@@ -20,6 +20,11 @@ import {
   type Run,
   type Snapshot,
   type Checkpoint,
+  type CreateTenantRequest,
+  type Tenant,
+  type TenantToken,
+  type UpdateTenantRequest,
+  type UsageReport,
   type WatchEvent,
 } from "./types.js";
 
@@ -585,6 +590,38 @@ export class Runbox {
    * starts runs from it. */
   async checkpoint(runId: string, labels?: Record<string, string>): Promise<Checkpoint> {
     return this.call({ method: "POST", path: `${runPath(runId)}/checkpoint`, json: compact({ labels }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
+  /** Adds a tenant (root token only); the answer's `token` is shown this once. */
+  async createTenant(req: CreateTenantRequest): Promise<TenantToken> {
+    return this.call({ method: "POST", path: "/v1/tenants", json: req });
+  }
+
+  async listTenants(): Promise<Tenant[]> {
+    return (await this.call<{ tenants: Tenant[] }>({ method: "GET", path: "/v1/tenants" })).tenants;
+  }
+
+  async getTenant(name: string): Promise<Tenant> {
+    return this.call({ method: "GET", path: `/v1/tenants/${segment("tenant name", name)}` });
+  }
+
+  /** Replaces the settings given. */
+  async updateTenant(name: string, req: UpdateTenantRequest): Promise<Tenant> {
+    return this.call({ method: "PATCH", path: `/v1/tenants/${segment("tenant name", name)}`, json: req });
+  }
+
+  /** A new token for the tenant; the old one stops working at once. */
+  async rotateTenant(name: string): Promise<TenantToken> {
+    return this.call({ method: "POST", path: `/v1/tenants/${segment("tenant name", name)}/rotate` });
+  }
+
+  async deleteTenant(name: string): Promise<void> {
+    await this.call({ method: "DELETE", path: `/v1/tenants/${segment("tenant name", name)}` });
+  }
+
+  /** What each tenant used since `since` (RFC 3339, or a span such as `24h`). */
+  async usage(options: { since?: string; tenant?: string } = {}): Promise<UsageReport> {
+    return this.call({ method: "GET", path: "/v1/usage", query: { since: options.since, tenant: options.tenant } });
   }
 
   async listCheckpoints(): Promise<Checkpoint[]> {

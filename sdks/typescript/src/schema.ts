@@ -11,7 +11,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Whether the daemon serves; needs no token */
+        /**
+         * Whether the daemon serves; needs no token
+         * @description Open: no token.
+         */
         get: operations["health"];
         put?: never;
         post?: never;
@@ -28,7 +31,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Every checkpoint in the store */
+        /**
+         * Every checkpoint in the store
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["listCheckpoints"];
         put?: never;
         post?: never;
@@ -45,11 +51,17 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One checkpoint */
+        /**
+         * One checkpoint
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["getCheckpoint"];
         put?: never;
         post?: never;
-        /** Delete a checkpoint from the store */
+        /**
+         * Delete a checkpoint from the store
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         delete: operations["deleteCheckpoint"];
         options?: never;
         head?: never;
@@ -65,9 +77,15 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Cordon the node */
+        /**
+         * Cordon the node
+         * @description Takes the root token (a tenant's is 403).
+         */
         post: operations["drain"];
-        /** Uncordon the node */
+        /**
+         * Uncordon the node
+         * @description Takes the root token (a tenant's is 403).
+         */
         delete: operations["undrain"];
         options?: never;
         head?: never;
@@ -81,7 +99,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Every image */
+        /**
+         * Every image
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["listImages"];
         put?: never;
         post?: never;
@@ -100,7 +121,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Pull an image from a registry; progress as server-sent events */
+        /**
+         * Pull an image from a registry; progress as server-sent events
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         post: operations["pullImage"];
         delete?: never;
         options?: never;
@@ -115,12 +139,21 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One image, with its config */
+        /**
+         * One image, with its config
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["getImage"];
         put?: never;
-        /** Import a tar archive: an OCI layout, docker save output, or a root filesystem */
+        /**
+         * Import a tar archive: an OCI layout, docker save output, or a root filesystem
+         * @description Takes the root token (a tenant's is 403).
+         */
         post: operations["importImage"];
-        /** Delete an image */
+        /**
+         * Delete an image
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         delete: operations["deleteImage"];
         options?: never;
         head?: never;
@@ -134,7 +167,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** What the node is and how full */
+        /**
+         * What the node is and how full
+         * @description Takes the root token (a tenant's is 403).
+         */
         get: operations["info"];
         put?: never;
         post?: never;
@@ -151,7 +187,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** This document; needs no token */
+        /**
+         * This document; needs no token
+         * @description Open: no token.
+         */
         get: operations["openapi"];
         put?: never;
         post?: never;
@@ -168,9 +207,15 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** The warm pools */
+        /**
+         * The warm pools
+         * @description Takes the root token (a tenant's is 403).
+         */
         get: operations["listPools"];
-        /** Replace the warm pools */
+        /**
+         * Replace the warm pools
+         * @description Takes the root token (a tenant's is 403).
+         */
         put: operations["setPools"];
         post?: never;
         delete?: never;
@@ -186,10 +231,16 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Every run */
+        /**
+         * Every run
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["listRuns"];
         put?: never;
-        /** Create a run (an Idempotency-Key header makes a retry safe) */
+        /**
+         * Create a run (an Idempotency-Key header makes a retry safe)
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         post: operations["createRun"];
         delete?: never;
         options?: never;
@@ -204,11 +255,17 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One run */
+        /**
+         * One run
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["getRun"];
         put?: never;
         post?: never;
-        /** Destroy a run */
+        /**
+         * Destroy a run
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         delete: operations["deleteRun"];
         options?: never;
         head?: never;
@@ -224,7 +281,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Send the run's disk to the checkpoint store and drop it on the node (a running run is hibernated first); the next call that reaches it restores it */
+        /**
+         * Send the run's disk to the checkpoint store and drop it on the node (a running run is hibernated first); the next call that reaches it restores it
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["archiveRun"];
         delete?: never;
         options?: never;
@@ -241,7 +301,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Send the run's disk and settings to the checkpoint store; the run keeps running */
+        /**
+         * Send the run's disk and settings to the checkpoint store; the run keeps running
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["checkpointRun"];
         delete?: never;
         options?: never;
@@ -258,7 +321,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Run a command; its output and exit as server-sent events */
+        /**
+         * Run a command; its output and exit as server-sent events
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["exec"];
         delete?: never;
         options?: never;
@@ -273,7 +339,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** An interactive command over a WebSocket (frames: ClientFrame in, ServerFrame and binary output out) */
+        /**
+         * An interactive command over a WebSocket (frames: ClientFrame in, ServerFrame and binary output out)
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["execSession"];
         put?: never;
         post?: never;
@@ -290,9 +359,15 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Read a file below /work */
+        /**
+         * Read a file below /work
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["getFile"];
-        /** Write a file below /work, replacing it once the whole body arrived */
+        /**
+         * Write a file below /work, replacing it once the whole body arrived
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         put: operations["putFile"];
         post?: never;
         delete?: never;
@@ -310,7 +385,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Start new runs from the run's filesystem */
+        /**
+         * Start new runs from the run's filesystem
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["forkRun"];
         delete?: never;
         options?: never;
@@ -325,7 +403,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** List a directory below /work */
+        /**
+         * List a directory below /work
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["listDir"];
         put?: never;
         post?: never;
@@ -344,7 +425,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Make a directory and its parents */
+        /**
+         * Make a directory and its parents
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["makeDir"];
         delete?: never;
         options?: never;
@@ -361,7 +445,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Rename a path */
+        /**
+         * Rename a path
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["movePath"];
         delete?: never;
         options?: never;
@@ -378,7 +465,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Remove a path */
+        /**
+         * Remove a path
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["removePath"];
         delete?: never;
         options?: never;
@@ -393,7 +483,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Describe a path below /work */
+        /**
+         * Describe a path below /work
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["stat"];
         put?: never;
         post?: never;
@@ -410,7 +503,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Changes below a directory of /work as server-sent events */
+        /**
+         * Changes below a directory of /work as server-sent events
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["watch"];
         put?: never;
         post?: never;
@@ -429,7 +525,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Stop the run down to its disk: processes and memory are lost, CPU, memory, network and capacity freed; the next call that reaches it boots it again */
+        /**
+         * Stop the run down to its disk: processes and memory are lost, CPU, memory, network and capacity freed; the next call that reaches it boots it again
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["hibernateRun"];
         delete?: never;
         options?: never;
@@ -446,7 +545,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Take the run's writable lease */
+        /**
+         * Take the run's writable lease
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["acquireLease"];
         delete?: never;
         options?: never;
@@ -463,7 +565,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Give a lease up */
+        /**
+         * Give a lease up
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["releaseLease"];
         delete?: never;
         options?: never;
@@ -480,7 +585,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Extend a lease */
+        /**
+         * Extend a lease
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["renewLease"];
         delete?: never;
         options?: never;
@@ -497,7 +605,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Freeze the run's processes where they are, memory kept; the next call that reaches it resumes it */
+        /**
+         * Freeze the run's processes where they are, memory kept; the next call that reaches it resumes it
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["pauseRun"];
         delete?: never;
         options?: never;
@@ -512,7 +623,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One TCP connection to a port inside the run, after an upgrade to runbox-tcp */
+        /**
+         * One TCP connection to a port inside the run, after an upgrade to runbox-tcp
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["connectPort"];
         put?: never;
         post?: never;
@@ -531,7 +645,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** A signed, expiring URL for a port inside the run (served by --preview-listen) */
+        /**
+         * A signed, expiring URL for a port inside the run (served by --preview-listen)
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["mintPreview"];
         delete?: never;
         options?: never;
@@ -546,10 +663,16 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Running processes and recently ended background ones */
+        /**
+         * Running processes and recently ended background ones
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["listProcesses"];
         put?: never;
-        /** Start a background process */
+        /**
+         * Start a background process
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["startProcess"];
         delete?: never;
         options?: never;
@@ -564,7 +687,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One process, by pid or tag */
+        /**
+         * One process, by pid or tag
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["getProcess"];
         put?: never;
         post?: never;
@@ -581,7 +707,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** A process's output (replayed, then live) as exec's server-sent events */
+        /**
+         * A process's output (replayed, then live) as exec's server-sent events
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["processOutput"];
         put?: never;
         post?: never;
@@ -600,7 +729,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Signal a process's group */
+        /**
+         * Signal a process's group
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["signalProcess"];
         delete?: never;
         options?: never;
@@ -617,7 +749,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Write to a process's stdin */
+        /**
+         * Write to a process's stdin
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         post: operations["sendStdin"];
         delete?: never;
         options?: never;
@@ -632,7 +767,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Wait until a process ended or the time passed */
+        /**
+         * Wait until a process ended or the time passed
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["waitProcess"];
         put?: never;
         post?: never;
@@ -649,7 +787,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Attach to a process over a WebSocket */
+        /**
+         * Attach to a process over a WebSocket
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["attach"];
         put?: never;
         post?: never;
@@ -668,7 +809,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Set a run's expiry to now + ttlSec */
+        /**
+         * Set a run's expiry to now + ttlSec
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["renewRun"];
         delete?: never;
         options?: never;
@@ -685,7 +829,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Let a paused run's processes go on; a hibernated run is woken */
+        /**
+         * Let a paused run's processes go on; a hibernated run is woken
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["resumeRun"];
         delete?: never;
         options?: never;
@@ -702,7 +849,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Record the run's filesystem as a new image */
+        /**
+         * Record the run's filesystem as a new image
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["snapshotRun"];
         delete?: never;
         options?: never;
@@ -719,7 +869,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Boot a hibernated or failed run again on its disk (a paused one is resumed) */
+        /**
+         * Boot a hibernated or failed run again on its disk (a paused one is resumed)
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["wakeRun"];
         delete?: never;
         options?: never;
@@ -734,7 +887,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** The run's warm volume and lockfile hashes */
+        /**
+         * The run's warm volume and lockfile hashes
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
         get: operations["warmStatus"];
         put?: never;
         post?: never;
@@ -753,7 +909,10 @@ export interface paths {
         };
         get?: never;
         put?: never;
-        /** Publish the run's warm volume as its repository's template */
+        /**
+         * Publish the run's warm volume as its repository's template
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
         post: operations["warmCommit"];
         delete?: never;
         options?: never;
@@ -768,11 +927,17 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Every snapshot */
+        /**
+         * Every snapshot
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["listSnapshots"];
         put?: never;
         post?: never;
-        /** Delete a snapshot named in the query */
+        /**
+         * Delete a snapshot named in the query
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         delete: operations["deleteSnapshotByQuery"];
         options?: never;
         head?: never;
@@ -789,8 +954,103 @@ export interface paths {
         get?: never;
         put?: never;
         post?: never;
-        /** Delete a snapshot */
+        /**
+         * Delete a snapshot
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         delete: operations["deleteSnapshot"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/tenants": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Every tenant
+         * @description Takes the root token (a tenant's is 403).
+         */
+        get: operations["listTenants"];
+        put?: never;
+        /**
+         * Add a tenant; its token is in the answer, once
+         * @description Takes the root token (a tenant's is 403).
+         */
+        post: operations["createTenant"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/tenants/{name}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * One tenant
+         * @description Takes the root token (a tenant's is 403).
+         */
+        get: operations["getTenant"];
+        put?: never;
+        post?: never;
+        /**
+         * Remove a tenant that has no runs
+         * @description Takes the root token (a tenant's is 403).
+         */
+        delete: operations["deleteTenant"];
+        options?: never;
+        head?: never;
+        /**
+         * Change a tenant's limits
+         * @description Takes the root token (a tenant's is 403).
+         */
+        patch: operations["updateTenant"];
+        trace?: never;
+    };
+    "/v1/tenants/{name}/rotate": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Give a tenant a new token; the old one stops working at once
+         * @description Takes the root token (a tenant's is 403).
+         */
+        post: operations["rotateTenantToken"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/usage": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * What each tenant used: run-seconds by size, CPU-seconds, egress bytes
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["usage"];
+        put?: never;
+        post?: never;
+        delete?: never;
         options?: never;
         head?: never;
         patch?: never;
@@ -803,7 +1063,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** Every warm template */
+        /**
+         * Every warm template
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["warmTemplates"];
         put?: never;
         post?: never;
@@ -820,11 +1083,17 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One repository's warm template */
+        /**
+         * One repository's warm template
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         get: operations["warmTemplate"];
         put?: never;
         post?: never;
-        /** Drop a repository's warm template */
+        /**
+         * Drop a repository's warm template
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
         delete: operations["warmInvalidate"];
         options?: never;
         head?: never;
@@ -890,6 +1159,8 @@ export interface components {
              * @description Bytes it takes in the store (compressed layers and its record).
              */
             storedBytes: number;
+            /** @description The tenant whose run it was taken from; absent: the operator's. */
+            tenant?: string | null;
         };
         /** @description `GET /v1/checkpoints`. */
         CheckpointList: {
@@ -999,6 +1270,26 @@ export interface components {
              */
             ttlSec?: number | null;
             warm?: null | components["schemas"]["WarmRequest"];
+        };
+        /** @description `POST /v1/tenants`. */
+        CreateTenantRequest: {
+            /**
+             * @description Images it may create runs from (see [`TenantPolicy::images`]);
+             *     empty: any.
+             */
+            images?: string[];
+            /**
+             * Format: uint32
+             * @description Live runs it may have at once; 0 (the default) means no limit of
+             *     its own.
+             */
+            maxRuns?: number;
+            /** @description Its name: 1-32 of `a-z`, `0-9`, `-` and `_`, starting with a letter. */
+            name: string;
+            /** @description Network tiers it may use; empty: any. */
+            networks?: components["schemas"]["NetworkTier"][];
+            /** @description Size tiers it may use; empty: any. */
+            sizes?: components["schemas"]["SizeTier"][];
         };
         /** @description Egress accounting of one run. */
         EgressStats: {
@@ -1231,6 +1522,11 @@ export interface components {
              *     registry reference it was pulled from.
              */
             source: string;
+            /**
+             * @description The tenant whose snapshot (or restored checkpoint) it is; absent:
+             *     shared by everyone the tenant rules allow.
+             */
+            tenant?: string | null;
         };
         /** @description `GET /v1/images`. */
         ImageList: {
@@ -1800,6 +2096,14 @@ export interface components {
             size?: null | components["schemas"]["SizeTier"];
             /** @description Lifecycle status. */
             status: components["schemas"]["RunStatus"];
+            /** @description The tenant that made it (absent: the operator's). */
+            tenant?: string | null;
+            /**
+             * @description Its run token: drives this run only (exec, files, processes,
+             *     sessions, previews), for the agent inside it or a browser. On the
+             *     answers to a create, a fork and `GET /v1/runs/{id}`.
+             */
+            token?: string | null;
             warm?: null | components["schemas"]["RunWarm"];
         };
         /** @description `GET /v1/runs`. */
@@ -1956,6 +2260,129 @@ export interface components {
              * @description Bytes in use on the run store's filesystem.
              */
             usedBytes: number;
+        };
+        /** @description A tenant as the API shows it (never its token). */
+        Tenant: components["schemas"]["TenantPolicy"] & {
+            /**
+             * Format: date-time
+             * @description When it was added.
+             */
+            createdAt: string;
+            /** @description Its name: 1-32 of `a-z`, `0-9`, `-` and `_`, starting with a letter. */
+            name: string;
+            /** @description Its live runs on this node now. */
+            runs?: number;
+            /**
+             * Format: date-time
+             * @description When its settings or token last changed.
+             */
+            updatedAt: string;
+        };
+        /** @description `GET /v1/tenants`. */
+        TenantList: {
+            /** @description Every tenant, by name. */
+            tenants: components["schemas"]["Tenant"][];
+        };
+        /** @description What a tenant may use. An empty list allows everything of its kind. */
+        TenantPolicy: {
+            /**
+             * @description Images it may create runs from: exact names (`alpine:3.20`), or a
+             *     prefix ending in `*` (`python:*`, `registry.example.com/team/*`).
+             *     Its own snapshots are always allowed. Empty: any stored image.
+             */
+            images?: string[];
+            /**
+             * Format: uint32
+             * @description Live runs it may have at once on this node (forks count against
+             *     their parent's tenant); 0 means no limit of its own (the node's
+             *     `--max-runs` still holds).
+             */
+            maxRuns?: number;
+            /** @description Network tiers it may use. Empty: any the node has. */
+            networks?: components["schemas"]["NetworkTier"][];
+            /**
+             * @description Size tiers it may use; with a list, a create must name one of them
+             *     (free-form `limits` are refused). Empty: any size or limits.
+             */
+            sizes?: components["schemas"]["SizeTier"][];
+        };
+        /**
+         * @description The answer to a tenant's creation or token rotation: the token, shown
+         *     this once (runbox keeps only its hash).
+         */
+        TenantToken: {
+            /** @description The tenant. */
+            tenant: components["schemas"]["Tenant"];
+            /**
+             * @description Its bearer token (64 hex digits). E2B's SDKs take it as
+             *     `E2B_API_KEY=e2b_<token>`.
+             */
+            token: string;
+        };
+        /** @description `PATCH /v1/tenants/{name}`: the fields given replace the tenant's. */
+        UpdateTenantRequest: {
+            /** @description Images it may create runs from (see [`TenantPolicy::images`]). */
+            images?: string[] | null;
+            /**
+             * Format: uint32
+             * @description Live runs it may have at once; 0 means no limit of its own.
+             */
+            maxRuns?: number | null;
+            /** @description Network tiers it may use. */
+            networks?: components["schemas"]["NetworkTier"][] | null;
+            /** @description Size tiers it may use. */
+            sizes?: components["schemas"]["SizeTier"][] | null;
+        };
+        /**
+         * @description `GET /v1/usage`: what each tenant used between `since` and `until`
+         *     (the operator's runs under the empty name).
+         */
+        UsageReport: {
+            /**
+             * Format: date-time
+             * @description The window's start (absent: the journal's beginning).
+             */
+            since?: string | null;
+            /** @description Per tenant ("" for the operator's own runs). */
+            tenants: {
+                [key: string]: components["schemas"]["UsageTotals"];
+            };
+            /**
+             * Format: date-time
+             * @description The window's end: when the report was made.
+             */
+            until: string;
+        };
+        /** @description One tenant's usage in a window. */
+        UsageTotals: {
+            /**
+             * Format: double
+             * @description CPU time its runs used, in seconds, counted at the end of each boot
+             *     (a run still running has not reported its current boot yet).
+             */
+            cpuSeconds: number;
+            /**
+             * Format: uint64
+             * @description Payload bytes of its allowed egress connections (with
+             *     `--egress-usage-bytes`).
+             */
+            egressBytes: number;
+            /** @description How many events of each kind (`create`, `claim`, `fork`, ...). */
+            events: {
+                [key: string]: number;
+            };
+            /**
+             * Format: uint64
+             * @description The most memory one boot of its runs was charged, in bytes.
+             */
+            peakMemoryBytes: number;
+            /**
+             * @description Seconds its runs held CPU and memory (running or paused), by size
+             *     tier (`custom` for runs with free-form limits).
+             */
+            runSeconds: {
+                [key: string]: number;
+            };
         };
         /** @description The answer to a warm commit. */
         WarmCommit: {
@@ -4445,6 +4872,295 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    listTenants: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TenantList"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    createTenant: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CreateTenantRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TenantToken"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getTenant: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the tenant's name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Tenant"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    deleteTenant: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the tenant's name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    updateTenant: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the tenant's name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["UpdateTenantRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Tenant"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    rotateTenantToken: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the tenant's name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TenantToken"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    usage: {
+        parameters: {
+            query?: {
+                /** @description the window's start: RFC 3339, or a span back from now (90m, 24h, 7d) */
+                since?: string;
+                /** @description only this tenant ("" for the operator's own runs); a tenant's token always sees its own */
+                tenant?: string;
+            };
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["UsageReport"];
+                };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {

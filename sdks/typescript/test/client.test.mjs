@@ -245,3 +245,33 @@ test("snapshots, forks and previews", () =>
     }
     assert.equal(body, "page\n");
   }));
+
+test("tenants, run tokens and usage", async () => {
+  const name = `ts${Date.now() % 100000000}`;
+  const made = await rb.createTenant({ name, maxRuns: 1, networks: ["none"] });
+  assert.equal(made.tenant.name, name);
+  assert.equal(made.token.length, 64);
+  assert.ok((await rb.listTenants()).some((t) => t.name === name));
+  const tenant = new Runbox({ url: daemon.url, token: made.token });
+  const run = await tenant.createRun("base");
+  try {
+    assert.equal(run.tenant, name);
+    assert.ok(run.token.startsWith("run_"));
+    const driver = new Runbox({ url: daemon.url, token: run.token });
+    assert.equal(text((await driver.run(run.id, "echo hi")).stdout), "hi\n");
+    await rejectsWith(driver.listRuns(), Forbidden, "forbidden");
+    await rejectsWith(tenant.info(), Forbidden, "forbidden");
+    await rejectsWith(tenant.createRun("base"), RunboxError, "tenant_quota");
+    assert.deepEqual((await tenant.listRuns()).map((r) => r.id), [run.id]);
+    const report = await tenant.usage({ since: "1h" });
+    assert.deepEqual(Object.keys(report.tenants), [name]);
+    assert.equal(report.tenants[name].events.create, 1);
+  } finally {
+    await tenant.deleteRun(run.id);
+  }
+  assert.equal((await rb.updateTenant(name, { maxRuns: 3 })).maxRuns, 3);
+  const rotated = await rb.rotateTenant(name);
+  assert.notEqual(rotated.token, made.token);
+  await rb.deleteTenant(name);
+  await rejectsWith(rb.getTenant(name), NotFound, "tenant_not_found");
+});

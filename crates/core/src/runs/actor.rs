@@ -40,6 +40,7 @@ use ulid::Ulid;
 
 use super::phase::{transition, Event, Phase};
 use super::{error_chain, reaper, RunContext};
+use crate::accounting::{UsageEvent, UsageKind};
 use crate::config::{RestartPolicy, RESTART_BUDGET, RESTART_WINDOW};
 use crate::error::CoreError;
 use crate::lane::{AgentEndpoint, ExitWatch, SandboxSpec};
@@ -145,9 +146,17 @@ pub(crate) enum Command {
     Archive { reply: Reply<()> },
 }
 
+/// Who took a pool member: the create's idempotency key and tenant.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Ticket {
+    pub key: Option<crate::store::Idempotency>,
+    pub tenant: Option<String>,
+}
+
 /// What a create applies to the pool member it is served with.
 #[derive(Clone)]
 pub(crate) struct Claim {
+    pub tenant: Option<String>,
     pub env: runbox_types::Env,
     pub ttl: Duration,
     pub egress: crate::egress::RunEgressRequest,
@@ -233,7 +242,7 @@ pub(crate) struct RunHandle {
     /// has applied the claim and left [`Phase::Pooled`]), so capacity
     /// counts it at once and a repeat of that create (with the key held
     /// here) finds it.
-    pub ticket: OnceLock<Option<crate::store::Idempotency>>,
+    pub ticket: OnceLock<Ticket>,
     /// What it used lately, sampled by the daemon.
     pub usage: super::usage::History,
 }
@@ -284,7 +293,16 @@ impl RunHandle {
 
     /// The idempotency key of the create that took this pool member.
     pub fn claim_key(&self) -> Option<&crate::store::Idempotency> {
-        self.ticket.get().and_then(Option::as_ref)
+        self.ticket.get().and_then(|t| t.key.as_ref())
+    }
+
+    /// The tenant the run counts against: the claiming create's once a
+    /// create took this pool member, else its record's.
+    pub fn tenant(&self) -> Option<String> {
+        match self.ticket.get() {
+            Some(ticket) => ticket.tenant.clone(),
+            None => self.state.borrow().record.tenant.clone(),
+        }
     }
 
     /// Waits until a claimed member's owner has applied the claim (or the
@@ -526,6 +544,42 @@ impl RunActor {
         }
     }
 
+    /// Records a usage event of `kind` for this run now: its tenant and
+    /// size, and its limits when it starts holding resources.
+    fn note(&self, kind: UsageKind) {
+        self.context.usage.record(self.usage_event(kind));
+    }
+
+    fn usage_event(&self, kind: UsageKind) -> UsageEvent {
+        let mut event = UsageEvent::now(kind, self.record.id, self.record.tenant.clone());
+        event.size = self.record.size;
+        if matches!(
+            kind,
+            UsageKind::Create
+                | UsageKind::Claim
+                | UsageKind::Fork
+                | UsageKind::Wake
+                | UsageKind::Restore
+        ) {
+            event.limits = Some(self.record.limits);
+        }
+        event
+    }
+
+    /// Records `kind` for a run whose boot ends here: with `holding` (it
+    /// has a sandbox), what its cgroup counted, read before the sandbox
+    /// goes.
+    fn note_ended(&self, kind: UsageKind, holding: bool) {
+        let mut event = self.usage_event(kind);
+        if holding {
+            if let Some(used) = self.context.lane.sandbox(self.record.id).usage() {
+                event.cpu_sec = Some(used.cpu_ns as f64 / 1e9);
+                event.peak_memory_bytes = Some(used.memory_peak_bytes.unwrap_or(used.memory_bytes));
+            }
+        }
+        self.context.usage.record(event);
+    }
+
     fn publish(&self) {
         self.publish.send_replace(Snapshot {
             phase: self.phase.clone(),
@@ -536,6 +590,20 @@ impl RunActor {
     /// Moves the run to `Stopping`: nothing new is admitted, in-flight
     /// execs end with `reason`.
     fn stop(&mut self, reason: ExitReason) {
+        let holding = matches!(
+            self.phase,
+            Phase::Running | Phase::Paused | Phase::Failed(_)
+        );
+        let kind = if reason == ExitReason::RunExpired {
+            UsageKind::Expire
+        } else {
+            UsageKind::Delete
+        };
+        // Idle pool members and creates that never finished were never
+        // billed; their end is not either.
+        if !self.record.is_idle_member() && !matches!(self.phase, Phase::Creating) {
+            self.note_ended(kind, holding);
+        }
         self.end(Event::Stop(reason), reason);
     }
 
@@ -562,6 +630,14 @@ impl RunActor {
             Ok(()) => {
                 tracing::info!(run = %id, image = %self.record.image, runtime = %self.record.runtime,
                     elapsed_ms = started.elapsed().as_millis() as u64, "run created");
+                if self.record.pool.is_none() {
+                    let kind = if spec.seed.is_some() {
+                        UsageKind::Fork
+                    } else {
+                        UsageKind::Create
+                    };
+                    self.note(kind);
+                }
                 let run = self.context.view(&self.handle);
                 let taken = reply.send(Ok(run)).is_ok()
                     && !matches!(
@@ -734,6 +810,7 @@ impl RunActor {
             match self.boot_with_retries().await {
                 Ok(()) => {
                     self.apply(Event::Woken);
+                    self.note(UsageKind::Restart);
                     self.record.failure = None;
                     tracing::info!(run = %id, restarts = self.record.restarts, "restarted the run after its init exited");
                 }
@@ -886,6 +963,7 @@ impl RunActor {
         let mut record = self.record.clone();
         record.status = RunStatus::Hibernated;
         self.context.store.put_async(record).await?;
+        self.note_ended(UsageKind::Hibernate, true);
         self.end_incarnation();
         let stopped = self.context.lane.sandbox(id).hibernate().await;
         self.apply(Event::Hibernated);
@@ -924,6 +1002,7 @@ impl RunActor {
         match &booted {
             Ok(()) => {
                 self.apply(Event::Woken);
+                self.note(UsageKind::Wake);
                 self.record.failure = None;
                 if was_failed {
                     // An explicit wake of a failed run: a new budget.
@@ -995,6 +1074,7 @@ impl RunActor {
         self.context.store.put_async(record.clone()).await?;
         self.record = record;
         self.apply(Event::Archived);
+        self.note(UsageKind::Archive);
         self.publish();
         if let Err(e) = self.context.lane.sandbox(id).destroy().await {
             tracing::warn!(run = %id, error = %error_chain(&e), "run archived, but removing its local disk failed; its restore or delete retries");
@@ -1045,6 +1125,7 @@ impl RunActor {
             return Err(e);
         }
         self.apply(Event::Restored);
+        self.note(UsageKind::Restore);
         self.record.archived_at = None;
         let ttl = match self.record.ttl_sec {
             0 => self.context.config.default_ttl,
@@ -1299,10 +1380,12 @@ impl RunActor {
         self.record.idle = claim.idle;
         self.record.ttl_sec = claim.ttl.as_secs();
         self.record.idempotency = claim.idempotency;
+        self.record.tenant = claim.tenant;
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;
         }
         self.apply(Event::Claimed);
+        self.note(UsageKind::Claim);
         // Its idle clock starts now, not when it was parked.
         self.handle.activity.touch();
         self.publish();
@@ -1390,10 +1473,12 @@ impl RunActor {
         let started = std::time::Instant::now();
         sandbox.suspend().await?;
         self.apply(Event::Paused);
+        self.note(UsageKind::Pause);
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             // Not paused unless recorded: thawed again, and the caller told.
             let thawed = sandbox.resume().await;
             self.apply(Event::Resumed);
+            self.note(UsageKind::Resume);
             self.publish();
             thawed?;
             return Err(e);
@@ -1422,6 +1507,7 @@ impl RunActor {
             self.agent = Some((agent, protocol));
         }
         self.apply(Event::Resumed);
+        self.note(UsageKind::Resume);
         self.refresh_expiry();
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %id, error = %e, "could not store that the run resumed; a restart pauses it again");

@@ -80,6 +80,13 @@ impl Manager {
             .context
             .upload_checkpoint(&record, capture, Ulid::new(), 1, labels)
             .await?;
+        self.context
+            .usage
+            .record(crate::accounting::UsageEvent::now(
+                crate::accounting::UsageKind::Checkpoint,
+                record.id,
+                record.tenant.clone(),
+            ));
         Ok(self.shown(checkpoint))
     }
 
@@ -125,6 +132,7 @@ impl Manager {
     pub(crate) async fn from_checkpoint(
         self: &Arc<Self>,
         mut req: CreateRunRequest,
+        owner: &crate::tenants::Owner,
     ) -> Result<CreateRunRequest, CoreError> {
         let Some(id) = req.checkpoint.take() else {
             return Ok(req);
@@ -137,6 +145,9 @@ impl Manager {
         }
         let store = self.checkpoint_store()?.clone();
         let commit = store.get(id).await?;
+        if !owner.sees(commit.checkpoint.tenant.as_deref()) {
+            return Err(crate::checkpoints::not_found(id));
+        }
         let record = store.record(&commit).await?;
         if record.version > FORMAT_VERSION {
             return Err(CoreError::invalid(
@@ -148,9 +159,10 @@ impl Manager {
             ));
         }
         let manager = self.clone();
+        let tenant = commit.checkpoint.tenant.clone();
         req.image = tokio::spawn(async move {
             manager
-                .restore_image(&store, &record)
+                .restore_image(&store, &record, tenant)
                 .await
                 .map(|n| (n, record))
         })
@@ -170,6 +182,7 @@ impl Manager {
         self: &Arc<Self>,
         store: &CheckpointStore,
         record: &CheckpointRecord,
+        tenant: Option<String>,
     ) -> Result<String, CoreError> {
         let name = format!(
             "ckpt-{}-{}",
@@ -217,7 +230,7 @@ impl Manager {
         let (config, source) = (record.config.clone(), format!("checkpoint:{}", record.id));
         let restored = name.clone();
         tokio::task::spawn_blocking(move || {
-            images.record_restored(&restored, &source, layers, &config)
+            images.record_restored(&restored, &source, layers, &config, tenant)
         })
         .await
         .map_err(|e| CoreError::Store(format!("restore task failed: {e}")))??;
@@ -394,6 +407,7 @@ impl super::RunContext {
             disk_bytes: disk.tar_bytes,
             labels,
             server: self.config.server_id.clone(),
+            tenant: record.tenant.clone(),
         };
         // A commit that failed may or may not have landed: one that did is
         // whole, one that did not is swept as an orphan.

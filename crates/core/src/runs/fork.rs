@@ -52,6 +52,8 @@ impl Manager {
         if self.capacity_used() + count > self.config.max_runs {
             return Err(CoreError::Capacity(self.config.max_runs));
         }
+        let owner = self.context.owner_of(parent.tenant.as_deref());
+        super::check_quota(&self.registry(), &owner, count)?;
         let manager = self.clone();
         tokio::spawn(async move { manager.fork_children(parent, count, ttl).await })
             .await
@@ -104,6 +106,8 @@ impl Manager {
             if super::counted(&registry) + count > self.config.max_runs {
                 return Err(CoreError::Capacity(self.config.max_runs));
             }
+            let owner = self.context.owner_of(parent.tenant.as_deref());
+            super::check_quota(&registry, &owner, count)?;
             let now = OffsetDateTime::now_utc();
             for _ in 0..count {
                 let id = Ulid::new();

@@ -120,6 +120,10 @@ pub(crate) struct RunContext {
     /// Serialises restores from the checkpoint store, so that creates from
     /// one checkpoint download it once.
     pub(crate) restore_lock: tokio::sync::Mutex<()>,
+    /// The tenant set: whose policy a wake or a fork counts against.
+    pub(crate) tenants: Arc<dyn crate::tenants::TenantStore>,
+    /// Where usage events go.
+    pub(crate) usage: Arc<dyn crate::accounting::UsageSink>,
 }
 
 /// A hibernated run's capacity slot while it is being woken; the run
@@ -142,10 +146,18 @@ impl RunContext {
         if counted(&registry) >= self.config.max_runs {
             return Err(CoreError::Capacity(self.config.max_runs));
         }
+        let owner = self.owner_of(handle.tenant().as_deref());
+        check_quota(&registry, &owner, 1)?;
         handle
             .waking
             .store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(Slot(handle.clone()))
+    }
+
+    /// The owner a run stamped with `tenant` counts against: a tenant
+    /// since deleted has no policy left, so no quota.
+    pub(crate) fn owner_of(&self, tenant: Option<&str>) -> crate::tenants::Owner {
+        crate::tenants::Owner(tenant.and_then(|t| self.tenants.get(t)))
     }
 
     /// What the lane needs to boot run `record` again on its disk: what
@@ -244,6 +256,8 @@ impl Manager {
         lane: Arc<dyn Lane>,
         store: Store,
         images: ImageStore,
+        tenants: Arc<dyn crate::tenants::TenantStore>,
+        usage: Arc<dyn crate::accounting::UsageSink>,
     ) -> Result<Arc<Manager>, CoreError> {
         let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
         let budget = match config.refill_concurrency {
@@ -272,6 +286,8 @@ impl Manager {
             images: images.clone(),
             warm: warm.clone(),
             restore_lock: tokio::sync::Mutex::new(()),
+            tenants,
+            usage,
         });
         let manager = Arc::new(Manager {
             config: context.config.clone(),
@@ -349,6 +365,7 @@ impl Manager {
         self: &Arc<Self>,
         mut req: CreateRunRequest,
         idempotency_key: Option<String>,
+        owner: crate::tenants::Owner,
     ) -> Result<Run, CoreError> {
         // An earlier create with the key whose run did not make it (its
         // client hung up, so it was destroyed) no longer answers for the
@@ -358,23 +375,32 @@ impl Manager {
         loop {
             attempts -= 1;
             let again = (idempotency_key.is_some() && attempts > 0).then(|| req.clone());
-            match self.create_once(req, idempotency_key.clone()).await {
+            match self
+                .create_once(req, idempotency_key.clone(), owner.clone())
+                .await
+            {
                 Err(CoreError::Conflict {
                     code: ErrorCode::IdempotencyKeyReused,
                     ..
-                }) if again.is_some() && self.key_is_free(idempotency_key.as_deref()) => {}
+                }) if again.is_some()
+                    && self.key_is_free(idempotency_key.as_deref(), owner.tenant()) => {}
                 other => return other,
             }
             req = again.expect("checked above");
         }
     }
 
-    /// Whether no visible run holds idempotency key `key`.
-    fn key_is_free(&self, key: Option<&str>) -> bool {
+    /// Whether no visible run holds `tenant`'s idempotency key `key`.
+    fn key_is_free(&self, key: Option<&str>, tenant: Option<&str>) -> bool {
         self.registry().values().all(|h| {
             let snapshot = h.snapshot();
             !snapshot.phase.visible()
-                || snapshot.record.idempotency.as_ref().map(|i| i.key.as_str()) != key
+                || snapshot
+                    .record
+                    .idempotency
+                    .as_ref()
+                    .map(|i| (i.key.as_str(), i.tenant.as_deref()))
+                    != key.map(|k| (k, tenant))
         })
     }
 
@@ -382,11 +408,13 @@ impl Manager {
         self: &Arc<Self>,
         req: CreateRunRequest,
         idempotency_key: Option<String>,
+        owner: crate::tenants::Owner,
     ) -> Result<Run, CoreError> {
         let idempotency = match idempotency_key {
             Some(key) => Some(Idempotency {
                 request: request_digest(&req)?,
                 key: validate::idempotency_key(key)?,
+                tenant: owner.tenant().map(str::to_owned),
             }),
             None => None,
         };
@@ -395,7 +423,7 @@ impl Manager {
         }
         // Checked and digested as the caller sent it; a retry with the
         // same key finds the run this create makes.
-        let req = self.from_checkpoint(req).await?;
+        let req = self.from_checkpoint(req, &owner).await?;
         if req.image.is_empty() {
             return Err(CoreError::invalid(
                 ErrorCode::BadRequest,
@@ -424,6 +452,7 @@ impl Manager {
             }
         }
         let network = req.network.unwrap_or_default();
+        owner.check_shape(network, req.size, req.limits.is_some())?;
         if let Err(why) = self.lane.capabilities().network(network) {
             return Err(CoreError::invalid(
                 ErrorCode::NetworkUnsupported,
@@ -441,6 +470,7 @@ impl Manager {
         )?;
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;
         let id = Ulid::new();
+        self.check_image_for(&owner, &req.image).await?;
         let image = self
             .image_for_run(&req.image, req.pull.unwrap_or_default())
             .await?;
@@ -452,6 +482,7 @@ impl Manager {
                 size,
             };
             let claim = actor::Claim {
+                tenant: owner.tenant().map(str::to_owned),
                 env: env.clone(),
                 ttl,
                 egress: egress.clone(),
@@ -462,7 +493,7 @@ impl Manager {
                 idle,
                 idempotency: idempotency.clone(),
             };
-            if let Some(served) = self.claim_from_pool(&key, claim).await? {
+            if let Some(served) = self.claim_from_pool(&key, claim, &owner).await? {
                 return Ok(served);
             }
         }
@@ -517,6 +548,7 @@ impl Manager {
             restarted_at: None,
             archived_at: None,
             archive_error: None,
+            tenant: owner.tenant().map(str::to_owned),
         };
         let spec = SandboxSpec {
             id,
@@ -547,6 +579,7 @@ impl Manager {
                     if counted(&registry) >= self.config.max_runs {
                         return Err(CoreError::Capacity(self.config.max_runs));
                     }
+                    self.context.admit_owner(&registry, &owner, 1)?;
                     Ok(self.spawn_creating(&mut registry, record, spec))
                 }
             }
@@ -666,6 +699,36 @@ impl Manager {
     /// excepted.
     pub fn capacity_used(&self) -> usize {
         counted(&self.registry())
+    }
+
+    /// Live runs counted against each tenant's `maxRuns`.
+    pub fn tenant_runs(&self) -> HashMap<String, usize> {
+        let mut counts = HashMap::new();
+        for handle in self.registry().values().filter(|h| h.counts()) {
+            if let Some(tenant) = handle.tenant() {
+                *counts.entry(tenant).or_insert(0) += 1;
+            }
+        }
+        counts
+    }
+
+    /// Removes tenant `name` when it has no runs left in any phase; under
+    /// the registry lock, so no create of its slips in between.
+    pub fn delete_tenant(&self, name: &str) -> Result<(), CoreError> {
+        let registry = self.registry();
+        let runs = registry
+            .values()
+            .filter(|h| !h.is_idle() && h.tenant().as_deref() == Some(name))
+            .count();
+        if runs > 0 {
+            return Err(CoreError::Conflict {
+                code: ErrorCode::TenantHasRuns,
+                message: format!(
+                    "tenant {name:?} still has {runs} runs; delete them first (rotating its token shuts it out at once)"
+                ),
+            });
+        }
+        self.context.tenants.delete(name)
     }
 
     /// Every run the API shows, ordered by id.
@@ -864,6 +927,49 @@ fn counted(registry: &HashMap<Ulid, Arc<RunHandle>>) -> usize {
     registry.values().filter(|h| h.counts()).count()
 }
 
+/// The runs counted against `--max-runs` that count against `tenant`'s
+/// `maxRuns` too.
+pub(crate) fn counted_for(registry: &HashMap<Ulid, Arc<RunHandle>>, tenant: &str) -> usize {
+    registry
+        .values()
+        .filter(|h| h.counts() && h.tenant().as_deref() == Some(tenant))
+        .count()
+}
+
+/// Refuses `more` runs for `owner` when its tenant would pass its
+/// `maxRuns`, or was deleted meanwhile; called under the registry lock,
+/// with the node's check (a tenant is deleted under it too).
+pub(crate) fn check_quota(
+    registry: &HashMap<Ulid, Arc<RunHandle>>,
+    owner: &crate::tenants::Owner,
+    more: usize,
+) -> Result<(), CoreError> {
+    match owner.tenant() {
+        Some(tenant) => owner.check_quota(counted_for(registry, tenant), more),
+        None => Ok(()),
+    }
+}
+
+impl RunContext {
+    /// [`check_quota`], and that the tenant still exists.
+    pub(crate) fn admit_owner(
+        &self,
+        registry: &HashMap<Ulid, Arc<RunHandle>>,
+        owner: &crate::tenants::Owner,
+        more: usize,
+    ) -> Result<(), CoreError> {
+        if let Some(tenant) = owner.tenant() {
+            if self.tenants.get(tenant).is_none() {
+                return Err(CoreError::invalid(
+                    ErrorCode::Unauthorized,
+                    format!("tenant {tenant:?} was deleted"),
+                ));
+            }
+        }
+        check_quota(registry, owner, more)
+    }
+}
+
 fn find_by_key(
     registry: &HashMap<Ulid, Arc<RunHandle>>,
     wanted: &Idempotency,
@@ -877,7 +983,10 @@ fn find_by_key(
         // A run being removed no longer answers for its key; a member a
         // create took does while its claim is applied.
         let taken = snapshot.phase == Phase::Pooled && handle.claim_key().is_some();
-        if earlier.key != wanted.key || !(snapshot.phase.visible() || taken) {
+        if earlier.key != wanted.key
+            || earlier.tenant != wanted.tenant
+            || !(snapshot.phase.visible() || taken)
+        {
             continue;
         }
         if earlier.request != wanted.request {

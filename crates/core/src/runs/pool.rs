@@ -21,7 +21,7 @@ use runbox_types::{
 use time::OffsetDateTime;
 use ulid::Ulid;
 
-use super::actor::{Claim, Command, RunHandle};
+use super::actor::{Claim, Command, RunHandle, Ticket};
 use super::phase::Phase;
 use super::{counted, error_chain, find_by_key, lock, Manager};
 use crate::error::CoreError;
@@ -100,6 +100,7 @@ impl Manager {
         self: &Arc<Self>,
         key: &PoolKey,
         claim: Claim,
+        owner: &crate::tenants::Owner,
     ) -> Result<Option<Run>, CoreError> {
         loop {
             let taken = {
@@ -120,13 +121,20 @@ impl Manager {
                         if counted(&registry) >= self.config.max_runs {
                             return Err(CoreError::Capacity(self.config.max_runs));
                         }
+                        self.context.admit_owner(&registry, owner, 1)?;
                         let mut taken = Taken::Empty;
                         while let Some(id) = pools.take(key, Instant::now()) {
                             let Some(handle) = registry.get(&id) else {
                                 continue;
                             };
                             if !matches!(handle.snapshot().phase, Phase::Pooled)
-                                || handle.ticket.set(claim.idempotency.clone()).is_err()
+                                || handle
+                                    .ticket
+                                    .set(Ticket {
+                                        key: claim.idempotency.clone(),
+                                        tenant: claim.tenant.clone(),
+                                    })
+                                    .is_err()
                             {
                                 continue;
                             }
@@ -228,6 +236,7 @@ impl Manager {
             restarted_at: None,
             archived_at: None,
             archive_error: None,
+            tenant: None,
         };
         let spec = SandboxSpec {
             id,

@@ -179,6 +179,7 @@ mod tests {
             cpu_ns,
             memory_bytes: 1 << 20,
             memory_cache_bytes: 1 << 10,
+            memory_peak_bytes: None,
         }
     }
 

@@ -248,6 +248,7 @@ fn is_null_or_empty(v: &Option<Value>) -> bool {
 
 async fn create<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: crate::auth::Caller,
     headers: HeaderMap,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
@@ -321,7 +322,7 @@ async fn create<S: RunService>(
                 .to_owned(),
         ),
     };
-    let run = state.service.create(create, key).await?;
+    let run = state.service.create(create, key, caller.owner()).await?;
     Ok((StatusCode::CREATED, Json(sandbox(&state, &run))).into_response())
 }
 
@@ -413,12 +414,14 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
 
 /// Runs the E2B surface shows: running, paused, hibernated and archived ones (a
 /// failed or stopping run is no sandbox any more).
-fn live<S: RunService>(state: &AppState<S>) -> Vec<Run> {
+/// The caller's sandboxes that are running or asleep.
+fn live<S: RunService>(state: &AppState<S>, caller: &crate::auth::Caller) -> Vec<Run> {
     state
         .service
         .list()
         .into_iter()
         .filter(|r| r.status == RunStatus::Running || asleep(r))
+        .filter(|r| caller.sees(r.tenant.as_deref()))
         .collect()
 }
 
@@ -610,10 +613,11 @@ fn list_query(raw: Option<&str>) -> Result<ListQuery, E2bError> {
 
 async fn list<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: crate::auth::Caller,
     RawQuery(raw): RawQuery,
 ) -> Result<Response, E2bError> {
     let q = list_query(raw.as_deref())?;
-    let mut runs: Vec<Run> = live(&state)
+    let mut runs: Vec<Run> = live(&state, &caller)
         .into_iter()
         .filter(|r| q.states.is_empty() || q.states.iter().any(|s| s == e2b_state(r)))
         .filter(|r| q.admits(r))
@@ -665,11 +669,12 @@ fn paged<T, S: Serialize>(
 /// one page, newest first.
 async fn list_v1<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: crate::auth::Caller,
     RawQuery(raw): RawQuery,
 ) -> Result<Json<Vec<Listed>>, E2bError> {
     let q = list_query(raw.as_deref())?;
     // The first API lists running sandboxes only.
-    let mut runs: Vec<Run> = live(&state)
+    let mut runs: Vec<Run> = live(&state, &caller)
         .into_iter()
         .filter(|r| r.status == RunStatus::Running && q.admits(r))
         .collect();
@@ -888,6 +893,7 @@ fn page_limit(raw: &str) -> Result<usize, E2bError> {
 /// sandbox they were taken from and by name, paged by `x-next-token`.
 async fn list_snapshots<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: crate::auth::Caller,
     RawQuery(raw): RawQuery,
 ) -> Result<Response, E2bError> {
     let q = snapshot_query(raw.as_deref())?;
@@ -904,7 +910,7 @@ async fn list_snapshots<S: RunService>(
         .service
         .list_images()?
         .into_iter()
-        .filter(|i| i.is_snapshot())
+        .filter(|i| i.is_snapshot() && caller.sees(i.tenant.as_deref()))
         .filter(|i| {
             q.sandbox
                 .as_deref()
@@ -934,11 +940,12 @@ async fn list_snapshots<S: RunService>(
 /// `DELETE /v1/snapshots/{name}`); one a sandbox still uses is `409`.
 async fn delete_template<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: crate::auth::Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, E2bError> {
     let name = id.strip_suffix(":default").unwrap_or(&id).to_owned();
-    let image = state.service.get_image(&name)?;
-    if !image.is_snapshot() {
+    let image = visible_image(&state, &caller, &name)?;
+    if !image.is_snapshot() || !caller.sees(image.tenant.as_deref()) {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,
             format!("{name:?} is an image, not a snapshot; runbox deletes images with DELETE /v1/images/{name}"),
@@ -948,14 +955,28 @@ async fn delete_template<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Image `name` if the caller may see it (shared, or its own snapshot).
+fn visible_image<S: RunService>(
+    state: &AppState<S>,
+    caller: &crate::auth::Caller,
+    name: &str,
+) -> Result<runbox_types::Image, E2bError> {
+    let image = state.service.get_image(name)?;
+    if image.tenant.is_some() && !caller.sees(image.tenant.as_deref()) {
+        return Err(runbox_core::CoreError::ImageNotFound(name.to_owned()).into());
+    }
+    Ok(image)
+}
+
 /// `GET /templates/aliases/{alias}`: whether a template (an image) of
 /// that name exists, as `Template.exists` asks.
 async fn template_alias<S: RunService>(
     State(state): State<AppState<S>>,
+    caller: crate::auth::Caller,
     Path(alias): Path<String>,
 ) -> Result<Json<Value>, E2bError> {
     let name = alias.strip_suffix(":default").unwrap_or(&alias);
-    let image = state.service.get_image(name)?;
+    let image = visible_image(&state, &caller, name)?;
     Ok(Json(
         serde_json::json!({ "templateID": image.name, "public": false }),
     ))

@@ -58,10 +58,10 @@ const ACCESS_TOKEN_HEADER: &str = "x-access-token";
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SandboxId(pub Ulid);
 
-/// A sandbox's envd access token: an HMAC of its id under the daemon
-/// token, so it opens that sandbox only and needs no storage.
+/// A sandbox's envd access token: its run token (see [`crate::auth`]),
+/// so it opens that sandbox only, on runbox's API as on envd's.
 pub(crate) fn access_token(daemon_token: &str, id: Ulid) -> String {
-    sandbox_token(daemon_token, b"runbox e2b envd access\0", id)
+    crate::auth::run_token(daemon_token, id)
 }
 
 /// An HMAC of a sandbox's id under the daemon token, kept apart by
@@ -322,29 +322,60 @@ fn presented_api_key(headers: &HeaderMap) -> Option<&str> {
         .or_else(|| crate::bearer(headers))
 }
 
-/// Whether a presented key is the daemon token, bare or after `e2b_`.
-fn api_key_matches(presented: Option<&str>, token: &str) -> bool {
-    let stripped = presented.and_then(|k| k.strip_prefix(API_KEY_PREFIX));
-    // Both compared, so the time taken does not tell which form matched.
-    crate::token_matches(presented, token) | crate::token_matches(stripped, token)
+/// The caller an API key names: the root or a tenant token, bare or
+/// after `e2b_`. A run token is not an API key.
+fn api_key_caller(
+    presented: Option<&str>,
+    authenticate: impl Fn(&str) -> Option<crate::auth::Caller>,
+) -> Option<crate::auth::Caller> {
+    let presented = presented?;
+    let stripped = presented.strip_prefix(API_KEY_PREFIX);
+    [Some(presented), stripped]
+        .into_iter()
+        .flatten()
+        .find_map(|key| match authenticate(key)? {
+            crate::auth::Caller::Run(_) => None,
+            caller => Some(caller),
+        })
+}
+
+/// The sandbox a control-plane path names (`/sandboxes/{id}...`,
+/// `/v2/sandboxes/{id}...`), if its id parses.
+fn path_sandbox(path: &str) -> Option<Ulid> {
+    let rest = path.strip_prefix("/v2").unwrap_or(path);
+    let id = rest.strip_prefix("/sandboxes/")?.split('/').next()?;
+    Ulid::from_string(id).ok()
 }
 
 /// Checks the control plane's API key (`X-API-Key`, as the SDKs send it,
-/// or a bearer token): the daemon token, bare or as `e2b_<token>`.
-/// Refusals are E2B-shaped.
+/// or a bearer token): the root token or a tenant's, bare or as
+/// `e2b_<token>`. A tenant reaches its own sandboxes only: another's is
+/// not found. Refusals are E2B-shaped.
 pub(crate) async fn require_api_key<S: RunService>(
     State(state): State<AppState<S>>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
-    if api_key_matches(presented_api_key(request.headers()), &state.token) {
-        next.run(request).await
-    } else {
-        envd_error(
+    let presented = presented_api_key(request.headers());
+    let Some(caller) = api_key_caller(presented, |key| {
+        crate::auth::authenticate(&state, Some(key))
+    }) else {
+        return envd_error(
             StatusCode::UNAUTHORIZED,
-            "missing or wrong API key: send the runbox token, or e2b_ followed by it, as X-API-Key (E2B_API_KEY)",
-        )
+            "missing or wrong API key: send the runbox token (or a tenant's), or e2b_ followed by it, as X-API-Key (E2B_API_KEY)",
+        );
+    };
+    if let (Some(tenant), Some(id)) = (caller.tenant(), path_sandbox(request.uri().path())) {
+        let owned = state
+            .service
+            .get(id)
+            .is_ok_and(|run| run.tenant.as_deref() == Some(tenant));
+        if !owned {
+            return envd_error(StatusCode::NOT_FOUND, format!("sandbox {id} was not found"));
+        }
     }
+    request.extensions_mut().insert(caller);
+    next.run(request).await
 }
 
 /// Checks an envd request's access token, and that its sandbox exists
@@ -354,7 +385,6 @@ async fn require_access<S: RunService>(
     request: Request,
     next: Next,
 ) -> Response {
-    use subtle::ConstantTimeEq;
     let Some(SandboxId(id)) = request.extensions().get::<SandboxId>().copied() else {
         return envd_error(StatusCode::BAD_REQUEST, "name the sandbox (E2b-Sandbox-Id)");
     };
@@ -369,11 +399,16 @@ async fn require_access<S: RunService>(
             return refused;
         }
     } else {
-        let presented = presented.unwrap_or("");
-        let expected = access_token(&state.token, id);
-        // The sandbox's own token, or the daemon's (it opens every sandbox).
-        let ok = bool::from(presented.as_bytes().ct_eq(expected.as_bytes()))
-            | bool::from(presented.as_bytes().ct_eq(state.token.as_bytes()));
+        // The sandbox's own token, the root token, or its tenant's.
+        let ok = match crate::auth::authenticate(&state, presented) {
+            Some(crate::auth::Caller::Root) => true,
+            Some(crate::auth::Caller::Run(run)) => run == id,
+            Some(crate::auth::Caller::Tenant(t)) => state
+                .service
+                .get(id)
+                .is_ok_and(|run| run.tenant.as_deref() == Some(t.name.as_str())),
+            None => false,
+        };
         if !ok {
             return envd_error(
                 StatusCode::UNAUTHORIZED,
@@ -456,13 +491,19 @@ mod tests {
         h.remove("x-api-key");
         h.insert("authorization", HeaderValue::from_static("Bearer e2b_abc"));
         assert_eq!(presented_api_key(&h), Some("e2b_abc"));
-        assert!(api_key_matches(Some("e2b_00ff"), "00ff"));
-        assert!(api_key_matches(Some("00ff"), "00ff"));
-        assert!(api_key_matches(Some("e2b_x"), "e2b_x"));
-        assert!(!api_key_matches(Some("e2b_"), "00ff"));
-        assert!(!api_key_matches(Some("e2b_00fe"), "00ff"));
-        assert!(!api_key_matches(Some("e2b_e2b_00ff"), "00ff"));
-        assert!(!api_key_matches(None, "00ff"));
+        let root =
+            |key: &str| (key == "00ff" || key == "e2b_x").then_some(crate::auth::Caller::Root);
+        let matches = |presented: Option<&str>| api_key_caller(presented, root).is_some();
+        assert!(matches(Some("e2b_00ff")));
+        assert!(matches(Some("00ff")));
+        assert!(matches(Some("e2b_x")));
+        assert!(!matches(Some("e2b_")));
+        assert!(!matches(Some("e2b_00fe")));
+        assert!(!matches(Some("e2b_e2b_00ff")));
+        assert!(!matches(None));
+        // A run token is not an API key.
+        let run = |_: &str| Some(crate::auth::Caller::Run(Ulid::new()));
+        assert!(api_key_caller(Some("e2b_00ff"), run).is_none());
     }
 
     #[test]

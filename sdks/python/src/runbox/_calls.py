@@ -250,6 +250,48 @@ def delete_checkpoint(checkpoint_id: str) -> Call[None]:
     return Call("DELETE", f"/v1/checkpoints/{segment('checkpoint id', checkpoint_id)}", empty=True)
 
 
+def create_tenant(
+    name: str,
+    max_runs: Optional[int] = None,
+    images: Optional[List[str]] = None,
+    networks: Optional[List[str]] = None,
+    sizes: Optional[List[str]] = None,
+) -> Call[Dict[str, Any]]:
+    body = compact(name=name, maxRuns=max_runs, images=images, networks=networks, sizes=sizes)
+    return Call("POST", "/v1/tenants", json=body)
+
+
+def list_tenants() -> Call[List[Dict[str, Any]]]:
+    return Call("GET", "/v1/tenants", parse=lambda body: list(body["tenants"]))
+
+
+def get_tenant(name: str) -> Call[Dict[str, Any]]:
+    return Call("GET", f"/v1/tenants/{segment('tenant name', name)}")
+
+
+def update_tenant(
+    name: str,
+    max_runs: Optional[int] = None,
+    images: Optional[List[str]] = None,
+    networks: Optional[List[str]] = None,
+    sizes: Optional[List[str]] = None,
+) -> Call[Dict[str, Any]]:
+    body = compact(maxRuns=max_runs, images=images, networks=networks, sizes=sizes)
+    return Call("PATCH", f"/v1/tenants/{segment('tenant name', name)}", json=body)
+
+
+def rotate_tenant(name: str) -> Call[Dict[str, Any]]:
+    return Call("POST", f"/v1/tenants/{segment('tenant name', name)}/rotate")
+
+
+def delete_tenant(name: str) -> Call[None]:
+    return Call("DELETE", f"/v1/tenants/{segment('tenant name', name)}", empty=True)
+
+
+def usage(since: Optional[str] = None, tenant: Optional[str] = None) -> Call[Dict[str, Any]]:
+    return Call("GET", "/v1/usage", params=compact(since=since, tenant=tenant) or None)
+
+
 def list_images() -> Call[List[Image]]:
     return Call("GET", "/v1/images", parse=parse_images)
 

@@ -68,6 +68,8 @@ class Run:
     idle: Dict[str, int] = field(default_factory=dict)
     restarts: int = 0
     failure: Optional[str] = None
+    tenant: Optional[str] = None
+    token: Optional[str] = field(default=None, repr=False)
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "Run":
@@ -89,6 +91,8 @@ class Run:
             idle=dict(d.get("idle") or {}),
             restarts=int(d.get("restarts", 0)),
             failure=d.get("failure"),
+            tenant=d.get("tenant"),
+            token=d.get("token"),
         )
 
 

@@ -319,6 +319,33 @@ class AsyncRunbox:
         from it."""
         return await self._do(calls.checkpoint(run_id, labels))
 
+    # -- tenants and usage (tenants: root token only) ----------------------
+
+    async def create_tenant(self, name: str, **policy: Any) -> Dict[str, Any]:
+        """Adds a tenant; the answer's ``token`` is shown this once.
+        ``policy``: ``max_runs``, ``images``, ``networks``, ``sizes``."""
+        return await self._do(calls.create_tenant(name, **policy))
+
+    async def list_tenants(self) -> List[Dict[str, Any]]:
+        return await self._do(calls.list_tenants())
+
+    async def get_tenant(self, name: str) -> Dict[str, Any]:
+        return await self._do(calls.get_tenant(name))
+
+    async def update_tenant(self, name: str, **policy: Any) -> Dict[str, Any]:
+        return await self._do(calls.update_tenant(name, **policy))
+
+    async def rotate_tenant(self, name: str) -> Dict[str, Any]:
+        """A new token for the tenant; the old one stops working at once."""
+        return await self._do(calls.rotate_tenant(name))
+
+    async def delete_tenant(self, name: str) -> None:
+        await self._do(calls.delete_tenant(name))
+
+    async def usage(self, since: Optional[str] = None, tenant: Optional[str] = None) -> Dict[str, Any]:
+        """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
+        return await self._do(calls.usage(since, tenant))
+
     async def list_checkpoints(self) -> List[Dict[str, Any]]:
         return await self._do(calls.list_checkpoints())
 

@@ -295,6 +295,33 @@ class Runbox:
         from it."""
         return self._do(calls.checkpoint(run_id, labels))
 
+    # -- tenants and usage (tenants: root token only) ----------------------
+
+    def create_tenant(self, name: str, **policy: Any) -> Dict[str, Any]:
+        """Adds a tenant; the answer's ``token`` is shown this once.
+        ``policy``: ``max_runs``, ``images``, ``networks``, ``sizes``."""
+        return self._do(calls.create_tenant(name, **policy))
+
+    def list_tenants(self) -> List[Dict[str, Any]]:
+        return self._do(calls.list_tenants())
+
+    def get_tenant(self, name: str) -> Dict[str, Any]:
+        return self._do(calls.get_tenant(name))
+
+    def update_tenant(self, name: str, **policy: Any) -> Dict[str, Any]:
+        return self._do(calls.update_tenant(name, **policy))
+
+    def rotate_tenant(self, name: str) -> Dict[str, Any]:
+        """A new token for the tenant; the old one stops working at once."""
+        return self._do(calls.rotate_tenant(name))
+
+    def delete_tenant(self, name: str) -> None:
+        self._do(calls.delete_tenant(name))
+
+    def usage(self, since: Optional[str] = None, tenant: Optional[str] = None) -> Dict[str, Any]:
+        """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
+        return self._do(calls.usage(since, tenant))
+
     def list_checkpoints(self) -> List[Dict[str, Any]]:
         return self._do(calls.list_checkpoints())
 

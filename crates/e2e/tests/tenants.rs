@@ -1,0 +1,473 @@
+//! Tenants and tokens against a live daemon: the token matrix of
+//! docs/api.md (read from the document, so the two cannot drift), quotas,
+//! policies, stamping and filtering, rotation and deletion.
+
+use std::collections::BTreeMap;
+
+use runbox_client::Client;
+use runbox_e2e::{raw_request, split_response, TestDaemon};
+use runbox_types::{
+    CreateRunRequest, CreateTenantRequest, ErrorCode, NetworkTier, SizeTier, TenantPolicy,
+    UpdateTenantRequest,
+};
+
+/// The rows of docs/api.md's token matrix: the request cell and the six
+/// expected statuses.
+fn matrix() -> Vec<(String, [u16; 6])> {
+    let doc = std::fs::read_to_string(runbox_e2e::workspace_root().join("docs/api.md"))
+        .expect("docs/api.md");
+    let start = doc
+        .find("<!-- token-matrix -->")
+        .expect("the matrix's start");
+    let end = doc
+        .find("<!-- /token-matrix -->")
+        .expect("the matrix's end");
+    doc[start..end]
+        .lines()
+        .filter(|l| l.starts_with("| `"))
+        .map(|line| {
+            let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+            assert_eq!(cells.len(), 7, "a matrix row has 7 cells: {line}");
+            let request = cells[0].to_owned();
+            let statuses: Vec<u16> = cells[1..]
+                .iter()
+                .map(|c| {
+                    c.parse()
+                        .unwrap_or_else(|_| panic!("status {c:?} in {line}"))
+                })
+                .collect();
+            (request, statuses.try_into().unwrap())
+        })
+        .collect()
+}
+
+/// How a matrix request is sent: method, path, body and which header
+/// carries the token.
+enum Carrier {
+    Bearer,
+    ApiKey,
+    AccessToken,
+}
+
+fn request_of(cell: &str, run: &str, other: &str) -> (String, String, Vec<u8>, Carrier) {
+    // `METHOD PATH` in backticks, then a note.
+    let inner = cell.split('`').nth(1).expect("a request in backticks");
+    let (method, path) = inner.split_once(' ').expect("METHOD PATH");
+    let mut path = path.replace("{run}", run).replace("{other}", other);
+    let carrier = if cell.contains("X-API-Key") {
+        Carrier::ApiKey
+    } else if cell.contains("X-Access-Token") {
+        path = path.replace("path=matrix.txt", "path=/work/matrix.txt");
+        Carrier::AccessToken
+    } else {
+        Carrier::Bearer
+    };
+    let body: &[u8] = if path == "/v1/runs" && method == "POST" {
+        br#"{"image":"base","ttlSec":0}"#
+    } else if path.ends_with("/exec") {
+        br#"{"cmd":["true"]}"#
+    } else if path.ends_with("/files/matrix.txt") {
+        b"matrix"
+    } else if path.ends_with("/renew") {
+        br#"{"ttlSec":600}"#
+    } else if path.ends_with("/lease") || path.ends_with("/fork") {
+        br#"{"count":0}"#
+    } else {
+        b""
+    };
+    if path.ends_with("/fs/list") {
+        path.push_str("?path=.");
+    }
+    (method.to_owned(), path, body.to_vec(), carrier)
+}
+
+async fn send(
+    url: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    carrier: &Carrier,
+    token: Option<&str>,
+    run: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = url.trim_start_matches("http://");
+    let auth = match (carrier, token) {
+        (_, None) => String::new(),
+        (Carrier::Bearer, Some(t)) => format!("Authorization: Bearer {t}\r\n"),
+        (Carrier::ApiKey, Some(t)) => format!("X-API-Key: e2b_{t}\r\n"),
+        (Carrier::AccessToken, Some(t)) => format!("X-Access-Token: {t}\r\n"),
+    };
+    let sandbox = match carrier {
+        Carrier::AccessToken => format!("E2b-Sandbox-Id: {run}\r\n"),
+        _ => String::new(),
+    };
+    let content_type = if body.is_empty() {
+        ""
+    } else if path.contains("/files/") {
+        "Content-Type: application/octet-stream\r\n"
+    } else {
+        "Content-Type: application/json\r\n"
+    };
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}{sandbox}{content_type}Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(body).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    split_response(&String::from_utf8_lossy(&response))
+}
+
+async fn tenant(root: &Client, name: &str, policy: TenantPolicy) -> String {
+    root.create_tenant(&CreateTenantRequest {
+        name: name.into(),
+        max_runs: policy.max_runs,
+        images: policy.images,
+        networks: policy.networks,
+        sizes: policy.sizes,
+    })
+    .await
+    .expect("create tenant")
+    .token
+}
+
+fn create(image: &str) -> CreateRunRequest {
+    CreateRunRequest {
+        image: image.into(),
+        ttl_sec: Some(600),
+        ..Default::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_cell_of_the_token_matrix_holds() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token_a = tenant(root, "acme", TenantPolicy::default()).await;
+    let token_b = tenant(root, "beta", TenantPolicy::default()).await;
+    let a = Client::new(&daemon.url, &token_a).unwrap();
+    let run = a.create_run(&create("base")).await.expect("tenant A's run");
+    assert_eq!(run.tenant.as_deref(), Some("acme"));
+    let run_token = run.token.clone().expect("a create answers the run token");
+    let other = root.create_run(&create("base")).await.expect("root's run");
+    assert_eq!(other.tenant, None);
+    let (run_id, other_id) = (run.id.to_string(), other.id.to_string());
+    let callers: [Option<&str>; 6] = [
+        Some(&daemon.token),
+        Some(&token_a),
+        Some(&token_b),
+        Some(&run_token),
+        Some("0123456789abcdef"),
+        None,
+    ];
+    let names = ["root", "tenant A", "tenant B", "run token", "wrong", "none"];
+    let rows = matrix();
+    assert!(rows.len() >= 20, "the matrix has {} rows", rows.len());
+    let mut wrong = Vec::new();
+    for (cell, expected) in &rows {
+        let (method, path, body, carrier) = request_of(cell, &run_id, &other_id);
+        for (i, caller) in callers.iter().enumerate() {
+            // The files row reads what the PUT row wrote, so it runs after.
+            let (status, text) = send(
+                &daemon.url,
+                &method,
+                &path,
+                &body,
+                &carrier,
+                *caller,
+                &run_id,
+            )
+            .await;
+            if status != expected[i] {
+                wrong.push(format!(
+                    "{cell} as {}: {status}, want {} ({})",
+                    names[i],
+                    expected[i],
+                    text.chars().take(200).collect::<String>()
+                ));
+            }
+            if path == "/v1/drain" && status == 200 {
+                root.set_draining(false).await.unwrap();
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "cells that do not hold:\n{}",
+        wrong.join("\n")
+    );
+    for id in [run.id, other.id] {
+        root.delete_run(&id.to_string()).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_see_only_their_own_and_keep_to_their_limits() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token_a = tenant(
+        root,
+        "acme",
+        TenantPolicy {
+            max_runs: 2,
+            images: vec!["base".into()],
+            networks: vec![NetworkTier::None],
+            sizes: vec![],
+        },
+    )
+    .await;
+    let token_b = tenant(root, "beta", TenantPolicy::default()).await;
+    let (a, b) = (
+        Client::new(&daemon.url, &token_a).unwrap(),
+        Client::new(&daemon.url, &token_b).unwrap(),
+    );
+    // Quota: the third live run is 429 tenant_quota with Retry-After.
+    let first = a.create_run(&create("base")).await.unwrap();
+    let second = a.create_run(&create("base")).await.unwrap();
+    let refused = reqwest::Client::new()
+        .post(format!("{}/v1/runs", daemon.url))
+        .bearer_auth(&token_a)
+        .json(&create("base"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().contains_key("retry-after"));
+    let text = refused.text().await.unwrap();
+    assert!(text.contains("tenant_quota"), "{text}");
+    // A fork counts against the parent's tenant too.
+    let forked = a
+        .fork_run(
+            &first.id.to_string(),
+            &runbox_types::ForkRequest {
+                count: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(forked.code(), Some(ErrorCode::TenantQuota), "{forked}");
+    // Another tenant is not held to A's quota.
+    let theirs = b.create_run(&create("base")).await.unwrap();
+    // Policies name the rule.
+    let mut open = create("base");
+    open.network = Some(NetworkTier::Open);
+    a.delete_run(&second.id.to_string()).await.unwrap();
+    let refused = a.create_run(&open).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::TenantPolicy));
+    assert!(refused.to_string().contains("networks rule"), "{refused}");
+    daemon.import("other", runbox_e2e::busybox_tar()).await;
+    let refused = a.create_run(&create("other")).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::TenantPolicy));
+    assert!(refused.to_string().contains("images rule"), "{refused}");
+    // Listings are filtered; another tenant's run is 404.
+    let listed: Vec<_> = a
+        .list_runs()
+        .await
+        .unwrap()
+        .runs
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(listed, vec![first.id]);
+    assert_eq!(root.list_runs().await.unwrap().runs.len(), 2);
+    let hidden = a.get_run(&theirs.id.to_string()).await.unwrap_err();
+    assert_eq!(hidden.status(), Some(404));
+    // Snapshots are stamped; B cannot see or run A's.
+    let snap = a
+        .snapshot_run(&first.id.to_string(), Some("acme-snap"))
+        .await
+        .unwrap();
+    assert_eq!(snap.image, "acme-snap");
+    let images = |list: runbox_types::ImageList| {
+        list.images
+            .into_iter()
+            .map(|i| (i.name, i.tenant))
+            .collect::<BTreeMap<_, _>>()
+    };
+    let seen_by_a = images(a.list_images().await.unwrap());
+    assert_eq!(seen_by_a.get("acme-snap"), Some(&Some("acme".to_owned())));
+    assert!(!images(b.list_images().await.unwrap()).contains_key("acme-snap"));
+    assert_eq!(
+        b.list_snapshots().await.unwrap().snapshots.len(),
+        0,
+        "B sees no snapshots"
+    );
+    let refused = b.create_run(&create("acme-snap")).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::ImageNotFound), "{refused}");
+    // A runs its own snapshot although its images rule names only base.
+    a.delete_run(&first.id.to_string()).await.unwrap();
+    let from_snap = a.create_run(&create("acme-snap")).await.unwrap();
+    // The same Idempotency-Key from two tenants makes two runs.
+    a.delete_run(&from_snap.id.to_string()).await.unwrap();
+    let keyed = |token: &str| {
+        let url = daemon.url.clone();
+        let token = token.to_owned();
+        async move {
+            let body = serde_json::to_vec(&create("base")).unwrap();
+            let client = reqwest::Client::new();
+            let resp = client
+                .post(format!("{url}/v1/runs"))
+                .bearer_auth(token)
+                .header("Idempotency-Key", "same-key")
+                .header("Content-Type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 201);
+            resp.json::<runbox_types::Run>().await.unwrap().id
+        }
+    };
+    let (ka, kb) = (keyed(&token_a).await, keyed(&token_b).await);
+    assert_ne!(ka, kb);
+    assert_eq!(
+        keyed(&token_a).await,
+        ka,
+        "a repeat finds the tenant's own run"
+    );
+    // A tenant with runs cannot be deleted; rotation shuts the old token out.
+    let busy = root.delete_tenant("acme").await.unwrap_err();
+    assert_eq!(busy.code(), Some(ErrorCode::TenantHasRuns));
+    let rotated = root.rotate_tenant("acme").await.unwrap();
+    assert_eq!(a.list_runs().await.unwrap_err().status(), Some(401));
+    let a2 = Client::new(&daemon.url, &rotated.token).unwrap();
+    assert_eq!(a2.list_runs().await.unwrap().runs.len(), 1);
+    // Update: a lower maxRuns stops new runs only.
+    let updated = root
+        .update_tenant(
+            "acme",
+            &UpdateTenantRequest {
+                max_runs: Some(1),
+                sizes: Some(vec![SizeTier::Small]),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(updated.runs, 1);
+    assert_eq!(updated.policy.max_runs, 1);
+    let refused = a2.create_run(&create("base")).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::TenantPolicy), "sizes first");
+    // Cleanup, then the tenant can go; its token with it.
+    for id in [ka, kb, theirs.id] {
+        root.delete_run(&id.to_string()).await.unwrap();
+    }
+    root.delete_tenant("acme").await.unwrap();
+    assert_eq!(a2.list_runs().await.unwrap_err().status(), Some(401));
+    // Hostile tenant names and settings are 400 with a stable code.
+    for body in [
+        r#"{"name":"Acme"}"#,
+        r#"{"name":"a/b"}"#,
+        r#"{"name":""}"#,
+        r#"{"name":"ok","images":["a*b"]}"#,
+        r#"{"name":"ok","maxRuns":-1}"#,
+        r#"{"name":"ok","sneaky":1}"#,
+    ] {
+        let (status, text) = raw_request(
+            &daemon.url,
+            "POST",
+            "/v1/tenants",
+            &daemon.token,
+            body.as_bytes(),
+        )
+        .await;
+        assert_eq!(status, 400, "{body}: {text}");
+    }
+    // The audit trail names tenants, never tokens.
+    let audit =
+        std::fs::read_to_string(daemon.state.path().join("audit.jsonl")).unwrap_or_default();
+    for token in [&token_a, &token_b, &rotated.token] {
+        assert!(!audit.contains(token.as_str()));
+    }
+    let tenants_file = std::fs::read_to_string(daemon.state.path().join("tenants.json")).unwrap();
+    assert!(!tenants_file.contains(&token_b));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scripted_sequence_is_journaled_and_summed() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token = tenant(root, "acme", TenantPolicy::default()).await;
+    let a = Client::new(&daemon.url, &token).unwrap();
+    let mut req = create("base");
+    req.size = Some(SizeTier::Small);
+    let run = a.create_run(&req).await.unwrap();
+    let id = run.id.to_string();
+    // Some CPU for the cgroup to count.
+    daemon
+        .sh(&id, "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done")
+        .await;
+    a.pause_run(&id).await.unwrap();
+    a.resume_run(&id).await.unwrap();
+    a.snapshot_run(&id, Some("acme-usage")).await.unwrap();
+    a.checkpoint_run(&id, &Default::default()).await.unwrap();
+    let fork = a
+        .fork_run(
+            &id,
+            &runbox_types::ForkRequest {
+                count: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    a.hibernate_run(&id).await.unwrap();
+    a.wake_run(&id).await.unwrap();
+    a.delete_run(&id).await.unwrap();
+    let child = fork.runs[0].id.to_string();
+    let theirs = root.create_run(&create("base")).await.unwrap();
+    let report = a.usage(Some("1h"), None).await.unwrap();
+    // A tenant sees its own only.
+    assert_eq!(report.tenants.keys().collect::<Vec<_>>(), vec!["acme"]);
+    let acme = &report.tenants["acme"];
+    for (kind, n) in [
+        ("create", 1),
+        ("pause", 1),
+        ("resume", 1),
+        ("snapshot", 1),
+        ("checkpoint", 1),
+        ("fork", 1),
+        ("hibernate", 1),
+        ("wake", 1),
+        ("delete", 1),
+    ] {
+        assert_eq!(acme.events.get(kind), Some(&n), "{kind} in {acme:?}");
+    }
+    assert!(acme.run_seconds["small"] > 0.0, "{acme:?}");
+    assert!(acme.cpu_seconds > 0.0, "{acme:?}");
+    assert!(acme.peak_memory_bytes > 0, "{acme:?}");
+    // Root sees every tenant, the operator's runs under "".
+    let all = root.usage(None, None).await.unwrap();
+    assert!(all.tenants.contains_key("") && all.tenants.contains_key("acme"));
+    assert_eq!(all.tenants[""].events.get("create"), Some(&1));
+    let only = root.usage(None, Some("acme")).await.unwrap();
+    assert_eq!(only.tenants.len(), 1);
+    // A bad window is a 400 that says what to write.
+    let bad = root.usage(Some("yesterday"), None).await.unwrap_err();
+    assert_eq!(bad.code(), Some(ErrorCode::BadRequest));
+    // The journal is JSON lines, owner-only, and survives a kill -9 up to
+    // its last batch (the report above flushed it).
+    let path = daemon.state.path().join("usage.jsonl");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let lines = std::fs::read_to_string(&path).unwrap();
+    for line in lines.lines() {
+        let event: serde_json::Value = serde_json::from_str(line).unwrap();
+        assert!(event["t"].is_string() && event["event"].is_string() && event["run"].is_string());
+    }
+    let mut daemon = daemon;
+    daemon.kill9();
+    daemon.spawn().await;
+    let after = daemon.client.usage(None, Some("acme")).await.unwrap();
+    assert_eq!(after.tenants["acme"].events, acme.events);
+    for id in [child, theirs.id.to_string()] {
+        daemon.client.delete_run(&id).await.unwrap();
+    }
+}

@@ -1,0 +1,307 @@
+//! Who is calling, and what they may reach.
+//!
+//! Three kinds of token open the API: the **root** token (the daemon's,
+//! `<state>/token`) opens everything; a **tenant** token (made through
+//! `/v1/tenants`, kept only as a hash) opens the tenant's own runs,
+//! snapshots and checkpoints and the shared routes; a **run** token
+//! (answered by a create) drives one run: its exec, files, processes,
+//! sessions and previews. A run token is an HMAC of the run's id under the
+//! root token, so it needs no storage and ends with its run (or with a new
+//! root token).
+//!
+//! [`rule`] says, for each route, which callers it takes; [`require`]
+//! enforces it once for every route, so no handler can forget. A tenant
+//! asking for another tenant's run gets the same 404 as for a run that
+//! does not exist; a valid token on a route that is not its own is 403; a
+//! missing or wrong token is 401.
+
+use std::sync::Arc;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::Method;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use runbox_core::tenants::{Owner, TenantEntry};
+use runbox_core::RunService;
+use runbox_types::ErrorCode;
+use sha2::Sha256;
+use subtle::ConstantTimeEq;
+use ulid::Ulid;
+
+use crate::{ApiError, AppState};
+
+/// Who a request is from.
+#[derive(Clone, Debug)]
+pub enum Caller {
+    /// The operator.
+    Root,
+    /// A tenant.
+    Tenant(Arc<TenantEntry>),
+    /// The holder of one run's token.
+    Run(Ulid),
+}
+
+impl Caller {
+    /// Who a create by this caller is for.
+    pub fn owner(&self) -> Owner {
+        match self {
+            Caller::Tenant(t) => Owner(Some(t.clone())),
+            Caller::Root | Caller::Run(_) => Owner::root(),
+        }
+    }
+
+    /// Whether the caller may see something stamped with tenant `stamp`.
+    pub fn sees(&self, stamp: Option<&str>) -> bool {
+        match self {
+            Caller::Root => true,
+            Caller::Tenant(t) => stamp == Some(t.name.as_str()),
+            Caller::Run(_) => false,
+        }
+    }
+
+    /// The tenant, if the caller is one.
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Caller::Tenant(t) => Some(&t.name),
+            _ => None,
+        }
+    }
+
+    /// How the audit log names the caller (never a token).
+    pub fn audit_name(&self) -> String {
+        match self {
+            Caller::Root => "root".to_owned(),
+            Caller::Tenant(t) => format!("tenant:{}", t.name),
+            Caller::Run(id) => format!("run:{id}"),
+        }
+    }
+}
+
+/// The prefix of a run token.
+pub const RUN_TOKEN_PREFIX: &str = "run_";
+
+/// Run `id`'s token: `run_<id>_<HMAC-SHA256 of the id under the root
+/// token, base64url>`.
+pub fn run_token(root: &str, id: Ulid) -> String {
+    format!("{RUN_TOKEN_PREFIX}{id}_{}", run_mac(root, id))
+}
+
+fn run_mac(root: &str, id: Ulid) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(root.as_bytes()).expect("any key length");
+    mac.update(b"runbox run token\0");
+    mac.update(id.to_string().as_bytes());
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
+}
+
+/// The run a presented run token opens, if it is one and its MAC holds.
+pub fn run_of_token(root: &str, presented: &str) -> Option<Ulid> {
+    let rest = presented.strip_prefix(RUN_TOKEN_PREFIX)?;
+    let (id, mac) = (rest.get(..26)?, rest.get(26..)?.strip_prefix('_')?);
+    let id = Ulid::from_string(id).ok()?;
+    let expected = run_mac(root, id);
+    bool::from(mac.as_bytes().ct_eq(expected.as_bytes())).then_some(id)
+}
+
+/// The caller a presented token names, if any.
+pub fn authenticate<S: RunService>(state: &AppState<S>, presented: Option<&str>) -> Option<Caller> {
+    let presented = presented?;
+    if crate::token_matches(Some(presented), &state.token) {
+        return Some(Caller::Root);
+    }
+    if presented.starts_with(RUN_TOKEN_PREFIX) {
+        return run_of_token(&state.token, presented).map(Caller::Run);
+    }
+    state
+        .service
+        .tenants()
+        .authenticate(presented)
+        .map(Caller::Tenant)
+}
+
+/// Which callers a route takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rule {
+    /// The root token only.
+    Root,
+    /// Root or a tenant (the handler keeps a tenant to its own things).
+    Tenant,
+    /// Root, the run's tenant, or the run's own token.
+    Run,
+    /// Root or the run's tenant.
+    RunOwner,
+}
+
+/// The rule of a route (its matched path and method).
+pub fn rule(method: &Method, path: &str) -> Rule {
+    let Some(rest) = path.strip_prefix("/v1/runs/{id}") else {
+        return match path {
+            "/v1/tenants" | "/v1/tenants/{name}" | "/v1/tenants/{name}/rotate" => Rule::Root,
+            "/v1/pools" | "/v1/drain" | "/v1/info" | "/v1/config/reload" | "/metrics" => Rule::Root,
+            // An import is the operator's; a delete of a shared image is
+            // refused to tenants by the handler.
+            "/v1/images/{name}" if method == Method::POST => Rule::Root,
+            _ => Rule::Tenant,
+        };
+    };
+    let driven = [
+        "/exec",
+        "/exec/ws",
+        "/fs/",
+        "/files/",
+        "/processes",
+        "/preview",
+        "/ports/",
+    ];
+    if rest.is_empty() {
+        if method == Method::GET {
+            Rule::Run
+        } else {
+            Rule::RunOwner
+        }
+    } else if driven.iter().any(|p| rest.starts_with(p)) || rest == "/warm" {
+        Rule::Run
+    } else {
+        Rule::RunOwner
+    }
+}
+
+/// The run a `/v1/runs/{id}...` request names, if its id parses.
+fn named_run(path: &str) -> Option<Ulid> {
+    let id = path.strip_prefix("/v1/runs/")?.split('/').next()?;
+    Ulid::from_string(id).ok()
+}
+
+/// Authenticates every API request and enforces its route's [`Rule`];
+/// the [`Caller`] goes into the request's extensions for the handler.
+pub(crate) async fn require<S: RunService>(
+    State(state): State<AppState<S>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let headers = request.headers();
+    let presented = crate::bearer(headers).or_else(|| crate::ws_protocol_token(headers));
+    let Some(caller) = authenticate(&state, presented) else {
+        return ApiError::new(
+            ErrorCode::Unauthorized,
+            "missing or wrong bearer token (Authorization: Bearer <token>)",
+        )
+        .into_response();
+    };
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_default();
+    if let Err(refused) = admit(
+        &state,
+        &caller,
+        request.method(),
+        &route,
+        request.uri().path(),
+    ) {
+        return refused.into_response();
+    }
+    let name = AuditCaller(caller.audit_name());
+    request.extensions_mut().insert(caller);
+    let mut response = next.run(request).await;
+    response.extensions_mut().insert(name);
+    response
+}
+
+/// How the audit log names the caller of an answered request.
+#[derive(Clone, Debug)]
+pub(crate) struct AuditCaller(pub String);
+
+/// Whether `caller` may make this request: Ok, or the refusal.
+pub(crate) fn admit<S: RunService>(
+    state: &AppState<S>,
+    caller: &Caller,
+    method: &Method,
+    route: &str,
+    path: &str,
+) -> Result<(), ApiError> {
+    let rule = rule(method, route);
+    let forbidden = |what: &str| Err(ApiError::new(ErrorCode::Forbidden, what.to_owned()));
+    match (caller, rule) {
+        (Caller::Root, _) => Ok(()),
+        (_, Rule::Root) => forbidden("this route is the operator's: it takes the root token"),
+        (Caller::Run(_), Rule::Tenant) => forbidden(
+            "a run token drives its own run only (exec, files, processes, sessions, previews)",
+        ),
+        (Caller::Tenant(_), Rule::Tenant) => Ok(()),
+        (Caller::Run(own), Rule::Run | Rule::RunOwner) => match named_run(path) {
+            Some(id) if id != *own => Err(runbox_core::CoreError::RunNotFound(id).into()),
+            _ if rule == Rule::RunOwner => forbidden(
+                "a run token drives its run (exec, files, processes, sessions, previews); \
+                 its lifecycle takes the root or its tenant's token",
+            ),
+            _ => Ok(()),
+        },
+        (Caller::Tenant(t), Rule::Run | Rule::RunOwner) => match named_run(path) {
+            // A malformed id: the handler says so.
+            None => Ok(()),
+            Some(id) => match state.service.get(id) {
+                Ok(run) if run.tenant.as_deref() == Some(t.name.as_str()) => Ok(()),
+                // Another tenant's run is as absent as one that never was.
+                _ => Err(runbox_core::CoreError::RunNotFound(id).into()),
+            },
+        },
+    }
+}
+
+/// The caller a handler runs for (put there by [`require`]).
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Caller, ApiError> {
+        parts
+            .extensions
+            .get::<Caller>()
+            .cloned()
+            .ok_or_else(|| ApiError::new(ErrorCode::Internal, "the request was not authenticated"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_tokens_open_their_run_only() {
+        let (a, b) = (Ulid::new(), Ulid::new());
+        let token = run_token("root", a);
+        assert!(token.starts_with("run_"));
+        assert_eq!(run_of_token("root", &token), Some(a));
+        assert_eq!(run_of_token("other root", &token), None);
+        let forged = token.replace(&a.to_string(), &b.to_string());
+        assert_eq!(run_of_token("root", &forged), None);
+        for bad in ["", "run_", "run_x", &token[..token.len() - 1], "run_é"] {
+            assert_eq!(run_of_token("root", bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn routes_have_the_rules_the_table_in_api_md_gives() {
+        use Method as M;
+        assert_eq!(rule(&M::GET, "/v1/info"), Rule::Root);
+        assert_eq!(rule(&M::POST, "/v1/tenants"), Rule::Root);
+        assert_eq!(rule(&M::POST, "/v1/images/{name}"), Rule::Root);
+        assert_eq!(rule(&M::DELETE, "/v1/images/{name}"), Rule::Tenant);
+        assert_eq!(rule(&M::POST, "/v1/runs"), Rule::Tenant);
+        assert_eq!(rule(&M::GET, "/v1/runs/{id}"), Rule::Run);
+        assert_eq!(rule(&M::DELETE, "/v1/runs/{id}"), Rule::RunOwner);
+        assert_eq!(rule(&M::POST, "/v1/runs/{id}/exec"), Rule::Run);
+        assert_eq!(rule(&M::PUT, "/v1/runs/{id}/files/{*path}"), Rule::Run);
+        assert_eq!(
+            rule(&M::GET, "/v1/runs/{id}/processes/{process}/ws"),
+            Rule::Run
+        );
+        assert_eq!(rule(&M::POST, "/v1/runs/{id}/fork"), Rule::RunOwner);
+        assert_eq!(rule(&M::POST, "/v1/runs/{id}/lease"), Rule::RunOwner);
+    }
+}
