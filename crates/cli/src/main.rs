@@ -27,6 +27,8 @@ mod exec;
 mod fs;
 mod image;
 mod lease;
+#[cfg(feature = "daemon")]
+mod logging;
 mod mcp;
 mod pools;
 mod ports;
@@ -158,6 +160,10 @@ fn main() -> ExitCode {
     let serving = matches!(cli.command, Command::Serve(_));
     #[cfg(not(feature = "daemon"))]
     let serving = false;
+    #[cfg(feature = "daemon")]
+    if serving {
+        logging::init("info");
+    }
     init_logging(if serving { "info" } else { "warn" });
 
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -226,13 +232,17 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` or else `default`. `try_init`
-/// leaves the door open for `serve` to install a subscriber of its own
+/// Logs to stderr, filtered by `RUNBOX_LOG` (or `RUST_LOG`) or else
+/// `default`. `try_init` leaves the door open for `serve`'s subscriber
 /// (whichever comes first wins, and nothing panics).
 fn init_logging(default: &str) {
     use tracing_subscriber::EnvFilter;
 
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let filter = std::env::var("RUNBOX_LOG")
+        .ok()
+        .and_then(|v| EnvFilter::try_new(v).ok())
+        .or_else(|| EnvFilter::try_from_default_env().ok())
+        .unwrap_or_else(|| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -23,9 +23,6 @@ const STORAGE_IMAGE: &str = "storage.img";
 /// Where `PUT /v1/pools` persists the pool set, in the state directory.
 const POOLS_FILE: &str = "pools.json";
 
-/// How long open connections get to finish after SIGINT or SIGTERM.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-
 /// Arguments of `runbox serve`.
 /// `--restart-policy`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -173,6 +170,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64, value_name = "MIB",
           value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     pub usage_max_mb: u64,
+    /// After SIGTERM or SIGINT, how long in-flight requests (exec streams
+    /// among them) get to finish before the daemon stops anyway; runs keep
+    /// running either way
+    #[arg(long, default_value_t = 30, value_name = "SECONDS",
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub shutdown_grace_sec: u64,
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
@@ -408,6 +411,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     std::fs::write(&tmp, bound.to_string()).context("writing serve.addr")?;
     std::fs::rename(&tmp, state_dir.join("serve.addr")).context("writing serve.addr")?;
     tracing::info!(listen = %bound, state_dir = %state_dir.display(), runs = manager.list().len(), "runbox is serving");
+    // Under systemd (Type=notify): ready once the API answers. Elsewhere
+    // NOTIFY_SOCKET is unset and this does nothing.
+    if let Err(e) = sd_notify::notify(&[sd_notify::NotifyState::Ready]) {
+        tracing::warn!(error = %e, "could not tell systemd the daemon is ready");
+    }
     if let Some(listener) = preview_listener {
         let addr = listener.local_addr()?;
         let tmp = state_dir.join("preview.addr.tmp");
@@ -434,21 +442,26 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let stop = shutdown.clone();
     let server = runbox_server::serve(listener, router, async move {
         wait_for_signal().await;
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
         tracing::info!("shutting down; runs keep running and are re-adopted at the next start");
         stop.cancel();
     });
-    // Graceful shutdown waits for open connections, and an exec stream can
-    // stay open for as long as its command runs. Give them a few seconds,
-    // then stop anyway: the commands live on in their runs.
+    // Graceful shutdown stops accepting and waits for open connections,
+    // and an exec stream can stay open for as long as its command runs.
+    // Give them the grace period, then stop anyway: the commands live on
+    // in their runs.
+    let grace_period = Duration::from_secs(args.shutdown_grace_sec);
     let grace = async {
         shutdown.cancelled().await;
-        tokio::time::sleep(SHUTDOWN_GRACE).await;
+        tokio::time::sleep(grace_period).await;
     };
     tokio::select! {
         served = server => served?,
-        () = grace => tracing::warn!("open streams did not finish within {SHUTDOWN_GRACE:?}; stopping anyway"),
+        () = grace => tracing::warn!("open streams did not finish within {grace_period:?}; stopping anyway"),
     }
     shutdown.cancel();
+    // What is still in the usage journal's batch reaches the disk.
+    let _ = tokio::task::spawn_blocking(move || usage.flush()).await;
     Ok(())
 }
 

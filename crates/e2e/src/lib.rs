@@ -397,6 +397,16 @@ impl TestDaemon {
         self.child.as_ref().expect("daemon running").id()
     }
 
+    /// Stops the daemon with SIGTERM and waits for it; its exit status.
+    pub fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(child.id().to_string())
+            .status();
+        child.wait().ok()
+    }
+
     /// `kill -9` the daemon (runs keep running).
     pub fn kill9(&mut self) {
         if let Some(mut child) = self.child.take() {

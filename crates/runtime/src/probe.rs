@@ -49,6 +49,9 @@ impl Runtime {
     /// A command for this runtime with its state under `root` and its log in `log`.
     pub fn command(&self, root: &Path, log: &Path) -> Command {
         let mut cmd = Command::new(&self.path);
+        // Under systemd the daemon's NOTIFY_SOCKET is its own; runc and
+        // crun would otherwise pass it into the run.
+        cmd.env_remove("NOTIFY_SOCKET");
         cmd.arg("--root").arg(root);
         if self.name != "runsc" {
             cmd.arg("--log").arg(log).arg("--log-format").arg("json");

@@ -1,0 +1,131 @@
+//! The daemon as an operator runs it: logs journald understands,
+//! readiness and stopping told to systemd, a graceful SIGTERM, and a unit
+//! file systemd accepts.
+
+use std::time::Duration;
+
+use runbox_e2e::TestDaemon;
+
+/// Every line of the daemon's log is a JSON object with its priority.
+fn json_lines(log: &str) -> Vec<serde_json::Value> {
+    log.lines()
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}")))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_are_json_lines_with_a_syslog_priority() {
+    let daemon = TestDaemon::start(None).await;
+    let run = daemon.create().await;
+    daemon.client.delete_run(&run.id.to_string()).await.unwrap();
+    let lines = json_lines(&daemon.log());
+    assert!(!lines.is_empty());
+    for line in &lines {
+        let priority = line["priority"].as_u64().expect("a priority");
+        let level = line["level"].as_str().expect("a level");
+        let want = match level {
+            "ERROR" => 3,
+            "WARN" => 4,
+            "INFO" => 6,
+            _ => 7,
+        };
+        assert_eq!(priority, want, "{line}");
+        assert!(
+            line["t"].is_string() && line["target"].is_string(),
+            "{line}"
+        );
+    }
+    let serving = lines
+        .iter()
+        .find(|l| l["message"] == "runbox is serving")
+        .expect("the serving line");
+    assert_eq!(serving["priority"], 6);
+    assert!(serving["listen"].is_string());
+    assert!(lines
+        .iter()
+        .any(|l| l["message"] == "run created" && l["run"] == run.id.to_string()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_log_level_is_reported_and_the_daemon_serves() {
+    let daemon = TestDaemon::start_with(None, &[], &[("RUNBOX_LOG", "info,=[")]).await;
+    let log = daemon.log();
+    let first = log.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("RUNBOX_LOG") && first.contains("is not a log level"),
+        "{log}"
+    );
+    // The rest is the default level's JSON lines.
+    json_lines(&log.lines().skip(1).collect::<Vec<_>>().join("\n"));
+    daemon.client.health().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn systemd_hears_ready_and_stopping_and_runs_outlive_a_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket_path = dir.path().join("notify.sock");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let path = socket_path.to_str().unwrap().to_owned();
+    let mut daemon = TestDaemon::start_with(None, &[], &[("NOTIFY_SOCKET", &path)]).await;
+    let mut buf = [0u8; 256];
+    let n = socket.recv(&mut buf).expect("READY=1 within 30 s");
+    assert_eq!(std::str::from_utf8(&buf[..n]).unwrap().trim(), "READY=1");
+    // The runtime never sees the daemon's socket: a run's processes have
+    // no NOTIFY_SOCKET, and no notify socket is mounted into it.
+    let run = daemon.create().await;
+    let id = run.id.to_string();
+    let out = daemon
+        .sh(
+            &id,
+            "env | grep -c NOTIFY_SOCKET; ls /run/notify 2>&1 | head -1",
+        )
+        .await;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(text.starts_with("0\n"), "{text}");
+    // SIGTERM: STOPPING=1, a clean exit, and the run lives on.
+    let status = daemon.terminate().expect("the daemon was running");
+    assert!(status.success(), "{status:?}; log:\n{}", daemon.log());
+    let n = socket.recv(&mut buf).expect("STOPPING=1");
+    assert_eq!(std::str::from_utf8(&buf[..n]).unwrap().trim(), "STOPPING=1");
+    daemon.spawn().await;
+    let out = daemon.sh(&id, "echo still here").await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "still here\n");
+    daemon.client.delete_run(&id).await.unwrap();
+}
+
+#[test]
+fn the_unit_file_passes_systemd_analyze_verify() {
+    let unit =
+        std::fs::read_to_string(runbox_e2e::workspace_root().join("packaging/runbox.service"))
+            .unwrap();
+    for needed in [
+        "Type=notify",
+        "KillMode=process",
+        "Restart=on-failure",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+    ] {
+        assert!(unit.contains(needed), "the unit has {needed}");
+    }
+    // Verified against the binary these tests built, where it lies.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("runbox.service");
+    let binary = runbox_e2e::runbox_bin();
+    std::fs::write(
+        &path,
+        unit.replace("/usr/local/bin/runbox", binary.to_str().unwrap()),
+    )
+    .unwrap();
+    let out = std::process::Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()
+        .expect("systemd-analyze (scripts/deps --test installs systemd)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && !stderr.contains("runbox.service"),
+        "systemd-analyze verify: {stderr}"
+    );
+}
