@@ -19,6 +19,8 @@
 
 mod args;
 mod checkpoints;
+#[cfg(feature = "daemon")]
+mod config_file;
 mod connect;
 mod cp;
 #[cfg(feature = "daemon")]

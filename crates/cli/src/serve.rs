@@ -232,10 +232,24 @@ pub struct ServeArgs {
     /// uninstalling); does not start the API.
     #[arg(long, hide = true)]
     pub teardown: bool,
+    /// A TOML file of settings: each key is a flag of this command without
+    /// its dashes (`max_runs = 64`); flags and their environment variables
+    /// win over it. SIGHUP reads it again
+    #[arg(long, env = "RUNBOX_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
 }
 
 /// Runs the daemon until SIGINT or SIGTERM.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let (args, config_table) = match args.config.clone() {
+        Some(path) => {
+            let table = crate::config_file::read(&path)?;
+            let merged =
+                crate::config_file::merge(&path, &table, &crate::config_file::command_line_args())?;
+            (merged, Some(table))
+        }
+        None => (args, None),
+    };
     let state_dir = prepare_state_dir(&args.state_dir)?;
     let _lock = lock_state_dir(&state_dir)?;
     if args.teardown {
@@ -434,10 +448,30 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             }
         });
     }
+    let reload = match (args.config.clone(), config_table) {
+        (Some(path), Some(table)) => {
+            let reloader = config_reloader(path, table, egress.audit.clone());
+            // SIGHUP reads the file again, as POST /v1/config/reload does.
+            let on_hup = reloader.clone();
+            tokio::spawn(async move {
+                use tokio::signal::unix::{signal, SignalKind};
+                let Ok(mut hup) = signal(SignalKind::hangup()) else {
+                    return;
+                };
+                while hup.recv().await.is_some() {
+                    let reload = on_hup.clone();
+                    let _ = tokio::task::spawn_blocking(move || reload()).await;
+                }
+            });
+            Some(reloader)
+        }
+        _ => None,
+    };
     let router = runbox_server::router(runbox_server::AppState {
         service: manager,
         token: token.into(),
         audit: Some(egress.audit),
+        reload,
     });
     let stop = shutdown.clone();
     let server = runbox_server::serve(listener, router, async move {
@@ -533,6 +567,51 @@ fn warm_cache_config(
         max_bytes: (args.cache_max_gb * (1u64 << 30) as f64) as u64,
         tick: Duration::from_secs(args.cache_tick_sec),
     }))
+}
+
+/// Reads config file `path` again, checked with the start's own code,
+/// against `running` (the file as the daemon started with it): a bad file
+/// changes nothing and says why; a good one is reported (and audited) with
+/// the keys that differ. No setting is applied live yet: every change
+/// waits for a restart, and the report says so.
+fn config_reloader(
+    path: PathBuf,
+    running: crate::config_file::Table,
+    audit: Arc<runbox_proxy::audit::AuditLog>,
+) -> runbox_server::Reloader {
+    let cli = crate::config_file::command_line_args();
+    Arc::new(move || {
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
+        let checked = crate::config_file::read(&path)
+            .and_then(|table| crate::config_file::merge(&path, &table, &cli).map(|_| table));
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+        let table = match checked {
+            Ok(table) => table,
+            Err(e) => {
+                let why = format!("{e:#}");
+                tracing::error!(error = %why, "the config file was not reloaded; nothing changed");
+                return Err(why);
+            }
+        };
+        let changed = crate::config_file::changed_keys(&running, &table);
+        let report = runbox_types::ConfigReload {
+            restart_required: changed.clone(),
+            applied: Vec::new(),
+            changed,
+        };
+        if report.restart_required.is_empty() {
+            tracing::info!(config = %path.display(), "config reloaded: nothing changed");
+        } else {
+            tracing::warn!(config = %path.display(), keys = ?report.restart_required, "config reloaded: these settings change only at a restart");
+        }
+        audit.append(&runbox_proxy::audit::AuditRecord::ConfigReload {
+            t: runbox_proxy::audit::now(),
+            changed: report.changed.clone(),
+            applied: report.applied.clone(),
+            restart_required: report.restart_required.clone(),
+        });
+        Ok(report)
+    })
 }
 
 async fn wait_for_signal() {

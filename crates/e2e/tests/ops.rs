@@ -129,3 +129,94 @@ fn the_unit_file_passes_systemd_analyze_verify() {
         "systemd-analyze verify: {stderr}"
     );
 }
+
+/// `runbox serve` with `args`, expected to refuse to start: its stderr.
+fn refused_start(args: &[&str]) -> String {
+    let state = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(runbox_e2e::runbox_bin())
+        .arg("serve")
+        .arg("--state-dir")
+        .arg(state.path())
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "it started");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_file_sets_every_flag_and_reloads_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, "max_runs = 1\nusage-max-mb = 8\n").unwrap();
+    let config = path.to_str().unwrap().to_owned();
+    let daemon = TestDaemon::start_with(None, &["--config", &config], &[]).await;
+    let info = daemon.client.info().await.unwrap();
+    assert_eq!(info.capacity.max, 1, "max_runs from the file");
+    // A bad file stops a start, naming the key and the file.
+    for (text, want) in [
+        ("max_rnus = 3", "unknown key `max_rnus`"),
+        ("max_runs = \"lots\"", "key `max_runs`"),
+        ("max_runs = ", "is not valid TOML"),
+    ] {
+        let bad = dir.path().join("bad.toml");
+        std::fs::write(&bad, text).unwrap();
+        let stderr = refused_start(&["--config", bad.to_str().unwrap()]);
+        assert!(stderr.contains(want), "{text}: {stderr}");
+        assert!(stderr.contains("bad.toml"), "{stderr}");
+    }
+    let missing = refused_start(&["--config", "/nonexistent/runbox.toml"]);
+    assert!(missing.contains("/nonexistent/runbox.toml"), "{missing}");
+    // A flag wins over the file.
+    drop(daemon);
+    let daemon = TestDaemon::start_with(None, &["--config", &config, "--max-runs", "3"], &[]).await;
+    assert_eq!(daemon.client.info().await.unwrap().capacity.max, 3);
+    // Reload: a bad file changes nothing and says why.
+    std::fs::write(&path, "max_runs = \"x\"\n").unwrap();
+    let reload = |token: String| {
+        let url = daemon.url.clone();
+        async move {
+            reqwest::Client::new()
+                .post(format!("{url}/v1/config/reload"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let refused = reload(daemon.token.clone()).await;
+    assert_eq!(refused.status(), 400);
+    let body = refused.text().await.unwrap();
+    assert!(
+        body.contains("config_invalid") && body.contains("max_runs"),
+        "{body}"
+    );
+    // A good one reports what changed and that it waits for a restart.
+    std::fs::write(&path, "max_runs = 5\nusage_max_mb = 8\n").unwrap();
+    let report: runbox_types::ConfigReload =
+        reload(daemon.token.clone()).await.json().await.unwrap();
+    assert_eq!(report.changed, vec!["max_runs"]);
+    assert_eq!(report.restart_required, vec!["max_runs"]);
+    // SIGHUP does the same, and both are audited.
+    std::process::Command::new("kill")
+        .args(["-HUP", &daemon.pid().to_string()])
+        .status()
+        .unwrap();
+    let audit = daemon.state.path().join("audit.jsonl");
+    let reloads = || {
+        std::fs::read_to_string(&audit)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("\"configReload\""))
+            .count()
+    };
+    assert!(
+        runbox_e2e::eventually(Duration::from_secs(10), || reloads() >= 2).await,
+        "{} reload records; log:\n{}",
+        reloads(),
+        daemon.log()
+    );
+    daemon.client.health().await.unwrap();
+}

@@ -73,6 +73,19 @@ pub enum AuditRecord {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         caller: Option<String>,
     },
+    /// A reload of the config file that parsed: what differed from the
+    /// running settings, what was applied, what waits for a restart.
+    #[serde(rename_all = "camelCase")]
+    ConfigReload {
+        /// RFC 3339 time.
+        t: String,
+        /// Keys whose values differ.
+        changed: Vec<String>,
+        /// Keys now in force.
+        applied: Vec<String>,
+        /// Keys that take effect at the next start.
+        restart_required: Vec<String>,
+    },
     /// A change to the tenant set: names only, never a token.
     Tenants {
         /// RFC 3339 time.

@@ -46,7 +46,14 @@ pub struct AppState<S> {
     pub token: Arc<str>,
     /// Where state-changing calls are recorded, if anywhere.
     pub audit: Option<Arc<runbox_proxy::audit::AuditLog>>,
+    /// Reads the config file again (`POST /v1/config/reload`); None when
+    /// the daemon has none.
+    pub reload: Option<Reloader>,
 }
+
+/// Reads the daemon's config file again and applies what it can: the
+/// report, or why the file was refused (nothing changed then).
+pub type Reloader = Arc<dyn Fn() -> Result<runbox_types::ConfigReload, String> + Send + Sync>;
 
 /// The API router.
 pub fn router<S: RunService>(state: AppState<S>) -> Router {
@@ -181,6 +188,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         )
         .route("/v1/tenants/{name}/rotate", post(tenants::rotate::<S>))
         .route("/v1/usage", get(tenants::usage::<S>))
+        .route("/v1/config/reload", post(tenants::reload_config::<S>))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
         .route_layer(middleware::from_fn_with_state(

@@ -164,6 +164,23 @@ pub async fn usage<S: RunService>(
     Ok(Json(state.service.usage_report(since, tenant).await?))
 }
 
+/// `POST /v1/config/reload`: reads the config file again, as SIGHUP does.
+pub async fn reload_config<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<runbox_types::ConfigReload>, ApiError> {
+    let Some(reload) = state.reload.clone() else {
+        return Err(ApiError::new(
+            ErrorCode::NoConfig,
+            "this daemon was started without --config; there is nothing to reload",
+        ));
+    };
+    let report = tokio::task::spawn_blocking(move || reload())
+        .await
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("reload task failed: {e}")))?
+        .map_err(|why| ApiError::new(ErrorCode::ConfigInvalid, why))?;
+    Ok(Json(report))
+}
+
 /// `DELETE /v1/tenants/{name}`: refused while it has runs.
 pub async fn delete<S: RunService>(
     State(state): State<AppState<S>>,

@@ -666,6 +666,7 @@ fn app() -> axum::Router {
         service: Stub,
         token: Arc::from(TOKEN),
         audit: None,
+        reload: None,
     })
 }
 

@@ -175,6 +175,12 @@ codes! {
     /// The caller's tenant may not use this image, network tier or size
     /// tier; the message names the rule.
     TenantPolicy = "tenant_policy", 403;
+    /// The config file does not parse, has an unknown key or a bad value;
+    /// a reload then changes nothing.
+    ConfigInvalid = "config_invalid", 400;
+    /// The daemon was started without `--config`: there is nothing to
+    /// reload.
+    NoConfig = "no_config", 409;
     /// A tenant's name or settings break the rules.
     BadTenant = "bad_tenant", 400;
     /// No tenant with this name.

@@ -17,8 +17,8 @@ mod tenants;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use tenants::{
-    CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken, UpdateTenantRequest,
-    UsageReport, UsageTotals,
+    ConfigReload, CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken,
+    UpdateTenantRequest, UsageReport, UsageTotals,
 };
 
 /// Environment variables for a run or an exec.

@@ -131,6 +131,20 @@ pub struct TenantList {
     pub tenants: Vec<Tenant>,
 }
 
+/// `POST /v1/config/reload` (and SIGHUP): what a reload of the config file
+/// found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigReload {
+    /// The keys whose values differ from what the daemon runs with.
+    pub changed: Vec<String>,
+    /// Of those, the ones now in force.
+    pub applied: Vec<String>,
+    /// Of those, the ones that take effect only at the next start.
+    pub restart_required: Vec<String>,
+}
+
 /// `GET /v1/usage`: what each tenant used between `since` and `until`
 /// (the operator's runs under the empty name).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

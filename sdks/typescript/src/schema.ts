@@ -68,6 +68,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/config/reload": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Read the config file again and apply what can change without a restart
+         * @description Takes the root token (a tenant's is 403).
+         */
+        post: operations["reloadConfig"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/drain": {
         parameters: {
             query?: never;
@@ -1207,6 +1227,18 @@ export interface components {
             rows: number;
             /** @enum {string} */
             type: "resize";
+        };
+        /**
+         * @description `POST /v1/config/reload` (and SIGHUP): what a reload of the config file
+         *     found and did.
+         */
+        ConfigReload: {
+            /** @description Of those, the ones now in force. */
+            applied: string[];
+            /** @description The keys whose values differ from what the daemon runs with. */
+            changed: string[];
+            /** @description Of those, the ones that take effect only at the next start. */
+            restartRequired: string[];
         };
         /** @description `POST /v1/runs`. */
         CreateRunRequest: {
@@ -2644,6 +2676,44 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    reloadConfig: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ConfigReload"];
+                };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {
