@@ -182,6 +182,16 @@ async fn pull(args: PullArgs) -> anyhow::Result<ExitCode> {
                 }
             }
             PullUpdate::Done(image) => {
+                match image.pull {
+                    Some(runbox_types::PullOutcome::UpToDate) => {
+                        eprintln!("runbox: image {} is up to date", image.name)
+                    }
+                    Some(runbox_types::PullOutcome::Updated) => eprintln!(
+                        "runbox: image {} replaced by a newer pull (runs made from it keep theirs)",
+                        image.name
+                    ),
+                    _ => {}
+                }
                 println!("{}", image.name);
                 return Ok(ExitCode::SUCCESS);
             }

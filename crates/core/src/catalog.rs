@@ -386,6 +386,12 @@ impl Manager {
         progress: mpsc::UnboundedSender<PullEvent>,
     ) -> Result<Image, CoreError> {
         let (reference, name) = self.check_pull(&req)?;
+        // A name pulled from this reference before is pulled again, as
+        // `docker pull` does: replaced when the reference moved.
+        let again = self
+            .images
+            .get(&name, &self.config.server_id, false)
+            .is_ok();
         let auth = match (req.username, req.password) {
             (Some(username), Some(password)) => {
                 runbox_image::pull::RegistryAuth::Basic { username, password }
@@ -398,10 +404,18 @@ impl Manager {
                 ))
             }
         };
-        Ok(self
-            .pull_into(&reference, &name, auth, progress, false)
-            .await?
-            .0)
+        let (mut image, changed) = self
+            .pull_into(&reference, &name, auth, progress, again)
+            .await?;
+        image.pull = Some(match (again, changed) {
+            (false, _) => runbox_types::PullOutcome::New,
+            (true, true) => runbox_types::PullOutcome::Updated,
+            (true, false) => runbox_types::PullOutcome::UpToDate,
+        });
+        if again && changed {
+            self.collect_garbage().await?;
+        }
+        Ok(image)
     }
 
     /// Pulls `reference` and records it as image `name` (replacing an image
@@ -471,17 +485,20 @@ impl Manager {
             .clone()
             .unwrap_or_else(|| crate::images::default_name(reference));
         validate::image_name(&name)?;
-        if self
-            .images
-            .get(&name, &self.config.server_id, false)
-            .is_ok()
-        {
-            return Err(CoreError::Conflict {
-                code: ErrorCode::ImageExists,
-                message: format!(
-                    "an image named {name:?} already exists; remove it or pull with another name"
-                ),
-            });
+        if let Ok(existing) = self.images.get(&name, &self.config.server_id, false) {
+            // The same reference again is a refresh; anything else under
+            // that name is another image.
+            let same = runbox_image::pull::normalise(reference)
+                .is_ok_and(|wanted| wanted == existing.source);
+            if !same {
+                return Err(CoreError::Conflict {
+                    code: ErrorCode::ImageExists,
+                    message: format!(
+                        "an image named {name:?} already exists and came from {:?}, not {:?}; remove it or pull with another name",
+                        existing.source, reference
+                    ),
+                });
+            }
         }
         Ok((reference.to_owned(), name))
     }

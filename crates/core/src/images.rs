@@ -759,6 +759,7 @@ fn to_image(record: ImageRecord, server: &str, with_config: bool) -> Image {
         layers: record.layers,
         config: with_config.then_some(record.config),
         tenant: record.tenant,
+        pull: None,
     }
 }
 

@@ -135,6 +135,7 @@ async fn pull_run_and_pull_again_without_transferring_layers() {
     let reference = format!("127.0.0.1:{}/team/app:1", registry.port);
 
     let (image, events) = pull(&daemon, &reference, "app").await.expect("pull");
+    assert_eq!(image.pull, Some(runbox_types::PullOutcome::New));
     assert_eq!(image.layers.len(), 2);
     assert!(image.source.contains("team/app:1"), "{}", image.source);
     assert!(
@@ -191,10 +192,22 @@ async fn pull_run_and_pull_again_without_transferring_layers() {
         pull(&daemon, &missing, "x").await.unwrap_err().code(),
         Some(ErrorCode::RemoteNotFound)
     );
-    assert_eq!(
-        pull(&daemon, &reference, "app").await.unwrap_err().code(),
-        Some(ErrorCode::ImageExists)
+    // The same reference again under its name is a refresh, as with
+    // `docker pull`: up to date here, nothing fetched.
+    let (same, events) = pull(&daemon, &reference, "app").await.expect("pull again");
+    assert_eq!(same.pull, Some(runbox_types::PullOutcome::UpToDate));
+    assert_eq!(same.layers, image.layers);
+    assert!(
+        events
+            .iter()
+            .all(|e| !matches!(e, PullEvent::LayerStarted { .. })),
+        "{events:?}"
     );
+    // Another reference under a taken name is refused, naming both.
+    let other = format!("127.0.0.1:{}/team/other:1", registry.port);
+    let taken = pull(&daemon, &other, "app").await.unwrap_err();
+    assert_eq!(taken.code(), Some(ErrorCode::ImageExists));
+    assert!(taken.to_string().contains("came from"), "{taken}");
     assert_eq!(
         pull(&daemon, "UPPER/case!", "y").await.unwrap_err().code(),
         Some(ErrorCode::BadReference)
@@ -306,6 +319,14 @@ async fn pull_always_follows_a_moved_tag_and_live_runs_keep_theirs() {
     registry.push(&image_layout_with(b"v2\n"), "team/app:1");
     let cached = daemon.create_with(create(None)).await;
     assert_eq!(data(cached.id.to_string()).await, b"v1\n");
+    // An explicit pull of the same reference sees the tag moved; the runs
+    // keep v1 (checked below), the image holds v2.
+    let (updated, _) = pull(&daemon, &reference, &old.image).await.expect("pull");
+    assert_eq!(updated.pull, Some(runbox_types::PullOutcome::Updated));
+    registry.push(&image_layout_with(b"v1\n"), "team/app:1");
+    let (back, _) = pull(&daemon, &reference, &old.image).await.expect("pull");
+    assert_eq!(back.pull, Some(runbox_types::PullOutcome::Updated));
+    registry.push(&image_layout_with(b"v2\n"), "team/app:1");
     // With `always` the image is replaced, under the same name.
     let fresh = daemon
         .create_with(create(Some(runbox_types::PullPolicy::Always)))

@@ -79,6 +79,7 @@ use runbox_types as t;
     t::TenantList,
     t::UsageReport,
     t::ConfigReload,
+    t::PullOutcome,
     t::UsageTotals,
     t::ws::ClientFrame,
     t::ws::ServerFrame,

@@ -1140,6 +1140,24 @@ pub struct Image {
     /// shared by everyone the tenant rules allow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// On a pull's answer only: whether the image is new, was replaced by
+    /// what the reference names now, or was up to date already.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<PullOutcome>,
+}
+
+/// What a pull did to the image.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum PullOutcome {
+    /// No image had this name: it is new.
+    New,
+    /// The reference names other content now (a moved tag): the image was
+    /// replaced; runs made from it keep their layers.
+    Updated,
+    /// The image already holds what the reference names.
+    UpToDate,
 }
 
 /// `POST /v1/images/pull`.

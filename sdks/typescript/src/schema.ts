@@ -1542,6 +1542,7 @@ export interface components {
             layers: string[];
             /** @description The image's name. */
             name: string;
+            pull?: null | components["schemas"]["PullOutcome"];
             /** @description The node that stores the image. */
             server: string;
             /**
@@ -1987,6 +1988,11 @@ export interface components {
             /** @enum {string} */
             kind: "layerDone";
         };
+        /**
+         * @description What a pull did to the image.
+         * @enum {string}
+         */
+        PullOutcome: "new" | "updated" | "upToDate";
         /**
          * @description When a create pulls its image from a registry.
          * @enum {string}
