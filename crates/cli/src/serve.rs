@@ -81,8 +81,12 @@ pub struct ServeArgs {
     /// Keep runs' files in a btrfs image of this many GiB under the state
     /// directory (`storage.img`, sparse, made and loop-mounted on first
     /// start), so disk limits work whatever filesystem the host has.
+    /// Without it (and without --no-disk-limits), a state directory whose
+    /// filesystem cannot limit a run's disk gets such a store by default,
+    /// sized from its free space (at most 100 GiB); one made before is kept.
+    /// 0: no store of its own, the state directory as it is.
     #[arg(long, env = "RUNBOX_STORAGE_GB", value_name = "GB",
-          value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+          value_parser = clap::value_parser!(u64).range(0..=1 << 20))]
     pub storage_gb: Option<u64>,
     /// The warm repo cache's directory; an empty value turns the cache off
     /// [default: <state-dir>/runs/.warm, on the run store, where commits
@@ -277,7 +281,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let runtime = runbox_runtime::select(args.runtime.as_deref(), &state_dir, &agent).await?;
     tracing::info!(runtime = %runtime.path.display(), agent = %agent.display(), "using runtime");
     let options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
-    if let Some(gb) = args.storage_gb {
+    let storage_gb = match (args.storage_gb, args.no_disk_limits) {
+        (Some(0), _) | (None, true) => None,
+        (Some(gb), _) => Some(gb),
+        (None, false) => default_store_gb(&state_dir),
+    };
+    if let Some(gb) = storage_gb {
         let (image, runs) = (state_dir.join(STORAGE_IMAGE), state_dir.join("runs"));
         tokio::task::spawn_blocking(move || {
             runbox_runtime::storage::provision_loop(&image, gb << 30, &runs)
@@ -567,6 +576,51 @@ fn warm_cache_config(
         max_bytes: (args.cache_max_gb * (1u64 << 30) as f64) as u64,
         tick: Duration::from_secs(args.cache_tick_sec),
     }))
+}
+
+/// Largest run store made by default, in GiB.
+const DEFAULT_STORE_MAX_GB: u64 = 100;
+
+/// The size of the run store a daemon started without `--storage-gb` (or
+/// `--no-disk-limits`) uses: the one under the state directory if there is
+/// one; else, when the state directory's filesystem cannot limit a run's
+/// disk (ext4, xfs, tmpfs: the common case), a new one of four fifths of
+/// the free space, at most [`DEFAULT_STORE_MAX_GB`]; None to use the state
+/// directory as it is (btrfs with quotas on, or no room for a store).
+fn default_store_gb(state_dir: &Path) -> Option<u64> {
+    let image = state_dir.join(STORAGE_IMAGE);
+    if let Ok(meta) = std::fs::metadata(&image) {
+        return Some(meta.len().div_ceil(1 << 30).max(1));
+    }
+    let runs = state_dir.join("runs");
+    let probe = if runs.is_dir() { &runs } else { state_dir };
+    let storage = runbox_runtime::storage::RunStorage::detect(probe);
+    // A filesystem that can limit (btrfs with quotas) is used as it is.
+    storage.limits_unsupported()?;
+    // Runs of a daemon that had no store stay where they are.
+    if std::fs::read_dir(&runs).is_ok_and(|mut d| d.next().is_some()) {
+        return None;
+    }
+    let free = rustix::fs::statvfs(state_dir)
+        .map(|st| st.f_bavail.saturating_mul(st.f_frsize))
+        .unwrap_or(0);
+    let gb = (free / 5 * 4) >> 30;
+    if gb < 2 {
+        tracing::warn!(
+            state_dir = %state_dir.display(),
+            free_bytes = free,
+            "too little free space for a run store of its own; runs cannot get disk limits"
+        );
+        return None;
+    }
+    let gb = gb.min(DEFAULT_STORE_MAX_GB);
+    tracing::info!(
+        image = %image.display(),
+        size_gb = gb,
+        "making a run store of its own (a sparse btrfs image) so that runs get disk limits; \
+         --storage-gb N sets its size, --no-disk-limits goes without"
+    );
+    Some(gb)
 }
 
 /// Reads config file `path` again, checked with the start's own code,

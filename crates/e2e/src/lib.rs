@@ -223,7 +223,10 @@ pub struct TestDaemon {
     open_pool: String,
     /// Whether the daemon keeps runs in a btrfs store of its own
     /// (`--storage-gb`), as `scripts/setup` starts it.
-    store: bool,
+    /// `Some(true)`: `--storage-gb` [`TEST_STORE_GB`]; `Some(false)`:
+    /// `--storage-gb 0` (the state directory as it is); None: neither (the
+    /// daemon's default).
+    store: Option<bool>,
     child: Option<Child>,
 }
 
@@ -263,7 +266,13 @@ impl TestDaemon {
     /// on the host filesystem of the temporary directory (ext4 or tmpfs),
     /// where disk limits cannot be enforced.
     pub async fn start_without_store(args: &[&str]) -> TestDaemon {
-        TestDaemon::build(None, "127.0.0.1:0", args, &[], false).await
+        TestDaemon::build(None, "127.0.0.1:0", args, &[], Some(false)).await
+    }
+
+    /// [`TestDaemon::start_with`] with no storage flag at all: the daemon
+    /// picks its run store as a bare `runbox serve` does.
+    pub async fn start_bare(args: &[&str]) -> TestDaemon {
+        TestDaemon::build(None, "127.0.0.1:0", args, &[], None).await
     }
 
     /// [`TestDaemon::start_with`] listening on `listen` (a non-loopback
@@ -275,7 +284,7 @@ impl TestDaemon {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> TestDaemon {
-        TestDaemon::build(runtime, listen, args, env, true).await
+        TestDaemon::build(runtime, listen, args, env, Some(true)).await
     }
 
     async fn build(
@@ -283,7 +292,7 @@ impl TestDaemon {
         listen: &str,
         args: &[&str],
         env: &[(&str, &str)],
-        store: bool,
+        store: Option<bool>,
     ) -> TestDaemon {
         let (nft_table, open_pool) = network_names();
         let state = tempfile::Builder::new()
@@ -353,8 +362,14 @@ impl TestDaemon {
             .arg(&self.nft_table)
             .arg("--open-pool")
             .arg(&self.open_pool);
-        if self.store {
-            cmd.arg("--storage-gb").arg(TEST_STORE_GB.to_string());
+        match self.store {
+            Some(true) => {
+                cmd.arg("--storage-gb").arg(TEST_STORE_GB.to_string());
+            }
+            Some(false) => {
+                cmd.arg("--storage-gb").arg("0");
+            }
+            None => {}
         }
         cmd.args(&self.extra_args)
             .envs(self.extra_env.iter().map(|(k, v)| (k, v)));

@@ -153,6 +153,24 @@ async fn disk_limits_are_checked_against_the_servers_bounds() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_daemon_makes_a_store_of_its_own_and_keeps_it() {
+    let mut daemon = TestDaemon::start_bare(&[]).await;
+    let image = daemon.state.path().join("storage.img");
+    let size = std::fs::metadata(&image).expect("a store of its own").len();
+    assert!((2 << 30..=100 << 30).contains(&size), "{size}");
+    let run = daemon.create().await;
+    assert!(run.limits.disk_mb.is_some(), "runs get disk limits");
+    assert!(daemon.log().contains("making a run store of its own"));
+    // The next start keeps the store it made.
+    daemon.kill9();
+    daemon.spawn().await;
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), size);
+    let out = daemon.sh(&run.id.to_string(), "echo kept").await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "kept\n");
+    daemon.client.delete_run(&run.id.to_string()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn storage_that_cannot_limit_refuses_runs_and_says_what_to_do() {
     let daemon = TestDaemon::start_without_store(&[]).await;
     let err = daemon
