@@ -65,10 +65,23 @@ impl Daemon {
         runtime: &str,
         extra: &[String],
     ) -> anyhow::Result<Daemon> {
+        Daemon::start_prepared(runbox, agent, runtime, extra, |_| Ok(())).await
+    }
+
+    /// [`Daemon::start_with`], with `prepare` given the state directory
+    /// before the daemon starts (to seed state files).
+    pub async fn start_prepared(
+        runbox: &Path,
+        agent: &Path,
+        runtime: &str,
+        extra: &[String],
+        prepare: impl FnOnce(&Path) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Daemon> {
         let state = tempfile::Builder::new()
             .prefix(&format!("runbox-bench-{runtime}-"))
             .tempdir_in("/tmp")
             .context("creating a state directory")?;
+        prepare(state.path())?;
         let log = std::fs::File::create(state.path().join("daemon.log"))
             .context("creating the daemon log")?;
         let child = Command::new(runbox)

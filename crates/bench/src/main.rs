@@ -64,6 +64,7 @@ mod report;
 mod sleep;
 mod snapshots;
 mod stats;
+mod tenants;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -185,6 +186,7 @@ enum PhaseName {
     Interactive,
     Sleep,
     Checkpoints,
+    Tenants,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -220,6 +222,7 @@ struct Plan {
     interactive_iterations: Option<usize>,
     sleep_iterations: Option<usize>,
     checkpoint_iterations: Option<usize>,
+    tenant_iterations: Option<usize>,
 }
 
 /// What the images phase does, when it runs.
@@ -314,6 +317,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             interactive_iterations: None,
             sleep_iterations: None,
             checkpoint_iterations: None,
+            tenant_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -426,6 +430,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Checkpoints)
             .then_some(args.checkpoint_iterations.max(1)),
+        tenant_iterations: args
+            .phases
+            .contains(&PhaseName::Tenants)
+            .then_some(exec_iterations),
     })
 }
 
@@ -531,6 +539,7 @@ impl Bench {
                 interactive: None,
                 sleep: None,
                 checkpoints: None,
+                tenants: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -663,8 +672,26 @@ impl Bench {
             }
             None => None,
         };
+        let tenants = match plan.tenant_iterations {
+            Some(n) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(
+                    tenants::measure(
+                        &mut self.daemons[i],
+                        &plan.runbox,
+                        &plan.agent,
+                        tar.clone(),
+                        n,
+                        plan.warmup,
+                    )
+                    .await?,
+                )
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
+            tenants,
             phases,
             images,
             egress,

@@ -168,6 +168,9 @@ pub struct Report {
     /// The sleep phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sleep: Option<crate::sleep::SleepReport>,
+    /// The tenants phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<crate::tenants::TenantsReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -408,6 +411,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(snapshots) = &report.snapshots {
         out.push_str(&crate::snapshots::markdown(snapshots));
     }
+    if let Some(tenants) = &report.tenants {
+        out.push_str(&crate::tenants::markdown(tenants));
+    }
     if let Some(checkpoints) = &report.checkpoints {
         out.push_str(&crate::checkpoints::markdown(checkpoints));
     }
@@ -572,6 +578,7 @@ mod tests {
             interactive: None,
             sleep: None,
             checkpoints: None,
+            tenants: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -638,6 +645,7 @@ mod tests {
             interactive: None,
             sleep: None,
             checkpoints: None,
+            tenants: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),
