@@ -194,6 +194,11 @@ pub struct ServeArgs {
     /// inside runs. Anything but loopback also needs --allow-non-loopback
     #[arg(long, env = "RUNBOX_PREVIEW_LISTEN", value_name = "ADDR")]
     pub preview_listen: Option<SocketAddr>,
+    /// Serve GET /metrics (Prometheus text) without a token on this address,
+    /// for a scraper; the API serves it too, with the root token. Anything
+    /// but loopback also needs --allow-non-loopback
+    #[arg(long, env = "RUNBOX_METRICS_LISTEN", value_name = "ADDR")]
+    pub metrics_listen: Option<SocketAddr>,
     /// The key preview URLs are signed with, at least 32 bytes [default: a
     /// random key kept in <state-dir>/preview.key]. Changing it ends every
     /// preview URL minted before
@@ -373,6 +378,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("listening on {}", args.listen))?;
     let bound = listener.local_addr()?;
+    let metrics_listener = match args.metrics_listen {
+        Some(addr) => {
+            if !addr.ip().is_loopback() && !args.allow_non_loopback {
+                bail!(
+                    "refusing to serve metrics without a token on {addr}; pass \
+                     --allow-non-loopback if you mean it"
+                );
+            }
+            Some(
+                tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("listening for metrics on {addr}"))?,
+            )
+        }
+        None => None,
+    };
     let preview_listener = match args.preview_listen {
         Some(addr) => {
             if !addr.ip().is_loopback() && !args.allow_non_loopback {
@@ -476,12 +497,29 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let router = runbox_server::router(runbox_server::AppState {
+    let state = runbox_server::AppState {
         service: manager,
         token: token.into(),
         audit: Some(egress.audit),
         reload,
-    });
+        metrics: Default::default(),
+    };
+    if let Some(listener) = metrics_listener {
+        let addr = listener.local_addr()?;
+        let tmp = state_dir.join("metrics.addr.tmp");
+        std::fs::write(&tmp, addr.to_string()).context("writing metrics.addr")?;
+        std::fs::rename(&tmp, state_dir.join("metrics.addr")).context("writing metrics.addr")?;
+        tracing::info!(listen = %addr, "serving metrics without a token");
+        let router = runbox_server::metrics::metrics_router(state.clone());
+        let stop = shutdown.clone();
+        tokio::spawn(async move {
+            let stopped = async move { stop.cancelled().await };
+            if let Err(e) = runbox_server::serve(listener, router, stopped).await {
+                tracing::error!(error = %e, "the metrics listener failed");
+            }
+        });
+    }
+    let router = runbox_server::router(state);
     let stop = shutdown.clone();
     let server = runbox_server::serve(listener, router, async move {
         wait_for_signal().await;

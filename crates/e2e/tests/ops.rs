@@ -220,3 +220,76 @@ async fn a_config_file_sets_every_flag_and_reloads_checked() {
     );
     daemon.client.health().await.unwrap();
 }
+
+/// A scrape parsed with a Prometheus text parser: the value of `metric`
+/// with `labels`, if the document has it.
+fn sample(scrape: &prometheus_parse::Scrape, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == metric && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match &s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => *v,
+            prometheus_parse::Value::Histogram(h) => h.last().map_or(0.0, |b| b.count),
+            prometheus_parse::Value::Summary(_) => f64::NAN,
+        })
+}
+
+async fn scrape(url: &str, token: Option<&str>) -> (u16, Option<prometheus_parse::Scrape>) {
+    let mut request = reqwest::Client::new().get(format!("{url}/metrics"));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    let parsed = (status == 200)
+        .then(|| prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).unwrap());
+    (status, parsed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_with_the_work_and_parse_as_prometheus_text() {
+    let daemon = TestDaemon::start_with(None, &["--metrics-listen", "127.0.0.1:0"], &[]).await;
+    let running = |s: &prometheus_parse::Scrape| sample(s, "runbox_runs", &[("phase", "running")]);
+    let (_, before) = scrape(&daemon.url, Some(&daemon.token)).await;
+    let before = before.unwrap();
+    assert_eq!(running(&before), None);
+    assert_eq!(
+        sample(&before, "runbox_capacity_max_runs", &[]),
+        Some(256.0)
+    );
+    let run = daemon.create().await;
+    let (status, after) = scrape(&daemon.url, Some(&daemon.token)).await;
+    assert_eq!(status, 200);
+    let after = after.unwrap();
+    assert_eq!(running(&after), Some(1.0));
+    assert_eq!(sample(&after, "runbox_capacity_live_runs", &[]), Some(1.0));
+    let creates = [("route", "/v1/runs"), ("method", "POST"), ("status", "201")];
+    assert!(sample(&after, "runbox_api_requests_total", &creates).unwrap_or(0.0) >= 1.0);
+    assert!(sample(
+        &after,
+        "runbox_api_request_duration_seconds",
+        &[("route", "/v1/runs")]
+    )
+    .is_some());
+    // Refusals are counted too, under the route they tried.
+    let (status, _) = scrape(&daemon.url, Some("wrong")).await;
+    assert_eq!(status, 401);
+    let (_, later) = scrape(&daemon.url, Some(&daemon.token)).await;
+    let refused = [("route", "/metrics"), ("status", "401")];
+    assert_eq!(
+        sample(&later.unwrap(), "runbox_api_requests_total", &refused),
+        Some(1.0)
+    );
+    // The metrics listener needs no token.
+    let addr = std::fs::read_to_string(daemon.state.path().join("metrics.addr")).unwrap();
+    let (status, open) = scrape(&format!("http://{}", addr.trim()), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(running(&open.unwrap()), Some(1.0));
+    daemon.client.delete_run(&run.id.to_string()).await.unwrap();
+    let (_, gone) = scrape(&daemon.url, Some(&daemon.token)).await;
+    assert_eq!(running(&gone.unwrap()), None);
+}

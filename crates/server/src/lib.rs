@@ -13,6 +13,7 @@ mod conn;
 pub mod e2b;
 mod error;
 mod handlers;
+pub mod metrics;
 pub mod openapi;
 mod preview;
 mod process;
@@ -49,6 +50,8 @@ pub struct AppState<S> {
     /// Reads the config file again (`POST /v1/config/reload`); None when
     /// the daemon has none.
     pub reload: Option<Reloader>,
+    /// The Prometheus metrics (`GET /metrics`).
+    pub metrics: Arc<metrics::Metrics>,
 }
 
 /// Reads the daemon's config file again and applies what it can: the
@@ -189,11 +192,17 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/tenants/{name}/rotate", post(tenants::rotate::<S>))
         .route("/v1/usage", get(tenants::usage::<S>))
         .route("/v1/config/reload", post(tenants::reload_config::<S>))
+        .route("/metrics", get(metrics::scrape::<S>))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require::<S>,
+        ))
+        // Outside the token check, so refusals are counted too.
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            metrics::count::<S>,
         ));
     // E2B's control plane checks the same token, and answers in E2B's shape.
     let e2b_control = e2b::control_routes::<S>()
@@ -201,6 +210,10 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             e2b::require_api_key::<S>,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            metrics::count::<S>,
         ));
     Router::new()
         .route("/health", get(handlers::health::<S>))

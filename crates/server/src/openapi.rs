@@ -259,6 +259,7 @@ fn operations() -> Vec<Op> {
         op(Patch, "/v1/tenants/{name}", "updateTenant", "Change a tenant's limits", Body("UpdateTenantRequest"), 200, Json("Tenant")),
         op(Delete, "/v1/tenants/{name}", "deleteTenant", "Remove a tenant that has no runs", Nothing, 204, Empty),
         Op { query: &[("since", Kind::Str, "the window's start: RFC 3339, or a span back from now (90m, 24h, 7d)"), ("tenant", Kind::Str, "only this tenant (\"\" for the operator's own runs); a tenant's token always sees its own")], ..op(Get, "/v1/usage", "usage", "What each tenant used: run-seconds by size, CPU-seconds, egress bytes", Nothing, 200, Json("UsageReport")) },
+        op(Get, "/metrics", "metrics", "Prometheus metrics (text format 0.0.4)", Nothing, 200, OutBytes("text/plain")),
         op(Post, "/v1/config/reload", "reloadConfig", "Read the config file again and apply what can change without a restart", Nothing, 200, Json("ConfigReload")),
         op(Post, "/v1/tenants/{name}/rotate", "rotateTenantToken", "Give a tenant a new token; the old one stops working at once", Nothing, 200, Json("TenantToken")),
         op(Delete, "/v1/drain", "undrain", "Uncordon the node", Nothing, 200, Json("PoolList")),

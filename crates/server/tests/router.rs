@@ -667,6 +667,7 @@ fn app() -> axum::Router {
         token: Arc::from(TOKEN),
         audit: None,
         reload: None,
+        metrics: Default::default(),
     })
 }
 

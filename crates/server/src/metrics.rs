@@ -1,0 +1,323 @@
+//! `GET /metrics`: the daemon's Prometheus metrics, in the Prometheus text
+//! format (prometheus-client's encoder). Root token only on the API
+//! listener; `runbox serve --metrics-listen ADDR` serves the same document
+//! without a token on a listener of its own (loopback unless the operator
+//! says otherwise).
+//!
+//! API requests are counted as they are answered (by route pattern, never
+//! by path, so ids do not make new series); the node's state (runs by
+//! phase, capacity, pools, storage, tenants) is read from the service at
+//! each scrape.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use runbox_core::RunService;
+
+use crate::AppState;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    method: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    image: String,
+    network: String,
+    size: String,
+}
+
+type Latency = Family<RouteLabels, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 0.5 ms to about 16 s.
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+/// The metrics and their registry. Cheap to share behind an `Arc`.
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    latency: Latency,
+    runs: Family<PhaseLabels, Gauge>,
+    capacity_max: Gauge,
+    capacity_live: Gauge,
+    capacity_creating: Gauge,
+    pooled: Gauge,
+    pool_ready: Family<PoolLabels, Gauge>,
+    pool_target: Family<PoolLabels, Gauge>,
+    pool_claims: Family<PoolLabels, Gauge>,
+    storage_used: Gauge,
+    storage_total: Gauge,
+    tenants: Gauge,
+    draining: Gauge,
+    /// Scrapes update the gauges one at a time.
+    scrape: Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    /// A registry with every metric, all zero.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("runbox");
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "api_requests",
+            "API requests answered, by route pattern, method and status",
+            requests.clone(),
+        );
+        let latency: Latency = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "api_request_duration_seconds",
+            "Time from a request to its answer's head (a stream's head, not its end), by route pattern",
+            latency.clone(),
+        );
+        let runs = Family::<PhaseLabels, Gauge>::default();
+        registry.register("runs", "Runs the API shows, by phase", runs.clone());
+        let gauge = |registry: &mut Registry, name: &str, help: &str| {
+            let g = Gauge::default();
+            registry.register(name, help, g.clone());
+            g
+        };
+        let capacity_max = gauge(&mut registry, "capacity_max_runs", "--max-runs");
+        let capacity_live = gauge(
+            &mut registry,
+            "capacity_live_runs",
+            "Runs counted against --max-runs",
+        );
+        let capacity_creating = gauge(
+            &mut registry,
+            "capacity_creating_runs",
+            "Runs being created",
+        );
+        let pooled = gauge(
+            &mut registry,
+            "pooled_runs",
+            "Idle warm pool members, ready or being made",
+        );
+        let pool_ready = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "pool_ready",
+            "Ready members of each warm pool",
+            pool_ready.clone(),
+        );
+        let pool_target = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "pool_target",
+            "Each warm pool's target",
+            pool_target.clone(),
+        );
+        let pool_claims = Family::<PoolLabels, Gauge>::default();
+        registry.register(
+            "pool_claims",
+            "Creates each warm pool served since the daemon started",
+            pool_claims.clone(),
+        );
+        let storage_used = gauge(
+            &mut registry,
+            "storage_used_bytes",
+            "Bytes in use on the run store's filesystem",
+        );
+        let storage_total = gauge(
+            &mut registry,
+            "storage_total_bytes",
+            "Size of the run store's filesystem",
+        );
+        let tenants = gauge(&mut registry, "tenants", "Tenants the node holds");
+        let draining = gauge(&mut registry, "draining", "1 while the node is cordoned");
+        Metrics {
+            registry,
+            requests,
+            latency,
+            runs,
+            capacity_max,
+            capacity_live,
+            capacity_creating,
+            pooled,
+            pool_ready,
+            pool_target,
+            pool_claims,
+            storage_used,
+            storage_total,
+            tenants,
+            draining,
+            scrape: Mutex::new(()),
+        }
+    }
+
+    /// Counts one answered request.
+    pub fn observe(&self, route: &str, method: &str, status: u16, seconds: f64) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_owned(),
+                method: method.to_owned(),
+                status,
+            })
+            .inc();
+        self.latency
+            .get_or_create(&RouteLabels {
+                route: route.to_owned(),
+            })
+            .observe(seconds);
+    }
+
+    /// The document, with the node's state read from `service` now.
+    pub fn render<S: RunService>(&self, service: &S) -> String {
+        let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
+        let info = service.info();
+        self.runs.clear();
+        for run in service.list() {
+            self.runs
+                .get_or_create(&PhaseLabels {
+                    phase: serde_json::to_value(run.status)
+                        .ok()
+                        .and_then(|v| v.as_str().map(str::to_owned))
+                        .unwrap_or_default(),
+                })
+                .inc();
+        }
+        let set = |g: &Gauge, v: u64| {
+            g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        };
+        set(&self.capacity_max, info.capacity.max as u64);
+        set(&self.capacity_live, info.capacity.live as u64);
+        set(&self.capacity_creating, info.capacity.creating as u64);
+        set(&self.pooled, info.capacity.pooled as u64);
+        self.pool_ready.clear();
+        self.pool_target.clear();
+        self.pool_claims.clear();
+        for pool in &info.pools {
+            let labels = PoolLabels {
+                image: pool.image.clone(),
+                network: pool.network.as_str().to_owned(),
+                size: pool.size.as_str().to_owned(),
+            };
+            set(&self.pool_ready.get_or_create(&labels), pool.ready.into());
+            set(&self.pool_target.get_or_create(&labels), pool.target.into());
+            set(&self.pool_claims.get_or_create(&labels), pool.claims);
+        }
+        if let Some(storage) = info.storage {
+            set(&self.storage_used, storage.used_bytes);
+            set(&self.storage_total, storage.total_bytes);
+        }
+        set(&self.tenants, service.tenants().list().len() as u64);
+        set(&self.draining, u64::from(info.draining));
+        let mut out = String::new();
+        if let Err(e) =
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry)
+        {
+            tracing::error!(error = %e, "encoding the metrics failed");
+        }
+        out
+    }
+}
+
+/// The answer to a scrape.
+fn document<S: RunService>(state: &AppState<S>) -> Response {
+    let body = state.metrics.render(&state.service);
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+        )],
+        body,
+    )
+        .into_response()
+}
+
+/// `GET /metrics` on the API listener (root token: see `auth::rule`).
+pub async fn scrape<S: RunService>(State(state): State<AppState<S>>) -> Response {
+    document(&state)
+}
+
+/// Counts every answered API request by its route pattern.
+pub(crate) async fn count<S: RunService>(
+    State(state): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let method = request.method().as_str().to_owned();
+    let started = Instant::now();
+    let response = next.run(request).await;
+    state.metrics.observe(
+        &route,
+        &method,
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
+    response
+}
+
+/// The router of `--metrics-listen`: `GET /metrics` with no token, and
+/// nothing else.
+pub fn metrics_router<S: RunService>(state: AppState<S>) -> axum::Router {
+    let state = Arc::new(state);
+    axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let state = state.clone();
+            async move { document(&state) }
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_are_counted_by_route_pattern() {
+        let metrics = Metrics::new();
+        metrics.observe("/v1/runs/{id}", "GET", 404, 0.002);
+        metrics.observe("/v1/runs/{id}", "GET", 404, 0.004);
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &metrics.registry).unwrap();
+        assert!(
+            out.contains(
+                "runbox_api_requests_total{route=\"/v1/runs/{id}\",method=\"GET\",status=\"404\"} 2"
+            ),
+            "{out}"
+        );
+        assert!(
+            out.contains("runbox_api_request_duration_seconds_count{route=\"/v1/runs/{id}\"} 2")
+        );
+        assert!(
+            out.contains("# TYPE runbox_capacity_max_runs gauge"),
+            "{out}"
+        );
+    }
+}
