@@ -8,21 +8,17 @@ use std::path::Path;
 
 /// Writes `value` as pretty JSON to `path` that way.
 pub(crate) fn write_json(path: &Path, value: &impl serde::Serialize) -> io::Result<()> {
-    let bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
-    let aside = path.with_extension("json.new");
-    let mut file = fs::File::create(&aside)?;
-    file.write_all(&bytes)?;
-    file.sync_all()?;
-    fs::rename(&aside, path)?;
-    match path.parent() {
-        Some(dir) => sync_dir(dir),
-        None => Ok(()),
-    }
+    write_json_mode(path, value, 0o666)
 }
 
 /// As [`write_json`], but the file is readable by its owner only (mode
 /// 0600).
 pub(crate) fn write_json_private(path: &Path, value: &impl serde::Serialize) -> io::Result<()> {
+    write_json_mode(path, value, 0o600)
+}
+
+/// [`write_json`] with the file created with `mode` (less the umask).
+fn write_json_mode(path: &Path, value: &impl serde::Serialize, mode: u32) -> io::Result<()> {
     use std::os::unix::fs::OpenOptionsExt;
     let bytes = serde_json::to_vec_pretty(value).map_err(io::Error::other)?;
     let aside = path.with_extension("json.new");
@@ -30,7 +26,7 @@ pub(crate) fn write_json_private(path: &Path, value: &impl serde::Serialize) -> 
         .write(true)
         .create(true)
         .truncate(true)
-        .mode(0o600)
+        .mode(mode)
         .open(&aside)?;
     file.write_all(&bytes)?;
     file.sync_all()?;
