@@ -53,6 +53,11 @@ pub trait RunService: Clone + Send + Sync + 'static {
         idempotency_key: Option<String>,
         owner: crate::tenants::Owner,
     ) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// The tenant run `id` is stamped with (None: the operator's), for
+    /// access checks: no more than that is read.
+    fn tenant_of(&self, id: Ulid) -> Result<Option<String>, CoreError> {
+        self.get(id).map(|run| run.tenant)
+    }
     /// The tenant set.
     fn tenants(&self) -> Arc<dyn crate::tenants::TenantStore>;
     /// Live runs counted against each tenant's `maxRuns`.
@@ -353,6 +358,12 @@ impl RunService for Arc<Manager> {
         owner: crate::tenants::Owner,
     ) -> Result<Run, CoreError> {
         Manager::create(self, req, idempotency_key, owner).await
+    }
+
+    fn tenant_of(&self, id: Ulid) -> Result<Option<String>, CoreError> {
+        // The record's stamp, without the disk and egress readings a view
+        // of the run takes.
+        Ok(self.handle(id)?.snapshot().record.tenant.clone())
     }
 
     fn tenants(&self) -> Arc<dyn crate::tenants::TenantStore> {

@@ -242,8 +242,8 @@ pub(crate) fn admit<S: RunService>(
         (Caller::Tenant(t), Rule::Run | Rule::RunOwner) => match named_run(path) {
             // A malformed id: the handler says so.
             None => Ok(()),
-            Some(id) => match state.service.get(id) {
-                Ok(run) if run.tenant.as_deref() == Some(t.name.as_str()) => Ok(()),
+            Some(id) => match state.service.tenant_of(id) {
+                Ok(stamp) if stamp.as_deref() == Some(t.name.as_str()) => Ok(()),
                 // Another tenant's run is as absent as one that never was.
                 _ => Err(runbox_core::CoreError::RunNotFound(id).into()),
             },

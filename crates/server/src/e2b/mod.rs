@@ -368,8 +368,8 @@ pub(crate) async fn require_api_key<S: RunService>(
     if let (Some(tenant), Some(id)) = (caller.tenant(), path_sandbox(request.uri().path())) {
         let owned = state
             .service
-            .get(id)
-            .is_ok_and(|run| run.tenant.as_deref() == Some(tenant));
+            .tenant_of(id)
+            .is_ok_and(|stamp| stamp.as_deref() == Some(tenant));
         if !owned {
             return envd_error(StatusCode::NOT_FOUND, format!("sandbox {id} was not found"));
         }
@@ -405,8 +405,8 @@ async fn require_access<S: RunService>(
             Some(crate::auth::Caller::Run(run)) => run == id,
             Some(crate::auth::Caller::Tenant(t)) => state
                 .service
-                .get(id)
-                .is_ok_and(|run| run.tenant.as_deref() == Some(t.name.as_str())),
+                .tenant_of(id)
+                .is_ok_and(|stamp| stamp.as_deref() == Some(t.name.as_str())),
             None => false,
         };
         if !ok {
