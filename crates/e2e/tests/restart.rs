@@ -88,7 +88,10 @@ async fn kill9_then_restart_readopts_live_runs_and_boots_dead_ones_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_the_daemon_despite_open_streams_and_runs_survive() {
-    let mut daemon = TestDaemon::start(None).await;
+    // The exec stream below never ends on its own, so the daemon stops at
+    // the end of its grace period; a short one keeps the test well inside
+    // its own deadline.
+    let mut daemon = TestDaemon::start_with(None, &["--shutdown-grace-sec", "2"], &[]).await;
     let id = daemon.create().await.id.to_string();
     let req = runbox_types::ExecRequest {
         cmd: vec!["sleep".into(), "1000".into()],
