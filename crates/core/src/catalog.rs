@@ -36,7 +36,7 @@ impl Manager {
             return Ok(());
         }
         let images = self.images.clone();
-        let server = self.config.server_id.clone();
+        let server = self.config().server_id.clone();
         let name = wanted.to_owned();
         let stored = tokio::task::spawn_blocking(move || {
             images
@@ -152,7 +152,7 @@ impl Manager {
         let base = crate::images::default_name(reference);
         if self
             .images
-            .get(&base, &self.config.server_id, false)
+            .get(&base, &self.config().server_id, false)
             .is_err()
         {
             return base;
@@ -194,7 +194,7 @@ impl Manager {
         let tenant = record.tenant.clone();
         if self
             .images
-            .get(&name, &self.config.server_id, false)
+            .get(&name, &self.config().server_id, false)
             .is_ok()
         {
             return Err(CoreError::Conflict {
@@ -218,7 +218,7 @@ impl Manager {
                 }
             };
             let images = manager.images.clone();
-            let server = manager.config.server_id.clone();
+            let server = manager.config().server_id.clone();
             let base = crate::images::SnapshotBase {
                 parent: record.image.clone(),
                 config: images
@@ -310,7 +310,11 @@ impl Manager {
         let layer = ulid::Ulid::new();
         let size = self.lane.keep_layer(capture, layer).await?;
         let (images, lane) = (self.images.clone(), self.lane.clone());
-        let (name, base, server) = (name.to_owned(), base.clone(), self.config.server_id.clone());
+        let (name, base, server) = (
+            name.to_owned(),
+            base.clone(),
+            self.config().server_id.clone(),
+        );
         tokio::task::spawn_blocking(move || {
             let recorded = images.record_local_snapshot(&name, &base, layer, size, &server);
             if recorded.is_err() {
@@ -366,8 +370,8 @@ impl Manager {
         reader: impl std::io::Read + Send + 'static,
     ) -> Result<Image, CoreError> {
         let images = self.images.clone();
-        let max = self.config.max_image_bytes;
-        let server = self.config.server_id.clone();
+        let max = self.config().max_image_bytes;
+        let server = self.config().server_id.clone();
         tokio::task::spawn_blocking(move || images.import(&name, reader, max, &server))
             .await
             .map_err(|e| CoreError::Store(format!("image import task failed: {e}")))?
@@ -390,7 +394,7 @@ impl Manager {
         // `docker pull` does: replaced when the reference moved.
         let again = self
             .images
-            .get(&name, &self.config.server_id, false)
+            .get(&name, &self.config().server_id, false)
             .is_ok();
         let auth = match (req.username, req.password) {
             (Some(username), Some(password)) => {
@@ -429,7 +433,7 @@ impl Manager {
         replace: bool,
     ) -> Result<(Image, bool), CoreError> {
         let opts = runbox_image::pull::PullOptions {
-            insecure_registries: self.config.insecure_registries.clone(),
+            insecure_registries: self.config().insecure_registries.clone(),
             auth,
             ..Default::default()
         };
@@ -457,7 +461,7 @@ impl Manager {
             .map_err(crate::images::pull_error)?;
         let recorded = self
             .images
-            .record_pulled(name, &pulled, &self.config.server_id, replace);
+            .record_pulled(name, &pulled, &self.config().server_id, replace);
         drop(guard);
         let (image, changed) = recorded?;
         if changed {
@@ -485,7 +489,7 @@ impl Manager {
             .clone()
             .unwrap_or_else(|| crate::images::default_name(reference));
         validate::image_name(&name)?;
-        if let Ok(existing) = self.images.get(&name, &self.config.server_id, false) {
+        if let Ok(existing) = self.images.get(&name, &self.config().server_id, false) {
             // The same reference again is a refresh; anything else under
             // that name is another image.
             let same = runbox_image::pull::normalise(reference)
@@ -505,12 +509,12 @@ impl Manager {
 
     /// Every image.
     pub fn list_images(&self) -> Result<Vec<Image>, CoreError> {
-        self.images.list(&self.config.server_id)
+        self.images.list(&self.config().server_id)
     }
 
     /// One image, with its config document.
     pub fn get_image(&self, name: &str) -> Result<Image, CoreError> {
-        self.images.get(name, &self.config.server_id, true)
+        self.images.get(name, &self.config().server_id, true)
     }
 
     /// Removes an image no run uses.

@@ -348,7 +348,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
 
 impl RunService for Arc<Manager> {
     fn server_id(&self) -> &str {
-        &self.config().server_id
+        &self.server_id
     }
 
     async fn create(

@@ -695,7 +695,7 @@ impl RunActor {
         let mut running = self.record.clone();
         running.status = RunStatus::Running;
         let (ready, stored) = tokio::join!(
-            super::wait_ready(agent.clone(), context.config.agent_ready_timeout),
+            super::wait_ready(agent.clone(), context.config().agent_ready_timeout),
             context.store.put_async(running),
         );
         let protocol = ready.map_err(|e| {
@@ -834,7 +834,7 @@ impl RunActor {
     /// when it never does (policy `none`, a lane that cannot),
     /// `Some(Some(why))` when its budget is spent; None to restart.
     fn restart_refusal(&mut self) -> Option<Option<String>> {
-        if self.context.config.restart_policy == RestartPolicy::None
+        if self.context.config().restart_policy == RestartPolicy::None
             || !self.context.lane.capabilities().hibernate.yes()
         {
             return Some(None);
@@ -912,7 +912,7 @@ impl RunActor {
             let endpoint = sandbox.agent();
             let agent = endpoint.client();
             let protocol =
-                super::wait_ready(agent.clone(), self.context.config.agent_ready_timeout)
+                super::wait_ready(agent.clone(), self.context.config().agent_ready_timeout)
                     .await
                     .map_err(|e| {
                         CoreError::Agent(format!("the booted run's agent did not answer: {e}"))
@@ -1128,7 +1128,7 @@ impl RunActor {
         self.note(UsageKind::Restore);
         self.record.archived_at = None;
         let ttl = match self.record.ttl_sec {
-            0 => self.context.config.default_ttl,
+            0 => self.context.config().default_ttl,
             secs => Duration::from_secs(secs),
         };
         self.record.expired = false;
@@ -1150,7 +1150,7 @@ impl RunActor {
     fn refresh_expiry(&mut self) {
         if self.record.expired {
             let ttl = match self.record.ttl_sec {
-                0 => self.context.config.default_ttl,
+                0 => self.context.config().default_ttl,
                 secs => Duration::from_secs(secs),
             };
             self.record.expired = false;
@@ -1163,12 +1163,12 @@ impl RunActor {
     /// open on the run (or its proxy has a request in flight) it is not
     /// idle, and the clock is looked at again each second.
     fn idle_step(&self) -> Option<(tokio::time::Instant, IdleStep)> {
-        if self.phase == Phase::Hibernated && self.context.config.checkpoints.is_some() {
+        if self.phase == Phase::Hibernated && self.context.config().checkpoints.is_some() {
             // Archived after `--archive-after-sec` asleep, or at once when
             // its TTL asked for an archive that has not happened yet.
             let after = match (self.record.on_expire, self.record.expired) {
                 (runbox_types::OnExpire::Archive, true) => Some(Duration::ZERO),
-                _ => self.context.config.archive_after,
+                _ => self.context.config().archive_after,
             };
             if let Some(after) = after {
                 let mut at = self.handle.activity.since() + after;
@@ -1437,11 +1437,11 @@ impl RunActor {
             return;
         }
         let retention = if archive {
-            self.context.config.archive_retention
+            self.context.config().archive_retention
         } else if hibernate {
-            self.context.config.hibernated_retention
+            self.context.config().hibernated_retention
         } else {
-            self.context.config.paused_retention
+            self.context.config().paused_retention
         };
         let before = (self.record.expires_at, self.record.expired);
         self.record.expired = true;
@@ -1499,7 +1499,7 @@ impl RunActor {
         if let Some((agent, PROTOCOL_UNKNOWN)) = &self.agent {
             let agent = agent.clone();
             let protocol =
-                super::wait_ready(agent.clone(), self.context.config.agent_ready_timeout)
+                super::wait_ready(agent.clone(), self.context.config().agent_ready_timeout)
                     .await
                     .map_err(|e| {
                         CoreError::Agent(format!("the resumed run's agent did not answer: {e}"))
@@ -1679,7 +1679,7 @@ impl RunActor {
             }
         }
         if self.record.archived_at.is_some() {
-            if let Some(store) = &self.context.config.checkpoints {
+            if let Some(store) = &self.context.config().checkpoints {
                 match store.delete(id).await {
                     Ok(()) => {}
                     Err(e) if e.code() == ErrorCode::CheckpointNotFound => {}

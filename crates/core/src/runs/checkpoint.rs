@@ -30,7 +30,7 @@ const LAYER_MEDIA_TYPE: &str = "application/vnd.oci.image.layer.v1.tar+zstd";
 
 impl Manager {
     /// The checkpoint store.
-    pub(crate) fn checkpoint_store(&self) -> Result<&Arc<CheckpointStore>, CoreError> {
+    pub(crate) fn checkpoint_store(&self) -> Result<Arc<CheckpointStore>, CoreError> {
         self.context.checkpoint_store()
     }
 
@@ -38,7 +38,7 @@ impl Manager {
     /// server's TTL.
     fn shown(&self, mut checkpoint: Checkpoint) -> Checkpoint {
         checkpoint.expires_at = self
-            .config
+            .config()
             .checkpoint_ttl
             .map(|ttl| checkpoint.created_at + ttl);
         checkpoint
@@ -192,7 +192,7 @@ impl Manager {
         // One restore at a time: two creates from one checkpoint download
         // it once.
         let _restoring = self.context.restore_lock.lock().await;
-        if let Ok(existing) = self.images.get(&name, &self.config.server_id, false) {
+        if let Ok(existing) = self.images.get(&name, &self.config().server_id, false) {
             if existing.source == format!("checkpoint:{}", record.id) {
                 return Ok(name);
             }
@@ -241,11 +241,11 @@ impl Manager {
     /// Runs a sweep of the checkpoint store now; see
     /// [`CheckpointStore::sweep`].
     pub(crate) async fn sweep_checkpoints(&self) {
-        let Some(store) = self.config.checkpoints.clone() else {
+        let Some(store) = self.config().checkpoints.clone() else {
             return;
         };
         match store
-            .sweep(OffsetDateTime::now_utc(), self.config.checkpoint_ttl)
+            .sweep(OffsetDateTime::now_utc(), self.config().checkpoint_ttl)
             .await
         {
             Ok(swept) if swept.expired + swept.orphans > 0 => {
@@ -264,7 +264,7 @@ impl Manager {
 
     /// Sweeps the checkpoint store now and every hour.
     pub(crate) fn spawn_checkpoint_sweep(self: &Arc<Self>) {
-        if self.config.checkpoints.is_none() {
+        if self.config().checkpoints.is_none() {
             return;
         }
         let weak = Arc::downgrade(self);
@@ -283,8 +283,8 @@ impl Manager {
 
 impl super::RunContext {
     /// The checkpoint store, or why there is none.
-    pub(crate) fn checkpoint_store(&self) -> Result<&Arc<CheckpointStore>, CoreError> {
-        self.config.checkpoints.as_ref().ok_or_else(|| {
+    pub(crate) fn checkpoint_store(&self) -> Result<Arc<CheckpointStore>, CoreError> {
+        self.config().checkpoints.clone().ok_or_else(|| {
             CoreError::invalid(
                 ErrorCode::BadRequest,
                 "this server has no checkpoint store (--checkpoint-store)",
@@ -406,7 +406,7 @@ impl super::RunContext {
             stored_bytes: 0,
             disk_bytes: disk.tar_bytes,
             labels,
-            server: self.config.server_id.clone(),
+            server: self.config().server_id.clone(),
             tenant: record.tenant.clone(),
         };
         // A commit that failed may or may not have landed: one that did is

@@ -36,7 +36,7 @@ impl Manager {
         id: Ulid,
         req: ForkRequest,
     ) -> Result<ForkResponse, CoreError> {
-        let max = self.config.max_fork_count;
+        let max = self.config().max_fork_count;
         if req.count == 0 || req.count > max {
             return Err(CoreError::invalid(
                 ErrorCode::BadRequest,
@@ -46,11 +46,15 @@ impl Manager {
                 ),
             ));
         }
-        let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
+        let ttl = validate::ttl(
+            req.ttl_sec,
+            self.config().default_ttl,
+            self.config().max_ttl,
+        )?;
         let parent = (*self.admit(id, Access::Open).await?.record).clone();
         let count = req.count;
-        if self.capacity_used() + count > self.config.max_runs {
-            return Err(CoreError::Capacity(self.config.max_runs));
+        if self.capacity_used() + count > self.config().max_runs {
+            return Err(CoreError::Capacity(self.config().max_runs));
         }
         let owner = self.context.owner_of(parent.tenant.as_deref());
         super::check_quota(&self.registry(), &owner, count)?;
@@ -87,7 +91,7 @@ impl Manager {
         let image_layers = tokio::task::spawn_blocking(move || images.layer_dirs(&layers))
             .await
             .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
-        let trust_pem = match &self.config.egress {
+        let trust_pem = match &self.config().egress {
             Some(config) if !parent.egress.secrets.is_empty() => Some(config.ca_pem()),
             _ => None,
         };
@@ -103,8 +107,8 @@ impl Manager {
         let mut answers = Vec::with_capacity(count);
         {
             let mut registry = self.registry();
-            if super::counted(&registry) + count > self.config.max_runs {
-                return Err(CoreError::Capacity(self.config.max_runs));
+            if super::counted(&registry) + count > self.config().max_runs {
+                return Err(CoreError::Capacity(self.config().max_runs));
             }
             let owner = self.context.owner_of(parent.tenant.as_deref());
             super::check_quota(&registry, &owner, count)?;

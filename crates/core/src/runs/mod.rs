@@ -38,6 +38,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use runbox_agent_proto::pb;
 use runbox_agent_proto::AgentClient;
 use runbox_types::{
@@ -74,7 +75,10 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// The run manager. Cheap to share (`Arc<Manager>`).
 pub struct Manager {
-    pub(crate) config: Arc<Config>,
+    /// The settings, swapped whole by [`Manager::reconfigure`].
+    pub(crate) config: Arc<ArcSwap<Config>>,
+    /// This node's id ([`Config::server_id`]), fixed at start.
+    pub(crate) server_id: String,
     pub(crate) lane: Arc<dyn Lane>,
     pub(crate) store: Store,
     pub(crate) images: ImageStore,
@@ -106,7 +110,7 @@ pub struct Manager {
 /// leaves once its run is destroyed. An owner never calls back into the
 /// [`Manager`].
 pub(crate) struct RunContext {
-    pub config: Arc<Config>,
+    config: Arc<ArcSwap<Config>>,
     pub lane: Arc<dyn Lane>,
     pub store: Store,
     pub budget: Arc<Semaphore>,
@@ -139,12 +143,18 @@ impl Drop for Slot {
 }
 
 impl RunContext {
+    /// The settings as they are now. A reload may swap them between two
+    /// calls, so read once what must agree.
+    pub(crate) fn config(&self) -> arc_swap::Guard<Arc<Config>> {
+        self.config.load()
+    }
+
     /// Takes a capacity slot for waking the hibernated run of `handle`, or
     /// refuses with 429 when there is none.
     pub(crate) fn take_slot(&self, handle: &Arc<RunHandle>) -> Result<Slot, CoreError> {
         let registry = lock(&self.registry);
-        if counted(&registry) >= self.config.max_runs {
-            return Err(CoreError::Capacity(self.config.max_runs));
+        if counted(&registry) >= self.config().max_runs {
+            return Err(CoreError::Capacity(self.config().max_runs));
         }
         let owner = self.owner_of(handle.tenant().as_deref());
         check_quota(&registry, &owner, 1)?;
@@ -182,7 +192,7 @@ impl RunContext {
         };
         // As at create: runs with secrets, and allowlist pool members
         // (whose claim may have brought some), trust the interception CA.
-        let trust_pem = match &self.config.egress {
+        let trust_pem = match &self.config().egress {
             Some(config)
                 if record.network == NetworkTier::Allowlist
                     && (!record.egress.secrets.is_empty() || record.pool.is_some()) =>
@@ -212,7 +222,7 @@ impl RunContext {
 
     /// The API view of a run: its record plus live counters.
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
-        let mut run = handle.snapshot().record.to_run(&self.config.server_id);
+        let mut run = handle.snapshot().record.to_run(&self.config().server_id);
         run.egress = handle.egress().map(|meter| meter.stats());
         run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
         run
@@ -229,7 +239,7 @@ impl RunContext {
         if record.network != NetworkTier::Allowlist {
             return Ok(());
         }
-        let config = self.config.egress.as_ref().ok_or_else(|| {
+        let config = self.config().egress.clone().ok_or_else(|| {
             CoreError::invalid(
                 ErrorCode::NetworkUnsupported,
                 "this server has no egress proxy; use network \"none\"",
@@ -249,6 +259,19 @@ impl RunContext {
 }
 
 impl Manager {
+    /// The settings as they are now (see [`Manager::reconfigure`]).
+    pub fn config(&self) -> Arc<Config> {
+        self.config.load_full()
+    }
+
+    /// Replaces the settings with what `update` makes of them, all at once:
+    /// every request after it reads the new ones, none sees half of them.
+    /// What is read only at start (the lane, the stores, the pools' budget)
+    /// does not change; the caller says which settings those are.
+    pub fn reconfigure(&self, update: impl Fn(&Config) -> Config) {
+        self.config.rcu(|current| update(current));
+    }
+
     /// Builds a manager and reconciles stored runs with what is alive: live
     /// runs are re-adopted, everything else is destroyed.
     pub async fn start(
@@ -276,7 +299,7 @@ impl Manager {
         };
         let decay = config.pool_decay;
         let context = Arc::new(RunContext {
-            config: Arc::new(config),
+            config: Arc::new(ArcSwap::from_pointee(config)),
             lane,
             store,
             budget: Arc::new(Semaphore::new(budget)),
@@ -291,6 +314,7 @@ impl Manager {
         });
         let manager = Arc::new(Manager {
             config: context.config.clone(),
+            server_id: context.config().server_id.clone(),
             lane: context.lane.clone(),
             store: context.store.clone(),
             images,
@@ -333,11 +357,6 @@ impl Manager {
             );
         }
         Ok(manager)
-    }
-
-    /// The settings in force.
-    pub fn config(&self) -> &Config {
-        &self.config
     }
 
     /// The lane's name.
@@ -437,11 +456,15 @@ impl Manager {
         let limits = validate::create_limits(
             req.size,
             req.limits.as_ref(),
-            &self.config.default_limits,
-            &self.config.max_limits,
+            &self.config().default_limits,
+            &self.config().max_limits,
         )?;
-        let ttl = validate::ttl(req.ttl_sec, self.config.default_ttl, self.config.max_ttl)?;
-        let idle = validate::idle(req.idle, self.config.idle)?;
+        let ttl = validate::ttl(
+            req.ttl_sec,
+            self.config().default_ttl,
+            self.config().max_ttl,
+        )?;
+        let idle = validate::idle(req.idle, self.config().idle)?;
         self.check_sleep(idle, req.on_expire)?;
         if limits.disk_mb.is_some() {
             if let Err(why) = self.lane.capabilities().disk_limit.check() {
@@ -463,7 +486,7 @@ impl Manager {
             ));
         }
         let egress = egress::check_request(
-            self.config.egress.as_deref(),
+            self.config().egress.as_deref(),
             network,
             req.egress_allow.as_deref(),
             req.secrets.as_deref(),
@@ -557,7 +580,7 @@ impl Manager {
             network: record.network,
             // Only runs with secrets get TLS intercepted, so only they need
             // to trust the interception CA.
-            trust_pem: match &self.config.egress {
+            trust_pem: match &self.config().egress {
                 Some(config) if !record.egress.secrets.is_empty() => Some(config.ca_pem()),
                 _ => None,
             },
@@ -576,8 +599,8 @@ impl Manager {
             {
                 Some(earlier) => Err(earlier),
                 None => {
-                    if counted(&registry) >= self.config.max_runs {
-                        return Err(CoreError::Capacity(self.config.max_runs));
+                    if counted(&registry) >= self.config().max_runs {
+                        return Err(CoreError::Capacity(self.config().max_runs));
                     }
                     self.context.admit_owner(&registry, &owner, 1)?;
                     Ok(self.spawn_creating(&mut registry, record, spec))
@@ -614,7 +637,7 @@ impl Manager {
             }
         }
         let archive = on_expire == Some(runbox_types::OnExpire::Archive);
-        if archive && self.config.checkpoints.is_none() {
+        if archive && self.config().checkpoints.is_none() {
             return Err(CoreError::invalid(
                 ErrorCode::BadRequest,
                 "onExpire \"archive\" needs a checkpoint store (--checkpoint-store)",
@@ -786,7 +809,11 @@ impl Manager {
 
     /// Sets a run's expiry to now + `ttl_sec` (capped by the server maximum).
     pub async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {
-        let ttl = validate::ttl(Some(ttl_sec), self.config.default_ttl, self.config.max_ttl)?;
+        let ttl = validate::ttl(
+            Some(ttl_sec),
+            self.config().default_ttl,
+            self.config().max_ttl,
+        )?;
         let handle = self.handle(id)?;
         handle.ask(|reply| Command::Renew { ttl, reply }).await?;
         Ok(self.view(&handle))

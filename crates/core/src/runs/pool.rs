@@ -68,14 +68,14 @@ impl Manager {
                         key.network.as_str()
                     )
                 })?;
-            if key.network == NetworkTier::Allowlist && self.config.egress.is_none() {
+            if key.network == NetworkTier::Allowlist && self.config().egress.is_none() {
                 return Err("network allowlist needs the egress proxy, which is off".into());
             }
             validate::create_limits(
                 Some(key.size),
                 None,
-                &self.config.default_limits,
-                &self.config.max_limits,
+                &self.config().default_limits,
+                &self.config().max_limits,
             )
             .map(|_| ())
             .map_err(|e| e.to_string())
@@ -85,7 +85,7 @@ impl Manager {
 
     /// Applies the configured pools and starts the controller.
     pub(crate) fn start_pools(self: &Arc<Self>) -> Result<(), CoreError> {
-        let configs = self.check_pools(&self.config.pools)?;
+        let configs = self.check_pools(&self.config().pools)?;
         if !configs.is_empty() {
             tracing::info!(pools = configs.len(), "warm pools configured");
         }
@@ -118,8 +118,8 @@ impl Manager {
                         if !pools.has(key) {
                             return Ok(None);
                         }
-                        if counted(&registry) >= self.config.max_runs {
-                            return Err(CoreError::Capacity(self.config.max_runs));
+                        if counted(&registry) >= self.config().max_runs {
+                            return Err(CoreError::Capacity(self.config().max_runs));
                         }
                         self.context.admit_owner(&registry, owner, 1)?;
                         let mut taken = Taken::Empty;
@@ -180,8 +180,8 @@ impl Manager {
         let limits = validate::create_limits(
             Some(key.size),
             None,
-            &self.config.default_limits,
-            &self.config.max_limits,
+            &self.config().default_limits,
+            &self.config().max_limits,
         )?;
         if limits.disk_mb.is_some() {
             if let Err(why) = self.lane.capabilities().disk_limit.check() {
@@ -209,7 +209,7 @@ impl Manager {
             env: Env::default(),
             created_at: now,
             // Idle members live until claimed; a day-old one is remade.
-            expires_at: now + self.config.max_ttl,
+            expires_at: now + self.config().max_ttl,
             status: RunStatus::Creating,
             runtime: String::new(),
             agent_socket: Default::default(),
@@ -245,7 +245,7 @@ impl Manager {
             network: key.network,
             // Any claim of an allowlist member may bring secrets, so every
             // one trusts the interception CA (unused without them).
-            trust_pem: match (&self.config.egress, key.network) {
+            trust_pem: match (&self.config().egress, key.network) {
                 (Some(config), NetworkTier::Allowlist) => Some(config.ca_pem()),
                 _ => None,
             },
@@ -452,7 +452,7 @@ impl Manager {
     /// pools file), then applies it; pools left out drain.
     pub async fn set_pools(&self, set: PoolSet) -> Result<PoolList, CoreError> {
         let configs = self.check_pools(&set)?;
-        if let Some(path) = self.config.pools_file.clone() {
+        if let Some(path) = self.config().pools_file.clone() {
             let canonical = PoolSet {
                 pools: configs.iter().map(PoolConfig::to_spec).collect(),
             };
@@ -487,11 +487,11 @@ impl Manager {
         };
         let pools = lock(&self.pools);
         Info {
-            server: self.config.server_id.clone(),
+            server: self.config().server_id.clone(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
             runtime: self.lane.name(),
             capacity: runbox_types::Capacity {
-                max: self.config.max_runs,
+                max: self.config().max_runs,
                 live,
                 creating,
                 pooled: pools.idle(),

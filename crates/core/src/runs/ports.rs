@@ -33,7 +33,7 @@ fn port_of(port: u32) -> Result<u16, CoreError> {
 impl Manager {
     /// Mints a preview URL for `req.port` of run `id`.
     pub async fn mint_preview(&self, id: Ulid, req: PreviewRequest) -> Result<Preview, CoreError> {
-        let Some(preview) = &self.config.preview else {
+        let Some(preview) = &self.config().preview else {
             return Err(CoreError::invalid(
                 ErrorCode::PreviewDisabled,
                 "this server has no preview listener; start it with --preview-listen ADDR",
@@ -72,7 +72,7 @@ impl Manager {
 
     /// Checks a preview token.
     pub fn verify_preview(&self, token: &str) -> Result<Grant, CoreError> {
-        let Some(preview) = &self.config.preview else {
+        let Some(preview) = &self.config().preview else {
             return Err(CoreError::invalid(
                 ErrorCode::PreviewDisabled,
                 "this server has no preview listener",

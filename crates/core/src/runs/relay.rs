@@ -169,12 +169,12 @@ impl Manager {
                     "timeoutSec must be at least 1",
                 ))
             }
-            Some(secs) if secs > self.config.max_ttl.as_secs() => {
+            Some(secs) if secs > self.config().max_ttl.as_secs() => {
                 return Err(CoreError::invalid(
                     ErrorCode::BadRequest,
                     format!(
                         "timeoutSec must be at most {}",
-                        self.config.max_ttl.as_secs()
+                        self.config().max_ttl.as_secs()
                     ),
                 ))
             }
@@ -233,7 +233,7 @@ impl Manager {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect());
         let egress_env = egress::run_env(
-            self.config.egress.as_deref(),
+            self.config().egress.as_deref(),
             record.network,
             &record.egress,
         );
@@ -387,7 +387,7 @@ impl Manager {
         let path = scope.agent_path(Some(path), false)?;
         let user = user.map(validate::user).transpose()?;
         let xattrs = scope.metadata_xattrs(metadata)?;
-        let max = self.config.max_upload_bytes;
+        let max = self.config().max_upload_bytes;
         if content_length.is_some_and(|len| len > max) {
             return Err(too_large(max));
         }

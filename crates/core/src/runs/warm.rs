@@ -195,7 +195,7 @@ impl Manager {
     /// Starts the maintenance tick that evicts from the warm cache (when
     /// there is one). It holds the manager weakly and ends with it.
     pub(crate) fn spawn_warm_tick(self: &Arc<Self>) {
-        let (Some(_), Some(config)) = (&self.warm, &self.config.warm_cache) else {
+        let (Some(_), Some(config)) = (&self.warm, &self.config().warm_cache) else {
             return;
         };
         let every = config.tick;
