@@ -162,16 +162,43 @@ fn flag_args(flag: &str, action: &ArgAction, value: &toml::Value) -> Result<Vec<
     }
 }
 
+/// `table` with every key spelt with `_` (`max-runs` and `max_runs` are
+/// one key; [`merge`] refuses a file with both).
+pub fn normalized(table: &Table) -> Table {
+    table
+        .iter()
+        .map(|(k, v)| (k.replace('-', "_"), v.clone()))
+        .collect()
+}
+
+/// The keys of `table` whose flag `cli` (what followed `serve`) or its
+/// environment variable sets, so the file's value is not used.
+pub fn overridden_keys(table: &Table, cli: &[OsString]) -> Vec<String> {
+    let cmd = command();
+    let Ok(given) = cmd.clone().try_get_matches_from(cli) else {
+        return Vec::new();
+    };
+    table
+        .keys()
+        .filter(|key| {
+            let flag = key.replace('_', "-");
+            cmd.get_arguments()
+                .find(|a| a.get_long() == Some(flag.as_str()))
+                .is_some_and(|arg| {
+                    matches!(
+                        given.value_source(arg.get_id().as_str()),
+                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                    )
+                })
+        })
+        .map(|key| key.replace('-', "_"))
+        .collect()
+}
+
 /// The keys whose values differ between two readings of the file
 /// (`max-runs` and `max_runs` are one key).
 pub fn changed_keys(old: &Table, new: &Table) -> Vec<String> {
-    let normal = |table: &Table| -> std::collections::BTreeMap<String, toml::Value> {
-        table
-            .iter()
-            .map(|(k, v)| (k.replace('-', "_"), v.clone()))
-            .collect()
-    };
-    let (old, new) = (normal(old), normal(new));
+    let (old, new) = (normalized(old), normalized(new));
     let mut keys: Vec<String> = old
         .keys()
         .chain(new.keys())

@@ -6,9 +6,11 @@
 //! `journalctl -u runbox -p warning` lists the degradations and the stored
 //! message is the JSON object alone.
 //!
-//! The level comes from `RUNBOX_LOG` (then `RUST_LOG`), in `EnvFilter`'s
-//! syntax (`info`, `warn,runbox_core=debug`); one that does not parse is
-//! reported on stderr and the default used, never silently ignored.
+//! The level comes from `RUNBOX_LOG`, else `runbox serve --log-level` (or
+//! the config file's `log_level`, which a reload applies at once), else
+//! `RUST_LOG`, in `EnvFilter`'s syntax (`info`, `warn,runbox_core=debug`);
+//! an environment value that does not parse is reported on stderr and the
+//! default used, never silently ignored.
 //!
 //! The JSON lines are written here rather than by tracing-subscriber's
 //! JSON formatter because that one has no place for the `priority` field
@@ -16,6 +18,7 @@
 
 use std::fmt;
 use std::io::IsTerminal;
+use std::sync::OnceLock;
 
 use serde_json::{Map, Value};
 use tracing::field::{Field, Visit};
@@ -74,22 +77,65 @@ pub fn filter(default: &str) -> EnvFilter {
     EnvFilter::new(default)
 }
 
+/// Swaps the installed logger's filter; set once by [`init`].
+type SetFilter = Box<dyn Fn(EnvFilter) -> Result<(), String> + Send + Sync>;
+static SET_FILTER: OnceLock<SetFilter> = OnceLock::new();
+
 /// Installs the logger: human lines on a terminal, JSON lines otherwise
-/// (with the `<N>` prefix under journald).
+/// (with the `<N>` prefix under journald). Its filter can be changed
+/// later with [`set_level`].
 pub fn init(default: &str) {
     let filter = filter(default);
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = if std::io::stderr().is_terminal() {
-        builder.try_init()
+    let builder = tracing_subscriber::fmt().with_writer(std::io::stderr);
+    if std::io::stderr().is_terminal() {
+        let builder = builder.with_env_filter(filter).with_filter_reloading();
+        let handle = builder.reload_handle();
+        if builder.try_init().is_ok() {
+            let _ = SET_FILTER.set(Box::new(move |f| {
+                handle.reload(f).map_err(|e| e.to_string())
+            }));
+        }
     } else {
-        builder
+        let builder = builder
             .event_format(JsonLines {
                 journal: stderr_is_journal(),
             })
-            .try_init()
+            .with_env_filter(filter)
+            .with_filter_reloading();
+        let handle = builder.reload_handle();
+        if builder.try_init().is_ok() {
+            let _ = SET_FILTER.set(Box::new(move |f| {
+                handle.reload(f).map_err(|e| e.to_string())
+            }));
+        }
+    }
+}
+
+/// Checks a `--log-level` value (clap's value parser).
+pub fn parse_level(value: &str) -> Result<String, String> {
+    EnvFilter::try_new(value)
+        .map(|_| value.to_owned())
+        .map_err(|e| {
+            format!("not a log level ({e}); for example info, debug or warn,runbox_core=debug")
+        })
+}
+
+/// Puts `level` (`--log-level`, checked by [`parse_level`]) in force, or,
+/// when None, what the environment or `default` says. `RUNBOX_LOG` wins
+/// over both: an operator chasing a problem keeps the level they set.
+pub fn set_level(level: Option<&str>, default: &str) {
+    if std::env::var_os(LEVEL_VAR).is_some() {
+        return;
+    }
+    let filter = match level.map(EnvFilter::try_new) {
+        Some(Ok(filter)) => filter,
+        _ => filter(default),
     };
+    if let Some(set) = SET_FILTER.get() {
+        if let Err(e) = set(filter) {
+            tracing::warn!(error = %e, "could not change the log level");
+        }
+    }
 }
 
 /// One JSON object per event: `t`, `level`, `priority`, `target`,

@@ -180,6 +180,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub shutdown_grace_sec: u64,
+    /// The log level, in tracing's filter syntax (`info`, `debug`,
+    /// `warn,runbox_core=debug`); RUNBOX_LOG wins over it [default: info]
+    #[arg(long, value_name = "FILTER", value_parser = crate::logging::parse_level)]
+    pub log_level: Option<String>,
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
@@ -259,6 +263,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => (args, None),
     };
+    if args.log_level.is_some() {
+        crate::logging::set_level(args.log_level.as_deref(), "info");
+    }
     let state_dir = prepare_state_dir(&args.state_dir)?;
     let _lock = lock_state_dir(&state_dir)?;
     if args.teardown {
@@ -320,39 +327,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let lane: Arc<dyn Lane> = Arc::new(oci);
 
     let mut config = Config::new(server_id);
-    config.max_runs = args.max_runs;
-    config.max_fork_count = args.max_fork_count as usize;
-    config.max_limits = runbox_types::Limits {
-        cpus: args.max_cpus,
-        memory_mb: args.max_memory_mb,
-        pids: args.max_pids,
-        disk_mb: (!args.no_disk_limits).then_some(args.max_disk_mb),
-    };
-    // Defaults never exceed the maxima, so a create without limits always fits.
-    config.default_limits = runbox_types::Limits {
-        cpus: config.default_limits.cpus.min(args.max_cpus),
-        memory_mb: config.default_limits.memory_mb.min(args.max_memory_mb),
-        pids: config.default_limits.pids.min(args.max_pids),
-        disk_mb: config
-            .default_limits
-            .disk_mb
-            .zip(config.max_limits.disk_mb)
-            .map(|(d, m)| d.min(m)),
-    };
-    config.max_ttl = Duration::from_secs(args.max_ttl);
-    config.paused_retention = Duration::from_secs(args.paused_retention_sec);
-    config.hibernated_retention = Duration::from_secs(args.hibernated_retention_sec);
-    config.idle = runbox_types::IdlePolicy {
-        pause_after_sec: (args.idle_pause_sec > 0).then_some(args.idle_pause_sec),
-        hibernate_after_sec: (args.idle_hibernate_sec > 0).then_some(args.idle_hibernate_sec),
-    };
-    config.restart_policy = match args.restart_policy {
-        RestartPolicyArg::Cold => runbox_core::config::RestartPolicy::Cold,
-        RestartPolicyArg::None => runbox_core::config::RestartPolicy::None,
-    };
-    config.default_ttl = config.default_ttl.min(config.max_ttl);
-    config.max_upload_bytes = args.max_upload_bytes;
-    config.insecure_registries = args.insecure_registries.clone();
+    config.max_limits.disk_mb = (!args.no_disk_limits).then_some(args.max_disk_mb);
+    let mut config = live_settings(&config, &args);
     config.warm_cache = warm_cache_config(&args, &state_dir)?;
     let checkpoint_store = match &args.checkpoint_store {
         Some(location) => location.clone(),
@@ -362,11 +338,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--checkpoint-store: {e}"))?;
     tracing::info!(store = checkpoints.location(), "checkpoint store");
     config.checkpoints = Some(std::sync::Arc::new(checkpoints));
-    config.archive_after =
-        (args.archive_after_sec > 0).then(|| Duration::from_secs(args.archive_after_sec));
-    config.archive_retention = Duration::from_secs(args.archive_delete_after_sec);
-    config.checkpoint_ttl = (args.checkpoint_ttl_hours > 0)
-        .then(|| Duration::from_secs(args.checkpoint_ttl_hours * 3600));
     let pools_file = state_dir.join(POOLS_FILE);
     config.pools = load_pools(args.pools.as_deref(), &pools_file)?;
     config.pools_file = Some(pools_file);
@@ -480,7 +451,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let reload = match (args.config.clone(), config_table) {
         (Some(path), Some(table)) => {
-            let reloader = config_reloader(path, table, egress.audit.clone());
+            let reloader = config_reloader(path, table, egress.audit.clone(), manager.clone());
             // SIGHUP reads the file again, as POST /v1/config/reload does.
             let on_hup = reloader.clone();
             tokio::spawn(async move {
@@ -661,46 +632,157 @@ fn default_store_gb(state_dir: &Path) -> Option<u64> {
     Some(gb)
 }
 
+/// The config file's keys (`_` spelling) a reload puts in force at once;
+/// every other key waits for a restart. They are the settings
+/// [`live_settings`] makes, plus `log_level`. What they govern is read
+/// when it is used: a new maximum bounds the next create or renew, a new
+/// retention the next expiry, a new idle default the next create (a run
+/// keeps the idle policy it was made with).
+pub const LIVE_KEYS: &[&str] = &[
+    "archive_after_sec",
+    "archive_delete_after_sec",
+    "checkpoint_ttl_hours",
+    "hibernated_retention_sec",
+    "idle_hibernate_sec",
+    "idle_pause_sec",
+    "insecure_registry",
+    "log_level",
+    "max_cpus",
+    "max_disk_mb",
+    "max_fork_count",
+    "max_memory_mb",
+    "max_pids",
+    "max_runs",
+    "max_ttl",
+    "max_upload_bytes",
+    "paused_retention_sec",
+    "restart_policy",
+];
+
+/// `current` with the settings a reload may change taken from `args`
+/// (also how the start sets them, so the two never disagree). Whether
+/// runs have disk limits at all (`--no-disk-limits`) is fixed at start:
+/// only the size of the limit follows `max_disk_mb`.
+fn live_settings(current: &Config, args: &ServeArgs) -> Config {
+    let mut config = current.clone();
+    config.max_runs = args.max_runs;
+    config.max_fork_count = args.max_fork_count as usize;
+    config.max_limits = runbox_types::Limits {
+        cpus: args.max_cpus,
+        memory_mb: args.max_memory_mb,
+        pids: args.max_pids,
+        disk_mb: current.max_limits.disk_mb.map(|_| args.max_disk_mb),
+    };
+    // Defaults never exceed the maxima, so a create without limits always
+    // fits; they are the built-in ones, lowered to the maxima.
+    let defaults = Config::new(String::new());
+    config.default_limits = runbox_types::Limits {
+        cpus: defaults.default_limits.cpus.min(args.max_cpus),
+        memory_mb: defaults.default_limits.memory_mb.min(args.max_memory_mb),
+        pids: defaults.default_limits.pids.min(args.max_pids),
+        disk_mb: defaults
+            .default_limits
+            .disk_mb
+            .zip(config.max_limits.disk_mb)
+            .map(|(d, m)| d.min(m)),
+    };
+    config.max_ttl = Duration::from_secs(args.max_ttl);
+    config.default_ttl = defaults.default_ttl.min(config.max_ttl);
+    config.paused_retention = Duration::from_secs(args.paused_retention_sec);
+    config.hibernated_retention = Duration::from_secs(args.hibernated_retention_sec);
+    config.idle = runbox_types::IdlePolicy {
+        pause_after_sec: (args.idle_pause_sec > 0).then_some(args.idle_pause_sec),
+        hibernate_after_sec: (args.idle_hibernate_sec > 0).then_some(args.idle_hibernate_sec),
+    };
+    config.restart_policy = match args.restart_policy {
+        RestartPolicyArg::Cold => runbox_core::config::RestartPolicy::Cold,
+        RestartPolicyArg::None => runbox_core::config::RestartPolicy::None,
+    };
+    config.max_upload_bytes = args.max_upload_bytes;
+    config.insecure_registries = args.insecure_registries.clone();
+    config.archive_after =
+        (args.archive_after_sec > 0).then(|| Duration::from_secs(args.archive_after_sec));
+    config.archive_retention = Duration::from_secs(args.archive_delete_after_sec);
+    config.checkpoint_ttl = (args.checkpoint_ttl_hours > 0)
+        .then(|| Duration::from_secs(args.checkpoint_ttl_hours * 3600));
+    config
+}
+
 /// Reads config file `path` again, checked with the start's own code,
-/// against `running` (the file as the daemon started with it): a bad file
-/// changes nothing and says why; a good one is reported (and audited) with
-/// the keys that differ. No setting is applied live yet: every change
-/// waits for a restart, and the report says so.
+/// against the settings in force (first the file as the daemon started
+/// with it): a bad file changes nothing and says why. A good one puts the
+/// changed [`LIVE_KEYS`] in force in one swap, and reports (and audits)
+/// what changed, what was applied, what waits for a restart and what a
+/// flag or environment variable overrides.
 fn config_reloader(
     path: PathBuf,
     running: crate::config_file::Table,
     audit: Arc<runbox_proxy::audit::AuditLog>,
+    manager: Arc<Manager>,
 ) -> runbox_server::Reloader {
     let cli = crate::config_file::command_line_args();
+    let running = std::sync::Mutex::new(crate::config_file::normalized(&running));
     Arc::new(move || {
         let _ = sd_notify::notify(&[sd_notify::NotifyState::Reloading]);
-        let checked = crate::config_file::read(&path)
-            .and_then(|table| crate::config_file::merge(&path, &table, &cli).map(|_| table));
-        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
-        let table = match checked {
-            Ok(table) => table,
+        let checked = crate::config_file::read(&path).and_then(|table| {
+            crate::config_file::merge(&path, &table, &cli).map(|args| (table, args))
+        });
+        let (table, args) = match checked {
+            Ok(checked) => checked,
             Err(e) => {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
                 let why = format!("{e:#}");
                 tracing::error!(error = %why, "the config file was not reloaded; nothing changed");
                 return Err(why);
             }
         };
+        let table = crate::config_file::normalized(&table);
+        // One reload at a time: SIGHUP and the API may race.
+        let mut running = running.lock().unwrap_or_else(|p| p.into_inner());
         let changed = crate::config_file::changed_keys(&running, &table);
-        let report = runbox_types::ConfigReload {
-            restart_required: changed.clone(),
-            applied: Vec::new(),
-            changed,
+        let overridden = crate::config_file::overridden_keys(&table, &cli);
+        let mut report = runbox_types::ConfigReload {
+            changed: changed.clone(),
+            ..Default::default()
         };
-        if report.restart_required.is_empty() {
+        for key in changed {
+            if overridden.contains(&key) {
+                report.overridden.push(key);
+            } else if LIVE_KEYS.contains(&key.as_str()) {
+                report.applied.push(key);
+            } else {
+                report.restart_required.push(key);
+            }
+        }
+        if !report.applied.is_empty() {
+            manager.reconfigure(|current| live_settings(current, &args));
+            crate::logging::set_level(args.log_level.as_deref(), "info");
+            for key in &report.applied {
+                match table.get(key) {
+                    Some(value) => running.insert(key.clone(), value.clone()),
+                    None => running.remove(key),
+                };
+            }
+        }
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+        if report.changed.is_empty() {
             tracing::info!(config = %path.display(), "config reloaded: nothing changed");
-        } else {
+        }
+        if !report.applied.is_empty() {
+            tracing::info!(config = %path.display(), keys = ?report.applied, "config reloaded: these settings are in force");
+        }
+        if !report.restart_required.is_empty() {
             tracing::warn!(config = %path.display(), keys = ?report.restart_required, "config reloaded: these settings change only at a restart");
+        }
+        if !report.overridden.is_empty() {
+            tracing::warn!(config = %path.display(), keys = ?report.overridden, "config reloaded: a flag or environment variable overrides these keys");
         }
         audit.append(&runbox_proxy::audit::AuditRecord::ConfigReload {
             t: runbox_proxy::audit::now(),
             changed: report.changed.clone(),
             applied: report.applied.clone(),
             restart_required: report.restart_required.clone(),
+            overridden: report.overridden.clone(),
         });
         Ok(report)
     })
@@ -865,4 +947,64 @@ async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
     }
     println!("destroyed {} run(s)", ids.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{Args, FromArgMatches};
+
+    fn args(cli: &[&str]) -> ServeArgs {
+        let cmd = ServeArgs::augment_args(clap::Command::new("serve").no_binary_name(true));
+        ServeArgs::from_arg_matches(&cmd.try_get_matches_from(cli).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn every_live_key_is_a_flag() {
+        let cmd = ServeArgs::augment_args(clap::Command::new("serve"));
+        for key in LIVE_KEYS {
+            let flag = key.replace('_', "-");
+            assert!(
+                cmd.get_arguments()
+                    .any(|a| a.get_long() == Some(flag.as_str())),
+                "{key} is no flag"
+            );
+        }
+    }
+
+    #[test]
+    fn live_settings_lower_defaults_to_maxima_and_keep_the_disk_limit_mode() {
+        let start = live_settings(&Config::new(String::from("n")), &args(&[]));
+        let lowered = live_settings(
+            &start,
+            &args(&[
+                "--max-cpus",
+                "0.5",
+                "--max-memory-mb",
+                "64",
+                "--max-ttl",
+                "30",
+            ]),
+        );
+        assert_eq!(lowered.default_limits.cpus, 0.5);
+        assert_eq!(lowered.default_limits.memory_mb, 64);
+        assert_eq!(lowered.default_ttl, Duration::from_secs(30));
+        assert_eq!(lowered.server_id, "n");
+        // Raised again, the defaults go back to the built-in ones.
+        let raised = live_settings(&lowered, &args(&[]));
+        assert_eq!(raised.default_limits, start.default_limits);
+        assert_eq!(raised.default_ttl, start.default_ttl);
+        // A daemon without disk limits does not get them from a reload.
+        let mut unlimited = start.clone();
+        unlimited.max_limits.disk_mb = None;
+        let reloaded = live_settings(&unlimited, &args(&["--max-disk-mb", "100"]));
+        assert_eq!(reloaded.max_limits.disk_mb, None);
+        assert_eq!(reloaded.default_limits.disk_mb, None);
+        assert_eq!(
+            live_settings(&start, &args(&["--max-disk-mb", "100"]))
+                .default_limits
+                .disk_mb,
+            Some(100)
+        );
+    }
 }

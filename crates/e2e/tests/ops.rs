@@ -130,6 +130,18 @@ fn the_unit_file_passes_systemd_analyze_verify() {
     );
 }
 
+/// `POST /v1/config/reload` with the root token, expected to succeed.
+async fn reload_config(daemon: &TestDaemon) -> runbox_types::ConfigReload {
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/config/reload", daemon.url))
+        .bearer_auth(&daemon.token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.json().await.unwrap()
+}
+
 /// `runbox serve` with `args`, expected to refuse to start: its stderr.
 fn refused_start(args: &[&str]) -> String {
     let state = tempfile::tempdir().unwrap();
@@ -155,6 +167,51 @@ async fn a_config_file_sets_every_flag_and_reloads_checked() {
     let daemon = TestDaemon::start_with(None, &["--config", &config], &[]).await;
     let info = daemon.client.info().await.unwrap();
     assert_eq!(info.capacity.max, 1, "max_runs from the file");
+    // A reload puts the live settings in force at once and reports the
+    // rest as waiting for a restart.
+    std::fs::write(
+        &path,
+        "max_runs = 2\nusage-max-mb = 9\nmax_ttl = 60\nlog_level = \"debug\"\n",
+    )
+    .unwrap();
+    let report = reload_config(&daemon).await;
+    assert_eq!(
+        report.changed,
+        ["log_level", "max_runs", "max_ttl", "usage_max_mb"]
+    );
+    assert_eq!(report.applied, ["log_level", "max_runs", "max_ttl"]);
+    assert_eq!(report.restart_required, ["usage_max_mb"]);
+    assert!(report.overridden.is_empty());
+    assert_eq!(daemon.client.info().await.unwrap().capacity.max, 2);
+    let run = daemon
+        .create_with(runbox_types::CreateRunRequest {
+            image: "base".into(),
+            ttl_sec: Some(3600),
+            ..Default::default()
+        })
+        .await;
+    let lifetime = run.expires_at - run.created_at;
+    assert!(
+        lifetime <= time::Duration::seconds(61),
+        "the new max_ttl bounds a create: {lifetime}"
+    );
+    daemon.client.delete_run(&run.id.to_string()).await.unwrap();
+    let debug_lines = || {
+        json_lines(&daemon.log())
+            .iter()
+            .filter(|l| l["level"] == "DEBUG")
+            .count()
+    };
+    assert!(
+        runbox_e2e::eventually(Duration::from_secs(5), || debug_lines() > 0).await,
+        "log_level = debug is in force: {}",
+        daemon.log()
+    );
+    // The same file again changes nothing, and what waits for a restart
+    // is still reported as waiting.
+    let again = reload_config(&daemon).await;
+    assert_eq!(again.changed, ["usage_max_mb"]);
+    assert!(again.applied.is_empty());
     // A bad file stops a start, naming the key and the file.
     for (text, want) in [
         ("max_rnus = 3", "unknown key `max_rnus`"),
@@ -171,6 +228,7 @@ async fn a_config_file_sets_every_flag_and_reloads_checked() {
     assert!(missing.contains("/nonexistent/runbox.toml"), "{missing}");
     // A flag wins over the file.
     drop(daemon);
+    std::fs::write(&path, "max_runs = 1\nusage-max-mb = 8\n").unwrap();
     let daemon = TestDaemon::start_with(None, &["--config", &config, "--max-runs", "3"], &[]).await;
     assert_eq!(daemon.client.info().await.unwrap().capacity.max, 3);
     // Reload: a bad file changes nothing and says why.
@@ -193,12 +251,14 @@ async fn a_config_file_sets_every_flag_and_reloads_checked() {
         body.contains("config_invalid") && body.contains("max_runs"),
         "{body}"
     );
-    // A good one reports what changed and that it waits for a restart.
+    // A good one reports what changed; a key a flag sets stays the flag's.
     std::fs::write(&path, "max_runs = 5\nusage_max_mb = 8\n").unwrap();
     let report: runbox_types::ConfigReload =
         reload(daemon.token.clone()).await.json().await.unwrap();
     assert_eq!(report.changed, vec!["max_runs"]);
-    assert_eq!(report.restart_required, vec!["max_runs"]);
+    assert_eq!(report.overridden, vec!["max_runs"]);
+    assert!(report.applied.is_empty() && report.restart_required.is_empty());
+    assert_eq!(daemon.client.info().await.unwrap().capacity.max, 3);
     // SIGHUP does the same, and both are audited.
     std::process::Command::new("kill")
         .args(["-HUP", &daemon.pid().to_string()])

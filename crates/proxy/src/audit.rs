@@ -85,6 +85,9 @@ pub enum AuditRecord {
         applied: Vec<String>,
         /// Keys that take effect at the next start.
         restart_required: Vec<String>,
+        /// Keys a flag or environment variable overrides.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        overridden: Vec<String>,
     },
     /// A change to the tenant set: names only, never a token.
     Tenants {

@@ -143,6 +143,10 @@ pub struct ConfigReload {
     pub applied: Vec<String>,
     /// Of those, the ones that take effect only at the next start.
     pub restart_required: Vec<String>,
+    /// Of those, the ones a command-line flag or its environment variable
+    /// sets, so the file's value is not used (now or at a restart).
+    #[serde(default)]
+    pub overridden: Vec<String>,
 }
 
 /// `GET /v1/usage`: what each tenant used between `since` and `until`

@@ -1257,6 +1257,11 @@ export interface components {
             applied: string[];
             /** @description The keys whose values differ from what the daemon runs with. */
             changed: string[];
+            /**
+             * @description Of those, the ones a command-line flag or its environment variable
+             *     sets, so the file's value is not used (now or at a restart).
+             */
+            overridden?: string[];
             /** @description Of those, the ones that take effect only at the next start. */
             restartRequired: string[];
         };
