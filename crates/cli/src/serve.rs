@@ -203,6 +203,13 @@ pub struct ServeArgs {
     /// but loopback also needs --allow-non-loopback
     #[arg(long, env = "RUNBOX_METRICS_LISTEN", value_name = "ADDR")]
     pub metrics_listen: Option<SocketAddr>,
+    /// Keep no metrics: GET /metrics answers 404 and nothing is counted
+    #[arg(long, conflicts_with = "metrics_listen")]
+    pub no_metrics: bool,
+    /// Record no usage: nothing new is written to usage.jsonl (GET
+    /// /v1/usage still sums what is there)
+    #[arg(long)]
+    pub no_usage: bool,
     /// The key preview URLs are signed with, at least 32 bytes [default: a
     /// random key kept in <state-dir>/preview.key]. Changing it ends every
     /// preview URL minted before
@@ -403,12 +410,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         tenants = runbox_core::tenants::TenantStore::list(&tenants).len(),
         "tenant set loaded"
     );
-    let usage = runbox_core::accounting::UsageJournal::open(
-        state_dir.join("usage.jsonl"),
-        args.usage_max_mb << 20,
-    )
-    .context("opening usage.jsonl")?;
-    let usage: Arc<dyn runbox_core::accounting::UsageSink> = Arc::new(usage);
+    let usage: Arc<dyn runbox_core::accounting::UsageSink> = if args.no_usage {
+        tracing::info!("usage accounting is off (--no-usage)");
+        Arc::new(runbox_core::accounting::NoUsage)
+    } else {
+        Arc::new(
+            runbox_core::accounting::UsageJournal::open(
+                state_dir.join("usage.jsonl"),
+                args.usage_max_mb << 20,
+            )
+            .context("opening usage.jsonl")?,
+        )
+    };
     let manager = Manager::start(
         config,
         lane,
@@ -468,12 +481,24 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
+    let metrics = if args.no_metrics {
+        tracing::info!("metrics are off (--no-metrics)");
+        Arc::new(runbox_server::metrics::Metrics::off())
+    } else {
+        let metrics = Arc::new(runbox_server::metrics::Metrics::new());
+        manager.set_telemetry(metrics.clone());
+        let counted = metrics.clone();
+        egress
+            .audit
+            .observe(Box::new(move |record| counted.count_audit(record)));
+        metrics
+    };
     let state = runbox_server::AppState {
         service: manager,
         token: token.into(),
         audit: Some(egress.audit),
         reload,
-        metrics: Default::default(),
+        metrics,
     };
     if let Some(listener) = metrics_listener {
         let addr = listener.local_addr()?;

@@ -27,6 +27,7 @@ pub mod preview;
 pub mod runs;
 pub mod service;
 pub mod store;
+pub mod telemetry;
 pub mod tenants;
 pub mod validate;
 pub mod warm;

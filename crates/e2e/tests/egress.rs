@@ -546,6 +546,23 @@ async fn denied_destinations_get_403_naming_the_entry_and_the_setting() {
         "{records:?}"
     );
     assert_eq!(w.counters(&id).await.requests, 4);
+    // The metrics count the decisions as the audit log records them.
+    let metrics = reqwest::Client::new()
+        .get(format!("{}/metrics", w.daemon.url))
+        .bearer_auth(&w.daemon.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let denied = metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("runbox_egress_decisions_total{decision=\"deny\",source=\"none\"} ")
+        })
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert_eq!(denied, Some(4.0), "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

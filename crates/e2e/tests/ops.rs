@@ -335,6 +335,54 @@ async fn metrics_move_with_the_work_and_parse_as_prometheus_text() {
         &[("route", "/v1/runs")]
     )
     .is_some());
+    // The core's own timings: the create, an exec's start, a wake.
+    let start = [("how", "cold"), ("outcome", "ok")];
+    assert_eq!(sample(&after, "runbox_run_starts_total", &start), Some(1.0));
+    assert_eq!(
+        sample(
+            &after,
+            "runbox_run_start_duration_seconds",
+            &[("how", "cold")]
+        ),
+        Some(1.0)
+    );
+    let id = run.id.to_string();
+    assert_eq!(daemon.sh(&id, "echo hi").await.stdout, b"hi\n");
+    daemon.client.hibernate_run(&id).await.unwrap();
+    daemon.client.wake_run(&id).await.unwrap();
+    let missing = daemon.client.get_run("01ARZ3NDEKTSV4RRFFQ69G5FAV").await;
+    assert_eq!(missing.unwrap_err().status(), Some(404));
+    let (_, worked) = scrape(&daemon.url, Some(&daemon.token)).await;
+    let worked = worked.unwrap();
+    let ok = [("outcome", "ok")];
+    assert_eq!(sample(&worked, "runbox_execs_total", &ok), Some(1.0));
+    assert_eq!(
+        sample(&worked, "runbox_exec_start_duration_seconds", &[]),
+        Some(1.0)
+    );
+    assert_eq!(sample(&worked, "runbox_run_wakes_total", &ok), Some(1.0));
+    assert_eq!(
+        sample(&worked, "runbox_run_wake_duration_seconds", &[]),
+        Some(1.0)
+    );
+    assert_eq!(sample(&worked, "runbox_run_restarts_total", &[]), Some(0.0));
+    // (The text parser does not take braces inside a label value, as
+    // route patterns have, so this one is read as text.)
+    let text = reqwest::Client::new()
+        .get(format!("{}/metrics", daemon.url))
+        .bearer_auth(&daemon.token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.lines()
+            .any(|l| l
+                == "runbox_api_errors_total{route=\"/v1/runs/{id}\",code=\"run_not_found\"} 1"),
+        "{text}"
+    );
     // Refusals are counted too, under the route they tried.
     let (status, _) = scrape(&daemon.url, Some("wrong")).await;
     assert_eq!(status, 401);
@@ -352,4 +400,17 @@ async fn metrics_move_with_the_work_and_parse_as_prometheus_text() {
     daemon.client.delete_run(&run.id.to_string()).await.unwrap();
     let (_, gone) = scrape(&daemon.url, Some(&daemon.token)).await;
     assert_eq!(running(&gone.unwrap()), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_usage_can_be_turned_off() {
+    let daemon = TestDaemon::start_with(None, &["--no-metrics", "--no-usage"], &[]).await;
+    let run = daemon.create().await;
+    daemon.client.delete_run(&run.id.to_string()).await.unwrap();
+    let (status, _) = scrape(&daemon.url, Some(&daemon.token)).await;
+    assert_eq!(status, 404);
+    assert!(!daemon.state.path().join("usage.jsonl").exists());
+    // A scraper's listener without metrics is a contradiction.
+    let stderr = refused_start(&["--no-metrics", "--metrics-listen", "127.0.0.1:0"]);
+    assert!(stderr.contains("--metrics-listen"), "{stderr}");
 }

@@ -105,7 +105,13 @@ pub enum AuditRecord {
 /// `.1` backup, owner-only.
 pub struct AuditLog {
     journal: runbox_journal::Journal,
+    /// Sees every record as it is appended (the daemon's metrics count
+    /// egress decisions here); set once.
+    observer: std::sync::OnceLock<Observer>,
 }
+
+/// A function that sees every appended record.
+pub type Observer = Box<dyn Fn(&AuditRecord) + Send + Sync>;
 
 impl AuditLog {
     /// Opens (appending) or creates `path`; rotates to `path.1` when a write
@@ -113,12 +119,23 @@ impl AuditLog {
     pub fn open(path: PathBuf, max_bytes: u64) -> std::io::Result<AuditLog> {
         Ok(AuditLog {
             journal: runbox_journal::Journal::open(path, max_bytes)?,
+            observer: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Has `observer` see every record appended from now on; only the
+    /// first observer given is kept. It runs on the appending task, so it
+    /// must be cheap.
+    pub fn observe(&self, observer: Observer) {
+        let _ = self.observer.set(observer);
     }
 
     /// Appends one record. Errors are logged, not returned: auditing must not
     /// take the proxy down.
     pub fn append(&self, record: &AuditRecord) {
+        if let Some(observer) = self.observer.get() {
+            observer(record);
+        }
         let line = match serde_json::to_vec(record) {
             Ok(line) => line,
             Err(e) => {

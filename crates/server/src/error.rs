@@ -84,6 +84,8 @@ impl IntoResponse for ApiError {
             },
         };
         let mut response = (status, Json(body)).into_response();
+        // For the metrics, which count errors by code.
+        response.extensions_mut().insert(self.code);
         // Capacity comes back as runs end; a cordoned node serves again
         // once it is uncordoned or restarted.
         let retry = match self.code {

@@ -5,12 +5,15 @@
 //! says otherwise).
 //!
 //! API requests are counted as they are answered (by route pattern, never
-//! by path, so ids do not make new series); the node's state (runs by
-//! phase, capacity, pools, storage, tenants) is read from the service at
-//! each scrape.
+//! by path, so ids do not make new series), and their errors by stable
+//! code; the core reports creates, claims, forks, wakes, exec starts and
+//! restarts as they happen ([`runbox_core::telemetry::Telemetry`]), the
+//! audit log every egress decision; the node's state (runs by phase,
+//! capacity, pools, storage, tenants) is read from the service at each
+//! scrape.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, StatusCode};
@@ -22,7 +25,10 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+use runbox_core::telemetry::{Outcome, Start, Telemetry};
 use runbox_core::RunService;
+use runbox_proxy::audit::AuditRecord;
+use runbox_types::ErrorCode;
 
 use crate::AppState;
 
@@ -36,6 +42,36 @@ struct RequestLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    route: String,
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StartLabels {
+    how: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HowLabels {
+    how: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EgressLabels {
+    decision: String,
+    /// What decided: the list an allow came from (`run`, `deployment`,
+    /// `default`), `none` for a deny by no rule, `guard` for the guard.
+    source: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -62,6 +98,17 @@ pub struct Metrics {
     registry: Registry,
     requests: Family<RequestLabels, Counter>,
     latency: Latency,
+    errors: Family<ErrorLabels, Counter>,
+    starts: Family<StartLabels, Counter>,
+    start_latency: Family<HowLabels, Histogram, fn() -> Histogram>,
+    wakes: Family<OutcomeLabels, Counter>,
+    wake_latency: Histogram,
+    /// `execs` with outcome `ok` and `error`, looked up once: every exec
+    /// counts.
+    execs: [Counter; 2],
+    exec_latency: Histogram,
+    restarts: Counter,
+    egress: Family<EgressLabels, Counter>,
     runs: Family<PhaseLabels, Gauge>,
     capacity_max: Gauge,
     capacity_live: Gauge,
@@ -76,6 +123,8 @@ pub struct Metrics {
     draining: Gauge,
     /// Scrapes update the gauges one at a time.
     scrape: Mutex<()>,
+    /// False with `--no-metrics`: nothing is counted, scrapes are 404.
+    on: bool,
 }
 
 impl Default for Metrics {
@@ -99,6 +148,68 @@ impl Metrics {
             "api_request_duration_seconds",
             "Time from a request to its answer's head (a stream's head, not its end), by route pattern",
             latency.clone(),
+        );
+        let errors = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "api_errors",
+            "API error answers by route pattern and stable error code (agent_unavailable: the run's agent failed a call)",
+            errors.clone(),
+        );
+        let starts = Family::<StartLabels, Counter>::default();
+        registry.register(
+            "run_starts",
+            "Runs asked for, by how they came to be (cold create, pool claim, fork) and outcome",
+            starts.clone(),
+        );
+        let start_latency: Family<HowLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "run_start_duration_seconds",
+            "Time from a create, claim or fork request to its run (successful ones)",
+            start_latency.clone(),
+        );
+        let wakes = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "run_wakes",
+            "Hibernated or failed runs booted again, by a call or by traffic",
+            wakes.clone(),
+        );
+        let wake_latency = latency_histogram();
+        registry.register(
+            "run_wake_duration_seconds",
+            "Time to wake a run (successful wakes)",
+            wake_latency.clone(),
+        );
+        let execs = Family::<OutcomeLabels, Counter>::default();
+        registry.register(
+            "execs",
+            "Commands started in runs (exec, processes, terminals), by outcome",
+            execs.clone(),
+        );
+        let execs = [Outcome::Ok, Outcome::Error].map(|outcome| {
+            execs
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.as_str().to_owned(),
+                })
+                .clone()
+        });
+        let exec_latency = latency_histogram();
+        registry.register(
+            "exec_start_duration_seconds",
+            "Time from an exec request to the agent's word that the command runs (successful starts)",
+            exec_latency.clone(),
+        );
+        let restarts = Counter::default();
+        registry.register(
+            "run_restarts",
+            "Runs booted again after their init exited on its own",
+            restarts.clone(),
+        );
+        let egress = Family::<EgressLabels, Counter>::default();
+        registry.register(
+            "egress_decisions",
+            "Egress requests the proxy decided, by decision and what decided",
+            egress.clone(),
         );
         let runs = Family::<PhaseLabels, Gauge>::default();
         registry.register("runs", "Runs the API shows, by phase", runs.clone());
@@ -157,6 +268,15 @@ impl Metrics {
             registry,
             requests,
             latency,
+            errors,
+            starts,
+            start_latency,
+            wakes,
+            wake_latency,
+            execs,
+            exec_latency,
+            restarts,
+            egress,
             runs,
             capacity_max,
             capacity_live,
@@ -170,6 +290,15 @@ impl Metrics {
             tenants,
             draining,
             scrape: Mutex::new(()),
+            on: true,
+        }
+    }
+
+    /// Metrics that count nothing: `GET /metrics` answers 404.
+    pub fn off() -> Metrics {
+        Metrics {
+            on: false,
+            ..Metrics::new()
         }
     }
 
@@ -187,6 +316,30 @@ impl Metrics {
                 route: route.to_owned(),
             })
             .observe(seconds);
+    }
+
+    /// Counts an error answer of `route` by its stable code.
+    fn observe_error(&self, route: &str, code: ErrorCode) {
+        self.errors
+            .get_or_create(&ErrorLabels {
+                route: route.to_owned(),
+                code: code.as_str().to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts what the audit log records that the metrics follow: egress
+    /// decisions. (`AuditLog::observe` calls it for every record.)
+    pub fn count_audit(&self, record: &AuditRecord) {
+        if let AuditRecord::Egress { decision, rule, .. } = record {
+            let source = rule.split(':').next().unwrap_or_default();
+            self.egress
+                .get_or_create(&EgressLabels {
+                    decision: decision.clone(),
+                    source: source.to_owned(),
+                })
+                .inc();
+        }
     }
 
     /// The document, with the node's state read from `service` now.
@@ -240,8 +393,60 @@ impl Metrics {
     }
 }
 
+impl Telemetry for Metrics {
+    fn started(&self, how: Start, outcome: Outcome, took: Duration) {
+        self.starts
+            .get_or_create(&StartLabels {
+                how: how.as_str().to_owned(),
+                outcome: outcome.as_str().to_owned(),
+            })
+            .inc();
+        if outcome == Outcome::Ok {
+            self.start_latency
+                .get_or_create(&HowLabels {
+                    how: how.as_str().to_owned(),
+                })
+                .observe(took.as_secs_f64());
+        }
+    }
+
+    fn woke(&self, outcome: Outcome, took: Duration) {
+        self.wakes
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.as_str().to_owned(),
+            })
+            .inc();
+        if outcome == Outcome::Ok {
+            self.wake_latency.observe(took.as_secs_f64());
+        }
+    }
+
+    fn exec_started(&self, outcome: Outcome, took: Duration) {
+        match outcome {
+            Outcome::Ok => {
+                self.execs[0].inc();
+                self.exec_latency.observe(took.as_secs_f64());
+            }
+            Outcome::Error => {
+                self.execs[1].inc();
+            }
+        }
+    }
+
+    fn restarted(&self) {
+        self.restarts.inc();
+    }
+}
+
 /// The answer to a scrape.
 fn document<S: RunService>(state: &AppState<S>) -> Response {
+    if !state.metrics.on {
+        return crate::ApiError::new(
+            ErrorCode::NotFound,
+            "this daemon keeps no metrics (runbox serve --no-metrics)",
+        )
+        .into_response();
+    }
     let body = state.metrics.render(&state.service);
     (
         StatusCode::OK,
@@ -265,6 +470,9 @@ pub(crate) async fn count<S: RunService>(
     request: Request,
     next: Next,
 ) -> Response {
+    if !state.metrics.on {
+        return next.run(request).await;
+    }
     let route = request
         .extensions()
         .get::<MatchedPath>()
@@ -279,6 +487,9 @@ pub(crate) async fn count<S: RunService>(
         response.status().as_u16(),
         started.elapsed().as_secs_f64(),
     );
+    if let Some(code) = response.extensions().get::<ErrorCode>() {
+        state.metrics.observe_error(&route, *code);
+    }
     response
 }
 
@@ -319,5 +530,43 @@ mod tests {
             out.contains("# TYPE runbox_capacity_max_runs gauge"),
             "{out}"
         );
+    }
+
+    #[test]
+    fn core_reports_and_egress_decisions_are_counted() {
+        let metrics = Metrics::new();
+        metrics.started(Start::Claim, Outcome::Ok, Duration::from_millis(5));
+        metrics.started(Start::Cold, Outcome::Error, Duration::from_millis(1));
+        metrics.exec_started(Outcome::Ok, Duration::from_millis(2));
+        metrics.restarted();
+        let egress = |decision: &str, rule: &str| AuditRecord::Egress {
+            t: String::new(),
+            run: "r".into(),
+            method: "GET".into(),
+            host: "example.org".into(),
+            port: 80,
+            decision: decision.into(),
+            rule: rule.into(),
+            secret: None,
+        };
+        metrics.count_audit(&egress("allow", "run:example.org"));
+        metrics.count_audit(&egress("deny", "guard:private"));
+        metrics.count_audit(&egress("deny", "guard:loopback"));
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &metrics.registry).unwrap();
+        for line in [
+            "runbox_run_starts_total{how=\"claim\",outcome=\"ok\"} 1",
+            "runbox_run_starts_total{how=\"cold\",outcome=\"error\"} 1",
+            "runbox_run_start_duration_seconds_count{how=\"claim\"} 1",
+            "runbox_execs_total{outcome=\"ok\"} 1",
+            "runbox_execs_total{outcome=\"error\"} 0",
+            "runbox_run_restarts_total 1",
+            "runbox_egress_decisions_total{decision=\"allow\",source=\"run\"} 1",
+            "runbox_egress_decisions_total{decision=\"deny\",source=\"guard\"} 2",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
+        // A failed create has no latency sample.
+        assert!(!out.contains("runbox_run_start_duration_seconds_count{how=\"cold\"}"));
     }
 }

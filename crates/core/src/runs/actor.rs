@@ -46,6 +46,7 @@ use crate::error::CoreError;
 use crate::lane::{AgentEndpoint, ExitWatch, SandboxSpec};
 use crate::lease::{Credential, Fence, Lease};
 use crate::store::{Durability, RunRecord};
+use crate::telemetry::Outcome;
 
 /// What a run looked like after its last change.
 #[derive(Clone, Debug)]
@@ -811,6 +812,7 @@ impl RunActor {
                 Ok(()) => {
                     self.apply(Event::Woken);
                     self.note(UsageKind::Restart);
+                    self.context.report(|t| t.restarted());
                     self.record.failure = None;
                     tracing::info!(run = %id, restarts = self.record.restarts, "restarted the run after its init exited");
                 }
@@ -999,6 +1001,8 @@ impl RunActor {
         let started = std::time::Instant::now();
         let was_failed = matches!(self.phase, Phase::Failed(_));
         let booted = self.boot().await;
+        self.context
+            .report(|t| t.woke(Outcome::of(&booted), started.elapsed()));
         match &booted {
             Ok(()) => {
                 self.apply(Event::Woken);

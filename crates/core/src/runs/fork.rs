@@ -36,6 +36,23 @@ impl Manager {
         id: Ulid,
         req: ForkRequest,
     ) -> Result<ForkResponse, CoreError> {
+        let started = std::time::Instant::now();
+        let forked = self.fork_checked(id, req).await;
+        self.context.report(|t| {
+            t.started(
+                crate::telemetry::Start::Fork,
+                crate::telemetry::Outcome::of(&forked),
+                started.elapsed(),
+            )
+        });
+        forked
+    }
+
+    async fn fork_checked(
+        self: &Arc<Self>,
+        id: Ulid,
+        req: ForkRequest,
+    ) -> Result<ForkResponse, CoreError> {
         let max = self.config().max_fork_count;
         if req.count == 0 || req.count > max {
             return Err(CoreError::invalid(

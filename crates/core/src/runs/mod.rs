@@ -38,6 +38,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use crate::telemetry::{Outcome, Start, Telemetry};
 use arc_swap::ArcSwap;
 use runbox_agent_proto::pb;
 use runbox_agent_proto::AgentClient;
@@ -128,6 +129,8 @@ pub(crate) struct RunContext {
     pub(crate) tenants: Arc<dyn crate::tenants::TenantStore>,
     /// Where usage events go.
     pub(crate) usage: Arc<dyn crate::accounting::UsageSink>,
+    /// Where timings and counts go, once the server has given a sink.
+    telemetry: std::sync::OnceLock<Arc<dyn Telemetry>>,
 }
 
 /// A hibernated run's capacity slot while it is being woken; the run
@@ -147,6 +150,13 @@ impl RunContext {
     /// calls, so read once what must agree.
     pub(crate) fn config(&self) -> arc_swap::Guard<Arc<Config>> {
         self.config.load()
+    }
+
+    /// Reports to the telemetry sink, if there is one.
+    pub(crate) fn report(&self, f: impl FnOnce(&dyn Telemetry)) {
+        if let Some(sink) = self.telemetry.get() {
+            f(sink.as_ref());
+        }
     }
 
     /// Takes a capacity slot for waking the hibernated run of `handle`, or
@@ -264,6 +274,12 @@ impl Manager {
         self.config.load_full()
     }
 
+    /// Where timings and counts go from now on (see [`crate::telemetry`]);
+    /// only the first sink given is kept.
+    pub fn set_telemetry(&self, sink: Arc<dyn Telemetry>) {
+        let _ = self.context.telemetry.set(sink);
+    }
+
     /// Replaces the settings with what `update` makes of them, all at once:
     /// every request after it reads the new ones, none sees half of them.
     /// What is read only at start (the lane, the stores, the pools' budget)
@@ -311,6 +327,7 @@ impl Manager {
             restore_lock: tokio::sync::Mutex::new(()),
             tenants,
             usage,
+            telemetry: std::sync::OnceLock::new(),
         });
         let manager = Arc::new(Manager {
             config: context.config.clone(),
@@ -381,6 +398,23 @@ impl Manager {
     /// whose answer was lost retries safely. The same key with a different
     /// request is refused. Keys are remembered as long as their run exists.
     pub async fn create(
+        self: &Arc<Self>,
+        req: CreateRunRequest,
+        idempotency_key: Option<String>,
+        owner: crate::tenants::Owner,
+    ) -> Result<Run, CoreError> {
+        let started = std::time::Instant::now();
+        let created = self.create_keyed(req, idempotency_key, owner).await;
+        let how = match &created {
+            Ok(run) if run.pooled => Start::Claim,
+            _ => Start::Cold,
+        };
+        self.context
+            .report(|t| t.started(how, Outcome::of(&created), started.elapsed()));
+        created
+    }
+
+    async fn create_keyed(
         self: &Arc<Self>,
         mut req: CreateRunRequest,
         idempotency_key: Option<String>,

@@ -151,6 +151,19 @@ impl Manager {
     pub(super) async fn open_exec(
         &self,
         target: Arc<RunHandle>,
+        req: ExecRequest,
+        mode: ExecMode,
+    ) -> Result<Opened, CoreError> {
+        let started = std::time::Instant::now();
+        let opened = self.start_exec(target, req, mode).await;
+        self.context
+            .report(|t| t.exec_started(crate::telemetry::Outcome::of(&opened), started.elapsed()));
+        opened
+    }
+
+    async fn start_exec(
+        &self,
+        target: Arc<RunHandle>,
         mut req: ExecRequest,
         mode: ExecMode,
     ) -> Result<Opened, CoreError> {
