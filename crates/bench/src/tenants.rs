@@ -4,7 +4,8 @@
 //! rewrites the file each time); tenant 5,000 makes a run; then execs of
 //! `/bin/true` into it, interleaved, with the root token, that tenant's
 //! token and the run's own token, next to the root token on a daemon with
-//! no tenants.
+//! no tenants, and on a third daemon with metrics and usage accounting off
+//! (`--no-metrics --no-usage`), which is what the telemetry costs.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -37,6 +38,8 @@ pub struct TenantsReport {
     pub tenant: Summary,
     /// With the run's own token.
     pub run_token: Summary,
+    /// With the root token, no tenants, metrics and usage off.
+    pub telemetry_off: Summary,
 }
 
 /// Tenant `i`'s token: 64 hex digits.
@@ -86,7 +89,16 @@ pub async fn measure(
 ) -> anyhow::Result<TenantsReport> {
     let runtime = plain.runtime.clone();
     let daemon = Daemon::start_prepared(runbox, agent, &runtime, &[], seed).await?;
+    let off_flags = ["--no-metrics".to_owned(), "--no-usage".to_owned()];
+    let mut off = match Daemon::start_prepared(runbox, agent, &runtime, &off_flags, |_| Ok(())).await {
+        Ok(off) => off,
+        Err(e) => {
+            daemon.shutdown().await;
+            return Err(e);
+        }
+    };
     let measured = async {
+        off.import(tar.clone()).await?;
         daemon.import(tar).await?;
         let base = daemon.client.base_url().to_owned();
         let tenant = Client::new(&base, token(TENANTS / 2))?;
@@ -101,9 +113,10 @@ pub async fn measure(
         let run_token = Client::new(&base, run.token.as_deref().context("no run token")?)?;
         let plain_run = plain.create_run().await?;
         let plain_id = plain_run.id.to_string();
-        let clients = [&plain.client, &daemon.client, &tenant, &run_token];
-        let ids = [&plain_id, &id, &id, &id];
-        let mut samples: [Vec<Duration>; 4] = Default::default();
+        let off_id = off.create_run().await?.id.to_string();
+        let clients = [&plain.client, &daemon.client, &tenant, &run_token, &off.client];
+        let ids = [&plain_id, &id, &id, &id, &off_id];
+        let mut samples: [Vec<Duration>; 5] = Default::default();
         for round in 0..warmup + iterations {
             for (k, client) in clients.iter().enumerate() {
                 let took = exec_true(client, ids[k]).await?;
@@ -121,10 +134,12 @@ pub async fn measure(
             root: summary(&samples[1])?,
             tenant: summary(&samples[2])?,
             run_token: summary(&samples[3])?,
+            telemetry_off: summary(&samples[4])?,
         })
     }
     .await;
     daemon.shutdown().await;
+    off.shutdown().await;
     measured
 }
 
@@ -138,8 +153,9 @@ pub fn markdown(r: &TenantsReport) -> String {
     );
     let _ = writeln!(
         out,
-        "Exec of `/bin/true` to its exit event, the four cases interleaved in one loop; the \
-         daemon holds {} tenants (their token hashes), the run is tenant 5,000's.\n",
+        "Exec of `/bin/true` to its exit event, the five cases interleaved in one loop; the \
+         daemon holds {} tenants (their token hashes), the run is tenant 5,000's. The last \
+         row is a daemon with no tenants, metrics and usage off.\n",
         r.tenants
     );
     let _ = writeln!(
@@ -151,6 +167,7 @@ pub fn markdown(r: &TenantsReport) -> String {
         ("root", &r.root),
         ("the run's tenant", &r.tenant),
         ("the run's own token", &r.run_token),
+        ("root, no tenants, --no-metrics --no-usage", &r.telemetry_off),
     ] {
         let _ = writeln!(
             out,
