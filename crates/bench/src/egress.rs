@@ -265,6 +265,7 @@ impl Setup {
             allowlist: Allowlist::new(true, &[], &entries),
             secrets: vec![Arc::new(secret)],
             counters: Arc::new(Counters::default()),
+            on_close: None,
         });
 
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;

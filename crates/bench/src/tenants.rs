@@ -90,13 +90,14 @@ pub async fn measure(
     let runtime = plain.runtime.clone();
     let daemon = Daemon::start_prepared(runbox, agent, &runtime, &[], seed).await?;
     let off_flags = ["--no-metrics".to_owned(), "--no-usage".to_owned()];
-    let mut off = match Daemon::start_prepared(runbox, agent, &runtime, &off_flags, |_| Ok(())).await {
-        Ok(off) => off,
-        Err(e) => {
-            daemon.shutdown().await;
-            return Err(e);
-        }
-    };
+    let mut off =
+        match Daemon::start_prepared(runbox, agent, &runtime, &off_flags, |_| Ok(())).await {
+            Ok(off) => off,
+            Err(e) => {
+                daemon.shutdown().await;
+                return Err(e);
+            }
+        };
     let measured = async {
         off.import(tar.clone()).await?;
         daemon.import(tar).await?;
@@ -114,7 +115,13 @@ pub async fn measure(
         let plain_run = plain.create_run().await?;
         let plain_id = plain_run.id.to_string();
         let off_id = off.create_run().await?.id.to_string();
-        let clients = [&plain.client, &daemon.client, &tenant, &run_token, &off.client];
+        let clients = [
+            &plain.client,
+            &daemon.client,
+            &tenant,
+            &run_token,
+            &off.client,
+        ];
         let ids = [&plain_id, &id, &id, &id, &off_id];
         let mut samples: [Vec<Duration>; 5] = Default::default();
         for round in 0..warmup + iterations {
@@ -167,7 +174,10 @@ pub fn markdown(r: &TenantsReport) -> String {
         ("root", &r.root),
         ("the run's tenant", &r.tenant),
         ("the run's own token", &r.run_token),
-        ("root, no tenants, --no-metrics --no-usage", &r.telemetry_off),
+        (
+            "root, no tenants, --no-metrics --no-usage",
+            &r.telemetry_off,
+        ),
     ] {
         let _ = writeln!(
             out,

@@ -144,6 +144,7 @@ impl EgressProxy for NodeProxy {
         req: &RunEgressRequest,
         listener: std::net::TcpListener,
         stop: tokio_util::sync::CancellationToken,
+        on_close: Option<runbox_core::egress::ConnectionBytes>,
     ) -> Result<Arc<dyn EgressMeter>, String> {
         listener
             .set_nonblocking(true)
@@ -172,6 +173,7 @@ impl EgressProxy for NodeProxy {
             allowlist: Allowlist::new(self.default_list, &self.deployment, &entries),
             secrets,
             counters: counters.clone(),
+            on_close,
         });
         tokio::spawn(runbox_proxy::proxy::serve(
             listener,

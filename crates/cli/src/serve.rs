@@ -210,6 +210,11 @@ pub struct ServeArgs {
     /// /v1/usage still sums what is there)
     #[arg(long)]
     pub no_usage: bool,
+    /// Record the bytes (both ways) of each allowed egress connection of
+    /// an allowlist run in usage.jsonl when it closes; `runbox usage` sums
+    /// them per tenant
+    #[arg(long, conflicts_with = "no_usage")]
+    pub egress_usage_bytes: bool,
     /// The key preview URLs are signed with, at least 32 bytes [default: a
     /// random key kept in <state-dir>/preview.key]. Changing it ends every
     /// preview URL minted before
@@ -345,6 +350,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("--checkpoint-store: {e}"))?;
     tracing::info!(store = checkpoints.location(), "checkpoint store");
     config.checkpoints = Some(std::sync::Arc::new(checkpoints));
+    config.egress_usage_bytes = args.egress_usage_bytes;
     let pools_file = state_dir.join(POOLS_FILE);
     config.pools = load_pools(args.pools.as_deref(), &pools_file)?;
     config.pools_file = Some(pools_file);

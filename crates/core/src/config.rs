@@ -63,6 +63,9 @@ pub struct Config {
     /// Archive runs hibernated this long (None: only when asked, or at
     /// their TTL with `onExpire: archive`).
     pub archive_after: Option<Duration>,
+    /// Record the bytes of each allowed egress connection in the usage
+    /// journal when it closes (`--egress-usage-bytes`).
+    pub egress_usage_bytes: bool,
     /// How long a run archived at its TTL (`onExpire: archive`) is kept
     /// before it is destroyed with its archive.
     pub archive_retention: Duration,
@@ -149,6 +152,7 @@ impl Config {
             checkpoint_ttl: None,
             archive_after: None,
             archive_retention: Duration::from_secs(30 * 24 * 60 * 60),
+            egress_usage_bytes: false,
         }
     }
 }

@@ -46,15 +46,21 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
     fn ca_pem(&self) -> String;
 
     /// Serves run `id`'s proxy (entries and secrets as checked at creation)
-    /// on `listener` until `stop` is cancelled. Needs a Tokio runtime.
+    /// on `listener` until `stop` is cancelled, telling `on_close` the
+    /// bytes of each connection with an allowed request when it closes.
+    /// Needs a Tokio runtime.
     fn start(
         &self,
         id: Ulid,
         req: &RunEgressRequest,
         listener: std::net::TcpListener,
         stop: CancellationToken,
+        on_close: Option<ConnectionBytes>,
     ) -> Result<Arc<dyn EgressMeter>, String>;
 }
+
+/// Takes the byte count (both ways) of one closed egress connection.
+pub type ConnectionBytes = Arc<dyn Fn(u64) + Send + Sync>;
 
 /// One run's proxy traffic so far.
 pub trait EgressMeter: Send + Sync {
@@ -239,6 +245,7 @@ mod tests {
             _: &RunEgressRequest,
             _: std::net::TcpListener,
             _: CancellationToken,
+            _: Option<ConnectionBytes>,
         ) -> Result<Arc<dyn EgressMeter>, String> {
             Err("not serving".into())
         }

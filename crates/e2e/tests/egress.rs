@@ -1968,3 +1968,39 @@ async fn eventually_ready(w: &World, ready: u32) -> bool {
     })
     .await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_bytes_of_allowed_connections_become_usage() {
+    let w = World::start_on("127.0.0.1:0", &["--egress-usage-bytes"]).await;
+    let http = format!("allowed.test:{}", w.http_port);
+    let id = w.allowlist_run(&[&http], &[]).await.id.to_string();
+    let n: u64 = 1 << 20;
+    let got = w
+        .curl(
+            &id,
+            &["-o", "/dev/null", &format!("http://{http}/bytes/{n}")],
+        )
+        .await;
+    assert_eq!(got.status, 200, "{got:?}");
+    // A connection that only met a refusal is not the run's egress.
+    let got = w.curl(&id, &["http://example.org/"]).await;
+    assert_eq!(got.status, 403, "{got:?}");
+    let mut report = None;
+    for _ in 0..100 {
+        let usage = w.daemon.client.usage(None, None).await.unwrap();
+        let operator = usage.tenants.get("").cloned().unwrap_or_default();
+        if operator.events.get("egress").copied().unwrap_or(0) >= 1 {
+            report = Some(operator);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let operator = report.expect("an egress usage event");
+    assert!(operator.egress_bytes > n, "{operator:?}");
+    let counters = w.counters(&id).await;
+    assert!(
+        operator.egress_bytes < counters.bytes_down + counters.bytes_up,
+        "the refused connection is not counted: {operator:?} {counters:?}"
+    );
+    assert_eq!(operator.events["egress"], 1, "{operator:?}");
+}

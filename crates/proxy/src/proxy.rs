@@ -124,6 +124,21 @@ pub struct RunEgress {
     pub secrets: Vec<Arc<Secret>>,
     /// Its counters.
     pub counters: Arc<Counters>,
+    /// Told the bytes (both ways) of each connection from the run that had
+    /// an allowed request, when it closes (`--egress-usage-bytes`).
+    pub on_close: Option<ConnectionBytes>,
+}
+
+/// Takes the byte count of one closed connection.
+pub type ConnectionBytes = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// One connection from the run: its bytes so far, and whether any of its
+/// requests was allowed (a connection that only met refusals is not the
+/// run's egress).
+#[derive(Debug, Default)]
+struct ConnectionUsage {
+    bytes: AtomicU64,
+    allowed: std::sync::atomic::AtomicBool,
 }
 
 /// Serves `listener` until `shutdown` is cancelled, then stops accepting and
@@ -534,7 +549,13 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
     // Small writes (TLS handshakes, interactive protocols) must not wait for
     // Nagle.
     let _ = tcp.set_nodelay(true);
-    let io = TokioIo::new(Counted::new(tcp, Arc::clone(&ctx.run.counters)));
+    let mut counted = Counted::new(tcp, Arc::clone(&ctx.run.counters));
+    let usage = ctx.run.on_close.clone().map(|report| {
+        let usage = Arc::new(ConnectionUsage::default());
+        counted.connection = Some((usage.clone(), report));
+        usage
+    });
+    let io = TokioIo::new(counted);
     let svc_ctx = Arc::clone(&ctx);
     // The upstream connection of this client connection's last plain HTTP
     // request, kept for the next one (see `forward_plain`).
@@ -542,7 +563,8 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
     let svc = service_fn(move |req| {
         let ctx = Arc::clone(&svc_ctx);
         let plain = Arc::clone(&plain);
-        async move { Ok::<_, Infallible>(handle(ctx, req, plain).await) }
+        let usage = usage.clone();
+        async move { Ok::<_, Infallible>(handle(ctx, req, plain, usage).await) }
     });
     let conn = server_http1::Builder::new()
         .timer(TokioTimer::new())
@@ -558,7 +580,12 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
 ///
 /// Cancellation: safe to drop (hyper drops it when the run disconnects);
 /// an upstream connection made so far is closed with it.
-async fn handle(ctx: Arc<Ctx>, req: Request<Incoming>, plain: PlainSlot) -> Response<ProxyBody> {
+async fn handle(
+    ctx: Arc<Ctx>,
+    req: Request<Incoming>,
+    plain: PlainSlot,
+    usage: Option<Arc<ConnectionUsage>>,
+) -> Response<ProxyBody> {
     ctx.run.counters.requests.fetch_add(1, Ordering::Relaxed);
     let target = match Target::of(req.method(), req.uri()) {
         Ok(target) => target,
@@ -569,6 +596,9 @@ async fn handle(ctx: Arc<Ctx>, req: Request<Incoming>, plain: PlainSlot) -> Resp
         Ok(admitted) => admitted,
         Err(reject) => return reject.response(),
     };
+    if let Some(usage) = usage {
+        usage.allowed.store(true, Ordering::Relaxed);
+    }
     let result = if req.method() == Method::CONNECT {
         connect(ctx, req, target, admitted).await
     } else {
@@ -1222,11 +1252,36 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 struct Counted<S> {
     inner: S,
     counters: Arc<Counters>,
+    /// This connection's own count, and who is told it when the connection
+    /// closes (this is dropped), if anyone.
+    connection: Option<(Arc<ConnectionUsage>, ConnectionBytes)>,
 }
 
 impl<S> Counted<S> {
     fn new(inner: S, counters: Arc<Counters>) -> Counted<S> {
-        Counted { inner, counters }
+        Counted {
+            inner,
+            counters,
+            connection: None,
+        }
+    }
+
+    fn add_to_connection(&self, n: usize) {
+        if let Some((usage, _)) = &self.connection {
+            usage.bytes.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+impl<S> Drop for Counted<S> {
+    /// The connection is closed (a tunnel's too: the tunnel owns this).
+    fn drop(&mut self) {
+        if let Some((usage, report)) = self.connection.take() {
+            let bytes = usage.bytes.load(Ordering::Relaxed);
+            if usage.allowed.load(Ordering::Relaxed) && bytes > 0 {
+                report(bytes);
+            }
+        }
     }
 }
 
@@ -1244,6 +1299,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for Counted<S> {
             this.counters
                 .bytes_up
                 .fetch_add(n as u64, Ordering::Relaxed);
+            this.add_to_connection(n);
         }
         poll
     }
@@ -1261,6 +1317,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
             this.counters
                 .bytes_down
                 .fetch_add(n as u64, Ordering::Relaxed);
+            this.add_to_connection(n);
         }
         poll
     }
@@ -1276,6 +1333,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Counted<S> {
             this.counters
                 .bytes_down
                 .fetch_add(n as u64, Ordering::Relaxed);
+            this.add_to_connection(n);
         }
         poll
     }

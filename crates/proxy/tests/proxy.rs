@@ -58,6 +58,8 @@ struct Harness {
     /// The banner upstream's port (see `start_banner`).
     banner_port: u16,
     counters: Arc<Counters>,
+    /// The byte counts `on_close` was told, in order.
+    closed: Arc<std::sync::Mutex<Vec<u64>>>,
     shutdown: CancellationToken,
     serve: Option<JoinHandle<()>>,
     /// The interception CA, for curl's --cacert.
@@ -165,11 +167,14 @@ impl Harness {
             |var| (var == "RUNBOX_TEST_API_TOKEN").then(|| SECRET_VALUE.to_owned()),
         )?;
         let counters = Arc::new(Counters::default());
+        let closed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let told = closed.clone();
         let run = Arc::new(RunEgress {
             run: RUN_ID.to_owned(),
             allowlist,
             secrets: vec![Arc::new(secret)],
             counters: Arc::clone(&counters),
+            on_close: Some(Arc::new(move |bytes| told.lock().unwrap().push(bytes))),
         });
 
         let shutdown = CancellationToken::new();
@@ -182,6 +187,7 @@ impl Harness {
             bulk_port,
             banner_port,
             counters,
+            closed,
             _cancel_on_drop: shutdown.clone().drop_guard(),
             shutdown,
             serve: Some(serve),
@@ -974,6 +980,22 @@ async fn counters_grow_with_traffic() -> Result<()> {
     assert_eq!(h.counters.requests.load(Ordering::Relaxed), 3);
     assert!(h.counters.bytes_down.load(Ordering::Relaxed) > n as u64);
     assert!(h.counters.bytes_up.load(Ordering::Relaxed) > n as u64);
+    // Each closed connection with an allowed request is told once with its
+    // bytes, the tunnel's included; the refused one is not.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while h.closed.lock().unwrap().len() < 2 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let closed = h.closed.lock().unwrap().clone();
+    assert_eq!(closed.len(), 2, "{closed:?}");
+    assert!(closed.iter().all(|&b| b > n as u64), "{closed:?}");
+    let total =
+        h.counters.bytes_down.load(Ordering::Relaxed) + h.counters.bytes_up.load(Ordering::Relaxed);
+    assert!(
+        closed.iter().sum::<u64>() < total,
+        "the refusal's bytes are not told"
+    );
     Ok(())
 }
 

@@ -256,8 +256,26 @@ impl RunContext {
             )
         })?;
         let listener = self.lane.sandbox(record.id).egress_listener().await?;
+        // Each connection's bytes become a usage event of the run's tenant
+        // (the tenant a claim stamped: a pool member's proxy starts at its
+        // claim).
+        let on_close: Option<crate::egress::ConnectionBytes> =
+            self.config().egress_usage_bytes.then(|| {
+                let usage = self.usage.clone();
+                let (id, tenant, size) = (record.id, record.tenant.clone(), record.size);
+                Arc::new(move |bytes: u64| {
+                    let mut event = crate::accounting::UsageEvent::now(
+                        crate::accounting::UsageKind::Egress,
+                        id,
+                        tenant.clone(),
+                    );
+                    event.size = size;
+                    event.egress_bytes = Some(bytes);
+                    usage.record(event);
+                }) as crate::egress::ConnectionBytes
+            });
         let meter = config
-            .start(record.id, &record.egress, listener, stop)
+            .start(record.id, &record.egress, listener, stop, on_close)
             .map_err(|e| {
                 CoreError::Lane(crate::lane::LaneError::Failed(format!(
                     "starting the run's egress proxy: {e}"
