@@ -126,6 +126,7 @@ pub async fn run(command: WarmCommand) -> anyhow::Result<ExitCode> {
                     .map(|t| {
                         vec![
                             t.repo.clone(),
+                            t.tenant.clone().unwrap_or_else(|| "-".into()),
                             t.generation.clone(),
                             t.files.to_string(),
                             table::size(t.bytes),
@@ -137,7 +138,15 @@ pub async fn run(command: WarmCommand) -> anyhow::Result<ExitCode> {
                 print!(
                     "{}",
                     table::render(
-                        &["REPO", "GENERATION", "FILES", "SIZE", "LAST USED", "LOCK"],
+                        &[
+                            "REPO",
+                            "TENANT",
+                            "GENERATION",
+                            "FILES",
+                            "SIZE",
+                            "LAST USED",
+                            "LOCK"
+                        ],
                         &rows
                     )
                 );

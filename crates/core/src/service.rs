@@ -185,12 +185,23 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         id: Ulid,
     ) -> impl Future<Output = Result<runbox_types::WarmStatus, CoreError>> + Send;
-    /// Every warm template.
-    fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError>;
-    /// One repository's warm template.
-    fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError>;
-    /// Drops a repository's warm template.
-    fn warm_invalidate(&self, repo: String) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// The warm templates `owner` sees (root: all, each stamped).
+    fn warm_templates(
+        &self,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::WarmTemplateList, CoreError>;
+    /// `owner`'s warm template of a repository (root: the operator's).
+    fn warm_template(
+        &self,
+        repo: &str,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::WarmTemplate, CoreError>;
+    /// Drops `owner`'s warm template of a repository.
+    fn warm_invalidate(
+        &self,
+        repo: String,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Describes a path in a run's `scope` (None: its base).
     fn stat_path(
         &self,
@@ -530,16 +541,27 @@ impl RunService for Arc<Manager> {
         Manager::warm_status(self, id).await
     }
 
-    fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError> {
-        Manager::warm_templates(self)
+    fn warm_templates(
+        &self,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::WarmTemplateList, CoreError> {
+        Manager::warm_templates(self, owner)
     }
 
-    fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError> {
-        Manager::warm_template(self, repo)
+    fn warm_template(
+        &self,
+        repo: &str,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::WarmTemplate, CoreError> {
+        Manager::warm_template(self, repo, owner)
     }
 
-    async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
-        Manager::warm_invalidate(self, &repo).await
+    async fn warm_invalidate(
+        &self,
+        repo: String,
+        owner: crate::tenants::Owner,
+    ) -> Result<(), CoreError> {
+        Manager::warm_invalidate(self, &repo, &owner).await
     }
 
     async fn stat_path(

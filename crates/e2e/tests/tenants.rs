@@ -72,6 +72,8 @@ fn request_of(cell: &str, run: &str, other: &str) -> (String, String, Vec<u8>, C
         br#"{"ttlSec":600}"#
     } else if path.ends_with("/lease") || path.ends_with("/fork") {
         br#"{"count":0}"#
+    } else if path.ends_with("/warm-commit") {
+        b"{}"
     } else {
         b""
     };

@@ -553,3 +553,103 @@ async fn a_hibernated_warm_run_wakes_with_its_volume_and_template() {
     let woken = daemon.client.get_run(&id).await.unwrap();
     assert_eq!(woken.warm.as_ref().unwrap().generation, generation);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_starts_from_and_commits_to_its_own_templates() {
+    let mut daemon = daemon_with(&[]).await;
+    let (mut clients, mut tokens) = (Vec::new(), Vec::new());
+    for name in ["alpha", "beta"] {
+        let token = daemon
+            .client
+            .create_tenant(&runbox_types::CreateTenantRequest {
+                name: name.into(),
+                max_runs: 0,
+                images: Vec::new(),
+                networks: Vec::new(),
+                sizes: Vec::new(),
+            })
+            .await
+            .unwrap()
+            .token;
+        clients.push(runbox_client::Client::new(&daemon.url, &token).unwrap());
+        tokens.push(token);
+    }
+    let (alpha, beta) = (&clients[0], &clients[1]);
+    let warm = || CreateRunRequest {
+        image: "base".into(),
+        warm: Some(WarmRequest {
+            repo: "acme/web".into(),
+            path: None,
+        }),
+        ..Default::default()
+    };
+    let setup = alpha.create_run(&warm()).await.unwrap().id.to_string();
+    sh_ok(&daemon, &setup, "echo alpha > /work/owner").await;
+    let commit = alpha.warm_commit(&setup, None).await.unwrap();
+    assert_eq!(commit.template.tenant.as_deref(), Some("alpha"));
+    assert!(daemon
+        .state
+        .path()
+        .join("runs/.warm/tenants/alpha/acme/web/manifest.json")
+        .is_file());
+
+    // Another tenant, and the operator, start empty from the same repository.
+    let other = beta.create_run(&warm()).await.unwrap();
+    assert!(!other.warm.as_ref().unwrap().booted, "{other:?}");
+    let other = other.id.to_string();
+    assert_eq!(
+        sh_ok(&daemon, &other, "ls -A /work | wc -l").await.trim(),
+        "0"
+    );
+    let operator = warm_run(&daemon, "acme/web", None).await;
+    assert!(!operator.warm.as_ref().unwrap().booted);
+    // The tenant's own next run starts from its template.
+    let again = alpha.create_run(&warm()).await.unwrap();
+    assert!(again.warm.as_ref().unwrap().booted, "{again:?}");
+    let again = again.id.to_string();
+    assert_eq!(sh_ok(&daemon, &again, "cat /work/owner").await, "alpha\n");
+    // A commit of beta's run goes to beta's set, never over alpha's.
+    sh_ok(&daemon, &other, "echo beta > /work/owner").await;
+    beta.warm_commit(&other, None).await.unwrap();
+    let third = alpha.create_run(&warm()).await.unwrap().id.to_string();
+    assert_eq!(sh_ok(&daemon, &third, "cat /work/owner").await, "alpha\n");
+
+    // Each sees its own; root sees both, stamped.
+    let mine = |list: runbox_types::WarmTemplateList| {
+        list.templates
+            .into_iter()
+            .map(|t| t.tenant.unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(mine(alpha.warm_templates().await.unwrap()), ["alpha"]);
+    assert_eq!(mine(beta.warm_templates().await.unwrap()), ["beta"]);
+    assert_eq!(
+        mine(daemon.client.warm_templates().await.unwrap()),
+        ["alpha", "beta"]
+    );
+    // Root addresses the operator's own set by repository: it has none.
+    let err = daemon.client.warm_template("acme/web").await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TemplateNotFound), "{err}");
+    // Dropping is per tenant too.
+    beta.warm_invalidate("acme/web").await.unwrap();
+    let err = beta.warm_template("acme/web").await.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::TemplateNotFound), "{err}");
+    assert_eq!(
+        alpha
+            .warm_template("acme/web")
+            .await
+            .unwrap()
+            .tenant
+            .as_deref(),
+        Some("alpha")
+    );
+    // A restarted daemon finds each tenant's set where it was.
+    daemon.kill9();
+    daemon.spawn().await;
+    let alpha = runbox_client::Client::new(&daemon.url, &tokens[0]).unwrap();
+    assert_eq!(mine(alpha.warm_templates().await.unwrap()), ["alpha"]);
+    assert_eq!(
+        mine(daemon.client.warm_templates().await.unwrap()),
+        ["alpha"]
+    );
+}

@@ -286,9 +286,6 @@ pub async fn create_run<S: RunService>(
     headers: HeaderMap,
     AppJson(req): AppJson<CreateRunRequest>,
 ) -> Result<Response, ApiError> {
-    if req.warm.is_some() && caller.tenant().is_some() {
-        return Err(warm_refused());
-    }
     let key = match headers.get(IDEMPOTENCY_KEY) {
         None => None,
         Some(value) => Some(value.to_str().map(str::to_owned).map_err(|_| {
@@ -306,15 +303,6 @@ pub async fn create_run<S: RunService>(
 pub(crate) fn with_token<S: RunService>(state: &AppState<S>, mut run: Run) -> Run {
     run.token = Some(crate::auth::run_token(&state.token, run.id));
     run
-}
-
-/// Warm templates are one set per node, not yet kept apart per tenant:
-/// until they are, they are the operator's.
-fn warm_refused() -> ApiError {
-    ApiError::new(
-        ErrorCode::Forbidden,
-        "warm templates are shared by the whole node, so they take the root token",
-    )
 }
 
 /// The header that makes a create safe to retry.
@@ -484,16 +472,12 @@ pub async fn fork_run<S: RunService>(
 }
 
 /// `POST /v1/runs/{id}/warm-commit`: publishes the run's warm volume as its
-/// repository's template.
+/// repository's template, in the run's tenant's set.
 pub async fn warm_commit<S: RunService>(
     State(state): State<AppState<S>>,
-    caller: Caller,
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::WarmCommitRequest>,
 ) -> Result<Response, ApiError> {
-    if caller.tenant().is_some() {
-        return Err(warm_refused());
-    }
     let committed = state.service.warm_commit(id, req).await?;
     Ok((StatusCode::CREATED, Json(committed)).into_response())
 }
@@ -506,43 +490,36 @@ pub async fn warm_status<S: RunService>(
     Ok(Json(state.service.warm_status(id).await?))
 }
 
-/// `GET /v1/warmcache`: every template.
+/// `GET /v1/warmcache`: the caller's templates (root: every one).
 pub async fn warm_templates<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
 ) -> Result<Json<runbox_types::WarmTemplateList>, ApiError> {
-    if caller.tenant().is_some() {
-        return Err(warm_refused());
-    }
-    Ok(Json(state.service.warm_templates()?))
+    Ok(Json(state.service.warm_templates(&caller.owner())?))
 }
 
-/// `GET /v1/warmcache/{owner}/{name}`: the repository's template.
+/// `GET /v1/warmcache/{owner}/{name}`: the caller's template of the
+/// repository (root: the operator's).
 pub async fn warm_template<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
     AppPath((owner, name)): AppPath<(String, String)>,
 ) -> Result<Json<runbox_types::WarmTemplate>, ApiError> {
-    if caller.tenant().is_some() {
-        return Err(warm_refused());
-    }
-    Ok(Json(
-        state.service.warm_template(&format!("{owner}/{name}"))?,
-    ))
+    Ok(Json(state.service.warm_template(
+        &format!("{owner}/{name}"),
+        &caller.owner(),
+    )?))
 }
 
-/// `DELETE /v1/warmcache/{owner}/{name}`: drops the template.
+/// `DELETE /v1/warmcache/{owner}/{name}`: drops the caller's template.
 pub async fn warm_invalidate<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
     AppPath((owner, name)): AppPath<(String, String)>,
 ) -> Result<StatusCode, ApiError> {
-    if caller.tenant().is_some() {
-        return Err(warm_refused());
-    }
     state
         .service
-        .warm_invalidate(format!("{owner}/{name}"))
+        .warm_invalidate(format!("{owner}/{name}"), caller.owner())
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

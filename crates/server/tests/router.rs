@@ -213,14 +213,21 @@ impl RunService for Stub {
             message: "no warm volume".into(),
         })
     }
-    fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError> {
+    fn warm_templates(
+        &self,
+        _: &runbox_core::tenants::Owner,
+    ) -> Result<runbox_types::WarmTemplateList, CoreError> {
         Ok(runbox_types::WarmTemplateList {
             templates: Vec::new(),
             bytes: 0,
             max_bytes: 1,
         })
     }
-    fn warm_template(&self, repo: &str) -> Result<runbox_types::WarmTemplate, CoreError> {
+    fn warm_template(
+        &self,
+        repo: &str,
+        _: &runbox_core::tenants::Owner,
+    ) -> Result<runbox_types::WarmTemplate, CoreError> {
         // The real checks, so the router tests see hostile names refused.
         let repo = runbox_core::validate::repo(repo)?;
         Err(CoreError::invalid(
@@ -228,8 +235,12 @@ impl RunService for Stub {
             format!("no template for {repo}"),
         ))
     }
-    async fn warm_invalidate(&self, repo: String) -> Result<(), CoreError> {
-        self.warm_template(&repo).map(|_| ())
+    async fn warm_invalidate(
+        &self,
+        repo: String,
+        owner: runbox_core::tenants::Owner,
+    ) -> Result<(), CoreError> {
+        self.warm_template(&repo, &owner).map(|_| ())
     }
     async fn stat_path(
         &self,

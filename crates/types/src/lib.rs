@@ -342,6 +342,11 @@ pub struct WarmCommitRequest {
 pub struct WarmTemplate {
     /// The repository (canonical: lower case).
     pub repo: String,
+    /// The tenant whose template it is (absent: the operator's). Each
+    /// tenant has its own set: a tenant's runs start from and commit to
+    /// its own templates only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
     /// The generation's id (a ULID); every commit makes a new one.
     pub generation: String,
     /// The hash of the lockfile set (`sha256:…`): paths and contents.

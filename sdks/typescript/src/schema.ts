@@ -2531,6 +2531,12 @@ export interface components {
              * @description The run that committed it.
              */
             run: string;
+            /**
+             * @description The tenant whose template it is (absent: the operator's). Each
+             *     tenant has its own set: a tenant's runs start from and commit to
+             *     its own templates only.
+             */
+            tenant?: string | null;
         };
         /** @description `GET /v1/warmcache`. */
         WarmTemplateList: {

@@ -586,7 +586,7 @@ impl Manager {
         // generation from then on.
         let (warm, warm_mount, _warm_pin) = match warm {
             Some((repo, path)) => {
-                let (volume, mount, pin) = self.warm_for_create(repo, path);
+                let (volume, mount, pin) = self.warm_for_create(repo, path, owner.tenant());
                 (Some(volume), Some(mount), pin)
             }
             None => (None, None, None),

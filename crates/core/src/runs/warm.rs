@@ -12,8 +12,9 @@ use super::actor::Access;
 use super::Manager;
 use crate::error::CoreError;
 use crate::lane::WarmMount;
+use crate::tenants::Owner;
 use crate::validate;
-use crate::warm::{join_dir, lockfile, Pin, WarmCache, WarmVolume};
+use crate::warm::{join_dir, lockfile, scope_key, Pin, WarmCache, WarmVolume};
 
 /// The volume's path when a create names none.
 pub const DEFAULT_WARM_PATH: &str = "/work";
@@ -41,14 +42,19 @@ impl Manager {
         Ok((repo, path))
     }
 
-    /// What a warm create mounts: the repository's current template,
-    /// pinned until the run is in the registry, or an empty volume.
+    /// What a warm create by `tenant` mounts: its current template of the
+    /// repository, pinned until the run is in the registry, or an empty
+    /// volume.
     pub(crate) fn warm_for_create(
         &self,
         repo: String,
         path: String,
+        tenant: Option<&str>,
     ) -> (WarmVolume, WarmMount, Option<Pin>) {
-        let pin = self.warm.as_ref().and_then(|cache| cache.pin(&repo));
+        let pin = self
+            .warm
+            .as_ref()
+            .and_then(|cache| cache.pin(&scope_key(tenant, &repo)));
         let volume = volume_of(repo, path.clone(), pin.as_ref());
         let mount = WarmMount {
             path,
@@ -66,7 +72,8 @@ impl Manager {
     }
 
     /// Publishes run `id`'s warm volume as the template of `req.repo` (by
-    /// default the run's own repository): the run is captured (frozen for
+    /// default the run's own repository) of the run's tenant (or the
+    /// operator's, for the operator's runs): the run is captured (frozen for
     /// a constant-time snapshot of its disk, then thawed), and the volume
     /// as it was then is written to the cache as a new generation.
     ///
@@ -84,20 +91,26 @@ impl Manager {
             Some(repo) => validate::repo(&repo)?,
             None => volume.repo.clone(),
         };
+        let key = scope_key(record.tenant.as_deref(), &repo);
         let manager = self.clone();
         tokio::spawn(async move {
             let capture = manager.capture(id, "committed").await?;
             let upper = capture.warm_upper.clone().ok_or_else(|| {
                 CoreError::Store(format!("the capture of run {id} has no warm volume"))
             })?;
-            let base = volume.generation.map(|g| cache.tree(&volume.repo, g));
+            let base = match volume.generation {
+                Some(g) => Some(cache.generation_tree(g).ok_or_else(|| {
+                    CoreError::Store(format!("the warm generation {g} is gone from the cache"))
+                })?),
+                None => None,
+            };
             let path = volume.path.clone();
             let template = tokio::task::spawn_blocking(move || {
                 let mut layers = vec![upper.as_path()];
                 if let Some(base) = &base {
                     layers.push(base.as_path());
                 }
-                let committed = cache.commit(&repo, &layers, &path, id);
+                let committed = cache.commit(&key, &layers, &path, id);
                 drop(capture);
                 committed
             })
@@ -138,7 +151,7 @@ impl Manager {
         let template = self
             .warm
             .as_ref()
-            .and_then(|cache| cache.template(&volume.repo));
+            .and_then(|cache| cache.template(&scope_key(record.tenant.as_deref(), &volume.repo)));
         Ok(WarmStatus {
             repo_dir: join_dir(&volume.path, &set.subdir),
             repo: volume.repo,
@@ -149,17 +162,28 @@ impl Manager {
         })
     }
 
-    /// The current template of `repo`.
-    pub fn warm_template(&self, repo: &str) -> Result<WarmTemplate, CoreError> {
+    /// `owner`'s current template of `repo` (the root token's: the
+    /// operator's own).
+    pub fn warm_template(&self, repo: &str, owner: &Owner) -> Result<WarmTemplate, CoreError> {
         let cache = self.warm_cache()?;
         let repo = validate::repo(repo)?;
-        cache.template(&repo).ok_or_else(|| no_template(&repo))
+        cache
+            .template(&scope_key(owner.tenant(), &repo))
+            .ok_or_else(|| no_template(&repo))
     }
 
-    /// Every template, and the bytes held and allowed.
-    pub fn warm_templates(&self) -> Result<runbox_types::WarmTemplateList, CoreError> {
+    /// The templates `owner` sees (root: every tenant's, each stamped), the
+    /// bytes they hold (root: the whole cache) and the cache's cap.
+    pub fn warm_templates(
+        &self,
+        owner: &Owner,
+    ) -> Result<runbox_types::WarmTemplateList, CoreError> {
         let cache = self.warm_cache()?;
-        let (templates, bytes) = cache.list();
+        let (mut templates, mut bytes) = cache.list();
+        if owner.tenant().is_some() {
+            templates.retain(|t| owner.sees(t.tenant.as_deref()));
+            bytes = templates.iter().map(|t| t.bytes).sum();
+        }
         Ok(runbox_types::WarmTemplateList {
             templates,
             bytes,
@@ -167,12 +191,12 @@ impl Manager {
         })
     }
 
-    /// Drops `repo`'s template (forced invalidation). Runs using it keep
-    /// it; its files are deleted once none does.
-    pub async fn warm_invalidate(&self, repo: &str) -> Result<(), CoreError> {
+    /// Drops `owner`'s template of `repo` (forced invalidation). Runs using
+    /// it keep it; its files are deleted once none does.
+    pub async fn warm_invalidate(&self, repo: &str, owner: &Owner) -> Result<(), CoreError> {
         let cache = self.warm_cache()?.clone();
         let repo = validate::repo(repo)?;
-        let name = repo.clone();
+        let name = scope_key(owner.tenant(), &repo);
         let dropped = tokio::task::spawn_blocking(move || cache.invalidate(&name))
             .await
             .map_err(|e| CoreError::Store(format!("warm invalidate task failed: {e}")))??;
@@ -288,7 +312,7 @@ pub(crate) fn pinned_mount(
         ));
     };
     let pin = cache_or_refusal(cache)?
-        .pin_generation(&volume.repo, generation)
+        .pin_generation(generation)
         .ok_or_else(|| {
             CoreError::Store(format!(
                 "the warm generation {generation} the run mounts is gone from the cache"

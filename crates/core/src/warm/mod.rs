@@ -9,9 +9,15 @@
 //! repos/<owner>/<name>/<generation>/   one immutable generation:
 //!     tree/                            the volume's files
 //!     meta.json                        its WarmTemplate as committed
+//! tenants/<tenant>/<owner>/<name>/     a tenant's templates, laid out alike
 //! tmp/<generation>/                    a commit being written
 //! trash/                               generations being deleted
 //! ```
+//!
+//! Templates are kept apart per tenant: the operator's and each tenant's
+//! are separate sets under one byte cap, named inside the cache by
+//! [`scope_key`]. Generation ids are unique across all of them, so a run
+//! that mounts a generation finds it by its id alone.
 //!
 //! Rules:
 //! * A generation is written whole in `tmp/`, flushed to disk, moved into
@@ -46,6 +52,30 @@ use ulid::Ulid;
 
 use crate::durable::sync_dir;
 use crate::error::CoreError;
+
+/// The cache's name for `tenant`'s template of `repo` (a canonical
+/// repository): the repository itself for the operator's, `<tenant>:<repo>`
+/// for a tenant's. Neither a tenant name nor a repository holds `:`, so
+/// the two kinds never meet.
+pub fn scope_key(tenant: Option<&str>, repo: &str) -> String {
+    match tenant {
+        None => repo.to_owned(),
+        Some(tenant) => format!("{tenant}:{repo}"),
+    }
+}
+
+/// The tenant and repository of a [`scope_key`].
+fn split_key(key: &str) -> (Option<&str>, &str) {
+    match key.split_once(':') {
+        Some((tenant, repo)) => (Some(tenant), repo),
+        None => (None, key),
+    }
+}
+
+/// The [`scope_key`] of a template.
+fn key_of(template: &WarmTemplate) -> String {
+    scope_key(template.tenant.as_deref(), &template.repo)
+}
 
 /// A run's warm volume as its record keeps it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -168,8 +198,38 @@ impl WarmCache {
             empty_dir(&root.join(dir));
         }
         let mut inner = Inner::default();
-        let repos = root.join("repos");
-        for owner in read_dir(&repos)? {
+        scan(&root.join("repos"), None, &mut inner)?;
+        let tenants = root.join("tenants");
+        if tenants.is_dir() {
+            for dir in read_dir(&tenants)? {
+                let name = dir.file_name().unwrap_or_default().to_string_lossy();
+                if crate::tenants::check_name(&name).is_err() {
+                    tracing::warn!(path = %dir.display(), "ignoring a stray entry in the warm cache");
+                    continue;
+                }
+                let tenant = name.into_owned();
+                scan(&dir, Some(&tenant), &mut inner)?;
+            }
+        }
+        tracing::info!(
+            root = %root.display(),
+            templates = inner.templates.len(),
+            generations = inner.generations.len(),
+            "warm cache opened"
+        );
+        Ok(WarmCache {
+            root: root.to_owned(),
+            max_bytes,
+            inner: Arc::new(Mutex::new(inner)),
+        })
+    }
+}
+
+/// Reads the templates and generations under `repos` (`<owner>/<name>/`),
+/// `tenant`'s or the operator's, into `inner`.
+fn scan(repos: &Path, tenant: Option<&str>, inner: &mut Inner) -> Result<(), CoreError> {
+    {
+        for owner in read_dir(repos)? {
             for name in read_dir(&owner)? {
                 let repo = format!(
                     "{}/{}",
@@ -180,6 +240,8 @@ impl WarmCache {
                     tracing::warn!(path = %name.display(), "ignoring a stray entry in the warm cache");
                     continue;
                 }
+                let plain = repo;
+                let repo = scope_key(tenant, &plain);
                 for generation in read_dir(&name)? {
                     let Some(id) = generation
                         .file_name()
@@ -198,7 +260,7 @@ impl WarmCache {
                         let valid = Ulid::from_string(&manifest.generation)
                             .ok()
                             .is_some_and(|g| inner.generations.contains_key(&g));
-                        if valid && manifest.repo == repo {
+                        if valid && manifest.repo == plain && manifest.tenant.as_deref() == tenant {
                             inner.templates.insert(
                                 repo,
                                 Template {
@@ -217,33 +279,34 @@ impl WarmCache {
                 }
             }
         }
-        tracing::info!(
-            root = %root.display(),
-            templates = inner.templates.len(),
-            generations = inner.generations.len(),
-            "warm cache opened"
-        );
-        Ok(WarmCache {
-            root: root.to_owned(),
-            max_bytes,
-            inner: Arc::new(Mutex::new(inner)),
-        })
     }
+    Ok(())
+}
 
+impl WarmCache {
     /// The most the cache keeps, in bytes.
     pub fn max_bytes(&self) -> u64 {
         self.max_bytes
     }
 
-    fn repo_dir(&self, repo: &str) -> PathBuf {
-        self.root.join("repos").join(repo)
+    /// The directory of template `key` (a [`scope_key`]).
+    fn repo_dir(&self, key: &str) -> PathBuf {
+        match split_key(key) {
+            (None, repo) => self.root.join("repos").join(repo),
+            (Some(tenant), repo) => self.root.join("tenants").join(tenant).join(repo),
+        }
     }
 
-    /// The files of `generation` of `repo`.
-    pub fn tree(&self, repo: &str, generation: Ulid) -> PathBuf {
-        self.repo_dir(repo)
-            .join(generation.to_string())
-            .join("tree")
+    /// The files of `generation`, whichever template it belongs to; None
+    /// when the cache no longer has it.
+    pub fn generation_tree(&self, generation: Ulid) -> Option<PathBuf> {
+        let key = lock(&self.inner).generations.get(&generation)?.0.clone();
+        Some(self.tree(&key, generation))
+    }
+
+    /// The files of `generation` of template `key` (a [`scope_key`]).
+    pub fn tree(&self, key: &str, generation: Ulid) -> PathBuf {
+        self.repo_dir(key).join(generation.to_string()).join("tree")
     }
 
     /// The current template of `repo`, if any.
@@ -254,7 +317,8 @@ impl WarmCache {
             .map(|t| t.manifest.clone())
     }
 
-    /// Every current template, by repository, and the bytes held.
+    /// Every current template (all tenants'), by repository, and the bytes
+    /// held.
     pub fn list(&self) -> (Vec<WarmTemplate>, u64) {
         let inner = lock(&self.inner);
         let mut all: Vec<WarmTemplate> = inner
@@ -262,7 +326,7 @@ impl WarmCache {
             .values()
             .map(|t| t.manifest.clone())
             .collect();
-        all.sort_by(|a, b| a.repo.cmp(&b.repo));
+        all.sort_by(|a, b| (&a.repo, &a.tenant).cmp(&(&b.repo, &b.tenant)));
         (all, inner.generations.values().map(|(_, b)| b).sum())
     }
 
@@ -287,13 +351,12 @@ impl WarmCache {
 
     /// Pins a generation a live run mounts (a fork's parent), whether or
     /// not it is still the current one; None when it is gone.
-    pub fn pin_generation(&self, repo: &str, generation: Ulid) -> Option<Pin> {
+    pub fn pin_generation(&self, generation: Ulid) -> Option<Pin> {
         let mut inner = lock(&self.inner);
-        if !inner.generations.contains_key(&generation) {
-            return None;
-        }
+        let repo = inner.generations.get(&generation)?.0.clone();
         *inner.pins.entry(generation).or_default() += 1;
         drop(inner);
+        let repo = repo.as_str();
         let template = read_json::<WarmTemplate>(
             &self
                 .repo_dir(repo)
@@ -310,8 +373,8 @@ impl WarmCache {
 
     /// Publishes the merge of `layers` (topmost first, as
     /// [`runbox_image::tree::flatten`] reads them: the run's captured upper
-    /// over the generation it started from) as `repo`'s new template.
-    /// `path` is the volume's path in run `run`. Blocking.
+    /// over the generation it started from) as the new template `repo` (a
+    /// [`scope_key`]). `path` is the volume's path in run `run`. Blocking.
     pub fn commit(
         &self,
         repo: &str,
@@ -384,8 +447,10 @@ impl WarmCache {
         let set =
             lockfile::lock_set(&tree).map_err(CoreError::io("hashing the committed lockfiles"))?;
         let now = OffsetDateTime::now_utc();
+        let (tenant, repo) = split_key(repo);
         let manifest = WarmTemplate {
             repo: repo.to_owned(),
+            tenant: tenant.map(str::to_owned),
             generation: generation.to_string(),
             lock_hash: set.hash,
             lockfiles: set.files,
@@ -423,7 +488,12 @@ impl WarmCache {
                 "making a scratch directory in the warm cache",
             ))?;
         let tree = scratch.path().join("tree");
-        let base = volume.generation.map(|g| self.tree(&volume.repo, g));
+        let base = match volume.generation {
+            Some(g) => Some(self.generation_tree(g).ok_or_else(|| {
+                CoreError::Store(format!("the warm generation {g} is gone from the cache"))
+            })?),
+            None => None,
+        };
         let mut layers = vec![upper];
         if let Some(base) = &base {
             layers.push(base.as_path());
@@ -488,7 +558,7 @@ impl WarmCache {
                     .filter_map(|t| {
                         let g = Ulid::from_string(&t.manifest.generation).ok()?;
                         (!held.contains(&g))
-                            .then(|| (t.manifest.last_used_at, t.manifest.repo.clone(), g))
+                            .then(|| (t.manifest.last_used_at, key_of(&t.manifest), g))
                     })
                     .collect();
                 lru.sort();
@@ -533,14 +603,18 @@ impl WarmCache {
                 }
             }
             // Repositories left with neither template nor generation.
-            for owner in read_dir(&self.root.join("repos")).unwrap_or_default() {
-                for name in read_dir(&owner).unwrap_or_default() {
-                    let _ = fs::remove_dir(&name);
+            let mut sets = vec![self.root.join("repos")];
+            sets.extend(read_dir(&self.root.join("tenants")).unwrap_or_default());
+            for set in sets {
+                for owner in read_dir(&set).unwrap_or_default() {
+                    for name in read_dir(&owner).unwrap_or_default() {
+                        let _ = fs::remove_dir(&name);
+                    }
+                    let _ = fs::remove_dir(&owner);
                 }
-                let _ = fs::remove_dir(&owner);
             }
             for template in inner.templates.values_mut().filter(|t| t.dirty) {
-                let dir = self.repo_dir(&template.manifest.repo);
+                let dir = self.repo_dir(&key_of(&template.manifest));
                 match write_manifest(&dir, &template.manifest) {
                     Ok(()) => template.dirty = false,
                     Err(e) => {
@@ -623,6 +697,55 @@ mod tests {
         fs::read_dir(root.join("repos").join(repo))
             .map(|d| d.flatten().filter(|e| e.path().is_dir()).count())
             .unwrap_or(0)
+    }
+
+    #[test]
+    fn tenant_sets_are_apart_survive_a_reopen_and_share_the_cap() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("cache");
+        let cache = WarmCache::open(&root, 1 << 30).unwrap();
+        let alpha = scope_key(Some("alpha"), "acme/web");
+        let mine = cache
+            .commit(
+                &alpha,
+                &[&volume(tmp.path(), "a", 10)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        assert_eq!(
+            (mine.repo.as_str(), mine.tenant.as_deref()),
+            ("acme/web", Some("alpha"))
+        );
+        assert!(cache.template("acme/web").is_none(), "not the operator's");
+        assert!(cache.pin("acme/web").is_none());
+        let ours = cache
+            .commit(
+                "acme/web",
+                &[&volume(tmp.path(), "o", 10)],
+                "/work",
+                Ulid::new(),
+            )
+            .unwrap();
+        assert_eq!(ours.tenant, None);
+        let g = Ulid::from_string(&mine.generation).unwrap();
+        assert_eq!(
+            cache.generation_tree(g).unwrap(),
+            root.join("tenants/alpha/acme/web")
+                .join(g.to_string())
+                .join("tree")
+        );
+        assert!(cache.pin_generation(g).is_some());
+        drop(cache);
+        let reopened = WarmCache::open(&root, 1 << 30).unwrap();
+        assert_eq!(reopened.template(&alpha).unwrap(), mine);
+        assert_eq!(reopened.template("acme/web").unwrap(), ours);
+        assert_eq!(reopened.list().0.len(), 2);
+        // One cap for all: a cap of one byte drops both (nothing pins them).
+        let tight = WarmCache::open(&root, 1).unwrap();
+        let report = tight.evict(HashSet::new);
+        assert_eq!(report.templates.len(), 2, "{report:?}");
+        assert!(!root.join("tenants/alpha/acme/web/manifest.json").exists());
     }
 
     #[test]
