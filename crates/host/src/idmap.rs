@@ -1,0 +1,293 @@
+//! User namespaces and idmapped mounts: what makes root in a run nobody on
+//! the host while the run's files keep the owners its image gave them.
+//!
+//! A run's processes live in a user namespace whose ids 0-65535 map to a
+//! host range of 65536 ids of its own. Its image layers stay shared,
+//! read-only and owned as the image says (id N on disk for the image's id
+//! N); each is bind-mounted for the run with an id mapping (an idmapped
+//! mount: `mount_setattr(2)` with `MOUNT_ATTR_IDMAP`) under which on-disk
+//! id N is host id base+N, so the run sees N again. Nothing is copied or
+//! chowned, and the kernel does the translation on every access.
+//!
+//! An idmapped mount takes its mapping from a user namespace. The
+//! namespaces made here hold no process: a short-lived child makes one,
+//! the daemon writes its maps and keeps a descriptor, and the child exits.
+//! A descriptor is all the kernel needs, for as long as it is open or a
+//! mount uses it.
+//!
+//! Why by hand: `mount_setattr(2)` has no wrapper in rustix or nix, and
+//! making a namespace without running a program in it needs a fork whose
+//! child does nothing but `unshare`, `write`, `read` and `_exit`; neither
+//! is a library's job today.
+
+use std::ffi::CString;
+use std::fmt::Write as _;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::Path;
+
+/// One line of a `uid_map` or `gid_map`: `count` ids from `inside` in the
+/// namespace are the host's ids from `outside`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Extent {
+    /// The first id in the namespace.
+    pub inside: u32,
+    /// The host id it is.
+    pub outside: u32,
+    /// How many consecutive ids.
+    pub count: u32,
+}
+
+impl Extent {
+    /// `count` ids from 0 inside, `base` outside: a run's range.
+    pub fn range(base: u32, count: u32) -> Extent {
+        Extent {
+            inside: 0,
+            outside: base,
+            count,
+        }
+    }
+}
+
+/// The text of a map file: one `inside outside count` line per extent.
+fn map_text(map: &[Extent]) -> String {
+    let mut text = String::new();
+    for e in map {
+        let _ = writeln!(text, "{} {} {}", e.inside, e.outside, e.count);
+    }
+    text
+}
+
+/// Two pipes' ends, closed when dropped.
+struct Pipe {
+    read: OwnedFd,
+    write: OwnedFd,
+}
+
+fn pipe() -> io::Result<Pipe> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both were just opened and are owned by nothing else.
+    Ok(unsafe {
+        Pipe {
+            read: OwnedFd::from_raw_fd(fds[0]),
+            write: OwnedFd::from_raw_fd(fds[1]),
+        }
+    })
+}
+
+/// Makes a user namespace whose uids and gids are both mapped by `map`,
+/// and returns a descriptor that holds it. Needs `CAP_SETUID` and
+/// `CAP_SETGID` (the daemon is root). Blocking: a fork and a few writes.
+pub fn user_namespace(map: &[Extent]) -> io::Result<OwnedFd> {
+    if map.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an id map needs at least one extent",
+        ));
+    }
+    let text = map_text(map);
+    let ready = pipe()?;
+    let done = pipe()?;
+    // SAFETY: the child runs only async-signal-safe calls (close, unshare,
+    // write, read, _exit) on descriptors it owns a copy of, and exits; it
+    // touches no lock or allocation the parent's other threads may hold.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if pid == 0 {
+        // SAFETY: as above; the child never returns from this block.
+        unsafe {
+            libc::close(ready.read.as_raw_fd());
+            libc::close(done.write.as_raw_fd());
+            let ok: u8 = u8::from(libc::unshare(libc::CLONE_NEWUSER) == 0);
+            libc::write(ready.write.as_raw_fd(), (&raw const ok).cast(), 1);
+            // Wait until the parent has what it needs (it closes its end),
+            // or is gone.
+            let mut byte = 0u8;
+            libc::read(done.read.as_raw_fd(), (&raw mut byte).cast(), 1);
+            libc::_exit(0);
+        }
+    }
+    let Pipe {
+        read: ready_read,
+        write: ready_write,
+    } = ready;
+    drop(ready_write);
+    let Pipe {
+        read: done_read,
+        write: done_write,
+    } = done;
+    drop(done_read);
+    let made = (|| {
+        let mut byte = 0u8;
+        // SAFETY: reads one byte into a local.
+        let n = unsafe { libc::read(ready_read.as_raw_fd(), (&raw mut byte).cast(), 1) };
+        if n != 1 || byte != 1 {
+            return Err(io::Error::other(
+                "the helper could not make a user namespace",
+            ));
+        }
+        // Each map is written with one write(2), as the kernel requires.
+        std::fs::write(format!("/proc/{pid}/uid_map"), &text)?;
+        std::fs::write(format!("/proc/{pid}/gid_map"), &text)?;
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
+        Ok(OwnedFd::from(ns))
+    })();
+    // The child exits once its end of `done` reads end-of-file.
+    drop(done_write);
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    made
+}
+
+/// Bind-mounts `source` (not what is mounted below it) at `target`, which
+/// must exist, with the id mapping of user namespace `userns`: on-disk id
+/// N is seen as what N is inside `userns` on the host. Blocking.
+pub fn idmapped_bind(source: &Path, target: &Path, userns: BorrowedFd<'_>) -> io::Result<()> {
+    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        source,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )?;
+    let attr = libc::mount_attr {
+        attr_set: libc::MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    let empty = CString::default();
+    // SAFETY: mount_setattr(2) reads `attr` (of the size given) and the
+    // empty path; `tree` is a detached mount we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &raw const attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    rustix::mount::move_mount(
+        tree.as_fd(),
+        "",
+        rustix::fs::CWD,
+        target,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )?;
+    Ok(())
+}
+
+/// Whether idmapped mounts work on the filesystem holding `dir`: maps a
+/// scratch directory made there with a namespace shifting ids by 65536
+/// and checks what the mount shows. The reason when they do not.
+pub fn probe(dir: &Path) -> Result<(), String> {
+    let scratch = tempfile::Builder::new()
+        .prefix(".idmap-probe-")
+        .tempdir_in(dir)
+        .map_err(|e| format!("making a scratch directory in {}: {e}", dir.display()))?;
+    let (source, target) = (scratch.path().join("source"), scratch.path().join("target"));
+    for d in [&source, &target] {
+        std::fs::create_dir(d).map_err(|e| format!("making {}: {e}", d.display()))?;
+    }
+    let ns = user_namespace(&[Extent::range(65536, 65536)])
+        .map_err(|e| format!("making a user namespace: {e}"))?;
+    idmapped_bind(&source, &target, ns.as_fd())
+        .map_err(|e| format!("an idmapped mount on {}: {e}", dir.display()))?;
+    let seen = std::fs::metadata(&target).map(|m| std::os::unix::fs::MetadataExt::uid(&m));
+    let _ = rustix::mount::unmount(&target, rustix::mount::UnmountFlags::DETACH);
+    match seen {
+        Ok(65536) => Ok(()),
+        Ok(uid) => Err(format!(
+            "an idmapped mount on {} showed uid {uid}, not 65536",
+            dir.display()
+        )),
+        Err(e) => Err(format!("reading the idmapped mount: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    fn uid(path: &Path) -> u32 {
+        std::fs::symlink_metadata(path).unwrap().uid()
+    }
+
+    #[test]
+    fn an_idmapped_bind_shows_on_disk_ids_through_the_map() {
+        let dir = tempfile::tempdir().unwrap();
+        let (source, target) = (dir.path().join("s"), dir.path().join("t"));
+        std::fs::create_dir(&source).unwrap();
+        std::fs::create_dir(&target).unwrap();
+        let file = source.join("f");
+        std::fs::write(&file, "x").unwrap();
+        std::os::unix::fs::chown(&file, Some(1000), Some(1000)).unwrap();
+        let ns = user_namespace(&[Extent::range(300_000, 65536)]).unwrap();
+        idmapped_bind(&source, &target, ns.as_fd()).unwrap();
+        let seen = (uid(&target), uid(&target.join("f")));
+        let gid = std::fs::metadata(target.join("f")).unwrap().gid();
+        rustix::mount::unmount(&target, rustix::mount::UnmountFlags::DETACH).unwrap();
+        assert_eq!(seen, (300_000, 301_000));
+        assert_eq!(gid, 301_000);
+        // The source itself is untouched.
+        assert_eq!(uid(&file), 1000);
+    }
+
+    #[test]
+    fn a_map_may_move_one_range_onto_another() {
+        // A layer written by a run of range 200000 shown to a run of range
+        // 400000; host root stays root (overlayfs' own scratch files).
+        let dir = tempfile::tempdir().unwrap();
+        let (source, target) = (dir.path().join("s"), dir.path().join("t"));
+        std::fs::create_dir(&source).unwrap();
+        std::fs::create_dir(&target).unwrap();
+        let file = source.join("f");
+        std::fs::write(&file, "x").unwrap();
+        std::os::unix::fs::chown(&file, Some(200_007), Some(200_007)).unwrap();
+        let ns = user_namespace(&[
+            Extent {
+                inside: 0,
+                outside: 0,
+                count: 1,
+            },
+            Extent {
+                inside: 200_000,
+                outside: 400_000,
+                count: 65536,
+            },
+        ])
+        .unwrap();
+        idmapped_bind(&source, &target, ns.as_fd()).unwrap();
+        let seen = (uid(&target), uid(&target.join("f")));
+        rustix::mount::unmount(&target, rustix::mount::UnmountFlags::DETACH).unwrap();
+        assert_eq!(seen, (0, 400_007));
+    }
+
+    #[test]
+    fn bad_maps_are_refused() {
+        assert!(user_namespace(&[]).is_err());
+        // Overlapping extents are refused by the kernel.
+        let overlapping = [Extent::range(100_000, 10), Extent::range(100_005, 10)];
+        assert!(user_namespace(&overlapping).is_err());
+    }
+
+    #[test]
+    fn the_probe_passes_here() {
+        let dir = tempfile::tempdir().unwrap();
+        probe(dir.path()).unwrap();
+        // It leaves nothing behind.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+}
