@@ -29,6 +29,7 @@ pub mod service;
 pub mod store;
 pub mod telemetry;
 pub mod tenants;
+pub mod userns;
 pub mod validate;
 pub mod warm;
 
