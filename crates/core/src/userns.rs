@@ -60,9 +60,9 @@ impl IdRanges {
 
     /// Parses `START:COUNT` (`--userns-range`).
     pub fn parse(text: &str) -> Result<IdRanges, String> {
-        let (start, count) = text
-            .split_once(':')
-            .ok_or_else(|| format!("{text:?} is not START:COUNT (for example {DEFAULT_START}:{DEFAULT_COUNT})"))?;
+        let (start, count) = text.split_once(':').ok_or_else(|| {
+            format!("{text:?} is not START:COUNT (for example {DEFAULT_START}:{DEFAULT_COUNT})")
+        })?;
         let number = |s: &str, what: &str| {
             s.trim()
                 .parse::<u32>()

@@ -79,6 +79,82 @@ fn pipe() -> io::Result<Pipe> {
     })
 }
 
+/// A short-lived child process that holds new namespaces while the
+/// daemon looks at them through `/proc/<pid>/ns/`: it joins a user
+/// namespace if asked, unshares, and waits. Dropping it lets the child exit
+/// and reaps it; what the daemon opened or mounted of its namespaces stays.
+pub(crate) struct Holder {
+    pid: libc::pid_t,
+    done: Option<OwnedFd>,
+}
+
+impl Holder {
+    /// Forks the holder: it enters user namespace `join` (when given),
+    /// unshares `flags` (`CLONE_NEW*`), and waits. Fails when either step
+    /// fails in the child.
+    pub(crate) fn spawn(join: Option<BorrowedFd<'_>>, flags: libc::c_int) -> io::Result<Holder> {
+        let ready = pipe()?;
+        let done = pipe()?;
+        let join = join.map(|fd| fd.as_raw_fd());
+        // SAFETY: the child runs only async-signal-safe calls (close,
+        // setns, unshare, write, read, _exit) on descriptors it owns a copy
+        // of, and exits; it touches no lock or allocation the parent's other
+        // threads may hold.
+        let pid = unsafe { libc::fork() };
+        if pid < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if pid == 0 {
+            // SAFETY: as above; the child never returns from this block.
+            unsafe {
+                libc::close(ready.read.as_raw_fd());
+                libc::close(done.write.as_raw_fd());
+                let joined = match join {
+                    Some(fd) => libc::setns(fd, libc::CLONE_NEWUSER) == 0,
+                    None => true,
+                };
+                let ok = u8::from(joined && libc::unshare(flags) == 0);
+                libc::write(ready.write.as_raw_fd(), (&raw const ok).cast(), 1);
+                // Wait until the parent has what it needs (it closes its
+                // end), or is gone.
+                let mut byte = 0u8;
+                libc::read(done.read.as_raw_fd(), (&raw mut byte).cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        drop(ready.write);
+        drop(done.read);
+        let holder = Holder {
+            pid,
+            done: Some(done.write),
+        };
+        let mut byte = 0u8;
+        // SAFETY: reads one byte into a local.
+        let n = unsafe { libc::read(ready.read.as_raw_fd(), (&raw mut byte).cast(), 1) };
+        if n != 1 || byte != 1 {
+            return Err(io::Error::other(
+                "the helper process could not make its namespaces",
+            ));
+        }
+        Ok(holder)
+    }
+
+    /// `/proc/<pid>/<rel>` of the holder.
+    pub(crate) fn proc(&self, rel: &str) -> std::path::PathBuf {
+        std::path::PathBuf::from(format!("/proc/{}/{rel}", self.pid))
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // The child exits once its end of the pipe reads end-of-file.
+        drop(self.done.take());
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(self.pid, &mut status, 0) };
+    }
+}
+
 /// Makes a user namespace whose uids and gids are both mapped by `map`,
 /// and returns a descriptor that holds it. Needs `CAP_SETUID` and
 /// `CAP_SETGID` (the daemon is root). Blocking: a fork and a few writes.
@@ -90,60 +166,61 @@ pub fn user_namespace(map: &[Extent]) -> io::Result<OwnedFd> {
         ));
     }
     let text = map_text(map);
-    let ready = pipe()?;
-    let done = pipe()?;
-    // SAFETY: the child runs only async-signal-safe calls (close, unshare,
-    // write, read, _exit) on descriptors it owns a copy of, and exits; it
-    // touches no lock or allocation the parent's other threads may hold.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
+    let holder = Holder::spawn(None, libc::CLONE_NEWUSER)?;
+    // Each map is written with one write(2), as the kernel requires.
+    std::fs::write(holder.proc("uid_map"), &text)?;
+    std::fs::write(holder.proc("gid_map"), &text)?;
+    let ns = std::fs::File::open(holder.proc("ns/user"))?;
+    Ok(OwnedFd::from(ns))
+}
+
+/// Keeps user namespace `userns` at `path` (an empty file, made here if
+/// missing) with a bind mount, as `ip netns` keeps network namespaces, so
+/// a runtime can join it by path and a restarted daemon find it again.
+pub fn pin(userns: BorrowedFd<'_>, path: &Path) -> io::Result<()> {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)?;
+    let source = format!("/proc/self/fd/{}", userns.as_raw_fd());
+    rustix::mount::mount_bind(source.as_str(), path)?;
+    Ok(())
+}
+
+/// Opens the namespace pinned at `path`.
+pub fn open_pinned(path: &Path) -> io::Result<OwnedFd> {
+    Ok(OwnedFd::from(std::fs::File::open(path)?))
+}
+
+/// Removes a pin made by [`pin`]: detaches the mount and removes the
+/// file. Succeeds when there is nothing to remove.
+pub fn unpin(path: &Path) -> io::Result<()> {
+    match rustix::mount::unmount(path, rustix::mount::UnmountFlags::DETACH) {
+        Ok(()) | Err(rustix::io::Errno::INVAL) | Err(rustix::io::Errno::NOENT) => {}
+        Err(e) => return Err(e.into()),
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// The inode of the user namespace that owns namespace `ns` (any kind but
+/// a user namespace itself, whose parent it would be).
+pub fn owner_inode(ns: BorrowedFd<'_>) -> io::Result<u64> {
+    use std::os::unix::fs::MetadataExt;
+    // NS_GET_USERNS, _IO(0xb7, 0x1): a descriptor of the owning namespace.
+    const NS_GET_USERNS: libc::c_ulong = 0xb701;
+    // SAFETY: the ioctl takes no argument and returns a new descriptor.
+    let fd = unsafe { libc::ioctl(ns.as_raw_fd(), NS_GET_USERNS) };
+    if fd < 0 {
         return Err(io::Error::last_os_error());
     }
-    if pid == 0 {
-        // SAFETY: as above; the child never returns from this block.
-        unsafe {
-            libc::close(ready.read.as_raw_fd());
-            libc::close(done.write.as_raw_fd());
-            let ok: u8 = u8::from(libc::unshare(libc::CLONE_NEWUSER) == 0);
-            libc::write(ready.write.as_raw_fd(), (&raw const ok).cast(), 1);
-            // Wait until the parent has what it needs (it closes its end),
-            // or is gone.
-            let mut byte = 0u8;
-            libc::read(done.read.as_raw_fd(), (&raw mut byte).cast(), 1);
-            libc::_exit(0);
-        }
-    }
-    let Pipe {
-        read: ready_read,
-        write: ready_write,
-    } = ready;
-    drop(ready_write);
-    let Pipe {
-        read: done_read,
-        write: done_write,
-    } = done;
-    drop(done_read);
-    let made = (|| {
-        let mut byte = 0u8;
-        // SAFETY: reads one byte into a local.
-        let n = unsafe { libc::read(ready_read.as_raw_fd(), (&raw mut byte).cast(), 1) };
-        if n != 1 || byte != 1 {
-            return Err(io::Error::other(
-                "the helper could not make a user namespace",
-            ));
-        }
-        // Each map is written with one write(2), as the kernel requires.
-        std::fs::write(format!("/proc/{pid}/uid_map"), &text)?;
-        std::fs::write(format!("/proc/{pid}/gid_map"), &text)?;
-        let ns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
-        Ok(OwnedFd::from(ns))
-    })();
-    // The child exits once its end of `done` reads end-of-file.
-    drop(done_write);
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    unsafe { libc::waitpid(pid, &mut status, 0) };
-    made
+    // SAFETY: a descriptor the kernel just opened for us.
+    let owner = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    Ok(owner.metadata()?.ino())
 }
 
 /// Bind-mounts `source` (not what is mounted below it) at `target`, which
@@ -281,6 +358,33 @@ mod tests {
         // Overlapping extents are refused by the kernel.
         let overlapping = [Extent::range(100_000, 10), Extent::range(100_005, 10)];
         assert!(user_namespace(&overlapping).is_err());
+    }
+
+    #[test]
+    fn a_pinned_user_namespace_owns_the_network_namespace_made_in_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pinned = dir.path().join("userns");
+        let ns = user_namespace(&[Extent::range(500_000, 65536)]).unwrap();
+        pin(ns.as_fd(), &pinned).unwrap();
+        drop(ns);
+        let ns = open_pinned(&pinned).unwrap();
+        let name = format!("runbox-idmap-test-{}", std::process::id());
+        let netns = crate::netns::create_named_in(&name, ns.as_fd()).unwrap();
+        let owned = (|| {
+            let net = std::fs::File::open(&netns)?;
+            let owner = owner_inode(net.as_fd())?;
+            let userns = std::fs::metadata(&pinned)?.ino();
+            // Loopback is up in it, as in every run's namespace.
+            let listener = crate::netns::bind_in_netns(&netns, "127.0.0.1:0".parse().unwrap())?;
+            let port = listener.local_addr()?.port();
+            let connected = crate::netns::connect_in_netns(&netns, port).is_ok();
+            io::Result::Ok((owner == userns, connected))
+        })();
+        crate::netns::delete_named(&name).unwrap();
+        unpin(&pinned).unwrap();
+        unpin(&pinned).unwrap();
+        assert_eq!(owned.unwrap(), (true, true));
+        assert!(!pinned.exists());
     }
 
     #[test]

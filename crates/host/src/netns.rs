@@ -75,6 +75,43 @@ pub fn create_named(name: &str) -> io::Result<std::path::PathBuf> {
     Ok(path)
 }
 
+/// [`create_named`], but the namespace is owned by user namespace
+/// `userns` (a run's), so that the run's runtime, which enters `userns`,
+/// may mount `sysfs` for it and the run's root has its (bounded)
+/// capabilities there, not in a namespace the host owns.
+pub fn create_named_in(
+    name: &str,
+    userns: std::os::fd::BorrowedFd<'_>,
+) -> io::Result<std::path::PathBuf> {
+    if name.is_empty() || name.contains('/') || name.starts_with('.') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "bad namespace name",
+        ));
+    }
+    let dir = Path::new(NETNS_DIR);
+    std::fs::create_dir_all(dir)?;
+    share_netns_dir(dir)?;
+    let path = dir.join(name);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)?;
+    let made = (|| -> io::Result<()> {
+        // A process, not a thread: a multithreaded process cannot enter a
+        // user namespace.
+        let holder = crate::idmap::Holder::spawn(Some(userns), libc::CLONE_NEWNET)?;
+        rustix::mount::mount_bind(holder.proc("ns/net").as_path(), &path)?;
+        drop(holder);
+        in_netns(&path, loopback_up)?
+    })();
+    if let Err(e) = made {
+        let _ = delete_named(name);
+        return Err(e);
+    }
+    Ok(path)
+}
+
 /// Deletes the named network namespace: detaches its mount and removes the
 /// mount point. The namespace itself goes when its last user (the run's
 /// processes, a socket) lets go. Succeeds when there is nothing to delete.
