@@ -24,6 +24,20 @@ const STORAGE_IMAGE: &str = "storage.img";
 const POOLS_FILE: &str = "pools.json";
 
 /// Arguments of `runbox serve`.
+/// `--userns`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum UsernsArg {
+    /// Each run gets a user namespace of its own.
+    On,
+    /// Runs share the host's user namespace.
+    Off,
+}
+
+/// `--userns-range`, checked.
+fn parse_userns_range(text: &str) -> Result<String, String> {
+    runbox_core::userns::IdRanges::parse(text).map(|_| text.to_owned())
+}
+
 /// `--restart-policy`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum RestartPolicyArg {
@@ -180,6 +194,15 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS",
           value_parser = clap::value_parser!(u64).range(0..=3600))]
     pub shutdown_grace_sec: u64,
+    /// Give each run a user namespace of its own, so that root in a run is
+    /// an unprivileged id on the host (`on`), or let runs share the host's
+    /// ids (`off`)
+    #[arg(long, value_enum, default_value_t = UsernsArg::Off, env = "RUNBOX_USERNS")]
+    pub userns: UsernsArg,
+    /// The host ids runs' user namespaces take, 65536 per run [default:
+    /// 1879048192:268435456, 4096 runs above systemd's container range]
+    #[arg(long, value_name = "START:COUNT", value_parser = parse_userns_range)]
+    pub userns_range: Option<String>,
     /// The log level, in tracing's filter syntax (`info`, `debug`,
     /// `warn,runbox_core=debug`); RUNBOX_LOG wins over it [default: info]
     #[arg(long, value_name = "FILTER", value_parser = crate::logging::parse_level)]
@@ -304,7 +327,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         runbox_runtime::agent_binary::locate(args.agent.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = runbox_runtime::select(args.runtime.as_deref(), &state_dir, &agent).await?;
     tracing::info!(runtime = %runtime.path.display(), agent = %agent.display(), "using runtime");
-    let options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
+    let mut options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
     let storage_gb = match (args.storage_gb, args.no_disk_limits) {
         (Some(0), _) | (None, true) => None,
         (Some(gb), _) => Some(gb),
@@ -318,6 +341,34 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .await?
         .map_err(anyhow::Error::msg)
         .context("preparing the run store (--storage-gb)")?;
+    }
+    if args.userns == UsernsArg::On {
+        // Image layers and runs' layers may live on different filesystems.
+        for dir in [state_dir.join("runs"), state_dir.join("images")] {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            runbox_runtime::idmap::probe(&dir).map_err(|why| {
+                anyhow::anyhow!(
+                    "runs cannot get user namespaces on this host ({why}); start with --userns off"
+                )
+            })?;
+        }
+        let range = args.userns_range.as_deref().map_or_else(
+            || {
+                runbox_core::userns::IdRanges::new(
+                    runbox_core::userns::DEFAULT_START,
+                    runbox_core::userns::DEFAULT_COUNT,
+                )
+            },
+            runbox_core::userns::IdRanges::parse,
+        );
+        let range = range.map_err(|e| anyhow::anyhow!("--userns-range: {e}"))?;
+        tracing::info!(
+            ranges = range.capacity(),
+            "each run gets a user namespace of its own"
+        );
+        options.userns = Some(range);
+    } else {
+        tracing::warn!("runs share the host's user namespace (--userns off): root in a run is root to the host kernel");
     }
     let oci = OciLane::with_options(runtime, state_dir.clone(), agent, options)?;
     if let Some(why) = oci.open_unsupported() {
@@ -938,6 +989,7 @@ fn network_options(
     Ok(runbox_runtime::OciOptions {
         open_pool,
         nft_table: recorded.nft_table,
+        userns: None,
     })
 }
 

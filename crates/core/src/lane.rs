@@ -147,6 +147,9 @@ pub struct Capabilities {
     /// Keeping a capture as a local layer in constant time
     /// ([`Lane::keep_layer`]): snapshots without writing a tar.
     pub layers: Support,
+    /// A user namespace of its own for every new run: root in a run is an
+    /// unprivileged id on the host.
+    pub user_namespaces: Support,
 }
 
 impl Capabilities {
@@ -165,6 +168,7 @@ impl Capabilities {
             suspend: no(),
             hibernate: no(),
             layers: no(),
+            user_namespaces: no(),
         }
     }
 

@@ -16,7 +16,7 @@ pub mod spec;
 
 // The host modules every lane uses live in `runbox-host`; re-exported under
 // their old paths.
-pub use runbox_host::{freezer, netns, storage, trust, usage, watch};
+pub use runbox_host::{freezer, idmap, netns, storage, trust, usage, watch};
 
 pub use netns::{bind_in_netns, EGRESS_PROXY_ADDR, EGRESS_PROXY_URL};
 pub use oci::{OciLane, OciOptions};

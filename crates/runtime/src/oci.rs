@@ -82,7 +82,10 @@ use crate::probe::Runtime;
 use crate::spec::{self, FileMount, SpecParams};
 use crate::storage::RunStorage;
 use crate::trust::{self, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
+use runbox_core::userns::{IdRanges, RANGE};
+use runbox_host::idmap::Extent;
 use runbox_host::mounts::{check_mount_safe, is_mount_point, mount_overlay};
+use std::os::fd::{AsFd, OwnedFd};
 
 /// How long destroy waits for the processes left in a run's cgroups.
 const CGROUP_DRAIN: Duration = Duration::from_secs(5);
@@ -104,6 +107,9 @@ pub struct OciOptions {
     /// (default [`open_net::DEFAULT_NFT_TABLE`]). Two daemons on one host
     /// need different tables and pools.
     pub nft_table: String,
+    /// The host id ranges runs' user namespaces take; None: runs share the
+    /// host's user namespace (`--userns off`).
+    pub userns: Option<IdRanges>,
 }
 
 impl Default for OciOptions {
@@ -111,9 +117,21 @@ impl Default for OciOptions {
         OciOptions {
             open_pool: open_net::DEFAULT_OPEN_POOL,
             nft_table: open_net::DEFAULT_NFT_TABLE.to_owned(),
+            userns: None,
         }
     }
 }
+
+/// The file in a run's directory naming the first host id of its user
+/// namespace's range; a run without one shares the host's.
+const IDBASE_FILE: &str = "idbase";
+
+/// Where a run's user namespace is pinned (a bind mount of it).
+const USERNS_FILE: &str = "userns";
+
+/// Where a run's image layers are mounted with its id mapping, one
+/// directory per layer, base first.
+const LOWER_DIR: &str = "lower";
 
 /// The OCI runtime lane. Cheap to share: its sandboxes' handles
 /// ([`OciSandbox`]) hold the same state.
@@ -128,6 +146,8 @@ struct Shared {
     open: OpenNet,
     storage: RunStorage,
     capabilities: Capabilities,
+    /// The id ranges of runs' user namespaces, when runs get one.
+    userns: Option<std::sync::Mutex<IdRanges>>,
 }
 
 /// One sandbox of the OCI lane, by its run's id: everything about it is
@@ -178,17 +198,31 @@ impl OciLane {
             None => Support::Yes,
             Some(why) => Support::No(why.to_owned()),
         };
+        let userns = options.userns.map(|mut ranges| {
+            claim_ranges(&runs, &mut ranges);
+            std::sync::Mutex::new(ranges)
+        });
         let capabilities = Capabilities {
             allowlist: Support::Yes,
             open: support(open.unsupported()),
             disk_limit: support(storage.limits_unsupported()),
-            warm_volumes: Support::Yes,
+            warm_volumes: match &userns {
+                Some(_) => Support::No(
+                    "warm volumes do not work with user namespaces yet (runbox serve --userns off)"
+                        .into(),
+                ),
+                None => Support::Yes,
+            },
             capture: Support::Yes,
             exit_watch: Support::Yes,
             dial: Support::Yes,
             suspend: Support::Yes,
             hibernate: Support::Yes,
             layers: support(storage.snapshots_unsupported()),
+            user_namespaces: match &userns {
+                Some(_) => Support::Yes,
+                None => Support::No("runbox serve --userns off".into()),
+            },
         };
         Ok(OciLane(Arc::new(Shared {
             runtime,
@@ -198,7 +232,13 @@ impl OciLane {
             open,
             storage,
             capabilities,
+            userns,
         })))
+    }
+
+    /// Whether new runs get a user namespace of their own.
+    pub fn user_namespaces(&self) -> bool {
+        self.0.userns.is_some()
     }
 
     /// How runs' writable layers are stored, and whether they can be limited.
@@ -292,12 +332,30 @@ impl Shared {
         }
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
         write(&dir.join("network"), spec.network.as_str().as_bytes())?;
+        // The run's user namespace: its range is recorded before anything
+        // uses it, so a crash cannot hand it out twice.
+        let userns = self.user_namespace(id, &dir, boot)?;
+        if let Some(userns) = &userns {
+            // The runtime sets the run up from inside its user namespace,
+            // as the run's root: it must get through the run's directory
+            // to its root (and no one else but host root may).
+            std::os::unix::fs::chown(&dir, None, Some(userns.base))
+                .and_then(|()| {
+                    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o710))
+                })
+                .map_err(LaneError::io(format!(
+                    "opening {} to the run",
+                    dir.display()
+                )))?;
+        }
         // 2. The run's disk and overlay root, and 3. the network namespace,
         // side by side: the namespace is made on a blocking thread while
         // this one mounts. Both finish before either error is returned, so
         // the caller's cleanup sees everything that was made.
-        let (netns, root) =
-            tokio::join!(create_netns(id), async { self.make_root(spec, &dir, boot) });
+        let ns_fd = userns.as_ref().map(|u| u.fd.clone());
+        let (netns, root) = tokio::join!(create_netns(id, ns_fd), async {
+            self.make_root(spec, &dir, boot, userns.as_ref())
+        });
         let (rootfs, trust_files, volume) = root?;
         let netns = netns?;
         let resolv_conf = match spec.network {
@@ -350,6 +408,10 @@ impl Shared {
                 }),
                 _ => None,
             },
+            userns: userns.as_ref().map(|u| crate::spec::UserNamespace {
+                path: &u.pinned,
+                base: u.base,
+            }),
         };
         let config = spec::build(&params)
             .map_err(|e| LaneError::Failed(format!("building the OCI config: {e}")))?;
@@ -372,6 +434,133 @@ impl Shared {
         Ok(())
     }
 
+    /// The user namespace run `id` runs in, if it gets one: a new run
+    /// takes a range when the lane gives runs user namespaces; a run booted
+    /// again keeps the range its directory names (and one made without
+    /// stays without). The namespace is made anew and pinned in the run's
+    /// directory for the runtime to join.
+    fn user_namespace(
+        &self,
+        id: Ulid,
+        dir: &Path,
+        boot: bool,
+    ) -> Result<Option<RunUserns>, LaneError> {
+        let recorded = dir.join(IDBASE_FILE);
+        let base = if boot {
+            match std::fs::read_to_string(&recorded) {
+                Ok(text) => Some(text.trim().parse::<u32>().map_err(|_| {
+                    LaneError::Failed(format!("{} is not a host id", recorded.display()))
+                })?),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(LaneError::io(format!("reading {}", recorded.display()))(e)),
+            }
+        } else {
+            match &self.userns {
+                Some(ranges) => {
+                    let base = lock_ranges(ranges).take().ok_or_else(|| {
+                        LaneError::Failed(
+                            "every user namespace range of --userns-range is taken; destroy runs or widen the range"
+                                .into(),
+                        )
+                    })?;
+                    if let Err(e) = write(&recorded, base.to_string().as_bytes()) {
+                        lock_ranges(ranges).give_back(base);
+                        return Err(e);
+                    }
+                    Some(base)
+                }
+                None => None,
+            }
+        };
+        let Some(base) = base else {
+            return Ok(None);
+        };
+        let pinned = dir.join(USERNS_FILE);
+        runbox_host::idmap::unpin(&pinned)
+            .map_err(LaneError::io(format!("unpinning {}", pinned.display())))?;
+        let fd = runbox_host::idmap::user_namespace(&[Extent::range(base, RANGE)])
+            .map_err(LaneError::io(format!("making run {id}'s user namespace")))?;
+        runbox_host::idmap::pin(fd.as_fd(), &pinned)
+            .map_err(LaneError::io(format!("pinning run {id}'s user namespace")))?;
+        Ok(Some(RunUserns {
+            base,
+            fd: Arc::new(fd),
+            pinned,
+        }))
+    }
+
+    /// Each of `layers` bind-mounted under `dir/lower/` with the mapping
+    /// that shows it to the run with its owners: an image's layers hold the
+    /// image's own ids (0-based); a layer this lane kept from a run's
+    /// capture holds that run's host ids, and its root directory says from
+    /// which base.
+    fn mapped_layers(
+        &self,
+        layers: &[PathBuf],
+        dir: &Path,
+        userns: &RunUserns,
+    ) -> Result<Vec<PathBuf>, LaneError> {
+        let lower = dir.join(LOWER_DIR);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&lower)
+            .or_else(|e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => Ok(()),
+                _ => Err(e),
+            })
+            .map_err(LaneError::io(format!("creating {}", lower.display())))?;
+        let kept = self.state_dir.join("runs").join(crate::storage::LAYERS_DIR);
+        let mut namespaces: std::collections::HashMap<u32, OwnedFd> =
+            std::collections::HashMap::new();
+        let mut out = Vec::with_capacity(layers.len());
+        for (i, layer) in layers.iter().enumerate() {
+            let from = if layer.starts_with(&kept) {
+                std::fs::symlink_metadata(layer)
+                    .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+                    .map_err(LaneError::io(format!("reading {}", layer.display())))?
+            } else {
+                0
+            };
+            if from != 0 {
+                if let std::collections::hash_map::Entry::Vacant(slot) = namespaces.entry(from) {
+                    let map = [
+                        // Host root stays root: overlayfs' own files.
+                        Extent {
+                            inside: 0,
+                            outside: 0,
+                            count: 1,
+                        },
+                        Extent {
+                            inside: from,
+                            outside: userns.base,
+                            count: RANGE,
+                        },
+                    ];
+                    let fd = runbox_host::idmap::user_namespace(&map)
+                        .map_err(LaneError::io("making a user namespace to map a kept layer"))?;
+                    slot.insert(fd);
+                }
+            }
+            let ns = match namespaces.get(&from) {
+                Some(fd) => fd.as_fd(),
+                None => userns.fd.as_fd(),
+            };
+            let target = lower.join(i.to_string());
+            match std::fs::create_dir(&target) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(LaneError::io(format!("creating {}", target.display()))(e)),
+            }
+            if !is_mount_point(&target) {
+                runbox_host::idmap::idmapped_bind(layer, &target, ns).map_err(LaneError::io(
+                    format!("mapping layer {} for the run", layer.display()),
+                ))?;
+            }
+            out.push(target);
+        }
+        Ok(out)
+    }
+
     /// Step 2 of [`Shared::create_steps`]: the run's disk, the overlay
     /// root on `rootfs/`, the trust files and the warm volume; returns the
     /// root and those.
@@ -380,6 +569,7 @@ impl Shared {
         spec: &SandboxSpec,
         dir: &Path,
         boot: bool,
+        userns: Option<&RunUserns>,
     ) -> Result<(PathBuf, Option<trust::TrustFiles>, Option<PathBuf>), LaneError> {
         let limit = spec.limits.disk_mb.map(|mb| mb << 20);
         let rootfs = dir.join("rootfs");
@@ -411,7 +601,32 @@ impl Shared {
         for layer in &spec.image_layers {
             check_mount_safe(layer)?;
         }
-        mount_overlay(&spec.image_layers, &upper, &work, &rootfs)?;
+        let lowers = match userns {
+            Some(userns) => {
+                // A fork's layer came from its parent, owned in the
+                // parent's range (or the host's, for a parent without a
+                // user namespace): moved into this run's range.
+                if spec.seed.is_some() && !boot {
+                    let from = std::fs::symlink_metadata(&upper)
+                        .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
+                        .map_err(LaneError::io("reading the fork's layer"))?;
+                    if from != userns.base {
+                        shift_tree(&disk, from, userns.base).map_err(LaneError::io(
+                            "moving the fork's layer into its user namespace range",
+                        ))?;
+                    }
+                }
+                // The writable layer is the run's: its root, scratch and
+                // /work are owned by the run's root on the host.
+                for d in [&upper, &work, &upper.join("work")] {
+                    std::os::unix::fs::lchown(d, Some(userns.base), Some(userns.base))
+                        .map_err(LaneError::io(format!("handing {} to the run", d.display())))?;
+                }
+                self.mapped_layers(&spec.image_layers, dir, userns)?
+            }
+            None => spec.image_layers.clone(),
+        };
+        mount_overlay(&lowers, &upper, &work, &rootfs)?;
         // Read from the merged root, so the run's own layer cannot matter
         // yet (it is empty) and every image layer does.
         let trust_files = match &spec.trust_pem {
@@ -495,17 +710,39 @@ impl Shared {
                 )));
             }
         }
+        // The mapped layers under the root, and the pinned namespace.
+        if let Ok(entries) = std::fs::read_dir(dir.join(LOWER_DIR)) {
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if is_mount_point(&path) {
+                    rustix::mount::unmount(&path, rustix::mount::UnmountFlags::DETACH).map_err(
+                        |e| LaneError::Failed(format!("unmounting {}: {e}", path.display())),
+                    )?;
+                }
+            }
+        }
+        let pinned = dir.join(USERNS_FILE);
+        runbox_host::idmap::unpin(&pinned)
+            .map_err(LaneError::io(format!("unpinning {}", pinned.display())))?;
         Ok(())
     }
 
     async fn destroy_steps(&self, id: Ulid) -> Result<(), LaneError> {
         let dir = self.run_dir(id);
         self.stop_steps(id, false).await?;
+        let range = std::fs::read_to_string(dir.join(IDBASE_FILE))
+            .ok()
+            .and_then(|t| t.trim().parse::<u32>().ok());
         self.storage.remove(&dir)?;
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(LaneError::io(format!("removing {}", dir.display()))(e)),
+        }
+        // Only now, as with the /30 below: the range is free once nothing
+        // of the run can hold it.
+        if let (Some(base), Some(ranges)) = (range, &self.userns) {
+            lock_ranges(ranges).give_back(base);
         }
         // Only now: while net.json exists the /30 counts as taken, so a
         // crash before this point cannot hand it to two runs.
@@ -531,6 +768,76 @@ impl Shared {
         }
         Ok(())
     }
+}
+
+/// A run's user namespace while its sandbox is being made.
+struct RunUserns {
+    /// The host id of its uid and gid 0.
+    base: u32,
+    /// The namespace.
+    fd: Arc<OwnedFd>,
+    /// Where it is pinned for the runtime.
+    pinned: PathBuf,
+}
+
+fn lock_ranges(ranges: &std::sync::Mutex<IdRanges>) -> std::sync::MutexGuard<'_, IdRanges> {
+    ranges.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Marks taken the ranges the run directories under `runs` name (runs a
+/// restarted daemon finds again). A range named twice, or outside the
+/// pool, is reported: such a run keeps it, but it is not handed out.
+fn claim_ranges(runs: &Path, ranges: &mut IdRanges) {
+    let Ok(entries) = std::fs::read_dir(runs) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let Ok(text) = std::fs::read_to_string(entry.path().join(IDBASE_FILE)) else {
+            continue;
+        };
+        match text.trim().parse::<u32>() {
+            Ok(base) if ranges.claim(base) => {}
+            Ok(base) => tracing::warn!(
+                run = %entry.file_name().to_string_lossy(),
+                base,
+                "a run's user namespace range is outside --userns-range or named twice"
+            ),
+            Err(_) => {
+                tracing::warn!(path = %entry.path().display(), "ignoring an unreadable user namespace range")
+            }
+        }
+    }
+}
+
+/// Moves the owners of everything under `root` from one range to another:
+/// an id in `[from, from + RANGE)` becomes the same offset from `to`; ids
+/// outside it are left alone. Symlinks themselves, never what they name.
+fn shift_tree(root: &Path, from: u32, to: u32) -> std::io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let shift = |id: u32| -> Option<u32> {
+        id.checked_sub(from)
+            .filter(|offset| *offset < RANGE)
+            .map(|offset| to + offset)
+    };
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let meta = std::fs::symlink_metadata(&path)?;
+        let (uid, gid) = (shift(meta.uid()), shift(meta.gid()));
+        if uid.is_some() || gid.is_some() {
+            // lchown clears set-id bits on regular files; put them back.
+            let mode = meta.mode();
+            std::os::unix::fs::lchown(&path, uid, gid)?;
+            if meta.is_file() && mode & 0o6000 != 0 {
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode & 0o7777))?;
+            }
+        }
+        if meta.is_dir() {
+            for entry in std::fs::read_dir(&path)? {
+                stack.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Removes a file that may not exist.
@@ -973,16 +1280,20 @@ fn write(path: &Path, data: &[u8]) -> Result<(), LaneError> {
     std::fs::write(path, data).map_err(LaneError::io(format!("writing {}", path.display())))
 }
 
-/// Creates run `id`'s network namespace, loopback up ([`crate::netns`]).
-/// On a blocking thread: it mounts and spawns a short-lived thread.
-async fn create_netns(id: Ulid) -> Result<PathBuf, LaneError> {
+/// Creates run `id`'s network namespace, loopback up ([`crate::netns`]),
+/// owned by the run's user namespace when it has one. On a blocking
+/// thread: it mounts and spawns a short-lived thread or process.
+async fn create_netns(id: Ulid, userns: Option<Arc<OwnedFd>>) -> Result<PathBuf, LaneError> {
     let name = netns_name(id);
-    tokio::task::spawn_blocking(move || crate::netns::create_named(&name))
-        .await
-        .map_err(|e| LaneError::Failed(format!("creating the network namespace: {e}")))?
-        .map_err(LaneError::io(format!(
-            "creating the network namespace of run {id}"
-        )))
+    tokio::task::spawn_blocking(move || match userns {
+        Some(userns) => crate::netns::create_named_in(&name, userns.as_fd()),
+        None => crate::netns::create_named(&name),
+    })
+    .await
+    .map_err(|e| LaneError::Failed(format!("creating the network namespace: {e}")))?
+    .map_err(LaneError::io(format!(
+        "creating the network namespace of run {id}"
+    )))
 }
 
 async fn delete_netns(id: Ulid) -> Result<(), LaneError> {

@@ -228,6 +228,7 @@ async fn probe_in(
         env: &[],
         files: &[],
         volume: None,
+        userns: None,
     };
     let config = spec::build(&params).map_err(|e| format!("building the probe config: {e}"))?;
     let json = serde_json::to_vec(&config).map_err(|e| e.to_string())?;

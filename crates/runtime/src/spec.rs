@@ -17,10 +17,11 @@ use std::path::{Component, Path, PathBuf};
 
 use oci_spec::runtime::{
     Capabilities, Capability, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder,
-    LinuxDeviceCgroup, LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxMemoryBuilder,
-    LinuxNamespace, LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder,
-    LinuxResourcesBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType,
-    ProcessBuilder, RootBuilder, Spec, SpecBuilder, UserBuilder,
+    LinuxDeviceCgroup, LinuxDeviceCgroupBuilder, LinuxDeviceType, LinuxIdMapping,
+    LinuxIdMappingBuilder, LinuxMemoryBuilder, LinuxNamespace, LinuxNamespaceBuilder,
+    LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, Mount, MountBuilder,
+    PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec, SpecBuilder,
+    UserBuilder,
 };
 use oci_spec::OciSpecError;
 use runbox_types::Limits;
@@ -143,6 +144,19 @@ pub struct SpecParams<'a> {
     /// A directory mounted read-write (the run's warm volume), before the
     /// files.
     pub volume: Option<FileMount<'a>>,
+    /// The run's own user namespace, joined by path; None: the host's.
+    pub userns: Option<UserNamespace<'a>>,
+}
+
+/// A run's user namespace as the runtime joins it.
+#[derive(Clone, Copy, Debug)]
+pub struct UserNamespace<'a> {
+    /// Where the daemon pinned it (a bind mount of the namespace).
+    pub path: &'a Path,
+    /// The host id of the run's uid and gid 0; the namespace maps
+    /// [`runbox_core::userns::RANGE`] ids from there. The config repeats
+    /// the mapping, which runc requires even when it joins.
+    pub base: u32,
 }
 
 /// Why [`build`] refused its input.
@@ -194,7 +208,8 @@ pub enum SpecError {
 /// running as root with Docker's capabilities minus `CAP_NET_RAW`,
 /// `no_new_privileges` and the [`seccomp::default_profile`] filter, in new
 /// pid, ipc, uts, mount, cgroup and network namespaces (the network one
-/// joined instead when `netns_path` is given). No user namespace.
+/// joined instead when `netns_path` is given), and in the run's own user
+/// namespace when `userns` is given (else the host's).
 pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
     validate(params)?;
 
@@ -244,7 +259,9 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
         .linux(
             LinuxBuilder::default()
                 .cgroups_path(params.cgroups_path)
-                .namespaces(namespaces(params.netns_path)?)
+                .namespaces(namespaces(params.netns_path, params.userns)?)
+                .uid_mappings(id_mappings(params.userns)?)
+                .gid_mappings(id_mappings(params.userns)?)
                 .resources(
                     LinuxResourcesBuilder::default()
                         .devices(device_rules()?)
@@ -399,8 +416,19 @@ fn to_i64(value: u64, what: &'static str) -> Result<i64, SpecError> {
 
 /// Namespaces: new pid, ipc, uts, mount, cgroup and network ones, except that
 /// the network namespace is joined when the daemon prepared one.
-fn namespaces(netns_path: Option<&Path>) -> Result<Vec<LinuxNamespace>, OciSpecError> {
-    let mut out = Vec::with_capacity(6);
+fn namespaces(
+    netns_path: Option<&Path>,
+    userns: Option<UserNamespace<'_>>,
+) -> Result<Vec<LinuxNamespace>, OciSpecError> {
+    let mut out = Vec::with_capacity(7);
+    if let Some(userns) = userns {
+        out.push(
+            LinuxNamespaceBuilder::default()
+                .typ(LinuxNamespaceType::User)
+                .path(userns.path)
+                .build()?,
+        );
+    }
     for typ in [
         LinuxNamespaceType::Pid,
         LinuxNamespaceType::Ipc,
@@ -416,6 +444,19 @@ fn namespaces(netns_path: Option<&Path>) -> Result<Vec<LinuxNamespace>, OciSpecE
     }
     out.push(net.build()?);
     Ok(out)
+}
+
+/// The uid (or gid) mapping of the run's user namespace, as the daemon
+/// wrote it; empty without one.
+fn id_mappings(userns: Option<UserNamespace<'_>>) -> Result<Vec<LinuxIdMapping>, OciSpecError> {
+    match userns {
+        None => Ok(Vec::new()),
+        Some(userns) => Ok(vec![LinuxIdMappingBuilder::default()
+            .container_id(0u32)
+            .host_id(userns.base)
+            .size(runbox_core::userns::RANGE)
+            .build()?]),
+    }
 }
 
 /// Device cgroup: deny everything, then allow creating any node (`m`, so
@@ -596,6 +637,7 @@ mod tests {
                 env: &self.env,
                 files: &[],
                 volume: None,
+                userns: None,
             }
         }
     }

@@ -172,6 +172,7 @@ impl Env {
         let options = OciOptions {
             open_pool: format!("198.18.{octet}.0/24").parse().expect("pool"),
             nft_table: format!("rbxt_{}", tag()),
+            userns: None,
         };
         Env {
             rt,

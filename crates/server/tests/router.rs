@@ -516,6 +516,7 @@ impl RunService for Stub {
             pools: Vec::new(),
             draining: false,
             storage: None,
+            userns: "off".into(),
         }
     }
     async fn fork(

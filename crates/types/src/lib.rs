@@ -1436,6 +1436,12 @@ pub struct Info {
     /// The run store, where it can be measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub storage: Option<StorageInfo>,
+    /// How new runs' ids relate to the host's: `private` (each run has a
+    /// user namespace of its own, and root in it is an unprivileged id on
+    /// the host) or `off` (runs share the host's ids; `runbox serve
+    /// --userns off`).
+    #[serde(default)]
+    pub userns: String,
 }
 
 /// What a path is.

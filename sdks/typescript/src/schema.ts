@@ -1606,6 +1606,13 @@ export interface components {
             /** @description The node's id. */
             server: string;
             storage?: null | components["schemas"]["StorageInfo"];
+            /**
+             * @description How new runs' ids relate to the host's: `private` (each run has a
+             *     user namespace of its own, and root in it is an unprivileged id on
+             *     the host) or `off` (runs share the host's ids; `runbox serve
+             *     --userns off`).
+             */
+            userns?: string;
             /** @description The daemon's version. */
             version: string;
         };

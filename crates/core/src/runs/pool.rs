@@ -499,6 +499,11 @@ impl Manager {
             pools: pools.status(),
             draining: pools.draining(),
             storage: self.lane.storage(),
+            userns: match self.lane.capabilities().user_namespaces {
+                crate::lane::Support::Yes => "private",
+                crate::lane::Support::No(_) => "off",
+            }
+            .to_owned(),
         }
     }
 }

@@ -1,0 +1,235 @@
+//! A user namespace for every run (`runbox serve --userns on`): root in a
+//! run is an unprivileged host id, files keep the owners the run gave them,
+//! ranges are never shared, and nothing is left behind — on every installed
+//! runtime, with real namespaces, idmapped mounts and the btrfs run store.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use runbox_e2e::{mounts_under, netns_exists, TestDaemon};
+use runbox_types::CreateRunRequest;
+
+/// The first host id of the default range pool.
+const POOL_START: u64 = 1_879_048_192;
+
+async fn daemon(runtime: &str) -> TestDaemon {
+    TestDaemon::start_with(Some(runtime), &["--userns", "on"], &[]).await
+}
+
+async fn out(daemon: &TestDaemon, id: &str, script: &str) -> String {
+    let out = daemon.sh(id, script).await;
+    assert_eq!(
+        out.exit.exit_code,
+        0,
+        "{script}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The host id a run's uid 0 is, from its own `/proc/self/uid_map`.
+async fn base_of(daemon: &TestDaemon, id: &str) -> u64 {
+    let map = out(daemon, id, "cat /proc/self/uid_map").await;
+    let fields: Vec<u64> = map
+        .split_whitespace()
+        .map(|f| f.parse().expect("a number"))
+        .collect();
+    assert_eq!(fields.len(), 3, "one line: {map}");
+    assert_eq!((fields[0], fields[2]), (0, 65536), "{map}");
+    fields[1]
+}
+
+fn owner(path: &Path) -> (u32, u32) {
+    let meta =
+        std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    (meta.uid(), meta.gid())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_in_a_run_is_an_unprivileged_host_id_and_files_keep_their_owners() {
+    for runtime in runbox_e2e::runtimes() {
+        let mut daemon = daemon(&runtime).await;
+        assert_eq!(daemon.client.info().await.unwrap().userns, "private");
+        let run = daemon.create().await.id.to_string();
+        let base = base_of(&daemon, &run).await;
+        assert!(base >= POOL_START && base % 65536 == 0, "{runtime}: {base}");
+        // Inside: root, and the image's files owned as the image says.
+        assert_eq!(
+            out(&daemon, &run, "id -u; stat -c %u /bin/busybox /").await,
+            "0\n0\n0\n"
+        );
+        // A file root makes, and one uid 1000 makes, on the host.
+        out(
+            &daemon,
+            &run,
+            "touch /work/root-made; mkdir /work/bob; chown 1000:1000 /work/bob",
+        )
+        .await;
+        let bob = daemon
+            .client
+            .exec(
+                &run,
+                &runbox_types::ExecRequest {
+                    cmd: vec!["touch".into(), "/work/bob/bob-made".into()],
+                    user: Some("1000".into()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .collect_output()
+            .await
+            .unwrap();
+        assert_eq!(bob.exit.exit_code, 0, "{bob:?}");
+        let upper = daemon
+            .state
+            .path()
+            .join("runs")
+            .join(&run)
+            .join("disk/upper/work");
+        let b = base as u32;
+        assert_eq!(owner(&upper.join("root-made")), (b, b));
+        // (A bare uid runs with gid 0.)
+        assert_eq!(owner(&upper.join("bob/bob-made")), (b + 1000, b));
+        // An upload is owned by the run's root too.
+        daemon
+            .client
+            .put_file(&run, "uploaded", b"data".to_vec().into())
+            .await
+            .unwrap();
+        assert_eq!(owner(&upper.join("uploaded")).0, b);
+        // Making a user namespace inside stays refused.
+        let nested = daemon.sh(&run, "unshare -U true").await;
+        assert_ne!(
+            nested.exit.exit_code, 0,
+            "{runtime}: a nested user namespace"
+        );
+
+        // Another run, and a fork, each get a range of their own; the fork
+        // sees its parent's files with the same owners.
+        let other = daemon.create().await.id.to_string();
+        let fork = daemon
+            .client
+            .fork_run(
+                &run,
+                &runbox_types::ForkRequest {
+                    count: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .runs
+            .remove(0)
+            .id
+            .to_string();
+        let bases = [
+            base,
+            base_of(&daemon, &other).await,
+            base_of(&daemon, &fork).await,
+        ];
+        assert!(
+            bases[0] != bases[1] && bases[1] != bases[2] && bases[0] != bases[2],
+            "{bases:?}"
+        );
+        assert_eq!(
+            out(
+                &daemon,
+                &fork,
+                "stat -c %u /work/root-made /work/bob/bob-made"
+            )
+            .await,
+            "0\n1000\n"
+        );
+        // A snapshot of the run boots in yet another range, owners intact.
+        daemon
+            .client
+            .snapshot_run(&run, Some("userns-snap"))
+            .await
+            .unwrap();
+        let from_snapshot = daemon
+            .create_with(CreateRunRequest {
+                image: "userns-snap".into(),
+                ..Default::default()
+            })
+            .await
+            .id
+            .to_string();
+        assert!(!bases.contains(&base_of(&daemon, &from_snapshot).await));
+        assert_eq!(
+            out(
+                &daemon,
+                &from_snapshot,
+                "stat -c %u /work/root-made /work/bob/bob-made"
+            )
+            .await,
+            "0\n1000\n"
+        );
+
+        // A restarted daemon keeps every run's range and hands out others.
+        daemon.kill9();
+        daemon.spawn().await;
+        assert_eq!(base_of(&daemon, &run).await, base);
+        let after = daemon.create().await.id.to_string();
+        let after_base = base_of(&daemon, &after).await;
+        assert!(!bases.contains(&after_base), "{after_base} reused");
+
+        // Hibernate and wake: the same range, the same files.
+        daemon.client.hibernate_run(&run).await.unwrap();
+        daemon.client.wake_run(&run).await.unwrap();
+        assert_eq!(base_of(&daemon, &run).await, base);
+        assert_eq!(out(&daemon, &run, "cat /work/uploaded").await, "data");
+
+        // Deleted, a run leaves no mount, pin or namespace behind, and its
+        // range is free again.
+        for id in [&run, &other, &fork, &from_snapshot, &after] {
+            daemon.client.delete_run(id).await.unwrap();
+            assert!(!netns_exists(id));
+            let mounts = mounts_under(daemon.state.path());
+            assert!(
+                mounts.iter().all(|m| !m.contains(id.as_str())),
+                "{mounts:?}"
+            );
+        }
+        let again = daemon.create().await.id.to_string();
+        assert_eq!(
+            base_of(&daemon, &again).await,
+            base,
+            "the lowest free range"
+        );
+        daemon.client.delete_run(&again).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_range_stops_the_start_and_off_is_reported() {
+    let state = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(runbox_e2e::runbox_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--userns",
+            "on",
+            "--userns-range",
+            "0:65536",
+        ])
+        .arg("--state-dir")
+        .arg(state.path())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--userns-range") && stderr.contains("65536"),
+        "{stderr}"
+    );
+    let daemon = TestDaemon::start_with(None, &["--userns", "off"], &[]).await;
+    assert_eq!(daemon.client.info().await.unwrap().userns, "off");
+    let run = daemon.create().await.id.to_string();
+    assert_eq!(
+        daemon.sh(&run, "cat /proc/self/uid_map").await.stdout,
+        b"         0          0 4294967295\n"
+    );
+}
