@@ -81,11 +81,16 @@ fn pipe() -> io::Result<Pipe> {
 
 /// A short-lived child process that holds new namespaces while the
 /// daemon looks at them through `/proc/<pid>/ns/`: it joins a user
-/// namespace if asked, unshares, and waits. Dropping it lets the child exit
-/// and reaps it; what the daemon opened or mounted of its namespaces stays.
+/// namespace if asked, unshares, reports, and waits to be killed. Dropping
+/// it kills and reaps the child; what the daemon opened or mounted of its
+/// namespaces stays.
+///
+/// The child is told to go with a signal, not by closing a pipe: a holder
+/// forked at the same moment by another thread inherits this one's pipe
+/// ends, so an end-of-file could wait on that other child, and two could
+/// wait on each other for ever.
 pub(crate) struct Holder {
     pid: libc::pid_t,
-    done: Option<OwnedFd>,
 }
 
 impl Holder {
@@ -94,12 +99,11 @@ impl Holder {
     /// fails in the child.
     pub(crate) fn spawn(join: Option<BorrowedFd<'_>>, flags: libc::c_int) -> io::Result<Holder> {
         let ready = pipe()?;
-        let done = pipe()?;
         let join = join.map(|fd| fd.as_raw_fd());
         // SAFETY: the child runs only async-signal-safe calls (close,
-        // setns, unshare, write, read, _exit) on descriptors it owns a copy
-        // of, and exits; it touches no lock or allocation the parent's other
-        // threads may hold.
+        // setns, unshare, write, pause) on descriptors it owns a copy of,
+        // until it is killed; it touches no lock or allocation the
+        // parent's other threads may hold.
         let pid = unsafe { libc::fork() };
         if pid < 0 {
             return Err(io::Error::last_os_error());
@@ -108,26 +112,21 @@ impl Holder {
             // SAFETY: as above; the child never returns from this block.
             unsafe {
                 libc::close(ready.read.as_raw_fd());
-                libc::close(done.write.as_raw_fd());
                 let joined = match join {
                     Some(fd) => libc::setns(fd, libc::CLONE_NEWUSER) == 0,
                     None => true,
                 };
                 let ok = u8::from(joined && libc::unshare(flags) == 0);
                 libc::write(ready.write.as_raw_fd(), (&raw const ok).cast(), 1);
-                // Wait until the parent has what it needs (it closes its
-                // end), or is gone.
-                let mut byte = 0u8;
-                libc::read(done.read.as_raw_fd(), (&raw mut byte).cast(), 1);
-                libc::_exit(0);
+                libc::close(ready.write.as_raw_fd());
+                loop {
+                    libc::pause();
+                }
             }
         }
         drop(ready.write);
-        drop(done.read);
-        let holder = Holder {
-            pid,
-            done: Some(done.write),
-        };
+        // From here the child is reaped whatever happens.
+        let holder = Holder { pid };
         let mut byte = 0u8;
         // SAFETY: reads one byte into a local.
         let n = unsafe { libc::read(ready.read.as_raw_fd(), (&raw mut byte).cast(), 1) };
@@ -147,11 +146,12 @@ impl Holder {
 
 impl Drop for Holder {
     fn drop(&mut self) {
-        // The child exits once its end of the pipe reads end-of-file.
-        drop(self.done.take());
         let mut status = 0;
-        // SAFETY: waits for our own child.
-        unsafe { libc::waitpid(self.pid, &mut status, 0) };
+        // SAFETY: signals and reaps our own child.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            libc::waitpid(self.pid, &mut status, 0);
+        }
     }
 }
 

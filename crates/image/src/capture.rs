@@ -22,6 +22,15 @@ use std::path::{Path, PathBuf};
 /// The xattr that marks a directory opaque for overlayfs.
 const OPAQUE_XATTR: &str = "trusted.overlay.opaque";
 
+/// A file beside an upper directory (in its parent) naming the first host
+/// id of the user namespace range its files are owned in; ids from there
+/// are written as the run saw them (base + N as N), so a layer never
+/// carries one node's host ids. Absent: ids are written as they are.
+pub const IDBASE_FILE: &str = "idbase";
+
+/// Ids in one user namespace range.
+const RANGE: u32 = 65536;
+
 /// What was written.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CaptureStats {
@@ -61,12 +70,26 @@ pub fn upper_to_tar_with(
     let mut builder = tar::Builder::new(out);
     builder.mode(tar::HeaderMode::Complete);
     builder.follow_symlinks(false);
+    let base = match upper
+        .parent()
+        .map(|p| fs::read_to_string(p.join(IDBASE_FILE)))
+    {
+        Some(Ok(text)) => Some(text.trim().parse::<u32>().map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{IDBASE_FILE} is not a host id"),
+            )
+        })?),
+        Some(Err(e)) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+        _ => None,
+    };
     let mut walk = Walk {
         builder,
         links: HashMap::new(),
         stats: CaptureStats::default(),
         skip: skip.iter().map(PathBuf::from).collect(),
         graft: graft.map(|g| (g.at.to_owned(), g.dir.to_owned())),
+        base,
     };
     walk.dir(upper, Path::new(""))?;
     // A volume path the run never changed above (its parents are the
@@ -86,6 +109,8 @@ struct Walk<W: Write> {
     skip: Vec<PathBuf>,
     /// Not yet written: where, and the tree.
     graft: Option<(PathBuf, PathBuf)>,
+    /// The host id the tree's owners start from (see [`IDBASE_FILE`]).
+    base: Option<u32>,
 }
 
 impl<W: Write> Walk<W> {
@@ -153,6 +178,7 @@ impl<W: Write> Walk<W> {
         if kind.is_symlink() {
             header.set_entry_type(tar::EntryType::Symlink);
             let target = fs::read_link(path)?;
+            self.unshift(&mut header)?;
             self.stats.entries += 1;
             return self.builder.append_link(&mut header, rel, target);
         }
@@ -161,6 +187,7 @@ impl<W: Write> Walk<W> {
                 let key = (meta.dev(), meta.ino());
                 if let Some(first) = self.links.get(&key).cloned() {
                     header.set_entry_type(tar::EntryType::Link);
+                    self.unshift(&mut header)?;
                     self.stats.entries += 1;
                     return self.builder.append_link(&mut header, rel, first);
                 }
@@ -234,8 +261,26 @@ impl<W: Write> Walk<W> {
         rel: &Path,
         data: impl io::Read,
     ) -> io::Result<()> {
+        self.unshift(header)?;
         self.stats.entries += 1;
         self.builder.append_data(header, rel, data)
+    }
+
+    /// The entry's owner as the run saw it (see [`IDBASE_FILE`]).
+    fn unshift(&self, header: &mut tar::Header) -> io::Result<()> {
+        let Some(base) = self.base else {
+            return Ok(());
+        };
+        let seen = |id: u64| match id.checked_sub(u64::from(base)) {
+            Some(offset) if offset < u64::from(RANGE) => offset,
+            _ => id,
+        };
+        // Markers (`.wh..wh..opq`) carry no owner at all.
+        if let (Ok(uid), Ok(gid)) = (header.uid(), header.gid()) {
+            header.set_uid(seen(uid));
+            header.set_gid(seen(gid));
+        }
+        Ok(())
     }
 }
 
@@ -261,6 +306,49 @@ fn is_opaque(dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owners_in_a_recorded_range_are_written_as_the_run_saw_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let up = dir.path().join("upper");
+        fs::create_dir_all(up.join("home")).unwrap();
+        fs::write(up.join("home/mine"), b"x").unwrap();
+        std::os::unix::fs::lchown(
+            up.join("home/mine"),
+            Some(300_000 + 1000),
+            Some(300_000 + 5),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink("mine", up.join("home/link")).unwrap();
+        std::os::unix::fs::lchown(up.join("home/link"), Some(300_000), Some(300_000)).unwrap();
+        fs::write(up.join("host"), b"y").unwrap();
+        // An opaque directory: its marker has no owner at all.
+        fs::create_dir(up.join("fresh")).unwrap();
+        rustix::fs::setxattr(
+            up.join("fresh"),
+            OPAQUE_XATTR,
+            b"y",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .unwrap();
+        fs::write(dir.path().join(IDBASE_FILE), "300000\n").unwrap();
+        let mut tar = Vec::new();
+        upper_to_tar(&up, &[], &mut tar).unwrap();
+        let mut owners = std::collections::BTreeMap::new();
+        for entry in tar::Archive::new(&tar[..]).entries().unwrap() {
+            let entry = entry.unwrap();
+            let h = entry.header();
+            owners.insert(
+                entry.path().unwrap().display().to_string(),
+                (h.uid().unwrap_or(0), h.gid().unwrap_or(0)),
+            );
+        }
+        assert_eq!(owners["home/mine"], (1000, 5));
+        assert_eq!(owners["home/link"], (0, 0));
+        // Outside the range (the host's root): as it is.
+        assert_eq!(owners["host"], (0, 0));
+        assert!(owners.contains_key("fresh/.wh..wh..opq"));
+    }
 
     fn names(tar: &[u8]) -> Vec<String> {
         tar::Archive::new(tar)

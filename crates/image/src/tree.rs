@@ -304,6 +304,41 @@ fn is_opaque(dir: &Path) -> bool {
     )
 }
 
+/// Ids in one user namespace range (what [`shift_owners`] moves).
+pub const ID_RANGE: u32 = 65536;
+
+/// Moves the owners of everything under `root` (itself included) from one
+/// user namespace range to another: an id in `[from, from + ID_RANGE)`
+/// becomes the same offset from `to`; ids outside it are left alone.
+/// Symlinks themselves, never what they name; set-id bits survive. Costs
+/// one `lchown` per entry in the range.
+pub fn shift_owners(root: &Path, from: u32, to: u32) -> io::Result<()> {
+    let shift = |id: u32| -> Option<u32> {
+        id.checked_sub(from)
+            .filter(|offset| *offset < ID_RANGE)
+            .map(|offset| to + offset)
+    };
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(path) = stack.pop() {
+        let meta = fs::symlink_metadata(&path)?;
+        let (uid, gid) = (shift(meta.uid()), shift(meta.gid()));
+        if uid.is_some() || gid.is_some() {
+            let mode = meta.mode();
+            std::os::unix::fs::lchown(&path, uid, gid)?;
+            // chown clears set-id bits on regular files; put them back.
+            if meta.is_file() && mode & 0o6000 != 0 {
+                fs::set_permissions(&path, fs::Permissions::from_mode(mode & 0o7777))?;
+            }
+        }
+        if meta.is_dir() {
+            for entry in fs::read_dir(&path)? {
+                stack.push(entry?.path());
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Removes a tree [`flatten`] wrote (or began to); nothing to do when it
 /// is gone.
 pub fn remove_tree(path: &Path) -> io::Result<()> {
@@ -316,6 +351,33 @@ pub fn remove_tree(path: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn owners_move_between_ranges_and_keep_set_id_bits() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("r");
+        fs::create_dir(&root).unwrap();
+        let suid = root.join("suid");
+        fs::write(&suid, "x").unwrap();
+        std::os::unix::fs::lchown(&suid, Some(200_000), Some(200_005)).unwrap();
+        fs::set_permissions(&suid, fs::Permissions::from_mode(0o4755)).unwrap();
+        let outside = root.join("outside");
+        fs::write(&outside, "y").unwrap();
+        std::os::unix::fs::lchown(&outside, Some(1000), Some(1000)).unwrap();
+        std::os::unix::fs::symlink("suid", root.join("link")).unwrap();
+        std::os::unix::fs::lchown(root.join("link"), Some(200_001), Some(200_001)).unwrap();
+        std::os::unix::fs::lchown(&root, Some(200_000), Some(200_000)).unwrap();
+        shift_owners(&root, 200_000, 0).unwrap();
+        let owner = |p: &Path| {
+            let m = fs::symlink_metadata(p).unwrap();
+            (m.uid(), m.gid())
+        };
+        assert_eq!(owner(&root), (0, 0));
+        assert_eq!(owner(&suid), (0, 5));
+        assert_eq!(fs::metadata(&suid).unwrap().mode() & 0o7777, 0o4755);
+        assert_eq!(owner(&outside), (1000, 1000));
+        assert_eq!(owner(&root.join("link")), (1, 1));
+    }
     use std::fs::File;
 
     fn whiteout(at: &Path) {

@@ -133,6 +133,26 @@ const USERNS_FILE: &str = "userns";
 /// directory per layer, base first.
 const LOWER_DIR: &str = "lower";
 
+/// The file in a run's disk (beside `upper/`) naming the first host id
+/// its files are owned from. It goes wherever the disk goes: into every
+/// capture, a fork's disk and a kept layer, so each says how to map it
+/// (and `runbox_image::capture` how to write it with the ids the run saw).
+/// Absent: owned as the run saw them (a run without a user namespace).
+pub const DISK_IDBASE_FILE: &str = runbox_image::capture::IDBASE_FILE;
+
+/// The id base `dir` (a disk, capture or kept layer) records; 0 without.
+fn recorded_base(dir: &Path) -> Result<u32, LaneError> {
+    let path = dir.join(DISK_IDBASE_FILE);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .map_err(|_| LaneError::Failed(format!("{} is not a host id", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(LaneError::io(format!("reading {}", path.display()))(e)),
+    }
+}
+
 /// The OCI runtime lane. Cheap to share: its sandboxes' handles
 /// ([`OciSandbox`]) hold the same state.
 pub struct OciLane(Arc<Shared>);
@@ -206,13 +226,7 @@ impl OciLane {
             allowlist: Support::Yes,
             open: support(open.unsupported()),
             disk_limit: support(storage.limits_unsupported()),
-            warm_volumes: match &userns {
-                Some(_) => Support::No(
-                    "warm volumes do not work with user namespaces yet (runbox serve --userns off)"
-                        .into(),
-                ),
-                None => Support::Yes,
-            },
+            warm_volumes: Support::Yes,
             capture: Support::Yes,
             exit_watch: Support::Yes,
             dial: Support::Yes,
@@ -492,8 +506,8 @@ impl Shared {
     /// Each of `layers` bind-mounted under `dir/lower/` with the mapping
     /// that shows it to the run with its owners: an image's layers hold the
     /// image's own ids (0-based); a layer this lane kept from a run's
-    /// capture holds that run's host ids, and its root directory says from
-    /// which base.
+    /// capture holds that run's host ids, and its `idbase` says from
+    /// which.
     fn mapped_layers(
         &self,
         layers: &[PathBuf],
@@ -514,12 +528,9 @@ impl Shared {
             std::collections::HashMap::new();
         let mut out = Vec::with_capacity(layers.len());
         for (i, layer) in layers.iter().enumerate() {
-            let from = if layer.starts_with(&kept) {
-                std::fs::symlink_metadata(layer)
-                    .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
-                    .map_err(LaneError::io(format!("reading {}", layer.display())))?
-            } else {
-                0
+            let from = match layer.parent() {
+                Some(dir) if layer.starts_with(&kept) => recorded_base(dir)?,
+                _ => 0,
             };
             if from != 0 {
                 if let std::collections::hash_map::Entry::Vacant(slot) = namespaces.entry(from) {
@@ -607,15 +618,17 @@ impl Shared {
                 // parent's range (or the host's, for a parent without a
                 // user namespace): moved into this run's range.
                 if spec.seed.is_some() && !boot {
-                    let from = std::fs::symlink_metadata(&upper)
-                        .map(|m| std::os::unix::fs::MetadataExt::uid(&m))
-                        .map_err(LaneError::io("reading the fork's layer"))?;
+                    let from = recorded_base(&disk)?;
                     if from != userns.base {
-                        shift_tree(&disk, from, userns.base).map_err(LaneError::io(
-                            "moving the fork's layer into its user namespace range",
-                        ))?;
+                        runbox_image::tree::shift_owners(&disk, from, userns.base).map_err(
+                            LaneError::io("moving the fork's layer into its user namespace range"),
+                        )?;
                     }
                 }
+                write(
+                    &disk.join(DISK_IDBASE_FILE),
+                    userns.base.to_string().as_bytes(),
+                )?;
                 // The writable layer is the run's: its root, scratch and
                 // /work are owned by the run's root on the host.
                 for d in [&upper, &work, &upper.join("work")] {
@@ -637,7 +650,7 @@ impl Shared {
             None => None,
         };
         let volume = match &spec.warm {
-            Some(warm) => Some(mount_warm(warm, &disk, dir, existing)?),
+            Some(warm) => Some(mount_warm(warm, &disk, dir, existing, userns)?),
             None => None,
         };
         Ok((rootfs, trust_files, volume))
@@ -807,37 +820,6 @@ fn claim_ranges(runs: &Path, ranges: &mut IdRanges) {
             }
         }
     }
-}
-
-/// Moves the owners of everything under `root` from one range to another:
-/// an id in `[from, from + RANGE)` becomes the same offset from `to`; ids
-/// outside it are left alone. Symlinks themselves, never what they name.
-fn shift_tree(root: &Path, from: u32, to: u32) -> std::io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
-    let shift = |id: u32| -> Option<u32> {
-        id.checked_sub(from)
-            .filter(|offset| *offset < RANGE)
-            .map(|offset| to + offset)
-    };
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(path) = stack.pop() {
-        let meta = std::fs::symlink_metadata(&path)?;
-        let (uid, gid) = (shift(meta.uid()), shift(meta.gid()));
-        if uid.is_some() || gid.is_some() {
-            // lchown clears set-id bits on regular files; put them back.
-            let mode = meta.mode();
-            std::os::unix::fs::lchown(&path, uid, gid)?;
-            if meta.is_file() && mode & 0o6000 != 0 {
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode & 0o7777))?;
-            }
-        }
-        if meta.is_dir() {
-            for entry in std::fs::read_dir(&path)? {
-                stack.push(entry?.path());
-            }
-        }
-    }
-    Ok(())
 }
 
 /// Removes a file that may not exist.
@@ -1233,6 +1215,7 @@ fn mount_warm(
     disk: &Path,
     dir: &Path,
     forked: bool,
+    userns: Option<&RunUserns>,
 ) -> Result<PathBuf, LaneError> {
     let layer = disk.join(WARM_DIR);
     let (upper, work, empty) = (
@@ -1255,7 +1238,44 @@ fn mount_warm(
             Err(e) => return Err(LaneError::io(format!("creating {}", d.display()))(e)),
         }
     }
-    let lower = warm.lower.clone().unwrap_or(empty);
+    let lower = match (warm.lower.clone(), userns) {
+        (lower, None) => lower.unwrap_or(empty),
+        (lower, Some(userns)) => {
+            // The volume's layer is the run's, in its range, and says so
+            // (its commits are written back with the ids the run saw).
+            for d in [&layer, &upper, &work, &empty] {
+                std::os::unix::fs::lchown(d, Some(userns.base), Some(userns.base))
+                    .map_err(LaneError::io(format!("handing {} to the run", d.display())))?;
+            }
+            write(
+                &layer.join(DISK_IDBASE_FILE),
+                userns.base.to_string().as_bytes(),
+            )?;
+            match lower {
+                // A template holds the ids the run saw: mapped like an
+                // image layer.
+                Some(template) => {
+                    let mapped = dir.join(LOWER_DIR).join(WARM_DIR);
+                    match std::fs::DirBuilder::new()
+                        .recursive(true)
+                        .mode(0o700)
+                        .create(&mapped)
+                    {
+                        Ok(()) => {}
+                        Err(e) => {
+                            return Err(LaneError::io(format!("creating {}", mapped.display()))(e))
+                        }
+                    }
+                    if !is_mount_point(&mapped) {
+                        runbox_host::idmap::idmapped_bind(&template, &mapped, userns.fd.as_fd())
+                            .map_err(LaneError::io("mapping the warm template for the run"))?;
+                    }
+                    mapped
+                }
+                None => empty,
+            }
+        }
+    };
     check_mount_safe(&lower)?;
     mount_overlay(&[lower], &upper, &work, &merged)?;
     Ok(merged)

@@ -444,6 +444,8 @@ impl WarmCache {
         let tree = tmp.join("tree");
         let stats = runbox_image::tree::flatten(layers, &tree)
             .map_err(storage_error("copying the volume into the warm cache"))?;
+        // Templates hold the ids the run saw, whatever its range.
+        unshift(layers[0], &tree)?;
         let set =
             lockfile::lock_set(&tree).map_err(CoreError::io("hashing the committed lockfiles"))?;
         let now = OffsetDateTime::now_utc();
@@ -500,6 +502,7 @@ impl WarmCache {
         }
         runbox_image::tree::flatten(&layers, &tree)
             .map_err(storage_error("copying the run's warm volume"))?;
+        unshift(upper, &tree)?;
         Ok((scratch, tree))
     }
 
@@ -627,6 +630,28 @@ impl WarmCache {
         empty_dir(&self.root.join("trash"));
         report
     }
+}
+
+/// Gives `tree` (a copy of `upper` over a template) back the owners the
+/// run saw, when `upper` was written in a user namespace range: its
+/// parent's `idbase` names the range (see `runbox_image::capture`).
+fn unshift(upper: &Path, tree: &Path) -> Result<(), CoreError> {
+    let Some(recorded) = upper
+        .parent()
+        .map(|p| p.join(runbox_image::capture::IDBASE_FILE))
+    else {
+        return Ok(());
+    };
+    let base = match fs::read_to_string(&recorded) {
+        Ok(text) => text
+            .trim()
+            .parse::<u32>()
+            .map_err(|_| CoreError::Store(format!("{} is not a host id", recorded.display())))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(CoreError::io(format!("reading {}", recorded.display()))(e)),
+    };
+    runbox_image::tree::shift_owners(tree, base, 0)
+        .map_err(storage_error("giving the warm volume its owners back"))
 }
 
 /// ENOSPC and EDQUOT are the storage being full, which the caller can do
