@@ -27,7 +27,10 @@ const POOLS_FILE: &str = "pools.json";
 /// `--userns`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum UsernsArg {
-    /// Each run gets a user namespace of its own.
+    /// On where the host can do it, else off with a warning.
+    Auto,
+    /// Each run gets a user namespace of its own; the start fails where
+    /// the host cannot do it.
     On,
     /// Runs share the host's user namespace.
     Off,
@@ -196,8 +199,8 @@ pub struct ServeArgs {
     pub shutdown_grace_sec: u64,
     /// Give each run a user namespace of its own, so that root in a run is
     /// an unprivileged id on the host (`on`), or let runs share the host's
-    /// ids (`off`)
-    #[arg(long, value_enum, default_value_t = UsernsArg::Off, env = "RUNBOX_USERNS")]
+    /// ids (`off`); `auto` is on where the host can do it
+    #[arg(long, value_enum, default_value_t = UsernsArg::Auto, env = "RUNBOX_USERNS")]
     pub userns: UsernsArg,
     /// The host ids runs' user namespaces take, 65536 per run [default:
     /// 1879048192:268435456, 4096 runs above systemd's container range]
@@ -342,16 +345,33 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)
         .context("preparing the run store (--storage-gb)")?;
     }
-    if args.userns == UsernsArg::On {
-        // Image layers and runs' layers may live on different filesystems.
+    // Image layers and runs' layers may live on different filesystems.
+    let userns_probe = || -> anyhow::Result<Result<(), String>> {
         for dir in [state_dir.join("runs"), state_dir.join("images")] {
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            runbox_runtime::idmap::probe(&dir).map_err(|why| {
-                anyhow::anyhow!(
-                    "runs cannot get user namespaces on this host ({why}); start with --userns off"
-                )
-            })?;
+            if let Err(why) = runbox_runtime::idmap::probe(&dir) {
+                return Ok(Err(why));
+            }
         }
+        Ok(open_state_dir_to_runs(&state_dir))
+    };
+    let userns = match args.userns {
+        UsernsArg::Off => false,
+        UsernsArg::On => match userns_probe()? {
+            Ok(()) => true,
+            Err(why) => bail!(
+                "runs cannot get user namespaces on this host ({why}); start with --userns off"
+            ),
+        },
+        UsernsArg::Auto => match userns_probe()? {
+            Ok(()) => true,
+            Err(why) => {
+                tracing::warn!(reason = %why, "runs cannot get user namespaces on this host; they share the host's (--userns on makes this an error)");
+                false
+            }
+        },
+    };
+    if userns {
         let range = args.userns_range.as_deref().map_or_else(
             || {
                 runbox_core::userns::IdRanges::new(
@@ -367,7 +387,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             "each run gets a user namespace of its own"
         );
         options.userns = Some(range);
-    } else {
+    } else if args.userns == UsernsArg::Off {
         tracing::warn!("runs share the host's user namespace (--userns off): root in a run is root to the host kernel");
     }
     let oci = OciLane::with_options(runtime, state_dir.clone(), agent, options)?;
@@ -462,6 +482,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.egress = Some(egress.config.clone());
     let store = Store::open(&state_dir.join("runbox.db"))?;
     let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
+    if userns {
+        keep_state_private(&state_dir)?;
+    }
     let tenants = runbox_core::tenants::FileTenants::open(state_dir.join("tenants.json"))?;
     tracing::info!(
         tenants = runbox_core::tenants::TenantStore::list(&tenants).len(),
@@ -596,6 +619,68 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     shutdown.cancel();
     // What is still in the usage journal's batch reaches the disk.
     let _ = tokio::task::spawn_blocking(move || usage.flush()).await;
+    Ok(())
+}
+
+/// Lets the runtime, which sets a run up from inside the run's user
+/// namespace (as an id that is nobody on the host), walk from `/` to the
+/// run's directory: every directory down to `<state-dir>/runs` must let
+/// others through (`o+x`, no listing). The state directory and the run
+/// store are given that; what else lies in the state directory is kept
+/// to its owner (the image store, the checkpoints, the database) or was
+/// already (the token, keys, journals). A directory above the state
+/// directory that does not let others through is the reason returned.
+fn open_state_dir_to_runs(state_dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let runs = state_dir.join("runs");
+    for dir in state_dir.ancestors().skip(1) {
+        let mode = std::fs::metadata(dir)
+            .map_err(|e| format!("reading {}: {e}", dir.display()))?
+            .permissions()
+            .mode();
+        if mode & 0o001 == 0 {
+            return Err(format!(
+                "{} does not let other users through (mode {:o}), so a run's root cannot reach                  its files under {}; move the state directory or chmod o+x {}",
+                dir.display(),
+                mode & 0o7777,
+                state_dir.display(),
+                dir.display()
+            ));
+        }
+    }
+    for dir in [state_dir, runs.as_path()] {
+        let mode = std::fs::metadata(dir)
+            .map_err(|e| format!("reading {}: {e}", dir.display()))?
+            .permissions()
+            .mode();
+        if mode & 0o001 == 0 {
+            set_mode(dir, (mode & 0o7777) | 0o001)?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets `path`'s mode; nothing to do when it does not exist.
+fn set_mode(path: &Path, mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    match std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(format!("setting the mode of {}: {e}", path.display())),
+    }
+}
+
+/// With the state directory open to runs' roots ([`open_state_dir_to_runs`]),
+/// what in it is the daemon's alone stays so: the image store, the default
+/// checkpoint store and the database.
+fn keep_state_private(state_dir: &Path) -> anyhow::Result<()> {
+    for (name, mode) in [
+        ("images", 0o700),
+        ("checkpoints", 0o700),
+        ("runbox.db", 0o600),
+    ] {
+        set_mode(&state_dir.join(name), mode).map_err(anyhow::Error::msg)?;
+    }
     Ok(())
 }
 

@@ -332,8 +332,11 @@ pub fn summarize(
 /// `7d`).
 pub fn parse_since(text: &str, now: OffsetDateTime) -> Result<OffsetDateTime, String> {
     let text = text.trim();
+    // Nothing was recorded before 1970, and a time before year 0 cannot
+    // even be written back in the answer: earlier means the whole journal.
+    let floor = |t: OffsetDateTime| t.max(OffsetDateTime::UNIX_EPOCH);
     if let Ok(t) = OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339) {
-        return Ok(t);
+        return Ok(floor(t));
     }
     let split = text
         .find(|c: char| !c.is_ascii_digit())
@@ -350,7 +353,9 @@ pub fn parse_since(text: &str, now: OffsetDateTime) -> Result<OffsetDateTime, St
         "d" => time::Duration::days(n),
         _ => return Err(bad_since(text)),
     };
-    now.checked_sub(span).ok_or_else(|| bad_since(text))
+    now.checked_sub(span)
+        .map(floor)
+        .ok_or_else(|| bad_since(text))
 }
 
 fn bad_since(text: &str) -> String {
@@ -370,6 +375,24 @@ fn kind_name(kind: UsageKind) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_since_before_1970_means_the_whole_journal() {
+        let now = OffsetDateTime::now_utc();
+        for text in [
+            "810049d",
+            "999999d",
+            "1969-12-31T23:59:59Z",
+            "0000-01-01T00:00:00Z",
+        ] {
+            let since = parse_since(text, now).unwrap();
+            assert_eq!(since, OffsetDateTime::UNIX_EPOCH, "{text}");
+            // It can be written back in an answer.
+            since
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap();
+        }
+    }
 
     fn at(minute: i64, kind: UsageKind, run: Ulid, tenant: &str) -> UsageEvent {
         UsageEvent {

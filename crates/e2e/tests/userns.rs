@@ -233,3 +233,51 @@ async fn a_bad_range_stops_the_start_and_off_is_reported() {
         b"         0          0 4294967295\n"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_directory_is_opened_to_runs_only_as_far_as_needed() {
+    // The default (auto) on a state directory made private by its maker.
+    let daemon = TestDaemon::start(None).await;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().mode() & 0o7777;
+    let state = daemon.state.path();
+    assert_eq!(daemon.client.info().await.unwrap().userns, "private");
+    assert_eq!(mode(state) & 0o001, 0o001, "others may pass through");
+    assert_eq!(mode(&state.join("images")), 0o700);
+    assert_eq!(mode(&state.join("checkpoints")), 0o700);
+    assert_eq!(mode(&state.join("runbox.db")), 0o600);
+    assert_eq!(mode(&state.join("token")), 0o600);
+    let run = daemon.create().await.id.to_string();
+    let dir = state.join("runs").join(&run);
+    assert_eq!(mode(&dir), 0o710);
+    assert_eq!(owner(&dir).1 as u64, base_of(&daemon, &run).await);
+
+    // A directory above the state directory that lets no one through:
+    // `on` refuses to start and says which, `auto` runs without.
+    let private = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        private.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o700),
+    )
+    .unwrap();
+    let nested = private.path().join("state");
+    let out = std::process::Command::new(runbox_e2e::runbox_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--userns",
+            "on",
+            "--storage-gb",
+            "0",
+        ])
+        .arg("--state-dir")
+        .arg(&nested)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&private.path().display().to_string()) && stderr.contains("--userns off"),
+        "{stderr}"
+    );
+}
