@@ -138,6 +138,11 @@ pub async fn info(args: ShowArgs) -> anyhow::Result<ExitCode> {
             table::size(s.total_bytes)
         );
     }
+    match info.userns.as_str() {
+        "private" => println!("users    each run has a user namespace of its own"),
+        "off" => println!("users    runs share the host's user namespace (--userns off)"),
+        _ => {}
+    }
     if info.draining {
         println!("draining: the node takes no new runs");
     }
