@@ -100,10 +100,12 @@ impl Holder {
     pub(crate) fn spawn(join: Option<BorrowedFd<'_>>, flags: libc::c_int) -> io::Result<Holder> {
         let ready = pipe()?;
         let join = join.map(|fd| fd.as_raw_fd());
-        // SAFETY: the child runs only async-signal-safe calls (close,
-        // setns, unshare, write, pause) on descriptors it owns a copy of,
-        // until it is killed; it touches no lock or allocation the
-        // parent's other threads may hold.
+        // SAFETY: getpid has no preconditions.
+        let parent = unsafe { libc::getpid() };
+        // SAFETY: the child runs only async-signal-safe calls (prctl,
+        // getppid, close, close_range, setns, unshare, write, pause) on
+        // descriptors it owns a copy of, until it is killed; it touches no
+        // lock or allocation the parent's other threads may hold.
         let pid = unsafe { libc::fork() };
         if pid < 0 {
             return Err(io::Error::last_os_error());
@@ -111,12 +113,35 @@ impl Holder {
         if pid == 0 {
             // SAFETY: as above; the child never returns from this block.
             unsafe {
+                // Die with the daemon (a daemon killed with -9 must not
+                // leave a holder behind), even if it died already.
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                if libc::getppid() != parent {
+                    libc::_exit(1);
+                }
                 libc::close(ready.read.as_raw_fd());
                 let joined = match join {
                     Some(fd) => libc::setns(fd, libc::CLONE_NEWUSER) == 0,
                     None => true,
                 };
                 let ok = u8::from(joined && libc::unshare(flags) == 0);
+                // Keep nothing of the daemon's open: not its state
+                // directory's lock, not another holder's pipe.
+                let keep = ready.write.as_raw_fd() as libc::c_uint;
+                if keep > 0 {
+                    libc::syscall(
+                        libc::SYS_close_range,
+                        0 as libc::c_uint,
+                        keep - 1,
+                        0 as libc::c_uint,
+                    );
+                }
+                libc::syscall(
+                    libc::SYS_close_range,
+                    keep + 1,
+                    libc::c_uint::MAX,
+                    0 as libc::c_uint,
+                );
                 libc::write(ready.write.as_raw_fd(), (&raw const ok).cast(), 1);
                 libc::close(ready.write.as_raw_fd());
                 loop {
