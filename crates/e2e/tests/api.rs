@@ -402,6 +402,9 @@ fn the_daemon_refuses_unsafe_or_impossible_starts() {
             .arg("serve")
             .arg("--state-dir")
             .arg(state.path())
+            // No run store of its own, which a refused start would leave
+            // mounted under a directory the test then deletes.
+            .args(["--storage-gb", "0"])
             .args(extra)
             .output()
             .expect("runbox serve")

@@ -1085,6 +1085,9 @@ async fn serve_refuses(args: &[&str], env: &[(&str, &str)]) -> String {
         .arg(runbox_e2e::agent_bin())
         // A table name of its own, though a refused start creates none.
         .args(["--nft-table", "rbxt_refused"])
+        // No run store of its own: a start refused after making one would
+        // leave it mounted under a directory the test then deletes.
+        .args(["--storage-gb", "0"])
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -151,6 +151,9 @@ fn refused_start(args: &[&str]) -> String {
         .arg(state.path())
         .arg("--listen")
         .arg("127.0.0.1:0")
+        // No run store of its own: a start refused after making one would
+        // leave it mounted under a directory the test then deletes.
+        .args(["--storage-gb", "0"])
         .args(args)
         .output()
         .unwrap();
