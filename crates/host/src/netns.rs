@@ -34,22 +34,7 @@ pub const NETNS_DIR: &str = "/run/netns";
 /// `/run/netns/<name>`, and returns that path. Fails if it exists already;
 /// on error nothing is left behind.
 pub fn create_named(name: &str) -> io::Result<std::path::PathBuf> {
-    if name.is_empty() || name.contains('/') || name.starts_with('.') {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "bad namespace name",
-        ));
-    }
-    let dir = Path::new(NETNS_DIR);
-    std::fs::create_dir_all(dir)?;
-    share_netns_dir(dir)?;
-    let path = dir.join(name);
-    // The mount point: an empty file, made exclusively so two creates of
-    // one name cannot both succeed.
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(&path)?;
+    let path = mount_point(name)?;
     let made = std::thread::scope(|scope| {
         scope
             .spawn(|| -> io::Result<()> {
@@ -83,6 +68,25 @@ pub fn create_named_in(
     name: &str,
     userns: std::os::fd::BorrowedFd<'_>,
 ) -> io::Result<std::path::PathBuf> {
+    let path = mount_point(name)?;
+    let made = (|| -> io::Result<()> {
+        // A process, not a thread: a multithreaded process cannot enter a
+        // user namespace.
+        let holder = crate::idmap::Holder::spawn(Some(userns), libc::CLONE_NEWNET)?;
+        rustix::mount::mount_bind(holder.proc("ns/net").as_path(), &path)?;
+        drop(holder);
+        in_netns(&path, loopback_up)?
+    })();
+    if let Err(e) = made {
+        let _ = delete_named(name);
+        return Err(e);
+    }
+    Ok(path)
+}
+
+/// The mount point of namespace `name` under [`NETNS_DIR`]: an empty file,
+/// made exclusively so two creates of one name cannot both succeed.
+fn mount_point(name: &str) -> io::Result<std::path::PathBuf> {
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -97,18 +101,6 @@ pub fn create_named_in(
         .write(true)
         .create_new(true)
         .open(&path)?;
-    let made = (|| -> io::Result<()> {
-        // A process, not a thread: a multithreaded process cannot enter a
-        // user namespace.
-        let holder = crate::idmap::Holder::spawn(Some(userns), libc::CLONE_NEWNET)?;
-        rustix::mount::mount_bind(holder.proc("ns/net").as_path(), &path)?;
-        drop(holder);
-        in_netns(&path, loopback_up)?
-    })();
-    if let Err(e) = made {
-        let _ = delete_named(name);
-        return Err(e);
-    }
     Ok(path)
 }
 
