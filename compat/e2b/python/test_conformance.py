@@ -450,3 +450,26 @@ def test_files_of_proc_that_report_no_size_are_read_whole(sbx):
     # An empty regular file is still empty.
     sbx.files.write("/home/user/empty.txt", "")
     assert sbx.files.read("/home/user/empty.txt") == ""
+
+
+def test_sandboxes_may_gain_privileges_as_e2b_templates_expect(daemon, sbx):
+    # E2B's templates give their user passwordless sudo, and E2B's suite
+    # uses it: sandboxes made through the E2B surface let setuid programs
+    # work wherever runs have a user namespace of their own.
+    import httpx
+
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+    private = httpx.get(f"{daemon.url}/v1/info", headers=auth).json()["userns"] == "private"
+    run = httpx.get(f"{daemon.url}/v1/runs/{sbx.sandbox_id}", headers=auth).json()
+    assert run["allowPrivilegeEscalation"] is private
+    status = sbx.commands.run("grep NoNewPrivs /proc/self/status").stdout
+    assert status == f"NoNewPrivs:\t{0 if private else 1}\n"
+    # A run made through runbox's own API keeps no_new_privs unless asked.
+    r = httpx.post(f"{daemon.url}/v1/runs", json={"image": "base", "ttlSec": 60}, headers=auth)
+    assert r.status_code == 201, r.text
+    try:
+        assert r.json()["allowPrivilegeEscalation"] is False
+        box = Sandbox.connect(r.json()["id"])
+        assert box.commands.run("grep NoNewPrivs /proc/self/status").stdout == "NoNewPrivs:\t1\n"
+    finally:
+        httpx.delete(f"{daemon.url}/v1/runs/{r.json()['id']}", headers=auth)

@@ -256,6 +256,8 @@ struct Plan {
     tag: String,
     detach: bool,
     pty: Option<PtySize>,
+    /// `ExecStart.allow_new_privileges`: else no_new_privs before exec.
+    allow_new_privileges: bool,
 }
 
 /// Validates `start` and resolves what it names, without starting anything.
@@ -307,6 +309,7 @@ fn prepare(start: ExecStart, work_dir: &Path) -> Result<Plan, ExecError> {
         tag: start.tag,
         detach: start.detach,
         pty: start.pty,
+        allow_new_privileges: start.allow_new_privileges,
     })
 }
 
@@ -351,11 +354,12 @@ impl Plan {
         };
         let identity = self.identity.clone();
         let terminal = pty.is_some();
+        let no_new_privs = !self.allow_new_privileges;
         // SAFETY: the closure runs in the child between fork and exec, where
         // only async-signal-safe calls are allowed; `child_setup` and
         // `become_user` make only raw system calls (setsid, sigprocmask,
-        // sigaction, ioctl, setgroups, setgid, setuid) and allocate nothing
-        // (the group list was made before the fork).
+        // sigaction, ioctl, setgroups, setgid, setuid, prctl) and allocate
+        // nothing (the group list was made before the fork).
         unsafe {
             command.pre_exec(move || {
                 child_setup()?;
@@ -366,6 +370,11 @@ impl Plan {
                 }
                 if let Some(identity) = &identity {
                     become_user(identity)?;
+                }
+                // Set last and unconditionally unless allowed: the command
+                // and everything it starts cannot gain privileges by exec.
+                if no_new_privs && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+                    return Err(io::Error::last_os_error());
                 }
                 Ok(())
             });

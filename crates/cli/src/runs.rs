@@ -152,6 +152,10 @@ pub struct CreateArgs {
     /// [default: the server's --idle-hibernate-sec]
     #[arg(long, value_name = "SECS")]
     pub idle_hibernate: Option<u64>,
+    /// Let the run's commands gain privileges through setuid programs
+    /// (`sudo`, `su`); only where runs have a user namespace of their own
+    #[arg(long)]
+    pub allow_privilege_escalation: bool,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -210,6 +214,7 @@ impl CreateArgs {
                     hibernate_after_sec: self.idle_hibernate,
                 },
             ),
+            allow_privilege_escalation: self.allow_privilege_escalation.then_some(true),
         }
     }
 }
@@ -678,6 +683,7 @@ mod tests {
             on_expire: Default::default(),
             idle: Default::default(),
             restarts: 0,
+            allow_privilege_escalation: false,
             restarted_at: None,
             archived_at: None,
             archive_error: None,

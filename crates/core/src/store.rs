@@ -126,6 +126,10 @@ pub struct RunRecord {
     /// The tenant that made it; None: the operator.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Its commands may gain privileges through setuid programs
+    /// (`allowPrivilegeEscalation`); false: each runs with no_new_privs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_privilege_escalation: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -190,6 +194,7 @@ impl RunRecord {
             on_expire: self.on_expire,
             idle: self.idle,
             restarts: self.restarts,
+            allow_privilege_escalation: self.allow_privilege_escalation,
             restarted_at: self.restarted_at,
             archived_at: self.archived_at,
             archive_error: self.archive_error.clone(),
@@ -367,6 +372,7 @@ mod tests {
             archived_at: None,
             archive_error: None,
             tenant: None,
+            allow_privilege_escalation: false,
         }
     }
 

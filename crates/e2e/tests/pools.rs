@@ -78,9 +78,12 @@ async fn a_claim_is_a_fresh_member_with_the_creates_settings() {
     req.env = Some(Env(BTreeMap::from([("GREETING".into(), "hi".into())])));
     req.ttl_sec = Some(120);
     req.labels = Some(BTreeMap::from([("team".into(), "search".into())]));
+    let escalation = daemon.client.info().await.unwrap().userns == "private";
+    req.allow_privilege_escalation = Some(escalation);
     let before = time::OffsetDateTime::now_utc();
     let first = daemon.create_with(req.clone()).await;
     assert!(first.pooled, "{first:?}");
+    assert_eq!(first.allow_privilege_escalation, escalation);
     assert_eq!(first.size, Some(SizeTier::Small));
     assert_eq!(first.limits.memory_mb, 512);
     assert_eq!(first.labels["team"], "search");
@@ -89,10 +92,11 @@ async fn a_claim_is_a_fresh_member_with_the_creates_settings() {
     assert!(first.created_at >= before);
     let id = first.id.to_string();
     let out = daemon
-        .sh(&id, "echo $GREETING; echo mine > /work/claim; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || true")
+        .sh(&id, "echo $GREETING; grep NoNewPrivs /proc/self/status; echo mine > /work/claim; cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || true")
         .await;
+    let expected = format!("hi\nNoNewPrivs:\t{}\n", u8::from(!escalation));
     assert!(
-        text(&out.stdout).starts_with("hi\n"),
+        text(&out.stdout).starts_with(&expected),
         "{}",
         text(&out.stdout)
     );
@@ -107,10 +111,10 @@ async fn a_claim_is_a_fresh_member_with_the_creates_settings() {
     let out = daemon
         .sh(
             &second.id.to_string(),
-            "[ -e /work/claim ] || echo clean; echo ${GREETING:-unset}",
+            "[ -e /work/claim ] || echo clean; echo ${GREETING:-unset}; grep NoNewPrivs /proc/self/status",
         )
         .await;
-    assert_eq!(text(&out.stdout), "clean\nunset\n");
+    assert_eq!(text(&out.stdout), "clean\nunset\nNoNewPrivs:\t1\n");
 
     // An empty pool falls back to a cold create; no pool at all, too.
     let status = &daemon.client.pools().await.unwrap().pools[0];

@@ -202,6 +202,193 @@ async fn root_in_a_run_is_an_unprivileged_host_id_and_files_keep_their_owners() 
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_burst_of_creates_and_forks_gets_disjoint_ranges() {
+    let daemon = TestDaemon::start_with(None, &["--userns", "on", "--max-runs", "32"], &[]).await;
+    let parent = daemon.create().await.id.to_string();
+    out(&daemon, &parent, "echo from-parent > /work/mark").await;
+    let fork = || async {
+        daemon
+            .client
+            .fork_run(
+                &parent,
+                &runbox_types::ForkRequest {
+                    count: 3,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map(|f| f.runs.into_iter().map(|r| r.id.to_string()).collect())
+    };
+    let create = || async {
+        daemon
+            .client
+            .create_run(&CreateRunRequest {
+                image: "base".into(),
+                ..Default::default()
+            })
+            .await
+            .map(|r| vec![r.id.to_string()])
+    };
+    let mut burst: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>> = Vec::new();
+    for i in 0..12 {
+        if i % 4 == 0 {
+            burst.push(Box::pin(fork()));
+        } else {
+            burst.push(Box::pin(create()));
+        }
+    }
+    let mut ids = vec![parent.clone()];
+    for made in futures::future::join_all(burst).await {
+        ids.extend(made.unwrap_or_else(|e| panic!("{e}; daemon log:\n{}", daemon.log())));
+    }
+    assert_eq!(ids.len(), 1 + 3 * 3 + 9);
+    let mut bases = Vec::new();
+    for id in &ids {
+        bases.push(base_of(&daemon, id).await);
+    }
+    let mut distinct = bases.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(distinct.len(), bases.len(), "{bases:?}");
+    // Each range is the one its run's directory records.
+    for (id, base) in ids.iter().zip(&bases) {
+        let recorded =
+            std::fs::read_to_string(daemon.state.path().join("runs").join(id).join("idbase"))
+                .unwrap();
+        assert_eq!(recorded.trim().parse::<u64>().unwrap(), *base, "{id}");
+    }
+    for id in &ids {
+        daemon.client.delete_run(id).await.unwrap();
+    }
+}
+
+/// A setuid program of the tests' own: prints the effective uid it runs
+/// with and creates the file its argument names (busybox would drop the
+/// set-id bit itself, and the test image has nothing else).
+const PROBE_C: &str = r#"
+#include <stdio.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    printf("%d\n", (int)geteuid());
+    if (argc > 1) {
+        FILE *f = fopen(argv[1], "w");
+        if (!f) { perror(argv[1]); return 2; }
+        fclose(f);
+    }
+    return 0;
+}
+"#;
+
+fn setuid_probe() -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("probe.c");
+    std::fs::write(&src, PROBE_C).unwrap();
+    let bin = dir.path().join("probe");
+    let status = std::process::Command::new("cc")
+        .args(["-static", "-O1", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "compiling the setuid probe");
+    std::fs::read(&bin).unwrap()
+}
+
+/// Runs the probe as uid 1000 in `run`; its output and the host owner of
+/// the file it made.
+async fn probe_as_user(daemon: &TestDaemon, run: &str, probe: &[u8]) -> (String, u32) {
+    daemon
+        .client
+        .put_file(run, "probe", probe.to_vec().into())
+        .await
+        .unwrap();
+    out(
+        daemon,
+        run,
+        "chown 0:0 /work/probe && chmod 4755 /work/probe && mkdir -m 777 /work/shared",
+    )
+    .await;
+    let probed = daemon
+        .client
+        .exec(
+            run,
+            &runbox_types::ExecRequest {
+                cmd: vec!["/work/probe".into(), "/work/shared/made".into()],
+                user: Some("1000".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .collect_output()
+        .await
+        .unwrap();
+    assert_eq!(probed.exit.exit_code, 0, "{probed:?}");
+    let made = daemon
+        .state
+        .path()
+        .join("runs")
+        .join(run)
+        .join("disk/upper/work/shared/made");
+    (
+        String::from_utf8_lossy(&probed.stdout).into_owned(),
+        owner(&made).0,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setuid_programs_raise_privileges_only_in_runs_that_allow_it_and_only_inside() {
+    let probe = setuid_probe();
+    for runtime in runbox_e2e::runtimes() {
+        let daemon = daemon(&runtime).await;
+        // By default a setuid program runs as its caller.
+        let strict = daemon.create().await;
+        assert!(!strict.allow_privilege_escalation);
+        let strict = strict.id.to_string();
+        let strict_base = base_of(&daemon, &strict).await as u32;
+        assert_eq!(
+            probe_as_user(&daemon, &strict, &probe).await,
+            ("1000\n".to_owned(), strict_base + 1000),
+            "{runtime}"
+        );
+        // Allowed, it runs as root in the run: the run's base on the host.
+        let loose = daemon
+            .create_with(CreateRunRequest {
+                image: "base".into(),
+                allow_privilege_escalation: Some(true),
+                ..Default::default()
+            })
+            .await;
+        assert!(loose.allow_privilege_escalation);
+        let loose = loose.id.to_string();
+        let loose_base = base_of(&daemon, &loose).await as u32;
+        assert_eq!(
+            probe_as_user(&daemon, &loose, &probe).await,
+            ("0\n".to_owned(), loose_base),
+            "{runtime}"
+        );
+        // A fork keeps its parent's choice.
+        let fork = daemon
+            .client
+            .fork_run(
+                &loose,
+                &runbox_types::ForkRequest {
+                    count: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .runs
+            .remove(0);
+        assert!(fork.allow_privilege_escalation);
+        for id in [strict, loose, fork.id.to_string()] {
+            daemon.client.delete_run(&id).await.unwrap();
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_range_stops_the_start_and_off_is_reported() {
     let state = tempfile::tempdir().unwrap();
@@ -231,6 +418,20 @@ async fn a_bad_range_stops_the_start_and_off_is_reported() {
     assert_eq!(
         daemon.sh(&run, "cat /proc/self/uid_map").await.stdout,
         b"         0          0 4294967295\n"
+    );
+    // Root in these runs is root on the host: no setuid escalation.
+    let err = daemon
+        .client
+        .create_run(&CreateRunRequest {
+            image: "base".into(),
+            allow_privilege_escalation: Some(true),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, runbox_client::ClientError::Api { status: 400, code, .. } if code == "escalation_unsupported"),
+        "{err}"
     );
 }
 

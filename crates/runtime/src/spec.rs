@@ -205,11 +205,18 @@ pub enum SpecError {
 /// Builds the OCI runtime config for one run.
 ///
 /// The process is the agent ([`AGENT_PATH`] followed by `agent_args`),
-/// running as root with Docker's capabilities minus `CAP_NET_RAW`,
-/// `no_new_privileges` and the [`seccomp::default_profile`] filter, in new
-/// pid, ipc, uts, mount, cgroup and network namespaces (the network one
-/// joined instead when `netns_path` is given), and in the run's own user
-/// namespace when `userns` is given (else the host's).
+/// running as root with Docker's capabilities minus `CAP_NET_RAW` and the
+/// [`seccomp::default_profile`] filter, in new pid, ipc, uts, mount, cgroup
+/// and network namespaces (the network one joined instead when `netns_path`
+/// is given), and in the run's own user namespace when `userns` is given
+/// (else the host's).
+///
+/// Without a user namespace, root in the run is root on the host, so the
+/// agent and everything it starts have `no_new_privileges`. With one, the
+/// agent sets it on each command instead unless the run allows privilege
+/// escalation (`ExecStart.allow_new_privileges`): a setuid program inside
+/// can then make a command root in the run, which is an unprivileged id on
+/// the host.
 pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
     validate(params)?;
 
@@ -241,7 +248,7 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
             .soft(nofile)
             .hard(nofile)
             .build()?])
-        .no_new_privileges(true)
+        .no_new_privileges(params.userns.is_none())
         .build()?;
 
     let spec = SpecBuilder::default()
@@ -698,6 +705,32 @@ mod tests {
         assert_eq!(json["hostname"], "sandbox-1");
         assert_eq!(json["root"]["path"], "/var/lib/runbox/runs/x/merged");
         assert_eq!(json["root"]["readonly"], false);
+    }
+
+    #[test]
+    fn a_run_with_a_user_namespace_leaves_no_new_privileges_to_the_agent() {
+        let f = Fixture::new();
+        let pinned = Path::new("/var/lib/runbox/runs/x/userns");
+        let json = ok(&f, |p| {
+            p.userns = Some(UserNamespace {
+                path: pinned,
+                base: 0x7000_0000,
+            })
+        });
+        assert_eq!(json["process"]["noNewPrivileges"], false);
+        let user = json["linux"]["namespaces"]
+            .as_array()
+            .expect("namespaces")
+            .iter()
+            .find(|n| n["type"] == "user")
+            .expect("a user namespace");
+        assert_eq!(user["path"], "/var/lib/runbox/runs/x/userns");
+        for map in ["uidMappings", "gidMappings"] {
+            assert_eq!(
+                json["linux"][map],
+                serde_json::json!([{"containerID": 0, "hostID": 0x7000_0000u32, "size": 65536}])
+            );
+        }
     }
 
     #[test]

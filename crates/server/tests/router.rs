@@ -67,6 +67,7 @@ fn run() -> Run {
         on_expire: Default::default(),
         idle: Default::default(),
         restarts: 0,
+        allow_privilege_escalation: false,
         restarted_at: None,
         archived_at: None,
         archive_error: None,

@@ -138,6 +138,9 @@ codes! {
     /// This server's isolation lane cannot hibernate runs; the message says
     /// why.
     HibernateUnsupported = "hibernate_unsupported", 400;
+    /// `allowPrivilegeEscalation` was asked of a server whose runs have no
+    /// user namespace of their own (root in such a run is root on the host).
+    EscalationUnsupported = "escalation_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.
     WarmCacheDisabled = "warm_cache_disabled", 400;
     /// A checkpoint's objects are missing, truncated or do not match their

@@ -236,6 +236,15 @@ pub struct CreateRunRequest {
     /// Pause or hibernate the run when nobody uses it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle: Option<IdlePolicy>,
+    /// Let the run's commands gain privileges through setuid and setgid
+    /// programs and file capabilities (`sudo`, `su`, `ping`). Default
+    /// false: every command runs with `no_new_privs`. Only on servers whose
+    /// runs have a user namespace of their own (`GET /v1/info` `userns`
+    /// `private`), where root in the run is an unprivileged id on the host;
+    /// elsewhere refused with `escalation_unsupported`. Creates through
+    /// the E2B surface ask for it whenever the server can give it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allow_privilege_escalation: Option<bool>,
 }
 
 /// What happens to a run when its TTL passes.
@@ -551,6 +560,10 @@ pub struct Run {
     /// its own (the restart policy).
     #[serde(default)]
     pub restarts: u32,
+    /// Whether its commands may gain privileges through setuid programs
+    /// (`allowPrivilegeEscalation` at create, or its parent's for a fork).
+    #[serde(default)]
+    pub allow_privilege_escalation: bool,
     /// When it was last booted again by the restart policy.
     #[serde(
         default,

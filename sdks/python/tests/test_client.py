@@ -48,6 +48,16 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
         assert e.value.code == "run_paused"
     finally:
         rb.delete_run(sleepy.id)
+    # setuid programs work in a run that allows it (the daemon's runs have
+    # user namespaces by default); every other run's commands have
+    # no_new_privs.
+    assert not run.allow_privilege_escalation
+    loose = rb.create_run("base", allow_privilege_escalation=True)
+    try:
+        assert loose.allow_privilege_escalation
+        assert rb.run(loose.id, "grep NoNewPrivs /proc/self/status").stdout == b"NoNewPrivs:\t0\n"
+    finally:
+        rb.delete_run(loose.id)
     with pytest.raises(runbox.NotFound) as e:
         rb.get_run(run.id)
     assert e.value.code == "run_not_found" and e.value.status == 404

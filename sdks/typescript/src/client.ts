@@ -89,6 +89,9 @@ export interface CreateRunOptions {
   onExpire?: CreateRunRequest["onExpire"];
   /** Pause and hibernate the run after this many idle seconds (0: off). */
   idle?: { pauseAfterSec?: number; hibernateAfterSec?: number };
+  /** Let setuid programs such as sudo work in the run (only on servers
+   * whose runs have a user namespace of their own). */
+  allowPrivilegeEscalation?: boolean;
   /** Makes a retried create return the first run instead of a second one. */
   idempotencyKey?: string;
   /** Start from this checkpoint (its disk, and its run's settings for what
@@ -331,6 +334,7 @@ export class Runbox {
         autoResume: options.autoResume,
         onExpire: options.onExpire,
         idle: options.idle ? compact(options.idle) : undefined,
+        allowPrivilegeEscalation: options.allowPrivilegeEscalation,
       }),
       headers: options.idempotencyKey ? { "Idempotency-Key": options.idempotencyKey } : {},
       // A create may pull its image first.

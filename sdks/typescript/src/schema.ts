@@ -1268,6 +1268,16 @@ export interface components {
         /** @description `POST /v1/runs`. */
         CreateRunRequest: {
             /**
+             * @description Let the run's commands gain privileges through setuid and setgid
+             *     programs and file capabilities (`sudo`, `su`, `ping`). Default
+             *     false: every command runs with `no_new_privs`. Only on servers whose
+             *     runs have a user namespace of their own (`GET /v1/info` `userns`
+             *     `private`), where root in the run is an unprivileged id on the host;
+             *     elsewhere refused with `escalation_unsupported`. Creates through
+             *     the E2B surface ask for it whenever the server can give it.
+             */
+            allowPrivilegeEscalation?: boolean | null;
+            /**
              * @description Whether a call that reaches the run while it is paused resumes it
              *     (default true). With false, such a call is refused with
              *     `run_paused` and only `POST .../resume` wakes the run.
@@ -2076,6 +2086,11 @@ export interface components {
         };
         /** @description A run as the API shows it. */
         Run: {
+            /**
+             * @description Whether its commands may gain privileges through setuid programs
+             *     (`allowPrivilegeEscalation` at create, or its parent's for a fork).
+             */
+            allowPrivilegeEscalation?: boolean;
             /**
              * @description Why its last archive failed; it stays hibernated, and an automatic
              *     archive is tried again later.

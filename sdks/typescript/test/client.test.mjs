@@ -75,6 +75,17 @@ test("health and a run's lifecycle", async () => {
   } finally {
     await rb.deleteRun(sleepy.id);
   }
+  // setuid programs work in a run that allows it (user namespaces are the
+  // daemon's default); every other run's commands have no_new_privs.
+  assert.equal(run.allowPrivilegeEscalation, false);
+  const loose = await rb.createRun("base", { allowPrivilegeEscalation: true });
+  try {
+    assert.equal(loose.allowPrivilegeEscalation, true);
+    const status = await rb.run(loose.id, "grep NoNewPrivs /proc/self/status");
+    assert.equal(text(status.stdout), "NoNewPrivs:\t0\n");
+  } finally {
+    await rb.deleteRun(loose.id);
+  }
   await assert.rejects(rb.getRun(run.id), (e) => e instanceof NotFound && e.code === "run_not_found" && e.status === 404);
 });
 

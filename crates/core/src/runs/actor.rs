@@ -167,6 +167,7 @@ pub(crate) struct Claim {
     pub on_expire: runbox_types::OnExpire,
     pub idle: runbox_types::IdlePolicy,
     pub idempotency: Option<crate::store::Idempotency>,
+    pub allow_privilege_escalation: bool,
 }
 
 /// How busy a run is: the operations open on it now, and when the last
@@ -1385,6 +1386,7 @@ impl RunActor {
         self.record.ttl_sec = claim.ttl.as_secs();
         self.record.idempotency = claim.idempotency;
         self.record.tenant = claim.tenant;
+        self.record.allow_privilege_escalation = claim.allow_privilege_escalation;
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;
         }

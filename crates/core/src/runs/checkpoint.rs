@@ -541,6 +541,7 @@ fn settings_of(record: &RunRecord) -> CreateRunRequest {
         auto_resume: Some(record.auto_resume),
         on_expire: Some(record.on_expire),
         idle: Some(record.idle),
+        allow_privilege_escalation: record.allow_privilege_escalation.then_some(true),
         ..Default::default()
     }
 }
@@ -565,6 +566,9 @@ fn merge_settings(req: &mut CreateRunRequest, settings: CreateRunRequest) {
     req.auto_resume = req.auto_resume.or(settings.auto_resume);
     req.on_expire = req.on_expire.or(settings.on_expire);
     req.idle = req.idle.or(settings.idle);
+    req.allow_privilege_escalation = req
+        .allow_privilege_escalation
+        .or(settings.allow_privilege_escalation);
 }
 
 #[cfg(test)]
@@ -594,6 +598,7 @@ mod tests {
             ttl_sec: Some(600),
             size: Some(runbox_types::SizeTier::Small),
             labels: Some([("team".to_owned(), "a".to_owned())].into()),
+            allow_privilege_escalation: Some(true),
             ..Default::default()
         };
         let mut req = CreateRunRequest {
@@ -602,6 +607,7 @@ mod tests {
         };
         merge_settings(&mut req, settings.clone());
         assert_eq!(req.ttl_sec, Some(60));
+        assert_eq!(req.allow_privilege_escalation, Some(true));
         assert_eq!(req.network, Some(runbox_types::NetworkTier::Allowlist));
         assert_eq!(
             req.egress_allow.as_deref(),
@@ -613,9 +619,11 @@ mod tests {
         let mut req = CreateRunRequest {
             network: Some(runbox_types::NetworkTier::None),
             limits: Some(LimitsRequest::default()),
+            allow_privilege_escalation: Some(false),
             ..Default::default()
         };
         merge_settings(&mut req, settings);
+        assert_eq!(req.allow_privilege_escalation, Some(false));
         assert_eq!(req.egress_allow, None);
         assert_eq!(req.size, None);
     }

@@ -526,6 +526,19 @@ impl Manager {
                 ));
             }
         }
+        let allow_privilege_escalation = req.allow_privilege_escalation.unwrap_or(false);
+        if allow_privilege_escalation {
+            if let Err(why) = self.lane.capabilities().user_namespaces.check() {
+                return Err(CoreError::invalid(
+                    ErrorCode::EscalationUnsupported,
+                    format!(
+                        "allowPrivilegeEscalation needs runs with a user namespace of their own, \
+                         and this server's have none ({why}); leave it out (or set it to false, \
+                         over a checkpoint's), or have the operator start runbox with --userns on"
+                    ),
+                ));
+            }
+        }
         let network = req.network.unwrap_or_default();
         owner.check_shape(network, req.size, req.limits.is_some())?;
         if let Err(why) = self.lane.capabilities().network(network) {
@@ -567,6 +580,7 @@ impl Manager {
                 on_expire: req.on_expire.unwrap_or_default(),
                 idle,
                 idempotency: idempotency.clone(),
+                allow_privilege_escalation,
             };
             if let Some(served) = self.claim_from_pool(&key, claim, &owner).await? {
                 return Ok(served);
@@ -624,6 +638,7 @@ impl Manager {
             archived_at: None,
             archive_error: None,
             tenant: owner.tenant().map(str::to_owned),
+            allow_privilege_escalation,
         };
         let spec = SandboxSpec {
             id,

@@ -237,6 +237,7 @@ impl Manager {
             archived_at: None,
             archive_error: None,
             tenant: None,
+            allow_privilege_escalation: false,
         };
         let spec = SandboxSpec {
             id,

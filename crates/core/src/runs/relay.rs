@@ -287,6 +287,7 @@ impl Manager {
             detach: mode == ExecMode::Background,
             tag: tag.unwrap_or_default(),
             pty: pty.map(|(size, _)| size),
+            allow_new_privileges: record.allow_privilege_escalation,
         };
         let (input, input_rx) = mpsc::channel(8);
         input

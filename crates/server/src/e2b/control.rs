@@ -312,6 +312,10 @@ async fn create<S: RunService>(
         public_ports: Some(public_ports),
         auto_resume: Some(auto_resume),
         on_expire: Some(on_expire),
+        // E2B's templates give their `user` account passwordless sudo, and
+        // its SDKs use it. Where root in a run is an unprivileged host id,
+        // sudo gains nothing outside the run, so it works here too.
+        allow_privilege_escalation: Some(state.service.info().userns == "private"),
         ..Default::default()
     };
     let key = match headers.get(crate::handlers::IDEMPOTENCY_KEY) {

@@ -46,6 +46,7 @@ def create_run(
     on_expire: Optional[str] = None,
     idle_pause_after: Optional[int] = None,
     idle_hibernate_after: Optional[int] = None,
+    allow_privilege_escalation: Optional[bool] = None,
     idempotency_key: Optional[str] = None,
 ) -> Call[Run]:
     limits = compact(cpus=cpus, memoryMb=memory_mb, pids=pids, diskMb=disk_mb) or None
@@ -65,6 +66,7 @@ def create_run(
         autoResume=auto_resume,
         onExpire=on_expire,
         idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,
+        allowPrivilegeEscalation=allow_privilege_escalation,
     )
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     return Call("POST", "/v1/runs", json=body, headers=headers, parse=Run.from_json)

@@ -67,6 +67,7 @@ class Run:
     on_expire: str = "delete"
     idle: Dict[str, int] = field(default_factory=dict)
     restarts: int = 0
+    allow_privilege_escalation: bool = False
     failure: Optional[str] = None
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
@@ -90,6 +91,7 @@ class Run:
             on_expire=d.get("onExpire", "delete"),
             idle=dict(d.get("idle") or {}),
             restarts=int(d.get("restarts", 0)),
+            allow_privilege_escalation=bool(d.get("allowPrivilegeEscalation", False)),
             failure=d.get("failure"),
             tenant=d.get("tenant"),
             token=d.get("token"),

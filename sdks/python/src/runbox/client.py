@@ -101,7 +101,8 @@ class Runbox:
         ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``,
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
-        ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
+        ``allow_privilege_escalation`` (setuid programs such as sudo work;
+        only where runs have a user namespace), ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
         starts the run from a checkpoint. Without either, the image is
         ``base``."""
         return self._do(calls.create_run(image, **kwargs))
