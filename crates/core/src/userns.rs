@@ -8,8 +8,15 @@
 //! stored apart: each run's record names its range, and a restarted daemon
 //! claims the ranges of the runs it finds again before it gives out any.
 //! A range goes back when its run is destroyed.
+//!
+//! A fork's writable layer keeps the host ids its parent wrote it with (the
+//! fork sees them in its own range through an idmapped mount), so a range
+//! can have more than one holder: the run whose namespace it is, and every
+//! run whose disk holds files in it ([`IdRanges::hold`]). It is free again
+//! only when the last of them gives it back, so no unrelated run is given
+//! the ids a live run's files are stored with.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 /// Ids in one run's range.
 pub const RANGE: u32 = 65536;
@@ -26,8 +33,9 @@ pub const DEFAULT_COUNT: u32 = 0x1000_0000;
 pub struct IdRanges {
     start: u32,
     slots: u32,
-    /// Taken slots (range `i` starts at `start + i * RANGE`).
-    taken: BTreeSet<u32>,
+    /// Taken slots (range `i` starts at `start + i * RANGE`) and how many
+    /// holders each has (at least one).
+    taken: BTreeMap<u32, u32>,
 }
 
 impl IdRanges {
@@ -54,7 +62,7 @@ impl IdRanges {
         Ok(IdRanges {
             start,
             slots: count / RANGE,
-            taken: BTreeSet::new(),
+            taken: BTreeMap::new(),
         })
     }
 
@@ -84,8 +92,8 @@ impl IdRanges {
     /// Takes the lowest free range; its first host id. None when every
     /// range is taken.
     pub fn take(&mut self) -> Option<u32> {
-        let slot = (0..self.slots).find(|s| !self.taken.contains(s))?;
-        self.taken.insert(slot);
+        let slot = (0..self.slots).find(|s| !self.taken.contains_key(s))?;
+        self.taken.insert(slot, 1);
         Some(self.base(slot))
     }
 
@@ -94,15 +102,37 @@ impl IdRanges {
     /// so the caller gives that run another.
     pub fn claim(&mut self, base: u32) -> bool {
         match self.slot(base) {
-            Some(slot) => self.taken.insert(slot),
+            Some(slot) if !self.taken.contains_key(&slot) => {
+                self.taken.insert(slot, 1);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Adds a holder to the range from `base`, taken or not (a disk whose
+    /// files are stored with its ids); false when `base` is not a range of
+    /// this pool, which then has nothing to keep.
+    pub fn hold(&mut self, base: u32) -> bool {
+        match self.slot(base) {
+            Some(slot) => {
+                *self.taken.entry(slot).or_insert(0) += 1;
+                true
+            }
             None => false,
         }
     }
 
-    /// Gives the range from `base` back; a base not taken is ignored.
+    /// Gives one holder's share of the range from `base` back; the range is
+    /// free once no one holds it. A base not taken is ignored.
     pub fn give_back(&mut self, base: u32) {
         if let Some(slot) = self.slot(base) {
-            self.taken.remove(&slot);
+            if let std::collections::btree_map::Entry::Occupied(mut held) = self.taken.entry(slot) {
+                *held.get_mut() -= 1;
+                if *held.get() == 0 {
+                    held.remove();
+                }
+            }
         }
     }
 
@@ -162,29 +192,72 @@ mod tests {
         assert_eq!(pool.take(), Some((1 << 20) + RANGE));
     }
 
+    #[test]
+    fn a_held_range_is_free_only_after_its_last_holder() {
+        let mut pool = IdRanges::new(1 << 20, 2 * RANGE).unwrap();
+        let parent = pool.take().unwrap();
+        // A fork's disk holds the parent's range; the parent goes first.
+        assert!(pool.hold(parent));
+        pool.give_back(parent);
+        assert_eq!(pool.free(), 1);
+        assert_eq!(pool.take(), Some(parent + RANGE), "not the held one");
+        pool.give_back(parent);
+        assert_eq!(pool.free(), 1);
+        assert_eq!(pool.take(), Some(parent));
+        // Host ids and foreign ranges have nothing to hold.
+        assert!(!pool.hold(0));
+        assert!(!pool.hold(parent + 1));
+        // A held range cannot be claimed as a namespace at start.
+        let mut again = IdRanges::new(1 << 20, 2 * RANGE).unwrap();
+        assert!(again.hold(parent));
+        assert!(!again.claim(parent));
+    }
+
     proptest! {
         /// Whatever the order of takes and give-backs, no two live holders
         /// share a range, and every range stays inside the pool.
         #[test]
-        fn live_ranges_never_overlap(ops in proptest::collection::vec(any::<(bool, u8)>(), 1..200)) {
+        fn live_ranges_never_overlap(ops in proptest::collection::vec(any::<(u8, u8)>(), 1..200)) {
             let start = 10 * RANGE;
             let mut pool = IdRanges::new(start, 8 * RANGE).unwrap();
+            // Namespaces (one per live run) and disks holding a range.
             let mut live: Vec<u32> = Vec::new();
-            for (take, pick) in ops {
-                if take || live.is_empty() {
-                    match pool.take() {
+            let mut disks: Vec<u32> = Vec::new();
+            for (op, pick) in ops {
+                match op % 4 {
+                    0 | 1 => match pool.take() {
                         Some(base) => {
-                            prop_assert!(!live.contains(&base));
+                            prop_assert!(!live.contains(&base) && !disks.contains(&base));
                             prop_assert!(base >= start && base + RANGE <= start + 8 * RANGE);
                             live.push(base);
                         }
-                        None => prop_assert_eq!(live.len(), 8),
+                        None => {
+                            let mut held: Vec<u32> = live.iter().chain(&disks).copied().collect();
+                            held.sort_unstable();
+                            held.dedup();
+                            prop_assert_eq!(held.len(), 8);
+                        }
+                    },
+                    // A fork of a live run: its disk holds the parent's range.
+                    2 if !live.is_empty() => {
+                        let base = live[usize::from(pick) % live.len()];
+                        prop_assert!(pool.hold(base));
+                        disks.push(base);
                     }
-                } else {
-                    let base = live.remove(usize::from(pick) % live.len());
-                    pool.give_back(base);
+                    _ if !disks.is_empty() && pick % 2 == 0 => {
+                        let base = disks.remove(usize::from(pick) % disks.len());
+                        pool.give_back(base);
+                    }
+                    _ if !live.is_empty() => {
+                        let base = live.remove(usize::from(pick) % live.len());
+                        pool.give_back(base);
+                    }
+                    _ => {}
                 }
-                prop_assert_eq!(pool.free() as usize, 8 - live.len());
+                let mut held: Vec<u32> = live.iter().chain(&disks).copied().collect();
+                held.sort_unstable();
+                held.dedup();
+                prop_assert_eq!(pool.free() as usize, 8 - held.len());
             }
         }
     }

@@ -202,6 +202,111 @@ async fn root_in_a_run_is_an_unprivileged_host_id_and_files_keep_their_owners() 
     }
 }
 
+async fn fork_one(daemon: &TestDaemon, parent: &str) -> String {
+    daemon
+        .client
+        .fork_run(
+            parent,
+            &runbox_types::ForkRequest {
+                count: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .runs
+        .remove(0)
+        .id
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_uses_its_parents_layer_as_stored_and_holds_that_range() {
+    for runtime in runbox_e2e::runtimes() {
+        let mut daemon = daemon(&runtime).await;
+        let parent = daemon.create().await.id.to_string();
+        let p = base_of(&daemon, &parent).await;
+        out(
+            &daemon,
+            &parent,
+            "echo a > /work/a; chown 1000:1000 /work/a; mkdir /work/deep; echo d > /work/deep/d",
+        )
+        .await;
+        let fork = fork_one(&daemon, &parent).await;
+        let f = base_of(&daemon, &fork).await;
+        assert_ne!(f, p);
+        // Inside, the fork's own range; its parent's files as they were.
+        assert_eq!(
+            out(
+                &daemon,
+                &fork,
+                "stat -c %u /work/a /work/deep/d; echo b > /work/b; id -u"
+            )
+            .await,
+            "1000\n0\n0\n"
+        );
+        // On the disk the layer keeps the ids it was stored with: nothing
+        // was walked or chowned, and the fork's writes join them.
+        let disk = daemon.state.path().join("runs").join(&fork).join("disk");
+        let recorded = std::fs::read_to_string(disk.join("idbase")).unwrap();
+        assert_eq!(recorded.trim().parse::<u64>().unwrap(), p, "{runtime}");
+        let pu = p as u32;
+        assert_eq!(owner(&disk.join("upper/work/a")), (pu + 1000, pu + 1000));
+        assert_eq!(owner(&disk.join("upper/work/b")), (pu, pu));
+
+        // The parent's range stays held while the fork's disk uses it,
+        // across a restart too.
+        daemon.client.delete_run(&parent).await.unwrap();
+        let other = daemon.create().await.id.to_string();
+        assert_ne!(base_of(&daemon, &other).await, p, "{runtime}");
+        daemon.kill9();
+        daemon.spawn().await;
+        let after = daemon.create().await.id.to_string();
+        assert_ne!(
+            base_of(&daemon, &after).await,
+            p,
+            "{runtime}: after a restart"
+        );
+        // Hibernated and woken, and snapshotted: the same files, owners.
+        daemon.client.hibernate_run(&fork).await.unwrap();
+        daemon.client.wake_run(&fork).await.unwrap();
+        assert_eq!(base_of(&daemon, &fork).await, f);
+        daemon
+            .client
+            .snapshot_run(&fork, Some("fork-snap"))
+            .await
+            .unwrap();
+        let from_snapshot = daemon
+            .create_with(CreateRunRequest {
+                image: "fork-snap".into(),
+                ..Default::default()
+            })
+            .await
+            .id
+            .to_string();
+        let script = "stat -c %u /work/a /work/b /work/deep/d; cat /work/b";
+        assert_eq!(out(&daemon, &fork, script).await, "1000\n0\n0\nb\n");
+        assert_eq!(
+            out(&daemon, &from_snapshot, script).await,
+            "1000\n0\n0\nb\n"
+        );
+        // A fork of the fork: the same stored ids, a range of its own.
+        let grandchild = fork_one(&daemon, &fork).await;
+        assert_eq!(out(&daemon, &grandchild, script).await, "1000\n0\n0\nb\n");
+
+        // Once its last holder is gone the range is free again.
+        for id in [&fork, &grandchild] {
+            daemon.client.delete_run(id).await.unwrap();
+        }
+        let again = daemon.create().await.id.to_string();
+        assert_eq!(base_of(&daemon, &again).await, p, "{runtime}");
+        for id in [&other, &after, &from_snapshot, &again] {
+            daemon.client.delete_run(id).await.unwrap();
+        }
+        daemon.client.delete_image("fork-snap").await.unwrap();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_of_creates_and_forks_gets_disjoint_ranges() {
     let daemon = TestDaemon::start_with(None, &["--userns", "on", "--max-runs", "32"], &[]).await;

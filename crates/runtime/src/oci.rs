@@ -534,20 +534,7 @@ impl Shared {
             };
             if from != 0 {
                 if let std::collections::hash_map::Entry::Vacant(slot) = namespaces.entry(from) {
-                    let map = [
-                        // Host root stays root: overlayfs' own files.
-                        Extent {
-                            inside: 0,
-                            outside: 0,
-                            count: 1,
-                        },
-                        Extent {
-                            inside: from,
-                            outside: userns.base,
-                            count: RANGE,
-                        },
-                    ];
-                    let fd = runbox_host::idmap::user_namespace(&map)
+                    let fd = shifting_namespace(from, userns.base)
                         .map_err(LaneError::io("making a user namespace to map a kept layer"))?;
                     slot.insert(fd);
                 }
@@ -572,6 +559,32 @@ impl Shared {
         Ok(out)
     }
 
+    /// `disk`, whose files are stored with the ids of the range from
+    /// `stored`, bind-mounted at `dir/lower/disk` with the mapping that
+    /// shows them in the run's range: a fork's layer, used where it is.
+    fn shifted_disk(
+        &self,
+        disk: &Path,
+        dir: &Path,
+        stored: u32,
+        userns: &RunUserns,
+    ) -> Result<PathBuf, LaneError> {
+        let target = dir.join(LOWER_DIR).join(crate::storage::DISK_DIR);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&target)
+            .map_err(LaneError::io(format!("creating {}", target.display())))?;
+        if !is_mount_point(&target) {
+            let ns = shifting_namespace(stored, userns.base).map_err(LaneError::io(
+                "making a user namespace to map the run's disk",
+            ))?;
+            runbox_host::idmap::idmapped_bind(disk, &target, ns.as_fd())
+                .map_err(LaneError::io("mapping the run's disk into its range"))?;
+        }
+        Ok(target)
+    }
+
     /// Step 2 of [`Shared::create_steps`]: the run's disk, the overlay
     /// root on `rootfs/`, the trust files and the warm volume; returns the
     /// root and those.
@@ -588,13 +601,63 @@ impl Shared {
             // A hibernated run: its own disk, limit and all, as it was.
             _ if boot => dir.join(crate::storage::DISK_DIR),
             // A fork: the parent's layer as it was, shared until written.
-            Some(seed) => self.storage.clone_disk(seed, dir, limit)?,
+            // Its files keep the ids they are stored with, so their range
+            // gets this run as one more holder (before the clone: the
+            // parent may be destroyed meanwhile).
+            Some(seed) => {
+                let held = match (&self.userns, userns) {
+                    (Some(ranges), Some(userns)) => {
+                        let from = recorded_base(seed)?;
+                        (from != userns.base && lock_ranges(ranges).hold(from)).then_some(from)
+                    }
+                    _ => None,
+                };
+                match self.storage.clone_disk(seed, dir, limit) {
+                    Ok(disk) => disk,
+                    Err(e) => {
+                        if let (Some(from), Some(ranges)) = (held, &self.userns) {
+                            lock_ranges(ranges).give_back(from);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
             None => self.storage.create(dir, limit)?,
         };
         // A disk that already holds a layer (a fork's, a hibernated run's)
         // has these directories; overlayfs clears its scratch itself.
         let existing = boot || spec.seed.is_some();
-        let (upper, work) = (disk.join("upper"), disk.join("ovl-work"));
+        // Where the layer is used from: the disk itself, or for a disk
+        // whose files are stored with another range's ids (a fork's), an
+        // idmapped mount of it that shows them in this run's range. A fork
+        // so costs the same whatever its parent wrote; what it writes is
+        // stored with the ids its disk already has.
+        let (view, disk_base) = match userns {
+            Some(userns) => {
+                let stored = match recorded_base(&disk)? {
+                    // A new run's disk, or a booted one from before disks
+                    // recorded their range: the run's own.
+                    0 if spec.seed.is_none() || boot => userns.base,
+                    // A fork of a parent that had no user namespace: its
+                    // files hold host ids; moved into this run's range.
+                    0 => {
+                        runbox_image::tree::shift_owners(&disk, 0, userns.base).map_err(
+                            LaneError::io("moving the fork's layer into its user namespace range"),
+                        )?;
+                        userns.base
+                    }
+                    stored => stored,
+                };
+                write(&disk.join(DISK_IDBASE_FILE), stored.to_string().as_bytes())?;
+                if stored == userns.base {
+                    (disk.clone(), stored)
+                } else {
+                    (self.shifted_disk(&disk, dir, stored, userns)?, stored)
+                }
+            }
+            None => (disk.clone(), 0),
+        };
+        let (upper, work) = (view.join("upper"), view.join("ovl-work"));
         for d in [&upper, &work, &rootfs] {
             match std::fs::create_dir(d) {
                 Ok(()) => {}
@@ -614,23 +677,9 @@ impl Shared {
         }
         let lowers = match userns {
             Some(userns) => {
-                // A fork's layer came from its parent, owned in the
-                // parent's range (or the host's, for a parent without a
-                // user namespace): moved into this run's range.
-                if spec.seed.is_some() && !boot {
-                    let from = recorded_base(&disk)?;
-                    if from != userns.base {
-                        runbox_image::tree::shift_owners(&disk, from, userns.base).map_err(
-                            LaneError::io("moving the fork's layer into its user namespace range"),
-                        )?;
-                    }
-                }
-                write(
-                    &disk.join(DISK_IDBASE_FILE),
-                    userns.base.to_string().as_bytes(),
-                )?;
                 // The writable layer is the run's: its root, scratch and
-                // /work are owned by the run's root on the host.
+                // /work are owned by the run's root (through the view: on
+                // the disk, by the range its files are stored with).
                 for d in [&upper, &work, &upper.join("work")] {
                     std::os::unix::fs::lchown(d, Some(userns.base), Some(userns.base))
                         .map_err(LaneError::io(format!("handing {} to the run", d.display())))?;
@@ -650,7 +699,7 @@ impl Shared {
             None => None,
         };
         let volume = match &spec.warm {
-            Some(warm) => Some(mount_warm(warm, &disk, dir, existing, userns)?),
+            Some(warm) => Some(mount_warm(warm, &view, disk_base, dir, existing, userns)?),
             None => None,
         };
         Ok((rootfs, trust_files, volume))
@@ -746,6 +795,8 @@ impl Shared {
         let range = std::fs::read_to_string(dir.join(IDBASE_FILE))
             .ok()
             .and_then(|t| t.trim().parse::<u32>().ok());
+        // A disk stored with another range's ids (a fork's) holds that one.
+        let stored = recorded_base(&dir.join(crate::storage::DISK_DIR)).unwrap_or(0);
         self.storage.remove(&dir)?;
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
@@ -755,7 +806,11 @@ impl Shared {
         // Only now, as with the /30 below: the range is free once nothing
         // of the run can hold it.
         if let (Some(base), Some(ranges)) = (range, &self.userns) {
-            lock_ranges(ranges).give_back(base);
+            let mut ranges = lock_ranges(ranges);
+            ranges.give_back(base);
+            if stored != 0 && stored != base {
+                ranges.give_back(stored);
+            }
         }
         // Only now: while net.json exists the /30 counts as taken, so a
         // crash before this point cannot hand it to two runs.
@@ -793,21 +848,51 @@ struct RunUserns {
     pinned: PathBuf,
 }
 
+/// A user namespace whose mapping shows files stored with the ids of the
+/// range from `from` as the run's (from `base`), and host root as root
+/// (overlayfs' own files): for an idmapped mount of a layer another range
+/// wrote.
+fn shifting_namespace(from: u32, base: u32) -> std::io::Result<OwnedFd> {
+    runbox_host::idmap::user_namespace(&[
+        Extent {
+            inside: 0,
+            outside: 0,
+            count: 1,
+        },
+        Extent {
+            inside: from,
+            outside: base,
+            count: RANGE,
+        },
+    ])
+}
+
 fn lock_ranges(ranges: &std::sync::Mutex<IdRanges>) -> std::sync::MutexGuard<'_, IdRanges> {
     ranges.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Marks taken the ranges the run directories under `runs` name (runs a
-/// restarted daemon finds again). A range named twice, or outside the
-/// pool, is reported: such a run keeps it, but it is not handed out.
+/// restarted daemon finds again), and holds the ranges their disks are
+/// stored with where that is another (forks). A range named twice, or
+/// outside the pool, is reported: such a run keeps it, but it is not
+/// handed out.
 fn claim_ranges(runs: &Path, ranges: &mut IdRanges) {
     let Ok(entries) = std::fs::read_dir(runs) else {
         return;
     };
+    let mut disks = Vec::new();
     for entry in entries.flatten() {
         let Ok(text) = std::fs::read_to_string(entry.path().join(IDBASE_FILE)) else {
             continue;
         };
+        if let (Ok(base), Ok(stored)) = (
+            text.trim().parse::<u32>(),
+            recorded_base(&entry.path().join(crate::storage::DISK_DIR)),
+        ) {
+            if stored != 0 && stored != base {
+                disks.push(stored);
+            }
+        }
         match text.trim().parse::<u32>() {
             Ok(base) if ranges.claim(base) => {}
             Ok(base) => tracing::warn!(
@@ -819,6 +904,10 @@ fn claim_ranges(runs: &Path, ranges: &mut IdRanges) {
                 tracing::warn!(path = %entry.path().display(), "ignoring an unreadable user namespace range")
             }
         }
+    }
+    // After every namespace's claim: a held range is a taken one.
+    for stored in disks {
+        ranges.hold(stored);
     }
 }
 
@@ -1213,6 +1302,7 @@ const WARM_DIR: &str = "warm";
 fn mount_warm(
     warm: &runbox_core::lane::WarmMount,
     disk: &Path,
+    disk_base: u32,
     dir: &Path,
     forked: bool,
     userns: Option<&RunUserns>,
@@ -1241,15 +1331,16 @@ fn mount_warm(
     let lower = match (warm.lower.clone(), userns) {
         (lower, None) => lower.unwrap_or(empty),
         (lower, Some(userns)) => {
-            // The volume's layer is the run's, in its range, and says so
-            // (its commits are written back with the ids the run saw).
+            // The volume's layer is the run's, in its range, and says with
+            // which ids its files are stored (its commits are written back
+            // with the ids the run saw).
             for d in [&layer, &upper, &work, &empty] {
                 std::os::unix::fs::lchown(d, Some(userns.base), Some(userns.base))
                     .map_err(LaneError::io(format!("handing {} to the run", d.display())))?;
             }
             write(
                 &layer.join(DISK_IDBASE_FILE),
-                userns.base.to_string().as_bytes(),
+                disk_base.to_string().as_bytes(),
             )?;
             match lower {
                 // A template holds the ids the run saw: mapped like an
