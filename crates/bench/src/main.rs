@@ -30,6 +30,9 @@
 //!   directly: blind-tunnel throughput, the latency a plain HTTP request
 //!   gains through it, and the cost of TLS interception per request. It
 //!   needs neither root nor a daemon, and runs before the other phases.
+//! - **userns** (see `userns`; not among the defaults): create + first
+//!   exec, the exec round trip and fork + first exec, with a user namespace
+//!   per run against `--userns off`, per runtime.
 //!
 //! Steps:
 //! 1. build the busybox rootfs (`scripts/mkimage-busybox`) in a work dir;
@@ -65,6 +68,7 @@ mod sleep;
 mod snapshots;
 mod stats;
 mod tenants;
+mod userns;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -187,6 +191,7 @@ enum PhaseName {
     Sleep,
     Checkpoints,
     Tenants,
+    Userns,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -223,6 +228,8 @@ struct Plan {
     sleep_iterations: Option<usize>,
     checkpoint_iterations: Option<usize>,
     tenant_iterations: Option<usize>,
+    /// The userns phase's (create and fork, exec) iterations.
+    userns_iterations: Option<(usize, usize)>,
 }
 
 /// What the images phase does, when it runs.
@@ -318,6 +325,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             sleep_iterations: None,
             checkpoint_iterations: None,
             tenant_iterations: None,
+            userns_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -434,6 +442,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Tenants)
             .then_some(exec_iterations),
+        userns_iterations: args
+            .phases
+            .contains(&PhaseName::Userns)
+            .then_some((create_iterations, exec_iterations)),
     })
 }
 
@@ -540,6 +552,7 @@ impl Bench {
                 sleep: None,
                 checkpoints: None,
                 tenants: None,
+                userns: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -689,9 +702,34 @@ impl Bench {
             }
             None => None,
         };
+        let userns = match plan.userns_iterations {
+            Some((n, exec_n)) => {
+                let mut runtimes = Vec::new();
+                for daemon in &mut self.daemons {
+                    runtimes.push(
+                        userns::measure(
+                            daemon,
+                            &plan.runbox,
+                            &plan.agent,
+                            tar.clone(),
+                            n,
+                            exec_n,
+                            plan.warmup,
+                        )
+                        .await?,
+                    );
+                }
+                Some(userns::UsernsReport {
+                    fork_files: userns::FORK_FILES,
+                    runtimes,
+                })
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             tenants,
+            userns,
             phases,
             images,
             egress,

@@ -171,6 +171,9 @@ pub struct Report {
     /// The tenants phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tenants: Option<crate::tenants::TenantsReport>,
+    /// The userns phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub userns: Option<crate::userns::UsernsReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -414,6 +417,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(tenants) = &report.tenants {
         out.push_str(&crate::tenants::markdown(tenants));
     }
+    if let Some(userns) = &report.userns {
+        out.push_str(&crate::userns::markdown(userns));
+    }
     if let Some(checkpoints) = &report.checkpoints {
         out.push_str(&crate::checkpoints::markdown(checkpoints));
     }
@@ -579,6 +585,7 @@ mod tests {
             sleep: None,
             checkpoints: None,
             tenants: None,
+            userns: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -646,6 +653,7 @@ mod tests {
             sleep: None,
             checkpoints: None,
             tenants: None,
+            userns: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),
