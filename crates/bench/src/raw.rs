@@ -169,6 +169,7 @@ impl Bundle {
             env: &env,
             files: &[],
             volume: None,
+            volumes: &[],
             userns: None,
         };
         let mut spec = spec::build(&params).context("building the bundle config")?;

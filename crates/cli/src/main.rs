@@ -40,6 +40,7 @@ mod runs;
 mod serve;
 mod table;
 mod tenants;
+mod volumes;
 mod warm;
 
 use std::process::ExitCode;
@@ -130,6 +131,10 @@ enum Command {
     /// The server's tenants: their tokens and limits (root token only)
     #[command(subcommand)]
     Tenants(tenants::TenantsCommand),
+    /// Named volumes: data that outlives runs, mounted with
+    /// `runbox run create --volume NAME`
+    #[command(subcommand)]
+    Volumes(volumes::VolumesCommand),
     /// What each tenant used: run-hours by size, CPU-seconds, peak memory,
     /// egress (from the server's usage journal)
     Usage(tenants::UsageArgs),
@@ -223,6 +228,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Lease(command) => lease::run(command).await,
         Command::Warm(command) => warm::run(command).await,
         Command::Tenants(command) => tenants::run(command).await,
+        Command::Volumes(command) => volumes::run(command).await,
         Command::Usage(args) => tenants::usage(args).await,
         Command::Pools(command) => pools::run(command).await,
         Command::Fs(command) => fs::run(command).await,

@@ -156,6 +156,10 @@ pub struct CreateArgs {
     /// (`sudo`, `su`); only where runs have a user namespace of their own
     #[arg(long)]
     pub allow_privilege_escalation: bool,
+    /// Mount a volume: NAME, NAME:PATH, NAME:ro or NAME:PATH:ro (default
+    /// path /volumes/NAME, default mode rw; repeatable, up to 8)
+    #[arg(long = "volume", short = 'v', value_name = "NAME[:PATH][:ro]", value_parser = parse_volume)]
+    pub volumes: Vec<runbox_types::VolumeMountRequest>,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
@@ -215,7 +219,39 @@ impl CreateArgs {
                 },
             ),
             allow_privilege_escalation: self.allow_privilege_escalation.then_some(true),
+            volumes: (!self.volumes.is_empty()).then(|| self.volumes.clone()),
         }
+    }
+}
+
+/// Parses `--volume`: `NAME`, `NAME:PATH`, `NAME:MODE` or `NAME:PATH:MODE`,
+/// MODE `ro` or `rw`. The daemon checks the name and the path.
+pub fn parse_volume(s: &str) -> Result<runbox_types::VolumeMountRequest, String> {
+    let mut parts: Vec<&str> = s.split(':').collect();
+    let mode = match parts.last() {
+        Some(&"ro") if parts.len() > 1 => Some(runbox_types::VolumeMode::Ro),
+        Some(&"rw") if parts.len() > 1 => Some(runbox_types::VolumeMode::Rw),
+        _ => None,
+    };
+    if mode.is_some() {
+        parts.pop();
+    }
+    match parts.as_slice() {
+        [name] if !name.is_empty() => Ok(runbox_types::VolumeMountRequest {
+            name: name.to_string(),
+            path: None,
+            mode,
+        }),
+        [name, path] if !name.is_empty() && !path.is_empty() => {
+            Ok(runbox_types::VolumeMountRequest {
+                name: name.to_string(),
+                path: Some(path.to_string()),
+                mode,
+            })
+        }
+        _ => Err(format!(
+            "{s:?} is not NAME, NAME:PATH, NAME:ro or NAME:PATH:ro"
+        )),
     }
 }
 
@@ -684,6 +720,7 @@ mod tests {
             idle: Default::default(),
             restarts: 0,
             allow_privilege_escalation: false,
+            volumes: Vec::new(),
             restarted_at: None,
             archived_at: None,
             archive_error: None,

@@ -213,6 +213,12 @@ pub struct ServeArgs {
     /// Largest file upload in bytes.
     #[arg(long, default_value_t = 16 << 30)]
     pub max_upload_bytes: u64,
+    /// A volume's size in MiB when its create names none
+    #[arg(long, value_name = "MIB", default_value_t = 10 * 1024)]
+    pub volume_default_mb: u64,
+    /// The largest volume a create may ask for, in MiB
+    #[arg(long, value_name = "MIB", default_value_t = 1024 * 1024)]
+    pub volume_max_mb: u64,
     /// A registry (`HOST[:PORT]`) that may be pulled from over plain HTTP;
     /// repeat for several. Loopback registries never need it.
     #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
@@ -824,6 +830,8 @@ pub const LIVE_KEYS: &[&str] = &[
     "max_upload_bytes",
     "paused_retention_sec",
     "restart_policy",
+    "volume_default_mb",
+    "volume_max_mb",
 ];
 
 /// `current` with the settings a reload may change taken from `args`
@@ -866,6 +874,8 @@ fn live_settings(current: &Config, args: &ServeArgs) -> Config {
         RestartPolicyArg::None => runbox_core::config::RestartPolicy::None,
     };
     config.max_upload_bytes = args.max_upload_bytes;
+    config.volume_default_mb = args.volume_default_mb;
+    config.volume_max_mb = args.volume_max_mb;
     config.insecure_registries = args.insecure_registries.clone();
     config.archive_after =
         (args.archive_after_sec > 0).then(|| Duration::from_secs(args.archive_after_sec));

@@ -523,6 +523,35 @@ impl Client {
         Ok(())
     }
 
+    /// `POST /v1/volumes`.
+    pub async fn create_volume(
+        &self,
+        req: &runbox_types::CreateVolumeRequest,
+    ) -> Result<runbox_types::Volume, ClientError> {
+        let resp = self
+            .send(self.request(Method::POST, "/v1/volumes").json(req))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/volumes`.
+    pub async fn list_volumes(&self) -> Result<runbox_types::VolumeList, ClientError> {
+        json(self.send(self.request(Method::GET, "/v1/volumes")).await?).await
+    }
+
+    /// `GET /v1/volumes/{name}`.
+    pub async fn get_volume(&self, name: &str) -> Result<runbox_types::Volume, ClientError> {
+        let path = volume_path(name)?;
+        json(self.send(self.request(Method::GET, &path)).await?).await
+    }
+
+    /// `DELETE /v1/volumes/{name}`.
+    pub async fn delete_volume(&self, name: &str) -> Result<(), ClientError> {
+        let path = volume_path(name)?;
+        self.send(self.request(Method::DELETE, &path)).await?;
+        Ok(())
+    }
+
     /// `GET /v1/usage`: usage per tenant since `since` (RFC 3339 or a span
     /// such as `24h`), for `tenant` only when given.
     pub async fn usage(
@@ -970,6 +999,13 @@ fn tenant_path(name: &str) -> Result<String, ClientError> {
     Ok(format!(
         "/v1/tenants/{}",
         paths::segment("tenant name", name)?
+    ))
+}
+
+fn volume_path(name: &str) -> Result<String, ClientError> {
+    Ok(format!(
+        "/v1/volumes/{}",
+        paths::segment("volume name", name)?
     ))
 }
 

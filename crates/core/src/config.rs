@@ -33,6 +33,10 @@ pub struct Config {
     pub max_fork_count: usize,
     /// The largest file an upload may write.
     pub max_upload_bytes: u64,
+    /// A volume's size when its create names none, in MiB.
+    pub volume_default_mb: u64,
+    /// The largest volume a create may ask for, in MiB.
+    pub volume_max_mb: u64,
     /// The largest unpacked image an import may write.
     pub max_image_bytes: u64,
     /// How long a new sandbox's agent gets to answer its first call.
@@ -138,6 +142,8 @@ impl Config {
             max_runs: 256,
             max_fork_count: 16,
             max_upload_bytes: 16 << 30,
+            volume_default_mb: 10 * 1024,
+            volume_max_mb: 1024 * 1024,
             max_image_bytes: 32 << 30,
             agent_ready_timeout: Duration::from_secs(10),
             insecure_registries: Vec::new(),

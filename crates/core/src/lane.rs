@@ -61,6 +61,19 @@ pub struct SandboxSpec {
     pub seed: Option<PathBuf>,
     /// A warm volume to mount (see [`WarmMount`]).
     pub warm: Option<WarmMount>,
+    /// Named volumes to mount (made with [`Lane::create_volume`]).
+    pub volumes: Vec<VolumeBind>,
+}
+
+/// A named volume a run mounts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeBind {
+    /// The volume.
+    pub id: Ulid,
+    /// Where in the run (absolute, checked).
+    pub path: String,
+    /// Mounted read-only.
+    pub read_only: bool,
 }
 
 /// A run's warm volume: an overlay of its own writable layer over a
@@ -455,6 +468,37 @@ pub trait Lane: Send + Sync + 'static {
     /// recorded, by a daemon that died); returns the ids deleted. Runs at
     /// start-up.
     fn sweep_layers(&self, keep: &HashSet<String>) -> Vec<String> {
+        let _ = keep;
+        Vec::new()
+    }
+
+    /// Makes named volume `id`: an empty directory of its own that holds
+    /// at most `limit` bytes (data and metadata), kept until
+    /// [`Lane::delete_volume`]. Files in it are stored with the ids runs
+    /// see (a run with a user namespace mounts it mapped). On error
+    /// nothing of it is left.
+    async fn create_volume(&self, id: Ulid, limit: u64) -> Result<(), LaneError> {
+        let _ = (id, limit);
+        Err(LaneError::unsupported("make volumes"))
+    }
+
+    /// Deletes volume `id` and everything in it; nothing to do when it is
+    /// gone.
+    async fn delete_volume(&self, id: Ulid) -> Result<(), LaneError> {
+        let _ = id;
+        Ok(())
+    }
+
+    /// Bytes volume `id` holds, where the storage counts them.
+    fn volume_used(&self, id: Ulid) -> Option<u64> {
+        let _ = id;
+        None
+    }
+
+    /// Deletes every volume whose id is not in `keep` (made, then not
+    /// recorded, by a daemon that died); returns the ids deleted. Runs at
+    /// start-up.
+    fn sweep_volumes(&self, keep: &HashSet<Ulid>) -> Vec<Ulid> {
         let _ = keep;
         Vec::new()
     }

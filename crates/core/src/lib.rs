@@ -31,6 +31,7 @@ pub mod telemetry;
 pub mod tenants;
 pub mod userns;
 pub mod validate;
+pub mod volumes;
 pub mod warm;
 
 pub use config::Config;

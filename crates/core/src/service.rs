@@ -202,6 +202,26 @@ pub trait RunService: Clone + Send + Sync + 'static {
         repo: String,
         owner: crate::tenants::Owner,
     ) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// Makes a named volume of `owner`'s.
+    fn create_volume(
+        &self,
+        req: runbox_types::CreateVolumeRequest,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<runbox_types::Volume, CoreError>> + Send;
+    /// The volumes `owner` sees (root: every one, each stamped).
+    fn list_volumes(&self, owner: &crate::tenants::Owner) -> runbox_types::VolumeList;
+    /// `owner`'s volume `name`.
+    fn get_volume(
+        &self,
+        name: &str,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError>;
+    /// Deletes `owner`'s volume `name`; refused while a run mounts it.
+    fn delete_volume(
+        &self,
+        name: String,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<(), CoreError>> + Send;
     /// Describes a path in a run's `scope` (None: its base).
     fn stat_path(
         &self,
@@ -562,6 +582,34 @@ impl RunService for Arc<Manager> {
         owner: crate::tenants::Owner,
     ) -> Result<(), CoreError> {
         Manager::warm_invalidate(self, &repo, &owner).await
+    }
+
+    async fn create_volume(
+        &self,
+        req: runbox_types::CreateVolumeRequest,
+        owner: crate::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        Manager::create_volume(self, req, owner.tenant()).await
+    }
+
+    fn list_volumes(&self, owner: &crate::tenants::Owner) -> runbox_types::VolumeList {
+        Manager::list_volumes(self, owner.tenant())
+    }
+
+    fn get_volume(
+        &self,
+        name: &str,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        Manager::get_volume(self, name, owner.tenant())
+    }
+
+    async fn delete_volume(
+        &self,
+        name: String,
+        owner: crate::tenants::Owner,
+    ) -> Result<(), CoreError> {
+        Manager::delete_volume(self, &name, owner.tenant()).await
     }
 
     async fn stat_path(

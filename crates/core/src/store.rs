@@ -130,6 +130,10 @@ pub struct RunRecord {
     /// (`allowPrivilegeEscalation`); false: each runs with no_new_privs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_privilege_escalation: bool,
+    /// The named volumes it mounts: its hold on them, kept as long as the
+    /// run exists (hibernated and archived too).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<crate::volumes::RunVolumeRecord>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -195,6 +199,7 @@ impl RunRecord {
             idle: self.idle,
             restarts: self.restarts,
             allow_privilege_escalation: self.allow_privilege_escalation,
+            volumes: self.volumes.iter().map(|v| v.to_api()).collect(),
             restarted_at: self.restarted_at,
             archived_at: self.archived_at,
             archive_error: self.archive_error.clone(),
@@ -223,6 +228,11 @@ impl Store {
         tx.open_table(RUNS).map_err(store_err)?;
         tx.commit().map_err(store_err)?;
         Ok(Store { db: Arc::new(db) })
+    }
+
+    /// The database, for the other record kinds kept beside runs.
+    pub(crate) fn db(&self) -> &Database {
+        &self.db
     }
 
     /// Inserts or replaces a record, durably.
@@ -373,6 +383,7 @@ mod tests {
             archive_error: None,
             tenant: None,
             allow_privilege_escalation: false,
+            volumes: Vec::new(),
         }
     }
 

@@ -191,10 +191,15 @@ impl RunStorage {
     /// Bytes `<run_dir>/disk` holds, as the quota counts them (updated when
     /// btrfs commits, at most 30 s late); None where nothing counts them.
     pub fn used_bytes(&self, run_dir: &Path) -> Option<u64> {
+        self.subvolume_used(&run_dir.join(DISK_DIR))
+    }
+
+    /// Bytes the subvolume at `path` holds, as its qgroup counts them.
+    fn subvolume_used(&self, path: &Path) -> Option<u64> {
         let Kind::Quota { qgroups } = &self.kind else {
             return None;
         };
-        let sub = open_dir(&run_dir.join(DISK_DIR)).ok()?;
+        let sub = open_dir(path).ok()?;
         let id = subvolume_id(&sub).ok()?;
         let text = std::fs::read_to_string(qgroups.join(format!("0_{id}/referenced"))).ok()?;
         text.trim().parse().ok()
@@ -359,22 +364,82 @@ fn remove_entry(path: &Path) -> io::Result<()> {
 
 /// Deletes layer `id` of the run store; nothing to do when it is gone.
 pub fn remove_layer(runs: &Path, id: &str) -> Result<(), LaneError> {
-    let layers = runs.join(LAYERS_DIR);
-    let parent = match open_dir(&layers) {
-        Ok(parent) => parent,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(LaneError::io(format!("opening {}", layers.display()))(e)),
-    };
-    match destroy_subvolume(&parent, OsStr::new(id)) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(LaneError::io(format!("deleting layer {id}"))(e)),
-    }
+    remove_subvolume_in(&runs.join(LAYERS_DIR), id, "layer")
 }
 
 /// The ids of the layers in the run store.
 pub fn layer_ids(runs: &Path) -> Vec<String> {
-    std::fs::read_dir(runs.join(LAYERS_DIR))
+    names_in(&runs.join(LAYERS_DIR))
+}
+
+/// Where named volumes live in the run store, one subvolume each, named by
+/// the volume's id.
+pub const VOLUMES_DIR: &str = ".volumes";
+
+impl RunStorage {
+    /// Makes volume `id`: `<runs>/.volumes/<id>`, an empty subvolume limited
+    /// to `limit` bytes, and returns its path. Needs btrfs with quotas (a
+    /// volume without a limit could fill the run store).
+    pub fn create_volume(&self, runs: &Path, id: &str, limit: u64) -> Result<PathBuf, LaneError> {
+        if let Some(why) = self.limits_unsupported() {
+            return Err(LaneError::Unsupported(why.to_owned()));
+        }
+        let volumes = runs.join(VOLUMES_DIR);
+        std::fs::DirBuilder::new()
+            .mode(0o711)
+            .recursive(true)
+            .create(&volumes)
+            .map_err(LaneError::io(format!("creating {}", volumes.display())))?;
+        let parent =
+            open_dir(&volumes).map_err(LaneError::io(format!("opening {}", volumes.display())))?;
+        create_subvolume(&parent, OsStr::new(id)).map_err(LaneError::io(format!(
+            "creating the btrfs subvolume for volume {id}"
+        )))?;
+        let volume = volumes.join(id);
+        let limited = open_dir(&volume).and_then(|sub| limit_subvolume(&sub, limit));
+        if let Err(e) = limited {
+            let _ = destroy_subvolume(&parent, OsStr::new(id));
+            return Err(LaneError::io(format!(
+                "limiting volume {id} to {limit} bytes"
+            ))(e));
+        }
+        Ok(volume)
+    }
+
+    /// Bytes volume `id` holds, as its quota counts them.
+    pub fn volume_used(&self, runs: &Path, id: &str) -> Option<u64> {
+        self.subvolume_used(&runs.join(VOLUMES_DIR).join(id))
+    }
+}
+
+/// Deletes volume `id` of the run store and all it holds (one call however
+/// much that is); nothing to do when it is gone.
+pub fn remove_volume(runs: &Path, id: &str) -> Result<(), LaneError> {
+    remove_subvolume_in(&runs.join(VOLUMES_DIR), id, "volume")
+}
+
+/// The ids of the volumes in the run store.
+pub fn volume_ids(runs: &Path) -> Vec<String> {
+    names_in(&runs.join(VOLUMES_DIR))
+}
+
+/// Deletes subvolume `dir/id`; nothing to do when it (or `dir`) is gone.
+fn remove_subvolume_in(dir: &Path, id: &str, what: &str) -> Result<(), LaneError> {
+    let parent = match open_dir(dir) {
+        Ok(parent) => parent,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(LaneError::io(format!("opening {}", dir.display()))(e)),
+    };
+    match destroy_subvolume(&parent, OsStr::new(id)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(LaneError::io(format!("deleting {what} {id}"))(e)),
+    }
+}
+
+/// The names of the entries of `dir` (none when it is missing).
+fn names_in(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .flatten()

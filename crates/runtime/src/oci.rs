@@ -133,6 +133,10 @@ const USERNS_FILE: &str = "userns";
 /// directory per layer, base first.
 const LOWER_DIR: &str = "lower";
 
+/// Where a run with a user namespace has its named volumes mapped (one
+/// idmapped mount each, `volumes/<n>`), for the runtime to bind from.
+const VOLUMES_DIR: &str = "volumes";
+
 /// The file in a run's disk (beside `upper/`) naming the first host id
 /// its files are owned from. It goes wherever the disk goes: into every
 /// capture, a fork's disk and a kept layer, so each says how to map it
@@ -372,6 +376,7 @@ impl Shared {
         });
         let (rootfs, trust_files, volume) = root?;
         let netns = netns?;
+        let volume_sources = self.volume_sources(spec, &dir, userns.as_ref())?;
         let resolv_conf = match spec.network {
             NetworkTier::None | NetworkTier::Allowlist => None,
             NetworkTier::Open => Some(self.open.setup(id, &dir, &netns_name(id)).await?),
@@ -422,6 +427,16 @@ impl Shared {
                 }),
                 _ => None,
             },
+            volumes: &spec
+                .volumes
+                .iter()
+                .zip(&volume_sources)
+                .map(|(v, source)| crate::spec::BindMount {
+                    source,
+                    destination: &v.path,
+                    read_only: v.read_only,
+                })
+                .collect::<Vec<_>>(),
             userns: userns.as_ref().map(|u| crate::spec::UserNamespace {
                 path: &u.pinned,
                 base: u.base,
@@ -553,6 +568,57 @@ impl Shared {
                 runbox_host::idmap::idmapped_bind(layer, &target, ns).map_err(LaneError::io(
                     format!("mapping layer {} for the run", layer.display()),
                 ))?;
+            }
+            out.push(target);
+        }
+        Ok(out)
+    }
+
+    /// Where the runtime binds each of the run's named volumes from: the
+    /// volume itself, or for a run with a user namespace an idmapped mount
+    /// of it at `dir/volumes/<n>` that shows its files (stored with the
+    /// ids runs see) in the run's range.
+    fn volume_sources(
+        &self,
+        spec: &SandboxSpec,
+        dir: &Path,
+        userns: Option<&RunUserns>,
+    ) -> Result<Vec<PathBuf>, LaneError> {
+        let store = self
+            .state_dir
+            .join("runs")
+            .join(crate::storage::VOLUMES_DIR);
+        let mut out = Vec::with_capacity(spec.volumes.len());
+        for (i, volume) in spec.volumes.iter().enumerate() {
+            let source = store.join(volume.id.to_string());
+            if !source.is_dir() {
+                return Err(LaneError::Failed(format!(
+                    "volume {} is gone from the run store",
+                    volume.id
+                )));
+            }
+            let Some(userns) = userns else {
+                out.push(source);
+                continue;
+            };
+            let mounts = dir.join(VOLUMES_DIR);
+            match std::fs::DirBuilder::new().mode(0o710).create(&mounts) {
+                Ok(()) => std::os::unix::fs::chown(&mounts, None, Some(userns.base)).map_err(
+                    LaneError::io(format!("opening {} to the run", mounts.display())),
+                )?,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(LaneError::io(format!("creating {}", mounts.display()))(e)),
+            }
+            let target = mounts.join(i.to_string());
+            match std::fs::create_dir(&target) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(LaneError::io(format!("creating {}", target.display()))(e)),
+            }
+            if !is_mount_point(&target) {
+                runbox_host::idmap::idmapped_bind(&source, &target, userns.fd.as_fd()).map_err(
+                    LaneError::io(format!("mapping volume {} for the run", volume.id)),
+                )?;
             }
             out.push(target);
         }
@@ -772,8 +838,12 @@ impl Shared {
                 )));
             }
         }
-        // The mapped layers under the root, and the pinned namespace.
-        if let Ok(entries) = std::fs::read_dir(dir.join(LOWER_DIR)) {
+        // The mapped layers under the root and the mapped volumes, and
+        // the pinned namespace.
+        for mapped in [LOWER_DIR, VOLUMES_DIR] {
+            let Ok(entries) = std::fs::read_dir(dir.join(mapped)) else {
+                continue;
+            };
             for entry in entries.flatten() {
                 let path = entry.path();
                 if is_mount_point(&path) {
@@ -1012,6 +1082,52 @@ impl Lane for OciLane {
 
     fn remove_layer(&self, id: &str) -> Result<(), LaneError> {
         crate::storage::remove_layer(&self.0.state_dir.join("runs"), id)
+    }
+
+    async fn create_volume(&self, id: Ulid, limit: u64) -> Result<(), LaneError> {
+        let shared = self.0.clone();
+        tokio::task::spawn_blocking(move || {
+            let runs = shared.state_dir.join("runs");
+            shared
+                .storage
+                .create_volume(&runs, &id.to_string(), limit)
+                .map(drop)
+        })
+        .await
+        .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
+    }
+
+    async fn delete_volume(&self, id: Ulid) -> Result<(), LaneError> {
+        let runs = self.0.state_dir.join("runs");
+        tokio::task::spawn_blocking(move || crate::storage::remove_volume(&runs, &id.to_string()))
+            .await
+            .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
+    }
+
+    fn volume_used(&self, id: Ulid) -> Option<u64> {
+        self.0
+            .storage
+            .volume_used(&self.0.state_dir.join("runs"), &id.to_string())
+    }
+
+    fn sweep_volumes(&self, keep: &HashSet<Ulid>) -> Vec<Ulid> {
+        let runs = self.0.state_dir.join("runs");
+        let mut swept = Vec::new();
+        for name in crate::storage::volume_ids(&runs) {
+            let Ok(id) = name.parse::<Ulid>() else {
+                continue;
+            };
+            if keep.contains(&id) {
+                continue;
+            }
+            match crate::storage::remove_volume(&runs, &name) {
+                Ok(()) => swept.push(id),
+                Err(e) => {
+                    tracing::warn!(volume = %name, error = %e, "could not remove an unrecorded volume")
+                }
+            }
+        }
+        swept
     }
 
     fn sweep_layers(&self, keep: &HashSet<String>) -> Vec<String> {

@@ -228,6 +228,7 @@ async fn probe_in(
         env: &[],
         files: &[],
         volume: None,
+        volumes: &[],
         userns: None,
     };
     let config = spec::build(&params).map_err(|e| format!("building the probe config: {e}"))?;

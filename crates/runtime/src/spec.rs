@@ -114,6 +114,17 @@ pub struct FileMount<'a> {
     pub destination: &'a str,
 }
 
+/// A directory bind-mounted into the run: a named volume.
+#[derive(Clone, Copy, Debug)]
+pub struct BindMount<'a> {
+    /// Absolute host path of the directory.
+    pub source: &'a Path,
+    /// Absolute path inside the run.
+    pub destination: &'a str,
+    /// Mounted read-only.
+    pub read_only: bool,
+}
+
 /// Everything [`build`] needs to describe one run.
 #[derive(Clone, Copy, Debug)]
 pub struct SpecParams<'a> {
@@ -144,6 +155,8 @@ pub struct SpecParams<'a> {
     /// A directory mounted read-write (the run's warm volume), before the
     /// files.
     pub volume: Option<FileMount<'a>>,
+    /// Named volumes, after the warm volume, before the files.
+    pub volumes: &'a [BindMount<'a>],
     /// The run's own user namespace, joined by path; None: the host's.
     pub userns: Option<UserNamespace<'a>>,
 }
@@ -260,7 +273,12 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
                 .readonly(false)
                 .build()?,
         )
-        .mounts(mounts(params.agent_binary, params.files, params.volume)?)
+        .mounts(mounts(
+            params.agent_binary,
+            params.files,
+            params.volume,
+            params.volumes,
+        )?)
         .process(process)
         .hostname(params.hostname)
         .linux(
@@ -306,6 +324,7 @@ fn validate(p: &SpecParams) -> Result<(), SpecError> {
         .chain(p.netns_path.map(|n| ("netns path", n)))
         .chain(p.files.iter().map(|f| ("file mount source", f.source)))
         .chain(p.volume.iter().map(|f| ("volume mount source", f.source)))
+        .chain(p.volumes.iter().map(|v| ("volume mount source", v.source)))
     {
         if !path.is_absolute() {
             return Err(SpecError::RelativePath {
@@ -314,16 +333,20 @@ fn validate(p: &SpecParams) -> Result<(), SpecError> {
             });
         }
     }
-    for file in p.files.iter().chain(p.volume.iter()) {
+    let destinations = p
+        .files
+        .iter()
+        .chain(p.volume.iter())
+        .map(|f| f.destination)
+        .chain(p.volumes.iter().map(|v| v.destination));
+    for destination in destinations {
         // Only plain components: the destination is joined to the run's
         // root by the runtime, and `/` itself would hide the whole image.
-        let plain = file.destination.strip_prefix('/').is_some_and(|rel| {
+        let plain = destination.strip_prefix('/').is_some_and(|rel| {
             !rel.contains('\0') && rel.split('/').all(|part| !matches!(part, "" | "." | ".."))
         });
         if !plain {
-            return Err(SpecError::InvalidMountDestination(
-                file.destination.to_string(),
-            ));
+            return Err(SpecError::InvalidMountDestination(destination.to_string()));
         }
     }
     if !valid_hostname(p.hostname) {
@@ -507,6 +530,7 @@ fn mounts(
     agent_binary: &Path,
     files: &[FileMount],
     volume: Option<FileMount>,
+    volumes: &[BindMount],
 ) -> Result<Vec<Mount>, OciSpecError> {
     let m = |dest: &str, typ: &str, source: &Path, options: &[&str]| {
         MountBuilder::default()
@@ -591,6 +615,17 @@ fn mounts(
             &["rbind", "rw", "nodev"],
         )?);
     }
+    // Data shared between runs: no device nodes, and no set-id programs
+    // (one run's could otherwise raise another's commands).
+    for bind in volumes {
+        let mode = if bind.read_only { "ro" } else { "rw" };
+        out.push(m(
+            bind.destination,
+            "bind",
+            bind.source,
+            &["rbind", mode, "nodev", "nosuid"],
+        )?);
+    }
     // Last, so that a destination under /run lands on the run's tmpfs
     // rather than under it.
     for file in files {
@@ -644,6 +679,7 @@ mod tests {
                 env: &self.env,
                 files: &[],
                 volume: None,
+                volumes: &[],
                 userns: None,
             }
         }

@@ -211,6 +211,7 @@ impl Env {
             trust_pem: trust_pem.map(str::to_owned),
             seed: None,
             warm: None,
+            volumes: Vec::new(),
         }
     }
 

@@ -524,6 +524,43 @@ pub async fn warm_invalidate<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// `POST /v1/volumes`: a named volume of the caller's.
+pub async fn create_volume<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppJson(req): AppJson<runbox_types::CreateVolumeRequest>,
+) -> Result<Response, ApiError> {
+    let volume = state.service.create_volume(req, caller.owner()).await?;
+    Ok((StatusCode::CREATED, Json(volume)).into_response())
+}
+
+/// `GET /v1/volumes`: the caller's volumes (root: every one).
+pub async fn list_volumes<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+) -> Json<runbox_types::VolumeList> {
+    Json(state.service.list_volumes(&caller.owner()))
+}
+
+/// `GET /v1/volumes/{name}`.
+pub async fn get_volume<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+) -> Result<Json<runbox_types::Volume>, ApiError> {
+    Ok(Json(state.service.get_volume(&name, &caller.owner())?))
+}
+
+/// `DELETE /v1/volumes/{name}`.
+pub async fn delete_volume<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+) -> Result<StatusCode, ApiError> {
+    state.service.delete_volume(name, caller.owner()).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
 /// The query of an fs route: `path` on every one, `depth` and `limit` on
 /// list, `recursive` on watch (`takes` names what this route takes besides
 /// `path`); anything else is a 400 rather than ignored.

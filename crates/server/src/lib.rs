@@ -116,6 +116,14 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/warm", get(handlers::warm_status::<S>))
         .route("/v1/warmcache", get(handlers::warm_templates::<S>))
         .route(
+            "/v1/volumes",
+            post(handlers::create_volume::<S>).get(handlers::list_volumes::<S>),
+        )
+        .route(
+            "/v1/volumes/{name}",
+            get(handlers::get_volume::<S>).delete(handlers::delete_volume::<S>),
+        )
+        .route(
             "/v1/pools",
             get(handlers::list_pools::<S>).put(handlers::set_pools::<S>),
         )

@@ -68,6 +68,7 @@ fn run() -> Run {
         idle: Default::default(),
         restarts: 0,
         allow_privilege_escalation: false,
+        volumes: Vec::new(),
         restarted_at: None,
         archived_at: None,
         archive_error: None,
@@ -242,6 +243,33 @@ impl RunService for Stub {
         owner: runbox_core::tenants::Owner,
     ) -> Result<(), CoreError> {
         self.warm_template(&repo, &owner).map(|_| ())
+    }
+    async fn create_volume(
+        &self,
+        req: runbox_types::CreateVolumeRequest,
+        _: runbox_core::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        self.get_volume(&req.name, &runbox_core::tenants::Owner::default())
+    }
+    fn list_volumes(&self, _: &runbox_core::tenants::Owner) -> runbox_types::VolumeList {
+        runbox_types::VolumeList::default()
+    }
+    fn get_volume(
+        &self,
+        name: &str,
+        _: &runbox_core::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::VolumeNotFound,
+            format!("no volume named {name:?}"),
+        ))
+    }
+    async fn delete_volume(
+        &self,
+        name: String,
+        owner: runbox_core::tenants::Owner,
+    ) -> Result<(), CoreError> {
+        self.get_volume(&name, &owner).map(|_| ())
     }
     async fn stat_path(
         &self,

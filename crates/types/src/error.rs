@@ -141,6 +141,20 @@ codes! {
     /// `allowPrivilegeEscalation` was asked of a server whose runs have no
     /// user namespace of their own (root in such a run is root on the host).
     EscalationUnsupported = "escalation_unsupported", 400;
+    /// A volume name, size or mount breaks the rules, or a run asks for
+    /// more than 8 volumes or one twice.
+    BadVolume = "bad_volume", 400;
+    /// No volume of the caller's has that name.
+    VolumeNotFound = "volume_not_found", 404;
+    /// The caller has a volume of that name already.
+    VolumeExists = "volume_exists", 409;
+    /// The volume is mounted in a way that excludes this: a writer holds
+    /// it, or readers do and a writer was asked for, or a delete found it
+    /// mounted. The message names a holding run.
+    VolumeBusy = "volume_busy", 409;
+    /// This server cannot make volumes (its run store has no quotas); the
+    /// message says what the operator can change.
+    VolumesUnsupported = "volumes_unsupported", 400;
     /// A warm volume was asked of a server whose warm repo cache is off.
     WarmCacheDisabled = "warm_cache_disabled", 400;
     /// A checkpoint's objects are missing, truncated or do not match their

@@ -14,11 +14,16 @@ use ulid::Ulid;
 
 pub mod error;
 mod tenants;
+mod volumes;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use tenants::{
     ConfigReload, CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken,
     UpdateTenantRequest, UsageReport, UsageTotals,
+};
+pub use volumes::{
+    CreateVolumeRequest, RunVolume, Volume, VolumeHolder, VolumeList, VolumeMode,
+    VolumeMountRequest, MAX_RUN_VOLUMES,
 };
 
 /// Environment variables for a run or an exec.
@@ -245,6 +250,11 @@ pub struct CreateRunRequest {
     /// the E2B surface ask for it whenever the server can give it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allow_privilege_escalation: Option<bool>,
+    /// Volumes to mount (at most 8): their writes are the volume's, kept
+    /// after the run, and count against the volume's size, not the run's
+    /// disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes: Option<Vec<VolumeMountRequest>>,
 }
 
 /// What happens to a run when its TTL passes.
@@ -564,6 +574,9 @@ pub struct Run {
     /// (`allowPrivilegeEscalation` at create, or its parent's for a fork).
     #[serde(default)]
     pub allow_privilege_escalation: bool,
+    /// The volumes it mounts.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<RunVolume>,
     /// When it was last booted again by the restart policy.
     #[serde(
         default,

@@ -1096,6 +1096,54 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/volumes": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Every volume, with its holders
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["listVolumes"];
+        put?: never;
+        /**
+         * Make a named volume
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["createVolume"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/volumes/{name}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * One volume
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["getVolume"];
+        put?: never;
+        post?: never;
+        /**
+         * Delete a volume no run mounts, and all it holds
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        delete: operations["deleteVolume"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/warmcache": {
         parameters: {
             query?: never;
@@ -1336,6 +1384,12 @@ export interface components {
              * @description Time to live in seconds (default 30 minutes, capped by the server).
              */
             ttlSec?: number | null;
+            /**
+             * @description Volumes to mount (at most 8): their writes are the volume's, kept
+             *     after the run, and count against the volume's size, not the run's
+             *     disk.
+             */
+            volumes?: components["schemas"]["VolumeMountRequest"][] | null;
             warm?: null | components["schemas"]["WarmRequest"];
         };
         /** @description `POST /v1/tenants`. */
@@ -1357,6 +1411,20 @@ export interface components {
             networks?: components["schemas"]["NetworkTier"][];
             /** @description Size tiers it may use; empty: any. */
             sizes?: components["schemas"]["SizeTier"][];
+        };
+        /** @description `POST /v1/volumes`. */
+        CreateVolumeRequest: {
+            /**
+             * @description 1-63 of letters, digits, `_`, `-` and `.`, starting with a letter
+             *     or digit; unique among the caller's volumes.
+             */
+            name: string;
+            /**
+             * Format: uint64
+             * @description How many MiB the volume may hold (data and metadata); default the
+             *     server's `--volume-default-mb`, at most `--volume-max-mb`.
+             */
+            sizeMb?: number | null;
         };
         /** @description Egress accounting of one run. */
         EgressStats: {
@@ -2189,6 +2257,8 @@ export interface components {
              *     answers to a create, a fork and `GET /v1/runs/{id}`.
              */
             token?: string | null;
+            /** @description The volumes it mounts. */
+            volumes?: components["schemas"]["RunVolume"][];
             warm?: null | components["schemas"]["RunWarm"];
         };
         /** @description `GET /v1/runs`. */
@@ -2203,6 +2273,15 @@ export interface components {
          * @enum {string}
          */
         RunStatus: "creating" | "running" | "paused" | "hibernated" | "archived" | "stopping" | "failed";
+        /** @description A volume a run mounts, as the run shows it. */
+        RunVolume: {
+            /** @description How. */
+            mode: components["schemas"]["VolumeMode"];
+            /** @description The volume's name. */
+            name: string;
+            /** @description Where it is mounted in the run. */
+            path: string;
+        };
         /** @description A run's warm volume, as the API shows it. */
         RunWarm: {
             /** @description Whether the volume started from a template (false: it started empty). */
@@ -2468,6 +2547,67 @@ export interface components {
             runSeconds: {
                 [key: string]: number;
             };
+        };
+        /** @description A volume. */
+        Volume: {
+            /**
+             * Format: date-time
+             * @description When it was made.
+             */
+            createdAt: string;
+            /** @description The runs that mount it now. */
+            holders: components["schemas"]["VolumeHolder"][];
+            /**
+             * Format: ulid
+             * @description Its id (a volume made again under a deleted one's name has another).
+             */
+            id: string;
+            /** @description Its name. */
+            name: string;
+            /**
+             * Format: uint64
+             * @description The MiB it may hold.
+             */
+            sizeMb: number;
+            /** @description The tenant it belongs to; absent: the operator's. */
+            tenant?: string | null;
+            /**
+             * Format: uint64
+             * @description Bytes it holds, as the quota counts them (updated within about
+             *     30 s); absent where the run store counts nothing.
+             */
+            usedBytes?: number | null;
+        };
+        /** @description A run holding a volume. */
+        VolumeHolder: {
+            /** @description How it mounts the volume. */
+            mode: components["schemas"]["VolumeMode"];
+            /**
+             * Format: ulid
+             * @description The run.
+             */
+            run: string;
+        };
+        /** @description `GET /v1/volumes`. */
+        VolumeList: {
+            /** @description Every volume the caller may see, by name. */
+            volumes: components["schemas"]["Volume"][];
+        };
+        /**
+         * @description How a run mounts a volume.
+         * @enum {string}
+         */
+        VolumeMode: "rw" | "ro";
+        /** @description One entry of `volumes` on `POST /v1/runs`. */
+        VolumeMountRequest: {
+            mode?: null | components["schemas"]["VolumeMode"];
+            /** @description The volume's name. */
+            name: string;
+            /**
+             * @description Where it is mounted in the run: absolute, clean, outside the
+             *     system's own directories; default `/volumes/<name>`.
+             */
+            path?: string | null;
         };
         /** @description The answer to a warm commit. */
         WarmCommit: {
@@ -5328,6 +5468,166 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["UsageReport"];
                 };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    listVolumes: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["VolumeList"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    createVolume: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CreateVolumeRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Volume"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getVolume: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Volume"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    deleteVolume: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            204: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content?: never;
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {

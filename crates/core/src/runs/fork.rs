@@ -148,6 +148,9 @@ impl Manager {
                     archived_at: None,
                     archive_error: None,
                     expired: false,
+                    // A fork starts from its parent's files, never its
+                    // volumes (a writer's volume has one holder).
+                    volumes: Vec::new(),
                     ..parent.clone()
                 };
                 let spec = SandboxSpec {
@@ -158,6 +161,7 @@ impl Manager {
                     trust_pem: trust_pem.clone(),
                     seed: Some(seed.clone()),
                     warm: warm_mount.clone(),
+                    volumes: Vec::new(),
                 };
                 answers.push(self.spawn_creating(&mut registry, record, spec));
             }

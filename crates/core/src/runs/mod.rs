@@ -32,6 +32,7 @@ pub mod reaper;
 mod reconcile;
 pub mod relay;
 mod usage;
+mod volumes;
 mod warm;
 
 use std::collections::{BTreeMap, HashMap};
@@ -104,6 +105,10 @@ pub struct Manager {
     /// What each run's owner is given (the same store, lane, settings,
     /// budget and registry).
     pub(crate) context: Arc<RunContext>,
+    /// The named volumes on record.
+    pub(crate) volumes: Arc<crate::volumes::Volumes>,
+    /// Serialises volume creates and deletes.
+    pub(crate) volume_lock: tokio::sync::Mutex<()>,
 }
 
 /// What a run's owner needs from the daemon, and all it gets: the store,
@@ -219,6 +224,7 @@ impl RunContext {
             trust_pem,
             seed: None,
             warm,
+            volumes: volumes::binds(&record.volumes),
         };
         Ok((spec, pin))
     }
@@ -332,6 +338,12 @@ impl Manager {
             None => None,
         };
         let decay = config.pool_decay;
+        let volume_store: Arc<dyn crate::volumes::VolumeStore> = Arc::new(store.clone());
+        let volumes = Arc::new(
+            tokio::task::spawn_blocking(move || crate::volumes::Volumes::open(volume_store))
+                .await
+                .map_err(|e| CoreError::Store(format!("volume store task failed: {e}")))??,
+        );
         let context = Arc::new(RunContext {
             config: Arc::new(ArcSwap::from_pointee(config)),
             lane,
@@ -361,6 +373,8 @@ impl Manager {
             budget_size: budget,
             warm,
             context,
+            volumes,
+            volume_lock: tokio::sync::Mutex::new(()),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found
         // where the lane says, before any run mounts one.
@@ -390,6 +404,11 @@ impl Manager {
                 layers = swept.len(),
                 "removed local layers no image recorded"
             );
+        }
+        // Volumes made by a daemon that died before recording them.
+        let swept = manager.lane.sweep_volumes(&manager.volumes.ids());
+        if !swept.is_empty() {
+            tracing::info!(volumes = swept.len(), "removed volumes no record names");
         }
         Ok(manager)
     }
@@ -557,13 +576,19 @@ impl Manager {
             req.secrets.as_deref(),
         )?;
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;
+        let run_volumes = self.check_volume_mounts(
+            req.volumes.as_deref(),
+            owner.tenant(),
+            warm.as_ref().map(|(_, path)| path.as_str()),
+        )?;
         let id = Ulid::new();
         self.check_image_for(&owner, &req.image).await?;
         let image = self
             .image_for_run(&req.image, req.pull.unwrap_or_default())
             .await?;
-        // A tier, no free-form limits and no warm volume: a pool may serve it.
-        if let (Some(size), None) = (req.size, &warm) {
+        // A tier, no free-form limits, no warm volume and no volumes: a
+        // pool may serve it.
+        if let (Some(size), None, true) = (req.size, &warm, run_volumes.is_empty()) {
             let key = crate::pools::PoolKey {
                 image: image.clone(),
                 network,
@@ -639,6 +664,7 @@ impl Manager {
             archive_error: None,
             tenant: owner.tenant().map(str::to_owned),
             allow_privilege_escalation,
+            volumes: run_volumes.clone(),
         };
         let spec = SandboxSpec {
             id,
@@ -653,6 +679,7 @@ impl Manager {
             },
             seed: None,
             warm: warm_mount,
+            volumes: volumes::binds(&run_volumes),
         };
         let earlier = {
             // The key lookup, the capacity check and the insertion are one
@@ -670,6 +697,7 @@ impl Manager {
                         return Err(CoreError::Capacity(self.config().max_runs));
                     }
                     self.context.admit_owner(&registry, &owner, 1)?;
+                    self.admit_volumes(&registry, &run_volumes)?;
                     Ok(self.spawn_creating(&mut registry, record, spec))
                 }
             }

@@ -238,6 +238,7 @@ impl Manager {
             archive_error: None,
             tenant: None,
             allow_privilege_escalation: false,
+            volumes: Vec::new(),
         };
         let spec = SandboxSpec {
             id,
@@ -252,6 +253,7 @@ impl Manager {
             },
             seed: None,
             warm: None,
+            volumes: Vec::new(),
         };
         let (answer, delivered) = {
             let mut registry = self.registry();

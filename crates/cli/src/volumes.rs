@@ -1,0 +1,185 @@
+//! `runbox volumes`: named volumes, data that outlives runs.
+
+use std::process::ExitCode;
+
+use clap::{Args, Subcommand};
+
+use crate::connect::ConnectOpts;
+use crate::table;
+
+/// `runbox volumes …`.
+#[derive(Debug, Subcommand)]
+pub enum VolumesCommand {
+    /// Make a volume (mount it with `runbox run create --volume NAME`)
+    Create(CreateArgs),
+    /// List the volumes, with the runs that mount them
+    Ls(LsArgs),
+    /// Show one volume as JSON
+    Show(NameArgs),
+    /// Delete volumes no run mounts, and everything in them
+    Rm(RmArgs),
+}
+
+/// `runbox volumes create`.
+#[derive(Debug, Args)]
+pub struct CreateArgs {
+    /// Its name: 1-63 of letters, digits, '_', '-' and '.'
+    pub name: String,
+    /// The most it may hold, in MiB [default: the server's
+    /// --volume-default-mb, 10 GiB]
+    #[arg(long, value_name = "MIB")]
+    pub size_mb: Option<u64>,
+    /// Print the volume as JSON
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox volumes ls`.
+#[derive(Debug, Args)]
+pub struct LsArgs {
+    /// Print the list as JSON
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// One volume by name.
+#[derive(Debug, Args)]
+pub struct NameArgs {
+    /// The volume
+    pub name: String,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox volumes rm`.
+#[derive(Debug, Args)]
+pub struct RmArgs {
+    /// The volumes
+    #[arg(required = true)]
+    pub names: Vec<String>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox volumes …`.
+pub async fn run(command: VolumesCommand) -> anyhow::Result<ExitCode> {
+    match command {
+        VolumesCommand::Create(args) => {
+            let conn = args.conn.connect()?;
+            let req = runbox_types::CreateVolumeRequest {
+                name: args.name,
+                size_mb: args.size_mb,
+            };
+            let volume = conn.check(conn.client.create_volume(&req).await)?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&volume)?);
+            } else {
+                println!("{}", volume.name);
+            }
+        }
+        VolumesCommand::Ls(args) => {
+            let conn = args.conn.connect()?;
+            let list = conn.check(conn.client.list_volumes().await)?;
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&list)?);
+            } else {
+                print!("{}", render(&list.volumes));
+            }
+        }
+        VolumesCommand::Show(args) => {
+            let conn = args.conn.connect()?;
+            let volume = conn.check(conn.client.get_volume(&args.name).await)?;
+            println!("{}", serde_json::to_string_pretty(&volume)?);
+        }
+        VolumesCommand::Rm(args) => {
+            let conn = args.conn.connect()?;
+            let mut failed = false;
+            for name in &args.names {
+                match conn.check(conn.client.delete_volume(name).await) {
+                    Ok(()) => println!("{name}"),
+                    Err(err) => {
+                        eprintln!("runbox: cannot delete volume {name}: {err:#}");
+                        failed = true;
+                    }
+                }
+            }
+            if failed {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The volume table.
+fn render(volumes: &[runbox_types::Volume]) -> String {
+    let rows: Vec<Vec<String>> = volumes
+        .iter()
+        .map(|v| {
+            let holders = if v.holders.is_empty() {
+                "-".to_owned()
+            } else {
+                v.holders
+                    .iter()
+                    .map(|h| format!("{} ({})", h.run, h.mode.as_str()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            vec![
+                v.name.clone(),
+                v.used_bytes.map_or_else(|| "-".to_owned(), table::size),
+                table::size(v.size_mb << 20),
+                v.tenant.clone().unwrap_or_else(|| "-".to_owned()),
+                holders,
+                table::date(v.created_at),
+            ]
+        })
+        .collect();
+    table::render(
+        &[
+            "NAME",
+            "USED",
+            "SIZE",
+            "TENANT",
+            "MOUNTED BY",
+            "CREATED (UTC)",
+        ],
+        &rows,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_shows_holders_and_sizes() {
+        let volume = runbox_types::Volume {
+            id: ulid::Ulid::nil(),
+            name: "data".into(),
+            size_mb: 1024,
+            used_bytes: Some(3 << 20),
+            holders: vec![runbox_types::VolumeHolder {
+                run: ulid::Ulid::nil(),
+                mode: runbox_types::VolumeMode::Ro,
+            }],
+            created_at: time::OffsetDateTime::UNIX_EPOCH,
+            tenant: None,
+        };
+        let text = render(&[volume]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].starts_with("NAME"), "{text}");
+        assert!(
+            lines[1].contains("data") && lines[1].contains("(ro)"),
+            "{text}"
+        );
+        assert!(
+            lines[1].contains("1.0 GiB") || lines[1].contains("1 GiB"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,293 @@
+//! Named volumes through the manager: made and deleted here, mounted by
+//! creates. Who holds a volume is read off the registry (each run's record
+//! lists its mounts), under the registry lock, so a create's admission and
+//! a delete's check cannot both pass.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use runbox_types::{ErrorCode, VolumeMode, VolumeMountRequest};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+use super::{Manager, RunHandle};
+use crate::error::CoreError;
+use crate::lane::VolumeBind;
+use crate::volumes::{self, RunVolumeRecord, VolumeRecord};
+
+/// Where a volume is mounted when its mount names no path.
+pub const DEFAULT_VOLUME_DIR: &str = "/volumes";
+
+/// The runs of `registry` that mount volume `id`, and how.
+fn holders(registry: &HashMap<Ulid, Arc<RunHandle>>, id: Ulid) -> Vec<(Ulid, VolumeMode)> {
+    let mut out: Vec<(Ulid, VolumeMode)> = registry
+        .values()
+        .flat_map(|handle| {
+            let snapshot = handle.snapshot();
+            snapshot
+                .record
+                .volumes
+                .iter()
+                .filter(|v| v.id == id)
+                .map(|v| (snapshot.record.id, v.mode))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    out.sort_by_key(|(run, _)| *run);
+    out
+}
+
+fn not_found(name: &str) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::VolumeNotFound,
+        format!("no volume named {name:?}; make it first (POST /v1/volumes)"),
+    )
+}
+
+impl Manager {
+    /// Makes a volume for `tenant` (None: the operator).
+    pub async fn create_volume(
+        &self,
+        req: runbox_types::CreateVolumeRequest,
+        tenant: Option<&str>,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        volumes::check_name(&req.name)?;
+        let config = self.config();
+        let size_mb = req.size_mb.unwrap_or(config.volume_default_mb);
+        if size_mb == 0 || size_mb > config.volume_max_mb {
+            return Err(CoreError::invalid(
+                ErrorCode::BadVolume,
+                format!(
+                    "sizeMb must be 1-{} (this server's --volume-max-mb), got {size_mb}",
+                    config.volume_max_mb
+                ),
+            ));
+        }
+        // One create per name at a time: the name is checked, the volume
+        // made and recorded, in that order, with nobody else in between.
+        let _made = self.volume_lock.lock().await;
+        if self.volumes.find(tenant, &req.name).is_some() {
+            return Err(CoreError::invalid(
+                ErrorCode::VolumeExists,
+                format!("you have a volume named {:?} already", req.name),
+            ));
+        }
+        let record = VolumeRecord {
+            id: Ulid::new(),
+            name: req.name,
+            tenant: tenant.map(str::to_owned),
+            size_mb,
+            created_at: OffsetDateTime::now_utc(),
+        };
+        self.lane
+            .create_volume(record.id, size_mb << 20)
+            .await
+            .map_err(|e| match e {
+                crate::lane::LaneError::Unsupported(why) => CoreError::invalid(
+                    ErrorCode::VolumesUnsupported,
+                    format!("this server cannot make volumes: {why}"),
+                ),
+                e => CoreError::Lane(e),
+            })?;
+        let volumes = self.volumes.clone();
+        let kept = record.clone();
+        let added = tokio::task::spawn_blocking(move || volumes.add(kept))
+            .await
+            .map_err(|e| CoreError::Store(format!("volume store task failed: {e}")))?;
+        // The name check above holds the lock, so neither failure happens
+        // but through a failing store; nothing of the volume is kept.
+        let failure = match added {
+            Ok(Ok(())) => None,
+            Ok(Err(_)) => Some(CoreError::invalid(
+                ErrorCode::VolumeExists,
+                "the volume exists already",
+            )),
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failure {
+            if let Err(e) = self.lane.delete_volume(record.id).await {
+                tracing::warn!(volume = %record.id, error = %e, "could not delete a volume that was not recorded");
+            }
+            return Err(e);
+        }
+        tracing::info!(volume = %record.id, name = %record.name, size_mb, "volume made");
+        Ok(self.volume_view(&record))
+    }
+
+    /// The caller's volumes (the operator, `tenant` None, sees every one,
+    /// each stamped with its tenant).
+    pub fn list_volumes(&self, tenant: Option<&str>) -> runbox_types::VolumeList {
+        let volumes = self
+            .volumes
+            .all()
+            .iter()
+            .filter(|v| tenant.is_none() || v.tenant.as_deref() == tenant)
+            .map(|v| self.volume_view(v))
+            .collect();
+        runbox_types::VolumeList { volumes }
+    }
+
+    /// The caller's volume `name`.
+    pub fn get_volume(
+        &self,
+        name: &str,
+        tenant: Option<&str>,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        let record = self
+            .volumes
+            .find(tenant, name)
+            .ok_or_else(|| not_found(name))?;
+        Ok(self.volume_view(&record))
+    }
+
+    /// Deletes the caller's volume `name` and everything in it; refused
+    /// while a run mounts it (hibernated and archived runs too).
+    pub async fn delete_volume(&self, name: &str, tenant: Option<&str>) -> Result<(), CoreError> {
+        let _deleting = self.volume_lock.lock().await;
+        let record = self
+            .volumes
+            .find(tenant, name)
+            .ok_or_else(|| not_found(name))?;
+        {
+            // Held while the volume leaves the records: a create admitted
+            // after this finds it gone.
+            let registry = self.registry();
+            if let Some((run, mode)) = holders(&registry, record.id).first() {
+                return Err(CoreError::invalid(
+                    ErrorCode::VolumeBusy,
+                    format!(
+                        "volume {name:?} is mounted ({}) by run {run}; delete that run first",
+                        mode.as_str()
+                    ),
+                ));
+            }
+            self.volumes.remove(record.id)?;
+        }
+        self.lane.delete_volume(record.id).await?;
+        tracing::info!(volume = %record.id, name, "volume deleted");
+        Ok(())
+    }
+
+    /// The API view of a volume: its record, holders and usage.
+    fn volume_view(&self, record: &VolumeRecord) -> runbox_types::Volume {
+        let holders = holders(&self.registry(), record.id)
+            .into_iter()
+            .map(|(run, mode)| runbox_types::VolumeHolder { run, mode })
+            .collect();
+        runbox_types::Volume {
+            id: record.id,
+            name: record.name.clone(),
+            size_mb: record.size_mb,
+            used_bytes: self.lane.volume_used(record.id),
+            holders,
+            created_at: record.created_at,
+            tenant: record.tenant.clone(),
+        }
+    }
+
+    /// Checks a create's `volumes` against the caller's volumes and each
+    /// other (and the warm volume's path): what the run will mount.
+    pub(super) fn check_volume_mounts(
+        &self,
+        mounts: Option<&[VolumeMountRequest]>,
+        tenant: Option<&str>,
+        warm_path: Option<&str>,
+    ) -> Result<Vec<RunVolumeRecord>, CoreError> {
+        let mounts = mounts.unwrap_or_default();
+        if mounts.len() > runbox_types::MAX_RUN_VOLUMES {
+            return Err(CoreError::invalid(
+                ErrorCode::BadVolume,
+                format!(
+                    "a run mounts at most {} volumes, not {}",
+                    runbox_types::MAX_RUN_VOLUMES,
+                    mounts.len()
+                ),
+            ));
+        }
+        let mut out: Vec<RunVolumeRecord> = Vec::with_capacity(mounts.len());
+        for mount in mounts {
+            volumes::check_name(&mount.name)?;
+            let path = match &mount.path {
+                Some(path) => volumes::mount_path(&mount.name, path)?,
+                None => format!("{DEFAULT_VOLUME_DIR}/{}", mount.name),
+            };
+            if out.iter().any(|v| v.name == mount.name) {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadVolume,
+                    format!("volume {:?} is named twice", mount.name),
+                ));
+            }
+            let clash = out
+                .iter()
+                .map(|v| v.path.as_str())
+                .chain(warm_path)
+                .find(|other| volumes::overlaps(other, &path));
+            if let Some(other) = clash {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadPath,
+                    format!(
+                        "volume {:?}: mount path {path:?} is, holds or lies in {other:?}, another mount of this run",
+                        mount.name
+                    ),
+                ));
+            }
+            let record = self
+                .volumes
+                .find(tenant, &mount.name)
+                .ok_or_else(|| not_found(&mount.name))?;
+            out.push(RunVolumeRecord {
+                id: record.id,
+                name: record.name,
+                path,
+                mode: mount.mode.unwrap_or_default(),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Refuses a create whose volumes are gone or held in a way its mounts
+    /// exclude: one writer, or any number of readers. Called with the
+    /// registry locked, right before the run joins it.
+    pub(super) fn admit_volumes(
+        &self,
+        registry: &HashMap<Ulid, Arc<RunHandle>>,
+        mounts: &[RunVolumeRecord],
+    ) -> Result<(), CoreError> {
+        for mount in mounts {
+            if !self.volumes.exists(mount.id) {
+                return Err(not_found(&mount.name));
+            }
+            let held = holders(registry, mount.id);
+            let conflict = held
+                .iter()
+                .find(|(_, mode)| mount.mode == VolumeMode::Rw || *mode == VolumeMode::Rw);
+            if let Some((run, mode)) = conflict {
+                let why = match mount.mode {
+                    VolumeMode::Rw => "a writer needs it to itself",
+                    VolumeMode::Ro => "readers wait until the writer is gone",
+                };
+                return Err(CoreError::invalid(
+                    ErrorCode::VolumeBusy,
+                    format!(
+                        "volume {:?} is mounted {} by run {run}; {why}",
+                        mount.name,
+                        mode.as_str()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the lane mounts for `mounts`.
+pub(crate) fn binds(mounts: &[RunVolumeRecord]) -> Vec<VolumeBind> {
+    mounts
+        .iter()
+        .map(|m| VolumeBind {
+            id: m.id,
+            path: m.path.clone(),
+            read_only: m.mode == VolumeMode::Ro,
+        })
+        .collect()
+}

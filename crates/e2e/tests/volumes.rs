@@ -1,0 +1,441 @@
+//! Named volumes: data that outlives runs, a daemon restart and `kill -9`;
+//! one writer or many readers; the volume's own size limit; hostile names
+//! and mounts refused — with the real runtimes, user namespaces (the
+//! default) and the btrfs run store.
+
+use std::os::unix::fs::MetadataExt;
+
+use runbox_client::ClientError;
+use runbox_e2e::TestDaemon;
+use runbox_types::{CreateRunRequest, CreateVolumeRequest, VolumeMode, VolumeMountRequest};
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+async fn volume(daemon: &TestDaemon, name: &str, size_mb: Option<u64>) -> runbox_types::Volume {
+    daemon
+        .client
+        .create_volume(&CreateVolumeRequest {
+            name: name.into(),
+            size_mb,
+        })
+        .await
+        .unwrap_or_else(|e| panic!("making volume {name}: {e}; log:\n{}", daemon.log()))
+}
+
+fn mount(name: &str, path: Option<&str>, mode: Option<VolumeMode>) -> VolumeMountRequest {
+    VolumeMountRequest {
+        name: name.into(),
+        path: path.map(str::to_owned),
+        mode,
+    }
+}
+
+fn with(mounts: Vec<VolumeMountRequest>) -> CreateRunRequest {
+    CreateRunRequest {
+        image: "base".into(),
+        volumes: Some(mounts),
+        ..Default::default()
+    }
+}
+
+async fn refused(daemon: &TestDaemon, req: CreateRunRequest) -> (u16, String, String) {
+    match daemon.client.create_run(&req).await {
+        Err(ClientError::Api {
+            status,
+            code,
+            message,
+            ..
+        }) => (status, code, message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+async fn ok(daemon: &TestDaemon, id: &str, script: &str) -> String {
+    let out = daemon.sh(id, script).await;
+    assert_eq!(
+        out.exit.exit_code,
+        0,
+        "{script}: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_data_outlives_its_runs_a_restart_and_a_kill_9() {
+    for runtime in runbox_e2e::runtimes() {
+        let mut daemon = TestDaemon::start(Some(&runtime)).await;
+        let made = volume(&daemon, "data", Some(64)).await;
+        assert_eq!((made.size_mb, made.holders.len()), (64, 0));
+        // A writer: root's files and uid 1000's.
+        let writer = daemon
+            .create_with(with(vec![mount("data", None, None)]))
+            .await;
+        assert_eq!(writer.volumes.len(), 1);
+        assert_eq!(
+            (writer.volumes[0].path.as_str(), writer.volumes[0].mode),
+            ("/volumes/data", VolumeMode::Rw)
+        );
+        let w = writer.id.to_string();
+        ok(
+            &daemon,
+            &w,
+            "echo kept > /volumes/data/f; mkdir /volumes/data/bob; chown 1000:1000 /volumes/data/bob; \
+             echo b > /volumes/data/bob/b; chown 1000:1000 /volumes/data/bob/b",
+        )
+        .await;
+        // On the host the files keep the ids the run saw: a volume moves
+        // between runs of any range.
+        let stored = daemon
+            .state
+            .path()
+            .join("runs/.volumes")
+            .join(made.id.to_string());
+        assert_eq!(std::fs::metadata(stored.join("f")).unwrap().uid(), 0);
+        assert_eq!(std::fs::metadata(stored.join("bob/b")).unwrap().uid(), 1000);
+        // Not the run's: a snapshot carries none of it.
+        daemon.client.delete_run(&w).await.unwrap();
+
+        // A reader elsewhere, after a kill -9.
+        daemon.kill9();
+        daemon.spawn().await;
+        let reader = daemon
+            .create_with(with(vec![mount(
+                "data",
+                Some("/mnt/data"),
+                Some(VolumeMode::Ro),
+            )]))
+            .await
+            .id
+            .to_string();
+        assert_eq!(
+            ok(
+                &daemon,
+                &reader,
+                "cat /mnt/data/f; stat -c %u /mnt/data/f /mnt/data/bob/b"
+            )
+            .await,
+            "kept\n0\n1000\n"
+        );
+        let write = daemon.sh(&reader, "touch /mnt/data/new").await;
+        assert_ne!(write.exit.exit_code, 0, "{runtime}: a read-only mount");
+        assert!(
+            text(&write.stderr).contains("Read-only"),
+            "{}",
+            text(&write.stderr)
+        );
+        let listed = daemon.client.get_volume("data").await.unwrap();
+        assert_eq!(listed.holders.len(), 1);
+        assert_eq!(listed.holders[0].mode, VolumeMode::Ro);
+        assert_eq!(listed.holders[0].run.to_string(), reader);
+
+        // Hibernated, the run still holds it; woken, it mounts it again.
+        daemon.client.hibernate_run(&reader).await.unwrap();
+        let busy = daemon.client.delete_volume("data").await.unwrap_err();
+        assert!(
+            matches!(&busy, ClientError::Api { status: 409, code, message, .. }
+                if code == "volume_busy" && message.contains(&reader)),
+            "{busy}"
+        );
+        assert_eq!(ok(&daemon, &reader, "cat /mnt/data/f").await, "kept\n");
+        // A fork takes the run's files, never its volumes.
+        let fork = daemon
+            .client
+            .fork_run(
+                &reader,
+                &runbox_types::ForkRequest {
+                    count: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap()
+            .runs
+            .remove(0);
+        assert!(fork.volumes.is_empty());
+        let fork = fork.id.to_string();
+        assert_eq!(
+            ok(
+                &daemon,
+                &fork,
+                "[ -e /mnt/data/f ] && echo there || echo gone"
+            )
+            .await,
+            "gone\n"
+        );
+
+        for id in [&reader, &fork] {
+            daemon.client.delete_run(id).await.unwrap();
+        }
+        daemon.client.delete_volume("data").await.unwrap();
+        assert!(!stored.exists(), "the volume's subvolume is gone");
+        let gone = daemon.client.get_volume("data").await.unwrap_err();
+        assert!(
+            matches!(&gone, ClientError::Api { status: 404, code, .. } if code == "volume_not_found"),
+            "{gone}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_writer_or_many_readers_also_after_a_restart() {
+    let mut daemon = TestDaemon::start(None).await;
+    volume(&daemon, "shared", Some(32)).await;
+    let writer = daemon
+        .create_with(with(vec![mount("shared", None, None)]))
+        .await
+        .id
+        .to_string();
+    for mode in [None, Some(VolumeMode::Ro)] {
+        let (status, code, message) =
+            refused(&daemon, with(vec![mount("shared", None, mode)])).await;
+        assert_eq!((status, code.as_str()), (409, "volume_busy"));
+        assert!(message.contains(&writer), "{message}");
+    }
+    daemon.client.delete_run(&writer).await.unwrap();
+    let readers: Vec<String> = {
+        let mut out = Vec::new();
+        for _ in 0..2 {
+            let run = daemon
+                .create_with(with(vec![mount("shared", None, Some(VolumeMode::Ro))]))
+                .await;
+            out.push(run.id.to_string());
+        }
+        out
+    };
+    daemon.kill9();
+    daemon.spawn().await;
+    let (status, code, _) = refused(&daemon, with(vec![mount("shared", None, None)])).await;
+    assert_eq!(
+        (status, code.as_str()),
+        (409, "volume_busy"),
+        "after a restart"
+    );
+    assert_eq!(
+        daemon
+            .client
+            .get_volume("shared")
+            .await
+            .unwrap()
+            .holders
+            .len(),
+        2
+    );
+    for id in &readers {
+        daemon.client.delete_run(id).await.unwrap();
+    }
+    let writer = daemon
+        .create_with(with(vec![mount("shared", None, None)]))
+        .await
+        .id
+        .to_string();
+    daemon.client.delete_run(&writer).await.unwrap();
+    daemon.client.delete_volume("shared").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_volume_fails_the_writer_not_the_host_or_the_run() {
+    let daemon = TestDaemon::start(None).await;
+    volume(&daemon, "small", Some(8)).await;
+    let run = daemon
+        .create_with(with(vec![mount("small", None, None)]))
+        .await
+        .id
+        .to_string();
+    let full = daemon
+        .sh(
+            &run,
+            "dd if=/dev/zero of=/volumes/small/big bs=1M count=64 2>&1; sync; echo rc=$?",
+        )
+        .await;
+    let said = text(&full.stdout);
+    assert!(said.contains("Disk quota exceeded"), "{said}");
+    // The run's own disk is not the volume's.
+    assert_eq!(
+        ok(
+            &daemon,
+            &run,
+            "dd if=/dev/zero of=/work/x bs=1M count=16 2>/dev/null && echo fine"
+        )
+        .await,
+        "fine\n"
+    );
+    daemon.client.delete_run(&run).await.unwrap();
+    daemon.client.delete_volume("small").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_names_sizes_and_mounts_are_refused() {
+    let daemon = TestDaemon::start(None).await;
+    for name in [
+        "",
+        "../x",
+        "a/b",
+        ".hidden",
+        "-x",
+        "a b",
+        "é",
+        &"x".repeat(64),
+    ] {
+        let err = daemon
+            .client
+            .create_volume(&CreateVolumeRequest {
+                name: name.into(),
+                size_mb: None,
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Api { status: 400, code, .. } if code == "bad_volume"),
+            "{name:?}: {err}"
+        );
+    }
+    for size in [0, 1 << 40] {
+        let err = daemon
+            .client
+            .create_volume(&CreateVolumeRequest {
+                name: "sized".into(),
+                size_mb: Some(size),
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Api { status: 400, code, .. } if code == "bad_volume"),
+            "{size}: {err}"
+        );
+    }
+    volume(&daemon, "v", Some(16)).await;
+    volume(&daemon, "w", Some(16)).await;
+    let again = daemon
+        .client
+        .create_volume(&CreateVolumeRequest {
+            name: "v".into(),
+            size_mb: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&again, ClientError::Api { status: 409, code, .. } if code == "volume_exists"),
+        "{again}"
+    );
+    for path in [
+        "/etc", "/etc/x", "/usr/lib", "/proc/x", "/", "relative", "/a/../b", "/.runbox",
+    ] {
+        let (status, code, _) = refused(&daemon, with(vec![mount("v", Some(path), None)])).await;
+        assert_eq!((status, code.as_str()), (400, "bad_path"), "{path}");
+    }
+    // Nested, the same path twice, the same volume twice, too many, one
+    // that does not exist.
+    let (status, code, _) = refused(
+        &daemon,
+        with(vec![
+            mount("v", Some("/data"), None),
+            mount("w", Some("/data/inner"), None),
+        ]),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (400, "bad_path"));
+    let (status, code, _) = refused(
+        &daemon,
+        with(vec![
+            mount("v", Some("/data"), None),
+            mount("w", Some("/data"), None),
+        ]),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (400, "bad_path"));
+    let (status, code, _) = refused(
+        &daemon,
+        with(vec![mount("v", None, None), mount("v", Some("/x"), None)]),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (400, "bad_volume"));
+    let many = (0..9)
+        .map(|i| mount("v", Some(&format!("/m{i}")), None))
+        .collect();
+    let (status, code, _) = refused(&daemon, with(many)).await;
+    assert_eq!((status, code.as_str()), (400, "bad_volume"));
+    let (status, code, _) = refused(&daemon, with(vec![mount("nope", None, None)])).await;
+    assert_eq!((status, code.as_str()), (404, "volume_not_found"));
+    // An unknown field in a mount is refused, not ignored.
+    let raw = reqwest::Client::new()
+        .post(format!("{}/v1/runs", daemon.client.base_url()))
+        .bearer_auth(&daemon.token)
+        .json(&serde_json::json!({"image": "base", "volumes": [{"name": "v", "readOnly": true}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status(), 400);
+    // Nothing was made by any of it.
+    assert!(daemon.client.list_runs().await.unwrap().runs.is_empty());
+    assert_eq!(daemon.client.list_volumes().await.unwrap().volumes.len(), 2);
+    for name in ["v", "w"] {
+        daemon.client.delete_volume(name).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tenant_sees_and_mounts_only_its_own_volumes() {
+    let daemon = TestDaemon::start(None).await;
+    let mut tenants = Vec::new();
+    for name in ["acme", "globex"] {
+        let made = daemon
+            .client
+            .create_tenant(&runbox_types::CreateTenantRequest {
+                name: name.into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        tenants.push(runbox_client::Client::new(daemon.client.base_url(), made.token).unwrap());
+    }
+    let (acme, globex) = (&tenants[0], &tenants[1]);
+    let req = |name: &str| CreateVolumeRequest {
+        name: name.into(),
+        size_mb: Some(16),
+    };
+    let mine = acme.create_volume(&req("data")).await.unwrap();
+    assert_eq!(mine.tenant.as_deref(), Some("acme"));
+    // Another tenant neither sees nor mounts it, and may have its own.
+    let err = globex.get_volume("data").await.unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Api { status: 404, .. }),
+        "{err}"
+    );
+    let err = globex
+        .create_run(&with(vec![mount("data", None, None)]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClientError::Api { status: 404, code, .. } if code == "volume_not_found"),
+        "{err}"
+    );
+    globex.create_volume(&req("data")).await.unwrap();
+    assert_eq!(globex.list_volumes().await.unwrap().volumes.len(), 1);
+    // The operator sees both, stamped.
+    let all = daemon.client.list_volumes().await.unwrap().volumes;
+    let mut owners: Vec<Option<String>> = all.iter().map(|v| v.tenant.clone()).collect();
+    owners.sort();
+    assert_eq!(owners, [Some("acme".into()), Some("globex".into())]);
+    // Each tenant's run mounts its own.
+    let run = acme
+        .create_run(&with(vec![mount("data", None, None)]))
+        .await
+        .unwrap()
+        .id
+        .to_string();
+    assert_eq!(
+        acme.get_volume("data").await.unwrap().holders[0]
+            .run
+            .to_string(),
+        run
+    );
+    assert!(globex.get_volume("data").await.unwrap().holders.is_empty());
+    acme.delete_run(&run).await.unwrap();
+    for tenant in [acme, globex] {
+        tenant.delete_volume("data").await.unwrap();
+    }
+}

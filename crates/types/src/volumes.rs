@@ -1,0 +1,124 @@
+//! Volumes: data that outlives runs. A named volume is made through the
+//! API (a directory of its own in the run store, with a size limit); runs
+//! mount volumes by name.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use ulid::Ulid;
+
+/// The most volumes one run mounts.
+pub const MAX_RUN_VOLUMES: usize = 8;
+
+/// `POST /v1/volumes`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CreateVolumeRequest {
+    /// 1-63 of letters, digits, `_`, `-` and `.`, starting with a letter
+    /// or digit; unique among the caller's volumes.
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
+    pub name: String,
+    /// How many MiB the volume may hold (data and metadata); default the
+    /// server's `--volume-default-mb`, at most `--volume-max-mb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_mb: Option<u64>,
+}
+
+/// How a run mounts a volume.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "lowercase")]
+pub enum VolumeMode {
+    /// Read and write; one such holder at a time, and none while others
+    /// read.
+    #[default]
+    Rw,
+    /// Read-only; any number of such holders while no one writes.
+    Ro,
+}
+
+impl VolumeMode {
+    /// The wire spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeMode::Rw => "rw",
+            VolumeMode::Ro => "ro",
+        }
+    }
+}
+
+/// One entry of `volumes` on `POST /v1/runs`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeMountRequest {
+    /// The volume's name.
+    pub name: String,
+    /// Where it is mounted in the run: absolute, clean, outside the
+    /// system's own directories; default `/volumes/<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// `rw` (default) or `ro`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<VolumeMode>,
+}
+
+/// A volume a run mounts, as the run shows it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct RunVolume {
+    /// The volume's name.
+    pub name: String,
+    /// Where it is mounted in the run.
+    pub path: String,
+    /// How.
+    pub mode: VolumeMode,
+}
+
+/// A run holding a volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeHolder {
+    /// The run.
+    pub run: Ulid,
+    /// How it mounts the volume.
+    pub mode: VolumeMode,
+}
+
+/// A volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    /// Its id (a volume made again under a deleted one's name has another).
+    pub id: Ulid,
+    /// Its name.
+    pub name: String,
+    /// The MiB it may hold.
+    pub size_mb: u64,
+    /// Bytes it holds, as the quota counts them (updated within about
+    /// 30 s); absent where the run store counts nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_bytes: Option<u64>,
+    /// The runs that mount it now.
+    pub holders: Vec<VolumeHolder>,
+    /// When it was made.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// The tenant it belongs to; absent: the operator's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+}
+
+/// `GET /v1/volumes`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct VolumeList {
+    /// Every volume the caller may see, by name.
+    pub volumes: Vec<Volume>,
+}
