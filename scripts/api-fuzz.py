@@ -55,7 +55,13 @@ def main() -> int:
         # directory: under target/, not in the tree.
         cwd = ROOT / "target" / "fuzz"
         cwd.mkdir(parents=True, exist_ok=True)
-        return subprocess.run(cmd, cwd=cwd).returncode
+        code = subprocess.run(cmd, cwd=cwd).returncode
+        if code != 0:
+            # What the daemon said of the failures (its state directory,
+            # log included, goes with it).
+            errors = [line for line in d.log().splitlines() if "ERROR" in line or "WARN" in line]
+            print("daemon errors and warnings:", *errors[-40:], sep="\n", file=sys.stderr)
+        return code
     finally:
         d.stop()
 

@@ -563,3 +563,65 @@ async fn a_daemon_killed_in_the_middle_of_a_hibernate_or_a_wake_leaves_a_whole_r
         );
     }
 }
+
+/// Captures (snapshots, checkpoints) admitted while the run runs, racing a
+/// pause, a hibernate or an archive of the same run: each succeeds, or says
+/// the run went to sleep under it (409), never a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn captures_racing_sleep_succeed_or_are_409s() {
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon.sh(&id, "seq 1 20000 > /work/data").await;
+    let allowed =
+        |what: &str, round: u64, result: Result<(), runbox_client::ClientError>| match result {
+            Ok(()) => {}
+            Err(runbox_client::ClientError::Api { status, code, .. })
+                if status == 409 && code == "run_not_running" => {}
+            Err(e) => panic!("{what}, round {round}: {e}; log:\n{}", daemon.log()),
+        };
+    for round in 0..12u64 {
+        let name = format!("race-{round}");
+        let sleep = async {
+            tokio::time::sleep(Duration::from_millis(3 * (round % 4))).await;
+            match round % 3 {
+                0 => daemon.client.pause_run(&id).await.map(drop),
+                1 => daemon.client.hibernate_run(&id).await.map(drop),
+                _ => daemon.client.archive_run(&id).await.map(drop),
+            }
+        };
+        let no_labels = runbox_types::CheckpointRequest::default();
+        let (snapshot, checkpoint, slept) = tokio::join!(
+            daemon.client.snapshot_run(&id, Some(&name)),
+            daemon.client.checkpoint_run(&id, &no_labels),
+            sleep
+        );
+        slept.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
+        let took = snapshot.is_ok();
+        allowed("snapshot", round, snapshot.map(drop));
+        allowed("checkpoint", round, checkpoint.map(drop));
+        if took {
+            daemon.client.delete_snapshot(&name).await.unwrap();
+        }
+        let status = daemon.client.get_run(&id).await.unwrap().status;
+        if status == RunStatus::Paused {
+            // Paused (a capture admitted after the pause resumes it first:
+            // autoResume), and a capture that ran meanwhile left it frozen.
+            let v1 = format!("/sys/fs/cgroup/freezer/runbox/{id}/freezer.state");
+            let v2 = format!("/sys/fs/cgroup/runbox/{id}/cgroup.events");
+            let frozen = match std::fs::read_to_string(&v1) {
+                Ok(state) => state.trim() == "FROZEN",
+                Err(_) => std::fs::read_to_string(&v2)
+                    .unwrap()
+                    .lines()
+                    .any(|l| l.trim() == "frozen 1"),
+            };
+            assert!(frozen, "round {round}: a paused run is frozen");
+        }
+        let woken = match status {
+            RunStatus::Paused | RunStatus::Running => daemon.client.resume_run(&id).await,
+            _ => daemon.client.wake_run(&id).await,
+        };
+        woken.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
+    }
+    daemon.client.delete_run(&id).await.unwrap();
+}

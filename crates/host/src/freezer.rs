@@ -69,7 +69,8 @@ impl Freezer {
         }
     }
 
-    fn frozen(&self) -> Result<bool, LaneError> {
+    /// Whether every task is frozen now.
+    pub fn frozen(&self) -> Result<bool, LaneError> {
         match &self.kind {
             Kind::V1(state) => Ok(read(state)?.trim() == "FROZEN"),
             Kind::V2(dir) => Ok(read(&dir.join("cgroup.events"))?

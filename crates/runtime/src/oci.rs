@@ -172,6 +172,11 @@ struct Shared {
     capabilities: Capabilities,
     /// The id ranges of runs' user namespaces, when runs get one.
     userns: Option<std::sync::Mutex<IdRanges>>,
+    /// One lock per run around its freezer: a capture (freeze, snapshot,
+    /// thaw) and a pause or resume of the same run happen one after the
+    /// other, so a capture never thaws a run paused under it and a pause
+    /// never waits on a freezer a capture is thawing.
+    freezes: std::sync::Mutex<std::collections::HashMap<Ulid, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// One sandbox of the OCI lane, by its run's id: everything about it is
@@ -251,6 +256,7 @@ impl OciLane {
             storage,
             capabilities,
             userns,
+            freezes: Default::default(),
         })))
     }
 
@@ -306,6 +312,16 @@ impl Shared {
 
     fn run_dir(&self, id: Ulid) -> PathBuf {
         self.state_dir.join("runs").join(id.to_string())
+    }
+
+    /// The lock around run `id`'s freezer (see [`Shared::freezes`]).
+    fn freeze_lock(&self, id: Ulid) -> Arc<tokio::sync::Mutex<()>> {
+        self.freezes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(id)
+            .or_default()
+            .clone()
     }
 
     fn runtime_root(&self, name: &str) -> PathBuf {
@@ -860,6 +876,10 @@ impl Shared {
     }
 
     async fn destroy_steps(&self, id: Ulid) -> Result<(), LaneError> {
+        self.freezes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&id);
         let dir = self.run_dir(id);
         self.stop_steps(id, false).await?;
         let range = std::fs::read_to_string(dir.join(IDBASE_FILE))
@@ -1255,8 +1275,17 @@ impl OciSandbox {
         }
         let runs = self.lane.state_dir.join("runs");
         let name = Ulid::new().to_string();
+        let lock = freeze.then(|| self.lane.freeze_lock(id));
+        let _one_at_a_time = match &lock {
+            Some(lock) => Some(lock.lock().await),
+            None => None,
+        };
+        // A run frozen already (paused) is captured as it is and stays so.
         let freezer = match freeze {
-            true => Some(crate::freezer::Freezer::of(id)?),
+            true => {
+                let freezer = crate::freezer::Freezer::of(id)?;
+                (!freezer.frozen()?).then_some(freezer)
+            }
             false => None,
         };
         if let Some(freezer) = &freezer {
@@ -1393,11 +1422,15 @@ impl Sandbox for OciSandbox {
 
     /// Freezes the run's cgroup ([`crate::freezer`]).
     async fn suspend(&self) -> Result<(), LaneError> {
+        let lock = self.lane.freeze_lock(self.id);
+        let _one_at_a_time = lock.lock().await;
         crate::freezer::Freezer::of(self.id)?.freeze().await
     }
 
     /// Thaws the run's cgroup.
     async fn resume(&self) -> Result<(), LaneError> {
+        let lock = self.lane.freeze_lock(self.id);
+        let _one_at_a_time = lock.lock().await;
         crate::freezer::Freezer::of(self.id)?.thaw()
     }
 

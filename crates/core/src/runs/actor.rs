@@ -255,6 +255,19 @@ impl RunHandle {
         self.state.borrow().clone()
     }
 
+    /// Waits up to `limit` for the run to leave [`Phase::Running`] (a
+    /// pause, hibernate or stop its owner is carrying out); the snapshot
+    /// then.
+    pub async fn left_running(&self, limit: Duration) -> Snapshot {
+        let mut state = self.state.clone();
+        let _ = tokio::time::timeout(
+            limit,
+            state.wait_for(|s| !matches!(s.phase, super::phase::Phase::Running)),
+        )
+        .await;
+        self.snapshot()
+    }
+
     /// Waits until the run is no longer being created; returns the
     /// snapshot then (running, failed or stopping).
     pub async fn settled(&self) -> Snapshot {

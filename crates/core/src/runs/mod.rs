@@ -754,18 +754,44 @@ impl Manager {
 
     /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
     /// lane or storage that cannot is a 400 saying why.
+    ///
+    /// The capture is admitted as an open operation, so the run may be
+    /// put to sleep or deleted under it: a capture that fails while its
+    /// run's owner takes it down (the run leaves `running` within a
+    /// moment) says so (409, or 404 when it is gone), and one that fails
+    /// on a run still running is tried once more.
     pub(crate) async fn capture(
         &self,
         id: Ulid,
         what: &str,
     ) -> Result<crate::lane::Capture, CoreError> {
-        self.lane.sandbox(id).capture().await.map_err(|e| match e {
-            crate::lane::LaneError::Unsupported(why) => CoreError::invalid(
-                ErrorCode::BadRequest,
-                format!("run {id} cannot be {what}: {why}"),
-            ),
-            other => CoreError::Lane(other),
-        })
+        let mut retried = false;
+        loop {
+            let failed = match self.lane.sandbox(id).capture().await {
+                Ok(capture) => return Ok(capture),
+                Err(crate::lane::LaneError::Unsupported(why)) => {
+                    return Err(CoreError::invalid(
+                        ErrorCode::BadRequest,
+                        format!("run {id} cannot be {what}: {why}"),
+                    ))
+                }
+                Err(other) => other,
+            };
+            let Some(handle) = self.registry().get(&id).cloned() else {
+                return Err(CoreError::RunNotFound(id));
+            };
+            let phase = handle.left_running(Duration::from_secs(2)).await.phase;
+            match phase {
+                Phase::Running if !retried => retried = true,
+                Phase::Running => return Err(CoreError::Lane(failed)),
+                _ => {
+                    return Err(CoreError::RunNotRunning(
+                        id,
+                        "put to sleep or stopped while it was being captured",
+                    ))
+                }
+            }
+        }
     }
 
     /// Registers a new run in phase `creating` and spawns its owner to
