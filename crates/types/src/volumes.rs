@@ -24,6 +24,7 @@ pub struct CreateVolumeRequest {
     /// How many MiB the volume may hold (data and metadata); default the
     /// server's `--volume-default-mb`, at most `--volume-max-mb`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub size_mb: Option<u64>,
 }
 
