@@ -63,6 +63,31 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
     assert e.value.code == "run_not_found" and e.value.status == 404
 
 
+def test_volumes_outlive_their_runs(rb: Runbox):
+    made = rb.create_volume("pydata", size_mb=32)
+    assert (made["name"], made["sizeMb"], made["holders"]) == ("pydata", 32, [])
+    try:
+        writer = rb.create_run("base", volumes=[{"name": "pydata"}])
+        assert writer.volumes == [{"name": "pydata", "path": "/volumes/pydata", "mode": "rw"}]
+        rb.run(writer.id, "echo kept > /volumes/pydata/f")
+        with pytest.raises(runbox.RunboxError) as e:
+            rb.create_run("base", volumes=[{"name": "pydata", "mode": "ro"}])
+        assert (e.value.code, e.value.status) == ("volume_busy", 409)
+        rb.delete_run(writer.id)
+        reader = rb.create_run("base", volumes=[{"name": "pydata", "path": "/data", "mode": "ro"}])
+        try:
+            assert rb.run(reader.id, "cat /data/f").stdout == b"kept\n"
+            assert [h["mode"] for h in rb.get_volume("pydata")["holders"]] == ["ro"]
+            assert [v["name"] for v in rb.list_volumes()] == ["pydata"]
+        finally:
+            rb.delete_run(reader.id)
+    finally:
+        rb.delete_volume("pydata")
+    with pytest.raises(runbox.NotFound) as e:
+        rb.get_volume("pydata")
+    assert e.value.code == "volume_not_found"
+
+
 def test_exec_streams_events_in_order(rb: Runbox, run_id: str):
     events = list(rb.exec(run_id, ["sh", "-c", "echo a; echo b >&2"]))
     assert isinstance(events[0], Started) and isinstance(events[-1], Exit)

@@ -25,6 +25,8 @@ import {
   type TenantToken,
   type UpdateTenantRequest,
   type UsageReport,
+  type Volume,
+  type VolumeMountRequest,
   type WatchEvent,
 } from "./types.js";
 
@@ -92,6 +94,8 @@ export interface CreateRunOptions {
   /** Let setuid programs such as sudo work in the run (only on servers
    * whose runs have a user namespace of their own). */
   allowPrivilegeEscalation?: boolean;
+  /** Volumes to mount (at most 8): `{ name, path?, mode? }`, mode `rw` or `ro`. */
+  volumes?: VolumeMountRequest[];
   /** Makes a retried create return the first run instead of a second one. */
   idempotencyKey?: string;
   /** Start from this checkpoint (its disk, and its run's settings for what
@@ -335,6 +339,7 @@ export class Runbox {
         onExpire: options.onExpire,
         idle: options.idle ? compact(options.idle) : undefined,
         allowPrivilegeEscalation: options.allowPrivilegeEscalation,
+        volumes: options.volumes,
       }),
       headers: options.idempotencyKey ? { "Idempotency-Key": options.idempotencyKey } : {},
       // A create may pull its image first.
@@ -621,6 +626,24 @@ export class Runbox {
 
   async deleteTenant(name: string): Promise<void> {
     await this.call({ method: "DELETE", path: `/v1/tenants/${segment("tenant name", name)}` });
+  }
+
+  /** Makes a named volume; mount it with `createRun(image, { volumes: [{ name }] })`. */
+  async createVolume(name: string, options: { sizeMb?: number } = {}): Promise<Volume> {
+    return this.call({ method: "POST", path: "/v1/volumes", json: compact({ name, sizeMb: options.sizeMb }) });
+  }
+
+  async listVolumes(): Promise<Volume[]> {
+    return (await this.call<{ volumes: Volume[] }>({ method: "GET", path: "/v1/volumes" })).volumes;
+  }
+
+  async getVolume(name: string): Promise<Volume> {
+    return this.call({ method: "GET", path: `/v1/volumes/${segment("volume name", name)}` });
+  }
+
+  /** Deletes the volume and all it holds; refused while a run mounts it. */
+  async deleteVolume(name: string): Promise<void> {
+    await this.call({ method: "DELETE", path: `/v1/volumes/${segment("volume name", name)}` });
   }
 
   /** What each tenant used since `since` (RFC 3339, or a span such as `24h`). */

@@ -89,6 +89,32 @@ test("health and a run's lifecycle", async () => {
   await assert.rejects(rb.getRun(run.id), (e) => e instanceof NotFound && e.code === "run_not_found" && e.status === 404);
 });
 
+test("volumes outlive their runs", async () => {
+  const made = await rb.createVolume("tsdata", { sizeMb: 32 });
+  assert.deepEqual([made.name, made.sizeMb, made.holders], ["tsdata", 32, []]);
+  try {
+    const writer = await rb.createRun("base", { volumes: [{ name: "tsdata" }] });
+    assert.deepEqual(writer.volumes, [{ name: "tsdata", path: "/volumes/tsdata", mode: "rw" }]);
+    await rb.run(writer.id, "echo kept > /volumes/tsdata/f");
+    await assert.rejects(
+      rb.createRun("base", { volumes: [{ name: "tsdata", mode: "ro" }] }),
+      (e) => e.code === "volume_busy" && e.status === 409,
+    );
+    await rb.deleteRun(writer.id);
+    const reader = await rb.createRun("base", { volumes: [{ name: "tsdata", path: "/data", mode: "ro" }] });
+    try {
+      assert.equal(text((await rb.run(reader.id, "cat /data/f")).stdout), "kept\n");
+      assert.deepEqual((await rb.getVolume("tsdata")).holders.map((h) => h.mode), ["ro"]);
+      assert.deepEqual((await rb.listVolumes()).map((v) => v.name), ["tsdata"]);
+    } finally {
+      await rb.deleteRun(reader.id);
+    }
+  } finally {
+    await rb.deleteVolume("tsdata");
+  }
+  await assert.rejects(rb.getVolume("tsdata"), (e) => e instanceof NotFound && e.code === "volume_not_found");
+});
+
 test("exec streams its events in order, with stdin, a terminal, a timeout and a user", () =>
   withRun(async (id) => {
     const events = [];

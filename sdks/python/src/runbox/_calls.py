@@ -47,6 +47,7 @@ def create_run(
     idle_pause_after: Optional[int] = None,
     idle_hibernate_after: Optional[int] = None,
     allow_privilege_escalation: Optional[bool] = None,
+    volumes: Optional[List[Dict[str, str]]] = None,
     idempotency_key: Optional[str] = None,
 ) -> Call[Run]:
     limits = compact(cpus=cpus, memoryMb=memory_mb, pids=pids, diskMb=disk_mb) or None
@@ -67,6 +68,7 @@ def create_run(
         onExpire=on_expire,
         idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,
         allowPrivilegeEscalation=allow_privilege_escalation,
+        volumes=volumes,
     )
     headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
     return Call("POST", "/v1/runs", json=body, headers=headers, parse=Run.from_json)
@@ -288,6 +290,22 @@ def rotate_tenant(name: str) -> Call[Dict[str, Any]]:
 
 def delete_tenant(name: str) -> Call[None]:
     return Call("DELETE", f"/v1/tenants/{segment('tenant name', name)}", empty=True)
+
+
+def create_volume(name: str, size_mb: Optional[int] = None) -> Call[Dict[str, Any]]:
+    return Call("POST", "/v1/volumes", json=compact(name=name, sizeMb=size_mb))
+
+
+def list_volumes() -> Call[List[Dict[str, Any]]]:
+    return Call("GET", "/v1/volumes", parse=lambda body: list(body["volumes"]))
+
+
+def get_volume(name: str) -> Call[Dict[str, Any]]:
+    return Call("GET", f"/v1/volumes/{segment('volume name', name)}")
+
+
+def delete_volume(name: str) -> Call[None]:
+    return Call("DELETE", f"/v1/volumes/{segment('volume name', name)}", empty=True)
 
 
 def usage(since: Optional[str] = None, tenant: Optional[str] = None) -> Call[Dict[str, Any]]:

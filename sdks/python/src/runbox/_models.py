@@ -68,6 +68,7 @@ class Run:
     idle: Dict[str, int] = field(default_factory=dict)
     restarts: int = 0
     allow_privilege_escalation: bool = False
+    volumes: List[Dict[str, Any]] = field(default_factory=list)
     failure: Optional[str] = None
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
@@ -92,6 +93,7 @@ class Run:
             idle=dict(d.get("idle") or {}),
             restarts=int(d.get("restarts", 0)),
             allow_privilege_escalation=bool(d.get("allowPrivilegeEscalation", False)),
+            volumes=list(d.get("volumes") or []),
             failure=d.get("failure"),
             tenant=d.get("tenant"),
             token=d.get("token"),

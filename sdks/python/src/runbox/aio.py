@@ -342,6 +342,22 @@ class AsyncRunbox:
     async def delete_tenant(self, name: str) -> None:
         await self._do(calls.delete_tenant(name))
 
+    # -- volumes -------------------------------------------------------------
+
+    async def create_volume(self, name: str, size_mb: Optional[int] = None) -> Dict[str, Any]:
+        """Makes a named volume (mount it with ``create_run(volumes=[{"name": ...}])``)."""
+        return await self._do(calls.create_volume(name, size_mb))
+
+    async def list_volumes(self) -> List[Dict[str, Any]]:
+        return await self._do(calls.list_volumes())
+
+    async def get_volume(self, name: str) -> Dict[str, Any]:
+        return await self._do(calls.get_volume(name))
+
+    async def delete_volume(self, name: str) -> None:
+        """Deletes the volume and all it holds; refused while a run mounts it."""
+        await self._do(calls.delete_volume(name))
+
     async def usage(self, since: Optional[str] = None, tenant: Optional[str] = None) -> Dict[str, Any]:
         """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
         return await self._do(calls.usage(since, tenant))

@@ -102,7 +102,9 @@ class Runbox:
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``allow_privilege_escalation`` (setuid programs such as sudo work;
-        only where runs have a user namespace), ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
+        only where runs have a user namespace), ``volumes`` (a list of
+        ``{"name", "path"?, "mode"?}``, mode ``rw`` or ``ro``),
+        ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
         starts the run from a checkpoint. Without either, the image is
         ``base``."""
         return self._do(calls.create_run(image, **kwargs))
@@ -318,6 +320,22 @@ class Runbox:
 
     def delete_tenant(self, name: str) -> None:
         self._do(calls.delete_tenant(name))
+
+    # -- volumes -------------------------------------------------------------
+
+    def create_volume(self, name: str, size_mb: Optional[int] = None) -> Dict[str, Any]:
+        """Makes a named volume (mount it with ``create_run(volumes=[{"name": ...}])``)."""
+        return self._do(calls.create_volume(name, size_mb))
+
+    def list_volumes(self) -> List[Dict[str, Any]]:
+        return self._do(calls.list_volumes())
+
+    def get_volume(self, name: str) -> Dict[str, Any]:
+        return self._do(calls.get_volume(name))
+
+    def delete_volume(self, name: str) -> None:
+        """Deletes the volume and all it holds; refused while a run mounts it."""
+        self._do(calls.delete_volume(name))
 
     def usage(self, since: Optional[str] = None, tenant: Optional[str] = None) -> Dict[str, Any]:
         """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
