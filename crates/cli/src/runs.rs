@@ -633,6 +633,46 @@ mod tests {
     }
 
     #[test]
+    fn volumes_take_a_name_a_path_and_a_mode() {
+        use runbox_types::VolumeMode::{Ro, Rw};
+        let req = create_args(&[
+            "--image",
+            "base",
+            "--volume",
+            "data",
+            "-v",
+            "cache:/mnt/cache",
+            "--volume",
+            "sets:ro",
+            "--volume",
+            "models:/models:rw",
+        ])
+        .request();
+        let got: Vec<(String, Option<String>, Option<runbox_types::VolumeMode>)> = req
+            .volumes
+            .unwrap()
+            .into_iter()
+            .map(|v| (v.name, v.path, v.mode))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("data".into(), None, None),
+                ("cache".into(), Some("/mnt/cache".into()), None),
+                ("sets".into(), None, Some(Ro)),
+                ("models".into(), Some("/models".into()), Some(Rw)),
+            ]
+        );
+        for bad in ["", ":ro", "a::ro", "a:/x:y:z", "a:"] {
+            assert!(parse_volume(bad).is_err(), "{bad:?}");
+        }
+        assert!(create_args(&["--image", "base"])
+            .request()
+            .volumes
+            .is_none());
+    }
+
+    #[test]
     fn create_sends_only_what_was_given() {
         let req = create_args(&["--image", "base"]).request();
         assert_eq!(req.image, "base");
