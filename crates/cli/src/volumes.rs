@@ -16,6 +16,8 @@ pub enum VolumesCommand {
     Ls(LsArgs),
     /// Show one volume as JSON
     Show(NameArgs),
+    /// Make a new volume holding what a volume holds now (constant time)
+    Clone(CloneArgs),
     /// Delete volumes no run mounts, and everything in them
     Rm(RmArgs),
 }
@@ -32,6 +34,20 @@ pub struct CreateArgs {
     /// Print the volume as JSON
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox volumes clone`.
+#[derive(Debug, Args)]
+pub struct CloneArgs {
+    /// The volume to copy
+    pub source: String,
+    /// The new volume's name
+    pub name: String,
+    /// Its size in MiB [default: the source's]
+    #[arg(long, value_name = "MIB")]
+    pub size_mb: Option<u64>,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -94,6 +110,15 @@ pub async fn run(command: VolumesCommand) -> anyhow::Result<ExitCode> {
             let conn = args.conn.connect()?;
             let volume = conn.check(conn.client.get_volume(&args.name).await)?;
             println!("{}", serde_json::to_string_pretty(&volume)?);
+        }
+        VolumesCommand::Clone(args) => {
+            let conn = args.conn.connect()?;
+            let req = runbox_types::CloneVolumeRequest {
+                name: args.name,
+                size_mb: args.size_mb,
+            };
+            let volume = conn.check(conn.client.clone_volume(&args.source, &req).await)?;
+            println!("{}", volume.name);
         }
         VolumesCommand::Rm(args) => {
             let conn = args.conn.connect()?;

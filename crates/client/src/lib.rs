@@ -545,6 +545,19 @@ impl Client {
         json(self.send(self.request(Method::GET, &path)).await?).await
     }
 
+    /// `POST /v1/volumes/{name}/clone`.
+    pub async fn clone_volume(
+        &self,
+        name: &str,
+        req: &runbox_types::CloneVolumeRequest,
+    ) -> Result<runbox_types::Volume, ClientError> {
+        let path = format!("{}/clone", volume_path(name)?);
+        let resp = self
+            .send(self.request(Method::POST, &path).json(req))
+            .await?;
+        json(resp).await
+    }
+
     /// `DELETE /v1/volumes/{name}`.
     pub async fn delete_volume(&self, name: &str) -> Result<(), ClientError> {
         let path = volume_path(name)?;

@@ -482,6 +482,14 @@ pub trait Lane: Send + Sync + 'static {
         Err(LaneError::unsupported("make volumes"))
     }
 
+    /// Makes volume `id` a copy of volume `from` as it is now, limited to
+    /// `limit` bytes; constant time where the storage can. On error
+    /// nothing of it is left.
+    async fn clone_volume(&self, from: Ulid, id: Ulid, limit: u64) -> Result<(), LaneError> {
+        let _ = (from, id, limit);
+        Err(LaneError::unsupported("clone volumes"))
+    }
+
     /// Deletes volume `id` and everything in it; nothing to do when it is
     /// gone.
     async fn delete_volume(&self, id: Ulid) -> Result<(), LaneError> {

@@ -208,6 +208,13 @@ pub trait RunService: Clone + Send + Sync + 'static {
         req: runbox_types::CreateVolumeRequest,
         owner: crate::tenants::Owner,
     ) -> impl Future<Output = Result<runbox_types::Volume, CoreError>> + Send;
+    /// A new volume of `owner`'s holding what its volume `name` holds now.
+    fn clone_volume(
+        &self,
+        name: String,
+        req: runbox_types::CloneVolumeRequest,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<runbox_types::Volume, CoreError>> + Send;
     /// The volumes `owner` sees (root: every one, each stamped).
     fn list_volumes(&self, owner: &crate::tenants::Owner) -> runbox_types::VolumeList;
     /// `owner`'s volume `name`.
@@ -590,6 +597,15 @@ impl RunService for Arc<Manager> {
         owner: crate::tenants::Owner,
     ) -> Result<runbox_types::Volume, CoreError> {
         Manager::create_volume(self, req, owner.tenant()).await
+    }
+
+    async fn clone_volume(
+        &self,
+        name: String,
+        req: runbox_types::CloneVolumeRequest,
+        owner: crate::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        Manager::clone_volume(self, &name, req, owner.tenant()).await
     }
 
     fn list_volumes(&self, owner: &crate::tenants::Owner) -> runbox_types::VolumeList {

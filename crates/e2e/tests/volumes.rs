@@ -439,3 +439,90 @@ async fn each_tenant_sees_and_mounts_only_its_own_volumes() {
         tenant.delete_volume("data").await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clone_is_a_copy_of_now_that_goes_its_own_way() {
+    let daemon = TestDaemon::start(None).await;
+    volume(&daemon, "src", Some(64)).await;
+    let writer = daemon
+        .create_with(with(vec![mount("src", None, None)]))
+        .await
+        .id
+        .to_string();
+    ok(
+        &daemon,
+        &writer,
+        "echo before > /volumes/src/f; mkdir /volumes/src/d; chown 1000 /volumes/src/d",
+    )
+    .await;
+    // Cloned while a run writes to the source: what it held at that moment.
+    let copy = daemon
+        .client
+        .clone_volume(
+            "src",
+            &runbox_types::CloneVolumeRequest {
+                name: "copy".into(),
+                size_mb: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!((copy.name.as_str(), copy.size_mb), ("copy", 64));
+    assert!(copy.holders.is_empty());
+    ok(&daemon, &writer, "echo after > /volumes/src/f").await;
+    let reader = daemon
+        .create_with(with(vec![mount("copy", Some("/copy"), None)]))
+        .await
+        .id
+        .to_string();
+    assert_eq!(
+        ok(
+            &daemon,
+            &reader,
+            "cat /copy/f; stat -c %u /copy/d; echo mine > /copy/g"
+        )
+        .await,
+        "before\n1000\n"
+    );
+    assert_eq!(
+        ok(
+            &daemon,
+            &writer,
+            "cat /volumes/src/f; [ -e /volumes/src/g ] || echo no-g"
+        )
+        .await,
+        "after\nno-g\n"
+    );
+    // Names are checked as for a create; an unknown source is a 404.
+    let clone = |from: &'static str, name: &'static str| {
+        let client = daemon.client.clone();
+        async move {
+            client
+                .clone_volume(
+                    from,
+                    &runbox_types::CloneVolumeRequest {
+                        name: name.into(),
+                        size_mb: None,
+                    },
+                )
+                .await
+        }
+    };
+    for (from, name, status, code) in [
+        ("src", "copy", 409, "volume_exists"),
+        ("nope", "other", 404, "volume_not_found"),
+        ("src", "../x", 400, "bad_volume"),
+    ] {
+        let err = clone(from, name).await.unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Api { status: s, code: c, .. } if *s == status && c == code),
+            "{from} -> {name}: {err}"
+        );
+    }
+    for id in [&writer, &reader] {
+        daemon.client.delete_run(id).await.unwrap();
+    }
+    for name in ["src", "copy"] {
+        daemon.client.delete_volume(name).await.unwrap();
+    }
+}

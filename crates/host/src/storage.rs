@@ -406,6 +406,37 @@ impl RunStorage {
         Ok(volume)
     }
 
+    /// Makes volume `id` a writable snapshot of volume `from` (constant
+    /// time: they share every block until either writes), limited to
+    /// `limit` bytes, and returns its path.
+    pub fn clone_volume(
+        &self,
+        runs: &Path,
+        from: &str,
+        id: &str,
+        limit: u64,
+    ) -> Result<PathBuf, LaneError> {
+        if let Some(why) = self.limits_unsupported() {
+            return Err(LaneError::Unsupported(why.to_owned()));
+        }
+        let volumes = runs.join(VOLUMES_DIR);
+        let source = open_dir(&volumes.join(from))
+            .map_err(LaneError::io(format!("opening volume {from}")))?;
+        let parent =
+            open_dir(&volumes).map_err(LaneError::io(format!("opening {}", volumes.display())))?;
+        snapshot_subvolume_with(&source, &parent, OsStr::new(id), 0)
+            .map_err(LaneError::io(format!("cloning volume {from} into {id}")))?;
+        let volume = volumes.join(id);
+        let limited = open_dir(&volume).and_then(|sub| limit_subvolume(&sub, limit));
+        if let Err(e) = limited {
+            let _ = destroy_subvolume(&parent, OsStr::new(id));
+            return Err(LaneError::io(format!(
+                "limiting volume {id} to {limit} bytes"
+            ))(e));
+        }
+        Ok(volume)
+    }
+
     /// Bytes volume `id` holds, as its quota counts them.
     pub fn volume_used(&self, runs: &Path, id: &str) -> Option<u64> {
         self.subvolume_used(&runs.join(VOLUMES_DIR).join(id))

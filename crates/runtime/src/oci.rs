@@ -1117,6 +1117,19 @@ impl Lane for OciLane {
         .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
     }
 
+    async fn clone_volume(&self, from: Ulid, id: Ulid, limit: u64) -> Result<(), LaneError> {
+        let shared = self.0.clone();
+        tokio::task::spawn_blocking(move || {
+            let runs = shared.state_dir.join("runs");
+            shared
+                .storage
+                .clone_volume(&runs, &from.to_string(), &id.to_string(), limit)
+                .map(drop)
+        })
+        .await
+        .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
+    }
+
     async fn delete_volume(&self, id: Ulid) -> Result<(), LaneError> {
         let runs = self.0.state_dir.join("runs");
         tokio::task::spawn_blocking(move || crate::storage::remove_volume(&runs, &id.to_string()))

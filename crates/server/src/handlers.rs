@@ -534,6 +534,21 @@ pub async fn create_volume<S: RunService>(
     Ok((StatusCode::CREATED, Json(volume)).into_response())
 }
 
+/// `POST /v1/volumes/{name}/clone`: a new volume of the caller's holding
+/// what the volume holds now.
+pub async fn clone_volume<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    AppJson(req): AppJson<runbox_types::CloneVolumeRequest>,
+) -> Result<Response, ApiError> {
+    let volume = state
+        .service
+        .clone_volume(name, req, caller.owner())
+        .await?;
+    Ok((StatusCode::CREATED, Json(volume)).into_response())
+}
+
 /// `GET /v1/volumes`: the caller's volumes (root: every one).
 pub async fn list_volumes<S: RunService>(
     State(state): State<AppState<S>>,

@@ -124,6 +124,10 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             get(handlers::get_volume::<S>).delete(handlers::delete_volume::<S>),
         )
         .route(
+            "/v1/volumes/{name}/clone",
+            post(handlers::clone_volume::<S>),
+        )
+        .route(
             "/v1/pools",
             get(handlers::list_pools::<S>).put(handlers::set_pools::<S>),
         )

@@ -251,6 +251,14 @@ impl RunService for Stub {
     ) -> Result<runbox_types::Volume, CoreError> {
         self.get_volume(&req.name, &runbox_core::tenants::Owner::default())
     }
+    async fn clone_volume(
+        &self,
+        name: String,
+        _: runbox_types::CloneVolumeRequest,
+        owner: runbox_core::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        self.get_volume(&name, &owner)
+    }
     fn list_volumes(&self, _: &runbox_core::tenants::Owner) -> runbox_types::VolumeList {
         runbox_types::VolumeList::default()
     }

@@ -22,8 +22,8 @@ pub use tenants::{
     UpdateTenantRequest, UsageReport, UsageTotals,
 };
 pub use volumes::{
-    CreateVolumeRequest, RunVolume, Volume, VolumeHolder, VolumeList, VolumeMode,
-    VolumeMountRequest, MAX_RUN_VOLUMES,
+    CloneVolumeRequest, CreateVolumeRequest, RunVolume, Volume, VolumeHolder, VolumeList,
+    VolumeMode, VolumeMountRequest, MAX_RUN_VOLUMES,
 };
 
 /// Environment variables for a run or an exec.

@@ -28,6 +28,25 @@ pub struct CreateVolumeRequest {
     pub size_mb: Option<u64>,
 }
 
+/// `POST /v1/volumes/{name}/clone`: a new volume holding what the volume
+/// holds now.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CloneVolumeRequest {
+    /// The new volume's name (the rules of [`CreateVolumeRequest::name`]).
+    #[cfg_attr(
+        feature = "openapi",
+        schema(pattern = "^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    )]
+    pub name: String,
+    /// Its size in MiB; default the source's. At least what the source
+    /// holds, at most `--volume-max-mb`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1))]
+    pub size_mb: Option<u64>,
+}
+
 /// How a run mounts a volume.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

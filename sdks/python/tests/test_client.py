@@ -79,6 +79,9 @@ def test_volumes_outlive_their_runs(rb: Runbox):
             assert rb.run(reader.id, "cat /data/f").stdout == b"kept\n"
             assert [h["mode"] for h in rb.get_volume("pydata")["holders"]] == ["ro"]
             assert [v["name"] for v in rb.list_volumes()] == ["pydata"]
+            copy = rb.clone_volume("pydata", "pycopy")
+            assert (copy["name"], copy["sizeMb"]) == ("pycopy", 32)
+            rb.delete_volume("pycopy")
         finally:
             rb.delete_run(reader.id)
     finally:

@@ -641,6 +641,15 @@ export class Runbox {
     return this.call({ method: "GET", path: `/v1/volumes/${segment("volume name", name)}` });
   }
 
+  /** A new volume holding what `name` holds now (constant time). */
+  async cloneVolume(name: string, newName: string, options: { sizeMb?: number } = {}): Promise<Volume> {
+    return this.call({
+      method: "POST",
+      path: `/v1/volumes/${segment("volume name", name)}/clone`,
+      json: compact({ name: newName, sizeMb: options.sizeMb }),
+    });
+  }
+
   /** Deletes the volume and all it holds; refused while a run mounts it. */
   async deleteVolume(name: string): Promise<void> {
     await this.call({ method: "DELETE", path: `/v1/volumes/${segment("volume name", name)}` });

@@ -1144,6 +1144,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/volumes/{name}/clone": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * A new volume holding what the volume holds now (constant time)
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["cloneVolume"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/warmcache": {
         parameters: {
             query?: never;
@@ -1295,6 +1315,20 @@ export interface components {
             rows: number;
             /** @enum {string} */
             type: "resize";
+        };
+        /**
+         * @description `POST /v1/volumes/{name}/clone`: a new volume holding what the volume
+         *     holds now.
+         */
+        CloneVolumeRequest: {
+            /** @description The new volume's name (the rules of [`CreateVolumeRequest::name`]). */
+            name: string;
+            /**
+             * Format: uint64
+             * @description Its size in MiB; default the source's. At least what the source
+             *     holds, at most `--volume-max-mb`.
+             */
+            sizeMb?: number | null;
         };
         /**
          * @description `POST /v1/config/reload` (and SIGHUP): what a reload of the config file
@@ -5628,6 +5662,51 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    cloneVolume: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CloneVolumeRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Volume"];
+                };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {

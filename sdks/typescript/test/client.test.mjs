@@ -106,6 +106,9 @@ test("volumes outlive their runs", async () => {
       assert.equal(text((await rb.run(reader.id, "cat /data/f")).stdout), "kept\n");
       assert.deepEqual((await rb.getVolume("tsdata")).holders.map((h) => h.mode), ["ro"]);
       assert.deepEqual((await rb.listVolumes()).map((v) => v.name), ["tsdata"]);
+      const copy = await rb.cloneVolume("tsdata", "tscopy");
+      assert.deepEqual([copy.name, copy.sizeMb], ["tscopy", 32]);
+      await rb.deleteVolume("tscopy");
     } finally {
       await rb.deleteRun(reader.id);
     }

@@ -37,6 +37,17 @@ fn holders(registry: &HashMap<Ulid, Arc<RunHandle>>, id: Ulid) -> Vec<(Ulid, Vol
     out
 }
 
+/// A lane's refusal to make a volume, as the API says it.
+fn lane_error(e: crate::lane::LaneError) -> CoreError {
+    match e {
+        crate::lane::LaneError::Unsupported(why) => CoreError::invalid(
+            ErrorCode::VolumesUnsupported,
+            format!("this server cannot make volumes: {why}"),
+        ),
+        e => CoreError::Lane(e),
+    }
+}
+
 fn not_found(name: &str) -> CoreError {
     CoreError::invalid(
         ErrorCode::VolumeNotFound,
@@ -51,44 +62,93 @@ impl Manager {
         req: runbox_types::CreateVolumeRequest,
         tenant: Option<&str>,
     ) -> Result<runbox_types::Volume, CoreError> {
-        volumes::check_name(&req.name)?;
-        let config = self.config();
-        let size_mb = req.size_mb.unwrap_or(config.volume_default_mb);
-        if size_mb == 0 || size_mb > config.volume_max_mb {
+        let size_mb = req.size_mb.unwrap_or(self.config().volume_default_mb);
+        let lane = self.lane.clone();
+        self.make_volume(req.name, tenant, size_mb, |id| async move {
+            lane.create_volume(id, size_mb << 20)
+                .await
+                .map_err(lane_error)
+        })
+        .await
+    }
+
+    /// Makes a new volume of `tenant`'s holding what its volume `name`
+    /// holds now (constant time; what a crash at this moment would leave,
+    /// if a run writes to it meanwhile).
+    pub async fn clone_volume(
+        &self,
+        name: &str,
+        req: runbox_types::CloneVolumeRequest,
+        tenant: Option<&str>,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        let source = self
+            .volumes
+            .find(tenant, name)
+            .ok_or_else(|| not_found(name))?;
+        let size_mb = req.size_mb.unwrap_or(source.size_mb);
+        if let Some(used) = self.lane.volume_used(source.id) {
+            if size_mb << 20 < used {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadVolume,
+                    format!(
+                        "sizeMb {size_mb} is less than volume {name:?} holds ({} MiB)",
+                        used.div_ceil(1 << 20)
+                    ),
+                ));
+            }
+        }
+        let (lane, volumes) = (self.lane.clone(), self.volumes.clone());
+        let source_name = name.to_owned();
+        self.make_volume(req.name, tenant, size_mb, |id| async move {
+            // Under the volume lock: a delete that came first is seen here.
+            if !volumes.exists(source.id) {
+                return Err(not_found(&source_name));
+            }
+            lane.clone_volume(source.id, id, size_mb << 20)
+                .await
+                .map_err(lane_error)
+        })
+        .await
+    }
+
+    /// Checks a new volume's name and size, makes it with `make` (given
+    /// its id) and records it; one at a time, so a name is checked, made
+    /// and recorded with nobody else in between. Nothing is left of a
+    /// volume that is not recorded.
+    async fn make_volume<F, Fut>(
+        &self,
+        name: String,
+        tenant: Option<&str>,
+        size_mb: u64,
+        make: F,
+    ) -> Result<runbox_types::Volume, CoreError>
+    where
+        F: FnOnce(Ulid) -> Fut,
+        Fut: std::future::Future<Output = Result<(), CoreError>>,
+    {
+        volumes::check_name(&name)?;
+        let max = self.config().volume_max_mb;
+        if size_mb == 0 || size_mb > max {
             return Err(CoreError::invalid(
                 ErrorCode::BadVolume,
-                format!(
-                    "sizeMb must be 1-{} (this server's --volume-max-mb), got {size_mb}",
-                    config.volume_max_mb
-                ),
+                format!("sizeMb must be 1-{max} (this server's --volume-max-mb), got {size_mb}"),
             ));
         }
-        // One create per name at a time: the name is checked, the volume
-        // made and recorded, in that order, with nobody else in between.
         let _made = self.volume_lock.lock().await;
-        if self.volumes.find(tenant, &req.name).is_some() {
+        if self.volumes.find(tenant, &name).is_some() {
             return Err(CoreError::invalid(
                 ErrorCode::VolumeExists,
-                format!("you have a volume named {:?} already", req.name),
+                format!("you have a volume named {name:?} already"),
             ));
         }
         let record = VolumeRecord {
             id: Ulid::new(),
-            name: req.name,
+            name,
             tenant: tenant.map(str::to_owned),
             size_mb,
             created_at: OffsetDateTime::now_utc(),
         };
-        self.lane
-            .create_volume(record.id, size_mb << 20)
-            .await
-            .map_err(|e| match e {
-                crate::lane::LaneError::Unsupported(why) => CoreError::invalid(
-                    ErrorCode::VolumesUnsupported,
-                    format!("this server cannot make volumes: {why}"),
-                ),
-                e => CoreError::Lane(e),
-            })?;
+        make(record.id).await?;
         let volumes = self.volumes.clone();
         let kept = record.clone();
         let added = tokio::task::spawn_blocking(move || volumes.add(kept))

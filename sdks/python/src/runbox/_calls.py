@@ -304,6 +304,11 @@ def get_volume(name: str) -> Call[Dict[str, Any]]:
     return Call("GET", f"/v1/volumes/{segment('volume name', name)}")
 
 
+def clone_volume(name: str, new_name: str, size_mb: Optional[int] = None) -> Call[Dict[str, Any]]:
+    body = compact(name=new_name, sizeMb=size_mb)
+    return Call("POST", f"/v1/volumes/{segment('volume name', name)}/clone", json=body)
+
+
 def delete_volume(name: str) -> Call[None]:
     return Call("DELETE", f"/v1/volumes/{segment('volume name', name)}", empty=True)
 

@@ -354,6 +354,10 @@ class AsyncRunbox:
     async def get_volume(self, name: str) -> Dict[str, Any]:
         return await self._do(calls.get_volume(name))
 
+    async def clone_volume(self, name: str, new_name: str, size_mb: Optional[int] = None) -> Dict[str, Any]:
+        """A new volume holding what ``name`` holds now (constant time)."""
+        return await self._do(calls.clone_volume(name, new_name, size_mb))
+
     async def delete_volume(self, name: str) -> None:
         """Deletes the volume and all it holds; refused while a run mounts it."""
         await self._do(calls.delete_volume(name))
