@@ -30,6 +30,9 @@
 //!   directly: blind-tunnel throughput, the latency a plain HTTP request
 //!   gains through it, and the cost of TLS interception per request. It
 //!   needs neither root nor a daemon, and runs before the other phases.
+//! - **volumes** (see `volumes`; not among the defaults): a 1 GiB
+//!   sequential read of a named volume in a run against the host, and what
+//!   a volume adds to create + first exec.
 //! - **userns** (see `userns`; not among the defaults): create + first
 //!   exec, the exec round trip and fork + first exec, with a user namespace
 //!   per run against `--userns off`, per runtime.
@@ -69,6 +72,7 @@ mod snapshots;
 mod stats;
 mod tenants;
 mod userns;
+mod volumes;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -174,6 +178,9 @@ struct Args {
     /// also runs a daemon whose store is that bucket.
     #[arg(long, default_value_t = 3)]
     checkpoint_iterations: usize,
+    /// Measured reads per case of the volumes phase (each reads 1 GiB).
+    #[arg(long, default_value_t = 5)]
+    volume_reads: usize,
     /// Also write the results, every sample included, as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -192,6 +199,7 @@ enum PhaseName {
     Checkpoints,
     Tenants,
     Userns,
+    Volumes,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -230,6 +238,8 @@ struct Plan {
     tenant_iterations: Option<usize>,
     /// The userns phase's (create and fork, exec) iterations.
     userns_iterations: Option<(usize, usize)>,
+    /// The volumes phase's (reads, creates) iterations.
+    volume_iterations: Option<(usize, usize)>,
 }
 
 /// What the images phase does, when it runs.
@@ -326,6 +336,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             checkpoint_iterations: None,
             tenant_iterations: None,
             userns_iterations: None,
+            volume_iterations: None,
         });
     }
     let exe = std::env::current_exe().context("locating this executable")?;
@@ -446,6 +457,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Userns)
             .then_some((create_iterations, exec_iterations)),
+        volume_iterations: args
+            .phases
+            .contains(&PhaseName::Volumes)
+            .then_some((args.volume_reads.max(1), create_iterations)),
     })
 }
 
@@ -553,6 +568,7 @@ impl Bench {
                 checkpoints: None,
                 tenants: None,
                 userns: None,
+                volumes: None,
             });
         }
         let tar = self.make_rootfs()?;
@@ -726,10 +742,18 @@ impl Bench {
             }
             None => None,
         };
+        let volumes = match plan.volume_iterations {
+            Some((reads, creates)) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(volumes::measure(&mut self.daemons[i], reads, creates, plan.warmup).await?)
+            }
+            None => None,
+        };
         Ok(Report {
             host: host_info(plan),
             tenants,
             userns,
+            volumes,
             phases,
             images,
             egress,

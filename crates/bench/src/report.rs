@@ -174,6 +174,9 @@ pub struct Report {
     /// The userns phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub userns: Option<crate::userns::UsernsReport>,
+    /// The volumes phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volumes: Option<crate::volumes::VolumesReport>,
 }
 
 /// What the images phase's generated layer holds.
@@ -420,6 +423,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(userns) = &report.userns {
         out.push_str(&crate::userns::markdown(userns));
     }
+    if let Some(volumes) = &report.volumes {
+        out.push_str(&crate::volumes::markdown(volumes));
+    }
     if let Some(checkpoints) = &report.checkpoints {
         out.push_str(&crate::checkpoints::markdown(checkpoints));
     }
@@ -586,6 +592,7 @@ mod tests {
             checkpoints: None,
             tenants: None,
             userns: None,
+            volumes: None,
         });
         assert!(table.contains(
             "| case | n | p50 ms | p95 ms | mean ms | p50 ÷ runc exec | p50 ÷ crun exec |"
@@ -654,6 +661,7 @@ mod tests {
             checkpoints: None,
             tenants: None,
             userns: None,
+            volumes: None,
         });
         assert!(
             text.contains("| add_layer | 2 | 500.00 | 500.00 | 500.00 | 200.0 | 2.00× tar -xf |"),

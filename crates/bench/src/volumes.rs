@@ -1,0 +1,300 @@
+//! The volumes phase: reading a named volume from inside a run against
+//! reading the same file on the host, and what mounting a volume adds to a
+//! create.
+//!
+//! - Sequential read of a [`FILE_MIB`] MiB file with `dd bs=1M` to
+//!   `/dev/null`: in a run that mounts the volume (through an idmapped
+//!   mount when runs have user namespaces), and on the host from the
+//!   volume's directory in the run store, the two interleaved. Cold: after
+//!   `sync` and dropping the page cache (`/proc/sys/vm/drop_caches`) before
+//!   each read; warm: the file read once before, so it is in the page cache.
+//! - Create + first exec (`/bin/true`) of a run that mounts the volume
+//!   read-only, next to one that mounts nothing, interleaved; the DELETE is
+//!   not timed.
+
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context};
+use runbox_types::{CreateRunRequest, CreateVolumeRequest, ExecRequest, VolumeMountRequest};
+use serde::Serialize;
+
+use crate::daemon::{Daemon, IMAGE};
+use crate::stats::{summarize, Summary};
+
+/// The size of the file read.
+pub const FILE_MIB: u64 = 1024;
+
+const VOLUME: &str = "bench-data";
+
+/// The phase's results.
+#[derive(Clone, Debug, Serialize)]
+pub struct VolumesReport {
+    /// The runtime of the daemon measured.
+    pub runtime: String,
+    /// MiB read per sample.
+    pub file_mib: u64,
+    /// Whether the daemon's runs have user namespaces (the volume is then
+    /// mounted through an idmapped mount).
+    pub userns: String,
+    /// Cold read in the run.
+    pub run_cold: Summary,
+    /// Cold read on the host.
+    pub host_cold: Summary,
+    /// Warm read in the run.
+    pub run_warm: Summary,
+    /// Warm read on the host.
+    pub host_warm: Summary,
+    /// Create + first exec, no volume.
+    pub create_plain: Summary,
+    /// Create + first exec, one volume mounted read-only.
+    pub create_volume: Summary,
+}
+
+fn drop_caches() -> anyhow::Result<()> {
+    let status = std::process::Command::new("sync")
+        .status()
+        .context("sync")?;
+    ensure!(status.success(), "sync failed");
+    std::fs::write("/proc/sys/vm/drop_caches", "3").context("dropping the page cache")
+}
+
+async fn read_in_run(daemon: &Daemon, id: &str) -> anyhow::Result<Duration> {
+    let req = ExecRequest {
+        cmd: vec![
+            "dd".into(),
+            format!("if=/volumes/{VOLUME}/big"),
+            "of=/dev/null".into(),
+            "bs=1M".into(),
+        ],
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let out = daemon.client.exec(id, &req).await?.collect_output().await?;
+    ensure!(
+        out.exit.exit_code == 0,
+        "dd in the run failed: {:?}",
+        out.exit
+    );
+    Ok(started.elapsed())
+}
+
+fn read_on_host(path: &Path) -> anyhow::Result<Duration> {
+    let started = Instant::now();
+    let status = std::process::Command::new("dd")
+        .arg(format!("if={}", path.display()))
+        .args(["of=/dev/null", "bs=1M"])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("running dd")?;
+    ensure!(status.success(), "dd on the host failed");
+    Ok(started.elapsed())
+}
+
+async fn create_case(daemon: &mut Daemon, volume: bool) -> anyhow::Result<Duration> {
+    let req = CreateRunRequest {
+        image: IMAGE.into(),
+        volumes: volume.then(|| {
+            vec![VolumeMountRequest {
+                name: VOLUME.into(),
+                path: None,
+                mode: Some(runbox_types::VolumeMode::Ro),
+            }]
+        }),
+        ..Default::default()
+    };
+    let true_req = ExecRequest {
+        cmd: vec!["/bin/true".into()],
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let run = daemon.create_run_with(req).await?;
+    let out = daemon
+        .client
+        .exec(&run.id.to_string(), &true_req)
+        .await?
+        .collect_output()
+        .await?;
+    ensure!(out.exit.exit_code == 0, "/bin/true failed");
+    let took = started.elapsed();
+    daemon.delete_run(run.id).await?;
+    Ok(took)
+}
+
+/// Runs the phase on `daemon`: `reads` measured reads per case,
+/// `creates` measured creates per case, each after `warmup` unmeasured.
+pub async fn measure(
+    daemon: &mut Daemon,
+    reads: usize,
+    creates: usize,
+    warmup: usize,
+) -> anyhow::Result<VolumesReport> {
+    let userns = daemon.client.info().await?.userns;
+    let volume = daemon
+        .client
+        .create_volume(&CreateVolumeRequest {
+            name: VOLUME.into(),
+            size_mb: Some(FILE_MIB + 256),
+        })
+        .await
+        .context("making the volume")?;
+    let measured = async {
+        let writer = daemon
+            .create_run_with(CreateRunRequest {
+                image: IMAGE.into(),
+                volumes: Some(vec![VolumeMountRequest {
+                    name: VOLUME.into(),
+                    path: None,
+                    mode: None,
+                }]),
+                ..Default::default()
+            })
+            .await?;
+        let id = writer.id.to_string();
+        let fill = ExecRequest {
+            cmd: vec![
+                "dd".into(),
+                "if=/dev/zero".into(),
+                format!("of=/volumes/{VOLUME}/big"),
+                "bs=1M".into(),
+                format!("count={FILE_MIB}"),
+                "conv=fsync".into(),
+            ],
+            ..Default::default()
+        };
+        let out = daemon
+            .client
+            .exec(&id, &fill)
+            .await?
+            .collect_output()
+            .await?;
+        ensure!(
+            out.exit.exit_code == 0,
+            "writing the file failed: {:?}",
+            out.exit
+        );
+        let host = daemon
+            .state_dir()
+            .join("runs/.volumes")
+            .join(volume.id.to_string())
+            .join("big");
+        let (mut run_cold, mut host_cold, mut run_warm, mut host_warm) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for round in 0..1 + reads {
+            let measured = round >= 1;
+            for in_run in [round % 2 == 0, round % 2 != 0] {
+                drop_caches()?;
+                let took = match in_run {
+                    true => read_in_run(daemon, &id).await?,
+                    false => read_on_host(&host)?,
+                };
+                if measured {
+                    if in_run {
+                        &mut run_cold
+                    } else {
+                        &mut host_cold
+                    }
+                    .push(took);
+                }
+            }
+            read_on_host(&host)?;
+            for in_run in [round % 2 == 0, round % 2 != 0] {
+                let took = match in_run {
+                    true => read_in_run(daemon, &id).await?,
+                    false => read_on_host(&host)?,
+                };
+                if measured {
+                    if in_run {
+                        &mut run_warm
+                    } else {
+                        &mut host_warm
+                    }
+                    .push(took);
+                }
+            }
+        }
+        daemon.delete_run(writer.id).await?;
+        let (mut plain, mut with) = (Vec::new(), Vec::new());
+        for round in 0..warmup + creates {
+            for volume in [round % 2 == 0, round % 2 != 0] {
+                let took = create_case(daemon, volume).await?;
+                if round >= warmup {
+                    if volume { &mut with } else { &mut plain }.push(took);
+                }
+            }
+        }
+        let summary = |s: &[Duration]| summarize(s).context("no samples");
+        Ok::<_, anyhow::Error>(VolumesReport {
+            runtime: daemon.runtime.clone(),
+            file_mib: FILE_MIB,
+            userns,
+            run_cold: summary(&run_cold)?,
+            host_cold: summary(&host_cold)?,
+            run_warm: summary(&run_warm)?,
+            host_warm: summary(&host_warm)?,
+            create_plain: summary(&plain)?,
+            create_volume: summary(&with)?,
+        })
+    }
+    .await;
+    if let Err(e) = daemon.client.delete_volume(VOLUME).await {
+        eprintln!("runbox-bench: could not delete the bench volume: {e}");
+    }
+    measured
+}
+
+/// The phase as markdown.
+pub fn markdown(r: &VolumesReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "\n## Volumes ({}, userns {})\n", r.runtime, r.userns);
+    let _ = writeln!(
+        out,
+        "Sequential read of a {} MiB file (`dd bs=1M` to /dev/null) in a run that mounts the \
+         volume and on the host from the volume's directory, interleaved; cold after dropping \
+         the page cache, warm with the file cached. Then create + first exec with one volume \
+         (read-only) next to none.\n",
+        r.file_mib
+    );
+    let _ = writeln!(
+        out,
+        "| case | n | p50 ms | p95 ms | MiB/s at p50 | ÷ host |\n|---|--:|--:|--:|--:|--:|"
+    );
+    let mib_s = |s: &Summary| r.file_mib as f64 / (s.p50_ms / 1e3);
+    for (name, s, host) in [
+        ("cold read, in the run", &r.run_cold, &r.host_cold),
+        ("cold read, on the host", &r.host_cold, &r.host_cold),
+        ("warm read, in the run", &r.run_warm, &r.host_warm),
+        ("warm read, on the host", &r.host_warm, &r.host_warm),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {:.1} | {:.1} | {:.0} | {:.2}× |",
+            s.n,
+            s.p50_ms,
+            s.p95_ms,
+            mib_s(s),
+            mib_s(s) / mib_s(host)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n| create + first exec | n | p50 ms | p95 ms |\n|---|--:|--:|--:|"
+    );
+    for (name, s) in [
+        ("no volume", &r.create_plain),
+        ("one volume, read-only", &r.create_volume),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {:.2} | {:.2} |",
+            s.n, s.p50_ms, s.p95_ms
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nA volume adds {:.2} ms to the median create + first exec.",
+        r.create_volume.p50_ms - r.create_plain.p50_ms
+    );
+    out
+}
