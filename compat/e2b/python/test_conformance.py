@@ -473,3 +473,30 @@ def test_sandboxes_may_gain_privileges_as_e2b_templates_expect(daemon, sbx):
         assert box.commands.run("grep NoNewPrivs /proc/self/status").stdout == "NoNewPrivs:\t1\n"
     finally:
         httpx.delete(f"{daemon.url}/v1/runs/{r.json()['id']}", headers=auth)
+
+
+def test_volume_mounts_at_create_mount_the_callers_volumes(daemon):
+    # A volume made through runbox's API, mounted by name through E2B's
+    # create (E2B's own volume API is not served yet).
+    import httpx
+
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+    r = httpx.post(f"{daemon.url}/v1/volumes", json={"name": "e2bvol", "sizeMb": 32}, headers=auth)
+    assert r.status_code == 201, r.text
+    try:
+        sbx = Sandbox.create(timeout=60, volume_mounts={"/mnt/shared": "e2bvol"})
+        try:
+            sbx.commands.run("echo from-e2b > /mnt/shared/f")
+            info = httpx.get(f"{daemon.url}/v1/runs/{sbx.sandbox_id}", headers=auth).json()
+            assert info["volumes"] == [{"name": "e2bvol", "path": "/mnt/shared", "mode": "rw"}]
+        finally:
+            sbx.kill()
+        again = Sandbox.create(timeout=60, volume_mounts={"/data": "e2bvol"})
+        try:
+            assert again.commands.run("cat /data/f").stdout == "from-e2b\n"
+        finally:
+            again.kill()
+        with pytest.raises(Exception):
+            Sandbox.create(timeout=60, volume_mounts={"/data": "no-such-volume"})
+    finally:
+        assert httpx.delete(f"{daemon.url}/v1/volumes/e2bvol", headers=auth).status_code == 204

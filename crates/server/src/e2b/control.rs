@@ -162,6 +162,41 @@ struct NewSandbox {
     other: BTreeMap<String, Value>,
 }
 
+/// `volumeMounts` at create: `[{"name", "path"}]`, each a volume of the
+/// caller's mounted read-write at `path` (the daemon checks names, paths
+/// and holders as for its own creates).
+fn volume_mounts(
+    value: Option<&Value>,
+) -> Result<Option<Vec<runbox_types::VolumeMountRequest>>, E2bError> {
+    if is_null_or_empty(&value.cloned()) {
+        return Ok(None);
+    }
+    let bad = || E2bError::bad("volumeMounts must be a list of {\"name\", \"path\"} objects");
+    let list = value.and_then(Value::as_array).ok_or_else(bad)?;
+    let mut out = Vec::with_capacity(list.len());
+    for entry in list {
+        let field = |key: &str| {
+            entry
+                .get(key)
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(bad)
+        };
+        if entry
+            .as_object()
+            .is_some_and(|o| o.keys().any(|k| k != "name" && k != "path"))
+        {
+            return Err(bad());
+        }
+        out.push(runbox_types::VolumeMountRequest {
+            name: field("name")?,
+            path: Some(field("path")?),
+            mode: Some(runbox_types::VolumeMode::Rw),
+        });
+    }
+    Ok(Some(out))
+}
+
 /// A created or connected sandbox, as the SDKs read it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -270,11 +305,8 @@ async fn create<S: RunService>(
         _ => runbox_types::OnExpire::Delete,
     };
     let public_ports = public_traffic(req.network.as_ref())?;
-    for (name, value) in [
-        ("mcp", &req.mcp),
-        ("volumeMounts", &req.volume_mounts),
-        ("iam", &req.iam),
-    ] {
+    let volumes = volume_mounts(req.volume_mounts.as_ref())?;
+    for (name, value) in [("mcp", &req.mcp), ("iam", &req.iam)] {
         if !is_null_or_empty(value) {
             return Err(E2bError::unsupported(&format!("`{name}`")));
         }
@@ -316,6 +348,7 @@ async fn create<S: RunService>(
         // its SDKs use it. Where root in a run is an unprivileged host id,
         // sudo gains nothing outside the run, so it works here too.
         allow_privilege_escalation: Some(state.service.info().userns == "private"),
+        volumes,
         ..Default::default()
     };
     let key = match headers.get(crate::handlers::IDEMPOTENCY_KEY) {
@@ -354,6 +387,8 @@ struct Listed {
     envd_access_token: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lifecycle: Option<Lifecycle>,
+    /// The volumes it mounts, as `{"name", "path"}`.
+    volume_mounts: Vec<BTreeMap<&'static str, String>>,
 }
 
 /// What a sandbox does at its timeout and on traffic while paused.
@@ -403,6 +438,11 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
         disk_size_mb: run.limits.disk_mb.unwrap_or(0),
         state: e2b_state(run),
         metadata: run.labels.clone(),
+        volume_mounts: run
+            .volumes
+            .iter()
+            .map(|v| BTreeMap::from([("name", v.name.clone()), ("path", v.path.clone())]))
+            .collect(),
         envd_access_token: detail.then(|| access_token(&state.token, run.id)),
         lifecycle: detail.then_some(Lifecycle {
             auto_resume: run.auto_resume,
