@@ -356,3 +356,15 @@ async fn stop(child: &mut Child) {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// Execs `/bin/true` in run `id` until its exit event; the time it took.
+pub async fn exec_true(client: &Client, id: &str) -> anyhow::Result<Duration> {
+    let req = runbox_types::ExecRequest {
+        cmd: vec!["/bin/true".into()],
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let out = client.exec(id, &req).await?.collect_output().await?;
+    anyhow::ensure!(out.exit.exit_code == 0, "/bin/true failed: {:?}", out.exit);
+    Ok(started.elapsed())
+}

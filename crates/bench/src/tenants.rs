@@ -9,15 +9,15 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{ensure, Context};
+use anyhow::Context;
 use runbox_client::Client;
-use runbox_types::{CreateRunRequest, ExecRequest};
+use runbox_types::CreateRunRequest;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::daemon::{Daemon, IMAGE};
+use crate::daemon::{exec_true, Daemon, IMAGE};
 use crate::stats::{summarize, Summary};
 
 /// How many tenants the daemon holds.
@@ -64,17 +64,6 @@ fn seed(state: &Path) -> anyhow::Result<()> {
     let file = serde_json::json!({"version": 1, "tenants": tenants});
     std::fs::write(state.join("tenants.json"), serde_json::to_vec(&file)?)
         .context("writing tenants.json")
-}
-
-async fn exec_true(client: &Client, id: &str) -> anyhow::Result<Duration> {
-    let req = ExecRequest {
-        cmd: vec!["/bin/true".into()],
-        ..Default::default()
-    };
-    let started = Instant::now();
-    let out = client.exec(id, &req).await?.collect_output().await?;
-    ensure!(out.exit.exit_code == 0, "/bin/true failed: {:?}", out.exit);
-    Ok(started.elapsed())
 }
 
 /// Runs the phase: `plain` is a daemon with no tenants (the exec phase's),

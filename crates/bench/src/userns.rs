@@ -19,11 +19,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context};
-use runbox_client::Client;
 use runbox_types::{ExecRequest, ForkRequest};
 use serde::Serialize;
 
-use crate::daemon::Daemon;
+use crate::daemon::{exec_true, Daemon};
 use crate::stats::{summarize, Summary};
 
 /// Files the fork's parent writes before the fork cases.
@@ -55,17 +54,6 @@ pub struct UsernsReport {
     pub fork_files: usize,
     /// One entry per runtime.
     pub runtimes: Vec<UsernsRuntime>,
-}
-
-async fn exec_true(client: &Client, id: &str) -> anyhow::Result<Duration> {
-    let req = ExecRequest {
-        cmd: vec!["/bin/true".into()],
-        ..Default::default()
-    };
-    let started = Instant::now();
-    let out = client.exec(id, &req).await?.collect_output().await?;
-    ensure!(out.exit.exit_code == 0, "/bin/true failed: {:?}", out.exit);
-    Ok(started.elapsed())
 }
 
 /// Create + first exec on `daemon`; the run is deleted untimed.

@@ -20,7 +20,7 @@ use anyhow::{ensure, Context};
 use runbox_types::{CreateRunRequest, CreateVolumeRequest, ExecRequest, VolumeMountRequest};
 use serde::Serialize;
 
-use crate::daemon::{Daemon, IMAGE};
+use crate::daemon::{exec_true, Daemon, IMAGE};
 use crate::stats::{summarize, Summary};
 
 /// The size of the file read.
@@ -104,19 +104,9 @@ async fn create_case(daemon: &mut Daemon, volume: bool) -> anyhow::Result<Durati
         }),
         ..Default::default()
     };
-    let true_req = ExecRequest {
-        cmd: vec!["/bin/true".into()],
-        ..Default::default()
-    };
     let started = Instant::now();
     let run = daemon.create_run_with(req).await?;
-    let out = daemon
-        .client
-        .exec(&run.id.to_string(), &true_req)
-        .await?
-        .collect_output()
-        .await?;
-    ensure!(out.exit.exit_code == 0, "/bin/true failed");
+    exec_true(&daemon.client, &run.id.to_string()).await?;
     let took = started.elapsed();
     daemon.delete_run(run.id).await?;
     Ok(took)

@@ -362,6 +362,11 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn set_draining(&self, draining: bool) -> runbox_types::PoolList;
     /// What the node is and how full.
     fn info(&self) -> runbox_types::Info;
+    /// Whether new runs get a user namespace of their own (what
+    /// [`RunService::info`] reports as `userns`, without the rest).
+    fn user_namespaces(&self) -> bool {
+        self.info().userns == "private"
+    }
     /// Imports an image from the bytes of a tar archive, as they arrive.
     fn import_image(
         &self,
@@ -809,6 +814,10 @@ impl RunService for Arc<Manager> {
 
     fn info(&self) -> runbox_types::Info {
         Manager::info(self)
+    }
+
+    fn user_namespaces(&self) -> bool {
+        self.lane.capabilities().user_namespaces.yes()
     }
 
     async fn get_file(

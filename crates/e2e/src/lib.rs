@@ -469,6 +469,18 @@ impl TestDaemon {
         .await
     }
 
+    /// Forks run `parent` into one child and returns it.
+    pub async fn fork_one(&self, parent: &str) -> Run {
+        let req = runbox_types::ForkRequest {
+            count: 1,
+            ..Default::default()
+        };
+        match self.client.fork_run(parent, &req).await {
+            Ok(mut forked) => forked.runs.remove(0),
+            Err(e) => panic!("forking {parent} failed: {e}; daemon log:\n{}", self.log()),
+        }
+    }
+
     /// Runs an exec request and collects its output.
     pub async fn exec(&self, id: &str, req: ExecRequest) -> ExecOutput {
         let stream = match self.client.exec(id, &req).await {

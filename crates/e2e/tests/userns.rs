@@ -67,20 +67,15 @@ async fn root_in_a_run_is_an_unprivileged_host_id_and_files_keep_their_owners() 
         )
         .await;
         let bob = daemon
-            .client
             .exec(
                 &run,
-                &runbox_types::ExecRequest {
+                runbox_types::ExecRequest {
                     cmd: vec!["touch".into(), "/work/bob/bob-made".into()],
                     user: Some("1000".into()),
                     ..Default::default()
                 },
             )
-            .await
-            .unwrap()
-            .collect_output()
-            .await
-            .unwrap();
+            .await;
         assert_eq!(bob.exit.exit_code, 0, "{bob:?}");
         let upper = daemon
             .state
@@ -109,21 +104,7 @@ async fn root_in_a_run_is_an_unprivileged_host_id_and_files_keep_their_owners() 
         // Another run, and a fork, each get a range of their own; the fork
         // sees its parent's files with the same owners.
         let other = daemon.create().await.id.to_string();
-        let fork = daemon
-            .client
-            .fork_run(
-                &run,
-                &runbox_types::ForkRequest {
-                    count: 1,
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap()
-            .runs
-            .remove(0)
-            .id
-            .to_string();
+        let fork = daemon.fork_one(&run).await.id.to_string();
         let bases = [
             base,
             base_of(&daemon, &other).await,
@@ -202,24 +183,6 @@ async fn root_in_a_run_is_an_unprivileged_host_id_and_files_keep_their_owners() 
     }
 }
 
-async fn fork_one(daemon: &TestDaemon, parent: &str) -> String {
-    daemon
-        .client
-        .fork_run(
-            parent,
-            &runbox_types::ForkRequest {
-                count: 1,
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap()
-        .runs
-        .remove(0)
-        .id
-        .to_string()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fork_uses_its_parents_layer_as_stored_and_holds_that_range() {
     for runtime in runbox_e2e::runtimes() {
@@ -232,7 +195,7 @@ async fn a_fork_uses_its_parents_layer_as_stored_and_holds_that_range() {
             "echo a > /work/a; chown 1000:1000 /work/a; mkdir /work/deep; echo d > /work/deep/d",
         )
         .await;
-        let fork = fork_one(&daemon, &parent).await;
+        let fork = daemon.fork_one(&parent).await.id.to_string();
         let f = base_of(&daemon, &fork).await;
         assert_ne!(f, p);
         // Inside, the fork's own range; its parent's files as they were.
@@ -291,7 +254,7 @@ async fn a_fork_uses_its_parents_layer_as_stored_and_holds_that_range() {
             "1000\n0\n0\nb\n"
         );
         // A fork of the fork: the same stored ids, a range of its own.
-        let grandchild = fork_one(&daemon, &fork).await;
+        let grandchild = daemon.fork_one(&fork).await.id.to_string();
         assert_eq!(out(&daemon, &grandchild, script).await, "1000\n0\n0\nb\n");
 
         // Once its last holder is gone the range is free again.
@@ -415,20 +378,15 @@ async fn probe_as_user(daemon: &TestDaemon, run: &str, probe: &[u8]) -> (String,
     )
     .await;
     let probed = daemon
-        .client
         .exec(
             run,
-            &runbox_types::ExecRequest {
+            runbox_types::ExecRequest {
                 cmd: vec!["/work/probe".into(), "/work/shared/made".into()],
                 user: Some("1000".into()),
                 ..Default::default()
             },
         )
-        .await
-        .unwrap()
-        .collect_output()
-        .await
-        .unwrap();
+        .await;
     assert_eq!(probed.exit.exit_code, 0, "{probed:?}");
     let made = daemon
         .state
@@ -474,19 +432,7 @@ async fn setuid_programs_raise_privileges_only_in_runs_that_allow_it_and_only_in
             "{runtime}"
         );
         // A fork keeps its parent's choice.
-        let fork = daemon
-            .client
-            .fork_run(
-                &loose,
-                &runbox_types::ForkRequest {
-                    count: 1,
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap()
-            .runs
-            .remove(0);
+        let fork = daemon.fork_one(&loose).await;
         assert!(fork.allow_privilege_escalation);
         for id in [strict, loose, fork.id.to_string()] {
             daemon.client.delete_run(&id).await.unwrap();

@@ -142,19 +142,7 @@ async fn volume_data_outlives_its_runs_a_restart_and_a_kill_9() {
         );
         assert_eq!(ok(&daemon, &reader, "cat /mnt/data/f").await, "kept\n");
         // A fork takes the run's files, never its volumes.
-        let fork = daemon
-            .client
-            .fork_run(
-                &reader,
-                &runbox_types::ForkRequest {
-                    count: 1,
-                    ..Default::default()
-                },
-            )
-            .await
-            .unwrap()
-            .runs
-            .remove(0);
+        let fork = daemon.fork_one(&reader).await;
         assert!(fork.volumes.is_empty());
         let fork = fork.id.to_string();
         assert_eq!(
@@ -329,37 +317,35 @@ async fn hostile_names_sizes_and_mounts_are_refused() {
     }
     // Nested, the same path twice, the same volume twice, too many, one
     // that does not exist.
-    let (status, code, _) = refused(
-        &daemon,
-        with(vec![
-            mount("v", Some("/data"), None),
-            mount("w", Some("/data/inner"), None),
-        ]),
-    )
-    .await;
-    assert_eq!((status, code.as_str()), (400, "bad_path"));
-    let (status, code, _) = refused(
-        &daemon,
-        with(vec![
-            mount("v", Some("/data"), None),
-            mount("w", Some("/data"), None),
-        ]),
-    )
-    .await;
-    assert_eq!((status, code.as_str()), (400, "bad_path"));
-    let (status, code, _) = refused(
-        &daemon,
-        with(vec![mount("v", None, None), mount("v", Some("/x"), None)]),
-    )
-    .await;
-    assert_eq!((status, code.as_str()), (400, "bad_volume"));
     let many = (0..9)
         .map(|i| mount("v", Some(&format!("/m{i}")), None))
         .collect();
-    let (status, code, _) = refused(&daemon, with(many)).await;
-    assert_eq!((status, code.as_str()), (400, "bad_volume"));
-    let (status, code, _) = refused(&daemon, with(vec![mount("nope", None, None)])).await;
-    assert_eq!((status, code.as_str()), (404, "volume_not_found"));
+    let cases = [
+        (
+            vec![
+                mount("v", Some("/data"), None),
+                mount("w", Some("/data/inner"), None),
+            ],
+            (400, "bad_path"),
+        ),
+        (
+            vec![
+                mount("v", Some("/data"), None),
+                mount("w", Some("/data"), None),
+            ],
+            (400, "bad_path"),
+        ),
+        (
+            vec![mount("v", None, None), mount("v", Some("/x"), None)],
+            (400, "bad_volume"),
+        ),
+        (many, (400, "bad_volume")),
+        (vec![mount("nope", None, None)], (404, "volume_not_found")),
+    ];
+    for (mounts, want) in cases {
+        let (status, code, message) = refused(&daemon, with(mounts)).await;
+        assert_eq!((status, code.as_str()), want, "{message}");
+    }
     // An unknown field in a mount is refused, not ignored.
     let raw = reqwest::Client::new()
         .post(format!("{}/v1/runs", daemon.client.base_url()))

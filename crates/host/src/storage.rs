@@ -381,29 +381,11 @@ impl RunStorage {
     /// to `limit` bytes, and returns its path. Needs btrfs with quotas (a
     /// volume without a limit could fill the run store).
     pub fn create_volume(&self, runs: &Path, id: &str, limit: u64) -> Result<PathBuf, LaneError> {
-        if let Some(why) = self.limits_unsupported() {
-            return Err(LaneError::Unsupported(why.to_owned()));
-        }
-        let volumes = runs.join(VOLUMES_DIR);
-        std::fs::DirBuilder::new()
-            .mode(0o711)
-            .recursive(true)
-            .create(&volumes)
-            .map_err(LaneError::io(format!("creating {}", volumes.display())))?;
-        let parent =
-            open_dir(&volumes).map_err(LaneError::io(format!("opening {}", volumes.display())))?;
-        create_subvolume(&parent, OsStr::new(id)).map_err(LaneError::io(format!(
-            "creating the btrfs subvolume for volume {id}"
-        )))?;
-        let volume = volumes.join(id);
-        let limited = open_dir(&volume).and_then(|sub| limit_subvolume(&sub, limit));
-        if let Err(e) = limited {
-            let _ = destroy_subvolume(&parent, OsStr::new(id));
-            return Err(LaneError::io(format!(
-                "limiting volume {id} to {limit} bytes"
-            ))(e));
-        }
-        Ok(volume)
+        self.make_volume(runs, id, limit, |parent| {
+            create_subvolume(parent, OsStr::new(id)).map_err(LaneError::io(format!(
+                "creating the btrfs subvolume for volume {id}"
+            )))
+        })
     }
 
     /// Makes volume `id` a writable snapshot of volume `from` (constant
@@ -416,16 +398,37 @@ impl RunStorage {
         id: &str,
         limit: u64,
     ) -> Result<PathBuf, LaneError> {
+        let source = runs.join(VOLUMES_DIR).join(from);
+        self.make_volume(runs, id, limit, |parent| {
+            let source =
+                open_dir(&source).map_err(LaneError::io(format!("opening volume {from}")))?;
+            snapshot_subvolume_with(&source, parent, OsStr::new(id), 0)
+                .map_err(LaneError::io(format!("cloning volume {from} into {id}")))
+        })
+    }
+
+    /// Makes subvolume `<runs>/.volumes/<id>` with `make` (given the
+    /// directory it goes in) and limits it to `limit` bytes; on error
+    /// nothing of it is left.
+    fn make_volume(
+        &self,
+        runs: &Path,
+        id: &str,
+        limit: u64,
+        make: impl FnOnce(&File) -> Result<(), LaneError>,
+    ) -> Result<PathBuf, LaneError> {
         if let Some(why) = self.limits_unsupported() {
             return Err(LaneError::Unsupported(why.to_owned()));
         }
         let volumes = runs.join(VOLUMES_DIR);
-        let source = open_dir(&volumes.join(from))
-            .map_err(LaneError::io(format!("opening volume {from}")))?;
+        std::fs::DirBuilder::new()
+            .mode(0o711)
+            .recursive(true)
+            .create(&volumes)
+            .map_err(LaneError::io(format!("creating {}", volumes.display())))?;
         let parent =
             open_dir(&volumes).map_err(LaneError::io(format!("opening {}", volumes.display())))?;
-        snapshot_subvolume_with(&source, &parent, OsStr::new(id), 0)
-            .map_err(LaneError::io(format!("cloning volume {from} into {id}")))?;
+        make(&parent)?;
         let volume = volumes.join(id);
         let limited = open_dir(&volume).and_then(|sub| limit_subvolume(&sub, limit));
         if let Err(e) = limited {

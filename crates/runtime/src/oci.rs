@@ -975,24 +975,20 @@ fn claim_ranges(runs: &Path, ranges: &mut IdRanges) {
         let Ok(text) = std::fs::read_to_string(entry.path().join(IDBASE_FILE)) else {
             continue;
         };
-        if let (Ok(base), Ok(stored)) = (
-            text.trim().parse::<u32>(),
-            recorded_base(&entry.path().join(crate::storage::DISK_DIR)),
-        ) {
-            if stored != 0 && stored != base {
-                disks.push(stored);
-            }
-        }
-        match text.trim().parse::<u32>() {
-            Ok(base) if ranges.claim(base) => {}
-            Ok(base) => tracing::warn!(
+        let Ok(base) = text.trim().parse::<u32>() else {
+            tracing::warn!(path = %entry.path().display(), "ignoring an unreadable user namespace range");
+            continue;
+        };
+        if !ranges.claim(base) {
+            tracing::warn!(
                 run = %entry.file_name().to_string_lossy(),
                 base,
                 "a run's user namespace range is outside --userns-range or named twice"
-            ),
-            Err(_) => {
-                tracing::warn!(path = %entry.path().display(), "ignoring an unreadable user namespace range")
-            }
+            );
+        }
+        match recorded_base(&entry.path().join(crate::storage::DISK_DIR)) {
+            Ok(stored) if stored != 0 && stored != base => disks.push(stored),
+            _ => {}
         }
     }
     // After every namespace's claim: a held range is a taken one.

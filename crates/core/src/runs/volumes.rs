@@ -18,23 +18,32 @@ use crate::volumes::{self, RunVolumeRecord, VolumeRecord};
 /// Where a volume is mounted when its mount names no path.
 pub const DEFAULT_VOLUME_DIR: &str = "/volumes";
 
-/// The runs of `registry` that mount volume `id`, and how.
-fn holders(registry: &HashMap<Ulid, Arc<RunHandle>>, id: Ulid) -> Vec<(Ulid, VolumeMode)> {
-    let mut out: Vec<(Ulid, VolumeMode)> = registry
-        .values()
-        .flat_map(|handle| {
-            let snapshot = handle.snapshot();
-            snapshot
-                .record
-                .volumes
-                .iter()
-                .filter(|v| v.id == id)
-                .map(|v| (snapshot.record.id, v.mode))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    out.sort_by_key(|(run, _)| *run);
+/// Every volume the runs of `registry` mount: the runs that mount it, and
+/// how, by run id.
+fn all_holders(
+    registry: &HashMap<Ulid, Arc<RunHandle>>,
+) -> HashMap<Ulid, Vec<runbox_types::VolumeHolder>> {
+    let mut out: HashMap<Ulid, Vec<runbox_types::VolumeHolder>> = HashMap::new();
+    for handle in registry.values() {
+        let snapshot = handle.snapshot();
+        for mount in &snapshot.record.volumes {
+            out.entry(mount.id)
+                .or_default()
+                .push(runbox_types::VolumeHolder {
+                    run: snapshot.record.id,
+                    mode: mount.mode,
+                });
+        }
+    }
+    for held in out.values_mut() {
+        held.sort_by_key(|h| h.run);
+    }
     out
+}
+
+/// The runs of `registry` that mount volume `id`, and how.
+fn holders(registry: &HashMap<Ulid, Arc<RunHandle>>, id: Ulid) -> Vec<runbox_types::VolumeHolder> {
+    all_holders(registry).remove(&id).unwrap_or_default()
 }
 
 /// A lane's refusal to make a volume, as the API says it.
@@ -171,18 +180,20 @@ impl Manager {
             return Err(e);
         }
         tracing::info!(volume = %record.id, name = %record.name, size_mb, "volume made");
-        Ok(self.volume_view(&record))
+        let holders = holders(&self.registry(), record.id);
+        Ok(self.volume_view(&record, holders))
     }
 
     /// The caller's volumes (the operator, `tenant` None, sees every one,
     /// each stamped with its tenant).
     pub fn list_volumes(&self, tenant: Option<&str>) -> runbox_types::VolumeList {
+        let mut held = all_holders(&self.registry());
         let volumes = self
             .volumes
             .all()
             .iter()
             .filter(|v| tenant.is_none() || v.tenant.as_deref() == tenant)
-            .map(|v| self.volume_view(v))
+            .map(|v| self.volume_view(v, held.remove(&v.id).unwrap_or_default()))
             .collect();
         runbox_types::VolumeList { volumes }
     }
@@ -197,7 +208,8 @@ impl Manager {
             .volumes
             .find(tenant, name)
             .ok_or_else(|| not_found(name))?;
-        Ok(self.volume_view(&record))
+        let holders = holders(&self.registry(), record.id);
+        Ok(self.volume_view(&record, holders))
     }
 
     /// Deletes the caller's volume `name` and everything in it; refused
@@ -212,12 +224,13 @@ impl Manager {
             // Held while the volume leaves the records: a create admitted
             // after this finds it gone.
             let registry = self.registry();
-            if let Some((run, mode)) = holders(&registry, record.id).first() {
+            if let Some(holder) = holders(&registry, record.id).first() {
                 return Err(CoreError::invalid(
                     ErrorCode::VolumeBusy,
                     format!(
-                        "volume {name:?} is mounted ({}) by run {run}; delete that run first",
-                        mode.as_str()
+                        "volume {name:?} is mounted ({}) by run {}; delete that run first",
+                        holder.mode.as_str(),
+                        holder.run
                     ),
                 ));
             }
@@ -228,12 +241,12 @@ impl Manager {
         Ok(())
     }
 
-    /// The API view of a volume: its record, holders and usage.
-    fn volume_view(&self, record: &VolumeRecord) -> runbox_types::Volume {
-        let holders = holders(&self.registry(), record.id)
-            .into_iter()
-            .map(|(run, mode)| runbox_types::VolumeHolder { run, mode })
-            .collect();
+    /// The API view of a volume: its record, `holders` and usage.
+    fn volume_view(
+        &self,
+        record: &VolumeRecord,
+        holders: Vec<runbox_types::VolumeHolder>,
+    ) -> runbox_types::Volume {
         runbox_types::Volume {
             id: record.id,
             name: record.name.clone(),
@@ -313,15 +326,17 @@ impl Manager {
         registry: &HashMap<Ulid, Arc<RunHandle>>,
         mounts: &[RunVolumeRecord],
     ) -> Result<(), CoreError> {
+        let held = all_holders(registry);
         for mount in mounts {
             if !self.volumes.exists(mount.id) {
                 return Err(not_found(&mount.name));
             }
-            let held = holders(registry, mount.id);
             let conflict = held
-                .iter()
-                .find(|(_, mode)| mount.mode == VolumeMode::Rw || *mode == VolumeMode::Rw);
-            if let Some((run, mode)) = conflict {
+                .get(&mount.id)
+                .into_iter()
+                .flatten()
+                .find(|h| mount.mode == VolumeMode::Rw || h.mode == VolumeMode::Rw);
+            if let Some(holder) = conflict {
                 let why = match mount.mode {
                     VolumeMode::Rw => "a writer needs it to itself",
                     VolumeMode::Ro => "readers wait until the writer is gone",
@@ -329,9 +344,10 @@ impl Manager {
                 return Err(CoreError::invalid(
                     ErrorCode::VolumeBusy,
                     format!(
-                        "volume {:?} is mounted {} by run {run}; {why}",
+                        "volume {:?} is mounted {} by run {}; {why}",
                         mount.name,
-                        mode.as_str()
+                        holder.mode.as_str(),
+                        holder.run
                     ),
                 ));
             }

@@ -347,7 +347,7 @@ async fn create<S: RunService>(
         // E2B's templates give their `user` account passwordless sudo, and
         // its SDKs use it. Where root in a run is an unprivileged host id,
         // sudo gains nothing outside the run, so it works here too.
-        allow_privilege_escalation: Some(state.service.info().userns == "private"),
+        allow_privilege_escalation: Some(state.service.user_namespaces()),
         volumes,
         ..Default::default()
     };
