@@ -1105,6 +1105,37 @@ mod tests {
     use super::*;
 
     #[test]
+    fn volume_mounts_are_name_and_path_pairs_mounted_read_write() {
+        let value = serde_json::json!([{"name": "data", "path": "/mnt/data"}]);
+        let mounts = volume_mounts(Some(&value)).unwrap().unwrap();
+        assert_eq!(
+            (
+                mounts[0].name.as_str(),
+                mounts[0].path.as_deref(),
+                mounts[0].mode
+            ),
+            (
+                "data",
+                Some("/mnt/data"),
+                Some(runbox_types::VolumeMode::Rw)
+            )
+        );
+        for empty in [serde_json::json!(null), serde_json::json!([])] {
+            assert!(volume_mounts(Some(&empty)).unwrap().is_none());
+        }
+        assert!(volume_mounts(None).unwrap().is_none());
+        for bad in [
+            serde_json::json!({"name": "data"}),
+            serde_json::json!(["data"]),
+            serde_json::json!([{"name": "data"}]),
+            serde_json::json!([{"name": "data", "path": 7}]),
+            serde_json::json!([{"name": "data", "path": "/d", "mode": "ro"}]),
+        ] {
+            assert!(volume_mounts(Some(&bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn list_filters_parse_as_the_sdks_send_them() {
         // The Python SDK quotes each side, then form-encodes the pairs.
         let q = list_query(Some(
