@@ -220,8 +220,22 @@ async fn a_server_in_a_none_run_is_reachable_through_its_preview_url_only() {
     assert!(echoed.0.starts_with("HTTP/1.1 101"), "{}", echoed.0);
     assert_eq!(echoed.1, b"ping through the preview\n");
 
-    // Every access is audited, without the token.
-    let audit = std::fs::read_to_string(daemon.state.path().join("audit.jsonl")).unwrap();
+    // Every access is audited, without the token. Records are appended
+    // off the request path (the upgraded connection's once it closes), so
+    // the last ones may land a moment after the answers.
+    let path = daemon.state.path().join("audit.jsonl");
+    let audited = |audit: &str| {
+        let previews: Vec<&str> = audit
+            .lines()
+            .filter(|l| l.contains("\"preview\""))
+            .collect();
+        previews.len() >= 6 && previews.iter().any(|l| l.contains("\"status\":101"))
+    };
+    runbox_e2e::eventually(Duration::from_secs(5), || {
+        audited(&std::fs::read_to_string(&path).unwrap_or_default())
+    })
+    .await;
+    let audit = std::fs::read_to_string(&path).unwrap();
     let previews: Vec<&str> = audit
         .lines()
         .filter(|l| l.contains("\"preview\""))
