@@ -28,7 +28,6 @@
 //! may have no libc, no shell, nothing.
 
 mod cli;
-mod confine;
 mod exec;
 mod files;
 mod fsops;
@@ -38,7 +37,6 @@ mod service;
 mod term;
 mod user;
 mod watch;
-mod xattrs;
 
 use std::io;
 use std::os::fd::{FromRawFd, RawFd};
@@ -49,6 +47,8 @@ use std::time::Duration;
 
 use runbox_agent_proto::pb::agent_server::AgentServer;
 use runbox_agent_proto::MAX_MESSAGE_BYTES;
+use runbox_confine as confine;
+use runbox_confine::xattrs;
 use rustix::io::FdFlags;
 use rustix::process::Pid;
 use tokio::net::{UnixListener, UnixStream};

@@ -70,6 +70,19 @@ fn groups(text: &str) -> impl Iterator<Item = (String, u32, Vec<String>)> + '_ {
     })
 }
 
+/// The owner of what a file call makes: the user `spec` names (see
+/// [`resolve`]), or None for an empty spec (the agent's own, root).
+pub fn owner(spec: &str) -> Result<Option<runbox_confine::ops::Owner>, runbox_confine::FileError> {
+    if spec.is_empty() {
+        return Ok(None);
+    }
+    let identity = resolve(spec).map_err(runbox_confine::FileError::BadUser)?;
+    Ok(Some(runbox_confine::ops::Owner {
+        uid: identity.uid,
+        gid: identity.gid,
+    }))
+}
+
 /// Resolves `spec` with the run's account files; `Err` says what is wrong.
 pub fn resolve(spec: &str) -> Result<Identity, String> {
     resolve_with(spec, &read("/etc/passwd"), &read("/etc/group"))

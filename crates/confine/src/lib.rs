@@ -15,11 +15,16 @@
 //!    outside, which closes the check-then-use races a userspace walk has.
 //!
 //! It also owns [`FileError`], the error every file operation reports, and
-//! its mapping to a gRPC status carrying the `runbox-kind` metadata entry.
+//! its mapping to a gRPC status carrying the `runbox-kind` metadata entry;
+//! [`ops`] holds the operations themselves (stat, list, mkdir, move,
+//! remove, and the halves of reading and writing a file that touch the
+//! disk), [`xattrs`] the user metadata kept with files.
 //!
-//! It does not own the RPC streaming (see `files`), nor exec's working
-//! directory, which is deliberately not confined: a command may go anywhere
-//! inside the run.
+//! Two users: the agent, confining a run's file RPCs to its `/work` (or its
+//! root), and the daemon, confining a volume's file API to the volume's
+//! directory on the host. Neither owns the streaming of file bodies, nor
+//! exec's working directory, which is deliberately not confined: a command
+//! may go anywhere inside the run.
 
 use std::io;
 use std::os::fd::{AsFd, OwnedFd};
@@ -29,6 +34,9 @@ use rustix::fs::{Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 use tonic::metadata::MetadataValue;
 use tonic::{Code, Status};
+
+pub mod ops;
+pub mod xattrs;
 
 /// Longest request path accepted, in bytes (Linux's `PATH_MAX`).
 pub const MAX_PATH_BYTES: usize = 4096;
@@ -265,7 +273,6 @@ impl RelPath {
     /// [`MAX_COMPONENT_BYTES`]. `.` components and repeated slashes are
     /// dropped. A path that reduces to nothing (".") names the work
     /// directory itself and is refused, as no file operation applies to it.
-    #[cfg(test)]
     pub fn parse(path: &str) -> Result<Self, FileError> {
         Self::parse_in(path, false)
     }

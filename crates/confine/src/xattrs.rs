@@ -14,7 +14,7 @@ use rustix::buffer::spare_capacity;
 use rustix::fs::{FileType, Mode, OFlags, XattrFlags};
 use rustix::io::Errno;
 
-use crate::confine::FileError;
+use crate::FileError;
 
 /// The most attributes one write may set.
 pub const MAX_XATTRS: usize = 64;
