@@ -565,6 +565,130 @@ impl Client {
         Ok(())
     }
 
+    /// `PUT /v1/volumes/{name}/files/{path}`: writes `body` to `path` (from
+    /// the volume's top) of a volume no run mounts, replacing any file
+    /// there unless `query.overwrite` is false.
+    pub async fn put_volume_file(
+        &self,
+        name: &str,
+        path: &str,
+        query: &runbox_types::VolumeWriteQuery,
+        body: UploadBody,
+    ) -> Result<runbox_types::FileInfo, ClientError> {
+        let mut route = format!(
+            "{}/files/{}",
+            volume_path(name)?,
+            paths::file_path(path.trim_start_matches('/'))?
+        );
+        let pairs: Vec<String> = [
+            query.mode.map(|m| format!("mode={m}")),
+            query.uid.map(|u| format!("uid={u}")),
+            query.gid.map(|g| format!("gid={g}")),
+            query.overwrite.map(|o| format!("overwrite={o}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !pairs.is_empty() {
+            route.push('?');
+            route.push_str(&pairs.join("&"));
+        }
+        let request = self.request(Method::PUT, &route);
+        let resp = self
+            .send(with_body(request, body, "application/octet-stream"))
+            .await?;
+        json(resp).await
+    }
+
+    /// `GET /v1/volumes/{name}/files/{path}`: starts downloading a file of
+    /// a volume.
+    pub async fn get_volume_file(
+        &self,
+        name: &str,
+        path: &str,
+    ) -> Result<FileDownload, ClientError> {
+        let route = format!(
+            "{}/files/{}",
+            volume_path(name)?,
+            paths::file_path(path.trim_start_matches('/'))?
+        );
+        let resp = self.send(self.request(Method::GET, &route)).await?;
+        Ok(FileDownload::new(resp))
+    }
+
+    /// `GET /v1/volumes/{name}/fs/stat`: what `path` (from the volume's
+    /// top; empty or `/` for the top) is.
+    pub async fn volume_stat(
+        &self,
+        name: &str,
+        path: &str,
+    ) -> Result<runbox_types::FileInfo, ClientError> {
+        let route = format!(
+            "{}/fs/stat?path={}",
+            volume_path(name)?,
+            paths::query_value(path)
+        );
+        json(self.send(self.request(Method::GET, &route)).await?).await
+    }
+
+    /// `GET /v1/volumes/{name}/fs/list`: `path`'s entries, `depth` levels
+    /// down.
+    pub async fn volume_list(
+        &self,
+        name: &str,
+        path: &str,
+        depth: u32,
+    ) -> Result<runbox_types::FileList, ClientError> {
+        let route = format!(
+            "{}/fs/list?path={}&depth={depth}",
+            volume_path(name)?,
+            paths::query_value(path)
+        );
+        json(self.send(self.request(Method::GET, &route)).await?).await
+    }
+
+    /// `POST /v1/volumes/{name}/fs/mkdir`.
+    pub async fn volume_make_dir(
+        &self,
+        name: &str,
+        req: &runbox_types::VolumeMakeDirRequest,
+    ) -> Result<runbox_types::FileInfo, ClientError> {
+        let route = format!("{}/fs/mkdir", volume_path(name)?);
+        json(
+            self.send(self.request(Method::POST, &route).json(req))
+                .await?,
+        )
+        .await
+    }
+
+    /// `POST /v1/volumes/{name}/fs/move`.
+    pub async fn volume_move(
+        &self,
+        name: &str,
+        req: &runbox_types::VolumeMoveRequest,
+    ) -> Result<runbox_types::FileInfo, ClientError> {
+        let route = format!("{}/fs/move", volume_path(name)?);
+        json(
+            self.send(self.request(Method::POST, &route).json(req))
+                .await?,
+        )
+        .await
+    }
+
+    /// `POST /v1/volumes/{name}/fs/remove`.
+    pub async fn volume_remove(
+        &self,
+        name: &str,
+        req: &runbox_types::VolumeRemoveRequest,
+    ) -> Result<runbox_types::RemoveReply, ClientError> {
+        let route = format!("{}/fs/remove", volume_path(name)?);
+        json(
+            self.send(self.request(Method::POST, &route).json(req))
+                .await?,
+        )
+        .await
+    }
+
     /// `GET /v1/usage`: usage per tenant since `since` (RFC 3339 or a span
     /// such as `24h`), for `tenant` only when given.
     pub async fn usage(

@@ -497,6 +497,14 @@ pub trait Lane: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The host directory holding volume `id`'s files, for file operations
+    /// without a run (confined beneath it); None where the lane keeps them
+    /// out of the daemon's reach.
+    fn volume_dir(&self, id: Ulid) -> Option<PathBuf> {
+        let _ = id;
+        None
+    }
+
     /// Bytes volume `id` holds, where the storage counts them.
     fn volume_used(&self, id: Ulid) -> Option<u64> {
         let _ = id;

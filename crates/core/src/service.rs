@@ -229,6 +229,15 @@ pub trait RunService: Clone + Send + Sync + 'static {
         name: String,
         owner: crate::tenants::Owner,
     ) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// `owner`'s volume `name`, for file operations without a run; with
+    /// `write` the call is a writer (refused while a run mounts the
+    /// volume, holding off mounts until the handle drops).
+    fn volume_files(
+        &self,
+        name: String,
+        owner: crate::tenants::Owner,
+        write: bool,
+    ) -> impl Future<Output = Result<crate::runs::VolumeFiles, CoreError>> + Send;
     /// Describes a path in a run's `scope` (None: its base).
     fn stat_path(
         &self,
@@ -631,6 +640,15 @@ impl RunService for Arc<Manager> {
         owner: crate::tenants::Owner,
     ) -> Result<(), CoreError> {
         Manager::delete_volume(self, &name, owner.tenant()).await
+    }
+
+    async fn volume_files(
+        &self,
+        name: String,
+        owner: crate::tenants::Owner,
+        write: bool,
+    ) -> Result<crate::runs::VolumeFiles, CoreError> {
+        Manager::volume_files(self, &name, owner.tenant(), write).await
     }
 
     async fn stat_path(

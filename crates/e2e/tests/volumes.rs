@@ -512,3 +512,304 @@ async fn a_clone_is_a_copy_of_now_that_goes_its_own_way() {
         daemon.client.delete_volume(name).await.unwrap();
     }
 }
+
+/// The code and message of an API refusal.
+fn api_error<T: std::fmt::Debug>(result: Result<T, ClientError>) -> (u16, String, String) {
+    match result {
+        Err(ClientError::Api {
+            status,
+            code,
+            message,
+            ..
+        }) => (status, code, message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_without_a_run_seed_and_collect_a_volume() {
+    use runbox_types::{
+        FileKind, VolumeMakeDirRequest, VolumeMoveRequest, VolumeRemoveRequest, VolumeWriteQuery,
+    };
+    let daemon = TestDaemon::start(None).await;
+    let c = &daemon.client;
+    volume(&daemon, "seed", Some(16)).await;
+
+    // Seeding: a file owned by the run user it is for, parents made.
+    let owned = VolumeWriteQuery {
+        mode: Some(0o640),
+        uid: Some(1000),
+        gid: Some(1000),
+        overwrite: None,
+    };
+    let put = c
+        .put_volume_file("seed", "/data/a.csv", &owned, b"x,y\n1,2\n".to_vec().into())
+        .await
+        .unwrap();
+    assert_eq!(
+        (put.path.as_str(), put.kind, put.size, put.mode, put.uid),
+        ("/data/a.csv", FileKind::File, 8, 0o640, 1000)
+    );
+    let made = c
+        .volume_make_dir(
+            "seed",
+            &VolumeMakeDirRequest {
+                path: "logs/today".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (made.path.as_str(), made.kind),
+        ("/logs/today", FileKind::Directory)
+    );
+    let top = c.volume_stat("seed", "/").await.unwrap();
+    assert_eq!(
+        (top.path.as_str(), top.mode),
+        ("/", 0o777),
+        "the top is everyone's"
+    );
+    let listed: Vec<String> = c
+        .volume_list("seed", "", 2)
+        .await
+        .unwrap()
+        .entries
+        .into_iter()
+        .map(|e| e.path)
+        .collect();
+    assert_eq!(listed, ["/data", "/data/a.csv", "/logs", "/logs/today"]);
+
+    // A run sees what was seeded, with its owner, and leaves a result.
+    let run = daemon
+        .create_with(with(vec![mount("seed", Some("/mnt/seed"), None)]))
+        .await
+        .id
+        .to_string();
+    assert_eq!(
+        ok(
+            &daemon,
+            &run,
+            "stat -c %u:%a /mnt/seed/data/a.csv; cat /mnt/seed/data/a.csv"
+        )
+        .await,
+        "1000:640\nx,y\n1,2\n"
+    );
+    ok(
+        &daemon,
+        &run,
+        "echo done > /mnt/seed/out.txt; ln -s /etc /mnt/seed/esc; ln -s ../../../../.. /mnt/seed/up",
+    )
+    .await;
+    // Reads go on while a run holds the volume; writes wait for it to go.
+    let read = c.get_volume_file("seed", "out.txt").await.unwrap();
+    assert_eq!(read.bytes().await.unwrap().as_ref(), b"done\n");
+    let (status, code, message) = api_error(
+        c.put_volume_file("seed", "late", &Default::default(), b"x".to_vec().into())
+            .await,
+    );
+    assert_eq!((status, code.as_str()), (409, "volume_busy"), "{message}");
+    assert!(message.contains(&run), "{message}");
+    daemon.client.delete_run(&run).await.unwrap();
+
+    // The links the run planted lead nowhere outside the volume.
+    for path in ["esc/passwd", "up/etc/passwd"] {
+        let (status, code, _) = api_error(c.get_volume_file("seed", path).await);
+        assert_eq!((status, code.as_str()), (403, "path_escape"), "{path}");
+    }
+    let esc = c.volume_stat("seed", "esc").await.unwrap();
+    assert_eq!(
+        (esc.kind, esc.target.as_deref()),
+        (FileKind::Symlink, Some("/etc"))
+    );
+    let gone = c
+        .volume_remove(
+            "seed",
+            &VolumeRemoveRequest {
+                path: "esc".into(),
+                recursive: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(gone.removed, 1);
+    assert!(
+        std::path::Path::new("/etc/passwd").exists(),
+        "the link, not its target"
+    );
+
+    // Collecting: move, replace only when asked, remove recursively.
+    let moved = c
+        .volume_move(
+            "seed",
+            &VolumeMoveRequest {
+                from: "out.txt".into(),
+                to: "/logs/today/out.txt".into(),
+                overwrite: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(moved.path, "/logs/today/out.txt");
+    let keep = VolumeWriteQuery {
+        overwrite: Some(false),
+        ..Default::default()
+    };
+    let (status, code, _) = api_error(
+        c.put_volume_file("seed", "logs/today/out.txt", &keep, b"new".to_vec().into())
+            .await,
+    );
+    assert_eq!((status, code.as_str()), (409, "file_exists"));
+    let (status, code, _) = api_error(
+        c.volume_remove(
+            "seed",
+            &VolumeRemoveRequest {
+                path: "logs".into(),
+                recursive: None,
+            },
+        )
+        .await,
+    );
+    assert_eq!((status, code.as_str()), (409, "dir_not_empty"));
+    let gone = c
+        .volume_remove(
+            "seed",
+            &VolumeRemoveRequest {
+                path: "/logs".into(),
+                recursive: Some(true),
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(gone.removed, 3);
+
+    // A full volume refuses the write and keeps nothing of it.
+    let big = vec![7u8; 24 << 20];
+    let (status, code, message) = api_error(
+        c.put_volume_file("seed", "big", &Default::default(), big.into())
+            .await,
+    );
+    assert_eq!((status, code.as_str()), (507, "volume_full"), "{message}");
+    let names: Vec<String> = c
+        .volume_list("seed", "/", 1)
+        .await
+        .unwrap()
+        .entries
+        .into_iter()
+        .map(|e| e.path)
+        .collect();
+    assert_eq!(names, ["/data", "/up"], "no temporary file is left");
+
+    // Hostile requests.
+    let bad_owner = |uid, gid| VolumeWriteQuery {
+        uid,
+        gid,
+        ..Default::default()
+    };
+    for (query, what) in [
+        (bad_owner(Some(1000), None), "uid without gid"),
+        (bad_owner(Some(70000), Some(0)), "uid past 65535"),
+        (
+            VolumeWriteQuery {
+                mode: Some(0o4755),
+                ..Default::default()
+            },
+            "setuid mode",
+        ),
+    ] {
+        let (status, code, _) = api_error(
+            c.put_volume_file("seed", "x", &query, b"x".to_vec().into())
+                .await,
+        );
+        assert_eq!((status, code.as_str()), (400, "bad_request"), "{what}");
+    }
+    for path in ["a/../../b", "data/a.csv/x"] {
+        let (status, _, message) = api_error(c.volume_stat("seed", path).await);
+        assert!(status == 400 || status == 404, "{path}: {status} {message}");
+    }
+    let (status, code, _) = api_error(c.volume_stat("seed", "../x").await);
+    assert_eq!((status, code.as_str()), (400, "bad_path"));
+    let (status, code, _) = api_error(c.volume_stat("seed", "nope").await);
+    assert_eq!((status, code.as_str()), (404, "file_not_found"));
+    let (status, code, _) = api_error(c.volume_stat("nothere", "/").await);
+    assert_eq!((status, code.as_str()), (404, "volume_not_found"));
+    let (status, code, _) = api_error(
+        c.volume_remove(
+            "seed",
+            &VolumeRemoveRequest {
+                path: "/".into(),
+                recursive: Some(true),
+            },
+        )
+        .await,
+    );
+    assert_eq!((status, code.as_str()), (400, "bad_path"), "the top stays");
+    let raw = reqwest::Client::new()
+        .put(format!("{}/v1/volumes/seed/files/x?sticky=1", daemon.url))
+        .bearer_auth(&daemon.token)
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(raw.status().as_u16(), 400, "an unknown query parameter");
+
+    // A write under way holds off a run that would mount the volume.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(1);
+    tx.send(Ok(bytes::Bytes::from_static(b"part")))
+        .await
+        .unwrap();
+    let chunks = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    let body = runbox_client::UploadBody::from_stream(chunks, None);
+    let client = c.clone();
+    let upload = tokio::spawn(async move {
+        client
+            .put_volume_file("seed", "slow", &Default::default(), body)
+            .await
+    });
+    // Under way once its temporary file shows in the volume on the host.
+    let stored = daemon
+        .state
+        .path()
+        .join("runs/.volumes")
+        .join(c.get_volume("seed").await.unwrap().id.to_string());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !std::fs::read_dir(&stored).unwrap().any(|e| {
+        e.unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".runbox-upload-")
+    }) {
+        assert!(!upload.is_finished(), "the upload ended early");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the upload never began"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (status, code, message) = refused(
+        &daemon,
+        with(vec![mount("seed", None, Some(VolumeMode::Ro))]),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (409, "volume_busy"));
+    assert!(message.contains("being written"), "{message}");
+    tx.send(Ok(bytes::Bytes::from_static(b"-end")))
+        .await
+        .unwrap();
+    drop(tx);
+    let slow = upload.await.unwrap().unwrap();
+    assert_eq!(slow.size, 8);
+    let run = daemon
+        .create_with(with(vec![mount("seed", None, Some(VolumeMode::Ro))]))
+        .await
+        .id
+        .to_string();
+    assert_eq!(
+        ok(&daemon, &run, "cat /volumes/seed/slow").await,
+        "part-end"
+    );
+    daemon.client.delete_run(&run).await.unwrap();
+    daemon.client.delete_volume("seed").await.unwrap();
+}

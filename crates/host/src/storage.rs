@@ -379,12 +379,25 @@ pub const VOLUMES_DIR: &str = ".volumes";
 impl RunStorage {
     /// Makes volume `id`: `<runs>/.volumes/<id>`, an empty subvolume limited
     /// to `limit` bytes, and returns its path. Needs btrfs with quotas (a
-    /// volume without a limit could fill the run store).
+    /// volume without a limit could fill the run store). Its top directory
+    /// is writable by every user of the runs that mount it (mode 0777):
+    /// runs of different images run as different users, and the volume is
+    /// all theirs.
     pub fn create_volume(&self, runs: &Path, id: &str, limit: u64) -> Result<PathBuf, LaneError> {
         self.make_volume(runs, id, limit, |parent| {
             create_subvolume(parent, OsStr::new(id)).map_err(LaneError::io(format!(
                 "creating the btrfs subvolume for volume {id}"
-            )))
+            )))?;
+            rustix::fs::chmodat(
+                parent,
+                id,
+                rustix::fs::Mode::from_raw_mode(0o777),
+                rustix::fs::AtFlags::empty(),
+            )
+            .map_err(|e| {
+                let _ = destroy_subvolume(parent, OsStr::new(id));
+                LaneError::io(format!("opening volume {id} to its users"))(e.into())
+            })
         })
     }
 

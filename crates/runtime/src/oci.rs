@@ -1133,6 +1133,16 @@ impl Lane for OciLane {
             .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
     }
 
+    fn volume_dir(&self, id: Ulid) -> Option<PathBuf> {
+        Some(
+            self.0
+                .state_dir
+                .join("runs")
+                .join(crate::storage::VOLUMES_DIR)
+                .join(id.to_string()),
+        )
+    }
+
     fn volume_used(&self, id: Ulid) -> Option<u64> {
         self.0
             .storage

@@ -576,6 +576,178 @@ pub async fn delete_volume<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// An owner as a volume call names it: `uid` and `gid` both (0-65535) or
+/// neither.
+fn volume_owner(uid: Option<u32>, gid: Option<u32>) -> Result<Option<(u32, u32)>, ApiError> {
+    match (uid, gid) {
+        (None, None) => Ok(None),
+        (Some(u), Some(g))
+            if u <= runbox_types::MAX_VOLUME_ID && g <= runbox_types::MAX_VOLUME_ID =>
+        {
+            Ok(Some((u, g)))
+        }
+        (Some(_), Some(_)) => Err(ApiError::new(
+            ErrorCode::BadRequest,
+            format!(
+                "uid and gid are ids as runs see them, 0-{}",
+                runbox_types::MAX_VOLUME_ID
+            ),
+        )),
+        _ => Err(ApiError::new(
+            ErrorCode::BadRequest,
+            "give uid and gid together, or neither",
+        )),
+    }
+}
+
+/// `PUT /v1/volumes/{name}/files/{*path}`: streams the body into the
+/// volume (a writer: refused while a run mounts it).
+pub async fn put_volume_file<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(params): AppPath<Vec<(String, String)>>,
+    query: Result<
+        axum::extract::Query<runbox_types::VolumeWriteQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    let query = query.map(|q| q.0).map_err(|e| {
+        ApiError::new(
+            ErrorCode::BadRequest,
+            format!("this route's query takes mode, uid, gid and overwrite ({e})"),
+        )
+    })?;
+    let options = runbox_core::runs::VolumeWrite {
+        mode: query.mode,
+        owner: volume_owner(query.uid, query.gid)?,
+        replace: query.overwrite.unwrap_or(true),
+        content_length: content_length(&headers)?,
+    };
+    let files = state
+        .service
+        .volume_files(volume_name(&params).to_owned(), caller.owner(), true)
+        .await?;
+    let body = body.into_data_stream();
+    Ok(Json(files.write(file_path(&params), options, body).await?))
+}
+
+/// `GET /v1/volumes/{name}/files/{*path}`: streams a volume's file back.
+pub async fn get_volume_file<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(params): AppPath<Vec<(String, String)>>,
+) -> Result<Response, ApiError> {
+    let name = volume_name(&params).to_owned();
+    let files = state
+        .service
+        .volume_files(name.clone(), caller.owner(), false)
+        .await?;
+    let download = files.read(file_path(&params)).await?;
+    let body = Body::from_stream(download.body.map_err(move |e| {
+        tracing::warn!(volume = %name, error = %e, "volume file download broke off");
+        std::io::Error::other(e.to_string())
+    }));
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(CONTENT_TYPE, "application/octet-stream")
+        .header(CONTENT_LENGTH, download.size)
+        .body(body)
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
+}
+
+/// The volume name from `/v1/volumes/{name}/...`.
+fn volume_name(params: &[(String, String)]) -> &str {
+    params
+        .iter()
+        .find(|(k, _)| k == "name")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or("")
+}
+
+/// `GET /v1/volumes/{name}/fs/stat?path=P`.
+pub async fn volume_stat<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    query: Result<
+        axum::extract::Query<runbox_types::FsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    let query = fs_query(query, &[])?;
+    let files = state
+        .service
+        .volume_files(name, caller.owner(), false)
+        .await?;
+    Ok(Json(files.stat(query.path.as_deref().unwrap_or("")).await?))
+}
+
+/// `GET /v1/volumes/{name}/fs/list?path=P&depth=N&limit=N`.
+pub async fn volume_list<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    query: Result<
+        axum::extract::Query<runbox_types::FsQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
+) -> Result<Json<runbox_types::FileList>, ApiError> {
+    let query = fs_query(query, &["depth", "limit"])?;
+    let files = state
+        .service
+        .volume_files(name, caller.owner(), false)
+        .await?;
+    let path = query.path.as_deref().unwrap_or("");
+    Ok(Json(files.list(path, query.depth, query.limit).await?))
+}
+
+/// `POST /v1/volumes/{name}/fs/mkdir`.
+pub async fn volume_mkdir<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    AppJson(req): AppJson<runbox_types::VolumeMakeDirRequest>,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    let owner = volume_owner(req.uid, req.gid)?;
+    let files = state
+        .service
+        .volume_files(name, caller.owner(), true)
+        .await?;
+    Ok(Json(files.make_dir(&req.path, req.mode, owner).await?))
+}
+
+/// `POST /v1/volumes/{name}/fs/move`.
+pub async fn volume_move<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    AppJson(req): AppJson<runbox_types::VolumeMoveRequest>,
+) -> Result<Json<runbox_types::FileInfo>, ApiError> {
+    let files = state
+        .service
+        .volume_files(name, caller.owner(), true)
+        .await?;
+    let overwrite = req.overwrite.unwrap_or(false);
+    Ok(Json(files.move_path(&req.from, &req.to, overwrite).await?))
+}
+
+/// `POST /v1/volumes/{name}/fs/remove`.
+pub async fn volume_remove<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    AppJson(req): AppJson<runbox_types::VolumeRemoveRequest>,
+) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
+    let files = state
+        .service
+        .volume_files(name, caller.owner(), true)
+        .await?;
+    let recursive = req.recursive.unwrap_or(false);
+    Ok(Json(files.remove(&req.path, recursive).await?))
+}
+
 /// The query of an fs route: `path` on every one, `depth` and `limit` on
 /// list, `recursive` on watch (`takes` names what this route takes besides
 /// `path`); anything else is a 400 rather than ignored.

@@ -66,6 +66,10 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             put(handlers::put_file::<S>).get(handlers::get_file::<S>),
         )
         .route(
+            "/v1/volumes/{name}/files/{*path}",
+            put(handlers::put_volume_file::<S>).get(handlers::get_volume_file::<S>),
+        )
+        .route(
             "/v1/images/{name}",
             post(handlers::import_image::<S>)
                 .delete(handlers::delete_image::<S>)
@@ -126,6 +130,26 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route(
             "/v1/volumes/{name}/clone",
             post(handlers::clone_volume::<S>),
+        )
+        .route(
+            "/v1/volumes/{name}/fs/stat",
+            get(handlers::volume_stat::<S>),
+        )
+        .route(
+            "/v1/volumes/{name}/fs/list",
+            get(handlers::volume_list::<S>),
+        )
+        .route(
+            "/v1/volumes/{name}/fs/mkdir",
+            post(handlers::volume_mkdir::<S>),
+        )
+        .route(
+            "/v1/volumes/{name}/fs/move",
+            post(handlers::volume_move::<S>),
+        )
+        .route(
+            "/v1/volumes/{name}/fs/remove",
+            post(handlers::volume_remove::<S>),
         )
         .route(
             "/v1/pools",

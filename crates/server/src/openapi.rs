@@ -89,6 +89,9 @@ use runbox_types as t;
     t::RunVolume,
     t::VolumeHolder,
     t::VolumeMode,
+    t::VolumeMakeDirRequest,
+    t::VolumeMoveRequest,
+    t::VolumeRemoveRequest,
     t::ws::ClientFrame,
     t::ws::ServerFrame,
 )))]
@@ -147,6 +150,39 @@ struct Op {
 }
 
 const CREDENTIAL: &[Query] = &[OWNER, GENERATION];
+
+const VOLUME_FS_QUERY: &[Query] = &[
+    (
+        "path",
+        Kind::Str,
+        "from the volume's top (a/b or /a/b); absent for the top itself",
+    ),
+    ("depth", Kind::Int, "levels, 1-16 (default 1)"),
+    ("limit", Kind::Int, "most entries, 1-10000 (default 10000)"),
+];
+
+const VOLUME_WRITE_QUERY: &[Query] = &[
+    (
+        "mode",
+        Kind::Int,
+        "permission bits, at most 0o777 (default 0o644)",
+    ),
+    (
+        "uid",
+        Kind::Int,
+        "owner as runs see it, 0-65535, with gid (default 0)",
+    ),
+    (
+        "gid",
+        Kind::Int,
+        "group as runs see it, 0-65535, with uid (default 0)",
+    ),
+    (
+        "overwrite",
+        Kind::Bool,
+        "replace an existing file (default true)",
+    ),
+];
 
 const FS_QUERY: &[Query] = &[
     (
@@ -251,6 +287,13 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/volumes/{name}", "getVolume", "One volume", Nothing, 200, Json("Volume")),
         op(Delete, "/v1/volumes/{name}", "deleteVolume", "Delete a volume no run mounts, and all it holds", Nothing, 204, Empty),
         op(Post, "/v1/volumes/{name}/clone", "cloneVolume", "A new volume holding what the volume holds now (constant time)", Body("CloneVolumeRequest"), 201, Json("Volume")),
+        Op { query: VOLUME_WRITE_QUERY, ..op(Put, "/v1/volumes/{name}/files/{path}", "putVolumeFile", "Write a file into a volume no run mounts, replacing it once the whole body is on disk", InBytes("application/octet-stream"), 200, Json("FileInfo")) },
+        op(Get, "/v1/volumes/{name}/files/{path}", "getVolumeFile", "Read a file of a volume", Nothing, 200, OutBytes("application/octet-stream")),
+        Op { query: &VOLUME_FS_QUERY[..1], ..op(Get, "/v1/volumes/{name}/fs/stat", "statVolumePath", "Describe a path of a volume", Nothing, 200, Json("FileInfo")) },
+        Op { query: VOLUME_FS_QUERY, ..op(Get, "/v1/volumes/{name}/fs/list", "listVolumeDir", "List a directory of a volume", Nothing, 200, Json("FileList")) },
+        op(Post, "/v1/volumes/{name}/fs/mkdir", "makeVolumeDir", "Make a directory and its parents in a volume no run mounts", Body("VolumeMakeDirRequest"), 200, Json("FileInfo")),
+        op(Post, "/v1/volumes/{name}/fs/move", "moveVolumePath", "Rename a path of a volume no run mounts", Body("VolumeMoveRequest"), 200, Json("FileInfo")),
+        op(Post, "/v1/volumes/{name}/fs/remove", "removeVolumePath", "Remove a path of a volume no run mounts", Body("VolumeRemoveRequest"), 200, Json("RemoveReply")),
         op(Get, "/v1/images", "listImages", "Every image", Nothing, 200, Json("ImageList")),
         op(Post, "/v1/images/pull", "pullImage", "Pull an image from a registry; progress as server-sent events", Body("PullRequest"), 200, Events("PullEvent, named by its kind, the last one done or error")),
         op(Post, "/v1/images/{name}", "importImage", "Import a tar archive: an OCI layout, docker save output, or a root filesystem", InBytes("application/x-tar"), 201, Json("Image")),

@@ -279,6 +279,20 @@ impl RunService for Stub {
     ) -> Result<(), CoreError> {
         self.get_volume(&name, &owner).map(|_| ())
     }
+    async fn volume_files(
+        &self,
+        name: String,
+        owner: runbox_core::tenants::Owner,
+        _write: bool,
+    ) -> Result<runbox_core::runs::VolumeFiles, CoreError> {
+        // The stub has no volume directories: every name is unknown (the
+        // real file operations are tested against the daemon, e2e).
+        self.get_volume(&name, &owner)?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::VolumesUnsupported,
+            "the stub keeps no volume files",
+        ))
+    }
     async fn stat_path(
         &self,
         id: Ulid,

@@ -178,6 +178,9 @@ codes! {
     /// The server's storage is full; free some (delete runs, snapshots,
     /// templates) or give it more.
     StorageFull = "storage_full", 507;
+    /// A write through a volume's file API reached the volume's size
+    /// limit; remove files from it, or clone it into a larger one.
+    VolumeFull = "volume_full", 507;
     /// An `Idempotency-Key` came with a different request than the create
     /// it was first used for, or that create's run is gone.
     IdempotencyKeyReused = "idempotency_key_reused", 409;

@@ -23,7 +23,8 @@ pub use tenants::{
 };
 pub use volumes::{
     CloneVolumeRequest, CreateVolumeRequest, RunVolume, Volume, VolumeHolder, VolumeList,
-    VolumeMode, VolumeMountRequest, MAX_RUN_VOLUMES,
+    VolumeMakeDirRequest, VolumeMode, VolumeMountRequest, VolumeMoveRequest, VolumeRemoveRequest,
+    VolumeWriteQuery, MAX_RUN_VOLUMES, MAX_VOLUME_ID,
 };
 
 /// Environment variables for a run or an exec.

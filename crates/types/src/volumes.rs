@@ -28,6 +28,84 @@ pub struct CreateVolumeRequest {
     pub size_mb: Option<u64>,
 }
 
+/// The most a user or group id of a volume file may be: the ids a run's
+/// user namespace maps (0-65535).
+pub const MAX_VOLUME_ID: u32 = 65535;
+
+/// The query of `PUT /v1/volumes/{name}/files/{path}`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeWriteQuery {
+    /// Permission bits of the file (at most 0o777, default 0o644).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<u32>,
+    /// Owner of the file and of the directories the write makes, as runs
+    /// see it (0-65535; default 0). With `gid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Group of the file and of the directories the write makes (0-65535;
+    /// default 0). With `uid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// Replace an existing file (default true; false: `409 file_exists`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overwrite: Option<bool>,
+}
+
+/// `POST /v1/volumes/{name}/fs/mkdir`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeMakeDirRequest {
+    /// From the volume's top (`a/b` or `/a/b`).
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
+    pub path: String,
+    /// Permission bits of the directories made (at most 0o7777, default
+    /// 0o755).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 4095))]
+    pub mode: Option<u32>,
+    /// Owner of the directories made, as runs see it (0-65535; default 0).
+    /// With `gid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 65535))]
+    pub uid: Option<u32>,
+    /// Their group (0-65535; default 0). With `uid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(maximum = 65535))]
+    pub gid: Option<u32>,
+}
+
+/// `POST /v1/volumes/{name}/fs/move`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeMoveRequest {
+    /// From the volume's top.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
+    pub from: String,
+    /// From the volume's top; its parent must exist.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
+    pub to: String,
+    /// Replace an existing `to` (default: refuse with `409 file_exists`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overwrite: Option<bool>,
+}
+
+/// `POST /v1/volumes/{name}/fs/remove`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeRemoveRequest {
+    /// From the volume's top.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1))]
+    pub path: String,
+    /// Remove a directory with everything in it (default: only an empty one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recursive: Option<bool>,
+}
+
 /// `POST /v1/volumes/{name}/clone`: a new volume holding what the volume
 /// holds now.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

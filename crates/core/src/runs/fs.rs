@@ -192,7 +192,7 @@ pub(super) fn check_metadata(
 }
 
 /// An agent's description, checked, with its path as `scope` shows it.
-fn info(scope: Scope, raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
+pub(super) fn info(scope: Scope, raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
     if raw.path.len() > MAX_AGENT_PATH || raw.symlink_target.len() > MAX_AGENT_PATH {
         return Err(CoreError::Agent(
             "the agent sent a path longer than 4096 bytes".into(),
@@ -226,6 +226,25 @@ fn info(scope: Scope, raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
         target: (kind == FileKind::Symlink).then_some(raw.symlink_target),
         metadata,
     })
+}
+
+/// A listing's depth (default 1) and limit (default the maximum), checked.
+pub(super) fn list_bounds(depth: Option<u32>, limit: Option<u32>) -> Result<(u32, u32), CoreError> {
+    let depth = depth.unwrap_or(1);
+    if !(1..=MAX_LIST_DEPTH).contains(&depth) {
+        return Err(CoreError::invalid(
+            runbox_types::ErrorCode::BadRequest,
+            format!("depth must be 1 to {MAX_LIST_DEPTH}"),
+        ));
+    }
+    let limit = limit.unwrap_or(MAX_LIST_ENTRIES);
+    if !(1..=MAX_LIST_ENTRIES).contains(&limit) {
+        return Err(CoreError::invalid(
+            runbox_types::ErrorCode::BadRequest,
+            format!("limit must be 1 to {MAX_LIST_ENTRIES}"),
+        ));
+    }
+    Ok((depth, limit))
 }
 
 /// An agent call's status as an API error; an agent that predates the
@@ -343,20 +362,7 @@ impl Manager {
         limit: Option<u32>,
     ) -> Result<FileList, CoreError> {
         let path = scope.agent_path(path, true)?;
-        let depth = depth.unwrap_or(1);
-        if !(1..=MAX_LIST_DEPTH).contains(&depth) {
-            return Err(CoreError::invalid(
-                runbox_types::ErrorCode::BadRequest,
-                format!("depth must be 1 to {MAX_LIST_DEPTH}"),
-            ));
-        }
-        let limit = limit.unwrap_or(MAX_LIST_ENTRIES);
-        if !(1..=MAX_LIST_ENTRIES).contains(&limit) {
-            return Err(CoreError::invalid(
-                runbox_types::ErrorCode::BadRequest,
-                format!("limit must be 1 to {MAX_LIST_ENTRIES}"),
-            ));
-        }
+        let (depth, limit) = list_bounds(depth, limit)?;
         let Admission {
             mut agent,
             protocol,

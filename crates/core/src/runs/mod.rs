@@ -32,6 +32,7 @@ pub mod reaper;
 mod reconcile;
 pub mod relay;
 mod usage;
+mod volume_files;
 mod volumes;
 mod warm;
 
@@ -67,6 +68,7 @@ pub use self::ports::RunConnection;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
+pub use self::volume_files::{VolumeFiles, VolumeWrite};
 
 /// Locks a mutex, recovering from poisoning: every critical section here is
 /// a few map operations that leave the data consistent even if a panic
@@ -109,6 +111,9 @@ pub struct Manager {
     pub(crate) volumes: Arc<crate::volumes::Volumes>,
     /// Serialises volume creates and deletes.
     pub(crate) volume_lock: tokio::sync::Mutex<()>,
+    /// Volumes being written through the file API, and by how many calls:
+    /// a run's admission and a file write exclude each other.
+    pub(crate) volume_writers: volume_files::Writers,
 }
 
 /// What a run's owner needs from the daemon, and all it gets: the store,
@@ -375,6 +380,7 @@ impl Manager {
             context,
             volumes,
             volume_lock: tokio::sync::Mutex::new(()),
+            volume_writers: Default::default(),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found
         // where the lane says, before any run mounts one.

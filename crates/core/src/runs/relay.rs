@@ -597,7 +597,13 @@ fn start_error(e: pb::AgentError) -> CoreError {
 /// Maps an agent's file-operation status onto an API error, by the
 /// `runbox-kind` metadata the agent attaches.
 pub(super) fn file_error(status: tonic::Status) -> CoreError {
-    agent_error(&status, "file operation", |kind| match kind {
+    agent_error(&status, "file operation", file_code)
+}
+
+/// The API code of a confined file operation's failure, by its
+/// `runbox-kind` (`runbox_confine::FileError::kind`); None for `io`.
+pub(super) fn file_code(kind: &str) -> Option<ErrorCode> {
+    match kind {
         "invalid_path" => Some(ErrorCode::BadPath),
         "escape" => Some(ErrorCode::PathEscape),
         "not_found" => Some(ErrorCode::FileNotFound),
@@ -607,7 +613,7 @@ pub(super) fn file_error(status: tonic::Status) -> CoreError {
         "bad_user" => Some(ErrorCode::BadUser),
         "not_empty" => Some(ErrorCode::DirNotEmpty),
         _ => None,
-    })
+    }
 }
 
 /// Maps an agent's status onto an API error by its `runbox-kind`

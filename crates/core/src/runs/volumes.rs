@@ -42,7 +42,10 @@ fn all_holders(
 }
 
 /// The runs of `registry` that mount volume `id`, and how.
-fn holders(registry: &HashMap<Ulid, Arc<RunHandle>>, id: Ulid) -> Vec<runbox_types::VolumeHolder> {
+pub(super) fn holders(
+    registry: &HashMap<Ulid, Arc<RunHandle>>,
+    id: Ulid,
+) -> Vec<runbox_types::VolumeHolder> {
     all_holders(registry).remove(&id).unwrap_or_default()
 }
 
@@ -57,10 +60,21 @@ fn lane_error(e: crate::lane::LaneError) -> CoreError {
     }
 }
 
-fn not_found(name: &str) -> CoreError {
+pub(super) fn not_found(name: &str) -> CoreError {
     CoreError::invalid(
         ErrorCode::VolumeNotFound,
         format!("no volume named {name:?}; make it first (POST /v1/volumes)"),
+    )
+}
+
+/// A volume a file API call is writing, which excludes mounts and deletes
+/// until it ends.
+fn writing(name: &str) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::VolumeBusy,
+        format!(
+            "volume {name:?} is being written through its file API; retry when that write ends"
+        ),
     )
 }
 
@@ -234,6 +248,9 @@ impl Manager {
                     ),
                 ));
             }
+            if self.volume_writers.active(record.id) {
+                return Err(writing(name));
+            }
             self.volumes.remove(record.id)?;
         }
         self.lane.delete_volume(record.id).await?;
@@ -330,6 +347,9 @@ impl Manager {
         for mount in mounts {
             if !self.volumes.exists(mount.id) {
                 return Err(not_found(&mount.name));
+            }
+            if self.volume_writers.active(mount.id) {
+                return Err(writing(&mount.name));
             }
             let conflict = held
                 .get(&mount.id)
