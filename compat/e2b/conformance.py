@@ -58,13 +58,14 @@ def main() -> int:
         E2B_API_KEY=f"e2b_{d.token}",
         E2B_API_URL=d.url,
         E2B_SANDBOX_URL=d.url,
+        E2B_VOLUME_API_URL=d.url,
         E2B_DOMAIN="runbox.localhost",
     )
     status = 1
     try:
         if args.js:
             cwd = args.repo / "packages" / "js-sdk"
-            cmd = ["npx", "vitest", "run", "--project", "unit", *(args.rest or ["tests/sandbox", "tests/api"])]
+            cmd = ["npx", "vitest", "run", "--project", "unit", *(args.rest or ["tests/sandbox", "tests/api", "tests/volume"])]
         else:
             cwd = args.repo / "packages" / "python-sdk"
             cmd = [args.python, "-m", "pytest", "-rfE", "-p", "no:cacheprovider", *(args.rest or ["tests/sync", "tests/async"])]

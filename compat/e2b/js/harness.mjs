@@ -17,6 +17,7 @@ export function useDaemon({ name, octet, keyPrefix = "" }) {
     process.env.E2B_API_KEY = `${keyPrefix}${daemon.token}`;
     process.env.E2B_API_URL = daemon.url;
     process.env.E2B_SANDBOX_URL = daemon.url;
+    process.env.E2B_VOLUME_API_URL = daemon.url;
   });
   after(() => daemon?.stop());
   return () => daemon;

@@ -1,6 +1,7 @@
 """The unmodified E2B SDK pointed at a real runbox daemon of its own (the
-daemon helper of the runbox SDK's tests): E2B_API_URL and E2B_SANDBOX_URL
-both name the runbox listener, E2B_API_KEY is the runbox token."""
+daemon helper of the runbox SDK's tests): E2B_API_URL, E2B_SANDBOX_URL and
+E2B_VOLUME_API_URL name the runbox listener, E2B_API_KEY is the runbox
+token."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def _interrupt(*_: object) -> None:
 def daemon():
     signal.signal(signal.SIGTERM, _interrupt)
     d = Daemon(name="e2bpy", octet=235)
-    saved = {k: os.environ.get(k) for k in ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL")}
-    os.environ.update(E2B_API_KEY=d.token, E2B_API_URL=d.url, E2B_SANDBOX_URL=d.url)
+    names = ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(
+        E2B_API_KEY=d.token, E2B_API_URL=d.url, E2B_SANDBOX_URL=d.url, E2B_VOLUME_API_URL=d.url
+    )
     try:
         yield d
     finally:

@@ -477,7 +477,7 @@ def test_sandboxes_may_gain_privileges_as_e2b_templates_expect(daemon, sbx):
 
 def test_volume_mounts_at_create_mount_the_callers_volumes(daemon):
     # A volume made through runbox's API, mounted by name through E2B's
-    # create (E2B's own volume API is not served yet).
+    # create (test_volumes_through_e2bs_volume_api uses E2B's own volume API).
     import httpx
 
     auth = {"Authorization": f"Bearer {daemon.token}"}
@@ -500,3 +500,73 @@ def test_volume_mounts_at_create_mount_the_callers_volumes(daemon):
             Sandbox.create(timeout=60, volume_mounts={"/data": "no-such-volume"})
     finally:
         assert httpx.delete(f"{daemon.url}/v1/volumes/e2bvol", headers=auth).status_code == 204
+
+
+def test_volumes_through_e2bs_volume_api(daemon):
+    # Volume.create/get_info/list/connect/destroy on the control plane, the
+    # file calls on the content API with the volume's token, and a sandbox
+    # mounting the volume by the Volume object.
+    from e2b import Volume
+    from e2b.exceptions import NotFoundException, VolumeNotFoundException
+
+    vol = Volume.create("e2b-api-vol")
+    try:
+        assert vol.name == "e2b-api-vol" and vol.token
+        assert [v.name for v in Volume.list()] == ["e2b-api-vol"]
+        info = Volume.get_info(vol.volume_id)
+        assert (info.volume_id, info.name, info.token) == (vol.volume_id, vol.name, vol.token)
+
+        # Seeding without a sandbox.
+        made = vol.make_dir("/data")
+        assert (made.path, made.type.value, made.name) == ("/data", "directory", "data")
+        written = vol.write_file("/data/a.txt", "hello", uid=1000, gid=1000, mode=0o640)
+        assert (written.path, written.size, written.uid, written.mode) == ("/data/a.txt", 5, 1000, 0o640)
+        assert vol.read_file("/data/a.txt") == "hello"
+        assert vol.read_file("data/a.txt", format="bytes") == b"hello"
+        assert b"".join(vol.read_file("/data/a.txt", format="stream")) == b"hello"
+        assert vol.exists("/data/a.txt") and not vol.exists("/nope")
+        with pytest.raises(Exception):
+            vol.write_file("/data/a.txt", "again")  # exists, no force
+        assert vol.write_file("/data/a.txt", "again", force=True, uid=1000, gid=1000).size == 5
+        with pytest.raises(NotFoundException):
+            vol.write_file("/missing/parent.txt", "x")
+        with pytest.raises(Exception):
+            vol.make_dir("/x/y")  # missing parent without force
+        assert vol.make_dir("/x/y", force=True).path == "/x/y"
+        assert vol.make_dir("/x/y", force=True).path == "/x/y"  # exists: fine with force
+        assert sorted(e.path for e in vol.list("/")) == ["/data", "/x"]
+        assert sorted(e.path for e in vol.list("/", depth=2)) == ["/data", "/data/a.txt", "/x", "/x/y"]
+        updated = vol.update_metadata("/data/a.txt", mode=0o600)
+        assert (updated.mode, updated.uid) == (0o600, 1000)
+        vol.remove("/x")
+        assert not vol.exists("/x/y")
+        with pytest.raises(NotFoundException):
+            vol.get_info("/x")
+
+        # A connected handle works the same; a wrong token is refused.
+        again = Volume.connect(vol.volume_id)
+        assert again.read_file("/data/a.txt") == "again"
+        forged = Volume(volume_id=vol.volume_id, name=vol.name, token="forged")
+        with pytest.raises(Exception):
+            forged.read_file("/data/a.txt")
+
+        # A sandbox mounts it; while it does, reads go on and writes wait.
+        sbx = Sandbox.create(timeout=60, volume_mounts={"/mnt/v": vol})
+        try:
+            assert sbx.commands.run("cat /mnt/v/data/a.txt; stat -c %u /mnt/v/data/a.txt").stdout == "again1000\n"
+            sbx.commands.run("echo from-sandbox > /mnt/v/out.txt")
+            assert vol.read_file("/out.txt") == "from-sandbox\n"
+            with pytest.raises(Exception) as busy:
+                vol.write_file("/late.txt", "x")
+            assert "mounted" in str(busy.value)
+            with pytest.raises(Exception):
+                Volume.destroy(vol.volume_id)
+        finally:
+            sbx.kill()
+    finally:
+        assert Volume.destroy(vol.volume_id) is True
+    assert Volume.destroy(vol.volume_id) is False
+    with pytest.raises(VolumeNotFoundException):
+        Volume.get_info(vol.volume_id)
+    with pytest.raises(Exception):
+        Volume.create("bad.name")  # E2B's names: letters, digits, _ and -

@@ -298,6 +298,66 @@ pub fn move_path(
         .map_err(|e| FileError::from_errno(e, "move", to.original()))
 }
 
+/// Changes the owner and/or permission bits of `rel`, a regular file or a
+/// directory (a symlink is refused, never followed: `NotAFile`).
+pub fn set_attrs(
+    work: &WorkDir,
+    rel: Option<&RelPath>,
+    owner: Option<Owner>,
+    mode: Option<u32>,
+) -> Result<FileInfo, FileError> {
+    let root = work.open()?;
+    let (path, original) = match rel {
+        None => (".".to_owned(), "."),
+        Some(rel) => (rel.normalized(), rel.original()),
+    };
+    // O_NONBLOCK and O_NOCTTY as for reads; O_NOFOLLOW so a symlink at the
+    // name is refused (ELOOP) rather than changed through.
+    let fd = open_beneath(
+        &root,
+        &path,
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOCTTY | OFlags::NOFOLLOW,
+        Mode::empty(),
+    )
+    .map_err(|errno| match errno {
+        Errno::LOOP => FileError::NotAFile {
+            path: original.to_owned(),
+            what: "a symlink",
+        },
+        other => FileError::from_errno(other, "open", original),
+    })?;
+    let stat =
+        rustix::fs::fstat(&fd).map_err(|errno| FileError::from_errno(errno, "stat", original))?;
+    let file_type = FileType::from_raw_mode(stat.st_mode);
+    if !matches!(file_type, FileType::RegularFile | FileType::Directory) {
+        return Err(FileError::NotAFile {
+            path: original.to_owned(),
+            what: describe(file_type),
+        });
+    }
+    if let Some(owner) = owner {
+        rustix::fs::fchown(
+            &fd,
+            Some(rustix::process::Uid::from_raw(owner.uid)),
+            Some(rustix::process::Gid::from_raw(owner.gid)),
+        )
+        .map_err(|errno| FileError::from_errno(errno, "set the owner of", original))?;
+    }
+    if let Some(mode) = mode {
+        // After the chown, which clears set-id bits.
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode & 0o7777))
+            .map_err(|errno| FileError::from_errno(errno, "set the mode of", original))?;
+    }
+    match rel {
+        None => info_at(&root, ".", String::new(), ""),
+        Some(rel) => {
+            let dir = parent_dir(&root, rel)?;
+            info_at(&dir, rel.file_name(), rel.normalized(), "")
+        }
+    }
+    .map_err(|e| FileError::from_errno(e, "stat", original))
+}
+
 /// Removes `rel` (a directory with what it holds only if `recursive`);
 /// how many entries went.
 pub fn remove(work: &WorkDir, rel: &RelPath, recursive: bool) -> Result<u64, FileError> {

@@ -234,7 +234,7 @@ pub trait RunService: Clone + Send + Sync + 'static {
     /// volume, holding off mounts until the handle drops).
     fn volume_files(
         &self,
-        name: String,
+        key: crate::runs::VolumeKey,
         owner: crate::tenants::Owner,
         write: bool,
     ) -> impl Future<Output = Result<crate::runs::VolumeFiles, CoreError>> + Send;
@@ -644,11 +644,11 @@ impl RunService for Arc<Manager> {
 
     async fn volume_files(
         &self,
-        name: String,
+        key: crate::runs::VolumeKey,
         owner: crate::tenants::Owner,
         write: bool,
     ) -> Result<crate::runs::VolumeFiles, CoreError> {
-        Manager::volume_files(self, &name, owner.tenant(), write).await
+        Manager::volume_files(self, &key, owner.tenant(), write).await
     }
 
     async fn stat_path(

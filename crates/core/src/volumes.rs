@@ -239,6 +239,11 @@ impl Volumes {
             .cloned()
     }
 
+    /// Volume `id`'s record.
+    pub fn get(&self, id: Ulid) -> Option<VolumeRecord> {
+        self.known().iter().find(|v| v.id == id).cloned()
+    }
+
     /// Whether volume `id` is on record.
     pub fn exists(&self, id: Ulid) -> bool {
         self.known().iter().any(|v| v.id == id)

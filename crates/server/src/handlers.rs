@@ -576,6 +576,8 @@ pub async fn delete_volume<S: RunService>(
     Ok(StatusCode::NO_CONTENT)
 }
 
+use runbox_core::runs::VolumeKey;
+
 /// An owner as a volume call names it: `uid` and `gid` both (0-65535) or
 /// neither.
 fn volume_owner(uid: Option<u32>, gid: Option<u32>) -> Result<Option<(u32, u32)>, ApiError> {
@@ -627,7 +629,11 @@ pub async fn put_volume_file<S: RunService>(
     };
     let files = state
         .service
-        .volume_files(volume_name(&params).to_owned(), caller.owner(), true)
+        .volume_files(
+            VolumeKey::Name(volume_name(&params).to_owned()),
+            caller.owner(),
+            true,
+        )
         .await?;
     let body = body.into_data_stream();
     Ok(Json(files.write(file_path(&params), options, body).await?))
@@ -642,7 +648,7 @@ pub async fn get_volume_file<S: RunService>(
     let name = volume_name(&params).to_owned();
     let files = state
         .service
-        .volume_files(name.clone(), caller.owner(), false)
+        .volume_files(VolumeKey::Name(name.clone()), caller.owner(), false)
         .await?;
     let download = files.read(file_path(&params)).await?;
     let body = Body::from_stream(download.body.map_err(move |e| {
@@ -679,7 +685,7 @@ pub async fn volume_stat<S: RunService>(
     let query = fs_query(query, &[])?;
     let files = state
         .service
-        .volume_files(name, caller.owner(), false)
+        .volume_files(VolumeKey::Name(name), caller.owner(), false)
         .await?;
     Ok(Json(files.stat(query.path.as_deref().unwrap_or("")).await?))
 }
@@ -697,7 +703,7 @@ pub async fn volume_list<S: RunService>(
     let query = fs_query(query, &["depth", "limit"])?;
     let files = state
         .service
-        .volume_files(name, caller.owner(), false)
+        .volume_files(VolumeKey::Name(name), caller.owner(), false)
         .await?;
     let path = query.path.as_deref().unwrap_or("");
     Ok(Json(files.list(path, query.depth, query.limit).await?))
@@ -713,7 +719,7 @@ pub async fn volume_mkdir<S: RunService>(
     let owner = volume_owner(req.uid, req.gid)?;
     let files = state
         .service
-        .volume_files(name, caller.owner(), true)
+        .volume_files(VolumeKey::Name(name), caller.owner(), true)
         .await?;
     Ok(Json(files.make_dir(&req.path, req.mode, owner).await?))
 }
@@ -727,7 +733,7 @@ pub async fn volume_move<S: RunService>(
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
     let files = state
         .service
-        .volume_files(name, caller.owner(), true)
+        .volume_files(VolumeKey::Name(name), caller.owner(), true)
         .await?;
     let overwrite = req.overwrite.unwrap_or(false);
     Ok(Json(files.move_path(&req.from, &req.to, overwrite).await?))
@@ -742,7 +748,7 @@ pub async fn volume_remove<S: RunService>(
 ) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
     let files = state
         .service
-        .volume_files(name, caller.owner(), true)
+        .volume_files(VolumeKey::Name(name), caller.owner(), true)
         .await?;
     let recursive = req.recursive.unwrap_or(false);
     Ok(Json(files.remove(&req.path, recursive).await?))

@@ -251,9 +251,14 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             state.clone(),
             metrics::count::<S>,
         ));
+    // E2B's volume content API checks each volume's own token.
+    let e2b_volumes = e2b::volume_content_routes::<S>(state.clone()).route_layer(
+        middleware::from_fn_with_state(state.clone(), metrics::count::<S>),
+    );
     Router::new()
         .route("/health", get(handlers::health::<S>))
         .merge(e2b_control)
+        .merge(e2b_volumes)
         .route("/v1/openapi.json", get(openapi::serve))
         .merge(api)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such route; see docs/api.md") })

@@ -281,13 +281,15 @@ impl RunService for Stub {
     }
     async fn volume_files(
         &self,
-        name: String,
+        key: runbox_core::runs::VolumeKey,
         owner: runbox_core::tenants::Owner,
         _write: bool,
     ) -> Result<runbox_core::runs::VolumeFiles, CoreError> {
-        // The stub has no volume directories: every name is unknown (the
-        // real file operations are tested against the daemon, e2e).
-        self.get_volume(&name, &owner)?;
+        // The stub has no volume directories (the real file operations are
+        // tested against the daemon, e2e).
+        if let runbox_core::runs::VolumeKey::Name(name) = key {
+            self.get_volume(&name, &owner)?;
+        }
         Err(CoreError::invalid(
             runbox_types::ErrorCode::VolumesUnsupported,
             "the stub keeps no volume files",

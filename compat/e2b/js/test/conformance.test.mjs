@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
-import { Sandbox } from "e2b";
+import { Sandbox, Volume } from "e2b";
 
 import { sleep, useDaemon, withSandbox } from "../harness.mjs";
 
@@ -365,4 +365,48 @@ test("a sandbox that pauses at its timeout is kept, and connect wakes it", async
     assert.equal((await sbx.connect()).sandboxId, sbx.sandboxId);
     assert.equal((await sbx.commands.run(`kill -0 ${pid} && echo alive`)).stdout, "alive\n");
   });
+});
+
+test("volumes through E2B's volume API", async () => {
+  const vol = await Volume.create("e2b-js-vol");
+  try {
+    assert.equal(vol.name, "e2b-js-vol");
+    assert.ok(vol.token);
+    assert.deepEqual((await Volume.list()).map((v) => v.name), ["e2b-js-vol"]);
+    const info = await Volume.getInfo(vol.volumeId);
+    assert.equal(info.token, vol.token);
+
+    const dir = await vol.makeDir("/data");
+    assert.equal(dir.type, "directory");
+    const written = await vol.writeFile("/data/a.txt", "hello", { uid: 1000, gid: 1000, mode: 0o640 });
+    assert.deepEqual([written.path, written.size, written.uid, written.mode], ["/data/a.txt", 5, 1000, 0o640]);
+    assert.equal(await vol.readFile("/data/a.txt"), "hello");
+    assert.equal(await vol.exists("/data/a.txt"), true);
+    assert.equal(await vol.exists("/nope"), false);
+    await assert.rejects(vol.writeFile("/data/a.txt", "again"));
+    await vol.writeFile("/data/a.txt", "again!", { force: true, uid: 1000, gid: 1000 });
+    await assert.rejects(vol.makeDir("/x/y"));
+    await vol.makeDir("/x/y", { force: true });
+    const listed = await vol.list("/", { depth: 2 });
+    assert.deepEqual(listed.map((e) => e.path).sort(), ["/data", "/data/a.txt", "/x", "/x/y"]);
+    const updated = await vol.updateMetadata("/data/a.txt", { mode: 0o600 });
+    assert.equal(updated.mode, 0o600);
+    await vol.remove("/x");
+    assert.equal(await vol.exists("/x/y"), false);
+
+    const connected = await Volume.connect(vol.volumeId);
+    assert.equal(await connected.readFile("/data/a.txt"), "again!");
+
+    await withSandbox({ volumeMounts: { "/mnt/v": vol } }, async (sbx) => {
+      const out = await sbx.commands.run("cat /mnt/v/data/a.txt; stat -c %u /mnt/v/data/a.txt");
+      assert.equal(out.stdout, "again!1000\n");
+      await sbx.commands.run("echo from-sandbox > /mnt/v/out.txt");
+      assert.equal(await vol.readFile("/out.txt"), "from-sandbox\n");
+      await assert.rejects(vol.writeFile("/late.txt", "x"), /mounted/);
+    });
+  } finally {
+    assert.equal(await Volume.destroy(vol.volumeId), true);
+  }
+  assert.equal(await Volume.destroy(vol.volumeId), false);
+  await assert.rejects(Volume.getInfo(vol.volumeId));
 });

@@ -68,7 +68,7 @@ pub use self::ports::RunConnection;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
-pub use self::volume_files::{VolumeFiles, VolumeWrite};
+pub use self::volume_files::{VolumeFiles, VolumeKey, VolumeWrite};
 
 /// Locks a mutex, recovering from poisoning: every critical section here is
 /// a few map operations that leave the data consistent even if a panic

@@ -83,6 +83,15 @@ impl Drop for WriteGuard {
     }
 }
 
+/// Which volume a file call is for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VolumeKey {
+    /// By name, among the caller's.
+    Name(String),
+    /// By id (E2B's surface names volumes so).
+    Id(Ulid),
+}
+
 /// How a file is written into a volume.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct VolumeWrite {
@@ -157,20 +166,34 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Manager {
-    /// The caller's volume `name`, for file operations; with `write`, the
-    /// call is a writer (refused while a run holds the volume, and holding
-    /// off runs that would mount it until the result is dropped).
+    /// The caller's volume `key` names, for file operations; with `write`,
+    /// the call is a writer (refused while a run holds the volume, and
+    /// holding off runs that would mount it until the result is dropped).
+    /// By name the volume is looked up among `tenant`'s (None: the
+    /// operator's); by id a tenant reaches its own, the operator any.
     pub async fn volume_files(
         &self,
-        name: &str,
+        key: &VolumeKey,
         tenant: Option<&str>,
         write: bool,
     ) -> Result<VolumeFiles, CoreError> {
-        crate::volumes::check_name(name)?;
-        let record = self
-            .volumes
-            .find(tenant, name)
-            .ok_or_else(|| super::volumes::not_found(name))?;
+        let record = match key {
+            VolumeKey::Name(name) => {
+                crate::volumes::check_name(name)?;
+                self.volumes.find(tenant, name)
+            }
+            VolumeKey::Id(id) => self
+                .volumes
+                .get(*id)
+                .filter(|v| tenant.is_none() || v.tenant.as_deref() == tenant),
+        };
+        let record = record.ok_or_else(|| match key {
+            VolumeKey::Name(name) => super::volumes::not_found(name),
+            VolumeKey::Id(id) => {
+                CoreError::invalid(ErrorCode::VolumeNotFound, format!("no volume with id {id}"))
+            }
+        })?;
+        let name = record.name.as_str();
         let dir = self.lane.volume_dir(record.id).ok_or_else(|| {
             CoreError::invalid(
                 ErrorCode::VolumesUnsupported,
@@ -309,6 +332,25 @@ impl VolumeFiles {
         let to = self.parse_inside(to)?;
         let raw = self
             .run(move |w| ops::move_path(w, &from, &to, overwrite, ""))
+            .await?;
+        shown(raw)
+    }
+
+    /// Changes the owner (ids as runs see them) and/or the permission bits
+    /// (at most 0o7777) of `path` (the top: `/`), a file or a directory.
+    pub async fn set_attrs(
+        &self,
+        path: &str,
+        owner: Option<(u32, u32)>,
+        mode: Option<u32>,
+    ) -> Result<FileInfo, CoreError> {
+        self.writable()?;
+        if let Some(m) = mode {
+            check_mode(Some(m), 0o7777)?;
+        }
+        let rel = self.parse(path)?;
+        let raw = self
+            .run(move |w| ops::set_attrs(w, rel.as_ref(), owner.map(to_owner), mode))
             .await?;
         shown(raw)
     }

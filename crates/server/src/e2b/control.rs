@@ -36,7 +36,7 @@ pub(crate) struct E2bError {
 }
 
 impl E2bError {
-    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+    pub(super) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
             status,
             message: message.into(),
@@ -44,7 +44,7 @@ impl E2bError {
         }
     }
 
-    fn bad(message: impl Into<String>) -> Self {
+    pub(super) fn bad(message: impl Into<String>) -> Self {
         Self::new(StatusCode::BAD_REQUEST, message)
     }
 
@@ -115,6 +115,7 @@ pub fn routes<S: RunService>() -> Router<AppState<S>> {
         .route("/sandboxes/{id}/network", axum::routing::put(network))
         .route("/sandboxes/{id}/logs", get(logs))
         .route("/v2/sandboxes/{id}/logs", get(logs))
+        .merge(super::volumes::control_routes())
 }
 
 /// A JSON body, checked; an empty body is `{}`.

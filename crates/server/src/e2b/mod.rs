@@ -19,6 +19,7 @@ mod caller;
 mod connect;
 mod control;
 mod envd;
+mod volumes;
 mod wire;
 
 use std::sync::Arc;
@@ -38,6 +39,7 @@ use ulid::Ulid;
 use crate::AppState;
 
 pub use control::routes as control_routes;
+pub use volumes::content_routes as volume_content_routes;
 
 /// The port E2B's SDKs address envd on, in a sandbox's host name.
 pub const ENVD_PORT: u16 = 49983;
