@@ -58,7 +58,6 @@ def main() -> int:
         E2B_API_KEY=f"e2b_{d.token}",
         E2B_API_URL=d.url,
         E2B_SANDBOX_URL=d.url,
-        E2B_VOLUME_API_URL=d.url,
         E2B_DOMAIN="runbox.localhost",
     )
     status = 1

@@ -144,7 +144,9 @@ fn flag_args(flag: &str, action: &ArgAction, value: &toml::Value) -> Result<Vec<
             toml::Value::Boolean(b) => Ok(b.to_string()),
             toml::Value::Datetime(d) => Ok(d.to_string()),
             toml::Value::Array(_) => Err("takes one value, not an array".into()),
-            toml::Value::Table(_) => Err("takes a value, not a table".into()),
+            // A table stands for the JSON object a flag such as
+            // `--dataset` takes.
+            toml::Value::Table(t) => serde_json::to_string(t).map_err(|e| e.to_string()),
         }
     };
     let one = |v: String| OsString::from(format!("--{flag}={v}"));
@@ -242,6 +244,37 @@ mod tests {
         // false is the switch left off.
         let args = parse("no_disk_limits = false", &[]).unwrap();
         assert!(!args.no_disk_limits);
+    }
+
+    #[test]
+    fn dataset_tables_are_catalog_entries() {
+        let args = parse(
+            r#"
+            [[dataset]]
+            name = "corpus"
+            path = "/srv/datasets/corpus.img"
+
+            [[dataset]]
+            name = "scratch"
+            path = "/srv/datasets/scratch.img"
+            writable = true
+            tenants = ["acme"]
+            "#,
+            &[],
+        )
+        .unwrap();
+        assert_eq!(args.datasets.len(), 2);
+        assert!(!args.datasets[0].writable);
+        assert!(args.datasets[1].writable);
+        assert_eq!(args.datasets[1].tenants, ["acme"]);
+        let e = parse("[[dataset]]\nname = \"x\"\npath = \"relative.img\"\n", &[]).unwrap_err();
+        assert!(e.to_string().contains("key `dataset`"), "{e}");
+        let e = parse(
+            "[[dataset]]\nname = \"x\"\npath = \"/x.img\"\nsize = 3\n",
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("key `dataset`"), "{e}");
     }
 
     #[test]

@@ -219,6 +219,14 @@ pub struct ServeArgs {
     /// The largest volume a create may ask for, in MiB
     #[arg(long, value_name = "MIB", default_value_t = 1024 * 1024)]
     pub volume_max_mb: u64,
+    /// A dataset of the operator's catalog: `NAME=IMAGE` (read-only),
+    /// `NAME=IMAGE:rw` (writable), or a JSON object {"name", "path",
+    /// "writable", "tenants"}; repeat for several (a `[[dataset]]` table
+    /// each in the config file). IMAGE is a disk image holding a whole
+    /// ext4 or XFS filesystem; runbox mounts it, never changes or deletes
+    /// it. Fixed at start.
+    #[arg(long = "dataset", value_name = "SPEC", value_parser = runbox_core::datasets::DatasetEntry::parse)]
+    pub datasets: Vec<runbox_core::datasets::DatasetEntry>,
     /// A registry (`HOST[:PORT]`) that may be pulled from over plain HTTP;
     /// repeat for several. Loopback registries never need it.
     #[arg(long = "insecure-registry", value_name = "HOST[:PORT]")]
@@ -418,6 +426,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = Config::new(server_id);
     config.max_limits.disk_mb = (!args.no_disk_limits).then_some(args.max_disk_mb);
     let mut config = live_settings(&config, &args);
+    config.datasets = args.datasets.clone();
     config.warm_cache = warm_cache_config(&args, &state_dir)?;
     let checkpoint_store = match &args.checkpoint_store {
         Some(location) => location.clone(),

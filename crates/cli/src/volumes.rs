@@ -154,13 +154,25 @@ fn render(volumes: &[runbox_types::Volume]) -> String {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
+            // A dataset of the catalog: its kind and state stand where a
+            // named volume's creation date does.
+            let kind = match &v.dataset {
+                None => table::date(v.created_at),
+                Some(d) => {
+                    let mode = if d.writable { "rw" } else { "ro" };
+                    match &d.unavailable {
+                        Some(why) => format!("dataset {mode}, {why}"),
+                        None => format!("dataset {mode}"),
+                    }
+                }
+            };
             vec![
                 v.name.clone(),
                 v.used_bytes.map_or_else(|| "-".to_owned(), table::size),
                 table::size(v.size_mb << 20),
                 v.tenant.clone().unwrap_or_else(|| "-".to_owned()),
                 holders,
-                table::date(v.created_at),
+                kind,
             ]
         })
         .collect();
@@ -171,7 +183,7 @@ fn render(volumes: &[runbox_types::Volume]) -> String {
             "SIZE",
             "TENANT",
             "MOUNTED BY",
-            "CREATED (UTC)",
+            "CREATED (UTC) / DATASET",
         ],
         &rows,
     )
@@ -194,7 +206,20 @@ mod tests {
             }],
             created_at: time::OffsetDateTime::UNIX_EPOCH,
             tenant: None,
+            dataset: None,
         };
+        let dataset = runbox_types::Volume {
+            name: "corpus".into(),
+            used_bytes: None,
+            holders: vec![],
+            dataset: Some(runbox_types::DatasetState {
+                writable: false,
+                available: false,
+                unavailable: Some("missing".into()),
+            }),
+            ..volume.clone()
+        };
+        assert!(render(&[dataset]).contains("dataset ro, missing"));
         let text = render(&[volume]);
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[0].starts_with("NAME"), "{text}");

@@ -37,6 +37,8 @@ pub struct Config {
     pub volume_default_mb: u64,
     /// The largest volume a create may ask for, in MiB.
     pub volume_max_mb: u64,
+    /// The operator's dataset catalog (fixed at start).
+    pub datasets: Vec<crate::datasets::DatasetEntry>,
     /// The largest unpacked image an import may write.
     pub max_image_bytes: u64,
     /// How long a new sandbox's agent gets to answer its first call.
@@ -144,6 +146,7 @@ impl Config {
             max_upload_bytes: 16 << 30,
             volume_default_mb: 10 * 1024,
             volume_max_mb: 1024 * 1024,
+            datasets: Vec::new(),
             max_image_bytes: 32 << 30,
             agent_ready_timeout: Duration::from_secs(10),
             insecure_registries: Vec::new(),

@@ -74,6 +74,10 @@ pub struct VolumeBind {
     pub path: String,
     /// Mounted read-only.
     pub read_only: bool,
+    /// A dataset of the operator's catalog: its image, which the lane
+    /// holds for the run ([`Lane::hold_dataset`]) instead of a named
+    /// volume's directory.
+    pub dataset: Option<crate::datasets::DatasetEntry>,
 }
 
 /// A run's warm volume: an overlay of its own writable layer over a
@@ -495,6 +499,33 @@ pub trait Lane: Send + Sync + 'static {
     async fn delete_volume(&self, id: Ulid) -> Result<(), LaneError> {
         let _ = id;
         Ok(())
+    }
+
+    /// Holds catalog dataset `entry` for run `run`, mounting its image on
+    /// the host first when no run holds it (`rw`: read-write, after the
+    /// image's dirty marker is on disk); the host path runs bind-mount.
+    /// Holding again is a no-op.
+    fn hold_dataset(
+        &self,
+        entry: &crate::datasets::DatasetEntry,
+        rw: bool,
+        run: Ulid,
+    ) -> Result<PathBuf, LaneError> {
+        let _ = (entry, rw, run);
+        Err(LaneError::unsupported("mount datasets"))
+    }
+
+    /// Run `run` no longer holds dataset `entry`; with no holder left the
+    /// image is unmounted, and a clean unmount of a read-write mount
+    /// removes its dirty marker.
+    fn release_dataset(&self, entry: &crate::datasets::DatasetEntry, run: Ulid) {
+        let _ = (entry, run);
+    }
+
+    /// Unmounts the datasets a previous daemon left mounted that no run
+    /// holds now (`held`: the names restored runs hold); start-up.
+    fn sweep_datasets(&self, catalog: &[crate::datasets::DatasetEntry], held: &HashSet<String>) {
+        let _ = (catalog, held);
     }
 
     /// The host directory holding volume `id`'s files, for file operations

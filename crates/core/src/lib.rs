@@ -16,6 +16,7 @@ pub mod accounting;
 mod catalog;
 pub mod checkpoints;
 pub mod config;
+pub mod datasets;
 mod durable;
 pub mod egress;
 pub mod error;

@@ -49,6 +49,10 @@ pub struct RunVolumeRecord {
     pub path: String,
     /// How.
     pub mode: VolumeMode,
+    /// A dataset of the operator's catalog (its id is derived from its
+    /// name), not a named volume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dataset: bool,
 }
 
 impl RunVolumeRecord {

@@ -813,3 +813,227 @@ async fn files_without_a_run_seed_and_collect_a_volume() {
     daemon.client.delete_run(&run).await.unwrap();
     daemon.client.delete_volume("seed").await.unwrap();
 }
+
+/// An ext4 image of `size_mb` holding `files` (name, contents).
+fn ext4_image(path: &std::path::Path, size_mb: u32, files: &[(&str, &str)]) {
+    let tree = tempfile::tempdir().unwrap();
+    for (name, text) in files {
+        std::fs::write(tree.path().join(name), text).unwrap();
+    }
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(tree.path())
+        .arg(path)
+        .arg(format!("{size_mb}M"))
+        .output()
+        .expect("running mkfs.ext4");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Loop devices backed by `image`, as `losetup -j` lists them.
+fn loops_of(image: &std::path::Path) -> String {
+    let out = std::process::Command::new("losetup")
+        .arg("-j")
+        .arg(image)
+        .output()
+        .expect("running losetup");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
+    let images = tempfile::tempdir().unwrap();
+    let ro_img = images.path().join("corpus.img");
+    let rw_img = images.path().join("scratch.img");
+    ext4_image(&ro_img, 16, &[("hello.txt", "from the catalog\n")]);
+    ext4_image(&rw_img, 16, &[]);
+    let rw_marker = images.path().join("scratch.img.dirty");
+    let ro_spec = format!("corpus={}", ro_img.display());
+    let rw_spec = format!(
+        r#"{{"name": "scratch", "path": "{}", "writable": true}}"#,
+        rw_img.display()
+    );
+    let acme_spec = format!(
+        r#"{{"name": "acme-only", "path": "{}", "tenants": ["acme"]}}"#,
+        ro_img.display()
+    );
+    let gone_spec = format!("gone={}", images.path().join("absent.img").display());
+    let args = [
+        "--dataset",
+        &ro_spec,
+        "--dataset",
+        &rw_spec,
+        "--dataset",
+        &acme_spec,
+        "--dataset",
+        &gone_spec,
+    ];
+    for runtime in runbox_e2e::runtimes() {
+        let mut daemon = TestDaemon::start_with(Some(&runtime), &args, &[]).await;
+        let c = daemon.client.clone();
+
+        // Listed with their state, never their paths.
+        let listed = c.list_volumes().await.unwrap().volumes;
+        let state = |name: &str| {
+            listed
+                .iter()
+                .find(|v| v.name == name)
+                .and_then(|v| v.dataset.clone())
+                .unwrap_or_else(|| panic!("{name} is listed as a dataset"))
+        };
+        assert!(state("corpus").available && !state("corpus").writable);
+        assert!(state("scratch").writable);
+        assert_eq!(state("gone").unavailable.as_deref(), Some("missing"));
+        let text = serde_json::to_string(&listed).unwrap();
+        assert!(!text.contains(images.path().to_str().unwrap()), "{text}");
+
+        // Read-only by default, shared by two runs at once.
+        let a = daemon
+            .create_with(with(vec![mount("corpus", None, None)]))
+            .await;
+        let b = daemon
+            .create_with(with(vec![mount("corpus", Some("/data"), None)]))
+            .await;
+        assert_eq!(a.volumes[0].mode, VolumeMode::Ro);
+        let (a, b) = (a.id.to_string(), b.id.to_string());
+        assert_eq!(
+            ok(&daemon, &a, "cat /volumes/corpus/hello.txt").await,
+            "from the catalog\n"
+        );
+        assert_eq!(
+            ok(&daemon, &b, "cat /data/hello.txt").await,
+            "from the catalog\n"
+        );
+        let write = daemon.sh(&b, "touch /data/new").await;
+        assert_ne!(write.exit.exit_code, 0, "{runtime}: a dataset is read-only");
+        assert_eq!(c.get_volume("corpus").await.unwrap().holders.len(), 2);
+        assert!(!loops_of(&ro_img).is_empty(), "one loop device while held");
+        daemon.client.delete_run(&a).await.unwrap();
+        daemon.client.delete_run(&b).await.unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !loops_of(&ro_img).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "released with the last holder"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+
+        // Refusals.
+        let (status, code, _) = refused(
+            &daemon,
+            with(vec![mount("corpus", None, Some(VolumeMode::Rw))]),
+        )
+        .await;
+        assert_eq!(
+            (status, code.as_str()),
+            (400, "bad_volume"),
+            "rw of a read-only entry"
+        );
+        let (status, code, message) = refused(&daemon, with(vec![mount("gone", None, None)])).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (409, "volume_unavailable"),
+            "{message}"
+        );
+        let (status, code, _) = api_error(
+            c.create_volume(&CreateVolumeRequest {
+                name: "corpus".into(),
+                size_mb: Some(8),
+            })
+            .await,
+        );
+        assert_eq!(
+            (status, code.as_str()),
+            (409, "volume_exists"),
+            "a catalog name"
+        );
+
+        // Read-write: the marker is on disk before the mount and stays
+        // while the writer holds it, a daemon kill -9 included.
+        let writer = daemon
+            .create_with(with(vec![mount("scratch", None, Some(VolumeMode::Rw))]))
+            .await
+            .id
+            .to_string();
+        assert!(rw_marker.exists(), "{runtime}: the marker goes first");
+        ok(&daemon, &writer, "echo kept > /volumes/scratch/out; sync").await;
+        let (status, code, _) = refused(&daemon, with(vec![mount("scratch", None, None)])).await;
+        assert_eq!(
+            (status, code.as_str()),
+            (409, "volume_busy"),
+            "one writer, no readers"
+        );
+        daemon.kill9();
+        assert!(rw_marker.exists(), "a killed daemon leaves the marker");
+        daemon.spawn().await;
+        assert_eq!(
+            ok(&daemon, &writer, "cat /volumes/scratch/out").await,
+            "kept\n"
+        );
+        daemon.client.delete_run(&writer).await.unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while rw_marker.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a clean release removes the marker"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let reader = daemon
+            .create_with(with(vec![mount("scratch", None, None)]))
+            .await
+            .id
+            .to_string();
+        assert_eq!(
+            ok(&daemon, &reader, "cat /volumes/scratch/out").await,
+            "kept\n"
+        );
+        daemon.client.delete_run(&reader).await.unwrap();
+
+        // A dirty image (a writer that was not released cleanly) refuses
+        // readers until one rw mount is released cleanly.
+        std::fs::write(&rw_marker, b"left by a writer that died\n").unwrap();
+        let (status, code, message) =
+            refused(&daemon, with(vec![mount("scratch", None, None)])).await;
+        assert_eq!((status, code.as_str()), (409, "volume_unavailable"));
+        assert!(message.contains("dirty"), "{message}");
+        let healer = daemon
+            .create_with(with(vec![mount("scratch", None, Some(VolumeMode::Rw))]))
+            .await
+            .id
+            .to_string();
+        daemon.client.delete_run(&healer).await.unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while rw_marker.exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "healed by a clean rw release"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        let reader = daemon
+            .create_with(with(vec![mount("scratch", None, None)]))
+            .await
+            .id
+            .to_string();
+        daemon.client.delete_run(&reader).await.unwrap();
+        drop(daemon);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !(loops_of(&ro_img).is_empty() && loops_of(&rw_img).is_empty()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no loop device is left"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+    assert!(
+        ro_img.exists() && rw_img.exists(),
+        "images are never deleted"
+    );
+}

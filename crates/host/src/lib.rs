@@ -6,6 +6,7 @@
 //! mounts ([`mounts`]) and user namespaces with idmapped mounts ([`idmap`]). A lane crate (the OCI lane in `runbox-runtime`)
 //! builds on these; none of them knows which lane calls it.
 
+pub mod datasets;
 pub mod freezer;
 pub mod idmap;
 pub mod mounts;

@@ -177,6 +177,8 @@ struct Shared {
     /// other, so a capture never thaws a run paused under it and a pause
     /// never waits on a freezer a capture is thawing.
     freezes: std::sync::Mutex<std::collections::HashMap<Ulid, Arc<tokio::sync::Mutex<()>>>>,
+    /// Catalog datasets mounted on the host, and who holds each.
+    datasets: runbox_host::datasets::Datasets,
 }
 
 /// One sandbox of the OCI lane, by its run's id: everything about it is
@@ -247,7 +249,9 @@ impl OciLane {
                 None => Support::No("runbox serve --userns off".into()),
             },
         };
+        let datasets = runbox_host::datasets::Datasets::new(&state_dir.join("runs"));
         Ok(OciLane(Arc::new(Shared {
+            datasets,
             runtime,
             state_dir,
             agent_binary,
@@ -606,7 +610,10 @@ impl Shared {
             .join(crate::storage::VOLUMES_DIR);
         let mut out = Vec::with_capacity(spec.volumes.len());
         for (i, volume) in spec.volumes.iter().enumerate() {
-            let source = store.join(volume.id.to_string());
+            let source = match &volume.dataset {
+                Some(entry) => self.datasets.hold(entry, !volume.read_only, spec.id)?,
+                None => store.join(volume.id.to_string()),
+            };
             if !source.is_dir() {
                 return Err(LaneError::Failed(format!(
                     "volume {} is gone from the run store",
@@ -1133,6 +1140,27 @@ impl Lane for OciLane {
             .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
     }
 
+    fn hold_dataset(
+        &self,
+        entry: &runbox_core::datasets::DatasetEntry,
+        rw: bool,
+        run: Ulid,
+    ) -> Result<PathBuf, LaneError> {
+        self.0.datasets.hold(entry, rw, run)
+    }
+
+    fn release_dataset(&self, entry: &runbox_core::datasets::DatasetEntry, run: Ulid) {
+        self.0.datasets.release(entry, run)
+    }
+
+    fn sweep_datasets(
+        &self,
+        catalog: &[runbox_core::datasets::DatasetEntry],
+        held: &HashSet<String>,
+    ) {
+        self.0.datasets.sweep(catalog, held)
+    }
+
     fn volume_dir(&self, id: Ulid) -> Option<PathBuf> {
         Some(
             self.0
@@ -1235,7 +1263,9 @@ impl Lane for OciLane {
                 Some(_) => {}
                 None if entry.file_name() == crate::storage::CAPTURES_DIR
                     || entry.file_name() == crate::storage::WARM_CACHE_DIR
-                    || entry.file_name() == crate::storage::LAYERS_DIR => {}
+                    || entry.file_name() == crate::storage::LAYERS_DIR
+                    || entry.file_name() == crate::storage::VOLUMES_DIR
+                    || entry.file_name() == runbox_host::datasets::DATASETS_DIR => {}
                 None => {
                     tracing::warn!(path = %entry.path().display(), "ignoring a stray entry in the runs directory")
                 }

@@ -90,6 +90,7 @@ use runbox_types as t;
     t::VolumeHolder,
     t::VolumeMode,
     t::VolumeMakeDirRequest,
+    t::DatasetState,
     t::VolumeMoveRequest,
     t::VolumeRemoveRequest,
     t::ws::ClientFrame,

@@ -152,6 +152,11 @@ codes! {
     /// it, or readers do and a writer was asked for, or a delete found it
     /// mounted. The message names a holding run.
     VolumeBusy = "volume_busy", 409;
+    /// A catalog dataset cannot be mounted now: its image is missing on
+    /// this server, or it is dirty (a writer did not release it cleanly)
+    /// and a read-only mount was asked. The message says which and what
+    /// to do.
+    VolumeUnavailable = "volume_unavailable", 409;
     /// This server cannot make volumes (its run store has no quotas); the
     /// message says what the operator can change.
     VolumesUnsupported = "volumes_unsupported", 400;

@@ -22,9 +22,9 @@ pub use tenants::{
     UpdateTenantRequest, UsageReport, UsageTotals,
 };
 pub use volumes::{
-    CloneVolumeRequest, CreateVolumeRequest, RunVolume, Volume, VolumeHolder, VolumeList,
-    VolumeMakeDirRequest, VolumeMode, VolumeMountRequest, VolumeMoveRequest, VolumeRemoveRequest,
-    VolumeWriteQuery, MAX_RUN_VOLUMES, MAX_VOLUME_ID,
+    CloneVolumeRequest, CreateVolumeRequest, DatasetState, RunVolume, Volume, VolumeHolder,
+    VolumeList, VolumeMakeDirRequest, VolumeMode, VolumeMountRequest, VolumeMoveRequest,
+    VolumeRemoveRequest, VolumeWriteQuery, MAX_RUN_VOLUMES, MAX_VOLUME_ID,
 };
 
 /// Environment variables for a run or an exec.

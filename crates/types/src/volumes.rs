@@ -211,6 +211,29 @@ pub struct Volume {
     /// The tenant it belongs to; absent: the operator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Present for a dataset of the operator's catalog (a disk image the
+    /// operator keeps on this server, mounted by runs, never made or
+    /// deleted through the API); absent for a named volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dataset: Option<DatasetState>,
+}
+
+/// What a catalog dataset is on this server now.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct DatasetState {
+    /// Whether a run may mount it `rw` (the catalog says so); `ro` is the
+    /// default mode of a dataset mount.
+    pub writable: bool,
+    /// Whether a mount of it can be admitted now: its image is present and
+    /// (for `ro`) clean.
+    pub available: bool,
+    /// Why not, when it is not: `missing` (no image on this server) or
+    /// `dirty` (a writer did not release it cleanly: it needs one `rw`
+    /// mount and a clean release before `ro` mounts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unavailable: Option<String>,
 }
 
 /// `GET /v1/volumes`.

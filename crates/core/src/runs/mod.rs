@@ -229,7 +229,7 @@ impl RunContext {
             trust_pem,
             seed: None,
             warm,
-            volumes: volumes::binds(&record.volumes),
+            volumes: volumes::binds(&record.volumes, &self.config().datasets),
         };
         Ok((spec, pin))
     }
@@ -237,7 +237,10 @@ impl RunContext {
     /// Removes a destroyed run from the registry; called by its owner last.
     fn forget(&self, id: Ulid) {
         let registry = &mut lock(&self.registry);
-        registry.remove(&id);
+        if let Some(gone) = registry.remove(&id) {
+            let catalog = &self.config().datasets;
+            volumes::release_datasets(&self.lane, catalog, id, &gone.snapshot().record.volumes);
+        }
         lock(&self.pools).remove(id);
     }
 
@@ -416,6 +419,23 @@ impl Manager {
         if !swept.is_empty() {
             tracing::info!(volumes = swept.len(), "removed volumes no record names");
         }
+        // Datasets: mounted again for the runs that hold them, unmounted
+        // where no run does.
+        crate::datasets::check_catalog(
+            &manager.config().datasets,
+            &manager
+                .context
+                .tenants
+                .list()
+                .iter()
+                .map(|t| t.name.clone())
+                .collect::<Vec<_>>(),
+        )
+        .map_err(|e| CoreError::invalid(ErrorCode::ConfigInvalid, e))?;
+        let restoring = manager.clone();
+        tokio::task::spawn_blocking(move || restoring.restore_datasets())
+            .await
+            .map_err(|e| CoreError::Store(format!("restoring datasets failed: {e}")))?;
         Ok(manager)
     }
 
@@ -685,7 +705,7 @@ impl Manager {
             },
             seed: None,
             warm: warm_mount,
-            volumes: volumes::binds(&run_volumes),
+            volumes: volumes::binds(&run_volumes, &self.config().datasets),
         };
         let earlier = {
             // The key lookup, the capacity check and the insertion are one

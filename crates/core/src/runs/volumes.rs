@@ -164,6 +164,12 @@ impl Manager {
                 format!("you have a volume named {name:?} already"),
             ));
         }
+        if self.dataset(&name, None).is_some() {
+            return Err(CoreError::invalid(
+                ErrorCode::VolumeExists,
+                format!("{name:?} is a dataset of this server's catalog; pick another name"),
+            ));
+        }
         let record = VolumeRecord {
             id: Ulid::new(),
             name,
@@ -202,13 +208,20 @@ impl Manager {
     /// each stamped with its tenant).
     pub fn list_volumes(&self, tenant: Option<&str>) -> runbox_types::VolumeList {
         let mut held = all_holders(&self.registry());
-        let volumes = self
+        let mut volumes: Vec<runbox_types::Volume> = self
             .volumes
             .all()
             .iter()
             .filter(|v| tenant.is_none() || v.tenant.as_deref() == tenant)
             .map(|v| self.volume_view(v, held.remove(&v.id).unwrap_or_default()))
             .collect();
+        volumes.extend(
+            self.config()
+                .datasets
+                .iter()
+                .filter(|d| d.admits(tenant))
+                .map(|d| dataset_view(d, held.remove(&d.id()).unwrap_or_default())),
+        );
         runbox_types::VolumeList { volumes }
     }
 
@@ -218,10 +231,11 @@ impl Manager {
         name: &str,
         tenant: Option<&str>,
     ) -> Result<runbox_types::Volume, CoreError> {
-        let record = self
-            .volumes
-            .find(tenant, name)
-            .ok_or_else(|| not_found(name))?;
+        let Some(record) = self.volumes.find(tenant, name) else {
+            let dataset = self.dataset(name, tenant).ok_or_else(|| not_found(name))?;
+            let holders = holders(&self.registry(), dataset.id());
+            return Ok(dataset_view(&dataset, holders));
+        };
         let holders = holders(&self.registry(), record.id);
         Ok(self.volume_view(&record, holders))
     }
@@ -272,7 +286,22 @@ impl Manager {
             holders,
             created_at: record.created_at,
             tenant: record.tenant.clone(),
+            dataset: None,
         }
+    }
+
+    /// The catalog dataset `name` that `tenant` (None: the operator) may
+    /// mount, if any.
+    pub(crate) fn dataset(
+        &self,
+        name: &str,
+        tenant: Option<&str>,
+    ) -> Option<crate::datasets::DatasetEntry> {
+        self.config()
+            .datasets
+            .iter()
+            .find(|d| d.name == name && d.admits(tenant))
+            .cloned()
     }
 
     /// Checks a create's `volumes` against the caller's volumes and each
@@ -321,15 +350,37 @@ impl Manager {
                     ),
                 ));
             }
-            let record = self
-                .volumes
-                .find(tenant, &mount.name)
+            if let Some(record) = self.volumes.find(tenant, &mount.name) {
+                out.push(RunVolumeRecord {
+                    id: record.id,
+                    name: record.name,
+                    path,
+                    mode: mount.mode.unwrap_or_default(),
+                    dataset: false,
+                });
+                continue;
+            }
+            let dataset = self
+                .dataset(&mount.name, tenant)
                 .ok_or_else(|| not_found(&mount.name))?;
+            // A dataset is read-only unless asked otherwise, and writable
+            // only where the catalog says so.
+            let mode = mount.mode.unwrap_or(VolumeMode::Ro);
+            if mode == VolumeMode::Rw && !dataset.writable {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadVolume,
+                    format!(
+                        "dataset {:?} is read-only in this server's catalog; mount it ro",
+                        mount.name
+                    ),
+                ));
+            }
             out.push(RunVolumeRecord {
-                id: record.id,
-                name: record.name,
+                id: dataset.id(),
+                name: dataset.name,
                 path,
-                mode: mount.mode.unwrap_or_default(),
+                mode,
+                dataset: true,
             });
         }
         Ok(out)
@@ -345,7 +396,7 @@ impl Manager {
     ) -> Result<(), CoreError> {
         let held = all_holders(registry);
         for mount in mounts {
-            if !self.volumes.exists(mount.id) {
+            if !mount.dataset && !self.volumes.exists(mount.id) {
                 return Err(not_found(&mount.name));
             }
             if self.volume_writers.active(mount.id) {
@@ -371,19 +422,94 @@ impl Manager {
                     ),
                 ));
             }
+            if mount.dataset {
+                let entry = self
+                    .dataset(&mount.name, None)
+                    .ok_or_else(|| not_found(&mount.name))?;
+                if let Some(e) = entry.unavailable(mount.mode == VolumeMode::Rw) {
+                    return Err(e);
+                }
+            }
         }
         Ok(())
     }
+
+    /// At start: holds each dataset again for the restored runs that hold
+    /// it (mounting images a host restart unmounted), and unmounts what a
+    /// previous daemon left mounted that no run holds.
+    pub(super) fn restore_datasets(&self) {
+        let catalog = self.config().datasets.clone();
+        let mut held = std::collections::HashSet::new();
+        for handle in self.registry().values() {
+            let record = handle.snapshot().record;
+            for mount in record.volumes.iter().filter(|m| m.dataset) {
+                let Some(entry) = catalog.iter().find(|d| d.name == mount.name) else {
+                    tracing::warn!(run = %record.id, dataset = %mount.name, "a run holds a dataset the catalog no longer lists; it is not mounted again");
+                    continue;
+                };
+                held.insert(entry.name.clone());
+                if let Err(e) =
+                    self.lane
+                        .hold_dataset(entry, mount.mode == VolumeMode::Rw, record.id)
+                {
+                    tracing::warn!(run = %record.id, dataset = %entry.name, error = %e, "could not mount a dataset a restored run holds");
+                }
+            }
+        }
+        self.lane.sweep_datasets(&catalog, &held);
+    }
 }
 
-/// What the lane mounts for `mounts`.
-pub(crate) fn binds(mounts: &[RunVolumeRecord]) -> Vec<VolumeBind> {
+/// What the lane mounts for `mounts` (`catalog`: the datasets').
+pub(crate) fn binds(
+    mounts: &[RunVolumeRecord],
+    catalog: &[crate::datasets::DatasetEntry],
+) -> Vec<VolumeBind> {
     mounts
         .iter()
         .map(|m| VolumeBind {
             id: m.id,
             path: m.path.clone(),
             read_only: m.mode == VolumeMode::Ro,
+            dataset: m
+                .dataset
+                .then(|| catalog.iter().find(|d| d.name == m.name).cloned())
+                .flatten(),
         })
         .collect()
+}
+
+/// Gives back to `lane` the datasets run `id` held (`mounts`, its
+/// record's) once it is gone; off the async workers (an unmount may wait
+/// on the disk).
+pub(crate) fn release_datasets(
+    lane: &Arc<dyn crate::lane::Lane>,
+    catalog: &[crate::datasets::DatasetEntry],
+    id: Ulid,
+    mounts: &[RunVolumeRecord],
+) {
+    for mount in mounts.iter().filter(|m| m.dataset) {
+        let Some(entry) = catalog.iter().find(|d| d.name == mount.name).cloned() else {
+            continue;
+        };
+        let lane = lane.clone();
+        tokio::task::spawn_blocking(move || lane.release_dataset(&entry, id));
+    }
+}
+
+/// The API view of catalog dataset `entry`, held by `holders`.
+fn dataset_view(
+    entry: &crate::datasets::DatasetEntry,
+    holders: Vec<runbox_types::VolumeHolder>,
+) -> runbox_types::Volume {
+    runbox_types::Volume {
+        id: entry.id(),
+        name: entry.name.clone(),
+        size_mb: entry.size_mb(),
+        used_bytes: None,
+        holders,
+        created_at: OffsetDateTime::UNIX_EPOCH,
+        tenant: None,
+        dataset: Some(entry.state(false)),
+    }
 }
