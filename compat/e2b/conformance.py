@@ -64,7 +64,7 @@ def main() -> int:
     try:
         if args.js:
             cwd = args.repo / "packages" / "js-sdk"
-            cmd = ["npx", "vitest", "run", "--project", "unit", *(args.rest or ["tests/sandbox", "tests/api", "tests/volume"])]
+            cmd = ["npx", "vitest", "run", "--project", "unit", *(args.rest or ["tests/sandbox", "tests/api"])]
         else:
             cwd = args.repo / "packages" / "python-sdk"
             cmd = [args.python, "-m", "pytest", "-rfE", "-p", "no:cacheprovider", *(args.rest or ["tests/sync", "tests/async"])]

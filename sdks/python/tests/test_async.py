@@ -49,3 +49,19 @@ async def test_the_async_client_does_what_the_sync_one_does(daemon):
             await rb.signal_process(run.id, attached.pid, "KILL")
         finally:
             await rb.delete_run(run.id)
+
+
+async def test_the_async_client_reaches_volume_files(daemon):
+    async with AsyncRunbox(daemon.url, daemon.token) as rb:
+        await rb.create_volume("pyasyncfiles", size_mb=16)
+        try:
+            put = await rb.write_volume_file("pyasyncfiles", "d/a", b"bytes")
+            assert (put.path, put.size) == ("/d/a", 5)
+            assert await rb.read_volume_file("pyasyncfiles", "/d/a") == b"bytes"
+            assert (await rb.volume_stat("pyasyncfiles", "d")).path == "/d"
+            assert [e.path for e in await rb.volume_list("pyasyncfiles", "d")] == ["/d/a"]
+            assert (await rb.volume_make_dir("pyasyncfiles", "e", owner=(7, 7))).uid == 7
+            assert (await rb.volume_move("pyasyncfiles", "d/a", "e/a")).path == "/e/a"
+            assert await rb.volume_remove("pyasyncfiles", "e", recursive=True) == 2
+        finally:
+            await rb.delete_volume("pyasyncfiles")

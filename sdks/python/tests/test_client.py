@@ -91,6 +91,33 @@ def test_volumes_outlive_their_runs(rb: Runbox):
     assert e.value.code == "volume_not_found"
 
 
+def test_volume_files_without_a_run(rb: Runbox):
+    rb.create_volume("pyfiles", size_mb=16)
+    try:
+        put = rb.write_volume_file("pyfiles", "/seed/a.txt", "hello", mode=0o640, owner=(1000, 1000))
+        assert (put.path, put.size, put.mode, put.uid) == ("/seed/a.txt", 5, 0o640, 1000)
+        assert rb.read_volume_file("pyfiles", "seed/a.txt") == b"hello"
+        assert rb.volume_make_dir("pyfiles", "out").path == "/out"
+        assert [e.path for e in rb.volume_list("pyfiles", "/", depth=2)] == ["/out", "/seed", "/seed/a.txt"]
+        with pytest.raises(runbox.RunboxError) as e:
+            rb.write_volume_file("pyfiles", "seed/a.txt", "again", overwrite=False)
+        assert e.value.code == "file_exists"
+        run = rb.create_run("base", volumes=[{"name": "pyfiles"}])
+        try:
+            rb.run(run.id, "echo result > /volumes/pyfiles/out/r")
+            assert rb.read_volume_file("pyfiles", "out/r") == b"result\n"
+            with pytest.raises(runbox.RunboxError) as e:
+                rb.write_volume_file("pyfiles", "late", "x")
+            assert (e.value.code, e.value.status) == ("volume_busy", 409)
+        finally:
+            rb.delete_run(run.id)
+        assert rb.volume_move("pyfiles", "out/r", "r").path == "/r"
+        assert rb.volume_stat("pyfiles", "r").size == 7
+        assert rb.volume_remove("pyfiles", "seed", recursive=True) == 2
+    finally:
+        rb.delete_volume("pyfiles")
+
+
 def test_exec_streams_events_in_order(rb: Runbox, run_id: str):
     events = list(rb.exec(run_id, ["sh", "-c", "echo a; echo b >&2"]))
     assert isinstance(events[0], Started) and isinstance(events[-1], Exit)

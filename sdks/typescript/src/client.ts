@@ -135,6 +135,10 @@ function runPath(runId: string): string {
   return `/v1/runs/${segment("run id", runId)}`;
 }
 
+function volumePath(name: string): string {
+  return `/v1/volumes/${segment("volume name", name)}`;
+}
+
 function processPath(runId: string, process: string | number): string {
   return `${runPath(runId)}/processes/${segment("process", process)}`;
 }
@@ -653,6 +657,56 @@ export class Runbox {
   /** Deletes the volume and all it holds; refused while a run mounts it. */
   async deleteVolume(name: string): Promise<void> {
     await this.call({ method: "DELETE", path: `/v1/volumes/${segment("volume name", name)}` });
+  }
+
+  /**
+   * Writes a file (path from the volume's top) of a volume no run mounts;
+   * `owner` is `[uid, gid]` as runs see them; `overwrite: false` refuses an existing file.
+   */
+  async writeVolumeFile(
+    name: string,
+    path: string,
+    data: string | Uint8Array | Blob,
+    options: { mode?: number; owner?: [number, number]; overwrite?: boolean } = {},
+  ): Promise<FileInfo> {
+    const [uid, gid] = options.owner ?? [undefined, undefined];
+    return this.call({
+      method: "PUT",
+      path: `${volumePath(name)}/files/${filePath(path.replace(/^\/+/, ""))}`,
+      query: compact({ mode: options.mode, uid, gid, overwrite: options.overwrite }) as Query,
+      body: bytes(data),
+      headers: { "Content-Type": "application/octet-stream" },
+    });
+  }
+
+  /** Reads a file of a volume (runs may hold it meanwhile). */
+  async readVolumeFile(name: string, path: string): Promise<Uint8Array> {
+    const url = `${volumePath(name)}/files/${filePath(path.replace(/^\/+/, ""))}`;
+    const response = await this.send({ method: "GET", path: url }, AbortSignal.timeout(this.timeoutMs));
+    return new Uint8Array(await response.arrayBuffer());
+  }
+
+  async volumeStat(name: string, path = ""): Promise<FileInfo> {
+    return this.call({ method: "GET", path: `${volumePath(name)}/fs/stat`, query: { path } });
+  }
+
+  async volumeList(name: string, path = "", depth = 1): Promise<FileInfo[]> {
+    return (await this.call<FileList>({ method: "GET", path: `${volumePath(name)}/fs/list`, query: { path, depth } })).entries;
+  }
+
+  async volumeMakeDir(name: string, path: string, options: { mode?: number; owner?: [number, number] } = {}): Promise<FileInfo> {
+    const [uid, gid] = options.owner ?? [undefined, undefined];
+    return this.call({ method: "POST", path: `${volumePath(name)}/fs/mkdir`, json: compact({ path, mode: options.mode, uid, gid }) });
+  }
+
+  async volumeMove(name: string, from: string, to: string, options: { overwrite?: boolean } = {}): Promise<FileInfo> {
+    return this.call({ method: "POST", path: `${volumePath(name)}/fs/move`, json: compact({ from, to, overwrite: options.overwrite || undefined }) });
+  }
+
+  /** Removes a path of a volume no run mounts; returns how many entries went. */
+  async volumeRemove(name: string, path: string, options: { recursive?: boolean } = {}): Promise<number> {
+    const json = compact({ path, recursive: options.recursive || undefined });
+    return (await this.call<{ removed: number }>({ method: "POST", path: `${volumePath(name)}/fs/remove`, json })).removed;
   }
 
   /** What each tenant used since `since` (RFC 3339, or a span such as `24h`). */

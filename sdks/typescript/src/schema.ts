@@ -1164,6 +1164,130 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/volumes/{name}/files/{path}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Read a file of a volume
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["getVolumeFile"];
+        /**
+         * Write a file into a volume no run mounts, replacing it once the whole body is on disk
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        put: operations["putVolumeFile"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/volumes/{name}/fs/list": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * List a directory of a volume
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["listVolumeDir"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/volumes/{name}/fs/mkdir": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Make a directory and its parents in a volume no run mounts
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["makeVolumeDir"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/volumes/{name}/fs/move": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Rename a path of a volume no run mounts
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["moveVolumePath"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/volumes/{name}/fs/remove": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Remove a path of a volume no run mounts
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["removeVolumePath"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/volumes/{name}/fs/stat": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * Describe a path of a volume
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["statVolumePath"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/warmcache": {
         parameters: {
             query?: never;
@@ -1459,6 +1583,25 @@ export interface components {
              *     server's `--volume-default-mb`, at most `--volume-max-mb`.
              */
             sizeMb?: number | null;
+        };
+        /** @description What a catalog dataset is on this server now. */
+        DatasetState: {
+            /**
+             * @description Whether a mount of it can be admitted now: its image is present and
+             *     (for `ro`) clean.
+             */
+            available: boolean;
+            /**
+             * @description Why not, when it is not: `missing` (no image on this server) or
+             *     `dirty` (a writer did not release it cleanly: it needs one `rw`
+             *     mount and a clean release before `ro` mounts).
+             */
+            unavailable?: string | null;
+            /**
+             * @description Whether a run may mount it `rw` (the catalog says so); `ro` is the
+             *     default mode of a dataset mount.
+             */
+            writable: boolean;
         };
         /** @description Egress accounting of one run. */
         EgressStats: {
@@ -2589,6 +2732,7 @@ export interface components {
              * @description When it was made.
              */
             createdAt: string;
+            dataset?: null | components["schemas"]["DatasetState"];
             /** @description The runs that mount it now. */
             holders: components["schemas"]["VolumeHolder"][];
             /**
@@ -2627,6 +2771,28 @@ export interface components {
             /** @description Every volume the caller may see, by name. */
             volumes: components["schemas"]["Volume"][];
         };
+        /** @description `POST /v1/volumes/{name}/fs/mkdir`. */
+        VolumeMakeDirRequest: {
+            /**
+             * Format: uint32
+             * @description Their group (0-65535; default 0). With `uid`.
+             */
+            gid?: number | null;
+            /**
+             * Format: uint32
+             * @description Permission bits of the directories made (at most 0o7777, default
+             *     0o755).
+             */
+            mode?: number | null;
+            /** @description From the volume's top (`a/b` or `/a/b`). */
+            path: string;
+            /**
+             * Format: uint32
+             * @description Owner of the directories made, as runs see it (0-65535; default 0).
+             *     With `gid`.
+             */
+            uid?: number | null;
+        };
         /**
          * @description How a run mounts a volume.
          * @enum {string}
@@ -2642,6 +2808,22 @@ export interface components {
              *     system's own directories; default `/volumes/<name>`.
              */
             path?: string | null;
+        };
+        /** @description `POST /v1/volumes/{name}/fs/move`. */
+        VolumeMoveRequest: {
+            /** @description From the volume's top. */
+            from: string;
+            /** @description Replace an existing `to` (default: refuse with `409 file_exists`). */
+            overwrite?: boolean | null;
+            /** @description From the volume's top; its parent must exist. */
+            to: string;
+        };
+        /** @description `POST /v1/volumes/{name}/fs/remove`. */
+        VolumeRemoveRequest: {
+            /** @description From the volume's top. */
+            path: string;
+            /** @description Remove a directory with everything in it (default: only an empty one). */
+            recursive?: boolean | null;
         };
         /** @description The answer to a warm commit. */
         WarmCommit: {
@@ -5706,6 +5888,332 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Volume"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getVolumeFile: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+                /** @description a file path relative to /work, each segment percent-encoded */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description the bytes */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/octet-stream": unknown;
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    putVolumeFile: {
+        parameters: {
+            query?: {
+                /** @description permission bits, at most 0o777 (default 0o644) */
+                mode?: number;
+                /** @description owner as runs see it, 0-65535, with gid (default 0) */
+                uid?: number;
+                /** @description group as runs see it, 0-65535, with uid (default 0) */
+                gid?: number;
+                /** @description replace an existing file (default true) */
+                overwrite?: boolean;
+            };
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+                /** @description a file path relative to /work, each segment percent-encoded */
+                path: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/octet-stream": unknown;
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["FileInfo"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    listVolumeDir: {
+        parameters: {
+            query?: {
+                /** @description from the volume's top (a/b or /a/b); absent for the top itself */
+                path?: string;
+                /** @description levels, 1-16 (default 1) */
+                depth?: number;
+                /** @description most entries, 1-10000 (default 10000) */
+                limit?: number;
+            };
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["FileList"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    makeVolumeDir: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["VolumeMakeDirRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["FileInfo"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    moveVolumePath: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["VolumeMoveRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["FileInfo"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    removeVolumePath: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["VolumeRemoveRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["RemoveReply"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    statVolumePath: {
+        parameters: {
+            query?: {
+                /** @description from the volume's top (a/b or /a/b); absent for the top itself */
+                path?: string;
+            };
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["FileInfo"];
                 };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */

@@ -118,6 +118,34 @@ test("volumes outlive their runs", async () => {
   await assert.rejects(rb.getVolume("tsdata"), (e) => e instanceof NotFound && e.code === "volume_not_found");
 });
 
+test("a volume's files without a run", async () => {
+  await rb.createVolume("tsfiles", { sizeMb: 16 });
+  try {
+    const put = await rb.writeVolumeFile("tsfiles", "/seed/a.txt", "hello", { mode: 0o640, owner: [1000, 1000] });
+    assert.deepEqual([put.path, put.size, put.mode, put.uid], ["/seed/a.txt", 5, 0o640, 1000]);
+    assert.equal(text(await rb.readVolumeFile("tsfiles", "seed/a.txt")), "hello");
+    assert.equal((await rb.volumeMakeDir("tsfiles", "out", { owner: [7, 7] })).uid, 7);
+    assert.deepEqual((await rb.volumeList("tsfiles", "/", 2)).map((e) => e.path), ["/out", "/seed", "/seed/a.txt"]);
+    await assert.rejects(
+      rb.writeVolumeFile("tsfiles", "seed/a.txt", "again", { overwrite: false }),
+      (e) => e.code === "file_exists",
+    );
+    const run = await rb.createRun("base", { volumes: [{ name: "tsfiles" }] });
+    try {
+      await rb.run(run.id, "echo result > /volumes/tsfiles/out/r");
+      assert.equal(text(await rb.readVolumeFile("tsfiles", "out/r")), "result\n");
+      await assert.rejects(rb.writeVolumeFile("tsfiles", "late", "x"), (e) => e.code === "volume_busy" && e.status === 409);
+    } finally {
+      await rb.deleteRun(run.id);
+    }
+    assert.equal((await rb.volumeMove("tsfiles", "out/r", "r")).path, "/r");
+    assert.equal((await rb.volumeStat("tsfiles", "r")).size, 7);
+    assert.equal(await rb.volumeRemove("tsfiles", "seed", { recursive: true }), 2);
+  } finally {
+    await rb.deleteVolume("tsfiles");
+  }
+});
+
 test("exec streams its events in order, with stdin, a terminal, a timeout and a user", () =>
   withRun(async (id) => {
     const events = [];

@@ -313,6 +313,67 @@ def delete_volume(name: str) -> Call[None]:
     return Call("DELETE", f"/v1/volumes/{segment('volume name', name)}", empty=True)
 
 
+def volume_path(name: str) -> str:
+    return f"/v1/volumes/{segment('volume name', name)}"
+
+
+def write_volume_file(
+    name: str,
+    path: str,
+    data: Union[bytes, str],
+    mode: Optional[int] = None,
+    owner: Optional[Tuple[int, int]] = None,
+    overwrite: bool = True,
+) -> Call[FileInfo]:
+    content = data.encode() if isinstance(data, str) else bytes(data)
+    params: Dict[str, Any] = compact(mode=mode)
+    if owner is not None:
+        params["uid"], params["gid"] = owner
+    if not overwrite:
+        params["overwrite"] = "false"
+    return Call(
+        "PUT",
+        f"{volume_path(name)}/files/{file_path(path.lstrip('/'))}",
+        content=content,
+        params=params or None,
+        headers={"Content-Type": "application/octet-stream"},
+        parse=FileInfo.from_json,
+    )
+
+
+def volume_stat(name: str, path: str = "") -> Call[FileInfo]:
+    return Call("GET", f"{volume_path(name)}/fs/stat", params={"path": path}, parse=FileInfo.from_json)
+
+
+def volume_list(name: str, path: str = "", depth: int = 1) -> Call[List[FileInfo]]:
+    return Call(
+        "GET", f"{volume_path(name)}/fs/list", params={"path": path, "depth": depth}, parse=parse_entries
+    )
+
+
+def volume_make_dir(
+    name: str, path: str, mode: Optional[int] = None, owner: Optional[Tuple[int, int]] = None
+) -> Call[FileInfo]:
+    body = compact(path=path, mode=mode)
+    if owner is not None:
+        body["uid"], body["gid"] = owner
+    return Call("POST", f"{volume_path(name)}/fs/mkdir", json=body, parse=FileInfo.from_json)
+
+
+def volume_move(name: str, src: str, dst: str, overwrite: bool = False) -> Call[FileInfo]:
+    body: Dict[str, Any] = {"from": src, "to": dst}
+    if overwrite:
+        body["overwrite"] = True
+    return Call("POST", f"{volume_path(name)}/fs/move", json=body, parse=FileInfo.from_json)
+
+
+def volume_remove(name: str, path: str, recursive: bool = False) -> Call[int]:
+    body: Dict[str, Any] = {"path": path}
+    if recursive:
+        body["recursive"] = True
+    return Call("POST", f"{volume_path(name)}/fs/remove", json=body, parse=lambda b: b["removed"])
+
+
 def usage(since: Optional[str] = None, tenant: Optional[str] = None) -> Call[Dict[str, Any]]:
     return Call("GET", "/v1/usage", params=compact(since=since, tenant=tenant) or None)
 

@@ -267,8 +267,11 @@ class AsyncRunbox:
         await self._do(calls.write_file(run_id, path, data, lease))
 
     async def read_file(self, run_id: str, path: str) -> bytes:
+        return await self._get_bytes(f"{run_path(run_id)}/files/{file_path(path)}")
+
+    async def _get_bytes(self, url_path: str) -> bytes:
         try:
-            response = await self._http.get(f"{run_path(run_id)}/files/{file_path(path)}")
+            response = await self._http.get(url_path)
         except httpx.HTTPError as e:
             raise RunboxError(0, "unreachable", str(e)) from e
         if response.status_code >= 300:
@@ -361,6 +364,37 @@ class AsyncRunbox:
     async def delete_volume(self, name: str) -> None:
         """Deletes the volume and all it holds; refused while a run mounts it."""
         await self._do(calls.delete_volume(name))
+
+    async def write_volume_file(
+        self,
+        name: str,
+        path: str,
+        data: Union[bytes, str],
+        mode: Optional[int] = None,
+        owner: Optional[Tuple[int, int]] = None,
+        overwrite: bool = True,
+    ) -> FileInfo:
+        return await self._do(calls.write_volume_file(name, path, data, mode, owner, overwrite))
+
+    async def read_volume_file(self, name: str, path: str) -> bytes:
+        return await self._get_bytes(f"{calls.volume_path(name)}/files/{file_path(path.lstrip('/'))}")
+
+    async def volume_stat(self, name: str, path: str = "") -> FileInfo:
+        return await self._do(calls.volume_stat(name, path))
+
+    async def volume_list(self, name: str, path: str = "", depth: int = 1) -> List[FileInfo]:
+        return await self._do(calls.volume_list(name, path, depth))
+
+    async def volume_make_dir(
+        self, name: str, path: str, mode: Optional[int] = None, owner: Optional[Tuple[int, int]] = None
+    ) -> FileInfo:
+        return await self._do(calls.volume_make_dir(name, path, mode, owner))
+
+    async def volume_move(self, name: str, src: str, dst: str, overwrite: bool = False) -> FileInfo:
+        return await self._do(calls.volume_move(name, src, dst, overwrite))
+
+    async def volume_remove(self, name: str, path: str, recursive: bool = False) -> int:
+        return await self._do(calls.volume_remove(name, path, recursive))
 
     async def usage(self, since: Optional[str] = None, tenant: Optional[str] = None) -> Dict[str, Any]:
         """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""

@@ -242,8 +242,11 @@ class Runbox:
         """Read a file below /work."""
         from ._core import file_path
 
+        return self._get_bytes(f"{run_path(run_id)}/files/{file_path(path)}")
+
+    def _get_bytes(self, url_path: str) -> bytes:
         try:
-            response = self._http.get(f"{run_path(run_id)}/files/{file_path(path)}")
+            response = self._http.get(url_path)
         except httpx.HTTPError as e:
             raise RunboxError(0, "unreachable", str(e)) from e
         if response.status_code >= 300:
@@ -340,6 +343,42 @@ class Runbox:
     def delete_volume(self, name: str) -> None:
         """Deletes the volume and all it holds; refused while a run mounts it."""
         self._do(calls.delete_volume(name))
+
+    def write_volume_file(
+        self,
+        name: str,
+        path: str,
+        data: Union[bytes, str],
+        mode: Optional[int] = None,
+        owner: Optional[Tuple[int, int]] = None,
+        overwrite: bool = True,
+    ) -> FileInfo:
+        """Write ``data`` to ``path`` (from the volume's top) of a volume no
+        run mounts; ``owner`` is (uid, gid) as runs see them."""
+        return self._do(calls.write_volume_file(name, path, data, mode, owner, overwrite))
+
+    def read_volume_file(self, name: str, path: str) -> bytes:
+        """Read a file of a volume (runs may hold it meanwhile)."""
+        from ._core import file_path
+
+        return self._get_bytes(f"{calls.volume_path(name)}/files/{file_path(path.lstrip('/'))}")
+
+    def volume_stat(self, name: str, path: str = "") -> FileInfo:
+        return self._do(calls.volume_stat(name, path))
+
+    def volume_list(self, name: str, path: str = "", depth: int = 1) -> List[FileInfo]:
+        return self._do(calls.volume_list(name, path, depth))
+
+    def volume_make_dir(
+        self, name: str, path: str, mode: Optional[int] = None, owner: Optional[Tuple[int, int]] = None
+    ) -> FileInfo:
+        return self._do(calls.volume_make_dir(name, path, mode, owner))
+
+    def volume_move(self, name: str, src: str, dst: str, overwrite: bool = False) -> FileInfo:
+        return self._do(calls.volume_move(name, src, dst, overwrite))
+
+    def volume_remove(self, name: str, path: str, recursive: bool = False) -> int:
+        return self._do(calls.volume_remove(name, path, recursive))
 
     def usage(self, since: Optional[str] = None, tenant: Optional[str] = None) -> Dict[str, Any]:
         """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
