@@ -745,7 +745,20 @@ impl Bench {
         let volumes = match plan.volume_iterations {
             Some((reads, creates)) => {
                 let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
-                Some(volumes::measure(&mut self.daemons[i], reads, creates, plan.warmup).await?)
+                let mut report =
+                    volumes::measure(&mut self.daemons[i], reads, creates, plan.warmup).await?;
+                let rootfs = self.make_rootfs()?;
+                report.catalog = Some(
+                    volumes::measure_catalog(
+                        &plan.runbox,
+                        &plan.agent,
+                        &plan.runtimes[i],
+                        rootfs,
+                        reads,
+                    )
+                    .await?,
+                );
+                Some(report)
             }
             None => None,
         };

@@ -11,6 +11,10 @@
 //! - Create + first exec (`/bin/true`) of a run that mounts the volume
 //!   read-only, next to one that mounts nothing, interleaved; the DELETE is
 //!   not timed.
+//! - The same reads from a catalog dataset: an ext4 image holding the file
+//!   (random bytes, so nothing is sparse), given to a daemon of its own with
+//!   `--dataset`, mounted read-only in a run, against the host reading the
+//!   file from the image's loop mount.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -50,6 +54,21 @@ pub struct VolumesReport {
     pub create_plain: Summary,
     /// Create + first exec, one volume mounted read-only.
     pub create_volume: Summary,
+    /// The reads from a catalog dataset, when measured.
+    pub catalog: Option<Reads>,
+}
+
+/// Cold and warm reads in a run and on the host.
+#[derive(Clone, Debug, Serialize)]
+pub struct Reads {
+    /// Cold read in the run.
+    pub run_cold: Summary,
+    /// Cold read on the host.
+    pub host_cold: Summary,
+    /// Warm read in the run.
+    pub run_warm: Summary,
+    /// Warm read on the host.
+    pub host_warm: Summary,
 }
 
 fn drop_caches() -> anyhow::Result<()> {
@@ -60,11 +79,11 @@ fn drop_caches() -> anyhow::Result<()> {
     std::fs::write("/proc/sys/vm/drop_caches", "3").context("dropping the page cache")
 }
 
-async fn read_in_run(daemon: &Daemon, id: &str) -> anyhow::Result<Duration> {
+async fn read_in_run(daemon: &Daemon, id: &str, path: &str) -> anyhow::Result<Duration> {
     let req = ExecRequest {
         cmd: vec![
             "dd".into(),
-            format!("if=/volumes/{VOLUME}/big"),
+            format!("if={path}"),
             "of=/dev/null".into(),
             "bs=1M".into(),
         ],
@@ -169,41 +188,8 @@ pub async fn measure(
             .join("runs/.volumes")
             .join(volume.id.to_string())
             .join("big");
-        let (mut run_cold, mut host_cold, mut run_warm, mut host_warm) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for round in 0..1 + reads {
-            let measured = round >= 1;
-            for in_run in [round % 2 == 0, round % 2 != 0] {
-                drop_caches()?;
-                let took = match in_run {
-                    true => read_in_run(daemon, &id).await?,
-                    false => read_on_host(&host)?,
-                };
-                if measured {
-                    if in_run {
-                        &mut run_cold
-                    } else {
-                        &mut host_cold
-                    }
-                    .push(took);
-                }
-            }
-            read_on_host(&host)?;
-            for in_run in [round % 2 == 0, round % 2 != 0] {
-                let took = match in_run {
-                    true => read_in_run(daemon, &id).await?,
-                    false => read_on_host(&host)?,
-                };
-                if measured {
-                    if in_run {
-                        &mut run_warm
-                    } else {
-                        &mut host_warm
-                    }
-                    .push(took);
-                }
-            }
-        }
+        let named =
+            read_cases(daemon, &id, &format!("/volumes/{VOLUME}/big"), &host, reads).await?;
         daemon.delete_run(writer.id).await?;
         let (mut plain, mut with) = (Vec::new(), Vec::new());
         for round in 0..warmup + creates {
@@ -219,12 +205,13 @@ pub async fn measure(
             runtime: daemon.runtime.clone(),
             file_mib: FILE_MIB,
             userns,
-            run_cold: summary(&run_cold)?,
-            host_cold: summary(&host_cold)?,
-            run_warm: summary(&run_warm)?,
-            host_warm: summary(&host_warm)?,
+            run_cold: named.run_cold,
+            host_cold: named.host_cold,
+            run_warm: named.run_warm,
+            host_warm: named.host_warm,
             create_plain: summary(&plain)?,
             create_volume: summary(&with)?,
+            catalog: None,
         })
     }
     .await;
@@ -232,6 +219,128 @@ pub async fn measure(
         eprintln!("runbox-bench: could not delete the bench volume: {e}");
     }
     measured
+}
+
+/// `reads` measured cold and warm reads of `in_run` in run `id` and of
+/// `host` on the host, interleaved, after one unmeasured round.
+async fn read_cases(
+    daemon: &Daemon,
+    id: &str,
+    in_run: &str,
+    host: &Path,
+    reads: usize,
+) -> anyhow::Result<Reads> {
+    let (mut run_cold, mut host_cold, mut run_warm, mut host_warm) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for round in 0..1 + reads {
+        let measured = round >= 1;
+        for cold in [true, false] {
+            if !cold {
+                read_on_host(host)?;
+            }
+            for run_first in [round % 2 == 0, round % 2 != 0] {
+                if cold {
+                    drop_caches()?;
+                }
+                let took = match run_first {
+                    true => read_in_run(daemon, id, in_run).await?,
+                    false => read_on_host(host)?,
+                };
+                if measured {
+                    match (cold, run_first) {
+                        (true, true) => &mut run_cold,
+                        (true, false) => &mut host_cold,
+                        (false, true) => &mut run_warm,
+                        (false, false) => &mut host_warm,
+                    }
+                    .push(took);
+                }
+            }
+        }
+    }
+    let summary = |s: &[Duration]| summarize(s).context("no samples");
+    Ok(Reads {
+        run_cold: summary(&run_cold)?,
+        host_cold: summary(&host_cold)?,
+        run_warm: summary(&run_warm)?,
+        host_warm: summary(&host_warm)?,
+    })
+}
+
+/// The catalog half: an ext4 image holding a [`FILE_MIB`] MiB file of
+/// random bytes, a daemon of its own (`runbox`, `agent`, `runtime`) given it
+/// with `--dataset`, and `reads` cold and warm reads in a run that mounts
+/// it read-only against the host reading it from the image's loop mount.
+pub async fn measure_catalog(
+    runbox: &Path,
+    agent: &Path,
+    runtime: &str,
+    rootfs: Vec<u8>,
+    reads: usize,
+) -> anyhow::Result<Reads> {
+    let dir = tempfile::tempdir().context("a directory for the image")?;
+    let tree = dir.path().join("tree");
+    std::fs::create_dir(&tree)?;
+    let status = std::process::Command::new("dd")
+        .arg("if=/dev/urandom")
+        .arg(format!("of={}", tree.join("big").display()))
+        .args(["bs=1M", &format!("count={FILE_MIB}")])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .context("running dd")?;
+    ensure!(status.success(), "writing the file failed");
+    let image = dir.path().join("catalog.img");
+    let out = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-d"])
+        .arg(&tree)
+        .arg(&image)
+        .arg(format!("{}M", FILE_MIB + 128))
+        .output()
+        .context("running mkfs.ext4")?;
+    ensure!(
+        out.status.success(),
+        "mkfs.ext4: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::remove_file(tree.join("big"))?;
+    let flag = vec![
+        "--dataset".to_owned(),
+        format!("benchcat={}", image.display()),
+    ];
+    let mut daemon = Daemon::start_with(runbox, agent, runtime, &flag).await?;
+    daemon.import(rootfs).await?;
+    let run = daemon
+        .create_run_with(CreateRunRequest {
+            image: IMAGE.into(),
+            volumes: Some(vec![VolumeMountRequest {
+                name: "benchcat".into(),
+                path: None,
+                mode: None,
+            }]),
+            ..Default::default()
+        })
+        .await?;
+    let host = daemon.state_dir().join("runs/.datasets/benchcat/big");
+    let reads = read_cases(
+        &daemon,
+        &run.id.to_string(),
+        "/volumes/benchcat/big",
+        &host,
+        reads,
+    )
+    .await;
+    daemon.delete_run(run.id).await?;
+    // The image is released (unmounted) just after its last holder goes;
+    // wait for it before the daemon and the image's directory go.
+    let mount_point = daemon.state_dir().join("runs/.datasets/benchcat");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::fs::read_to_string("/proc/self/mountinfo")?
+        .contains(mount_point.to_str().unwrap_or("?"))
+    {
+        ensure!(Instant::now() < deadline, "the dataset was not released");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    reads
 }
 
 /// The phase as markdown.
@@ -256,7 +365,32 @@ pub fn markdown(r: &VolumesReport) -> String {
         ("cold read, on the host", &r.host_cold, &r.host_cold),
         ("warm read, in the run", &r.run_warm, &r.host_warm),
         ("warm read, on the host", &r.host_warm, &r.host_warm),
-    ] {
+    ]
+    .into_iter()
+    .chain(r.catalog.iter().flat_map(|c| {
+        [
+            (
+                "catalog dataset, cold read, in the run",
+                &c.run_cold,
+                &c.host_cold,
+            ),
+            (
+                "catalog dataset, cold read, on the host",
+                &c.host_cold,
+                &c.host_cold,
+            ),
+            (
+                "catalog dataset, warm read, in the run",
+                &c.run_warm,
+                &c.host_warm,
+            ),
+            (
+                "catalog dataset, warm read, on the host",
+                &c.host_warm,
+                &c.host_warm,
+            ),
+        ]
+    })) {
         let _ = writeln!(
             out,
             "| {name} | {} | {:.1} | {:.1} | {:.0} | {:.2}× |",
