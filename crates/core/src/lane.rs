@@ -366,6 +366,15 @@ pub trait Sandbox: Send + Sync {
         None
     }
 
+    /// Mounts `volumes` into the running sandbox (a pool member being
+    /// handed to a create that asked for them), each as a create would
+    /// have: its directory made, the volume bound there. On error the
+    /// sandbox is not handed out (it is destroyed), so nothing is undone.
+    async fn mount_volumes(&self, volumes: &[VolumeBind]) -> Result<(), LaneError> {
+        let _ = volumes;
+        Err(LaneError::unsupported("mount volumes into a running run"))
+    }
+
     /// Bytes it has written to its own disk, where that is counted.
     fn disk_used(&self) -> Option<u64> {
         None

@@ -1037,3 +1037,136 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
         "images are never deleted"
     );
 }
+
+/// Waits until every pool has at least `n` ready members.
+async fn pool_ready(daemon: &TestDaemon, n: u32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let list = daemon.client.pools().await.unwrap();
+        if list.pools.iter().all(|p| p.ready >= n) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{list:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_create_with_volumes_takes_a_pool_member_and_mounts_into_it() {
+    use runbox_types::{PoolSet, PoolSpec, SizeTier};
+    let images = tempfile::tempdir().unwrap();
+    let image = images.path().join("corpus.img");
+    ext4_image(&image, 16, &[("hello.txt", "pooled\n")]);
+    let spec = format!("corpus={}", image.display());
+    for runtime in runbox_e2e::runtimes() {
+        let daemon = TestDaemon::start_with(Some(&runtime), &["--dataset", &spec], &[]).await;
+        let c = &daemon.client;
+        let made = volume(&daemon, "data", Some(32)).await;
+        c.set_pools(&PoolSet {
+            pools: vec![PoolSpec {
+                image: "base".into(),
+                network: None,
+                size: Some(SizeTier::Small),
+                warm: Some(2),
+                warm_max: None,
+                warmup: None,
+            }],
+        })
+        .await
+        .unwrap();
+        pool_ready(&daemon, 2).await;
+        let pooled = |mounts: Vec<VolumeMountRequest>| CreateRunRequest {
+            image: "base".into(),
+            size: Some(SizeTier::Small),
+            volumes: Some(mounts),
+            ..Default::default()
+        };
+
+        // A named volume rw at its default path, a dataset ro elsewhere.
+        let run = c
+            .create_run(&pooled(vec![
+                mount("data", None, None),
+                mount("corpus", Some("/mnt/corpus"), None),
+            ]))
+            .await
+            .unwrap();
+        assert!(run.pooled, "{runtime}: served from the pool");
+        assert_eq!(run.volumes.len(), 2);
+        let id = run.id.to_string();
+        assert_eq!(
+            ok(
+                &daemon,
+                &id,
+                "echo hi > /volumes/data/f; stat -c %u /volumes/data/f; cat /mnt/corpus/hello.txt"
+            )
+            .await,
+            "0\npooled\n"
+        );
+        let write = daemon.sh(&id, "touch /mnt/corpus/x").await;
+        assert_ne!(
+            write.exit.exit_code, 0,
+            "{runtime}: the dataset is read-only"
+        );
+        let stored = daemon
+            .state
+            .path()
+            .join("runs/.volumes")
+            .join(made.id.to_string())
+            .join("f");
+        assert_eq!(
+            std::fs::metadata(&stored).unwrap().uid(),
+            0,
+            "stored as the run saw it"
+        );
+        let holders = c.get_volume("data").await.unwrap().holders;
+        assert_eq!((holders.len(), holders[0].run), (1, run.id));
+
+        // The one-writer rule holds for claims too; readers of the dataset
+        // share it.
+        pool_ready(&daemon, 1).await;
+        let (status, code, _) =
+            api_error(c.create_run(&pooled(vec![mount("data", None, None)])).await);
+        assert_eq!((status, code.as_str()), (409, "volume_busy"));
+        let reader = c
+            .create_run(&pooled(vec![mount("corpus", None, None)]))
+            .await
+            .unwrap();
+        assert!(reader.pooled);
+        assert_eq!(
+            ok(
+                &daemon,
+                &reader.id.to_string(),
+                "cat /volumes/corpus/hello.txt"
+            )
+            .await,
+            "pooled\n"
+        );
+        c.delete_run(&id).await.unwrap();
+        c.delete_run(&reader.id.to_string()).await.unwrap();
+
+        // What the first run wrote is there for the next claim.
+        pool_ready(&daemon, 1).await;
+        let next = c
+            .create_run(&pooled(vec![mount(
+                "data",
+                Some("/in"),
+                Some(VolumeMode::Ro),
+            )]))
+            .await
+            .unwrap();
+        assert!(next.pooled);
+        assert_eq!(ok(&daemon, &next.id.to_string(), "cat /in/f").await, "hi\n");
+        c.delete_run(&next.id.to_string()).await.unwrap();
+        c.set_pools(&PoolSet { pools: vec![] }).await.unwrap();
+        c.delete_volume("data").await.unwrap();
+        drop(daemon);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !loops_of(&image).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no loop device is left"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+}

@@ -290,6 +290,146 @@ pub fn idmapped_bind(source: &Path, target: &Path, userns: BorrowedFd<'_>) -> io
     Ok(())
 }
 
+/// A detached copy of the mount at `source` (not what is mounted below
+/// it), ready for [`mount_into`]: mapped through user namespace `userns`
+/// when given (as [`idmapped_bind`] maps), `nodev`, `nosuid`, and
+/// read-only with `read_only`. Blocking.
+pub fn detached_bind(
+    source: &Path,
+    userns: Option<BorrowedFd<'_>>,
+    read_only: bool,
+) -> io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags;
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        source,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )?;
+    let mut set = libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOSUID;
+    if read_only {
+        set |= libc::MOUNT_ATTR_RDONLY;
+    }
+    if userns.is_some() {
+        set |= libc::MOUNT_ATTR_IDMAP;
+    }
+    let attr = libc::mount_attr {
+        attr_set: set,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.map_or(0, |fd| fd.as_raw_fd() as u64),
+    };
+    let empty = CString::default();
+    // SAFETY: mount_setattr(2) reads `attr` (of the size given) and the
+    // empty path; `tree` is a detached mount we own.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            empty.as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &raw const attr,
+            std::mem::size_of::<libc::mount_attr>(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(tree)
+}
+
+/// Attaches detached mount `tree` at `target` (absolute, resolved as the
+/// process sees it: `..` and absolute symlinks stay inside its root) in
+/// the mount namespace of process `pid`, a running sandbox's init. The
+/// directory must exist. Blocking: a fork that joins the namespace, as a
+/// thread cannot (`setns` refuses a process whose threads share its
+/// filesystem context).
+pub fn mount_into(pid: i32, tree: &OwnedFd, target: &str) -> io::Result<()> {
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/mnt"))?;
+    let target = CString::new(target).map_err(|_| io::Error::other("a NUL in the mount path"))?;
+    let empty = CString::default();
+    // openat2(2)'s `struct open_how` (libc's is non-exhaustive).
+    #[repr(C)]
+    struct OpenHow {
+        flags: u64,
+        mode: u64,
+        resolve: u64,
+    }
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    let report = pipe()?;
+    // SAFETY: the child makes only raw system calls (prctl, setns, openat2,
+    // move_mount, write, _exit) on memory prepared before the fork; it
+    // touches no lock or allocation the parent's other threads may hold.
+    let child = unsafe { libc::fork() };
+    if child < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if child == 0 {
+        // SAFETY: as above; the child never returns from this block.
+        unsafe {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            let fail = |step: u8| -> ! {
+                let errno = *libc::__errno_location();
+                let mut out = [step, 0, 0, 0, 0];
+                out[1..].copy_from_slice(&errno.to_ne_bytes());
+                libc::write(report.write.as_raw_fd(), out.as_ptr().cast(), out.len());
+                libc::_exit(1)
+            };
+            if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNS) != 0 {
+                fail(1);
+            }
+            let dir = libc::syscall(
+                libc::SYS_openat2,
+                libc::AT_FDCWD,
+                target.as_ptr(),
+                &raw const how,
+                std::mem::size_of::<OpenHow>(),
+            );
+            if dir < 0 {
+                fail(2);
+            }
+            let moved = libc::syscall(
+                libc::SYS_move_mount,
+                tree.as_raw_fd(),
+                empty.as_ptr(),
+                dir as libc::c_int,
+                empty.as_ptr(),
+                libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
+            );
+            if moved != 0 {
+                fail(3);
+            }
+            libc::_exit(0)
+        }
+    }
+    drop(report.write);
+    let mut status = 0;
+    // SAFETY: reaps our own child.
+    if unsafe { libc::waitpid(child, &mut status, 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut out = [0u8; 5];
+    // SAFETY: reads at most 5 bytes into a local.
+    let n = unsafe { libc::read(report.read.as_raw_fd(), out.as_mut_ptr().cast(), out.len()) };
+    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+        return Ok(());
+    }
+    if n != 5 {
+        return Err(io::Error::other("the mount helper died"));
+    }
+    let errno = i32::from_ne_bytes([out[1], out[2], out[3], out[4]]);
+    let step = match out[0] {
+        1 => "joining the sandbox's mount namespace",
+        2 => "opening the mount path in the sandbox",
+        _ => "attaching the mount in the sandbox",
+    };
+    let cause = io::Error::from_raw_os_error(errno);
+    Err(io::Error::new(cause.kind(), format!("{step}: {cause}")))
+}
+
 /// Whether idmapped mounts work on the filesystem holding `dir`: maps a
 /// scratch directory made there with a namespace shifting ids by 65536
 /// and checks what the mount shows. The reason when they do not.

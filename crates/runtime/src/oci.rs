@@ -69,7 +69,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use runbox_core::lane::{
-    AgentEndpoint, Capabilities, Capture, ExitWatch, Lane, LaneError, Sandbox, SandboxSpec, Support,
+    AgentEndpoint, Capabilities, Capture, ExitWatch, Lane, LaneError, Sandbox, SandboxSpec,
+    Support, VolumeBind,
 };
 use runbox_core::runs::error_chain;
 use runbox_types::NetworkTier;
@@ -646,6 +647,76 @@ impl Shared {
             out.push(target);
         }
         Ok(out)
+    }
+
+    /// Mounts `volumes` into run `id`'s running sandbox: each target made
+    /// in its root (resolved inside it, owned by the run's root), then the
+    /// volume attached there in the sandbox's mount namespace, mapped
+    /// into the run's range when it has a user namespace.
+    fn mount_into_running(&self, id: Ulid, volumes: &[VolumeBind]) -> Result<(), LaneError> {
+        let dir = self.run_dir(id);
+        let pid: i32 = std::fs::read_to_string(dir.join(runbox_host::watch::PID_FILE))
+            .ok()
+            .and_then(|text| text.trim().parse().ok())
+            .ok_or_else(|| LaneError::Failed(format!("run {id} has no init to mount into")))?;
+        let pinned = dir.join(USERNS_FILE);
+        let userns = match pinned.exists() {
+            true => Some(
+                runbox_host::idmap::open_pinned(&pinned)
+                    .map_err(LaneError::io(format!("opening run {id}'s user namespace")))?,
+            ),
+            false => None,
+        };
+        let owner = match &userns {
+            Some(_) => std::fs::read_to_string(dir.join(IDBASE_FILE))
+                .ok()
+                .and_then(|text| text.trim().parse::<u32>().ok())
+                .map(|base| runbox_confine::ops::Owner {
+                    uid: base,
+                    gid: base,
+                }),
+            None => None,
+        };
+        let root = runbox_confine::WorkDir::file_system(dir.join("rootfs"));
+        let store = self
+            .state_dir
+            .join("runs")
+            .join(crate::storage::VOLUMES_DIR);
+        for volume in volumes {
+            let source = match &volume.dataset {
+                Some(entry) => self.datasets.hold(entry, !volume.read_only, id)?,
+                None => store.join(volume.id.to_string()),
+            };
+            if !source.is_dir() {
+                return Err(LaneError::Failed(format!(
+                    "volume {} is gone from the run store",
+                    volume.id
+                )));
+            }
+            let target = root
+                .parse(&volume.path)
+                .and_then(|rel| runbox_confine::ops::make_dir(&root, &rel, 0o755, owner))
+                .map_err(|e| {
+                    LaneError::Failed(format!("making {} in run {id}: {e}", volume.path))
+                })?;
+            if target.kind != runbox_agent_proto::pb::FileKind::Directory as i32 {
+                return Err(LaneError::Failed(format!(
+                    "{} in run {id} is not a directory",
+                    volume.path
+                )));
+            }
+            let tree = runbox_host::idmap::detached_bind(
+                &source,
+                userns.as_ref().map(|fd| fd.as_fd()),
+                volume.read_only,
+            )
+            .and_then(|tree| runbox_host::idmap::mount_into(pid, &tree, &volume.path));
+            tree.map_err(LaneError::io(format!(
+                "mounting volume {} at {} in run {id}",
+                volume.id, volume.path
+            )))?;
+        }
+        Ok(())
     }
 
     /// `disk`, whose files are stored with the ids of the range from
@@ -1413,6 +1484,13 @@ impl Sandbox for OciSandbox {
 
     fn disk_used(&self) -> Option<u64> {
         self.lane.storage.used_bytes(&self.lane.run_dir(self.id))
+    }
+
+    async fn mount_volumes(&self, volumes: &[VolumeBind]) -> Result<(), LaneError> {
+        let (lane, id, volumes) = (self.lane.clone(), self.id, volumes.to_vec());
+        tokio::task::spawn_blocking(move || lane.mount_into_running(id, &volumes))
+            .await
+            .map_err(|e| LaneError::Failed(format!("volume task failed: {e}")))?
     }
 
     fn warm_volume(&self) -> Option<PathBuf> {

@@ -148,10 +148,14 @@ pub(crate) enum Command {
 }
 
 /// Who took a pool member: the create's idempotency key and tenant.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub(crate) struct Ticket {
     pub key: Option<crate::store::Idempotency>,
     pub tenant: Option<String>,
+    /// The volumes the create mounts: held from the moment the member is
+    /// taken, until its record lists them or the claim fails (then the
+    /// member's owner empties this before it answers).
+    pub volumes: Mutex<Vec<crate::volumes::RunVolumeRecord>>,
 }
 
 /// What a create applies to the pool member it is served with.
@@ -168,6 +172,8 @@ pub(crate) struct Claim {
     pub idle: runbox_types::IdlePolicy,
     pub idempotency: Option<crate::store::Idempotency>,
     pub allow_privilege_escalation: bool,
+    /// Volumes to mount into the member before it is handed out.
+    pub volumes: Vec<crate::volumes::RunVolumeRecord>,
 }
 
 /// How busy a run is: the operations open on it now, and when the last
@@ -1400,6 +1406,26 @@ impl RunActor {
         self.record.idempotency = claim.idempotency;
         self.record.tenant = claim.tenant;
         self.record.allow_privilege_escalation = claim.allow_privilege_escalation;
+        if !claim.volumes.is_empty() {
+            let id = self.record.id;
+            let catalog = self.context.config().datasets.clone();
+            let binds = super::volumes::binds(&claim.volumes, &catalog);
+            let mounted = self.context.lane.sandbox(id).mount_volumes(&binds).await;
+            if let Err(e) = mounted {
+                // Not handed out: what it held is free again before the
+                // create goes on (cold).
+                super::volumes::release_datasets(&self.context.lane, &catalog, id, &claim.volumes);
+                if let Some(ticket) = self.handle.ticket.get() {
+                    ticket
+                        .volumes
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clear();
+                }
+                return Err(e.into());
+            }
+            self.record.volumes = claim.volumes;
+        }
         if let Some(member) = &mut self.record.pool {
             member.claimed = true;
         }

@@ -612,9 +612,9 @@ impl Manager {
         let image = self
             .image_for_run(&req.image, req.pull.unwrap_or_default())
             .await?;
-        // A tier, no free-form limits, no warm volume and no volumes: a
-        // pool may serve it.
-        if let (Some(size), None, true) = (req.size, &warm, run_volumes.is_empty()) {
+        // A tier, no free-form limits and no warm volume: a pool may serve
+        // it (volumes are mounted into the member it takes).
+        if let (Some(size), None) = (req.size, &warm) {
             let key = crate::pools::PoolKey {
                 image: image.clone(),
                 network,
@@ -632,6 +632,7 @@ impl Manager {
                 idle,
                 idempotency: idempotency.clone(),
                 allow_privilege_escalation,
+                volumes: run_volumes.clone(),
             };
             if let Some(served) = self.claim_from_pool(&key, claim, &owner).await? {
                 return Ok(served);

@@ -122,6 +122,7 @@ impl Manager {
                             return Err(CoreError::Capacity(self.config().max_runs));
                         }
                         self.context.admit_owner(&registry, owner, 1)?;
+                        self.admit_volumes(&registry, &claim.volumes)?;
                         let mut taken = Taken::Empty;
                         while let Some(id) = pools.take(key, Instant::now()) {
                             let Some(handle) = registry.get(&id) else {
@@ -133,6 +134,7 @@ impl Manager {
                                     .set(Ticket {
                                         key: claim.idempotency.clone(),
                                         tenant: claim.tenant.clone(),
+                                        volumes: std::sync::Mutex::new(claim.volumes.clone()),
                                     })
                                     .is_err()
                             {
@@ -168,6 +170,11 @@ impl Manager {
                     tracing::warn!(run = %member.id, pool = %key, error = %error_chain(&e), "a pool member could not be handed out");
                     lock(&self.pools).unclaimed(key);
                     self.stop_member(member.id);
+                    if !claim.volumes.is_empty() {
+                        // Mounting into a member failed; a cold create
+                        // mounts at start instead of costing more members.
+                        return Ok(None);
+                    }
                 }
             }
         }

@@ -26,7 +26,17 @@ fn all_holders(
     let mut out: HashMap<Ulid, Vec<runbox_types::VolumeHolder>> = HashMap::new();
     for handle in registry.values() {
         let snapshot = handle.snapshot();
-        for mount in &snapshot.record.volumes {
+        // A pool member taken by a create holds the create's volumes from
+        // then on, before its record says so.
+        let taken = match (snapshot.record.volumes.is_empty(), handle.ticket.get()) {
+            (true, Some(ticket)) => ticket
+                .volumes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+            _ => Vec::new(),
+        };
+        for mount in snapshot.record.volumes.iter().chain(&taken) {
             out.entry(mount.id)
                 .or_default()
                 .push(runbox_types::VolumeHolder {
