@@ -53,7 +53,7 @@ pub struct PoolReport {
     pub fill_secs: f64,
 }
 
-fn pool(warm: u32, warm_max: Option<u32>, warmup: bool) -> PoolSet {
+pub(crate) fn pool(warm: u32, warm_max: Option<u32>, warmup: bool) -> PoolSet {
     PoolSet {
         pools: vec![PoolSpec {
             image: IMAGE.into(),
@@ -76,7 +76,7 @@ fn small() -> CreateRunRequest {
 }
 
 /// Waits until the pool has `ready` members.
-async fn filled(daemon: &Daemon, ready: u32) -> anyhow::Result<()> {
+pub(crate) async fn filled(daemon: &Daemon, ready: u32) -> anyhow::Result<()> {
     let deadline = Instant::now() + FILL_TIMEOUT;
     loop {
         let list = daemon.client.pools().await?;
@@ -101,7 +101,7 @@ async fn create_and_exec(
 }
 
 /// [`create_and_exec`], with the create's own time as well.
-async fn create_then_exec(
+pub(crate) async fn create_then_exec(
     client: &runbox_client::Client,
     req: &CreateRunRequest,
 ) -> anyhow::Result<(Duration, Duration, bool, String)> {

@@ -54,6 +54,10 @@ pub struct VolumesReport {
     pub create_plain: Summary,
     /// Create + first exec, one volume mounted read-only.
     pub create_volume: Summary,
+    /// A create served by a warm pool + first exec, no volume.
+    pub claim_plain: Summary,
+    /// The same with one volume (read-only) mounted into the member.
+    pub claim_volume: Summary,
     /// The reads from a catalog dataset, when measured.
     pub catalog: Option<Reads>,
 }
@@ -111,9 +115,12 @@ fn read_on_host(path: &Path) -> anyhow::Result<Duration> {
     Ok(started.elapsed())
 }
 
-async fn create_case(daemon: &mut Daemon, volume: bool) -> anyhow::Result<Duration> {
-    let req = CreateRunRequest {
+/// A create of the bench image in `size`, mounting the bench volume
+/// read-only when `volume`.
+fn create_request(size: Option<runbox_types::SizeTier>, volume: bool) -> CreateRunRequest {
+    CreateRunRequest {
         image: IMAGE.into(),
+        size,
         volumes: volume.then(|| {
             vec![VolumeMountRequest {
                 name: VOLUME.into(),
@@ -122,7 +129,11 @@ async fn create_case(daemon: &mut Daemon, volume: bool) -> anyhow::Result<Durati
             }]
         }),
         ..Default::default()
-    };
+    }
+}
+
+async fn create_case(daemon: &mut Daemon, volume: bool) -> anyhow::Result<Duration> {
+    let req = create_request(None, volume);
     let started = Instant::now();
     let run = daemon.create_run_with(req).await?;
     exec_true(&daemon.client, &run.id.to_string()).await?;
@@ -200,6 +211,40 @@ pub async fn measure(
                 }
             }
         }
+        // The same through a warm pool: the volume is mounted into the
+        // member the create takes.
+        daemon
+            .client
+            .set_pools(&crate::pools::pool(2, None, true))
+            .await?;
+        let (mut claim_plain, mut claim_volume) = (Vec::new(), Vec::new());
+        for round in 0..warmup + creates {
+            for volume in [round % 2 == 0, round % 2 != 0] {
+                crate::pools::filled(daemon, 1).await?;
+                let req = create_request(Some(runbox_types::SizeTier::Small), volume);
+                let (took, _, pooled, id) =
+                    crate::pools::create_then_exec(&daemon.client, &req).await?;
+                let id = id.parse()?;
+                daemon.remember(id);
+                ensure!(
+                    pooled,
+                    "a create with a ready member was not served by the pool"
+                );
+                if round >= warmup {
+                    if volume {
+                        &mut claim_volume
+                    } else {
+                        &mut claim_plain
+                    }
+                    .push(took);
+                }
+                daemon.delete_run(id).await?;
+            }
+        }
+        daemon
+            .client
+            .set_pools(&runbox_types::PoolSet::default())
+            .await?;
         let summary = |s: &[Duration]| summarize(s).context("no samples");
         Ok::<_, anyhow::Error>(VolumesReport {
             runtime: daemon.runtime.clone(),
@@ -211,6 +256,8 @@ pub async fn measure(
             host_warm: named.host_warm,
             create_plain: summary(&plain)?,
             create_volume: summary(&with)?,
+            claim_plain: summary(&claim_plain)?,
+            claim_volume: summary(&claim_volume)?,
             catalog: None,
         })
     }
@@ -408,6 +455,11 @@ pub fn markdown(r: &VolumesReport) -> String {
     for (name, s) in [
         ("no volume", &r.create_plain),
         ("one volume, read-only", &r.create_volume),
+        ("from a warm pool, no volume", &r.claim_plain),
+        (
+            "from a warm pool, one volume mounted into the member",
+            &r.claim_volume,
+        ),
     ] {
         let _ = writeln!(
             out,
@@ -417,8 +469,9 @@ pub fn markdown(r: &VolumesReport) -> String {
     }
     let _ = writeln!(
         out,
-        "\nA volume adds {:.2} ms to the median create + first exec.",
-        r.create_volume.p50_ms - r.create_plain.p50_ms
+        "\nA volume adds {:.2} ms to the median create + first exec, {:.2} ms to a pool claim's.",
+        r.create_volume.p50_ms - r.create_plain.p50_ms,
+        r.claim_volume.p50_ms - r.claim_plain.p50_ms
     );
     out
 }
