@@ -158,6 +158,7 @@ mod tests {
             labels: Default::default(),
             server: "node".into(),
             tenant: None,
+            volumes_excluded: Vec::new(),
         };
         let out = render(&[checkpoint]);
         assert_eq!(out.lines().count(), 2, "{out}");

@@ -215,6 +215,7 @@ impl Manager {
                     layer_bytes: bytes,
                     frozen_ms: frozen.as_secs_f64() * 1000.0,
                     elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
+                    volumes_excluded: record.volumes.iter().map(|v| v.name.clone()).collect(),
                 }
             };
             let images = manager.images.clone();

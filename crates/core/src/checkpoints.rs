@@ -1375,6 +1375,7 @@ mod tests {
             labels: Default::default(),
             server: "test".into(),
             tenant: None,
+            volumes_excluded: Vec::new(),
         };
         // Not committed yet: nothing to see.
         assert!(store.list().await.unwrap().is_empty());

@@ -141,10 +141,26 @@ async fn volume_data_outlives_its_runs_a_restart_and_a_kill_9() {
             "{busy}"
         );
         assert_eq!(ok(&daemon, &reader, "cat /mnt/data/f").await, "kept\n");
-        // A fork takes the run's files, never its volumes.
-        let fork = daemon.fork_one(&reader).await;
+        // A fork or a snapshot takes the run's files, never its volumes,
+        // and says so.
+        let forked = daemon
+            .client
+            .fork_run(
+                &reader,
+                &runbox_types::ForkRequest {
+                    count: 1,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(forked.volumes_excluded, ["data"]);
+        let fork = &forked.runs[0];
         assert!(fork.volumes.is_empty());
         let fork = fork.id.to_string();
+        let snapshot = daemon.client.snapshot_run(&reader, None).await.unwrap();
+        assert_eq!(snapshot.volumes_excluded, ["data"]);
+        daemon.client.delete_image(&snapshot.image).await.unwrap();
         assert_eq!(
             ok(
                 &daemon,

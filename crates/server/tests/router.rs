@@ -195,6 +195,7 @@ impl RunService for Stub {
             layer_bytes: 0,
             frozen_ms: 0.1,
             elapsed_ms: 1.0,
+            volumes_excluded: Vec::new(),
         })
     }
     async fn warm_commit(
@@ -580,6 +581,7 @@ impl RunService for Stub {
         found(id)?;
         Ok(runbox_types::ForkResponse {
             runs: (0..req.count).map(|_| run()).collect(),
+            volumes_excluded: Vec::new(),
         })
     }
     fn list(&self) -> Vec<Run> {

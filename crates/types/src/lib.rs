@@ -743,6 +743,10 @@ pub struct Snapshot {
     pub frozen_ms: f64,
     /// How long the whole snapshot took, in milliseconds.
     pub elapsed_ms: f64,
+    /// The volumes the run mounts, by name: not part of it (a volume's
+    /// data is the volume's); empty when it mounts none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes_excluded: Vec<String>,
 }
 
 /// `POST /v1/runs/{id}/checkpoint` (the body may be empty).
@@ -786,6 +790,10 @@ pub struct Checkpoint {
     /// The tenant whose run it was taken from; absent: the operator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The volumes the run mounts, by name: not part of it (a volume's
+    /// data is the volume's); empty when it mounts none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes_excluded: Vec<String>,
 }
 
 /// `GET /v1/checkpoints`.
@@ -817,6 +825,10 @@ pub struct ForkRequest {
 pub struct ForkResponse {
     /// The new runs.
     pub runs: Vec<Run>,
+    /// The volumes the parent mounts, by name: the children mount none of
+    /// them (a volume's data is the volume's); empty when it mounts none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes_excluded: Vec<String>,
 }
 
 /// `POST /v1/runs/{id}/exec`.

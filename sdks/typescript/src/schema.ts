@@ -1393,6 +1393,11 @@ export interface components {
             storedBytes: number;
             /** @description The tenant whose run it was taken from; absent: the operator's. */
             tenant?: string | null;
+            /**
+             * @description The volumes the run mounts, by name: not part of it (a volume's
+             *     data is the volume's); empty when it mounts none.
+             */
+            volumesExcluded?: string[];
         };
         /** @description `GET /v1/checkpoints`. */
         CheckpointList: {
@@ -1770,6 +1775,11 @@ export interface components {
         ForkResponse: {
             /** @description The new runs. */
             runs: components["schemas"]["Run"][];
+            /**
+             * @description The volumes the parent mounts, by name: the children mount none of
+             *     them (a volume's data is the volume's); empty when it mounts none.
+             */
+            volumesExcluded?: string[];
         };
         /** @description `GET /health`. */
         Health: {
@@ -2565,6 +2575,11 @@ export interface components {
              * @description The run it was taken from.
              */
             run: string;
+            /**
+             * @description The volumes the run mounts, by name: not part of it (a volume's
+             *     data is the volume's); empty when it mounts none.
+             */
+            volumesExcluded?: string[];
         };
         /** @description `GET /v1/snapshots`. */
         SnapshotList: {

@@ -408,6 +408,7 @@ impl super::RunContext {
             labels,
             server: self.config().server_id.clone(),
             tenant: record.tenant.clone(),
+            volumes_excluded: record.volumes.iter().map(|v| v.name.clone()).collect(),
         };
         // A commit that failed may or may not have landed: one that did is
         // whole, one that did not is swept as an orphan.

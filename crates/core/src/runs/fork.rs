@@ -192,6 +192,9 @@ impl Manager {
             return Err(e);
         }
         tracing::info!(parent = %parent.id, children = runs.len(), "run forked");
-        Ok(ForkResponse { runs })
+        Ok(ForkResponse {
+            runs,
+            volumes_excluded: parent.volumes.iter().map(|v| v.name.clone()).collect(),
+        })
     }
 }
