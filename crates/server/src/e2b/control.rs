@@ -189,10 +189,12 @@ fn volume_mounts(
         {
             return Err(bad());
         }
+        // Each volume's default mode: read-write for a named volume (E2B
+        // mounts its volumes so), read-only for a catalog dataset.
         out.push(runbox_types::VolumeMountRequest {
             name: field("name")?,
             path: Some(field("path")?),
-            mode: Some(runbox_types::VolumeMode::Rw),
+            mode: None,
         });
     }
     Ok(Some(out))
@@ -1106,7 +1108,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn volume_mounts_are_name_and_path_pairs_mounted_read_write() {
+    fn volume_mounts_are_name_and_path_pairs_in_the_default_mode() {
         let value = serde_json::json!([{"name": "data", "path": "/mnt/data"}]);
         let mounts = volume_mounts(Some(&value)).unwrap().unwrap();
         assert_eq!(
@@ -1115,11 +1117,7 @@ mod tests {
                 mounts[0].path.as_deref(),
                 mounts[0].mode
             ),
-            (
-                "data",
-                Some("/mnt/data"),
-                Some(runbox_types::VolumeMode::Rw)
-            )
+            ("data", Some("/mnt/data"), None)
         );
         for empty in [serde_json::json!(null), serde_json::json!([])] {
             assert!(volume_mounts(Some(&empty)).unwrap().is_none());

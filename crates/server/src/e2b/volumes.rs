@@ -96,15 +96,17 @@ fn shown<S: RunService>(state: &AppState<S>, v: &runbox_types::Volume, token: bo
     }
 }
 
-/// The caller's own volumes: a tenant's, or for the root token the
-/// operator's (not every tenant's, as runbox's own list shows them).
+/// The caller's own named volumes: a tenant's, or for the root token the
+/// operator's (not every tenant's, as runbox's own list shows them). The
+/// catalog's datasets are not E2B volumes: they take no content calls and
+/// are never made or destroyed through the API.
 fn own<S: RunService>(state: &AppState<S>, owner: &Owner) -> Vec<runbox_types::Volume> {
     state
         .service
         .list_volumes(owner)
         .volumes
         .into_iter()
-        .filter(|v| v.tenant.as_deref() == owner.tenant())
+        .filter(|v| v.tenant.as_deref() == owner.tenant() && v.dataset.is_none())
         .collect()
 }
 
