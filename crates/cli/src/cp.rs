@@ -1,10 +1,11 @@
 //! `runbox cp`: copies one file between the local machine and a run's
-//! `/work`, streaming both ways.
+//! `/work` or a volume, streaming both ways.
 //!
-//! One side is remote, written `ID:PATH`: `PATH` is `/work/...` or relative
-//! to `/work`, and a path that names a directory (`ID:`, `ID:/work/`,
-//! `ID:out/`) takes the local file's name. The other side is a local path, or
-//! `-` for stdin / stdout.
+//! One side is remote, written `ID:PATH` for a run: `PATH` is `/work/...`
+//! or relative to `/work`; or `volume:NAME:PATH` for a volume, `PATH` from
+//! the volume's top. A path that names a directory (`ID:`, `ID:/work/`,
+//! `ID:out/`, `volume:data:/`) takes the local file's name. The other side
+//! is a local path, or `-` for stdin / stdout.
 //!
 //! A download goes to a hidden temporary file next to the destination and is
 //! renamed over it only once complete, so a failed or interrupted copy never
@@ -25,11 +26,14 @@ use crate::connect::{Conn, ConnectOpts};
 #[command(after_help = "Examples:\n  \
     runbox cp ./input.csv 01J9Z...:/work/data/\n  \
     runbox cp 01J9Z...:out/report.pdf .\n  \
-    tar cz src | runbox cp - 01J9Z...:src.tgz")]
+    tar cz src | runbox cp - 01J9Z...:src.tgz\n  \
+    runbox cp ./corpus.jsonl volume:data:/seed/")]
 pub struct CpArgs {
-    /// Source: a local file, `-` for stdin, or ID:PATH in a run
+    /// Source: a local file, `-` for stdin, ID:PATH in a run, or
+    /// volume:NAME:PATH in a volume
     pub src: String,
-    /// Destination: a local file or directory, `-` for stdout, or ID:PATH in a run
+    /// Destination: a local file or directory, `-` for stdout, ID:PATH in a
+    /// run, or volume:NAME:PATH in a volume (written when no run mounts it)
     pub dst: String,
     /// Needed for uploads while a lease is active (downloads are always open)
     #[command(flatten)]
@@ -49,15 +53,28 @@ enum Side {
     Remote(Remote),
 }
 
-/// A path in a run's `/work`.
+/// A path in a run's `/work`, or in a volume.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Remote {
+    /// The run's id, or the volume's name.
     id: String,
+    /// `id` names a volume.
+    volume: bool,
     /// Relative to `/work`, normalised (no empty or `.` segments); empty when
     /// it names `/work` itself.
     path: String,
     /// The path was written as a directory (trailing `/`, `.` or empty).
     dir: bool,
+}
+
+impl Remote {
+    /// `path` on this side, as the user would write it.
+    fn shown(&self, path: &str) -> String {
+        match self.volume {
+            true => format!("{VOLUME_PREFIX}{}:/{path}", self.id),
+            false => format!("{}:/work/{path}", self.id),
+        }
+    }
 }
 
 /// What `runbox cp SRC DST` does.
@@ -107,11 +124,25 @@ fn parse_side(arg: &str) -> anyhow::Result<Side> {
     if arg == "-" {
         return Ok(Side::Stdio);
     }
+    if let Some(rest) = arg.strip_prefix(VOLUME_PREFIX) {
+        let (name, path) = rest
+            .split_once(':')
+            .filter(|(name, _)| !name.is_empty())
+            .ok_or_else(|| anyhow!("write a volume side as volume:NAME:PATH (got {arg:?})"))?;
+        let (path, dir) = normalised(path, path, "the volume")?;
+        return Ok(Side::Remote(Remote {
+            id: name.to_owned(),
+            volume: true,
+            path,
+            dir,
+        }));
+    }
     match arg.split_once(':') {
         Some((id, path)) if !id.is_empty() && !id.contains('/') => {
             let (path, dir) = remote_path(path)?;
             Ok(Side::Remote(Remote {
                 id: id.to_owned(),
+                volume: false,
                 path,
                 dir,
             }))
@@ -131,13 +162,22 @@ fn remote_path(raw: &str) -> anyhow::Result<(String, bool)> {
             _ => bail!("{raw} is outside /work; runbox copies files in /work only"),
         },
     };
+    normalised(raw, relative, "/work")
+}
+
+/// The side that names a volume: `volume:NAME:PATH`.
+const VOLUME_PREFIX: &str = "volume:";
+
+/// `relative` (from the base: `/work`, or a volume's top) normalised, and
+/// whether it was written as a directory; `raw` is what the user wrote.
+fn normalised(raw: &str, relative: &str, base: &str) -> anyhow::Result<(String, bool)> {
     let mut parts = Vec::new();
     for part in relative.split('/') {
         match part {
             "" | "." => {}
-            // The server refuses it too, but a path that climbs out of /work
-            // deserves the same clear message as one that starts outside it.
-            ".." => bail!("{raw} contains `..`; runbox copies files in /work only"),
+            // The server refuses it too, but a path that climbs out
+            // deserves the same clear message as one that starts outside.
+            ".." => bail!("{raw} contains `..`; runbox copies files in {base} only"),
             part => parts.push(part),
         }
     }
@@ -182,21 +222,44 @@ async fn upload(
         (true, Some(name)) if to.path.is_empty() => name.to_owned(),
         (true, Some(name)) => format!("{}/{name}", to.path),
         (true, None) => bail!(
-            "name the file to write in the run, e.g. {}:/work/input",
-            to.id
+            "name the file to write, e.g. {}",
+            to.shown(if to.path.is_empty() {
+                "input"
+            } else {
+                "…/input"
+            })
         ),
     };
+    let shown = to.shown(&path);
+    if to.volume {
+        if lease.is_some() {
+            bail!("a volume has no lease; drop --owner and --generation");
+        }
+        let query = runbox_types::VolumeWriteQuery::default();
+        return conn
+            .check(
+                conn.client
+                    .put_volume_file(&to.id, &path, &query, body)
+                    .await,
+            )
+            .map(drop)
+            .with_context(|| format!("cannot upload to {shown}"));
+    }
     conn.check(conn.client.put_file_as(&to.id, &path, lease, body).await)
-        .with_context(|| format!("cannot upload to {}:/work/{path}", to.id))
+        .with_context(|| format!("cannot upload to {shown}"))
 }
 
 async fn download(conn: &Conn, from: Remote, to: Side) -> anyhow::Result<()> {
-    let context = || format!("cannot download {}:/work/{}", from.id, from.path);
+    let context = || format!("cannot download {}", from.shown(&from.path));
+    let get = || async {
+        match from.volume {
+            true => conn.client.get_volume_file(&from.id, &from.path).await,
+            false => conn.client.get_file(&from.id, &from.path).await,
+        }
+    };
     match to {
         Side::Stdio => {
-            let download = conn
-                .check(conn.client.get_file(&from.id, &from.path).await)
-                .with_context(context)?;
+            let download = conn.check(get().await).with_context(context)?;
             let mut stdout = tokio::io::stdout();
             download.copy_to(&mut stdout).await.with_context(context)?;
         }
@@ -211,9 +274,7 @@ async fn download(conn: &Conn, from: Remote, to: Side) -> anyhow::Result<()> {
             };
             let mut partial = PartialFile::create(&dest).await?;
             let copy = async {
-                let download = conn
-                    .check(conn.client.get_file(&from.id, &from.path).await)
-                    .with_context(context)?;
+                let download = conn.check(get().await).with_context(context)?;
                 download
                     .copy_to(&mut partial.file)
                     .await
@@ -305,9 +366,39 @@ impl Drop for PartialFile {
 mod tests {
     use super::*;
 
+    #[test]
+    fn volume_sides_name_a_volume_and_a_path_from_its_top() {
+        let side = parse_side("volume:data:/seed/a.csv").unwrap();
+        let Side::Remote(remote) = side else {
+            panic!("a volume side is remote")
+        };
+        assert_eq!(
+            (
+                remote.id.as_str(),
+                remote.volume,
+                remote.path.as_str(),
+                remote.dir
+            ),
+            ("data", true, "seed/a.csv", false)
+        );
+        assert_eq!(remote.shown("x"), "volume:data:/x");
+        let Side::Remote(top) = parse_side("volume:data:").unwrap() else {
+            panic!("remote")
+        };
+        assert!(top.dir && top.path.is_empty());
+        for bad in ["volume:", "volume::x", "volume:data", "volume:data:../x"] {
+            assert!(parse_side(bad).is_err(), "{bad}");
+        }
+        assert!(matches!(
+            plan("f", "volume:data:/in/").unwrap(),
+            Transfer::Upload { .. }
+        ));
+    }
+
     fn remote(id: &str, path: &str, dir: bool) -> Remote {
         Remote {
             id: id.to_owned(),
+            volume: false,
             path: path.to_owned(),
             dir,
         }

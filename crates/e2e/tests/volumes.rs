@@ -769,6 +769,30 @@ async fn files_without_a_run_seed_and_collect_a_volume() {
         .unwrap();
     assert_eq!(raw.status().as_u16(), 400, "an unknown query parameter");
 
+    // The CLI copies in and out of a volume too.
+    let local = daemon.state.path().join("cli-upload.txt");
+    std::fs::write(&local, b"through the cli").unwrap();
+    let cli = |args: &[&str]| {
+        std::process::Command::new(runbox_e2e::runbox_bin())
+            .args(args)
+            .env("RUNBOX_URL", &daemon.url)
+            .env("RUNBOX_TOKEN", &daemon.token)
+            .output()
+            .expect("runbox")
+    };
+    let out = cli(&["cp", local.to_str().unwrap(), "volume:seed:/data/"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = cli(&["cp", "volume:seed:data/cli-upload.txt", "-"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "through the cli");
+    let out = cli(&["cp", "volume:seed:nope", "-"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("volume:seed:/nope"),
+        "{}",
+        text(&out.stderr)
+    );
+
     // A write under way holds off a run that would mount the volume.
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(1);
     tx.send(Ok(bytes::Bytes::from_static(b"part")))
