@@ -531,7 +531,8 @@ impl RunService for Arc<Manager> {
         options: WriteOptions,
         body: UploadStream,
     ) -> Result<u64, CoreError> {
-        Manager::put_file(self, id, scope, &path, options, body).await
+        let written = Manager::put_file(self, id, scope, &path, options, body).await;
+        self.settled(id, written).await
     }
 
     async fn snapshot(
@@ -657,7 +658,8 @@ impl RunService for Arc<Manager> {
         scope: Scope,
         path: Option<String>,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::stat_path(self, id, scope, path.as_deref()).await
+        let info = Manager::stat_path(self, id, scope, path.as_deref()).await;
+        self.settled(id, info).await
     }
 
     async fn list_path(
@@ -666,7 +668,7 @@ impl RunService for Arc<Manager> {
         scope: Scope,
         query: runbox_types::FsQuery,
     ) -> Result<runbox_types::FileList, CoreError> {
-        Manager::list_path(
+        let list = Manager::list_path(
             self,
             id,
             scope,
@@ -674,7 +676,8 @@ impl RunService for Arc<Manager> {
             query.depth,
             query.limit,
         )
-        .await
+        .await;
+        self.settled(id, list).await
     }
 
     async fn watch_path(
@@ -702,7 +705,8 @@ impl RunService for Arc<Manager> {
         req: runbox_types::MakeDirRequest,
         user: Option<String>,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::make_dir(self, id, scope, req, user).await
+        let made = Manager::make_dir(self, id, scope, req, user).await;
+        self.settled(id, made).await
     }
 
     async fn move_path(
@@ -711,7 +715,8 @@ impl RunService for Arc<Manager> {
         scope: Scope,
         req: runbox_types::MoveRequest,
     ) -> Result<runbox_types::FileInfo, CoreError> {
-        Manager::move_path(self, id, scope, req).await
+        let moved = Manager::move_path(self, id, scope, req).await;
+        self.settled(id, moved).await
     }
 
     async fn remove_path(
@@ -720,7 +725,8 @@ impl RunService for Arc<Manager> {
         scope: Scope,
         req: runbox_types::RemoveRequest,
     ) -> Result<runbox_types::RemoveReply, CoreError> {
-        Manager::remove_path(self, id, scope, req).await
+        let removed = Manager::remove_path(self, id, scope, req).await;
+        self.settled(id, removed).await
     }
 
     async fn start_process(
@@ -844,7 +850,8 @@ impl RunService for Arc<Manager> {
         scope: Scope,
         path: String,
     ) -> Result<FileDownload, CoreError> {
-        Manager::get_file(self, id, scope, &path).await
+        let download = Manager::get_file(self, id, scope, &path).await;
+        self.settled(id, download).await
     }
 
     async fn import_image(&self, name: String, body: UploadStream) -> Result<Image, CoreError> {

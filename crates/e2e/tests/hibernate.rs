@@ -625,3 +625,57 @@ async fn captures_racing_sleep_succeed_or_are_409s() {
     }
     daemon.client.delete_run(&id).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_calls_racing_sleep_succeed_or_are_409s() {
+    // A file call the run's hibernate or archive cuts off is the 409 a
+    // call a moment later would get, never the agent's 502.
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon.create().await.id.to_string();
+    daemon.sh(&id, "seq 1 200000 > /work/data").await;
+    let allowed =
+        |what: &str, round: u64, result: Result<(), runbox_client::ClientError>| match result {
+            Ok(()) => {}
+            Err(runbox_client::ClientError::Api { status, code, .. })
+                if status == 409 && code == "run_not_running" => {}
+            Err(e) => panic!("{what}, round {round}: {e}; log:\n{}", daemon.log()),
+        };
+    for round in 0..12u64 {
+        let name = format!("up-{round}");
+        let sleep = async {
+            tokio::time::sleep(Duration::from_millis(2 * (round % 5))).await;
+            // Not pause: a call in flight when its run freezes waits for
+            // the thaw (the agent is frozen with the call).
+            match round % 2 {
+                0 => daemon.client.hibernate_run(&id).await.map(drop),
+                _ => daemon.client.archive_run(&id).await.map(drop),
+            }
+        };
+        let upload = daemon
+            .client
+            .put_file(&id, &name, vec![7u8; 4 << 20].into());
+        let download = async {
+            let got = daemon.client.get_file(&id, "data").await?;
+            got.bytes().await.map(drop)
+        };
+        let stat = daemon.client.stat(&id, "data");
+        let list = daemon.client.list_dir(&id, "", 1);
+        let (upload, download, stat, list, slept) =
+            tokio::join!(upload, download, stat, list, sleep);
+        slept.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
+        allowed("upload", round, upload);
+        // A download cut off after its headers breaks its body instead.
+        if let Err(runbox_client::ClientError::Api { .. }) = download {
+            allowed("download", round, download);
+        }
+        allowed("stat", round, stat.map(drop));
+        allowed("list", round, list.map(drop));
+        let status = daemon.client.get_run(&id).await.unwrap().status;
+        let woken = match status {
+            RunStatus::Paused | RunStatus::Running => daemon.client.resume_run(&id).await,
+            _ => daemon.client.wake_run(&id).await,
+        };
+        woken.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
+    }
+    daemon.client.delete_run(&id).await.unwrap();
+}

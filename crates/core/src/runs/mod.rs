@@ -787,6 +787,27 @@ impl Manager {
     /// run's owner takes it down (the run leaves `running` within a
     /// moment) says so (409, or 404 when it is gone), and one that fails
     /// on a run still running is tried once more.
+    /// `result` of an agent call on run `id`, except that an agent failure
+    /// a concurrent pause, hibernate or stop explains (the run left
+    /// `running` under the call) is `409 run_not_running`, as a call that
+    /// came a moment later would be told, not the agent's failure.
+    pub async fn settled<T>(&self, id: Ulid, result: Result<T, CoreError>) -> Result<T, CoreError> {
+        let err = match result {
+            Err(err @ CoreError::Agent(_)) => err,
+            other => return other,
+        };
+        let Some(handle) = self.registry().get(&id).cloned() else {
+            return Err(CoreError::RunNotFound(id));
+        };
+        match handle.left_running(Duration::from_secs(2)).await.phase {
+            Phase::Running => Err(err),
+            _ => Err(CoreError::RunNotRunning(
+                id,
+                "put to sleep or stopped during the call",
+            )),
+        }
+    }
+
     pub(crate) async fn capture(
         &self,
         id: Ulid,
