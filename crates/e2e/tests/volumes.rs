@@ -963,6 +963,58 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
 
+        // The catalog's tenant list: acme sees and mounts acme-only,
+        // another tenant neither; both see the open entries.
+        let mut tenants = Vec::new();
+        for name in ["acme", "beta"] {
+            let made = c
+                .create_tenant(&runbox_types::CreateTenantRequest {
+                    name: name.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            tenants.push(runbox_client::Client::new(c.base_url(), made.token).unwrap());
+        }
+        let seen = |client: &runbox_client::Client| {
+            let client = client.clone();
+            async move {
+                let mut names: Vec<String> = client
+                    .list_volumes()
+                    .await
+                    .unwrap()
+                    .volumes
+                    .into_iter()
+                    .map(|v| v.name)
+                    .collect();
+                names.sort();
+                names
+            }
+        };
+        assert_eq!(
+            seen(&tenants[0]).await,
+            ["acme-only", "corpus", "gone", "scratch"]
+        );
+        assert_eq!(seen(&tenants[1]).await, ["corpus", "gone", "scratch"]);
+        let err = tenants[1]
+            .create_run(&with(vec![mount("acme-only", None, None)]))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Api { status: 404, code, .. } if code == "volume_not_found"),
+            "{err}"
+        );
+        let acme = tenants[0]
+            .create_run(&with(vec![mount("acme-only", None, None)]))
+            .await
+            .unwrap()
+            .id
+            .to_string();
+        c.delete_run(&acme).await.unwrap();
+        for name in ["acme", "beta"] {
+            c.delete_tenant(name).await.unwrap();
+        }
+
         // Refusals.
         let (status, code, _) = refused(
             &daemon,
