@@ -573,12 +573,7 @@ async fn captures_racing_sleep_succeed_or_are_409s() {
     let id = daemon.create().await.id.to_string();
     daemon.sh(&id, "seq 1 20000 > /work/data").await;
     let allowed =
-        |what: &str, round: u64, result: Result<(), runbox_client::ClientError>| match result {
-            Ok(()) => {}
-            Err(runbox_client::ClientError::Api { status, code, .. })
-                if status == 409 && code == "run_not_running" => {}
-            Err(e) => panic!("{what}, round {round}: {e}; log:\n{}", daemon.log()),
-        };
+        |what: &str, round: u64, result| done_or_not_running(&daemon, what, round, result);
     for round in 0..12u64 {
         let name = format!("race-{round}");
         let sleep = async {
@@ -617,11 +612,7 @@ async fn captures_racing_sleep_succeed_or_are_409s() {
             };
             assert!(frozen, "round {round}: a paused run is frozen");
         }
-        let woken = match status {
-            RunStatus::Paused | RunStatus::Running => daemon.client.resume_run(&id).await,
-            _ => daemon.client.wake_run(&id).await,
-        };
-        woken.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
+        wake_for_next_round(&daemon, &id, status, round).await;
     }
     daemon.client.delete_run(&id).await.unwrap();
 }
@@ -634,12 +625,7 @@ async fn file_calls_racing_sleep_succeed_or_are_409s() {
     let id = daemon.create().await.id.to_string();
     daemon.sh(&id, "seq 1 200000 > /work/data").await;
     let allowed =
-        |what: &str, round: u64, result: Result<(), runbox_client::ClientError>| match result {
-            Ok(()) => {}
-            Err(runbox_client::ClientError::Api { status, code, .. })
-                if status == 409 && code == "run_not_running" => {}
-            Err(e) => panic!("{what}, round {round}: {e}; log:\n{}", daemon.log()),
-        };
+        |what: &str, round: u64, result| done_or_not_running(&daemon, what, round, result);
     for round in 0..12u64 {
         let name = format!("up-{round}");
         let sleep = async {
@@ -671,11 +657,32 @@ async fn file_calls_racing_sleep_succeed_or_are_409s() {
         allowed("stat", round, stat.map(drop));
         allowed("list", round, list.map(drop));
         let status = daemon.client.get_run(&id).await.unwrap().status;
-        let woken = match status {
-            RunStatus::Paused | RunStatus::Running => daemon.client.resume_run(&id).await,
-            _ => daemon.client.wake_run(&id).await,
-        };
-        woken.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
+        wake_for_next_round(&daemon, &id, status, round).await;
     }
     daemon.client.delete_run(&id).await.unwrap();
+}
+
+/// A call racing its run's sleep: done, or `409 run_not_running`.
+fn done_or_not_running(
+    daemon: &TestDaemon,
+    what: &str,
+    round: u64,
+    result: Result<(), runbox_client::ClientError>,
+) {
+    match result {
+        Ok(()) => {}
+        Err(runbox_client::ClientError::Api { status, code, .. })
+            if status == 409 && code == "run_not_running" => {}
+        Err(e) => panic!("{what}, round {round}: {e}; log:\n{}", daemon.log()),
+    }
+}
+
+/// Resumes (paused or running) or wakes (asleep on disk) the run a race
+/// put to sleep in `status`, for the next round.
+async fn wake_for_next_round(daemon: &TestDaemon, id: &str, status: RunStatus, round: u64) {
+    let woken = match status {
+        RunStatus::Paused | RunStatus::Running => daemon.client.resume_run(id).await,
+        _ => daemon.client.wake_run(id).await,
+    };
+    woken.unwrap_or_else(|e| panic!("round {round}: {e}; log:\n{}", daemon.log()));
 }

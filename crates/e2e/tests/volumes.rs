@@ -529,6 +529,10 @@ async fn a_clone_is_a_copy_of_now_that_goes_its_own_way() {
     }
 }
 
+/// How long a release (an unmount, a marker's removal) may take after the
+/// call that causes it answered.
+const SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The code and message of an API refusal.
 fn api_error<T: std::fmt::Debug>(result: Result<T, ClientError>) -> (u16, String, String) {
     match result {
@@ -814,20 +818,20 @@ async fn files_without_a_run_seed_and_collect_a_volume() {
         .path()
         .join("runs/.volumes")
         .join(c.get_volume("seed").await.unwrap().id.to_string());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    while !std::fs::read_dir(&stored).unwrap().any(|e| {
-        e.unwrap()
-            .file_name()
-            .to_string_lossy()
-            .starts_with(".runbox-upload-")
-    }) {
-        assert!(!upload.is_finished(), "the upload ended early");
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the upload never began"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let began = runbox_e2e::eventually(std::time::Duration::from_secs(20), || {
+        upload.is_finished()
+            || std::fs::read_dir(&stored).unwrap().any(|e| {
+                e.unwrap()
+                    .file_name()
+                    .to_string_lossy()
+                    .starts_with(".runbox-upload-")
+            })
+    })
+    .await;
+    assert!(
+        began && !upload.is_finished(),
+        "the upload began and is under way"
+    );
     let (status, code, message) = refused(
         &daemon,
         with(vec![mount("seed", None, Some(VolumeMode::Ro))]),
@@ -954,14 +958,10 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
         assert!(!loops_of(&ro_img).is_empty(), "one loop device while held");
         daemon.client.delete_run(&a).await.unwrap();
         daemon.client.delete_run(&b).await.unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !loops_of(&ro_img).is_empty() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "released with the last holder"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        assert!(
+            runbox_e2e::eventually(SETTLE, || loops_of(&ro_img).is_empty()).await,
+            "released with the last holder"
+        );
 
         // The catalog's tenant list: acme sees and mounts acme-only,
         // another tenant neither; both see the open entries.
@@ -1068,14 +1068,10 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
             "kept\n"
         );
         daemon.client.delete_run(&writer).await.unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while rw_marker.exists() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "a clean release removes the marker"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        assert!(
+            runbox_e2e::eventually(SETTLE, || !rw_marker.exists()).await,
+            "a clean release removes the marker"
+        );
         let reader = daemon
             .create_with(with(vec![mount("scratch", None, None)]))
             .await
@@ -1100,14 +1096,10 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
             .id
             .to_string();
         daemon.client.delete_run(&healer).await.unwrap();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while rw_marker.exists() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "healed by a clean rw release"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        assert!(
+            runbox_e2e::eventually(SETTLE, || !rw_marker.exists()).await,
+            "healed by a clean rw release"
+        );
         let reader = daemon
             .create_with(with(vec![mount("scratch", None, None)]))
             .await
@@ -1115,14 +1107,12 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
             .to_string();
         daemon.client.delete_run(&reader).await.unwrap();
         drop(daemon);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !(loops_of(&ro_img).is_empty() && loops_of(&rw_img).is_empty()) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no loop device is left"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        assert!(
+            runbox_e2e::eventually(SETTLE, || loops_of(&ro_img).is_empty()
+                && loops_of(&rw_img).is_empty())
+            .await,
+            "no loop device is left"
+        );
     }
     assert!(
         ro_img.exists() && rw_img.exists(),
@@ -1132,15 +1122,12 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
 
 /// Waits until every pool has at least `n` ready members.
 async fn pool_ready(daemon: &TestDaemon, n: u32) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
+    let ready = runbox_e2e::eventually_async(std::time::Duration::from_secs(60), || async {
         let list = daemon.client.pools().await.unwrap();
-        if list.pools.iter().all(|p| p.ready >= n) {
-            return;
-        }
-        assert!(std::time::Instant::now() < deadline, "{list:?}");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+        list.pools.iter().all(|p| p.ready >= n)
+    })
+    .await;
+    assert!(ready, "pools never reached {n} ready members");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1252,13 +1239,9 @@ async fn a_create_with_volumes_takes_a_pool_member_and_mounts_into_it() {
         c.set_pools(&PoolSet { pools: vec![] }).await.unwrap();
         c.delete_volume("data").await.unwrap();
         drop(daemon);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while !loops_of(&image).is_empty() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "no loop device is left"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
+        assert!(
+            runbox_e2e::eventually(SETTLE, || loops_of(&image).is_empty()).await,
+            "no loop device is left"
+        );
     }
 }

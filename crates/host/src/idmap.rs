@@ -252,40 +252,13 @@ pub fn owner_inode(ns: BorrowedFd<'_>) -> io::Result<u64> {
 /// must exist, with the id mapping of user namespace `userns`: on-disk id
 /// N is seen as what N is inside `userns` on the host. Blocking.
 pub fn idmapped_bind(source: &Path, target: &Path, userns: BorrowedFd<'_>) -> io::Result<()> {
-    use rustix::mount::{MoveMountFlags, OpenTreeFlags};
-    let tree = rustix::mount::open_tree(
-        rustix::fs::CWD,
-        source,
-        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
-    )?;
-    let attr = libc::mount_attr {
-        attr_set: libc::MOUNT_ATTR_IDMAP,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: userns.as_raw_fd() as u64,
-    };
-    let empty = CString::default();
-    // SAFETY: mount_setattr(2) reads `attr` (of the size given) and the
-    // empty path; `tree` is a detached mount we own.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            empty.as_ptr(),
-            libc::AT_EMPTY_PATH,
-            &raw const attr,
-            std::mem::size_of::<libc::mount_attr>(),
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let tree = cloned_tree(source, libc::MOUNT_ATTR_IDMAP, Some(userns))?;
     rustix::mount::move_mount(
         tree.as_fd(),
         "",
         rustix::fs::CWD,
         target,
-        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        rustix::mount::MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
     )?;
     Ok(())
 }
@@ -299,12 +272,6 @@ pub fn detached_bind(
     userns: Option<BorrowedFd<'_>>,
     read_only: bool,
 ) -> io::Result<OwnedFd> {
-    use rustix::mount::OpenTreeFlags;
-    let tree = rustix::mount::open_tree(
-        rustix::fs::CWD,
-        source,
-        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
-    )?;
     let mut set = libc::MOUNT_ATTR_NODEV | libc::MOUNT_ATTR_NOSUID;
     if read_only {
         set |= libc::MOUNT_ATTR_RDONLY;
@@ -312,6 +279,18 @@ pub fn detached_bind(
     if userns.is_some() {
         set |= libc::MOUNT_ATTR_IDMAP;
     }
+    cloned_tree(source, set, userns)
+}
+
+/// A detached clone of the mount at `source` with mount attributes `set`
+/// (`MOUNT_ATTR_*`; `MOUNT_ATTR_IDMAP` takes `userns`).
+fn cloned_tree(source: &Path, set: u64, userns: Option<BorrowedFd<'_>>) -> io::Result<OwnedFd> {
+    use rustix::mount::OpenTreeFlags;
+    let tree = rustix::mount::open_tree(
+        rustix::fs::CWD,
+        source,
+        OpenTreeFlags::OPEN_TREE_CLONE | OpenTreeFlags::OPEN_TREE_CLOEXEC,
+    )?;
     let attr = libc::mount_attr {
         attr_set: set,
         attr_clr: 0,

@@ -627,14 +627,8 @@ pub async fn put_volume_file<S: RunService>(
         replace: query.overwrite.unwrap_or(true),
         content_length: content_length(&headers)?,
     };
-    let files = state
-        .service
-        .volume_files(
-            VolumeKey::Name(volume_name(&params).to_owned()),
-            caller.owner(),
-            true,
-        )
-        .await?;
+    let name = volume_name(&params).to_owned();
+    let files = named_volume(&state, &caller, name, true).await?;
     let body = body.into_data_stream();
     Ok(Json(files.write(file_path(&params), options, body).await?))
 }
@@ -646,21 +640,25 @@ pub async fn get_volume_file<S: RunService>(
     AppPath(params): AppPath<Vec<(String, String)>>,
 ) -> Result<Response, ApiError> {
     let name = volume_name(&params).to_owned();
-    let files = state
-        .service
-        .volume_files(VolumeKey::Name(name.clone()), caller.owner(), false)
-        .await?;
+    let files = named_volume(&state, &caller, name.clone(), false).await?;
     let download = files.read(file_path(&params)).await?;
-    let body = Body::from_stream(download.body.map_err(move |e| {
+    Ok(download_response(download, move |e| {
         tracing::warn!(volume = %name, error = %e, "volume file download broke off");
-        std::io::Error::other(e.to_string())
-    }));
-    Ok(Response::builder()
-        .status(StatusCode::OK)
-        .header(CONTENT_TYPE, "application/octet-stream")
-        .header(CONTENT_LENGTH, download.size)
-        .body(body)
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
+    }))
+}
+
+/// The caller's volume `name`, for file calls (`write`: as a writer).
+async fn named_volume<S: RunService>(
+    state: &AppState<S>,
+    caller: &Caller,
+    name: String,
+    write: bool,
+) -> Result<runbox_core::runs::VolumeFiles, ApiError> {
+    let key = VolumeKey::Name(name);
+    Ok(state
+        .service
+        .volume_files(key, caller.owner(), write)
+        .await?)
 }
 
 /// The volume name from `/v1/volumes/{name}/...`.
@@ -683,10 +681,7 @@ pub async fn volume_stat<S: RunService>(
     >,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
     let query = fs_query(query, &[])?;
-    let files = state
-        .service
-        .volume_files(VolumeKey::Name(name), caller.owner(), false)
-        .await?;
+    let files = named_volume(&state, &caller, name, false).await?;
     Ok(Json(files.stat(query.path.as_deref().unwrap_or("")).await?))
 }
 
@@ -701,10 +696,7 @@ pub async fn volume_list<S: RunService>(
     >,
 ) -> Result<Json<runbox_types::FileList>, ApiError> {
     let query = fs_query(query, &["depth", "limit"])?;
-    let files = state
-        .service
-        .volume_files(VolumeKey::Name(name), caller.owner(), false)
-        .await?;
+    let files = named_volume(&state, &caller, name, false).await?;
     let path = query.path.as_deref().unwrap_or("");
     Ok(Json(files.list(path, query.depth, query.limit).await?))
 }
@@ -717,10 +709,7 @@ pub async fn volume_mkdir<S: RunService>(
     AppJson(req): AppJson<runbox_types::VolumeMakeDirRequest>,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
     let owner = volume_owner(req.uid, req.gid)?;
-    let files = state
-        .service
-        .volume_files(VolumeKey::Name(name), caller.owner(), true)
-        .await?;
+    let files = named_volume(&state, &caller, name, true).await?;
     Ok(Json(files.make_dir(&req.path, req.mode, owner).await?))
 }
 
@@ -731,10 +720,7 @@ pub async fn volume_move<S: RunService>(
     AppPath(name): AppPath<String>,
     AppJson(req): AppJson<runbox_types::VolumeMoveRequest>,
 ) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    let files = state
-        .service
-        .volume_files(VolumeKey::Name(name), caller.owner(), true)
-        .await?;
+    let files = named_volume(&state, &caller, name, true).await?;
     let overwrite = req.overwrite.unwrap_or(false);
     Ok(Json(files.move_path(&req.from, &req.to, overwrite).await?))
 }
@@ -746,10 +732,7 @@ pub async fn volume_remove<S: RunService>(
     AppPath(name): AppPath<String>,
     AppJson(req): AppJson<runbox_types::VolumeRemoveRequest>,
 ) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
-    let files = state
-        .service
-        .volume_files(VolumeKey::Name(name), caller.owner(), true)
-        .await?;
+    let files = named_volume(&state, &caller, name, true).await?;
     let recursive = req.recursive.unwrap_or(false);
     Ok(Json(files.remove(&req.path, recursive).await?))
 }
@@ -980,7 +963,7 @@ fn file_path(params: &[(String, String)]) -> &str {
         .unwrap_or("")
 }
 
-fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+pub(crate) fn content_length(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
     match headers.get(CONTENT_LENGTH) {
         None => Ok(None),
         Some(v) => v
@@ -1042,18 +1025,28 @@ pub async fn get_file<S: RunService>(
         .service
         .get_file(id, Scope::Work, file_path(&params).to_owned())
         .await?;
-    let body = Body::from_stream(download.body.map_err(move |e| {
-        // The status line is gone by now; breaking the body is the only way
-        // left to tell the client, and the length check catches it.
+    Ok(download_response(download, move |e| {
         tracing::warn!(run = %id, error = %e, "file download broke off");
+    }))
+}
+
+/// A file download's `200`: its length first, then its bytes. An error
+/// after the status line (`broke` is told of it) breaks the body: the only
+/// way left to tell the client, and its length check catches it.
+pub(crate) fn download_response(
+    download: runbox_core::runs::FileDownload,
+    broke: impl Fn(&runbox_core::CoreError) + Send + Sync + 'static,
+) -> Response {
+    let body = Body::from_stream(download.body.map_err(move |e| {
+        broke(&e);
         std::io::Error::other(e.to_string())
     }));
-    Ok(Response::builder()
+    Response::builder()
         .status(StatusCode::OK)
         .header(CONTENT_TYPE, "application/octet-stream")
         .header(CONTENT_LENGTH, download.size)
         .body(body)
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 /// `POST /v1/images/{name}`: imports a root filesystem tarball.

@@ -17,12 +17,11 @@
 
 use axum::body::Body;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use futures::TryStreamExt;
 use runbox_core::runs::{VolumeFiles, VolumeKey, VolumeWrite};
 use runbox_core::tenants::Owner;
 use runbox_core::RunService;
@@ -471,16 +470,9 @@ async fn read<S: RunService>(
     let (_, path) = content_query(query, &[])?;
     let files = files(&state, &id, false).await?;
     let download = files.read(&path).await?;
-    let body = Body::from_stream(download.body.map_err(|e| {
+    Ok(crate::handlers::download_response(download, |e| {
         tracing::warn!(error = %e, "volume content download broke off");
-        std::io::Error::other(e.to_string())
-    }));
-    Ok(Response::builder()
-        .status(StatusCode::OK)
-        .header(header::CONTENT_TYPE, "application/octet-stream")
-        .header(header::CONTENT_LENGTH, download.size)
-        .body(body)
-        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
+    }))
 }
 
 async fn write<S: RunService>(
@@ -493,15 +485,7 @@ async fn write<S: RunService>(
     let (q, path) = content_query(query, &["uid", "gid", "mode", "force"])?;
     let owner = content_owner(q.uid, q.gid, None)?;
     let force = q.force.unwrap_or(false);
-    let content_length = match headers.get(header::CONTENT_LENGTH) {
-        None => None,
-        Some(v) => Some(
-            v.to_str()
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| E2bError::bad("Content-Length is not a number"))?,
-        ),
-    };
+    let content_length = crate::handlers::content_length(&headers)?;
     let files = files(&state, &id, true).await?;
     if let Some(existing) = stat_if_any(&files, &path).await? {
         if existing.kind == FileKind::Directory {
