@@ -61,6 +61,55 @@ pub fn parse_env_var(arg: &str) -> Result<EnvVar, String> {
     }
 }
 
+/// One `--secrets-file FILE`: the secrets the caller brings, read when the
+/// command line is parsed (the values stay out of the command line, the
+/// shell's history and `ps`).
+#[derive(Clone, Debug)]
+pub struct BroughtSecrets(pub Vec<runbox_types::BroughtSecret>);
+
+/// Reads a JSON array of `{name, value, hosts, header, scheme?, methods?,
+/// pathPrefixes?}` objects (or one such object). Errors name the file and
+/// the JSON error, which never quotes a value.
+pub fn parse_secrets_file(path: &str) -> Result<BroughtSecrets, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {path}: {e}"))?;
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        Many(Vec<runbox_types::BroughtSecret>),
+        One(runbox_types::BroughtSecret),
+    }
+    match serde_json::from_str::<OneOrMany>(&text) {
+        Ok(OneOrMany::Many(v)) => Ok(BroughtSecrets(v)),
+        Ok(OneOrMany::One(s)) => Ok(BroughtSecrets(vec![s])),
+        Err(_) => {
+            // The untagged error says nothing; the array's own does.
+            let why = serde_json::from_str::<Vec<runbox_types::BroughtSecret>>(&text)
+                .err()
+                .map(|e| format!("line {} column {}: {}", e.line(), e.column(), redacted(&e)))
+                .unwrap_or_default();
+            Err(format!(
+                "{path} is not a JSON array of secrets {{name, value, hosts, header, scheme?, \
+                 methods?, pathPrefixes?}}: {why}"
+            ))
+        }
+    }
+}
+
+/// A JSON error's category and position only: serde's message may quote
+/// the text it failed on, which could be a value.
+fn redacted(e: &serde_json::Error) -> String {
+    let message = e.to_string();
+    if message.starts_with("unknown field") || message.starts_with("missing field") {
+        message
+            .split(" at line")
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    } else {
+        format!("{:?} error", e.classify()).to_lowercase()
+    }
+}
+
 /// The request's `env`: `None` when no variable was given; the last of
 /// repeated names wins, as in a shell.
 pub fn env_map(vars: Vec<EnvVar>) -> Option<Env> {
@@ -73,6 +122,35 @@ pub fn env_map(vars: Vec<EnvVar>) -> Option<Env> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn secrets_files_hold_an_array_or_one_secret_and_errors_hide_values() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.json");
+        let one = r#"{"name": "API_KEY", "value": "v4lue", "hosts": ["api.example.com"],
+                      "header": "Authorization", "methods": ["GET"], "pathPrefixes": ["/"]}"#;
+        std::fs::write(&path, format!("[{one}]")).unwrap();
+        let p = path.to_str().unwrap();
+        assert_eq!(super::parse_secrets_file(p).unwrap().0.len(), 1);
+        std::fs::write(&path, one).unwrap();
+        assert_eq!(super::parse_secrets_file(p).unwrap().0[0].name, "API_KEY");
+        std::fs::write(
+            &path,
+            r#"[{"name": "A", "value": 42, "hosts": [], "header": "X"}]"#,
+        )
+        .unwrap();
+        let err = super::parse_secrets_file(p).unwrap_err();
+        assert!(err.contains("data error"), "{err}");
+        std::fs::write(
+            &path,
+            r#"[{"name": "A", "value": "sekr1t", "hosts": [], "header": "X", "bad": 1}]"#,
+        )
+        .unwrap();
+        let err = super::parse_secrets_file(p).unwrap_err();
+        assert!(err.contains("unknown field `bad`"), "{err}");
+        assert!(!err.contains("sekr1t"), "{err}");
+        assert!(super::parse_secrets_file("/nonexistent/s.json").is_err());
+    }
+
     use super::*;
 
     #[test]

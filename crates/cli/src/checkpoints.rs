@@ -159,6 +159,7 @@ mod tests {
             server: "node".into(),
             tenant: None,
             volumes_excluded: Vec::new(),
+            secrets_excluded: Vec::new(),
         };
         let out = render(&[checkpoint]);
         assert_eq!(out.lines().count(), 2, "{out}");

@@ -19,8 +19,9 @@ use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{self, Allowlist, Entry};
 use runbox_proxy::proxy::{Counters, RunEgress, Shared};
 use runbox_proxy::resolve::Resolver;
-use runbox_proxy::secrets::{Secret, SecretSpec};
+use runbox_proxy::secrets::{Secret, SecretPolicy, SecretSpec};
 use runbox_proxy::tls::{upstream_client_config, Authority};
+use runbox_types::BroughtSecret;
 
 /// Egress flags of `runbox serve`.
 #[derive(Debug, Default, clap::Args)]
@@ -127,6 +128,21 @@ impl EgressProxy for NodeProxy {
         self.secrets.keys().cloned().collect()
     }
 
+    fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String> {
+        let policy = brought_policy(secret).canonical()?;
+        // The value is checked as the proxy will send it.
+        Secret::new(policy.clone(), secret.value.expose(), "the value").map_err(|e| e.reason)?;
+        Ok(BroughtSecret {
+            name: policy.name,
+            value: secret.value.clone(),
+            hosts: policy.hosts,
+            header: policy.header,
+            scheme: policy.scheme,
+            methods: Some(policy.methods),
+            path_prefixes: Some(policy.path_prefixes),
+        })
+    }
+
     fn placeholder(&self, name: &str) -> String {
         runbox_proxy::secrets::placeholder(name)
     }
@@ -142,6 +158,7 @@ impl EgressProxy for NodeProxy {
         &self,
         id: ulid::Ulid,
         req: &RunEgressRequest,
+        brought: Vec<BroughtSecret>,
         listener: std::net::TcpListener,
         stop: tokio_util::sync::CancellationToken,
         on_close: Option<runbox_core::egress::ConnectionBytes>,
@@ -162,15 +179,36 @@ impl EgressProxy for NodeProxy {
                 }
             })
             .collect();
-        let secrets = req
+        let mut secrets: Vec<Arc<Secret>> = req
             .secrets
             .iter()
             .filter_map(|name| self.secrets.get(name).cloned())
             .collect();
+        // A brought secret's hosts are reachable for the run: the least
+        // egress that makes it usable.
+        let mut secret_hosts: Vec<Entry> = Vec::new();
+        for secret in &brought {
+            match Secret::new(brought_policy(secret), secret.value.expose(), "the value") {
+                Ok(loaded) => {
+                    for host in &secret.hosts {
+                        if let Ok(entry) = Entry::from_str(host) {
+                            if !secret_hosts.contains(&entry) {
+                                secret_hosts.push(entry);
+                            }
+                        }
+                    }
+                    secrets.push(Arc::new(loaded));
+                }
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %e, "dropping a stored secret that no longer checks out")
+                }
+            }
+        }
         let counters = Arc::new(Counters::default());
         let run = Arc::new(RunEgress {
             run: id.to_string(),
-            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries),
+            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries)
+                .with_secret_hosts(&secret_hosts),
             secrets,
             counters: counters.clone(),
             on_close,
@@ -182,6 +220,18 @@ impl EgressProxy for NodeProxy {
             stop,
         ));
         Ok(Arc::new(Meter(counters)))
+    }
+}
+
+/// The proxy's form of a brought secret's policy.
+fn brought_policy(secret: &BroughtSecret) -> SecretPolicy {
+    SecretPolicy {
+        name: secret.name.clone(),
+        header: secret.header.clone(),
+        scheme: secret.scheme.clone(),
+        hosts: secret.hosts.clone(),
+        methods: secret.methods.clone().unwrap_or_default(),
+        path_prefixes: secret.path_prefixes.clone().unwrap_or_default(),
     }
 }
 

@@ -117,6 +117,12 @@ pub struct CreateArgs {
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
     pub secrets: Vec<String>,
+    /// Secrets you bring, from a JSON file: an array of {name, value,
+    /// hosts, header, scheme?, methods?, pathPrefixes?}; the run sees
+    /// placeholders, the proxy sends each value only to its hosts, methods
+    /// and paths (needs --network allowlist; repeatable)
+    #[arg(long = "secrets-file", value_name = "FILE", value_parser = crate::args::parse_secrets_file)]
+    pub secrets_files: Vec<crate::args::BroughtSecrets>,
     /// A size tier instead of --cpus/--memory/--pids/--disk: small, medium,
     /// large, xlarge, 2xlarge; a warm pool of the same image, network and
     /// size serves the create at once
@@ -192,7 +198,19 @@ impl CreateArgs {
             network: self.network.map(NetworkTier::from),
             limits,
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
-            secrets: (!self.secrets.is_empty()).then(|| self.secrets.clone()),
+            secrets: {
+                let secrets: Vec<runbox_types::SecretRequest> = self
+                    .secrets
+                    .iter()
+                    .map(|name| name.as_str().into())
+                    .chain(
+                        self.secrets_files
+                            .iter()
+                            .flat_map(|f| f.0.iter().cloned().map(Into::into)),
+                    )
+                    .collect();
+                (!secrets.is_empty()).then_some(secrets)
+            },
             warm: self.warm.clone().map(|repo| runbox_types::WarmRequest {
                 repo,
                 path: self.warm_path.clone(),

@@ -495,6 +495,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let egress = args.egress.build(&state_dir, bound)?;
     config.egress = Some(egress.config.clone());
+    // The key that seals the values of secrets callers bring; see
+    // runbox_core::sealed.
+    let sealer = runbox_core::sealed::KeyFileSealer::open_or_create(&state_dir.join("secrets.key"))
+        .map_err(|e| anyhow::anyhow!("the secret sealing key: {e}"))?;
+    config.sealer = Some(Arc::new(sealer));
     let store = Store::open(&state_dir.join("runbox.db"))?;
     let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
     if userns {

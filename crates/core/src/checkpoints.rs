@@ -1376,6 +1376,7 @@ mod tests {
             server: "test".into(),
             tenant: None,
             volumes_excluded: Vec::new(),
+            secrets_excluded: Vec::new(),
         };
         // Not committed yet: nothing to see.
         assert!(store.list().await.unwrap().is_empty());

@@ -49,6 +49,9 @@ pub struct Config {
     /// The egress proxy's settings; without them the `allowlist` tier is
     /// refused.
     pub egress: Option<std::sync::Arc<dyn crate::egress::EgressProxy>>,
+    /// Seals the values of secrets callers bring (the node's key); without
+    /// it such secrets are refused.
+    pub sealer: Option<std::sync::Arc<dyn crate::sealed::Sealer>>,
     /// The warm repo cache; None disables `warm` on creates.
     pub warm_cache: Option<WarmCacheConfig>,
     /// The warm pools at start (`--pools`, or the persisted set).
@@ -151,6 +154,7 @@ impl Config {
             agent_ready_timeout: Duration::from_secs(10),
             insecure_registries: Vec::new(),
             egress: None,
+            sealer: None,
             warm_cache: None,
             pools: runbox_types::PoolSet::default(),
             pools_file: None,

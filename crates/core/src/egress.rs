@@ -11,21 +11,56 @@
 //! Fail-closed rules enforced here:
 //! - `egressAllow` and `secrets` exist only on the `allowlist` tier; on
 //!   `none` or `open` they are a 400, never silently ignored.
-//! - A malformed entry or an undeclared secret is a 400.
+//! - A malformed entry or an undeclared secret is a 400, and so is a
+//!   brought secret with a malformed policy or value (the message never
+//!   holds the value).
+//! - A brought secret's value is sealed (see `sealed`) before it reaches
+//!   the run's record, and opened only to hand it to the run's proxy; one
+//!   that does not open is left out, so the run's requests carry the
+//!   placeholder, never anything else.
 //! - An `allowlist` run whose proxy cannot be started is destroyed, never
 //!   left running without one (it would simply have no network, but the
 //!   caller asked for egress and must learn it has none).
 
 use std::sync::Arc;
 
-use runbox_types::{EgressStats, Env, ErrorCode, NetworkTier};
+use runbox_types::{BroughtSecret, EgressStats, Env, ErrorCode, NetworkTier, SecretRequest};
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
 use crate::error::CoreError;
+use crate::sealed::Sealer;
 
 /// Most `egressAllow` entries one run may have.
 pub const MAX_RUN_ENTRIES: usize = 256;
+
+/// Most `secrets` one run may ask for, declared and brought together.
+pub const MAX_RUN_SECRETS: usize = 32;
+
+/// The longest value a brought secret may have (it travels in a header).
+pub const MAX_SECRET_VALUE: usize = 8 * 1024;
+
+/// Most hosts, methods or path prefixes one brought secret may list.
+pub const MAX_SECRET_LIST: usize = 64;
+
+/// The longest path prefix of a brought secret.
+pub const MAX_PATH_PREFIX: usize = 1024;
+
+/// Names the run's environment already gives a meaning (the proxy and the
+/// trust store); a secret under one would take that meaning away.
+const RESERVED_NAMES: &[&str] = &[
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+    "ALL_PROXY",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "GIT_SSL_CAINFO",
+    "NODE_EXTRA_CA_CERTS",
+    "PATH",
+    "HOME",
+];
 
 use crate::lane::{EGRESS_PROXY_URL as PROXY_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
 
@@ -39,20 +74,25 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
     /// The secret names the operator declared, sorted.
     fn secret_names(&self) -> Vec<String>;
 
+    /// A brought secret checked (policy and value) and in canonical form,
+    /// or why it is unusable (never naming the value).
+    fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String>;
+
     /// What a run sees in place of secret `name`'s value.
     fn placeholder(&self, name: &str) -> String;
 
     /// The interception CA in PEM, for the trust store of runs with secrets.
     fn ca_pem(&self) -> String;
 
-    /// Serves run `id`'s proxy (entries and secrets as checked at creation)
-    /// on `listener` until `stop` is cancelled, telling `on_close` the
-    /// bytes of each connection with an allowed request when it closes.
-    /// Needs a Tokio runtime.
+    /// Serves run `id`'s proxy (entries and secrets as checked at creation,
+    /// `brought` opened) on `listener` until `stop` is cancelled, telling
+    /// `on_close` the bytes of each connection with an allowed request
+    /// when it closes. Needs a Tokio runtime.
     fn start(
         &self,
         id: Ulid,
         req: &RunEgressRequest,
+        brought: Vec<BroughtSecret>,
         listener: std::net::TcpListener,
         stop: CancellationToken,
         on_close: Option<ConnectionBytes>,
@@ -74,26 +114,112 @@ pub trait EgressMeter: Send + Sync {
     }
 }
 
-/// A run's checked egress request: canonical entries and secret names.
-/// Stored with the run, so a restarted daemon serves the same proxy.
+/// A run's checked egress request: canonical entries, declared secret
+/// names and brought secrets (sealed). Stored with the run, so a restarted
+/// daemon serves the same proxy.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct RunEgressRequest {
     /// `egressAllow`, canonical and without duplicates, in the given order.
     #[serde(default)]
     pub allow: Vec<String>,
-    /// Secret names, without duplicates.
+    /// Declared secret names, without duplicates.
     #[serde(default)]
     pub secrets: Vec<String>,
+    /// Secrets the caller brought, their values sealed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub brought: Vec<SealedSecret>,
+}
+
+impl RunEgressRequest {
+    /// Whether the run has any secret, so TLS to some host is intercepted
+    /// and the run must trust the interception CA.
+    pub fn has_secrets(&self) -> bool {
+        !self.secrets.is_empty() || !self.brought.is_empty()
+    }
+
+    /// Every secret name, declared first: what the API shows.
+    pub fn secret_names(&self) -> Vec<String> {
+        self.secrets
+            .iter()
+            .cloned()
+            .chain(self.brought.iter().map(|b| b.name.clone()))
+            .collect()
+    }
+
+    /// The brought secrets with their values, for the run's proxy. One
+    /// that does not open is left out with a warning: the run's requests
+    /// then carry its placeholder, never a wrong value.
+    pub fn open_brought(&self, id: Ulid, sealer: Option<&dyn Sealer>) -> Vec<BroughtSecret> {
+        let mut opened = Vec::with_capacity(self.brought.len());
+        for sealed in &self.brought {
+            let value = match sealer {
+                Some(sealer) => sealer.open(&sealed.name, &sealed.sealed).and_then(|bytes| {
+                    String::from_utf8(bytes).map_err(|_| "the value is not UTF-8".to_owned())
+                }),
+                None => Err("this server has no key to open secrets with".to_owned()),
+            };
+            match value {
+                Ok(value) => opened.push(sealed.with_value(value)),
+                Err(why) => tracing::warn!(
+                    run = %id,
+                    secret = %sealed.name,
+                    error = %why,
+                    "a secret the run was created with cannot be opened; its requests go out with the placeholder"
+                ),
+            }
+        }
+        opened
+    }
+}
+
+/// A brought secret as the run's record keeps it: the policy in the clear,
+/// the value sealed under the node's key (bound to the name).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SealedSecret {
+    /// The name (the run's placeholder variable).
+    pub name: String,
+    /// The header that carries it.
+    pub header: String,
+    /// Written before the value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheme: Option<String>,
+    /// Canonical hosts.
+    pub hosts: Vec<String>,
+    /// Upper-case methods; empty: never sent.
+    #[serde(default)]
+    pub methods: Vec<String>,
+    /// Path prefixes; empty: never sent.
+    #[serde(default)]
+    pub path_prefixes: Vec<String>,
+    /// The value, sealed (see [`Sealer`]).
+    pub sealed: String,
+}
+
+impl SealedSecret {
+    /// The secret with `value` in place of the sealed one.
+    fn with_value(&self, value: String) -> BroughtSecret {
+        BroughtSecret {
+            name: self.name.clone(),
+            value: runbox_types::SecretValue::new(value),
+            hosts: self.hosts.clone(),
+            header: self.header.clone(),
+            scheme: self.scheme.clone(),
+            methods: Some(self.methods.clone()),
+            path_prefixes: Some(self.path_prefixes.clone()),
+        }
+    }
 }
 
 /// Checks a create request's `egressAllow` and `secrets` against its tier
-/// and the declared secrets.
+/// and the declared secrets, and seals the values of brought ones.
 pub fn check_request(
     config: Option<&dyn EgressProxy>,
+    sealer: Option<&dyn Sealer>,
     network: NetworkTier,
     allow: Option<&[String]>,
-    secrets: Option<&[String]>,
+    secrets: Option<&[SecretRequest]>,
 ) -> Result<RunEgressRequest, CoreError> {
     if network != NetworkTier::Allowlist {
         if allow.is_some() {
@@ -141,30 +267,144 @@ pub fn check_request(
             entries.push(canonical);
         }
     }
+    let secrets = secrets.unwrap_or_default();
+    if secrets.len() > MAX_RUN_SECRETS {
+        return Err(CoreError::invalid(
+            ErrorCode::BadEgress,
+            format!(
+                "secrets has {} entries; at most {MAX_RUN_SECRETS} are allowed",
+                secrets.len()
+            ),
+        ));
+    }
     let mut names: Vec<String> = Vec::new();
+    let mut brought: Vec<SealedSecret> = Vec::new();
     let declared = config.secret_names();
-    for name in secrets.unwrap_or_default() {
-        if !declared.contains(name) {
-            return Err(CoreError::invalid(
-                ErrorCode::UnknownSecret,
-                format!(
-                    "no secret named {:?} is declared on this server (declared: {})",
-                    bounded(name),
-                    if declared.is_empty() {
-                        "none".to_owned()
-                    } else {
-                        declared.join(", ")
-                    }
-                ),
-            ));
-        }
-        if !names.contains(name) {
-            names.push(name.clone());
+    for request in secrets {
+        match request {
+            SecretRequest::Declared(name) => {
+                if !declared.contains(name) {
+                    return Err(CoreError::invalid(
+                        ErrorCode::UnknownSecret,
+                        format!(
+                            "no secret named {:?} is declared on this server (declared: {}); \
+                             to bring your own, give an object {{name, value, hosts, header, \
+                             methods, pathPrefixes}} instead of a name",
+                            bounded(name),
+                            if declared.is_empty() {
+                                "none".to_owned()
+                            } else {
+                                declared.join(", ")
+                            }
+                        ),
+                    ));
+                }
+                if brought.iter().any(|b| &b.name == name) {
+                    return Err(duplicate_secret(name));
+                }
+                if !names.contains(name) {
+                    names.push(name.clone());
+                }
+            }
+            SecretRequest::Brought(secret) => {
+                let sealed = check_brought(config, sealer, secret, &declared)?;
+                if names.contains(&sealed.name) || brought.iter().any(|b| b.name == sealed.name) {
+                    return Err(duplicate_secret(&sealed.name));
+                }
+                brought.push(sealed);
+            }
         }
     }
     Ok(RunEgressRequest {
         allow: entries,
         secrets: names,
+        brought,
+    })
+}
+
+fn duplicate_secret(name: &str) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::BadSecret,
+        format!(
+            "two secrets are named {:?}; a run's secrets need names of their own",
+            bounded(name)
+        ),
+    )
+}
+
+/// Checks one brought secret and seals its value.
+fn check_brought(
+    config: &dyn EgressProxy,
+    sealer: Option<&dyn Sealer>,
+    secret: &BroughtSecret,
+    declared: &[String],
+) -> Result<SealedSecret, CoreError> {
+    let name = bounded(&secret.name);
+    let bad =
+        |why: String| CoreError::invalid(ErrorCode::BadSecret, format!("secret {name:?}: {why}"));
+    if declared.contains(&secret.name) {
+        return Err(bad(
+            "the operator declared a secret of that name; ask for it by name (a string), or give \
+             yours another name"
+                .to_owned(),
+        ));
+    }
+    if RESERVED_NAMES.contains(&secret.name.as_str()) {
+        return Err(bad(format!(
+            "{} is set by runbox in every allowlist run; give the secret another name",
+            secret.name
+        )));
+    }
+    if secret.value.expose().len() > MAX_SECRET_VALUE {
+        return Err(bad(format!(
+            "the value is {} bytes long; at most {MAX_SECRET_VALUE} are allowed",
+            secret.value.expose().len()
+        )));
+    }
+    let lists = [
+        ("hosts", secret.hosts.len()),
+        ("methods", secret.methods.as_ref().map_or(0, Vec::len)),
+        (
+            "pathPrefixes",
+            secret.path_prefixes.as_ref().map_or(0, Vec::len),
+        ),
+    ];
+    for (field, len) in lists {
+        if len > MAX_SECRET_LIST {
+            return Err(bad(format!(
+                "{field} has {len} entries; at most {MAX_SECRET_LIST} are allowed"
+            )));
+        }
+    }
+    if let Some(long) = secret
+        .path_prefixes
+        .iter()
+        .flatten()
+        .find(|p| p.len() > MAX_PATH_PREFIX)
+    {
+        return Err(bad(format!(
+            "a path prefix is {} bytes long; at most {MAX_PATH_PREFIX} are allowed",
+            long.len()
+        )));
+    }
+    let canonical = config.check_secret(secret).map_err(bad)?;
+    let Some(sealer) = sealer else {
+        return Err(CoreError::invalid(
+            ErrorCode::NetworkUnsupported,
+            "this server cannot keep secrets a caller brings (it has no sealing key)",
+        ));
+    };
+    let sealed = sealer
+        .seal(&canonical.name, canonical.value.expose().as_bytes())
+        .map_err(|e| CoreError::Store(format!("sealing a secret: {e}")))?;
+    Ok(SealedSecret {
+        name: canonical.name,
+        header: canonical.header,
+        scheme: canonical.scheme,
+        hosts: canonical.hosts,
+        methods: canonical.methods.unwrap_or_default(),
+        path_prefixes: canonical.path_prefixes.unwrap_or_default(),
+        sealed,
     })
 }
 
@@ -192,10 +432,11 @@ pub fn run_env(
     for name in ["NO_PROXY", "no_proxy"] {
         env.push((name.to_owned(), "localhost,127.0.0.1".to_owned()));
     }
-    for name in &req.secrets {
-        env.push((name.clone(), proxy.placeholder(name)));
+    for name in req.secret_names() {
+        let placeholder = proxy.placeholder(&name);
+        env.push((name, placeholder));
     }
-    if !req.secrets.is_empty() {
+    if req.has_secrets() {
         for name in [
             "SSL_CERT_FILE",
             "REQUESTS_CA_BUNDLE",
@@ -217,6 +458,91 @@ mod tests {
         v.iter().map(|s| s.to_string()).collect()
     }
 
+    fn declared(v: &[&str]) -> Vec<SecretRequest> {
+        v.iter().map(|s| SecretRequest::from(*s)).collect()
+    }
+
+    fn brought(name: &str, value: &str) -> SecretRequest {
+        SecretRequest::Brought(BroughtSecret {
+            name: name.into(),
+            value: runbox_types::SecretValue::new(value),
+            hosts: strings(&["API.example.com"]),
+            header: "Authorization".into(),
+            scheme: Some("Bearer".into()),
+            methods: Some(strings(&["GET"])),
+            path_prefixes: Some(strings(&["/v1/"])),
+        })
+    }
+
+    #[test]
+    fn brought_secrets_are_checked_sealed_and_opened_again() {
+        let sealer = crate::sealed::KeyFileSealer::from_key(&[3; 32]);
+        let check = |secrets: Vec<SecretRequest>| {
+            check_request(
+                Some(&Checker),
+                Some(&sealer),
+                NetworkTier::Allowlist,
+                None,
+                Some(&secrets),
+            )
+        };
+        let id = Ulid::new();
+        let req = check(vec!["GH_TOKEN".into(), brought("API_KEY", "v4lue-1")]).unwrap();
+        assert_eq!(req.secrets, strings(&["GH_TOKEN"]));
+        assert_eq!(req.secret_names(), strings(&["GH_TOKEN", "API_KEY"]));
+        assert_eq!(req.brought[0].hosts, strings(&["api.example.com"]));
+        // The record never holds the value; opening gives it back.
+        let record = serde_json::to_string(&req).unwrap();
+        assert!(!record.contains("v4lue-1"), "{record}");
+        let opened = req.open_brought(id, Some(&sealer));
+        assert_eq!(opened[0].value.expose(), "v4lue-1");
+        assert_eq!(opened[0].methods.as_deref(), Some(&strings(&["GET"])[..]));
+        // Under another key (or none) it is left out, never guessed.
+        let other = crate::sealed::KeyFileSealer::from_key(&[4; 32]);
+        assert!(req.open_brought(id, Some(&other)).is_empty());
+        assert!(req.open_brought(id, None).is_empty());
+        assert!(req.has_secrets());
+
+        let code = |secrets| check(secrets).unwrap_err().code();
+        // Names are the run's own: no duplicates, no declared name, no
+        // variable runbox sets itself.
+        assert_eq!(
+            code(vec![brought("A", "1"), brought("A", "2")]),
+            ErrorCode::BadSecret
+        );
+        assert_eq!(code(vec![brought("GH_TOKEN", "1")]), ErrorCode::BadSecret);
+        assert_eq!(
+            code(vec![brought("HTTPS_PROXY", "1")]),
+            ErrorCode::BadSecret
+        );
+        assert_eq!(
+            code(vec![brought("A", &"x".repeat(MAX_SECRET_VALUE + 1))]),
+            ErrorCode::BadSecret
+        );
+        let SecretRequest::Brought(mut headless) = brought("A", "v4lue-2") else {
+            unreachable!()
+        };
+        headless.header.clear();
+        let err = check(vec![SecretRequest::Brought(headless)]).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::BadSecret);
+        assert!(err.to_string().contains("secret \"A\": no header"), "{err}");
+        assert!(!err.to_string().contains("v4lue-2"));
+        let many: Vec<SecretRequest> = (0..=MAX_RUN_SECRETS)
+            .map(|i| brought(&format!("S{i}"), "v"))
+            .collect();
+        assert_eq!(code(many), ErrorCode::BadEgress);
+        // Without a key nothing brought is taken.
+        let err = check_request(
+            Some(&Checker),
+            None,
+            NetworkTier::Allowlist,
+            None,
+            Some(&[brought("A", "v")]),
+        )
+        .unwrap_err();
+        assert_eq!(err.code(), ErrorCode::NetworkUnsupported);
+    }
+
     /// A proxy that only answers the questions (pure logic under test);
     /// the real one is tested in runbox-proxy and end to end.
     #[derive(Debug)]
@@ -233,6 +559,18 @@ mod tests {
         fn secret_names(&self) -> Vec<String> {
             strings(&["GH_TOKEN"])
         }
+        fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String> {
+            if secret.header.is_empty() {
+                return Err("no header".into());
+            }
+            let mut canonical = secret.clone();
+            canonical.hosts = secret
+                .hosts
+                .iter()
+                .map(|h| h.to_ascii_lowercase())
+                .collect();
+            Ok(canonical)
+        }
         fn placeholder(&self, name: &str) -> String {
             format!("placeholder:{name}")
         }
@@ -243,6 +581,7 @@ mod tests {
             &self,
             _: Ulid,
             _: &RunEgressRequest,
+            _: Vec<BroughtSecret>,
             _: std::net::TcpListener,
             _: CancellationToken,
             _: Option<ConnectionBytes>,
@@ -255,15 +594,17 @@ mod tests {
     fn entries_are_canonical_and_deduplicated_and_secrets_declared() {
         let req = check_request(
             Some(&Checker),
+            None,
             NetworkTier::Allowlist,
             Some(&strings(&["Example.org", "example.org", "pypi.org"])),
-            Some(&strings(&["GH_TOKEN", "GH_TOKEN"])),
+            Some(&declared(&["GH_TOKEN", "GH_TOKEN"])),
         )
         .unwrap();
         assert_eq!(req.allow, strings(&["example.org", "pypi.org"]));
         assert_eq!(req.secrets, strings(&["GH_TOKEN"]));
         let err = check_request(
             Some(&Checker),
+            None,
             NetworkTier::Allowlist,
             Some(&strings(&["a b"])),
             None,
@@ -272,34 +613,42 @@ mod tests {
         assert_eq!(err.code(), ErrorCode::BadEgressEntry);
         let err = check_request(
             Some(&Checker),
+            None,
             NetworkTier::Allowlist,
             None,
-            Some(&strings(&["NOPE"])),
+            Some(&declared(&["NOPE"])),
         )
         .unwrap_err();
         assert_eq!(err.code(), ErrorCode::UnknownSecret);
         assert!(err.to_string().contains("declared: GH_TOKEN"), "{err}");
         let many: Vec<String> = (0..=MAX_RUN_ENTRIES).map(|i| format!("h{i}.org")).collect();
-        let err =
-            check_request(Some(&Checker), NetworkTier::Allowlist, Some(&many), None).unwrap_err();
+        let err = check_request(
+            Some(&Checker),
+            None,
+            NetworkTier::Allowlist,
+            Some(&many),
+            None,
+        )
+        .unwrap_err();
         assert_eq!(err.code(), ErrorCode::BadEgress);
     }
 
     #[test]
     fn egress_fields_belong_to_the_allowlist_tier() {
         for tier in [NetworkTier::None, NetworkTier::Open] {
-            let err =
-                check_request(None, tier, Some(&strings(&["example.org"])), None).unwrap_err();
+            let err = check_request(None, None, tier, Some(&strings(&["example.org"])), None)
+                .unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
             // An empty list is still a list where none can apply.
-            let err = check_request(None, tier, Some(&[]), None).unwrap_err();
+            let err = check_request(None, None, tier, Some(&[]), None).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
-            let err = check_request(None, tier, None, Some(&strings(&["TOKEN"]))).unwrap_err();
+            let err =
+                check_request(None, None, tier, None, Some(&declared(&["TOKEN"]))).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
-            let err = check_request(None, tier, None, Some(&[])).unwrap_err();
+            let err = check_request(None, None, tier, None, Some(&[])).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
             assert_eq!(
-                check_request(None, tier, None, None).unwrap(),
+                check_request(None, None, tier, None, None).unwrap(),
                 RunEgressRequest::default()
             );
         }
@@ -307,7 +656,7 @@ mod tests {
 
     #[test]
     fn allowlist_without_a_proxy_is_refused() {
-        let err = check_request(None, NetworkTier::Allowlist, None, None).unwrap_err();
+        let err = check_request(None, None, NetworkTier::Allowlist, None, None).unwrap_err();
         assert_eq!(err.code(), ErrorCode::NetworkUnsupported);
     }
 
@@ -317,8 +666,8 @@ mod tests {
             Some(&Checker),
             NetworkTier::Allowlist,
             &RunEgressRequest {
-                allow: vec![],
                 secrets: strings(&["GH_TOKEN"]),
+                ..Default::default()
             },
         );
         let get = |k: &str| env.0.get(k).map(String::as_str);
@@ -336,8 +685,8 @@ mod tests {
         assert!(!env.0.contains_key("SSL_CERT_FILE"));
         // Other tiers have no proxy to point at.
         let req = RunEgressRequest {
-            allow: vec![],
             secrets: strings(&["GH_TOKEN"]),
+            ..Default::default()
         };
         assert_eq!(
             run_env(Some(&Checker), NetworkTier::Open, &req),

@@ -26,6 +26,7 @@ pub mod lease;
 pub mod pools;
 pub mod preview;
 pub mod runs;
+pub mod sealed;
 pub mod service;
 pub mod store;
 pub mod telemetry;

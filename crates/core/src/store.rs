@@ -183,7 +183,7 @@ impl RunRecord {
             status: self.status,
             lease: self.lease.active(OffsetDateTime::now_utc()).cloned(),
             egress_allow: self.egress.allow.clone(),
-            secrets: self.egress.secrets.clone(),
+            secrets: self.egress.secret_names(),
             egress: None,
             failure: (self.status == RunStatus::Failed)
                 .then(|| self.failure.clone())

@@ -49,7 +49,9 @@ use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair, KeyUsage
 use runbox_e2e::{eventually, host_ipv4, netns_exists, raw_request, TestDaemon};
 use runbox_proxy::audit::AuditRecord;
 use runbox_proxy::testing::TestDns;
-use runbox_types::{CreateRunRequest, EgressStats, Env, ErrorCode, ExecRequest, NetworkTier, Run};
+use runbox_types::{
+    CreateRunRequest, EgressStats, Env, ErrorCode, ExecRequest, NetworkTier, Run, SecretRequest,
+};
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::net::TcpListener;
 
@@ -65,6 +67,11 @@ const SECRET_VALUE: &str = "e2e-v4lue-3c9f1d7a52b8e640";
 const SECRET_SEEN: &str = "[the secret value]";
 /// `runbox-secret:NAME`, what the run holds instead.
 const PLACEHOLDER: &str = "runbox-secret:API_TOKEN";
+/// The value of a secret a caller brings: like [`SECRET_VALUE`], it must
+/// reach only its upstream.
+const BROUGHT_VALUE: &str = "brought-8d1e5b0c37f94a26";
+/// What the echo servers write where they received it.
+const BROUGHT_SEEN: &str = "[the brought value]";
 
 /// The image with curl (see [`runbox_e2e::curl_tar`]).
 const IMAGE: &str = "curl";
@@ -107,6 +114,7 @@ fn pki() -> &'static Pki {
             "wild.test",
             "deep.sub.wild.test",
             "bare.test",
+            "brought.test",
         ];
         let leaf = CertificateParams::new(names.map(str::to_owned).to_vec())
             .expect("leaf params")
@@ -173,6 +181,30 @@ async fn start_echo(addr: SocketAddr, tls: bool) -> std::io::Result<u16> {
     Ok(port)
 }
 
+/// Starts a TLS echo server on port 443 of a loopback address of its own
+/// (the port a secret's host is reachable on without an entry); returns
+/// the address.
+async fn start_echo_on_443() -> IpAddr {
+    for _ in 0..64 {
+        let ip = IpAddr::V4(Ipv4Addr::new(
+            127,
+            rand_byte(),
+            rand_byte(),
+            rand_byte().max(2),
+        ));
+        if start_echo(SocketAddr::new(ip, 443), true).await.is_ok() {
+            return ip;
+        }
+    }
+    panic!("no free loopback address for port 443");
+}
+
+/// A byte that differs from call to call (no cryptographic quality needed).
+fn rand_byte() -> u8 {
+    use std::hash::{BuildHasher, RandomState};
+    RandomState::new().hash_one(std::time::Instant::now()) as u8
+}
+
 async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
     if let Some(n) = req.uri().path().strip_prefix("/bytes/") {
         let n = n.parse::<usize>().unwrap_or(0);
@@ -192,7 +224,8 @@ async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallibl
     let body = req.into_body().collect().await.map(|b| b.to_bytes());
     text.push_str(&format!("body-bytes: {}\n", body.map_or(0, |b| b.len())));
     Ok(Response::new(Full::new(Bytes::from(
-        text.replace(SECRET_VALUE, SECRET_SEEN),
+        text.replace(SECRET_VALUE, SECRET_SEEN)
+            .replace(BROUGHT_VALUE, BROUGHT_SEEN),
     ))))
 }
 
@@ -307,7 +340,7 @@ impl World {
                 network: Some(NetworkTier::Allowlist),
                 egress_allow: Some(allow.iter().map(|s| s.to_string()).collect()),
                 secrets: (!secrets.is_empty())
-                    .then(|| secrets.iter().map(|s| s.to_string()).collect()),
+                    .then(|| secrets.iter().map(|s| (*s).into()).collect()),
                 ..Default::default()
             })
             .await
@@ -1035,6 +1068,91 @@ async fn malformed_or_misplaced_egress_requests_are_refused() {
         "{message}"
     );
 
+    // Secrets a caller brings: each malformed part is a 400 naming the
+    // field, never the value; a wrong shape is the JSON's own error.
+    let good = serde_json::json!({"name": "MINE", "value": BROUGHT_VALUE,
+        "hosts": ["brought.test"], "header": "X-Key", "methods": ["GET"], "pathPrefixes": ["/"]});
+    let with = |key: &str, value: serde_json::Value| {
+        let mut secret = good.clone();
+        secret[key] = value;
+        secret
+    };
+    let value_with = |bad: &str| with("value", serde_json::json!(format!("{BROUGHT_VALUE}{bad}")));
+    let cases = [
+        (
+            with("name", "mine".into()),
+            "bad_secret",
+            "environment variable",
+        ),
+        (with("name", SECRET_NAME.into()), "bad_secret", "declared"),
+        (
+            with("name", "HTTPS_PROXY".into()),
+            "bad_secret",
+            "set by runbox",
+        ),
+        (
+            with("header", "Host".into()),
+            "bad_secret",
+            "managed by the proxy",
+        ),
+        (with("header", "X Key".into()), "bad_secret", "header name"),
+        (
+            with("hosts", serde_json::json!([])),
+            "bad_secret",
+            "no hosts",
+        ),
+        (
+            with("hosts", serde_json::json!(["brought.test:443"])),
+            "bad_secret",
+            "no port",
+        ),
+        (
+            with("methods", serde_json::json!(["GE T"])),
+            "bad_secret",
+            "HTTP method",
+        ),
+        (
+            with("pathPrefixes", serde_json::json!(["/a/../b"])),
+            "bad_secret",
+            "dot segment",
+        ),
+        (
+            with("scheme", "Bearer token".into()),
+            "bad_secret",
+            "single word",
+        ),
+        (value_with("\r\nX-Evil: 1"), "bad_secret", "line break"),
+        (
+            value_with("\u{1}"),
+            "bad_secret",
+            "not allowed in an HTTP header",
+        ),
+        (with("value", "".into()), "bad_secret", "empty"),
+        (with("value", "x".repeat(8193).into()), "bad_secret", "8192"),
+        (
+            with("extra", 1.into()),
+            "bad_request",
+            "unknown field `extra`",
+        ),
+        (with("value", 7.into()), "bad_request", "secrets"),
+    ];
+    for (secret, want, says) in cases {
+        let body = serde_json::json!({"image": IMAGE, "network": "allowlist", "secrets": [secret]});
+        let (status, code, message) = create_raw(&w, body).await;
+        assert_eq!((status, code.as_str()), (400, want), "{secret}: {message}");
+        assert!(message.contains(says), "{secret}: {message}");
+        assert!(!message.contains(BROUGHT_VALUE), "{message}");
+    }
+    let body = serde_json::json!({"image": IMAGE, "network": "allowlist",
+        "secrets": [good.clone(), good.clone()]});
+    let (status, code, message) = create_raw(&w, body).await;
+    assert_eq!((status, code.as_str()), (400, "bad_secret"), "{message}");
+    let body = serde_json::json!({"image": IMAGE, "network": "none", "secrets": [good.clone()]});
+    let (status, code, _) = create_raw(&w, body).await;
+    assert_eq!((status, code.as_str()), (400, "bad_egress"));
+    let holding = files_holding(w.daemon.state.path(), BROUGHT_VALUE.as_bytes());
+    assert!(holding.is_empty(), "the value is in {holding:?}");
+
     assert!(w.daemon.client.list_runs().await.unwrap().runs.is_empty());
     // Refused creates are audited like the others.
     let (_, records) = w
@@ -1042,7 +1160,7 @@ async fn malformed_or_misplaced_egress_requests_are_refused() {
             r.iter()
                 .filter(|r| matches!(r, AuditRecord::Api { status: 400, .. }))
                 .count()
-                >= 18
+                >= 36
         })
         .await;
     let refused = records
@@ -1052,7 +1170,7 @@ async fn malformed_or_misplaced_egress_requests_are_refused() {
                 if method == "POST" && path == "/v1/runs")
         })
         .count();
-    assert_eq!(refused, 18, "{records:?}");
+    assert_eq!(refused, 36, "{records:?}");
 
     // Without the fields, a `none` run has no proxy, no proxy variables
     // and no counters.
@@ -1541,6 +1659,169 @@ async fn allowlist_runs_keep_their_proxy_across_a_daemon_restart() {
     );
 }
 
+/// The secret a caller brings in [`brought_secrets_reach_their_host_method_and_path_only`].
+fn vendor_key() -> SecretRequest {
+    SecretRequest::Brought(runbox_types::BroughtSecret {
+        name: "VENDOR_KEY".into(),
+        value: runbox_types::SecretValue::new(BROUGHT_VALUE),
+        // Spelt loosely: the server keeps the canonical form.
+        hosts: vec!["Brought.Test.".into()],
+        header: "X-Api-Key".into(),
+        scheme: None,
+        methods: Some(vec!["get".into(), "PUT".into()]),
+        path_prefixes: Some(vec!["/v1/".into()]),
+    })
+}
+
+/// Checks, in run `id`, that the brought secret goes out on its host's
+/// allowed methods and paths only; returns how many requests it made.
+async fn check_vendor_key(w: &World, id: &str) -> usize {
+    let (_, token, _) = w.sh(id, "printf %s \"$VENDOR_KEY\"").await;
+    assert_eq!(token, "runbox-secret:VENDOR_KEY");
+    let header = format!("X-Api-Key: {token}");
+    let injected = format!("x-api-key: {BROUGHT_SEEN}\n");
+    let untouched = "x-api-key: runbox-secret:VENDOR_KEY\n";
+    // Its host is reachable without an egressAllow entry, on 443.
+    let allowed: [&[&str]; 3] = [
+        &["-H", &header, "https://brought.test/v1/items?page=2"],
+        // No header at all: the proxy writes it (no scheme: the value alone).
+        &["https://brought.test/v1/items"],
+        &[
+            "-X",
+            "PUT",
+            "-H",
+            &header,
+            "https://brought.test/v1/items/7",
+        ],
+    ];
+    for args in allowed {
+        let got = w.curl(id, args).await;
+        assert_eq!(
+            got.status,
+            200,
+            "{args:?}: {got:?}; log:\n{}",
+            w.daemon.log()
+        );
+        assert!(got.body.contains(&injected), "{args:?}: {got:?}");
+    }
+    // Another method, a path outside the prefix, the prefix without its
+    // slash, a dot segment out of it: the placeholder, never the value.
+    let refused: [&[&str]; 4] = [
+        &["-d", "x", "https://brought.test/v1/items"],
+        &["https://brought.test/v2/items"],
+        &["https://brought.test/v1"],
+        &["--path-as-is", "https://brought.test/v1/../admin"],
+    ];
+    for args in refused {
+        let mut full: Vec<&str> = vec!["-H", &header];
+        full.extend_from_slice(args);
+        let got = w.curl(id, &full).await;
+        assert_eq!(got.status, 200, "{args:?}: {got:?}");
+        assert!(got.body.contains(untouched), "{args:?}: {got:?}");
+        assert!(!got.body.contains(BROUGHT_SEEN), "{args:?}: {got:?}");
+    }
+    // Only its host's web ports, and no other host, open up.
+    let got = w.curl(id, &["https://brought.test:8443/v1/items"]).await;
+    assert_eq!(got.connect_status, 403, "{got:?}");
+    let got = w
+        .curl(id, &[&format!("http://allowed.test:{}/", w.http_port)])
+        .await;
+    assert_eq!(got.status, 403, "{got:?}");
+    allowed.len() + refused.len() + 1
+}
+
+/// Secrets a caller brings on create: the value goes out only on its
+/// host, methods and paths, inside TLS; the run, the API, the records, the
+/// logs, a checkpoint and the state directory never hold it; a restarted
+/// daemon and a fork serve it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brought_secrets_reach_their_host_method_and_path_only() {
+    let vendor = start_echo_on_443().await;
+    let mut w = World::start_on(
+        "127.0.0.1:0",
+        &["--egress-internal-allow", "127.0.0.0/8:443"],
+    )
+    .await;
+    w.dns.set("brought.test", &[vendor], 60);
+    let run = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            network: Some(NetworkTier::Allowlist),
+            secrets: Some(vec![SECRET_NAME.into(), vendor_key()]),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(run.secrets, [SECRET_NAME, "VENDOR_KEY"]);
+    assert!(run.egress_allow.is_empty(), "{run:?}");
+    let id = run.id.to_string();
+    let requests = check_vendor_key(&w, &id).await;
+
+    // The audit log names the secret and the rule that let the host in.
+    let (text, records) = w
+        .audit(|r| egress_for(r, &id, "brought.test").len() >= requests)
+        .await;
+    assert!(!text.contains(BROUGHT_VALUE), "{text}");
+    let to_vendor = egress_for(&records, &id, "brought.test");
+    assert_eq!(
+        to_vendor[0],
+        Decision {
+            secret: Some("VENDOR_KEY".into()),
+            ..decision("GET", 443, "allow secret:brought.test")
+        },
+        "{to_vendor:?}"
+    );
+
+    // The API shows names only.
+    for path in [format!("/v1/runs/{id}"), "/v1/runs".to_owned()] {
+        let (status, body) =
+            runbox_e2e::raw_request(&w.daemon.url, "GET", &path, &w.daemon.token, b"").await;
+        assert_eq!(status, 200, "{body}");
+        assert!(
+            body.contains("VENDOR_KEY") && !body.contains(BROUGHT_VALUE),
+            "{body}"
+        );
+    }
+
+    // A checkpoint leaves it out, and says so; a run made from it has
+    // the declared secret only.
+    let checkpoint = w
+        .daemon
+        .client
+        .checkpoint_run(&id, &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(checkpoint.secrets_excluded, ["VENDOR_KEY"]);
+    let restored = w
+        .daemon
+        .create_with(CreateRunRequest {
+            checkpoint: Some(checkpoint.id),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(restored.secrets, [SECRET_NAME]);
+
+    // A fork keeps it, and a daemon killed and started again serves it
+    // again (the value sealed in the record, opened with the node's key).
+    let fork = w.daemon.fork_one(&id).await;
+    assert_eq!(fork.secrets, [SECRET_NAME, "VENDOR_KEY"]);
+    check_vendor_key(&w, &fork.id.to_string()).await;
+    w.daemon.kill9();
+    w.daemon.spawn().await;
+    check_vendor_key(&w, &id).await;
+
+    // Nothing the host keeps holds the value: records, database, audit,
+    // the daemon's log, checkpoints, the runs' files.
+    let holding = files_holding(w.daemon.state.path(), BROUGHT_VALUE.as_bytes());
+    assert!(holding.is_empty(), "the value is in {holding:?}");
+    let key = w.daemon.state.path().join("secrets.key");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allowlist_runs_get_their_proxy_and_secrets_back_when_woken() {
     let w = World::start().await;
@@ -1905,14 +2186,15 @@ async fn an_allowlist_pool_member_serves_its_claims_policy_only() {
     let filled = eventually_ready(&w, 2).await;
     assert!(filled, "{:?}", w.daemon.client.pools().await.unwrap());
     let http = format!("allowed.test:{}", w.http_port);
-    let claim = |allow: Option<Vec<String>>, secrets: Option<Vec<String>>| CreateRunRequest {
-        image: IMAGE.into(),
-        network: Some(NetworkTier::Allowlist),
-        size: Some(runbox_types::SizeTier::Small),
-        egress_allow: allow,
-        secrets,
-        ..Default::default()
-    };
+    let claim =
+        |allow: Option<Vec<String>>, secrets: Option<Vec<SecretRequest>>| CreateRunRequest {
+            image: IMAGE.into(),
+            network: Some(NetworkTier::Allowlist),
+            size: Some(runbox_types::SizeTier::Small),
+            egress_allow: allow,
+            secrets,
+            ..Default::default()
+        };
     // The claim's entries are the member's policy ...
     let run = w
         .daemon

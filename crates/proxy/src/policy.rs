@@ -27,6 +27,9 @@ pub enum Source {
     Deployment,
     /// The run's own `egressAllow`.
     Run,
+    /// The host of a secret the run's caller brought: reachable because
+    /// the secret names it.
+    Secret,
 }
 
 impl Source {
@@ -36,6 +39,7 @@ impl Source {
             Source::Default => "default",
             Source::Deployment => "deployment",
             Source::Run => "run",
+            Source::Secret => "secret",
         }
     }
 }
@@ -419,6 +423,20 @@ impl Allowlist {
             entries.extend(DEFAULTS.iter().map(|e| (e.clone(), Source::Default)));
         }
         Allowlist { entries }
+    }
+
+    /// The list with the hosts of the run's brought secrets admitted too,
+    /// after the run's own entries.
+    pub fn with_secret_hosts(mut self, hosts: &[Entry]) -> Allowlist {
+        let at = self
+            .entries
+            .iter()
+            .take_while(|(_, source)| *source == Source::Run)
+            .count();
+        for (i, entry) in hosts.iter().enumerate() {
+            self.entries.insert(at + i, (entry.clone(), Source::Secret));
+        }
+        self
     }
 
     /// Decides for `host` (already lowercased by the caller or not: this
@@ -883,6 +901,29 @@ mod tests {
             assert!(!list.decide(host, 443).is_allow(), "{host}");
         }
         assert!(list.decide("westus.data.mcr.microsoft.com", 443).is_allow());
+    }
+
+    #[test]
+    fn secret_hosts_come_after_the_run_and_before_the_deployment() {
+        let list = Allowlist::new(
+            false,
+            &[entry("api.example.com")],
+            &[entry("x.example.org")],
+        )
+        .with_secret_hosts(&[entry("api.example.com"), entry(".vendor.example")]);
+        assert_eq!(
+            list.decide("x.example.org", 443).rule(),
+            "run:x.example.org"
+        );
+        assert_eq!(
+            list.decide("api.example.com", 443).rule(),
+            "secret:api.example.com"
+        );
+        assert_eq!(
+            list.decide("eu.vendor.example", 443).rule(),
+            "secret:.vendor.example"
+        );
+        assert!(!list.decide("api.example.com", 8443).is_allow());
     }
 
     fn label() -> impl Strategy<Value = String> {

@@ -117,6 +117,145 @@ fn is_valid_name(name: &str) -> bool {
         && bytes.all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
 }
 
+/// A secret's policy, without its value: what an operator declares beside
+/// `valueEnv`, and what a caller brings beside `value`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SecretPolicy {
+    /// The name the run sees the placeholder under.
+    pub name: String,
+    /// The header that carries the value.
+    pub header: String,
+    /// Written before the value with one space.
+    pub scheme: Option<String>,
+    /// `host` or `.suffix` entries, no ports.
+    pub hosts: Vec<String>,
+    /// Methods that may carry the value; empty means none.
+    pub methods: Vec<String>,
+    /// Path prefixes that may carry the value; empty means none.
+    pub path_prefixes: Vec<String>,
+}
+
+impl SecretPolicy {
+    /// Checks the policy and brings it into canonical form: hosts as the
+    /// allowlist writes them, methods in upper case. The error is the
+    /// reason only.
+    pub fn canonical(&self) -> Result<SecretPolicy, String> {
+        let checked = check_policy(self)?;
+        Ok(SecretPolicy {
+            name: self.name.clone(),
+            header: self.header.clone(),
+            scheme: self.scheme.clone(),
+            hosts: checked.hosts.iter().map(Entry::to_string).collect(),
+            methods: checked
+                .methods
+                .iter()
+                .map(|m| m.as_str().to_owned())
+                .collect(),
+            path_prefixes: self.path_prefixes.clone(),
+        })
+    }
+}
+
+/// A policy's parsed parts.
+struct CheckedPolicy {
+    header: HeaderName,
+    hosts: Vec<Entry>,
+    methods: Vec<http::Method>,
+}
+
+/// Checks everything of a policy but its value; the error is the reason.
+fn check_policy(spec: &SecretPolicy) -> Result<CheckedPolicy, String> {
+    if !is_valid_name(&spec.name) {
+        return Err(
+            "the name becomes an environment variable: use 1-64 characters of A-Z, 0-9 and _, \
+             not starting with a digit, e.g. GITHUB_TOKEN"
+                .into(),
+        );
+    }
+
+    let header = HeaderName::from_bytes(spec.header.as_bytes()).map_err(|_| {
+        format!(
+            "header {:?} is not a valid HTTP header name; write e.g. Authorization",
+            spec.header
+        )
+    })?;
+    if CONTROLLED_HEADERS.contains(&header.as_str()) || header.as_str().starts_with("proxy-") {
+        return Err(format!(
+            "header {:?} is managed by the proxy and cannot carry a secret; use e.g. Authorization",
+            spec.header
+        ));
+    }
+
+    if let Some(scheme) = &spec.scheme {
+        if !is_token(scheme) {
+            return Err(format!(
+                "scheme {scheme:?} must be a single word without spaces, e.g. Bearer; \
+                 leave it out to send the value alone"
+            ));
+        }
+    }
+
+    if spec.hosts.is_empty() {
+        return Err(
+            "no hosts; list the hosts that may receive it, e.g. api.github.com or .example.com"
+                .into(),
+        );
+    }
+    let mut hosts = Vec::with_capacity(spec.hosts.len());
+    for h in &spec.hosts {
+        match h.parse::<Entry>() {
+            Ok(e @ (Entry::Host(_) | Entry::Suffix(_))) => {
+                if !hosts.contains(&e) {
+                    hosts.push(e)
+                }
+            }
+            Ok(Entry::HostPort(..)) => {
+                return Err(format!(
+                    "host {h:?} has a port; secret hosts take no port, write the host alone"
+                ))
+            }
+            Err(e) => return Err(format!("host {h:?}: {}", e.reason)),
+        }
+    }
+
+    let mut methods = Vec::with_capacity(spec.methods.len());
+    for m in &spec.methods {
+        let upper = m.to_ascii_uppercase();
+        let method = is_token(&upper)
+            .then(|| http::Method::from_bytes(upper.as_bytes()).ok())
+            .flatten()
+            .ok_or_else(|| format!("method {m:?} is not an HTTP method; write e.g. GET or POST"))?;
+        if !methods.contains(&method) {
+            methods.push(method);
+        }
+    }
+
+    for p in &spec.path_prefixes {
+        if !p.starts_with('/') {
+            return Err(format!("path prefix {p:?} must start with /, e.g. /repos/"));
+        }
+        if p.bytes()
+            .any(|b| b.is_ascii_whitespace() || b.is_ascii_control() || b == b'?' || b == b'#')
+        {
+            return Err(format!(
+                "path prefix {p:?} must be a plain path without spaces, `?` or `#`"
+            ));
+        }
+        if path_is_ambiguous(p) {
+            return Err(format!(
+                "path prefix {p:?} has a dot segment, a doubled slash, a backslash or an encoded \
+                 `/`, `\\` or `.`, which no request carrying a secret may have; write the plain \
+                 path, e.g. /repos/"
+            ));
+        }
+    }
+    Ok(CheckedPolicy {
+        header,
+        hosts,
+        methods,
+    })
+}
+
 impl Secret {
     /// Validates `spec` and reads its value through `env` (the daemon's
     /// environment in production). A missing or empty value is an error.
@@ -124,133 +263,74 @@ impl Secret {
         spec: SecretSpec,
         env: impl Fn(&str) -> Option<String>,
     ) -> Result<Secret, SecretError> {
+        let var = spec.value_env.clone();
+        let policy = SecretPolicy {
+            name: spec.name,
+            header: spec.header,
+            scheme: spec.scheme,
+            hosts: spec.hosts,
+            methods: spec.methods,
+            path_prefixes: spec.path_prefixes,
+        };
         let fail = |reason: String| SecretError {
-            name: spec.name.clone(),
+            name: policy.name.clone(),
             reason,
         };
-        if !is_valid_name(&spec.name) {
-            return Err(fail(
-                "the name becomes an environment variable: use 1-64 characters of A-Z, 0-9 and _, \
-                 not starting with a digit, e.g. GITHUB_TOKEN"
-                    .into(),
-            ));
-        }
-
-        let header = HeaderName::from_bytes(spec.header.as_bytes()).map_err(|_| {
-            fail(format!(
-                "header {:?} is not a valid HTTP header name; write e.g. Authorization",
-                spec.header
-            ))
-        })?;
-        if CONTROLLED_HEADERS.contains(&header.as_str()) || header.as_str().starts_with("proxy-") {
-            return Err(fail(format!(
-                "header {:?} is managed by the proxy and cannot carry a secret; use e.g. Authorization",
-                spec.header
-            )));
-        }
-
-        if let Some(scheme) = &spec.scheme {
-            if !is_token(scheme) {
-                return Err(fail(format!(
-                    "scheme {scheme:?} must be a single word without spaces, e.g. Bearer; \
-                     leave it out to send the value alone"
-                )));
-            }
-        }
-
-        if spec.value_env.is_empty() {
+        check_policy(&policy).map_err(fail)?;
+        if var.is_empty() {
             return Err(fail(
                 "valueEnv is empty; name the daemon environment variable that holds the value"
                     .into(),
             ));
         }
-
-        if spec.hosts.is_empty() {
-            return Err(fail(
-                "no hosts; list the hosts that may receive it, e.g. api.github.com or .example.com"
-                    .into(),
-            ));
-        }
-        let mut hosts = Vec::with_capacity(spec.hosts.len());
-        for h in &spec.hosts {
-            match h.parse::<Entry>() {
-                Ok(e @ (Entry::Host(_) | Entry::Suffix(_))) => hosts.push(e),
-                Ok(Entry::HostPort(..)) => {
-                    return Err(fail(format!(
-                        "host {h:?} has a port; secret hosts take no port, write the host alone"
-                    )))
-                }
-                Err(e) => return Err(fail(format!("host {h:?}: {}", e.reason))),
-            }
-        }
-
-        let mut methods = Vec::with_capacity(spec.methods.len());
-        for m in &spec.methods {
-            let upper = m.to_ascii_uppercase();
-            let method = is_token(&upper)
-                .then(|| http::Method::from_bytes(upper.as_bytes()).ok())
-                .flatten()
-                .ok_or_else(|| {
-                    fail(format!(
-                        "method {m:?} is not an HTTP method; write e.g. GET or POST"
-                    ))
-                })?;
-            methods.push(method);
-        }
-
-        for p in &spec.path_prefixes {
-            if !p.starts_with('/') {
-                return Err(fail(format!(
-                    "path prefix {p:?} must start with /, e.g. /repos/"
-                )));
-            }
-            if p.bytes()
-                .any(|b| b.is_ascii_whitespace() || b.is_ascii_control() || b == b'?' || b == b'#')
-            {
-                return Err(fail(format!(
-                    "path prefix {p:?} must be a plain path without spaces, `?` or `#`"
-                )));
-            }
-        }
-
         // From here on, messages name the variable and never the value.
-        let var = &spec.value_env;
-        let value = match env(var) {
+        let value = match env(&var) {
             None => {
                 return Err(fail(format!(
                     "environment variable {var} is not set in the daemon's environment"
                 )))
             }
-            Some(v) if v.is_empty() => {
-                return Err(fail(format!("environment variable {var} is empty")))
-            }
             Some(v) => v,
         };
+        Secret::new(policy, &value, &format!("environment variable {var}"))
+    }
+
+    /// A secret from its policy and value; `origin` names where the value
+    /// came from in errors (which never show the value itself).
+    pub fn new(policy: SecretPolicy, value: &str, origin: &str) -> Result<Secret, SecretError> {
+        let fail = |reason: String| SecretError {
+            name: policy.name.clone(),
+            reason,
+        };
+        let checked = check_policy(&policy).map_err(fail)?;
+        if value.is_empty() {
+            return Err(fail(format!("{origin} is empty")));
+        }
         if value.contains(['\r', '\n', '\0']) {
             return Err(fail(format!(
-                "the value of {var} contains a line break or NUL, which cannot go in a header"
+                "{origin} contains a line break or NUL, which cannot go in a header"
             )));
         }
-        let text = match &spec.scheme {
+        let text = match &policy.scheme {
             Some(scheme) => format!("{scheme} {value}"),
-            None => value.clone(),
+            None => value.to_owned(),
         };
         let mut full = HeaderValue::from_str(&text).map_err(|_| {
             fail(format!(
-                "the value of {var} contains characters not allowed in an HTTP header"
+                "{origin} contains characters not allowed in an HTTP header"
             ))
         })?;
         full.set_sensitive(true);
 
         Ok(Secret {
-            placeholder: placeholder(&spec.name).into_bytes(),
-            name: spec.name,
-            header,
+            placeholder: placeholder(&policy.name).into_bytes(),
+            name: policy.name,
+            header: checked.header,
             full,
-            value: value.into_bytes(),
-            hosts,
-            methods,
-            path_prefixes: spec.path_prefixes,
+            value: value.as_bytes().to_vec(),
+            hosts: checked.hosts,
+            methods: checked.methods,
+            path_prefixes: policy.path_prefixes,
         })
     }
 
@@ -565,6 +645,50 @@ mod tests {
         let err = Secret::load(spec(), |_| Some("a\x01b".to_string())).unwrap_err();
         assert!(err.reason.contains("not allowed in an HTTP header"));
         assert!(!err.to_string().contains("a\x01b"));
+    }
+
+    fn policy() -> SecretPolicy {
+        let s = spec();
+        SecretPolicy {
+            name: s.name,
+            header: s.header,
+            scheme: s.scheme,
+            hosts: s.hosts,
+            methods: s.methods,
+            path_prefixes: s.path_prefixes,
+        }
+    }
+
+    #[test]
+    fn a_policy_with_its_value_given_is_checked_the_same_way() {
+        let secret = Secret::new(policy(), VALUE, "the value").unwrap();
+        assert_eq!(secret.name(), "GH_TOKEN");
+        let err = Secret::new(policy(), "a\nb", "the value").unwrap_err();
+        assert!(
+            err.reason.starts_with("the value contains a line break"),
+            "{err}"
+        );
+        assert!(Secret::new(policy(), "", "the value")
+            .unwrap_err()
+            .reason
+            .contains("is empty"));
+        let canonical = SecretPolicy {
+            hosts: vec!["API.GitHub.com.".into(), "api.github.com".into()],
+            methods: vec!["get".into(), "GET".into(), "post".into()],
+            ..policy()
+        }
+        .canonical()
+        .unwrap();
+        assert_eq!(canonical.hosts, ["api.github.com"]);
+        assert_eq!(canonical.methods, ["GET", "POST"]);
+        for prefix in ["/a/../b", "/a//b", "/a\\b", "/a%2Fb", "/%2e%2e/x", "/./x"] {
+            let bad = SecretPolicy {
+                path_prefixes: vec![prefix.into()],
+                ..policy()
+            };
+            let err = bad.canonical().unwrap_err();
+            assert!(err.contains("dot segment"), "{prefix}: {err}");
+        }
     }
 
     #[test]

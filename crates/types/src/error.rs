@@ -125,6 +125,9 @@ codes! {
     BadEgress = "bad_egress", 400;
     /// A run asks for a secret the operator did not declare.
     UnknownSecret = "unknown_secret", 400;
+    /// A secret the caller brings is malformed (its name, header, hosts,
+    /// methods, paths or value); the message names the field, never the value.
+    BadSecret = "bad_secret", 400;
     /// The requested network tier is not available on this server.
     NetworkUnsupported = "network_unsupported", 400;
     /// The run would have a disk limit and this server's storage cannot

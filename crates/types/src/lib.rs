@@ -12,10 +12,12 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+mod egress;
 pub mod error;
 mod tenants;
 mod volumes;
 
+pub use egress::{BroughtSecret, SecretRequest, SecretValue};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use tenants::{
     ConfigReload, CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken,
@@ -209,10 +211,12 @@ pub struct CreateRunRequest {
     /// `host`, `.suffix` or `host:port`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_allow: Option<Vec<String>>,
-    /// Names of operator-declared secrets the run may use (`allowlist`
-    /// tier). The run sees only placeholders; the proxy injects the values.
+    /// Secrets the run may use (`allowlist` tier): names the operator
+    /// declared, and secrets the caller brings (at most 32, value and
+    /// policy; their hosts become reachable). The run sees only
+    /// placeholders; the proxy injects the values.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub secrets: Option<Vec<String>>,
+    pub secrets: Option<Vec<SecretRequest>>,
     /// A private volume for a repository at `/work` (or `warm.path`),
     /// started from the repository's warm template when there is one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -524,7 +528,8 @@ pub struct Run {
     /// The run's own allowlist entries, canonical (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress_allow: Vec<String>,
-    /// The secrets the run may use, by name.
+    /// The secrets the run may use, by name (declared and brought; never
+    /// a value).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub secrets: Vec<String>,
     /// Traffic through the run's egress proxy (`allowlist` tier) since the
@@ -794,6 +799,11 @@ pub struct Checkpoint {
     /// data is the volume's); empty when it mounts none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes_excluded: Vec<String>,
+    /// The secrets the run's caller brought, by name: never part of a
+    /// checkpoint (a run made from it has them only if its create brings
+    /// them again); empty when there were none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets_excluded: Vec<String>,
 }
 
 /// `GET /v1/checkpoints`.

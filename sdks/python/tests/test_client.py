@@ -91,6 +91,27 @@ def test_volumes_outlive_their_runs(rb: Runbox):
     assert e.value.code == "volume_not_found"
 
 
+def test_secrets_a_caller_brings_stay_out_of_the_run(rb: Runbox):
+    secret = {
+        "name": "VENDOR_KEY",
+        "value": "py-v4lue-7",
+        "hosts": ["api.vendor.example"],
+        "header": "Authorization",
+        "scheme": "Bearer",
+        "methods": ["GET"],
+        "path_prefixes": ["/v1/"],
+    }
+    run = rb.create_run("base", network="allowlist", secrets=[secret])
+    try:
+        assert run.secrets == ["VENDOR_KEY"]
+        assert rb.run(run.id, 'printf %s "$VENDOR_KEY"').stdout == b"runbox-secret:VENDOR_KEY"
+    finally:
+        rb.delete_run(run.id)
+    with pytest.raises(runbox.RunboxError) as e:
+        rb.create_run("base", network="allowlist", secrets=[{**secret, "header": "Host"}])
+    assert e.value.code == "bad_secret" and "py-v4lue-7" not in str(e.value)
+
+
 def test_volume_files_without_a_run(rb: Runbox):
     rb.create_volume("pyfiles", size_mb=16)
     try:

@@ -84,7 +84,10 @@ export interface CreateRunOptions {
   limits?: { cpus?: number; memoryMb?: number; pids?: number; diskMb?: number };
   labels?: Record<string, string>;
   egressAllow?: string[];
-  secrets?: string[];
+  /** Declared secret names, and secrets you bring as `{ name, value, hosts,
+   * header, scheme?, methods, pathPrefixes }`: the run sees a placeholder,
+   * the proxy sends the value only to those hosts, methods and paths. */
+  secrets?: NonNullable<CreateRunRequest["secrets"]>;
   /** Whether a call that reaches the run while it sleeps wakes it (default true). */
   autoResume?: boolean;
   /** What happens at the TTL: `delete` (default), `pause` or `hibernate`. */

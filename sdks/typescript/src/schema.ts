@@ -1336,6 +1336,45 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /**
+         * @description A credential the caller holds and hands to one run: the run can use it
+         *     but never read it. The run's environment holds a placeholder,
+         *     `runbox-secret:NAME`, under `name`; the egress proxy puts the value in
+         *     `header` only on HTTPS requests to `hosts` whose method is in `methods`
+         *     and whose path starts with one of `pathPrefixes` (absent or empty: the
+         *     value is never sent). The hosts become reachable for the run.
+         */
+        BroughtSecret: {
+            /** @description The header that carries it, e.g. `Authorization`. */
+            header: string;
+            /**
+             * @description The hosts whose requests may carry it: `host` or `.suffix` (a
+             *     domain and its subdomains), no ports.
+             */
+            hosts: string[];
+            /** @description The methods that may carry it, e.g. `["GET", "POST"]`. */
+            methods?: string[] | null;
+            /**
+             * @description The environment variable the run finds the placeholder in (1-64
+             *     characters of `A-Z`, `0-9`, `_`, not starting with a digit).
+             */
+            name: string;
+            /**
+             * @description The path prefixes that may carry it, matched on whole segments
+             *     (`/v1` covers `/v1/x`, never `/v10`).
+             */
+            pathPrefixes?: string[] | null;
+            /**
+             * @description Written before the value with one space when the proxy writes the
+             *     whole header (the run sent none), e.g. `Bearer`.
+             */
+            scheme?: string | null;
+            /**
+             * @description The value. Never enters the run, never shown by the API, never
+             *     logged, never written to disk in plain text.
+             */
+            value: components["schemas"]["SecretValue"];
+        };
         /** @description Run counts of `GET /v1/info`. */
         Capacity: {
             /** @description Of those, runs being created. */
@@ -1384,6 +1423,12 @@ export interface components {
              * @description The run it was taken from.
              */
             run: string;
+            /**
+             * @description The secrets the run's caller brought, by name: never part of a
+             *     checkpoint (a run made from it has them only if its create brings
+             *     them again); empty when there were none.
+             */
+            secretsExcluded?: string[];
             /** @description The node that took it. */
             server: string;
             /**
@@ -1537,10 +1582,12 @@ export interface components {
             publicPorts?: boolean | null;
             pull?: null | components["schemas"]["PullPolicy"];
             /**
-             * @description Names of operator-declared secrets the run may use (`allowlist`
-             *     tier). The run sees only placeholders; the proxy injects the values.
+             * @description Secrets the run may use (`allowlist` tier): names the operator
+             *     declared, and secrets the caller brings (at most 32, value and
+             *     policy; their hosts become reachable). The run sees only
+             *     placeholders; the proxy injects the values.
              */
-            secrets?: string[] | null;
+            secrets?: components["schemas"]["SecretRequest"][] | null;
             size?: null | components["schemas"]["SizeTier"];
             /**
              * Format: uint64
@@ -2429,7 +2476,10 @@ export interface components {
             restarts?: number;
             /** @description The OCI runtime that isolates the run (`runc`, `crun`, `runsc`). */
             runtime: string;
-            /** @description The secrets the run may use, by name. */
+            /**
+             * @description The secrets the run may use, by name (declared and brought; never
+             *     a value).
+             */
             secrets?: string[];
             /** @description The node that hosts the run. */
             server: string;
@@ -2487,6 +2537,18 @@ export interface components {
              */
             repoDir?: string | null;
         };
+        /**
+         * @description One entry of `secrets` on `POST /v1/runs`: the name of a secret the
+         *     operator declared, or a secret the caller brings with its value and the
+         *     policy it may be sent under.
+         */
+        SecretRequest: string | components["schemas"]["BroughtSecret"];
+        /**
+         * @description A secret's value: shown by nothing. `Debug` prints a marker, so a stray
+         *     `{:?}` in a log line cannot leak it; only serialization (sending the
+         *     request) writes it out.
+         */
+        SecretValue: string;
         /** @description A text frame from the server. */
         ServerFrame: {
             /**

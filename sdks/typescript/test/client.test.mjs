@@ -118,6 +118,30 @@ test("volumes outlive their runs", async () => {
   await assert.rejects(rb.getVolume("tsdata"), (e) => e instanceof NotFound && e.code === "volume_not_found");
 });
 
+test("secrets a caller brings stay out of the run", async () => {
+  const secret = {
+    name: "VENDOR_KEY",
+    value: "ts-v4lue-7",
+    hosts: ["api.vendor.example"],
+    header: "Authorization",
+    scheme: "Bearer",
+    methods: ["GET"],
+    pathPrefixes: ["/v1/"],
+  };
+  const run = await rb.createRun("base", { network: "allowlist", secrets: [secret] });
+  try {
+    assert.deepEqual(run.secrets, ["VENDOR_KEY"]);
+    assert.ok(!JSON.stringify(await rb.getRun(run.id)).includes(secret.value));
+    assert.equal(text((await rb.run(run.id, 'printf %s "$VENDOR_KEY"')).stdout), "runbox-secret:VENDOR_KEY");
+  } finally {
+    await rb.deleteRun(run.id);
+  }
+  await assert.rejects(
+    rb.createRun("base", { network: "allowlist", secrets: [{ ...secret, header: "Host" }] }),
+    (e) => e.code === "bad_secret" && e.status === 400 && !e.message.includes(secret.value),
+  );
+});
+
 test("a volume's files without a run", async () => {
   await rb.createVolume("tsfiles", { sizeMb: 16 });
   try {

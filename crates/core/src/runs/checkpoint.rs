@@ -409,6 +409,12 @@ impl super::RunContext {
             server: self.config().server_id.clone(),
             tenant: record.tenant.clone(),
             volumes_excluded: record.volumes.iter().map(|v| v.name.clone()).collect(),
+            secrets_excluded: record
+                .egress
+                .brought
+                .iter()
+                .map(|b| b.name.clone())
+                .collect(),
         };
         // A commit that failed may or may not have landed: one that did is
         // whole, one that did not is swept as an orphan.
@@ -536,7 +542,16 @@ fn settings_of(record: &RunRecord) -> CreateRunRequest {
         }),
         size: record.size,
         egress_allow: (!record.egress.allow.is_empty()).then(|| record.egress.allow.clone()),
-        secrets: (!record.egress.secrets.is_empty()).then(|| record.egress.secrets.clone()),
+        // Declared names only: a checkpoint never holds a brought
+        // secret, sealed or not (a run made from it brings its own).
+        secrets: (!record.egress.secrets.is_empty()).then(|| {
+            record
+                .egress
+                .secrets
+                .iter()
+                .map(|name| runbox_types::SecretRequest::from(name.as_str()))
+                .collect()
+        }),
         labels: (!record.labels.is_empty()).then(|| record.labels.clone()),
         public_ports: Some(record.public_ports),
         auto_resume: Some(record.auto_resume),

@@ -109,7 +109,7 @@ impl Manager {
             .await
             .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
         let trust_pem = match &self.config().egress {
-            Some(config) if !parent.egress.secrets.is_empty() => Some(config.ca_pem()),
+            Some(config) if parent.egress.has_secrets() => Some(config.ca_pem()),
             _ => None,
         };
         // The parent's warm generation, pinned until the children are in

@@ -215,7 +215,7 @@ impl RunContext {
         let trust_pem = match &self.config().egress {
             Some(config)
                 if record.network == NetworkTier::Allowlist
-                    && (!record.egress.secrets.is_empty() || record.pool.is_some()) =>
+                    && (record.egress.has_secrets() || record.pool.is_some()) =>
             {
                 Some(config.ca_pem())
             }
@@ -288,8 +288,11 @@ impl RunContext {
                     usage.record(event);
                 }) as crate::egress::ConnectionBytes
             });
+        let brought = record
+            .egress
+            .open_brought(record.id, self.config().sealer.as_deref());
         let meter = config
-            .start(record.id, &record.egress, listener, stop, on_close)
+            .start(record.id, &record.egress, brought, listener, stop, on_close)
             .map_err(|e| {
                 CoreError::Lane(crate::lane::LaneError::Failed(format!(
                     "starting the run's egress proxy: {e}"
@@ -528,7 +531,7 @@ impl Manager {
     ) -> Result<Run, CoreError> {
         let idempotency = match idempotency_key {
             Some(key) => Some(Idempotency {
-                request: request_digest(&req)?,
+                request: request_digest(&req, self.config().sealer.as_deref())?,
                 key: validate::idempotency_key(key)?,
                 tenant: owner.tenant().map(str::to_owned),
             }),
@@ -597,6 +600,7 @@ impl Manager {
         }
         let egress = egress::check_request(
             self.config().egress.as_deref(),
+            self.config().sealer.as_deref(),
             network,
             req.egress_allow.as_deref(),
             req.secrets.as_deref(),
@@ -701,7 +705,7 @@ impl Manager {
             // Only runs with secrets get TLS intercepted, so only they need
             // to trust the interception CA.
             trust_pem: match &self.config().egress {
-                Some(config) if !record.egress.secrets.is_empty() => Some(config.ca_pem()),
+                Some(config) if record.egress.has_secrets() => Some(config.ca_pem()),
                 _ => None,
             },
             seed: None,
@@ -1201,9 +1205,25 @@ fn find_by_key(
 }
 
 /// sha256 of a create request as parsed (so formatting does not matter).
-fn request_digest(req: &CreateRunRequest) -> Result<String, CoreError> {
+///
+/// The values of brought secrets are digested as their keyed fingerprints:
+/// a plain hash of a short token in the record could be searched for the
+/// token.
+fn request_digest(
+    req: &CreateRunRequest,
+    sealer: Option<&dyn crate::sealed::Sealer>,
+) -> Result<String, CoreError> {
     use sha2::Digest;
-    let bytes = serde_json::to_vec(req).map_err(|e| CoreError::Store(e.to_string()))?;
+    let mut req = req.clone();
+    for secret in req.secrets.iter_mut().flatten() {
+        if let runbox_types::SecretRequest::Brought(brought) = secret {
+            let print = sealer.map_or_else(String::new, |s| {
+                s.fingerprint(brought.value.expose().as_bytes())
+            });
+            brought.value = runbox_types::SecretValue::new(print);
+        }
+    }
+    let bytes = serde_json::to_vec(&req).map_err(|e| CoreError::Store(e.to_string()))?;
     let digest = sha2::Sha256::digest(&bytes);
     Ok(digest.iter().map(|b| format!("{b:02x}")).collect())
 }

@@ -27,6 +27,17 @@ def health() -> Call[Dict[str, Any]]:
     return Call("GET", "/health")
 
 
+def secret_body(secret: Union[str, Dict[str, Any]]) -> Union[str, Dict[str, Any]]:
+    """A declared secret's name as it is; a brought one (a dict) with
+    ``path_prefixes`` spelt as the API spells it."""
+    if isinstance(secret, str):
+        return secret
+    body = dict(secret)
+    if "path_prefixes" in body:
+        body["pathPrefixes"] = body.pop("path_prefixes")
+    return body
+
+
 def create_run(
     image: Optional[str],
     *,
@@ -41,7 +52,7 @@ def create_run(
     disk_mb: Optional[int] = None,
     labels: Optional[Dict[str, str]] = None,
     egress_allow: Optional[List[str]] = None,
-    secrets: Optional[List[str]] = None,
+    secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
     auto_resume: Optional[bool] = None,
     on_expire: Optional[str] = None,
     idle_pause_after: Optional[int] = None,
@@ -63,7 +74,7 @@ def create_run(
         limits=limits,
         labels=labels,
         egressAllow=egress_allow,
-        secrets=secrets,
+        secrets=None if secrets is None else [secret_body(s) for s in secrets],
         autoResume=auto_resume,
         onExpire=on_expire,
         idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,

@@ -69,6 +69,8 @@ class Run:
     restarts: int = 0
     allow_privilege_escalation: bool = False
     volumes: List[Dict[str, Any]] = field(default_factory=list)
+    egress_allow: List[str] = field(default_factory=list)
+    secrets: List[str] = field(default_factory=list)
     failure: Optional[str] = None
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
@@ -94,6 +96,8 @@ class Run:
             restarts=int(d.get("restarts", 0)),
             allow_privilege_escalation=bool(d.get("allowPrivilegeEscalation", False)),
             volumes=list(d.get("volumes") or []),
+            egress_allow=list(d.get("egressAllow") or []),
+            secrets=list(d.get("secrets") or []),
             failure=d.get("failure"),
             tenant=d.get("tenant"),
             token=d.get("token"),

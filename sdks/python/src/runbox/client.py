@@ -98,7 +98,10 @@ class Runbox:
     def create_run(self, image: Optional[str] = None, **kwargs: Any) -> Run:
         """Create a run and wait until it is usable. Keyword arguments:
         ``env``, ``ttl``, ``network``, ``size``, ``cpus``, ``memory_mb``,
-        ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``,
+        ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``
+        (declared names, and secrets you bring as ``{"name", "value",
+        "hosts", "header", "scheme"?, "methods", "path_prefixes"}``: the
+        run sees a placeholder, the proxy sends the value),
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``allow_privilege_escalation`` (setuid programs such as sudo work;

@@ -1,0 +1,183 @@
+//! Egress wire types beyond the tier itself: the secrets a create asks for,
+//! operator-declared or brought by the caller.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// One entry of `secrets` on `POST /v1/runs`: the name of a secret the
+/// operator declared, or a secret the caller brings with its value and the
+/// policy it may be sent under.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(untagged)]
+pub enum SecretRequest {
+    /// An operator-declared secret, by name.
+    Declared(String),
+    /// A secret the caller brings.
+    Brought(BroughtSecret),
+}
+
+impl SecretRequest {
+    /// The name the run sees.
+    pub fn name(&self) -> &str {
+        match self {
+            SecretRequest::Declared(name) => name,
+            SecretRequest::Brought(secret) => &secret.name,
+        }
+    }
+}
+
+impl From<&str> for SecretRequest {
+    fn from(name: &str) -> Self {
+        SecretRequest::Declared(name.to_owned())
+    }
+}
+
+impl From<String> for SecretRequest {
+    fn from(name: String) -> Self {
+        SecretRequest::Declared(name)
+    }
+}
+
+impl From<BroughtSecret> for SecretRequest {
+    fn from(secret: BroughtSecret) -> Self {
+        SecretRequest::Brought(secret)
+    }
+}
+
+/// Written by hand instead of `#[serde(untagged)]`, whose error for a bad
+/// object is "did not match any variant": this one passes the object's own
+/// error (an unknown field, a missing `hosts`) through to the caller.
+impl<'de> Deserialize<'de> for SecretRequest {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = SecretRequest;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a declared secret's name, or an object {name, value, hosts, header, \
+                     scheme?, methods?, pathPrefixes?}",
+                )
+            }
+
+            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<SecretRequest, E> {
+                Ok(SecretRequest::Declared(name.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, name: String) -> Result<SecretRequest, E> {
+                Ok(SecretRequest::Declared(name))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<SecretRequest, A::Error> {
+                BroughtSecret::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(SecretRequest::Brought)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// A credential the caller holds and hands to one run: the run can use it
+/// but never read it. The run's environment holds a placeholder,
+/// `runbox-secret:NAME`, under `name`; the egress proxy puts the value in
+/// `header` only on HTTPS requests to `hosts` whose method is in `methods`
+/// and whose path starts with one of `pathPrefixes` (absent or empty: the
+/// value is never sent). The hosts become reachable for the run.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BroughtSecret {
+    /// The environment variable the run finds the placeholder in (1-64
+    /// characters of `A-Z`, `0-9`, `_`, not starting with a digit).
+    pub name: String,
+    /// The value. Never enters the run, never shown by the API, never
+    /// logged, never written to disk in plain text.
+    pub value: SecretValue,
+    /// The hosts whose requests may carry it: `host` or `.suffix` (a
+    /// domain and its subdomains), no ports.
+    pub hosts: Vec<String>,
+    /// The header that carries it, e.g. `Authorization`.
+    pub header: String,
+    /// Written before the value with one space when the proxy writes the
+    /// whole header (the run sent none), e.g. `Bearer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheme: Option<String>,
+    /// The methods that may carry it, e.g. `["GET", "POST"]`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub methods: Option<Vec<String>>,
+    /// The path prefixes that may carry it, matched on whole segments
+    /// (`/v1` covers `/v1/x`, never `/v10`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_prefixes: Option<Vec<String>>,
+}
+
+/// A secret's value: shown by nothing. `Debug` prints a marker, so a stray
+/// `{:?}` in a log line cannot leak it; only serialization (sending the
+/// request) writes it out.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(transparent)]
+pub struct SecretValue(String);
+
+impl SecretValue {
+    /// Wraps a value.
+    pub fn new(value: impl Into<String>) -> SecretValue {
+        SecretValue(value.into())
+    }
+
+    /// The value itself, for the code that seals or sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for SecretValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_are_names_or_brought_secrets() {
+        let parsed: Vec<SecretRequest> = serde_json::from_str(
+            r#"["GH", {"name": "API", "value": "v4lue", "hosts": ["api.example.com"],
+                       "header": "Authorization", "scheme": "Bearer",
+                       "methods": ["GET"], "pathPrefixes": ["/v1/"]}]"#,
+        )
+        .unwrap();
+        assert_eq!(parsed[0], SecretRequest::Declared("GH".into()));
+        let SecretRequest::Brought(b) = &parsed[1] else {
+            panic!("{parsed:?}")
+        };
+        assert_eq!(b.value.expose(), "v4lue");
+        assert_eq!(parsed[1].name(), "API");
+        // Debug never shows the value; serialization round-trips it.
+        assert!(!format!("{parsed:?}").contains("v4lue"));
+        let again: Vec<SecretRequest> =
+            serde_json::from_str(&serde_json::to_string(&parsed).unwrap()).unwrap();
+        assert_eq!(again, parsed);
+    }
+
+    #[test]
+    fn a_bad_object_says_what_is_wrong_with_it() {
+        let err = serde_json::from_str::<SecretRequest>(
+            r#"{"name": "A", "value": "v", "hosts": [], "header": "X", "extra": 1}"#,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `extra`"), "{err}");
+        let err =
+            serde_json::from_str::<SecretRequest>(r#"{"name": "A", "value": "v"}"#).unwrap_err();
+        assert!(err.to_string().contains("missing field `hosts`"), "{err}");
+        let err = serde_json::from_str::<SecretRequest>("7").unwrap_err();
+        assert!(err.to_string().contains("declared secret's name"), "{err}");
+    }
+}
