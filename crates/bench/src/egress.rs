@@ -69,7 +69,7 @@ use tokio_util::sync::CancellationToken;
 use runbox_proxy::audit::{AuditLog, AuditRecord};
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{Allowlist, Entry};
-use runbox_proxy::proxy::{serve, Counters, RunEgress, Shared, TUNNEL_BUFFER};
+use runbox_proxy::proxy::{serve, Counters, RunEgress, RunPolicy, Shared, TUNNEL_BUFFER};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::secrets::{placeholder, Secret, SecretSpec};
 use runbox_proxy::testing::TestDns;
@@ -260,13 +260,15 @@ impl Setup {
             },
             |_| Some(SECRET_VALUE.to_owned()),
         )?;
-        let run = Arc::new(RunEgress {
-            run: "bench".to_owned(),
-            allowlist: Allowlist::new(true, &[], &entries),
-            secrets: vec![Arc::new(secret)],
-            counters: Arc::new(Counters::default()),
-            on_close: None,
-        });
+        let run = Arc::new(RunEgress::new(
+            "bench".to_owned(),
+            RunPolicy {
+                allowlist: Allowlist::new(true, &[], &entries),
+                secrets: vec![Arc::new(secret)],
+            },
+            Arc::new(Counters::default()),
+            None,
+        ));
 
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         listener.set_nonblocking(true)?;

@@ -13,11 +13,11 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use runbox_core::egress::{EgressMeter, EgressProxy, RunEgressRequest};
+use runbox_core::egress::{EgressHandle, EgressProxy, RunEgressRequest};
 use runbox_proxy::audit::AuditLog;
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{self, Allowlist, Entry};
-use runbox_proxy::proxy::{Counters, RunEgress, Shared};
+use runbox_proxy::proxy::{Counters, RunEgress, RunPolicy, Shared};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::secrets::{Secret, SecretPolicy, SecretSpec};
 use runbox_proxy::tls::{upstream_client_config, Authority};
@@ -78,42 +78,125 @@ struct FileConfig {
 /// The node's egress proxy, plugged into the run manager: runbox-proxy's
 /// policy, secrets and server behind the core's [`EgressProxy`] trait.
 pub struct NodeProxy {
+    /// The node's part of every run's policy.
+    node: Arc<NodePolicy>,
+    /// What every run's proxy shares: resolver, guard, CA, audit log.
+    shared: Arc<Shared>,
+}
+
+/// The node's part of every run's policy.
+struct NodePolicy {
     /// Whether the built-in list of registries and forges applies.
     default_list: bool,
     /// The deployment-wide entries.
     deployment: Vec<Entry>,
     /// Declared secrets, by name, with their values loaded.
     secrets: BTreeMap<String, Arc<Secret>>,
-    /// What every run's proxy shares: resolver, guard, CA, audit log.
-    shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for NodeProxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never the secrets' values.
         f.debug_struct("NodeProxy")
-            .field("default_list", &self.default_list)
-            .field("deployment", &self.deployment)
-            .field("secrets", &self.secrets.keys().collect::<Vec<_>>())
+            .field("default_list", &self.node.default_list)
+            .field("deployment", &self.node.deployment)
+            .field("secrets", &self.node.secrets.keys().collect::<Vec<_>>())
             .finish_non_exhaustive()
     }
 }
 
-/// A run's proxy counters, read by the run manager.
-struct Meter(Arc<Counters>);
+impl NodePolicy {
+    /// Run `id`'s policy: its entries and secrets over the node's.
+    /// Entries were checked at creation; one that no longer parses (a
+    /// record from another version) is dropped with a warning, which
+    /// narrows the run's access, never widens it.
+    fn for_run(
+        &self,
+        id: ulid::Ulid,
+        req: &RunEgressRequest,
+        brought: &[BroughtSecret],
+    ) -> RunPolicy {
+        let entries: Vec<Entry> = req
+            .allow
+            .iter()
+            .filter_map(|raw| match Entry::from_str(raw) {
+                Ok(e) => Some(e),
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %e, "dropping a stored egress entry that no longer parses");
+                    None
+                }
+            })
+            .collect();
+        let mut secrets: Vec<Arc<Secret>> = req
+            .secrets
+            .iter()
+            .filter_map(|name| self.secrets.get(name).cloned())
+            .collect();
+        // A brought secret's hosts are reachable for the run: the least
+        // egress that makes it usable.
+        let mut secret_hosts: Vec<Entry> = Vec::new();
+        for secret in brought {
+            match Secret::new(brought_policy(secret), secret.value.expose(), "the value") {
+                Ok(loaded) => {
+                    for host in &secret.hosts {
+                        if let Ok(entry) = Entry::from_str(host) {
+                            if !secret_hosts.contains(&entry) {
+                                secret_hosts.push(entry);
+                            }
+                        }
+                    }
+                    secrets.push(Arc::new(loaded));
+                }
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %e, "dropping a stored secret that no longer checks out")
+                }
+            }
+        }
+        RunPolicy {
+            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries)
+                .with_secret_hosts(&secret_hosts),
+            secrets,
+        }
+    }
+}
 
-impl EgressMeter for Meter {
+/// A run's proxy, as the run manager holds it.
+struct RunProxy {
+    /// The run's id.
+    id: ulid::Ulid,
+    /// The run's settings, shared with its proxy task.
+    run: Arc<RunEgress>,
+    /// The node's part of its policy.
+    node: Arc<NodePolicy>,
+    /// Stops its proxy task.
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl EgressHandle for RunProxy {
     fn stats(&self) -> runbox_types::EgressStats {
         use std::sync::atomic::Ordering::Relaxed;
+        let counters = &self.run.counters;
         runbox_types::EgressStats {
-            bytes_up: self.0.bytes_up.load(Relaxed),
-            bytes_down: self.0.bytes_down.load(Relaxed),
-            requests: self.0.requests.load(Relaxed),
+            bytes_up: counters.bytes_up.load(Relaxed),
+            bytes_down: counters.bytes_down.load(Relaxed),
+            requests: counters.requests.load(Relaxed),
         }
     }
 
     fn active(&self) -> u64 {
-        self.0.open.load(std::sync::atomic::Ordering::Relaxed)
+        self.run
+            .counters
+            .open
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>) {
+        self.run
+            .set_policy(self.node.for_run(self.id, req, &brought));
+    }
+
+    fn shutdown(&self) {
+        self.stop.cancel();
     }
 }
 
@@ -125,7 +208,7 @@ impl EgressProxy for NodeProxy {
     }
 
     fn secret_names(&self) -> Vec<String> {
-        self.secrets.keys().cloned().collect()
+        self.node.secrets.keys().cloned().collect()
     }
 
     fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String> {
@@ -151,9 +234,6 @@ impl EgressProxy for NodeProxy {
         self.shared.authority.ca_pem().to_owned()
     }
 
-    /// Entries were checked at creation; one that no longer parses (a record
-    /// from another version) is dropped with a warning, which narrows the
-    /// run's access, never widens it.
     fn start(
         &self,
         id: ulid::Ulid,
@@ -162,64 +242,30 @@ impl EgressProxy for NodeProxy {
         listener: std::net::TcpListener,
         stop: tokio_util::sync::CancellationToken,
         on_close: Option<runbox_core::egress::ConnectionBytes>,
-    ) -> Result<Arc<dyn EgressMeter>, String> {
+    ) -> Result<Arc<dyn EgressHandle>, String> {
         listener
             .set_nonblocking(true)
             .map_err(|e| format!("preparing the egress listener: {e}"))?;
         let listener = tokio::net::TcpListener::from_std(listener)
             .map_err(|e| format!("registering the egress listener: {e}"))?;
-        let entries: Vec<Entry> = req
-            .allow
-            .iter()
-            .filter_map(|raw| match Entry::from_str(raw) {
-                Ok(e) => Some(e),
-                Err(e) => {
-                    tracing::warn!(run = %id, error = %e, "dropping a stored egress entry that no longer parses");
-                    None
-                }
-            })
-            .collect();
-        let mut secrets: Vec<Arc<Secret>> = req
-            .secrets
-            .iter()
-            .filter_map(|name| self.secrets.get(name).cloned())
-            .collect();
-        // A brought secret's hosts are reachable for the run: the least
-        // egress that makes it usable.
-        let mut secret_hosts: Vec<Entry> = Vec::new();
-        for secret in &brought {
-            match Secret::new(brought_policy(secret), secret.value.expose(), "the value") {
-                Ok(loaded) => {
-                    for host in &secret.hosts {
-                        if let Ok(entry) = Entry::from_str(host) {
-                            if !secret_hosts.contains(&entry) {
-                                secret_hosts.push(entry);
-                            }
-                        }
-                    }
-                    secrets.push(Arc::new(loaded));
-                }
-                Err(e) => {
-                    tracing::warn!(run = %id, error = %e, "dropping a stored secret that no longer checks out")
-                }
-            }
-        }
-        let counters = Arc::new(Counters::default());
-        let run = Arc::new(RunEgress {
-            run: id.to_string(),
-            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries)
-                .with_secret_hosts(&secret_hosts),
-            secrets,
-            counters: counters.clone(),
+        let run = Arc::new(RunEgress::new(
+            id.to_string(),
+            self.node.for_run(id, req, &brought),
+            Arc::new(Counters::default()),
             on_close,
-        });
+        ));
         tokio::spawn(runbox_proxy::proxy::serve(
             listener,
             self.shared.clone(),
-            run,
-            stop,
+            run.clone(),
+            stop.clone(),
         ));
-        Ok(Arc::new(Meter(counters)))
+        Ok(Arc::new(RunProxy {
+            id,
+            run,
+            node: self.node.clone(),
+            stop,
+        }))
     }
 }
 
@@ -329,9 +375,11 @@ impl EgressArgs {
         });
         Ok(Built {
             config: Arc::new(NodeProxy {
-                default_list,
-                deployment,
-                secrets,
+                node: Arc::new(NodePolicy {
+                    default_list,
+                    deployment,
+                    secrets,
+                }),
                 shared,
             }),
             audit,

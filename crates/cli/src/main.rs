@@ -98,6 +98,9 @@ enum Command {
     Rm(runs::RmArgs),
     /// Give a run a new time to live
     Renew(runs::RenewArgs),
+    /// Change a running run's egress entries, secrets or tier (none or
+    /// allowlist); open connections are not cut
+    Egress(runs::EgressArgs),
     /// Freeze a run's processes where they are, memory kept (the next call
     /// that reaches it resumes it)
     Pause(runs::IdsArgs),
@@ -216,6 +219,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Ls(args) => runs::ls(args).await,
         Command::Rm(args) => runs::rm(args).await,
         Command::Renew(args) => runs::renew(args).await,
+        Command::Egress(args) => runs::egress(args).await,
         Command::Pause(args) => runs::pause(args).await,
         Command::Resume(args) => runs::resume(args).await,
         Command::Hibernate(args) => runs::hibernate(args).await,

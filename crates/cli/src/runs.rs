@@ -198,19 +198,7 @@ impl CreateArgs {
             network: self.network.map(NetworkTier::from),
             limits,
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
-            secrets: {
-                let secrets: Vec<runbox_types::SecretRequest> = self
-                    .secrets
-                    .iter()
-                    .map(|name| name.as_str().into())
-                    .chain(
-                        self.secrets_files
-                            .iter()
-                            .flat_map(|f| f.0.iter().cloned().map(Into::into)),
-                    )
-                    .collect();
-                (!secrets.is_empty()).then_some(secrets)
-            },
+            secrets: secret_requests(&self.secrets, &self.secrets_files),
             warm: self.warm.clone().map(|repo| runbox_types::WarmRequest {
                 repo,
                 path: self.warm_path.clone(),
@@ -360,6 +348,99 @@ pub struct RenewArgs {
     pub ttl: u64,
     #[command(flatten)]
     pub conn: ConnectOpts,
+}
+
+/// `runbox egress`.
+#[derive(Debug, Args)]
+pub struct EgressArgs {
+    /// The run's id
+    pub id: String,
+    /// Move the run to this tier: none or allowlist
+    #[arg(long, value_enum, value_name = "TIER")]
+    pub network: Option<NetworkArg>,
+    /// The run's allowlist entries from now on (`host`, `.suffix`,
+    /// `host:port`; repeatable); without it and --clear-allow they stay
+    #[arg(long = "allow", value_name = "ENTRY")]
+    pub allow: Vec<String>,
+    /// Remove every allowlist entry of the run
+    #[arg(long, conflicts_with = "allow")]
+    pub clear_allow: bool,
+    /// Operator-declared secret the run may use from now on (repeatable);
+    /// with --secrets-file these replace the run's secrets
+    #[arg(long = "secret", value_name = "NAME")]
+    pub secrets: Vec<String>,
+    /// Secrets you bring, from a JSON file (see runbox run --help)
+    #[arg(long = "secrets-file", value_name = "FILE", value_parser = crate::args::parse_secrets_file)]
+    pub secrets_files: Vec<crate::args::BroughtSecrets>,
+    /// Remove every secret of the run
+    #[arg(long, conflicts_with_all = ["secrets", "secrets_files"])]
+    pub clear_secrets: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+impl EgressArgs {
+    fn request(&self) -> runbox_types::UpdateEgressRequest {
+        let secrets = secret_requests(&self.secrets, &self.secrets_files);
+        runbox_types::UpdateEgressRequest {
+            network: self.network.map(NetworkTier::from),
+            egress_allow: match (self.clear_allow, self.allow.is_empty()) {
+                (true, _) => Some(Vec::new()),
+                (false, true) => None,
+                (false, false) => Some(self.allow.clone()),
+            },
+            secrets: match (self.clear_secrets, secrets) {
+                (true, _) => Some(Vec::new()),
+                (false, secrets) => secrets,
+            },
+        }
+    }
+}
+
+/// `runbox egress`: prints the run's tier, entries and secrets after the
+/// change.
+pub async fn egress(args: EgressArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let run = conn.check(
+        conn.client
+            .update_run_egress(&args.id, &args.request())
+            .await,
+    )?;
+    println!(
+        "{} network {}; entries: {}; secrets: {}",
+        run.id,
+        run.network.as_str(),
+        list_or_none(&run.egress_allow),
+        list_or_none(&run.secrets)
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `a, b` or `none`.
+fn list_or_none(items: &[String]) -> String {
+    if items.is_empty() {
+        "none".to_owned()
+    } else {
+        items.join(", ")
+    }
+}
+
+/// `--secret` names and `--secrets-file` contents as one `secrets` list;
+/// None when neither was given.
+fn secret_requests(
+    names: &[String],
+    files: &[crate::args::BroughtSecrets],
+) -> Option<Vec<runbox_types::SecretRequest>> {
+    let secrets: Vec<runbox_types::SecretRequest> = names
+        .iter()
+        .map(|name| name.as_str().into())
+        .chain(
+            files
+                .iter()
+                .flat_map(|f| f.0.iter().cloned().map(Into::into)),
+        )
+        .collect();
+    (!secrets.is_empty()).then_some(secrets)
 }
 
 /// `runbox pause` and `runbox resume`.
@@ -648,6 +729,36 @@ mod tests {
         match Wrap::try_parse_from(argv).unwrap().command {
             RunCommand::Create(args) => args,
         }
+    }
+
+    #[derive(Debug, clap::Parser)]
+    struct EgressWrap {
+        #[command(flatten)]
+        args: EgressArgs,
+    }
+
+    fn egress_request(argv: &[&str]) -> Result<runbox_types::UpdateEgressRequest, clap::Error> {
+        let argv = ["egress", "01ARZ3NDEKTSV4RRFFQ69G5FAV"].iter().chain(argv);
+        EgressWrap::try_parse_from(argv).map(|w| w.args.request())
+    }
+
+    #[test]
+    fn egress_changes_leave_out_what_is_not_given() {
+        let req = egress_request(&["--allow", "a.example", "--allow", "b.example:8443"]).unwrap();
+        assert_eq!(
+            req.egress_allow.as_deref(),
+            Some(&["a.example".to_owned(), "b.example:8443".to_owned()][..])
+        );
+        assert_eq!((req.network, req.secrets), (None, None));
+        let req =
+            egress_request(&["--network", "none", "--clear-allow", "--clear-secrets"]).unwrap();
+        assert_eq!(req.network, Some(NetworkTier::None));
+        assert_eq!(req.egress_allow, Some(Vec::new()));
+        assert_eq!(req.secrets, Some(Vec::new()));
+        let req = egress_request(&["--secret", "GH"]).unwrap();
+        assert_eq!(req.secrets, Some(vec!["GH".into()]));
+        assert!(egress_request(&["--clear-allow", "--allow", "x.example"]).is_err());
+        assert!(egress_request(&["--clear-secrets", "--secret", "GH"]).is_err());
     }
 
     #[test]

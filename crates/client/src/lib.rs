@@ -215,6 +215,20 @@ impl Client {
         json(resp).await
     }
 
+    /// `PATCH /v1/runs/{id}/egress`: replaces the run's egress entries,
+    /// secrets and tier (`none` or `allowlist`) while it lives.
+    pub async fn update_run_egress(
+        &self,
+        id: &str,
+        req: &runbox_types::UpdateEgressRequest,
+    ) -> Result<Run, ClientError> {
+        let path = format!("{}/egress", run_path(id)?);
+        let resp = self
+            .send(self.request(Method::PATCH, &path).json(req))
+            .await?;
+        json(resp).await
+    }
+
     /// `POST /v1/runs/{id}/pause`: freezes the run's processes where they
     /// are, memory kept; the next call that reaches the run resumes it.
     pub async fn pause_run(&self, id: &str) -> Result<Run, ClientError> {

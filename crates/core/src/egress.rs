@@ -96,14 +96,14 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
         listener: std::net::TcpListener,
         stop: CancellationToken,
         on_close: Option<ConnectionBytes>,
-    ) -> Result<Arc<dyn EgressMeter>, String>;
+    ) -> Result<Arc<dyn EgressHandle>, String>;
 }
 
 /// Takes the byte count (both ways) of one closed egress connection.
 pub type ConnectionBytes = Arc<dyn Fn(u64) + Send + Sync>;
 
-/// One run's proxy traffic so far.
-pub trait EgressMeter: Send + Sync {
+/// One run's proxy while it serves: its traffic so far, and its policy.
+pub trait EgressHandle: Send + Sync {
     /// A snapshot of the counters.
     fn stats(&self) -> EgressStats;
 
@@ -112,6 +112,15 @@ pub trait EgressMeter: Send + Sync {
     fn active(&self) -> u64 {
         0
     }
+
+    /// Puts a new policy (entries and secrets as checked, `brought`
+    /// opened) in force for the run's next connections and requests;
+    /// connections already open keep going.
+    fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>);
+
+    /// Stops the proxy: its listener closes, and every connection through
+    /// it with it.
+    fn shutdown(&self);
 }
 
 /// A run's checked egress request: canonical entries, declared secret
@@ -585,7 +594,7 @@ mod tests {
             _: std::net::TcpListener,
             _: CancellationToken,
             _: Option<ConnectionBytes>,
-        ) -> Result<Arc<dyn EgressMeter>, String> {
+        ) -> Result<Arc<dyn EgressHandle>, String> {
             Err("not serving".into())
         }
     }

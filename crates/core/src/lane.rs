@@ -386,6 +386,16 @@ pub trait Sandbox: Send + Sync {
         None
     }
 
+    /// Moves the running sandbox between the `none` and `allowlist`
+    /// tiers (both a namespace with loopback only; `allowlist` also gets a
+    /// proxy listener): recorded, so [`Sandbox::egress_listener`] binds
+    /// only for a run that is on `allowlist` now. Other changes are
+    /// refused.
+    async fn change_network(&self, network: NetworkTier) -> Result<(), LaneError> {
+        let _ = network;
+        Err(LaneError::unsupported("change a run's network tier"))
+    }
+
     /// A listening TCP socket inside an `allowlist` run's network
     /// namespace, on which the daemon serves that run's egress proxy.
     /// Called after `create` and again after a restart re-adopts the run

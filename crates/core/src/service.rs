@@ -104,6 +104,12 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn wake(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Sets a run's expiry to now + `ttl_sec`.
     fn renew(&self, id: Ulid, ttl_sec: u64) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    /// Replaces a run's egress policy while it lives.
+    fn update_egress(
+        &self,
+        id: Ulid,
+        req: runbox_types::UpdateEgressRequest,
+    ) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// Grants a run's writable lease.
     fn acquire_lease(
         &self,
@@ -504,6 +510,14 @@ impl RunService for Arc<Manager> {
 
     async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {
         Manager::renew(self, id, ttl_sec).await
+    }
+
+    async fn update_egress(
+        &self,
+        id: Ulid,
+        req: runbox_types::UpdateEgressRequest,
+    ) -> Result<Run, CoreError> {
+        Manager::update_egress(self, id, req).await
     }
 
     async fn acquire_lease(&self, id: Ulid, req: LeaseRequest) -> Result<Lease, CoreError> {

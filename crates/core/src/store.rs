@@ -134,6 +134,11 @@ pub struct RunRecord {
     /// run exists (hibernated and archived too).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub volumes: Vec<crate::volumes::RunVolumeRecord>,
+    /// Its current sandbox trusts the node's interception CA (it was made
+    /// or booted on the `allowlist` tier), so secrets may be given to it
+    /// while it runs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub proxy_ca: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -384,6 +389,7 @@ mod tests {
             tenant: None,
             allow_privilege_escalation: false,
             volumes: Vec::new(),
+            proxy_ca: false,
         }
     }
 

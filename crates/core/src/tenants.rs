@@ -431,13 +431,8 @@ impl Owner {
         ))
     }
 
-    /// Refuses a network tier or size the tenant may not use.
-    pub fn check_shape(
-        &self,
-        network: NetworkTier,
-        size: Option<SizeTier>,
-        free_limits: bool,
-    ) -> Result<(), CoreError> {
+    /// Whether the tenant may use `network` (its `networks` rule).
+    pub fn check_network(&self, network: NetworkTier) -> Result<(), CoreError> {
         let Some(tenant) = &self.0 else {
             return Ok(());
         };
@@ -454,6 +449,21 @@ impl Owner {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Refuses a network tier or size the tenant may not use.
+    pub fn check_shape(
+        &self,
+        network: NetworkTier,
+        size: Option<SizeTier>,
+        free_limits: bool,
+    ) -> Result<(), CoreError> {
+        self.check_network(network)?;
+        let Some(tenant) = &self.0 else {
+            return Ok(());
+        };
+        let policy = &tenant.policy;
         if !policy.sizes.is_empty() {
             let allowed: Vec<&str> = policy.sizes.iter().map(|s| s.as_str()).collect();
             let refused = match size {

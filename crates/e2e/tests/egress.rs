@@ -205,10 +205,28 @@ fn rand_byte() -> u8 {
     RandomState::new().hash_one(std::time::Instant::now()) as u8
 }
 
-async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+/// The echo servers' response body: whole, or dripped out over time.
+type EchoBody = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+async fn echo(req: Request<Incoming>) -> Result<Response<EchoBody>, Infallible> {
     if let Some(n) = req.uri().path().strip_prefix("/bytes/") {
         let n = n.parse::<usize>().unwrap_or(0);
-        return Ok(Response::new(Full::new(Bytes::from(vec![b'x'; n]))));
+        return Ok(Response::new(Full::new(Bytes::from(vec![b'x'; n])).boxed()));
+    }
+    // `/drip/N`: N KiB, one every 100 ms (a download that stays open).
+    if let Some(n) = req.uri().path().strip_prefix("/drip/") {
+        let n = n.parse::<usize>().unwrap_or(0);
+        let chunks = futures::stream::unfold(0, move |sent| async move {
+            if sent == n {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let frame = hyper::body::Frame::data(Bytes::from(vec![b'x'; 1024]));
+            Some((Ok::<_, Infallible>(frame), sent + 1))
+        });
+        return Ok(Response::new(
+            http_body_util::StreamBody::new(chunks).boxed(),
+        ));
     }
     let mut text = format!(
         "{} {}\n",
@@ -223,10 +241,13 @@ async fn echo(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallibl
     }
     let body = req.into_body().collect().await.map(|b| b.to_bytes());
     text.push_str(&format!("body-bytes: {}\n", body.map_or(0, |b| b.len())));
-    Ok(Response::new(Full::new(Bytes::from(
-        text.replace(SECRET_VALUE, SECRET_SEEN)
-            .replace(BROUGHT_VALUE, BROUGHT_SEEN),
-    ))))
+    Ok(Response::new(
+        Full::new(Bytes::from(
+            text.replace(SECRET_VALUE, SECRET_SEEN)
+                .replace(BROUGHT_VALUE, BROUGHT_SEEN),
+        ))
+        .boxed(),
+    ))
 }
 
 /// One test's world: a daemon with the `curl` image, its DNS, the loopback
@@ -1606,8 +1627,10 @@ async fn tls_is_intercepted_only_for_the_hosts_of_a_requested_secret() {
         }
     }
 
-    // A run that did not ask for the secret gets no interception, no
-    // runbox CA and the image's own bundle.
+    // A run that did not ask for the secret gets no interception; like
+    // every allowlist run it trusts runbox's CA beside the image's roots
+    // (so a secret given to it later works). A `none` run has the image's
+    // bundle alone and no runbox CA.
     let without = w.allowlist_run(&entries, &[]).await.id.to_string();
     let got = w
         .curl(&without, &["-v", "--cacert", TEST_CA_PATH, &secret])
@@ -1616,9 +1639,25 @@ async fn tls_is_intercepted_only_for_the_hosts_of_a_requested_secret() {
     let test_ca = format!("CN={TEST_CA_NAME}");
     assert!(issuer_line(&got.stderr).contains(&test_ca), "{got:?}");
     let (_, bundle, _) = w.sh(&without, &format!("cat {BUNDLE_PATH}")).await;
-    assert_eq!(bundle, pki().ca_pem);
+    assert!(
+        bundle.starts_with(&pki().ca_pem) && bundle.len() > pki().ca_pem.len(),
+        "{bundle}"
+    );
     let (code, _, _) = w.sh(&without, &format!("test -e {RUNBOX_CA_PATH}")).await;
-    assert_ne!(code, 0, "{RUNBOX_CA_PATH} exists in a run without secrets");
+    assert_eq!(code, 0, "{RUNBOX_CA_PATH} is missing in an allowlist run");
+    let closed = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    let (_, bundle, _) = w.sh(&closed, &format!("cat {BUNDLE_PATH}")).await;
+    assert_eq!(bundle, pki().ca_pem);
+    let (code, _, _) = w.sh(&closed, &format!("test -e {RUNBOX_CA_PATH}")).await;
+    assert_ne!(code, 0, "{RUNBOX_CA_PATH} exists in a none run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1820,6 +1859,225 @@ async fn brought_secrets_reach_their_host_method_and_path_only() {
         std::fs::metadata(&key).unwrap().permissions().mode() & 0o777,
         0o600
     );
+}
+
+/// Sends `PATCH /v1/runs/{id}/egress` with `body`; the status and the
+/// error code (empty on success).
+async fn patch_egress(w: &World, id: &str, body: serde_json::Value) -> (u16, String, String) {
+    let (status, text) = runbox_e2e::raw_request(
+        &w.daemon.url,
+        "PATCH",
+        &format!("/v1/runs/{id}/egress"),
+        &w.daemon.token,
+        body.to_string().as_bytes(),
+    )
+    .await;
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let code = json["error"]["code"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    (status, code, text)
+}
+
+/// `PATCH /v1/runs/{id}/egress`: new connections follow the new policy at
+/// once, a download already under way finishes, the tier goes between
+/// `none` and `allowlist` (proxy and variables with it), secrets come and
+/// go live, and the policy outlives a daemon restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_egress_change_reaches_new_connections_and_spares_open_ones() {
+    let mut w = World::start().await;
+    let allowed = format!("allowed.test:{}", w.http_port);
+    let other = format!("secret.test:{}", w.http_port);
+    let tls = format!("secret.test:{}", w.https_port);
+    let id = w.allowlist_run(&[&allowed], &[]).await.id.to_string();
+
+    // A slow download through the proxy (40 KiB over 4 s), under way while
+    // the policy changes.
+    let big = 40 * 1024;
+    let (code, _, err) = w
+        .sh(
+            &id,
+            &format!(
+                "curl -q -sS -o /tmp/big -w '%{{http_code}} %{{size_download}}' \
+                 http://{allowed}/drip/40 > /tmp/big.status 2>&1 </dev/null &"
+            ),
+        )
+        .await;
+    assert_eq!(code, 0, "{err}");
+    let started = runbox_e2e::eventually_async(Duration::from_secs(20), || async {
+        w.sh(&id, "test -s /tmp/big").await.0 == 0
+    })
+    .await;
+    assert!(started, "the download did not start");
+
+    let (status, code, text) =
+        patch_egress(&w, &id, serde_json::json!({"egressAllow": [other]})).await;
+    assert_eq!((status, code.as_str()), (200, ""), "{text}");
+    let run: Run = serde_json::from_str(&text).unwrap();
+    assert_eq!(run.egress_allow, std::slice::from_ref(&other));
+    // New requests follow the new list at once ...
+    let got = w.curl(&id, &[&format!("http://{allowed}/after")]).await;
+    assert_eq!(got.status, 403, "{got:?}");
+    let got = w.curl(&id, &[&format!("http://{other}/after")]).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    // ... and the download that was under way finishes whole.
+    assert_ne!(
+        w.sh(&id, "test -s /tmp/big.status").await.0,
+        0,
+        "the download ended before the change"
+    );
+    let finished = runbox_e2e::eventually_async(Duration::from_secs(60), || async {
+        w.sh(&id, "test -s /tmp/big.status").await.0 == 0
+    })
+    .await;
+    assert!(finished, "the download did not finish");
+    let (_, status_line, _) = w.sh(&id, "cat /tmp/big.status").await;
+    assert_eq!(status_line.trim(), format!("200 {big}"));
+
+    // A malformed change changes nothing.
+    for (body, want) in [
+        (
+            serde_json::json!({"egressAllow": ["https://x.test"]}),
+            "bad_egress_entry",
+        ),
+        (serde_json::json!({"network": "open"}), "bad_egress"),
+        (serde_json::json!({"secrets": ["NOPE"]}), "unknown_secret"),
+        (serde_json::json!({"egressAllow": "x.test"}), "bad_request"),
+        (serde_json::json!({"allow": []}), "bad_request"),
+    ] {
+        let (status, code, text) = patch_egress(&w, &id, body.clone()).await;
+        assert_eq!((status, code.as_str()), (400, want), "{body}: {text}");
+    }
+    let (status, code, _) =
+        patch_egress(&w, "01ARZ3NDEKTSV4RRFFQ69G5FAV", serde_json::json!({})).await;
+    assert_eq!((status, code.as_str()), (404, "run_not_found"));
+    assert_eq!(
+        w.daemon.client.get_run(&id).await.unwrap().egress_allow,
+        std::slice::from_ref(&other)
+    );
+
+    // Secrets, live: given, the next request carries the value; taken
+    // away, the placeholder goes out.
+    let (status, _, text) = patch_egress(
+        &w,
+        &id,
+        serde_json::json!({"egressAllow": [other, tls], "secrets": [SECRET_NAME]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let auth = format!("Authorization: Bearer {PLACEHOLDER}");
+    let url = format!("https://{tls}/allowed");
+    let got = w.curl(&id, &["-H", &auth, &url]).await;
+    assert!(got.body.contains(SECRET_SEEN), "{got:?}");
+    let (status, _, text) = patch_egress(&w, &id, serde_json::json!({"secrets": []})).await;
+    assert_eq!(status, 200, "{text}");
+    let got = w.curl(&id, &["-H", &auth, &url]).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert!(
+        !got.body.contains(SECRET_SEEN) && got.body.contains(PLACEHOLDER),
+        "{got:?}"
+    );
+
+    // To none: the proxy and its variables go; back to allowlist: they
+    // come back with the new entries only.
+    let (status, _, text) = patch_egress(&w, &id, serde_json::json!({"network": "none"})).await;
+    assert_eq!(status, 200, "{text}");
+    let run: Run = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (run.network, run.egress_allow.len()),
+        (NetworkTier::None, 0)
+    );
+    let got = w
+        .curl(
+            &id,
+            &[
+                "--noproxy",
+                "",
+                "-x",
+                PROXY_URL,
+                &format!("http://{other}/"),
+            ],
+        )
+        .await;
+    assert_ne!(got.exit, 0, "{got:?}");
+    assert_eq!(w.sh(&id, "printf %s \"$HTTP_PROXY\"").await.1, "");
+    let (status, _, text) = patch_egress(
+        &w,
+        &id,
+        serde_json::json!({"network": "allowlist", "egressAllow": [allowed]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(w.sh(&id, "printf %s \"$HTTP_PROXY\"").await.1, PROXY_URL);
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{allowed}/")]).await.status,
+        200
+    );
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{other}/")]).await.status,
+        403
+    );
+
+    // The policy is the run's record: a restarted daemon serves it.
+    w.daemon.kill9();
+    w.daemon.spawn().await;
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{allowed}/")]).await.status,
+        200
+    );
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{other}/")]).await.status,
+        403
+    );
+
+    // A hibernated run takes a change for its next boot.
+    w.daemon.client.hibernate_run(&id).await.unwrap();
+    let (status, _, text) =
+        patch_egress(&w, &id, serde_json::json!({"egressAllow": [other]})).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{other}/")]).await.status,
+        200
+    );
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{allowed}/")]).await.status,
+        403
+    );
+
+    // A run started on none has no interception CA: secrets wait for a
+    // boot on the allowlist tier.
+    let closed = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    let (status, code, text) = patch_egress(
+        &w,
+        &closed,
+        serde_json::json!({"network": "allowlist", "secrets": [SECRET_NAME]}),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (400, "bad_egress"), "{text}");
+    assert!(text.contains("hibernate and wake"), "{text}");
+    let (status, _, text) =
+        patch_egress(&w, &closed, serde_json::json!({"network": "allowlist"})).await;
+    assert_eq!(status, 200, "{text}");
+    w.daemon.client.hibernate_run(&closed).await.unwrap();
+    w.daemon.client.wake_run(&closed).await.unwrap();
+    let (status, _, text) = patch_egress(
+        &w,
+        &closed,
+        serde_json::json!({"egressAllow": [tls], "secrets": [SECRET_NAME]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    let got = w.curl(&closed, &[&url]).await;
+    assert!(got.body.contains(SECRET_SEEN), "{got:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

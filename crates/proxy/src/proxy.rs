@@ -59,6 +59,7 @@ use crate::policy::{self, Allowlist, Decision};
 use crate::resolve::Resolver;
 use crate::secrets::{self, Secret};
 use crate::tls::Authority;
+use arc_swap::ArcSwap;
 
 /// How long a client may take to send a request head before the connection
 /// is closed (slowloris protection).
@@ -114,19 +115,55 @@ impl Drop for OpenConnection {
     }
 }
 
+/// What one run may reach and which secrets it may use. Replaced whole
+/// when the run's policy changes; a request reads it once.
+#[derive(Debug, Default)]
+pub struct RunPolicy {
+    /// Its allowlist.
+    pub allowlist: Allowlist,
+    /// The secrets it may use.
+    pub secrets: Vec<Arc<Secret>>,
+}
+
 /// One run's egress settings.
 pub struct RunEgress {
     /// The run's id, for the audit log.
     pub run: String,
-    /// Its allowlist.
-    pub allowlist: Allowlist,
-    /// The secrets it asked for.
-    pub secrets: Vec<Arc<Secret>>,
+    /// Its policy now: new connections (and each request inside an
+    /// intercepted tunnel) read it; connections already open keep going.
+    policy: ArcSwap<RunPolicy>,
     /// Its counters.
     pub counters: Arc<Counters>,
     /// Told the bytes (both ways) of each connection from the run that had
     /// an allowed request, when it closes (`--egress-usage-bytes`).
     pub on_close: Option<ConnectionBytes>,
+}
+
+impl RunEgress {
+    /// A run's egress settings.
+    pub fn new(
+        run: String,
+        policy: RunPolicy,
+        counters: Arc<Counters>,
+        on_close: Option<ConnectionBytes>,
+    ) -> RunEgress {
+        RunEgress {
+            run,
+            policy: ArcSwap::from_pointee(policy),
+            counters,
+            on_close,
+        }
+    }
+
+    /// The policy in force now.
+    pub fn policy(&self) -> Arc<RunPolicy> {
+        self.policy.load_full()
+    }
+
+    /// Puts `policy` in force for every request from now on.
+    pub fn set_policy(&self, policy: RunPolicy) {
+        self.policy.store(Arc::new(policy));
+    }
 }
 
 /// Takes the byte count of one closed connection.
@@ -399,7 +436,11 @@ impl Ctx {
     ///
     /// Cancellation: safe to drop; it only waits on the resolver.
     async fn admit(&self, method: &str, target: &Target) -> Result<Admitted, Reject> {
-        let decision = self.run.allowlist.decide(&target.host, target.port);
+        let decision = self
+            .run
+            .policy()
+            .allowlist
+            .decide(&target.host, target.port);
         if let Decision::Deny { run_entry } = &decision {
             self.record(method, target, false, "none", None);
             return Err(Reject::Denied(policy::denial_message(
@@ -651,7 +692,12 @@ async fn connect(
 ) -> Result<Response<ProxyBody>, Reject> {
     // Interception is decided by the host: whether a request carries a
     // secret is only known per inner request, after TLS is terminated.
-    let intercept = ctx.run.secrets.iter().any(|s| s.covers_host(&target.host));
+    let intercept = ctx
+        .run
+        .policy()
+        .secrets
+        .iter()
+        .any(|s| s.covers_host(&target.host));
     let server_config = if intercept {
         match ctx.shared.authority.server_config(&target.host) {
             Ok(config) => Some(config),
@@ -974,8 +1020,10 @@ impl Intercepted {
             Err(other) => return Err(Reject::Upstream(other.to_string())),
         };
         strip_hop_by_hop(&mut parts.headers);
+        // The secrets in force now: one taken away since the tunnel opened
+        // is not sent.
         let injected = secrets::inject(
-            &self.ctx.run.secrets,
+            &self.ctx.run.policy().secrets,
             &self.target.host,
             &parts.method,
             parts.uri.path(),

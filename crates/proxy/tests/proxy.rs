@@ -28,7 +28,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use runbox_proxy::audit::{AuditLog, AuditRecord};
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{Allowlist, Entry};
-use runbox_proxy::proxy::{serve, Counters, RunEgress, Shared};
+use runbox_proxy::proxy::{serve, Counters, RunEgress, RunPolicy, Shared};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::secrets::{placeholder, Secret, SecretSpec};
 use runbox_proxy::testing::TestDns;
@@ -169,13 +169,15 @@ impl Harness {
         let counters = Arc::new(Counters::default());
         let closed = Arc::new(std::sync::Mutex::new(Vec::new()));
         let told = closed.clone();
-        let run = Arc::new(RunEgress {
-            run: RUN_ID.to_owned(),
-            allowlist,
-            secrets: vec![Arc::new(secret)],
-            counters: Arc::clone(&counters),
-            on_close: Some(Arc::new(move |bytes| told.lock().unwrap().push(bytes))),
-        });
+        let run = Arc::new(RunEgress::new(
+            RUN_ID.to_owned(),
+            RunPolicy {
+                allowlist,
+                secrets: vec![Arc::new(secret)],
+            },
+            Arc::clone(&counters),
+            Some(Arc::new(move |bytes| told.lock().unwrap().push(bytes))),
+        ));
 
         let shutdown = CancellationToken::new();
         let serve = tokio::spawn(serve(listener, shared, run, shutdown.clone()));

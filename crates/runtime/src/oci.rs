@@ -1498,6 +1498,30 @@ impl Sandbox for OciSandbox {
         is_mount_point(&volume).then_some(volume)
     }
 
+    async fn change_network(&self, network: NetworkTier) -> Result<(), LaneError> {
+        let id = self.id;
+        let current = self.lane.network_of(id);
+        let movable = |tier: Option<NetworkTier>| {
+            matches!(tier, Some(NetworkTier::None | NetworkTier::Allowlist))
+        };
+        if !movable(current) || !movable(Some(network)) {
+            return Err(LaneError::Unsupported(format!(
+                "run {id} moves only between the none and allowlist tiers"
+            )));
+        }
+        // Whole or not at all: a torn record would make the run's tier
+        // unreadable.
+        let dir = self.lane.run_dir(id);
+        tokio::task::spawn_blocking(move || {
+            let staged = dir.join("network.new");
+            write(&staged, network.as_str().as_bytes())?;
+            std::fs::rename(&staged, dir.join("network"))
+                .map_err(LaneError::io("recording the network tier"))
+        })
+        .await
+        .map_err(|e| LaneError::Failed(format!("recording the network tier: {e}")))?
+    }
+
     /// Binds [`EGRESS_PROXY_ADDR`] inside the run's namespace. Refused for
     /// runs that are not `allowlist` ones: a proxy inside a `none` run would
     /// give it the network it was created without.

@@ -347,6 +347,16 @@ pub async fn renew_run<S: RunService>(
     Ok(Json(state.service.renew(id, req.ttl_sec).await?).into_response())
 }
 
+/// `PATCH /v1/runs/{id}/egress`: replaces the run's egress policy while
+/// it lives.
+pub async fn update_run_egress<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    AppJson(req): AppJson<runbox_types::UpdateEgressRequest>,
+) -> Result<Response, ApiError> {
+    Ok(Json(state.service.update_egress(id, req).await?).into_response())
+}
+
 /// `POST /v1/runs/{id}/pause`: freezes the run's processes, memory kept.
 pub async fn pause_run<S: RunService>(
     State(state): State<AppState<S>>,

@@ -88,6 +88,10 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             get(handlers::get_run::<S>).delete(handlers::delete_run::<S>),
         )
         .route("/v1/runs/{id}/renew", post(handlers::renew_run::<S>))
+        .route(
+            "/v1/runs/{id}/egress",
+            axum::routing::patch(handlers::update_run_egress::<S>),
+        )
         .route("/v1/runs/{id}/pause", post(handlers::pause_run::<S>))
         .route("/v1/runs/{id}/resume", post(handlers::resume_run::<S>))
         .route(

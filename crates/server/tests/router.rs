@@ -653,6 +653,13 @@ impl RunService for Stub {
     async fn renew(&self, id: Ulid, _ttl_sec: u64) -> Result<Run, CoreError> {
         found(id).map(|()| run())
     }
+    async fn update_egress(
+        &self,
+        id: Ulid,
+        _req: runbox_types::UpdateEgressRequest,
+    ) -> Result<Run, CoreError> {
+        found(id).map(|()| run())
+    }
     async fn acquire_lease(&self, id: Ulid, _req: LeaseRequest) -> Result<Lease, CoreError> {
         found(id)?;
         Err(CoreError::RunFailed(id, "its init exited".into()))

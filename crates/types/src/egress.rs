@@ -82,6 +82,28 @@ impl<'de> Deserialize<'de> for SecretRequest {
     }
 }
 
+/// `PATCH /v1/runs/{id}/egress`: a run's egress policy replaced while it
+/// lives. A field left out keeps what the run has; a field given replaces
+/// it whole (an empty list clears it). Connections already open are not
+/// cut; new ones, and each request inside an intercepted tunnel, follow the
+/// new policy.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct UpdateEgressRequest {
+    /// The tier: `none` or `allowlist`, from either of them (an `open`
+    /// run keeps its tier). To `none` closes the run's proxy and every
+    /// connection through it, and clears its entries and secrets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<crate::NetworkTier>,
+    /// The run's own allowlist entries (`allowlist` tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_allow: Option<Vec<String>>,
+    /// The run's secrets, declared and brought (`allowlist` tier).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets: Option<Vec<SecretRequest>>,
+}
+
 /// A credential the caller holds and hands to one run: the run can use it
 /// but never read it. The run's environment holds a placeholder,
 /// `runbox-secret:NAME`, under `name`; the egress proxy puts the value in

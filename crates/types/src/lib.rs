@@ -17,7 +17,7 @@ pub mod error;
 mod tenants;
 mod volumes;
 
-pub use egress::{BroughtSecret, SecretRequest, SecretValue};
+pub use egress::{BroughtSecret, SecretRequest, SecretValue, UpdateEgressRequest};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use tenants::{
     ConfigReload, CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken,

@@ -23,6 +23,7 @@ import {
   type CreateTenantRequest,
   type Tenant,
   type TenantToken,
+  type UpdateEgressRequest,
   type UpdateTenantRequest,
   type UsageReport,
   type Volume,
@@ -369,6 +370,14 @@ export class Runbox {
   /** Sets the run's time to live to `ttlSec` from now. */
   async renewRun(runId: string, ttlSec: number): Promise<Run> {
     return this.call({ method: "POST", path: `${runPath(runId)}/renew`, json: { ttlSec } });
+  }
+
+  /** Replaces a live run's egress: `network` (`none` or `allowlist`),
+   * `egressAllow` and `secrets` (as at create); a field left out keeps what
+   * the run has, `[]` clears it. New connections follow the new policy;
+   * open ones are not cut. */
+  async updateEgress(runId: string, change: UpdateEgressRequest): Promise<Run> {
+    return this.call({ method: "PATCH", path: `${runPath(runId)}/egress`, json: compact({ ...change }) });
   }
 
   /** Freezes the run's processes where they are, memory kept; the next call that reaches the run resumes it. */

@@ -352,6 +352,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/runs/{id}/egress": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        /**
+         * Replace a run's egress entries, secrets and tier (none or allowlist) while it lives
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
+        patch: operations["updateRunEgress"];
+        trace?: never;
+    };
     "/v1/runs/{id}/exec": {
         parameters: {
             query?: never;
@@ -2737,6 +2757,20 @@ export interface components {
              */
             token: string;
         };
+        /**
+         * @description `PATCH /v1/runs/{id}/egress`: a run's egress policy replaced while it
+         *     lives. A field left out keeps what the run has; a field given replaces
+         *     it whole (an empty list clears it). Connections already open are not
+         *     cut; new ones, and each request inside an intercepted tunnel, follow the
+         *     new policy.
+         */
+        UpdateEgressRequest: {
+            /** @description The run's own allowlist entries (`allowlist` tier). */
+            egressAllow?: string[] | null;
+            network?: null | components["schemas"]["NetworkTier"];
+            /** @description The run's secrets, declared and brought (`allowlist` tier). */
+            secrets?: components["schemas"]["SecretRequest"][] | null;
+        };
         /** @description `PATCH /v1/tenants/{name}`: the fields given replace the tenant's. */
         UpdateTenantRequest: {
             /** @description Images it may create runs from (see [`TenantPolicy::images`]). */
@@ -3926,6 +3960,51 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Checkpoint"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    updateRunEgress: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["UpdateEgressRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Run"];
                 };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */

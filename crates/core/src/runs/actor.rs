@@ -145,6 +145,12 @@ pub(crate) enum Command {
     /// Send the run's disk to the checkpoint store and drop it here
     /// (hibernating the run first).
     Archive { reply: Reply<()> },
+    /// Put a new egress policy in force (checked by the manager).
+    Egress {
+        network: runbox_types::NetworkTier,
+        egress: Box<crate::egress::RunEgressRequest>,
+        reply: Reply<()>,
+    },
 }
 
 /// Who took a pool member: the create's idempotency key and tenant.
@@ -239,7 +245,7 @@ pub(crate) struct RunHandle {
     pub end_reason: OnceLock<ExitReason>,
     /// The egress proxy's counters while it serves (`allowlist` runs; a
     /// new proxy, with new counters, each time the run boots).
-    pub egress: Mutex<Option<Arc<dyn crate::egress::EgressMeter>>>,
+    pub egress: Mutex<Option<Arc<dyn crate::egress::EgressHandle>>>,
     /// What is open on the run now, for its idle policy.
     pub activity: Activity,
     /// A hibernated run being woken: counted against capacity from the
@@ -287,7 +293,7 @@ impl RunHandle {
     }
 
     /// The egress proxy's counters now.
-    pub fn egress(&self) -> Option<Arc<dyn crate::egress::EgressMeter>> {
+    pub fn egress(&self) -> Option<Arc<dyn crate::egress::EgressHandle>> {
         self.egress
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -886,6 +892,89 @@ impl RunActor {
         }
     }
 
+    /// Puts `egress` (and `network`, `none` or `allowlist`) in force:
+    /// stored first, then, when the run has a sandbox (`live`), applied to
+    /// it — the proxy's policy replaced, started (from `none`) or stopped
+    /// (to `none`). If the sandbox cannot take it, the old policy is
+    /// stored again and the error answered.
+    async fn change_egress(
+        &mut self,
+        network: runbox_types::NetworkTier,
+        egress: crate::egress::RunEgressRequest,
+        live: bool,
+    ) -> Result<(), CoreError> {
+        use runbox_types::NetworkTier::{Allowlist, None as Closed};
+        let id = self.record.id;
+        if live && network == Allowlist && egress.has_secrets() && !self.record.proxy_ca {
+            return Err(CoreError::invalid(
+                ErrorCode::BadEgress,
+                "this run's sandbox was started without runbox's interception CA (it was not on \
+                 the allowlist tier then), so it could not use secrets; give the entries alone \
+                 now and hibernate and wake the run (it boots trusting the CA), or create the \
+                 run with network allowlist",
+            ));
+        }
+        let before_network = std::mem::replace(&mut self.record.network, network);
+        let before = std::mem::replace(&mut self.record.egress, egress);
+        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
+            self.record.network = before_network;
+            self.record.egress = before;
+            return Err(e);
+        }
+        let lane_tier = if live && before_network != network {
+            self.context.lane.sandbox(id).change_network(network).await
+        } else {
+            Ok(())
+        };
+        let applied = match (lane_tier, live, before_network, network) {
+            (Err(e), ..) => Err(e.into()),
+            (Ok(()), true, Allowlist, Allowlist) => {
+                if let Some(proxy) = self.handle.egress() {
+                    let sealer = self.context.config().sealer.clone();
+                    let brought = self.record.egress.open_brought(id, sealer.as_deref());
+                    proxy.update(&self.record.egress, brought);
+                }
+                Ok(())
+            }
+            (Ok(()), true, Closed, Allowlist) => {
+                let stop = self.incarnation.clone();
+                self.context
+                    .start_egress(&self.handle, &self.record, stop)
+                    .await
+            }
+            (Ok(()), true, Allowlist, Closed) => {
+                let proxy = self
+                    .handle
+                    .egress
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .take();
+                if let Some(proxy) = proxy {
+                    proxy.shutdown();
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        };
+        if let Err(e) = applied {
+            if live && before_network != network {
+                let lane = self.context.lane.sandbox(id);
+                if let Err(back) = lane.change_network(before_network).await {
+                    tracing::warn!(run = %id, error = %error_chain(&back), "could not record the run's tier back");
+                }
+            }
+            self.record.network = before_network;
+            self.record.egress = before;
+            if let Err(store) = self.context.store.put_async(self.record.clone()).await {
+                tracing::error!(run = %id, error = %error_chain(&store), "could not store a run's egress policy back after a change failed");
+            }
+            return Err(e);
+        }
+        tracing::info!(run = %id, network = network.as_str(), entries = self.record.egress.allow.len(), secrets = self.record.egress.secret_names().len(), live, "egress policy changed");
+        self.publish();
+        Ok(())
+    }
+
     /// Stops serving the current sandbox: its egress proxy goes, its agent
     /// and exit watch are forgotten.
     fn end_incarnation(&mut self) {
@@ -961,6 +1050,7 @@ impl RunActor {
             }
         };
         self.record.runtime = sandbox.runtime();
+        self.record.proxy_ca = spec.trust_pem.is_some();
         self.record.agent_socket = match &endpoint {
             AgentEndpoint::Unix(path) => path.clone(),
         };
@@ -1353,6 +1443,22 @@ impl RunActor {
                 let answer = match &self.phase {
                     Phase::Archived => Ok(()),
                     Phase::Running | Phase::Paused | Phase::Hibernated => self.archive().await,
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Egress {
+                network,
+                egress,
+                reply,
+            } => {
+                let answer = match &self.phase {
+                    Phase::Running | Phase::Paused => {
+                        self.change_egress(network, *egress, true).await
+                    }
+                    Phase::Hibernated | Phase::Archived => {
+                        self.change_egress(network, *egress, false).await
+                    }
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
@@ -1768,7 +1874,8 @@ impl RunActor {
                         | Some(Command::Resume { reply })
                         | Some(Command::Hibernate { reply })
                         | Some(Command::Wake { reply })
-                        | Some(Command::Archive { reply }) => { let _ = reply.send(Err(gone)); }
+                        | Some(Command::Archive { reply })
+                        | Some(Command::Egress { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }

@@ -108,10 +108,7 @@ impl Manager {
         let image_layers = tokio::task::spawn_blocking(move || images.layer_dirs(&layers))
             .await
             .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
-        let trust_pem = match &self.config().egress {
-            Some(config) if parent.egress.has_secrets() => Some(config.ca_pem()),
-            _ => None,
-        };
+        let trust_pem = self.context.proxy_trust(parent.network);
         // The parent's warm generation, pinned until the children are in
         // the registry (their records hold it from then on).
         let (warm_mount, _warm_pin) = match &parent.warm {
@@ -151,6 +148,7 @@ impl Manager {
                     // A fork starts from its parent's files, never its
                     // volumes (a writer's volume has one holder).
                     volumes: Vec::new(),
+                    proxy_ca: trust_pem.is_some(),
                     ..parent.clone()
                 };
                 let spec = SandboxSpec {

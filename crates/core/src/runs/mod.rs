@@ -22,6 +22,7 @@
 
 pub mod actor;
 mod checkpoint;
+mod egress_policy;
 mod fork;
 mod fs;
 pub mod phase;
@@ -210,17 +211,7 @@ impl RunContext {
             }
             None => (None, None),
         };
-        // As at create: runs with secrets, and allowlist pool members
-        // (whose claim may have brought some), trust the interception CA.
-        let trust_pem = match &self.config().egress {
-            Some(config)
-                if record.network == NetworkTier::Allowlist
-                    && (record.egress.has_secrets() || record.pool.is_some()) =>
-            {
-                Some(config.ca_pem())
-            }
-            _ => None,
-        };
+        let trust_pem = self.proxy_trust(record.network);
         let spec = SandboxSpec {
             id: record.id,
             image_layers,
@@ -250,6 +241,17 @@ impl RunContext {
         run.egress = handle.egress().map(|meter| meter.stats());
         run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
         run
+    }
+
+    /// The interception CA a sandbox on `network` trusts: every
+    /// `allowlist` run's, so that secrets given at create, by a pool claim
+    /// or by a later `PATCH .../egress` are usable; other tiers have no
+    /// proxy to trust.
+    pub(crate) fn proxy_trust(&self, network: NetworkTier) -> Option<String> {
+        match &self.config().egress {
+            Some(config) if network == NetworkTier::Allowlist => Some(config.ca_pem()),
+            _ => None,
+        }
     }
 
     /// Serves an `allowlist` run's proxy on a listener its sandbox binds in
@@ -291,8 +293,16 @@ impl RunContext {
         let brought = record
             .egress
             .open_brought(record.id, self.config().sealer.as_deref());
+        // Its own token, so a change of tier can stop it alone.
         let meter = config
-            .start(record.id, &record.egress, brought, listener, stop, on_close)
+            .start(
+                record.id,
+                &record.egress,
+                brought,
+                listener,
+                stop.child_token(),
+                on_close,
+            )
             .map_err(|e| {
                 CoreError::Lane(crate::lane::LaneError::Failed(format!(
                     "starting the run's egress proxy: {e}"
@@ -696,18 +706,19 @@ impl Manager {
             tenant: owner.tenant().map(str::to_owned),
             allow_privilege_escalation,
             volumes: run_volumes.clone(),
+            proxy_ca: false,
+        };
+        let trust_pem = self.context.proxy_trust(record.network);
+        let record = RunRecord {
+            proxy_ca: trust_pem.is_some(),
+            ..record
         };
         let spec = SandboxSpec {
             id,
             image_layers,
             limits: record.limits,
             network: record.network,
-            // Only runs with secrets get TLS intercepted, so only they need
-            // to trust the interception CA.
-            trust_pem: match &self.config().egress {
-                Some(config) if record.egress.has_secrets() => Some(config.ca_pem()),
-                _ => None,
-            },
+            trust_pem,
             seed: None,
             warm: warm_mount,
             volumes: volumes::binds(&run_volumes, &self.config().datasets),

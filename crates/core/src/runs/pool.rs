@@ -246,18 +246,14 @@ impl Manager {
             tenant: None,
             allow_privilege_escalation: false,
             volumes: Vec::new(),
+            proxy_ca: self.context.proxy_trust(key.network).is_some(),
         };
         let spec = SandboxSpec {
             id,
             image_layers,
             limits,
             network: key.network,
-            // Any claim of an allowlist member may bring secrets, so every
-            // one trusts the interception CA (unused without them).
-            trust_pem: match (&self.config().egress, key.network) {
-                (Some(config), NetworkTier::Allowlist) => Some(config.ca_pem()),
-                _ => None,
-            },
+            trust_pem: self.context.proxy_trust(key.network),
             seed: None,
             warm: None,
             volumes: Vec::new(),

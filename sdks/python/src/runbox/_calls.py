@@ -85,6 +85,21 @@ def create_run(
     return Call("POST", "/v1/runs", json=body, headers=headers, parse=Run.from_json)
 
 
+def update_egress(
+    run_id: str,
+    *,
+    network: Optional[str] = None,
+    egress_allow: Optional[List[str]] = None,
+    secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
+) -> Call[Run]:
+    body = compact(
+        network=network,
+        egressAllow=egress_allow,
+        secrets=None if secrets is None else [secret_body(s) for s in secrets],
+    )
+    return Call("PATCH", f"{run_path(run_id)}/egress", json=body, parse=Run.from_json)
+
+
 def list_runs() -> Call[List[Run]]:
     return Call("GET", "/v1/runs", parse=parse_runs)
 

@@ -177,6 +177,13 @@ class AsyncRunbox:
     async def renew_run(self, run_id: str, ttl: int) -> Run:
         return await self._do(calls.renew_run(run_id, ttl))
 
+    async def update_egress(self, run_id: str, **kwargs: Any) -> Run:
+        """Replaces a live run's egress: ``network`` (``none`` or
+        ``allowlist``), ``egress_allow`` and ``secrets`` (as at create); a
+        field left out keeps what the run has, ``[]`` clears it. New
+        connections follow the new policy; open ones are not cut."""
+        return await self._do(calls.update_egress(run_id, **kwargs))
+
     async def pause_run(self, run_id: str) -> Run:
         """Freezes the run's processes where they are, memory kept; the next
         call that reaches the run resumes it."""

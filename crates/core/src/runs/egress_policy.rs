@@ -1,0 +1,67 @@
+//! Changing a run's egress policy while it lives (`PATCH
+//! /v1/runs/{id}/egress`): checked here against the tier, the node's
+//! secrets and the tenant's rules, then put in force by the run's owner
+//! (see `RunActor::change_egress`).
+
+use runbox_types::{ErrorCode, NetworkTier, Run, UpdateEgressRequest};
+use ulid::Ulid;
+
+use super::actor::Command;
+use super::Manager;
+use crate::egress;
+use crate::error::CoreError;
+
+impl Manager {
+    /// Replaces run `id`'s egress entries, secrets and tier (between
+    /// `none` and `allowlist`) without restarting it. A field the request
+    /// leaves out keeps what the run has; a change of tier starts from
+    /// nothing but what the request gives.
+    pub async fn update_egress(
+        &self,
+        id: Ulid,
+        req: UpdateEgressRequest,
+    ) -> Result<Run, CoreError> {
+        let handle = self.handle(id)?;
+        let current = handle.snapshot().record;
+        let network = req.network.unwrap_or(current.network);
+        if (network == NetworkTier::Open) != (current.network == NetworkTier::Open) {
+            return Err(CoreError::invalid(
+                ErrorCode::BadEgress,
+                format!(
+                    "a run's tier changes only between \"none\" and \"allowlist\" (this one is {:?}): \
+                     an open run has a route of its own that runbox does not take away from under \
+                     its processes, and a run is open only when made so; create a run (or fork \
+                     this one) on the tier you need",
+                    current.network.as_str()
+                ),
+            ));
+        }
+        self.context
+            .owner_of(current.tenant.as_deref())
+            .check_network(network)?;
+        let mut next = egress::check_request(
+            self.config().egress.as_deref(),
+            self.config().sealer.as_deref(),
+            network,
+            req.egress_allow.as_deref(),
+            req.secrets.as_deref(),
+        )?;
+        if network == NetworkTier::Allowlist && current.network == NetworkTier::Allowlist {
+            if req.egress_allow.is_none() {
+                next.allow = current.egress.allow.clone();
+            }
+            if req.secrets.is_none() {
+                next.secrets = current.egress.secrets.clone();
+                next.brought = current.egress.brought.clone();
+            }
+        }
+        handle
+            .ask(|reply| Command::Egress {
+                network,
+                egress: Box::new(next),
+                reply,
+            })
+            .await?;
+        Ok(self.view(&handle))
+    }
+}
