@@ -61,6 +61,22 @@ pub fn parse_env_var(arg: &str) -> Result<EnvVar, String> {
     }
 }
 
+/// One `--egress-allow` / `--allow` value: an entry in the string grammar,
+/// or a rule as JSON (`{"host": "db.example.com", "ports": [5432]}`).
+pub fn parse_egress_entry(arg: &str) -> Result<runbox_types::EgressEntry, String> {
+    if arg.trim_start().starts_with('{') {
+        serde_json::from_str::<runbox_types::EgressRule>(arg)
+            .map(runbox_types::EgressEntry::Rule)
+            .map_err(|e| {
+                format!(
+                    "{arg:?} is not a rule {{host, ports?, methods?, secret?, intercept?}}: {e}"
+                )
+            })
+    } else {
+        Ok(runbox_types::EgressEntry::Text(arg.to_owned()))
+    }
+}
+
 /// One `--secrets-file FILE`: the secrets the caller brings, read when the
 /// command line is parsed (the values stay out of the command line, the
 /// shell's history and `ps`).

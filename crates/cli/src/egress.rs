@@ -19,9 +19,10 @@ use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{self, Allowlist, Entry};
 use runbox_proxy::proxy::{Counters, RunEgress, RunPolicy, Shared};
 use runbox_proxy::resolve::Resolver;
+use runbox_proxy::rules::{Rule, RuleSpec};
 use runbox_proxy::secrets::{Secret, SecretPolicy, SecretSpec};
 use runbox_proxy::tls::{upstream_client_config, Authority};
-use runbox_types::BroughtSecret;
+use runbox_types::{BroughtSecret, EgressEntry};
 
 /// Egress flags of `runbox serve`.
 #[derive(Debug, Default, clap::Args)]
@@ -116,11 +117,11 @@ impl NodePolicy {
         req: &RunEgressRequest,
         brought: &[BroughtSecret],
     ) -> RunPolicy {
-        let entries: Vec<Entry> = req
+        let entries: Vec<Rule> = req
             .allow
             .iter()
-            .filter_map(|raw| match Entry::from_str(raw) {
-                Ok(e) => Some(e),
+            .filter_map(|raw| match parse_rule(raw) {
+                Ok(rule) => Some(rule),
                 Err(e) => {
                     tracing::warn!(run = %id, error = %e, "dropping a stored egress entry that no longer parses");
                     None
@@ -201,10 +202,20 @@ impl EgressHandle for RunProxy {
 }
 
 impl EgressProxy for NodeProxy {
-    fn canonical_entry(&self, raw: &str) -> Result<String, String> {
-        Entry::from_str(raw)
-            .map(|e| e.to_string())
-            .map_err(|e| e.to_string())
+    fn canonical_entry(&self, raw: &EgressEntry) -> Result<EgressEntry, String> {
+        match raw {
+            EgressEntry::Text(text) => Entry::from_str(text)
+                .map(|e| EgressEntry::Text(e.to_string()))
+                .map_err(|e| e.to_string()),
+            EgressEntry::Rule(_) => {
+                let rule = parse_rule(raw)?;
+                let spec = rule.to_spec();
+                serde_json::to_value(&spec)
+                    .and_then(serde_json::from_value)
+                    .map(EgressEntry::Rule)
+                    .map_err(|e| format!("egress rule {raw}: {e}"))
+            }
+        }
     }
 
     fn secret_names(&self) -> Vec<String> {
@@ -266,6 +277,23 @@ impl EgressProxy for NodeProxy {
             node: self.node.clone(),
             stop,
         }))
+    }
+}
+
+/// An `egressAllow` entry as the proxy's rule; the error names the entry.
+/// The wire's rule and the proxy's spec are one JSON shape (the proxy does
+/// not depend on the wire types), so one becomes the other through JSON.
+fn parse_rule(raw: &EgressEntry) -> Result<Rule, String> {
+    match raw {
+        EgressEntry::Text(text) => Entry::from_str(text)
+            .map(Rule::from)
+            .map_err(|e| e.to_string()),
+        EgressEntry::Rule(wire) => {
+            let spec: RuleSpec = serde_json::to_value(wire)
+                .and_then(serde_json::from_value)
+                .map_err(|e| format!("invalid egress rule {raw}: {e}"))?;
+            Rule::parse(&spec).map_err(|why| format!("invalid egress rule {raw}: {why}"))
+        }
     }
 }
 
@@ -394,7 +422,7 @@ mod tests {
     #[test]
     fn malformed_deployment_entries_stop_the_start() {
         assert!(deployment_entries(&["example.org, .example.com".into()], &[]).is_ok());
-        for bad in [".com", "https://example.org", "*.example.org", "host:0"] {
+        for bad in [".com", "https://example.org", "*.com", "host:0"] {
             let err = deployment_entries(&[bad.to_owned()], &[]).unwrap_err();
             assert!(
                 format!("{err:#}").contains("RUNBOX_EGRESS_ALLOW"),

@@ -309,7 +309,9 @@ impl Tools {
             checkpoint,
             ttl_sec: p.ttl_sec,
             network: parse::<NetworkTier>("network", p.network)?,
-            egress_allow: p.egress_allow,
+            egress_allow: p
+                .egress_allow
+                .map(|entries| entries.into_iter().map(Into::into).collect()),
             env: p.env.map(Env),
             size: parse("size", p.size)?,
             labels: p.labels,

@@ -111,8 +111,8 @@ pub struct CreateArgs {
     pub network: Option<NetworkArg>,
     /// Extra egress allowlist entry for this run (`host`, `.suffix`,
     /// `host:port`; needs --network allowlist; repeatable)
-    #[arg(long = "egress-allow", value_name = "ENTRY")]
-    pub egress_allow: Vec<String>,
+    #[arg(long = "egress-allow", value_name = "ENTRY", value_parser = crate::args::parse_egress_entry)]
+    pub egress_allow: Vec<runbox_types::EgressEntry>,
     /// Operator-declared secret the run may use through the proxy; the run
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
@@ -360,8 +360,8 @@ pub struct EgressArgs {
     pub network: Option<NetworkArg>,
     /// The run's allowlist entries from now on (`host`, `.suffix`,
     /// `host:port`; repeatable); without it and --clear-allow they stay
-    #[arg(long = "allow", value_name = "ENTRY")]
-    pub allow: Vec<String>,
+    #[arg(long = "allow", value_name = "ENTRY", value_parser = crate::args::parse_egress_entry)]
+    pub allow: Vec<runbox_types::EgressEntry>,
     /// Remove every allowlist entry of the run
     #[arg(long, conflicts_with = "allow")]
     pub clear_allow: bool,
@@ -410,7 +410,12 @@ pub async fn egress(args: EgressArgs) -> anyhow::Result<ExitCode> {
         "{} network {}; entries: {}; secrets: {}",
         run.id,
         run.network.as_str(),
-        list_or_none(&run.egress_allow),
+        list_or_none(
+            &run.egress_allow
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+        ),
         list_or_none(&run.secrets)
     );
     Ok(ExitCode::SUCCESS)
@@ -745,9 +750,16 @@ mod tests {
     #[test]
     fn egress_changes_leave_out_what_is_not_given() {
         let req = egress_request(&["--allow", "a.example", "--allow", "b.example:8443"]).unwrap();
+        let rule =
+            egress_request(&["--allow", r#"{"host": "db.example", "ports": [5432]}"#]).unwrap();
+        assert!(matches!(
+            rule.egress_allow.as_deref(),
+            Some([runbox_types::EgressEntry::Rule(r)]) if r.host == "db.example"
+        ));
+        assert!(egress_request(&["--allow", r#"{"hots": "x"}"#]).is_err());
         assert_eq!(
             req.egress_allow.as_deref(),
-            Some(&["a.example".to_owned(), "b.example:8443".to_owned()][..])
+            Some(&["a.example".into(), "b.example:8443".into()][..])
         );
         assert_eq!((req.network, req.secrets), (None, None));
         let req =

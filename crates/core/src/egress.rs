@@ -24,7 +24,9 @@
 
 use std::sync::Arc;
 
-use runbox_types::{BroughtSecret, EgressStats, Env, ErrorCode, NetworkTier, SecretRequest};
+use runbox_types::{
+    BroughtSecret, EgressEntry, EgressStats, Env, ErrorCode, NetworkTier, SecretRequest,
+};
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
 
@@ -67,9 +69,10 @@ use crate::lane::{EGRESS_PROXY_URL as PROXY_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PAT
 /// The node's egress proxy, as the core uses it: checking what a run asks
 /// for, and serving one run's proxy on a listener inside its namespace.
 pub trait EgressProxy: Send + Sync + std::fmt::Debug {
-    /// The canonical form of one `egressAllow` entry, or why it is
-    /// malformed (shown to the caller).
-    fn canonical_entry(&self, raw: &str) -> Result<String, String>;
+    /// The canonical form of one `egressAllow` entry (a string stays a
+    /// string, a rule a rule), or why it is malformed (shown to the
+    /// caller).
+    fn canonical_entry(&self, raw: &EgressEntry) -> Result<EgressEntry, String>;
 
     /// The secret names the operator declared, sorted.
     fn secret_names(&self) -> Vec<String>;
@@ -131,7 +134,7 @@ pub trait EgressHandle: Send + Sync {
 pub struct RunEgressRequest {
     /// `egressAllow`, canonical and without duplicates, in the given order.
     #[serde(default)]
-    pub allow: Vec<String>,
+    pub allow: Vec<EgressEntry>,
     /// Declared secret names, without duplicates.
     #[serde(default)]
     pub secrets: Vec<String>,
@@ -227,7 +230,7 @@ pub fn check_request(
     config: Option<&dyn EgressProxy>,
     sealer: Option<&dyn Sealer>,
     network: NetworkTier,
-    allow: Option<&[String]>,
+    allow: Option<&[EgressEntry]>,
     secrets: Option<&[SecretRequest]>,
 ) -> Result<RunEgressRequest, CoreError> {
     if network != NetworkTier::Allowlist {
@@ -267,7 +270,7 @@ pub fn check_request(
             ),
         ));
     }
-    let mut entries: Vec<String> = Vec::with_capacity(allow.len());
+    let mut entries: Vec<EgressEntry> = Vec::with_capacity(allow.len());
     for raw in allow {
         let canonical = config
             .canonical_entry(raw)
@@ -321,6 +324,24 @@ pub fn check_request(
                     return Err(duplicate_secret(&sealed.name));
                 }
                 brought.push(sealed);
+            }
+        }
+    }
+    // A rule's secret is one of the run's own.
+    for entry in &entries {
+        if let EgressEntry::Rule(runbox_types::EgressRule {
+            secret: Some(name), ..
+        }) = entry
+        {
+            if !names.contains(name) && !brought.iter().any(|b| &b.name == name) {
+                return Err(CoreError::invalid(
+                    ErrorCode::UnknownSecret,
+                    format!(
+                        "the egressAllow rule {entry} names secret {:?}, which the run does not \
+                         have; add it to secrets (a declared name, or one you bring)",
+                        bounded(name)
+                    ),
+                ));
             }
         }
     }
@@ -467,6 +488,10 @@ mod tests {
         v.iter().map(|s| s.to_string()).collect()
     }
 
+    fn entries(v: &[&str]) -> Vec<EgressEntry> {
+        v.iter().map(|s| EgressEntry::from(*s)).collect()
+    }
+
     fn declared(v: &[&str]) -> Vec<SecretRequest> {
         v.iter().map(|s| SecretRequest::from(*s)).collect()
     }
@@ -558,11 +583,11 @@ mod tests {
     struct Checker;
 
     impl EgressProxy for Checker {
-        fn canonical_entry(&self, raw: &str) -> Result<String, String> {
-            if raw.contains(' ') {
-                Err(format!("{raw:?} has a space"))
-            } else {
-                Ok(raw.to_ascii_lowercase())
+        fn canonical_entry(&self, raw: &EgressEntry) -> Result<EgressEntry, String> {
+            match raw {
+                EgressEntry::Text(raw) if raw.contains(' ') => Err(format!("{raw:?} has a space")),
+                EgressEntry::Text(raw) => Ok(raw.to_ascii_lowercase().into()),
+                rule => Ok(rule.clone()),
             }
         }
         fn secret_names(&self) -> Vec<String> {
@@ -605,17 +630,17 @@ mod tests {
             Some(&Checker),
             None,
             NetworkTier::Allowlist,
-            Some(&strings(&["Example.org", "example.org", "pypi.org"])),
+            Some(&entries(&["Example.org", "example.org", "pypi.org"])),
             Some(&declared(&["GH_TOKEN", "GH_TOKEN"])),
         )
         .unwrap();
-        assert_eq!(req.allow, strings(&["example.org", "pypi.org"]));
+        assert_eq!(req.allow, entries(&["example.org", "pypi.org"]));
         assert_eq!(req.secrets, strings(&["GH_TOKEN"]));
         let err = check_request(
             Some(&Checker),
             None,
             NetworkTier::Allowlist,
-            Some(&strings(&["a b"])),
+            Some(&entries(&["a b"])),
             None,
         )
         .unwrap_err();
@@ -630,7 +655,9 @@ mod tests {
         .unwrap_err();
         assert_eq!(err.code(), ErrorCode::UnknownSecret);
         assert!(err.to_string().contains("declared: GH_TOKEN"), "{err}");
-        let many: Vec<String> = (0..=MAX_RUN_ENTRIES).map(|i| format!("h{i}.org")).collect();
+        let many: Vec<EgressEntry> = (0..=MAX_RUN_ENTRIES)
+            .map(|i| format!("h{i}.org").into())
+            .collect();
         let err = check_request(
             Some(&Checker),
             None,
@@ -645,7 +672,7 @@ mod tests {
     #[test]
     fn egress_fields_belong_to_the_allowlist_tier() {
         for tier in [NetworkTier::None, NetworkTier::Open] {
-            let err = check_request(None, None, tier, Some(&strings(&["example.org"])), None)
+            let err = check_request(None, None, tier, Some(&entries(&["example.org"])), None)
                 .unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
             // An empty list is still a list where none can apply.

@@ -25,6 +25,7 @@ pub mod guard;
 pub mod policy;
 pub mod proxy;
 pub mod resolve;
+pub mod rules;
 pub mod secrets;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

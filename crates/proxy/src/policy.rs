@@ -17,6 +17,8 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 use std::sync::LazyLock;
 
+use crate::rules::Rule;
+
 /// Where an entry came from; a denial names the setting that would admit the
 /// destination, and an allow names the entry that did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,17 +49,27 @@ impl Source {
 /// One allowlist entry.
 ///
 /// Grammar: `host` (ports 80 and 443), `.suffix` (the host and every
-/// subdomain; at least two labels, so `.com` is refused), `host:port` (that
-/// port only). Hosts are lowercase DNS names (IDNA A-labels) or IP literals
-/// (`[v6]:port` for an IPv6 literal with a port).
+/// subdomain; at least two labels, so `.com` is refused), `*.suffix` (the
+/// subdomains only), `host:port` (that port only), `prefix/len` (the
+/// addresses of that network given as the destination, ports 80 and 443:
+/// a name is never resolved to be matched against a network, which would
+/// let a run send data out through DNS with names it makes up). Hosts are lowercase DNS names
+/// (IDNA A-labels) or IP literals (`[v6]:port` for an IPv6 literal with a
+/// port).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Entry {
     /// `host`: exactly that host, ports 80 and 443.
     Host(String),
     /// `.suffix`: the suffix itself and its subdomains, ports 80 and 443.
     Suffix(String),
+    /// `*.suffix`: the suffix's subdomains, not the suffix itself, ports
+    /// 80 and 443.
+    Subdomains(String),
     /// `host:port`: exactly that host and port.
     HostPort(String, u16),
+    /// `prefix/len`: destinations given as an address of that network,
+    /// ports 80 and 443.
+    Cidr(ipnet::IpNet),
 }
 
 /// Why an entry is malformed; the message says what to write instead.
@@ -116,10 +128,35 @@ fn parse_entry(raw: &str) -> Result<Entry, String> {
     if s.contains('@') {
         return Err("user information (`user@`) is not part of an entry; write the host only, e.g. example.org".into());
     }
+    if let Some(rest) = s.strip_prefix("*.") {
+        if rest.contains(['*', ':']) {
+            return Err("write *.example.org alone: one leading *. and no port".into());
+        }
+        let name = strip_trailing_dot(rest).to_ascii_lowercase();
+        check_dns_name(&name)?;
+        if !name.contains('.') {
+            return Err(format!(
+                "*.{name} would admit every name under a top-level domain; write e.g. *.example.{name}"
+            ));
+        }
+        return Ok(Entry::Subdomains(name));
+    }
     if s.contains('*') {
         return Err(
-            "wildcards are not supported; use .example.org for a domain and its subdomains".into(),
+            "a wildcard is only *.example.org (the subdomains); use .example.org for a domain \
+             and its subdomains"
+                .into(),
         );
+    }
+    if let Some((addr, len)) = s.split_once('/') {
+        if addr.parse::<IpAddr>().is_ok() {
+            let net: ipnet::IpNet = s.parse().map_err(|_| {
+                format!(
+                    "{len:?} is not a prefix length for {addr}; write e.g. 192.0.2.0/24 or 2001:db8::/32"
+                )
+            })?;
+            return Ok(Entry::Cidr(net.trunc()));
+        }
     }
     if s.contains(['/', '?', '#']) {
         return Err(
@@ -297,10 +334,12 @@ impl fmt::Display for Entry {
         match self {
             Entry::Host(h) => write_host(f, h),
             Entry::Suffix(s) => write!(f, ".{s}"),
+            Entry::Subdomains(s) => write!(f, "*.{s}"),
             Entry::HostPort(h, p) => {
                 write_host(f, h)?;
                 write!(f, ":{p}")
             }
+            Entry::Cidr(net) => write!(f, "{net}"),
         }
     }
 }
@@ -309,10 +348,14 @@ impl Entry {
     /// Whether this entry admits `host:port`. `host` must already be in
     /// canonical form (see [`normalize_host`]).
     pub fn matches(&self, host: &str, port: u16) -> bool {
+        self.matches_name(host) && self.default_ports(port)
+    }
+
+    /// Whether the entry, without ports of a rule, admits `port`.
+    pub fn default_ports(&self, port: u16) -> bool {
         match self {
-            Entry::Host(h) => host == h && WEB_PORTS.contains(&port),
-            Entry::Suffix(_) => self.matches_name(host) && WEB_PORTS.contains(&port),
-            Entry::HostPort(h, p) => host == h && port == *p,
+            Entry::HostPort(_, p) => port == *p,
+            _ => WEB_PORTS.contains(&port),
         }
     }
 
@@ -328,6 +371,10 @@ impl Entry {
                         .strip_suffix(s.as_str())
                         .is_some_and(|head| head.ends_with('.'))
             }
+            Entry::Subdomains(s) => host
+                .strip_suffix(s.as_str())
+                .is_some_and(|head| head.len() > 1 && head.ends_with('.')),
+            Entry::Cidr(net) => host.parse::<IpAddr>().is_ok_and(|ip| net.contains(&ip)),
         }
     }
 }
@@ -362,8 +409,8 @@ pub fn parse_list(s: &str) -> Result<Vec<Entry>, EntryError> {
 pub enum Decision {
     /// Admitted by `entry` from `source`.
     Allow {
-        /// The admitting entry.
-        entry: Entry,
+        /// The admitting rule.
+        entry: Rule,
         /// Where it came from.
         source: Source,
     },
@@ -372,6 +419,9 @@ pub enum Decision {
     Deny {
         /// The entry to add.
         run_entry: String,
+        /// A rule that names the host but not the port, and the port asked
+        /// for: the denial names it as the one to widen.
+        near: Option<(Rule, Source)>,
     },
 }
 
@@ -407,20 +457,33 @@ static DEFAULTS: LazyLock<Vec<Entry>> = LazyLock::new(|| {
 /// deployment's, and the run's own.
 #[derive(Clone, Debug, Default)]
 pub struct Allowlist {
-    /// In the order they are consulted: the run's, the deployment's, the
-    /// defaults. The first match decides, so an allow names the most specific
-    /// setting that admitted it.
-    entries: Vec<(Entry, Source)>,
+    /// In the order they are consulted: the run's, the hosts of its
+    /// brought secrets, the deployment's, the defaults. The first match
+    /// decides, so an allow names the most specific setting that admitted
+    /// it.
+    entries: Vec<(Rule, Source)>,
 }
 
 impl Allowlist {
     /// Builds the list. `defaults` switches the built-in list on or off.
-    pub fn new(defaults: bool, deployment: &[Entry], run: &[Entry]) -> Allowlist {
+    pub fn new<R: Clone + Into<Rule>>(
+        defaults: bool,
+        deployment: &[Entry],
+        run: &[R],
+    ) -> Allowlist {
         let mut entries = Vec::with_capacity(run.len() + deployment.len() + DEFAULT_ALLOW.len());
-        entries.extend(run.iter().map(|e| (e.clone(), Source::Run)));
-        entries.extend(deployment.iter().map(|e| (e.clone(), Source::Deployment)));
+        entries.extend(run.iter().map(|r| (r.clone().into(), Source::Run)));
+        entries.extend(
+            deployment
+                .iter()
+                .map(|e| (Rule::from(e.clone()), Source::Deployment)),
+        );
         if defaults {
-            entries.extend(DEFAULTS.iter().map(|e| (e.clone(), Source::Default)));
+            entries.extend(
+                DEFAULTS
+                    .iter()
+                    .map(|e| (Rule::from(e.clone()), Source::Default)),
+            );
         }
         Allowlist { entries }
     }
@@ -434,25 +497,31 @@ impl Allowlist {
             .take_while(|(_, source)| *source == Source::Run)
             .count();
         for (i, entry) in hosts.iter().enumerate() {
-            self.entries.insert(at + i, (entry.clone(), Source::Secret));
+            self.entries
+                .insert(at + i, (Rule::from(entry.clone()), Source::Secret));
         }
         self
     }
 
     /// Decides for `host` (already lowercased by the caller or not: this
-    /// normalises) and `port`.
+    /// normalises) and `port`, by name.
     pub fn decide(&self, host: &str, port: u16) -> Decision {
         let host = normalize_host(host);
-        for (entry, source) in &self.entries {
-            if entry.matches(&host, port) {
+        let mut near = None;
+        for (rule, source) in &self.entries {
+            if rule.matches(&host, port) {
                 return Decision::Allow {
-                    entry: entry.clone(),
+                    entry: rule.clone(),
                     source: *source,
                 };
+            }
+            if near.is_none() && rule.ports.is_some() && rule.entry.matches_name(&host) {
+                near = Some((rule.clone(), *source));
             }
         }
         Decision::Deny {
             run_entry: run_entry_for(&host, port),
+            near,
         }
     }
 }
@@ -473,13 +542,27 @@ fn run_entry_for(host: &str, port: u16) -> String {
 }
 
 /// The text of the proxy's 403 body for a denied destination: names the exact
-/// per-run `egressAllow` entry and the deployment setting that would admit it.
-pub fn denial_message(method: &str, host: &str, port: u16, run_entry: &str) -> String {
+/// per-run `egressAllow` entry and the deployment setting that would admit it,
+/// or the rule that names the host but not the port.
+pub fn denial_message(
+    method: &str,
+    host: &str,
+    port: u16,
+    run_entry: &str,
+    near: Option<&(Rule, Source)>,
+) -> String {
     let shown = if host.contains(':') && !host.starts_with('[') {
         format!("[{host}]")
     } else {
         host.to_string()
     };
+    if let Some((rule, source)) = near {
+        return format!(
+            "runbox: {method} {shown}:{port} is blocked: the {} rule {rule} names this host but \
+             not port {port}.\nTo allow it, add {port} to that rule's ports.\n",
+            source.as_str()
+        );
+    }
     format!(
         "runbox: {method} {shown}:{port} is blocked: it is not on this run's egress allowlist.\n\
          To allow it for this run, add \"{run_entry}\" to egressAllow when you create the run.\n\
@@ -694,7 +777,7 @@ mod tests {
             ("example.org/path", "paths are not part"),
             ("example.org?x=1", "paths are not part"),
             (
-                "*.example.org",
+                "ex*.example.org",
                 "use .example.org for a domain and its subdomains",
             ),
             ("user@example.org", "user information"),
@@ -774,8 +857,8 @@ mod tests {
         );
         assert_eq!(parse_list("").unwrap(), vec![]);
         assert_eq!(parse_list(" , ,\n").unwrap(), vec![]);
-        let err = parse_list("a.example, *.b.example, c.example").unwrap_err();
-        assert_eq!(err.entry, "*.b.example");
+        let err = parse_list("a.example, b.*.example, c.example").unwrap_err();
+        assert_eq!(err.entry, "b.*.example");
     }
 
     #[test]
@@ -825,7 +908,7 @@ mod tests {
         assert_eq!(list.decide("pypi.org", 443).rule(), "default:pypi.org");
         assert_eq!(list.decide("example.org", 443).rule(), "none");
 
-        let without_defaults = Allowlist::new(false, &deployment, &[]);
+        let without_defaults = Allowlist::new::<Entry>(false, &deployment, &[]);
         assert!(!without_defaults.decide("pypi.org", 443).is_allow());
         assert_eq!(
             without_defaults.decide("github.com", 443).rule(),
@@ -841,9 +924,9 @@ mod tests {
 
     #[test]
     fn deny_names_the_narrowest_run_entry() {
-        let list = Allowlist::new(false, &[], &[]);
+        let list = Allowlist::new::<Entry>(false, &[], &[]);
         let run_entry = |host: &str, port| match list.decide(host, port) {
-            Decision::Deny { run_entry } => run_entry,
+            Decision::Deny { run_entry, .. } => run_entry,
             d => panic!("{d:?}"),
         };
         assert_eq!(run_entry("Example.org.", 443), "example.org");
@@ -863,14 +946,14 @@ mod tests {
 
     #[test]
     fn denial_message_names_the_fix() {
-        let msg = denial_message("CONNECT", "example.org", 8443, "example.org:8443");
+        let msg = denial_message("CONNECT", "example.org", 8443, "example.org:8443", None);
         assert!(msg.contains("CONNECT example.org:8443"));
         assert!(msg.contains("not on this run's egress allowlist"));
         assert!(msg.contains("\"example.org:8443\" to egressAllow"));
         assert!(msg.contains("runbox serve --egress-allow"));
         assert!(msg.contains("RUNBOX_EGRESS_ALLOW"));
         assert!(msg.ends_with('\n'));
-        let v6 = denial_message("GET", "2001:db8::1", 80, "[2001:db8::1]");
+        let v6 = denial_message("GET", "2001:db8::1", 80, "[2001:db8::1]", None);
         assert!(v6.contains("GET [2001:db8::1]:80"));
     }
 
@@ -887,7 +970,7 @@ mod tests {
 
     #[test]
     fn default_list_leaves_out_publishing_apis_and_open_stores() {
-        let list = Allowlist::new(true, &[], &[]);
+        let list = Allowlist::new::<Entry>(true, &[], &[]);
         for host in [
             "crates.io",
             "www.nuget.org",
@@ -901,6 +984,56 @@ mod tests {
             assert!(!list.decide(host, 443).is_allow(), "{host}");
         }
         assert!(list.decide("westus.data.mcr.microsoft.com", 443).is_allow());
+    }
+
+    #[test]
+    fn subdomain_wildcards_and_networks() {
+        assert_eq!(
+            entry("*.Example.COM"),
+            Entry::Subdomains("example.com".into())
+        );
+        assert_eq!(entry("*.example.com").to_string(), "*.example.com");
+        assert_eq!(entry("192.0.2.7/24").to_string(), "192.0.2.0/24");
+        assert_eq!(entry("2001:db8::1/32").to_string(), "2001:db8::/32");
+        let list = Allowlist::new(false, &[], &[entry("*.example.com"), entry("192.0.2.0/24")]);
+        assert!(list.decide("a.example.com", 443).is_allow());
+        assert!(list.decide("a.b.example.com", 80).is_allow());
+        assert!(!list.decide("example.com", 443).is_allow());
+        assert!(!list.decide("xexample.com", 443).is_allow());
+        assert!(list.decide("192.0.2.200", 443).is_allow());
+        assert!(!list.decide("192.0.2.200", 22).is_allow());
+        assert!(!list.decide("192.0.3.1", 443).is_allow());
+        // A network matches addresses given as such, never names.
+        assert!(!list.decide("host-in-net.example.org", 443).is_allow());
+        for (bad, says) in [
+            ("*.com", "top-level"),
+            ("*.*.example.com", "one leading"),
+            ("a.*.example.com", "wildcard is only"),
+            ("*.example.com:443", "one leading"),
+            ("10.0.0.0/33", "prefix length"),
+            ("example.com/24", "paths are not part"),
+        ] {
+            assert!(reason(bad).contains(says), "{bad}: {}", reason(bad));
+        }
+    }
+
+    #[test]
+    fn a_rule_that_names_the_host_but_not_the_port_is_the_one_a_denial_names() {
+        let spec: crate::rules::RuleSpec =
+            serde_json::from_str(r#"{"host": "db.example.com", "ports": [5432]}"#).unwrap();
+        let rule = Rule::parse(&spec).unwrap();
+        let list = Allowlist::new(false, &[], &[rule]);
+        assert!(list.decide("db.example.com", 5432).is_allow());
+        let Decision::Deny { run_entry, near } = list.decide("db.example.com", 5433) else {
+            panic!()
+        };
+        assert_eq!(run_entry, "db.example.com:5433");
+        let message = denial_message("CONNECT", "db.example.com", 5433, &run_entry, near.as_ref());
+        assert!(
+            message.contains(r#"the run rule {"host":"db.example.com","ports":[5432]}"#)
+                && message.contains("add 5433 to that rule's ports"),
+            "{message}"
+        );
     }
 
     #[test]

@@ -436,20 +436,7 @@ impl Ctx {
     ///
     /// Cancellation: safe to drop; it only waits on the resolver.
     async fn admit(&self, method: &str, target: &Target) -> Result<Admitted, Reject> {
-        let decision = self
-            .run
-            .policy()
-            .allowlist
-            .decide(&target.host, target.port);
-        if let Decision::Deny { run_entry } = &decision {
-            self.record(method, target, false, "none", None);
-            return Err(Reject::Denied(policy::denial_message(
-                method,
-                &target.host,
-                target.port,
-                run_entry,
-            )));
-        }
+        let decision = self.decide(method, target)?;
         let addrs = match self.shared.resolver.lookup(&target.host).await {
             Ok(addrs) if !addrs.is_empty() => addrs,
             Ok(_) => {
@@ -478,10 +465,55 @@ impl Ctx {
                 });
             }
         }
+        let Decision::Allow { entry, .. } = &decision else {
+            unreachable!("decide answers allows only")
+        };
         Ok(Admitted {
             rule: decision.rule(),
+            entry: entry.clone(),
             addrs,
         })
+    }
+
+    /// Step 2 alone, with the run's policy now: the rule that admits
+    /// `method` to `target`, or the 403 naming what would (the entry to
+    /// add, the port or the method a rule lacks). A CONNECT is checked by
+    /// host and port; its requests are checked again one by one when the
+    /// tunnel is intercepted. Denials are audited here.
+    fn decide(&self, method: &str, target: &Target) -> Result<Decision, Reject> {
+        let decision = self
+            .run
+            .policy()
+            .allowlist
+            .decide(&target.host, target.port);
+        match &decision {
+            Decision::Deny { run_entry, near } => {
+                self.record(method, target, false, "none", None);
+                Err(Reject::Denied(policy::denial_message(
+                    method,
+                    &target.host,
+                    target.port,
+                    run_entry,
+                    near.as_ref(),
+                )))
+            }
+            Decision::Allow { entry, source } => {
+                let asked = Method::from_bytes(method.as_bytes()).unwrap_or(Method::GET);
+                if asked != Method::CONNECT && !entry.admits_method(&asked) {
+                    let rule = format!("method:{}", decision.rule());
+                    self.record(method, target, false, &rule, None);
+                    return Err(Reject::Denied(format!(
+                        "runbox: {method} {}:{} is blocked: the {} rule {entry} admits {} only.\n\
+                         To allow it, add {method} to that rule's methods.\n",
+                        target.host,
+                        target.port,
+                        source.as_str(),
+                        entry.method_list()
+                    )));
+                }
+                Ok(decision)
+            }
+        }
     }
 }
 
@@ -489,6 +521,8 @@ impl Ctx {
 struct Admitted {
     /// The audit rule of the allowlist entry that admitted it.
     rule: String,
+    /// That entry.
+    entry: crate::rules::Rule,
     /// The checked addresses, in the resolver's order.
     addrs: Vec<IpAddr>,
 }
@@ -691,13 +725,15 @@ async fn connect(
     admitted: Admitted,
 ) -> Result<Response<ProxyBody>, Reject> {
     // Interception is decided by the host: whether a request carries a
-    // secret is only known per inner request, after TLS is terminated.
-    let intercept = ctx
-        .run
-        .policy()
-        .secrets
-        .iter()
-        .any(|s| s.covers_host(&target.host));
+    // secret, or has a method its rule admits, is only known per inner
+    // request, after TLS is terminated.
+    let intercept = admitted.entry.intercepts()
+        || ctx
+            .run
+            .policy()
+            .secrets
+            .iter()
+            .any(|s| s.covers_host(&target.host));
     let server_config = if intercept {
         match ctx.shared.authority.server_config(&target.host) {
             Ok(config) => Some(config),
@@ -716,13 +752,14 @@ async fn connect(
     ctx.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
+                let strict = !admitted.entry.methods.is_empty();
                 tunnel(
                     task_ctx,
                     upgraded,
                     upstream,
                     target,
                     admitted.rule,
-                    server_config,
+                    server_config.map(|config| (config, strict)),
                 )
                 .await
             }
@@ -743,7 +780,9 @@ const TLS_HANDSHAKE_RECORD: u8 = 0x16;
 /// A host with a secret rule may also be reached with something other than
 /// TLS (`git` over SSH to a forge whose API token is brokered); such a
 /// tunnel is passed through blind, which is safe: a blind tunnel never
-/// carries a secret value, only what the run itself has.
+/// carries a secret value, only what the run itself has. Not so under a
+/// rule that admits some methods only (`strict`): a tunnel whose requests
+/// cannot be seen could send any, so it is closed instead.
 ///
 /// Cancellation: safe to drop; every socket of the tunnel closes.
 async fn tunnel(
@@ -752,7 +791,7 @@ async fn tunnel(
     upstream: TcpStream,
     target: Target,
     rule: String,
-    server_config: Option<Arc<rustls::ServerConfig>>,
+    server_config: Option<(Arc<rustls::ServerConfig>, bool)>,
 ) {
     // Unwrapping hyper's upgrade wrapper leaves plain tokio I/O on the run's
     // side (still counted): a lean copy loop, and a socket to peek at.
@@ -763,20 +802,23 @@ async fn tunnel(
             // the same, deciding by the host alone.
             let run_side = TokioIo::new(upgraded);
             match server_config {
-                Some(config) => {
-                    intercept_tunnel(ctx, run_side, upstream, target, rule, config).await
+                Some((config, _)) => {
+                    intercept_tunnel(ctx, run_side, upstream, target, config).await
                 }
                 None => blind_tunnel(run_side, Bytes::new(), upstream).await,
             }
             return;
         }
     };
-    let Some(config) = server_config else {
+    let Some((config, strict)) = server_config else {
         return blind_tunnel(run_side, early, upstream).await;
     };
     if opens_with_tls(&run_side.inner, &early, &upstream).await {
         let run_side = Prefixed::new(early, run_side);
-        intercept_tunnel(ctx, run_side, upstream, target, rule, config).await;
+        intercept_tunnel(ctx, run_side, upstream, target, config).await;
+    } else if strict {
+        // Dropping both sides closes the tunnel.
+        ctx.record("CONNECT", &target, false, &format!("not-tls:{rule}"), None);
     } else {
         // No inner requests will be seen: this CONNECT is the record.
         ctx.record("CONNECT", &target, true, &rule, None);
@@ -850,7 +892,6 @@ async fn intercept_tunnel<R>(
     run_side: R,
     upstream: TcpStream,
     target: Target,
-    rule: String,
     server_config: Arc<rustls::ServerConfig>,
 ) where
     R: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -877,7 +918,6 @@ async fn intercept_tunnel<R>(
     let inner = Arc::new(Intercepted {
         ctx: Arc::clone(&ctx),
         target,
-        rule,
         upstream: sender,
     });
     let svc = service_fn(move |req| {
@@ -954,8 +994,6 @@ struct Intercepted {
     ctx: Arc<Ctx>,
     /// The CONNECT's destination: the only host its requests may name.
     target: Target,
-    /// The audit rule of the allowlist entry that admitted it.
-    rule: String,
     /// The upstream connection, or why there is none.
     upstream: Result<tokio::sync::Mutex<UpstreamSender>, Reject>,
 }
@@ -1020,8 +1058,12 @@ impl Intercepted {
             Err(other) => return Err(Reject::Upstream(other.to_string())),
         };
         strip_hop_by_hop(&mut parts.headers);
-        // The secrets in force now: one taken away since the tunnel opened
-        // is not sent.
+        // Each request is checked against the policy in force now: the
+        // host still admitted, its method under its rule; and only the
+        // secrets in force now (one taken away since the tunnel opened is
+        // not sent).
+        let decision = self.ctx.decide(parts.method.as_str(), &self.target)?;
+        let rule = decision.rule();
         let injected = secrets::inject(
             &self.ctx.run.policy().secrets,
             &self.target.host,
@@ -1031,8 +1073,7 @@ impl Intercepted {
         );
         let secret = (!injected.is_empty()).then(|| injected.join(","));
         let method = parts.method.as_str().to_owned();
-        self.ctx
-            .record(&method, &self.target, true, &self.rule, secret);
+        self.ctx.record(&method, &self.target, true, &rule, secret);
         parts.version = Version::HTTP_11;
         let upstream_req = Request::from_parts(parts, body);
         let response = {

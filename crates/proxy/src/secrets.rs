@@ -204,7 +204,7 @@ fn check_policy(spec: &SecretPolicy) -> Result<CheckedPolicy, String> {
     let mut hosts = Vec::with_capacity(spec.hosts.len());
     for h in &spec.hosts {
         match h.parse::<Entry>() {
-            Ok(e @ (Entry::Host(_) | Entry::Suffix(_))) => {
+            Ok(e @ (Entry::Host(_) | Entry::Suffix(_) | Entry::Subdomains(_))) => {
                 if !hosts.contains(&e) {
                     hosts.push(e)
                 }
@@ -212,6 +212,12 @@ fn check_policy(spec: &SecretPolicy) -> Result<CheckedPolicy, String> {
             Ok(Entry::HostPort(..)) => {
                 return Err(format!(
                     "host {h:?} has a port; secret hosts take no port, write the host alone"
+                ))
+            }
+            Ok(Entry::Cidr(_)) => {
+                return Err(format!(
+                    "host {h:?} is a network; a secret goes only to names whose certificate the \
+                     proxy verifies, write a host such as api.example.com"
                 ))
             }
             Err(e) => return Err(format!("host {h:?}: {}", e.reason)),

@@ -5,6 +5,121 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+/// One entry of `egressAllow`: the string grammar (`host`, `.suffix`,
+/// `*.suffix`, `host:port`, an IP address, `prefix/len`) or a rule object.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(untagged)]
+pub enum EgressEntry {
+    /// An entry in the string grammar.
+    Text(String),
+    /// A rule.
+    Rule(EgressRule),
+}
+
+impl From<&str> for EgressEntry {
+    fn from(entry: &str) -> Self {
+        EgressEntry::Text(entry.to_owned())
+    }
+}
+
+impl From<String> for EgressEntry {
+    fn from(entry: String) -> Self {
+        EgressEntry::Text(entry)
+    }
+}
+
+impl PartialEq<String> for EgressEntry {
+    fn eq(&self, other: &String) -> bool {
+        matches!(self, EgressEntry::Text(text) if text == other)
+    }
+}
+
+impl PartialEq<&str> for EgressEntry {
+    fn eq(&self, other: &&str) -> bool {
+        matches!(self, EgressEntry::Text(text) if text == other)
+    }
+}
+
+impl fmt::Display for EgressEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EgressEntry::Text(text) => f.write_str(text),
+            EgressEntry::Rule(rule) => {
+                f.write_str(&serde_json::to_string(rule).map_err(|_| fmt::Error)?)
+            }
+        }
+    }
+}
+
+/// As [`SecretRequest`]: the object's own error, not "no variant matched".
+impl<'de> Deserialize<'de> for EgressEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = EgressEntry;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "an entry such as \"example.org\", or a rule {host, ports?, methods?, \
+                     secret?, intercept?}",
+                )
+            }
+
+            fn visit_str<E: serde::de::Error>(self, entry: &str) -> Result<EgressEntry, E> {
+                Ok(EgressEntry::Text(entry.to_owned()))
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<EgressEntry, A::Error> {
+                EgressRule::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(EgressEntry::Rule)
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// An allowlist rule: a host with the ports, methods, secret and
+/// interception that go with it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EgressRule {
+    /// `host`, `.suffix`, `*.suffix`, an IP address or `prefix/len`; no
+    /// port (see `ports`).
+    pub host: String,
+    /// Ports or `"lo-hi"` ranges (default: 80 and 443).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ports: Option<Vec<PortSpec>>,
+    /// The methods that may be sent (default: every method). A rule with
+    /// methods intercepts TLS to check each request, and closes a tunnel
+    /// that does not speak TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub methods: Option<Vec<String>>,
+    /// One of the run's secrets its requests may carry (by the secret's
+    /// own host, method and path policy); intercepts TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// Terminate TLS to its hosts, so each request is checked against the
+    /// policy in force and audited.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intercept: Option<bool>,
+}
+
+/// One item of a rule's `ports`: a port, or an inclusive `"lo-hi"` range.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(untagged)]
+pub enum PortSpec {
+    /// One port, 1-65535.
+    Port(u32),
+    /// `"8000-8999"`.
+    Range(String),
+}
+
 /// One entry of `secrets` on `POST /v1/runs`: the name of a secret the
 /// operator declared, or a secret the caller brings with its value and the
 /// policy it may be sent under.
@@ -98,7 +213,7 @@ pub struct UpdateEgressRequest {
     pub network: Option<crate::NetworkTier>,
     /// The run's own allowlist entries (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub egress_allow: Option<Vec<String>>,
+    pub egress_allow: Option<Vec<EgressEntry>>,
     /// The run's secrets, declared and brought (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<SecretRequest>>,
@@ -187,6 +302,34 @@ mod tests {
         let again: Vec<SecretRequest> =
             serde_json::from_str(&serde_json::to_string(&parsed).unwrap()).unwrap();
         assert_eq!(again, parsed);
+    }
+
+    #[test]
+    fn egress_entries_are_strings_or_rules() {
+        let parsed: Vec<EgressEntry> = serde_json::from_str(
+            r#"["example.org", {"host": "db.example.org", "ports": [5432, "6000-6001"]}]"#,
+        )
+        .unwrap();
+        assert_eq!(parsed[0], "example.org");
+        let EgressEntry::Rule(rule) = &parsed[1] else {
+            panic!("{parsed:?}")
+        };
+        assert_eq!(
+            rule.ports,
+            Some(vec![
+                PortSpec::Port(5432),
+                PortSpec::Range("6000-6001".into())
+            ])
+        );
+        assert_eq!(
+            parsed[1].to_string(),
+            r#"{"host":"db.example.org","ports":[5432,"6000-6001"]}"#
+        );
+        let err =
+            serde_json::from_str::<EgressEntry>(r#"{"host": "x", "method": ["GET"]}"#).unwrap_err();
+        assert!(err.to_string().contains("unknown field `method`"), "{err}");
+        let err = serde_json::from_str::<EgressEntry>("[1]").unwrap_err();
+        assert!(err.to_string().contains("a rule {host"), "{err}");
     }
 
     #[test]

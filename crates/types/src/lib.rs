@@ -17,7 +17,10 @@ pub mod error;
 mod tenants;
 mod volumes;
 
-pub use egress::{BroughtSecret, SecretRequest, SecretValue, UpdateEgressRequest};
+pub use egress::{
+    BroughtSecret, EgressEntry, EgressRule, PortSpec, SecretRequest, SecretValue,
+    UpdateEgressRequest,
+};
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use tenants::{
     ConfigReload, CreateTenantRequest, Tenant, TenantList, TenantPolicy, TenantToken,
@@ -208,9 +211,11 @@ pub struct CreateRunRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsRequest>,
     /// Extra allowlist entries for this run only (`allowlist` tier):
-    /// `host`, `.suffix` or `host:port`.
+    /// `host`, `.suffix`, `*.suffix`, `host:port`, an IP address,
+    /// `prefix/len`, or a rule `{host, ports?, methods?, secret?,
+    /// intercept?}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub egress_allow: Option<Vec<String>>,
+    pub egress_allow: Option<Vec<EgressEntry>>,
     /// Secrets the run may use (`allowlist` tier): names the operator
     /// declared, and secrets the caller brings (at most 32, value and
     /// policy; their hosts become reachable). The run sees only
@@ -527,7 +532,7 @@ pub struct Run {
     pub lease: Option<Lease>,
     /// The run's own allowlist entries, canonical (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub egress_allow: Vec<String>,
+    pub egress_allow: Vec<EgressEntry>,
     /// The secrets the run may use, by name (declared and brought; never
     /// a value).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -105,8 +105,9 @@ def test_secrets_a_caller_brings_stay_out_of_the_run(rb: Runbox):
     try:
         assert run.secrets == ["VENDOR_KEY"]
         assert rb.run(run.id, 'printf %s "$VENDOR_KEY"').stdout == b"runbox-secret:VENDOR_KEY"
-        changed = rb.update_egress(run.id, egress_allow=["pypi.org"], secrets=[])
-        assert (changed.egress_allow, changed.secrets) == (["pypi.org"], [])
+        rule = {"host": "db.example.com", "ports": [5432], "methods": ["GET"]}
+        changed = rb.update_egress(run.id, egress_allow=["pypi.org", rule], secrets=[])
+        assert (changed.egress_allow, changed.secrets) == (["pypi.org", rule], [])
         closed = rb.update_egress(run.id, network="none")
         assert (closed.network, closed.egress_allow) == ("none", [])
     finally:

@@ -84,7 +84,8 @@ export interface CreateRunOptions {
   size?: CreateRunRequest["size"];
   limits?: { cpus?: number; memoryMb?: number; pids?: number; diskMb?: number };
   labels?: Record<string, string>;
-  egressAllow?: string[];
+  /** Allowlist entries (`"pypi.org"`) and rules (`{ host, ports?, methods?, secret?, intercept? }`). */
+  egressAllow?: NonNullable<CreateRunRequest["egressAllow"]>;
   /** Declared secret names, and secrets you bring as `{ name, value, hosts,
    * header, scheme?, methods, pathPrefixes }`: the run sees a placeholder,
    * the proxy sends the value only to those hosts, methods and paths. */

@@ -1571,9 +1571,11 @@ export interface components {
             checkpoint?: string | null;
             /**
              * @description Extra allowlist entries for this run only (`allowlist` tier):
-             *     `host`, `.suffix` or `host:port`.
+             *     `host`, `.suffix`, `*.suffix`, `host:port`, an IP address,
+             *     `prefix/len`, or a rule `{host, ports?, methods?, secret?,
+             *     intercept?}`.
              */
-            egressAllow?: string[] | null;
+            egressAllow?: components["schemas"]["EgressEntry"][] | null;
             env?: null | components["schemas"]["Env"];
             idle?: null | components["schemas"]["IdlePolicy"];
             /**
@@ -1674,6 +1676,40 @@ export interface components {
              *     default mode of a dataset mount.
              */
             writable: boolean;
+        };
+        /**
+         * @description One entry of `egressAllow`: the string grammar (`host`, `.suffix`,
+         *     `*.suffix`, `host:port`, an IP address, `prefix/len`) or a rule object.
+         */
+        EgressEntry: string | components["schemas"]["EgressRule"];
+        /**
+         * @description An allowlist rule: a host with the ports, methods, secret and
+         *     interception that go with it.
+         */
+        EgressRule: {
+            /**
+             * @description `host`, `.suffix`, `*.suffix`, an IP address or `prefix/len`; no
+             *     port (see `ports`).
+             */
+            host: string;
+            /**
+             * @description Terminate TLS to its hosts, so each request is checked against the
+             *     policy in force and audited.
+             */
+            intercept?: boolean | null;
+            /**
+             * @description The methods that may be sent (default: every method). A rule with
+             *     methods intercepts TLS to check each request, and closes a tunnel
+             *     that does not speak TLS.
+             */
+            methods?: string[] | null;
+            /** @description Ports or `"lo-hi"` ranges (default: 80 and 443). */
+            ports?: components["schemas"]["PortSpec"][] | null;
+            /**
+             * @description One of the run's secrets its requests may carry (by the secret's
+             *     own host, method and path policy); intercepts TLS.
+             */
+            secret?: string | null;
         };
         /** @description Egress accounting of one run. */
         EgressStats: {
@@ -2197,6 +2233,8 @@ export interface components {
             /** @description The warmup command, if any. */
             warmup?: string[] | null;
         };
+        /** @description One item of a rule's `ports`: a port, or an inclusive `"lo-hi"` range. */
+        PortSpec: number | string;
         /** @description A minted preview URL. */
         Preview: {
             /**
@@ -2442,7 +2480,7 @@ export interface components {
             diskUsedBytes?: number | null;
             egress?: null | components["schemas"]["EgressStats"];
             /** @description The run's own allowlist entries, canonical (`allowlist` tier). */
-            egressAllow?: string[];
+            egressAllow?: components["schemas"]["EgressEntry"][];
             /**
              * Format: date-time
              * @description When the reaper destroys the run unless it is renewed (RFC 3339).
@@ -2766,7 +2804,7 @@ export interface components {
          */
         UpdateEgressRequest: {
             /** @description The run's own allowlist entries (`allowlist` tier). */
-            egressAllow?: string[] | null;
+            egressAllow?: components["schemas"]["EgressEntry"][] | null;
             network?: null | components["schemas"]["NetworkTier"];
             /** @description The run's secrets, declared and brought (`allowlist` tier). */
             secrets?: components["schemas"]["SecretRequest"][] | null;

@@ -133,8 +133,9 @@ test("secrets a caller brings stay out of the run", async () => {
     assert.deepEqual(run.secrets, ["VENDOR_KEY"]);
     assert.ok(!JSON.stringify(await rb.getRun(run.id)).includes(secret.value));
     assert.equal(text((await rb.run(run.id, 'printf %s "$VENDOR_KEY"')).stdout), "runbox-secret:VENDOR_KEY");
-    const changed = await rb.updateEgress(run.id, { egressAllow: ["registry.npmjs.org"], secrets: [] });
-    assert.deepEqual([changed.egressAllow, changed.secrets ?? []], [["registry.npmjs.org"], []]);
+    const rule = { host: "db.example.com", ports: [5432], methods: ["GET"] };
+    const changed = await rb.updateEgress(run.id, { egressAllow: ["registry.npmjs.org", rule], secrets: [] });
+    assert.deepEqual([changed.egressAllow, changed.secrets ?? []], [["registry.npmjs.org", rule], []]);
     const closed = await rb.updateEgress(run.id, { network: "none" });
     assert.equal(closed.network, "none");
   } finally {

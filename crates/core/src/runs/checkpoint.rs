@@ -627,7 +627,7 @@ mod tests {
         assert_eq!(req.network, Some(runbox_types::NetworkTier::Allowlist));
         assert_eq!(
             req.egress_allow.as_deref(),
-            Some(&["example.com".to_owned()][..])
+            Some(&[runbox_types::EgressEntry::from("example.com")][..])
         );
         assert_eq!(req.size, Some(runbox_types::SizeTier::Small));
         assert_eq!(req.labels, settings.labels);

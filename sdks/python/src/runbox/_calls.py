@@ -51,7 +51,7 @@ def create_run(
     pids: Optional[int] = None,
     disk_mb: Optional[int] = None,
     labels: Optional[Dict[str, str]] = None,
-    egress_allow: Optional[List[str]] = None,
+    egress_allow: Optional[List[Union[str, Dict[str, Any]]]] = None,
     secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
     auto_resume: Optional[bool] = None,
     on_expire: Optional[str] = None,
@@ -89,7 +89,7 @@ def update_egress(
     run_id: str,
     *,
     network: Optional[str] = None,
-    egress_allow: Optional[List[str]] = None,
+    egress_allow: Optional[List[Union[str, Dict[str, Any]]]] = None,
     secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
 ) -> Call[Run]:
     body = compact(

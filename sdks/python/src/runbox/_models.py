@@ -69,7 +69,7 @@ class Run:
     restarts: int = 0
     allow_privilege_escalation: bool = False
     volumes: List[Dict[str, Any]] = field(default_factory=list)
-    egress_allow: List[str] = field(default_factory=list)
+    egress_allow: List[Any] = field(default_factory=list)
     secrets: List[str] = field(default_factory=list)
     failure: Optional[str] = None
     tenant: Optional[str] = None
