@@ -10,10 +10,10 @@ import { Daemon } from "../../../sdks/typescript/test/daemon.mjs";
 /// Starts a daemon for this file's tests; `keyPrefix` goes before the token
 /// in E2B_API_KEY (E2B's own key shape is `e2b_` and hex). Returns a getter:
 /// the daemon exists only once `before` has run.
-export function useDaemon({ name, octet, keyPrefix = "" }) {
+export function useDaemon({ name, octet, keyPrefix = "", args = [] }) {
   let daemon;
   before(async () => {
-    daemon = await Daemon.start({ name, octet });
+    daemon = await Daemon.start({ name, octet, args });
     process.env.E2B_API_KEY = `${keyPrefix}${daemon.token}`;
     process.env.E2B_API_URL = daemon.url;
     process.env.E2B_SANDBOX_URL = daemon.url;

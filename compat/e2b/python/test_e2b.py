@@ -188,9 +188,81 @@ def test_snapshots_become_templates(sbx):
         child.kill()
 
 
+@pytest.fixture
+def upstreams():
+    """Two HTTP servers on loopback addresses of their own, each answering
+    with its address: the internet, as far as the network tests go."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Hello(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = f"hello from {self.server.server_address[0]}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_):
+            pass
+
+    servers = [ThreadingHTTPServer((ip, 0), Hello) for ip in ("127.0.0.7", "127.0.0.8")]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield [server.server_address for server in servers]
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+def test_network_allow_and_deny_out_with_live_updates(upstreams):
+    (a, port_a), (b, port_b) = upstreams
+
+    def fetch(sbx, ip, port):
+        # busybox wget goes through the proxy named in http_proxy (its -T
+        # with a proxy crashes busybox 1.35, so none is given).
+        return sbx.commands.run(f"wget -q -O - http://{ip}:{port}/").stdout
+
+    sbx = Sandbox.create(network={"deny_out": ["0.0.0.0/0"], "allow_out": [a]}, timeout=120)
+    try:
+        assert fetch(sbx, a, port_a) == f"hello from {a}"
+        with pytest.raises(CommandExitException):
+            fetch(sbx, b, port_b)
+        # A live update replaces the rules: b now, not a.
+        sbx.update_network({"deny_out": ["0.0.0.0/0"], "allow_out": [b]})
+        assert fetch(sbx, b, port_b) == f"hello from {b}"
+        with pytest.raises(CommandExitException):
+            fetch(sbx, a, port_a)
+        # No internet at all.
+        sbx.update_network({"allow_internet_access": False})
+        with pytest.raises(CommandExitException):
+            fetch(sbx, b, port_b)
+        # Opening a sandbox that was made closed is not something runbox
+        # does live: a clear 400, nothing changed.
+        with pytest.raises(SandboxException) as opening:
+            sbx.update_network({})
+        assert "400" in str(opening.value)
+    finally:
+        sbx.kill()
+    # What runbox cannot enforce is refused, never widened.
+    with pytest.raises(SandboxException) as partial:
+        Sandbox.create(network={"deny_out": ["8.8.8.8"]})
+    assert "400" in str(partial.value) and "0.0.0.0/0" in str(partial.value)
+    with pytest.raises(SandboxException) as unreachable:
+        Sandbox.create(
+            network={
+                "deny_out": ["0.0.0.0/0"],
+                "rules": {"api.example.com": [{"transform": {"headers": {"X-Key": "v"}}}]},
+            }
+        )
+    assert "not in allowOut" in str(unreachable.value)
+
+
 def test_unsupported_calls_answer_what_the_docs_say(sbx):
     with pytest.raises(SandboxException) as net:
-        Sandbox.create(template="base", network={"deny_out": ["0.0.0.0/0"]})
+        Sandbox.create(template="base", network={"mask_request_host": "example.com"})
     assert "501" in str(net.value)
     with pytest.raises(NotFoundException):
         Sandbox.connect("01ARZ3NDEKTSV4RRFFQ69G5FAV")

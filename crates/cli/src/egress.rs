@@ -154,8 +154,12 @@ impl NodePolicy {
             }
         }
         RunPolicy {
-            allowlist: Allowlist::new(self.default_list, &self.deployment, &entries)
-                .with_secret_hosts(&secret_hosts),
+            allowlist: Allowlist::new(
+                self.default_list && !req.no_defaults,
+                &self.deployment,
+                &entries,
+            )
+            .with_secret_hosts(&secret_hosts),
             secrets,
         }
     }

@@ -113,6 +113,10 @@ pub struct CreateArgs {
     /// `host:port`; needs --network allowlist; repeatable)
     #[arg(long = "egress-allow", value_name = "ENTRY", value_parser = crate::args::parse_egress_entry)]
     pub egress_allow: Vec<runbox_types::EgressEntry>,
+    /// Leave the server's built-in list of registries and forges out of
+    /// the run's allowlist
+    #[arg(long)]
+    pub no_egress_defaults: bool,
     /// Operator-declared secret the run may use through the proxy; the run
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
@@ -198,6 +202,7 @@ impl CreateArgs {
             network: self.network.map(NetworkTier::from),
             limits,
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
+            egress_defaults: self.no_egress_defaults.then_some(false),
             secrets: secret_requests(&self.secrets, &self.secrets_files),
             warm: self.warm.clone().map(|repo| runbox_types::WarmRequest {
                 repo,
@@ -365,6 +370,9 @@ pub struct EgressArgs {
     /// Remove every allowlist entry of the run
     #[arg(long, conflicts_with = "allow")]
     pub clear_allow: bool,
+    /// Whether the server's built-in list of registries and forges applies
+    #[arg(long, value_name = "BOOL")]
+    pub egress_defaults: Option<bool>,
     /// Operator-declared secret the run may use from now on (repeatable);
     /// with --secrets-file these replace the run's secrets
     #[arg(long = "secret", value_name = "NAME")]
@@ -384,6 +392,7 @@ impl EgressArgs {
         let secrets = secret_requests(&self.secrets, &self.secrets_files);
         runbox_types::UpdateEgressRequest {
             network: self.network.map(NetworkTier::from),
+            egress_defaults: self.egress_defaults,
             egress_allow: match (self.clear_allow, self.allow.is_empty()) {
                 (true, _) => Some(Vec::new()),
                 (false, true) => None,
@@ -887,6 +896,7 @@ mod tests {
                 expires_at: now + time::Duration::minutes(5),
             }),
             egress_allow: Vec::new(),
+            egress_defaults: None,
             secrets: Vec::new(),
             egress: None,
             failure: None,

@@ -141,6 +141,9 @@ pub struct RunEgressRequest {
     /// Secrets the caller brought, their values sealed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub brought: Vec<SealedSecret>,
+    /// The built-in list is left out (`egressDefaults: false`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_defaults: bool,
 }
 
 impl RunEgressRequest {
@@ -231,14 +234,15 @@ pub fn check_request(
     sealer: Option<&dyn Sealer>,
     network: NetworkTier,
     allow: Option<&[EgressEntry]>,
+    defaults: Option<bool>,
     secrets: Option<&[SecretRequest]>,
 ) -> Result<RunEgressRequest, CoreError> {
     if network != NetworkTier::Allowlist {
-        if allow.is_some() {
+        if allow.is_some() || defaults.is_some() {
             return Err(CoreError::invalid(
                 ErrorCode::BadEgress,
                 format!(
-                    "egressAllow applies only to network \"allowlist\"; a {:?} run has no allowlist to extend",
+                    "egressAllow and egressDefaults apply only to network \"allowlist\"; a {:?} run has no allowlist",
                     network.as_str()
                 ),
             ));
@@ -349,6 +353,7 @@ pub fn check_request(
         allow: entries,
         secrets: names,
         brought,
+        no_defaults: defaults == Some(false),
     })
 }
 
@@ -517,6 +522,7 @@ mod tests {
                 Some(&sealer),
                 NetworkTier::Allowlist,
                 None,
+                None,
                 Some(&secrets),
             )
         };
@@ -570,6 +576,7 @@ mod tests {
             Some(&Checker),
             None,
             NetworkTier::Allowlist,
+            None,
             None,
             Some(&[brought("A", "v")]),
         )
@@ -631,6 +638,7 @@ mod tests {
             None,
             NetworkTier::Allowlist,
             Some(&entries(&["Example.org", "example.org", "pypi.org"])),
+            None,
             Some(&declared(&["GH_TOKEN", "GH_TOKEN"])),
         )
         .unwrap();
@@ -642,6 +650,7 @@ mod tests {
             NetworkTier::Allowlist,
             Some(&entries(&["a b"])),
             None,
+            None,
         )
         .unwrap_err();
         assert_eq!(err.code(), ErrorCode::BadEgressEntry);
@@ -649,6 +658,7 @@ mod tests {
             Some(&Checker),
             None,
             NetworkTier::Allowlist,
+            None,
             None,
             Some(&declared(&["NOPE"])),
         )
@@ -664,6 +674,7 @@ mod tests {
             NetworkTier::Allowlist,
             Some(&many),
             None,
+            None,
         )
         .unwrap_err();
         assert_eq!(err.code(), ErrorCode::BadEgress);
@@ -672,19 +683,26 @@ mod tests {
     #[test]
     fn egress_fields_belong_to_the_allowlist_tier() {
         for tier in [NetworkTier::None, NetworkTier::Open] {
-            let err = check_request(None, None, tier, Some(&entries(&["example.org"])), None)
-                .unwrap_err();
+            let err = check_request(
+                None,
+                None,
+                tier,
+                Some(&entries(&["example.org"])),
+                None,
+                None,
+            )
+            .unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
             // An empty list is still a list where none can apply.
-            let err = check_request(None, None, tier, Some(&[]), None).unwrap_err();
+            let err = check_request(None, None, tier, Some(&[]), None, None).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
-            let err =
-                check_request(None, None, tier, None, Some(&declared(&["TOKEN"]))).unwrap_err();
+            let err = check_request(None, None, tier, None, None, Some(&declared(&["TOKEN"])))
+                .unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
-            let err = check_request(None, None, tier, None, Some(&[])).unwrap_err();
+            let err = check_request(None, None, tier, None, None, Some(&[])).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
             assert_eq!(
-                check_request(None, None, tier, None, None).unwrap(),
+                check_request(None, None, tier, None, None, None).unwrap(),
                 RunEgressRequest::default()
             );
         }
@@ -692,7 +710,7 @@ mod tests {
 
     #[test]
     fn allowlist_without_a_proxy_is_refused() {
-        let err = check_request(None, None, NetworkTier::Allowlist, None, None).unwrap_err();
+        let err = check_request(None, None, NetworkTier::Allowlist, None, None, None).unwrap_err();
         assert_eq!(err.code(), ErrorCode::NetworkUnsupported);
     }
 

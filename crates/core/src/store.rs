@@ -188,6 +188,7 @@ impl RunRecord {
             status: self.status,
             lease: self.lease.active(OffsetDateTime::now_utc()).cloned(),
             egress_allow: self.egress.allow.clone(),
+            egress_defaults: self.egress.no_defaults.then_some(false),
             secrets: self.egress.secret_names(),
             egress: None,
             failure: (self.status == RunStatus::Failed)

@@ -54,6 +54,7 @@ fn run() -> Run {
         status: RunStatus::Running,
         lease: None,
         egress_allow: Vec::new(),
+        egress_defaults: None,
         secrets: Vec::new(),
         egress: None,
         failure: None,

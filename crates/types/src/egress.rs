@@ -214,6 +214,9 @@ pub struct UpdateEgressRequest {
     /// The run's own allowlist entries (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_allow: Option<Vec<EgressEntry>>,
+    /// Whether the built-in list of registries and forges applies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_defaults: Option<bool>,
     /// The run's secrets, declared and brought (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<SecretRequest>>,

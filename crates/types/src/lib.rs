@@ -216,6 +216,12 @@ pub struct CreateRunRequest {
     /// intercept?}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_allow: Option<Vec<EgressEntry>>,
+    /// Whether the server's built-in list of package registries and forges
+    /// applies to the run (`allowlist` tier; default true, and never when
+    /// the operator turned the list off). False: the run reaches only its
+    /// own entries, its secrets' hosts and the deployment's list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_defaults: Option<bool>,
     /// Secrets the run may use (`allowlist` tier): names the operator
     /// declared, and secrets the caller brings (at most 32, value and
     /// policy; their hosts become reachable). The run sees only
@@ -533,6 +539,10 @@ pub struct Run {
     /// The run's own allowlist entries, canonical (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress_allow: Vec<EgressEntry>,
+    /// False when the built-in list of registries and forges does not
+    /// apply to the run (`egressDefaults: false`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_defaults: Option<bool>,
     /// The secrets the run may use, by name (declared and brought; never
     /// a value).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

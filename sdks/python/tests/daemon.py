@@ -21,10 +21,13 @@ AGENT = Path(os.environ.get("RUNBOX_AGENT_BIN", TARGET / "x86_64-unknown-linux-g
 
 
 class Daemon:
-    def __init__(self, name: str = "py", octet: int = 233, base: Path | None = None) -> None:
+    def __init__(
+        self, name: str = "py", octet: int = 233, base: Path | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         """`name` tells its nftables table and state directory apart from
         other test daemons'; `octet` its address pool (10.<octet>.x.0/24);
-        `base` an image archive to import as `base` instead of busybox."""
+        `base` an image archive to import as `base` instead of busybox;
+        `args` more `runbox serve` arguments."""
         for binary, how in ((RUNBOX, "cargo build -p runbox-cli"), (AGENT, "scripts/build-agent")):
             if not binary.exists():
                 raise RuntimeError(f"{binary} is missing: run `{how}` first (scripts/test does)")
@@ -41,6 +44,7 @@ class Daemon:
                 "--preview-listen", "127.0.0.1:0",
                 "--nft-table", f"rbx{name}{pid}",
                 "--open-pool", f"10.{octet}.{pid % 256}.0/24",
+                *args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

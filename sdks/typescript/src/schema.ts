@@ -1576,6 +1576,13 @@ export interface components {
              *     intercept?}`.
              */
             egressAllow?: components["schemas"]["EgressEntry"][] | null;
+            /**
+             * @description Whether the server's built-in list of package registries and forges
+             *     applies to the run (`allowlist` tier; default true, and never when
+             *     the operator turned the list off). False: the run reaches only its
+             *     own entries, its secrets' hosts and the deployment's list.
+             */
+            egressDefaults?: boolean | null;
             env?: null | components["schemas"]["Env"];
             idle?: null | components["schemas"]["IdlePolicy"];
             /**
@@ -2482,6 +2489,11 @@ export interface components {
             /** @description The run's own allowlist entries, canonical (`allowlist` tier). */
             egressAllow?: components["schemas"]["EgressEntry"][];
             /**
+             * @description False when the built-in list of registries and forges does not
+             *     apply to the run (`egressDefaults: false`); absent otherwise.
+             */
+            egressDefaults?: boolean | null;
+            /**
              * Format: date-time
              * @description When the reaper destroys the run unless it is renewed (RFC 3339).
              */
@@ -2805,6 +2817,8 @@ export interface components {
         UpdateEgressRequest: {
             /** @description The run's own allowlist entries (`allowlist` tier). */
             egressAllow?: components["schemas"]["EgressEntry"][] | null;
+            /** @description Whether the built-in list of registries and forges applies. */
+            egressDefaults?: boolean | null;
             network?: null | components["schemas"]["NetworkTier"];
             /** @description The run's secrets, declared and brought (`allowlist` tier). */
             secrets?: components["schemas"]["SecretRequest"][] | null;

@@ -17,8 +17,9 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 export class Daemon {
   // `name` tells its nftables table and state directory apart from other
-  // test daemons'; `octet` its address pool (10.<octet>.x.0/24).
-  static async start({ name = "ts", octet = 234 } = {}) {
+  // test daemons'; `octet` its address pool (10.<octet>.x.0/24); `args`
+  // more `runbox serve` arguments.
+  static async start({ name = "ts", octet = 234, args = [] } = {}) {
     for (const [binary, how] of [[RUNBOX, "cargo build -p runbox-cli"], [AGENT, "scripts/build-agent"]]) {
       if (!existsSync(binary)) throw new Error(`${binary} is missing: run \`${how}\` first (scripts/test does)`);
     }
@@ -37,6 +38,7 @@ export class Daemon {
         "--preview-listen", "127.0.0.1:0",
         "--nft-table", `rbx${name}${n}`,
         "--open-pool", `10.${octet}.${n % 256}.0/24`,
+        ...args,
       ],
       { stdio: ["ignore", "ignore", log] },
     );

@@ -7,7 +7,9 @@ import { CommandExitError, Sandbox, TimeoutError } from "e2b";
 
 import { sleep, useDaemon, withSandbox } from "../harness.mjs";
 
-useDaemon({ name: "e2bjs", octet: 236 });
+// Loopback upstreams on 127.0.0.7 and .8 stand for the internet in the
+// network test; the proxy refuses loopback unless admitted.
+useDaemon({ name: "e2bjs", octet: 236, args: ["--egress-internal-allow", "127.0.0.0/8"] });
 
 test("create, run, kill", async () => {
   const sbx = await Sandbox.create({ timeoutMs: 120_000, envs: { GREETING: "hello" }, metadata: { suite: "js" } });
@@ -99,4 +101,35 @@ test("timeout, list, and what is not supported", async () => {
     assert.deepEqual(page.map((s) => s.sandboxId), [sbx.sandboxId]);
     await assert.rejects(Sandbox.create({ apiKey: "e2b_wrong" }), /401|API key/i);
   });
+});
+
+test("network allowOut and denyOut, and live updates", async () => {
+  const { createServer } = await import("node:http");
+  const servers = await Promise.all(
+    ["127.0.0.7", "127.0.0.8"].map(
+      (ip) =>
+        new Promise((resolve) => {
+          const server = createServer((_, res) => res.end(`hello from ${ip}`));
+          server.listen(0, ip, () => resolve(server));
+        }),
+    ),
+  );
+  const [a, b] = servers.map((s) => s.address());
+  // busybox wget goes through the proxy named in http_proxy.
+  const fetch = (sbx, { address, port }) => sbx.commands.run(`wget -q -O - http://${address}:${port}/`);
+  try {
+    await withSandbox({ network: { denyOut: ["0.0.0.0/0"], allowOut: [a.address] } }, async (sbx) => {
+      assert.equal((await fetch(sbx, a)).stdout, `hello from ${a.address}`);
+      await assert.rejects(fetch(sbx, b), CommandExitError);
+      await sbx.updateNetwork({ denyOut: ["0.0.0.0/0"], allowOut: [b.address] });
+      assert.equal((await fetch(sbx, b)).stdout, `hello from ${b.address}`);
+      await assert.rejects(fetch(sbx, a), CommandExitError);
+      await sbx.updateNetwork({ allowInternetAccess: false });
+      await assert.rejects(fetch(sbx, b), CommandExitError);
+      await assert.rejects(sbx.updateNetwork({}), /400/);
+    });
+    await assert.rejects(Sandbox.create({ network: { denyOut: ["8.8.8.8"] } }), /0\.0\.0\.0\/0/);
+  } finally {
+    for (const server of servers) server.close();
+  }
 });

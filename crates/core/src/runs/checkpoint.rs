@@ -542,6 +542,7 @@ fn settings_of(record: &RunRecord) -> CreateRunRequest {
         }),
         size: record.size,
         egress_allow: (!record.egress.allow.is_empty()).then(|| record.egress.allow.clone()),
+        egress_defaults: record.egress.no_defaults.then_some(false),
         // Declared names only: a checkpoint never holds a brought
         // secret, sealed or not (a run made from it brings its own).
         secrets: (!record.egress.secrets.is_empty()).then(|| {
@@ -569,6 +570,7 @@ fn merge_settings(req: &mut CreateRunRequest, settings: CreateRunRequest) {
     if req.network.is_none() {
         req.network = settings.network;
         req.egress_allow = req.egress_allow.take().or(settings.egress_allow);
+        req.egress_defaults = req.egress_defaults.or(settings.egress_defaults);
         req.secrets = req.secrets.take().or(settings.secrets);
     }
     if req.limits.is_none() && req.size.is_none() {

@@ -44,11 +44,15 @@ impl Manager {
             self.config().sealer.as_deref(),
             network,
             req.egress_allow.as_deref(),
+            req.egress_defaults,
             req.secrets.as_deref(),
         )?;
         if network == NetworkTier::Allowlist && current.network == NetworkTier::Allowlist {
             if req.egress_allow.is_none() {
                 next.allow = current.egress.allow.clone();
+            }
+            if req.egress_defaults.is_none() {
+                next.no_defaults = current.egress.no_defaults;
             }
             if req.secrets.is_none() {
                 next.secrets = current.egress.secrets.clone();

@@ -613,6 +613,7 @@ impl Manager {
             self.config().sealer.as_deref(),
             network,
             req.egress_allow.as_deref(),
+            req.egress_defaults,
             req.secrets.as_deref(),
         )?;
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;

@@ -53,7 +53,7 @@ impl E2bError {
     }
 
     /// What runbox does not have yet: `501` with a message that says so.
-    fn unsupported(what: &str) -> Self {
+    pub(super) fn unsupported(what: &str) -> Self {
         Self::new(
             StatusCode::NOT_IMPLEMENTED,
             format!("{what} is not supported by runbox; see docs/e2b.md"),
@@ -112,7 +112,7 @@ pub fn routes<S: RunService>() -> Router<AppState<S>> {
         .route("/templates/aliases/{alias}", get(template_alias::<S>))
         .route("/sandboxes/{id}/pause", post(pause::<S>))
         .route("/sandboxes/{id}/resume", post(resume::<S>))
-        .route("/sandboxes/{id}/network", axum::routing::put(network))
+        .route("/sandboxes/{id}/network", axum::routing::put(network::<S>))
         .route("/sandboxes/{id}/logs", get(logs))
         .route("/v2/sandboxes/{id}/logs", get(logs))
         .merge(super::volumes::control_routes())
@@ -229,9 +229,23 @@ fn sandbox<S: RunService>(state: &AppState<S>, run: &Run) -> Sandbox {
     }
 }
 
+/// The keys of `network` that say what the sandbox may reach (see
+/// `super::network`).
+const EGRESS_KEYS: &[&str] = &[
+    "allowOut",
+    "allow_out",
+    "denyOut",
+    "deny_out",
+    "rules",
+    "egressProxy",
+    "egress_proxy",
+    "maskRequestHost",
+    "mask_request_host",
+];
+
 /// Whether a create's sandbox serves its ports publicly: E2B's
-/// `network.allowPublicTraffic`, true unless set false. The rest of
-/// `network` (egress rules) is not served yet.
+/// `network.allowPublicTraffic`, true unless set false. The egress keys
+/// are read by `super::network`.
 fn public_traffic(network: Option<&Value>) -> Result<bool, E2bError> {
     let Some(Value::Object(network)) = network else {
         return match network {
@@ -244,6 +258,7 @@ fn public_traffic(network: Option<&Value>) -> Result<bool, E2bError> {
         match (key.as_str(), value) {
             ("allowPublicTraffic" | "allow_public_traffic", Value::Bool(b)) => public = *b,
             ("allowPublicTraffic" | "allow_public_traffic", Value::Null) => {}
+            (key, _) if EGRESS_KEYS.contains(&key) => {}
             ("allowPublicTraffic" | "allow_public_traffic", _) => {
                 return Err(E2bError::bad(
                     "network.allowPublicTraffic must be true or false",
@@ -318,13 +333,17 @@ async fn create<S: RunService>(
     if req.template_id.is_empty() {
         return Err(E2bError::bad("templateID is empty; name an image"));
     }
-    let network = req.allow_internet_access.map(|open| {
-        if open {
-            NetworkTier::Open
-        } else {
-            NetworkTier::None
-        }
-    });
+    let empty = serde_json::Map::new();
+    let egress = super::network::egress(
+        req.allow_internet_access,
+        req.network
+            .as_ref()
+            .and_then(Value::as_object)
+            .unwrap_or(&empty),
+        false,
+    )?;
+    let network = egress.network;
+    let allowlist = network == Some(NetworkTier::Allowlist);
     // E2B has no size tiers: a create takes the smallest tier the image has
     // a warm pool for (so pools serve the SDKs unchanged), else the
     // server's default limits.
@@ -343,6 +362,9 @@ async fn create<S: RunService>(
         env: req.env_vars.filter(|e| !e.is_empty()).map(Env),
         ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
         network,
+        egress_allow: allowlist.then_some(egress.allow),
+        egress_defaults: allowlist.then_some(false),
+        secrets: (allowlist && !egress.secrets.is_empty()).then_some(egress.secrets),
         labels: req.metadata.filter(|m| !m.is_empty()),
         public_ports: Some(public_ports),
         auto_resume: Some(auto_resume),
@@ -1093,10 +1115,32 @@ async fn resume<S: RunService>(
     Ok((StatusCode::CREATED, Json(sandbox(&state, &run))).into_response())
 }
 
-async fn network() -> E2bError {
-    E2bError::unsupported(
-        "changing a sandbox's network rules (runbox's egress tier is set at create)",
-    )
+/// `PUT /sandboxes/{id}/network`: replaces the sandbox's egress settings
+/// (every one the body leaves out is cleared, as on E2B), live; `204`.
+async fn network<S: RunService>(
+    State(state): State<AppState<S>>,
+    Path(id): Path<String>,
+    bytes: Bytes,
+) -> Result<Response, E2bError> {
+    let id = sandbox_id(&id)?;
+    let req: serde_json::Map<String, Value> = body(&bytes)?;
+    let mut allow_internet = None;
+    for (key, value) in &req {
+        match (key.as_str(), value) {
+            ("allow_internet_access" | "allowInternetAccess", Value::Bool(b)) => {
+                allow_internet = Some(*b)
+            }
+            ("allow_internet_access" | "allowInternetAccess", Value::Null) => {}
+            ("allow_internet_access" | "allowInternetAccess", _) => {
+                return Err(E2bError::bad("allow_internet_access must be true or false"))
+            }
+            (key, _) if EGRESS_KEYS.contains(&key) => {}
+            (other, _) => return Err(E2bError::bad(format!("unknown field {other:?}"))),
+        }
+    }
+    let update = super::network::egress(allow_internet, &req, true)?.update();
+    state.service.update_egress(id, update).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn logs() -> E2bError {

@@ -19,6 +19,7 @@ mod caller;
 mod connect;
 mod control;
 mod envd;
+mod network;
 mod volumes;
 mod wire;
 
