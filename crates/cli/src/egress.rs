@@ -226,6 +226,10 @@ impl EgressProxy for NodeProxy {
         self.node.secrets.keys().cloned().collect()
     }
 
+    fn default_list(&self) -> bool {
+        self.node.default_list
+    }
+
     fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String> {
         let policy = brought_policy(secret).canonical()?;
         // The value is checked as the proxy will send it.

@@ -77,6 +77,11 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
     /// The secret names the operator declared, sorted.
     fn secret_names(&self) -> Vec<String>;
 
+    /// Whether the built-in list of registries and forges is on.
+    fn default_list(&self) -> bool {
+        true
+    }
+
     /// A brought secret checked (policy and value) and in canonical form,
     /// or why it is unusable (never naming the value).
     fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String>;

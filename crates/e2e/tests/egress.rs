@@ -2025,6 +2025,115 @@ async fn egress_rules_admit_their_ports_and_methods_only() {
     }
 }
 
+/// `GET /v1/info`'s capability catalog says what this daemon does: each
+/// value is checked against a call that depends on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_capability_catalog_says_what_the_daemon_does() {
+    let w = World::start().await;
+    let catalog = w.daemon.client.info().await.unwrap().catalog.unwrap();
+    assert_eq!(
+        (
+            catalog.egress_control.as_str(),
+            catalog.secret_brokering.as_str()
+        ),
+        ("hosts-and-cidrs", "native")
+    );
+    assert!(
+        catalog.networks.contains(&NetworkTier::Allowlist),
+        "{catalog:?}"
+    );
+    assert!(catalog.networks.contains(&NetworkTier::None), "{catalog:?}");
+    assert_eq!(catalog.egress.declared_secrets, [SECRET_NAME]);
+    // The world's daemon runs with --no-default-egress.
+    assert!(!catalog.egress.default_list);
+    assert!(catalog.egress.rules && catalog.egress.live_update);
+    assert_eq!(
+        (catalog.egress.socks5, catalog.egress.upstream_proxies),
+        (false, false)
+    );
+
+    // hosts-and-cidrs: a network rule admits an address in it; native
+    // brokering: a brought secret is taken, its value kept out.
+    let http = w.http_port;
+    let run = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            network: Some(NetworkTier::Allowlist),
+            egress_allow: Some(vec![runbox_types::EgressEntry::Rule(
+                runbox_types::EgressRule {
+                    host: "127.0.0.0/8".into(),
+                    ports: Some(vec![runbox_types::PortSpec::Port(u32::from(http))]),
+                    ..Default::default()
+                },
+            )]),
+            secrets: Some(vec![vendor_key()]),
+            ..Default::default()
+        })
+        .await;
+    let id = run.id.to_string();
+    let got = w
+        .curl(
+            &id,
+            &["--noproxy", "", &format!("http://127.0.0.1:{http}/")],
+        )
+        .await;
+    assert_eq!(got.status, 200, "{got:?}");
+    assert_eq!(run.secrets, ["VENDOR_KEY"]);
+
+    // Persistence: same-sandbox resume, filesystem capture and clone.
+    assert_eq!(
+        (
+            catalog.persistence.resume.as_str(),
+            catalog.persistence.capture.as_str(),
+            catalog.persistence.clone
+        ),
+        ("same-sandbox", "filesystem", true)
+    );
+    w.sh(&id, "echo kept > /tmp/kept").await;
+    w.daemon.client.hibernate_run(&id).await.unwrap();
+    assert_eq!(w.sh(&id, "cat /tmp/kept").await.1, "kept\n");
+    let fork = w.daemon.fork_one(&id).await;
+    assert_eq!(
+        w.sh(&fork.id.to_string(), "cat /tmp/kept").await.1,
+        "kept\n"
+    );
+
+    // Sizes: an available one gets the limits the catalog gives it; the
+    // limits: the TTL is capped at maxTtlSec, a fork past maxForkCount is
+    // refused.
+    let small = catalog
+        .sizes
+        .iter()
+        .find(|s| s.size == runbox_types::SizeTier::Small && s.available)
+        .expect("small is available");
+    let sized = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            size: Some(runbox_types::SizeTier::Small),
+            ttl_sec: Some(catalog.limits.max_ttl_sec + 3600),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(sized.limits, small.limits);
+    let lifetime = (sized.expires_at - sized.created_at).whole_seconds() as u64;
+    assert!(lifetime <= catalog.limits.max_ttl_sec, "{lifetime}");
+    let too_many = w
+        .daemon
+        .client
+        .fork_run(
+            &id,
+            &runbox_types::ForkRequest {
+                count: catalog.limits.max_fork_count + 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(too_many.to_string().contains("count"), "{too_many}");
+}
+
 /// Sends `PATCH /v1/runs/{id}/egress` with `body`; the status and the
 /// error code (empty on success).
 async fn patch_egress(w: &World, id: &str, body: serde_json::Value) -> (u16, String, String) {

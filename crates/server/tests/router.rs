@@ -572,6 +572,7 @@ impl RunService for Stub {
             draining: false,
             storage: None,
             userns: "off".into(),
+            catalog: None,
         }
     }
     async fn fork(

@@ -1506,6 +1506,131 @@ pub struct Info {
     /// --userns off`).
     #[serde(default)]
     pub userns: String,
+    /// What this server can do, for a manager to read before it sends a
+    /// policy (see docs/api.md "Capability catalog").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catalog: Option<Catalog>,
+}
+
+/// What a server can do: what a manager that drives sandboxes for many
+/// users reads before it sends a policy, so it enforces what the server
+/// can and refuses what it cannot instead of guessing.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Catalog {
+    /// What an egress policy can name: `none` (no allowlist tier),
+    /// `hosts` or `hosts-and-cidrs`.
+    pub egress_control: String,
+    /// `native` when a secret a caller brings is injected at the edge and
+    /// never enters the run; `none` when this server has no egress proxy.
+    pub secret_brokering: String,
+    /// The network tiers new runs may have.
+    pub networks: Vec<NetworkTier>,
+    /// The egress features.
+    pub egress: EgressCatalog,
+    /// What survives and what can be copied.
+    pub persistence: PersistenceCatalog,
+    /// The isolation lanes and what they isolate with.
+    pub lanes: Vec<LaneCatalog>,
+    /// The size tiers, with their limits and whether this server's maxima
+    /// admit them.
+    pub sizes: Vec<SizeCatalog>,
+    /// The server's maxima.
+    pub limits: LimitsCatalog,
+}
+
+/// The egress features of a server.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct EgressCatalog {
+    /// Rule objects with ports, methods, secret and intercept.
+    pub rules: bool,
+    /// `PATCH /v1/runs/{id}/egress`.
+    pub live_update: bool,
+    /// Entries per run.
+    pub max_entries: u32,
+    /// Secrets per run.
+    pub max_secrets: u32,
+    /// Secret names the operator declared (a run asks for them by name).
+    pub declared_secrets: Vec<String>,
+    /// Whether the built-in list of registries and forges applies to
+    /// runs that do not turn it off.
+    pub default_list: bool,
+    /// A SOCKS5 door for non-HTTP clients.
+    pub socks5: bool,
+    /// Routing a run's egress through an upstream proxy.
+    pub upstream_proxies: bool,
+}
+
+/// What survives a run's sleep and what can be copied from it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PersistenceCatalog {
+    /// `same-sandbox`: a paused, hibernated or archived run is resumed as
+    /// itself (same id, same disk).
+    pub resume: String,
+    /// `filesystem`: snapshots, forks and checkpoints hold a run's files,
+    /// not its memory or processes; `none` where runs cannot be captured.
+    pub capture: String,
+    /// Whether a run can be forked.
+    pub clone: bool,
+    /// `preserved`: the captured run keeps running.
+    pub capture_source: String,
+    /// `caller-managed` (checkpoints are kept until deleted) or
+    /// `provider-managed` (the server deletes them after its TTL).
+    pub retention: String,
+    /// `new-resource`: a run made from a checkpoint or snapshot is a new
+    /// run.
+    pub restore_mount: String,
+}
+
+/// One isolation lane.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct LaneCatalog {
+    /// Its name, e.g. `oci/crun`.
+    pub name: String,
+    /// `container`: namespaces, cgroups, seccomp and no new privileges on
+    /// the host's kernel (no virtual machine).
+    pub isolation: String,
+    /// `private` or `off`, as `userns`.
+    pub userns: String,
+}
+
+/// One size tier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct SizeCatalog {
+    /// The tier.
+    pub size: SizeTier,
+    /// Its limits here (no disk limit where the server has none).
+    pub limits: Limits,
+    /// Whether this server's maxima admit it.
+    pub available: bool,
+}
+
+/// A server's maxima.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct LimitsCatalog {
+    /// Live runs.
+    pub max_runs: usize,
+    /// A run's TTL, in seconds.
+    pub max_ttl_sec: u64,
+    /// The most a run may have.
+    pub max: Limits,
+    /// What a create without limits gets.
+    pub defaults: Limits,
+    /// Children of one fork.
+    pub max_fork_count: usize,
+    /// One upload, in bytes.
+    pub max_upload_bytes: u64,
 }
 
 /// What a path is.

@@ -1409,6 +1409,38 @@ export interface components {
             /** @description Idle pool members, ready or being made. */
             pooled: number;
         };
+        /**
+         * @description What a server can do: what a manager that drives sandboxes for many
+         *     users reads before it sends a policy, so it enforces what the server
+         *     can and refuses what it cannot instead of guessing.
+         */
+        Catalog: {
+            /** @description The egress features. */
+            egress: components["schemas"]["EgressCatalog"];
+            /**
+             * @description What an egress policy can name: `none` (no allowlist tier),
+             *     `hosts` or `hosts-and-cidrs`.
+             */
+            egressControl: string;
+            /** @description The isolation lanes and what they isolate with. */
+            lanes: components["schemas"]["LaneCatalog"][];
+            /** @description The server's maxima. */
+            limits: components["schemas"]["LimitsCatalog"];
+            /** @description The network tiers new runs may have. */
+            networks: components["schemas"]["NetworkTier"][];
+            /** @description What survives and what can be copied. */
+            persistence: components["schemas"]["PersistenceCatalog"];
+            /**
+             * @description `native` when a secret a caller brings is injected at the edge and
+             *     never enters the run; `none` when this server has no egress proxy.
+             */
+            secretBrokering: string;
+            /**
+             * @description The size tiers, with their limits and whether this server's maxima
+             *     admit them.
+             */
+            sizes: components["schemas"]["SizeCatalog"][];
+        };
         /** @description A run's disk and settings, kept in the checkpoint store. */
         Checkpoint: {
             /**
@@ -1683,6 +1715,34 @@ export interface components {
              *     default mode of a dataset mount.
              */
             writable: boolean;
+        };
+        /** @description The egress features of a server. */
+        EgressCatalog: {
+            /** @description Secret names the operator declared (a run asks for them by name). */
+            declaredSecrets: string[];
+            /**
+             * @description Whether the built-in list of registries and forges applies to
+             *     runs that do not turn it off.
+             */
+            defaultList: boolean;
+            /** @description `PATCH /v1/runs/{id}/egress`. */
+            liveUpdate: boolean;
+            /**
+             * Format: uint32
+             * @description Entries per run.
+             */
+            maxEntries: number;
+            /**
+             * Format: uint32
+             * @description Secrets per run.
+             */
+            maxSecrets: number;
+            /** @description Rule objects with ports, methods, secret and intercept. */
+            rules: boolean;
+            /** @description A SOCKS5 door for non-HTTP clients. */
+            socks5: boolean;
+            /** @description Routing a run's egress through an upstream proxy. */
+            upstreamProxies: boolean;
         };
         /**
          * @description One entry of `egressAllow`: the string grammar (`host`, `.suffix`,
@@ -1972,6 +2032,7 @@ export interface components {
         Info: {
             /** @description Run counts. */
             capacity: components["schemas"]["Capacity"];
+            catalog?: null | components["schemas"]["Catalog"];
             /** @description Whether the node is cordoned. */
             draining: boolean;
             /** @description The warm pools. */
@@ -1990,6 +2051,18 @@ export interface components {
             userns?: string;
             /** @description The daemon's version. */
             version: string;
+        };
+        /** @description One isolation lane. */
+        LaneCatalog: {
+            /**
+             * @description `container`: namespaces, cgroups, seccomp and no new privileges on
+             *     the host's kernel (no virtual machine).
+             */
+            isolation: string;
+            /** @description Its name, e.g. `oci/crun`. */
+            name: string;
+            /** @description `private` or `off`, as `userns`. */
+            userns: string;
         };
         /**
          * @description A writable lease: while it is active, only its holder, presenting this
@@ -2074,6 +2147,27 @@ export interface components {
              */
             pids: number;
         };
+        /** @description A server's maxima. */
+        LimitsCatalog: {
+            /** @description What a create without limits gets. */
+            defaults: components["schemas"]["Limits"];
+            /** @description The most a run may have. */
+            max: components["schemas"]["Limits"];
+            /** @description Children of one fork. */
+            maxForkCount: number;
+            /** @description Live runs. */
+            maxRuns: number;
+            /**
+             * Format: uint64
+             * @description A run's TTL, in seconds.
+             */
+            maxTtlSec: number;
+            /**
+             * Format: uint64
+             * @description One upload, in bytes.
+             */
+            maxUploadBytes: number;
+        };
         /** @description Resource limits as requested; absent fields take the server's defaults. */
         LimitsRequest: {
             /**
@@ -2150,6 +2244,33 @@ export interface components {
          * @enum {string}
          */
         OnExpire: "delete" | "pause" | "hibernate" | "archive";
+        /** @description What survives a run's sleep and what can be copied from it. */
+        PersistenceCatalog: {
+            /**
+             * @description `filesystem`: snapshots, forks and checkpoints hold a run's files,
+             *     not its memory or processes; `none` where runs cannot be captured.
+             */
+            capture: string;
+            /** @description `preserved`: the captured run keeps running. */
+            captureSource: string;
+            /** @description Whether a run can be forked. */
+            clone: boolean;
+            /**
+             * @description `new-resource`: a run made from a checkpoint or snapshot is a new
+             *     run.
+             */
+            restoreMount: string;
+            /**
+             * @description `same-sandbox`: a paused, hibernated or archived run is resumed as
+             *     itself (same id, same disk).
+             */
+            resume: string;
+            /**
+             * @description `caller-managed` (checkpoints are kept until deleted) or
+             *     `provider-managed` (the server deletes them after its TTL).
+             */
+            retention: string;
+        };
         /** @description `GET /v1/pools`. */
         PoolList: {
             /** @description Whether the node is cordoned (pools drained, creates refused). */
@@ -2666,6 +2787,15 @@ export interface components {
         } & (unknown & unknown);
         /** @description A signal as a client names it. */
         SignalSpec: number | string;
+        /** @description One size tier. */
+        SizeCatalog: {
+            /** @description Whether this server's maxima admit it. */
+            available: boolean;
+            /** @description Its limits here (no disk limit where the server has none). */
+            limits: components["schemas"]["Limits"];
+            /** @description The tier. */
+            size: components["schemas"]["SizeTier"];
+        };
         /**
          * @description A size tier: fixed limits, the only sizes [warm pools](PoolSpec) take
          *     (free-form limits would split pools into too many to keep warm).

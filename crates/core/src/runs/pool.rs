@@ -510,6 +510,98 @@ impl Manager {
                 crate::lane::Support::No(_) => "off",
             }
             .to_owned(),
+            catalog: Some(self.catalog()),
+        }
+    }
+
+    /// The capability catalog of `GET /v1/info`: every value read from
+    /// what this daemon was started with and what its lane can do.
+    fn catalog(&self) -> runbox_types::Catalog {
+        use runbox_types::{
+            Catalog, EgressCatalog, LaneCatalog, LimitsCatalog, PersistenceCatalog, SizeCatalog,
+            SizeTier,
+        };
+        let config = self.config();
+        let caps = self.lane.capabilities();
+        let egress = config
+            .egress
+            .as_ref()
+            .filter(|_| caps.network(NetworkTier::Allowlist).is_ok());
+        let networks: Vec<NetworkTier> =
+            [NetworkTier::None, NetworkTier::Allowlist, NetworkTier::Open]
+                .into_iter()
+                .filter(|tier| caps.network(*tier).is_ok())
+                .filter(|tier| *tier != NetworkTier::Allowlist || egress.is_some())
+                .collect();
+        let word = |yes: bool, what: &str, or: &str| if yes { what } else { or }.to_owned();
+        let userns = word(caps.user_namespaces.yes(), "private", "off");
+        Catalog {
+            egress_control: word(egress.is_some(), "hosts-and-cidrs", "none"),
+            secret_brokering: word(
+                egress.is_some() && config.sealer.is_some(),
+                "native",
+                "none",
+            ),
+            networks,
+            egress: EgressCatalog {
+                rules: egress.is_some(),
+                live_update: egress.is_some(),
+                max_entries: crate::egress::MAX_RUN_ENTRIES as u32,
+                max_secrets: crate::egress::MAX_RUN_SECRETS as u32,
+                declared_secrets: egress.map(|e| e.secret_names()).unwrap_or_default(),
+                default_list: egress.is_some_and(|e| e.default_list()),
+                socks5: false,
+                upstream_proxies: false,
+            },
+            persistence: PersistenceCatalog {
+                resume: word(
+                    caps.suspend.yes() || caps.hibernate.yes(),
+                    "same-sandbox",
+                    "none",
+                ),
+                capture: word(caps.capture.yes(), "filesystem", "none"),
+                clone: caps.capture.yes(),
+                capture_source: "preserved".to_owned(),
+                retention: word(
+                    config.checkpoint_ttl.is_some(),
+                    "provider-managed",
+                    "caller-managed",
+                ),
+                restore_mount: "new-resource".to_owned(),
+            },
+            lanes: vec![LaneCatalog {
+                name: self.lane.name(),
+                isolation: "container".to_owned(),
+                userns,
+            }],
+            sizes: SizeTier::ALL
+                .iter()
+                .map(|size| {
+                    let fitted = crate::validate::create_limits(
+                        Some(*size),
+                        None,
+                        &config.default_limits,
+                        &config.max_limits,
+                    );
+                    let tier = size.limits();
+                    SizeCatalog {
+                        size: *size,
+                        limits: runbox_types::Limits {
+                            disk_mb: config.default_limits.disk_mb.and(tier.disk_mb),
+                            ..tier
+                        },
+                        available: fitted.is_ok(),
+                    }
+                })
+                .collect(),
+            limits: LimitsCatalog {
+                max_runs: config.max_runs,
+                max_ttl_sec: config.max_ttl.as_secs(),
+                max: config.max_limits,
+                defaults: config.default_limits,
+                max_fork_count: config.max_fork_count,
+                max_upload_bytes: config.max_upload_bytes,
+            },
         }
     }
 }
