@@ -2,7 +2,7 @@
 //! proxy's own code (`runbox_proxy::proxy::serve`) on real loopback sockets,
 //! next to the same traffic sent straight to the upstream.
 //!
-//! Three tables:
+//! Four tables:
 //!
 //! 1. **throughput**: `--egress-mib` MiB per sample, each way, through a
 //!    blind CONNECT tunnel and directly to the same loopback source or sink,
@@ -15,7 +15,11 @@
 //!    covered by a secret, so the proxy terminates TLS with a leaf of its
 //!    CA, injects the secret and opens verified TLS upstream), with the leaf
 //!    cached and, separately, for a host never seen before (the leaf is
-//!    minted on that request); minting a leaf is also timed on its own.
+//!    minted on that request); minting a leaf is also timed on its own;
+//! 4. **policy**: a plain GET on a new connection through a run's policy of
+//!    1, 100 and 1000 rules (the admitting one last), and an intercepted
+//!    HTTPS GET that carries the brokered secret against the same request
+//!    on a path the secret does not cover (intercepted, nothing injected).
 //!
 //! Setup, untimed:
 //!
@@ -71,6 +75,7 @@ use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{Allowlist, Entry};
 use runbox_proxy::proxy::{serve, Counters, RunEgress, RunPolicy, Shared, TUNNEL_BUFFER};
 use runbox_proxy::resolve::Resolver;
+use runbox_proxy::rules::Rule;
 use runbox_proxy::secrets::{placeholder, Secret, SecretSpec};
 use runbox_proxy::testing::TestDns;
 use runbox_proxy::tls::{upstream_client_config, Authority};
@@ -94,6 +99,8 @@ const NEW_HOST_SUFFIX: &str = "new.bench.test";
 const MINT_ALONE_SUFFIX: &str = "alone.bench.test";
 /// The path every GET asks for; the secret admits it.
 const PATH: &str = "/api/small";
+/// A path the secret's prefixes do not cover.
+const OTHER_PATH: &str = "/other/small";
 /// The secret the run has.
 const SECRET_NAME: &str = "API_TOKEN";
 /// Its value, which only the upstream of an intercepted request sees.
@@ -137,17 +144,20 @@ pub async fn measure(opts: &Options) -> anyhow::Result<EgressReport> {
     };
     let mut tables = Vec::new();
     let mut dns_queries = Vec::new();
-    for which in 0..3 {
+    for which in 0..4 {
         let before = bench.setup.dns_queries();
         let table = match which {
             0 => bench.throughput().await?,
             1 => bench.http().await?,
-            _ => bench.https().await?,
+            2 => bench.https().await?,
+            _ => bench.policy().await?,
         };
         dns_queries.push((table.name.clone(), bench.setup.dns_queries() - before));
         tables.push(table);
     }
-    bench.check_audit(2 * (opts.warmup + opts.iterations))?;
+    // Every intercepted request of the HTTPS table, and the injecting one
+    // of the policy table.
+    bench.check_audit(3 * (opts.warmup + opts.iterations))?;
     Ok(EgressReport {
         proxy_workers: bench.setup.proxy_workers,
         dns_queries,
@@ -159,6 +169,12 @@ pub async fn measure(opts: &Options) -> anyhow::Result<EgressReport> {
 struct Setup {
     /// The proxy's listener.
     proxy: SocketAddr,
+    /// The run it serves, whose policy the policy table swaps.
+    run: Arc<RunEgress>,
+    /// The run's entries.
+    entries: Vec<Entry>,
+    /// Its secret.
+    secret: Arc<Secret>,
     /// The bare relay to the bulk upstream, on the proxy's runtime.
     relay_port: u16,
     http_port: u16,
@@ -260,15 +276,17 @@ impl Setup {
             },
             |_| Some(SECRET_VALUE.to_owned()),
         )?;
+        let secret = Arc::new(secret);
         let run = Arc::new(RunEgress::new(
             "bench".to_owned(),
             RunPolicy {
                 allowlist: Allowlist::new(true, &[], &entries),
-                secrets: vec![Arc::new(secret)],
+                secrets: vec![Arc::clone(&secret)],
             },
             Arc::new(Counters::default()),
             None,
         ));
+        let served = Arc::clone(&run);
 
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         listener.set_nonblocking(true)?;
@@ -291,7 +309,7 @@ impl Setup {
                     audit: Some(Arc::new(AuditLog::open(audit_path, AUDIT_MAX_BYTES)?)),
                 });
                 let listener = tokio::net::TcpListener::from_std(listener)?;
-                tokio::spawn(serve(listener, shared, run, stop));
+                tokio::spawn(serve(listener, shared, served, stop));
                 let bulk = SocketAddr::from((Ipv4Addr::LOCALHOST, bulk_port));
                 let relay_port = loopback::start_relay(bulk, TUNNEL_BUFFER).await?;
                 anyhow::Ok(relay_port)
@@ -318,6 +336,9 @@ impl Setup {
             .context("parsing the interception CA")?;
         Ok(Setup {
             proxy,
+            run,
+            entries,
+            secret,
             relay_port,
             http_port,
             https_port,
@@ -338,6 +359,19 @@ impl Setup {
 }
 
 impl Setup {
+    /// The run's policy with `fillers` rules that admit nothing the bench
+    /// asks for ahead of its entries.
+    fn policy(&self, fillers: usize) -> RunPolicy {
+        let mut rules: Vec<Rule> = (0..fillers)
+            .map(|i| Rule::from(Entry::HostPort(format!("filler{i}.bench.test"), 443)))
+            .collect();
+        rules.extend(self.entries.iter().cloned().map(Rule::from));
+        RunPolicy {
+            allowlist: Allowlist::new::<Rule>(true, &[], &rules),
+            secrets: vec![Arc::clone(&self.secret)],
+        }
+    }
+
     /// DNS queries the proxy has sent so far.
     fn dns_queries(&self) -> u64 {
         self.dns.as_ref().map_or(0, TestDns::queries)
@@ -401,6 +435,8 @@ enum Case {
     Https(Https),
     /// `Authority::server_config` of a host without a cached leaf.
     Mint,
+    /// A plain GET on a new connection through a policy of this many rules.
+    Rules(usize),
 }
 
 /// The path of a bulk transfer.
@@ -425,6 +461,8 @@ enum Https {
     Intercepted,
     /// Through an intercepting CONNECT to a host seen for the first time.
     InterceptedNewHost,
+    /// As `Intercepted`, on a path the secret does not cover.
+    InterceptedWithout,
 }
 
 /// The phase's state between samples.
@@ -587,6 +625,77 @@ impl Egress {
         .with_added_column())
     }
 
+    /// Table 4: what the run's policy costs: the number of rules on a new
+    /// connection, and injecting a brokered secret.
+    async fn policy(&mut self) -> anyhow::Result<Table> {
+        let cases = [
+            Case::Rules(1),
+            Case::Rules(100),
+            Case::Rules(1000),
+            Case::Https(Https::Intercepted),
+            Case::Https(Https::InterceptedWithout),
+        ];
+        let (warmup, iterations) = (self.opts.warmup, self.opts.iterations);
+        let samples = self.rounds("policy", &cases, warmup, iterations).await?;
+        // The table leaves the run with its usual policy.
+        self.setup.run.set_policy(self.setup.policy(0));
+        let rows = vec![
+            row(
+                "new connection, 1 rule",
+                Role::Baseline,
+                None,
+                None,
+                Of::Time(0),
+            ),
+            row(
+                "new connection, 100 rules",
+                Role::Runbox,
+                None,
+                Some(0),
+                Of::Time(1),
+            ),
+            row(
+                "new connection, 1000 rules",
+                Role::Runbox,
+                None,
+                Some(0),
+                Of::Time(2),
+            ),
+            row(
+                "intercepted HTTPS GET, secret not sent (path outside its prefixes)",
+                Role::Baseline,
+                None,
+                None,
+                Of::Time(4),
+            ),
+            row(
+                "intercepted HTTPS GET carrying the brokered secret",
+                Role::Runbox,
+                None,
+                Some(3),
+                Of::Time(3),
+            ),
+        ];
+        Ok(Table::new(
+            "egress-policy",
+            "Egress proxy: what a run's policy costs",
+            &format!(
+                "Rules: `GET http://{HTTP_HOST}:<port>{PATH}` through the proxy on a new \
+                 connection, as in the HTTP table, with the run's policy holding 1, 100 or 1000 \
+                 rules, the one that admits the request last (the others `fillerN.bench.test` \
+                 on port 443); the policy is swapped in before each sample, untimed. Secret: an \
+                 HTTPS GET on a new connection through an intercepting CONNECT (leaf cached), \
+                 once on `{PATH}`, where the proxy replaces the placeholder with the secret's \
+                 value, and once on `{OTHER_PATH}`, which the secret's prefixes do not cover: \
+                 the same work but the injection."
+            ),
+            warmup,
+            iterations,
+            fill(rows, &samples),
+        )
+        .with_added_column())
+    }
+
     /// Table 3: HTTPS GETs, each on a new connection, and leaf minting.
     async fn https(&mut self) -> anyhow::Result<Table> {
         let cases = [
@@ -708,6 +817,10 @@ impl Egress {
             Case::Transfer { down, via } => self.transfer(down, via).await,
             Case::Get { proxy, keep_alive } => self.get(proxy, keep_alive).await,
             Case::Https(how) => self.https_get(how).await,
+            Case::Rules(count) => {
+                self.setup.run.set_policy(self.setup.policy(count - 1));
+                self.get(true, false).await
+            }
             Case::Mint => {
                 let host = format!("h{}.{MINT_ALONE_SUFFIX}", self.minted);
                 self.minted += 1;
@@ -805,10 +918,16 @@ impl Egress {
     /// One HTTPS GET on a new connection.
     async fn https_get(&mut self, how: Https) -> anyhow::Result<Duration> {
         let setup = &self.setup;
+        let path = match how {
+            Https::InterceptedWithout => OTHER_PATH,
+            _ => PATH,
+        };
         let (host, proxy, trust) = match how {
             Https::Direct => (INTERCEPT_HOST.to_owned(), false, &setup.upstream_trust),
             Https::Blind => (BLIND_HOST.to_owned(), true, &setup.upstream_trust),
-            Https::Intercepted => (INTERCEPT_HOST.to_owned(), true, &setup.runbox_trust),
+            Https::Intercepted | Https::InterceptedWithout => {
+                (INTERCEPT_HOST.to_owned(), true, &setup.runbox_trust)
+            }
             Https::InterceptedNewHost => {
                 let host = format!("h{}.{NEW_HOST_SUFFIX}", self.new_hosts);
                 self.new_hosts += 1;
@@ -829,7 +948,7 @@ impl Egress {
             .await
             .context("TLS handshake")?;
         let mut sender = http_handshake(tls).await?;
-        request(&mut sender, PATH, &authority, Some(&self.auth)).await?;
+        request(&mut sender, path, &authority, Some(&self.auth)).await?;
         Ok(start.elapsed())
     }
 
