@@ -45,6 +45,17 @@ impl Manager {
     pub(super) async fn reconcile(self: &Arc<Self>) -> Result<(), CoreError> {
         let records = self.store.list()?;
         let records = self.fill_in_layers(records).await?;
+        // Records from before `proxy_ca` was kept: their sandboxes trusted
+        // the interception CA when they had secrets or were allowlist pool
+        // members, as the rule was then.
+        let records: Vec<RunRecord> = records
+            .into_iter()
+            .map(|mut record| {
+                record.proxy_ca |= record.network == runbox_types::NetworkTier::Allowlist
+                    && (record.egress.has_secrets() || record.pool.is_some());
+                record
+            })
+            .collect();
         let keep: HashSet<_> = records.iter().map(|r| r.id).collect();
         let verdicts: Vec<(RunRecord, Adopted)> = futures::stream::iter(records)
             .map(|record| async move {
