@@ -1645,15 +1645,7 @@ async fn tls_is_intercepted_only_for_the_hosts_of_a_requested_secret() {
     );
     let (code, _, _) = w.sh(&without, &format!("test -e {RUNBOX_CA_PATH}")).await;
     assert_eq!(code, 0, "{RUNBOX_CA_PATH} is missing in an allowlist run");
-    let closed = w
-        .daemon
-        .create_with(CreateRunRequest {
-            image: IMAGE.into(),
-            ..Default::default()
-        })
-        .await
-        .id
-        .to_string();
+    let closed = run_on(&w, NetworkTier::None).await;
     let (_, bundle, _) = w.sh(&closed, &format!("cat {BUNDLE_PATH}")).await;
     assert_eq!(bundle, pki().ca_pem);
     let (code, _, _) = w.sh(&closed, &format!("test -e {RUNBOX_CA_PATH}")).await;
@@ -2320,15 +2312,7 @@ async fn a_live_egress_change_reaches_new_connections_and_spares_open_ones() {
 
     // A run started on none has no interception CA: secrets wait for a
     // boot on the allowlist tier.
-    let closed = w
-        .daemon
-        .create_with(CreateRunRequest {
-            image: IMAGE.into(),
-            ..Default::default()
-        })
-        .await
-        .id
-        .to_string();
+    let closed = run_on(&w, NetworkTier::None).await;
     let (status, code, text) = patch_egress(
         &w,
         &closed,
@@ -2417,10 +2401,15 @@ impl Drop for ForwardGuard {
 
 /// Creates an `open` run of the curl image.
 async fn open_run(w: &World) -> String {
+    run_on(w, NetworkTier::Open).await
+}
+
+/// Creates a run of the curl image on `network`; its id.
+async fn run_on(w: &World, network: NetworkTier) -> String {
     w.daemon
         .create_with(CreateRunRequest {
             image: IMAGE.into(),
-            network: Some(NetworkTier::Open),
+            network: Some(network),
             ..Default::default()
         })
         .await

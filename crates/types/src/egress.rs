@@ -52,33 +52,15 @@ impl fmt::Display for EgressEntry {
     }
 }
 
-/// As [`SecretRequest`]: the object's own error, not "no variant matched".
 impl<'de> Deserialize<'de> for EgressEntry {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = EgressEntry;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "an entry such as \"example.org\", or a rule {host, ports?, methods?, \
-                     secret?, intercept?}",
-                )
-            }
-
-            fn visit_str<E: serde::de::Error>(self, entry: &str) -> Result<EgressEntry, E> {
-                Ok(EgressEntry::Text(entry.to_owned()))
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<EgressEntry, A::Error> {
-                EgressRule::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(EgressEntry::Rule)
-            }
-        }
-        deserializer.deserialize_any(Visitor)
+        text_or_object(
+            deserializer,
+            "an entry such as \"example.org\", or a rule {host, ports?, methods?, secret?, \
+             intercept?}",
+            EgressEntry::Text,
+            EgressEntry::Rule,
+        )
     }
 }
 
@@ -161,40 +143,57 @@ impl From<BroughtSecret> for SecretRequest {
     }
 }
 
-/// Written by hand instead of `#[serde(untagged)]`, whose error for a bad
-/// object is "did not match any variant": this one passes the object's own
-/// error (an unknown field, a missing `hosts`) through to the caller.
 impl<'de> Deserialize<'de> for SecretRequest {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = SecretRequest;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "a declared secret's name, or an object {name, value, hosts, header, \
-                     scheme?, methods?, pathPrefixes?}",
-                )
-            }
-
-            fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<SecretRequest, E> {
-                Ok(SecretRequest::Declared(name.to_owned()))
-            }
-
-            fn visit_string<E: serde::de::Error>(self, name: String) -> Result<SecretRequest, E> {
-                Ok(SecretRequest::Declared(name))
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                map: A,
-            ) -> Result<SecretRequest, A::Error> {
-                BroughtSecret::deserialize(serde::de::value::MapAccessDeserializer::new(map))
-                    .map(SecretRequest::Brought)
-            }
-        }
-        deserializer.deserialize_any(Visitor)
+        text_or_object(
+            deserializer,
+            "a declared secret's name, or an object {name, value, hosts, header, scheme?, \
+             methods?, pathPrefixes?}",
+            SecretRequest::Declared,
+            SecretRequest::Brought,
+        )
     }
+}
+
+/// Deserializes a string as `text(string)` and an object as
+/// `object(T)`. Written by hand instead of `#[serde(untagged)]`, whose
+/// error for a bad object is "did not match any variant": this passes the
+/// object's own error (an unknown field, a missing one) to the caller.
+fn text_or_object<'de, D, T, V>(
+    deserializer: D,
+    expecting: &'static str,
+    text: fn(String) -> V,
+    object: fn(T) -> V,
+) -> Result<V, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Visitor<T, V> {
+        expecting: &'static str,
+        text: fn(String) -> V,
+        object: fn(T) -> V,
+    }
+    impl<'de, T: Deserialize<'de>, V> serde::de::Visitor<'de> for Visitor<T, V> {
+        type Value = V;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str(self.expecting)
+        }
+
+        fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<V, E> {
+            Ok((self.text)(s.to_owned()))
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<V, A::Error> {
+            T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(self.object)
+        }
+    }
+    deserializer.deserialize_any(Visitor {
+        expecting,
+        text,
+        object,
+    })
 }
 
 /// `PATCH /v1/runs/{id}/egress`: a run's egress policy replaced while it
