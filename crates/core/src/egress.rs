@@ -232,16 +232,41 @@ impl SealedSecret {
     }
 }
 
+/// What a create or a `PATCH .../egress` asks of a run's egress, as
+/// given (a field left out is `None`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EgressAsk<'a> {
+    /// `egressAllow`.
+    pub allow: Option<&'a [EgressEntry]>,
+    /// `egressDefaults`.
+    pub defaults: Option<bool>,
+    /// `secrets`.
+    pub secrets: Option<&'a [SecretRequest]>,
+}
+
+impl<'a> From<&'a runbox_types::UpdateEgressRequest> for EgressAsk<'a> {
+    fn from(req: &'a runbox_types::UpdateEgressRequest) -> Self {
+        EgressAsk {
+            allow: req.egress_allow.as_deref(),
+            defaults: req.egress_defaults,
+            secrets: req.secrets.as_deref(),
+        }
+    }
+}
+
 /// Checks a create request's `egressAllow` and `secrets` against its tier
 /// and the declared secrets, and seals the values of brought ones.
 pub fn check_request(
     config: Option<&dyn EgressProxy>,
     sealer: Option<&dyn Sealer>,
     network: NetworkTier,
-    allow: Option<&[EgressEntry]>,
-    defaults: Option<bool>,
-    secrets: Option<&[SecretRequest]>,
+    ask: EgressAsk<'_>,
 ) -> Result<RunEgressRequest, CoreError> {
+    let EgressAsk {
+        allow,
+        defaults,
+        secrets,
+    } = ask;
     if network != NetworkTier::Allowlist {
         if allow.is_some() || defaults.is_some() {
             return Err(CoreError::invalid(
@@ -493,6 +518,27 @@ pub fn run_env(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The check with the request's fields one by one.
+    fn check_request(
+        config: Option<&dyn EgressProxy>,
+        sealer: Option<&dyn Sealer>,
+        network: NetworkTier,
+        allow: Option<&[EgressEntry]>,
+        defaults: Option<bool>,
+        secrets: Option<&[SecretRequest]>,
+    ) -> Result<RunEgressRequest, CoreError> {
+        super::check_request(
+            config,
+            sealer,
+            network,
+            EgressAsk {
+                allow,
+                defaults,
+                secrets,
+            },
+        )
+    }
 
     fn strings(v: &[&str]) -> Vec<String> {
         v.iter().map(|s| s.to_string()).collect()

@@ -173,9 +173,9 @@ pub type ConnectionBytes = Arc<dyn Fn(u64) + Send + Sync>;
 /// requests was allowed (a connection that only met refusals is not the
 /// run's egress).
 #[derive(Debug, Default)]
-struct ConnectionUsage {
+pub(crate) struct ConnectionUsage {
     bytes: AtomicU64,
-    allowed: std::sync::atomic::AtomicBool,
+    pub(crate) allowed: std::sync::atomic::AtomicBool,
 }
 
 /// Serves `listener` until `shutdown` is cancelled, then stops accepting and
@@ -191,6 +191,28 @@ pub async fn serve(
     run: Arc<RunEgress>,
     shutdown: CancellationToken,
 ) {
+    let close = shutdown.clone();
+    serve_door(listener, shared, run, shutdown, close, Door::Http).await
+}
+
+/// The protocols a run's listener may speak.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Door {
+    /// HTTP/1.1 CONNECT and absolute-form requests.
+    Http,
+}
+
+/// Serves `listener` as `door` until `close` (stop accepting; connections
+/// open keep going until they end or `shutdown`) or `shutdown` (stop
+/// everything) is cancelled; returns once every connection has ended.
+pub(crate) async fn serve_door(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    run: Arc<RunEgress>,
+    shutdown: CancellationToken,
+    close: CancellationToken,
+    door: Door,
+) {
     // A child token, so that dropping this future also stops the tasks it
     // spawned, not only cancelling `shutdown`.
     let stop = shutdown.child_token();
@@ -205,6 +227,7 @@ pub async fn serve(
         let accepted = tokio::select! {
             biased;
             _ = ctx.stop.cancelled() => break,
+            _ = close.cancelled() => break,
             accepted = listener.accept() => accepted,
         };
         match accepted {
@@ -212,7 +235,9 @@ pub async fn serve(
                 let conn_ctx = Arc::clone(&ctx);
                 let open = OpenConnection::new(ctx.run.clone());
                 ctx.spawn(async move {
-                    serve_connection(conn_ctx, tcp).await;
+                    match door {
+                        Door::Http => serve_connection(conn_ctx, tcp).await,
+                    }
                     drop(open);
                 });
             }
@@ -222,6 +247,7 @@ pub async fn serve(
                 tracing::warn!(run = %ctx.run.run, error = %e, "egress proxy accept failed");
                 tokio::select! {
                     _ = ctx.stop.cancelled() => break,
+                    _ = close.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_millis(100)) => {}
                 }
             }
@@ -240,7 +266,7 @@ type ProxyBody = UnsyncBoxBody<Bytes, hyper::Error>;
 /// message is the response body; it names hosts and addresses, never a
 /// header value.
 #[derive(Debug, thiserror::Error)]
-enum Reject {
+pub(crate) enum Reject {
     /// The request target is not one the proxy accepts.
     #[error(
         "{0}; runbox's egress proxy accepts `CONNECT host:port` (for https and any \
@@ -370,9 +396,9 @@ fn text_response(status: StatusCode, body: String) -> Response<ProxyBody> {
 }
 
 /// Everything a connection task needs, shared by all of one run's tasks.
-struct Ctx {
-    shared: Arc<Shared>,
-    run: Arc<RunEgress>,
+pub(crate) struct Ctx {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) run: Arc<RunEgress>,
     /// Every task spawned for this run, so `serve` can wait for them.
     tasks: TaskTracker,
     /// Cancelled when `serve` stops; every task selects on it.
@@ -435,7 +461,7 @@ impl Ctx {
     /// knows whether it is one record or one per intercepted request.
     ///
     /// Cancellation: safe to drop; it only waits on the resolver.
-    async fn admit(&self, method: &str, target: &Target) -> Result<Admitted, Reject> {
+    pub(crate) async fn admit(&self, method: &str, target: &Target) -> Result<Admitted, Reject> {
         let decision = self.decide(method, target)?;
         let addrs = match self.shared.resolver.lookup(&target.host).await {
             Ok(addrs) if !addrs.is_empty() => addrs,
@@ -518,23 +544,23 @@ impl Ctx {
 }
 
 /// A destination that passed steps 2–4.
-struct Admitted {
+pub(crate) struct Admitted {
     /// The audit rule of the allowlist entry that admitted it.
-    rule: String,
+    pub(crate) rule: String,
     /// That entry.
-    entry: crate::rules::Rule,
+    pub(crate) entry: crate::rules::Rule,
     /// The checked addresses, in the resolver's order.
-    addrs: Vec<IpAddr>,
+    pub(crate) addrs: Vec<IpAddr>,
 }
 
 /// A request's destination.
 #[derive(Clone, Debug, PartialEq, Eq)]
-struct Target {
+pub(crate) struct Target {
     /// Lowercase DNS name without a trailing dot, or an IP literal in its
     /// canonical text (IPv6 without brackets).
-    host: String,
+    pub(crate) host: String,
     /// The destination port.
-    port: u16,
+    pub(crate) port: u16,
 }
 
 impl Target {
@@ -594,7 +620,7 @@ impl Target {
 /// Canonical form of a target host, or None when it is neither a DNS name
 /// nor an IP literal. Names are lowercased and lose one trailing dot so that
 /// policy, secrets and audit all see the same spelling.
-fn canonical_host(raw: &str) -> Option<String> {
+pub(crate) fn canonical_host(raw: &str) -> Option<String> {
     if let Some(inner) = raw.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
         // Zone ids (`fe80::1%eth0`) do not parse and are refused.
         return inner.parse::<Ipv6Addr>().ok().map(|ip| ip.to_string());
@@ -624,12 +650,7 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
     // Small writes (TLS handshakes, interactive protocols) must not wait for
     // Nagle.
     let _ = tcp.set_nodelay(true);
-    let mut counted = Counted::new(tcp, Arc::clone(&ctx.run.counters));
-    let usage = ctx.run.on_close.clone().map(|report| {
-        let usage = Arc::new(ConnectionUsage::default());
-        counted.connection = Some((usage.clone(), report));
-        usage
-    });
+    let (counted, usage) = counted_connection(&ctx, tcp);
     let io = TokioIo::new(counted);
     let svc_ctx = Arc::clone(&ctx);
     // The upstream connection of this client connection's last plain HTTP
@@ -649,6 +670,22 @@ async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
     if let Err(e) = conn.await {
         tracing::debug!(run = %ctx.run.run, error = %e, "egress proxy connection ended with an error");
     }
+}
+
+/// The run's side of an accepted connection, counted, and — when the run's
+/// connections are reported as usage — the connection's own usage, to be
+/// marked once a request on it is allowed.
+pub(crate) fn counted_connection(
+    ctx: &Ctx,
+    tcp: TcpStream,
+) -> (Counted<TcpStream>, Option<Arc<ConnectionUsage>>) {
+    let mut counted = Counted::new(tcp, Arc::clone(&ctx.run.counters));
+    let usage = ctx.run.on_close.clone().map(|report| {
+        let usage = Arc::new(ConnectionUsage::default());
+        counted.connection = Some((usage.clone(), report));
+        usage
+    });
+    (counted, usage)
 }
 
 /// Answers one request from the run: steps 1–7.
@@ -685,7 +722,10 @@ async fn handle(
 /// Step 5: connects to the checked addresses in order; never resolves again.
 ///
 /// Cancellation: safe to drop; a half-open attempt is abandoned.
-async fn connect_upstream(target: &Target, addrs: &[IpAddr]) -> Result<TcpStream, Reject> {
+pub(crate) async fn connect_upstream(
+    target: &Target,
+    addrs: &[IpAddr],
+) -> Result<TcpStream, Reject> {
     let mut last_error = None;
     for ip in addrs {
         let addr = SocketAddr::new(*ip, target.port);
@@ -724,42 +764,20 @@ async fn connect(
     target: Target,
     admitted: Admitted,
 ) -> Result<Response<ProxyBody>, Reject> {
-    // Interception is decided by the host: whether a request carries a
-    // secret, or has a method its rule admits, is only known per inner
-    // request, after TLS is terminated.
-    let intercept = admitted.entry.intercepts()
-        || ctx
-            .run
-            .policy()
-            .secrets
-            .iter()
-            .any(|s| s.covers_host(&target.host));
-    let server_config = if intercept {
-        match ctx.shared.authority.server_config(&target.host) {
-            Ok(config) => Some(config),
-            Err(e) => {
-                tracing::error!(host = %target.host, error = %e, "cannot make an interception certificate");
-                return Err(Reject::Interception(target.host));
-            }
-        }
-    } else {
-        ctx.record("CONNECT", &target, true, &admitted.rule, None);
-        None
-    };
+    let server_config = interception(&ctx, "CONNECT", &target, &admitted)?;
     let upstream = connect_upstream(&target, &admitted.addrs).await?;
     let on_upgrade = hyper::upgrade::on(&mut req);
     let task_ctx = Arc::clone(&ctx);
     ctx.spawn(async move {
         match on_upgrade.await {
             Ok(upgraded) => {
-                let strict = !admitted.entry.methods.is_empty();
                 tunnel(
                     task_ctx,
                     upgraded,
                     upstream,
                     target,
-                    admitted.rule,
-                    server_config.map(|config| (config, strict)),
+                    admitted,
+                    server_config,
                 )
                 .await
             }
@@ -769,6 +787,37 @@ async fn connect(
     Ok(Response::new(
         Empty::new().map_err(|never| match never {}).boxed_unsync(),
     ))
+}
+
+/// Whether a tunnel to `target` is intercepted, and with which server
+/// config. Interception is decided by the host: whether a request carries a
+/// secret, or has a method its rule admits, is only known per inner
+/// request, after TLS is terminated. A tunnel that is not intercepted is
+/// recorded here (under `verb`), as its requests will not be seen.
+pub(crate) fn interception(
+    ctx: &Ctx,
+    verb: &str,
+    target: &Target,
+    admitted: &Admitted,
+) -> Result<Option<Arc<rustls::ServerConfig>>, Reject> {
+    let intercept = admitted.entry.intercepts()
+        || ctx
+            .run
+            .policy()
+            .secrets
+            .iter()
+            .any(|s| s.covers_host(&target.host));
+    if !intercept {
+        ctx.record(verb, target, true, &admitted.rule, None);
+        return Ok(None);
+    }
+    match ctx.shared.authority.server_config(&target.host) {
+        Ok(config) => Ok(Some(config)),
+        Err(e) => {
+            tracing::error!(host = %target.host, error = %e, "cannot make an interception certificate");
+            Err(Reject::Interception(target.host.clone()))
+        }
+    }
 }
 
 /// The first byte of a TLS connection: a handshake record.
@@ -790,38 +839,67 @@ async fn tunnel(
     upgraded: hyper::upgrade::Upgraded,
     upstream: TcpStream,
     target: Target,
-    rule: String,
-    server_config: Option<(Arc<rustls::ServerConfig>, bool)>,
+    admitted: Admitted,
+    server_config: Option<Arc<rustls::ServerConfig>>,
 ) {
     // Unwrapping hyper's upgrade wrapper leaves plain tokio I/O on the run's
     // side (still counted): a lean copy loop, and a socket to peek at.
-    let (run_side, early) = match upgraded.downcast::<TokioIo<Counted<TcpStream>>>() {
-        Ok(parts) => (parts.io.into_inner(), parts.read_buf),
+    match upgraded.downcast::<TokioIo<Counted<TcpStream>>>() {
+        Ok(parts) => {
+            let (run_side, early) = (parts.io.into_inner(), parts.read_buf);
+            run_tunnel(
+                ctx,
+                run_side,
+                early,
+                upstream,
+                target,
+                admitted,
+                server_config,
+                "CONNECT",
+            )
+            .await
+        }
         Err(upgraded) => {
             // Not reached with this module's own I/O type; kept correct all
             // the same, deciding by the host alone.
             let run_side = TokioIo::new(upgraded);
             match server_config {
-                Some((config, _)) => {
-                    intercept_tunnel(ctx, run_side, upstream, target, config).await
-                }
+                Some(config) => intercept_tunnel(ctx, run_side, upstream, target, config).await,
                 None => blind_tunnel(run_side, Bytes::new(), upstream).await,
             }
-            return;
         }
-    };
-    let Some((config, strict)) = server_config else {
+    }
+}
+
+/// Runs a tunnel opened by `verb` (`CONNECT`, `SOCKS5`) once the run's
+/// socket is plain again; `early` holds bytes the run sent already.
+///
+/// Cancellation: safe to drop; every socket of the tunnel closes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run_tunnel(
+    ctx: Arc<Ctx>,
+    run_side: Counted<TcpStream>,
+    early: Bytes,
+    upstream: TcpStream,
+    target: Target,
+    admitted: Admitted,
+    server_config: Option<Arc<rustls::ServerConfig>>,
+    verb: &str,
+) {
+    let Some(config) = server_config else {
         return blind_tunnel(run_side, early, upstream).await;
     };
+    let strict = !admitted.entry.methods.is_empty();
+    let rule = admitted.rule;
     if opens_with_tls(&run_side.inner, &early, &upstream).await {
         let run_side = Prefixed::new(early, run_side);
         intercept_tunnel(ctx, run_side, upstream, target, config).await;
     } else if strict {
         // Dropping both sides closes the tunnel.
-        ctx.record("CONNECT", &target, false, &format!("not-tls:{rule}"), None);
+        ctx.record(verb, &target, false, &format!("not-tls:{rule}"), None);
     } else {
-        // No inner requests will be seen: this CONNECT is the record.
-        ctx.record("CONNECT", &target, true, &rule, None);
+        // No inner requests will be seen: this tunnel is the record.
+        ctx.record(verb, &target, true, &rule, None);
         blind_tunnel(run_side, early, upstream).await;
     }
 }
@@ -1338,7 +1416,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// The run's side of a connection, counting bytes: what is read from the run
 /// goes up, what is written to it comes down. Everything the run exchanges
 /// through the proxy passes here once, tunnels included.
-struct Counted<S> {
+pub(crate) struct Counted<S> {
     inner: S,
     counters: Arc<Counters>,
     /// This connection's own count, and who is told it when the connection

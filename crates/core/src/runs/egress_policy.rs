@@ -43,9 +43,7 @@ impl Manager {
             self.config().egress.as_deref(),
             self.config().sealer.as_deref(),
             network,
-            req.egress_allow.as_deref(),
-            req.egress_defaults,
-            req.secrets.as_deref(),
+            (&req).into(),
         )?;
         if network == NetworkTier::Allowlist && current.network == NetworkTier::Allowlist {
             if req.egress_allow.is_none() {

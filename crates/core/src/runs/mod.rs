@@ -612,9 +612,11 @@ impl Manager {
             self.config().egress.as_deref(),
             self.config().sealer.as_deref(),
             network,
-            req.egress_allow.as_deref(),
-            req.egress_defaults,
-            req.secrets.as_deref(),
+            egress::EgressAsk {
+                allow: req.egress_allow.as_deref(),
+                defaults: req.egress_defaults,
+                secrets: req.secrets.as_deref(),
+            },
         )?;
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;
         let run_volumes = self.check_volume_mounts(
