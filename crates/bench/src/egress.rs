@@ -5,9 +5,10 @@
 //! Four tables:
 //!
 //! 1. **throughput**: `--egress-mib` MiB per sample, each way, through a
-//!    blind CONNECT tunnel and directly to the same loopback source or sink,
-//!    and through a bare relay (`loopback::start_relay`) as the floor of
-//!    any user-space tunnel;
+//!    blind CONNECT tunnel, through a SOCKS5 tunnel of the same run
+//!    (`serve_socks5`), directly to the same loopback source or sink, and
+//!    through a bare relay (`loopback::start_relay`) as the floor of any
+//!    user-space tunnel;
 //! 2. **HTTP latency**: a small GET, through the proxy in absolute-form and
 //!    directly, on a new connection per request and on a keep-alive one;
 //! 3. **HTTPS latency**: a small GET on a new connection, directly, through
@@ -73,7 +74,9 @@ use tokio_util::sync::CancellationToken;
 use runbox_proxy::audit::{AuditLog, AuditRecord};
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{Allowlist, Entry};
-use runbox_proxy::proxy::{serve, Counters, RunEgress, RunPolicy, Shared, TUNNEL_BUFFER};
+use runbox_proxy::proxy::{
+    serve, serve_socks5, Counters, RunEgress, RunPolicy, Shared, TUNNEL_BUFFER,
+};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::rules::Rule;
 use runbox_proxy::secrets::{placeholder, Secret, SecretSpec};
@@ -169,6 +172,8 @@ pub async fn measure(opts: &Options) -> anyhow::Result<EgressReport> {
 struct Setup {
     /// The proxy's listener.
     proxy: SocketAddr,
+    /// The same run's SOCKS5 door.
+    socks: SocketAddr,
     /// The run it serves, whose policy the policy table swaps.
     run: Arc<RunEgress>,
     /// The run's entries.
@@ -291,6 +296,10 @@ impl Setup {
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         listener.set_nonblocking(true)?;
         let proxy = listener.local_addr()?;
+        let socks_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        socks_listener.set_nonblocking(true)?;
+        let socks = socks_listener.local_addr()?;
+        let socks_run = Arc::clone(&run);
         let shutdown = CancellationToken::new();
         let dns_addr = dns.addr();
         let upstream_tls = upstream_client_config(Some(&upstream_ca))?;
@@ -309,6 +318,14 @@ impl Setup {
                     audit: Some(Arc::new(AuditLog::open(audit_path, AUDIT_MAX_BYTES)?)),
                 });
                 let listener = tokio::net::TcpListener::from_std(listener)?;
+                let socks_listener = tokio::net::TcpListener::from_std(socks_listener)?;
+                tokio::spawn(serve_socks5(
+                    socks_listener,
+                    Arc::clone(&shared),
+                    socks_run,
+                    stop.clone(),
+                    stop.clone(),
+                ));
                 tokio::spawn(serve(listener, shared, served, stop));
                 let bulk = SocketAddr::from((Ipv4Addr::LOCALHOST, bulk_port));
                 let relay_port = loopback::start_relay(bulk, TUNNEL_BUFFER).await?;
@@ -336,6 +353,7 @@ impl Setup {
             .context("parsing the interception CA")?;
         Ok(Setup {
             proxy,
+            socks,
             run,
             entries,
             secret,
@@ -448,6 +466,8 @@ enum Via {
     Tunnel,
     /// Through the bare relay.
     Relay,
+    /// Through a SOCKS5 tunnel of the proxy.
+    Socks,
 }
 
 /// The path of an HTTPS request.
@@ -494,6 +514,8 @@ impl Egress {
             transfer(false, Via::Direct),
             transfer(false, Via::Tunnel),
             transfer(false, Via::Relay),
+            transfer(true, Via::Socks),
+            transfer(false, Via::Socks),
         ];
         let (warmup, iterations) = (self.opts.transfer_warmup, self.opts.transfers);
         let samples = self
@@ -536,16 +558,35 @@ impl Egress {
                 Of::Time(5),
             ),
             row(cpu, Role::Part, bytes, None, Of::ProxyCpu(5)),
+            // Against the CONNECT tunnel's rows (1 and 6): the doors side
+            // by side.
+            row(
+                "SOCKS5 tunnel, download (vs CONNECT)",
+                Role::Runbox,
+                bytes,
+                Some(1),
+                Of::Time(6),
+            ),
+            row(cpu, Role::Part, bytes, None, Of::ProxyCpu(6)),
+            row(
+                "SOCKS5 tunnel, upload (vs CONNECT)",
+                Role::Runbox,
+                bytes,
+                Some(6),
+                Of::Time(7),
+            ),
+            row(cpu, Role::Part, bytes, None, Of::ProxyCpu(7)),
         ];
         Ok(Table::new(
             "egress-throughput",
-            "Egress proxy: bulk transfer through a blind CONNECT tunnel",
+            "Egress proxy: bulk transfer through a blind CONNECT or SOCKS5 tunnel",
             &format!(
                 "One TCP connection per sample carries {} MiB in {} KiB reads and writes, from \
                  a loopback source to the client (download) or from the client to a loopback \
                  sink (upload); timed from the request's first byte to the last byte received \
                  (download) or to the sink's acknowledgement (upload). Tunnel: the same transfer \
-                 after a CONNECT to the proxy (untimed). Bare relay: the same transfer through \
+                 after a CONNECT to the proxy (untimed). SOCKS5: after a SOCKS5 CONNECT (by \
+                 name) to the same run's SOCKS5 door (untimed). Bare relay: the same transfer through \
                  a relay that only copies, as the tunnel does ({} KiB buffers each way, on the \
                  proxy's runtime), without parsing, policy, lookup or counting. CPU time: what \
                  the worker threads of the proxy's runtime ran during the sample; MB/s is 10^6 \
@@ -840,6 +881,7 @@ impl Egress {
         let mut tcp = match via {
             Via::Direct => connect(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await?,
             Via::Tunnel => open_tunnel(self.setup.proxy, &format!("{BULK_HOST}:{port}")).await?,
+            Via::Socks => open_socks(self.setup.socks, BULK_HOST, port).await?,
             Via::Relay => {
                 connect(SocketAddr::from((
                     Ipv4Addr::LOCALHOST,
@@ -1092,6 +1134,30 @@ async fn open_tunnel(proxy: SocketAddr, authority: &str) -> anyhow::Result<TcpSt
     ensure!(
         end == head.len(),
         "CONNECT {authority}: bytes after the response head"
+    );
+    Ok(tcp)
+}
+
+/// A connection to the SOCKS5 door with a CONNECT to `host:port` (by
+/// name) answered "succeeded": the tunnel, with nothing of it read yet.
+async fn open_socks(door: SocketAddr, host: &str, port: u16) -> anyhow::Result<TcpStream> {
+    let mut tcp = connect(door).await?;
+    // Greeting (no authentication), then the request; the door answers
+    // each in turn.
+    tcp.write_all(&[5, 1, 0]).await?;
+    let mut chosen = [0u8; 2];
+    tcp.read_exact(&mut chosen).await?;
+    ensure!(chosen == [5, 0], "the SOCKS5 door chose {chosen:?}");
+    let mut request = vec![5, 1, 0, 3, u8::try_from(host.len())?];
+    request.extend_from_slice(host.as_bytes());
+    request.extend_from_slice(&port.to_be_bytes());
+    tcp.write_all(&request).await?;
+    // The reply's bound address is IPv4: 10 bytes in all.
+    let mut reply = [0u8; 10];
+    tcp.read_exact(&mut reply).await?;
+    ensure!(
+        reply[..2] == [5, 0] && reply[3] == 1,
+        "SOCKS5 CONNECT {host}:{port}: reply {reply:?}"
     );
     Ok(tcp)
 }

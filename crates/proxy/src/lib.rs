@@ -17,6 +17,9 @@
 //!                                          6. counters + audit::AuditLog record the decision
 //! ```
 //!
+//! A run that asks for it has a second door, SOCKS5 (`socks`), whose
+//! CONNECTs take the same steps 1–6 as an HTTP CONNECT.
+//!
 //! Policy evaluation (`policy`, `guard`, `secrets`) is pure and tested without
 //! sockets; `proxy` wires it to real connections.
 
@@ -27,6 +30,7 @@ pub mod proxy;
 pub mod resolve;
 pub mod rules;
 pub mod secrets;
+pub mod socks;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tls;

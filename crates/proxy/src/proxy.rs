@@ -195,11 +195,26 @@ pub async fn serve(
     serve_door(listener, shared, run, shutdown, close, Door::Http).await
 }
 
+/// Serves `listener` as the run's SOCKS5 door (see [`crate::socks`]) until
+/// `close` is cancelled (the door closes; tunnels through it keep going) or
+/// `shutdown` is (everything stops). Cancellation as for [`serve`].
+pub async fn serve_socks5(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    run: Arc<RunEgress>,
+    shutdown: CancellationToken,
+    close: CancellationToken,
+) {
+    serve_door(listener, shared, run, shutdown, close, Door::Socks5).await
+}
+
 /// The protocols a run's listener may speak.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Door {
     /// HTTP/1.1 CONNECT and absolute-form requests.
     Http,
+    /// SOCKS5 CONNECT.
+    Socks5,
 }
 
 /// Serves `listener` as `door` until `close` (stop accepting; connections
@@ -237,6 +252,7 @@ pub(crate) async fn serve_door(
                 ctx.spawn(async move {
                     match door {
                         Door::Http => serve_connection(conn_ctx, tcp).await,
+                        Door::Socks5 => crate::socks::serve_connection(conn_ctx, tcp).await,
                     }
                     drop(open);
                 });
@@ -524,8 +540,11 @@ impl Ctx {
                 )))
             }
             Decision::Allow { entry, source } => {
+                // A tunnel (CONNECT, SOCKS5) is checked by host and port;
+                // its requests, one by one, once intercepted.
                 let asked = Method::from_bytes(method.as_bytes()).unwrap_or(Method::GET);
-                if asked != Method::CONNECT && !entry.admits_method(&asked) {
+                let tunnel = asked == Method::CONNECT || method == crate::socks::SOCKS5;
+                if !tunnel && !entry.admits_method(&asked) {
                     let rule = format!("method:{}", decision.rule());
                     self.record(method, target, false, &rule, None);
                     return Err(Reject::Denied(format!(

@@ -28,7 +28,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use runbox_proxy::audit::{AuditLog, AuditRecord};
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{Allowlist, Entry};
-use runbox_proxy::proxy::{serve, Counters, RunEgress, RunPolicy, Shared};
+use runbox_proxy::proxy::{serve, serve_socks5, Counters, RunEgress, RunPolicy, Shared};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::secrets::{placeholder, Secret, SecretSpec};
 use runbox_proxy::testing::TestDns;
@@ -47,6 +47,10 @@ const RUN_ID: &str = "run-under-test";
 struct Harness {
     /// The proxy's listener.
     proxy: SocketAddr,
+    /// The SOCKS5 door of the same run.
+    socks: SocketAddr,
+    /// Closes the SOCKS5 door alone.
+    socks_close: CancellationToken,
     /// The plain HTTP upstream's port on 127.0.0.1.
     http_port: u16,
     /// The HTTPS upstream's port on 127.0.0.1.
@@ -109,6 +113,8 @@ impl Harness {
 
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let proxy = listener.local_addr()?;
+        let socks_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let socks = socks_listener.local_addr()?;
 
         let run_entries = [
             "allowed.test".to_owned(),
@@ -180,9 +186,19 @@ impl Harness {
         ));
 
         let shutdown = CancellationToken::new();
+        let socks_close = CancellationToken::new();
+        tokio::spawn(serve_socks5(
+            socks_listener,
+            shared.clone(),
+            run.clone(),
+            shutdown.clone(),
+            socks_close.clone(),
+        ));
         let serve = tokio::spawn(serve(listener, shared, run, shutdown.clone()));
         Ok(Harness {
             proxy,
+            socks,
+            socks_close,
             http_port,
             https_port,
             closed_port,
@@ -203,12 +219,23 @@ impl Harness {
 
     /// Runs curl through the proxy with `args` and returns what it got.
     async fn curl(&self, args: &[&str]) -> Result<Curl> {
+        self.curl_via(&format!("http://{}", self.proxy), args).await
+    }
+
+    /// Runs curl through the SOCKS5 door (names resolved by the proxy).
+    async fn curl_socks(&self, args: &[&str]) -> Result<Curl> {
+        self.curl_via(&format!("socks5h://{}", self.socks), args)
+            .await
+    }
+
+    /// Runs curl with `proxy` as its proxy URL.
+    async fn curl_via(&self, proxy: &str, args: &[&str]) -> Result<Curl> {
         let mut cmd = tokio::process::Command::new("curl");
         // -q first: no ~/.curlrc. The proxy variables of the environment must
         // not redirect or bypass the proxy under test.
         cmd.arg("-q")
             .args(["-sS", "--max-time", "60", "-x"])
-            .arg(format!("http://{}", self.proxy))
+            .arg(proxy)
             .args(["-o", "-", "-w", "\n%{http_code} %{http_connect}"])
             .args(args)
             .kill_on_drop(true);
@@ -1069,6 +1096,212 @@ async fn shutdown_closes_open_tunnels() -> Result<()> {
         TcpStream::connect(h.proxy).await.is_err(),
         "listener still open"
     );
+    Ok(())
+}
+
+/// SOCKS5 greeting offering "no authentication" only.
+const SOCKS_HELLO: &[u8] = &[5, 1, 0];
+
+/// A SOCKS5 request for `command` (1 CONNECT, 2 BIND, 3 UDP) to a name.
+fn socks_request(command: u8, name: &str, port: u16) -> Vec<u8> {
+    let mut frame = vec![5, command, 0, 3, name.len() as u8];
+    frame.extend_from_slice(name.as_bytes());
+    frame.extend_from_slice(&port.to_be_bytes());
+    frame
+}
+
+impl Harness {
+    /// Greets the SOCKS5 door, sends `request` and returns the reply code
+    /// (the reply's second byte) with the connection: the tunnel on 0.
+    async fn socks(&self, request: &[u8]) -> Result<(u8, TcpStream)> {
+        let mut tcp = TcpStream::connect(self.socks).await?;
+        tcp.write_all(SOCKS_HELLO).await?;
+        let mut chosen = [0u8; 2];
+        tcp.read_exact(&mut chosen).await?;
+        assert_eq!(chosen, [5, 0], "no-auth not chosen");
+        tcp.write_all(request).await?;
+        // VER REP RSV ATYP(1: IPv4) ADDR(4) PORT(2).
+        let mut reply = [0u8; 10];
+        tcp.read_exact(&mut reply).await?;
+        assert_eq!((reply[0], reply[3]), (5, 1), "{reply:?}");
+        Ok((reply[1], tcp))
+    }
+}
+
+#[tokio::test]
+async fn the_socks5_door_opens_the_same_tunnels_as_connect() -> Result<()> {
+    let h = Harness::start().await?;
+    // Plain HTTP and a blind TLS tunnel, names resolved by the proxy.
+    let url = format!("http://allowed.test:{}/socks", h.http_port);
+    let got = h.curl_socks(&[&url]).await?;
+    assert_eq!((got.exit, got.status), (0, 200), "{got:?}");
+    assert!(got.body.starts_with("GET /socks\n"), "{got:?}");
+    let url = format!("https://plain-tls.test:{}/blind", h.https_port);
+    let got = h
+        .curl_socks(&["--cacert", h.upstream_ca.to_str().unwrap(), &url])
+        .await?;
+    assert_eq!((got.exit, got.status), (0, 200), "{got:?}");
+
+    // A host with a secret: intercepted as through CONNECT, the value put
+    // in on its method and path only.
+    let auth = format!("Authorization: Bearer {}", placeholder(SECRET_NAME));
+    let runbox_ca = h.runbox_ca.to_str().unwrap();
+    let url = format!("https://secret.test:{}/allowed", h.https_port);
+    let got = h
+        .curl_socks(&["--cacert", runbox_ca, "-H", &auth, &url])
+        .await?;
+    assert_eq!((got.exit, got.status), (0, 200), "{got:?}");
+    assert!(
+        got.body
+            .contains(&format!("authorization: Bearer {SECRET_VALUE}\n")),
+        "{got:?}"
+    );
+    let url = format!("https://secret.test:{}/other", h.https_port);
+    let got = h
+        .curl_socks(&["--cacert", runbox_ca, "-H", &auth, &url])
+        .await?;
+    assert!(!got.body.contains(SECRET_VALUE), "{got:?}");
+
+    // Refusals: not on the list, the guard, no such name, nothing there.
+    for (target, code) in [
+        ("denied.test:443".to_owned(), 2),
+        ("internal.test:80".to_owned(), 2),
+        ("meta.test:80".to_owned(), 2),
+        ("nxdomain.test:443".to_owned(), 4),
+        (format!("allowed.test:{}", h.closed_port), 5),
+    ] {
+        let (host, port) = target.rsplit_once(':').unwrap();
+        let (reply, _) = h.socks(&socks_request(1, host, port.parse()?)).await?;
+        assert_eq!(reply, code, "{target}");
+    }
+    let got = h.curl_socks(&["http://denied.test/"]).await?;
+    assert_ne!(got.exit, 0, "{got:?}");
+
+    // The audit log tells SOCKS5 tunnels apart, with the same rules.
+    let (records, text) = h.audit()?;
+    let socks = |host: &str, decision: &str, rule: &str| {
+        records.iter().any(|r| {
+            matches!(r,
+            AuditRecord::Egress { method, host: h, decision: d, rule: ru, .. }
+                if method == "SOCKS5" && h == host && d == decision && ru == rule)
+        })
+    };
+    assert!(
+        socks(
+            "allowed.test",
+            "allow",
+            &format!("run:allowed.test:{}", h.http_port)
+        ),
+        "{text}"
+    );
+    assert!(socks("denied.test", "deny", "none"), "{text}");
+    assert!(socks("internal.test", "deny", "guard:private"), "{text}");
+    assert!(!text.contains(SECRET_VALUE));
+    Ok(())
+}
+
+#[tokio::test]
+async fn the_socks5_door_refuses_what_it_does_not_serve() -> Result<()> {
+    let h = Harness::start().await?;
+    // BIND and UDP ASSOCIATE: "command not supported".
+    for command in [2, 3] {
+        let (reply, _) = h
+            .socks(&socks_request(command, "allowed.test", h.http_port))
+            .await?;
+        assert_eq!(reply, 7, "command {command}");
+    }
+    // A name that is no DNS name: "address type not supported".
+    for name in ["bad name", "a..b", ""] {
+        let (reply, _) = h.socks(&socks_request(1, name, 80)).await?;
+        assert_eq!(reply, 8, "{name:?}");
+    }
+    // Port 0.
+    let (reply, _) = h.socks(&socks_request(1, "allowed.test", 0)).await?;
+    assert_eq!(reply, 8);
+    // An address the allowlist does not hold, given as an address.
+    let mut frame = vec![5, 1, 0, 1, 127, 0, 0, 1];
+    frame.extend_from_slice(&h.http_port.to_be_bytes());
+    let (reply, _) = h.socks(&frame).await?;
+    assert_eq!(reply, 2);
+    // Username/password only: no acceptable method, then closed.
+    let mut tcp = TcpStream::connect(h.socks).await?;
+    tcp.write_all(&[5, 1, 2]).await?;
+    let mut chosen = [0u8; 2];
+    tcp.read_exact(&mut chosen).await?;
+    assert_eq!(chosen, [5, 0xff]);
+    // SOCKS4, garbage, a greeting cut short, an HTTP request: closed
+    // without a reply, and the door keeps serving.
+    for junk in [
+        &[4u8, 1, 0, 80, 127, 0, 0, 1, 0][..],
+        b"\xff\xff\xff",
+        &[5, 3, 0],
+        b"GET / HTTP/1.1\r\n\r\n",
+    ] {
+        let mut tcp = TcpStream::connect(h.socks).await?;
+        tcp.write_all(junk).await?;
+        tcp.shutdown().await?;
+        let mut rest = Vec::new();
+        let _ = tcp.read_to_end(&mut rest).await;
+        assert!(rest.len() <= 2, "{junk:?} answered {rest:?}");
+    }
+    let (reply, _) = h
+        .socks(&socks_request(1, "allowed.test", h.http_port))
+        .await?;
+    assert_eq!(reply, 0);
+    Ok(())
+}
+
+#[tokio::test]
+async fn socks5_tunnels_carry_protocols_whose_server_speaks_first() -> Result<()> {
+    let h = Harness::start().await?;
+    // secret.test is intercepted for TLS; an SSH-like server that speaks
+    // first passes blind, as through CONNECT.
+    let (reply, mut tunnel) = h
+        .socks(&socks_request(1, "secret.test", h.banner_port))
+        .await?;
+    assert_eq!(reply, 0);
+    let mut banner = vec![0u8; BANNER.len()];
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        tunnel.read_exact(&mut banner),
+    )
+    .await
+    .context("no banner through the tunnel")??;
+    assert_eq!(banner, BANNER);
+    tunnel.write_all(b"SSH-2.0-client\r\n").await?;
+    let mut echoed = [0u8; 16];
+    tunnel.read_exact(&mut echoed).await?;
+    assert_eq!(&echoed, b"SSH-2.0-client\r\n");
+    Ok(())
+}
+
+#[tokio::test]
+async fn closing_the_socks5_door_spares_its_open_tunnels() -> Result<()> {
+    let h = Harness::start().await?;
+    let (reply, mut tunnel) = h
+        .socks(&socks_request(1, "allowed.test", h.http_port))
+        .await?;
+    assert_eq!(reply, 0);
+    h.socks_close.cancel();
+    // The listener goes (eventually: the accept loop sees the token)...
+    let mut closed = false;
+    for _ in 0..100 {
+        if TcpStream::connect(h.socks).await.is_err() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(closed, "the SOCKS5 door still accepts");
+    // ...the tunnel opened before stays, and the HTTP door is untouched.
+    tunnel
+        .write_all(b"GET /still HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
+        .await?;
+    let got = read_response(&mut tunnel).await?;
+    assert!(got.body.starts_with("GET /still\n"), "{got:?}");
+    let url = format!("http://allowed.test:{}/http", h.http_port);
+    let got = h.curl(&[&url]).await?;
+    assert_eq!(got.status, 200, "{got:?}");
     Ok(())
 }
 
