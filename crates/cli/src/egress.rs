@@ -173,8 +173,44 @@ struct RunProxy {
     run: Arc<RunEgress>,
     /// The node's part of its policy.
     node: Arc<NodePolicy>,
+    /// What its doors share.
+    shared: Arc<Shared>,
     /// Stops its proxy task.
     stop: tokio_util::sync::CancellationToken,
+    /// Closes its SOCKS5 door, while one is open.
+    socks5: std::sync::Mutex<Option<tokio_util::sync::CancellationToken>>,
+}
+
+impl RunProxy {
+    /// Serves the SOCKS5 door on `listener` until it is closed or the
+    /// proxy stops.
+    fn open_socks5(&self, listener: tokio::net::TcpListener) {
+        let close = self.stop.child_token();
+        tokio::spawn(runbox_proxy::proxy::serve_socks5(
+            listener,
+            self.shared.clone(),
+            self.run.clone(),
+            self.stop.clone(),
+            close.clone(),
+        ));
+        let before = self
+            .socks5
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(close);
+        if let Some(before) = before {
+            before.cancel();
+        }
+    }
+}
+
+/// A listener the daemon's runtime drives.
+fn tokio_listener(listener: std::net::TcpListener) -> Result<tokio::net::TcpListener, String> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| format!("preparing the egress listener: {e}"))?;
+    tokio::net::TcpListener::from_std(listener)
+        .map_err(|e| format!("registering the egress listener: {e}"))
 }
 
 impl EgressHandle for RunProxy {
@@ -198,6 +234,29 @@ impl EgressHandle for RunProxy {
     fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>) {
         self.run
             .set_policy(self.node.for_run(self.id, req, &brought));
+    }
+
+    fn set_socks5(&self, listener: Option<std::net::TcpListener>) -> Result<(), String> {
+        match listener {
+            Some(listener) => {
+                self.open_socks5(tokio_listener(listener)?);
+                Ok(())
+            }
+            None => {
+                let open = self.socks5.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(close) = open {
+                    close.cancel();
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn socks5(&self) -> bool {
+        self.socks5
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     fn shutdown(&self) {
@@ -258,15 +317,12 @@ impl EgressProxy for NodeProxy {
         id: ulid::Ulid,
         req: &RunEgressRequest,
         brought: Vec<BroughtSecret>,
-        listener: std::net::TcpListener,
+        doors: runbox_core::egress::EgressListeners,
         stop: tokio_util::sync::CancellationToken,
         on_close: Option<runbox_core::egress::ConnectionBytes>,
     ) -> Result<Arc<dyn EgressHandle>, String> {
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| format!("preparing the egress listener: {e}"))?;
-        let listener = tokio::net::TcpListener::from_std(listener)
-            .map_err(|e| format!("registering the egress listener: {e}"))?;
+        let listener = tokio_listener(doors.http)?;
+        let socks5 = doors.socks5.map(tokio_listener).transpose()?;
         let run = Arc::new(RunEgress::new(
             id.to_string(),
             self.node.for_run(id, req, &brought),
@@ -279,12 +335,18 @@ impl EgressProxy for NodeProxy {
             run.clone(),
             stop.clone(),
         ));
-        Ok(Arc::new(RunProxy {
+        let proxy = RunProxy {
             id,
             run,
             node: self.node.clone(),
+            shared: self.shared.clone(),
             stop,
-        }))
+            socks5: std::sync::Mutex::new(None),
+        };
+        if let Some(socks5) = socks5 {
+            proxy.open_socks5(socks5);
+        }
+        Ok(Arc::new(proxy))
     }
 }
 

@@ -117,6 +117,10 @@ pub struct CreateArgs {
     /// the run's allowlist
     #[arg(long)]
     pub no_egress_defaults: bool,
+    /// A SOCKS5 door in the run (127.0.0.1:1080, named by ALL_PROXY) for
+    /// tools that speak SOCKS5; same policy (needs --network allowlist)
+    #[arg(long)]
+    pub socks5: bool,
     /// Operator-declared secret the run may use through the proxy; the run
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
@@ -203,6 +207,7 @@ impl CreateArgs {
             limits,
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
             egress_defaults: self.no_egress_defaults.then_some(false),
+            egress_socks5: self.socks5.then_some(true),
             secrets: secret_requests(&self.secrets, &self.secrets_files),
             warm: self.warm.clone().map(|repo| runbox_types::WarmRequest {
                 repo,
@@ -373,6 +378,10 @@ pub struct EgressArgs {
     /// Whether the server's built-in list of registries and forges applies
     #[arg(long, value_name = "BOOL")]
     pub egress_defaults: Option<bool>,
+    /// Open (true) or close (false) the run's SOCKS5 door; tunnels open
+    /// through it keep going
+    #[arg(long, value_name = "BOOL")]
+    pub socks5: Option<bool>,
     /// Operator-declared secret the run may use from now on (repeatable);
     /// with --secrets-file these replace the run's secrets
     #[arg(long = "secret", value_name = "NAME")]
@@ -393,6 +402,7 @@ impl EgressArgs {
         runbox_types::UpdateEgressRequest {
             network: self.network.map(NetworkTier::from),
             egress_defaults: self.egress_defaults,
+            egress_socks5: self.socks5,
             egress_allow: match (self.clear_allow, self.allow.is_empty()) {
                 (true, _) => Some(Vec::new()),
                 (false, true) => None,
@@ -780,6 +790,16 @@ mod tests {
         assert_eq!(req.secrets, Some(vec!["GH".into()]));
         assert!(egress_request(&["--clear-allow", "--allow", "x.example"]).is_err());
         assert!(egress_request(&["--clear-secrets", "--secret", "GH"]).is_err());
+        assert_eq!(req.egress_socks5, None);
+        let req = egress_request(&["--socks5", "false"]).unwrap();
+        assert_eq!(req.egress_socks5, Some(false));
+        assert!(egress_request(&["--socks5", "maybe"]).is_err());
+        let create = create_args(&["--image", "base", "--network", "allowlist", "--socks5"]);
+        assert_eq!(create.request().egress_socks5, Some(true));
+        assert_eq!(
+            create_args(&["--image", "base"]).request().egress_socks5,
+            None
+        );
     }
 
     #[test]
@@ -897,6 +917,7 @@ mod tests {
             }),
             egress_allow: Vec::new(),
             egress_defaults: None,
+            egress_socks5: None,
             secrets: Vec::new(),
             egress: None,
             failure: None,

@@ -64,7 +64,9 @@ const RESERVED_NAMES: &[&str] = &[
     "HOME",
 ];
 
-use crate::lane::{EGRESS_PROXY_URL as PROXY_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PATH};
+use crate::lane::{
+    EGRESS_PROXY_URL as PROXY_URL, EGRESS_SOCKS5_URL, EXTRA_CA_PATH, TRUST_BUNDLE_PATH,
+};
 
 /// The node's egress proxy, as the core uses it: checking what a run asks
 /// for, and serving one run's proxy on a listener inside its namespace.
@@ -93,7 +95,7 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
     fn ca_pem(&self) -> String;
 
     /// Serves run `id`'s proxy (entries and secrets as checked at creation,
-    /// `brought` opened) on `listener` until `stop` is cancelled, telling
+    /// `brought` opened) on `doors` until `stop` is cancelled, telling
     /// `on_close` the bytes of each connection with an allowed request
     /// when it closes. Needs a Tokio runtime.
     fn start(
@@ -101,10 +103,20 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
         id: Ulid,
         req: &RunEgressRequest,
         brought: Vec<BroughtSecret>,
-        listener: std::net::TcpListener,
+        doors: EgressListeners,
         stop: CancellationToken,
         on_close: Option<ConnectionBytes>,
     ) -> Result<Arc<dyn EgressHandle>, String>;
+}
+
+/// The listeners a run's proxy serves, bound in the run's namespace by its
+/// lane (see [`crate::lane::EgressDoor`]).
+#[derive(Debug)]
+pub struct EgressListeners {
+    /// The HTTP proxy.
+    pub http: std::net::TcpListener,
+    /// The SOCKS5 door, for a run that asked for one.
+    pub socks5: Option<std::net::TcpListener>,
 }
 
 /// Takes the byte count (both ways) of one closed egress connection.
@@ -125,6 +137,13 @@ pub trait EgressHandle: Send + Sync {
     /// opened) in force for the run's next connections and requests;
     /// connections already open keep going.
     fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>);
+
+    /// Opens the SOCKS5 door on `listener`, or closes it (`None`): it stops
+    /// accepting, and tunnels already open through it keep going.
+    fn set_socks5(&self, listener: Option<std::net::TcpListener>) -> Result<(), String>;
+
+    /// Whether the SOCKS5 door is open.
+    fn socks5(&self) -> bool;
 
     /// Stops the proxy: its listener closes, and every connection through
     /// it with it.
@@ -149,6 +168,9 @@ pub struct RunEgressRequest {
     /// The built-in list is left out (`egressDefaults: false`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_defaults: bool,
+    /// The run has a SOCKS5 door (`egressSocks5: true`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub socks5: bool,
 }
 
 impl RunEgressRequest {
@@ -242,6 +264,8 @@ pub struct EgressAsk<'a> {
     pub defaults: Option<bool>,
     /// `secrets`.
     pub secrets: Option<&'a [SecretRequest]>,
+    /// `egressSocks5`.
+    pub socks5: Option<bool>,
 }
 
 impl<'a> From<&'a runbox_types::UpdateEgressRequest> for EgressAsk<'a> {
@@ -250,6 +274,7 @@ impl<'a> From<&'a runbox_types::UpdateEgressRequest> for EgressAsk<'a> {
             allow: req.egress_allow.as_deref(),
             defaults: req.egress_defaults,
             secrets: req.secrets.as_deref(),
+            socks5: req.egress_socks5,
         }
     }
 }
@@ -266,8 +291,19 @@ pub fn check_request(
         allow,
         defaults,
         secrets,
+        socks5,
     } = ask;
     if network != NetworkTier::Allowlist {
+        if socks5 == Some(true) {
+            return Err(CoreError::invalid(
+                ErrorCode::BadEgress,
+                format!(
+                    "egressSocks5 is a door of the allowlist proxy; a {:?} run has none, use \
+                     network \"allowlist\"",
+                    network.as_str()
+                ),
+            ));
+        }
         if allow.is_some() || defaults.is_some() {
             return Err(CoreError::invalid(
                 ErrorCode::BadEgress,
@@ -384,6 +420,7 @@ pub fn check_request(
         secrets: names,
         brought,
         no_defaults: defaults == Some(false),
+        socks5: socks5 == Some(true),
     })
 }
 
@@ -478,10 +515,12 @@ fn bounded(s: &str) -> String {
 }
 
 /// The environment every command of an `allowlist` run starts with: the
-/// proxy variables (both spellings, as programs read either), a placeholder
-/// per secret, and — when the run has secrets, so TLS to their hosts is
-/// intercepted — the trust-store variables common runtimes read. Other
-/// tiers have no proxy and get nothing.
+/// proxy variables (both spellings, as programs read either; `ALL_PROXY`
+/// names the SOCKS5 door when the run has one, which programs use where no
+/// protocol's own variable applies), a placeholder per secret, and — when
+/// the run has secrets, so TLS to their hosts is intercepted — the
+/// trust-store variables common runtimes read. Other tiers have no proxy
+/// and get nothing.
 pub fn run_env(
     proxy: Option<&dyn EgressProxy>,
     network: NetworkTier,
@@ -493,6 +532,11 @@ pub fn run_env(
     let mut env = Vec::new();
     for name in ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"] {
         env.push((name.to_owned(), PROXY_URL.to_owned()));
+    }
+    if req.socks5 {
+        for name in ["ALL_PROXY", "all_proxy"] {
+            env.push((name.to_owned(), EGRESS_SOCKS5_URL.to_owned()));
+        }
     }
     for name in ["NO_PROXY", "no_proxy"] {
         env.push((name.to_owned(), "localhost,127.0.0.1".to_owned()));
@@ -536,6 +580,19 @@ mod tests {
                 allow,
                 defaults,
                 secrets,
+                socks5: None,
+            },
+        )
+    }
+
+    fn check_request_socks5(on: bool) -> Result<RunEgressRequest, CoreError> {
+        super::check_request(
+            Some(&Checker),
+            None,
+            NetworkTier::Allowlist,
+            EgressAsk {
+                socks5: Some(on),
+                ..Default::default()
             },
         )
     }
@@ -674,7 +731,7 @@ mod tests {
             _: Ulid,
             _: &RunEgressRequest,
             _: Vec<BroughtSecret>,
-            _: std::net::TcpListener,
+            _: EgressListeners,
             _: CancellationToken,
             _: Option<ConnectionBytes>,
         ) -> Result<Arc<dyn EgressHandle>, String> {
@@ -752,6 +809,18 @@ mod tests {
             assert_eq!(err.code(), ErrorCode::BadEgress);
             let err = check_request(None, None, tier, None, None, Some(&[])).unwrap_err();
             assert_eq!(err.code(), ErrorCode::BadEgress);
+            let socks5 = |on| EgressAsk {
+                socks5: Some(on),
+                ..Default::default()
+            };
+            let err = super::check_request(None, None, tier, socks5(true)).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::BadEgress);
+            assert!(err.to_string().contains("egressSocks5"), "{err}");
+            // Asking for no door is no request at all.
+            assert_eq!(
+                super::check_request(None, None, tier, socks5(false)).unwrap(),
+                RunEgressRequest::default()
+            );
             assert_eq!(
                 check_request(None, None, tier, None, None, None).unwrap(),
                 RunEgressRequest::default()
@@ -788,6 +857,30 @@ mod tests {
             &RunEgressRequest::default(),
         );
         assert!(!env.0.contains_key("SSL_CERT_FILE"));
+        // No SOCKS5 door, no ALL_PROXY; with one, both spellings name it.
+        assert!(!env.0.contains_key("ALL_PROXY"));
+        let env = run_env(
+            Some(&Checker),
+            NetworkTier::Allowlist,
+            &RunEgressRequest {
+                socks5: true,
+                ..Default::default()
+            },
+        );
+        assert_eq!(
+            env.0.get("ALL_PROXY").map(String::as_str),
+            Some(EGRESS_SOCKS5_URL)
+        );
+        assert_eq!(
+            env.0.get("all_proxy").map(String::as_str),
+            Some("socks5h://127.0.0.1:1080")
+        );
+        assert_eq!(
+            env.0.get("HTTPS_PROXY").map(String::as_str),
+            Some(PROXY_URL)
+        );
+        let req = check_request_socks5(true).unwrap();
+        assert!(req.socks5);
         // Other tiers have no proxy to point at.
         let req = RunEgressRequest {
             secrets: strings(&["GH_TOKEN"]),

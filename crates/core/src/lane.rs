@@ -32,6 +32,35 @@ pub const EGRESS_PROXY_ADDR: std::net::SocketAddr = std::net::SocketAddr::V4(
 /// [`EGRESS_PROXY_ADDR`] as a proxy URL, for `HTTP_PROXY` and friends.
 pub const EGRESS_PROXY_URL: &str = "http://127.0.0.1:3128";
 
+/// Where the SOCKS5 door listens in a run that asked for one
+/// (`egressSocks5`): the run's loopback, port 1080 (SOCKS's own port).
+pub const EGRESS_SOCKS5_ADDR: std::net::SocketAddr = std::net::SocketAddr::V4(
+    std::net::SocketAddrV4::new(std::net::Ipv4Addr::new(127, 0, 0, 1), 1080),
+);
+
+/// [`EGRESS_SOCKS5_ADDR`] as a proxy URL for `ALL_PROXY`: `socks5h`, so
+/// that names are resolved by the proxy (the run has no DNS of its own).
+pub const EGRESS_SOCKS5_URL: &str = "socks5h://127.0.0.1:1080";
+
+/// The listeners an `allowlist` run's egress proxy serves in its namespace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EgressDoor {
+    /// The HTTP proxy, on [`EGRESS_PROXY_ADDR`]; every `allowlist` run.
+    Http,
+    /// The SOCKS5 door, on [`EGRESS_SOCKS5_ADDR`]; runs that ask.
+    Socks5,
+}
+
+impl EgressDoor {
+    /// Where the door listens inside the run.
+    pub fn addr(self) -> std::net::SocketAddr {
+        match self {
+            EgressDoor::Http => EGRESS_PROXY_ADDR,
+            EgressDoor::Socks5 => EGRESS_SOCKS5_ADDR,
+        }
+    }
+}
+
 /// The system CA bundle inside a run (Debian, Ubuntu and Alpine keep it
 /// here); with [`SandboxSpec::trust_pem`] the lane replaces it by the
 /// image's bundle plus those certificates.
@@ -397,10 +426,11 @@ pub trait Sandbox: Send + Sync {
     }
 
     /// A listening TCP socket inside an `allowlist` run's network
-    /// namespace, on which the daemon serves that run's egress proxy.
-    /// Called after `create` and again after a restart re-adopts the run
-    /// (the old socket died with the old daemon).
-    async fn egress_listener(&self) -> Result<std::net::TcpListener, LaneError> {
+    /// namespace, on `door`'s address, on which the daemon serves that
+    /// run's egress proxy. Called after `create` and again after a restart
+    /// re-adopts the run (the old socket died with the old daemon).
+    async fn egress_listener(&self, door: EgressDoor) -> Result<std::net::TcpListener, LaneError> {
+        let _ = door;
         Err(LaneError::unsupported(
             "give a run an egress proxy listener",
         ))

@@ -189,6 +189,7 @@ impl RunRecord {
             lease: self.lease.active(OffsetDateTime::now_utc()).cloned(),
             egress_allow: self.egress.allow.clone(),
             egress_defaults: self.egress.no_defaults.then_some(false),
+            egress_socks5: self.egress.socks5.then_some(true),
             secrets: self.egress.secret_names(),
             egress: None,
             failure: (self.status == RunStatus::Failed)

@@ -2039,9 +2039,10 @@ async fn the_capability_catalog_says_what_the_daemon_does() {
     // The world's daemon runs with --no-default-egress.
     assert!(!catalog.egress.default_list);
     assert!(catalog.egress.rules && catalog.egress.live_update);
+    // The door itself is checked in the_socks5_door_reaches_allowlisted_ports_only.
     assert_eq!(
         (catalog.egress.socks5, catalog.egress.upstream_proxies),
-        (false, false)
+        (true, false)
     );
 
     // hosts-and-cidrs: a network rule admits an address in it; native
@@ -2808,4 +2809,137 @@ async fn egress_bytes_of_allowed_connections_become_usage() {
         "the refused connection is not counted: {operator:?} {counters:?}"
     );
     assert_eq!(operator.events["egress"], 1, "{operator:?}");
+}
+
+/// The SOCKS5 door (`egressSocks5`): curl through it reaches what the
+/// allowlist admits (by name, resolved by the proxy, and through
+/// `ALL_PROXY` alone), is refused elsewhere, is audited as SOCKS5; it opens
+/// and closes live, outlives a restart, and is refused where it cannot be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_socks5_door_reaches_allowlisted_ports_only() {
+    let mut w = World::start().await;
+    let allowed = format!("allowed.test:{}", w.http_port);
+    let run = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            network: Some(NetworkTier::Allowlist),
+            egress_allow: Some(vec![allowed.as_str().into()]),
+            egress_socks5: Some(true),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(run.egress_socks5, Some(true));
+    let id = run.id.to_string();
+    let socks = "socks5h://127.0.0.1:1080";
+    let url = format!("http://{allowed}/door");
+    let got = w.curl(&id, &["-x", socks, &url]).await;
+    assert_eq!((got.exit, got.status), (0, 200), "{got:?}");
+    assert!(got.body.starts_with("GET /door\n"), "{got:?}");
+    // ALL_PROXY names the door: without the HTTP variables curl uses it.
+    let (code, out, err) = w
+        .sh(
+            &id,
+            &format!(
+                "echo \"$ALL_PROXY\"; unset HTTP_PROXY HTTPS_PROXY http_proxy https_proxy; \
+                 curl -q -sS --max-time 30 http://{allowed}/all-proxy"
+            ),
+        )
+        .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.starts_with("socks5h://127.0.0.1:1080\nGET /all-proxy\n"),
+        "{out}"
+    );
+    // Refused: not on the list, a port the entry does not name.
+    for target in [
+        "http://denied.test/",
+        &format!("http://allowed.test:{}/", w.https_port),
+    ] {
+        let got = w.curl(&id, &["-x", socks, target]).await;
+        assert_ne!(got.exit, 0, "{target}: {got:?}");
+        assert_eq!(got.status, 0, "{target}: {got:?}");
+    }
+    let (_, records) = w
+        .audit(|r| egress_for(r, &id, "denied.test").len() == 1)
+        .await;
+    assert_eq!(
+        egress_for(&records, &id, "allowed.test")[0],
+        decision("SOCKS5", w.http_port, &format!("allow run:{allowed}"))
+    );
+    assert_eq!(
+        egress_for(&records, &id, "denied.test"),
+        [decision("SOCKS5", 80, "deny none")]
+    );
+
+    // Closed live: nothing listens on 1080, ALL_PROXY goes; the HTTP
+    // proxy is untouched. Open again: it serves.
+    let (status, _, text) = patch_egress(&w, &id, serde_json::json!({"egressSocks5": false})).await;
+    assert_eq!(status, 200, "{text}");
+    let run: Run = serde_json::from_str(&text).unwrap();
+    assert_eq!(run.egress_socks5, None);
+    let got = w.curl(&id, &["-x", socks, &url]).await;
+    assert_eq!(got.exit, 7, "{got:?}");
+    let (_, out, _) = w.sh(&id, "echo \"all=${ALL_PROXY:-unset}\"").await;
+    assert_eq!(out.trim(), "all=unset");
+    assert_eq!(w.curl(&id, &[&url]).await.status, 200);
+    let (status, _, text) = patch_egress(&w, &id, serde_json::json!({"egressSocks5": true})).await;
+    assert_eq!(status, 200, "{text}");
+    let got = w.curl(&id, &["-x", socks, &url]).await;
+    assert_eq!((got.exit, got.status), (0, 200), "{got:?}");
+
+    // A daemon restart re-opens it.
+    w.daemon.kill9();
+    w.daemon.spawn().await;
+    let got = w.curl(&id, &["-x", socks, &url]).await;
+    assert_eq!(
+        (got.exit, got.status),
+        (0, 200),
+        "{got:?}; log:\n{}",
+        w.daemon.log()
+    );
+
+    // A run without the door has nothing on 1080 and no ALL_PROXY.
+    let plain = w.allowlist_run(&[&allowed], &[]).await.id.to_string();
+    let got = w.curl(&plain, &["-x", socks, &url]).await;
+    assert_eq!(got.exit, 7, "{got:?}");
+    // Its own process on 1080: opening the door is a 409 naming the
+    // address, and the run's policy stays as it was.
+    let (code, out, err) = w
+        .sh(
+            &plain,
+            "busybox httpd -p 127.0.0.1:1080 -h / && busybox netstat -ltn | grep -c 127.0.0.1:1080",
+        )
+        .await;
+    assert_eq!((code, out.trim()), (0, "1"), "{err}");
+    let (status, code, text) = patch_egress(
+        &w,
+        &plain,
+        serde_json::json!({"egressSocks5": true, "egressAllow": []}),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (409, "port_in_use"), "{text}");
+    assert!(text.contains("127.0.0.1:1080"), "{text}");
+    let run = w.daemon.client.get_run(&plain).await.unwrap();
+    assert_eq!(run.egress_socks5, None);
+    assert_eq!(
+        run.egress_allow,
+        vec![runbox_types::EgressEntry::from(allowed.as_str())]
+    );
+    assert_eq!(w.curl(&plain, &[&url]).await.status, 200);
+
+    // Only an allowlist run has doors.
+    let (status, code, text) = create_raw(
+        &w,
+        serde_json::json!({"image": IMAGE, "network": "none", "egressSocks5": true}),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (400, "bad_egress"), "{text}");
+    assert!(text.contains("egressSocks5"), "{text}");
+    let (status, code, text) = create_raw(
+        &w,
+        serde_json::json!({"image": IMAGE, "network": "allowlist", "egressSocks5": "yes"}),
+    )
+    .await;
+    assert_eq!(status, 400, "{code} {text}");
 }

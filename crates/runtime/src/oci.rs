@@ -38,7 +38,8 @@
 //! loopback only: no other interface, no route. An `allowlist` run reaches
 //! the outside only through the egress proxy, whose listening socket
 //! [`Sandbox::egress_listener`] creates on the run's own loopback
-//! ([`crate::netns::EGRESS_PROXY_ADDR`]) for the daemon to serve. `open`
+//! ([`crate::netns::EGRESS_PROXY_ADDR`], and the SOCKS5 door's beside it
+//! for runs that ask) for the daemon to serve. `open`
 //! runs get a veth pair and NAT ([`crate::open_net`]); when the host cannot
 //! do that (no nftables), creating one fails rather than falling back to
 //! another tier.
@@ -77,7 +78,7 @@ use runbox_types::NetworkTier;
 use tokio::process::Command;
 use ulid::Ulid;
 
-use crate::netns::{bind_in_netns, EGRESS_PROXY_ADDR};
+use crate::netns::bind_in_netns;
 use crate::open_net::{self, OpenNet, OpenPool, Subnet, RESOLV_CONF_PATH};
 use crate::probe::Runtime;
 use crate::spec::{self, FileMount, SpecParams};
@@ -1522,13 +1523,16 @@ impl Sandbox for OciSandbox {
         .map_err(|e| LaneError::Failed(format!("recording the network tier: {e}")))?
     }
 
-    /// Binds [`EGRESS_PROXY_ADDR`] inside the run's namespace. Refused for
-    /// runs that are not `allowlist` ones: a proxy inside a `none` run would
+    /// Binds `door`'s address inside the run's namespace. Refused for runs
+    /// that are not `allowlist` ones: a proxy inside a `none` run would
     /// give it the network it was created without.
     ///
     /// Cancellation: the socket is made on a blocking thread; if this future
     /// is dropped, the socket is closed when that thread returns it.
-    async fn egress_listener(&self) -> Result<std::net::TcpListener, LaneError> {
+    async fn egress_listener(
+        &self,
+        door: runbox_core::lane::EgressDoor,
+    ) -> Result<std::net::TcpListener, LaneError> {
         let id = self.id;
         match self.lane.network_of(id) {
             Some(NetworkTier::Allowlist) => {}
@@ -1546,11 +1550,12 @@ impl Sandbox for OciSandbox {
         }
         let netns = Path::new("/run/netns").join(netns_name(id));
         let bind = netns.clone();
-        tokio::task::spawn_blocking(move || bind_in_netns(&bind, EGRESS_PROXY_ADDR))
+        let addr = door.addr();
+        tokio::task::spawn_blocking(move || bind_in_netns(&bind, addr))
             .await
             .map_err(|e| LaneError::Failed(format!("binding the egress listener: {e}")))?
             .map_err(LaneError::io(format!(
-                "binding {EGRESS_PROXY_ADDR} in {}",
+                "binding {addr} in {} (is a process of the run listening there?)",
                 netns.display()
             )))
     }

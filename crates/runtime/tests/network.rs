@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use runbox_core::lane::{Lane, LaneError, SandboxSpec};
+use runbox_core::lane::{EgressDoor, Lane, LaneError, SandboxSpec, EGRESS_SOCKS5_ADDR};
 use runbox_runtime::netns::in_netns;
 use runbox_runtime::{
     bind_in_netns, OciLane, OciOptions, Runtime, EGRESS_PROXY_ADDR, EXTRA_CA_PATH,
@@ -476,7 +476,7 @@ fn allowlist_run_has_loopback_only_and_an_egress_listener() {
 
         let listener = lane
             .sandbox(id)
-            .egress_listener()
+            .egress_listener(EgressDoor::Http)
             .await
             .expect("egress listener");
         assert_eq!(listener.local_addr().unwrap(), EGRESS_PROXY_ADDR);
@@ -501,19 +501,42 @@ fn allowlist_run_has_loopback_only_and_an_egress_listener() {
         // After a daemon restart the listener is made again.
         let again = lane
             .sandbox(id)
-            .egress_listener()
+            .egress_listener(EgressDoor::Http)
             .await
             .expect("re-binding");
         drop(again);
+        // The SOCKS5 door binds its own address; a second bind of a taken
+        // address fails naming it.
+        let socks = lane
+            .sandbox(id)
+            .egress_listener(EgressDoor::Socks5)
+            .await
+            .expect("SOCKS5 door");
+        assert_eq!(socks.local_addr().unwrap(), EGRESS_SOCKS5_ADDR);
+        let taken = lane
+            .sandbox(id)
+            .egress_listener(EgressDoor::Socks5)
+            .await
+            .expect_err("a taken address");
+        assert!(taken.to_string().contains("127.0.0.1:1080"), "{taken}");
+        drop(socks);
 
         // A run without the allowlist tier gets no proxy.
         let none = env.spec(NetworkTier::None, image.path(), None);
         lane.create(&none).await.expect("create none");
-        match lane.sandbox(none.id).egress_listener().await {
+        match lane
+            .sandbox(none.id)
+            .egress_listener(EgressDoor::Http)
+            .await
+        {
             Err(LaneError::Unsupported(_)) => {}
             other => panic!("a none run got {other:?}"),
         }
-        assert!(lane.sandbox(Ulid::new()).egress_listener().await.is_err());
+        assert!(lane
+            .sandbox(Ulid::new())
+            .egress_listener(EgressDoor::Http)
+            .await
+            .is_err());
 
         lane.sandbox(id).destroy().await.expect("destroy");
         lane.sandbox(none.id).destroy().await.expect("destroy");

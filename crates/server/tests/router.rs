@@ -55,6 +55,7 @@ fn run() -> Run {
         lease: None,
         egress_allow: Vec::new(),
         egress_defaults: None,
+        egress_socks5: None,
         secrets: Vec::new(),
         egress: None,
         failure: None,

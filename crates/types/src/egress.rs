@@ -216,6 +216,10 @@ pub struct UpdateEgressRequest {
     /// Whether the built-in list of registries and forges applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_defaults: Option<bool>,
+    /// Whether the run has a SOCKS5 door. Off closes the door; tunnels
+    /// already open through it keep going.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_socks5: Option<bool>,
     /// The run's secrets, declared and brought (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<SecretRequest>>,

@@ -254,6 +254,8 @@ codes! {
     Superseded = "superseded", 409;
     /// An exec or file write is in flight; a lease is granted only between operations.
     Busy = "busy", 409;
+    /// A port runbox listens on inside the run (the SOCKS5 door's 1080) is taken by a process of the run.
+    PortInUse = "port_in_use", 409;
     /// The lease named lapsed; it must be acquired again.
     LeaseExpired = "lease_expired", 409;
     /// No lease with that generation is held.

@@ -222,6 +222,11 @@ pub struct CreateRunRequest {
     /// own entries, its secrets' hosts and the deployment's list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_defaults: Option<bool>,
+    /// A SOCKS5 door in the run beside the HTTP proxy (`allowlist` tier;
+    /// default false): `127.0.0.1:1080`, named by `ALL_PROXY`, for tools
+    /// that speak SOCKS5. Its CONNECTs follow the same policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_socks5: Option<bool>,
     /// Secrets the run may use (`allowlist` tier): names the operator
     /// declared, and secrets the caller brings (at most 32, value and
     /// policy; their hosts become reachable). The run sees only
@@ -543,6 +548,10 @@ pub struct Run {
     /// apply to the run (`egressDefaults: false`); absent otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_defaults: Option<bool>,
+    /// True when the run has a SOCKS5 door (`egressSocks5`); absent
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_socks5: Option<bool>,
     /// The secrets the run may use, by name (declared and brought; never
     /// a value).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

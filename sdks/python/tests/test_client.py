@@ -108,6 +108,11 @@ def test_secrets_a_caller_brings_stay_out_of_the_run(rb: Runbox):
         rule = {"host": "db.example.com", "ports": [5432], "methods": ["GET"]}
         changed = rb.update_egress(run.id, egress_allow=["pypi.org", rule], secrets=[])
         assert (changed.egress_allow, changed.secrets) == (["pypi.org", rule], [])
+        assert not changed.socks5
+        door = rb.update_egress(run.id, socks5=True)
+        assert door.socks5 and door.egress_allow == ["pypi.org", rule]
+        env = rb.run(run.id, 'printf %s "$ALL_PROXY"').stdout
+        assert env == b"socks5h://127.0.0.1:1080"
         closed = rb.update_egress(run.id, network="none")
         assert (closed.network, closed.egress_allow) == ("none", [])
     finally:

@@ -90,6 +90,8 @@ export interface CreateRunOptions {
    * header, scheme?, methods, pathPrefixes }`: the run sees a placeholder,
    * the proxy sends the value only to those hosts, methods and paths. */
   secrets?: NonNullable<CreateRunRequest["secrets"]>;
+  /** A SOCKS5 door at 127.0.0.1:1080, named by `ALL_PROXY`, beside the HTTP proxy. */
+  egressSocks5?: boolean;
   /** Whether a call that reaches the run while it sleeps wakes it (default true). */
   autoResume?: boolean;
   /** What happens at the TTL: `delete` (default), `pause` or `hibernate`. */
@@ -344,6 +346,7 @@ export class Runbox {
         labels: options.labels,
         egressAllow: options.egressAllow,
         secrets: options.secrets,
+        egressSocks5: options.egressSocks5,
         autoResume: options.autoResume,
         onExpire: options.onExpire,
         idle: options.idle ? compact(options.idle) : undefined,
@@ -374,7 +377,7 @@ export class Runbox {
   }
 
   /** Replaces a live run's egress: `network` (`none` or `allowlist`),
-   * `egressAllow` and `secrets` (as at create); a field left out keeps what
+   * `egressAllow`, `secrets` and `egressSocks5` (as at create); a field left out keeps what
    * the run has, `[]` clears it. New connections follow the new policy;
    * open ones are not cut. */
   async updateEgress(runId: string, change: UpdateEgressRequest): Promise<Run> {

@@ -1615,6 +1615,12 @@ export interface components {
              *     own entries, its secrets' hosts and the deployment's list.
              */
             egressDefaults?: boolean | null;
+            /**
+             * @description A SOCKS5 door in the run beside the HTTP proxy (`allowlist` tier;
+             *     default false): `127.0.0.1:1080`, named by `ALL_PROXY`, for tools
+             *     that speak SOCKS5. Its CONNECTs follow the same policy.
+             */
+            egressSocks5?: boolean | null;
             env?: null | components["schemas"]["Env"];
             idle?: null | components["schemas"]["IdlePolicy"];
             /**
@@ -2615,6 +2621,11 @@ export interface components {
              */
             egressDefaults?: boolean | null;
             /**
+             * @description True when the run has a SOCKS5 door (`egressSocks5`); absent
+             *     otherwise.
+             */
+            egressSocks5?: boolean | null;
+            /**
              * Format: date-time
              * @description When the reaper destroys the run unless it is renewed (RFC 3339).
              */
@@ -2949,6 +2960,11 @@ export interface components {
             egressAllow?: components["schemas"]["EgressEntry"][] | null;
             /** @description Whether the built-in list of registries and forges applies. */
             egressDefaults?: boolean | null;
+            /**
+             * @description Whether the run has a SOCKS5 door. Off closes the door; tunnels
+             *     already open through it keep going.
+             */
+            egressSocks5?: boolean | null;
             network?: null | components["schemas"]["NetworkTier"];
             /** @description The run's secrets, declared and brought (`allowlist` tier). */
             secrets?: components["schemas"]["SecretRequest"][] | null;

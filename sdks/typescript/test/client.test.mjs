@@ -136,6 +136,10 @@ test("secrets a caller brings stay out of the run", async () => {
     const rule = { host: "db.example.com", ports: [5432], methods: ["GET"] };
     const changed = await rb.updateEgress(run.id, { egressAllow: ["registry.npmjs.org", rule], secrets: [] });
     assert.deepEqual([changed.egressAllow, changed.secrets ?? []], [["registry.npmjs.org", rule], []]);
+    assert.equal(changed.egressSocks5, undefined);
+    const door = await rb.updateEgress(run.id, { egressSocks5: true });
+    assert.equal(door.egressSocks5, true);
+    assert.equal(text((await rb.run(run.id, 'printf %s "$ALL_PROXY"')).stdout), "socks5h://127.0.0.1:1080");
     const closed = await rb.updateEgress(run.id, { network: "none" });
     assert.equal(closed.network, "none");
   } finally {

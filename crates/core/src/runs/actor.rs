@@ -928,14 +928,22 @@ impl RunActor {
         };
         let applied = match (lane_tier, live, before_network, network) {
             (Err(e), ..) => Err(e.into()),
-            (Ok(()), true, Allowlist, Allowlist) => {
-                if let Some(proxy) = self.handle.egress() {
-                    let sealer = self.context.config().sealer.clone();
-                    let brought = self.record.egress.open_brought(id, sealer.as_deref());
-                    proxy.update(&self.record.egress, brought);
+            (Ok(()), true, Allowlist, Allowlist) => match self.handle.egress() {
+                Some(proxy) => {
+                    // The door first: a run that cannot have it (a process
+                    // of its own listens on the port) keeps its policy.
+                    let lane = self.context.lane.clone();
+                    let door =
+                        change_socks5(lane, id, self.record.egress.socks5, proxy.clone()).await;
+                    if door.is_ok() {
+                        let sealer = self.context.config().sealer.clone();
+                        let brought = self.record.egress.open_brought(id, sealer.as_deref());
+                        proxy.update(&self.record.egress, brought);
+                    }
+                    door
                 }
-                Ok(())
-            }
+                None => Ok(()),
+            },
             (Ok(()), true, Closed, Allowlist) => {
                 let stop = self.incarnation.clone();
                 self.context
@@ -1911,4 +1919,32 @@ impl Drop for InFlight {
     fn drop(&mut self) {
         self.0.end_operation();
     }
+}
+
+/// Opens run `id`'s SOCKS5 door (`wanted`) or closes it, if it is not so
+/// already.
+async fn change_socks5(
+    lane: Arc<dyn crate::lane::Lane>,
+    id: Ulid,
+    wanted: bool,
+    proxy: Arc<dyn crate::egress::EgressHandle>,
+) -> Result<(), CoreError> {
+    if proxy.socks5() == wanted {
+        return Ok(());
+    }
+    let door = crate::lane::EgressDoor::Socks5;
+    let listener = match wanted {
+        true => Some(
+            lane.sandbox(id)
+                .egress_listener(door)
+                .await
+                .map_err(|e| super::door_refused(door, e))?,
+        ),
+        false => None,
+    };
+    proxy.set_socks5(listener).map_err(|e| {
+        CoreError::Lane(crate::lane::LaneError::Failed(format!(
+            "opening the run's SOCKS5 door: {e}"
+        )))
+    })
 }

@@ -543,6 +543,7 @@ fn settings_of(record: &RunRecord) -> CreateRunRequest {
         size: record.size,
         egress_allow: (!record.egress.allow.is_empty()).then(|| record.egress.allow.clone()),
         egress_defaults: record.egress.no_defaults.then_some(false),
+        egress_socks5: record.egress.socks5.then_some(true),
         // Declared names only: a checkpoint never holds a brought
         // secret, sealed or not (a run made from it brings its own).
         secrets: (!record.egress.secrets.is_empty()).then(|| {
@@ -571,6 +572,7 @@ fn merge_settings(req: &mut CreateRunRequest, settings: CreateRunRequest) {
         req.network = settings.network;
         req.egress_allow = req.egress_allow.take().or(settings.egress_allow);
         req.egress_defaults = req.egress_defaults.or(settings.egress_defaults);
+        req.egress_socks5 = req.egress_socks5.or(settings.egress_socks5);
         req.secrets = req.secrets.take().or(settings.secrets);
     }
     if req.limits.is_none() && req.size.is_none() {

@@ -52,6 +52,9 @@ impl Manager {
             if req.egress_defaults.is_none() {
                 next.no_defaults = current.egress.no_defaults;
             }
+            if req.egress_socks5.is_none() {
+                next.socks5 = current.egress.socks5;
+            }
             if req.secrets.is_none() {
                 next.secrets = current.egress.secrets.clone();
                 next.brought = current.egress.brought.clone();

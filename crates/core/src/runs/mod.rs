@@ -59,7 +59,7 @@ use crate::config::Config;
 use crate::egress;
 use crate::error::CoreError;
 use crate::images::ImageStore;
-use crate::lane::{Lane, SandboxSpec};
+use crate::lane::{EgressDoor, Lane, SandboxSpec};
 use crate::lease::Lease;
 use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
@@ -271,7 +271,19 @@ impl RunContext {
                 "this server has no egress proxy; use network \"none\"",
             )
         })?;
-        let listener = self.lane.sandbox(record.id).egress_listener().await?;
+        let sandbox = self.lane.sandbox(record.id);
+        let sandbox = &sandbox;
+        let bind = |door| async move {
+            sandbox
+                .egress_listener(door)
+                .await
+                .map_err(|e| door_refused(door, e))
+        };
+        let http = bind(EgressDoor::Http).await?;
+        let socks5 = match record.egress.socks5 {
+            true => Some(bind(EgressDoor::Socks5).await?),
+            false => None,
+        };
         // Each connection's bytes become a usage event of the run's tenant
         // (the tenant a claim stamped: a pool member's proxy starts at its
         // claim).
@@ -299,7 +311,7 @@ impl RunContext {
                 record.id,
                 &record.egress,
                 brought,
-                listener,
+                crate::egress::EgressListeners { http, socks5 },
                 stop.child_token(),
                 on_close,
             )
@@ -310,6 +322,30 @@ impl RunContext {
             })?;
         *handle.egress.lock().unwrap_or_else(|p| p.into_inner()) = Some(meter);
         Ok(())
+    }
+}
+
+/// Why a door of a run's proxy could not be bound: a 409 naming the
+/// address when a process of the run holds it already.
+pub(crate) fn door_refused(door: EgressDoor, e: crate::lane::LaneError) -> CoreError {
+    match e {
+        crate::lane::LaneError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::AddrInUse =>
+        {
+            CoreError::invalid(
+                ErrorCode::PortInUse,
+                format!(
+                    "a process of the run listens on {} already, where runbox's {} would; \
+                     stop it and ask again",
+                    door.addr(),
+                    match door {
+                        EgressDoor::Http => "egress proxy",
+                        EgressDoor::Socks5 => "SOCKS5 door",
+                    }
+                ),
+            )
+        }
+        e => e.into(),
     }
 }
 
@@ -616,6 +652,7 @@ impl Manager {
                 allow: req.egress_allow.as_deref(),
                 defaults: req.egress_defaults,
                 secrets: req.secrets.as_deref(),
+                socks5: req.egress_socks5,
             },
         )?;
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;

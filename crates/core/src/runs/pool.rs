@@ -550,7 +550,7 @@ impl Manager {
                 max_secrets: crate::egress::MAX_RUN_SECRETS as u32,
                 declared_secrets: egress.map(|e| e.secret_names()).unwrap_or_default(),
                 default_list: egress.is_some_and(|e| e.default_list()),
-                socks5: false,
+                socks5: egress.is_some(),
                 upstream_proxies: false,
             },
             persistence: PersistenceCatalog {

@@ -46,6 +46,7 @@ impl Egress {
             network: Some(network),
             egress_allow: allowlist.then_some(self.allow),
             egress_defaults: allowlist.then_some(false),
+            egress_socks5: None,
             secrets: allowlist.then_some(self.secrets),
         }
     }

@@ -53,6 +53,7 @@ def create_run(
     labels: Optional[Dict[str, str]] = None,
     egress_allow: Optional[List[Union[str, Dict[str, Any]]]] = None,
     secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
+    socks5: Optional[bool] = None,
     auto_resume: Optional[bool] = None,
     on_expire: Optional[str] = None,
     idle_pause_after: Optional[int] = None,
@@ -75,6 +76,7 @@ def create_run(
         labels=labels,
         egressAllow=egress_allow,
         secrets=None if secrets is None else [secret_body(s) for s in secrets],
+        egressSocks5=socks5,
         autoResume=auto_resume,
         onExpire=on_expire,
         idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,
@@ -91,11 +93,13 @@ def update_egress(
     network: Optional[str] = None,
     egress_allow: Optional[List[Union[str, Dict[str, Any]]]] = None,
     secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
+    socks5: Optional[bool] = None,
 ) -> Call[Run]:
     body = compact(
         network=network,
         egressAllow=egress_allow,
         secrets=None if secrets is None else [secret_body(s) for s in secrets],
+        egressSocks5=socks5,
     )
     return Call("PATCH", f"{run_path(run_id)}/egress", json=body, parse=Run.from_json)
 

@@ -71,6 +71,7 @@ class Run:
     volumes: List[Dict[str, Any]] = field(default_factory=list)
     egress_allow: List[Any] = field(default_factory=list)
     secrets: List[str] = field(default_factory=list)
+    socks5: bool = False
     failure: Optional[str] = None
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
@@ -98,6 +99,7 @@ class Run:
             volumes=list(d.get("volumes") or []),
             egress_allow=list(d.get("egressAllow") or []),
             secrets=list(d.get("secrets") or []),
+            socks5=bool(d.get("egressSocks5", False)),
             failure=d.get("failure"),
             tenant=d.get("tenant"),
             token=d.get("token"),

@@ -101,7 +101,8 @@ class Runbox:
         ``pids``, ``disk_mb``, ``labels``, ``egress_allow``, ``secrets``
         (declared names, and secrets you bring as ``{"name", "value",
         "hosts", "header", "scheme"?, "methods", "path_prefixes"}``: the
-        run sees a placeholder, the proxy sends the value),
+        run sees a placeholder, the proxy sends the value), ``socks5``
+        (a SOCKS5 door at ``127.0.0.1:1080`` named by ``ALL_PROXY``),
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``allow_privilege_escalation`` (setuid programs such as sudo work;
@@ -126,9 +127,9 @@ class Runbox:
 
     def update_egress(self, run_id: str, **kwargs: Any) -> Run:
         """Replaces a live run's egress: ``network`` (``none`` or
-        ``allowlist``), ``egress_allow`` and ``secrets`` (as at create); a
-        field left out keeps what the run has, ``[]`` clears it. New
-        connections follow the new policy; open ones are not cut."""
+        ``allowlist``), ``egress_allow``, ``secrets`` and ``socks5`` (as at
+        create); a field left out keeps what the run has, ``[]`` clears it.
+        New connections follow the new policy; open ones are not cut."""
         return self._do(calls.update_egress(run_id, **kwargs))
 
     def pause_run(self, run_id: str) -> Run:
