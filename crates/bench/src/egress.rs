@@ -287,6 +287,7 @@ impl Setup {
             RunPolicy {
                 allowlist: Allowlist::new(true, &[], &entries),
                 secrets: vec![Arc::clone(&secret)],
+                upstream: None,
             },
             Arc::new(Counters::default()),
             None,
@@ -387,6 +388,7 @@ impl Setup {
         RunPolicy {
             allowlist: Allowlist::new::<Rule>(true, &[], &rules),
             secrets: vec![Arc::clone(&self.secret)],
+            upstream: None,
         }
     }
 

@@ -13,7 +13,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use runbox_core::egress::{EgressHandle, EgressProxy, RunEgressRequest};
+use runbox_core::egress::{EgressHandle, EgressProxy, RunEgressRequest, RunUpstream};
 use runbox_proxy::audit::AuditLog;
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{self, Allowlist, Entry};
@@ -22,6 +22,7 @@ use runbox_proxy::resolve::Resolver;
 use runbox_proxy::rules::{Rule, RuleSpec};
 use runbox_proxy::secrets::{Secret, SecretPolicy, SecretSpec};
 use runbox_proxy::tls::{upstream_client_config, Authority};
+use runbox_proxy::upstream::{Upstream, UpstreamAllow};
 use runbox_types::{BroughtSecret, EgressEntry};
 
 /// Egress flags of `runbox serve`.
@@ -56,6 +57,22 @@ pub struct EgressArgs {
     /// when TLS is intercepted, besides the system roots
     #[arg(long, env = "RUNBOX_EGRESS_CA_BUNDLE", value_name = "FILE")]
     pub egress_ca_bundle: Option<PathBuf>,
+    /// An upstream proxy runs may name (`egressUpstream`): `host`,
+    /// `host:port`, `.suffix` or `prefix/len`; repeatable. None: runs name
+    /// none
+    #[arg(long = "egress-upstream-allow", value_name = "ENTRY")]
+    pub egress_upstream_allow: Vec<String>,
+    /// The upstream proxy every allowlist run's egress leaves through unless
+    /// the run names its own: `http://` or `socks5://`
+    /// `[user:password@]host:port` (prefer the environment variable, which
+    /// keeps credentials off the command line)
+    #[arg(
+        long,
+        env = "RUNBOX_EGRESS_UPSTREAM",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    pub egress_upstream: Option<String>,
     /// Rotate audit.jsonl (to audit.jsonl.1) when it reaches this size
     #[arg(long, default_value_t = 64, value_name = "MIB")]
     pub audit_max_mb: u64,
@@ -74,6 +91,20 @@ struct FileConfig {
     internal_allow: Vec<String>,
     #[serde(default)]
     secrets: Vec<SecretSpec>,
+    #[serde(default)]
+    upstream: UpstreamConfig,
+}
+
+/// The config file's `upstream`.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct UpstreamConfig {
+    /// Upstreams runs may name.
+    #[serde(default)]
+    allow: Vec<String>,
+    /// The node's default upstream.
+    #[serde(default)]
+    default: Option<String>,
 }
 
 /// The node's egress proxy, plugged into the run manager: runbox-proxy's
@@ -93,6 +124,10 @@ struct NodePolicy {
     deployment: Vec<Entry>,
     /// Declared secrets, by name, with their values loaded.
     secrets: BTreeMap<String, Arc<Secret>>,
+    /// The upstream proxies runs may name.
+    upstream_allow: UpstreamAllow,
+    /// Where runs that name none send their egress, if anywhere.
+    upstream_default: Option<Arc<Upstream>>,
 }
 
 impl std::fmt::Debug for NodeProxy {
@@ -116,7 +151,20 @@ impl NodePolicy {
         id: ulid::Ulid,
         req: &RunEgressRequest,
         brought: &[BroughtSecret],
+        upstream: &RunUpstream,
     ) -> RunPolicy {
+        let upstream = match upstream {
+            RunUpstream::Default => self.upstream_default.clone(),
+            RunUpstream::Through(url) => match Upstream::parse(url.expose()) {
+                Ok(upstream) => Some(Arc::new(upstream)),
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %e, "the run's upstream proxy no longer parses; its egress is refused");
+                    return RunPolicy::default();
+                }
+            },
+            // Refused, never sent another way.
+            RunUpstream::Unusable => return RunPolicy::default(),
+        };
         let entries: Vec<Rule> = req
             .allow
             .iter()
@@ -161,6 +209,7 @@ impl NodePolicy {
             )
             .with_secret_hosts(&secret_hosts),
             secrets,
+            upstream,
         }
     }
 }
@@ -231,9 +280,9 @@ impl EgressHandle for RunProxy {
             .load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>) {
+    fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>, upstream: RunUpstream) {
         self.run
-            .set_policy(self.node.for_run(self.id, req, &brought));
+            .set_policy(self.node.for_run(self.id, req, &brought, &upstream));
     }
 
     fn set_socks5(&self, listener: Option<std::net::TcpListener>) -> Result<(), String> {
@@ -304,6 +353,28 @@ impl EgressProxy for NodeProxy {
         })
     }
 
+    fn check_upstream(&self, url: &str) -> Result<String, String> {
+        let upstream = Upstream::parse(url)?;
+        if !self.node.upstream_allow.admits(&upstream) {
+            return Err(if self.node.upstream_allow.is_empty() {
+                "this server admits no upstream proxies (the operator lists them with \
+                 --egress-upstream-allow)"
+                    .to_owned()
+            } else {
+                format!(
+                    "{} is not an upstream proxy this server admits (the operator lists them \
+                     with --egress-upstream-allow)",
+                    upstream.address()
+                )
+            });
+        }
+        Ok(upstream.display())
+    }
+
+    fn takes_upstreams(&self) -> bool {
+        !self.node.upstream_allow.is_empty()
+    }
+
     fn placeholder(&self, name: &str) -> String {
         runbox_proxy::secrets::placeholder(name)
     }
@@ -317,6 +388,7 @@ impl EgressProxy for NodeProxy {
         id: ulid::Ulid,
         req: &RunEgressRequest,
         brought: Vec<BroughtSecret>,
+        upstream: RunUpstream,
         doors: runbox_core::egress::EgressListeners,
         stop: tokio_util::sync::CancellationToken,
         on_close: Option<runbox_core::egress::ConnectionBytes>,
@@ -325,7 +397,7 @@ impl EgressProxy for NodeProxy {
         let socks5 = doors.socks5.map(tokio_listener).transpose()?;
         let run = Arc::new(RunEgress::new(
             id.to_string(),
-            self.node.for_run(id, req, &brought),
+            self.node.for_run(id, req, &brought, &upstream),
             Arc::new(Counters::default()),
             on_close,
         ));
@@ -439,6 +511,27 @@ impl EgressArgs {
                 bail!("the egress config declares the secret {name:?} twice");
             }
         }
+        let upstream_allow = UpstreamAllow::parse(
+            &self
+                .egress_upstream_allow
+                .iter()
+                .chain(&file.upstream.allow)
+                .collect::<Vec<_>>(),
+        )
+        .map_err(anyhow::Error::msg)
+        .context("--egress-upstream-allow (or upstream.allow) is malformed")?;
+        let upstream_default = match self
+            .egress_upstream
+            .as_ref()
+            .or(file.upstream.default.as_ref())
+        {
+            Some(url) => Some(Arc::new(
+                Upstream::parse(url)
+                    .map_err(anyhow::Error::msg)
+                    .context("--egress-upstream (or upstream.default) is malformed")?,
+            )),
+            None => None,
+        };
         let audit = Arc::new(
             AuditLog::open(
                 state_dir.join("audit.jsonl"),
@@ -462,6 +555,12 @@ impl EgressArgs {
             default_list,
             deployment = deployment.len(),
             secrets = secrets.len(),
+            upstreams_admitted = !upstream_allow.is_empty(),
+            // Without its password.
+            upstream = upstream_default
+                .as_ref()
+                .map(|u| u.display())
+                .unwrap_or_default(),
             "egress proxy configured"
         );
         let shared = Arc::new(Shared {
@@ -477,6 +576,8 @@ impl EgressArgs {
                     default_list,
                     deployment,
                     secrets,
+                    upstream_allow,
+                    upstream_default,
                 }),
                 shared,
             }),

@@ -121,6 +121,11 @@ pub struct CreateArgs {
     /// tools that speak SOCKS5; same policy (needs --network allowlist)
     #[arg(long)]
     pub socks5: bool,
+    /// An upstream proxy the run's egress leaves through, one the server
+    /// admits: `http://` or `socks5://` `[user:password@]host:port`
+    /// (needs --network allowlist)
+    #[arg(long, value_name = "URL")]
+    pub egress_upstream: Option<String>,
     /// Operator-declared secret the run may use through the proxy; the run
     /// sees only a placeholder (needs --network allowlist; repeatable)
     #[arg(long = "secret", value_name = "NAME")]
@@ -208,6 +213,10 @@ impl CreateArgs {
             egress_allow: (!self.egress_allow.is_empty()).then(|| self.egress_allow.clone()),
             egress_defaults: self.no_egress_defaults.then_some(false),
             egress_socks5: self.socks5.then_some(true),
+            egress_upstream: self
+                .egress_upstream
+                .clone()
+                .map(runbox_types::SecretValue::new),
             secrets: secret_requests(&self.secrets, &self.secrets_files),
             warm: self.warm.clone().map(|repo| runbox_types::WarmRequest {
                 repo,
@@ -382,6 +391,10 @@ pub struct EgressArgs {
     /// through it keep going
     #[arg(long, value_name = "BOOL")]
     pub socks5: Option<bool>,
+    /// The run's upstream proxy from now on (as `runbox run
+    /// --egress-upstream`); "" removes it
+    #[arg(long, value_name = "URL")]
+    pub upstream: Option<String>,
     /// Operator-declared secret the run may use from now on (repeatable);
     /// with --secrets-file these replace the run's secrets
     #[arg(long = "secret", value_name = "NAME")]
@@ -403,6 +416,7 @@ impl EgressArgs {
             network: self.network.map(NetworkTier::from),
             egress_defaults: self.egress_defaults,
             egress_socks5: self.socks5,
+            egress_upstream: self.upstream.clone().map(runbox_types::SecretValue::new),
             egress_allow: match (self.clear_allow, self.allow.is_empty()) {
                 (true, _) => Some(Vec::new()),
                 (false, true) => None,
@@ -918,6 +932,7 @@ mod tests {
             egress_allow: Vec::new(),
             egress_defaults: None,
             egress_socks5: None,
+            egress_upstream: None,
             secrets: Vec::new(),
             egress: None,
             failure: None,

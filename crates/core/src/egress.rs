@@ -88,6 +88,19 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
     /// or why it is unusable (never naming the value).
     fn check_secret(&self, secret: &BroughtSecret) -> Result<BroughtSecret, String>;
 
+    /// An upstream proxy URL a run asks for, checked (scheme, host, port,
+    /// credentials) and admitted by the operator's list: its form without
+    /// the password, for the API; or why not (never quoting the password).
+    fn check_upstream(&self, url: &str) -> Result<String, String> {
+        let _ = url;
+        Err("this server takes no upstream proxies".to_owned())
+    }
+
+    /// Whether the operator admits any upstream proxy for runs to name.
+    fn takes_upstreams(&self) -> bool {
+        false
+    }
+
     /// What a run sees in place of secret `name`'s value.
     fn placeholder(&self, name: &str) -> String;
 
@@ -95,18 +108,33 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
     fn ca_pem(&self) -> String;
 
     /// Serves run `id`'s proxy (entries and secrets as checked at creation,
-    /// `brought` opened) on `doors` until `stop` is cancelled, telling
-    /// `on_close` the bytes of each connection with an allowed request
-    /// when it closes. Needs a Tokio runtime.
+    /// `brought` and `upstream` opened) on `doors` until `stop` is
+    /// cancelled, telling `on_close` the bytes of each connection with an
+    /// allowed request when it closes. Needs a Tokio runtime.
+    #[allow(clippy::too_many_arguments)]
     fn start(
         &self,
         id: Ulid,
         req: &RunEgressRequest,
         brought: Vec<BroughtSecret>,
+        upstream: RunUpstream,
         doors: EgressListeners,
         stop: CancellationToken,
         on_close: Option<ConnectionBytes>,
     ) -> Result<Arc<dyn EgressHandle>, String>;
+}
+
+/// Where a run's egress leaves, as its proxy is told.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RunUpstream {
+    /// The run names none: the server's default upstream, if any, else
+    /// straight out.
+    Default,
+    /// Through this proxy (the URL, credentials included).
+    Through(runbox_types::SecretValue),
+    /// The run names one whose sealed URL cannot be opened: its egress is
+    /// refused rather than sent another way.
+    Unusable,
 }
 
 /// The listeners a run's proxy serves, bound in the run's namespace by its
@@ -136,7 +164,7 @@ pub trait EgressHandle: Send + Sync {
     /// Puts a new policy (entries and secrets as checked, `brought`
     /// opened) in force for the run's next connections and requests;
     /// connections already open keep going.
-    fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>);
+    fn update(&self, req: &RunEgressRequest, brought: Vec<BroughtSecret>, upstream: RunUpstream);
 
     /// Opens the SOCKS5 door on `listener`, or closes it (`None`): it stops
     /// accepting, and tunnels already open through it keep going.
@@ -171,7 +199,25 @@ pub struct RunEgressRequest {
     /// The run has a SOCKS5 door (`egressSocks5: true`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub socks5: bool,
+    /// The run's own upstream proxy: its URL without the password in the
+    /// clear, the whole URL sealed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upstream: Option<SealedUpstream>,
 }
+
+/// A run's upstream proxy as its record keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SealedUpstream {
+    /// `scheme://[user@]host:port`, what the API shows.
+    pub display: String,
+    /// The whole URL, sealed (see [`Sealer`]) under [`UPSTREAM_SEAL_NAME`].
+    pub sealed: String,
+}
+
+/// What the sealed upstream URL is bound to (a secret's name for the
+/// others; no secret can be named so, as names are upper case).
+const UPSTREAM_SEAL_NAME: &str = "egressUpstream";
 
 impl RunEgressRequest {
     /// Whether the run has any secret, so TLS to some host is intercepted
@@ -187,6 +233,30 @@ impl RunEgressRequest {
             .cloned()
             .chain(self.brought.iter().map(|b| b.name.clone()))
             .collect()
+    }
+
+    /// The run's upstream, opened for its proxy. One that does not open
+    /// is [`RunUpstream::Unusable`] (with a warning): the run's egress is
+    /// refused, never sent straight out.
+    pub fn open_upstream(&self, id: Ulid, sealer: Option<&dyn Sealer>) -> RunUpstream {
+        let Some(sealed) = &self.upstream else {
+            return RunUpstream::Default;
+        };
+        let url = match sealer {
+            Some(sealer) => sealer
+                .open(UPSTREAM_SEAL_NAME, &sealed.sealed)
+                .and_then(|bytes| {
+                    String::from_utf8(bytes).map_err(|_| "the URL is not UTF-8".to_owned())
+                }),
+            None => Err("this server has no key to open it with".to_owned()),
+        };
+        match url {
+            Ok(url) => RunUpstream::Through(runbox_types::SecretValue::new(url)),
+            Err(why) => {
+                tracing::warn!(run = %id, upstream = %sealed.display, error = %why, "the upstream proxy the run was created with cannot be opened; its egress is refused");
+                RunUpstream::Unusable
+            }
+        }
     }
 
     /// The brought secrets with their values, for the run's proxy. One
@@ -266,6 +336,8 @@ pub struct EgressAsk<'a> {
     pub secrets: Option<&'a [SecretRequest]>,
     /// `egressSocks5`.
     pub socks5: Option<bool>,
+    /// `egressUpstream`.
+    pub upstream: Option<&'a runbox_types::SecretValue>,
 }
 
 impl<'a> From<&'a runbox_types::UpdateEgressRequest> for EgressAsk<'a> {
@@ -275,6 +347,7 @@ impl<'a> From<&'a runbox_types::UpdateEgressRequest> for EgressAsk<'a> {
             defaults: req.egress_defaults,
             secrets: req.secrets.as_deref(),
             socks5: req.egress_socks5,
+            upstream: req.egress_upstream.as_ref(),
         }
     }
 }
@@ -292,8 +365,19 @@ pub fn check_request(
         defaults,
         secrets,
         socks5,
+        upstream,
     } = ask;
     if network != NetworkTier::Allowlist {
+        if upstream.is_some_and(|u| !u.expose().is_empty()) {
+            return Err(CoreError::invalid(
+                ErrorCode::BadEgress,
+                format!(
+                    "egressUpstream is where the allowlist proxy sends a run's egress; a {:?} run \
+                     has none, use network \"allowlist\"",
+                    network.as_str()
+                ),
+            ));
+        }
         if socks5 == Some(true) {
             return Err(CoreError::invalid(
                 ErrorCode::BadEgress,
@@ -421,7 +505,32 @@ pub fn check_request(
         brought,
         no_defaults: defaults == Some(false),
         socks5: socks5 == Some(true),
+        upstream: match upstream.filter(|u| !u.expose().is_empty()) {
+            Some(url) => Some(seal_upstream(config, sealer, url)?),
+            None => None,
+        },
     })
+}
+
+/// Checks an upstream URL against the node's proxy and seals it.
+fn seal_upstream(
+    config: &dyn EgressProxy,
+    sealer: Option<&dyn Sealer>,
+    url: &runbox_types::SecretValue,
+) -> Result<SealedUpstream, CoreError> {
+    let display = config.check_upstream(url.expose()).map_err(|why| {
+        CoreError::invalid(ErrorCode::BadEgress, format!("egressUpstream: {why}"))
+    })?;
+    let Some(sealer) = sealer else {
+        return Err(CoreError::invalid(
+            ErrorCode::NetworkUnsupported,
+            "this server has no key to keep an upstream proxy's credentials with",
+        ));
+    };
+    let sealed = sealer
+        .seal(UPSTREAM_SEAL_NAME, url.expose().as_bytes())
+        .map_err(|e| CoreError::Store(format!("sealing egressUpstream: {e}")))?;
+    Ok(SealedUpstream { display, sealed })
 }
 
 fn duplicate_secret(name: &str) -> CoreError {
@@ -581,6 +690,7 @@ mod tests {
                 defaults,
                 secrets,
                 socks5: None,
+                upstream: None,
             },
         )
     }
@@ -731,6 +841,7 @@ mod tests {
             _: Ulid,
             _: &RunEgressRequest,
             _: Vec<BroughtSecret>,
+            _: RunUpstream,
             _: EgressListeners,
             _: CancellationToken,
             _: Option<ConnectionBytes>,

@@ -190,6 +190,7 @@ impl RunRecord {
             egress_allow: self.egress.allow.clone(),
             egress_defaults: self.egress.no_defaults.then_some(false),
             egress_socks5: self.egress.socks5.then_some(true),
+            egress_upstream: self.egress.upstream.as_ref().map(|u| u.display.clone()),
             secrets: self.egress.secret_names(),
             egress: None,
             failure: (self.status == RunStatus::Failed)

@@ -1278,6 +1278,10 @@ async fn malformed_deployment_settings_stop_the_start() {
             "hosts": ["secret.test"], "methods": ["GET"], "pathPrefixes": ["/"],
         }]}),
     );
+    let bad_upstream = write(
+        "upstream.json",
+        serde_json::json!({"upstream": {"allow": [".com"]}}),
+    );
     // (serve arguments, environment, what stderr must say)
     type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, Vec<&'a str>);
     let cases: Vec<Case> = vec![
@@ -1306,9 +1310,30 @@ async fn malformed_deployment_settings_stop_the_start() {
             vec![],
             vec![SECRET_NAME, "RUNBOX_E2E_NOT_SET"],
         ),
+        (
+            vec!["--egress-upstream-allow", "a b"],
+            vec![],
+            vec!["--egress-upstream-allow", "a b"],
+        ),
+        (
+            vec!["--egress-config", &bad_upstream],
+            vec![],
+            vec!["upstream.allow", ".com"],
+        ),
+        (
+            vec![],
+            vec![("RUNBOX_EGRESS_UPSTREAM", "ftp://u:pw-s3@proxy.test:21")],
+            vec!["--egress-upstream", "\"ftp\" is not served"],
+        ),
+        (
+            vec![],
+            vec![("RUNBOX_EGRESS_UPSTREAM", "socks5://u:pw-s3@proxy.test")],
+            vec!["needs a port"],
+        ),
     ];
     for (args, env, says) in cases {
         let stderr = serve_refuses(&args, &env).await;
+        assert!(!stderr.contains("pw-s3"), "a password in\n{stderr}");
         for s in says {
             assert!(
                 stderr.contains(s),
@@ -2942,4 +2967,264 @@ async fn the_socks5_door_reaches_allowlisted_ports_only() {
     )
     .await;
     assert_eq!(status, 400, "{code} {text}");
+}
+
+/// A real upstream proxy on loopback, started for one test and killed
+/// (by its child handle) when dropped.
+struct UpstreamProxy {
+    child: std::process::Child,
+    port: u16,
+    log: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for UpstreamProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A loopback port nothing listens on now.
+fn free_port() -> u16 {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+    probe.local_addr().unwrap().port()
+}
+
+impl UpstreamProxy {
+    /// tinyproxy (HTTP CONNECT) on 127.0.0.1 asking for `user:password`.
+    fn tinyproxy(user: &str, password: &str) -> UpstreamProxy {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let log = dir.path().join("tinyproxy.log");
+        let conf = dir.path().join("tinyproxy.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "Port {port}\nListen 127.0.0.1\nTimeout 60\nBasicAuth {user} {password}\n\
+                 LogFile \"{}\"\nLogLevel Connect\nMaxClients 20\n",
+                log.display()
+            ),
+        )
+        .unwrap();
+        let child = std::process::Command::new("tinyproxy")
+            .args(["-d", "-c"])
+            .arg(&conf)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("tinyproxy (scripts/deps --test installs it)");
+        UpstreamProxy::ready(child, port, log, dir)
+    }
+
+    /// microsocks (SOCKS5) on 127.0.0.1 asking for `user:password`.
+    fn microsocks(user: &str, password: &str) -> UpstreamProxy {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let log = dir.path().join("microsocks.log");
+        let out = std::fs::File::create(&log).unwrap();
+        let child = std::process::Command::new("microsocks")
+            .args([
+                "-i",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-u",
+                user,
+                "-P",
+                password,
+            ])
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("microsocks (scripts/deps --test installs it)");
+        UpstreamProxy::ready(child, port, log, dir)
+    }
+
+    fn ready(
+        child: std::process::Child,
+        port: u16,
+        log: std::path::PathBuf,
+        dir: tempfile::TempDir,
+    ) -> UpstreamProxy {
+        let proxy = UpstreamProxy {
+            child,
+            port,
+            log,
+            _dir: dir,
+        };
+        for _ in 0..100 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return proxy;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the upstream proxy did not listen on {port}");
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// `egressUpstream`: a run's egress leaves through a real HTTP (tinyproxy)
+/// or SOCKS5 (microsocks) proxy with credentials, names resolved by the
+/// upstream; the policy still decides first; the URL's password is kept
+/// like a secret; a failing upstream fails closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_proxies_carry_a_runs_egress() {
+    let http_up = UpstreamProxy::tinyproxy("tp-user", "tp-pass-4c1f");
+    let socks_up = UpstreamProxy::microsocks("ms-user", "ms-pass-9e2a");
+    let w = World::start_on("127.0.0.1:0", &["--egress-upstream-allow", "127.0.0.1"]).await;
+    let catalog = w.daemon.client.info().await.unwrap().catalog.unwrap();
+    assert!(catalog.egress.upstream_proxies);
+
+    // Through the HTTP upstream, by a name only the upstream resolves
+    // (runbox's own DNS does not know `localhost`).
+    let by_name = format!("localhost:{}", w.http_port);
+    let tiny = format!("http://tp-user:tp-pass-4c1f@127.0.0.1:{}", http_up.port);
+    let run = w
+        .daemon
+        .create_with(CreateRunRequest {
+            image: IMAGE.into(),
+            network: Some(NetworkTier::Allowlist),
+            egress_allow: Some(vec![by_name.as_str().into()]),
+            egress_upstream: Some(runbox_types::SecretValue::new(tiny.clone())),
+            ..Default::default()
+        })
+        .await;
+    let id = run.id.to_string();
+    let shown = format!("http://tp-user@127.0.0.1:{}", http_up.port);
+    assert_eq!(run.egress_upstream.as_deref(), Some(shown.as_str()));
+    let got = w
+        .curl(
+            &id,
+            &["--noproxy", "", &format!("http://{by_name}/via-http")],
+        )
+        .await;
+    assert_eq!(got.status, 200, "{got:?}; log:\n{}", w.daemon.log());
+    assert!(got.body.starts_with("GET /via-http\n"), "{got:?}");
+    assert!(
+        http_up
+            .log()
+            .contains(&format!("CONNECT localhost:{}", w.http_port)),
+        "{}",
+        http_up.log()
+    );
+    // The policy decides first: nothing else goes to the upstream.
+    let got = w.curl(&id, &["http://denied.test/"]).await;
+    assert_eq!(got.status, 403, "{got:?}");
+    assert!(!http_up.log().contains("denied.test"));
+    let (_, records) = w
+        .audit(|r| !egress_for(r, &id, "localhost").is_empty())
+        .await;
+    let upstream_of = |host: &str| {
+        records.iter().find_map(|r| match r {
+            AuditRecord::Egress {
+                run,
+                host: h,
+                upstream,
+                decision,
+                ..
+            } if *run == id && h == host && decision == "allow" => Some(upstream.clone()),
+            _ => None,
+        })
+    };
+    assert_eq!(upstream_of("localhost"), Some(Some(shown.clone())));
+
+    // Live to the SOCKS5 upstream, by address.
+    let by_addr = format!("127.0.0.1:{}", w.http_port);
+    let micro = format!("socks5://ms-user:ms-pass-9e2a@127.0.0.1:{}", socks_up.port);
+    let (status, _, text) = patch_egress(
+        &w,
+        &id,
+        serde_json::json!({"egressUpstream": micro, "egressAllow": [by_addr]}),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("ms-pass-9e2a"), "{text}");
+    let got = w
+        .curl(
+            &id,
+            &["--noproxy", "", &format!("http://{by_addr}/via-socks")],
+        )
+        .await;
+    assert_eq!(got.status, 200, "{got:?}; log:\n{}", w.daemon.log());
+    assert!(
+        socks_up
+            .log()
+            .contains(&format!("connected to 127.0.0.1:{}", w.http_port)),
+        "{}",
+        socks_up.log()
+    );
+
+    // Wrong credentials: a 502 naming the upstream, never the password.
+    let wrong = format!("socks5://ms-user:not-it-77@127.0.0.1:{}", socks_up.port);
+    let (status, _, text) =
+        patch_egress(&w, &id, serde_json::json!({"egressUpstream": wrong})).await;
+    assert_eq!(status, 200, "{text}");
+    let got = w
+        .curl(&id, &["--noproxy", "", &format!("http://{by_addr}/wrong")])
+        .await;
+    assert_eq!(got.status, 502, "{got:?}");
+    assert!(
+        got.body.contains(&format!("127.0.0.1:{}", socks_up.port)),
+        "{got:?}"
+    );
+    assert!(!got.body.contains("not-it-77"), "{got:?}");
+
+    // Refused: an upstream the operator does not admit, a bad URL, one on
+    // a tier without a proxy; the message never quotes the password.
+    for (body, code) in [
+        (
+            serde_json::json!({"egressUpstream": "socks5://u:pw-x1@10.9.9.9:1080"}),
+            "bad_egress",
+        ),
+        (
+            serde_json::json!({"egressUpstream": "ftp://u:pw-x1@127.0.0.1:21"}),
+            "bad_egress",
+        ),
+        (
+            serde_json::json!({"egressUpstream": "socks5://u:pw-x1@127.0.0.1"}),
+            "bad_egress",
+        ),
+        (serde_json::json!({"egressUpstream": 7}), "bad_request"),
+    ] {
+        let (status, got, text) = patch_egress(&w, &id, body.clone()).await;
+        assert_eq!((status, got.as_str()), (400, code), "{body}: {text}");
+        assert!(!text.contains("pw-x1"), "{text}");
+    }
+    let (status, code, text) = create_raw(
+        &w,
+        serde_json::json!({"image": IMAGE, "network": "none", "egressUpstream": micro}),
+    )
+    .await;
+    assert_eq!((status, code.as_str()), (400, "bad_egress"), "{text}");
+
+    // Down: fails closed, never straight out.
+    let (status, _, text) =
+        patch_egress(&w, &id, serde_json::json!({"egressUpstream": micro})).await;
+    assert_eq!(status, 200, "{text}");
+    drop(socks_up);
+    let got = w
+        .curl(&id, &["--noproxy", "", &format!("http://{by_addr}/down")])
+        .await;
+    assert_eq!(got.status, 502, "{got:?}");
+    // "" removes it: straight out again.
+    let (status, _, text) = patch_egress(&w, &id, serde_json::json!({"egressUpstream": ""})).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(!text.contains("egressUpstream"), "{text}");
+    let got = w
+        .curl(&id, &["--noproxy", "", &format!("http://{by_addr}/direct")])
+        .await;
+    assert_eq!(got.status, 200, "{got:?}");
+
+    // The passwords are nowhere in the state directory or the log.
+    for password in ["tp-pass-4c1f", "ms-pass-9e2a", "not-it-77"] {
+        assert!(
+            files_holding(w.daemon.state.path(), password.as_bytes()).is_empty(),
+            "{password} stored"
+        );
+        assert!(!w.daemon.log().contains(password), "{password} logged");
+    }
 }

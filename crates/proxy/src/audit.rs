@@ -37,6 +37,10 @@ pub enum AuditRecord {
         /// The name of the secret injected, if any.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         secret: Option<String>,
+        /// The upstream proxy the run's egress leaves through, without
+        /// credentials (`socks5://user@host:port`), if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        upstream: Option<String>,
     },
     /// A request through a preview URL.
     Preview {
@@ -175,6 +179,7 @@ mod tests {
             decision: "allow".into(),
             rule: "run:example.org".into(),
             secret: None,
+            upstream: None,
         }
     }
 
@@ -206,6 +211,7 @@ mod tests {
                 decision: "allow".into(),
                 rule: "deployment:api.github.com".into(),
                 secret: Some("GH_TOKEN".into()),
+                upstream: Some("socks5://alice@proxy.corp:1080".into()),
             },
             AuditRecord::Api {
                 t: now(),

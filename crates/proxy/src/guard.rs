@@ -275,7 +275,7 @@ impl AddressGuard {
     /// Whether `addr:port` is one of runbox's own endpoints. Connecting to
     /// an unspecified address (`0.0.0.0`, `::`) reaches the host's own
     /// listeners, so it counts as every one of them.
-    fn is_own(&self, addr: IpAddr, port: u16) -> bool {
+    pub fn is_own(&self, addr: IpAddr, port: u16) -> bool {
         self.own.iter().any(|e| {
             e.port() == port
                 && (e.ip() == addr

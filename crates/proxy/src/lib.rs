@@ -34,3 +34,4 @@ pub mod socks;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tls;
+pub mod upstream;

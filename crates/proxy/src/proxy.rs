@@ -59,6 +59,7 @@ use crate::policy::{self, Allowlist, Decision};
 use crate::resolve::Resolver;
 use crate::secrets::{self, Secret};
 use crate::tls::Authority;
+use crate::upstream::Upstream;
 use arc_swap::ArcSwap;
 
 /// How long a client may take to send a request head before the connection
@@ -123,6 +124,8 @@ pub struct RunPolicy {
     pub allowlist: Allowlist,
     /// The secrets it may use.
     pub secrets: Vec<Arc<Secret>>,
+    /// The proxy its egress leaves through, if any.
+    pub upstream: Option<Arc<Upstream>>,
 }
 
 /// One run's egress settings.
@@ -468,6 +471,7 @@ impl Ctx {
                 decision: decision.to_owned(),
                 rule: rule.to_owned(),
                 secret,
+                upstream: self.run.policy().upstream.as_ref().map(|u| u.display()),
             });
         }
     }
@@ -479,6 +483,22 @@ impl Ctx {
     /// Cancellation: safe to drop; it only waits on the resolver.
     pub(crate) async fn admit(&self, method: &str, target: &Target) -> Result<Admitted, Reject> {
         let decision = self.decide(method, target)?;
+        let Decision::Allow { entry, .. } = &decision else {
+            unreachable!("decide answers allows only")
+        };
+        if let Some(upstream) = self.run.policy().upstream.clone() {
+            // The upstream resolves names; an address literal still meets
+            // the guard.
+            if let Ok(ip) = target.host.parse::<IpAddr>() {
+                self.guard(method, target, &[ip])?;
+            }
+            return Ok(Admitted {
+                rule: decision.rule(),
+                entry: entry.clone(),
+                addrs: Vec::new(),
+                via: Some(upstream),
+            });
+        }
         let addrs = match self.shared.resolver.lookup(&target.host).await {
             Ok(addrs) if !addrs.is_empty() => addrs,
             Ok(_) => {
@@ -493,10 +513,20 @@ impl Ctx {
                 return Err(Reject::Resolve(e.to_string()));
             }
         };
-        // Every address, not just the first: a DNS answer mixing a public
-        // and a private address must not become a way in, and the connect
-        // step may fall through to any of them.
-        for ip in &addrs {
+        self.guard(method, target, &addrs)?;
+        Ok(Admitted {
+            rule: decision.rule(),
+            entry: entry.clone(),
+            addrs,
+            via: None,
+        })
+    }
+
+    /// Step 4: every address, not just the first: a DNS answer mixing a
+    /// public and a private address must not become a way in, and the
+    /// connect step may fall through to any of them. A refusal is audited.
+    fn guard(&self, method: &str, target: &Target, addrs: &[IpAddr]) -> Result<(), Reject> {
+        for ip in addrs {
             if let Err(refusal) = self.shared.guard.check(*ip, target.port) {
                 let rule = format!("guard:{}", refusal.class);
                 self.record(method, target, false, &rule, None);
@@ -507,14 +537,32 @@ impl Ctx {
                 });
             }
         }
-        let Decision::Allow { entry, .. } = &decision else {
-            unreachable!("decide answers allows only")
-        };
-        Ok(Admitted {
-            rule: decision.rule(),
-            entry: entry.clone(),
-            addrs,
-        })
+        Ok(())
+    }
+
+    /// Step 5: a connection to the admitted target, straight to its checked
+    /// addresses or through the run's upstream proxy.
+    ///
+    /// Cancellation: safe to drop; a half-made connection closes.
+    pub(crate) async fn open(
+        &self,
+        target: &Target,
+        admitted: &Admitted,
+    ) -> Result<TcpStream, Reject> {
+        match &admitted.via {
+            None => connect_upstream(target, &admitted.addrs).await,
+            Some(upstream) => upstream
+                .open(
+                    &self.shared.resolver,
+                    &self.shared.guard,
+                    &target.host,
+                    target.port,
+                    CONNECT_TIMEOUT,
+                    HEADER_READ_TIMEOUT,
+                )
+                .await
+                .map_err(Reject::Upstream),
+        }
     }
 
     /// Step 2 alone, with the run's policy now: the rule that admits
@@ -568,8 +616,11 @@ pub(crate) struct Admitted {
     pub(crate) rule: String,
     /// That entry.
     pub(crate) entry: crate::rules::Rule,
-    /// The checked addresses, in the resolver's order.
+    /// The checked addresses, in the resolver's order (none through an
+    /// upstream proxy, which resolves the name itself).
     pub(crate) addrs: Vec<IpAddr>,
+    /// The upstream proxy to reach it through, if any.
+    pub(crate) via: Option<Arc<Upstream>>,
 }
 
 /// A request's destination.
@@ -784,7 +835,7 @@ async fn connect(
     admitted: Admitted,
 ) -> Result<Response<ProxyBody>, Reject> {
     let server_config = interception(&ctx, "CONNECT", &target, &admitted)?;
-    let upstream = connect_upstream(&target, &admitted.addrs).await?;
+    let upstream = ctx.open(&target, &admitted).await?;
     let on_upgrade = hyper::upgrade::on(&mut req);
     let task_ctx = Arc::clone(&ctx);
     ctx.spawn(async move {
@@ -1341,7 +1392,7 @@ async fn forward_plain(
     let mut upstream = match kept {
         Some(upstream) => upstream,
         None => {
-            let tcp = connect_upstream(&target, &admitted.addrs).await?;
+            let tcp = ctx.open(&target, &admitted).await?;
             let addr = tcp
                 .peer_addr()
                 .map_err(|e| Reject::Upstream(format!("connecting to {}: {e}", target.host)))?

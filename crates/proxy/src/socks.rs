@@ -29,8 +29,8 @@ use fast_socks5::{ReplyError, Socks5Command};
 use tokio::net::TcpStream;
 
 use crate::proxy::{
-    canonical_host, connect_upstream, counted_connection, interception, run_tunnel, Ctx, Reject,
-    Target, HEADER_READ_TIMEOUT,
+    canonical_host, counted_connection, interception, run_tunnel, Ctx, Reject, Target,
+    HEADER_READ_TIMEOUT,
 };
 
 /// The verb SOCKS5 tunnels are audited and decided under: a tunnel like
@@ -82,7 +82,7 @@ pub(crate) async fn serve_connection(ctx: Arc<Ctx>, tcp: TcpStream) {
     let opened = async {
         let admitted = ctx.admit(SOCKS5, &target).await?;
         let server_config = interception(&ctx, SOCKS5, &target, &admitted)?;
-        let upstream = connect_upstream(&target, &admitted.addrs).await?;
+        let upstream = ctx.open(&target, &admitted).await?;
         Ok::<_, Reject>((admitted, server_config, upstream))
     };
     let (admitted, server_config, upstream) = match opened.await {

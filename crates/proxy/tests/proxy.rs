@@ -180,6 +180,7 @@ impl Harness {
             RunPolicy {
                 allowlist,
                 secrets: vec![Arc::new(secret)],
+                upstream: None,
             },
             Arc::clone(&counters),
             Some(Arc::new(move |bytes| told.lock().unwrap().push(bytes))),

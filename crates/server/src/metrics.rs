@@ -548,6 +548,7 @@ mod tests {
             decision: decision.into(),
             rule: rule.into(),
             secret: None,
+            upstream: None,
         };
         metrics.count_audit(&egress("allow", "run:example.org"));
         metrics.count_audit(&egress("deny", "guard:private"));

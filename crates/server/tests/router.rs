@@ -56,6 +56,7 @@ fn run() -> Run {
         egress_allow: Vec::new(),
         egress_defaults: None,
         egress_socks5: None,
+        egress_upstream: None,
         secrets: Vec::new(),
         egress: None,
         failure: None,

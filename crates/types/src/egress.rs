@@ -220,6 +220,11 @@ pub struct UpdateEgressRequest {
     /// already open through it keep going.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_socks5: Option<bool>,
+    /// The run's upstream proxy, as at create; `""` removes it (the
+    /// server's default, if any, applies again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub egress_upstream: Option<SecretValue>,
     /// The run's secrets, declared and brought (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets: Option<Vec<SecretRequest>>,

@@ -227,6 +227,13 @@ pub struct CreateRunRequest {
     /// that speak SOCKS5. Its CONNECTs follow the same policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_socks5: Option<bool>,
+    /// An upstream proxy the run's egress leaves through (`allowlist`
+    /// tier): `http://` or `socks5://`, `[user[:password]@]host:port`,
+    /// admitted by the operator's `upstream.allow`. Its credentials are
+    /// kept like a brought secret's value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub egress_upstream: Option<SecretValue>,
     /// Secrets the run may use (`allowlist` tier): names the operator
     /// declared, and secrets the caller brings (at most 32, value and
     /// policy; their hosts become reachable). The run sees only
@@ -552,6 +559,10 @@ pub struct Run {
     /// otherwise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_socks5: Option<bool>,
+    /// The run's own upstream proxy, without its password
+    /// (`socks5://user@host:port`); absent when it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_upstream: Option<String>,
     /// The secrets the run may use, by name (declared and brought; never
     /// a value).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

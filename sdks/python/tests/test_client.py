@@ -120,6 +120,10 @@ def test_secrets_a_caller_brings_stay_out_of_the_run(rb: Runbox):
     with pytest.raises(runbox.RunboxError) as e:
         rb.create_run("base", network="allowlist", secrets=[{**secret, "header": "Host"}])
     assert e.value.code == "bad_secret" and "py-v4lue-7" not in str(e.value)
+    # This server admits no upstream proxy: refused, the password not echoed.
+    with pytest.raises(runbox.RunboxError) as e:
+        rb.create_run("base", network="allowlist", upstream="socks5://u:pw-77@10.9.9.9:1080")
+    assert e.value.code == "bad_egress" and "pw-77" not in str(e.value)
 
 
 def test_volume_files_without_a_run(rb: Runbox):

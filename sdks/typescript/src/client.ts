@@ -92,6 +92,9 @@ export interface CreateRunOptions {
   secrets?: NonNullable<CreateRunRequest["secrets"]>;
   /** A SOCKS5 door at 127.0.0.1:1080, named by `ALL_PROXY`, beside the HTTP proxy. */
   egressSocks5?: boolean;
+  /** An upstream proxy the run's egress leaves through, one the server admits:
+   * `http://` or `socks5://` `[user:password@]host:port`. */
+  egressUpstream?: string;
   /** Whether a call that reaches the run while it sleeps wakes it (default true). */
   autoResume?: boolean;
   /** What happens at the TTL: `delete` (default), `pause` or `hibernate`. */
@@ -347,6 +350,7 @@ export class Runbox {
         egressAllow: options.egressAllow,
         secrets: options.secrets,
         egressSocks5: options.egressSocks5,
+        egressUpstream: options.egressUpstream,
         autoResume: options.autoResume,
         onExpire: options.onExpire,
         idle: options.idle ? compact(options.idle) : undefined,
@@ -377,7 +381,7 @@ export class Runbox {
   }
 
   /** Replaces a live run's egress: `network` (`none` or `allowlist`),
-   * `egressAllow`, `secrets` and `egressSocks5` (as at create); a field left out keeps what
+   * `egressAllow`, `secrets`, `egressSocks5` and `egressUpstream` (as at create); a field left out keeps what
    * the run has, `[]` clears it. New connections follow the new policy;
    * open ones are not cut. */
   async updateEgress(runId: string, change: UpdateEgressRequest): Promise<Run> {

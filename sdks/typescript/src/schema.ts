@@ -1621,6 +1621,13 @@ export interface components {
              *     that speak SOCKS5. Its CONNECTs follow the same policy.
              */
             egressSocks5?: boolean | null;
+            /**
+             * @description An upstream proxy the run's egress leaves through (`allowlist`
+             *     tier): `http://` or `socks5://`, `[user[:password]@]host:port`,
+             *     admitted by the operator's `upstream.allow`. Its credentials are
+             *     kept like a brought secret's value.
+             */
+            egressUpstream?: string | null;
             env?: null | components["schemas"]["Env"];
             idle?: null | components["schemas"]["IdlePolicy"];
             /**
@@ -2626,6 +2633,11 @@ export interface components {
              */
             egressSocks5?: boolean | null;
             /**
+             * @description The run's own upstream proxy, without its password
+             *     (`socks5://user@host:port`); absent when it has none.
+             */
+            egressUpstream?: string | null;
+            /**
              * Format: date-time
              * @description When the reaper destroys the run unless it is renewed (RFC 3339).
              */
@@ -2965,6 +2977,11 @@ export interface components {
              *     already open through it keep going.
              */
             egressSocks5?: boolean | null;
+            /**
+             * @description The run's upstream proxy, as at create; `""` removes it (the
+             *     server's default, if any, applies again).
+             */
+            egressUpstream?: string | null;
             network?: null | components["schemas"]["NetworkTier"];
             /** @description The run's secrets, declared and brought (`allowlist` tier). */
             secrets?: components["schemas"]["SecretRequest"][] | null;

@@ -149,6 +149,11 @@ test("secrets a caller brings stay out of the run", async () => {
     rb.createRun("base", { network: "allowlist", secrets: [{ ...secret, header: "Host" }] }),
     (e) => e.code === "bad_secret" && e.status === 400 && !e.message.includes(secret.value),
   );
+  // This server admits no upstream proxy: refused, the password not echoed.
+  await assert.rejects(
+    rb.createRun("base", { network: "allowlist", egressUpstream: "socks5://u:pw-77@10.9.9.9:1080" }),
+    (e) => e.code === "bad_egress" && !e.message.includes("pw-77"),
+  );
 });
 
 test("a volume's files without a run", async () => {

@@ -937,8 +937,10 @@ impl RunActor {
                         change_socks5(lane, id, self.record.egress.socks5, proxy.clone()).await;
                     if door.is_ok() {
                         let sealer = self.context.config().sealer.clone();
-                        let brought = self.record.egress.open_brought(id, sealer.as_deref());
-                        proxy.update(&self.record.egress, brought);
+                        let egress = &self.record.egress;
+                        let brought = egress.open_brought(id, sealer.as_deref());
+                        let upstream = egress.open_upstream(id, sealer.as_deref());
+                        proxy.update(egress, brought, upstream);
                     }
                     door
                 }

@@ -55,6 +55,9 @@ impl Manager {
             if req.egress_socks5.is_none() {
                 next.socks5 = current.egress.socks5;
             }
+            if req.egress_upstream.is_none() {
+                next.upstream = current.egress.upstream.clone();
+            }
             if req.secrets.is_none() {
                 next.secrets = current.egress.secrets.clone();
                 next.brought = current.egress.brought.clone();

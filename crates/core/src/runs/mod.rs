@@ -305,12 +305,16 @@ impl RunContext {
         let brought = record
             .egress
             .open_brought(record.id, self.config().sealer.as_deref());
+        let upstream = record
+            .egress
+            .open_upstream(record.id, self.config().sealer.as_deref());
         // Its own token, so a change of tier can stop it alone.
         let meter = config
             .start(
                 record.id,
                 &record.egress,
                 brought,
+                upstream,
                 crate::egress::EgressListeners { http, socks5 },
                 stop.child_token(),
                 on_close,
@@ -653,6 +657,7 @@ impl Manager {
                 defaults: req.egress_defaults,
                 secrets: req.secrets.as_deref(),
                 socks5: req.egress_socks5,
+                upstream: req.egress_upstream.as_ref(),
             },
         )?;
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;

@@ -551,7 +551,8 @@ impl Manager {
                 declared_secrets: egress.map(|e| e.secret_names()).unwrap_or_default(),
                 default_list: egress.is_some_and(|e| e.default_list()),
                 socks5: egress.is_some(),
-                upstream_proxies: false,
+                upstream_proxies: egress.is_some_and(|e| e.takes_upstreams())
+                    && config.sealer.is_some(),
             },
             persistence: PersistenceCatalog {
                 resume: word(

@@ -47,6 +47,7 @@ impl Egress {
             egress_allow: allowlist.then_some(self.allow),
             egress_defaults: allowlist.then_some(false),
             egress_socks5: None,
+            egress_upstream: None,
             secrets: allowlist.then_some(self.secrets),
         }
     }

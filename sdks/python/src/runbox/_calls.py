@@ -54,6 +54,7 @@ def create_run(
     egress_allow: Optional[List[Union[str, Dict[str, Any]]]] = None,
     secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
     socks5: Optional[bool] = None,
+    upstream: Optional[str] = None,
     auto_resume: Optional[bool] = None,
     on_expire: Optional[str] = None,
     idle_pause_after: Optional[int] = None,
@@ -77,6 +78,7 @@ def create_run(
         egressAllow=egress_allow,
         secrets=None if secrets is None else [secret_body(s) for s in secrets],
         egressSocks5=socks5,
+        egressUpstream=upstream,
         autoResume=auto_resume,
         onExpire=on_expire,
         idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,
@@ -94,12 +96,14 @@ def update_egress(
     egress_allow: Optional[List[Union[str, Dict[str, Any]]]] = None,
     secrets: Optional[List[Union[str, Dict[str, Any]]]] = None,
     socks5: Optional[bool] = None,
+    upstream: Optional[str] = None,
 ) -> Call[Run]:
     body = compact(
         network=network,
         egressAllow=egress_allow,
         secrets=None if secrets is None else [secret_body(s) for s in secrets],
         egressSocks5=socks5,
+        egressUpstream=upstream,
     )
     return Call("PATCH", f"{run_path(run_id)}/egress", json=body, parse=Run.from_json)
 

@@ -72,6 +72,7 @@ class Run:
     egress_allow: List[Any] = field(default_factory=list)
     secrets: List[str] = field(default_factory=list)
     socks5: bool = False
+    upstream: Optional[str] = None
     failure: Optional[str] = None
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
@@ -100,6 +101,7 @@ class Run:
             egress_allow=list(d.get("egressAllow") or []),
             secrets=list(d.get("secrets") or []),
             socks5=bool(d.get("egressSocks5", False)),
+            upstream=d.get("egressUpstream"),
             failure=d.get("failure"),
             tenant=d.get("tenant"),
             token=d.get("token"),

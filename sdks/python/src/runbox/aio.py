@@ -179,7 +179,7 @@ class AsyncRunbox:
 
     async def update_egress(self, run_id: str, **kwargs: Any) -> Run:
         """Replaces a live run's egress: ``network`` (``none`` or
-        ``allowlist``), ``egress_allow``, ``secrets`` and ``socks5`` (as at
+        ``allowlist``), ``egress_allow``, ``secrets``, ``socks5`` and ``upstream`` (as at
         create); a field left out keeps what the run has, ``[]`` clears it.
         New connections follow the new policy; open ones are not cut."""
         return await self._do(calls.update_egress(run_id, **kwargs))

@@ -103,6 +103,7 @@ class Runbox:
         "hosts", "header", "scheme"?, "methods", "path_prefixes"}``: the
         run sees a placeholder, the proxy sends the value), ``socks5``
         (a SOCKS5 door at ``127.0.0.1:1080`` named by ``ALL_PROXY``),
+        ``upstream`` (an upstream proxy URL the server admits),
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``allow_privilege_escalation`` (setuid programs such as sudo work;
@@ -127,7 +128,7 @@ class Runbox:
 
     def update_egress(self, run_id: str, **kwargs: Any) -> Run:
         """Replaces a live run's egress: ``network`` (``none`` or
-        ``allowlist``), ``egress_allow``, ``secrets`` and ``socks5`` (as at
+        ``allowlist``), ``egress_allow``, ``secrets``, ``socks5`` and ``upstream`` (as at
         create); a field left out keeps what the run has, ``[]`` clears it.
         New connections follow the new policy; open ones are not cut."""
         return self._do(calls.update_egress(run_id, **kwargs))
