@@ -27,7 +27,18 @@ def daemon():
     signal.signal(signal.SIGTERM, _interrupt)
     # Loopback upstreams on 127.0.0.7 and .8 stand for the internet in the
     # network tests; the proxy refuses loopback unless admitted.
-    d = Daemon(name="e2bpy", octet=235, args=("--egress-internal-allow", "127.0.0.0/8"))
+    # An egress proxy (microsocks) on 127.0.0.9 stands for a customer's
+    # SOCKS5 exit; the operator admits it.
+    d = Daemon(
+        name="e2bpy",
+        octet=235,
+        args=(
+            "--egress-internal-allow",
+            "127.0.0.0/8",
+            "--egress-upstream-allow",
+            "127.0.0.9",
+        ),
+    )
     names = ("E2B_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL")
     saved = {k: os.environ.get(k) for k in names}
     os.environ.update(

@@ -260,6 +260,62 @@ def test_network_allow_and_deny_out_with_live_updates(upstreams):
     assert "not in allowOut" in str(unreachable.value)
 
 
+def test_egress_proxy_tunnels_the_sandbox_through_socks5(upstreams, tmp_path):
+    import socket
+    import subprocess
+
+    (a, port_a), _ = upstreams
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.9", 0))
+        socks_port = probe.getsockname()[1]
+    log = tmp_path / "microsocks.log"
+    with open(log, "wb") as out:
+        socks = subprocess.Popen(
+            ["microsocks", "-i", "127.0.0.9", "-p", str(socks_port), "-u", "e2b-user", "-P", "e2b-pass-5d"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        for _ in range(100):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.9", socks_port)) == 0:
+                    break
+            time.sleep(0.05)
+        proxy = {"address": f"127.0.0.9:{socks_port}", "username": "e2b-user", "password": "e2b-pass-5d"}
+        fetch = f"wget -q -O - http://{a}:{port_a}/"
+        sbx = Sandbox.create(
+            network={"deny_out": ["0.0.0.0/0"], "allow_out": [a], "egress_proxy": proxy}, timeout=120
+        )
+        try:
+            assert sbx.commands.run(fetch).stdout == f"hello from {a}"
+            assert f"connected to {a}:{port_a}" in log.read_text()
+            # An update replaces the whole setting: without the proxy the
+            # sandbox goes out directly.
+            seen = log.read_text().count("connected to")
+            sbx.update_network({"deny_out": ["0.0.0.0/0"], "allow_out": [a]})
+            assert sbx.commands.run(fetch).stdout == f"hello from {a}"
+            assert log.read_text().count("connected to") == seen
+            # Wrong credentials fail closed.
+            wrong = {**proxy, "password": "not-it"}
+            sbx.update_network({"deny_out": ["0.0.0.0/0"], "allow_out": [a], "egress_proxy": wrong})
+            with pytest.raises(CommandExitException):
+                sbx.commands.run(fetch)
+        finally:
+            sbx.kill()
+        # A proxy the operator does not admit, or one for an open sandbox.
+        with pytest.raises(SandboxException) as refused:
+            Sandbox.create(
+                network={"deny_out": ["0.0.0.0/0"], "allow_out": [a], "egress_proxy": {"address": "10.9.9.9:1080"}}
+            )
+        assert "400" in str(refused.value) and "10.9.9.9:1080" in str(refused.value)
+        with pytest.raises(SandboxException) as open_:
+            Sandbox.create(network={"egress_proxy": proxy})
+        assert "400" in str(open_.value) and "e2b-pass-5d" not in str(open_.value)
+    finally:
+        socks.kill()
+        socks.wait()
+
+
 def test_unsupported_calls_answer_what_the_docs_say(sbx):
     with pytest.raises(SandboxException) as net:
         Sandbox.create(template="base", network={"mask_request_host": "example.com"})

@@ -9,7 +9,13 @@ import { sleep, useDaemon, withSandbox } from "../harness.mjs";
 
 // Loopback upstreams on 127.0.0.7 and .8 stand for the internet in the
 // network test; the proxy refuses loopback unless admitted.
-useDaemon({ name: "e2bjs", octet: 236, args: ["--egress-internal-allow", "127.0.0.0/8"] });
+// An egress proxy (microsocks) on 127.0.0.9 stands for a customer's SOCKS5
+// exit; the operator admits it.
+useDaemon({
+  name: "e2bjs",
+  octet: 236,
+  args: ["--egress-internal-allow", "127.0.0.0/8", "--egress-upstream-allow", "127.0.0.9"],
+});
 
 test("create, run, kill", async () => {
   const sbx = await Sandbox.create({ timeoutMs: 120_000, envs: { GREETING: "hello" }, metadata: { suite: "js" } });
@@ -131,5 +137,60 @@ test("network allowOut and denyOut, and live updates", async () => {
     await assert.rejects(Sandbox.create({ network: { denyOut: ["8.8.8.8"] } }), /0\.0\.0\.0\/0/);
   } finally {
     for (const server of servers) server.close();
+  }
+});
+
+test("network egressProxy tunnels the sandbox through SOCKS5", async () => {
+  const { createServer } = await import("node:http");
+  const { createServer: tcpServer } = await import("node:net");
+  const { spawn } = await import("node:child_process");
+  const server = await new Promise((resolve) => {
+    const s = createServer((_, res) => res.end("hello from 127.0.0.7"));
+    s.listen(0, "127.0.0.7", () => resolve(s));
+  });
+  const port = await new Promise((resolve) => {
+    const probe = tcpServer();
+    probe.listen(0, "127.0.0.9", () => {
+      const { port } = probe.address();
+      probe.close(() => resolve(port));
+    });
+  });
+  let log = "";
+  const socks = spawn("microsocks", ["-i", "127.0.0.9", "-p", String(port), "-u", "js-user", "-P", "js-pass-3e"]);
+  socks.stdout.on("data", (d) => (log += d));
+  socks.stderr.on("data", (d) => (log += d));
+  const { connect } = await import("node:net");
+  for (let i = 0; i < 100; i++) {
+    const up = await new Promise((resolve) => {
+      const c = connect(port, "127.0.0.9", () => (c.end(), resolve(true)));
+      c.on("error", () => resolve(false));
+    });
+    if (up) break;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  const target = server.address();
+  const fetch = (sbx) => sbx.commands.run(`wget -q -O - http://${target.address}:${target.port}/`);
+  const egressProxy = { address: `127.0.0.9:${port}`, username: "js-user", password: "js-pass-3e" };
+  try {
+    await withSandbox(
+      { network: { denyOut: ["0.0.0.0/0"], allowOut: [target.address], egressProxy } },
+      async (sbx) => {
+        assert.equal((await fetch(sbx)).stdout, "hello from 127.0.0.7");
+        assert.ok(log.includes(`connected to 127.0.0.7:${target.port}`), log);
+        await sbx.updateNetwork({
+          denyOut: ["0.0.0.0/0"],
+          allowOut: [target.address],
+          egressProxy: { ...egressProxy, password: "not-it" },
+        });
+        await assert.rejects(fetch(sbx), CommandExitError);
+      },
+    );
+    await assert.rejects(
+      Sandbox.create({ network: { denyOut: ["0.0.0.0/0"], allowOut: ["127.0.0.7"], egressProxy: { address: "10.9.9.9:1080" } } }),
+      /400/,
+    );
+  } finally {
+    socks.kill();
+    server.close();
   }
 });

@@ -365,6 +365,7 @@ async fn create<S: RunService>(
         egress_allow: allowlist.then_some(egress.allow),
         egress_defaults: allowlist.then_some(false),
         secrets: (allowlist && !egress.secrets.is_empty()).then_some(egress.secrets),
+        egress_upstream: egress.upstream.filter(|_| allowlist),
         labels: req.metadata.filter(|m| !m.is_empty()),
         public_ports: Some(public_ports),
         auto_resume: Some(auto_resume),

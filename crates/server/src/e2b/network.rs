@@ -10,6 +10,7 @@
 //! | `allowOut` IP or CIDR | a rule for that address or network, every port |
 //! | `allowOut` `example.com` / `*.example.com` | the same entry (ports 80 and 443) |
 //! | `rules: {domain: [{transform: {headers}}]}` | one brought secret per header, on that domain, every method and path |
+//! | `egressProxy: {address, username?, password?}` | `egressUpstream: socks5://user:password@address` (an `allowlist` sandbox only; the operator must admit the address) |
 //! | nothing denied | `open` (a create without `allow_internet_access` takes the server's default tier) |
 
 use std::str::FromStr;
@@ -35,6 +36,8 @@ pub(super) struct Egress {
     pub allow: Vec<EgressEntry>,
     /// Header rules as brought secrets (`allowlist` only).
     pub secrets: Vec<SecretRequest>,
+    /// `egressProxy` as an upstream URL (`allowlist` only).
+    pub upstream: Option<SecretValue>,
 }
 
 impl Egress {
@@ -47,7 +50,9 @@ impl Egress {
             egress_allow: allowlist.then_some(self.allow),
             egress_defaults: allowlist.then_some(false),
             egress_socks5: None,
-            egress_upstream: None,
+            // An update replaces the whole setting: no egressProxy, none.
+            egress_upstream: allowlist
+                .then(|| self.upstream.unwrap_or_else(|| SecretValue::new(""))),
             secrets: allowlist.then_some(self.secrets),
         }
     }
@@ -89,12 +94,7 @@ pub(super) fn egress(
     network: &Map<String, Value>,
     update: bool,
 ) -> Result<Egress, E2bError> {
-    for key in [
-        "egressProxy",
-        "egress_proxy",
-        "maskRequestHost",
-        "mask_request_host",
-    ] {
+    for key in ["maskRequestHost", "mask_request_host"] {
         if !matches!(network.get(key), None | Some(Value::Null)) {
             return Err(E2bError::unsupported(&format!("`network.{key}`")));
         }
@@ -133,7 +133,15 @@ pub(super) fn egress(
         });
     }
     let secrets = header_rules(network, &allow)?;
+    let upstream = egress_proxy(network)?;
     if !deny_all {
+        if upstream.is_some() {
+            return Err(E2bError::bad(
+                "network.egressProxy is used by runbox's egress proxy, which a sandbox with open \
+                 internet access does not use; deny all traffic (0.0.0.0/0) and list what to \
+                 reach in allowOut",
+            ));
+        }
         if !deny_out.is_empty() {
             return Err(E2bError::bad(
                 "network.denyOut without 0.0.0.0/0 would leave the sandbox open except for some \
@@ -156,9 +164,11 @@ pub(super) fn egress(
             network,
             allow: Vec::new(),
             secrets: Vec::new(),
+            upstream: None,
         });
     }
     let network = if allow.is_empty() {
+        // Nothing leaves, so there is nothing to tunnel.
         NetworkTier::None
     } else {
         NetworkTier::Allowlist
@@ -167,7 +177,81 @@ pub(super) fn egress(
         network: Some(network),
         allow,
         secrets,
+        upstream,
     })
+}
+
+/// `egressProxy: {address, username?, password?}` (a SOCKS5 proxy) as an
+/// upstream URL; the server checks the address against what the operator
+/// admits. `tls` (TLS to the proxy) is not served.
+fn egress_proxy(network: &Map<String, Value>) -> Result<Option<SecretValue>, E2bError> {
+    let proxy = match network
+        .get("egressProxy")
+        .or_else(|| network.get("egress_proxy"))
+    {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(proxy)) => proxy,
+        Some(_) => {
+            return Err(E2bError::bad(
+                "network.egressProxy must be an object {address, username?, password?}",
+            ))
+        }
+    };
+    let mut address = None;
+    let (mut username, mut password) = (None, None);
+    for (key, value) in proxy {
+        let text = || {
+            value
+                .as_str()
+                .ok_or_else(|| E2bError::bad(format!("network.egressProxy.{key} must be a string")))
+        };
+        match key.as_str() {
+            "address" => address = Some(text()?),
+            "username" => username = Some(text()?),
+            "password" => password = Some(text()?),
+            "tls" if matches!(value, Value::Null | Value::Bool(false)) => {}
+            "tls" => return Err(E2bError::unsupported("`network.egressProxy.tls`")),
+            other => {
+                return Err(E2bError::bad(format!(
+                    "network.egressProxy has no field {other:?}; it takes address, username and \
+                     password"
+                )))
+            }
+        }
+    }
+    let Some(address) = address.filter(|a| !a.is_empty()) else {
+        return Err(E2bError::bad(
+            "network.egressProxy needs an address (host:port)",
+        ));
+    };
+    if address.contains(['/', '@', '?', '#']) || address.chars().any(char::is_whitespace) {
+        return Err(E2bError::bad(format!(
+            "network.egressProxy.address {address:?} is host:port only"
+        )));
+    }
+    for (name, value) in [("username", username), ("password", password)] {
+        if value.is_some_and(|v| v.len() > 255) {
+            return Err(E2bError::bad(format!(
+                "network.egressProxy.{name} is longer than 255 bytes"
+            )));
+        }
+    }
+    if password.is_some() && username.is_none() {
+        return Err(E2bError::bad(
+            "network.egressProxy.password needs a username",
+        ));
+    }
+    let encode = |s: &str| {
+        percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+    };
+    let userinfo = match (username, password) {
+        (Some(user), Some(pass)) => format!("{}:{}@", encode(user), encode(pass)),
+        (Some(user), None) => format!("{}@", encode(user)),
+        _ => String::new(),
+    };
+    Ok(Some(SecretValue::new(format!(
+        "socks5://{userinfo}{address}"
+    ))))
 }
 
 /// `host` on every port.
@@ -335,6 +419,45 @@ mod tests {
     }
 
     #[test]
+    fn an_egress_proxy_is_a_socks5_upstream_of_an_allowlist_sandbox() {
+        let e = egress(
+            None,
+            &map(
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"],
+                "egressProxy": {"address": "proxy.example:1080", "username": "a b",
+                                "password": "p@ss:w/rd"}}),
+            ),
+            false,
+        )
+        .unwrap();
+        let url = e.upstream.clone().unwrap();
+        assert_eq!(
+            url.expose(),
+            "socks5://a%20b:p%40ss%3Aw%2Frd@proxy.example:1080"
+        );
+        let update = e.update();
+        assert_eq!(update.egress_upstream, Some(url));
+        // An update without it removes the run's upstream.
+        let e = egress(
+            None,
+            &map(serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"]})),
+            true,
+        )
+        .unwrap();
+        assert_eq!(e.update().egress_upstream, Some(SecretValue::new("")));
+        // Deny-all with nothing allowed: nothing leaves, nothing to tunnel.
+        let e = egress(
+            None,
+            &map(serde_json::json!({"denyOut": ["0.0.0.0/0"],
+                "egressProxy": {"address": "proxy.example:1080"}})),
+            false,
+        )
+        .unwrap();
+        assert_eq!(e.network, Some(NetworkTier::None));
+        assert_eq!(e.update().egress_upstream, None);
+    }
+
+    #[test]
     fn what_runbox_cannot_enforce_is_refused() {
         for (body, says) in [
             (
@@ -360,7 +483,32 @@ mod tests {
             ),
             (
                 serde_json::json!({"egressProxy": {"address": "p:1080"}}),
-                "egressProxy",
+                "open internet access",
+            ),
+            (
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"],
+                                   "egressProxy": {"address": "p:1080", "tls": true}}),
+                "egressProxy.tls",
+            ),
+            (
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"],
+                                   "egressProxy": {"address": "p:1080", "password": "pw-k"}}),
+                "needs a username",
+            ),
+            (
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"],
+                                   "egressProxy": {"address": "u@p:1080/x"}}),
+                "host:port only",
+            ),
+            (
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"],
+                                   "egressProxy": {"address": "p:1080", "user": "u"}}),
+                "no field",
+            ),
+            (
+                serde_json::json!({"denyOut": ["0.0.0.0/0"], "allowOut": ["1.1.1.1"],
+                                   "egressProxy": "p:1080"}),
+                "must be an object",
             ),
             (
                 serde_json::json!({"maskRequestHost": "x"}),
