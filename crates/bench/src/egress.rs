@@ -288,6 +288,8 @@ impl Setup {
                 allowlist: Allowlist::new(true, &[], &entries),
                 secrets: vec![Arc::clone(&secret)],
                 upstream: None,
+                upstream_is_own: false,
+                class: None,
             },
             Arc::new(Counters::default()),
             None,
@@ -317,6 +319,7 @@ impl Setup {
                     authority: shared_authority,
                     upstream_tls,
                     audit: Some(Arc::new(AuditLog::open(audit_path, AUDIT_MAX_BYTES)?)),
+                    classes: Default::default(),
                 });
                 let listener = tokio::net::TcpListener::from_std(listener)?;
                 let socks_listener = tokio::net::TcpListener::from_std(socks_listener)?;
@@ -389,6 +392,8 @@ impl Setup {
             allowlist: Allowlist::new::<Rule>(true, &[], &rules),
             secrets: vec![Arc::clone(&self.secret)],
             upstream: None,
+            upstream_is_own: false,
+            class: None,
         }
     }
 

@@ -17,7 +17,7 @@ use runbox_core::egress::{EgressHandle, EgressProxy, RunEgressRequest, RunUpstre
 use runbox_proxy::audit::AuditLog;
 use runbox_proxy::guard::{AddressGuard, InternalAllow};
 use runbox_proxy::policy::{self, Allowlist, Entry};
-use runbox_proxy::proxy::{Counters, RunEgress, RunPolicy, Shared};
+use runbox_proxy::proxy::{Counters, EgressClass, RunEgress, RunPolicy, Shared};
 use runbox_proxy::resolve::Resolver;
 use runbox_proxy::rules::{Rule, RuleSpec};
 use runbox_proxy::secrets::{Secret, SecretPolicy, SecretSpec};
@@ -46,6 +46,13 @@ pub struct EgressArgs {
     /// own addresses are refused otherwise
     #[arg(long = "egress-internal-allow", value_name = "CIDR[:PORTS]")]
     pub egress_internal_allow: Vec<String>,
+    /// An egress class tenants can be bound to, as JSON {"name", "allow":
+    /// [entries and rules], "upstream"?: URL}; repeatable (an
+    /// `[[egress_class]]` table each in the config file). A bound run reaches
+    /// what both the class and its own policy admit. A reload changes them
+    /// for live runs at their next request
+    #[arg(long = "egress-class", value_name = "JSON", value_parser = parse_class)]
+    pub egress_classes: Vec<ClassSpec>,
     /// JSON file with `allow`, `defaultAllow`, `internalAllow` and `secrets`
     /// (secret declarations live only here)
     #[arg(long, env = "RUNBOX_EGRESS_CONFIG", value_name = "FILE")]
@@ -93,6 +100,90 @@ struct FileConfig {
     secrets: Vec<SecretSpec>,
     #[serde(default)]
     upstream: UpstreamConfig,
+}
+
+/// One `--egress-class` (or `[[egress_class]]`), checked.
+#[derive(Clone, Debug)]
+pub struct ClassSpec(Arc<EgressClass>);
+
+impl ClassSpec {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.0.name
+    }
+}
+
+/// Parses and checks an egress class: a name like a tenant's, rules in the
+/// allowlist grammar, an upstream URL.
+fn parse_class(raw: &str) -> Result<ClassSpec, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Wire {
+        name: String,
+        #[serde(default)]
+        allow: Vec<EgressEntry>,
+        #[serde(default)]
+        upstream: Option<String>,
+    }
+    let wire: Wire = serde_json::from_str(raw).map_err(|e| {
+        format!("an egress class is {{\"name\", \"allow\": [...], \"upstream\"?}}: {e}")
+    })?;
+    runbox_core::tenants::check_name(&wire.name).map_err(|_| {
+        format!(
+            "egress class name {:?} must be 1-32 of a-z, 0-9, '-' and '_', starting with a letter",
+            wire.name.chars().take(64).collect::<String>()
+        )
+    })?;
+    let mut rules = Vec::with_capacity(wire.allow.len());
+    for raw in &wire.allow {
+        let rule = parse_rule(raw).map_err(|e| format!("egress class {:?}: {e}", wire.name))?;
+        if rule.secret.is_some() {
+            return Err(format!(
+                "egress class {:?}: rule {raw} names a secret; a class says what may be reached, \
+                 its runs bring their own secrets",
+                wire.name
+            ));
+        }
+        rules.push(rule);
+    }
+    let upstream = match wire.upstream {
+        Some(url) => Some(Arc::new(
+            Upstream::parse(&url).map_err(|e| format!("egress class {:?}: {e}", wire.name))?,
+        )),
+        None => None,
+    };
+    Ok(ClassSpec(Arc::new(EgressClass {
+        allowlist: Allowlist::new(false, &[], &rules),
+        name: wire.name,
+        upstream,
+    })))
+}
+
+/// The classes by name; a name given twice is an error.
+fn classes_by_name(specs: &[ClassSpec]) -> anyhow::Result<BTreeMap<String, Arc<EgressClass>>> {
+    let mut classes = BTreeMap::new();
+    for spec in specs {
+        if classes
+            .insert(spec.name().to_owned(), spec.0.clone())
+            .is_some()
+        {
+            bail!("two egress classes are named {:?}", spec.name());
+        }
+    }
+    Ok(classes)
+}
+
+impl NodeProxy {
+    /// Puts `specs` in force as the node's egress classes (a config
+    /// reload): every bound run reads them at its next request. A run whose
+    /// class is gone reaches nothing (each refusal is logged).
+    pub fn set_classes(&self, specs: &[ClassSpec]) -> anyhow::Result<()> {
+        let classes = classes_by_name(specs)?;
+        let names: Vec<&String> = classes.keys().collect();
+        tracing::info!(classes = ?names, "egress classes in force");
+        self.shared.classes.store(Arc::new(classes));
+        Ok(())
+    }
 }
 
 /// The config file's `upstream`.
@@ -153,6 +244,7 @@ impl NodePolicy {
         brought: &[BroughtSecret],
         upstream: &RunUpstream,
     ) -> RunPolicy {
+        let upstream_of = upstream;
         let upstream = match upstream {
             RunUpstream::Default => self.upstream_default.clone(),
             RunUpstream::Through(url) => match Upstream::parse(url.expose()) {
@@ -165,6 +257,7 @@ impl NodePolicy {
             // Refused, never sent another way.
             RunUpstream::Unusable => return RunPolicy::default(),
         };
+        let upstream_is_own = matches!(upstream_of, RunUpstream::Through(_));
         let entries: Vec<Rule> = req
             .allow
             .iter()
@@ -210,6 +303,8 @@ impl NodePolicy {
             .with_secret_hosts(&secret_hosts),
             secrets,
             upstream,
+            upstream_is_own,
+            class: req.class.clone(),
         }
     }
 }
@@ -369,6 +464,10 @@ impl EgressProxy for NodeProxy {
             });
         }
         Ok(upstream.display())
+    }
+
+    fn class_names(&self) -> Vec<String> {
+        self.shared.classes.load().keys().cloned().collect()
     }
 
     fn takes_upstreams(&self) -> bool {
@@ -569,6 +668,9 @@ impl EgressArgs {
             authority: Arc::new(authority),
             upstream_tls,
             audit: Some(audit.clone()),
+            classes: runbox_proxy::proxy::ArcSwap::from_pointee(classes_by_name(
+                &self.egress_classes,
+            )?),
         });
         Ok(Built {
             config: Arc::new(NodeProxy {

@@ -564,7 +564,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     let reload = match (args.config.clone(), config_table) {
         (Some(path), Some(table)) => {
-            let reloader = config_reloader(path, table, egress.audit.clone(), manager.clone());
+            let reloader = config_reloader(
+                path,
+                table,
+                egress.audit.clone(),
+                manager.clone(),
+                egress.config.clone(),
+            );
             // SIGHUP reads the file again, as POST /v1/config/reload does.
             let on_hup = reloader.clone();
             tokio::spawn(async move {
@@ -829,6 +835,7 @@ pub const LIVE_KEYS: &[&str] = &[
     "archive_after_sec",
     "archive_delete_after_sec",
     "checkpoint_ttl_hours",
+    "egress_class",
     "hibernated_retention_sec",
     "idle_hibernate_sec",
     "idle_pause_sec",
@@ -904,12 +911,14 @@ fn live_settings(current: &Config, args: &ServeArgs) -> Config {
 /// with it): a bad file changes nothing and says why. A good one puts the
 /// changed [`LIVE_KEYS`] in force in one swap, and reports (and audits)
 /// what changed, what was applied, what waits for a restart and what a
-/// flag or environment variable overrides.
+/// flag or environment variable overrides. Egress classes go to the
+/// node's proxy, which live runs read at their next request.
 fn config_reloader(
     path: PathBuf,
     running: crate::config_file::Table,
     audit: Arc<runbox_proxy::audit::AuditLog>,
     manager: Arc<Manager>,
+    egress: Arc<crate::egress::NodeProxy>,
 ) -> runbox_server::Reloader {
     let cli = crate::config_file::command_line_args();
     let running = std::sync::Mutex::new(crate::config_file::normalized(&running));
@@ -943,6 +952,16 @@ fn config_reloader(
                 report.applied.push(key);
             } else {
                 report.restart_required.push(key);
+            }
+        }
+        if report.applied.iter().any(|k| k == "egress_class") {
+            // Checked when the file was parsed; only a name given twice is
+            // left, and then nothing changes.
+            if let Err(e) = egress.set_classes(&args.egress.egress_classes) {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+                let why = format!("{e:#}");
+                tracing::error!(error = %why, "the config file was not reloaded; nothing changed");
+                return Err(why);
             }
         }
         if !report.applied.is_empty() {

@@ -41,6 +41,10 @@ pub struct PolicyArgs {
     /// A size tier it may use (repeatable; none: any)
     #[arg(long = "size", value_name = "TIER", value_parser = parse_size)]
     pub sizes: Vec<runbox_types::SizeTier>,
+    /// The operator's egress class its runs are bound to (one the server's
+    /// config defines; "" unbinds on update)
+    #[arg(long, value_name = "CLASS")]
+    pub egress_class: Option<String>,
 }
 
 /// `runbox tenants create`.
@@ -124,6 +128,7 @@ pub async fn run(command: TenantsCommand) -> anyhow::Result<ExitCode> {
                 images: args.policy.images,
                 networks: networks(&args.policy.networks),
                 sizes: args.policy.sizes,
+                egress_class: args.policy.egress_class,
             };
             let made = conn.check(conn.client.create_tenant(&req).await)?;
             print_token(&made, args.json)?;
@@ -152,6 +157,7 @@ pub async fn run(command: TenantsCommand) -> anyhow::Result<ExitCode> {
                 networks: list(!policy.networks.is_empty(), args.any_network)
                     .map(|()| networks(&policy.networks)),
                 sizes: list(!policy.sizes.is_empty(), args.any_size).map(|()| policy.sizes),
+                egress_class: policy.egress_class,
             };
             let tenant = conn.check(conn.client.update_tenant(&args.name, &req).await)?;
             println!("{}", serde_json::to_string_pretty(&tenant)?);
@@ -246,6 +252,7 @@ mod tests {
                 images: vec!["python:*".into()],
                 networks: vec![],
                 sizes: vec![runbox_types::SizeTier::Small],
+                egress_class: None,
             },
             runs: 2,
             created_at: time::OffsetDateTime::UNIX_EPOCH,

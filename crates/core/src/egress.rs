@@ -96,6 +96,11 @@ pub trait EgressProxy: Send + Sync + std::fmt::Debug {
         Err("this server takes no upstream proxies".to_owned())
     }
 
+    /// The egress classes the operator defines, by name.
+    fn class_names(&self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Whether the operator admits any upstream proxy for runs to name.
     fn takes_upstreams(&self) -> bool {
         false
@@ -203,6 +208,12 @@ pub struct RunEgressRequest {
     /// clear, the whole URL sealed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upstream: Option<SealedUpstream>,
+    /// The egress class its tenant bound it to when it was made: what it
+    /// reaches is what both the class (as the config defines it now) and
+    /// its own policy admit. Kept on every tier, so a move to `allowlist`
+    /// stays bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
 }
 
 /// A run's upstream proxy as its record keeps it.
@@ -509,6 +520,8 @@ pub fn check_request(
             Some(url) => Some(seal_upstream(config, sealer, url)?),
             None => None,
         },
+        // The tenant's, set by the caller.
+        class: None,
     })
 }
 

@@ -60,6 +60,11 @@ pub trait RunService: Clone + Send + Sync + 'static {
     }
     /// The tenant set.
     fn tenants(&self) -> Arc<dyn crate::tenants::TenantStore>;
+    /// The egress classes the operator defines, by name (what a tenant
+    /// may be bound to).
+    fn egress_classes(&self) -> Vec<String> {
+        Vec::new()
+    }
     /// Live runs counted against each tenant's `maxRuns`.
     fn tenant_runs(&self) -> std::collections::HashMap<String, usize>;
     /// Removes a tenant with no runs left (its checkpoints and snapshots
@@ -426,6 +431,14 @@ impl RunService for Arc<Manager> {
 
     fn tenants(&self) -> Arc<dyn crate::tenants::TenantStore> {
         self.context.tenants.clone()
+    }
+
+    fn egress_classes(&self) -> Vec<String> {
+        self.config()
+            .egress
+            .as_ref()
+            .map(|e| e.class_names())
+            .unwrap_or_default()
     }
 
     fn tenant_runs(&self) -> std::collections::HashMap<String, usize> {

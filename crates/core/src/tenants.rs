@@ -258,6 +258,9 @@ impl TenantStore for FileTenants {
             if let Some(sizes) = req.sizes {
                 entry.policy.sizes = sizes;
             }
+            if let Some(class) = req.egress_class {
+                entry.policy.egress_class = (!class.is_empty()).then_some(class);
+            }
             check_policy(&entry.policy)?;
             entry.updated_at = OffsetDateTime::now_utc();
             let entry = Arc::new(entry);
@@ -363,6 +366,14 @@ fn check_policy(policy: &TenantPolicy) -> Result<(), CoreError> {
     {
         return bad("images, networks and sizes take each entry once".into());
     }
+    if let Some(class) = &policy.egress_class {
+        if check_name(class).is_err() {
+            return bad(format!(
+                "egressClass {:?} must be 1-32 of a-z, 0-9, '-' and '_', starting with a letter",
+                bounded(class)
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -395,6 +406,13 @@ impl Owner {
     /// The tenant's name, if any.
     pub fn tenant(&self) -> Option<&str> {
         self.0.as_deref().map(|t| t.name.as_str())
+    }
+
+    /// The egress class the tenant's runs are bound to, if any.
+    pub fn egress_class(&self) -> Option<&str> {
+        self.0
+            .as_deref()
+            .and_then(|t| t.policy.egress_class.as_deref())
     }
 
     /// Whether the caller may see something stamped with `stamp`: the
@@ -587,7 +605,13 @@ mod tests {
             images: vec!["python:*".into(), "alpine:3.20".into()],
             networks: vec![NetworkTier::None],
             sizes: vec![SizeTier::Small],
+            egress_class: Some("ci".into()),
         });
+        assert_eq!(owner.egress_class(), Some("ci"));
+        assert_eq!(Owner::root().egress_class(), None);
+        let mut bad = owner.0.as_deref().unwrap().policy.clone();
+        bad.egress_class = Some("Not A Name".into());
+        assert_eq!(check_policy(&bad).unwrap_err().code(), ErrorCode::BadTenant);
         owner.check_image(&["python:3.12"]).unwrap();
         owner.check_image(&["alpine", "alpine:3.20"]).unwrap();
         let e = owner.check_image(&["debian:12"]).unwrap_err();

@@ -3228,3 +3228,159 @@ async fn upstream_proxies_carry_a_runs_egress() {
         assert!(!w.daemon.log().contains(password), "{password} logged");
     }
 }
+
+/// Egress classes: a tenant bound to one gets runs that reach only what
+/// both the class and their own policy admit; a config reload changes the
+/// class for live runs at their next request, and a class removed leaves
+/// its runs reaching nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn egress_classes_narrow_their_tenants_runs_and_follow_a_reload() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.toml");
+    let class = |allow: &[String]| {
+        let list: Vec<String> = allow.iter().map(|a| format!("{a:?}")).collect();
+        format!(
+            "[[egress_class]]\nname = \"narrow\"\nallow = [{}]\n",
+            list.join(", ")
+        )
+    };
+    // The ports are the World's, known only once it starts: the first
+    // file names ports the run's own entries never use.
+    std::fs::write(&config, class(&["allowed.test:1".to_owned()])).unwrap();
+    let path = config.to_str().unwrap().to_owned();
+    let w = World::start_on("127.0.0.1:0", &["--config", &path]).await;
+    let (http, https) = (w.http_port, w.https_port);
+    let allowed = format!("allowed.test:{http}");
+    let other = format!("secret.test:{http}");
+    let tls = format!("plain-tls.test:{https}");
+    // The class admits allowed.test and plain-tls.test, not secret.test.
+    std::fs::write(&config, class(&[allowed.clone(), tls.clone()])).unwrap();
+    let reload = || async {
+        let (status, text) = runbox_e2e::raw_request(
+            &w.daemon.url,
+            "POST",
+            "/v1/config/reload",
+            &w.daemon.token,
+            b"",
+        )
+        .await;
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<runbox_types::ConfigReload>(&text).unwrap()
+    };
+    assert!(reload().await.applied.contains(&"egress_class".to_owned()));
+    let catalog = w.daemon.client.info().await.unwrap().catalog.unwrap();
+    assert_eq!(catalog.egress.classes, ["narrow"]);
+
+    // A tenant is bound only to a class the server defines.
+    let root = &w.daemon.client;
+    let err = root
+        .create_tenant(&runbox_types::CreateTenantRequest {
+            name: "acme".into(),
+            egress_class: Some("wide".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("narrow"), "{err}");
+    let token = root
+        .create_tenant(&runbox_types::CreateTenantRequest {
+            name: "acme".into(),
+            egress_class: Some("narrow".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .token;
+    assert_eq!(
+        root.get_tenant("acme")
+            .await
+            .unwrap()
+            .policy
+            .egress_class
+            .as_deref(),
+        Some("narrow")
+    );
+    let acme = runbox_client::Client::new(&w.daemon.url, &token).unwrap();
+    let run = acme
+        .create_run(&CreateRunRequest {
+            image: IMAGE.into(),
+            network: Some(NetworkTier::Allowlist),
+            egress_allow: Some(vec![allowed.as_str().into(), other.as_str().into()]),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let id = run.id.to_string();
+    // Both admit it: through.
+    let got = w.curl(&id, &[&format!("http://{allowed}/both")]).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    // The run admits it, the class does not: 403 naming the class.
+    let got = w.curl(&id, &[&format!("http://{other}/run-only")]).await;
+    assert_eq!(got.status, 403, "{got:?}");
+    assert!(got.body.contains("egress class \"narrow\""), "{got:?}");
+    // The class admits it, the run does not: the run's own 403.
+    let got = w
+        .curl(&id, &["-p", &format!("http://{tls}/class-only")])
+        .await;
+    assert_eq!(got.connect_status, 403, "{got:?}");
+    // The operator's own run is bound to nothing.
+    let free = w.allowlist_run(&[&other], &[]).await.id.to_string();
+    assert_eq!(
+        w.curl(&free, &[&format!("http://{other}/free")])
+            .await
+            .status,
+        200
+    );
+
+    // A reload widens the class: the live run's next request follows.
+    std::fs::write(&config, class(&[allowed.clone(), other.clone()])).unwrap();
+    let report = reload().await;
+    assert_eq!(report.applied, ["egress_class"], "{report:?}");
+    let got = w.curl(&id, &[&format!("http://{other}/widened")]).await;
+    assert_eq!(got.status, 200, "{got:?}");
+    let (_, records) = w
+        .audit(|r| egress_for(r, &id, "secret.test").len() >= 2)
+        .await;
+    let outcomes: Vec<String> = egress_for(&records, &id, "secret.test")
+        .into_iter()
+        .map(|d| d.outcome)
+        .collect();
+    assert_eq!(
+        outcomes,
+        ["deny class:narrow".to_owned(), format!("allow run:{other}")]
+    );
+
+    // A malformed class refuses the whole reload; nothing changes.
+    std::fs::write(
+        &config,
+        "[[egress_class]]\nname = \"narrow\"\nallow = [\"a b\"]\n",
+    )
+    .unwrap();
+    let (status, text) = runbox_e2e::raw_request(
+        &w.daemon.url,
+        "POST",
+        "/v1/config/reload",
+        &w.daemon.token,
+        b"",
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    assert!(text.contains("egress_class"), "{text}");
+    assert_eq!(
+        w.curl(&id, &[&format!("http://{other}/kept")]).await.status,
+        200
+    );
+
+    // The class removed: its runs reach nothing, and say why.
+    std::fs::write(&config, "").unwrap();
+    reload().await;
+    let got = w.curl(&id, &[&format!("http://{allowed}/gone")]).await;
+    assert_eq!(got.status, 403, "{got:?}");
+    assert!(got.body.contains("no longer defines"), "{got:?}");
+    assert_eq!(
+        w.curl(&free, &[&format!("http://{other}/free")])
+            .await
+            .status,
+        200
+    );
+}

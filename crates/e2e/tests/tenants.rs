@@ -130,6 +130,7 @@ async fn tenant(root: &Client, name: &str, policy: TenantPolicy) -> String {
         images: policy.images,
         networks: policy.networks,
         sizes: policy.sizes,
+        egress_class: policy.egress_class,
     })
     .await
     .expect("create tenant")
@@ -218,6 +219,7 @@ async fn tenants_see_only_their_own_and_keep_to_their_limits() {
             images: vec!["base".into()],
             networks: vec![NetworkTier::None],
             sizes: vec![],
+            egress_class: None,
         },
     )
     .await;

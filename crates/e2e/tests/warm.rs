@@ -567,6 +567,7 @@ async fn each_tenant_starts_from_and_commits_to_its_own_templates() {
                 images: Vec::new(),
                 networks: Vec::new(),
                 sizes: Vec::new(),
+                egress_class: None,
             })
             .await
             .unwrap()

@@ -60,7 +60,8 @@ use crate::resolve::Resolver;
 use crate::secrets::{self, Secret};
 use crate::tls::Authority;
 use crate::upstream::Upstream;
-use arc_swap::ArcSwap;
+/// Re-exported: `Shared::classes` is one, made by the proxy's users.
+pub use arc_swap::ArcSwap;
 
 /// How long a client may take to send a request head before the connection
 /// is closed (slowloris protection).
@@ -85,6 +86,23 @@ pub struct Shared {
     pub upstream_tls: Arc<rustls::ClientConfig>,
     /// Where decisions are recorded, if anywhere.
     pub audit: Option<Arc<AuditLog>>,
+    /// The operator's egress classes by name, as the config defines them
+    /// now: a reload swaps the map, and every run bound to a class reads
+    /// it at its next request.
+    pub classes: ArcSwap<std::collections::BTreeMap<String, Arc<EgressClass>>>,
+}
+
+/// A named egress policy of the operator's that tenants are bound to: a
+/// bound run reaches only what both the class and its own policy admit,
+/// and leaves through the class's upstream unless it names its own.
+#[derive(Debug)]
+pub struct EgressClass {
+    /// Its name.
+    pub name: String,
+    /// What it admits (no built-in list: only its own rules).
+    pub allowlist: Allowlist,
+    /// Its upstream proxy, if any.
+    pub upstream: Option<Arc<Upstream>>,
 }
 
 /// Per-run traffic counters, shown on the run's JSON.
@@ -124,8 +142,14 @@ pub struct RunPolicy {
     pub allowlist: Allowlist,
     /// The secrets it may use.
     pub secrets: Vec<Arc<Secret>>,
-    /// The proxy its egress leaves through, if any.
+    /// The proxy its egress leaves through, if any: its own, or the
+    /// node's default (see `upstream_is_own`).
     pub upstream: Option<Arc<Upstream>>,
+    /// Whether `upstream` is the run's own; if not, its class's upstream
+    /// comes first.
+    pub upstream_is_own: bool,
+    /// The egress class it is bound to, by name.
+    pub class: Option<String>,
 }
 
 /// One run's egress settings.
@@ -471,7 +495,7 @@ impl Ctx {
                 decision: decision.to_owned(),
                 rule: rule.to_owned(),
                 secret,
-                upstream: self.run.policy().upstream.as_ref().map(|u| u.display()),
+                upstream: self.upstream().map(|u| u.display()),
             });
         }
     }
@@ -486,7 +510,7 @@ impl Ctx {
         let Decision::Allow { entry, .. } = &decision else {
             unreachable!("decide answers allows only")
         };
-        if let Some(upstream) = self.run.policy().upstream.clone() {
+        if let Some(upstream) = self.upstream() {
             // The upstream resolves names; an address literal still meets
             // the guard.
             if let Ok(ip) = target.host.parse::<IpAddr>() {
@@ -604,9 +628,82 @@ impl Ctx {
                         entry.method_list()
                     )));
                 }
+                self.decide_class(method, target, tunnel, &asked)?;
                 Ok(decision)
             }
         }
+    }
+}
+
+impl Ctx {
+    /// The run's class, if it is bound to one: `Err` when the class is gone
+    /// (its runs reach nothing until it is back, or they end).
+    fn class(&self) -> Result<Option<Arc<EgressClass>>, String> {
+        let Some(name) = self.run.policy().class.clone() else {
+            return Ok(None);
+        };
+        match self.shared.classes.load().get(&name) {
+            Some(class) => Ok(Some(class.clone())),
+            None => Err(name),
+        }
+    }
+
+    /// Step 2, second half: the run's class must admit what its own policy
+    /// did (host, port and, outside a tunnel, method).
+    fn decide_class(
+        &self,
+        method: &str,
+        target: &Target,
+        tunnel: bool,
+        asked: &Method,
+    ) -> Result<(), Reject> {
+        let class = match self.class() {
+            Ok(None) => return Ok(()),
+            Ok(Some(class)) => class,
+            Err(name) => {
+                tracing::warn!(run = %self.run.run, class = %name, "the run's egress class is no longer defined; its egress is refused");
+                self.record(method, target, false, &format!("class:{name}"), None);
+                return Err(Reject::Denied(format!(
+                    "runbox: {method} {}:{} is blocked: this run is bound to the egress class \
+                     {name:?}, which the server no longer defines; nothing leaves until the \
+                     operator defines it again.\n",
+                    target.host, target.port
+                )));
+            }
+        };
+        let admitted = match class.allowlist.decide(&target.host, target.port) {
+            Decision::Allow { entry, .. } => tunnel || entry.admits_method(asked),
+            Decision::Deny { .. } => false,
+        };
+        if admitted {
+            return Ok(());
+        }
+        self.record(
+            method,
+            target,
+            false,
+            &format!("class:{}", class.name),
+            None,
+        );
+        Err(Reject::Denied(format!(
+            "runbox: {method} {}:{} is blocked: the run's own policy admits it, but its tenant's \
+             egress class {:?} does not. The operator changes the class (egress_class in the \
+             server's config).\n",
+            target.host, target.port, class.name
+        )))
+    }
+
+    /// The upstream proxy a request leaves through: the run's own, else
+    /// its class's, else the node's default.
+    fn upstream(&self) -> Option<Arc<Upstream>> {
+        let policy = self.run.policy();
+        if policy.upstream_is_own {
+            return policy.upstream.clone();
+        }
+        let class = self.class().ok().flatten();
+        class
+            .and_then(|c| c.upstream.clone())
+            .or_else(|| policy.upstream.clone())
     }
 }
 

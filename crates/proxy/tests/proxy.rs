@@ -111,9 +111,12 @@ impl Harness {
             probe.local_addr()?.port()
         };
 
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        // On 127.0.0.2, where no upstream or other test binds: a test that
+        // checks the listener is gone cannot meet another test's listener
+        // on a port the kernel handed out again.
+        let listener = TcpListener::bind("127.0.0.2:0").await?;
         let proxy = listener.local_addr()?;
-        let socks_listener = TcpListener::bind("127.0.0.1:0").await?;
+        let socks_listener = TcpListener::bind("127.0.0.2:0").await?;
         let socks = socks_listener.local_addr()?;
 
         let run_entries = [
@@ -158,6 +161,7 @@ impl Harness {
             authority: Arc::new(authority),
             upstream_tls: upstream_client_config(Some(&upstream_ca))?,
             audit: Some(Arc::new(AuditLog::open(audit.clone(), 1 << 20)?)),
+            classes: Default::default(),
         });
 
         let secret = Secret::load(
@@ -181,6 +185,8 @@ impl Harness {
                 allowlist,
                 secrets: vec![Arc::new(secret)],
                 upstream: None,
+                upstream_is_own: false,
+                class: None,
             },
             Arc::clone(&counters),
             Some(Arc::new(move |bytes| told.lock().unwrap().push(bytes))),

@@ -46,11 +46,36 @@ fn audit<S: RunService>(state: &AppState<S>, change: &str, tenant: &str) {
     }
 }
 
+/// A tenant may be bound only to a class the server defines now.
+fn known_class<S: RunService>(state: &AppState<S>, class: Option<&str>) -> Result<(), ApiError> {
+    let Some(class) = class else {
+        return Ok(());
+    };
+    let classes = state.service.egress_classes();
+    if classes.iter().any(|c| c == class) {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::BadTenant,
+        format!(
+            "no egress class named {:?} is defined on this server ({}); the operator defines \
+             them with --egress-class or [[egress_class]] in the config file",
+            class.chars().take(64).collect::<String>(),
+            if classes.is_empty() {
+                "it defines none".to_owned()
+            } else {
+                format!("classes: {}", classes.join(", "))
+            }
+        ),
+    ))
+}
+
 /// `POST /v1/tenants`: the tenant and its token, shown this once.
 pub async fn create<S: RunService>(
     State(state): State<AppState<S>>,
     AppJson(req): AppJson<CreateTenantRequest>,
 ) -> Result<Response, ApiError> {
+    known_class(&state, req.egress_class.as_deref())?;
     let store = state.service.tenants();
     let (entry, token) = blocking(move || store.create(req)).await?;
     audit(&state, "create", &entry.name);
@@ -105,6 +130,10 @@ pub async fn update<S: RunService>(
     Path(name): Path<String>,
     AppJson(req): AppJson<UpdateTenantRequest>,
 ) -> Result<Response, ApiError> {
+    known_class(
+        &state,
+        req.egress_class.as_deref().filter(|c| !c.is_empty()),
+    )?;
     let store = state.service.tenants();
     let entry = blocking(move || store.update(&name, req)).await?;
     audit(&state, "update", &entry.name);

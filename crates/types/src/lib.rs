@@ -1582,6 +1582,9 @@ pub struct EgressCatalog {
     pub socks5: bool,
     /// Routing a run's egress through an upstream proxy.
     pub upstream_proxies: bool,
+    /// The egress classes tenants can be bound to, by name.
+    #[serde(default)]
+    pub classes: Vec<String>,
 }
 
 /// What survives a run's sleep and what can be copied from it.

@@ -49,6 +49,11 @@ pub struct TenantPolicy {
     /// (free-form `limits` are refused). Empty: any size or limits.
     #[serde(default)]
     pub sizes: Vec<SizeTier>,
+    /// The operator's egress class its runs are bound to: each run reaches
+    /// only what both the class and the run's own policy admit. Absent:
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_class: Option<String>,
 }
 
 /// `POST /v1/tenants`.
@@ -76,6 +81,10 @@ pub struct CreateTenantRequest {
     /// Size tiers it may use; empty: any.
     #[serde(default)]
     pub sizes: Vec<SizeTier>,
+    /// The egress class its runs are bound to (see
+    /// [`TenantPolicy::egress_class`]); one the server's config defines.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_class: Option<String>,
 }
 
 impl CreateTenantRequest {
@@ -86,6 +95,7 @@ impl CreateTenantRequest {
             images: self.images.clone(),
             networks: self.networks.clone(),
             sizes: self.sizes.clone(),
+            egress_class: self.egress_class.clone(),
         }
     }
 }
@@ -107,6 +117,10 @@ pub struct UpdateTenantRequest {
     /// Size tiers it may use.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sizes: Option<Vec<SizeTier>>,
+    /// The egress class its new runs are bound to; `""` unbinds it. Runs
+    /// it has keep the class they were made with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_class: Option<String>,
 }
 
 /// The answer to a tenant's creation or token rotation: the token, shown

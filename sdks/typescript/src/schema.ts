@@ -1679,6 +1679,11 @@ export interface components {
         /** @description `POST /v1/tenants`. */
         CreateTenantRequest: {
             /**
+             * @description The egress class its runs are bound to (see
+             *     [`TenantPolicy::egress_class`]); one the server's config defines.
+             */
+            egressClass?: string | null;
+            /**
              * @description Images it may create runs from (see [`TenantPolicy::images`]);
              *     empty: any.
              */
@@ -1731,6 +1736,8 @@ export interface components {
         };
         /** @description The egress features of a server. */
         EgressCatalog: {
+            /** @description The egress classes tenants can be bound to, by name. */
+            classes?: string[];
             /** @description Secret names the operator declared (a run asks for them by name). */
             declaredSecrets: string[];
             /**
@@ -2927,6 +2934,12 @@ export interface components {
         /** @description What a tenant may use. An empty list allows everything of its kind. */
         TenantPolicy: {
             /**
+             * @description The operator's egress class its runs are bound to: each run reaches
+             *     only what both the class and the run's own policy admit. Absent:
+             *     none.
+             */
+            egressClass?: string | null;
+            /**
              * @description Images it may create runs from: exact names (`alpine:3.20`), or a
              *     prefix ending in `*` (`python:*`, `registry.example.com/team/*`).
              *     Its own snapshots are always allowed. Empty: any stored image.
@@ -2988,6 +3001,11 @@ export interface components {
         };
         /** @description `PATCH /v1/tenants/{name}`: the fields given replace the tenant's. */
         UpdateTenantRequest: {
+            /**
+             * @description The egress class its new runs are bound to; `""` unbinds it. Runs
+             *     it has keep the class they were made with.
+             */
+            egressClass?: string | null;
             /** @description Images it may create runs from (see [`TenantPolicy::images`]). */
             images?: string[] | null;
             /**

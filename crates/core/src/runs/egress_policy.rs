@@ -45,6 +45,9 @@ impl Manager {
             network,
             (&req).into(),
         )?;
+        // The class is the tenant's, given at creation; no change of the
+        // run's policy unbinds it.
+        next.class = current.egress.class.clone();
         if network == NetworkTier::Allowlist && current.network == NetworkTier::Allowlist {
             if req.egress_allow.is_none() {
                 next.allow = current.egress.allow.clone();

@@ -648,7 +648,7 @@ impl Manager {
                 ),
             ));
         }
-        let egress = egress::check_request(
+        let mut egress = egress::check_request(
             self.config().egress.as_deref(),
             self.config().sealer.as_deref(),
             network,
@@ -660,6 +660,7 @@ impl Manager {
                 upstream: req.egress_upstream.as_ref(),
             },
         )?;
+        egress.class = owner.egress_class().map(str::to_owned);
         let warm = req.warm.as_ref().map(|w| self.check_warm(w)).transpose()?;
         let run_volumes = self.check_volume_mounts(
             req.volumes.as_deref(),

@@ -551,6 +551,7 @@ impl Manager {
                 declared_secrets: egress.map(|e| e.secret_names()).unwrap_or_default(),
                 default_list: egress.is_some_and(|e| e.default_list()),
                 socks5: egress.is_some(),
+                classes: egress.map(|e| e.class_names()).unwrap_or_default(),
                 upstream_proxies: egress.is_some_and(|e| e.takes_upstreams())
                     && config.sealer.is_some(),
             },

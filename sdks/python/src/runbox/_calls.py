@@ -294,8 +294,11 @@ def create_tenant(
     images: Optional[List[str]] = None,
     networks: Optional[List[str]] = None,
     sizes: Optional[List[str]] = None,
+    egress_class: Optional[str] = None,
 ) -> Call[Dict[str, Any]]:
-    body = compact(name=name, maxRuns=max_runs, images=images, networks=networks, sizes=sizes)
+    body = compact(
+        name=name, maxRuns=max_runs, images=images, networks=networks, sizes=sizes, egressClass=egress_class
+    )
     return Call("POST", "/v1/tenants", json=body)
 
 
@@ -313,8 +316,9 @@ def update_tenant(
     images: Optional[List[str]] = None,
     networks: Optional[List[str]] = None,
     sizes: Optional[List[str]] = None,
+    egress_class: Optional[str] = None,
 ) -> Call[Dict[str, Any]]:
-    body = compact(maxRuns=max_runs, images=images, networks=networks, sizes=sizes)
+    body = compact(maxRuns=max_runs, images=images, networks=networks, sizes=sizes, egressClass=egress_class)
     return Call("PATCH", f"/v1/tenants/{segment('tenant name', name)}", json=body)
 
 

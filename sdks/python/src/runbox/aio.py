@@ -333,7 +333,8 @@ class AsyncRunbox:
 
     async def create_tenant(self, name: str, **policy: Any) -> Dict[str, Any]:
         """Adds a tenant; the answer's ``token`` is shown this once.
-        ``policy``: ``max_runs``, ``images``, ``networks``, ``sizes``."""
+        ``policy``: ``max_runs``, ``images``, ``networks``, ``sizes``,
+        ``egress_class`` (one the server defines)."""
         return await self._do(calls.create_tenant(name, **policy))
 
     async def list_tenants(self) -> List[Dict[str, Any]]:

@@ -317,7 +317,8 @@ class Runbox:
 
     def create_tenant(self, name: str, **policy: Any) -> Dict[str, Any]:
         """Adds a tenant; the answer's ``token`` is shown this once.
-        ``policy``: ``max_runs``, ``images``, ``networks``, ``sizes``."""
+        ``policy``: ``max_runs``, ``images``, ``networks``, ``sizes``,
+        ``egress_class`` (one the server defines)."""
         return self._do(calls.create_tenant(name, **policy))
 
     def list_tenants(self) -> List[Dict[str, Any]]:
