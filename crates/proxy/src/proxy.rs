@@ -495,7 +495,12 @@ impl Ctx {
                 decision: decision.to_owned(),
                 rule: rule.to_owned(),
                 secret,
-                upstream: self.upstream().map(|u| u.display()),
+                // Where an allowed request left through; a refused one
+                // left through nothing.
+                upstream: allow
+                    .then(|| self.upstream())
+                    .flatten()
+                    .map(|u| u.display()),
             });
         }
     }

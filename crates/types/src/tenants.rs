@@ -84,6 +84,10 @@ pub struct CreateTenantRequest {
     /// The egress class its runs are bound to (see
     /// [`TenantPolicy::egress_class`]); one the server's config defines.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(
+        feature = "openapi",
+        schema(min_length = 1, max_length = 32, pattern = "^[a-z][a-z0-9_-]{0,31}$")
+    )]
     pub egress_class: Option<String>,
 }
 
