@@ -3255,15 +3255,17 @@ async fn egress_classes_narrow_their_tenants_runs_and_follow_a_reload() {
     let tls = format!("plain-tls.test:{https}");
     // The class admits allowed.test and plain-tls.test, not secret.test.
     std::fs::write(&config, class(&[allowed.clone(), tls.clone()])).unwrap();
-    let reload = || async {
-        let (status, text) = runbox_e2e::raw_request(
+    let reload_raw = || {
+        runbox_e2e::raw_request(
             &w.daemon.url,
             "POST",
             "/v1/config/reload",
             &w.daemon.token,
             b"",
         )
-        .await;
+    };
+    let reload = || async {
+        let (status, text) = reload_raw().await;
         assert_eq!(status, 200, "{text}");
         serde_json::from_str::<runbox_types::ConfigReload>(&text).unwrap()
     };
@@ -3356,14 +3358,7 @@ async fn egress_classes_narrow_their_tenants_runs_and_follow_a_reload() {
         "[[egress_class]]\nname = \"narrow\"\nallow = [\"a b\"]\n",
     )
     .unwrap();
-    let (status, text) = runbox_e2e::raw_request(
-        &w.daemon.url,
-        "POST",
-        "/v1/config/reload",
-        &w.daemon.token,
-        b"",
-    )
-    .await;
+    let (status, text) = reload_raw().await;
     assert_eq!(status, 400, "{text}");
     assert!(text.contains("egress_class"), "{text}");
     assert_eq!(

@@ -25,6 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::guard::AddressGuard;
+use crate::policy::Entry;
 use crate::resolve::Resolver;
 
 /// The longest user name or password SOCKS5 can carry (RFC 1929), and the
@@ -328,71 +329,13 @@ impl Upstream {
 }
 
 /// The upstreams the operator admits (`upstream.allow`,
-/// `--egress-upstream-allow`): `host` (any port), `host:port`, `.suffix`
-/// (the domain and its subdomains, any port), or a network `prefix/len`
-/// (an upstream given as an address in it, any port).
+/// `--egress-upstream-allow`), in the allowlist's grammar (`policy::Entry`)
+/// with one difference: an entry without a port admits any port (a
+/// proxy's port is never 80 or 443 by custom). `host`, `host:port`,
+/// `.suffix` and `*.suffix` match the upstream's host as written; a network
+/// `prefix/len` matches an upstream given as an address in it.
 #[derive(Clone, Debug, Default)]
-pub struct UpstreamAllow(Vec<AllowEntry>);
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum AllowEntry {
-    Host { host: String, port: Option<u16> },
-    Suffix(String),
-    Net(ipnet::IpNet),
-}
-
-impl FromStr for AllowEntry {
-    type Err = String;
-
-    fn from_str(raw: &str) -> Result<AllowEntry, String> {
-        let bad = |why: &str| Err(format!("upstream allow entry {raw:?}: {why}"));
-        let s = raw.trim();
-        if s.contains('/') {
-            return match s.parse::<ipnet::IpNet>() {
-                Ok(net) => Ok(AllowEntry::Net(net.trunc())),
-                Err(_) => bad("a network is prefix/len, like 10.0.0.0/8"),
-            };
-        }
-        if let Some(suffix) = s.strip_prefix('.') {
-            let suffix = suffix.to_ascii_lowercase();
-            if suffix.split('.').count() < 2 || !valid_name(&suffix) {
-                return bad("a suffix is .domain with at least two labels");
-            }
-            return Ok(AllowEntry::Suffix(suffix));
-        }
-        // `[v6]`, `[v6]:port`, `host`, `host:port`, or a bare IPv6 address.
-        let (host, port) = if let Some(inner) = s.strip_prefix('[') {
-            let Some((h, rest)) = inner.split_once(']') else {
-                return bad("an IPv6 address in brackets needs its closing bracket");
-            };
-            match rest {
-                "" => (h, None),
-                _ => match rest.strip_prefix(':').and_then(|p| p.parse::<u16>().ok()) {
-                    Some(p) if p != 0 => (h, Some(p)),
-                    _ => return bad("the port is 1-65535"),
-                },
-            }
-        } else {
-            match s.rsplit_once(':') {
-                Some((h, p)) if !h.contains(':') => {
-                    match p.parse::<u16>().ok().filter(|p| *p != 0) {
-                        Some(p) => (h, Some(p)),
-                        None => return bad("the port is 1-65535"),
-                    }
-                }
-                _ => (s, None),
-            }
-        };
-        let host = match host.parse::<IpAddr>() {
-            Ok(ip) => ip.to_string(),
-            Err(_) if valid_name(&host.to_ascii_lowercase()) => {
-                host.trim_end_matches('.').to_ascii_lowercase()
-            }
-            Err(_) => return bad("the host is a DNS name or an IP address"),
-        };
-        Ok(AllowEntry::Host { host, port })
-    }
-}
+pub struct UpstreamAllow(Vec<Entry>);
 
 /// Whether the URL's authority ends in an explicit `:80`.
 fn writes_port_80(raw: &str) -> bool {
@@ -402,25 +345,12 @@ fn writes_port_80(raw: &str) -> bool {
     host_port.ends_with(":80")
 }
 
-fn valid_name(name: &str) -> bool {
-    let name = name.strip_suffix('.').unwrap_or(name);
-    !name.is_empty()
-        && name.len() <= 253
-        && name.split('.').all(|label| {
-            !label.is_empty()
-                && label.len() <= 63
-                && label
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-        })
-}
-
 impl UpstreamAllow {
     /// Parses the entries; the error names the malformed one.
     pub fn parse<S: AsRef<str>>(entries: &[S]) -> Result<UpstreamAllow, String> {
         entries
             .iter()
-            .map(|e| e.as_ref().parse())
+            .map(|e| Entry::from_str(e.as_ref().trim()).map_err(|e| e.to_string()))
             .collect::<Result<Vec<_>, _>>()
             .map(UpstreamAllow)
     }
@@ -432,16 +362,12 @@ impl UpstreamAllow {
 
     /// Whether `upstream` (its host as written, and its port) is admitted.
     pub fn admits(&self, upstream: &Upstream) -> bool {
-        let ip = upstream.host.parse::<IpAddr>().ok();
-        self.0.iter().any(|entry| match entry {
-            AllowEntry::Host { host, port } => {
-                *host == upstream.host && port.is_none_or(|p| p == upstream.port)
-            }
-            AllowEntry::Suffix(suffix) => {
-                ip.is_none()
-                    && (upstream.host == *suffix || upstream.host.ends_with(&format!(".{suffix}")))
-            }
-            AllowEntry::Net(net) => ip.is_some_and(|ip| net.contains(&ip)),
+        self.0.iter().any(|entry| {
+            entry.matches_name(&upstream.host)
+                && match entry {
+                    Entry::HostPort(_, port) => *port == upstream.port,
+                    _ => true,
+                }
         })
     }
 }

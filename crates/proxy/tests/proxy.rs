@@ -917,23 +917,10 @@ async fn tunnels_to_intercepted_hosts_that_are_not_tls_pass_blind() -> Result<()
     );
 
     // The upstream speaks first (an SSH banner): the proxy must not wait
-    // for a TLS ClientHello that never comes. The timeout only bounds a
-    // failure; success does not depend on it.
+    // for a TLS ClientHello that never comes.
     let (got, mut tunnel) = h.connect(&format!("secret.test:{}", h.banner_port)).await?;
     assert_eq!(got.status, 200, "{got:?}");
-    let mut banner = vec![0u8; BANNER.len()];
-    tokio::time::timeout(
-        std::time::Duration::from_secs(30),
-        tunnel.read_exact(&mut banner),
-    )
-    .await
-    .context("no banner through the tunnel")??;
-    assert_eq!(banner, BANNER);
-    tunnel.write_all(b"SSH-2.0-client\r\n").await?;
-    let mut echoed = [0u8; 16];
-    tunnel.read_exact(&mut echoed).await?;
-    assert_eq!(&echoed, b"SSH-2.0-client\r\n");
-    Ok(())
+    speak_after_the_banner(&mut tunnel).await
 }
 
 #[tokio::test]
@@ -1106,6 +1093,24 @@ async fn shutdown_closes_open_tunnels() -> Result<()> {
     Ok(())
 }
 
+/// Reads the banner upstream's greeting through `tunnel`, then checks that
+/// what the client says comes back. The timeout only bounds a failure.
+async fn speak_after_the_banner(tunnel: &mut TcpStream) -> Result<()> {
+    let mut banner = vec![0u8; BANNER.len()];
+    tokio::time::timeout(
+        std::time::Duration::from_secs(30),
+        tunnel.read_exact(&mut banner),
+    )
+    .await
+    .context("no banner through the tunnel")??;
+    assert_eq!(banner, BANNER);
+    tunnel.write_all(b"SSH-2.0-client\r\n").await?;
+    let mut echoed = [0u8; 16];
+    tunnel.read_exact(&mut echoed).await?;
+    assert_eq!(&echoed, b"SSH-2.0-client\r\n");
+    Ok(())
+}
+
 /// SOCKS5 greeting offering "no authentication" only.
 const SOCKS_HELLO: &[u8] = &[5, 1, 0];
 
@@ -1267,19 +1272,7 @@ async fn socks5_tunnels_carry_protocols_whose_server_speaks_first() -> Result<()
         .socks(&socks_request(1, "secret.test", h.banner_port))
         .await?;
     assert_eq!(reply, 0);
-    let mut banner = vec![0u8; BANNER.len()];
-    tokio::time::timeout(
-        std::time::Duration::from_secs(30),
-        tunnel.read_exact(&mut banner),
-    )
-    .await
-    .context("no banner through the tunnel")??;
-    assert_eq!(banner, BANNER);
-    tunnel.write_all(b"SSH-2.0-client\r\n").await?;
-    let mut echoed = [0u8; 16];
-    tunnel.read_exact(&mut echoed).await?;
-    assert_eq!(&echoed, b"SSH-2.0-client\r\n");
-    Ok(())
+    speak_after_the_banner(&mut tunnel).await
 }
 
 #[tokio::test]
