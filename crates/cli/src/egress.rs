@@ -64,8 +64,9 @@ pub struct EgressArgs {
     /// when TLS is intercepted, besides the system roots
     #[arg(long, env = "RUNBOX_EGRESS_CA_BUNDLE", value_name = "FILE")]
     pub egress_ca_bundle: Option<PathBuf>,
-    /// An upstream proxy runs may name (`egressUpstream`): `host`,
-    /// `host:port`, `.suffix` or `prefix/len`; repeatable. None: runs name
+    /// An upstream proxy runs may name (`egressUpstream`), in the allowlist
+    /// grammar but any port where none is written: `host`, `host:port`,
+    /// `.suffix`, `*.suffix` or `prefix/len`; repeatable. None: runs name
     /// none
     #[arg(long = "egress-upstream-allow", value_name = "ENTRY")]
     pub egress_upstream_allow: Vec<String>,
