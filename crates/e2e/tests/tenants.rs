@@ -475,3 +475,337 @@ async fn a_scripted_sequence_is_journaled_and_summed() {
         daemon.client.delete_run(&id).await.unwrap();
     }
 }
+
+/// The spellings of `id` that name it: as written, one character
+/// percent-encoded (first, last), every character percent-encoded in upper
+/// and in lower hex, lower case.
+fn spellings(id: &str) -> Vec<String> {
+    let every = |lower: bool| {
+        let hex: String = id.bytes().map(|b| format!("%{b:02X}")).collect();
+        if lower {
+            hex.to_lowercase()
+        } else {
+            hex
+        }
+    };
+    vec![
+        id.to_owned(),
+        format!("%{:02X}{}", id.as_bytes()[0], &id[1..]),
+        format!("{}%{:02x}", &id[..25], id.as_bytes()[25]),
+        every(false),
+        every(true),
+        id.to_lowercase(),
+    ]
+}
+
+/// Spellings a lenient decoder folds onto `id` that are not it (docs/api.md:
+/// a first character above 7, Crockford's aliases): 404 for everyone.
+fn not_spellings(id: &str) -> Vec<String> {
+    let first = id.as_bytes()[0] - b'0';
+    let mut out = vec![format!("{}{}", (b'8' + first) as char, &id[1..])];
+    for (digit, alias) in [('0', "O"), ('1', "I"), ('1', "L")] {
+        if id.contains(digit) {
+            out.push(id.replacen(digit, alias, 1));
+        }
+    }
+    out
+}
+
+/// Every row of the token matrix that names a run, with the run's id in
+/// every spelling, answers as the plain id does for every caller; a caller
+/// refused the run learns nothing of it; what is not a spelling of an id is
+/// 404 (401 without a valid token).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_spelling_of_a_run_id_is_held_to_the_token_matrix() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token_a = tenant(root, "acme", TenantPolicy::default()).await;
+    let token_b = tenant(root, "beta", TenantPolicy::default()).await;
+    let a = Client::new(&daemon.url, &token_a).unwrap();
+    let run = a.create_run(&create("base")).await.expect("tenant A's run");
+    let run_token = run.token.clone().expect("a create answers the run token");
+    let other = root.create_run(&create("base")).await.expect("root's run");
+    let (run_id, other_id) = (run.id.to_string(), other.id.to_string());
+    // The files row reads what the PUT row wrote.
+    a.put_file(&run_id, "matrix.txt", runbox_e2e::body(b"matrix".to_vec()))
+        .await
+        .unwrap();
+    let callers: [Option<&str>; 6] = [
+        Some(&daemon.token),
+        Some(&token_a),
+        Some(&token_b),
+        Some(&run_token),
+        Some("0123456789abcdef"),
+        None,
+    ];
+    let names = ["root", "tenant A", "tenant B", "run token", "wrong", "none"];
+    let secrets = [
+        run_token.clone(),
+        other.token.clone().expect("root's run token"),
+    ];
+    let mut wrong = Vec::new();
+    let mut sent = 0;
+    for (cell, expected) in matrix() {
+        let envd = cell.contains("X-Access-Token");
+        if !cell.contains("{run}") && !cell.contains("{other}") && !envd {
+            continue;
+        }
+        let names_other = cell.contains("{other}");
+        let target = if names_other { &other_id } else { &run_id };
+        let mut forms: Vec<(String, bool)> = spellings(target)
+            .into_iter()
+            .map(|s| (s, true))
+            .chain(not_spellings(target).into_iter().map(|s| (s, false)))
+            .collect();
+        if envd {
+            // The sandbox is named by a header: nothing decodes it, so
+            // only its case may differ.
+            forms = vec![(run_id.to_lowercase(), true)];
+        }
+        for (form, is_id) in forms {
+            let (fa, fo) = if names_other {
+                (run_id.clone(), form.clone())
+            } else {
+                (form.clone(), other_id.clone())
+            };
+            let (method, path, body, carrier) = request_of(&cell, &fa, &fo);
+            for (i, caller) in callers.iter().enumerate() {
+                let want = match (is_id, expected[i]) {
+                    (true, status) => status,
+                    (false, 401) => 401,
+                    (false, _) => 404,
+                };
+                let header_id = if envd { form.as_str() } else { &run_id };
+                let (status, text) = send(
+                    &daemon.url,
+                    &method,
+                    &path,
+                    &body,
+                    &carrier,
+                    *caller,
+                    header_id,
+                )
+                .await;
+                sent += 1;
+                if status != want {
+                    wrong.push(format!(
+                        "{method} {path} as {}: {status}, want {want} ({})",
+                        names[i],
+                        text.chars().take(160).collect::<String>()
+                    ));
+                }
+                // A refusal carries nothing of the run: no token, no record.
+                if status >= 400 && secrets.iter().any(|s| text.contains(s.as_str())) {
+                    wrong.push(format!(
+                        "{method} {path} as {}: a refusal shows a token",
+                        names[i]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(sent > 500, "only {sent} requests");
+    assert!(
+        wrong.is_empty(),
+        "cells that do not hold for every spelling:\n{}",
+        wrong.join("\n")
+    );
+    for id in [run.id, other.id] {
+        root.delete_run(&id.to_string()).await.unwrap();
+    }
+}
+
+/// What the hostile tenant tried: every state-changing request on another
+/// tenant's run, through runbox's API with a tenant token and with a run
+/// token of its own, and through E2B's control plane with its API key, in
+/// every spelling of the run's id. Each is a 404, and afterwards the run is
+/// as it was: running, unleased, on its own egress, its files its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenants_run_is_out_of_reach_in_every_spelling() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token_a = tenant(root, "acme", TenantPolicy::default()).await;
+    let token_b = tenant(root, "beta", TenantPolicy::default()).await;
+    let (a, b) = (
+        Client::new(&daemon.url, &token_a).unwrap(),
+        Client::new(&daemon.url, &token_b).unwrap(),
+    );
+    let victim = a.create_run(&create("base")).await.unwrap();
+    let victim_id = victim.id.to_string();
+    a.put_file(&victim_id, "secret.txt", runbox_e2e::body(b"A's".to_vec()))
+        .await
+        .unwrap();
+    let own = b.create_run(&create("base")).await.unwrap();
+    let own_token = own.token.clone().unwrap();
+    let attempts: &[(&str, &str, &str)] = &[
+        ("GET", "/v1/runs/{id}", ""),
+        ("GET", "/v1/runs/{id}/files/secret.txt", ""),
+        ("PUT", "/v1/runs/{id}/files/secret.txt", "B's"),
+        (
+            "POST",
+            "/v1/runs/{id}/exec",
+            r#"{"cmd":["rm","-f","/work/secret.txt"]}"#,
+        ),
+        (
+            "POST",
+            "/v1/runs/{id}/fs/remove",
+            r#"{"path":"secret.txt"}"#,
+        ),
+        ("POST", "/v1/runs/{id}/renew", r#"{"ttlSec":5}"#),
+        (
+            "PATCH",
+            "/v1/runs/{id}/egress",
+            r#"{"network":"allowlist","egressAllow":["example.com"]}"#,
+        ),
+        (
+            "POST",
+            "/v1/runs/{id}/lease",
+            r#"{"owner":"beta","ttlSec":600}"#,
+        ),
+        ("POST", "/v1/runs/{id}/snapshot", r#"{"name":"stolen"}"#),
+        ("POST", "/v1/runs/{id}/fork", r#"{"count":1}"#),
+        ("POST", "/v1/runs/{id}/preview", r#"{"port":8080}"#),
+        ("POST", "/v1/runs/{id}/pause", ""),
+        ("POST", "/v1/runs/{id}/hibernate", ""),
+        ("DELETE", "/v1/runs/{id}", ""),
+    ];
+    let e2b: &[(&str, &str, &str)] = &[
+        ("GET", "/sandboxes/{id}", ""),
+        ("POST", "/v2/sandboxes/{id}/connect", "{}"),
+        ("POST", "/sandboxes/{id}/timeout", r#"{"timeout":1}"#),
+        (
+            "PUT",
+            "/sandboxes/{id}/network",
+            r#"{"allowOut":["1.1.1.1"]}"#,
+        ),
+        ("POST", "/sandboxes/{id}/pause", ""),
+        ("DELETE", "/sandboxes/{id}", ""),
+    ];
+    let mut wrong = Vec::new();
+    let forms: Vec<String> = spellings(&victim_id)
+        .into_iter()
+        .chain(not_spellings(&victim_id))
+        .collect();
+    for form in &forms {
+        for (method, route, body) in attempts {
+            let path = route.replace("{id}", form);
+            let content_type = if path.contains("/files/") {
+                "application/octet-stream"
+            } else {
+                "application/json"
+            };
+            for token in [&token_b, &own_token] {
+                let (status, text) = runbox_e2e::raw_request_typed(
+                    &daemon.url,
+                    method,
+                    &path,
+                    token,
+                    body.as_bytes(),
+                    (!body.is_empty()).then_some(content_type),
+                )
+                .await;
+                if status != 404 || text.contains(&victim_id) && text.contains("token") {
+                    wrong.push(format!("{method} {path}: {status} {text}"));
+                }
+            }
+        }
+        for (method, route, body) in e2b {
+            let path = route.replace("{id}", form);
+            let (status, text) = send(
+                &daemon.url,
+                method,
+                &path,
+                body.as_bytes(),
+                &Carrier::ApiKey,
+                Some(&token_b),
+                "",
+            )
+            .await;
+            if status != 404 {
+                wrong.push(format!("E2B {method} {path}: {status} {text}"));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "reached another tenant's run:\n{}",
+        wrong.join("\n")
+    );
+    // The run is as A left it.
+    let after = a.get_run(&victim_id).await.unwrap();
+    assert_eq!(after.status, runbox_types::RunStatus::Running);
+    assert!(after.lease.is_none());
+    assert_eq!(after.network, victim.network);
+    assert!(after.expires_at >= victim.expires_at);
+    let kept = daemon.sh(&victim_id, "cat /work/secret.txt").await;
+    assert_eq!(String::from_utf8_lossy(&kept.stdout), "A's");
+    let images = root.list_images().await.unwrap().images;
+    assert!(images.iter().all(|i| i.name != "stolen"));
+    // A's own calls, in any spelling, still reach it.
+    for form in spellings(&victim_id) {
+        let (status, _) = runbox_e2e::raw_request(
+            &daemon.url,
+            "GET",
+            &format!("/v1/runs/{form}/files/secret.txt"),
+            &token_a,
+            b"",
+        )
+        .await;
+        assert_eq!(status, 200, "{form}");
+    }
+    // E2B volumes: the control plane keeps a tenant to its own, and the
+    // content API holds each spelling of a volume's id to its token.
+    let mut volumes = Vec::new();
+    for (key, name) in [(&token_a, "avol"), (&token_b, "bvol")] {
+        let (status, text) = send(
+            &daemon.url,
+            "POST",
+            "/volumes",
+            format!(r#"{{"name":"{name}"}}"#).as_bytes(),
+            &Carrier::ApiKey,
+            Some(key),
+            "",
+        )
+        .await;
+        assert_eq!(status, 201, "{text}");
+        let made: serde_json::Value = serde_json::from_str(&text).unwrap();
+        volumes.push((
+            made["volumeID"].as_str().unwrap().to_owned(),
+            made["token"].as_str().unwrap().to_owned(),
+        ));
+    }
+    let (volume, volume_token) = &volumes[0];
+    let intruder_token = &volumes[1].1;
+    for form in spellings(volume) {
+        let content = format!("/volumecontent/{form}/dir?path=/");
+        let (status, text) =
+            runbox_e2e::raw_request(&daemon.url, "GET", &content, volume_token, b"").await;
+        assert_eq!(status, 200, "{content}: {text}");
+        let (status, _) =
+            runbox_e2e::raw_request(&daemon.url, "GET", &content, intruder_token, b"").await;
+        assert_eq!(status, 401, "{content} with another volume's token");
+        for (key, want) in [(&token_a, 200), (&token_b, 404)] {
+            let info = format!("/volumes/{form}");
+            let (status, text) = send(
+                &daemon.url,
+                "GET",
+                &info,
+                b"",
+                &Carrier::ApiKey,
+                Some(key),
+                "",
+            )
+            .await;
+            assert_eq!(status, want, "{info}: {text}");
+        }
+    }
+    for form in not_spellings(volume) {
+        let content = format!("/volumecontent/{form}/dir?path=/");
+        let (status, _) =
+            runbox_e2e::raw_request(&daemon.url, "GET", &content, volume_token, b"").await;
+        assert_eq!(status, 401, "{content} is not the volume");
+    }
+    for id in [victim.id, own.id] {
+        root.delete_run(&id.to_string()).await.unwrap();
+    }
+}

@@ -99,7 +99,7 @@ fn run_mac(root: &str, id: Ulid) -> String {
 pub fn run_of_token(root: &str, presented: &str) -> Option<Ulid> {
     let rest = presented.strip_prefix(RUN_TOKEN_PREFIX)?;
     let (id, mac) = (rest.get(..26)?, rest.get(26..)?.strip_prefix('_')?);
-    let id = Ulid::from_string(id).ok()?;
+    let id = runbox_types::parse_id(id)?;
     let expected = run_mac(root, id);
     bool::from(mac.as_bytes().ct_eq(expected.as_bytes())).then_some(id)
 }
@@ -135,7 +135,7 @@ pub enum Rule {
 
 /// The rule of a route (its matched path and method).
 pub fn rule(method: &Method, path: &str) -> Rule {
-    let Some(rest) = path.strip_prefix("/v1/runs/{id}") else {
+    let Some(rest) = path.strip_prefix(RUN_ROUTE) else {
         return match path {
             "/v1/tenants" | "/v1/tenants/{name}" | "/v1/tenants/{name}/rotate" => Rule::Root,
             "/v1/pools" | "/v1/drain" | "/v1/info" | "/v1/config/reload" | "/metrics" => Rule::Root,
@@ -167,10 +167,39 @@ pub fn rule(method: &Method, path: &str) -> Rule {
     }
 }
 
-/// The run a `/v1/runs/{id}...` request names, if its id parses.
-fn named_run(path: &str) -> Option<Ulid> {
-    let id = path.strip_prefix("/v1/runs/")?.split('/').next()?;
-    Ulid::from_string(id).ok()
+/// The run a request was admitted to: its route's `{id}` as the router
+/// percent-decoded it, parsed once by [`require`] and checked against the
+/// caller there. It is the only way a handler learns which run a request
+/// names ([`crate::handlers::RunId`] reads it), so the run a handler acts
+/// on is always the run that was authorised.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdmittedRun(pub Ulid);
+
+/// The run a `/v1/runs/{id}...` request names: the router's decoded `{id}`
+/// parsed as a ULID (Crockford base32, so case does not matter). An id
+/// that does not parse names no run: 404 for every caller, before any
+/// handler runs.
+pub(crate) async fn route_run<S: Send + Sync>(
+    parts: &mut axum::http::request::Parts,
+    state: &S,
+) -> Result<Ulid, ApiError> {
+    use axum::extract::FromRequestParts;
+    let crate::handlers::AppPath(params) =
+        crate::handlers::AppPath::<Vec<(String, String)>>::from_request_parts(parts, state).await?;
+    let raw = params
+        .iter()
+        .find(|(k, _)| k == "id")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or("");
+    runbox_types::parse_id(raw).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::RunNotFound,
+            format!(
+                "no run with id {:?} (run ids are ULIDs)",
+                raw.chars().take(64).collect::<String>()
+            ),
+        )
+    })
 }
 
 /// Authenticates every API request and enforces its route's [`Rule`];
@@ -194,33 +223,51 @@ pub(crate) async fn require<S: RunService>(
         .get::<MatchedPath>()
         .map(|p| p.as_str().to_owned())
         .unwrap_or_default();
-    if let Err(refused) = admit(
-        &state,
-        &caller,
-        request.method(),
-        &route,
-        request.uri().path(),
-    ) {
+    // The run is read from the router's decoded parameter, the same value
+    // the handler will act on (never from the raw path, where `%30...` is
+    // not an id but decodes to one).
+    let run = if route.starts_with(RUN_ROUTE) {
+        let (mut parts, body) = request.into_parts();
+        let parsed = route_run(&mut parts, &state).await;
+        request = Request::from_parts(parts, body);
+        match parsed {
+            Ok(id) => Some(id),
+            Err(refused) => return refused.into_response(),
+        }
+    } else {
+        None
+    };
+    if let Err(refused) = admit(&state, &caller, request.method(), &route, run) {
         return refused.into_response();
     }
     let name = AuditCaller(caller.audit_name());
     request.extensions_mut().insert(caller);
+    if let Some(id) = run {
+        request.extensions_mut().insert(AdmittedRun(id));
+    }
     let mut response = next.run(request).await;
     response.extensions_mut().insert(name);
+    if let Some(id) = run {
+        response.extensions_mut().insert(AdmittedRun(id));
+    }
     response
 }
+
+/// The routes of one run; their `{id}` is checked by [`require`].
+const RUN_ROUTE: &str = "/v1/runs/{id}";
 
 /// How the audit log names the caller of an answered request.
 #[derive(Clone, Debug)]
 pub(crate) struct AuditCaller(pub String);
 
-/// Whether `caller` may make this request: Ok, or the refusal.
+/// Whether `caller` may make this request to `route`, which names `run`
+/// (parsed by [`route_run`]) if it is a run's route: Ok, or the refusal.
 pub(crate) fn admit<S: RunService>(
     state: &AppState<S>,
     caller: &Caller,
     method: &Method,
     route: &str,
-    path: &str,
+    run: Option<Ulid>,
 ) -> Result<(), ApiError> {
     let rule = rule(method, route);
     let forbidden = |what: &str| Err(ApiError::new(ErrorCode::Forbidden, what.to_owned()));
@@ -231,23 +278,30 @@ pub(crate) fn admit<S: RunService>(
             "a run token drives its own run only (exec, files, processes, sessions, previews)",
         ),
         (Caller::Tenant(_), Rule::Tenant) => Ok(()),
-        (Caller::Run(own), Rule::Run | Rule::RunOwner) => match named_run(path) {
-            Some(id) if id != *own => Err(runbox_core::CoreError::RunNotFound(id).into()),
-            _ if rule == Rule::RunOwner => forbidden(
-                "a run token drives its run (exec, files, processes, sessions, previews); \
-                 its lifecycle takes the root or its tenant's token",
-            ),
-            _ => Ok(()),
-        },
-        (Caller::Tenant(t), Rule::Run | Rule::RunOwner) => match named_run(path) {
-            // A malformed id: the handler says so.
-            None => Ok(()),
-            Some(id) => match state.service.tenant_of(id) {
-                Ok(stamp) if stamp.as_deref() == Some(t.name.as_str()) => Ok(()),
-                // Another tenant's run is as absent as one that never was.
-                _ => Err(runbox_core::CoreError::RunNotFound(id).into()),
-            },
-        },
+        (Caller::Run(_) | Caller::Tenant(_), Rule::Run | Rule::RunOwner) => {
+            // A run rule on a route that names no run: nothing to admit to.
+            let Some(id) = run else {
+                return Err(ApiError::new(
+                    ErrorCode::NotFound,
+                    "no such route; see docs/api.md",
+                ));
+            };
+            match caller {
+                Caller::Run(own) if id != *own => {
+                    Err(runbox_core::CoreError::RunNotFound(id).into())
+                }
+                Caller::Run(_) if rule == Rule::RunOwner => forbidden(
+                    "a run token drives its run (exec, files, processes, sessions, previews); \
+                     its lifecycle takes the root or its tenant's token",
+                ),
+                Caller::Tenant(t) => match state.service.tenant_of(id) {
+                    Ok(stamp) if stamp.as_deref() == Some(t.name.as_str()) => Ok(()),
+                    // Another tenant's run is as absent as one that never was.
+                    _ => Err(runbox_core::CoreError::RunNotFound(id).into()),
+                },
+                _ => Ok(()),
+            }
+        }
     }
 }
 

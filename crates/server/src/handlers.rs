@@ -226,27 +226,24 @@ impl From<PathRejection> for ApiError {
     }
 }
 
-/// A run id from the path.
+/// The run a `/v1/runs/{id}...` request names, as [`crate::auth::require`]
+/// parsed and admitted it. It is never parsed again here: what a handler
+/// acts on is what was authorised.
 pub struct RunId(pub Ulid);
 
 impl<S: Send + Sync> FromRequestParts<S> for RunId {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        // Routes with a second parameter ({*path}) are matched by name.
-        let params: Path<Vec<(String, String)>> = Path::from_request_parts(parts, state).await?;
-        let raw = params
-            .0
-            .iter()
-            .find(|(k, _)| k == "id")
-            .map(|(_, v)| v.as_str())
-            .unwrap_or("");
-        Ulid::from_string(raw).map(RunId).map_err(|_| {
-            ApiError::new(
-                ErrorCode::RunNotFound,
-                format!("no run with id {raw:?} (run ids are ULIDs)"),
-            )
-        })
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        match parts.extensions.get::<crate::auth::AdmittedRun>() {
+            Some(admitted) => Ok(RunId(admitted.0)),
+            // A run route the authorisation layer does not guard: a bug,
+            // and refused rather than acted on.
+            None => Err(ApiError::new(
+                ErrorCode::Internal,
+                "the run this request names was not authorised",
+            )),
+        }
     }
 }
 
@@ -258,12 +255,14 @@ impl<S: Send + Sync> FromRequestParts<S> for CheckpointId {
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let Path(raw): Path<String> = Path::from_request_parts(parts, state).await?;
-        Ulid::from_string(&raw).map(CheckpointId).map_err(|_| {
-            ApiError::new(
-                ErrorCode::CheckpointNotFound,
-                format!("no checkpoint with id {raw:?} (checkpoint ids are ULIDs)"),
-            )
-        })
+        runbox_types::parse_id(&raw)
+            .map(CheckpointId)
+            .ok_or_else(|| {
+                ApiError::new(
+                    ErrorCode::CheckpointNotFound,
+                    format!("no checkpoint with id {raw:?} (checkpoint ids are ULIDs)"),
+                )
+            })
     }
 }
 

@@ -317,11 +317,11 @@ async fn audit_calls<S: RunService>(
         .extensions()
         .get::<auth::AuditCaller>()
         .map(|c| c.0.clone());
-    let run = path
-        .strip_prefix("/v1/runs/")
-        .and_then(|rest| rest.split('/').next())
-        .filter(|id| ulid::Ulid::from_string(id).is_ok())
-        .map(str::to_owned);
+    // The run the request was admitted to, as authorisation parsed it.
+    let run = response
+        .extensions()
+        .get::<auth::AdmittedRun>()
+        .map(|admitted| admitted.0.to_string());
     let record = runbox_proxy::audit::AuditRecord::Api {
         t: runbox_proxy::audit::now(),
         method: method.to_string(),

@@ -1659,3 +1659,165 @@ async fn checkpoint_routes_check_their_input_and_say_when_to_retry() {
     let (status, _) = call("GET", "/v1/checkpoints", None, "", false).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 }
+
+/// The spellings of `id` a client may send besides the id itself: one
+/// character percent-encoded, every character percent-encoded in upper
+/// and in lower hex, the id in lower case.
+fn spellings(id: &str) -> Vec<String> {
+    let every = |lower: bool| {
+        id.bytes()
+            .map(|b| {
+                let hex = format!("%{b:02X}");
+                if lower {
+                    hex.to_lowercase()
+                } else {
+                    hex
+                }
+            })
+            .collect::<String>()
+    };
+    vec![
+        format!("%{:02X}{}", id.as_bytes()[0], &id[1..]),
+        format!("{}%{:02x}", &id[..25], id.as_bytes()[25]),
+        every(false),
+        every(true),
+        id.to_lowercase(),
+    ]
+}
+
+/// Spellings that a lenient decoder would fold onto `id` but that are not
+/// it: a first character above 7 (the top bits wrap away), Crockford's
+/// `O` for `0`.
+fn not_spellings(id: &str) -> Vec<String> {
+    let first = id.as_bytes()[0] - b'0';
+    vec![
+        format!("{}{}", (b'8' + first) as char, &id[1..]),
+        id.replacen('0', "O", 1),
+    ]
+}
+
+/// (method, path) of every route a router source file declares.
+fn declared_routes(source: &str) -> Vec<(String, String)> {
+    let mut routes = Vec::new();
+    let mut rest = source;
+    while let Some(at) = rest.find(".route(") {
+        rest = &rest[at + ".route(".len()..];
+        let Some(open) = rest.find('"') else { break };
+        let after = &rest[open + 1..];
+        let path = after[..after.find('"').expect("a closing quote")].to_owned();
+        // Its handlers: up to the next route or the end of the function.
+        let end = [after.find(".route("), after.find("\n}")]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(after.len());
+        let chain = &after[..end];
+        for method in ["get", "post", "put", "patch", "delete"] {
+            let named = chain.match_indices(&format!("{method}(")).any(|(i, _)| {
+                !chain[..i]
+                    .chars()
+                    .last()
+                    .is_some_and(|c| c.is_alphanumeric() || c == '_')
+            });
+            if named || chain.contains(&format!("routing::{method}(")) {
+                routes.push((method.to_uppercase(), path.clone()));
+            }
+        }
+    }
+    routes
+}
+
+/// `route` with its parameters filled: `{id}` as `id`, the rest with
+/// values any of its handlers would take.
+fn filled(route: &str, id: &str) -> String {
+    route
+        .replace("{id}", id)
+        .replace("{*path}", "f.txt")
+        .replace("{process}", "1")
+        .replace("{port}", "8080")
+}
+
+/// The hole this closes: authorisation read the id from the raw path
+/// (where `%30...` is no id, and was let through), the handler acted on
+/// the decoded one. Every route that names a run, in every spelling of a
+/// run the caller may not touch, is a 404 `run_not_found` and never
+/// reaches a handler; for root, each spelling answers as the id does.
+#[tokio::test]
+async fn every_spelling_of_an_id_is_authorised_as_the_run_it_names() {
+    let (_, tenant) = Stub
+        .tenants()
+        .create(runbox_types::CreateTenantRequest {
+            name: "intruder".into(),
+            ..Default::default()
+        })
+        .unwrap();
+    let own_run = runbox_server::auth::run_token(TOKEN, Ulid::new());
+    let mut routes: Vec<(String, String)> = declared_routes(include_str!("../src/lib.rs"))
+        .into_iter()
+        .filter(|(_, route)| route.starts_with("/v1/runs/{id}"))
+        .collect();
+    assert!(routes.len() >= 35, "{} run routes", routes.len());
+    let e2b: Vec<(String, String)> = declared_routes(include_str!("../src/e2b/control.rs"))
+        .into_iter()
+        .filter(|(_, route)| route.contains("/sandboxes/{id}"))
+        .collect();
+    assert!(e2b.len() >= 12, "{} sandbox routes", e2b.len());
+    routes.extend(e2b.iter().cloned());
+    let mut wrong = Vec::new();
+    for (method, route) in &routes {
+        let is_e2b = !route.starts_with("/v1/");
+        let plain = call(
+            method,
+            &filled(route, KNOWN),
+            Some(&format!("Bearer {TOKEN}")),
+            "{}",
+            true,
+        )
+        .await;
+        for spelling in spellings(KNOWN) {
+            let uri = filled(route, &spelling);
+            let as_root = call(method, &uri, Some(&format!("Bearer {TOKEN}")), "{}", true).await;
+            if as_root.0 != plain.0 {
+                wrong.push(format!(
+                    "{method} {uri} as root: {}, the id answers {}",
+                    as_root.0, plain.0
+                ));
+            }
+            let callers: Vec<&str> = if is_e2b {
+                vec![&tenant]
+            } else {
+                vec![&tenant, &own_run]
+            };
+            for caller in callers {
+                let (status, body) =
+                    call(method, &uri, Some(&format!("Bearer {caller}")), "{}", true).await;
+                let refused = if is_e2b {
+                    status == StatusCode::NOT_FOUND
+                } else {
+                    status == StatusCode::NOT_FOUND && code(&body) == "run_not_found"
+                };
+                if !refused {
+                    wrong.push(format!(
+                        "{method} {uri} as {}: {status} {body}",
+                        &caller[..4]
+                    ));
+                }
+            }
+        }
+        for not_id in not_spellings(KNOWN) {
+            let uri = filled(route, &not_id);
+            let (status, body) =
+                call(method, &uri, Some(&format!("Bearer {TOKEN}")), "{}", true).await;
+            if status != StatusCode::NOT_FOUND {
+                wrong.push(format!(
+                    "{method} {uri} (not the id) as root: {status} {body}"
+                ));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "spellings that were not held to their run:\n{}",
+        wrong.join("\n")
+    );
+}

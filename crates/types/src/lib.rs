@@ -32,6 +32,18 @@ pub use volumes::{
     VolumeRemoveRequest, VolumeWriteQuery, MAX_RUN_VOLUMES, MAX_VOLUME_ID,
 };
 
+/// The id a caller wrote (a run's, a sandbox's, a checkpoint's, a
+/// volume's), if it is one: a ULID's 26 Crockford base32 characters, in
+/// either case (host names carry ids lower-cased). Only the id's own
+/// spelling is taken: Crockford's aliases (`I`, `L`, `O`) and a first
+/// character above `7` (which a lenient decoder folds onto another id)
+/// name nothing, so one id has one spelling whatever the case.
+pub fn parse_id(raw: &str) -> Option<Ulid> {
+    let id = Ulid::from_string(raw).ok()?;
+    // Encoding is canonical: a wrapped or aliased spelling differs.
+    id.to_string().eq_ignore_ascii_case(raw).then_some(id)
+}
+
 /// Environment variables for a run or an exec.
 ///
 /// Values are secrets as far as runbox is concerned: `Debug` prints names only,
@@ -1853,6 +1865,34 @@ pub struct Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ids_have_one_spelling_whatever_the_case() {
+        let id = Ulid::new();
+        let text = id.to_string();
+        assert_eq!(parse_id(&text), Some(id));
+        assert_eq!(parse_id(&text.to_lowercase()), Some(id));
+        // A first character above 7 wraps onto the same 128 bits in a
+        // lenient decoder; it is not this id (nor any other).
+        let first = text.as_bytes()[0] - b'0';
+        let wrapped = format!("{}{}", (b'8' + first) as char, &text[1..]);
+        assert_eq!(Ulid::from_string(&wrapped).ok(), Some(id));
+        assert_eq!(parse_id(&wrapped), None);
+        // Crockford's aliases, padding, percent-encoding: not ids.
+        let zeros = "00000000000000000000000000";
+        assert_eq!(parse_id(zeros), Some(Ulid::nil()));
+        for bad in [
+            "O0000000000000000000000000",
+            "0000000000000000000000000I",
+            "0000000000000000000000000L",
+            " 00000000000000000000000000",
+            "%300000000000000000000000000",
+            "",
+            "0000000000000000000000000",
+        ] {
+            assert_eq!(parse_id(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn signals_are_named_or_numbered() {

@@ -128,13 +128,26 @@ fn body<T: for<'de> Deserialize<'de>>(bytes: &Bytes) -> Result<T, E2bError> {
     serde_json::from_slice(bytes).map_err(|e| E2bError::bad(format!("the body is not valid: {e}")))
 }
 
-fn sandbox_id(raw: &str) -> Result<Ulid, E2bError> {
-    Ulid::from_string(raw).map_err(|_| {
-        E2bError::new(
-            StatusCode::NOT_FOUND,
-            format!("sandbox {raw:?} was not found (runbox sandbox ids are run ids)"),
-        )
-    })
+/// The sandbox a `/sandboxes/{id}...` route names, as
+/// [`super::require_api_key`] parsed and admitted it; never parsed again
+/// here, so a handler acts on the sandbox that was authorised.
+struct SandboxPath(Ulid);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for SandboxPath {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, E2bError> {
+        match parts.extensions.get::<crate::auth::AdmittedRun>() {
+            Some(admitted) => Ok(SandboxPath(admitted.0)),
+            None => Err(E2bError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the sandbox this request names was not authorised",
+            )),
+        }
+    }
 }
 
 /// `POST /v2/sandboxes` (and `/sandboxes`). Fields runbox cannot honour
@@ -497,17 +510,17 @@ fn live<S: RunService>(state: &AppState<S>, caller: &crate::auth::Caller) -> Vec
 
 async fn detail<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
 ) -> Result<Json<Listed>, E2bError> {
-    let run = state.service.get(sandbox_id(&id)?)?;
+    let run = state.service.get(id)?;
     Ok(Json(listed(&state, &run, true)))
 }
 
 async fn kill<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
 ) -> Result<StatusCode, E2bError> {
-    state.service.delete(sandbox_id(&id)?).await?;
+    state.service.delete(id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -519,15 +532,12 @@ struct Timeout {
 
 async fn set_timeout<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<StatusCode, E2bError> {
     let req: Timeout = body(&bytes)?;
     // E2B's 0 is "time out now": the shortest TTL runbox has.
-    state
-        .service
-        .renew(sandbox_id(&id)?, req.timeout.max(1))
-        .await?;
+    state.service.renew(id, req.timeout.max(1)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -538,12 +548,12 @@ struct Refresh {
 
 async fn refresh<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<StatusCode, E2bError> {
     let req: Refresh = body(&bytes)?;
     let ttl = req.duration.unwrap_or(DEFAULT_TIMEOUT_SEC);
-    state.service.renew(sandbox_id(&id)?, ttl).await?;
+    state.service.renew(id, ttl).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -560,11 +570,10 @@ struct Connect {
 /// that (a connect never shortens it).
 async fn connect<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
     let req: Connect = body(&bytes)?;
-    let id = sandbox_id(&id)?;
     let mut run = state.service.get(id)?;
     let status = if asleep(&run) {
         run = state.service.resume(id).await?;
@@ -657,8 +666,8 @@ fn list_query(raw: Option<&str>) -> Result<ListQuery, E2bError> {
             "limit" => q.limit = Some(page_limit(&value)?),
             "nextToken" => {
                 q.next_token = Some(
-                    Ulid::from_string(&value)
-                        .map_err(|_| E2bError::bad("nextToken is not one this server gave"))?,
+                    runbox_types::parse_id(&value)
+                        .ok_or_else(|| E2bError::bad("nextToken is not one this server gave"))?,
                 )
             }
             "order" => match value.as_ref() {
@@ -809,10 +818,9 @@ fn metrics_window(
 /// written to the run's own volume.
 async fn metrics<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     RawQuery(raw): RawQuery,
 ) -> Result<Json<Vec<Metric>>, E2bError> {
-    let id = sandbox_id(&id)?;
     let (start, end) = metrics_window(raw.as_deref())?;
     let run = state.service.get(id)?;
     let history = state.service.usage_history(id, start, end)?;
@@ -863,7 +871,7 @@ struct ForkBody {
 /// filesystem (not its memory).
 async fn fork<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
     let req: ForkBody = body(&bytes)?;
@@ -874,7 +882,7 @@ async fn fork<S: RunService>(
     let reply = state
         .service
         .fork(
-            sandbox_id(&id)?,
+            id,
             runbox_types::ForkRequest {
                 count,
                 ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
@@ -900,16 +908,13 @@ struct SnapshotBody {
 /// name to create sandboxes from it.
 async fn snapshot<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
     let req: SnapshotBody = body(&bytes)?;
     let snap = state
         .service
-        .snapshot(
-            sandbox_id(&id)?,
-            runbox_types::SnapshotRequest { name: req.name },
-        )
+        .snapshot(id, runbox_types::SnapshotRequest { name: req.name })
         .await?;
     Ok((StatusCode::CREATED, Json(snapshot_info(&snap.image))).into_response())
 }
@@ -1063,12 +1068,11 @@ struct PauseRequest {
 /// `POST /sandboxes/{id}/pause`: `204`; `409` when already paused.
 async fn pause<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<StatusCode, E2bError> {
     // An empty body reads as `{}`.
     let req: PauseRequest = body(&bytes)?;
-    let id = sandbox_id(&id)?;
     if asleep(&state.service.get(id)?) {
         return Err(E2bError::conflict(format!(
             "sandbox {id} is already paused"
@@ -1094,7 +1098,7 @@ struct ResumeRequest {
 /// `201`; `409` when it runs.
 async fn resume<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
     // An empty body reads as `{}`.
@@ -1104,7 +1108,6 @@ async fn resume<S: RunService>(
             "pausing a sandbox at its timeout (`autoPause`); pause it explicitly",
         ));
     }
-    let id = sandbox_id(&id)?;
     if !asleep(&state.service.get(id)?) {
         return Err(E2bError::conflict(format!("sandbox {id} is not paused")));
     }
@@ -1120,10 +1123,9 @@ async fn resume<S: RunService>(
 /// (every one the body leaves out is cleared, as on E2B), live; `204`.
 async fn network<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    SandboxPath(id): SandboxPath,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
-    let id = sandbox_id(&id)?;
     let req: serde_json::Map<String, Value> = body(&bytes)?;
     let mut allow_internet = None;
     for (key, value) in &req {

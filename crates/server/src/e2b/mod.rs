@@ -99,9 +99,9 @@ fn named_sandbox(headers: &HeaderMap) -> Option<Result<(Ulid, u16), String>> {
     if let Some(value) = headers.get(SANDBOX_ID_HEADER) {
         let raw = value.to_str().unwrap_or("");
         return Some(
-            Ulid::from_string(raw.trim())
+            runbox_types::parse_id(raw.trim())
                 .map(|id| (id, ENVD_PORT))
-                .map_err(|_| format!("E2b-Sandbox-Id {raw:?} is not a sandbox id")),
+                .ok_or_else(|| format!("E2b-Sandbox-Id {raw:?} is not a sandbox id")),
         );
     }
     // `<port>-<id>.<domain>`: only hosts whose first label has that shape.
@@ -109,7 +109,7 @@ fn named_sandbox(headers: &HeaderMap) -> Option<Result<(Ulid, u16), String>> {
     let label = host.split('.').next()?;
     let (port, id) = label.split_once('-')?;
     let port: u16 = port.parse().ok()?;
-    let id = Ulid::from_string(id).ok()?;
+    let id = runbox_types::parse_id(id)?;
     if port == 0 {
         return Some(Err("port 0 is no port; name 1 to 65535".to_owned()));
     }
@@ -342,12 +342,42 @@ fn api_key_caller(
         })
 }
 
-/// The sandbox a control-plane path names (`/sandboxes/{id}...`,
-/// `/v2/sandboxes/{id}...`), if its id parses.
-fn path_sandbox(path: &str) -> Option<Ulid> {
-    let rest = path.strip_prefix("/v2").unwrap_or(path);
-    let id = rest.strip_prefix("/sandboxes/")?.split('/').next()?;
-    Ulid::from_string(id).ok()
+/// The sandbox a control-plane route names (`/sandboxes/{id}...`,
+/// `/v2/sandboxes/{id}...`): `None` for a route that names none, else the
+/// router's percent-decoded `{id}` parsed as a run id, or the E2B-shaped
+/// 404 for one that does not parse.
+async fn route_sandbox<S: Send + Sync>(
+    parts: &mut axum::http::request::Parts,
+    state: &S,
+) -> Result<Option<Ulid>, Response> {
+    use axum::extract::{FromRequestParts, MatchedPath, Path};
+    let names_one = parts.extensions.get::<MatchedPath>().is_some_and(|route| {
+        let route = route.as_str();
+        route
+            .strip_prefix("/v2")
+            .unwrap_or(route)
+            .starts_with("/sandboxes/{id}")
+    });
+    if !names_one {
+        return Ok(None);
+    }
+    let Path(params) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+        .await
+        .map_err(|e| envd_error(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let raw = params
+        .iter()
+        .find(|(k, _)| k == "id")
+        .map_or("", |(_, v)| v.as_str());
+    match runbox_types::parse_id(raw) {
+        Some(id) => Ok(Some(id)),
+        None => Err(envd_error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "sandbox {:?} was not found (runbox sandbox ids are run ids)",
+                raw.chars().take(64).collect::<String>()
+            ),
+        )),
+    }
 }
 
 /// Checks the control plane's API key (`X-API-Key`, as the SDKs send it,
@@ -356,7 +386,7 @@ fn path_sandbox(path: &str) -> Option<Ulid> {
 /// not found. Refusals are E2B-shaped.
 pub(crate) async fn require_api_key<S: RunService>(
     State(state): State<AppState<S>>,
-    mut request: Request,
+    request: Request,
     next: Next,
 ) -> Response {
     let presented = presented_api_key(request.headers());
@@ -368,7 +398,16 @@ pub(crate) async fn require_api_key<S: RunService>(
             "missing or wrong API key: send the runbox token (or a tenant's), or e2b_ followed by it, as X-API-Key (E2B_API_KEY)",
         );
     };
-    if let (Some(tenant), Some(id)) = (caller.tenant(), path_sandbox(request.uri().path())) {
+    // The sandbox is read from the router's decoded parameter, the value
+    // the handler acts on (see [`crate::auth::AdmittedRun`]).
+    let (mut parts, body) = request.into_parts();
+    let sandbox = route_sandbox(&mut parts, &state).await;
+    let mut request = Request::from_parts(parts, body);
+    let sandbox = match sandbox {
+        Ok(sandbox) => sandbox,
+        Err(refused) => return refused,
+    };
+    if let (Some(tenant), Some(id)) = (caller.tenant(), sandbox) {
         let owned = state
             .service
             .tenant_of(id)
@@ -377,8 +416,21 @@ pub(crate) async fn require_api_key<S: RunService>(
             return envd_error(StatusCode::NOT_FOUND, format!("sandbox {id} was not found"));
         }
     }
+    let name = crate::auth::AuditCaller(caller.audit_name());
     request.extensions_mut().insert(caller);
-    next.run(request).await
+    if let Some(id) = sandbox {
+        request
+            .extensions_mut()
+            .insert(crate::auth::AdmittedRun(id));
+    }
+    let mut response = next.run(request).await;
+    response.extensions_mut().insert(name);
+    if let Some(id) = sandbox {
+        response
+            .extensions_mut()
+            .insert(crate::auth::AdmittedRun(id));
+    }
+    response
 }
 
 /// Checks an envd request's access token, and that its sandbox exists

@@ -115,7 +115,7 @@ fn by_id<S: RunService>(
     owner: &Owner,
     raw: &str,
 ) -> Result<runbox_types::Volume, E2bError> {
-    let id = Ulid::from_string(raw).ok();
+    let id = runbox_types::parse_id(raw);
     own(state, owner)
         .into_iter()
         .find(|v| Some(v.id) == id)
@@ -187,35 +187,64 @@ async fn destroy<S: RunService>(
 }
 
 /// Checks `Authorization: Bearer <token>` against the token of the volume
-/// the path names; a wrong or missing token is `401`, whatever the volume.
+/// the route names (its `{id}` as the router decoded it, the value the
+/// handler acts on); a wrong or missing token is `401`, whatever the
+/// volume.
 async fn require_volume_token<S: RunService>(
     State(state): State<AppState<S>>,
     request: Request,
     next: Next,
 ) -> Response {
+    use axum::extract::FromRequestParts;
     use subtle::ConstantTimeEq;
-    let id = request
-        .uri()
-        .path()
-        .strip_prefix("/volumecontent/")
-        .and_then(|rest| rest.split('/').next())
-        .and_then(|raw| Ulid::from_string(raw).ok());
+    let (mut parts, body) = request.into_parts();
+    let id = Path::<String>::from_request_parts(&mut parts, &state)
+        .await
+        .ok()
+        .and_then(|Path(raw)| runbox_types::parse_id(&raw));
+    let mut request = Request::from_parts(parts, body);
     let presented = crate::bearer(request.headers()).unwrap_or("");
-    let valid = id.is_some_and(|id| {
+    let valid = id.filter(|id| {
         bool::from(
             presented
                 .as_bytes()
-                .ct_eq(volume_token(&state.token, id).as_bytes()),
+                .ct_eq(volume_token(&state.token, *id).as_bytes()),
         )
     });
-    if !valid {
+    let Some(id) = valid else {
         return E2bError::new(
             StatusCode::UNAUTHORIZED,
             "missing or wrong volume token: send the token Volume.create or Volume.get_info answered as Authorization: Bearer",
         )
         .into_response();
-    }
+    };
+    request.extensions_mut().insert(AdmittedVolume(id));
     next.run(request).await
+}
+
+/// The volume a `/volumecontent/{id}/...` request was admitted to by
+/// [`require_volume_token`]; handlers read it and never parse the path.
+#[derive(Clone, Copy, Debug)]
+struct AdmittedVolume(Ulid);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for AdmittedVolume {
+    type Rejection = E2bError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, E2bError> {
+        parts
+            .extensions
+            .get::<AdmittedVolume>()
+            .copied()
+            .ok_or_else(|| {
+                E2bError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the volume this request names was not authorised",
+                )
+            })
+    }
 }
 
 /// The query of a content call: `path` always, the rest where E2B takes
@@ -325,12 +354,9 @@ fn entry(info: FileInfo) -> EntryStat {
 
 async fn files<S: RunService>(
     state: &AppState<S>,
-    id: &str,
+    id: Ulid,
     write: bool,
 ) -> Result<VolumeFiles, E2bError> {
-    // The token check already parsed the id.
-    let id = Ulid::from_string(id)
-        .map_err(|_| E2bError::new(StatusCode::NOT_FOUND, "volume not found"))?;
     Ok(state
         .service
         .volume_files(VolumeKey::Id(id), Owner::root(), write)
@@ -374,11 +400,11 @@ async fn parent_exists(files: &VolumeFiles, path: &str) -> Result<(), E2bError> 
 
 async fn stat<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
 ) -> Result<Json<EntryStat>, E2bError> {
     let (_, path) = content_query(query, &[])?;
-    let files = files(&state, &id, false).await?;
+    let files = files(&state, id, false).await?;
     Ok(Json(entry(files.stat(&path).await?)))
 }
 
@@ -393,14 +419,14 @@ struct Metadata {
 
 async fn patch<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
     body: axum::body::Bytes,
 ) -> Result<Json<EntryStat>, E2bError> {
     let (_, path) = content_query(query, &[])?;
     let meta: Metadata = serde_json::from_slice(&body)
         .map_err(|e| E2bError::bad(format!("the body is not valid: {e}")))?;
-    let files = files(&state, &id, true).await?;
+    let files = files(&state, id, true).await?;
     let current = files.stat(&path).await?;
     let owner = content_owner(meta.uid, meta.gid, Some(&current))?;
     Ok(Json(entry(files.set_attrs(&path, owner, meta.mode).await?)))
@@ -408,11 +434,11 @@ async fn patch<S: RunService>(
 
 async fn remove<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
 ) -> Result<StatusCode, E2bError> {
     let (_, path) = content_query(query, &[])?;
-    let files = files(&state, &id, true).await?;
+    let files = files(&state, id, true).await?;
     if path.trim_start_matches('/').is_empty() {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,
@@ -425,24 +451,24 @@ async fn remove<S: RunService>(
 
 async fn list_dir<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
 ) -> Result<Json<Vec<EntryStat>>, E2bError> {
     let (q, path) = content_query(query, &["depth"])?;
-    let files = files(&state, &id, false).await?;
+    let files = files(&state, id, false).await?;
     let listed = files.list(&path, Some(q.depth.unwrap_or(1)), None).await?;
     Ok(Json(listed.entries.into_iter().map(entry).collect()))
 }
 
 async fn make_dir<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
 ) -> Result<Response, E2bError> {
     let (q, path) = content_query(query, &["uid", "gid", "mode", "force"])?;
     let owner = content_owner(q.uid, q.gid, None)?;
     let force = q.force.unwrap_or(false);
-    let files = files(&state, &id, true).await?;
+    let files = files(&state, id, true).await?;
     match stat_if_any(&files, &path).await? {
         Some(existing) if force && existing.kind == FileKind::Directory => {
             return Ok((StatusCode::CREATED, Json(entry(existing))).into_response())
@@ -464,11 +490,11 @@ async fn make_dir<S: RunService>(
 
 async fn read<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
 ) -> Result<Response, E2bError> {
     let (_, path) = content_query(query, &[])?;
-    let files = files(&state, &id, false).await?;
+    let files = files(&state, id, false).await?;
     let download = files.read(&path).await?;
     Ok(crate::handlers::download_response(download, |e| {
         tracing::warn!(error = %e, "volume content download broke off");
@@ -477,7 +503,7 @@ async fn read<S: RunService>(
 
 async fn write<S: RunService>(
     State(state): State<AppState<S>>,
-    Path(id): Path<String>,
+    AdmittedVolume(id): AdmittedVolume,
     query: QueryResult,
     headers: HeaderMap,
     body: Body,
@@ -486,7 +512,7 @@ async fn write<S: RunService>(
     let owner = content_owner(q.uid, q.gid, None)?;
     let force = q.force.unwrap_or(false);
     let content_length = crate::handlers::content_length(&headers)?;
-    let files = files(&state, &id, true).await?;
+    let files = files(&state, id, true).await?;
     if let Some(existing) = stat_if_any(&files, &path).await? {
         if existing.kind == FileKind::Directory {
             return Err(E2bError::new(
