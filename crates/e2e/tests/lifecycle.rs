@@ -473,3 +473,36 @@ async fn a_container_the_runtime_has_no_state_for_is_still_destroyed() {
     assert!(gone, "the run's agent (pid {pid}) outlived its run");
     assert!(!runbox_e2e::cgroup_exists(&id), "its cgroups are left");
 }
+
+/// What docs/threat-model.md says is read-only in a run is: the cgroup
+/// tree (on cgroup v1 the runtime mounts a tmpfs at `/sys/fs/cgroup` for
+/// the controllers; it too), `/sys`, and the read-only `/proc` paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_read_only_paths_are_read_only_on_every_runtime() {
+    for runtime in runtimes() {
+        let daemon = TestDaemon::start(Some(&runtime)).await;
+        let run = daemon.create().await;
+        let id = run.id.to_string();
+        let script = "for p in /sys/fs/cgroup/runbox-probe /sys/runbox-probe /proc/sys/runbox-probe; do \
+                        if mkdir $p 2>/dev/null || touch $p 2>/dev/null; then echo writable $p; fi; \
+                      done; \
+                      for c in /sys/fs/cgroup/*; do \
+                        if [ -d $c ] && touch $c/runbox-probe 2>/dev/null; then echo writable $c; fi; \
+                      done; \
+                      grep ' /sys/fs/cgroup ' /proc/mounts";
+        let out = daemon.sh(&id, script).await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!stdout.contains("writable"), "{runtime}: {stdout}");
+        // The last mount on the path is the one in force.
+        let mount = stdout
+            .lines()
+            .rfind(|l| l.contains(" /sys/fs/cgroup "))
+            .unwrap_or_else(|| panic!("{runtime}: no /sys/fs/cgroup mount: {stdout}"));
+        let options = mount.split_whitespace().nth(3).unwrap_or("");
+        assert!(
+            options.split(',').any(|o| o == "ro"),
+            "{runtime}: /sys/fs/cgroup is mounted {options}"
+        );
+        daemon.client.delete_run(&id).await.unwrap();
+    }
+}

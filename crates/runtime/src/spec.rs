@@ -93,12 +93,17 @@ const MASKED_PATHS: [&str; 11] = [
 
 /// Kernel knobs under `/proc` that are global rather than per-namespace;
 /// the runtime remounts them read-only. Docker's list.
-const READONLY_PATHS: [&str; 5] = [
+const READONLY_PATHS: [&str; 6] = [
     "/proc/bus",
     "/proc/fs",
     "/proc/irq",
     "/proc/sys",
     "/proc/sysrq-trigger",
+    // On cgroup v1 the runtime mounts a tmpfs here to hold the controllers
+    // (each read-only) and, in a user namespace, leaves that tmpfs
+    // writable whatever the mount's own options say; remounted read-only
+    // here, as on cgroup v2, where it is the cgroup2 mount itself.
+    "/sys/fs/cgroup",
 ];
 
 /// A host file the daemon prepared, bind-mounted read-only into the run.
@@ -852,7 +857,8 @@ mod tests {
                 "/proc/fs",
                 "/proc/irq",
                 "/proc/sys",
-                "/proc/sysrq-trigger"
+                "/proc/sysrq-trigger",
+                "/sys/fs/cgroup"
             ]
         );
     }
