@@ -54,7 +54,10 @@ pub trait RunService: Clone + Send + Sync + 'static {
         owner: crate::tenants::Owner,
     ) -> impl Future<Output = Result<Run, CoreError>> + Send;
     /// The tenant run `id` is stamped with (None: the operator's), for
-    /// access checks: no more than that is read.
+    /// access checks: no more than that is read. Read from the published
+    /// view, outside the run's owner, and safe there: the stamp is set at
+    /// creation and never changes, and an id is never given to another
+    /// run, so the check cannot be overtaken by the action it admits.
     fn tenant_of(&self, id: Ulid) -> Result<Option<String>, CoreError> {
         self.get(id).map(|run| run.tenant)
     }

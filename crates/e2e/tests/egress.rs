@@ -3379,3 +3379,36 @@ async fn egress_classes_narrow_their_tenants_runs_and_follow_a_reload() {
         200
     );
 }
+
+/// Two PATCHes at once, each changing a field the other leaves out: both
+/// changes hold, every time (each is merged with the policy by the run's
+/// owner, in the step that applies it, never with a snapshot from before
+/// the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_egress_changes_are_never_lost() {
+    let w = World::start().await;
+    let id = w.allowlist_run(&["first.test"], &[]).await.id.to_string();
+    for round in 0..12 {
+        let host = format!("round{round}.test");
+        let defaults = round % 2 == 1;
+        let (a, b) = tokio::join!(
+            patch_egress(&w, &id, serde_json::json!({ "egressAllow": [host] })),
+            patch_egress(&w, &id, serde_json::json!({ "egressDefaults": defaults })),
+        );
+        assert_eq!(a.0, 200, "{}", a.2);
+        assert_eq!(b.0, 200, "{}", b.2);
+        let run = w.daemon.client.get_run(&id).await.unwrap();
+        let allow: Vec<String> = run.egress_allow.iter().map(|e| e.to_string()).collect();
+        assert_eq!(
+            allow,
+            [host.clone()],
+            "round {round}: the allow change was lost"
+        );
+        assert_eq!(
+            run.egress_defaults,
+            (!defaults).then_some(false),
+            "round {round}: the defaults change was lost"
+        );
+    }
+    w.daemon.client.delete_run(&id).await.unwrap();
+}

@@ -147,8 +147,7 @@ pub(crate) enum Command {
     Archive { reply: Reply<()> },
     /// Put a new egress policy in force (checked by the manager).
     Egress {
-        network: runbox_types::NetworkTier,
-        egress: Box<crate::egress::RunEgressRequest>,
+        req: Box<runbox_types::UpdateEgressRequest>,
         reply: Reply<()>,
     },
 }
@@ -892,19 +891,21 @@ impl RunActor {
         }
     }
 
-    /// Puts `egress` (and `network`, `none` or `allowlist`) in force:
+    /// Merges `req` with the run's policy ([`super::egress_policy::plan`])
+    /// and puts the result (its tier `none` or `allowlist`) in force:
     /// stored first, then, when the run has a sandbox (`live`), applied to
     /// it — the proxy's policy replaced, started (from `none`) or stopped
     /// (to `none`). If the sandbox cannot take it, the old policy is
     /// stored again and the error answered.
     async fn change_egress(
         &mut self,
-        network: runbox_types::NetworkTier,
-        egress: crate::egress::RunEgressRequest,
+        req: &runbox_types::UpdateEgressRequest,
         live: bool,
     ) -> Result<(), CoreError> {
         use runbox_types::NetworkTier::{Allowlist, None as Closed};
         let id = self.record.id;
+        // Merged with the record as it is now, by its one owner.
+        let (network, egress) = super::egress_policy::plan(&self.context, &self.record, req)?;
         if live && network == Allowlist && egress.has_secrets() && !self.record.proxy_ca {
             return Err(CoreError::invalid(
                 ErrorCode::BadEgress,
@@ -1457,18 +1458,10 @@ impl RunActor {
                 };
                 let _ = reply.send(answer);
             }
-            Command::Egress {
-                network,
-                egress,
-                reply,
-            } => {
+            Command::Egress { req, reply } => {
                 let answer = match &self.phase {
-                    Phase::Running | Phase::Paused => {
-                        self.change_egress(network, *egress, true).await
-                    }
-                    Phase::Hibernated | Phase::Archived => {
-                        self.change_egress(network, *egress, false).await
-                    }
+                    Phase::Running | Phase::Paused => self.change_egress(&req, true).await,
+                    Phase::Hibernated | Phase::Archived => self.change_egress(&req, false).await,
                     other => Err(self.refusal(other)),
                 };
                 let _ = reply.send(answer);
