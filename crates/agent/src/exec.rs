@@ -86,6 +86,10 @@ pub enum ExecError {
     /// The program exists but cannot be executed.
     #[error("not executable: {0}")]
     NotExecutable(String),
+    /// `fork` failed with `EAGAIN`: the run has as many processes as its
+    /// `pids` limit allows (or the user its `RLIMIT_NPROC`).
+    #[error("cannot start {0}: the run is at its process limit")]
+    ProcessLimit(String),
     /// Starting the command failed for another reason.
     #[error("cannot start {program}")]
     Spawn {
@@ -107,6 +111,7 @@ impl ExecError {
             // The kernel's own limits on argv and the environment (one
             // argument of 128 KiB or more, or all of them past ARG_MAX):
             // the caller's input, not a fault of the run.
+            Some(libc::EAGAIN) => Self::ProcessLimit(program.to_owned()),
             Some(libc::E2BIG) => Self::Invalid(
                 "the arguments and environment are too large for the kernel (E2BIG): keep each argument under 128 KiB and pass bulk data as a file",
             ),
@@ -125,6 +130,7 @@ impl ExecError {
             Self::TagInUse(_) => ErrorKind::TagInUse,
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::NotExecutable(_) => ErrorKind::PermissionDenied,
+            Self::ProcessLimit(_) => ErrorKind::ProcessLimit,
             Self::Spawn { .. } => ErrorKind::Io,
         }
     }

@@ -390,6 +390,52 @@ async fn pids_limit_contains_a_fork_bomb() {
     assert_eq!(pids_max.trim(), "64");
 }
 
+/// A command that cannot start because the run is at its `pids` limit is
+/// the caller's situation, said as such: `429 process_limit` naming the
+/// limit, on exec and on background processes alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_at_its_process_limit_says_so() {
+    let daemon = TestDaemon::start(None).await;
+    let id = daemon
+        .create_limited(LimitsRequest {
+            pids: Some(16),
+            ..Default::default()
+        })
+        .await;
+    // Background sleepers, one slot each, until a start is refused; then
+    // a foreground exec is refused the same way.
+    let sleeper = ExecRequest {
+        cmd: vec!["sleep".into(), "600".into()],
+        ..Default::default()
+    };
+    let mut refusals = Vec::new();
+    for _ in 0..40 {
+        if let Err(e) = daemon.client.start_process(&id, &sleeper).await {
+            refusals.push(e);
+            break;
+        }
+    }
+    let request = ExecRequest {
+        cmd: vec!["true".into()],
+        ..Default::default()
+    };
+    match daemon.client.exec(&id, &request).await {
+        Ok(_) => panic!("a command started in a run at its process limit"),
+        Err(e) => refusals.push(e),
+    }
+    assert_eq!(refusals.len(), 2, "the sleepers never reached the limit");
+    for refused in &refusals {
+        assert_eq!(refused.status(), Some(429), "{refused}");
+        assert_eq!(
+            refused.code(),
+            Some(runbox_types::ErrorCode::ProcessLimit),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("limits.pids 16"), "{refused}");
+    }
+    daemon.client.delete_run(&id).await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn network_none_has_only_loopback() {
     let daemon = TestDaemon::start(None).await;

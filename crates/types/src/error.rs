@@ -268,6 +268,9 @@ codes! {
     /// The caller's tenant has `maxRuns` live runs already; retry after the
     /// `Retry-After` seconds, or delete some.
     TenantQuota = "tenant_quota", 429;
+    /// The run has as many processes as its `pids` limit allows, so a
+    /// command cannot start: wait for some to exit, or end some.
+    ProcessLimit = "process_limit", 429;
     /// The server is cordoned (`POST /v1/drain`) and takes no new runs.
     Draining = "draining", 503;
     /// The checkpoint store could not be reached or refused the request;

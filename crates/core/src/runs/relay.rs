@@ -310,7 +310,9 @@ impl Manager {
             .map_err(|s| CoreError::Agent(format!("exec failed: {}", bounded(s.message()))))?;
         let pid = match first.and_then(|m| m.kind) {
             Some(exec_output::Kind::Started(s)) => s.pid,
-            Some(exec_output::Kind::Error(e)) => return Err(start_error(e)),
+            Some(exec_output::Kind::Error(e)) => {
+                return Err(start_error(e, record.id, record.limits.pids))
+            }
             other => {
                 return Err(CoreError::Agent(format!(
                     "expected a started message, got {}",
@@ -578,9 +580,20 @@ fn too_large(max: u64) -> CoreError {
     )
 }
 
-/// Maps an agent's refusal to start a command onto an API error.
-fn start_error(e: pb::AgentError) -> CoreError {
+/// Maps an agent's refusal to start a command in run `id`, whose process
+/// limit is `pids`, onto an API error.
+fn start_error(e: pb::AgentError, id: Ulid, pids: u64) -> CoreError {
     let code = match pb::ErrorKind::try_from(e.kind).unwrap_or(pb::ErrorKind::Unspecified) {
+        pb::ErrorKind::ProcessLimit => {
+            return CoreError::invalid(
+                ErrorCode::ProcessLimit,
+                format!(
+                    "{}: run {id} has as many processes as its limit allows (limits.pids {pids}); \
+                     wait for some to exit, or end some (GET /v1/runs/{id}/processes, .../signal)",
+                    bounded(&e.message)
+                ),
+            )
+        }
         pb::ErrorKind::NotFound => ErrorCode::CommandNotFound,
         pb::ErrorKind::PermissionDenied => ErrorCode::CommandNotExecutable,
         pb::ErrorKind::BadCwd => ErrorCode::BadCwd,
