@@ -3392,18 +3392,15 @@ async fn concurrent_egress_changes_are_never_lost() {
         let host = format!("round{round}.test");
         let defaults = round % 2 == 1;
         let (a, b) = tokio::join!(
-            patch_egress(&w, &id, serde_json::json!({ "egressAllow": [host] })),
+            patch_egress(&w, &id, serde_json::json!({ "egressAllow": [&host] })),
             patch_egress(&w, &id, serde_json::json!({ "egressDefaults": defaults })),
         );
         assert_eq!(a.0, 200, "{}", a.2);
         assert_eq!(b.0, 200, "{}", b.2);
         let run = w.daemon.client.get_run(&id).await.unwrap();
         let allow: Vec<String> = run.egress_allow.iter().map(|e| e.to_string()).collect();
-        assert_eq!(
-            allow,
-            [host.clone()],
-            "round {round}: the allow change was lost"
-        );
+        let want = vec![host];
+        assert_eq!(allow, want, "round {round}: the allow change was lost");
         assert_eq!(
             run.egress_defaults,
             (!defaults).then_some(false),
