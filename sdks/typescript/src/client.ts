@@ -1,5 +1,14 @@
 /** The client: one object per daemon, every call a method. */
 import { RunboxError, StreamEnded, errorFrom } from "./errors.js";
+import {
+  DEFAULT_MAX_RETRIES,
+  DEFAULT_MAX_RETRY_WAIT_MS,
+  RetryPolicy,
+  failureKind,
+  newIdempotencyKey,
+  sleep,
+  type RetryRequest,
+} from "./retry.js";
 import { openSession, webSocketClass, type Session, type WebSocketConstructor } from "./session.js";
 import { SseDecoder, execEvent } from "./sse.js";
 import {
@@ -42,8 +51,21 @@ export interface RunboxOptions {
    * token file in `RUNBOX_STATE_DIR` (default `/var/lib/runbox`).
    */
   token?: string;
-  /** How long a plain call may take, in milliseconds (default 60000). Streams are not bounded. */
+  /**
+   * How long a plain call may take, in milliseconds (default 60000), its
+   * retries and their waits included. Streams are not bounded.
+   */
   timeoutMs?: number;
+  /**
+   * How many more times a call that is safe to repeat is sent (default 3;
+   * 0 turns retries off): any call whose connection could not be made
+   * (after 200, 400, 800 ms); a GET or a create whose answer was lost; a
+   * GET, DELETE or create answered `429` or `503` with `Retry-After`
+   * (capacity, a tenant's quota, a draining node), after that long.
+   */
+  maxRetries?: number;
+  /** The longest wait before one retry, in milliseconds (default 30000), whatever `Retry-After` says. */
+  maxRetryWaitMs?: number;
   /** The fetch to use (default: the global one). */
   fetch?: typeof fetch;
   /** The WebSocket constructor for sessions (default: the global one, else the `ws` package). */
@@ -106,7 +128,10 @@ export interface CreateRunOptions {
   allowPrivilegeEscalation?: boolean;
   /** Volumes to mount (at most 8): `{ name, path?, mode? }`, mode `rw` or `ro`. */
   volumes?: VolumeMountRequest[];
-  /** Makes a retried create return the first run instead of a second one. */
+  /**
+   * Makes a repeated create return the first run instead of a second one.
+   * Default: a fresh key for each call, reused by its retries.
+   */
   idempotencyKey?: string;
   /** Start from this checkpoint (its disk, and its run's settings for what
    * these options leave out) instead of an image. */
@@ -218,6 +243,7 @@ export class Runbox {
   private readonly timeoutMs: number;
   private readonly fetchImpl: typeof fetch;
   private readonly webSocket: WebSocketConstructor | undefined;
+  private readonly retry: RetryPolicy;
 
   constructor(options: RunboxOptions = {}) {
     const url = (options.url ?? env("RUNBOX_URL") ?? DEFAULT_URL).replace(/\/+$/, "");
@@ -228,11 +254,22 @@ export class Runbox {
     this.timeoutMs = options.timeoutMs ?? 60_000;
     this.fetchImpl = options.fetch ?? globalThis.fetch.bind(globalThis);
     this.webSocket = options.WebSocket;
+    this.retry = new RetryPolicy(options.maxRetries ?? DEFAULT_MAX_RETRIES, options.maxRetryWaitMs ?? DEFAULT_MAX_RETRY_WAIT_MS);
   }
 
   // -- plumbing ---------------------------------------------------------
 
-  private async send(call: Call, signal?: AbortSignal): Promise<Response> {
+  /**
+   * Sends `call`, again as long as the retry policy allows, and returns
+   * its successful answer as `read` reads it (the answer itself by
+   * default: a stream). Throws the error an unsuccessful answer carries
+   * (the last one, when the retries ran out or `signal` fired meanwhile).
+   */
+  private async send<T = Response>(
+    call: Call,
+    signal?: AbortSignal,
+    read: (response: Response) => Promise<T> = async (response) => response as T,
+  ): Promise<T> {
     const token = await this.tokenReady;
     const headers: Record<string, string> = { "User-Agent": USER_AGENT, ...call.headers };
     if (token) headers["Authorization"] = `Bearer ${token}`;
@@ -243,23 +280,34 @@ export class Runbox {
     }
     const url = new URL(this.url + call.path);
     for (const [k, v] of Object.entries(call.query ?? {})) if (v !== undefined) url.searchParams.set(k, String(v));
-    let response: Response;
-    try {
-      response = await this.fetchImpl(url, { method: call.method, headers, body, signal, redirect: "manual" });
-    } catch (e) {
-      if (signal?.aborted && (signal.reason as Error)?.name === "TimeoutError") {
-        throw new RunboxError(0, "timeout", `${call.method} ${call.path} took longer than ${call.timeoutMs ?? this.timeoutMs} ms`);
+    const request: RetryRequest = { method: call.method, path: call.path, headers, body };
+    const timedOut = () => signal?.aborted && (signal.reason as Error)?.name === "TimeoutError";
+    for (let retries = 0; ; retries++) {
+      let error: RunboxError;
+      let wait: number | undefined;
+      try {
+        const response = await this.fetchImpl(url, { method: call.method, headers, body, signal, redirect: "manual" });
+        // Read here, so that an answer lost halfway is a failure to retry.
+        if (response.status < 300) return await read(response);
+        error = errorFrom(response.status, await response.text(), response.statusText);
+        wait = this.retry.afterAnswer(request, response.status, response.headers.get("Retry-After"), retries);
+      } catch (e) {
+        if (timedOut()) throw new RunboxError(0, "timeout", `${call.method} ${call.path} took longer than ${call.timeoutMs ?? this.timeoutMs} ms`);
+        if (signal?.aborted) throw signal.reason;
+        error = new RunboxError(0, "unreachable", `cannot reach runbox at ${this.url}: ${(e as Error).cause ?? e}`);
+        wait = this.retry.afterFailure(request, failureKind(e), retries);
       }
-      if (signal?.aborted) throw signal.reason;
-      throw new RunboxError(0, "unreachable", `cannot reach runbox at ${this.url}: ${(e as Error).cause ?? e}`);
+      if (wait === undefined) throw error;
+      if (!(await sleep(wait, signal))) {
+        // Out of time while waiting to try again: the last answer says why.
+        if (timedOut()) throw error;
+        throw signal!.reason;
+      }
     }
-    if (response.status >= 300) throw errorFrom(response.status, await response.text(), response.statusText);
-    return response;
   }
 
   private async call<T>(call: Call): Promise<T> {
-    const response = await this.send(call, AbortSignal.timeout(call.timeoutMs ?? this.timeoutMs));
-    const text = await response.text();
+    const text = await this.send(call, AbortSignal.timeout(call.timeoutMs ?? this.timeoutMs), (response) => response.text());
     return (text ? JSON.parse(text) : undefined) as T;
   }
 
@@ -357,7 +405,10 @@ export class Runbox {
         allowPrivilegeEscalation: options.allowPrivilegeEscalation,
         volumes: options.volumes,
       }),
-      headers: options.idempotencyKey ? { "Idempotency-Key": options.idempotencyKey } : {},
+      // Always keyed, so that it may be sent again (with this key) when its
+      // answer was lost or the node was at capacity: the server answers a
+      // repeat with the run the first attempt made.
+      headers: { "Idempotency-Key": options.idempotencyKey || (await newIdempotencyKey()) },
       // A create may pull its image first.
       timeoutMs: Math.max(this.timeoutMs, 600_000),
     });
@@ -530,8 +581,8 @@ export class Runbox {
 
   /** Reads a file below /work. */
   async readFile(runId: string, path: string): Promise<Uint8Array> {
-    const response = await this.send({ method: "GET", path: `${runPath(runId)}/files/${filePath(path)}` }, AbortSignal.timeout(this.timeoutMs));
-    return new Uint8Array(await response.arrayBuffer());
+    const call = { method: "GET", path: `${runPath(runId)}/files/${filePath(path)}` };
+    return new Uint8Array(await this.send(call, AbortSignal.timeout(this.timeoutMs), (response) => response.arrayBuffer()));
   }
 
   /** Reads a file below /work as UTF-8 text. */
@@ -702,8 +753,7 @@ export class Runbox {
   /** Reads a file of a volume (runs may hold it meanwhile). */
   async readVolumeFile(name: string, path: string): Promise<Uint8Array> {
     const url = `${volumePath(name)}/files/${filePath(path.replace(/^\/+/, ""))}`;
-    const response = await this.send({ method: "GET", path: url }, AbortSignal.timeout(this.timeoutMs));
-    return new Uint8Array(await response.arrayBuffer());
+    return new Uint8Array(await this.send({ method: "GET", path: url }, AbortSignal.timeout(this.timeoutMs), (response) => response.arrayBuffer()));
   }
 
   async volumeStat(name: string, path = ""): Promise<FileInfo> {

@@ -10,6 +10,7 @@ from ._core import (
     exec_body,
     file_path,
     lease_params,
+    new_idempotency_key,
     parse_entries,
     parse_images,
     parse_processes,
@@ -85,7 +86,10 @@ def create_run(
         allowPrivilegeEscalation=allow_privilege_escalation,
         volumes=volumes,
     )
-    headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+    # Always keyed, so that the clients may send it again (with this key)
+    # when its answer was lost or the node was at capacity: the server
+    # answers a repeat with the run the first attempt made.
+    headers = {"Idempotency-Key": idempotency_key or new_idempotency_key()}
     return Call("POST", "/v1/runs", json=body, headers=headers, parse=Run.from_json)
 
 

@@ -1,14 +1,21 @@
 """What the sync and async clients share: how each call is built, how its
-answer is read, and the server-sent event decoder. Neither does I/O."""
+answer is read, when it is sent again, and the server-sent event decoder.
+None of it does I/O."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
+import re
+import uuid
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from typing import Any, Callable, Dict, Generic, List, Optional, Tuple, TypeVar, Union
 from urllib.parse import quote
+
+import httpx
 
 from ._errors import RunboxError
 from ._models import (
@@ -28,6 +35,14 @@ T = TypeVar("T")
 
 DEFAULT_URL = "http://127.0.0.1:7439"
 DEFAULT_TOKEN_FILE = "/var/lib/runbox/token"
+# A call is sent at most this many more times (4 attempts in all).
+DEFAULT_MAX_RETRIES = 3
+# The longest wait before one retry, in seconds, whatever Retry-After says.
+DEFAULT_MAX_RETRY_WAIT = 30.0
+# The first wait after a connection failure, doubled each time (0.2, 0.4, 0.8 s).
+RETRY_BACKOFF = 0.2
+# Streams last as long as their command: only connecting is bounded.
+STREAM_TIMEOUT = httpx.Timeout(None, connect=10.0)
 
 
 def resolve(url: Optional[str], token: Optional[str]) -> Tuple[str, Optional[str]]:
@@ -86,6 +101,123 @@ class Call(Generic[T]):
     parse: Callable[[Any], T] = lambda body: body  # type: ignore[assignment]
     # The answer has no body (204).
     empty: bool = False
+
+
+def new_idempotency_key() -> str:
+    """A fresh ``Idempotency-Key`` for one create (sent again, unchanged,
+    on each of its retries)."""
+    return str(uuid.uuid4())
+
+
+def retry_after_seconds(value: Optional[str], now: Optional[datetime] = None) -> Optional[float]:
+    """A ``Retry-After`` header's wait in seconds: delta-seconds (what
+    runbox sends) or an HTTP date; None when absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if re.fullmatch(r"[0-9]{1,10}", value):
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - (now or datetime.now(timezone.utc))).total_seconds())
+
+
+def is_keyed_create(method: str, path: str, headers: Dict[str, str]) -> bool:
+    """A create (``POST /v1/runs``) with an ``Idempotency-Key``: the server
+    answers its repeat with the run the first attempt made."""
+    return (
+        method.upper() == "POST"
+        and path.rstrip("/") == "/v1/runs"
+        and any(k.lower() == "idempotency-key" and v for k, v in headers.items())
+    )
+
+
+def repeatable(method: str, path: str, headers: Dict[str, str]) -> bool:
+    """Whether a request may be sent again after the server answered it
+    (``429``/``503`` with ``Retry-After``): GET, HEAD, DELETE, and keyed
+    creates. Any other POST, PUT or PATCH may have done something."""
+    return method.upper() in ("GET", "HEAD", "DELETE") or is_keyed_create(method, path, headers)
+
+
+def replayable(content: Any) -> bool:
+    """Whether a request body can be sent again: none, or bytes (never a
+    stream or an iterator, which the first attempt consumed)."""
+    return content is None or isinstance(content, (bytes, bytearray, memoryview, str))
+
+
+def connect_failed(error: BaseException) -> bool:
+    """The connection could not be made: the request never left."""
+    return isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+def answer_lost(error: BaseException) -> bool:
+    """The request went (or may have), and the connection broke before the
+    whole answer came. Read timeouts are not counted: a server that did not
+    answer in time is not asked again, so ``timeout`` keeps bounding a call."""
+    return isinstance(error, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a call is sent again, and after how long (pure logic: the
+    clients do the waiting).
+
+    At most ``max_retries`` more attempts (0: none), whatever made them:
+
+    - a connection that could not be made (refused, no route): any
+      request, since it never reached the server; after ``backoff``,
+      doubled each time (0.2, 0.4, 0.8 s);
+    - an answer lost on the way (the connection broke after the request
+      went): GET, HEAD and keyed creates only, with the same backoff;
+    - a ``429`` or ``503`` carrying ``Retry-After`` (``capacity``,
+      ``tenant_quota``, ``draining``; the server changed nothing): GET,
+      HEAD, DELETE and keyed creates, after ``Retry-After``, each wait
+      capped at ``max_wait`` seconds.
+
+    A body that cannot be replayed (a stream) is never sent again.
+    """
+
+    max_retries: int = DEFAULT_MAX_RETRIES
+    max_wait: float = DEFAULT_MAX_RETRY_WAIT
+    backoff: float = RETRY_BACKOFF
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be 0 or more, not {self.max_retries}")
+        if self.max_wait < 0:
+            raise ValueError(f"the longest retry wait must be 0 or more, not {self.max_wait}")
+
+    def after_answer(self, call: "Call[Any]", status: int, retry_after: Optional[str], retries: int) -> Optional[float]:
+        """The wait before sending ``call`` again when the server answered it
+        with ``status`` (and this ``Retry-After``), after ``retries``
+        retries so far; None: do not."""
+        if retries >= self.max_retries or status not in (429, 503):
+            return None
+        if not repeatable(call.method, call.path, call.headers) or not replayable(call.content):
+            return None
+        wait = retry_after_seconds(retry_after)
+        if wait is None:
+            return None
+        return min(wait, self.max_wait)
+
+    def after_error(self, call: "Call[Any]", error: BaseException, retries: int) -> Optional[float]:
+        """The wait before sending ``call`` again when it failed with
+        ``error`` and no answer, after ``retries`` retries so far; None: do
+        not."""
+        if retries >= self.max_retries or not replayable(call.content):
+            return None
+        lost_but_safe = answer_lost(error) and (
+            call.method.upper() in ("GET", "HEAD") or is_keyed_create(call.method, call.path, call.headers)
+        )
+        if not (connect_failed(error) or lost_but_safe):
+            return None
+        return min(self.backoff * 2**retries, self.max_wait)
 
 
 def compact(**fields: Any) -> Dict[str, Any]:
@@ -231,6 +363,7 @@ __all__ = [
     "EventDecoder",
     "JsonEventDecoder",
     "Preview",
+    "RetryPolicy",
     "RunboxError",
     "exec_body",
     "resolve",

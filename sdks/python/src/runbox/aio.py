@@ -3,13 +3,27 @@ every call awaitable, streams as async iterators."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
 
 import httpx
 
 from . import _calls as calls
-from ._core import Call, EventDecoder, JsonEventDecoder, exec_body, file_path, process_path, resolve, run_path
+from ._core import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_MAX_RETRY_WAIT,
+    STREAM_TIMEOUT,
+    Call,
+    EventDecoder,
+    JsonEventDecoder,
+    RetryPolicy,
+    exec_body,
+    file_path,
+    process_path,
+    resolve,
+    run_path,
+)
 from ._errors import RunboxError, StreamEnded, error_from
 from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
 from ._session import MAX_MESSAGE, control, decode_frame, headers, ws_url
@@ -95,7 +109,8 @@ async def _open_session(base: str, token: Optional[str], path: str, start: Optio
 
 
 class AsyncRunbox:
-    """An async connection to one runbox daemon; see :class:`runbox.Runbox`."""
+    """An async connection to one runbox daemon; see :class:`runbox.Runbox`
+    (the same arguments, the same retries of what is safe to repeat)."""
 
     def __init__(
         self,
@@ -104,8 +119,11 @@ class AsyncRunbox:
         *,
         timeout: float = 60.0,
         http: Optional[httpx.AsyncClient] = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT,
     ) -> None:
         self.url, self._token = resolve(url, token)
+        self._retry = RetryPolicy(max_retries, max_retry_wait)
         hdrs = {"User-Agent": "runbox-python/0.1"}
         if self._token:
             hdrs["Authorization"] = f"Bearer {self._token}"
@@ -125,35 +143,67 @@ class AsyncRunbox:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _do(self, call: Call[Any]) -> Any:
-        try:
-            response = await self._http.request(
+    async def _open(self, call: Call[Any], stream: bool = False) -> httpx.Response:
+        """Sends ``call``, again as long as the retry policy allows, and
+        returns its successful answer (unread when ``stream``: close it).
+        Raises the error an unsuccessful answer carries, and httpx's error
+        when no answer came."""
+        retries = 0
+        while True:
+            request = self._http.build_request(
                 call.method,
                 call.path,
                 json=call.json,
                 params=call.params,
                 content=call.content,
                 headers=call.headers,
+                timeout=STREAM_TIMEOUT if stream else httpx.USE_CLIENT_DEFAULT,
             )
+            try:
+                response = await self._http.send(request, stream=stream)
+            except httpx.HTTPError as e:
+                wait = self._retry.after_error(call, e, retries)
+                if wait is None:
+                    raise
+            else:
+                if response.status_code < 300:
+                    return response
+                if stream:
+                    try:
+                        await response.aread()
+                    finally:
+                        await response.aclose()
+                wait = self._retry.after_answer(call, response.status_code, response.headers.get("Retry-After"), retries)
+                if wait is None:
+                    raise error_from(response.status_code, response.content, response.reason_phrase)
+            retries += 1
+            await asyncio.sleep(wait)
+
+    async def _send(self, call: Call[Any]) -> httpx.Response:
+        try:
+            return await self._open(call)
         except httpx.HTTPError as e:
             raise RunboxError(0, "unreachable", f"cannot reach runbox at {self.url}: {e}") from e
-        if response.status_code >= 300:
-            raise error_from(response.status_code, response.content, response.reason_phrase)
+
+    async def _do(self, call: Call[Any]) -> Any:
+        response = await self._send(call)
         if call.empty or not response.content:
             return None
         return call.parse(response.json())
 
     async def _stream(self, method: str, path: str, decoder: EventDecoder, **kwargs: Any) -> AsyncIterator[Any]:
         try:
-            async with self._http.stream(method, path, timeout=httpx.Timeout(None, connect=10.0), **kwargs) as response:
-                if response.status_code >= 300:
-                    await response.aread()
-                    raise error_from(response.status_code, response.content, response.reason_phrase)
+            # Sent again only until it is answered: once events flow, a
+            # broken stream is the caller's to judge.
+            response = await self._open(Call(method, path, **kwargs), stream=True)
+            try:
                 async for chunk in response.aiter_raw():
                     for event in decoder.feed(chunk):
                         yield event
                     if decoder.done:
                         return
+            finally:
+                await response.aclose()
         except httpx.HTTPError as e:
             raise StreamEnded(f"the stream broke: {e}") from e
         if not isinstance(decoder, JsonEventDecoder):
@@ -277,13 +327,7 @@ class AsyncRunbox:
         return await self._get_bytes(f"{run_path(run_id)}/files/{file_path(path)}")
 
     async def _get_bytes(self, url_path: str) -> bytes:
-        try:
-            response = await self._http.get(url_path)
-        except httpx.HTTPError as e:
-            raise RunboxError(0, "unreachable", str(e)) from e
-        if response.status_code >= 300:
-            raise error_from(response.status_code, response.content, response.reason_phrase)
-        return response.content
+        return (await self._send(Call("GET", url_path))).content
 
     async def stat(self, run_id: str, path: str = "") -> FileInfo:
         return await self._do(calls.stat(run_id, path))

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import httpx
 
 from . import _calls as calls
-from ._core import Call, EventDecoder, JsonEventDecoder, exec_body, process_path, resolve, run_path
+from ._core import (
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_MAX_RETRY_WAIT,
+    STREAM_TIMEOUT,
+    Call,
+    EventDecoder,
+    JsonEventDecoder,
+    RetryPolicy,
+    exec_body,
+    process_path,
+    resolve,
+    run_path,
+)
 from ._errors import RunboxError, StreamEnded, error_from
 from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
 from ._session import Session, open_session
@@ -21,6 +34,16 @@ class Runbox:
     ``url`` and ``token`` default to ``RUNBOX_URL`` and ``RUNBOX_TOKEN``, then
     to ``http://127.0.0.1:7439`` and the daemon's token file. Use it as a
     context manager, or call :meth:`close`.
+
+    Calls that are safe to repeat are sent again, up to ``max_retries``
+    more times (0 turns this off): any call whose connection could not be
+    made (after 0.2, 0.4, 0.8 s); a GET or a create whose answer was lost
+    on the way; a GET, DELETE or create answered ``429`` or ``503`` with
+    ``Retry-After`` (the node at capacity, a tenant at its quota, a
+    draining node), after that many seconds but at most
+    ``max_retry_wait``. Creates carry a fresh ``Idempotency-Key``, reused
+    on their retries, so a repeat never makes a second run. When the
+    retries run out, the last error is raised.
     """
 
     def __init__(
@@ -30,8 +53,11 @@ class Runbox:
         *,
         timeout: float = 60.0,
         http: Optional[httpx.Client] = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        max_retry_wait: float = DEFAULT_MAX_RETRY_WAIT,
     ) -> None:
         self.url, self._token = resolve(url, token)
+        self._retry = RetryPolicy(max_retries, max_retry_wait)
         headers = {"User-Agent": "runbox-python/0.1"}
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
@@ -55,35 +81,67 @@ class Runbox:
 
     # -- plumbing ---------------------------------------------------------
 
-    def _do(self, call: Call[Any]) -> Any:
-        try:
-            response = self._http.request(
+    def _open(self, call: Call[Any], stream: bool = False) -> httpx.Response:
+        """Sends ``call``, again as long as the retry policy allows, and
+        returns its successful answer (unread when ``stream``: close it).
+        Raises the error an unsuccessful answer carries, and httpx's error
+        when no answer came."""
+        retries = 0
+        while True:
+            request = self._http.build_request(
                 call.method,
                 call.path,
                 json=call.json,
                 params=call.params,
                 content=call.content,
                 headers=call.headers,
+                timeout=STREAM_TIMEOUT if stream else httpx.USE_CLIENT_DEFAULT,
             )
+            try:
+                response = self._http.send(request, stream=stream)
+            except httpx.HTTPError as e:
+                wait = self._retry.after_error(call, e, retries)
+                if wait is None:
+                    raise
+            else:
+                if response.status_code < 300:
+                    return response
+                if stream:
+                    try:
+                        response.read()
+                    finally:
+                        response.close()
+                wait = self._retry.after_answer(call, response.status_code, response.headers.get("Retry-After"), retries)
+                if wait is None:
+                    raise error_from(response.status_code, response.content, response.reason_phrase)
+            retries += 1
+            time.sleep(wait)
+
+    def _send(self, call: Call[Any]) -> httpx.Response:
+        try:
+            return self._open(call)
         except httpx.HTTPError as e:
             raise RunboxError(0, "unreachable", f"cannot reach runbox at {self.url}: {e}") from e
-        if response.status_code >= 300:
-            raise error_from(response.status_code, response.content, response.reason_phrase)
+
+    def _do(self, call: Call[Any]) -> Any:
+        response = self._send(call)
         if call.empty or not response.content:
             return None
         return call.parse(response.json())
 
     def _stream(self, method: str, path: str, decoder: EventDecoder, **kwargs: Any) -> Iterator[Any]:
         try:
-            with self._http.stream(method, path, timeout=httpx.Timeout(None, connect=10.0), **kwargs) as response:
-                if response.status_code >= 300:
-                    response.read()
-                    raise error_from(response.status_code, response.content, response.reason_phrase)
+            # Sent again only until it is answered: once events flow, a
+            # broken stream is the caller's to judge.
+            response = self._open(Call(method, path, **kwargs), stream=True)
+            try:
                 for chunk in response.iter_raw():
                     for event in decoder.feed(chunk):
                         yield event
                     if decoder.done:
                         return
+            finally:
+                response.close()
         except httpx.HTTPError as e:
             raise StreamEnded(f"the stream broke: {e}") from e
         if isinstance(decoder, JsonEventDecoder):
@@ -109,7 +167,8 @@ class Runbox:
         ``allow_privilege_escalation`` (setuid programs such as sudo work;
         only where runs have a user namespace), ``volumes`` (a list of
         ``{"name", "path"?, "mode"?}``, mode ``rw`` or ``ro``),
-        ``idempotency_key``; ``checkpoint`` (an id) instead of ``image``
+        ``idempotency_key`` (default: a fresh one, which this call's retries
+        reuse); ``checkpoint`` (an id) instead of ``image``
         starts the run from a checkpoint. Without either, the image is
         ``base``."""
         return self._do(calls.create_run(image, **kwargs))
@@ -257,13 +316,7 @@ class Runbox:
         return self._get_bytes(f"{run_path(run_id)}/files/{file_path(path)}")
 
     def _get_bytes(self, url_path: str) -> bytes:
-        try:
-            response = self._http.get(url_path)
-        except httpx.HTTPError as e:
-            raise RunboxError(0, "unreachable", str(e)) from e
-        if response.status_code >= 300:
-            raise error_from(response.status_code, response.content, response.reason_phrase)
-        return response.content
+        return self._send(Call("GET", url_path)).content
 
     def stat(self, run_id: str, path: str = "") -> FileInfo:
         return self._do(calls.stat(run_id, path))
