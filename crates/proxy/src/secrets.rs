@@ -156,6 +156,12 @@ impl SecretPolicy {
     }
 }
 
+/// The longest header name a secret may name (real ones are far shorter).
+const MAX_HEADER_NAME: usize = 128;
+
+/// The longest scheme a secret's value may be sent with (`Bearer`, `token`).
+const MAX_SCHEME: usize = 64;
+
 /// A policy's parsed parts.
 struct CheckedPolicy {
     header: HeaderName,
@@ -173,6 +179,13 @@ fn check_policy(spec: &SecretPolicy) -> Result<CheckedPolicy, String> {
         );
     }
 
+    if spec.header.len() > MAX_HEADER_NAME {
+        return Err(format!(
+            "the header name is {} bytes long; at most {MAX_HEADER_NAME} are allowed",
+            spec.header.len()
+        ));
+    }
+    // An RFC 9110 token (`http` refuses anything else).
     let header = HeaderName::from_bytes(spec.header.as_bytes()).map_err(|_| {
         format!(
             "header {:?} is not a valid HTTP header name; write e.g. Authorization",
@@ -187,6 +200,12 @@ fn check_policy(spec: &SecretPolicy) -> Result<CheckedPolicy, String> {
     }
 
     if let Some(scheme) = &spec.scheme {
+        if scheme.len() > MAX_SCHEME {
+            return Err(format!(
+                "the scheme is {} bytes long; at most {MAX_SCHEME} are allowed",
+                scheme.len()
+            ));
+        }
         if !is_token(scheme) {
             return Err(format!(
                 "scheme {scheme:?} must be a single word without spaces, e.g. Bearer; \
@@ -312,9 +331,12 @@ impl Secret {
         if value.is_empty() {
             return Err(fail(format!("{origin} is empty")));
         }
-        if value.contains(['\r', '\n', '\0']) {
+        // No control character at all (RFC 9110 allows a tab inside a
+        // field value; no credential holds one, and a tab or DEL is more
+        // likely a paste gone wrong than part of the secret).
+        if let Some(c) = value.chars().find(|c| c.is_control()) {
             return Err(fail(format!(
-                "{origin} contains a line break or NUL, which cannot go in a header"
+                "{origin} contains the control character {c:?}, which cannot go in a header"
             )));
         }
         let text = match &policy.scheme {
@@ -604,6 +626,13 @@ mod tests {
             s.header = header.into();
             assert!(reason(s).contains("managed by the proxy"), "{header:?}");
         }
+        // A token, but no header anyone sends: bounded.
+        let mut s = spec();
+        s.header = "X".repeat(10_000);
+        assert!(reason(s).contains("at most 128"));
+        let mut s = spec();
+        s.scheme = Some("B".repeat(65));
+        assert!(reason(s).contains("at most 64"));
     }
 
     #[test]
@@ -643,14 +672,20 @@ mod tests {
         assert!(missing.reason.contains("RUNBOX_GH_TOKEN is not set"));
         let empty = Secret::load(spec(), |_| Some(String::new())).unwrap_err();
         assert!(empty.reason.contains("RUNBOX_GH_TOKEN is empty"));
-        for bad in ["abc\r\nX-Evil: 1", "abc\n", "a\0b"] {
+        // Every control character, a tab and DEL included.
+        for bad in [
+            "abc\r\nX-Evil: 1",
+            "abc\n",
+            "a\0b",
+            "abc\tdef",
+            "abc\x7f",
+            "a\x01b",
+            "ab\u{85}c",
+        ] {
             let err = Secret::load(spec(), |_| Some(bad.to_string())).unwrap_err();
-            assert!(err.reason.contains("line break or NUL"), "{bad:?}");
-            assert!(!err.to_string().contains("abc"));
+            assert!(err.reason.contains("control character"), "{bad:?}: {err}");
+            assert!(!err.to_string().contains("abc"), "{err}");
         }
-        let err = Secret::load(spec(), |_| Some("a\x01b".to_string())).unwrap_err();
-        assert!(err.reason.contains("not allowed in an HTTP header"));
-        assert!(!err.to_string().contains("a\x01b"));
     }
 
     fn policy() -> SecretPolicy {
@@ -671,7 +706,8 @@ mod tests {
         assert_eq!(secret.name(), "GH_TOKEN");
         let err = Secret::new(policy(), "a\nb", "the value").unwrap_err();
         assert!(
-            err.reason.starts_with("the value contains a line break"),
+            err.reason
+                .starts_with("the value contains the control character"),
             "{err}"
         );
         assert!(Secret::new(policy(), "", "the value")

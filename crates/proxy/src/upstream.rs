@@ -61,12 +61,38 @@ impl fmt::Debug for Upstream {
     }
 }
 
+/// The host of an upstream proxy URL as it is written, once the URL is
+/// known to be written whole: `scheme://`, with no whitespace or control
+/// character anywhere (`url`, reading as a browser does, drops tabs and
+/// line breaks, and takes `http:host` for `http://host`).
+fn written_host(raw: &str) -> Result<&str, String> {
+    if let Some(c) = raw.chars().find(|c| c.is_control() || c.is_whitespace()) {
+        return Err(format!(
+            "the upstream proxy URL holds {c:?}; write it without spaces or control characters"
+        ));
+    }
+    let Some((_, rest)) = raw.split_once("://") else {
+        return Err(
+            "the upstream proxy is not a URL; write scheme://[user:password@]host:port".to_owned(),
+        );
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    Ok(match host_port.strip_prefix('[') {
+        Some(v6) => v6
+            .split_once(']')
+            .map_or(host_port, |(h, _)| &host_port[..h.len() + 2]),
+        None => host_port.rsplit_once(':').map_or(host_port, |(h, _)| h),
+    })
+}
+
 impl Upstream {
     /// Parses `http://[user[:password]@]host:port` or
     /// `socks5://[user[:password]@]host:port` (`socks5h://` is the same:
     /// names always go to the upstream). The error never quotes the
     /// password.
     pub fn parse(raw: &str) -> Result<Upstream, String> {
+        let written = written_host(raw)?;
         let url = url::Url::parse(raw).map_err(|e| {
             format!(
                 "the upstream proxy is not a URL ({e}); write scheme://[user:password@]host:port"
@@ -87,6 +113,39 @@ impl Upstream {
             Some(url::Host::Ipv6(ip)) => ip.to_string(),
             None => return Err("the upstream proxy has no host".to_owned()),
         };
+        // The host as read must be the host as written: `url` takes
+        // `127.1` and `0x7f.1` for 127.0.0.1 on http://, and decodes
+        // percent-escapes and IDNA in names; a proxy's address is not
+        // guessed at.
+        let as_written = written
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(written)
+            .trim_end_matches('.')
+            .to_ascii_lowercase();
+        let numeric = host
+            .rsplit('.')
+            .next()
+            .is_some_and(|label| !label.is_empty() && label.bytes().all(|b| b.is_ascii_digit()));
+        // (socks5:// is not a scheme `url` knows, so its addresses come back
+        // as names: one in Rust's strict dotted form is an address.)
+        let dotted = host.parse::<std::net::Ipv4Addr>().is_ok();
+        if matches!(url.host(), Some(url::Host::Domain(_))) && numeric && !dotted {
+            return Err(format!(
+                "the upstream proxy's host {as_written:?} is neither a name nor an IPv4 address \
+                 in four dotted parts"
+            ));
+        }
+        let same = match url.host() {
+            Some(url::Host::Ipv6(ip)) => as_written.parse::<std::net::Ipv6Addr>() == Ok(ip),
+            _ => as_written == host,
+        };
+        if !same {
+            return Err(format!(
+                "the upstream proxy's host {as_written:?} is not written as itself (it reads as \
+                 {host}); write the name or the address as it is, e.g. 10.0.0.1 or proxy.corp"
+            ));
+        }
         // A proxy's port is never obvious, so it must be written; `url`
         // hides an explicit `:80` on http:// as the scheme's default.
         let port = match url.port() {
@@ -402,6 +461,20 @@ mod tests {
             "socks5://:hunter2@proxy:1080",
             "socks5://u:hunter2%0a@proxy:1080",
             "not a url",
+            // Not written whole: `url` would guess.
+            "http:proxy:3128",
+            "http:/proxy:3128",
+            "http://pro\txy:3128",
+            "http://proxy\r\n:3128",
+            " http://proxy:3128",
+            "http://proxy:3128 ",
+            "http://127.1:3128",
+            "http://0x7f.0.0.1:3128",
+            "http://0177.0.0.1:3128",
+            "socks5://127.1:1080",
+            "socks5://10.0.0.010:1080",
+            "http://pro%78y:3128",
+            "http://b\u{fc}cher.example:3128",
         ] {
             let err = Upstream::parse(bad).unwrap_err();
             assert!(!err.contains("hunter2"), "{bad}: {err}");
