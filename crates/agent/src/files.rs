@@ -11,16 +11,18 @@
 //!    create each missing parent one component at a time (each step
 //!    resolved beneath the work directory again, so a symlink planted along
 //!    the way is judged by the kernel).
-//! 2. Create `.runbox-upload-<random>` next to the target with `O_EXCL`,
-//!    and write each data chunk to it as it arrives.
-//! 3. On `commit`, rename it over the target. `rename` replaces a symlink
-//!    at the final name rather than following it, so the target name cannot
-//!    redirect the write.
+//! 2. Create an unnamed file (`O_TMPFILE`) in the target's directory (where
+//!    the filesystem cannot, `.runbox-upload-<random>` with `O_EXCL`), and
+//!    write each data chunk to it as it arrives.
+//! 3. On `commit`, link it into place (over an existing target: link it
+//!    under a temporary name and rename that over the target). `rename`
+//!    replaces a symlink at the final name rather than following it, so the
+//!    target name cannot redirect the write.
 //!
 //! Cancellation rule: if the call ends in any other way — stream ended
 //! without commit, a stream error, or the handler future being dropped
-//! because the client went away — [`TempFile`]'s `Drop` unlinks the
-//! temporary file, so nothing is written.
+//! because the client went away — [`TempFile`]'s `Drop` lets the unnamed
+//! file go (or unlinks the named one), so nothing is written.
 //!
 //! Reading opens the file beneath the work directory, checks it is a
 //! regular file, and streams exactly the size it had when opened.

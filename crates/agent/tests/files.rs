@@ -266,24 +266,27 @@ async fn cancelled_write_removes_the_temp_file() {
     let call = tokio::spawn(async move { client.write_file(ReceiverStream::new(rx)).await });
 
     let deadline = tokio::time::Instant::now() + PATIENCE;
-    while temp_files(&agent.work).is_empty() {
+    while !agent.writing_into(&agent.work) {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "no temp file appeared"
+            "the write never began"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // Mid-write, the file has no name: nothing to see, nothing to leave.
+    assert!(temp_files(&agent.work).is_empty());
     call.abort();
     drop(tx);
 
     let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !temp_files(&agent.work).is_empty() {
+    while agent.writing_into(&agent.work) {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "temp file left behind"
+            "the write was never dropped"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    assert!(temp_files(&agent.work).is_empty());
     assert!(!agent.path("cancelled").exists());
 }
 

@@ -485,19 +485,80 @@ pub fn read_unsized(file: File, rel: &RelPath) -> Result<Vec<u8>, FileError> {
     Ok(contents)
 }
 
-/// A temporary upload file that is removed unless committed.
+/// A temporary upload file that leaves nothing behind unless committed.
+///
+/// Where the filesystem can, it has no name at all (`O_TMPFILE`): a writer
+/// that dies mid-write (the daemon killed during a volume upload, say)
+/// leaves only an unlinked inode, which the kernel frees, and never a
+/// `.runbox-upload-...` entry that listings, quotas and clones would see.
+/// [`TempFile::commit`] links it into place. Elsewhere (a filesystem
+/// without `O_TMPFILE`, or no `/proc` to link through) it is a dot-named
+/// file beside the target that `Drop` unlinks.
 #[derive(Debug)]
 pub struct TempFile {
     /// The directory that holds both the temporary file and the target.
     parent: OwnedFd,
-    name: String,
+    temp: Temp,
     committed: bool,
 }
 
+#[derive(Debug)]
+enum Temp {
+    /// An `O_TMPFILE` inode, by a descriptor of its own.
+    Unnamed(OwnedFd),
+    /// A file named in `parent`.
+    Named(String),
+}
+
 impl TempFile {
-    /// Renames the temporary file over the target name; with `replace`
-    /// false an existing target is refused (`Exists`) and left alone.
+    /// Puts the temporary file at the target name; with `replace` false
+    /// an existing target is refused (`Exists`) and left alone.
     pub fn commit(mut self, rel: &RelPath, replace: bool) -> Result<(), FileError> {
+        let named = match &self.temp {
+            Temp::Named(name) => name.clone(),
+            Temp::Unnamed(fd) => {
+                // Linked through /proc (`AT_EMPTY_PATH` needs a
+                // capability a run's agent may not have).
+                let path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(fd));
+                let link = |name: &str| {
+                    rustix::fs::linkat(
+                        rustix::fs::CWD,
+                        path.as_str(),
+                        &self.parent,
+                        name,
+                        AtFlags::SYMLINK_FOLLOW,
+                    )
+                };
+                match link(rel.file_name()) {
+                    Ok(()) => {
+                        self.committed = true;
+                        return Ok(());
+                    }
+                    Err(Errno::EXIST) if !replace => {
+                        return Err(FileError::Exists {
+                            path: rel.original().to_owned(),
+                        })
+                    }
+                    // Replacing needs a rename, so the file gets a name of
+                    // its own for as long as that takes: two system calls,
+                    // once every byte is written.
+                    Err(Errno::EXIST) => {
+                        let name = (0..TEMP_ATTEMPTS)
+                            .map(|_| format!("{TEMP_PREFIX}{:016x}", random_u64()))
+                            .find_map(|name| match link(&name) {
+                                Ok(()) => Some(Ok(name)),
+                                Err(Errno::EXIST) => None,
+                                Err(errno) => Some(Err(errno)),
+                            })
+                            .unwrap_or(Err(Errno::EXIST))
+                            .map_err(|e| FileError::from_errno(e, "link into", rel.original()))?;
+                        self.temp = Temp::Named(name.clone());
+                        name
+                    }
+                    Err(errno) => return Err(commit_error(errno, rel, replace)),
+                }
+            }
+        };
         let flags = if replace {
             RenameFlags::empty()
         } else {
@@ -505,35 +566,57 @@ impl TempFile {
         };
         rustix::fs::renameat_with(
             &self.parent,
-            &self.name,
+            named.as_str(),
             &self.parent,
             rel.file_name(),
             flags,
         )
-        .map_err(|errno| match errno {
-            Errno::EXIST if !replace => FileError::Exists {
-                path: rel.original().to_owned(),
-            },
-            // The target became a directory after the early check.
-            Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => FileError::NotAFile {
-                path: rel.original().to_owned(),
-                what: "a directory",
-            },
-            other => FileError::from_errno(other, "rename into", rel.original()),
-        })?;
+        .map_err(|errno| commit_error(errno, rel, replace))?;
         self.committed = true;
         Ok(())
     }
 }
 
+/// What a failed link or rename onto the target means for the caller.
+fn commit_error(errno: Errno, rel: &RelPath, replace: bool) -> FileError {
+    match errno {
+        Errno::EXIST if !replace => FileError::Exists {
+            path: rel.original().to_owned(),
+        },
+        // The target became a directory after the early check.
+        Errno::ISDIR | Errno::NOTEMPTY | Errno::EXIST => FileError::NotAFile {
+            path: rel.original().to_owned(),
+            what: "a directory",
+        },
+        other => FileError::from_errno(other, "rename into", rel.original()),
+    }
+}
+
 impl Drop for TempFile {
     fn drop(&mut self) {
-        if !self.committed {
+        if let (false, Temp::Named(name)) = (self.committed, &self.temp) {
             // Best effort: if this fails the file stays hidden under its
-            // dot-name and holds no committed data.
-            let _ = rustix::fs::unlinkat(&self.parent, &self.name, AtFlags::empty());
+            // dot-name and holds no committed data. An unnamed one needs
+            // nothing: closing its last descriptor frees it.
+            let _ = rustix::fs::unlinkat(&self.parent, name.as_str(), AtFlags::empty());
         }
     }
+}
+
+/// An unnamed file in `parent` (`O_TMPFILE`), where the filesystem makes
+/// one and `/proc` is there to link it through; None where not.
+fn unnamed_temp(parent: &OwnedFd) -> Option<OwnedFd> {
+    if !std::path::Path::new("/proc/self/fd").is_dir() {
+        return None;
+    }
+    // Without O_EXCL: a committed file may be linked into place.
+    rustix::fs::openat(
+        parent,
+        ".",
+        OFlags::WRONLY | OFlags::TMPFILE | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .ok()
 }
 
 /// How a file is written, beyond its path and contents.
@@ -576,6 +659,17 @@ pub fn create_temp(
         0 => DEFAULT_FILE_MODE,
         mode => mode,
     };
+    if let Some(fd) = unnamed_temp(&parent) {
+        let keep = rustix::io::fcntl_dupfd_cloexec(&fd, 0)
+            .map_err(|errno| FileError::from_errno(errno, "create a file for", rel.original()))?;
+        let temp = TempFile {
+            parent,
+            temp: Temp::Unnamed(keep),
+            committed: false,
+        };
+        prepare_temp(&fd, rel, new, mode)?;
+        return Ok((temp, File::from(fd)));
+    }
     for _ in 0..TEMP_ATTEMPTS {
         let name = format!("{TEMP_PREFIX}{:016x}", random_u64());
         // O_EXCL with O_CREAT never follows a symlink at the name, and the
@@ -600,27 +694,10 @@ pub fn create_temp(
         };
         let temp = TempFile {
             parent,
-            name,
+            temp: Temp::Named(name),
             committed: false,
         };
-        // The mode is applied exactly: the process's umask is an accident
-        // of how it was started and must not change the result.
-        if let Some(owner) = new.owner {
-            rustix::fs::fchown(
-                &fd,
-                Some(rustix::process::Uid::from_raw(owner.uid)),
-                Some(rustix::process::Gid::from_raw(owner.gid)),
-            )
-            .map_err(|errno| FileError::from_errno(errno, "set the owner of", rel.original()))?;
-        }
-        // After the chown, which clears set-id bits (none are set anyway).
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))
-            .map_err(|errno| FileError::from_errno(errno, "set the mode of", rel.original()))?;
-        if let Some(xattrs) = new.xattrs {
-            crate::xattrs::set(&fd, xattrs).map_err(|errno| {
-                FileError::from_errno(errno, "set the extended attributes of", rel.original())
-            })?;
-        }
+        prepare_temp(&fd, rel, new, mode)?;
         return Ok((temp, File::from(fd)));
     }
     Err(FileError::Io {
@@ -628,6 +705,30 @@ pub fn create_temp(
         path: rel.original().to_owned(),
         source: Errno::EXIST.into(),
     })
+}
+
+/// Gives a new temporary file its owner, exact mode and extended
+/// attributes.
+fn prepare_temp(fd: &OwnedFd, rel: &RelPath, new: NewFile<'_>, mode: u32) -> Result<(), FileError> {
+    // The mode is applied exactly: the process's umask is an accident of
+    // how it was started and must not change the result.
+    if let Some(owner) = new.owner {
+        rustix::fs::fchown(
+            fd,
+            Some(rustix::process::Uid::from_raw(owner.uid)),
+            Some(rustix::process::Gid::from_raw(owner.gid)),
+        )
+        .map_err(|errno| FileError::from_errno(errno, "set the owner of", rel.original()))?;
+    }
+    // After the chown, which clears set-id bits (none are set anyway).
+    rustix::fs::fchmod(fd, Mode::from_raw_mode(mode))
+        .map_err(|errno| FileError::from_errno(errno, "set the mode of", rel.original()))?;
+    if let Some(xattrs) = new.xattrs {
+        crate::xattrs::set(fd, xattrs).map_err(|errno| {
+            FileError::from_errno(errno, "set the extended attributes of", rel.original())
+        })?;
+    }
+    Ok(())
 }
 
 /// Opens the directory that will hold `rel`, creating missing parents.
@@ -717,6 +818,8 @@ fn random_u64() -> u64 {
 
 #[cfg(test)]
 mod tests {
+    use std::io::Write as _;
+
     use super::*;
 
     #[test]
@@ -724,5 +827,68 @@ mod tests {
         let a = random_u64();
         let b = random_u64();
         assert_ne!(a, b);
+    }
+
+    /// The names in `dir`, sorted.
+    fn names(dir: &std::path::Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_write_has_no_name_until_it_is_committed() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = WorkDir::new(dir.path().to_owned());
+        let rel = work.parse("a.txt").unwrap();
+        let (temp, mut file) = create_temp(&work, &rel, NewFile::default()).unwrap();
+        file.write_all(b"first").unwrap();
+        // Mid-write, nothing is listed (a writer killed now leaves nothing).
+        assert_eq!(names(dir.path()), Vec::<String>::new());
+        temp.commit(&rel, false).unwrap();
+        assert_eq!(names(dir.path()), ["a.txt"]);
+        assert_eq!(std::fs::read(dir.path().join("a.txt")).unwrap(), b"first");
+        let meta = std::fs::metadata(dir.path().join("a.txt")).unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+            DEFAULT_FILE_MODE
+        );
+
+        // Replacing: the old contents until the commit, the new after, and
+        // no other name left.
+        let (temp, mut file) = create_temp(&work, &rel, NewFile::default()).unwrap();
+        file.write_all(b"second").unwrap();
+        assert_eq!(std::fs::read(dir.path().join("a.txt")).unwrap(), b"first");
+        temp.commit(&rel, true).unwrap();
+        assert_eq!(std::fs::read(dir.path().join("a.txt")).unwrap(), b"second");
+        assert_eq!(names(dir.path()), ["a.txt"]);
+
+        // Without replace an existing target is refused and kept.
+        let (temp, mut file) = create_temp(&work, &rel, NewFile::default()).unwrap();
+        file.write_all(b"third").unwrap();
+        let refused = temp.commit(&rel, false).unwrap_err();
+        assert!(matches!(refused, FileError::Exists { .. }), "{refused}");
+        assert_eq!(std::fs::read(dir.path().join("a.txt")).unwrap(), b"second");
+        assert_eq!(names(dir.path()), ["a.txt"]);
+
+        // Dropped uncommitted: nothing.
+        let other = work.parse("b.txt").unwrap();
+        let (temp, mut file) = create_temp(&work, &other, NewFile::default()).unwrap();
+        file.write_all(b"never").unwrap();
+        drop((temp, file));
+        assert_eq!(names(dir.path()), ["a.txt"]);
+
+        // A directory at the target is refused either way.
+        std::fs::create_dir(dir.path().join("d")).unwrap();
+        let d = work.parse("d/x").unwrap();
+        let (temp, _) = create_temp(&work, &d, NewFile::default()).unwrap();
+        std::fs::remove_dir(dir.path().join("d")).ok();
+        drop(temp);
+        let d = work.parse("d").unwrap();
+        std::fs::create_dir_all(dir.path().join("d")).unwrap();
+        assert!(create_temp(&work, &d, NewFile::default()).is_err());
     }
 }

@@ -812,20 +812,14 @@ async fn files_without_a_run_seed_and_collect_a_volume() {
             .put_volume_file("seed", "slow", &Default::default(), body)
             .await
     });
-    // Under way once its temporary file shows in the volume on the host.
+    // Under way once the daemon holds its (unnamed) file in the volume.
     let stored = daemon
         .state
         .path()
         .join("runs/.volumes")
         .join(c.get_volume("seed").await.unwrap().id.to_string());
     let began = runbox_e2e::eventually(std::time::Duration::from_secs(20), || {
-        upload.is_finished()
-            || std::fs::read_dir(&stored).unwrap().any(|e| {
-                e.unwrap()
-                    .file_name()
-                    .to_string_lossy()
-                    .starts_with(".runbox-upload-")
-            })
+        upload.is_finished() || writing_into(daemon.pid(), &stored)
     })
     .await;
     assert!(
@@ -1244,4 +1238,94 @@ async fn a_create_with_volumes_takes_a_pool_member_and_mounts_into_it() {
             "no loop device is left"
         );
     }
+}
+
+/// Whether process `pid` holds a file open for writing in `dir` (an upload
+/// under way: its file has no name there until it is committed).
+fn writing_into(pid: u32, dir: &std::path::Path) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    fds.flatten().any(|fd| {
+        std::fs::read_link(fd.path()).is_ok_and(|target| target.starts_with(dir))
+            && std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                fd.file_name().to_string_lossy()
+            ))
+            .is_ok_and(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("flags:"))
+                    .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                    .is_some_and(|flags| flags & 0o3 != 0)
+            })
+    })
+}
+
+/// A volume write cut by a daemon crash leaves no name behind: nothing
+/// listed, nothing for a run or a clone to see; the file written before is
+/// whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_cut_by_a_crash_leaves_nothing_behind() {
+    let mut daemon = TestDaemon::start(None).await;
+    let v = volume(&daemon, "crash", None).await;
+    let c = daemon.client.clone();
+    c.put_volume_file(
+        "crash",
+        "kept.txt",
+        &Default::default(),
+        b"before".to_vec().into(),
+    )
+    .await
+    .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(1);
+    tx.send(Ok(bytes::Bytes::from(vec![7u8; 1 << 20])))
+        .await
+        .unwrap();
+    let chunks = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    let body = runbox_client::UploadBody::from_stream(chunks, None);
+    let client = c.clone();
+    // Over the file already there, and a new one beside it.
+    let upload = tokio::spawn(async move {
+        client
+            .put_volume_file("crash", "kept.txt", &Default::default(), body)
+            .await
+    });
+    let stored = daemon
+        .state
+        .path()
+        .join("runs/.volumes")
+        .join(v.id.to_string());
+    let began = runbox_e2e::eventually(std::time::Duration::from_secs(20), || {
+        writing_into(daemon.pid(), &stored)
+    })
+    .await;
+    assert!(began && !upload.is_finished(), "the upload is under way");
+    daemon.kill9();
+    drop(tx);
+    let _ = upload.await;
+    daemon.spawn().await;
+    let on_disk: Vec<String> = std::fs::read_dir(&stored)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(on_disk, ["kept.txt"], "in the volume on the host");
+    let listed: Vec<String> = daemon
+        .client
+        .volume_list("crash", "", 1)
+        .await
+        .unwrap()
+        .entries
+        .into_iter()
+        .map(|e| e.path)
+        .collect();
+    assert_eq!(listed, ["/kept.txt"]);
+    let kept = daemon
+        .client
+        .get_volume_file("crash", "kept.txt")
+        .await
+        .unwrap();
+    assert_eq!(kept.bytes().await.unwrap().as_ref(), b"before");
+    daemon.client.delete_volume("crash").await.unwrap();
 }

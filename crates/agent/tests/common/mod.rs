@@ -37,6 +37,27 @@ pub struct TestAgent {
 }
 
 impl TestAgent {
+    /// Whether the agent holds a file open for writing in `dir`: an upload
+    /// under way (its file has no name until it is committed).
+    pub fn writing_into(&self, dir: &Path) -> bool {
+        let pid = self.child.id();
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+            return false;
+        };
+        fds.flatten().any(|fd| {
+            let name = fd.file_name().to_string_lossy().into_owned();
+            let flags = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{name}"))
+                .ok()
+                .and_then(|info| {
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("flags:"))
+                        .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+                });
+            std::fs::read_link(fd.path()).is_ok_and(|target| target.starts_with(dir))
+                && flags.is_some_and(|flags| flags & 0o3 != 0)
+        })
+    }
+
     /// Starts an agent that binds its own socket (`--socket`) and waits
     /// until it answers `Hello`.
     pub async fn start() -> Self {
