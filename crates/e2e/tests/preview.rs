@@ -179,9 +179,24 @@ async fn a_server_in_a_none_run_is_reachable_through_its_preview_url_only() {
     let closed = c.mint_preview(&id, 9999, None).await.unwrap();
     let response = http().get(&closed.url).send().await.unwrap();
     assert_eq!(response.status(), 502);
-    assert_eq!(
-        error_code(&response.text().await.unwrap()),
-        "port_unreachable"
+    let text = response.text().await.unwrap();
+    assert_eq!(error_code(&text), "port_unreachable");
+    // Said as it is: the caller's situation, not the server's fault.
+    assert!(
+        text.contains(&format!(
+            "nothing accepts connections on port 9999 in run {id}"
+        )),
+        "{text}"
+    );
+    let logged: Vec<String> = daemon
+        .log()
+        .lines()
+        .filter(|l| l.contains("port_unreachable") && l.contains("ERROR"))
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        logged.is_empty(),
+        "logged as the server's error: {logged:?}"
     );
     for (port, ttl, code) in [
         (0u16, None, ErrorCode::BadPort),
@@ -327,6 +342,7 @@ async fn port_forward_carries_bytes_both_ways() {
     // Refusals before the upgrade.
     let err = c.connect_port(&id, 9999, None).await.unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::PortUnreachable));
+    assert!(err.to_string().contains("port 9999"), "{err}");
     let err = c
         .connect_port(&ulid::Ulid::new().to_string(), 9001, None)
         .await

@@ -45,22 +45,33 @@ impl From<CoreError> for ApiError {
     fn from(e: CoreError) -> ApiError {
         let code = e.code();
         if code.status() >= 500 {
-            tracing::error!(error = %runbox_core::runs::error_chain(&e), code = %code, "request failed");
+            let chain = runbox_core::runs::error_chain(&e);
             let message = match code {
-                ErrorCode::AgentUnavailable => {
-                    "the run's agent did not answer as expected; see the server log"
-                }
-                // Not runbox's fault, and the message is what the user needs.
-                ErrorCode::Draining
-                | ErrorCode::RegistryError
-                | ErrorCode::CheckpointStoreUnavailable => {
+                // The caller's situation, not a fault of runbox's (nothing
+                // listens on the port, the node is cordoned): said as it
+                // is, and not an error in the server's log.
+                ErrorCode::PortUnreachable | ErrorCode::Draining => {
+                    tracing::info!(error = %chain, code = %code, "request refused");
                     return ApiError {
                         code,
                         message: e.to_string(),
-                    }
+                    };
+                }
+                // A service runbox depends on: the message is what the
+                // user needs.
+                ErrorCode::RegistryError | ErrorCode::CheckpointStoreUnavailable => {
+                    tracing::warn!(error = %chain, code = %code, "request failed");
+                    return ApiError {
+                        code,
+                        message: e.to_string(),
+                    };
+                }
+                ErrorCode::AgentUnavailable => {
+                    "the run's agent did not answer as expected; see the server log"
                 }
                 _ => "internal error; see the server log",
             };
+            tracing::error!(error = %chain, code = %code, "request failed");
             return ApiError {
                 code,
                 message: message.to_owned(),
