@@ -117,3 +117,56 @@ fn every_reference_resolves_and_every_operation_has_an_id() {
     }
     assert_eq!(value["openapi"], "3.1.0");
 }
+
+/// docs/api.md's contents list every numbered section, in order, with
+/// the anchor its heading gets.
+#[test]
+fn the_api_docs_contents_match_their_sections() {
+    let doc = include_str!("../../../docs/api.md");
+    let headings: Vec<&str> = doc
+        .lines()
+        .filter_map(|l| l.strip_prefix("## "))
+        .filter(|h| h.chars().next().is_some_and(|c| c.is_ascii_digit()))
+        .collect();
+    let anchor = |heading: &str| {
+        heading
+            .to_lowercase()
+            .chars()
+            .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-')
+            .map(|c| if c == ' ' { '-' } else { c })
+            .collect::<String>()
+    };
+    let contents: Vec<(String, String)> = doc
+        .split("Contents:")
+        .nth(1)
+        .expect("a contents list")
+        .lines()
+        .skip_while(|l| l.trim().is_empty())
+        .take_while(|l| !l.trim().is_empty())
+        .map(|l| {
+            let title = l
+                .split('[')
+                .nth(1)
+                .and_then(|r| r.split(']').next())
+                .unwrap();
+            let link = l
+                .split("](#")
+                .nth(1)
+                .and_then(|r| r.split(')').next())
+                .unwrap();
+            (title.to_owned(), link.to_owned())
+        })
+        .collect();
+    assert_eq!(
+        contents.len(),
+        headings.len(),
+        "{contents:?} vs {headings:?}"
+    );
+    for ((title, link), heading) in contents.iter().zip(&headings) {
+        assert!(
+            heading.ends_with(title.as_str()),
+            "{title:?} vs {heading:?}"
+        );
+        assert_eq!(*link, anchor(heading), "{heading:?}");
+    }
+}
