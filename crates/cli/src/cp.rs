@@ -154,7 +154,7 @@ fn parse_side(arg: &str) -> anyhow::Result<Side> {
 
 /// Confines a remote path to `/work` and normalises it; returns the path
 /// relative to `/work` and whether it was written as a directory.
-fn remote_path(raw: &str) -> anyhow::Result<(String, bool)> {
+pub(crate) fn remote_path(raw: &str) -> anyhow::Result<(String, bool)> {
     let relative = match raw.strip_prefix('/') {
         None => raw,
         Some(absolute) => match absolute.strip_prefix("work") {

@@ -17,7 +17,7 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{Implementation, ServerCapabilities, ServerConfig};
 use rmcp::{tool, tool_handler, tool_router, ServerHandler, ServiceExt};
 use runbox_client::{Client, ClientError};
-use runbox_types::{CreateRunRequest, Env, ExecRequest, ForkRequest, NetworkTier};
+use runbox_types::{CreateRunRequest, Env, ErrorCode, ExecRequest, ForkRequest, NetworkTier};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -137,15 +137,32 @@ pub struct Tools {
 }
 
 /// A runbox refusal as the tool's error text: the stable code first.
+/// Every tool error reads `<code>: <message>`, the code runbox's own
+/// (docs/api.md, Errors), whether the daemon or the tool refused.
 fn refused(err: ClientError) -> String {
     match err.code() {
         Some(code) => format!("{}: {err}", code.as_str()),
-        None => err.to_string(),
+        // No answer from the daemon at all (as the SDKs name it).
+        None => format!("unreachable: {err}"),
     }
 }
 
+/// A refusal by the tool itself, in the shape of [`refused`].
+fn invalid(code: ErrorCode, message: impl std::fmt::Display) -> String {
+    format!("{}: {message}", code.as_str())
+}
+
 fn to_json<T: serde::Serialize>(value: &T) -> Result<String, String> {
-    serde_json::to_string_pretty(value).map_err(|e| e.to_string())
+    serde_json::to_string_pretty(value).map_err(|e| invalid(ErrorCode::Internal, e))
+}
+
+/// A path in a run as the tools take it, the way `runbox cp` does: under
+/// `/work` (`/work/a.txt`) or relative to it (`a.txt`); answers it relative
+/// to `/work`.
+fn work_path(raw: &str) -> Result<String, String> {
+    crate::cp::remote_path(raw)
+        .map(|(path, _)| path)
+        .map_err(|e| invalid(ErrorCode::BadPath, e))
 }
 
 /// A command line as the tools run it: through `sh -c`.
@@ -206,7 +223,7 @@ pub struct Exec {
 pub struct FilePath {
     /// The run's id
     pub run: String,
-    /// A path relative to /work
+    /// A path under /work: /work/a.txt or a.txt
     pub path: String,
 }
 
@@ -214,7 +231,7 @@ pub struct FilePath {
 pub struct WriteFile {
     /// The run's id
     pub run: String,
-    /// A path relative to /work; parents are made
+    /// A path under /work (/work/a.txt or a.txt); parents are made
     pub path: String,
     /// The file's new content (text)
     pub content: String,
@@ -224,7 +241,7 @@ pub struct WriteFile {
 pub struct ListFiles {
     /// The run's id
     pub run: String,
-    /// A directory relative to /work (default: /work itself)
+    /// A directory under /work (/work/src or src; default: /work itself)
     pub path: Option<String>,
     /// How many levels down (default 1)
     pub depth: Option<u32>,
@@ -275,8 +292,12 @@ fn parse<T: for<'de> Deserialize<'de>>(
     raw: Option<String>,
 ) -> Result<Option<T>, String> {
     raw.map(|v| {
-        serde_json::from_value(Value::String(v.clone()))
-            .map_err(|_| format!("{what} {v:?} is not one runbox knows"))
+        serde_json::from_value(Value::String(v.clone())).map_err(|_| {
+            invalid(
+                ErrorCode::BadRequest,
+                format!("{what} {v:?} is not one runbox knows"),
+            )
+        })
     })
     .transpose()
 }
@@ -295,8 +316,12 @@ impl Tools {
         let checkpoint = p
             .checkpoint
             .map(|c| {
-                c.parse::<ulid::Ulid>()
-                    .map_err(|_| format!("checkpoint {c:?} is not a checkpoint id"))
+                c.parse::<ulid::Ulid>().map_err(|_| {
+                    invalid(
+                        ErrorCode::BadRequest,
+                        format!("checkpoint {c:?} is not a checkpoint id"),
+                    )
+                })
             })
             .transpose()?;
         let image = match (p.image, &checkpoint) {
@@ -382,13 +407,12 @@ impl Tools {
         }))
     }
 
-    #[tool(description = "Read a text file under /work in a run (at most 1 MiB).")]
+    #[tool(
+        description = "Read a text file under /work in a run (at most 1 MiB); the path is /work/... or relative to /work."
+    )]
     async fn read_file(&self, Parameters(p): Parameters<FilePath>) -> Result<String, String> {
-        let download = self
-            .client
-            .get_file(&p.run, &p.path)
-            .await
-            .map_err(refused)?;
+        let path = work_path(&p.path)?;
+        let download = self.client.get_file(&p.run, &path).await.map_err(refused)?;
         let bytes = download.bytes().await.map_err(refused)?;
         let (content, cut) = text(&bytes, MAX_READ);
         if cut {
@@ -400,22 +424,24 @@ impl Tools {
         Ok(content)
     }
 
-    #[tool(description = "Write a text file under /work in a run, replacing what is there.")]
+    #[tool(
+        description = "Write a text file under /work in a run, replacing what is there; the path is /work/... or relative to /work."
+    )]
     async fn write_file(&self, Parameters(p): Parameters<WriteFile>) -> Result<String, String> {
+        let path = work_path(&p.path)?;
         let len = p.content.len();
         self.client
-            .put_file(&p.run, &p.path, Bytes::from(p.content).into())
+            .put_file(&p.run, &path, Bytes::from(p.content).into())
             .await
             .map_err(refused)?;
-        Ok(format!(
-            "wrote {len} bytes to /work/{}",
-            p.path.trim_start_matches('/')
-        ))
+        Ok(format!("wrote {len} bytes to /work/{path}"))
     }
 
-    #[tool(description = "List a directory under /work in a run.")]
+    #[tool(
+        description = "List a directory under /work in a run; the path is /work/... or relative to /work (default: /work itself)."
+    )]
     async fn list_files(&self, Parameters(p): Parameters<ListFiles>) -> Result<String, String> {
-        let path = p.path.unwrap_or_default();
+        let path = work_path(p.path.as_deref().unwrap_or(""))?;
         let list = self
             .client
             .list_dir(&p.run, &path, p.depth.unwrap_or(1))

@@ -102,6 +102,16 @@ async fn a_stdio_session_drives_runs_end_to_end() {
             "write_file"
         ]
     );
+    // docs/mcp.md lists exactly these.
+    let doc = std::fs::read_to_string(runbox_e2e::workspace_root().join("docs/mcp.md")).unwrap();
+    let mut documented: Vec<String> = doc
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect();
+    documented.sort();
+    assert_eq!(documented, tools, "docs/mcp.md's tool table");
 
     let run = ok(
         &session,
@@ -173,6 +183,28 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     assert_eq!(text(&read), "alpha\n");
     let listing = ok(&session, "list_files", json!({"run": id, "depth": 2})).await;
     assert!(listing.to_string().contains("src/a.txt"), "{listing}");
+    // Paths under /work written as runbox cp takes them: absolute too.
+    let wrote = call(
+        &session,
+        "write_file",
+        json!({"run": id, "path": "/work/src/b.txt", "content": "beta\n"}),
+    )
+    .await;
+    assert_eq!(text(&wrote), "wrote 5 bytes to /work/src/b.txt");
+    let read = call(
+        &session,
+        "read_file",
+        json!({"run": id, "path": "/work/src/b.txt"}),
+    )
+    .await;
+    assert_eq!(text(&read), "beta\n");
+    let listing = ok(
+        &session,
+        "list_files",
+        json!({"run": id, "path": "/work/src"}),
+    )
+    .await;
+    assert!(listing.to_string().contains("src/b.txt"), "{listing}");
     // A checkpoint, and a run started from it.
     let checkpoint = ok(&session, "checkpoint_run", json!({"run": id})).await;
     let from = ok(
@@ -241,17 +273,45 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     )
     .await;
     assert!(msg.contains("not_found"), "{msg}");
+    // Every refusal reads `<code>: <message>`, the tool's own as the daemon's.
     let msg = refused(
         &session,
         "read_file",
         json!({"run": id, "path": "../etc/passwd"}),
     )
     .await;
-    assert!(msg.contains("path"), "{msg}");
+    assert!(msg.starts_with("bad_path: "), "{msg}");
+    let msg = refused(
+        &session,
+        "read_file",
+        json!({"run": id, "path": "/etc/passwd"}),
+    )
+    .await;
+    assert!(
+        msg.starts_with("bad_path: ") && msg.contains("outside /work"),
+        "{msg}"
+    );
+    let msg = refused(
+        &session,
+        "list_files",
+        json!({"run": id, "path": "/workspace"}),
+    )
+    .await;
+    assert!(msg.starts_with("bad_path: "), "{msg}");
     let msg = refused(&session, "create_run", json!({"network": "sideways"})).await;
-    assert!(msg.contains("sideways"), "{msg}");
+    assert!(
+        msg.starts_with("bad_request: ") && msg.contains("sideways"),
+        "{msg}"
+    );
     let msg = refused(&session, "create_run", json!({"image": "no-such-image"})).await;
-    assert!(msg.contains("image"), "{msg}");
+    assert!(msg.starts_with("image_not_found: "), "{msg}");
+    let msg = refused(
+        &session,
+        "read_file",
+        json!({"run": id, "path": "nope.txt"}),
+    )
+    .await;
+    assert!(msg.starts_with("file_not_found: "), "{msg}");
     let bad = session
         .call_tool(CallToolRequestParams::new("exec").with_arguments(serde_json::Map::new()))
         .await;
