@@ -58,7 +58,7 @@ use clap::{Parser, Subcommand};
                   after the subcommand name (`runbox ls --url http://host:7439`), or from \
                   RUNBOX_URL, RUNBOX_TOKEN and RUNBOX_STATE_DIR. Without a token the client reads \
                   <state-dir>/token, which `runbox serve` writes.\n\n\
-                  Logging goes to stderr; set RUST_LOG (e.g. RUST_LOG=debug) for more."
+                  Logging goes to stderr; set RUNBOX_LOG (e.g. RUNBOX_LOG=debug) for more."
 )]
 struct Cli {
     #[command(subcommand)]

@@ -581,12 +581,14 @@ fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
                     Some(lease) => format!("{} (gen {})", lease.holder, lease.generation),
                     None => "-".to_owned(),
                 },
+                // The operator's own runs have none.
+                run.tenant.clone().unwrap_or_else(|| "-".to_owned()),
             ]
         })
         .collect();
     table::render(
         &[
-            "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "DISK", "EXPIRES", "LEASE",
+            "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "DISK", "EXPIRES", "LEASE", "TENANT",
         ],
         &rows,
     )
@@ -951,10 +953,11 @@ mod tests {
             restarted_at: None,
             archived_at: None,
             archive_error: None,
-            tenant: None,
+            tenant: Some("acme".to_owned()),
             token: None,
         };
         let text = runs_table(&[run], now);
+        assert!(text.lines().next().unwrap().ends_with("TENANT"), "{text}");
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 2);
         assert!(lines[0].starts_with("ID "));
@@ -968,6 +971,7 @@ mod tests {
             "3.0 MiB/10 GiB",
             "in 30m00s",
             "alice (gen 4)",
+            "acme",
         ] {
             assert!(
                 lines[1].contains(cell),
