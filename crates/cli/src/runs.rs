@@ -343,6 +343,10 @@ pub struct LsArgs {
     /// Print the run list as JSON
     #[arg(long)]
     pub json: bool,
+    /// Only runs with this label: KEY=VALUE, or KEY for any value (repeat:
+    /// every one must hold)
+    #[arg(long = "label", short = 'l', value_name = "KEY[=VALUE]")]
+    pub labels: Vec<String>,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -555,7 +559,8 @@ async fn create(args: CreateArgs) -> anyhow::Result<ExitCode> {
 /// `runbox ls`.
 pub async fn ls(args: LsArgs) -> anyhow::Result<ExitCode> {
     let conn = args.conn.connect()?;
-    let list = conn.check(conn.client.list_runs().await)?;
+    let selector: Vec<&str> = args.labels.iter().map(String::as_str).collect();
+    let list = conn.check(conn.client.list_runs_labelled(&selector).await)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&list)?);
     } else {

@@ -185,7 +185,15 @@ impl Client {
 
     /// `GET /v1/runs`: every run on the node.
     pub async fn list_runs(&self) -> Result<RunList, ClientError> {
-        let resp = self.send(self.request(Method::GET, "/v1/runs")).await?;
+        self.list_runs_labelled(&[]).await
+    }
+
+    /// `GET /v1/runs?label=...`: the runs whose labels match every term of
+    /// `selector`, each `KEY=VALUE` (the label has that value) or `KEY`
+    /// (the label is set).
+    pub async fn list_runs_labelled(&self, selector: &[&str]) -> Result<RunList, ClientError> {
+        let path = format!("/v1/runs{}", paths::label_query(selector));
+        let resp = self.send(self.request(Method::GET, &path)).await?;
         json(resp).await
     }
 
@@ -297,11 +305,17 @@ impl Client {
 
     /// `GET /v1/checkpoints`.
     pub async fn list_checkpoints(&self) -> Result<runbox_types::CheckpointList, ClientError> {
-        json(
-            self.send(self.request(Method::GET, "/v1/checkpoints"))
-                .await?,
-        )
-        .await
+        self.list_checkpoints_labelled(&[]).await
+    }
+
+    /// `GET /v1/checkpoints?label=...`, filtered as
+    /// [`Client::list_runs_labelled`] is.
+    pub async fn list_checkpoints_labelled(
+        &self,
+        selector: &[&str],
+    ) -> Result<runbox_types::CheckpointList, ClientError> {
+        let path = format!("/v1/checkpoints{}", paths::label_query(selector));
+        json(self.send(self.request(Method::GET, &path)).await?).await
     }
 
     /// `GET /v1/checkpoints/{id}`.

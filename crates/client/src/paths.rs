@@ -53,6 +53,18 @@ pub(crate) fn query_value(value: &str) -> String {
     utf8_percent_encode(value, SEGMENT).to_string()
 }
 
+/// The query string of a list's label selector (empty without terms).
+pub(crate) fn label_query(selector: &[&str]) -> String {
+    let terms: Vec<String> = selector
+        .iter()
+        .map(|term| format!("label={}", query_value(term)))
+        .collect();
+    match terms.is_empty() {
+        true => String::new(),
+        false => format!("?{}", terms.join("&")),
+    }
+}
+
 /// The query string of a file write under a lease.
 pub(crate) fn lease_query(owner: &str, generation: u64) -> String {
     format!(

@@ -809,3 +809,90 @@ async fn another_tenants_run_is_out_of_reach_in_every_spelling() {
         root.delete_run(&id.to_string()).await.unwrap();
     }
 }
+
+/// A label selector on the run list: a client-side manager asks for
+/// exactly its own runs (`KEY=VALUE` and `KEY` terms, all required), and a
+/// tenant's selector never reaches past its own runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_label_selector_lists_exactly_the_runs_it_names() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token = tenant(root, "acme", TenantPolicy::default()).await;
+    let a = Client::new(&daemon.url, &token).unwrap();
+    let labelled = |pairs: &[(&str, &str)]| CreateRunRequest {
+        labels: Some(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).into(), (*v).into()))
+                .collect(),
+        ),
+        ..create("base")
+    };
+    let mine = a
+        .create_run(&labelled(&[("team", "a"), ("job", "x")]))
+        .await
+        .unwrap();
+    let other_job = a.create_run(&labelled(&[("team", "a")])).await.unwrap();
+    let other_team = a.create_run(&labelled(&[("team", "b")])).await.unwrap();
+    // The operator's run with the same labels: never in the tenant's list.
+    let roots = root
+        .create_run(&labelled(&[("team", "a"), ("job", "x")]))
+        .await
+        .unwrap();
+    let ids = |list: runbox_types::RunList| {
+        let mut ids: Vec<String> = list.runs.iter().map(|r| r.id.to_string()).collect();
+        ids.sort();
+        ids
+    };
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    let cases: [(&[&str], Vec<String>); 5] = [
+        (
+            &["team=a"],
+            sorted(vec![mine.id.to_string(), other_job.id.to_string()]),
+        ),
+        (&["team=a", "job"], vec![mine.id.to_string()]),
+        (&["job=x"], vec![mine.id.to_string()]),
+        (&["team=c"], vec![]),
+        (
+            &[],
+            sorted(vec![
+                mine.id.to_string(),
+                other_job.id.to_string(),
+                other_team.id.to_string(),
+            ]),
+        ),
+    ];
+    for (selector, want) in cases {
+        let got = ids(a.list_runs_labelled(selector).await.unwrap());
+        assert_eq!(got, want, "{selector:?}");
+    }
+    // Root sees both tenants' matches.
+    assert_eq!(
+        ids(root.list_runs_labelled(&["team=a", "job=x"]).await.unwrap()),
+        sorted(vec![mine.id.to_string(), roots.id.to_string()])
+    );
+    // Malformed selectors are refused, not ignored.
+    for (query, code) in [
+        ("label=bad%20key", "bad_labels"),
+        ("label=", "bad_labels"),
+        ("team=a", "bad_request"),
+        ("labels=team%3Da", "bad_request"),
+    ] {
+        let (status, text) = raw_request(
+            &daemon.url,
+            "GET",
+            &format!("/v1/runs?{query}"),
+            &token,
+            b"",
+        )
+        .await;
+        assert_eq!(status, 400, "{query}: {text}");
+        assert!(text.contains(code), "{query}: {text}");
+    }
+    for run in [mine, other_job, other_team, roots] {
+        root.delete_run(&run.id.to_string()).await.unwrap();
+    }
+}

@@ -307,17 +307,69 @@ pub(crate) fn with_token<S: RunService>(state: &AppState<S>, mut run: Run) -> Ru
 /// The header that makes a create safe to retry.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
-/// `GET /v1/runs`.
+/// The most `label` terms one list takes.
+const MAX_SELECTOR_TERMS: usize = 64;
+
+/// A list's label selector: `?label=key=value` (the label has that value)
+/// and `?label=key` (the label is set, to anything), every term required.
+/// Anything else in the query is refused, not ignored.
+#[derive(Debug, Default)]
+pub(crate) struct LabelSelector(Vec<(String, Option<String>)>);
+
+impl LabelSelector {
+    /// Parses a list route's query string.
+    pub(crate) fn parse(query: Option<&str>) -> Result<LabelSelector, ApiError> {
+        let mut terms = Vec::new();
+        for (key, value) in form_urlencoded::parse(query.unwrap_or("").as_bytes()) {
+            if key != "label" {
+                return Err(ApiError::new(
+                    ErrorCode::BadRequest,
+                    format!(
+                        "this list takes only label=KEY or label=KEY=VALUE in its query, not {:?}",
+                        key.chars().take(64).collect::<String>()
+                    ),
+                ));
+            }
+            let (key, value) = match value.split_once('=') {
+                Some((k, v)) => (k.to_owned(), Some(v.to_owned())),
+                None => (value.into_owned(), None),
+            };
+            // The grammar of the labels themselves.
+            let probe = [(key.clone(), value.clone().unwrap_or_default())].into();
+            runbox_core::validate::labels(&probe)?;
+            terms.push((key, value));
+        }
+        if terms.len() > MAX_SELECTOR_TERMS {
+            return Err(ApiError::new(
+                ErrorCode::BadLabels,
+                format!("at most {MAX_SELECTOR_TERMS} label terms in one selector"),
+            ));
+        }
+        Ok(LabelSelector(terms))
+    }
+
+    /// Whether `labels` satisfy every term.
+    pub(crate) fn matches(&self, labels: &std::collections::BTreeMap<String, String>) -> bool {
+        self.0.iter().all(|(key, value)| match value {
+            Some(value) => labels.get(key) == Some(value),
+            None => labels.contains_key(key),
+        })
+    }
+}
+
+/// `GET /v1/runs[?label=...]`.
 pub async fn list_runs<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
-) -> Json<RunList> {
+    RawQuery(query): RawQuery,
+) -> Result<Json<RunList>, ApiError> {
+    let selector = LabelSelector::parse(query.as_deref())?;
     let mut runs = state.service.list();
-    runs.retain(|r| caller.sees(r.tenant.as_deref()));
-    Json(RunList {
+    runs.retain(|r| caller.sees(r.tenant.as_deref()) && selector.matches(&r.labels));
+    Ok(Json(RunList {
         server: state.service.server_id().to_owned(),
         runs,
-    })
+    }))
 }
 
 /// `GET /v1/runs/{id}`.
@@ -418,13 +470,15 @@ pub async fn checkpoint_run<S: RunService>(
     Ok((StatusCode::CREATED, Json(checkpoint)).into_response())
 }
 
-/// `GET /v1/checkpoints`.
+/// `GET /v1/checkpoints[?label=...]`.
 pub async fn list_checkpoints<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
+    RawQuery(query): RawQuery,
 ) -> Result<Json<runbox_types::CheckpointList>, ApiError> {
+    let selector = LabelSelector::parse(query.as_deref())?;
     let mut checkpoints = state.service.list_checkpoints().await?;
-    checkpoints.retain(|c| caller.sees(c.tenant.as_deref()));
+    checkpoints.retain(|c| caller.sees(c.tenant.as_deref()) && selector.matches(&c.labels));
     Ok(Json(runbox_types::CheckpointList { checkpoints }))
 }
 

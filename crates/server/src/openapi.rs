@@ -225,6 +225,13 @@ const STDIN_QUERY: &[Query] = &[
 
 const ATTACH_QUERY: &[Query] = &[REPLAY, OWNER, GENERATION];
 
+/// A list's label selector (`?label=team=a&label=job`).
+const LABEL_QUERY: &[Query] = &[(
+    "label",
+    Kind::Str,
+    "KEY=VALUE (the label has that value) or KEY (the label is set); repeat it, every term must hold",
+)];
+
 /// Every route of the API router, in the order `docs/api.md` lists them.
 fn operations() -> Vec<Op> {
     use HttpMethod::{Delete, Get, Patch, Post, Put};
@@ -244,7 +251,7 @@ fn operations() -> Vec<Op> {
         op(Get, "/health", "health", "Whether the daemon serves; needs no token", Nothing, 200, Json("Health")),
         op(Get, "/v1/openapi.json", "openapi", "This document; needs no token", Nothing, 200, OutBytes("application/json")),
         op(Post, "/v1/runs", "createRun", "Create a run (an Idempotency-Key header makes a retry safe)", Body("CreateRunRequest"), 201, Json("Run")),
-        op(Get, "/v1/runs", "listRuns", "Every run", Nothing, 200, Json("RunList")),
+        Op { query: LABEL_QUERY, ..op(Get, "/v1/runs", "listRuns", "Every run the caller may see, those whose labels match when a selector is given", Nothing, 200, Json("RunList")) },
         op(Get, "/v1/runs/{id}", "getRun", "One run", Nothing, 200, Json("Run")),
         op(Delete, "/v1/runs/{id}", "deleteRun", "Destroy a run", Nothing, 204, Empty),
         op(Post, "/v1/runs/{id}/renew", "renewRun", "Set a run's expiry to now + ttlSec", Body("RenewRequest"), 200, Json("Run")),
@@ -305,7 +312,7 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/snapshots", "listSnapshots", "Every snapshot", Nothing, 200, Json("SnapshotList")),
         Op { query: &[("image", Kind::Str, "the snapshot's image name")], ..op(Delete, "/v1/snapshots", "deleteSnapshotByQuery", "Delete a snapshot named in the query", Nothing, 204, Empty) },
         op(Delete, "/v1/snapshots/{name}", "deleteSnapshot", "Delete a snapshot", Nothing, 204, Empty),
-        op(Get, "/v1/checkpoints", "listCheckpoints", "Every checkpoint in the store", Nothing, 200, Json("CheckpointList")),
+        Op { query: LABEL_QUERY, ..op(Get, "/v1/checkpoints", "listCheckpoints", "Every checkpoint in the store the caller may see, those whose labels match when a selector is given", Nothing, 200, Json("CheckpointList")) },
         op(Get, "/v1/checkpoints/{id}", "getCheckpoint", "One checkpoint", Nothing, 200, Json("Checkpoint")),
         op(Delete, "/v1/checkpoints/{id}", "deleteCheckpoint", "Delete a checkpoint from the store", Nothing, 204, Empty),
         op(Get, "/v1/pools", "listPools", "The warm pools", Nothing, 200, Json("PoolList")),
@@ -355,6 +362,10 @@ const REPO_PART: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$";
 /// A parameter's schema with the rules the daemon enforces on it: a path
 /// parameter by its name (and, for `name`, by the route it is in), a
 /// query parameter by its name.
+/// One term of a label selector: a label key, then `=` and a value of at
+/// most 256 characters without control characters, or nothing.
+const LABEL_TERM: &str = "^[A-Za-z0-9._/-]{1,63}(=[^\\x00-\\x1f\\x7f-\\x9f]{0,256})?$";
+
 fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
     let schema = ObjectBuilder::new().schema_type(kind.json());
     let range =
@@ -419,7 +430,15 @@ fn query_parameters(op: &Op) -> Vec<Parameter> {
         .map(|(name, kind, description)| {
             // `DELETE /v1/snapshots` names its snapshot only in the query.
             let required = op.id == "deleteSnapshotByQuery" && *name == "image";
-            ParameterBuilder::new()
+            let builder = ParameterBuilder::new();
+            let builder = if *name == "label" {
+                builder
+                    .style(Some(utoipa::openapi::path::ParameterStyle::Form))
+                    .explode(Some(true))
+            } else {
+                builder
+            };
+            builder
                 .name(*name)
                 .parameter_in(ParameterIn::Query)
                 .required(if required {
@@ -428,7 +447,23 @@ fn query_parameters(op: &Op) -> Vec<Parameter> {
                     utoipa::openapi::Required::False
                 })
                 .description(Some(*description))
-                .schema(Some(parameter_schema(name, op.path, *kind)))
+                .schema(Some(if *name == "label" {
+                    // Repeated: `?label=a&label=b`.
+                    RefOr::T(Schema::Array(
+                        utoipa::openapi::schema::ArrayBuilder::new()
+                            .items(
+                                ObjectBuilder::new()
+                                    .schema_type(Type::String)
+                                    .pattern(Some(LABEL_TERM)),
+                            )
+                            .max_items(Some(64))
+                            .build(),
+                    ))
+                } else {
+                    RefOr::T(Schema::Object(
+                        parameter_schema(name, op.path, *kind).build(),
+                    ))
+                }))
                 .build()
         })
         .collect()

@@ -1821,3 +1821,23 @@ async fn every_spelling_of_an_id_is_authorised_as_the_run_it_names() {
         wrong.join("\n")
     );
 }
+
+/// The lists that take a label selector refuse what is not one.
+#[tokio::test]
+async fn label_selectors_are_checked_on_every_list_that_takes_one() {
+    for list in ["/v1/runs", "/v1/checkpoints"] {
+        for (query, status, want) in [
+            ("?label=team=a&label=job", 200, ""),
+            ("?label=bad%20key", 400, "bad_labels"),
+            ("?label=", 400, "bad_labels"),
+            ("?team=a", 400, "bad_request"),
+            ("?label=k=%01", 400, "bad_labels"),
+        ] {
+            let (got, body) = authed("GET", &format!("{list}{query}"), "").await;
+            assert_eq!(got.as_u16(), status, "{list}{query}: {body}");
+            if status != 200 {
+                assert_eq!(code(&body), want, "{list}{query}");
+            }
+        }
+    }
+}

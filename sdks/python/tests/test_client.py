@@ -18,6 +18,11 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
         assert run.labels == {"team": "sdk"}
         assert run.limits.memory_mb > 0
         assert any(r.id == run.id for r in rb.list_runs())
+        # A label selector: exactly the runs it names.
+        assert [r.id for r in rb.list_runs(labels={"team": "sdk"})] == [run.id]
+        assert [r.id for r in rb.list_runs(labels=["team"])] == [run.id]
+        assert rb.list_runs(labels={"team": "other"}) == []
+        assert rb.list_runs(labels={"team": None, "job": None}) == []
         assert rb.get_run(run.id).image == "base"
         renewed = rb.renew_run(run.id, 1200)
         assert renewed.expires_at > run.expires_at

@@ -138,7 +138,18 @@ export interface CreateRunOptions {
   checkpoint?: string;
 }
 
-type Query = Record<string, string | number | boolean | undefined>;
+type Query = Record<string, string | number | boolean | string[] | undefined>;
+
+/** A list's label selector: `{ team: "a", job: null }` (null: the label is
+ * set, to anything) or `["team=a", "job"]`; every term must hold. */
+export type LabelSelector = Record<string, string | null> | string[];
+
+function selectorTerms(labels?: LabelSelector): string[] | undefined {
+  if (!labels) return undefined;
+  if (Array.isArray(labels)) return labels.length ? labels : undefined;
+  const terms = Object.entries(labels).map(([k, v]) => (v === null ? k : `${k}=${v}`));
+  return terms.length ? terms : undefined;
+}
 
 interface Call {
   method: string;
@@ -279,7 +290,10 @@ export class Runbox {
       headers["Content-Type"] = "application/json";
     }
     const url = new URL(this.url + call.path);
-    for (const [k, v] of Object.entries(call.query ?? {})) if (v !== undefined) url.searchParams.set(k, String(v));
+    for (const [k, v] of Object.entries(call.query ?? {})) {
+      if (Array.isArray(v)) for (const item of v) url.searchParams.append(k, item);
+      else if (v !== undefined) url.searchParams.set(k, String(v));
+    }
     const request: RetryRequest = { method: call.method, path: call.path, headers, body };
     const timedOut = () => signal?.aborted && (signal.reason as Error)?.name === "TimeoutError";
     for (let retries = 0; ; retries++) {
@@ -414,8 +428,11 @@ export class Runbox {
     });
   }
 
-  async listRuns(): Promise<Run[]> {
-    return (await this.call<{ runs: Run[] }>({ method: "GET", path: "/v1/runs" })).runs;
+  /** The runs this token may see; with `labels`, only those whose labels
+   * match every term of the selector. */
+  async listRuns(options: { labels?: LabelSelector } = {}): Promise<Run[]> {
+    const query = { label: selectorTerms(options.labels) };
+    return (await this.call<{ runs: Run[] }>({ method: "GET", path: "/v1/runs", query })).runs;
   }
 
   async getRun(runId: string): Promise<Run> {
@@ -784,8 +801,12 @@ export class Runbox {
     return this.call({ method: "GET", path: "/v1/usage", query: { since: options.since, tenant: options.tenant } });
   }
 
-  async listCheckpoints(): Promise<Checkpoint[]> {
-    return (await this.call<{ checkpoints: Checkpoint[] }>({ method: "GET", path: "/v1/checkpoints" })).checkpoints;
+  /** The checkpoints this token may see, filtered by `labels` as
+   * {@link listRuns} is. */
+  async listCheckpoints(options: { labels?: LabelSelector } = {}): Promise<Checkpoint[]> {
+    const query = { label: selectorTerms(options.labels) };
+    return (await this.call<{ checkpoints: Checkpoint[] }>({ method: "GET", path: "/v1/checkpoints", query }))
+      .checkpoints;
   }
 
   async getCheckpoint(id: string): Promise<Checkpoint> {

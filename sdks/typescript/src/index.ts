@@ -3,7 +3,7 @@
  * and streams, the WebSocket interface for interactive sessions.
  */
 export { Runbox, DEFAULT_URL } from "./client.js";
-export type { RunboxOptions, ExecOptions, ProcessOptions, CreateRunOptions, Command } from "./client.js";
+export type { RunboxOptions, ExecOptions, ProcessOptions, CreateRunOptions, Command, LabelSelector } from "./client.js";
 export { Session } from "./session.js";
 export type { WebSocketConstructor, WebSocketLike } from "./session.js";
 export {

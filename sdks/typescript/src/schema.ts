@@ -52,7 +52,7 @@ export interface paths {
             cookie?: never;
         };
         /**
-         * Every checkpoint in the store
+         * Every checkpoint in the store the caller may see, those whose labels match when a selector is given
          * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
          */
         get: operations["listCheckpoints"];
@@ -272,7 +272,7 @@ export interface paths {
             cookie?: never;
         };
         /**
-         * Every run
+         * Every run the caller may see, those whose labels match when a selector is given
          * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
          */
         get: operations["listRuns"];
@@ -3378,7 +3378,10 @@ export interface operations {
     };
     listCheckpoints: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description KEY=VALUE (the label has that value) or KEY (the label is set); repeat it, every term must hold */
+                label?: string[];
+            };
             header?: never;
             path?: never;
             cookie?: never;
@@ -3971,7 +3974,10 @@ export interface operations {
     };
     listRuns: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description KEY=VALUE (the label has that value) or KEY (the label is set); repeat it, every term must hold */
+                label?: string[];
+            };
             header?: never;
             path?: never;
             cookie?: never;

@@ -43,6 +43,11 @@ test("health and a run's lifecycle", async () => {
     assert.deepEqual(run.labels, { team: "sdk" });
     assert.ok(run.limits.memoryMb > 0);
     assert.ok((await rb.listRuns()).some((r) => r.id === run.id));
+    // A label selector: exactly the runs it names.
+    assert.deepEqual((await rb.listRuns({ labels: { team: "sdk" } })).map((r) => r.id), [run.id]);
+    assert.deepEqual((await rb.listRuns({ labels: ["team"] })).map((r) => r.id), [run.id]);
+    assert.deepEqual(await rb.listRuns({ labels: { team: "other" } }), []);
+    assert.deepEqual(await rb.listRuns({ labels: { team: null, job: null } }), []);
     assert.equal((await rb.getRun(run.id)).image, "base");
     const renewed = await rb.renewRun(run.id, 1200);
     assert.ok(Date.parse(renewed.expiresAt) > Date.parse(run.expiresAt));

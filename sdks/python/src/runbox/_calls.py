@@ -112,8 +112,21 @@ def update_egress(
     return Call("PATCH", f"{run_path(run_id)}/egress", json=body, parse=Run.from_json)
 
 
-def list_runs() -> Call[List[Run]]:
-    return Call("GET", "/v1/runs", parse=parse_runs)
+def label_selector(labels: Any) -> Optional[Dict[str, List[str]]]:
+    """The query of a list's label selector: ``{"team": "a", "job": None}``
+    (None: the label is set, to anything) or ``["team=a", "job"]``; every
+    term must hold."""
+    if not labels:
+        return None
+    if isinstance(labels, dict):
+        terms = [k if v is None else f"{k}={v}" for k, v in labels.items()]
+    else:
+        terms = [str(t) for t in labels]
+    return {"label": terms}
+
+
+def list_runs(labels: Any = None) -> Call[List[Run]]:
+    return Call("GET", "/v1/runs", params=label_selector(labels), parse=parse_runs)
 
 
 def get_run(run_id: str) -> Call[Run]:
@@ -280,8 +293,13 @@ def checkpoint(run_id: str, labels: Optional[Dict[str, str]] = None) -> Call[Dic
     return Call("POST", f"{run_path(run_id)}/checkpoint", json=compact(labels=labels))
 
 
-def list_checkpoints() -> Call[List[Dict[str, Any]]]:
-    return Call("GET", "/v1/checkpoints", parse=lambda body: list(body["checkpoints"]))
+def list_checkpoints(labels: Any = None) -> Call[List[Dict[str, Any]]]:
+    return Call(
+        "GET",
+        "/v1/checkpoints",
+        params=label_selector(labels),
+        parse=lambda body: list(body["checkpoints"]),
+    )
 
 
 def get_checkpoint(checkpoint_id: str) -> Call[Dict[str, Any]]:

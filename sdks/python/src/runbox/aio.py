@@ -215,8 +215,11 @@ class AsyncRunbox:
     async def create_run(self, image: Optional[str] = None, **kwargs: Any) -> Run:
         return await self._do(calls.create_run(image, **kwargs))
 
-    async def list_runs(self) -> List[Run]:
-        return await self._do(calls.list_runs())
+    async def list_runs(self, labels: Optional[Union[Dict[str, Optional[str]], List[str]]] = None) -> List[Run]:
+        """The runs this token may see; with ``labels`` (``{"team": "a",
+        "job": None}`` or ``["team=a", "job"]``) only those whose labels
+        match every term (None, or a bare key: the label is set)."""
+        return await self._do(calls.list_runs(labels))
 
     async def get_run(self, run_id: str) -> Run:
         return await self._do(calls.get_run(run_id))
@@ -452,8 +455,12 @@ class AsyncRunbox:
         """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
         return await self._do(calls.usage(since, tenant))
 
-    async def list_checkpoints(self) -> List[Dict[str, Any]]:
-        return await self._do(calls.list_checkpoints())
+    async def list_checkpoints(
+        self, labels: Optional[Union[Dict[str, Optional[str]], List[str]]] = None
+    ) -> List[Dict[str, Any]]:
+        """The checkpoints this token may see, filtered by ``labels`` as
+        :meth:`list_runs` is."""
+        return await self._do(calls.list_checkpoints(labels))
 
     async def get_checkpoint(self, checkpoint_id: str) -> Dict[str, Any]:
         return await self._do(calls.get_checkpoint(checkpoint_id))

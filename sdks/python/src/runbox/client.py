@@ -173,8 +173,11 @@ class Runbox:
         ``base``."""
         return self._do(calls.create_run(image, **kwargs))
 
-    def list_runs(self) -> List[Run]:
-        return self._do(calls.list_runs())
+    def list_runs(self, labels: Optional[Union[Dict[str, Optional[str]], List[str]]] = None) -> List[Run]:
+        """The runs this token may see; with ``labels`` (``{"team": "a",
+        "job": None}`` or ``["team=a", "job"]``) only those whose labels
+        match every term (None, or a bare key: the label is set)."""
+        return self._do(calls.list_runs(labels))
 
     def get_run(self, run_id: str) -> Run:
         return self._do(calls.get_run(run_id))
@@ -450,8 +453,12 @@ class Runbox:
         """What each tenant used since ``since`` (RFC 3339, or ``24h``, ``7d``)."""
         return self._do(calls.usage(since, tenant))
 
-    def list_checkpoints(self) -> List[Dict[str, Any]]:
-        return self._do(calls.list_checkpoints())
+    def list_checkpoints(
+        self, labels: Optional[Union[Dict[str, Optional[str]], List[str]]] = None
+    ) -> List[Dict[str, Any]]:
+        """The checkpoints this token may see, filtered by ``labels`` as
+        :meth:`list_runs` is."""
+        return self._do(calls.list_checkpoints(labels))
 
     def get_checkpoint(self, checkpoint_id: str) -> Dict[str, Any]:
         return self._do(calls.get_checkpoint(checkpoint_id))
