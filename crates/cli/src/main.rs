@@ -80,7 +80,8 @@ enum Command {
     /// List a run's processes: running ones, and background ones that ended
     Ps(procs::PsArgs),
     /// Attach to a process: its output (replayed, then live) and your input;
-    /// ^] detaches from a terminal
+    /// ^] detaches from a process on a terminal, otherwise ^C leaves (the
+    /// process keeps running)
     Attach(procs::AttachArgs),
     /// Send a signal to a process (default TERM)
     Kill(procs::KillArgs),

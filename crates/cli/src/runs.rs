@@ -395,7 +395,7 @@ pub struct EgressArgs {
     /// through it keep going
     #[arg(long, value_name = "BOOL")]
     pub socks5: Option<bool>,
-    /// The run's upstream proxy from now on (as `runbox run
+    /// The run's upstream proxy from now on (as `runbox run create
     /// --egress-upstream`); "" removes it
     #[arg(long, value_name = "URL")]
     pub upstream: Option<String>,
@@ -403,7 +403,7 @@ pub struct EgressArgs {
     /// with --secrets-file these replace the run's secrets
     #[arg(long = "secret", value_name = "NAME")]
     pub secrets: Vec<String>,
-    /// Secrets you bring, from a JSON file (see runbox run --help)
+    /// Secrets you bring, from a JSON file (see runbox run create --help)
     #[arg(long = "secrets-file", value_name = "FILE", value_parser = crate::args::parse_secrets_file)]
     pub secrets_files: Vec<crate::args::BroughtSecrets>,
     /// Remove every secret of the run

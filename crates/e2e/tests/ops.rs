@@ -109,6 +109,15 @@ fn the_unit_file_passes_systemd_analyze_verify() {
     ] {
         assert!(unit.contains(needed), "the unit has {needed}");
     }
+    // The config file's log_level governs the level (a reload changes it):
+    // an environment variable in the unit would win over it for good.
+    assert!(
+        !unit
+            .lines()
+            .any(|l| l.starts_with("Environment=RUNBOX_LOG")
+                || l.starts_with("Environment=RUST_LOG")),
+        "the unit sets the log level in its environment"
+    );
     // Verified against the binary these tests built, where it lies.
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("runbox.service");
