@@ -204,3 +204,51 @@ async fn hostile_image_archives_are_refused_and_leave_nothing() {
     );
     assert_eq!(daemon.client.list_images().await.unwrap().images.len(), 1);
 }
+
+/// What the common tools write imports as `docker save` does: skopeo's
+/// `docker-archive:` (layers by digest beside legacy `<id>/layer.tar`
+/// symlinks) and `oci-archive:`, made here by the real skopeo from an OCI
+/// layout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn archives_written_by_skopeo_import() {
+    let daemon = TestDaemon::start(None).await;
+    let scratch = tempfile::tempdir().unwrap();
+    let source = scratch.path().join("source.tar");
+    let layers = vec![lower(), middle(), top()];
+    std::fs::write(&source, oci_layout_tar(&layers, &config())).unwrap();
+    let skopeo = |to: &str| {
+        let out = std::process::Command::new("skopeo")
+            .args([
+                "--insecure-policy",
+                "copy",
+                "--quiet",
+                &format!("oci-archive:{}", source.display()),
+                to,
+            ])
+            .output()
+            .expect("skopeo (installed by scripts/test-registry)");
+        assert!(
+            out.status.success(),
+            "skopeo copy to {to}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let docker = scratch.path().join("docker-archive.tar");
+    skopeo(&format!("docker-archive:{}:test:latest", docker.display()));
+    let oci = scratch.path().join("oci-archive.tar");
+    skopeo(&format!("oci-archive:{}", oci.display()));
+    for (name, file, source) in [
+        ("from-skopeo-docker", &docker, "docker-save"),
+        ("from-skopeo-oci", &oci, "oci-layout"),
+    ] {
+        let image = daemon
+            .client
+            .import_image(name, body(std::fs::read(file).unwrap()))
+            .await
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(image.source, source, "{name}");
+        assert_eq!(image.layers.len(), 3, "{name}");
+        check_image(&daemon, name).await;
+        daemon.client.delete_image(name).await.unwrap();
+    }
+}

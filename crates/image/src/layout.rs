@@ -84,47 +84,60 @@ pub struct StagedImage {
     pub format: &'static str,
 }
 
-/// Extracts a tar stream into `dir` (which must exist and be empty), keeping
-/// only regular files and directories. Entry names must be relative without
-/// `..`; links, devices and anything else are refused, since neither format
-/// needs them and a staging directory must never be a way to reach other
-/// files. Blocking.
+/// Extracts a tar stream into `dir` (which must exist and be empty), as the
+/// tools that write image archives lay them out (`docker save`, `podman
+/// save`, `skopeo copy` to `docker-archive:` or `oci-archive:`, an OCI
+/// layout tarred). Blocking.
+///
+/// Only directories and regular files are ever made below `dir`, so the
+/// staging directory can never be a way to reach other files:
+/// - entry names must be relative without `..` (refused otherwise);
+/// - a link (symbolic or hard) whose target, resolved inside the archive,
+///   is a regular file of the archive becomes a hard link to that staged
+///   file: skopeo and older Docker name a shared layer twice that way. Any
+///   other link (one that leaves the archive, or names a directory or
+///   nothing) is left out; it matters only if the manifest names it, and
+///   [`read_staged`] then says so;
+/// - devices, FIFOs and tar's own global headers are left out: neither
+///   format uses them.
 pub fn stage_archive(reader: impl Read, dir: &Path, max_bytes: u64) -> Result<(), LayoutError> {
     let mut archive = tar::Archive::new(reader);
     let mut total = 0u64;
+    // (the link's path, the path it resolves to), both inside `dir`.
+    let mut links: Vec<(PathBuf, Option<PathBuf>)> = Vec::new();
     for entry in archive.entries().map_err(io_err("reading the archive"))? {
         let mut entry = entry.map_err(io_err("reading the archive"))?;
         let name = entry
             .path()
             .map_err(io_err("reading an entry name"))?
             .into_owned();
-        let mut rel = PathBuf::new();
-        for component in name.components() {
-            match component {
-                Component::Normal(part) => rel.push(part),
-                Component::CurDir => {}
-                _ => {
-                    return Err(LayoutError::Bad(format!(
-                        "entry {} is absolute or contains `..`",
-                        name.display()
-                    )))
-                }
-            }
-        }
+        let rel = inside_archive(Path::new(""), &name).ok_or_else(|| {
+            LayoutError::Bad(format!(
+                "entry {} is absolute or contains `..`",
+                name.display()
+            ))
+        })?;
         let kind = entry.header().entry_type();
         let target = dir.join(&rel);
         if kind.is_dir() {
             fs::create_dir_all(&target).map_err(io_err(format!("creating {}", rel.display())))?;
             continue;
         }
-        if !kind.is_file() {
-            return Err(LayoutError::Bad(format!(
-                "entry {} is not a regular file or directory ({:?})",
-                name.display(),
-                kind
-            )));
+        if kind.is_symlink() || kind.is_hard_link() {
+            let to = entry
+                .link_name()
+                .map_err(io_err(format!("reading the target of {}", rel.display())))?
+                .map(|t| t.into_owned());
+            // A symbolic link is relative to its own directory, a hard
+            // link's target to the archive's top.
+            let base = match kind.is_symlink() {
+                true => rel.parent().unwrap_or(Path::new("")).to_owned(),
+                false => PathBuf::new(),
+            };
+            links.push((rel, to.and_then(|to| inside_archive(&base, &to))));
+            continue;
         }
-        if rel.as_os_str().is_empty() {
+        if !kind.is_file() || rel.as_os_str().is_empty() {
             continue;
         }
         total = total.saturating_add(entry.header().size().unwrap_or(0));
@@ -147,8 +160,56 @@ pub fn stage_archive(reader: impl Read, dir: &Path, max_bytes: u64) -> Result<()
             .map_err(io_err(format!("writing {}", rel.display())))?;
         io::copy(&mut entry, &mut out).map_err(io_err(format!("writing {}", rel.display())))?;
     }
+    // Links last, as their targets may come after them; a link to a link
+    // resolves once its target has (a few rounds at most).
+    for _ in 0..8 {
+        let mut progress = false;
+        for (link, to) in &mut links {
+            let Some(source) = to.as_ref().map(|t| dir.join(t)) else {
+                continue;
+            };
+            let is_file = fs::symlink_metadata(&source).is_ok_and(|m| m.file_type().is_file());
+            let made = dir.join(&*link);
+            if !is_file || fs::symlink_metadata(&made).is_ok() {
+                continue;
+            }
+            if let Some(parent) = made.parent() {
+                fs::create_dir_all(parent)
+                    .map_err(io_err(format!("creating the parent of {}", link.display())))?;
+            }
+            fs::hard_link(&source, &made).map_err(io_err(format!("linking {}", link.display())))?;
+            *to = None;
+            progress = true;
+        }
+        if !progress {
+            break;
+        }
+    }
     Ok(())
 }
+
+/// `name` taken from `base` inside an archive, normalised: None when it is
+/// absolute or climbs above the archive's top.
+fn inside_archive(base: &Path, name: &Path) -> Option<PathBuf> {
+    let mut out = base.to_owned();
+    for component in name.components() {
+        match component {
+            Component::Normal(part) => out.push(part),
+            Component::CurDir => {}
+            Component::ParentDir => {
+                if !out.pop() {
+                    return None;
+                }
+            }
+            Component::RootDir | Component::Prefix(_) => return None,
+        }
+    }
+    Some(out)
+}
+
+/// What to tell someone whose archive could not be read as an image.
+const FORMS: &str = "runbox imports `docker save` and `podman save` output, `skopeo copy ... \
+     docker-archive:FILE` or `oci-archive:FILE`, and an OCI image layout (a directory or its tar)";
 
 /// The platform to pick from a multi-platform layout.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -227,9 +288,10 @@ pub fn read_staged(dir: &Path, platform: &Platform) -> Result<StagedImage, Layou
     if dir.join("manifest.json").is_file() {
         return read_docker_save(dir);
     }
-    Err(LayoutError::Unknown(
-        "found neither index.json + oci-layout (an OCI layout) nor manifest.json (a `docker save` tarball)".into(),
-    ))
+    Err(LayoutError::Unknown(format!(
+        "found neither index.json + oci-layout (an OCI layout) nor manifest.json (a `docker save` \
+         tarball); {FORMS}"
+    )))
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(
@@ -261,6 +323,24 @@ fn blob_path(dir: &Path, digest: &str) -> Result<PathBuf, LayoutError> {
     let hex = crate::store::digest_hex(digest)
         .map_err(|_| LayoutError::Bad(format!("digest {digest:?} is not a sha256 digest")))?;
     Ok(dir.join("blobs").join("sha256").join(hex))
+}
+
+/// The staged blob `digest` of an OCI layout, which must be there.
+fn staged_blob(dir: &Path, digest: &str) -> Result<PathBuf, LayoutError> {
+    let path = blob_path(dir, digest)?;
+    held(&path, &format!("the layout names blob {digest}"))?;
+    Ok(path)
+}
+
+/// Checks that the archive holds `path` as a file; `names` says who named it.
+fn held(path: &Path, names: &str) -> Result<(), LayoutError> {
+    if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file()) {
+        return Ok(());
+    }
+    Err(LayoutError::Bad(format!(
+        "{names}, which the archive does not hold as a file (links that leave the archive or \
+         name a directory are not followed); {FORMS}"
+    )))
 }
 
 /// `sha256:<hex>` of a file's bytes.
@@ -302,24 +382,24 @@ fn read_oci_layout(dir: &Path, platform: &Platform) -> Result<StagedImage, Layou
         if !INDEX_TYPES.contains(&manifest_desc.media_type.as_str()) {
             break;
         }
-        let path = blob_path(dir, &manifest_desc.digest)?;
+        let path = staged_blob(dir, &manifest_desc.digest)?;
         verify(&path, &manifest_desc.digest, "a nested index")?;
         let (_, nested): (_, Index) = read_json(&path, "a nested index")?;
         manifest_desc = pick(&nested.manifests, platform)?;
     }
-    let manifest_path = blob_path(dir, &manifest_desc.digest)?;
+    let manifest_path = staged_blob(dir, &manifest_desc.digest)?;
     verify(&manifest_path, &manifest_desc.digest, "the manifest")?;
     let (_, manifest): (_, Manifest) = read_json(&manifest_path, "the manifest")?;
     if INDEX_TYPES.contains(&manifest.media_type.as_str()) {
         return Err(LayoutError::Bad("indexes nest too deeply".into()));
     }
-    let config_path = blob_path(dir, &manifest.config.digest)?;
+    let config_path = staged_blob(dir, &manifest.config.digest)?;
     verify(&config_path, &manifest.config.digest, "the config")?;
     let config = read_bounded(&config_path, "the config")?;
     let mut layers = Vec::new();
     for layer in &manifest.layers {
         check_layer_media_type(&layer.media_type)?;
-        let path = blob_path(dir, &layer.digest)?;
+        let path = staged_blob(dir, &layer.digest)?;
         verify(&path, &layer.digest, &format!("layer {}", layer.digest))?;
         layers.push(StagedLayer {
             digest: layer.digest.clone(),
@@ -392,7 +472,9 @@ fn read_docker_save(dir: &Path) -> Result<StagedImage, LayoutError> {
     let inside = |name: &str| -> Result<PathBuf, LayoutError> {
         let rel = Path::new(name);
         if rel.components().all(|c| matches!(c, Component::Normal(_))) {
-            Ok(dir.join(rel))
+            let path = dir.join(rel);
+            held(&path, &format!("manifest.json names {name:?}"))?;
+            Ok(path)
         } else {
             Err(LayoutError::Bad(format!(
                 "manifest.json names {name:?}, which is not a plain relative path"
@@ -551,23 +633,140 @@ mod tests {
     }
 
     #[test]
-    fn staging_refuses_links_and_escapes() {
+    fn staging_refuses_escapes_and_leaves_foreign_links_out() {
+        // An entry named outside the archive is refused.
         let mut b = tar::Builder::new(Vec::new());
         let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Symlink);
-        h.set_size(0);
-        h.set_mode(0o777);
-        b.append_link(&mut h, "blobs", "/etc").unwrap();
+        h.set_size(1);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.as_gnu_mut().unwrap().name[..7].copy_from_slice(b"../evil");
+        h.set_cksum();
+        b.append(&h, &b"x"[..]).unwrap();
         let tar = b.into_inner().unwrap();
         let dir = tempfile::tempdir().unwrap();
         assert!(matches!(
             stage_archive(tar.as_slice(), dir.path(), 1 << 20),
             Err(LayoutError::Bad(_))
         ));
+        // Links out of the archive, to directories or to nothing, devices
+        // and FIFOs: left out, nothing made for them.
+        let mut b = tar::Builder::new(Vec::new());
+        for (name, target) in [
+            ("blobs", "/etc"),
+            ("up", "../../etc/passwd"),
+            ("none", "nowhere"),
+            ("d", "."),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Symlink);
+            h.set_size(0);
+            h.set_mode(0o777);
+            b.append_link(&mut h, name, target).unwrap();
+        }
+        for (name, kind) in [
+            ("fifo", tar::EntryType::Fifo),
+            ("dev", tar::EntryType::Char),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(kind);
+            h.set_size(0);
+            h.set_mode(0o644);
+            b.append_data(&mut h, name, &b""[..]).unwrap();
+        }
+        let tar = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        stage_archive(tar.as_slice(), dir.path(), 1 << 20).unwrap();
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 0);
         let other = tempfile::tempdir().unwrap();
-        assert!(matches!(
-            read_staged(other.path(), &Platform::host()),
-            Err(LayoutError::Unknown(_))
-        ));
+        let unknown = read_staged(other.path(), &Platform::host()).unwrap_err();
+        assert!(matches!(unknown, LayoutError::Unknown(_)));
+        assert!(unknown.to_string().contains("skopeo"), "{unknown}");
+    }
+
+    /// What `skopeo copy ... docker-archive:` and `podman save` write: layers
+    /// by digest, a legacy `<id>/layer.tar` symlink to each (not named by
+    /// the manifest), a hard link for a layer named twice.
+    #[test]
+    fn docker_archives_with_links_stage_as_files() {
+        let layer = b"layer bytes".to_vec();
+        let layer_name = format!("{}.tar", &sha(&layer)[7..]);
+        let config = br#"{"config":{}}"#.to_vec();
+        let config_name = format!("{}.json", &sha(&config)[7..]);
+        let manifest = format!(
+            r#"[{{"Config":"{config_name}","Layers":["{layer_name}","again/layer.tar","legacy/layer.tar"]}}]"#
+        );
+        let mut b = tar::Builder::new(Vec::new());
+        let mut file = |b: &mut tar::Builder<Vec<u8>>, name: &str, bytes: &[u8]| {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(bytes.len() as u64);
+            h.set_mode(0o644);
+            b.append_data(&mut h, name, bytes).unwrap();
+        };
+        // A link before its target, as archives may order them.
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        b.append_link(&mut h, "legacy/layer.tar", format!("../{layer_name}"))
+            .unwrap();
+        file(&mut b, &layer_name, &layer);
+        file(&mut b, &config_name, &config);
+        file(&mut b, "manifest.json", manifest.as_bytes());
+        file(&mut b, "repositories", b"{}");
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Link);
+        h.set_size(0);
+        h.set_mode(0o644);
+        b.append_link(&mut h, "again/layer.tar", &layer_name)
+            .unwrap();
+        // An unreferenced symlink out of the archive: left out.
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        b.append_link(&mut h, "escape/layer.tar", "../../../etc/shadow")
+            .unwrap();
+        let tar = b.into_inner().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        stage_archive(tar.as_slice(), dir.path(), 1 << 20).unwrap();
+        let image = read_staged(dir.path(), &Platform::host()).unwrap();
+        assert_eq!(image.layers.len(), 3);
+        assert!(image.layers.iter().all(|l| l.digest == sha(&layer)));
+        assert!(!dir.path().join("escape/layer.tar").exists());
+        // No link is left below the staging directory.
+        for entry in walk(dir.path()) {
+            assert!(
+                !fs::symlink_metadata(&entry)
+                    .unwrap()
+                    .file_type()
+                    .is_symlink(),
+                "{entry:?}"
+            );
+        }
+        // A manifest that names the link out of the archive says so.
+        fs::write(
+            dir.path().join("manifest.json"),
+            format!(r#"[{{"Config":"{config_name}","Layers":["escape/layer.tar"]}}]"#),
+        )
+        .unwrap();
+        let refused = read_staged(dir.path(), &Platform::host()).unwrap_err();
+        assert!(
+            refused.to_string().contains("escape/layer.tar"),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("oci-archive"), "{refused}");
+    }
+
+    fn walk(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if fs::symlink_metadata(&path).unwrap().is_dir() {
+                out.extend(walk(&path));
+            }
+            out.push(path);
+        }
+        out
     }
 }
