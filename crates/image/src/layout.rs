@@ -697,7 +697,7 @@ mod tests {
             r#"[{{"Config":"{config_name}","Layers":["{layer_name}","again/layer.tar","legacy/layer.tar"]}}]"#
         );
         let mut b = tar::Builder::new(Vec::new());
-        let mut file = |b: &mut tar::Builder<Vec<u8>>, name: &str, bytes: &[u8]| {
+        let file = |b: &mut tar::Builder<Vec<u8>>, name: &str, bytes: &[u8]| {
             let mut h = tar::Header::new_gnu();
             h.set_size(bytes.len() as u64);
             h.set_mode(0o644);
