@@ -142,6 +142,10 @@ enum Command {
     /// What each tenant used: run-hours by size, CPU-seconds, peak memory,
     /// egress (from the server's usage journal)
     Usage(tenants::UsageArgs),
+    /// What was done, from the server's audit log: commands with their
+    /// argv, user and cwd, files written and removed, egress, lifecycle
+    /// calls, and who asked (root token only)
+    Audit(tenants::AuditArgs),
     /// Stat, list, make, move and remove paths in a run's /work
     #[command(subcommand)]
     Fs(fs::FsCommand),
@@ -235,6 +239,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Tenants(command) => tenants::run(command).await,
         Command::Volumes(command) => volumes::run(command).await,
         Command::Usage(args) => tenants::usage(args).await,
+        Command::Audit(args) => tenants::audit(args).await,
         Command::Pools(command) => pools::run(command).await,
         Command::Fs(command) => fs::run(command).await,
         Command::Info(args) => pools::info(args).await,

@@ -284,6 +284,137 @@ pub struct UsageArgs {
     pub conn: ConnectOpts,
 }
 
+/// `runbox audit`.
+#[derive(Debug, Args)]
+pub struct AuditArgs {
+    /// Only this run's records
+    #[arg(long, value_name = "ID")]
+    pub run: Option<String>,
+    /// Only this tenant's: its calls, calls on its runs, what its runs did
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// From when: an RFC 3339 time, or a span back from now (90m, 24h, 7d)
+    #[arg(long, value_name = "TIME|SPAN")]
+    pub since: Option<String>,
+    /// The latest this many records (default 1000)
+    #[arg(long, value_name = "N")]
+    pub limit: Option<usize>,
+    /// Print each record as the JSON line the log holds
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox audit`: one line per record, oldest first.
+pub async fn audit(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let records = conn.check(
+        conn.client
+            .audit(
+                args.run.as_deref(),
+                args.tenant.as_deref(),
+                args.since.as_deref(),
+                args.limit,
+            )
+            .await,
+    )?;
+    if args.json {
+        for record in &records {
+            println!("{}", serde_json::to_string(record)?);
+        }
+    } else {
+        print!("{}", render_audit(&records));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The audit table: when, which run, who asked, what was done.
+fn render_audit(records: &[serde_json::Value]) -> String {
+    let text = |v: &serde_json::Value, key: &str| v[key].as_str().unwrap_or("").to_owned();
+    let rows: Vec<Vec<String>> = records
+        .iter()
+        .map(|r| {
+            let who = match (text(r, "caller"), text(r, "kind").as_str()) {
+                (caller, _) if !caller.is_empty() => caller,
+                (_, "egress") | (_, "preview") => "(the run)".to_owned(),
+                _ => "-".to_owned(),
+            };
+            vec![
+                text(r, "t"),
+                Some(text(r, "run"))
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or_else(|| "-".into()),
+                who,
+                describe_record(r),
+            ]
+        })
+        .collect();
+    crate::table::render(&["TIME", "RUN", "WHO", "WHAT"], &rows)
+}
+
+/// One record in a few words.
+fn describe_record(r: &serde_json::Value) -> String {
+    let text = |v: &serde_json::Value, key: &str| v[key].as_str().unwrap_or("").to_owned();
+    let action = |a: &serde_json::Value| match a["what"].as_str().unwrap_or("") {
+        "command" => {
+            let argv: Vec<String> = a["argv"]
+                .as_array()
+                .map(|v| {
+                    v.iter()
+                        .filter_map(|s| s.as_str())
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let mut out = format!("{} {}", text(a, "mode"), argv.join(" "));
+            if let Some(user) = a["user"].as_str() {
+                out.push_str(&format!(" (user {user})"));
+            }
+            if let Some(cwd) = a["cwd"].as_str() {
+                out.push_str(&format!(" (cwd {cwd})"));
+            }
+            out
+        }
+        "write" => format!("write {}", text(a, "path")),
+        "remove" => format!("remove {}", text(a, "path")),
+        "move" => format!("move {} -> {}", text(a, "from"), text(a, "to")),
+        "makeDir" => format!("mkdir {}", text(a, "path")),
+        "create" => format!("create from {} ({})", text(a, "image"), text(a, "network")),
+        "egress" => format!("egress change {a}"),
+        other => other.to_owned(),
+    };
+    match text(r, "kind").as_str() {
+        "api" => {
+            let mut out = format!("{} {} {}", text(r, "method"), text(r, "path"), r["status"]);
+            if r["action"].is_object() {
+                out.push_str(": ");
+                out.push_str(&action(&r["action"]));
+            }
+            out
+        }
+        "session" => action(&r["action"]),
+        "egress" => format!(
+            "{} {}:{} {} ({})",
+            text(r, "method"),
+            text(r, "host"),
+            r["port"],
+            text(r, "decision"),
+            text(r, "rule")
+        ),
+        "preview" => format!(
+            "preview :{} {} {} {}",
+            r["port"],
+            text(r, "method"),
+            text(r, "path"),
+            r["status"]
+        ),
+        "tenants" => format!("tenant {} {}", text(r, "change"), text(r, "tenant")),
+        "configReload" => "config reload".to_owned(),
+        other => other.to_owned(),
+    }
+}
+
 /// `runbox usage`: one line per tenant.
 pub async fn usage(args: UsageArgs) -> anyhow::Result<ExitCode> {
     let conn = args.conn.connect()?;

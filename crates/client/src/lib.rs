@@ -736,6 +736,39 @@ impl Client {
         json(resp).await
     }
 
+    /// `GET /v1/audit`: the audit log's records that match (root token),
+    /// oldest first, each a JSON object. `since` is an RFC 3339 time or a
+    /// span back from now (`90m`, `24h`, `7d`); `limit` keeps the latest.
+    pub async fn audit(
+        &self,
+        run: Option<&str>,
+        tenant: Option<&str>,
+        since: Option<&str>,
+        limit: Option<usize>,
+    ) -> Result<Vec<serde_json::Value>, ClientError> {
+        let limit = limit.map(|n| n.to_string());
+        let query: Vec<String> = [
+            ("run", run),
+            ("tenant", tenant),
+            ("since", since),
+            ("limit", limit.as_deref()),
+        ]
+        .into_iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k}={}", paths::query_value(v))))
+        .collect();
+        let path = match query.is_empty() {
+            true => "/v1/audit".to_owned(),
+            false => format!("/v1/audit?{}", query.join("&")),
+        };
+        let resp = self.send(self.request(Method::GET, &path)).await?;
+        let text = resp.text().await?;
+        // One JSON object a line; a line that does not parse is not one.
+        Ok(text
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect())
+    }
+
     /// `GET /v1/snapshots`.
     pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
         let resp = self

@@ -1511,8 +1511,8 @@ echo "env: $(env | grep -F -e "$A$B" -e "{SECRET_NAME}=")"
     );
     assert!(
         records.iter().any(|r| matches!(r,
-            AuditRecord::Api { method, path, status: 201, run: None, .. }
-                if method == "POST" && path == "/v1/runs")),
+            AuditRecord::Api { method, path, status: 201, run: Some(made), .. }
+                if method == "POST" && path == "/v1/runs" && *made == id)),
         "{records:?}"
     );
 }

@@ -896,3 +896,147 @@ async fn a_label_selector_lists_exactly_the_runs_it_names() {
         root.delete_run(&run.id.to_string()).await.unwrap();
     }
 }
+
+/// The audit log says what was done, by whom, to which run: a command's
+/// argv and cwd, the files written, moved and removed, lifecycle calls,
+/// the run a create made; the run's tenant stays on its records after it
+/// is deleted; no environment value ever appears. `runbox audit` reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_log_says_what_was_done_and_by_whom() {
+    let daemon = TestDaemon::start(None).await;
+    let root = &daemon.client;
+    let token = tenant(root, "acme", TenantPolicy::default()).await;
+    let other_token = tenant(root, "beta", TenantPolicy::default()).await;
+    let a = Client::new(&daemon.url, &token).unwrap();
+    let b = Client::new(&daemon.url, &other_token).unwrap();
+    const HIDDEN: &str = "env-value-never-logged-4711";
+    let mut req = create("base");
+    req.env = Some(runbox_types::Env(
+        [("API_KEY".to_owned(), HIDDEN.to_owned())].into(),
+    ));
+    let run = a.create_run(&req).await.unwrap();
+    let id = run.id.to_string();
+    let theirs = b.create_run(&create("base")).await.unwrap();
+    let exec = runbox_types::ExecRequest {
+        cmd: vec!["sh".into(), "-c".into(), "echo $API_KEY > /dev/null".into()],
+        cwd: Some("/work".into()),
+        ..Default::default()
+    };
+    a.exec(&id, &exec)
+        .await
+        .unwrap()
+        .collect_output()
+        .await
+        .unwrap();
+    a.put_file(&id, "notes/a.txt", runbox_e2e::body(b"x".to_vec()))
+        .await
+        .unwrap();
+    let (status, _) = raw_request(
+        &daemon.url,
+        "POST",
+        &format!("/v1/runs/{id}/fs/remove"),
+        &token,
+        br#"{"path":"notes","recursive":true}"#,
+    )
+    .await;
+    assert_eq!(status, 200);
+    a.pause_run(&id).await.unwrap();
+    a.delete_run(&id).await.unwrap();
+
+    // Written once each call is answered.
+    let records = loop {
+        let records = root.audit(Some(&id), None, None, None).await.unwrap();
+        if records.iter().any(|r| r["method"] == "DELETE") {
+            break records;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let text = serde_json::to_string(&records).unwrap();
+    assert!(
+        !text.contains(HIDDEN),
+        "an env value in the audit log: {text}"
+    );
+    let find = |what: &str| {
+        records
+            .iter()
+            .find(|r| r["action"]["what"] == what)
+            .unwrap_or_else(|| panic!("no {what} record in {text}"))
+            .clone()
+    };
+    let created = find("create");
+    assert_eq!(created["path"], "/v1/runs");
+    assert_eq!(created["run"], id.as_str());
+    assert_eq!(created["action"]["image"], "base");
+    let command = find("command");
+    assert_eq!(
+        command["action"]["argv"],
+        serde_json::json!(["sh", "-c", "echo $API_KEY > /dev/null"])
+    );
+    assert_eq!(command["action"]["cwd"], "/work");
+    assert_eq!(command["action"]["mode"], "exec");
+    assert_eq!(find("write")["action"]["path"], "notes/a.txt");
+    let removed = find("remove");
+    assert_eq!(
+        (&removed["action"]["path"], &removed["action"]["recursive"]),
+        (&serde_json::json!("notes"), &serde_json::json!(true))
+    );
+    for record in &records {
+        // Every call names who asked and whose run it was, the delete too.
+        assert_eq!(record["caller"], "tenant:acme", "{record}");
+        assert_eq!(record["tenant"], "acme", "{record}");
+    }
+    let paths: Vec<&str> = records.iter().filter_map(|r| r["path"].as_str()).collect();
+    for want in [
+        format!("/v1/runs/{id}/pause"),
+        format!("/v1/runs/{id}"),
+        format!("/v1/runs/{id}/exec"),
+    ] {
+        assert!(paths.contains(&want.as_str()), "{want} in {paths:?}");
+    }
+    // By tenant: acme's calls, never beta's run.
+    let acme = root
+        .audit(None, Some("acme"), Some("1h"), None)
+        .await
+        .unwrap();
+    assert!(acme.iter().any(|r| r["run"] == id.as_str()));
+    assert!(!acme
+        .iter()
+        .any(|r| r["run"] == theirs.id.to_string().as_str()));
+    // The operator's only.
+    let refused = a.audit(None, None, None, None).await.unwrap_err();
+    assert_eq!(refused.status(), Some(403), "{refused}");
+    let (status, text) = raw_request(
+        &daemon.url,
+        "GET",
+        "/v1/audit?since=yesterday",
+        &daemon.token,
+        b"",
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    // The CLI.
+    let out = std::process::Command::new(runbox_e2e::runbox_bin())
+        .args([
+            "audit",
+            "--run",
+            &id,
+            "--url",
+            &daemon.url,
+            "--token",
+            &daemon.token,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("exec sh -c echo $API_KEY > /dev/null (cwd /work)"),
+        "{table}"
+    );
+    assert!(table.contains("remove notes"), "{table}");
+    root.delete_run(&theirs.id.to_string()).await.unwrap();
+}

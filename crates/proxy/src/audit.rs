@@ -76,6 +76,29 @@ pub enum AuditRecord {
         /// the token was refused).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         caller: Option<String>,
+        /// The tenant of the run concerned (else the calling tenant), if
+        /// any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tenant: Option<String>,
+        /// What the call did, beyond its method and path.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        action: Option<Action>,
+    },
+    /// What a call did once its answer had gone: an interactive session's
+    /// command, known only from the first WebSocket message.
+    Session {
+        /// RFC 3339 time.
+        t: String,
+        /// Run id.
+        run: String,
+        /// Who called (as for [`AuditRecord::Api`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        caller: Option<String>,
+        /// The run's tenant, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tenant: Option<String>,
+        /// What it did.
+        action: Action,
     },
     /// A reload of the config file that parsed: what differed from the
     /// running settings, what was applied, what waits for a restart.
@@ -102,6 +125,189 @@ pub enum AuditRecord {
         /// The tenant.
         tenant: String,
     },
+}
+
+/// What a call did, in the words an operator investigating a run needs:
+/// the command and where it ran, the files it touched. Never a file's
+/// contents, an environment value or a secret's value; every text bounded.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "what", rename_all = "camelCase")]
+pub enum Action {
+    /// A command started.
+    Command {
+        /// Its argv, bounded: at most [`MAX_ARGS`] arguments of at most
+        /// [`MAX_TEXT`] characters each (cut ones end in `…`).
+        argv: Vec<String>,
+        /// The user it ran as, when the call named one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        user: Option<String>,
+        /// Its working directory, when the call named one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cwd: Option<String>,
+        /// `exec`, `background` or `session`.
+        mode: String,
+    },
+    /// A file written (a run's under `/work`, or a volume's).
+    Write {
+        /// The path as the call named it.
+        path: String,
+    },
+    /// A file or directory removed.
+    Remove {
+        /// The path.
+        path: String,
+        /// Whether a directory went with what it held.
+        recursive: bool,
+    },
+    /// A file or directory moved.
+    Move {
+        /// Where from.
+        from: String,
+        /// Where to.
+        to: String,
+    },
+    /// A directory made.
+    MakeDir {
+        /// The path.
+        path: String,
+    },
+    /// A run made (the record's `run` is the new one).
+    Create {
+        /// Its image, or `checkpoint:<id>`.
+        image: String,
+        /// Its network tier.
+        network: String,
+    },
+    /// A run's egress changed: its tier, how many entries it has, the
+    /// names (never the values) of its secrets.
+    Egress {
+        /// The tier asked for, if the call named one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        network: Option<String>,
+        /// The entries given, if the call gave them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        entries: Option<usize>,
+        /// The secrets' names, if the call gave them.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        secrets: Option<Vec<String>>,
+    },
+}
+
+/// The most arguments of a command an audit record keeps.
+pub const MAX_ARGS: usize = 64;
+
+/// The most characters of one text (an argument, a path) a record keeps.
+pub const MAX_TEXT: usize = 512;
+
+/// `text` cut at [`MAX_TEXT`] characters (marked with `…` when cut).
+pub fn bounded(text: &str) -> String {
+    match text.char_indices().nth(MAX_TEXT) {
+        None => text.to_owned(),
+        Some((at, _)) => format!("{}…", &text[..at]),
+    }
+}
+
+impl Action {
+    /// A command, its argv bounded (a cut list ends in `…`).
+    pub fn command(argv: &[String], user: Option<&str>, cwd: Option<&str>, mode: &str) -> Action {
+        let mut kept: Vec<String> = argv.iter().take(MAX_ARGS).map(|a| bounded(a)).collect();
+        if argv.len() > MAX_ARGS {
+            kept.push(format!("… {} more", argv.len() - MAX_ARGS));
+        }
+        Action::Command {
+            argv: kept,
+            user: user.filter(|u| !u.is_empty()).map(bounded),
+            cwd: cwd.filter(|c| !c.is_empty()).map(bounded),
+            mode: mode.to_owned(),
+        }
+    }
+}
+
+impl AuditRecord {
+    /// The run the record concerns, if any.
+    pub fn run(&self) -> Option<&str> {
+        match self {
+            AuditRecord::Egress { run, .. }
+            | AuditRecord::Preview { run, .. }
+            | AuditRecord::Session { run, .. } => Some(run),
+            AuditRecord::Api { run, .. } => run.as_deref(),
+            AuditRecord::ConfigReload { .. } | AuditRecord::Tenants { .. } => None,
+        }
+    }
+
+    /// The tenant the record names, if any: the run's, the caller's, or
+    /// the one a tenant change is about.
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            AuditRecord::Api { tenant, caller, .. }
+            | AuditRecord::Session { tenant, caller, .. } => tenant
+                .as_deref()
+                .or_else(|| caller.as_deref()?.strip_prefix("tenant:")),
+            AuditRecord::Tenants { tenant, .. } => Some(tenant),
+            _ => None,
+        }
+    }
+
+    /// Its time, as written.
+    pub fn time(&self) -> &str {
+        match self {
+            AuditRecord::Egress { t, .. }
+            | AuditRecord::Preview { t, .. }
+            | AuditRecord::Api { t, .. }
+            | AuditRecord::Session { t, .. }
+            | AuditRecord::ConfigReload { t, .. }
+            | AuditRecord::Tenants { t, .. } => t,
+        }
+    }
+}
+
+/// Which records a reader wants: of one run, of one tenant (its calls and
+/// whatever its runs did, egress included), from a moment on.
+#[derive(Clone, Debug, Default)]
+pub struct AuditFilter {
+    /// Only records of this run.
+    pub run: Option<String>,
+    /// Only records of this tenant.
+    pub tenant: Option<String>,
+    /// Only records at or after this instant.
+    pub since: Option<time::OffsetDateTime>,
+}
+
+impl AuditFilter {
+    /// The records of `lines` (JSON lines, oldest first) that pass, oldest
+    /// first; lines that do not parse are skipped.
+    pub fn apply(&self, lines: &[String]) -> Vec<AuditRecord> {
+        let records: Vec<AuditRecord> = lines
+            .iter()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        // A tenant's runs are those its records name; their egress and
+        // preview records carry no tenant of their own.
+        let runs: std::collections::HashSet<String> = match &self.tenant {
+            Some(tenant) => records
+                .iter()
+                .filter(|r| r.tenant() == Some(tenant))
+                .filter_map(|r| r.run().map(str::to_owned))
+                .collect(),
+            None => Default::default(),
+        };
+        records
+            .into_iter()
+            .filter(|r| self.run.as_deref().is_none_or(|run| r.run() == Some(run)))
+            .filter(|r| match &self.tenant {
+                None => true,
+                Some(tenant) => {
+                    r.tenant() == Some(tenant) || r.run().is_some_and(|run| runs.contains(run))
+                }
+            })
+            .filter(|r| match self.since {
+                None => true,
+                Some(since) => {
+                    time::OffsetDateTime::parse(r.time(), &Rfc3339).is_ok_and(|t| t >= since)
+                }
+            })
+            .collect()
+    }
 }
 
 /// The log writer. Cheap to share (`Arc<AuditLog>`); appends are serialised.
@@ -132,6 +338,13 @@ impl AuditLog {
     /// must be cheap.
     pub fn observe(&self, observer: Observer) {
         let _ = self.observer.set(observer);
+    }
+
+    /// The records `filter` passes, oldest first, from the backup and the
+    /// live file (a line cut short by a crash is left out). Blocking.
+    pub fn read(&self, filter: &AuditFilter) -> std::io::Result<Vec<AuditRecord>> {
+        let lines = runbox_journal::read_lines(self.journal.path())?;
+        Ok(filter.apply(&lines))
     }
 
     /// Appends one record. Errors are logged, not returned: auditing must not
@@ -220,6 +433,11 @@ mod tests {
                 status: 201,
                 run: Some("r".into()),
                 caller: Some("tenant:acme".into()),
+                tenant: Some("acme".into()),
+                action: Some(Action::Create {
+                    image: "base".into(),
+                    network: "none".into(),
+                }),
             },
             AuditRecord::Api {
                 t: now(),
@@ -228,12 +446,102 @@ mod tests {
                 status: 404,
                 run: None,
                 caller: None,
+                tenant: None,
+                action: None,
             },
         ];
         for r in &records {
             log.append(r);
         }
         assert_eq!(read_lines(&path), records);
+    }
+
+    #[test]
+    fn commands_are_bounded() {
+        let long = "x".repeat(MAX_TEXT + 10);
+        let argv: Vec<String> = std::iter::once(long.clone())
+            .chain((0..MAX_ARGS + 5).map(|i| i.to_string()))
+            .collect();
+        let Action::Command {
+            argv: kept,
+            user,
+            cwd,
+            mode,
+        } = Action::command(&argv, Some(""), Some("/work"), "exec")
+        else {
+            panic!("not a command");
+        };
+        assert_eq!(kept.len(), MAX_ARGS + 1);
+        assert_eq!(kept[0].chars().count(), MAX_TEXT + 1);
+        assert!(kept[0].ends_with('…'));
+        assert_eq!(kept[MAX_ARGS], "… 6 more");
+        assert_eq!(
+            (user, cwd.as_deref(), mode.as_str()),
+            (None, Some("/work"), "exec")
+        );
+    }
+
+    #[test]
+    fn a_tenants_records_include_what_its_runs_did() {
+        let api = |run: &str, caller: &str, tenant: Option<&str>, t: &str| AuditRecord::Api {
+            t: t.into(),
+            method: "POST".into(),
+            path: format!("/v1/runs/{run}/exec"),
+            status: 200,
+            run: Some(run.into()),
+            caller: Some(caller.into()),
+            tenant: tenant.map(str::to_owned),
+            action: None,
+        };
+        let egress = |run: &str, t: &str| AuditRecord::Egress {
+            t: t.into(),
+            run: run.into(),
+            method: "CONNECT".into(),
+            host: "example.org".into(),
+            port: 443,
+            decision: "allow".into(),
+            rule: "run:example.org".into(),
+            secret: None,
+            upstream: None,
+        };
+        let records = [
+            api("a1", "tenant:acme", Some("acme"), "2026-01-01T00:00:00Z"),
+            api("b1", "tenant:beta", Some("beta"), "2026-01-01T00:00:01Z"),
+            // Root acting on acme's run: acme's.
+            api("a2", "root", Some("acme"), "2026-01-01T00:00:02Z"),
+            egress("a1", "2026-01-01T00:00:03Z"),
+            egress("b1", "2026-01-01T00:00:04Z"),
+            egress("a2", "2026-01-02T00:00:00Z"),
+        ];
+        let lines: Vec<String> = records
+            .iter()
+            .map(|r| serde_json::to_string(r).unwrap())
+            .chain(["not json".to_owned()])
+            .collect();
+        let acme = AuditFilter {
+            tenant: Some("acme".into()),
+            ..Default::default()
+        };
+        let got: Vec<String> = acme
+            .apply(&lines)
+            .iter()
+            .map(|r| r.time().to_owned())
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "2026-01-01T00:00:00Z",
+                "2026-01-01T00:00:02Z",
+                "2026-01-01T00:00:03Z",
+                "2026-01-02T00:00:00Z"
+            ]
+        );
+        let since = AuditFilter {
+            run: Some("a2".into()),
+            since: Some(time::OffsetDateTime::parse("2026-01-01T12:00:00Z", &Rfc3339).unwrap()),
+            ..Default::default()
+        };
+        assert_eq!(since.apply(&lines), vec![records[5].clone()]);
     }
 
     #[test]
@@ -250,6 +558,8 @@ mod tests {
             status: 201,
             run: None,
             caller: None,
+            tenant: None,
+            action: None,
         };
         assert_eq!(
             serde_json::to_string(&api).unwrap(),

@@ -138,7 +138,8 @@ pub fn rule(method: &Method, path: &str) -> Rule {
     let Some(rest) = path.strip_prefix(RUN_ROUTE) else {
         return match path {
             "/v1/tenants" | "/v1/tenants/{name}" | "/v1/tenants/{name}/rotate" => Rule::Root,
-            "/v1/pools" | "/v1/drain" | "/v1/info" | "/v1/config/reload" | "/metrics" => Rule::Root,
+            "/v1/pools" | "/v1/drain" | "/v1/info" | "/v1/config/reload" | "/metrics"
+            | "/v1/audit" => Rule::Root,
             // An import is the operator's; a delete of a shared image is
             // refused to tenants by the handler.
             "/v1/images/{name}" if method == Method::POST => Rule::Root,
@@ -241,6 +242,10 @@ pub(crate) async fn require<S: RunService>(
         return refused.into_response();
     }
     let name = AuditCaller(caller.audit_name());
+    let tenant = match run {
+        Some(id) => state.service.tenant_of(id).ok().flatten(),
+        None => caller.tenant().map(str::to_owned),
+    };
     request.extensions_mut().insert(caller);
     if let Some(id) = run {
         request.extensions_mut().insert(AdmittedRun(id));
@@ -249,6 +254,10 @@ pub(crate) async fn require<S: RunService>(
     response.extensions_mut().insert(name);
     if let Some(id) = run {
         response.extensions_mut().insert(AdmittedRun(id));
+    }
+    // A create names its own (the run it made, its tenant).
+    if response.extensions().get::<AuditTenant>().is_none() {
+        response.extensions_mut().insert(AuditTenant(tenant));
     }
     response
 }
@@ -259,6 +268,12 @@ const RUN_ROUTE: &str = "/v1/runs/{id}";
 /// How the audit log names the caller of an answered request.
 #[derive(Clone, Debug)]
 pub(crate) struct AuditCaller(pub String);
+
+/// The tenant an answered request concerns, for the audit log: the run's
+/// (read when it was admitted, so a delete still names it), else the
+/// calling tenant.
+#[derive(Clone, Debug)]
+pub(crate) struct AuditTenant(pub Option<String>);
 
 /// Whether `caller` may make this request to `route`, which names `run`
 /// (parsed by [`route_run`]) if it is a run's route: Ok, or the refusal.

@@ -226,6 +226,21 @@ impl From<PathRejection> for ApiError {
     }
 }
 
+/// What a call did, for its audit record (see `audit_calls`).
+#[derive(Clone, Debug)]
+pub(crate) struct AuditAction(pub runbox_proxy::audit::Action);
+
+/// The answer to a call, marked with what it did (or tried to: a refused
+/// call is recorded with its action too).
+pub(crate) fn audited<T: IntoResponse>(
+    action: runbox_proxy::audit::Action,
+    result: Result<T, ApiError>,
+) -> Response {
+    let mut response = result.into_response();
+    response.extensions_mut().insert(AuditAction(action));
+    response
+}
+
 /// The run a `/v1/runs/{id}...` request names, as [`crate::auth::require`]
 /// parsed and admitted it. It is never parsed again here: what a handler
 /// acts on is what was authorised.
@@ -294,8 +309,27 @@ pub async fn create_run<S: RunService>(
             )
         })?),
     };
-    let run = state.service.create(req, key, caller.owner()).await?;
-    Ok((StatusCode::CREATED, Json(with_token(&state, run))).into_response())
+    let action = runbox_proxy::audit::Action::Create {
+        image: match req.checkpoint {
+            Some(checkpoint) => format!("checkpoint:{checkpoint}"),
+            None => runbox_proxy::audit::bounded(&req.image),
+        },
+        network: req.network.unwrap_or_default().as_str().to_owned(),
+    };
+    let run = match state.service.create(req, key, caller.owner()).await {
+        Ok(run) => run,
+        Err(e) => return Ok(audited(action, Err::<(), _>(e.into()))),
+    };
+    // The record names the run made, and its tenant.
+    let admitted = crate::auth::AdmittedRun(run.id);
+    let tenant = crate::auth::AuditTenant(run.tenant.clone());
+    let mut response = audited(
+        action,
+        Ok::<_, ApiError>((StatusCode::CREATED, Json(with_token(&state, run)))),
+    );
+    response.extensions_mut().insert(admitted);
+    response.extensions_mut().insert(tenant);
+    Ok(response)
 }
 
 /// `run` with its run token, for the caller that made or owns it.
@@ -404,8 +438,25 @@ pub async fn update_run_egress<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::UpdateEgressRequest>,
-) -> Result<Response, ApiError> {
-    Ok(Json(state.service.update_egress(id, req).await?).into_response())
+) -> Response {
+    let action = runbox_proxy::audit::Action::Egress {
+        network: req.network.map(|n| n.as_str().to_owned()),
+        entries: req.egress_allow.as_ref().map(Vec::len),
+        secrets: req.secrets.as_ref().map(|s| {
+            s.iter()
+                .map(|s| runbox_proxy::audit::bounded(s.name()))
+                .collect()
+        }),
+    };
+    audited(
+        action,
+        state
+            .service
+            .update_egress(id, req)
+            .await
+            .map(Json)
+            .map_err(ApiError::from),
+    )
 }
 
 /// `POST /v1/runs/{id}/pause`: freezes the run's processes, memory kept.
@@ -677,23 +728,34 @@ pub async fn put_volume_file<S: RunService>(
     >,
     headers: HeaderMap,
     body: Body,
-) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    let query = query.map(|q| q.0).map_err(|e| {
-        ApiError::new(
-            ErrorCode::BadRequest,
-            format!("this route's query takes mode, uid, gid and overwrite ({e})"),
-        )
-    })?;
-    let options = runbox_core::runs::VolumeWrite {
-        mode: query.mode,
-        owner: volume_owner(query.uid, query.gid)?,
-        replace: query.overwrite.unwrap_or(true),
-        content_length: content_length(&headers)?,
+) -> Response {
+    let action = runbox_proxy::audit::Action::Write {
+        path: runbox_proxy::audit::bounded(&format!(
+            "volume:{}:/{}",
+            volume_name(&params),
+            file_path(&params).trim_start_matches('/')
+        )),
     };
-    let name = volume_name(&params).to_owned();
-    let files = named_volume(&state, &caller, name, true).await?;
-    let body = body.into_data_stream();
-    Ok(Json(files.write(file_path(&params), options, body).await?))
+    let result: Result<Json<runbox_types::FileInfo>, ApiError> = async {
+        let query = query.map(|q| q.0).map_err(|e| {
+            ApiError::new(
+                ErrorCode::BadRequest,
+                format!("this route's query takes mode, uid, gid and overwrite ({e})"),
+            )
+        })?;
+        let options = runbox_core::runs::VolumeWrite {
+            mode: query.mode,
+            owner: volume_owner(query.uid, query.gid)?,
+            replace: query.overwrite.unwrap_or(true),
+            content_length: content_length(&headers)?,
+        };
+        let name = volume_name(&params).to_owned();
+        let files = named_volume(&state, &caller, name, true).await?;
+        let body = body.into_data_stream();
+        Ok(Json(files.write(file_path(&params), options, body).await?))
+    }
+    .await;
+    audited(action, result)
 }
 
 /// `GET /v1/volumes/{name}/files/{*path}`: streams a volume's file back.
@@ -770,10 +832,17 @@ pub async fn volume_mkdir<S: RunService>(
     caller: Caller,
     AppPath(name): AppPath<String>,
     AppJson(req): AppJson<runbox_types::VolumeMakeDirRequest>,
-) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    let owner = volume_owner(req.uid, req.gid)?;
-    let files = named_volume(&state, &caller, name, true).await?;
-    Ok(Json(files.make_dir(&req.path, req.mode, owner).await?))
+) -> Response {
+    let action = runbox_proxy::audit::Action::MakeDir {
+        path: runbox_proxy::audit::bounded(&format!("volume:{name}:{}", req.path)),
+    };
+    let result: Result<Json<runbox_types::FileInfo>, ApiError> = async {
+        let owner = volume_owner(req.uid, req.gid)?;
+        let files = named_volume(&state, &caller, name, true).await?;
+        Ok(Json(files.make_dir(&req.path, req.mode, owner).await?))
+    }
+    .await;
+    audited(action, result)
 }
 
 /// `POST /v1/volumes/{name}/fs/move`.
@@ -782,10 +851,18 @@ pub async fn volume_move<S: RunService>(
     caller: Caller,
     AppPath(name): AppPath<String>,
     AppJson(req): AppJson<runbox_types::VolumeMoveRequest>,
-) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    let files = named_volume(&state, &caller, name, true).await?;
-    let overwrite = req.overwrite.unwrap_or(false);
-    Ok(Json(files.move_path(&req.from, &req.to, overwrite).await?))
+) -> Response {
+    let action = runbox_proxy::audit::Action::Move {
+        from: runbox_proxy::audit::bounded(&format!("volume:{name}:{}", req.from)),
+        to: runbox_proxy::audit::bounded(&format!("volume:{name}:{}", req.to)),
+    };
+    let result: Result<Json<runbox_types::FileInfo>, ApiError> = async {
+        let files = named_volume(&state, &caller, name, true).await?;
+        let overwrite = req.overwrite.unwrap_or(false);
+        Ok(Json(files.move_path(&req.from, &req.to, overwrite).await?))
+    }
+    .await;
+    audited(action, result)
 }
 
 /// `POST /v1/volumes/{name}/fs/remove`.
@@ -794,10 +871,18 @@ pub async fn volume_remove<S: RunService>(
     caller: Caller,
     AppPath(name): AppPath<String>,
     AppJson(req): AppJson<runbox_types::VolumeRemoveRequest>,
-) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
-    let files = named_volume(&state, &caller, name, true).await?;
-    let recursive = req.recursive.unwrap_or(false);
-    Ok(Json(files.remove(&req.path, recursive).await?))
+) -> Response {
+    let action = runbox_proxy::audit::Action::Remove {
+        path: runbox_proxy::audit::bounded(&format!("volume:{name}:{}", req.path)),
+        recursive: req.recursive.unwrap_or(false),
+    };
+    let result: Result<Json<runbox_types::RemoveReply>, ApiError> = async {
+        let files = named_volume(&state, &caller, name, true).await?;
+        let recursive = req.recursive.unwrap_or(false);
+        Ok(Json(files.remove(&req.path, recursive).await?))
+    }
+    .await;
+    audited(action, result)
 }
 
 /// The query of an fs route: `path` on every one, `depth` and `limit` on
@@ -897,10 +982,19 @@ pub async fn fs_mkdir<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::MakeDirRequest>,
-) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    Ok(Json(
-        state.service.make_dir(id, Scope::Work, req, None).await?,
-    ))
+) -> Response {
+    let action = runbox_proxy::audit::Action::MakeDir {
+        path: runbox_proxy::audit::bounded(&req.path),
+    };
+    audited(
+        action,
+        state
+            .service
+            .make_dir(id, Scope::Work, req, None)
+            .await
+            .map(Json)
+            .map_err(ApiError::from),
+    )
 }
 
 /// `POST /v1/runs/{id}/fs/move`.
@@ -908,8 +1002,20 @@ pub async fn fs_move<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::MoveRequest>,
-) -> Result<Json<runbox_types::FileInfo>, ApiError> {
-    Ok(Json(state.service.move_path(id, Scope::Work, req).await?))
+) -> Response {
+    let action = runbox_proxy::audit::Action::Move {
+        from: runbox_proxy::audit::bounded(&req.from),
+        to: runbox_proxy::audit::bounded(&req.to),
+    };
+    audited(
+        action,
+        state
+            .service
+            .move_path(id, Scope::Work, req)
+            .await
+            .map(Json)
+            .map_err(ApiError::from),
+    )
 }
 
 /// `POST /v1/runs/{id}/fs/remove`.
@@ -917,8 +1023,98 @@ pub async fn fs_remove<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<runbox_types::RemoveRequest>,
-) -> Result<Json<runbox_types::RemoveReply>, ApiError> {
-    Ok(Json(state.service.remove_path(id, Scope::Work, req).await?))
+) -> Response {
+    let action = runbox_proxy::audit::Action::Remove {
+        path: runbox_proxy::audit::bounded(&req.path),
+        recursive: req.recursive.unwrap_or(false),
+    };
+    audited(
+        action,
+        state
+            .service
+            .remove_path(id, Scope::Work, req)
+            .await
+            .map(Json)
+            .map_err(ApiError::from),
+    )
+}
+
+/// The most records `GET /v1/audit` answers by default, and at most.
+const AUDIT_LIMIT: usize = 1000;
+const AUDIT_MAX: usize = runbox_core::runs::MAX_LIST_ENTRIES as usize;
+
+/// `GET /v1/audit?run=&tenant=&since=&limit=`: the audit log's records
+/// that match, oldest first, the latest `limit` of them, one JSON object a
+/// line (`application/x-ndjson`).
+pub async fn audit<S: RunService>(
+    State(state): State<AppState<S>>,
+    RawQuery(query): RawQuery,
+) -> Result<Response, ApiError> {
+    let mut filter = runbox_proxy::audit::AuditFilter::default();
+    let mut limit = AUDIT_LIMIT;
+    let bad = |what: String| ApiError::new(ErrorCode::BadRequest, what);
+    for (key, value) in form_urlencoded::parse(query.as_deref().unwrap_or("").as_bytes()) {
+        match key.as_ref() {
+            "run" => {
+                let id = runbox_types::parse_id(&value)
+                    .ok_or_else(|| bad(format!("run {value:?} is not a run id")))?;
+                filter.run = Some(id.to_string());
+            }
+            "tenant" => filter.tenant = Some(value.into_owned()),
+            "since" => {
+                let now = time::OffsetDateTime::now_utc();
+                filter.since =
+                    Some(runbox_core::accounting::parse_since(&value, now).map_err(bad)?);
+            }
+            "limit" => {
+                limit = value
+                    .parse()
+                    .ok()
+                    .filter(|n| (1..=AUDIT_MAX).contains(n))
+                    .ok_or_else(|| bad(format!("limit is 1-{AUDIT_MAX}")))?;
+            }
+            other => {
+                return Err(bad(format!(
+                    "this route takes run, tenant, since and limit, not {:?}",
+                    other.chars().take(64).collect::<String>()
+                )))
+            }
+        }
+    }
+    let Some(log) = state.audit.clone() else {
+        return Err(ApiError::new(
+            ErrorCode::NotFound,
+            "this daemon keeps no audit log",
+        ));
+    };
+    let records = tokio::task::spawn_blocking(move || log.read(&filter))
+        .await
+        .map_err(|e| {
+            ApiError::from(runbox_core::CoreError::Store(format!(
+                "reading the audit log: {e}"
+            )))
+        })?
+        .map_err(|e| {
+            ApiError::from(runbox_core::CoreError::Store(format!(
+                "reading the audit log: {e}"
+            )))
+        })?;
+    let skip = records.len().saturating_sub(limit);
+    let mut body = Vec::new();
+    for record in &records[skip..] {
+        // Records are plain data: serialising them cannot fail.
+        if serde_json::to_writer(&mut body, record).is_ok() {
+            body.push(b'\n');
+        }
+    }
+    Ok((
+        [(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/x-ndjson"),
+        )],
+        body,
+    )
+        .into_response())
 }
 
 /// `GET /v1/pools`.
@@ -991,9 +1187,20 @@ pub async fn exec<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<ExecRequest>,
-) -> Result<Response, ApiError> {
-    let events = state.service.exec(id, req).await?;
-    Ok(crate::process::exec_events(events))
+) -> Response {
+    let action = runbox_proxy::audit::Action::command(
+        &req.cmd,
+        req.user.as_deref(),
+        req.cwd.as_deref(),
+        "exec",
+    );
+    let started = state.service.exec(id, req).await;
+    audited(
+        action,
+        started
+            .map(crate::process::exec_events)
+            .map_err(ApiError::from),
+    )
 }
 
 /// A server-sent event stream with keep-alive comments every 15 s, marked
@@ -1046,28 +1253,35 @@ pub async fn put_file<S: RunService>(
     RawQuery(query): RawQuery,
     headers: HeaderMap,
     body: Body,
-) -> Result<StatusCode, ApiError> {
-    let length = content_length(&headers)?;
-    let credential = lease_credential(query.as_deref())?;
-    let body = body
-        .into_data_stream()
-        .map_err(std::io::Error::other)
-        .boxed();
-    state
-        .service
-        .put_file(
-            id,
-            Scope::Work,
-            file_path(&params).to_owned(),
-            runbox_core::runs::WriteOptions {
-                credential,
-                content_length: length,
-                ..Default::default()
-            },
-            body,
-        )
-        .await?;
-    Ok(StatusCode::NO_CONTENT)
+) -> Response {
+    let action = runbox_proxy::audit::Action::Write {
+        path: runbox_proxy::audit::bounded(file_path(&params)),
+    };
+    let written = async {
+        let length = content_length(&headers)?;
+        let credential = lease_credential(query.as_deref())?;
+        let body = body
+            .into_data_stream()
+            .map_err(std::io::Error::other)
+            .boxed();
+        state
+            .service
+            .put_file(
+                id,
+                Scope::Work,
+                file_path(&params).to_owned(),
+                runbox_core::runs::WriteOptions {
+                    credential,
+                    content_length: length,
+                    ..Default::default()
+                },
+                body,
+            )
+            .await?;
+        Ok(StatusCode::NO_CONTENT)
+    }
+    .await;
+    audited(action, written)
 }
 
 /// The lease credential of a file write: `?owner=NAME&generation=N`, both

@@ -164,6 +164,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             post(handlers::drain::<S>).delete(handlers::undrain::<S>),
         )
         .route("/v1/info", get(handlers::info::<S>))
+        .route("/v1/audit", get(handlers::audit::<S>))
         .route(
             "/v1/warmcache/{owner}/{name}",
             get(handlers::warm_template::<S>).delete(handlers::warm_invalidate::<S>),
@@ -322,6 +323,14 @@ async fn audit_calls<S: RunService>(
         .extensions()
         .get::<auth::AdmittedRun>()
         .map(|admitted| admitted.0.to_string());
+    let tenant = response
+        .extensions()
+        .get::<auth::AuditTenant>()
+        .and_then(|t| t.0.clone());
+    let action = response
+        .extensions()
+        .get::<handlers::AuditAction>()
+        .map(|a| a.0.clone());
     let record = runbox_proxy::audit::AuditRecord::Api {
         t: runbox_proxy::audit::now(),
         method: method.to_string(),
@@ -330,6 +339,8 @@ async fn audit_calls<S: RunService>(
         status: response.status().as_u16(),
         run,
         caller,
+        tenant,
+        action,
     };
     // The write is small but blocking; keep it off the async workers.
     tokio::task::spawn_blocking(move || audit.append(&record));

@@ -225,6 +225,21 @@ const STDIN_QUERY: &[Query] = &[
 
 const ATTACH_QUERY: &[Query] = &[REPLAY, OWNER, GENERATION];
 
+const AUDIT_QUERY: &[Query] = &[
+    ("run", Kind::Str, "only the records of this run (its id)"),
+    (
+        "tenant",
+        Kind::Str,
+        "only this tenant's: its calls, calls on its runs, and what its runs did",
+    ),
+    (
+        "since",
+        Kind::Str,
+        "only records from then on: RFC 3339, or a span back from now (90m, 24h, 7d)",
+    ),
+    ("limit", Kind::Int, "the latest this many (default 1000)"),
+];
+
 /// A list's label selector (`?label=team=a&label=job`).
 const LABEL_QUERY: &[Query] = &[(
     "label",
@@ -318,6 +333,7 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/pools", "listPools", "The warm pools", Nothing, 200, Json("PoolList")),
         op(Put, "/v1/pools", "setPools", "Replace the warm pools", Body("PoolSet"), 200, Json("PoolList")),
         op(Get, "/v1/info", "info", "What the node is and how full", Nothing, 200, Json("Info")),
+        Op { query: AUDIT_QUERY, ..op(Get, "/v1/audit", "audit", "The audit log's records that match, oldest first, one JSON object a line", Nothing, 200, OutBytes("application/x-ndjson")) },
         op(Post, "/v1/drain", "drain", "Cordon the node", Nothing, 200, Json("PoolList")),
         op(Post, "/v1/tenants", "createTenant", "Add a tenant; its token is in the answer, once", Body("CreateTenantRequest"), 201, Json("TenantToken")),
         op(Get, "/v1/tenants", "listTenants", "Every tenant", Nothing, 200, Json("TenantList")),
@@ -366,6 +382,9 @@ const REPO_PART: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$";
 /// most 256 characters without control characters, or nothing.
 const LABEL_TERM: &str = "^[A-Za-z0-9._/-]{1,63}(=[^\\x00-\\x1f\\x7f-\\x9f]{0,256})?$";
 
+/// A run id as written: a ULID in either case.
+const RUN_ID: &str = "^[0-7][0-9A-HJKMNP-TV-Za-hjkmnp-tv-z]{25}$";
+
 fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
     let schema = ObjectBuilder::new().schema_type(kind.json());
     let range =
@@ -380,6 +399,7 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
         "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
         "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
         "generation" => schema.minimum(Some(0.0)),
+        "run" => schema.pattern(Some(RUN_ID)),
         "path" => schema.pattern(Some(FILE_PATH)),
         "owner" => schema
             .min_length(Some(1))
@@ -763,8 +783,14 @@ fn integer_ranges(value: &mut serde_json::Value) {
 
 /// `GET /v1/usage?since=`: a time or a span back (`accounting::parse_since`).
 fn usage_window(document: &mut serde_json::Value) {
-    let Some(parameters) = document["paths"]["/v1/usage"]["get"]["parameters"].as_array_mut()
-    else {
+    for route in ["/v1/usage", "/v1/audit"] {
+        usage_window_of(document, route);
+    }
+}
+
+/// [`usage_window`] for one route.
+fn usage_window_of(document: &mut serde_json::Value, route: &str) {
+    let Some(parameters) = document["paths"][route]["get"]["parameters"].as_array_mut() else {
         return;
     };
     for parameter in parameters {

@@ -58,9 +58,20 @@ pub async fn start<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
     AppJson(req): AppJson<ExecRequest>,
-) -> Result<(StatusCode, Json<Process>), ApiError> {
-    let process = state.service.start_process(id, req).await?;
-    Ok((StatusCode::CREATED, Json(process)))
+) -> Response {
+    let action = runbox_proxy::audit::Action::command(
+        &req.cmd,
+        req.user.as_deref(),
+        req.cwd.as_deref(),
+        "background",
+    );
+    let started = state.service.start_process(id, req).await;
+    crate::handlers::audited(
+        action,
+        started
+            .map(|process| (StatusCode::CREATED, Json(process)))
+            .map_err(ApiError::from),
+    )
 }
 
 /// `GET /v1/runs/{id}/processes`.
@@ -212,6 +223,7 @@ pub fn exec_events(events: futures::stream::BoxStream<'static, ExecEvent>) -> Re
 pub async fn exec_ws<S: RunService>(
     State(state): State<AppState<S>>,
     RunId(id): RunId,
+    caller: crate::auth::Caller,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
     let upgrade = upgrade.map_err(not_an_upgrade)?;
@@ -222,10 +234,27 @@ pub async fn exec_ws<S: RunService>(
         .protocols([crate::WS_PROTOCOL])
         .on_upgrade(move |socket| async move {
             let mut socket = socket;
-            let req = match first_frame(&mut socket).await {
+            let req: ExecRequest = match first_frame(&mut socket).await {
                 Ok(req) => req,
                 Err(err) => return fail(socket, err).await,
             };
+            // The session's command is known only now; the upgrade's own
+            // record went when it was answered.
+            if let Some(audit) = state.audit.clone() {
+                let record = runbox_proxy::audit::AuditRecord::Session {
+                    t: runbox_proxy::audit::now(),
+                    run: id.to_string(),
+                    caller: Some(caller.audit_name()),
+                    tenant: state.service.tenant_of(id).ok().flatten(),
+                    action: runbox_proxy::audit::Action::command(
+                        &req.cmd,
+                        req.user.as_deref(),
+                        req.cwd.as_deref(),
+                        "session",
+                    ),
+                };
+                tokio::task::spawn_blocking(move || audit.append(&record));
+            }
             match state.service.exec_session(id, req).await {
                 Ok(session) => relay(socket, session).await,
                 Err(err) => fail(socket, ApiError::from(err)).await,

@@ -417,6 +417,10 @@ pub(crate) async fn require_api_key<S: RunService>(
         }
     }
     let name = crate::auth::AuditCaller(caller.audit_name());
+    let tenant = match sandbox {
+        Some(id) => state.service.tenant_of(id).ok().flatten(),
+        None => caller.tenant().map(str::to_owned),
+    };
     request.extensions_mut().insert(caller);
     if let Some(id) = sandbox {
         request
@@ -425,6 +429,9 @@ pub(crate) async fn require_api_key<S: RunService>(
     }
     let mut response = next.run(request).await;
     response.extensions_mut().insert(name);
+    response
+        .extensions_mut()
+        .insert(crate::auth::AuditTenant(tenant));
     if let Some(id) = sandbox {
         response
             .extensions_mut()
