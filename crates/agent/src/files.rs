@@ -14,8 +14,8 @@
 //! 2. Create an unnamed file (`O_TMPFILE`) in the target's directory (where
 //!    the filesystem cannot, `.runbox-upload-<random>` with `O_EXCL`), and
 //!    write each data chunk to it as it arrives.
-//! 3. On `commit`, link it into place (over an existing target: link it
-//!    under a temporary name and rename that over the target). `rename`
+//! 3. On `commit`, link it under a temporary name and at once rename that
+//!    over the target (watchers see one rename, as before). `rename`
 //!    replaces a symlink at the final name rather than following it, so the
 //!    target name cannot redirect the write.
 //!

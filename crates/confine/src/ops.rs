@@ -491,7 +491,8 @@ pub fn read_unsized(file: File, rel: &RelPath) -> Result<Vec<u8>, FileError> {
 /// that dies mid-write (the daemon killed during a volume upload, say)
 /// leaves only an unlinked inode, which the kernel frees, and never a
 /// `.runbox-upload-...` entry that listings, quotas and clones would see.
-/// [`TempFile::commit`] links it into place. Elsewhere (a filesystem
+/// [`TempFile::commit`] links it under such a name and at once renames it
+/// into place. Elsewhere (a filesystem
 /// without `O_TMPFILE`, or no `/proc` to link through) it is a dot-named
 /// file beside the target that `Drop` unlinks.
 #[derive(Debug)]
@@ -529,34 +530,22 @@ impl TempFile {
                         AtFlags::SYMLINK_FOLLOW,
                     )
                 };
-                match link(rel.file_name()) {
-                    Ok(()) => {
-                        self.committed = true;
-                        return Ok(());
-                    }
-                    Err(Errno::EXIST) if !replace => {
-                        return Err(FileError::Exists {
-                            path: rel.original().to_owned(),
-                        })
-                    }
-                    // Replacing needs a rename, so the file gets a name of
-                    // its own for as long as that takes: two system calls,
-                    // once every byte is written.
-                    Err(Errno::EXIST) => {
-                        let name = (0..TEMP_ATTEMPTS)
-                            .map(|_| format!("{TEMP_PREFIX}{:016x}", random_u64()))
-                            .find_map(|name| match link(&name) {
-                                Ok(()) => Some(Ok(name)),
-                                Err(Errno::EXIST) => None,
-                                Err(errno) => Some(Err(errno)),
-                            })
-                            .unwrap_or(Err(Errno::EXIST))
-                            .map_err(|e| FileError::from_errno(e, "link into", rel.original()))?;
-                        self.temp = Temp::Named(name.clone());
-                        name
-                    }
-                    Err(errno) => return Err(commit_error(errno, rel, replace)),
-                }
+                // The file gets a name of its own for as long as the rename
+                // into place takes (two system calls, once every byte is
+                // written), so the target appears as every upload's always
+                // has: renamed into place whole, which watchers (and E2B's
+                // envd clients) see as one event.
+                let name = (0..TEMP_ATTEMPTS)
+                    .map(|_| format!("{TEMP_PREFIX}{:016x}", random_u64()))
+                    .find_map(|name| match link(&name) {
+                        Ok(()) => Some(Ok(name)),
+                        Err(Errno::EXIST) => None,
+                        Err(errno) => Some(Err(errno)),
+                    })
+                    .unwrap_or(Err(Errno::EXIST))
+                    .map_err(|e| FileError::from_errno(e, "link into", rel.original()))?;
+                self.temp = Temp::Named(name.clone());
+                name
             }
         };
         let flags = if replace {

@@ -94,12 +94,32 @@ async fn a_lease_is_not_granted_under_an_exec_or_an_upload() {
         .await
         .unwrap();
     // The daemon admits the upload before it hands it to the agent, and the
-    // agent creates its temporary file on the upload's first message: once
-    // that file exists, the upload is in flight.
+    // agent opens the file it fills (unnamed until it is complete) on the
+    // upload's first message: once a process of the run holds such a file
+    // open, the upload is in flight. Read from the host, through the run's
+    // cgroup.
+    let filling = |id: &str| {
+        let procs = ["pids/runbox", "runbox"]
+            .iter()
+            .find_map(|dir| {
+                std::fs::read_to_string(format!("/sys/fs/cgroup/{dir}/{id}/cgroup.procs")).ok()
+            })
+            .unwrap_or_default();
+        procs.lines().any(|pid| {
+            std::fs::read_dir(format!("/proc/{pid}/fd"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .any(|target| {
+                    let target = target.to_string_lossy();
+                    target.contains("/#") && target.ends_with("(deleted)")
+                })
+        })
+    };
     let admitted = async {
         for _ in 0..200 {
-            let out = daemon.sh(&id, "ls -a /work").await;
-            if String::from_utf8_lossy(&out.stdout).contains(".runbox-upload-") {
+            if filling(&id) {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
