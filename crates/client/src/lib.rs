@@ -724,14 +724,7 @@ impl Client {
         since: Option<&str>,
         tenant: Option<&str>,
     ) -> Result<runbox_types::UsageReport, ClientError> {
-        let query: Vec<String> = [("since", since), ("tenant", tenant)]
-            .into_iter()
-            .filter_map(|(k, v)| v.map(|v| format!("{k}={}", paths::query_value(v))))
-            .collect();
-        let path = match query.is_empty() {
-            true => "/v1/usage".to_owned(),
-            false => format!("/v1/usage?{}", query.join("&")),
-        };
+        let path = paths::with_query("/v1/usage", &[("since", since), ("tenant", tenant)]);
         let resp = self.send(self.request(Method::GET, &path)).await?;
         json(resp).await
     }
@@ -747,19 +740,15 @@ impl Client {
         limit: Option<usize>,
     ) -> Result<Vec<serde_json::Value>, ClientError> {
         let limit = limit.map(|n| n.to_string());
-        let query: Vec<String> = [
-            ("run", run),
-            ("tenant", tenant),
-            ("since", since),
-            ("limit", limit.as_deref()),
-        ]
-        .into_iter()
-        .filter_map(|(k, v)| v.map(|v| format!("{k}={}", paths::query_value(v))))
-        .collect();
-        let path = match query.is_empty() {
-            true => "/v1/audit".to_owned(),
-            false => format!("/v1/audit?{}", query.join("&")),
-        };
+        let path = paths::with_query(
+            "/v1/audit",
+            &[
+                ("run", run),
+                ("tenant", tenant),
+                ("since", since),
+                ("limit", limit.as_deref()),
+            ],
+        );
         let resp = self.send(self.request(Method::GET, &path)).await?;
         let text = resp.text().await?;
         // One JSON object a line; a line that does not parse is not one.

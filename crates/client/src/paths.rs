@@ -55,13 +55,19 @@ pub(crate) fn query_value(value: &str) -> String {
 
 /// The query string of a list's label selector (empty without terms).
 pub(crate) fn label_query(selector: &[&str]) -> String {
-    let terms: Vec<String> = selector
+    let terms: Vec<(&str, Option<&str>)> = selector.iter().map(|t| ("label", Some(*t))).collect();
+    with_query("", &terms)
+}
+
+/// `path` with the parameters that have a value, encoded, as its query.
+pub(crate) fn with_query(path: &str, params: &[(&str, Option<&str>)]) -> String {
+    let query: Vec<String> = params
         .iter()
-        .map(|term| format!("label={}", query_value(term)))
+        .filter_map(|(k, v)| v.map(|v| format!("{k}={}", query_value(v))))
         .collect();
-    match terms.is_empty() {
-        true => String::new(),
-        false => format!("?{}", terms.join("&")),
+    match query.is_empty() {
+        true => path.to_owned(),
+        false => format!("{path}?{}", query.join("&")),
     }
 }
 

@@ -798,20 +798,7 @@ async fn files_without_a_run_seed_and_collect_a_volume() {
     );
 
     // A write under way holds off a run that would mount the volume.
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(1);
-    tx.send(Ok(bytes::Bytes::from_static(b"part")))
-        .await
-        .unwrap();
-    let chunks = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|chunk| (chunk, rx))
-    });
-    let body = runbox_client::UploadBody::from_stream(chunks, None);
-    let client = c.clone();
-    let upload = tokio::spawn(async move {
-        client
-            .put_volume_file("seed", "slow", &Default::default(), body)
-            .await
-    });
+    let (tx, upload) = slow_write(c, "seed", "slow", bytes::Bytes::from_static(b"part")).await;
     // Under way once the daemon holds its (unnamed) file in the volume.
     let stored = daemon
         .state
@@ -1240,6 +1227,35 @@ async fn a_create_with_volumes_takes_a_pool_member_and_mounts_into_it() {
     }
 }
 
+/// The chunks still to come of a [`slow_write`].
+type Chunks = tokio::sync::mpsc::Sender<Result<bytes::Bytes, std::io::Error>>;
+
+/// A write of `path` to volume `name` that has sent `first` and waits for
+/// the rest on the sender it answers (dropping it ends the body).
+async fn slow_write(
+    c: &runbox_client::Client,
+    name: &str,
+    path: &str,
+    first: bytes::Bytes,
+) -> (
+    Chunks,
+    tokio::task::JoinHandle<Result<runbox_types::FileInfo, runbox_client::ClientError>>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(Ok(first)).await.unwrap();
+    let chunks = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    });
+    let body = runbox_client::UploadBody::from_stream(chunks, None);
+    let (client, name, path) = (c.clone(), name.to_owned(), path.to_owned());
+    let upload = tokio::spawn(async move {
+        client
+            .put_volume_file(&name, &path, &Default::default(), body)
+            .await
+    });
+    (tx, upload)
+}
+
 /// Whether process `pid` holds a file open for writing in `dir` (an upload
 /// under way: its file has no name there until it is committed).
 fn writing_into(pid: u32, dir: &std::path::Path) -> bool {
@@ -1277,21 +1293,14 @@ async fn a_write_cut_by_a_crash_leaves_nothing_behind() {
     )
     .await
     .unwrap();
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(1);
-    tx.send(Ok(bytes::Bytes::from(vec![7u8; 1 << 20])))
-        .await
-        .unwrap();
-    let chunks = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|chunk| (chunk, rx))
-    });
-    let body = runbox_client::UploadBody::from_stream(chunks, None);
-    let client = c.clone();
-    // Over the file already there, and a new one beside it.
-    let upload = tokio::spawn(async move {
-        client
-            .put_volume_file("crash", "kept.txt", &Default::default(), body)
-            .await
-    });
+    // Over the file already there.
+    let (tx, upload) = slow_write(
+        &c,
+        "crash",
+        "kept.txt",
+        bytes::Bytes::from(vec![7u8; 1 << 20]),
+    )
+    .await;
     let stored = daemon
         .state
         .path()
