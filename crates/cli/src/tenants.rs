@@ -410,6 +410,7 @@ fn describe_record(r: &serde_json::Value) -> String {
             r["status"]
         ),
         "tenants" => format!("tenant {} {}", text(r, "change"), text(r, "tenant")),
+        "lifecycle" => format!("run {}", text(r, "transition")),
         "configReload" => "config reload".to_owned(),
         other => other.to_owned(),
     }

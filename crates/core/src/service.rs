@@ -80,6 +80,14 @@ pub trait RunService: Clone + Send + Sync + 'static {
         since: Option<time::OffsetDateTime>,
         tenant: Option<String>,
     ) -> impl Future<Output = Result<runbox_types::UsageReport, CoreError>> + Send;
+    /// Every lifecycle transition the usage journal holds, oldest first:
+    /// creates, pauses, hibernations, wakes, restarts, expiries, deletes,
+    /// whatever caused them (not egress byte counts).
+    fn lifecycle_events(
+        &self,
+    ) -> impl Future<Output = Result<Vec<crate::accounting::UsageEvent>, CoreError>> + Send {
+        async { Ok(Vec::new()) }
+    }
     /// Every run the API shows, ordered by id.
     fn list(&self) -> Vec<Run>;
     /// One run.
@@ -470,6 +478,20 @@ impl RunService for Arc<Manager> {
                 time::OffsetDateTime::now_utc(),
                 tenant.as_deref(),
             ))
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("usage task failed: {e}")))?
+    }
+
+    async fn lifecycle_events(&self) -> Result<Vec<crate::accounting::UsageEvent>, CoreError> {
+        let usage = self.context.usage.clone();
+        tokio::task::spawn_blocking(move || {
+            usage.flush();
+            let mut events = usage
+                .events()
+                .map_err(CoreError::io("reading the usage journal"))?;
+            events.retain(|e| e.event != crate::accounting::UsageKind::Egress);
+            Ok(events)
         })
         .await
         .map_err(|e| CoreError::Store(format!("usage task failed: {e}")))?

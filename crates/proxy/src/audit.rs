@@ -84,6 +84,23 @@ pub enum AuditRecord {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         action: Option<Action>,
     },
+    /// A run's lifecycle transition, as the usage journal holds it: what
+    /// happened to the run whoever caused it (a TTL's end, an idle pause,
+    /// a restart, beside the calls that asked for the rest). Never written
+    /// to this log: readers see it merged in ([`AuditFilter`]).
+    Lifecycle {
+        /// RFC 3339 time.
+        t: String,
+        /// Run id.
+        run: String,
+        /// Its tenant, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tenant: Option<String>,
+        /// `create`, `claim`, `fork`, `pause`, `resume`, `hibernate`,
+        /// `wake`, `restart`, `archive`, `restore`, `snapshot`,
+        /// `checkpoint`, `delete` or `expire`.
+        transition: String,
+    },
     /// What a call did once its answer had gone: an interactive session's
     /// command, known only from the first WebSocket message.
     Session {
@@ -229,6 +246,7 @@ impl AuditRecord {
         match self {
             AuditRecord::Egress { run, .. }
             | AuditRecord::Preview { run, .. }
+            | AuditRecord::Lifecycle { run, .. }
             | AuditRecord::Session { run, .. } => Some(run),
             AuditRecord::Api { run, .. } => run.as_deref(),
             AuditRecord::ConfigReload { .. } | AuditRecord::Tenants { .. } => None,
@@ -244,6 +262,7 @@ impl AuditRecord {
                 .as_deref()
                 .or_else(|| caller.as_deref()?.strip_prefix("tenant:")),
             AuditRecord::Tenants { tenant, .. } => Some(tenant),
+            AuditRecord::Lifecycle { tenant, .. } => tenant.as_deref(),
             _ => None,
         }
     }
@@ -255,10 +274,19 @@ impl AuditRecord {
             | AuditRecord::Preview { t, .. }
             | AuditRecord::Api { t, .. }
             | AuditRecord::Session { t, .. }
+            | AuditRecord::Lifecycle { t, .. }
             | AuditRecord::ConfigReload { t, .. }
             | AuditRecord::Tenants { t, .. } => t,
         }
     }
+}
+
+/// The records of JSON `lines`; lines that do not parse are left out.
+pub fn parse_lines(lines: &[String]) -> Vec<AuditRecord> {
+    lines
+        .iter()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
 }
 
 /// Which records a reader wants: of one run, of one tenant (its calls and
@@ -274,13 +302,11 @@ pub struct AuditFilter {
 }
 
 impl AuditFilter {
-    /// The records of `lines` (JSON lines, oldest first) that pass, oldest
-    /// first; lines that do not parse are skipped.
-    pub fn apply(&self, lines: &[String]) -> Vec<AuditRecord> {
-        let records: Vec<AuditRecord> = lines
-            .iter()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect();
+    /// The records of `records` that pass, in time order.
+    pub fn apply(&self, mut records: Vec<AuditRecord>) -> Vec<AuditRecord> {
+        // By the instant, not the text: a time written with a fraction
+        // sorts after one without in the same second as text.
+        records.sort_by_cached_key(|r| time::OffsetDateTime::parse(r.time(), &Rfc3339).ok());
         // A tenant's runs are those its records name; their egress and
         // preview records carry no tenant of their own.
         let runs: std::collections::HashSet<String> = match &self.tenant {
@@ -340,11 +366,13 @@ impl AuditLog {
         let _ = self.observer.set(observer);
     }
 
-    /// The records `filter` passes, oldest first, from the backup and the
-    /// live file (a line cut short by a crash is left out). Blocking.
-    pub fn read(&self, filter: &AuditFilter) -> std::io::Result<Vec<AuditRecord>> {
-        let lines = runbox_journal::read_lines(self.journal.path())?;
-        Ok(filter.apply(&lines))
+    /// Every record, oldest first, from the backup and the live file (a
+    /// line cut short by a crash, or one that does not parse, is left
+    /// out). Blocking.
+    pub fn records(&self) -> std::io::Result<Vec<AuditRecord>> {
+        Ok(parse_lines(&runbox_journal::read_lines(
+            self.journal.path(),
+        )?))
     }
 
     /// Appends one record. Errors are logged, not returned: auditing must not
@@ -518,12 +546,14 @@ mod tests {
             .map(|r| serde_json::to_string(r).unwrap())
             .chain(["not json".to_owned()])
             .collect();
+        let parsed = parse_lines(&lines);
+        assert_eq!(parsed.len(), records.len());
         let acme = AuditFilter {
             tenant: Some("acme".into()),
             ..Default::default()
         };
         let got: Vec<String> = acme
-            .apply(&lines)
+            .apply(parsed.clone())
             .iter()
             .map(|r| r.time().to_owned())
             .collect();
@@ -541,7 +571,7 @@ mod tests {
             since: Some(time::OffsetDateTime::parse("2026-01-01T12:00:00Z", &Rfc3339).unwrap()),
             ..Default::default()
         };
-        assert_eq!(since.apply(&lines), vec![records[5].clone()]);
+        assert_eq!(since.apply(parsed), vec![records[5].clone()]);
     }
 
     #[test]

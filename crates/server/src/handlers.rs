@@ -1087,18 +1087,38 @@ pub async fn audit<S: RunService>(
             "this daemon keeps no audit log",
         ));
     };
-    let records = tokio::task::spawn_blocking(move || log.read(&filter))
+    let read_failed = |e: String| {
+        ApiError::from(runbox_core::CoreError::Store(format!(
+            "reading the audit log: {e}"
+        )))
+    };
+    let mut records = tokio::task::spawn_blocking(move || log.records())
         .await
-        .map_err(|e| {
-            ApiError::from(runbox_core::CoreError::Store(format!(
-                "reading the audit log: {e}"
-            )))
-        })?
-        .map_err(|e| {
-            ApiError::from(runbox_core::CoreError::Store(format!(
-                "reading the audit log: {e}"
-            )))
-        })?;
+        .map_err(|e| read_failed(e.to_string()))?
+        .map_err(|e| read_failed(e.to_string()))?;
+    // What happened to runs whoever caused it, from the usage journal.
+    records.extend(
+        state
+            .service
+            .lifecycle_events()
+            .await?
+            .into_iter()
+            .map(|e| {
+                let transition = serde_json::to_value(e.event)
+                    .ok()
+                    .and_then(|v| v.as_str().map(str::to_owned))
+                    .unwrap_or_default();
+                runbox_proxy::audit::AuditRecord::Lifecycle {
+                    t: e.t
+                        .format(&time::format_description::well_known::Rfc3339)
+                        .unwrap_or_default(),
+                    run: e.run.to_string(),
+                    tenant: e.tenant,
+                    transition,
+                }
+            }),
+    );
+    let records = filter.apply(records);
     let skip = records.len().saturating_sub(limit);
     let mut body = Vec::new();
     for record in &records[skip..] {
