@@ -156,6 +156,7 @@ pub async fn measure(
         .create_volume(&CreateVolumeRequest {
             name: VOLUME.into(),
             size_mb: Some(FILE_MIB + 256),
+            labels: None,
         })
         .await
         .context("making the volume")?;

@@ -31,6 +31,9 @@ pub struct CreateArgs {
     /// --volume-default-mb, 10 GiB]
     #[arg(long, value_name = "MIB")]
     pub size_mb: Option<u64>,
+    /// A label (repeatable), for `runbox volumes ls --label`
+    #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = crate::args::parse_env_var)]
+    pub labels: Vec<crate::args::EnvVar>,
     /// Print the volume as JSON
     #[arg(long)]
     pub json: bool,
@@ -58,6 +61,10 @@ pub struct LsArgs {
     /// Print the list as JSON
     #[arg(long)]
     pub json: bool,
+    /// Only volumes with this label: KEY=VALUE, or KEY for any value
+    /// (repeat: every one must hold)
+    #[arg(long = "label", short = 'l', value_name = "KEY[=VALUE]")]
+    pub labels: Vec<String>,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -89,6 +96,12 @@ pub async fn run(command: VolumesCommand) -> anyhow::Result<ExitCode> {
             let req = runbox_types::CreateVolumeRequest {
                 name: args.name,
                 size_mb: args.size_mb,
+                labels: (!args.labels.is_empty()).then(|| {
+                    args.labels
+                        .iter()
+                        .map(|l| (l.name.clone(), l.value.clone()))
+                        .collect()
+                }),
             };
             let volume = conn.check(conn.client.create_volume(&req).await)?;
             if args.json {
@@ -99,7 +112,8 @@ pub async fn run(command: VolumesCommand) -> anyhow::Result<ExitCode> {
         }
         VolumesCommand::Ls(args) => {
             let conn = args.conn.connect()?;
-            let list = conn.check(conn.client.list_volumes().await)?;
+            let selector: Vec<&str> = args.labels.iter().map(String::as_str).collect();
+            let list = conn.check(conn.client.list_volumes_labelled(&selector).await)?;
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&list)?);
             } else {
@@ -116,6 +130,7 @@ pub async fn run(command: VolumesCommand) -> anyhow::Result<ExitCode> {
             let req = runbox_types::CloneVolumeRequest {
                 name: args.name,
                 size_mb: args.size_mb,
+                labels: None,
             };
             let volume = conn.check(conn.client.clone_volume(&args.source, &req).await)?;
             println!("{}", volume.name);
@@ -206,6 +221,7 @@ mod tests {
             }],
             created_at: time::OffsetDateTime::UNIX_EPOCH,
             tenant: None,
+            labels: Default::default(),
             dataset: None,
         };
         let dataset = runbox_types::Volume {

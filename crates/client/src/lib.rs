@@ -564,7 +564,17 @@ impl Client {
 
     /// `GET /v1/volumes`.
     pub async fn list_volumes(&self) -> Result<runbox_types::VolumeList, ClientError> {
-        json(self.send(self.request(Method::GET, "/v1/volumes")).await?).await
+        self.list_volumes_labelled(&[]).await
+    }
+
+    /// `GET /v1/volumes?label=...`, filtered as
+    /// [`Client::list_runs_labelled`] is.
+    pub async fn list_volumes_labelled(
+        &self,
+        selector: &[&str],
+    ) -> Result<runbox_types::VolumeList, ClientError> {
+        let path = format!("/v1/volumes{}", paths::label_query(selector));
+        json(self.send(self.request(Method::GET, &path)).await?).await
     }
 
     /// `GET /v1/volumes/{name}`.

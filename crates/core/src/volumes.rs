@@ -35,6 +35,9 @@ pub struct VolumeRecord {
     /// When it was made.
     #[serde(with = "time::serde::rfc3339")]
     pub created_at: OffsetDateTime,
+    /// Its labels.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// A volume a run mounts, as the run's record keeps it.
@@ -366,6 +369,7 @@ mod tests {
             tenant: tenant.map(str::to_owned),
             size_mb: 64,
             created_at: OffsetDateTime::UNIX_EPOCH,
+            labels: Default::default(),
         };
         let volumes = Volumes::open(Arc::new(store.clone())).unwrap();
         let a = record("data", None);

@@ -836,6 +836,59 @@ async fn a_label_selector_lists_exactly_the_runs_it_names() {
     for run in [mine, other_job, other_team, roots] {
         root.delete_run(&run.id.to_string()).await.unwrap();
     }
+    // Volumes carry labels too (a clone keeps its source's), and take the
+    // same selector.
+    let volume = |name: &str, pairs: &[(&str, &str)]| runbox_types::CreateVolumeRequest {
+        name: name.into(),
+        size_mb: Some(16),
+        labels: Some(
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).into(), (*v).into()))
+                .collect(),
+        ),
+    };
+    a.create_volume(&volume("va", &[("team", "a")]))
+        .await
+        .unwrap();
+    a.create_volume(&volume("vb", &[("team", "b")]))
+        .await
+        .unwrap();
+    let cloned = a
+        .clone_volume(
+            "va",
+            &runbox_types::CloneVolumeRequest {
+                name: "va2".into(),
+                size_mb: None,
+                labels: None,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(cloned.labels.get("team").map(String::as_str), Some("a"));
+    let names = |list: runbox_types::VolumeList| {
+        let mut names: Vec<String> = list.volumes.into_iter().map(|v| v.name).collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        names(a.list_volumes_labelled(&["team=a"]).await.unwrap()),
+        ["va", "va2"]
+    );
+    assert_eq!(
+        names(a.list_volumes_labelled(&["team=b"]).await.unwrap()),
+        ["vb"]
+    );
+    let refused = a
+        .create_volume(&volume("vc", &[("bad key", "x")]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::BadLabels), "{refused}");
+    let (status, _) = raw_request(&daemon.url, "GET", "/v1/volumes?team=a", &token, b"").await;
+    assert_eq!(status, 400);
+    for name in ["va", "vb", "va2"] {
+        a.delete_volume(name).await.unwrap();
+    }
 }
 
 /// The audit log says what was done, by whom, to which run: a command's

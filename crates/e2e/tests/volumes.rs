@@ -19,6 +19,7 @@ async fn volume(daemon: &TestDaemon, name: &str, size_mb: Option<u64>) -> runbox
         .create_volume(&CreateVolumeRequest {
             name: name.into(),
             size_mb,
+            labels: None,
         })
         .await
         .unwrap_or_else(|e| panic!("making volume {name}: {e}; log:\n{}", daemon.log()))
@@ -289,6 +290,7 @@ async fn hostile_names_sizes_and_mounts_are_refused() {
             .create_volume(&CreateVolumeRequest {
                 name: name.into(),
                 size_mb: None,
+                labels: None,
             })
             .await
             .unwrap_err();
@@ -303,6 +305,7 @@ async fn hostile_names_sizes_and_mounts_are_refused() {
             .create_volume(&CreateVolumeRequest {
                 name: "sized".into(),
                 size_mb: Some(size),
+                labels: None,
             })
             .await
             .unwrap_err();
@@ -318,6 +321,7 @@ async fn hostile_names_sizes_and_mounts_are_refused() {
         .create_volume(&CreateVolumeRequest {
             name: "v".into(),
             size_mb: None,
+            labels: None,
         })
         .await
         .unwrap_err();
@@ -398,6 +402,7 @@ async fn each_tenant_sees_and_mounts_only_its_own_volumes() {
     let req = |name: &str| CreateVolumeRequest {
         name: name.into(),
         size_mb: Some(16),
+        labels: None,
     };
     let mine = acme.create_volume(&req("data")).await.unwrap();
     assert_eq!(mine.tenant.as_deref(), Some("acme"));
@@ -465,6 +470,7 @@ async fn a_clone_is_a_copy_of_now_that_goes_its_own_way() {
             &runbox_types::CloneVolumeRequest {
                 name: "copy".into(),
                 size_mb: None,
+                labels: None,
             },
         )
         .await
@@ -505,6 +511,7 @@ async fn a_clone_is_a_copy_of_now_that_goes_its_own_way() {
                     &runbox_types::CloneVolumeRequest {
                         name: name.into(),
                         size_mb: None,
+                        labels: None,
                     },
                 )
                 .await
@@ -1017,6 +1024,7 @@ async fn catalog_datasets_mount_ro_shared_and_rw_with_a_marker() {
             c.create_volume(&CreateVolumeRequest {
                 name: "corpus".into(),
                 size_mb: Some(8),
+                labels: None,
             })
             .await,
         );

@@ -663,12 +663,16 @@ pub async fn clone_volume<S: RunService>(
     Ok((StatusCode::CREATED, Json(volume)).into_response())
 }
 
-/// `GET /v1/volumes`: the caller's volumes (root: every one).
+/// `GET /v1/volumes[?label=...]`: the caller's volumes (root: every one).
 pub async fn list_volumes<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
-) -> Json<runbox_types::VolumeList> {
-    Json(state.service.list_volumes(&caller.owner()))
+    RawQuery(query): RawQuery,
+) -> Result<Json<runbox_types::VolumeList>, ApiError> {
+    let selector = LabelSelector::parse(query.as_deref())?;
+    let mut list = state.service.list_volumes(&caller.owner());
+    list.volumes.retain(|v| selector.matches(&v.labels));
+    Ok(Json(list))
 }
 
 /// `GET /v1/volumes/{name}`.

@@ -308,7 +308,7 @@ fn operations() -> Vec<Op> {
         op(Get, "/v1/warmcache/{owner}/{name}", "warmTemplate", "One repository's warm template", Nothing, 200, Json("WarmTemplate")),
         op(Delete, "/v1/warmcache/{owner}/{name}", "warmInvalidate", "Drop a repository's warm template", Nothing, 204, Empty),
         op(Post, "/v1/volumes", "createVolume", "Make a named volume", Body("CreateVolumeRequest"), 201, Json("Volume")),
-        op(Get, "/v1/volumes", "listVolumes", "Every volume, with its holders", Nothing, 200, Json("VolumeList")),
+        Op { query: LABEL_QUERY, ..op(Get, "/v1/volumes", "listVolumes", "Every volume the caller may see, with its holders; those whose labels match when a selector is given", Nothing, 200, Json("VolumeList")) },
         op(Get, "/v1/volumes/{name}", "getVolume", "One volume", Nothing, 200, Json("Volume")),
         op(Delete, "/v1/volumes/{name}", "deleteVolume", "Delete a volume no run mounts, and all it holds", Nothing, 204, Empty),
         op(Post, "/v1/volumes/{name}/clone", "cloneVolume", "A new volume holding what the volume holds now (constant time)", Body("CloneVolumeRequest"), 201, Json("Volume")),

@@ -26,6 +26,10 @@ pub struct CreateVolumeRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub size_mb: Option<u64>,
+    /// Labels (the run label rules: keys of letters, digits, `.`, `_`,
+    /// `-`, `/`; values up to 256 characters), for `GET /v1/volumes?label=`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// The most a user or group id of a volume file may be: the ids a run's
@@ -123,6 +127,9 @@ pub struct CloneVolumeRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub size_mb: Option<u64>,
+    /// Its labels; default the source's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// How a run mounts a volume.
@@ -211,6 +218,9 @@ pub struct Volume {
     /// The tenant it belongs to; absent: the operator's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Its labels.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
     /// Present for a dataset of the operator's catalog (a disk image the
     /// operator keeps on this server, mounted by runs, never made or
     /// deleted through the API); absent for a named volume.

@@ -23,6 +23,13 @@ def test_health_and_a_run_lifecycle(rb: Runbox):
         assert [r.id for r in rb.list_runs(labels=["team"])] == [run.id]
         assert rb.list_runs(labels={"team": "other"}) == []
         assert rb.list_runs(labels={"team": None, "job": None}) == []
+        vol = rb.create_volume("sdk-labelled", size_mb=16, labels={"team": "sdk"})
+        try:
+            assert vol["labels"] == {"team": "sdk"}
+            assert [v["name"] for v in rb.list_volumes(labels={"team": "sdk"})] == ["sdk-labelled"]
+            assert rb.list_volumes(labels=["nope"]) == []
+        finally:
+            rb.delete_volume("sdk-labelled")
         assert rb.get_run(run.id).image == "base"
         renewed = rb.renew_run(run.id, 1200)
         assert renewed.expires_at > run.expires_at

@@ -721,12 +721,22 @@ export class Runbox {
   }
 
   /** Makes a named volume; mount it with `createRun(image, { volumes: [{ name }] })`. */
-  async createVolume(name: string, options: { sizeMb?: number } = {}): Promise<Volume> {
-    return this.call({ method: "POST", path: "/v1/volumes", json: compact({ name, sizeMb: options.sizeMb }) });
+  async createVolume(
+    name: string,
+    options: { sizeMb?: number; labels?: Record<string, string> } = {},
+  ): Promise<Volume> {
+    return this.call({
+      method: "POST",
+      path: "/v1/volumes",
+      json: compact({ name, sizeMb: options.sizeMb, labels: options.labels }),
+    });
   }
 
-  async listVolumes(): Promise<Volume[]> {
-    return (await this.call<{ volumes: Volume[] }>({ method: "GET", path: "/v1/volumes" })).volumes;
+  /** The volumes this token may see, filtered by `labels` as
+   * {@link listRuns} is. */
+  async listVolumes(options: { labels?: LabelSelector } = {}): Promise<Volume[]> {
+    const query = { label: selectorTerms(options.labels) };
+    return (await this.call<{ volumes: Volume[] }>({ method: "GET", path: "/v1/volumes", query })).volumes;
   }
 
   async getVolume(name: string): Promise<Volume> {

@@ -1144,7 +1144,7 @@ export interface paths {
             cookie?: never;
         };
         /**
-         * Every volume, with its holders
+         * Every volume the caller may see, with its holders; those whose labels match when a selector is given
          * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
          */
         get: operations["listVolumes"];
@@ -1567,6 +1567,10 @@ export interface components {
          *     holds now.
          */
         CloneVolumeRequest: {
+            /** @description Its labels; default the source's. */
+            labels?: {
+                [key: string]: string;
+            } | null;
             /** @description The new volume's name (the rules of [`CreateVolumeRequest::name`]). */
             name: string;
             /**
@@ -1723,6 +1727,13 @@ export interface components {
         };
         /** @description `POST /v1/volumes`. */
         CreateVolumeRequest: {
+            /**
+             * @description Labels (the run label rules: keys of letters, digits, `.`, `_`,
+             *     `-`, `/`; values up to 256 characters), for `GET /v1/volumes?label=`.
+             */
+            labels?: {
+                [key: string]: string;
+            } | null;
             /**
              * @description 1-63 of letters, digits, `_`, `-` and `.`, starting with a letter
              *     or digit; unique among the caller's volumes.
@@ -3104,6 +3115,10 @@ export interface components {
              * @description Its id (a volume made again under a deleted one's name has another).
              */
             id: string;
+            /** @description Its labels. */
+            labels?: {
+                [key: string]: string;
+            };
             /** @description Its name. */
             name: string;
             /**
@@ -6169,7 +6184,10 @@ export interface operations {
     };
     listVolumes: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description KEY=VALUE (the label has that value) or KEY (the label is set); repeat it, every term must hold */
+                label?: string[];
+            };
             header?: never;
             path?: never;
             cookie?: never;

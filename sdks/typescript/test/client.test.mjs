@@ -48,6 +48,14 @@ test("health and a run's lifecycle", async () => {
     assert.deepEqual((await rb.listRuns({ labels: ["team"] })).map((r) => r.id), [run.id]);
     assert.deepEqual(await rb.listRuns({ labels: { team: "other" } }), []);
     assert.deepEqual(await rb.listRuns({ labels: { team: null, job: null } }), []);
+    const vol = await rb.createVolume("ts-labelled", { sizeMb: 16, labels: { team: "sdk" } });
+    try {
+      assert.deepEqual(vol.labels, { team: "sdk" });
+      assert.deepEqual((await rb.listVolumes({ labels: { team: "sdk" } })).map((v) => v.name), ["ts-labelled"]);
+      assert.deepEqual(await rb.listVolumes({ labels: ["nope"] }), []);
+    } finally {
+      await rb.deleteVolume("ts-labelled");
+    }
     assert.equal((await rb.getRun(run.id)).image, "base");
     const renewed = await rb.renewRun(run.id, 1200);
     assert.ok(Date.parse(renewed.expiresAt) > Date.parse(run.expiresAt));

@@ -96,8 +96,9 @@ impl Manager {
         tenant: Option<&str>,
     ) -> Result<runbox_types::Volume, CoreError> {
         let size_mb = req.size_mb.unwrap_or(self.config().volume_default_mb);
+        let labels = req.labels.unwrap_or_default();
         let lane = self.lane.clone();
-        self.make_volume(req.name, tenant, size_mb, |id| async move {
+        self.make_volume(req.name, tenant, size_mb, labels, |id| async move {
             lane.create_volume(id, size_mb << 20)
                 .await
                 .map_err(lane_error)
@@ -132,7 +133,8 @@ impl Manager {
         }
         let (lane, volumes) = (self.lane.clone(), self.volumes.clone());
         let source_name = name.to_owned();
-        self.make_volume(req.name, tenant, size_mb, |id| async move {
+        let labels = req.labels.unwrap_or_else(|| source.labels.clone());
+        self.make_volume(req.name, tenant, size_mb, labels, |id| async move {
             // Under the volume lock: a delete that came first is seen here.
             if !volumes.exists(source.id) {
                 return Err(not_found(&source_name));
@@ -153,6 +155,7 @@ impl Manager {
         name: String,
         tenant: Option<&str>,
         size_mb: u64,
+        labels: std::collections::BTreeMap<String, String>,
         make: F,
     ) -> Result<runbox_types::Volume, CoreError>
     where
@@ -160,6 +163,7 @@ impl Manager {
         Fut: std::future::Future<Output = Result<(), CoreError>>,
     {
         volumes::check_name(&name)?;
+        crate::validate::labels(&labels)?;
         let max = self.config().volume_max_mb;
         if size_mb == 0 || size_mb > max {
             return Err(CoreError::invalid(
@@ -186,6 +190,7 @@ impl Manager {
             tenant: tenant.map(str::to_owned),
             size_mb,
             created_at: OffsetDateTime::now_utc(),
+            labels,
         };
         make(record.id).await?;
         let volumes = self.volumes.clone();
@@ -296,6 +301,7 @@ impl Manager {
             holders,
             created_at: record.created_at,
             tenant: record.tenant.clone(),
+            labels: record.labels.clone(),
             dataset: None,
         }
     }
@@ -520,6 +526,7 @@ fn dataset_view(
         holders,
         created_at: OffsetDateTime::UNIX_EPOCH,
         tenant: None,
+        labels: Default::default(),
         dataset: Some(entry.state(false)),
     }
 }

@@ -148,6 +148,7 @@ async fn create<S: RunService>(
             runbox_types::CreateVolumeRequest {
                 name: req.name,
                 size_mb: None,
+                labels: None,
             },
             caller.owner(),
         )

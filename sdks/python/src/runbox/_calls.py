@@ -352,12 +352,16 @@ def delete_tenant(name: str) -> Call[None]:
     return Call("DELETE", f"/v1/tenants/{segment('tenant name', name)}", empty=True)
 
 
-def create_volume(name: str, size_mb: Optional[int] = None) -> Call[Dict[str, Any]]:
-    return Call("POST", "/v1/volumes", json=compact(name=name, sizeMb=size_mb))
+def create_volume(
+    name: str, size_mb: Optional[int] = None, labels: Optional[Dict[str, str]] = None
+) -> Call[Dict[str, Any]]:
+    return Call("POST", "/v1/volumes", json=compact(name=name, sizeMb=size_mb, labels=labels))
 
 
-def list_volumes() -> Call[List[Dict[str, Any]]]:
-    return Call("GET", "/v1/volumes", parse=lambda body: list(body["volumes"]))
+def list_volumes(labels: Any = None) -> Call[List[Dict[str, Any]]]:
+    return Call(
+        "GET", "/v1/volumes", params=label_selector(labels), parse=lambda body: list(body["volumes"])
+    )
 
 
 def get_volume(name: str) -> Call[Dict[str, Any]]:

@@ -402,12 +402,18 @@ class AsyncRunbox:
 
     # -- volumes -------------------------------------------------------------
 
-    async def create_volume(self, name: str, size_mb: Optional[int] = None) -> Dict[str, Any]:
+    async def create_volume(
+        self, name: str, size_mb: Optional[int] = None, labels: Optional[Dict[str, str]] = None
+    ) -> Dict[str, Any]:
         """Makes a named volume (mount it with ``create_run(volumes=[{"name": ...}])``)."""
-        return await self._do(calls.create_volume(name, size_mb))
+        return await self._do(calls.create_volume(name, size_mb, labels))
 
-    async def list_volumes(self) -> List[Dict[str, Any]]:
-        return await self._do(calls.list_volumes())
+    async def list_volumes(
+        self, labels: Optional[Union[Dict[str, Optional[str]], List[str]]] = None
+    ) -> List[Dict[str, Any]]:
+        """The volumes this token may see, filtered by ``labels`` as
+        :meth:`list_runs` is."""
+        return await self._do(calls.list_volumes(labels))
 
     async def get_volume(self, name: str) -> Dict[str, Any]:
         return await self._do(calls.get_volume(name))

@@ -395,12 +395,18 @@ class Runbox:
 
     # -- volumes -------------------------------------------------------------
 
-    def create_volume(self, name: str, size_mb: Optional[int] = None) -> Dict[str, Any]:
+    def create_volume(
+        self, name: str, size_mb: Optional[int] = None, labels: Optional[Dict[str, str]] = None
+    ) -> Dict[str, Any]:
         """Makes a named volume (mount it with ``create_run(volumes=[{"name": ...}])``)."""
-        return self._do(calls.create_volume(name, size_mb))
+        return self._do(calls.create_volume(name, size_mb, labels))
 
-    def list_volumes(self) -> List[Dict[str, Any]]:
-        return self._do(calls.list_volumes())
+    def list_volumes(
+        self, labels: Optional[Union[Dict[str, Optional[str]], List[str]]] = None
+    ) -> List[Dict[str, Any]]:
+        """The volumes this token may see, filtered by ``labels`` as
+        :meth:`list_runs` is."""
+        return self._do(calls.list_volumes(labels))
 
     def get_volume(self, name: str) -> Dict[str, Any]:
         return self._do(calls.get_volume(name))
