@@ -503,6 +503,9 @@ pub struct SnapshotArgs {
     /// Image name for the snapshot [default: a generated snap-…]
     #[arg(long)]
     pub name: Option<String>,
+    /// A label of the snapshot (repeatable), for GET /v1/snapshots?label=
+    #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_env_var)]
+    pub labels: Vec<EnvVar>,
     /// Print the snapshot as JSON instead of its image name
     #[arg(long)]
     pub json: bool,
@@ -710,11 +713,16 @@ where
 /// with `run create --image NAME`).
 pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
     let conn = args.conn.connect()?;
-    let snapshot = conn.check(
-        conn.client
-            .snapshot_run(&args.id, args.name.as_deref())
-            .await,
-    )?;
+    let req = runbox_client::types::SnapshotRequest {
+        name: args.name,
+        labels: (!args.labels.is_empty()).then(|| {
+            args.labels
+                .iter()
+                .map(|l| (l.name.clone(), l.value.clone()))
+                .collect()
+        }),
+    };
+    let snapshot = conn.check(conn.client.snapshot_run_with(&args.id, &req).await)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&snapshot)?);
     } else {

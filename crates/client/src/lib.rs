@@ -279,10 +279,20 @@ impl Client {
         id: &str,
         name: Option<&str>,
     ) -> Result<runbox_types::Snapshot, ClientError> {
-        let path = format!("{}/snapshot", run_path(id)?);
         let req = runbox_types::SnapshotRequest {
             name: name.map(str::to_owned),
+            labels: None,
         };
+        self.snapshot_run_with(id, &req).await
+    }
+
+    /// `POST /v1/runs/{id}/snapshot` with the whole request (labels too).
+    pub async fn snapshot_run_with(
+        &self,
+        id: &str,
+        req: &runbox_types::SnapshotRequest,
+    ) -> Result<runbox_types::Snapshot, ClientError> {
+        let path = format!("{}/snapshot", run_path(id)?);
         let resp = self
             .send(self.request(Method::POST, &path).json(&req))
             .await?;
@@ -770,10 +780,17 @@ impl Client {
 
     /// `GET /v1/snapshots`.
     pub async fn list_snapshots(&self) -> Result<runbox_types::SnapshotList, ClientError> {
-        let resp = self
-            .send(self.request(Method::GET, "/v1/snapshots"))
-            .await?;
-        json(resp).await
+        self.list_snapshots_labelled(&[]).await
+    }
+
+    /// `GET /v1/snapshots?label=...`, filtered as
+    /// [`Client::list_runs_labelled`] is.
+    pub async fn list_snapshots_labelled(
+        &self,
+        selector: &[&str],
+    ) -> Result<runbox_types::SnapshotList, ClientError> {
+        let path = format!("/v1/snapshots{}", paths::label_query(selector));
+        json(self.send(self.request(Method::GET, &path)).await?).await
     }
 
     /// `DELETE /v1/snapshots/{name}`: only snapshot images; 409 while a

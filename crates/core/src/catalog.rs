@@ -177,6 +177,8 @@ impl Manager {
         req: runbox_types::SnapshotRequest,
     ) -> Result<runbox_types::Snapshot, CoreError> {
         let started = std::time::Instant::now();
+        let labels = req.labels.unwrap_or_default();
+        validate::labels(&labels)?;
         let name = match req.name {
             Some(name) => {
                 validate::image_name(&name)?;
@@ -228,6 +230,7 @@ impl Manager {
                 layers: record.layers.clone(),
                 run: id,
                 tenant: record.tenant.clone(),
+                labels: labels.clone(),
             };
             // Where the storage can, the capture itself becomes the new
             // layer, in constant time: no tar is written or unpacked. A

@@ -133,6 +133,8 @@ pub struct SnapshotBase {
     pub run: ulid::Ulid,
     /// The run's tenant, whose image the snapshot is.
     pub tenant: Option<String>,
+    /// The snapshot's labels.
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// The image directory.
@@ -346,6 +348,7 @@ impl ImageStore {
             size_bytes: size,
             created_unix: OffsetDateTime::now_utc().unix_timestamp(),
             tenant: None,
+            labels: Default::default(),
         };
         let record = if replace {
             self.store.replace_image(record)
@@ -446,7 +449,14 @@ impl ImageStore {
             }
             return Err(exists(name));
         }
-        self.put_layered_image(name, source.to_owned(), layers, config, tenant)?;
+        self.put_layered_image(
+            name,
+            source.to_owned(),
+            layers,
+            config,
+            tenant,
+            Default::default(),
+        )?;
         Ok(())
     }
 
@@ -459,6 +469,7 @@ impl ImageStore {
         layers: Vec<String>,
         config: &serde_json::Value,
         tenant: Option<String>,
+        labels: std::collections::BTreeMap<String, String>,
     ) -> Result<ImageRecord, CoreError> {
         let mut size = 0;
         for key in &layers {
@@ -480,6 +491,7 @@ impl ImageStore {
                 size_bytes: size,
                 created_unix: OffsetDateTime::now_utc().unix_timestamp(),
                 tenant,
+                labels,
             })
             .map_err(store_error)
     }
@@ -494,7 +506,14 @@ impl ImageStore {
         let mut layers = base.layers.clone();
         layers.push(layer.to_owned());
         let source = format!("snapshot:{}:{}", base.run, base.parent);
-        self.put_layered_image(name, source, layers, &base.config, base.tenant.clone())
+        self.put_layered_image(
+            name,
+            source,
+            layers,
+            &base.config,
+            base.tenant.clone(),
+            base.labels.clone(),
+        )
     }
 
     /// Records image `name` made of `base` plus one layer captured from a
@@ -589,6 +608,7 @@ impl ImageStore {
                         size_bytes: layer.unpacked_bytes,
                         created_unix: OffsetDateTime::now_utc().unix_timestamp(),
                         tenant: None,
+                        labels: Default::default(),
                     })
                     .map_err(store_error)?
             }
@@ -759,6 +779,7 @@ fn to_image(record: ImageRecord, server: &str, with_config: bool) -> Image {
         layers: record.layers,
         config: with_config.then_some(record.config),
         tenant: record.tenant,
+        labels: record.labels,
         pull: None,
     }
 }

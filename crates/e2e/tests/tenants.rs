@@ -833,8 +833,52 @@ async fn a_label_selector_lists_exactly_the_runs_it_names() {
         assert_eq!(status, 400, "{query}: {text}");
         assert!(text.contains(code), "{query}: {text}");
     }
+    // Snapshots carry the labels they were taken with, and take the same
+    // selector.
+    let snap = |labels: &[(&str, &str)], name: &str| runbox_types::SnapshotRequest {
+        name: Some(name.into()),
+        labels: Some(
+            labels
+                .iter()
+                .map(|(k, v)| ((*k).into(), (*v).into()))
+                .collect(),
+        ),
+    };
+    let taken = a
+        .snapshot_run_with(&mine.id.to_string(), &snap(&[("team", "a")], "snap-a"))
+        .await
+        .unwrap();
+    assert_eq!(taken.image, "snap-a");
+    a.snapshot_run_with(
+        &other_team.id.to_string(),
+        &snap(&[("team", "b")], "snap-b"),
+    )
+    .await
+    .unwrap();
+    let images = |list: runbox_types::SnapshotList| {
+        list.snapshots
+            .into_iter()
+            .map(|i| i.name)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        images(a.list_snapshots_labelled(&["team=a"]).await.unwrap()),
+        ["snap-a"]
+    );
+    assert_eq!(
+        images(a.list_snapshots_labelled(&["team"]).await.unwrap()),
+        ["snap-a", "snap-b"]
+    );
+    let refused = a
+        .snapshot_run_with(&mine.id.to_string(), &snap(&[("bad key", "x")], "snap-c"))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::BadLabels), "{refused}");
     for run in [mine, other_job, other_team, roots] {
         root.delete_run(&run.id.to_string()).await.unwrap();
+    }
+    for image in ["snap-a", "snap-b"] {
+        a.delete_image(image).await.unwrap();
     }
     // Volumes carry labels too (a clone keeps its source's), and take the
     // same selector.

@@ -159,6 +159,9 @@ pub struct ImageRecord {
     /// The tenant whose snapshot or checkpoint it is; None: shared.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Its labels (a snapshot's).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// The layer and image store.
@@ -592,6 +595,7 @@ impl Store {
             size_bytes: size,
             created_unix: now_unix(),
             tenant: None,
+            labels: Default::default(),
         })
     }
 
@@ -1071,6 +1075,7 @@ mod tests {
                 size_bytes: 0,
                 created_unix: 0,
                 tenant: None,
+                labels: Default::default(),
             })
             .unwrap();
         let dirs = store.image_layer_dirs("snap").unwrap();

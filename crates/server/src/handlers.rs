@@ -1447,14 +1447,18 @@ fn visible_image<S: RunService>(
 pub async fn list_snapshots<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
+    RawQuery(query): RawQuery,
 ) -> Result<Json<runbox_types::SnapshotList>, ApiError> {
+    let selector = LabelSelector::parse(query.as_deref())?;
     Ok(Json(runbox_types::SnapshotList {
         server: state.service.server_id().to_owned(),
         snapshots: state
             .service
             .list_images()?
             .into_iter()
-            .filter(|i| i.is_snapshot() && caller.sees(i.tenant.as_deref()))
+            .filter(|i| {
+                i.is_snapshot() && caller.sees(i.tenant.as_deref()) && selector.matches(&i.labels)
+            })
             .collect(),
     }))
 }

@@ -324,7 +324,7 @@ fn operations() -> Vec<Op> {
         op(Post, "/v1/images/{name}", "importImage", "Import a tar archive: an OCI layout, docker save output, or a root filesystem", InBytes("application/x-tar"), 201, Json("Image")),
         op(Get, "/v1/images/{name}", "getImage", "One image, with its config", Nothing, 200, Json("Image")),
         op(Delete, "/v1/images/{name}", "deleteImage", "Delete an image", Nothing, 204, Empty),
-        op(Get, "/v1/snapshots", "listSnapshots", "Every snapshot", Nothing, 200, Json("SnapshotList")),
+        Op { query: LABEL_QUERY, ..op(Get, "/v1/snapshots", "listSnapshots", "Every snapshot the caller may see; those whose labels match when a selector is given", Nothing, 200, Json("SnapshotList")) },
         Op { query: &[("image", Kind::Str, "the snapshot's image name")], ..op(Delete, "/v1/snapshots", "deleteSnapshotByQuery", "Delete a snapshot named in the query", Nothing, 204, Empty) },
         op(Delete, "/v1/snapshots/{name}", "deleteSnapshot", "Delete a snapshot", Nothing, 204, Empty),
         Op { query: LABEL_QUERY, ..op(Get, "/v1/checkpoints", "listCheckpoints", "Every checkpoint in the store the caller may see, those whose labels match when a selector is given", Nothing, 200, Json("CheckpointList")) },

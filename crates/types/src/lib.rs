@@ -771,6 +771,10 @@ pub struct SnapshotRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(pattern = "^[a-z0-9][a-z0-9._-]{0,63}$"))]
     pub name: Option<String>,
+    /// Labels of the snapshot's image (the run label rules), for
+    /// `GET /v1/snapshots?label=`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<String, String>>,
 }
 
 /// A snapshot: an image made of a run's image layers plus one layer with
@@ -1241,6 +1245,9 @@ pub struct Image {
     /// shared by everyone the tenant rules allow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// Its labels (a snapshot's, given when it was taken).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
     /// On a pull's answer only: whether the image is new, was replaced by
     /// what the reference names now, or was up to date already.
     #[serde(default, skip_serializing_if = "Option::is_none")]

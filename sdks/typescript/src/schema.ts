@@ -1008,7 +1008,7 @@ export interface paths {
             cookie?: never;
         };
         /**
-         * Every snapshot
+         * Every snapshot the caller may see; those whose labels match when a selector is given
          * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
          */
         get: operations["listSnapshots"];
@@ -2045,6 +2045,10 @@ export interface components {
              * @description Import time (RFC 3339).
              */
             createdAt: string;
+            /** @description Its labels (a snapshot's, given when it was taken). */
+            labels?: {
+                [key: string]: string;
+            };
             /**
              * @description Its layers, base first: `sha256:` digests (diff_ids), and
              *     `local:<ulid>` for a snapshot layer kept in the run store. Layers are
@@ -2913,6 +2917,13 @@ export interface components {
         };
         /** @description `POST /v1/runs/{id}/snapshot`. */
         SnapshotRequest: {
+            /**
+             * @description Labels of the snapshot's image (the run label rules), for
+             *     `GET /v1/snapshots?label=`.
+             */
+            labels?: {
+                [key: string]: string;
+            } | null;
             /**
              * @description The image name to record the snapshot under (image name rules);
              *     default: a generated `snap-<ulid>`.
@@ -5779,7 +5790,10 @@ export interface operations {
     };
     listSnapshots: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description KEY=VALUE (the label has that value) or KEY (the label is set); repeat it, every term must hold */
+                label?: string[];
+            };
             header?: never;
             path?: never;
             cookie?: never;

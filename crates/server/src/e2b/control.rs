@@ -914,7 +914,13 @@ async fn snapshot<S: RunService>(
     let req: SnapshotBody = body(&bytes)?;
     let snap = state
         .service
-        .snapshot(id, runbox_types::SnapshotRequest { name: req.name })
+        .snapshot(
+            id,
+            runbox_types::SnapshotRequest {
+                name: req.name,
+                labels: None,
+            },
+        )
         .await?;
     Ok((StatusCode::CREATED, Json(snapshot_info(&snap.image))).into_response())
 }
