@@ -805,6 +805,37 @@ fn usage_window_of(document: &mut serde_json::Value, route: &str) {
     }
 }
 
+/// Every request's `labels` map states the label rules
+/// (`validate::labels`): at most 64, keys 1-63 of letters, digits, `.`,
+/// `_`, `-` and `/`, values at most 256 characters without control
+/// characters.
+fn label_rules(document: &mut serde_json::Value) {
+    let Some(schemas) = document["components"]["schemas"].as_object_mut() else {
+        return;
+    };
+    for (name, schema) in schemas.iter_mut() {
+        if !name.ends_with("Request") {
+            continue;
+        }
+        let Some(labels) = schema["properties"]["labels"].as_object_mut() else {
+            continue;
+        };
+        labels.insert("maxProperties".into(), serde_json::json!(64));
+        labels.insert(
+            "propertyNames".into(),
+            serde_json::json!({"type": "string", "pattern": "^[A-Za-z0-9._/-]{1,63}$"}),
+        );
+        labels.insert(
+            "additionalProperties".into(),
+            serde_json::json!({
+                "type": "string",
+                "maxLength": 256,
+                "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]*$"
+            }),
+        );
+    }
+}
+
 /// The document as the committed file holds it: pretty JSON and a newline.
 pub fn document_json() -> String {
     let mut value = match serde_json::to_value(document()) {
@@ -813,6 +844,7 @@ pub fn document_json() -> String {
     };
     cross_field_rules(&mut value);
     usage_window(&mut value);
+    label_rules(&mut value);
     integer_ranges(&mut value);
     let mut text =
         serde_json::to_string_pretty(&value).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
