@@ -817,7 +817,13 @@ fn label_rules(document: &mut serde_json::Value) {
         if !name.ends_with("Request") {
             continue;
         }
-        let Some(labels) = schema["properties"]["labels"].as_object_mut() else {
+        // `get_mut`, not indexing: indexing would add a `labels` property
+        // to every request schema that has none.
+        let Some(labels) = schema
+            .get_mut("properties")
+            .and_then(|p| p.get_mut("labels"))
+            .and_then(|l| l.as_object_mut())
+        else {
             continue;
         };
         labels.insert("maxProperties".into(), serde_json::json!(64));
