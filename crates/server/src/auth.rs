@@ -242,8 +242,12 @@ pub(crate) async fn require<S: RunService>(
         return refused.into_response();
     }
     let name = AuditCaller(caller.audit_name());
+    // Only for a request the audit log records: reads stay off this path.
     let tenant = match run {
-        Some(id) => state.service.tenant_of(id).ok().flatten(),
+        Some(id) if state.audit.is_some() && crate::audited(&request) => {
+            state.service.tenant_of(id).ok().flatten()
+        }
+        Some(_) => None,
         None => caller.tenant().map(str::to_owned),
     };
     request.extensions_mut().insert(caller);

@@ -298,18 +298,11 @@ async fn audit_calls<S: RunService>(
     request: Request,
     next: Next,
 ) -> Response {
-    use axum::http::Method;
     let Some(audit) = state.audit.clone() else {
         return next.run(request).await;
     };
     let method = request.method().clone();
-    // A WebSocket session (an interactive exec, an attach) is a GET that
-    // changes state.
-    let upgrade = request
-        .headers()
-        .get(axum::http::header::UPGRADE)
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"));
-    if matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) && !upgrade {
+    if !audited(&request) {
         return next.run(request).await;
     }
     let path = request.uri().path().to_owned();
@@ -345,6 +338,22 @@ async fn audit_calls<S: RunService>(
     // The write is small but blocking; keep it off the async workers.
     tokio::task::spawn_blocking(move || audit.append(&record));
     response
+}
+
+/// Whether a request gets an audit record: anything but GET, HEAD and
+/// OPTIONS, and WebSocket sessions (an interactive exec, an attach: a GET
+/// that changes state).
+pub(crate) fn audited(request: &Request) -> bool {
+    use axum::http::Method;
+    let upgrade = request
+        .headers()
+        .get(axum::http::header::UPGRADE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"websocket"));
+    upgrade
+        || !matches!(
+            *request.method(),
+            Method::GET | Method::HEAD | Method::OPTIONS
+        )
 }
 
 /// The token of an `Authorization: Bearer <token>` header.
