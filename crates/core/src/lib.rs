@@ -23,6 +23,7 @@ pub mod error;
 pub mod images;
 pub mod lane;
 pub mod lease;
+pub mod ledger;
 pub mod pools;
 pub mod preview;
 pub mod runs;

@@ -27,7 +27,7 @@
 //! dropped reply channel only means nobody waits for the answer.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -152,17 +152,6 @@ pub(crate) enum Command {
     },
 }
 
-/// Who took a pool member: the create's idempotency key and tenant.
-#[derive(Debug, Default)]
-pub(crate) struct Ticket {
-    pub key: Option<crate::store::Idempotency>,
-    pub tenant: Option<String>,
-    /// The volumes the create mounts: held from the moment the member is
-    /// taken, until its record lists them or the claim fails (then the
-    /// member's owner empties this before it answers).
-    pub volumes: Mutex<Vec<crate::volumes::RunVolumeRecord>>,
-}
-
 /// What a create applies to the pool member it is served with.
 #[derive(Clone)]
 pub(crate) struct Claim {
@@ -247,15 +236,6 @@ pub(crate) struct RunHandle {
     pub egress: Mutex<Option<Arc<dyn crate::egress::EgressHandle>>>,
     /// What is open on the run now, for its idle policy.
     pub activity: Activity,
-    /// A hibernated run being woken: counted against capacity from the
-    /// moment its owner took the slot (see [`RunHandle::counts`]).
-    pub waking: AtomicBool,
-    /// The ticket of the create that took this pool member: set once,
-    /// under the registry lock, when the create takes it (before its owner
-    /// has applied the claim and left [`Phase::Pooled`]), so capacity
-    /// counts it at once and a repeat of that create (with the key held
-    /// here) finds it.
-    pub ticket: OnceLock<Ticket>,
     /// What it used lately, sampled by the daemon.
     pub usage: super::usage::History,
 }
@@ -297,38 +277,6 @@ impl RunHandle {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-    }
-
-    /// Whether it counts against `--max-runs`: every run but idle pool
-    /// members and hibernated runs (which hold only their disk) that are
-    /// not being woken.
-    pub fn counts(&self) -> bool {
-        !self.is_idle()
-            && (!matches!(
-                self.state.borrow().phase,
-                Phase::Hibernated | Phase::Archived
-            ) || self.waking.load(Ordering::SeqCst))
-    }
-
-    /// Whether this is a pool member no create has taken (yet to be
-    /// made, or [`Phase::Pooled`]): hidden from the API, not counted
-    /// against `--max-runs`.
-    pub fn is_idle(&self) -> bool {
-        self.ticket.get().is_none() && self.state.borrow().record.is_idle_member()
-    }
-
-    /// The idempotency key of the create that took this pool member.
-    pub fn claim_key(&self) -> Option<&crate::store::Idempotency> {
-        self.ticket.get().and_then(|t| t.key.as_ref())
-    }
-
-    /// The tenant the run counts against: the claiming create's once a
-    /// create took this pool member, else its record's.
-    pub fn tenant(&self) -> Option<String> {
-        match self.ticket.get() {
-            Some(ticket) => ticket.tenant.clone(),
-            None => self.state.borrow().record.tenant.clone(),
-        }
     }
 
     /// Waits until a claimed member's owner has applied the claim (or the
@@ -441,8 +389,6 @@ impl RunActor {
             end_reason: OnceLock::new(),
             egress: Mutex::new(None),
             activity: Activity::default(),
-            waking: AtomicBool::new(false),
-            ticket: OnceLock::new(),
             usage: Default::default(),
         });
         let token = handle.ended.child_token();
@@ -606,7 +552,11 @@ impl RunActor {
         self.context.usage.record(event);
     }
 
+    /// Publishes the run as it is now, and reports it to the ledger.
     fn publish(&self) {
+        self.context
+            .ledger
+            .report(self.record.id, super::entry(&self.record, &self.phase));
         self.publish.send_replace(Snapshot {
             phase: self.phase.clone(),
             record: Arc::new(self.record.clone()),
@@ -1116,7 +1066,7 @@ impl RunActor {
             ));
         }
         let _slot = match self.phase {
-            Phase::Hibernated => Some(self.context.take_slot(&self.handle)?),
+            Phase::Hibernated => Some(self.context.take_slot(id).await?),
             _ => None,
         };
         let started = std::time::Instant::now();
@@ -1216,7 +1166,7 @@ impl RunActor {
     async fn restore(&mut self) -> Result<(), CoreError> {
         let id = self.record.id;
         let store = self.context.checkpoint_store()?.clone();
-        let _slot = self.context.take_slot(&self.handle)?;
+        let _slot = self.context.take_slot(id).await?;
         let started = std::time::Instant::now();
         let layers = {
             let _restoring = self.context.restore_lock.lock().await;
@@ -1524,13 +1474,7 @@ impl RunActor {
                 // Not handed out: what it held is free again before the
                 // create goes on (cold).
                 super::volumes::release_datasets(&self.context.lane, &catalog, id, &claim.volumes);
-                if let Some(ticket) = self.handle.ticket.get() {
-                    ticket
-                        .volumes
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .clear();
-                }
+                self.context.ledger.forgo_volumes(id);
                 return Err(e.into());
             }
             self.record.volumes = claim.volumes;

@@ -70,11 +70,15 @@ impl Manager {
         )?;
         let parent = (*self.admit(id, Access::Open).await?.record).clone();
         let count = req.count;
-        if self.capacity_used() + count > self.config().max_runs {
+        // Checked early, before the capture; the reservation checks again.
+        let tally = self.context.ledger.tally();
+        if tally.counted + count > self.config().max_runs {
             return Err(CoreError::Capacity(self.config().max_runs));
         }
         let owner = self.context.owner_of(parent.tenant.as_deref());
-        super::check_quota(&self.registry(), &owner, count)?;
+        if let Some(tenant) = owner.tenant() {
+            owner.check_quota(tally.of(tenant), count)?;
+        }
         let manager = self.clone();
         tokio::spawn(async move { manager.fork_children(parent, count, ttl).await })
             .await
@@ -118,14 +122,8 @@ impl Manager {
             }
             None => (None, None),
         };
-        let mut answers = Vec::with_capacity(count);
+        let mut children = Vec::with_capacity(count);
         {
-            let mut registry = self.registry();
-            if super::counted(&registry) + count > self.config().max_runs {
-                return Err(CoreError::Capacity(self.config().max_runs));
-            }
-            let owner = self.context.owner_of(parent.tenant.as_deref());
-            super::check_quota(&registry, &owner, count)?;
             let now = OffsetDateTime::now_utc();
             for _ in 0..count {
                 let id = Ulid::new();
@@ -161,9 +159,35 @@ impl Manager {
                     warm: warm_mount.clone(),
                     volumes: Vec::new(),
                 };
-                answers.push(self.spawn_creating(&mut registry, record, spec));
+                children.push((record, spec));
             }
         }
+        // The children are reserved together, and their owners spawned
+        // right after.
+        let owner = self.context.owner_of(parent.tenant.as_deref());
+        let ask = crate::ledger::Ask {
+            owner: &owner,
+            key: None,
+            volumes: &[],
+            dataset_ready: &crate::ledger::no_datasets,
+            runs: count,
+            max_runs: self.config().max_runs,
+        };
+        let entries = children
+            .iter()
+            .map(|(record, _)| {
+                (
+                    record.id,
+                    super::entry(record, &super::phase::Phase::Creating),
+                )
+            })
+            .collect();
+        // Without a key there is no earlier create to answer with.
+        self.context.ledger.reserve(ask, entries).await?;
+        let answers: Vec<_> = children
+            .into_iter()
+            .map(|(record, spec)| self.spawn_creating(record, spec))
+            .collect();
         drop(image_guard);
         let mut runs: Vec<Run> = Vec::with_capacity(count);
         let mut failure = None;

@@ -70,6 +70,7 @@ pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
 pub use self::volume_files::{VolumeFiles, VolumeKey, VolumeWrite};
+pub(crate) use self::volumes::not_found as volume_not_found;
 
 /// Locks a mutex, recovering from poisoning: every critical section here is
 /// a few map operations that leave the data consistent even if a panic
@@ -87,8 +88,9 @@ pub struct Manager {
     pub(crate) lane: Arc<dyn Lane>,
     pub(crate) store: Store,
     pub(crate) images: ImageStore,
-    /// Every run with a sandbox, in any phase. Only map operations happen
-    /// under this lock.
+    /// Every run with a sandbox on this node, in any phase, by id: where
+    /// its owner is reached. Only map operations happen under this lock;
+    /// what spans runs is the ledger's ([`RunContext::ledger`]).
     registry: Arc<Mutex<HashMap<Ulid, Arc<RunHandle>>>>,
     /// Serialises "image is in use" checks with run creation. Async: the
     /// image lookups it covers run on blocking threads.
@@ -96,8 +98,8 @@ pub struct Manager {
     /// The one budget of lane work in the background: refills, forks
     /// and teardowns (see [`reaper`]).
     pub(crate) budget: Arc<Semaphore>,
-    /// The warm pools' bookkeeping (see [`crate::pools`]); only taken
-    /// after the registry lock, never before it.
+    /// The warm pools' bookkeeping (see [`crate::pools`]); taken after
+    /// the registry lock and before the ledger's, never the other way.
     pub(crate) pools: Arc<Mutex<crate::pools::Pools>>,
     /// Wakes the pool controller (a claim, a refill done, a new set).
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
@@ -112,15 +114,12 @@ pub struct Manager {
     pub(crate) volumes: Arc<crate::volumes::Volumes>,
     /// Serialises volume creates and deletes.
     pub(crate) volume_lock: tokio::sync::Mutex<()>,
-    /// Volumes being written through the file API, and by how many calls:
-    /// a run's admission and a file write exclude each other.
-    pub(crate) volume_writers: volume_files::Writers,
 }
 
 /// What a run's owner needs from the daemon, and all it gets: the store,
-/// the lane, the settings, the background budget, and the registry it
-/// leaves once its run is destroyed. An owner never calls back into the
-/// [`Manager`].
+/// the lane, the settings, the background budget, the ledger it reports
+/// its transitions to, and the registry it leaves once its run is
+/// destroyed. An owner never calls back into the [`Manager`].
 pub(crate) struct RunContext {
     config: Arc<ArcSwap<Config>>,
     pub lane: Arc<dyn Lane>,
@@ -128,6 +127,8 @@ pub(crate) struct RunContext {
     pub budget: Arc<Semaphore>,
     pub teardown_gate: Arc<Semaphore>,
     registry: Arc<Mutex<HashMap<Ulid, Arc<RunHandle>>>>,
+    /// The facts that span runs: capacity, quotas, keys, holds.
+    pub(crate) ledger: Arc<dyn crate::ledger::Ledger>,
     pools: Arc<Mutex<crate::pools::Pools>>,
     /// Where a booting run's image layers are found.
     images: ImageStore,
@@ -146,13 +147,11 @@ pub(crate) struct RunContext {
 
 /// A hibernated run's capacity slot while it is being woken; the run
 /// counts as a running one once it runs, so the slot goes when dropped.
-pub(crate) struct Slot(Arc<RunHandle>);
+pub(crate) struct Slot(Arc<dyn crate::ledger::Ledger>, Ulid);
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0
-            .waking
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.0.end_wake(self.1);
     }
 }
 
@@ -170,19 +169,11 @@ impl RunContext {
         }
     }
 
-    /// Takes a capacity slot for waking the hibernated run of `handle`, or
-    /// refuses with 429 when there is none.
-    pub(crate) fn take_slot(&self, handle: &Arc<RunHandle>) -> Result<Slot, CoreError> {
-        let registry = lock(&self.registry);
-        if counted(&registry) >= self.config().max_runs {
-            return Err(CoreError::Capacity(self.config().max_runs));
-        }
-        let owner = self.owner_of(handle.tenant().as_deref());
-        check_quota(&registry, &owner, 1)?;
-        handle
-            .waking
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        Ok(Slot(handle.clone()))
+    /// Takes a capacity slot for waking hibernated run `id`, or refuses
+    /// with 429 when there is none.
+    pub(crate) async fn take_slot(&self, id: Ulid) -> Result<Slot, CoreError> {
+        self.ledger.wake(id, self.config().max_runs).await?;
+        Ok(Slot(self.ledger.clone(), id))
     }
 
     /// The owner a run stamped with `tenant` counts against: a tenant
@@ -225,12 +216,13 @@ impl RunContext {
         Ok((spec, pin))
     }
 
-    /// Removes a destroyed run from the registry; called by its owner last.
+    /// Removes a destroyed run from the registry and the ledger; called
+    /// by its owner last.
     fn forget(&self, id: Ulid) {
-        let registry = &mut lock(&self.registry);
-        if let Some(gone) = registry.remove(&id) {
+        lock(&self.registry).remove(&id);
+        if let Some(gone) = self.ledger.release(id) {
             let catalog = &self.config().datasets;
-            volumes::release_datasets(&self.lane, catalog, id, &gone.snapshot().record.volumes);
+            volumes::release_datasets(&self.lane, catalog, id, &gone.volumes);
         }
         lock(&self.pools).remove(id);
     }
@@ -412,6 +404,10 @@ impl Manager {
             budget: Arc::new(Semaphore::new(budget)),
             teardown_gate: Arc::new(Semaphore::new(reaper::teardown_share(budget))),
             registry: Arc::new(Mutex::new(HashMap::new())),
+            ledger: Arc::new(crate::ledger::LocalLedger::new(
+                tenants.clone(),
+                volumes.clone(),
+            )),
             pools: Arc::new(Mutex::new(crate::pools::Pools::new(decay))),
             images: images.clone(),
             warm: warm.clone(),
@@ -436,7 +432,6 @@ impl Manager {
             context,
             volumes,
             volume_lock: tokio::sync::Mutex::new(()),
-            volume_writers: Default::default(),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found
         // where the lane says, before any run mounts one.
@@ -561,16 +556,7 @@ impl Manager {
 
     /// Whether no visible run holds `tenant`'s idempotency key `key`.
     fn key_is_free(&self, key: Option<&str>, tenant: Option<&str>) -> bool {
-        self.registry().values().all(|h| {
-            let snapshot = h.snapshot();
-            !snapshot.phase.visible()
-                || snapshot
-                    .record
-                    .idempotency
-                    .as_ref()
-                    .map(|i| (i.key.as_str(), i.tenant.as_deref()))
-                    != key.map(|k| (k, tenant))
-        })
+        key.is_some_and(|key| self.context.ledger.key_is_free(key, tenant))
     }
 
     async fn create_once(
@@ -769,32 +755,27 @@ impl Manager {
             warm: warm_mount,
             volumes: volumes::binds(&run_volumes, &self.config().datasets),
         };
-        let earlier = {
-            // The key lookup, the capacity check and the insertion are one
-            // step, and the owner is spawned before anything can be dropped.
-            let mut registry = self.registry();
-            match idempotency
-                .as_ref()
-                .map(|wanted| find_by_key(&registry, wanted))
-                .transpose()?
-                .flatten()
-            {
-                Some(earlier) => Err(earlier),
-                None => {
-                    if counted(&registry) >= self.config().max_runs {
-                        return Err(CoreError::Capacity(self.config().max_runs));
-                    }
-                    self.context.admit_owner(&registry, &owner, 1)?;
-                    self.admit_volumes(&registry, &run_volumes)?;
-                    Ok(self.spawn_creating(&mut registry, record, spec))
-                }
+        // The key lookup, the capacity and quota checks, the volume holds
+        // and the entry are one step of the ledger's; the owner is spawned
+        // right after it, before anything can be dropped.
+        let ask = crate::ledger::Ask {
+            owner: &owner,
+            key: idempotency.as_ref(),
+            volumes: &run_volumes,
+            dataset_ready: &|mount| self.dataset_ready(mount),
+            runs: 1,
+            max_runs: self.config().max_runs,
+        };
+        let entry = entry(&record, &Phase::Creating);
+        let reserved = self.context.ledger.reserve(ask, vec![(id, entry)]).await?;
+        let (answer, delivered) = match reserved {
+            crate::ledger::Reserved::Entered => self.spawn_creating(record, spec),
+            crate::ledger::Reserved::Earlier(earlier) => {
+                drop(image_guard);
+                return self.answer_repeat(earlier).await;
             }
         };
         drop(image_guard);
-        let (answer, delivered) = match earlier {
-            Ok(started) => started,
-            Err(earlier) => return self.answer_repeat(earlier).await,
-        };
         let run = answer
             .await
             .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?;
@@ -840,14 +821,6 @@ impl Manager {
         Ok(())
     }
 
-    /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
-    /// lane or storage that cannot is a 400 saying why.
-    ///
-    /// The capture is admitted as an open operation, so the run may be
-    /// put to sleep or deleted under it: a capture that fails while its
-    /// run's owner takes it down (the run leaves `running` within a
-    /// moment) says so (409, or 404 when it is gone), and one that fails
-    /// on a run still running is tried once more.
     /// `result` of an agent call on run `id`, except that an agent failure
     /// a concurrent pause, hibernate or stop explains (the run left
     /// `running` under the call) is `409 run_not_running`, as a call that
@@ -869,6 +842,14 @@ impl Manager {
         }
     }
 
+    /// Captures run `id`'s filesystem for `what` (a snapshot, a fork); a
+    /// lane or storage that cannot is a 400 saying why.
+    ///
+    /// The capture is admitted as an open operation, so the run may be
+    /// put to sleep or deleted under it: a capture that fails while its
+    /// run's owner takes it down (the run leaves `running` within a
+    /// moment) says so (409, or 404 when it is gone), and one that fails
+    /// on a run still running is tried once more.
     pub(crate) async fn capture(
         &self,
         id: Ulid,
@@ -905,11 +886,10 @@ impl Manager {
 
     /// Registers a new run in phase `creating` and spawns its owner to
     /// build it; returns the answer and the sender the creator signals once
-    /// it holds the answer ([`Creation::delivered`]). The caller holds the
-    /// registry lock and has checked capacity.
+    /// it holds the answer ([`Creation::delivered`]). The run is on the
+    /// ledger already.
     fn spawn_creating(
         self: &Arc<Self>,
-        registry: &mut HashMap<Ulid, Arc<RunHandle>>,
         record: RunRecord,
         spec: SandboxSpec,
     ) -> (
@@ -920,7 +900,7 @@ impl Manager {
         let (delivered, delivery) = tokio::sync::oneshot::channel();
         let id = record.id;
         let actor = RunActor::new(self.context.clone(), record, Phase::Creating);
-        registry.insert(id, actor.handle().clone());
+        self.registry().insert(id, actor.handle().clone());
         actor.spawn_create(Creation {
             spec,
             reply,
@@ -929,67 +909,64 @@ impl Manager {
         (answer, delivered)
     }
 
-    /// The answer to a repeated create: the earlier run once it is made.
-    async fn answer_repeat(&self, earlier: Arc<RunHandle>) -> Result<Run, CoreError> {
+    /// The answer to a repeated create: earlier run `id` once it is made.
+    async fn answer_repeat(&self, id: Ulid) -> Result<Run, CoreError> {
+        let Some(earlier) = self.entered_handle(id).await else {
+            return Err(gone_with_key(id));
+        };
         earlier.settled().await;
         // A pool member taken by the earlier create: once it is applied.
         let snapshot = earlier.claimed().await;
         match snapshot.phase {
             Phase::Running | Phase::Failed(_) => Ok(self.view(&earlier)),
             // The earlier create failed or its run is being deleted.
-            _ => Err(CoreError::Conflict {
-                code: ErrorCode::IdempotencyKeyReused,
-                message: format!(
-                    "the run created with this Idempotency-Key ({}) is gone; retry with a new key",
-                    earlier.id
-                ),
-            }),
+            _ => Err(gone_with_key(id)),
         }
+    }
+
+    /// The handle of run `id`, which the ledger has: a run entered a
+    /// moment ago is in the registry as soon as its creator goes on, so it
+    /// is waited for while the ledger still has it. None once it is gone.
+    async fn entered_handle(&self, id: Ulid) -> Option<Arc<RunHandle>> {
+        // Bounded: nothing but map insertions lies between the two.
+        for _ in 0..10_000 {
+            if let Some(handle) = self.registry().get(&id).cloned() {
+                return Some(handle);
+            }
+            self.context.ledger.member(id)?;
+            tokio::task::yield_now().await;
+        }
+        None
     }
 
     /// Capacity in use: every run in the registry, in any phase but gone
     /// (runs still being created or torn down included), idle pool members
     /// excepted.
     pub fn capacity_used(&self) -> usize {
-        counted(&self.registry())
+        self.context.ledger.tally().counted
     }
 
     /// Live runs counted against each tenant's `maxRuns`.
     pub fn tenant_runs(&self) -> HashMap<String, usize> {
-        let mut counts = HashMap::new();
-        for handle in self.registry().values().filter(|h| h.counts()) {
-            if let Some(tenant) = handle.tenant() {
-                *counts.entry(tenant).or_insert(0) += 1;
-            }
-        }
-        counts
+        self.context.ledger.tally().by_tenant
     }
 
-    /// Removes tenant `name` when it has no runs left in any phase; under
-    /// the registry lock, so no create of its slips in between.
+    /// Removes tenant `name` when it has no runs left in any phase; in one
+    /// step of the ledger's, so no create of its slips in between.
     pub fn delete_tenant(&self, name: &str) -> Result<(), CoreError> {
-        let registry = self.registry();
-        let runs = registry
-            .values()
-            .filter(|h| !h.is_idle() && h.tenant().as_deref() == Some(name))
-            .count();
-        if runs > 0 {
-            return Err(CoreError::Conflict {
-                code: ErrorCode::TenantHasRuns,
-                message: format!(
-                    "tenant {name:?} still has {runs} runs; delete them first (rotating its token shuts it out at once)"
-                ),
-            });
-        }
-        self.context.tenants.delete(name)
+        let tenants = self.context.tenants.clone();
+        self.context
+            .ledger
+            .retire_tenant(name, &mut || tenants.delete(name))
     }
 
     /// Every run the API shows, ordered by id.
     pub fn list(&self) -> Vec<Run> {
         let handles: Vec<Arc<RunHandle>> = self.registry().values().cloned().collect();
+        let ledger = &self.context.ledger;
         let mut runs: Vec<Run> = handles
             .iter()
-            .filter(|h| !h.is_idle() && h.snapshot().phase.visible())
+            .filter(|h| !ledger.idle(h.id) && h.snapshot().phase.visible())
             .map(|h| self.view(h))
             .collect();
         runs.sort_by_key(|r| r.id);
@@ -1031,7 +1008,7 @@ impl Manager {
             .get(&id)
             .cloned()
             .ok_or(CoreError::RunNotFound(id))?;
-        if handle.is_idle() || !handle.snapshot().phase.visible() {
+        if self.context.ledger.idle(id) || !handle.snapshot().phase.visible() {
             return Err(CoreError::RunNotFound(id));
         }
         Ok(handle)
@@ -1110,26 +1087,16 @@ impl Manager {
             .await
     }
 
-    /// Whether any run, in any phase, uses image `name`.
-    /// The layers the runs in the registry mount (their image's layers as
+    /// The layers the runs on the ledger mount (their image's layers as
     /// they were when each run was created).
     pub(crate) fn layers_in_use(&self) -> Vec<String> {
-        let mut layers: Vec<String> = self
-            .registry()
-            .values()
-            .flat_map(|h| h.snapshot().record.layers.clone())
-            .collect();
-        layers.sort();
-        layers.dedup();
-        layers
+        self.context.ledger.layers_in_use()
     }
 
+    /// Whether any run but an idle pool member, in any phase, uses image
+    /// `name`.
     pub(crate) fn image_in_use(&self, name: &str) -> bool {
-        // Idle pool members do not hold their image: once it is gone, the
-        // pool controller replaces them (their layers stay until then).
-        self.registry()
-            .values()
-            .any(|h| !h.is_idle() && h.snapshot().record.image == name)
+        self.context.ledger.image_in_use(name)
     }
 
     /// Grants the run's writable lease to `req.owner` (see [`crate::lease`]).
@@ -1177,88 +1144,35 @@ impl Manager {
     }
 }
 
-/// The live run in `registry` created with `wanted`'s key: `Ok(None)` when
-/// there is none, a conflict when the key came with another request.
-/// The runs counted against `--max-runs`: all but idle pool members.
-fn counted(registry: &HashMap<Ulid, Arc<RunHandle>>) -> usize {
-    registry.values().filter(|h| h.counts()).count()
-}
-
-/// The runs counted against `--max-runs` that count against `tenant`'s
-/// `maxRuns` too.
-pub(crate) fn counted_for(registry: &HashMap<Ulid, Arc<RunHandle>>, tenant: &str) -> usize {
-    registry
-        .values()
-        .filter(|h| h.counts() && h.tenant().as_deref() == Some(tenant))
-        .count()
-}
-
-/// Refuses `more` runs for `owner` when its tenant would pass its
-/// `maxRuns`, or was deleted meanwhile; called under the registry lock,
-/// with the node's check (a tenant is deleted under it too).
-pub(crate) fn check_quota(
-    registry: &HashMap<Ulid, Arc<RunHandle>>,
-    owner: &crate::tenants::Owner,
-    more: usize,
-) -> Result<(), CoreError> {
-    match owner.tenant() {
-        Some(tenant) => owner.check_quota(counted_for(registry, tenant), more),
-        None => Ok(()),
+/// A repeat of a create whose run is gone.
+fn gone_with_key(id: Ulid) -> CoreError {
+    CoreError::Conflict {
+        code: ErrorCode::IdempotencyKeyReused,
+        message: format!(
+            "the run created with this Idempotency-Key ({id}) is gone; retry with a new key"
+        ),
     }
 }
 
-impl RunContext {
-    /// [`check_quota`], and that the tenant still exists.
-    pub(crate) fn admit_owner(
-        &self,
-        registry: &HashMap<Ulid, Arc<RunHandle>>,
-        owner: &crate::tenants::Owner,
-        more: usize,
-    ) -> Result<(), CoreError> {
-        if let Some(tenant) = owner.tenant() {
-            if self.tenants.get(tenant).is_none() {
-                return Err(CoreError::invalid(
-                    ErrorCode::Unauthorized,
-                    format!("tenant {tenant:?} was deleted"),
-                ));
-            }
-        }
-        check_quota(registry, owner, more)
+/// What the ledger is told of a run whose record is `record`, in `phase`.
+pub(crate) fn entry(record: &RunRecord, phase: &Phase) -> crate::ledger::Entry {
+    use crate::ledger::Standing;
+    crate::ledger::Entry {
+        standing: match phase {
+            Phase::Creating => Standing::Creating,
+            Phase::Running | Phase::Paused | Phase::Failed(_) => Standing::Live,
+            Phase::Hibernated | Phase::Archived => Standing::Asleep,
+            Phase::Pooled => Standing::Pooled,
+            Phase::Stopping(_) | Phase::Gone => Standing::Ending,
+        },
+        tenant: record.tenant.clone(),
+        key: record.idempotency.clone(),
+        idle_member: record.is_idle_member(),
+        image: record.image.clone(),
+        layers: record.layers.clone(),
+        volumes: record.volumes.clone(),
+        warm: record.warm.as_ref().and_then(|w| w.generation),
     }
-}
-
-fn find_by_key(
-    registry: &HashMap<Ulid, Arc<RunHandle>>,
-    wanted: &Idempotency,
-) -> Result<Option<Arc<RunHandle>>, CoreError> {
-    for handle in registry.values() {
-        let snapshot = handle.snapshot();
-        // A member a create has taken answers for its key at once.
-        let Some(earlier) = snapshot.record.idempotency.as_ref().or(handle.claim_key()) else {
-            continue;
-        };
-        // A run being removed no longer answers for its key; a member a
-        // create took does while its claim is applied.
-        let taken = snapshot.phase == Phase::Pooled && handle.claim_key().is_some();
-        if earlier.key != wanted.key
-            || earlier.tenant != wanted.tenant
-            || !(snapshot.phase.visible() || taken)
-        {
-            continue;
-        }
-        if earlier.request != wanted.request {
-            return Err(CoreError::Conflict {
-                code: ErrorCode::IdempotencyKeyReused,
-                message: format!(
-                    "this Idempotency-Key was used for a different create (run {}); \
-                     use a new key for a new request",
-                    handle.id
-                ),
-            });
-        }
-        return Ok(Some(handle.clone()));
-    }
-    Ok(None)
 }
 
 /// sha256 of a create request as parsed (so formatting does not matter).

@@ -21,11 +21,12 @@ use runbox_types::{
 use time::OffsetDateTime;
 use ulid::Ulid;
 
-use super::actor::{Claim, Command, RunHandle, Ticket};
+use super::actor::{Claim, Command};
 use super::phase::Phase;
-use super::{counted, error_chain, find_by_key, lock, Manager};
+use super::{error_chain, lock, Manager};
 use crate::error::CoreError;
 use crate::lane::SandboxSpec;
+use crate::ledger::{Ask, Claimed, Standing};
 use crate::pools::{Membership, PoolConfig, PoolKey};
 use crate::store::RunRecord;
 use crate::validate;
@@ -42,16 +43,6 @@ const WARMUP_TIMEOUT_SECS: u64 = 120;
 
 /// The most of a refill error kept for `GET /v1/pools`.
 const MAX_ERROR: usize = 1024;
-
-/// What a create found when it looked for a pool member.
-enum Taken {
-    /// An earlier create with the same idempotency key.
-    Repeat(Arc<RunHandle>),
-    /// A member, no longer idle.
-    Member(Arc<RunHandle>),
-    /// The pool has no ready member.
-    Empty,
-}
 
 impl Manager {
     /// Checks a pool set against this server: image names, networks it can
@@ -103,55 +94,34 @@ impl Manager {
         owner: &crate::tenants::Owner,
     ) -> Result<Option<Run>, CoreError> {
         loop {
-            let taken = {
-                let registry = self.registry();
-                let earlier = claim
-                    .idempotency
-                    .as_ref()
-                    .map(|wanted| find_by_key(&registry, wanted))
-                    .transpose()?
-                    .flatten();
-                match earlier {
-                    Some(earlier) => Taken::Repeat(earlier),
-                    None => {
-                        let mut pools = lock(&self.pools);
-                        if !pools.has(key) {
-                            return Ok(None);
-                        }
-                        if counted(&registry) >= self.config().max_runs {
-                            return Err(CoreError::Capacity(self.config().max_runs));
-                        }
-                        self.context.admit_owner(&registry, owner, 1)?;
-                        self.admit_volumes(&registry, &claim.volumes)?;
-                        let mut taken = Taken::Empty;
-                        while let Some(id) = pools.take(key, Instant::now()) {
-                            let Some(handle) = registry.get(&id) else {
-                                continue;
-                            };
-                            if !matches!(handle.snapshot().phase, Phase::Pooled)
-                                || handle
-                                    .ticket
-                                    .set(Ticket {
-                                        key: claim.idempotency.clone(),
-                                        tenant: claim.tenant.clone(),
-                                        volumes: std::sync::Mutex::new(claim.volumes.clone()),
-                                    })
-                                    .is_err()
-                            {
-                                continue;
-                            }
-                            taken = Taken::Member(handle.clone());
-                            break;
-                        }
-                        taken
-                    }
-                }
+            // No such pool: the cold create that follows finds an earlier
+            // create's run as well.
+            if !lock(&self.pools).has(key) {
+                return Ok(None);
+            }
+            // The key lookup, the checks, and taking a member off the pool
+            // and for this create are one step of the ledger's; the pool
+            // offers its ready members one by one.
+            let ask = Ask {
+                owner,
+                key: claim.idempotency.as_ref(),
+                volumes: &claim.volumes,
+                dataset_ready: &|mount| self.dataset_ready(mount),
+                runs: 1,
+                max_runs: self.config().max_runs,
             };
+            let pools = self.pools.clone();
+            let mut next = || lock(&pools).take(key, Instant::now());
+            let taken = self.context.ledger.claim(ask, &mut next).await?;
             self.pool_wake.notify_one();
             let member = match taken {
-                Taken::Repeat(earlier) => return self.answer_repeat(earlier).await.map(Some),
-                Taken::Empty => return Ok(None),
-                Taken::Member(member) => member,
+                Claimed::Earlier(earlier) => return self.answer_repeat(earlier).await.map(Some),
+                Claimed::Empty => return Ok(None),
+                Claimed::Member(id) => match self.registry().get(&id).cloned() {
+                    Some(member) => member,
+                    // Destroyed since (its owner left the ledger last).
+                    None => continue,
+                },
             };
             let asked = member
                 .ask(|reply| Command::Claim {
@@ -258,10 +228,11 @@ impl Manager {
             warm: None,
             volumes: Vec::new(),
         };
-        let (answer, delivered) = {
-            let mut registry = self.registry();
-            self.spawn_creating(&mut registry, record, spec)
-        };
+        // Counted against nothing until a create takes it.
+        self.context
+            .ledger
+            .enter(id, super::entry(&record, &Phase::Creating));
+        let (answer, delivered) = self.spawn_creating(record, spec);
         drop(image_guard);
         let made = answer
             .await
@@ -377,21 +348,16 @@ impl Manager {
                 .ok()
                 .and_then(|found| found.ok())
                 .map(|(layers, _, _)| layers);
-            let stale: Vec<Ulid> = {
-                let registry = self.registry();
-                lock(&self.pools)
-                    .ready_members(&config.key)
-                    .into_iter()
-                    .filter(|id| match registry.get(id) {
-                        Some(h) => {
-                            let snapshot = h.snapshot();
-                            !matches!(snapshot.phase, Phase::Pooled)
-                                || current.as_ref() != Some(&snapshot.record.layers)
-                        }
-                        None => true,
-                    })
-                    .collect()
-            };
+            let ready = lock(&self.pools).ready_members(&config.key);
+            let stale: Vec<Ulid> = ready
+                .into_iter()
+                .filter(|id| match self.context.ledger.member(*id) {
+                    Some((standing, layers)) => {
+                        standing != Standing::Pooled || current.as_ref() != Some(&layers)
+                    }
+                    None => true,
+                })
+                .collect();
             if !stale.is_empty() {
                 tracing::info!(pool = %config.key, members = stale.len(), "replacing pool members whose image changed or that died");
                 let mut pools = lock(&self.pools);
@@ -484,12 +450,8 @@ impl Manager {
     /// `GET /v1/info`.
     pub fn info(&self) -> Info {
         let (live, creating) = {
-            let registry = self.registry();
-            let creating = registry
-                .values()
-                .filter(|h| !h.is_idle() && matches!(h.snapshot().phase, Phase::Creating))
-                .count();
-            (counted(&registry), creating)
+            let tally = self.context.ledger.tally();
+            (tally.counted, tally.creating)
         };
         let pools = lock(&self.pools);
         Info {

@@ -112,6 +112,8 @@ impl Manager {
                     }
                 }
             };
+            // On the ledger as it stands, without the checks: it exists.
+            self.context.ledger.enter(id, super::entry(&record, &phase));
             let actor = RunActor::new(self.context.clone(), record, phase);
             self.registry().insert(id, actor.handle().clone());
             waiters.push(actor.spawn_adopted(adopted));

@@ -15,15 +15,14 @@
 //! see; what the API makes is owned by the run's root unless the call
 //! names other ids.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use runbox_agent_proto::pb;
 use runbox_confine::ops::{self, NewFile, Owner};
 use runbox_confine::{FileError, RelPath, WorkDir};
-use runbox_types::{ErrorCode, FileInfo, FileList, RemoveReply, VolumeMode};
+use runbox_types::{ErrorCode, FileInfo, FileList, RemoveReply};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use ulid::Ulid;
 
@@ -35,51 +34,22 @@ use crate::error::CoreError;
 /// Chunk size of a volume file read.
 const READ_CHUNK: usize = 256 * 1024;
 
-/// The volumes being written through the file API, with how many calls
-/// write each.
-#[derive(Debug, Default)]
-pub(crate) struct Writers(Arc<Mutex<HashMap<Ulid, usize>>>);
-
-impl Writers {
-    /// Whether a call is writing volume `id` now.
-    pub(crate) fn active(&self, id: Ulid) -> bool {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains_key(&id)
-    }
-
-    fn enter(&self, id: Ulid) -> WriteGuard {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(id)
-            .or_default() += 1;
-        WriteGuard {
-            writers: self.0.clone(),
-            id,
-        }
-    }
-}
-
 /// One call writing a volume; the volume is free of it when this drops
 /// (whether the call finished, failed or its client went away).
-#[derive(Debug)]
 struct WriteGuard {
-    writers: Arc<Mutex<HashMap<Ulid, usize>>>,
+    ledger: Arc<dyn crate::ledger::Ledger>,
     id: Ulid,
+}
+
+impl std::fmt::Debug for WriteGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteGuard").field("id", &self.id).finish()
+    }
 }
 
 impl Drop for WriteGuard {
     fn drop(&mut self) {
-        let mut writers = self.writers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = writers.get_mut(&self.id) {
-            *n -= 1;
-            if *n == 0 {
-                writers.remove(&self.id);
-            }
-        }
+        self.ledger.end_write(self.id);
     }
 }
 
@@ -201,22 +171,11 @@ impl Manager {
             )
         })?;
         let writing = if write {
-            let registry = self.registry();
-            if let Some(holder) = super::volumes::holders(&registry, record.id).first() {
-                let how = match holder.mode {
-                    VolumeMode::Rw => "a writer has it to itself",
-                    VolumeMode::Ro => "its readers are promised it does not change",
-                };
-                return Err(CoreError::invalid(
-                    ErrorCode::VolumeBusy,
-                    format!(
-                        "volume {name:?} is mounted {} by run {}, and {how}; write it when no run mounts it (reads go on meanwhile)",
-                        holder.mode.as_str(),
-                        holder.run
-                    ),
-                ));
-            }
-            Some(self.volume_writers.enter(record.id))
+            self.context.ledger.write_volume(record.id, name).await?;
+            Some(WriteGuard {
+                ledger: self.context.ledger.clone(),
+                id: record.id,
+            })
         } else {
             None
         };
@@ -515,20 +474,6 @@ fn shown(raw: pb::FileInfo) -> Result<FileInfo, CoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn writers_count_calls_and_free_the_volume_when_the_last_goes() {
-        let writers = Writers::default();
-        let id = Ulid::new();
-        let a = writers.enter(id);
-        let b = writers.enter(id);
-        assert!(writers.active(id));
-        drop(a);
-        assert!(writers.active(id));
-        drop(b);
-        assert!(!writers.active(id));
-        assert!(!writers.active(Ulid::new()));
-    }
 
     #[test]
     fn a_full_volume_is_its_own_error() {

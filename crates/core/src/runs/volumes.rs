@@ -1,63 +1,21 @@
 //! Named volumes through the manager: made and deleted here, mounted by
-//! creates. Who holds a volume is read off the registry (each run's record
-//! lists its mounts), under the registry lock, so a create's admission and
-//! a delete's check cannot both pass.
+//! creates. Who holds a volume is the ledger's to say (each run's owner
+//! reports its mounts), and a create's reservation and a delete are each
+//! one step of the ledger's, so they cannot both pass.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use runbox_types::{ErrorCode, VolumeMode, VolumeMountRequest};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
-use super::{Manager, RunHandle};
+use super::Manager;
 use crate::error::CoreError;
 use crate::lane::VolumeBind;
 use crate::volumes::{self, RunVolumeRecord, VolumeRecord};
 
 /// Where a volume is mounted when its mount names no path.
 pub const DEFAULT_VOLUME_DIR: &str = "/volumes";
-
-/// Every volume the runs of `registry` mount: the runs that mount it, and
-/// how, by run id.
-fn all_holders(
-    registry: &HashMap<Ulid, Arc<RunHandle>>,
-) -> HashMap<Ulid, Vec<runbox_types::VolumeHolder>> {
-    let mut out: HashMap<Ulid, Vec<runbox_types::VolumeHolder>> = HashMap::new();
-    for handle in registry.values() {
-        let snapshot = handle.snapshot();
-        // A pool member taken by a create holds the create's volumes from
-        // then on, before its record says so.
-        let taken = match (snapshot.record.volumes.is_empty(), handle.ticket.get()) {
-            (true, Some(ticket)) => ticket
-                .volumes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
-            _ => Vec::new(),
-        };
-        for mount in snapshot.record.volumes.iter().chain(&taken) {
-            out.entry(mount.id)
-                .or_default()
-                .push(runbox_types::VolumeHolder {
-                    run: snapshot.record.id,
-                    mode: mount.mode,
-                });
-        }
-    }
-    for held in out.values_mut() {
-        held.sort_by_key(|h| h.run);
-    }
-    out
-}
-
-/// The runs of `registry` that mount volume `id`, and how.
-pub(super) fn holders(
-    registry: &HashMap<Ulid, Arc<RunHandle>>,
-    id: Ulid,
-) -> Vec<runbox_types::VolumeHolder> {
-    all_holders(registry).remove(&id).unwrap_or_default()
-}
 
 /// A lane's refusal to make a volume, as the API says it.
 fn lane_error(e: crate::lane::LaneError) -> CoreError {
@@ -70,21 +28,10 @@ fn lane_error(e: crate::lane::LaneError) -> CoreError {
     }
 }
 
-pub(super) fn not_found(name: &str) -> CoreError {
+pub(crate) fn not_found(name: &str) -> CoreError {
     CoreError::invalid(
         ErrorCode::VolumeNotFound,
         format!("no volume named {name:?}; make it first (POST /v1/volumes)"),
-    )
-}
-
-/// A volume a file API call is writing, which excludes mounts and deletes
-/// until it ends.
-fn writing(name: &str) -> CoreError {
-    CoreError::invalid(
-        ErrorCode::VolumeBusy,
-        format!(
-            "volume {name:?} is being written through its file API; retry when that write ends"
-        ),
     )
 }
 
@@ -215,14 +162,23 @@ impl Manager {
             return Err(e);
         }
         tracing::info!(volume = %record.id, name = %record.name, size_mb, "volume made");
-        let holders = holders(&self.registry(), record.id);
+        let holders = self.holders_of(record.id);
         Ok(self.volume_view(&record, holders))
+    }
+
+    /// The runs that mount volume `id`, and how.
+    pub(super) fn holders_of(&self, id: Ulid) -> Vec<runbox_types::VolumeHolder> {
+        self.context
+            .ledger
+            .holders()
+            .remove(&id)
+            .unwrap_or_default()
     }
 
     /// The caller's volumes (the operator, `tenant` None, sees every one,
     /// each stamped with its tenant).
     pub fn list_volumes(&self, tenant: Option<&str>) -> runbox_types::VolumeList {
-        let mut held = all_holders(&self.registry());
+        let mut held = self.context.ledger.holders();
         let mut volumes: Vec<runbox_types::Volume> = self
             .volumes
             .all()
@@ -248,10 +204,10 @@ impl Manager {
     ) -> Result<runbox_types::Volume, CoreError> {
         let Some(record) = self.volumes.find(tenant, name) else {
             let dataset = self.dataset(name, tenant).ok_or_else(|| not_found(name))?;
-            let holders = holders(&self.registry(), dataset.id());
+            let holders = self.holders_of(dataset.id());
             return Ok(dataset_view(&dataset, holders));
         };
-        let holders = holders(&self.registry(), record.id);
+        let holders = self.holders_of(record.id);
         Ok(self.volume_view(&record, holders))
     }
 
@@ -263,25 +219,14 @@ impl Manager {
             .volumes
             .find(tenant, name)
             .ok_or_else(|| not_found(name))?;
-        {
-            // Held while the volume leaves the records: a create admitted
-            // after this finds it gone.
-            let registry = self.registry();
-            if let Some(holder) = holders(&registry, record.id).first() {
-                return Err(CoreError::invalid(
-                    ErrorCode::VolumeBusy,
-                    format!(
-                        "volume {name:?} is mounted ({}) by run {}; delete that run first",
-                        holder.mode.as_str(),
-                        holder.run
-                    ),
-                ));
-            }
-            if self.volume_writers.active(record.id) {
-                return Err(writing(name));
-            }
-            self.volumes.remove(record.id)?;
-        }
+        // The record goes in one step with the holds: a create reserved
+        // after this finds it gone.
+        let volumes = self.volumes.clone();
+        let id = record.id;
+        self.context
+            .ledger
+            .retire_volume(id, name, &mut || volumes.remove(id))
+            .await?;
         self.lane.delete_volume(record.id).await?;
         tracing::info!(volume = %record.id, name, "volume deleted");
         Ok(())
@@ -402,52 +347,16 @@ impl Manager {
         Ok(out)
     }
 
-    /// Refuses a create whose volumes are gone or held in a way its mounts
-    /// exclude: one writer, or any number of readers. Called with the
-    /// registry locked, right before the run joins it.
-    pub(super) fn admit_volumes(
-        &self,
-        registry: &HashMap<Ulid, Arc<RunHandle>>,
-        mounts: &[RunVolumeRecord],
-    ) -> Result<(), CoreError> {
-        let held = all_holders(registry);
-        for mount in mounts {
-            if !mount.dataset && !self.volumes.exists(mount.id) {
-                return Err(not_found(&mount.name));
-            }
-            if self.volume_writers.active(mount.id) {
-                return Err(writing(&mount.name));
-            }
-            let conflict = held
-                .get(&mount.id)
-                .into_iter()
-                .flatten()
-                .find(|h| mount.mode == VolumeMode::Rw || h.mode == VolumeMode::Rw);
-            if let Some(holder) = conflict {
-                let why = match mount.mode {
-                    VolumeMode::Rw => "a writer needs it to itself",
-                    VolumeMode::Ro => "readers wait until the writer is gone",
-                };
-                return Err(CoreError::invalid(
-                    ErrorCode::VolumeBusy,
-                    format!(
-                        "volume {:?} is mounted {} by run {}; {why}",
-                        mount.name,
-                        holder.mode.as_str(),
-                        holder.run
-                    ),
-                ));
-            }
-            if mount.dataset {
-                let entry = self
-                    .dataset(&mount.name, None)
-                    .ok_or_else(|| not_found(&mount.name))?;
-                if let Some(e) = entry.unavailable(mount.mode == VolumeMode::Rw) {
-                    return Err(e);
-                }
-            }
+    /// Refuses a dataset mount the catalog cannot serve now (its holds,
+    /// and named volumes', are the ledger's to check, before this).
+    pub(super) fn dataset_ready(&self, mount: &RunVolumeRecord) -> Result<(), CoreError> {
+        let entry = self
+            .dataset(&mount.name, None)
+            .ok_or_else(|| not_found(&mount.name))?;
+        match entry.unavailable(mount.mode == VolumeMode::Rw) {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// At start: holds each dataset again for the restored runs that hold

@@ -208,12 +208,9 @@ impl Manager {
         }
     }
 
-    /// The generations the runs in the registry mount, in any phase.
+    /// The generations the runs on the ledger mount, in any phase.
     fn warm_in_use(&self) -> HashSet<Ulid> {
-        self.registry()
-            .values()
-            .filter_map(|h| h.snapshot().record.warm.as_ref()?.generation)
-            .collect()
+        self.context.ledger.warm_in_use()
     }
 
     /// Starts the maintenance tick that evicts from the warm cache (when
