@@ -1,6 +1,6 @@
 //! The image half of the manager's API: import, pull, list, get, delete.
 //! The layer store itself is [`crate::images::ImageStore`]; this adds what
-//! needs the run registry (an image in use cannot go) and the blocking-thread
+//! needs the ledger (an image in use cannot go) and the blocking-thread
 //! discipline (unpacking and garbage collection never run on async workers).
 
 use std::path::PathBuf;
@@ -332,9 +332,9 @@ impl Manager {
         .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?
     }
 
-    /// Removes the layers no image and no run in the registry uses. The
+    /// Removes the layers no image and no run on the ledger uses. The
     /// runs' layers are read under the image lock: a create holds it from
-    /// reading its image's layers until its run is in the registry.
+    /// reading its image's layers until its run is on the ledger.
     pub(crate) async fn collect_garbage(&self) -> Result<(), CoreError> {
         let keep = {
             let _guard = self.image_lock.lock().await;

@@ -7,8 +7,8 @@
 //! image once, on the host, while any run holds it (readers share the
 //! host's page cache) and bind-mounts it into each run like a named
 //! volume. Holding follows the named volumes' rule (one writer, or any
-//! number of readers), decided from the runs' records under the registry
-//! lock.
+//! number of readers), decided by the ledger ([`crate::ledger`]) from the
+//! mounts each run's owner reports.
 //!
 //! A writable image carries a write-ahead marker, `<image>.dirty`, written
 //! and synced before the first read-write mount and removed only after a
@@ -17,7 +17,7 @@
 //! one read-write mount (whose mount replays the filesystem's journal) is
 //! released cleanly. The catalog is fixed when the daemon starts.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use runbox_types::ErrorCode;
 use serde::{Deserialize, Serialize};
@@ -174,37 +174,6 @@ pub fn check_catalog(entries: &[DatasetEntry], tenants: &[String]) -> Result<(),
     Ok(())
 }
 
-/// Writes `marker` durably (the file and its directory entry synced).
-pub fn write_marker(marker: &Path) -> std::io::Result<()> {
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(true)
-        .write(true)
-        .open(marker)?;
-    std::io::Write::write_all(
-        &mut file,
-        b"a read-write mount of this image has not been released cleanly\n",
-    )?;
-    file.sync_all()?;
-    sync_parent(marker)
-}
-
-/// Removes `marker` durably; nothing to do when it is gone.
-pub fn remove_marker(marker: &Path) -> std::io::Result<()> {
-    match std::fs::remove_file(marker) {
-        Ok(()) => sync_parent(marker),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
-fn sync_parent(path: &Path) -> std::io::Result<()> {
-    match path.parent() {
-        Some(dir) => std::fs::File::open(dir)?.sync_all(),
-        None => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,26 +210,5 @@ mod tests {
         let a = DatasetEntry::parse("a=/x.img").unwrap();
         assert!(check_catalog(std::slice::from_ref(&a), &[]).is_ok());
         assert!(check_catalog(&[a.clone(), a], &[]).is_err());
-    }
-
-    #[test]
-    fn markers_come_and_go() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("d.img"), b"x").unwrap();
-        let e = DatasetEntry {
-            name: "d".into(),
-            path: dir.path().join("d.img"),
-            writable: true,
-            tenants: vec![],
-        };
-        assert!(e.state(false).available);
-        write_marker(&e.marker()).unwrap();
-        assert_eq!(e.state(false).unavailable.as_deref(), Some("dirty"));
-        assert!(e.state(true).available, "a rw mount is how it heals");
-        remove_marker(&e.marker()).unwrap();
-        remove_marker(&e.marker()).unwrap();
-        assert!(e.state(false).available);
-        std::fs::remove_file(&e.path).unwrap();
-        assert_eq!(e.state(true).unavailable.as_deref(), Some("missing"));
     }
 }

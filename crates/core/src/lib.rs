@@ -26,6 +26,7 @@ pub mod lease;
 pub mod ledger;
 pub mod pools;
 pub mod preview;
+pub mod request;
 pub mod runs;
 pub mod sealed;
 pub mod service;

@@ -21,6 +21,7 @@ use ulid::Ulid;
 
 use crate::error::CoreError;
 use crate::lease::Lease;
+use crate::request::{RunReply, RunRequest};
 use crate::runs::{ExecEvent, FileDownload, Manager, Scope, Session, WriteOptions};
 
 /// The events of one exec, ending with exactly one [`ExecEvent::Exit`].
@@ -45,6 +46,13 @@ pub type Connection = Box<dyn Duplex>;
 pub trait RunService: Clone + Send + Sync + 'static {
     /// This node's id, shown as `server` on responses.
     fn server_id(&self) -> &str;
+    /// Answers `req` for run `id` (see [`crate::request`]): what every
+    /// typed call on one run below comes to, unless it moves bytes.
+    fn call(
+        &self,
+        id: Ulid,
+        req: RunRequest,
+    ) -> impl Future<Output = Result<RunReply, CoreError>> + Send;
     /// Creates a run and waits until it can be used; a repeat of a create
     /// with the same `idempotency_key` answers with that create's run.
     fn create(
@@ -106,44 +114,66 @@ pub trait RunService: Clone + Send + Sync + 'static {
     /// What a running run uses now (None where it is not measured).
     fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError>;
     /// Destroys a run.
-    fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send;
+    fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Delete))
+    }
     /// Pauses a run (its processes frozen, memory kept).
-    fn pause(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    fn pause(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Pause))
+    }
     /// Resumes a paused run; wakes a hibernated one.
-    fn resume(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    fn resume(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Resume))
+    }
     /// Hibernates a run (stopped down to its disk).
-    fn hibernate(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    fn hibernate(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Hibernate))
+    }
     /// Archives a run to the checkpoint store.
-    fn archive(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    fn archive(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Archive))
+    }
     /// Wakes a hibernated or failed run (boots it on its disk), resumes a
     /// paused one.
-    fn wake(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    fn wake(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Wake))
+    }
     /// Sets a run's expiry to now + `ttl_sec`.
-    fn renew(&self, id: Ulid, ttl_sec: u64) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    fn renew(&self, id: Ulid, ttl_sec: u64) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Renew { ttl_sec }))
+    }
     /// Replaces a run's egress policy while it lives.
     fn update_egress(
         &self,
         id: Ulid,
         req: runbox_types::UpdateEgressRequest,
-    ) -> impl Future<Output = Result<Run, CoreError>> + Send;
+    ) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::UpdateEgress { req }))
+    }
     /// Grants a run's writable lease.
     fn acquire_lease(
         &self,
         id: Ulid,
         req: LeaseRequest,
-    ) -> impl Future<Output = Result<Lease, CoreError>> + Send;
+    ) -> impl Future<Output = Result<Lease, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::AcquireLease { req }))
+    }
     /// Extends a lease.
     fn renew_lease(
         &self,
         id: Ulid,
         req: LeaseRenewRequest,
-    ) -> impl Future<Output = Result<Lease, CoreError>> + Send;
+    ) -> impl Future<Output = Result<Lease, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::RenewLease { req }))
+    }
     /// Releases a lease.
     fn release_lease(
         &self,
         id: Ulid,
         req: LeaseReleaseRequest,
-    ) -> impl Future<Output = Result<(), CoreError>> + Send;
+    ) -> impl Future<Output = Result<(), CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::ReleaseLease { req }))
+    }
     /// Starts a command; the stream carries its output and exit.
     fn exec(
         &self,
@@ -172,19 +202,25 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         id: Ulid,
         req: runbox_types::ForkRequest,
-    ) -> impl Future<Output = Result<runbox_types::ForkResponse, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::ForkResponse, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Fork { req }))
+    }
     /// Snapshots a run into a new image.
     fn snapshot(
         &self,
         id: Ulid,
         req: runbox_types::SnapshotRequest,
-    ) -> impl Future<Output = Result<runbox_types::Snapshot, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Snapshot, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Snapshot { req }))
+    }
     /// Checkpoints a run into the checkpoint store.
     fn checkpoint(
         &self,
         id: Ulid,
         req: runbox_types::CheckpointRequest,
-    ) -> impl Future<Output = Result<runbox_types::Checkpoint, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Checkpoint, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Checkpoint { req }))
+    }
     /// Every checkpoint in the store.
     fn list_checkpoints(
         &self,
@@ -201,12 +237,16 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         id: Ulid,
         req: runbox_types::WarmCommitRequest,
-    ) -> impl Future<Output = Result<runbox_types::WarmCommit, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::WarmCommit, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::WarmCommit { req }))
+    }
     /// A run's warm volume as it is now (its lockfile hash).
     fn warm_status(
         &self,
         id: Ulid,
-    ) -> impl Future<Output = Result<runbox_types::WarmStatus, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::WarmStatus, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::WarmStatus))
+    }
     /// The warm templates `owner` sees (root: all, each stamped).
     fn warm_templates(
         &self,
@@ -266,14 +306,18 @@ pub trait RunService: Clone + Send + Sync + 'static {
         id: Ulid,
         scope: Scope,
         path: Option<String>,
-    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::StatPath { scope, path }))
+    }
     /// Lists a directory in a run's `scope`.
     fn list_path(
         &self,
         id: Ulid,
         scope: Scope,
         query: runbox_types::FsQuery,
-    ) -> impl Future<Output = Result<runbox_types::FileList, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::FileList, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::ListPath { scope, query }))
+    }
     /// Watches a directory in a run's `scope`: the first event is `ready`.
     fn watch_path(
         &self,
@@ -288,46 +332,66 @@ pub trait RunService: Clone + Send + Sync + 'static {
         scope: Scope,
         req: runbox_types::MakeDirRequest,
         user: Option<String>,
-    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::MakeDir { scope, req, user }))
+    }
     /// Renames a path in a run's `scope`.
     fn move_path(
         &self,
         id: Ulid,
         scope: Scope,
         req: runbox_types::MoveRequest,
-    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::FileInfo, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::MovePath { scope, req }))
+    }
     /// Removes a path in a run's `scope`.
     fn remove_path(
         &self,
         id: Ulid,
         scope: Scope,
         req: runbox_types::RemoveRequest,
-    ) -> impl Future<Output = Result<runbox_types::RemoveReply, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::RemoveReply, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::RemovePath { scope, req }))
+    }
     /// Starts a background process in a run.
     fn start_process(
         &self,
         id: Ulid,
         req: ExecRequest,
-    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::StartProcess { req }))
+    }
     /// A run's running processes and recently ended background ones.
     fn processes(
         &self,
         id: Ulid,
-    ) -> impl Future<Output = Result<runbox_types::ProcessList, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::ProcessList, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Processes))
+    }
     /// Waits up to `limit` for a process (pid or tag) to end; describes it.
     fn wait_process(
         &self,
         id: Ulid,
         process: String,
         limit: std::time::Duration,
-    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send {
+        crate::request::ask(self.call(
+            id,
+            RunRequest::WaitProcess {
+                process,
+                limit_ms: u64::try_from(limit.as_millis()).unwrap_or(u64::MAX),
+            },
+        ))
+    }
     /// Signals a process's group.
     fn signal_process(
         &self,
         id: Ulid,
         process: String,
         req: runbox_types::SignalRequest,
-    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::SignalProcess { process, req }))
+    }
     /// Writes to a process's stdin (and closes it when `close`).
     fn send_input(
         &self,
@@ -336,7 +400,17 @@ pub trait RunService: Clone + Send + Sync + 'static {
         credential: LeaseCredential,
         data: Bytes,
         close: bool,
-    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Process, CoreError>> + Send {
+        crate::request::ask(self.call(
+            id,
+            RunRequest::SendInput {
+                process,
+                credential,
+                data: data.to_vec(),
+                close,
+            },
+        ))
+    }
     /// Sets the terminal size of a process (pid or tag) on a terminal.
     fn resize_process(
         &self,
@@ -344,7 +418,16 @@ pub trait RunService: Clone + Send + Sync + 'static {
         process: String,
         rows: u32,
         cols: u32,
-    ) -> impl Future<Output = Result<(), CoreError>> + Send;
+    ) -> impl Future<Output = Result<(), CoreError>> + Send {
+        crate::request::ask(self.call(
+            id,
+            RunRequest::ResizeProcess {
+                process,
+                rows,
+                cols,
+            },
+        ))
+    }
     /// Starts a command with its input open to the caller.
     fn exec_session(
         &self,
@@ -365,7 +448,9 @@ pub trait RunService: Clone + Send + Sync + 'static {
         &self,
         id: Ulid,
         req: runbox_types::PreviewRequest,
-    ) -> impl Future<Output = Result<runbox_types::Preview, CoreError>> + Send;
+    ) -> impl Future<Output = Result<runbox_types::Preview, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::MintPreview { req }))
+    }
     /// Checks a preview token.
     fn verify_preview(&self, token: &str) -> Result<crate::preview::Grant, CoreError>;
     /// A connection to a port on a run's loopback (for a preview).
@@ -423,6 +508,10 @@ pub trait RunService: Clone + Send + Sync + 'static {
 impl RunService for Arc<Manager> {
     fn server_id(&self) -> &str {
         &self.server_id
+    }
+
+    async fn call(&self, id: Ulid, req: RunRequest) -> Result<RunReply, CoreError> {
+        Manager::answer(self, id, req).await
     }
 
     async fn create(
@@ -522,54 +611,6 @@ impl RunService for Arc<Manager> {
         Manager::usage_history(self, id, from, to)
     }
 
-    async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
-        Manager::delete(self, id).await
-    }
-
-    async fn pause(&self, id: Ulid) -> Result<Run, CoreError> {
-        Manager::pause(self, id).await
-    }
-
-    async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
-        Manager::resume(self, id).await
-    }
-
-    async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
-        Manager::hibernate(self, id).await
-    }
-
-    async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
-        Manager::wake(self, id).await
-    }
-
-    async fn archive(&self, id: Ulid) -> Result<Run, CoreError> {
-        Manager::archive(self, id).await
-    }
-
-    async fn renew(&self, id: Ulid, ttl_sec: u64) -> Result<Run, CoreError> {
-        Manager::renew(self, id, ttl_sec).await
-    }
-
-    async fn update_egress(
-        &self,
-        id: Ulid,
-        req: runbox_types::UpdateEgressRequest,
-    ) -> Result<Run, CoreError> {
-        Manager::update_egress(self, id, req).await
-    }
-
-    async fn acquire_lease(&self, id: Ulid, req: LeaseRequest) -> Result<Lease, CoreError> {
-        Manager::acquire_lease(self, id, req).await
-    }
-
-    async fn renew_lease(&self, id: Ulid, req: LeaseRenewRequest) -> Result<Lease, CoreError> {
-        Manager::renew_lease(self, id, req).await
-    }
-
-    async fn release_lease(&self, id: Ulid, req: LeaseReleaseRequest) -> Result<(), CoreError> {
-        Manager::release_lease(self, id, req).await
-    }
-
     async fn exec(&self, id: Ulid, req: ExecRequest) -> Result<ExecStream, CoreError> {
         use futures::StreamExt;
         Ok(Manager::exec(self, id, req).await?.boxed())
@@ -587,30 +628,6 @@ impl RunService for Arc<Manager> {
         self.settled(id, written).await
     }
 
-    async fn snapshot(
-        &self,
-        id: Ulid,
-        req: runbox_types::SnapshotRequest,
-    ) -> Result<runbox_types::Snapshot, CoreError> {
-        Manager::snapshot(self, id, req).await
-    }
-
-    async fn fork(
-        &self,
-        id: Ulid,
-        req: runbox_types::ForkRequest,
-    ) -> Result<runbox_types::ForkResponse, CoreError> {
-        Manager::fork(self, id, req).await
-    }
-
-    async fn checkpoint(
-        &self,
-        id: Ulid,
-        req: runbox_types::CheckpointRequest,
-    ) -> Result<runbox_types::Checkpoint, CoreError> {
-        Manager::checkpoint(self, id, req).await
-    }
-
     async fn list_checkpoints(&self) -> Result<Vec<runbox_types::Checkpoint>, CoreError> {
         Manager::list_checkpoints(self).await
     }
@@ -621,18 +638,6 @@ impl RunService for Arc<Manager> {
 
     async fn delete_checkpoint(&self, id: Ulid) -> Result<(), CoreError> {
         Manager::delete_checkpoint(self, id).await
-    }
-
-    async fn warm_commit(
-        &self,
-        id: Ulid,
-        req: runbox_types::WarmCommitRequest,
-    ) -> Result<runbox_types::WarmCommit, CoreError> {
-        Manager::warm_commit(self, id, req).await
-    }
-
-    async fn warm_status(&self, id: Ulid) -> Result<runbox_types::WarmStatus, CoreError> {
-        Manager::warm_status(self, id).await
     }
 
     fn warm_templates(
@@ -704,34 +709,6 @@ impl RunService for Arc<Manager> {
         Manager::volume_files(self, &key, owner.tenant(), write).await
     }
 
-    async fn stat_path(
-        &self,
-        id: Ulid,
-        scope: Scope,
-        path: Option<String>,
-    ) -> Result<runbox_types::FileInfo, CoreError> {
-        let info = Manager::stat_path(self, id, scope, path.as_deref()).await;
-        self.settled(id, info).await
-    }
-
-    async fn list_path(
-        &self,
-        id: Ulid,
-        scope: Scope,
-        query: runbox_types::FsQuery,
-    ) -> Result<runbox_types::FileList, CoreError> {
-        let list = Manager::list_path(
-            self,
-            id,
-            scope,
-            query.path.as_deref(),
-            query.depth,
-            query.limit,
-        )
-        .await;
-        self.settled(id, list).await
-    }
-
     async fn watch_path(
         &self,
         id: Ulid,
@@ -750,88 +727,6 @@ impl RunService for Arc<Manager> {
         Ok(stream.boxed())
     }
 
-    async fn make_dir(
-        &self,
-        id: Ulid,
-        scope: Scope,
-        req: runbox_types::MakeDirRequest,
-        user: Option<String>,
-    ) -> Result<runbox_types::FileInfo, CoreError> {
-        let made = Manager::make_dir(self, id, scope, req, user).await;
-        self.settled(id, made).await
-    }
-
-    async fn move_path(
-        &self,
-        id: Ulid,
-        scope: Scope,
-        req: runbox_types::MoveRequest,
-    ) -> Result<runbox_types::FileInfo, CoreError> {
-        let moved = Manager::move_path(self, id, scope, req).await;
-        self.settled(id, moved).await
-    }
-
-    async fn remove_path(
-        &self,
-        id: Ulid,
-        scope: Scope,
-        req: runbox_types::RemoveRequest,
-    ) -> Result<runbox_types::RemoveReply, CoreError> {
-        let removed = Manager::remove_path(self, id, scope, req).await;
-        self.settled(id, removed).await
-    }
-
-    async fn start_process(
-        &self,
-        id: Ulid,
-        req: ExecRequest,
-    ) -> Result<runbox_types::Process, CoreError> {
-        Manager::start_process(self, id, req).await
-    }
-
-    async fn processes(&self, id: Ulid) -> Result<runbox_types::ProcessList, CoreError> {
-        Manager::processes(self, id).await
-    }
-
-    async fn wait_process(
-        &self,
-        id: Ulid,
-        process: String,
-        limit: std::time::Duration,
-    ) -> Result<runbox_types::Process, CoreError> {
-        Manager::wait_process(self, id, &process, limit).await
-    }
-
-    async fn signal_process(
-        &self,
-        id: Ulid,
-        process: String,
-        req: runbox_types::SignalRequest,
-    ) -> Result<runbox_types::Process, CoreError> {
-        Manager::signal_process(self, id, &process, req).await
-    }
-
-    async fn send_input(
-        &self,
-        id: Ulid,
-        process: String,
-        credential: LeaseCredential,
-        data: Bytes,
-        close: bool,
-    ) -> Result<runbox_types::Process, CoreError> {
-        Manager::send_input(self, id, &process, credential, data, close).await
-    }
-
-    async fn resize_process(
-        &self,
-        id: Ulid,
-        process: String,
-        rows: u32,
-        cols: u32,
-    ) -> Result<(), CoreError> {
-        Manager::resize_process(self, id, &process, rows, cols).await
-    }
-
     async fn exec_session(&self, id: Ulid, req: ExecRequest) -> Result<Session, CoreError> {
         Manager::exec_session(self, id, req).await
     }
@@ -844,14 +739,6 @@ impl RunService for Arc<Manager> {
         interactive: Option<LeaseCredential>,
     ) -> Result<Session, CoreError> {
         Manager::attach(self, id, &process, replay, interactive).await
-    }
-
-    async fn mint_preview(
-        &self,
-        id: Ulid,
-        req: runbox_types::PreviewRequest,
-    ) -> Result<runbox_types::Preview, CoreError> {
-        Manager::mint_preview(self, id, req).await
     }
 
     fn verify_preview(&self, token: &str) -> Result<crate::preview::Grant, CoreError> {

@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use runbox_core::datasets::{self, DatasetEntry};
+use runbox_core::datasets::DatasetEntry;
 use runbox_core::lane::LaneError;
 use ulid::Ulid;
 
@@ -63,7 +63,7 @@ impl Datasets {
                 .create(&target)
                 .map_err(LaneError::io(format!("creating {}", target.display())))?;
             if rw {
-                datasets::write_marker(&entry.marker()).map_err(LaneError::io(format!(
+                write_marker(&entry.marker()).map_err(LaneError::io(format!(
                     "writing the dirty marker of dataset {:?}",
                     entry.name
                 )))?;
@@ -142,7 +142,7 @@ impl Datasets {
         )))?;
         let _ = std::fs::remove_dir(target);
         if was_rw {
-            datasets::remove_marker(&entry.marker()).map_err(LaneError::io(format!(
+            remove_marker(&entry.marker()).map_err(LaneError::io(format!(
                 "removing the dirty marker of dataset {:?}",
                 entry.name
             )))?;
@@ -179,4 +179,60 @@ fn mount(image: &Path, target: &Path, rw: bool) -> Result<(), String> {
 
 fn unmount(target: &Path) -> std::io::Result<()> {
     rustix::mount::unmount(target, rustix::mount::UnmountFlags::empty()).map_err(Into::into)
+}
+/// Writes `marker` durably (the file and its directory entry synced).
+pub fn write_marker(marker: &Path) -> std::io::Result<()> {
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(marker)?;
+    std::io::Write::write_all(
+        &mut file,
+        b"a read-write mount of this image has not been released cleanly\n",
+    )?;
+    file.sync_all()?;
+    sync_parent(marker)
+}
+
+/// Removes `marker` durably; nothing to do when it is gone.
+pub fn remove_marker(marker: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(marker) {
+        Ok(()) => sync_parent(marker),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn sync_parent(path: &Path) -> std::io::Result<()> {
+    match path.parent() {
+        Some(dir) => std::fs::File::open(dir)?.sync_all(),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn markers_come_and_go() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("d.img"), b"x").unwrap();
+        let e = DatasetEntry {
+            name: "d".into(),
+            path: dir.path().join("d.img"),
+            writable: true,
+            tenants: vec![],
+        };
+        assert!(e.state(false).available);
+        write_marker(&e.marker()).unwrap();
+        assert_eq!(e.state(false).unavailable.as_deref(), Some("dirty"));
+        assert!(e.state(true).available, "a rw mount is how it heals");
+        remove_marker(&e.marker()).unwrap();
+        remove_marker(&e.marker()).unwrap();
+        assert!(e.state(false).available);
+        std::fs::remove_file(&e.path).unwrap();
+        assert_eq!(e.state(true).unavailable.as_deref(), Some("missing"));
+    }
 }

@@ -3,7 +3,8 @@
 //! every rejection, status codes, the SSE encoding of an exec, that a 5xx
 //! never shows its detail, and (served on a loopback port, through the Rust
 //! client) WebSocket sessions and port tunnels, whose ends the stub builds
-//! from `RunService`'s transport-neutral types.
+//! from `RunService`'s own types. Requests addressed to one run reach the
+//! stub as `RunRequest` values, as they reach a run's owner.
 
 use std::sync::Arc;
 
@@ -13,6 +14,7 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use runbox_core::lane::LaneError;
 use runbox_core::lease::Lease;
+use runbox_core::request::{RunReply, RunRequest};
 use runbox_core::runs::{ExecEvent, FileDownload, Scope};
 use runbox_core::service::{Connection, ExecStream, LeaseCredential, UploadStream};
 use runbox_core::{CoreError, RunService};
@@ -109,6 +111,81 @@ impl RunService for Stub {
     fn server_id(&self) -> &str {
         "node"
     }
+    async fn call(&self, id: Ulid, req: RunRequest) -> Result<RunReply, CoreError> {
+        use RunReply as A;
+        use RunRequest as Q;
+        Ok(match req {
+            Q::Get => A::Run(Box::new(self.get(id)?)),
+            Q::Delete => {
+                Stub::delete(self, id).await?;
+                A::Done
+            }
+            Q::Pause => A::Run(Box::new(Stub::pause(self, id).await?)),
+            Q::Resume => A::Run(Box::new(Stub::resume(self, id).await?)),
+            Q::Hibernate => A::Run(Box::new(Stub::hibernate(self, id).await?)),
+            Q::Archive => A::Run(Box::new(Stub::archive(self, id).await?)),
+            Q::Wake => A::Run(Box::new(Stub::wake(self, id).await?)),
+            Q::Renew { ttl_sec } => A::Run(Box::new(Stub::renew(self, id, ttl_sec).await?)),
+            Q::UpdateEgress { req } => A::Run(Box::new(Stub::update_egress(self, id, req).await?)),
+            Q::AcquireLease { req } => A::Lease(Stub::acquire_lease(self, id, req).await?),
+            Q::RenewLease { req } => A::Lease(Stub::renew_lease(self, id, req).await?),
+            Q::ReleaseLease { req } => {
+                Stub::release_lease(self, id, req).await?;
+                A::Done
+            }
+            Q::Fork { req } => A::Fork(Stub::fork(self, id, req).await?),
+            Q::Snapshot { req } => A::Snapshot(Stub::snapshot(self, id, req).await?),
+            Q::Checkpoint { req } => A::Checkpoint(Stub::checkpoint(self, id, req).await?),
+            Q::WarmCommit { req } => A::WarmCommit(Stub::warm_commit(self, id, req).await?),
+            Q::WarmStatus => A::WarmStatus(Stub::warm_status(self, id).await?),
+            Q::StatPath { scope, path } => {
+                A::FileInfo(Stub::stat_path(self, id, scope, path).await?)
+            }
+            Q::ListPath { scope, query } => {
+                A::FileList(Stub::list_path(self, id, scope, query).await?)
+            }
+            Q::MakeDir { scope, req, user } => {
+                A::FileInfo(Stub::make_dir(self, id, scope, req, user).await?)
+            }
+            Q::MovePath { scope, req } => A::FileInfo(Stub::move_path(self, id, scope, req).await?),
+            Q::RemovePath { scope, req } => {
+                A::Removed(Stub::remove_path(self, id, scope, req).await?)
+            }
+            Q::StartProcess { req } => {
+                A::Process(Box::new(Stub::start_process(self, id, req).await?))
+            }
+            Q::Processes => A::Processes(Stub::processes(self, id).await?),
+            Q::WaitProcess { process, limit_ms } => A::Process(Box::new(
+                Stub::wait_process(
+                    self,
+                    id,
+                    process,
+                    std::time::Duration::from_millis(limit_ms),
+                )
+                .await?,
+            )),
+            Q::SignalProcess { process, req } => A::Process(Box::new(
+                Stub::signal_process(self, id, process, req).await?,
+            )),
+            Q::SendInput {
+                process,
+                credential,
+                data,
+                close,
+            } => A::Process(Box::new(
+                Stub::send_input(self, id, process, credential, data.into(), close).await?,
+            )),
+            Q::ResizeProcess {
+                process,
+                rows,
+                cols,
+            } => {
+                Stub::resize_process(self, id, process, rows, cols).await?;
+                A::Done
+            }
+            Q::MintPreview { req } => A::Preview(Stub::mint_preview(self, id, req).await?),
+        })
+    }
     fn tenants(&self) -> std::sync::Arc<dyn runbox_core::tenants::TenantStore> {
         static TENANTS: std::sync::OnceLock<std::sync::Arc<runbox_core::tenants::FileTenants>> =
             std::sync::OnceLock::new();
@@ -157,17 +234,6 @@ impl RunService for Stub {
             _ => Ok(run()),
         }
     }
-    async fn checkpoint(
-        &self,
-        id: Ulid,
-        _req: runbox_types::CheckpointRequest,
-    ) -> Result<runbox_types::Checkpoint, CoreError> {
-        found(id)?;
-        Err(CoreError::Conflict {
-            code: runbox_types::ErrorCode::CheckpointStoreUnavailable,
-            message: "the checkpoint store (s3://bucket) failed while uploading".into(),
-        })
-    }
 
     async fn list_checkpoints(&self) -> Result<Vec<runbox_types::Checkpoint>, CoreError> {
         Ok(Vec::new())
@@ -184,41 +250,6 @@ impl RunService for Stub {
         self.get_checkpoint(id).await.map(|_| ())
     }
 
-    async fn snapshot(
-        &self,
-        id: Ulid,
-        req: runbox_types::SnapshotRequest,
-    ) -> Result<runbox_types::Snapshot, CoreError> {
-        found(id)?;
-        Ok(runbox_types::Snapshot {
-            image: req.name.unwrap_or_else(|| "snap-x".into()),
-            parent: "base".into(),
-            run: id,
-            layer: "sha256:00".into(),
-            layer_bytes: 0,
-            frozen_ms: 0.1,
-            elapsed_ms: 1.0,
-            volumes_excluded: Vec::new(),
-        })
-    }
-    async fn warm_commit(
-        &self,
-        id: Ulid,
-        _req: runbox_types::WarmCommitRequest,
-    ) -> Result<runbox_types::WarmCommit, CoreError> {
-        found(id)?;
-        Err(CoreError::Conflict {
-            code: runbox_types::ErrorCode::RunNotWarm,
-            message: "no warm volume".into(),
-        })
-    }
-    async fn warm_status(&self, id: Ulid) -> Result<runbox_types::WarmStatus, CoreError> {
-        found(id)?;
-        Err(CoreError::Conflict {
-            code: runbox_types::ErrorCode::RunNotWarm,
-            message: "no warm volume".into(),
-        })
-    }
     fn warm_templates(
         &self,
         _: &runbox_core::tenants::Owner,
@@ -299,32 +330,6 @@ impl RunService for Stub {
             "the stub keeps no volume files",
         ))
     }
-    async fn stat_path(
-        &self,
-        id: Ulid,
-        _scope: Scope,
-        path: Option<String>,
-    ) -> Result<runbox_types::FileInfo, CoreError> {
-        found(id)?;
-        // The real path rules, so the router tests see bad paths refused.
-        runbox_core::validate::work_path(path.as_deref().unwrap_or("x"))?;
-        Err(CoreError::invalid(
-            runbox_types::ErrorCode::FileNotFound,
-            "no such file",
-        ))
-    }
-    async fn list_path(
-        &self,
-        id: Ulid,
-        _scope: Scope,
-        _query: runbox_types::FsQuery,
-    ) -> Result<runbox_types::FileList, CoreError> {
-        found(id)?;
-        Ok(runbox_types::FileList {
-            entries: Vec::new(),
-            truncated: false,
-        })
-    }
     async fn watch_path(
         &self,
         id: Ulid,
@@ -339,104 +344,6 @@ impl RunService for Stub {
             is_dir: true,
         }])
         .boxed())
-    }
-    async fn make_dir(
-        &self,
-        id: Ulid,
-        _scope: Scope,
-        req: runbox_types::MakeDirRequest,
-        _user: Option<String>,
-    ) -> Result<runbox_types::FileInfo, CoreError> {
-        found(id)?;
-        runbox_core::validate::work_path(&req.path)?;
-        Err(CoreError::invalid(
-            runbox_types::ErrorCode::PathEscape,
-            "leads outside",
-        ))
-    }
-    async fn move_path(
-        &self,
-        id: Ulid,
-        _scope: Scope,
-        _req: runbox_types::MoveRequest,
-    ) -> Result<runbox_types::FileInfo, CoreError> {
-        found(id)?;
-        Err(CoreError::Conflict {
-            code: runbox_types::ErrorCode::FileExists,
-            message: "exists".into(),
-        })
-    }
-    async fn remove_path(
-        &self,
-        id: Ulid,
-        _scope: Scope,
-        _req: runbox_types::RemoveRequest,
-    ) -> Result<runbox_types::RemoveReply, CoreError> {
-        found(id)?;
-        Ok(runbox_types::RemoveReply { removed: 1 })
-    }
-    async fn start_process(
-        &self,
-        id: Ulid,
-        req: ExecRequest,
-    ) -> Result<runbox_types::Process, CoreError> {
-        found(id)?;
-        let mut process = stub_process();
-        process.cmd = req.cmd;
-        process.tag = req.tag;
-        Ok(process)
-    }
-    async fn processes(&self, id: Ulid) -> Result<runbox_types::ProcessList, CoreError> {
-        found(id)?;
-        Ok(runbox_types::ProcessList {
-            processes: vec![stub_process()],
-        })
-    }
-    async fn wait_process(
-        &self,
-        id: Ulid,
-        process: String,
-        limit: std::time::Duration,
-    ) -> Result<runbox_types::Process, CoreError> {
-        found(id)?;
-        runbox_core::validate::process_ref(&process)?;
-        let mut out = stub_process();
-        // Shows what arrived.
-        out.cwd = format!("waited {}s", limit.as_secs());
-        Ok(out)
-    }
-    async fn signal_process(
-        &self,
-        id: Ulid,
-        process: String,
-        req: runbox_types::SignalRequest,
-    ) -> Result<runbox_types::Process, CoreError> {
-        found(id)?;
-        runbox_core::validate::process_ref(&process)?;
-        let number = req.signal.number().ok_or_else(|| {
-            CoreError::invalid(runbox_types::ErrorCode::BadSignal, "not a signal")
-        })?;
-        let mut out = stub_process();
-        out.cwd = format!("signal {number}");
-        Ok(out)
-    }
-    async fn send_input(
-        &self,
-        id: Ulid,
-        process: String,
-        credential: LeaseCredential,
-        data: bytes::Bytes,
-        close: bool,
-    ) -> Result<runbox_types::Process, CoreError> {
-        found(id)?;
-        runbox_core::validate::process_ref(&process)?;
-        let mut out = stub_process();
-        out.cwd = format!(
-            "{} bytes close={close} owner={:?}",
-            data.len(),
-            credential.map(|c| c.0)
-        );
-        Ok(out)
     }
     /// An echo: what comes in on stdin goes out on stdout; end of input
     /// ends the command with status 0, a signal with 128 + its number.
@@ -490,20 +397,6 @@ impl RunService for Stub {
             runbox_types::ErrorCode::ProcessNotFound,
             "no such process",
         ))
-    }
-    async fn mint_preview(
-        &self,
-        id: Ulid,
-        req: runbox_types::PreviewRequest,
-    ) -> Result<runbox_types::Preview, CoreError> {
-        found(id)?;
-        Ok(runbox_types::Preview {
-            url: format!("http://preview/p/t{}/", req.port),
-            token: format!("t{}", req.port),
-            run: id,
-            port: req.port as u16,
-            expires_at: time::OffsetDateTime::UNIX_EPOCH,
-        })
     }
     fn verify_preview(&self, _token: &str) -> Result<runbox_core::preview::Grant, CoreError> {
         Err(CoreError::invalid(
@@ -577,17 +470,6 @@ impl RunService for Stub {
             catalog: None,
         }
     }
-    async fn fork(
-        &self,
-        id: Ulid,
-        req: runbox_types::ForkRequest,
-    ) -> Result<runbox_types::ForkResponse, CoreError> {
-        found(id)?;
-        Ok(runbox_types::ForkResponse {
-            runs: (0..req.count).map(|_| run()).collect(),
-            volumes_excluded: Vec::new(),
-        })
-    }
     fn list(&self) -> Vec<Run> {
         vec![run()]
     }
@@ -612,68 +494,6 @@ impl RunService for Stub {
         Ok(None)
     }
 
-    async fn resize_process(
-        &self,
-        id: Ulid,
-        _process: String,
-        _rows: u32,
-        _cols: u32,
-    ) -> Result<(), CoreError> {
-        found(id)
-    }
-
-    async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
-        found(id)
-    }
-    async fn pause(&self, id: Ulid) -> Result<Run, CoreError> {
-        found(id)?;
-        Ok(Run {
-            status: RunStatus::Paused,
-            ..run()
-        })
-    }
-    async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
-        found(id)?;
-        Ok(run())
-    }
-    async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
-        found(id)?;
-        Ok(Run {
-            status: RunStatus::Hibernated,
-            ..run()
-        })
-    }
-    async fn archive(&self, id: Ulid) -> Result<Run, CoreError> {
-        found(id)?;
-        Ok(Run {
-            status: RunStatus::Archived,
-            ..run()
-        })
-    }
-    async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
-        found(id)?;
-        Ok(run())
-    }
-    async fn renew(&self, id: Ulid, _ttl_sec: u64) -> Result<Run, CoreError> {
-        found(id).map(|()| run())
-    }
-    async fn update_egress(
-        &self,
-        id: Ulid,
-        _req: runbox_types::UpdateEgressRequest,
-    ) -> Result<Run, CoreError> {
-        found(id).map(|()| run())
-    }
-    async fn acquire_lease(&self, id: Ulid, _req: LeaseRequest) -> Result<Lease, CoreError> {
-        found(id)?;
-        Err(CoreError::RunFailed(id, "its init exited".into()))
-    }
-    async fn renew_lease(&self, id: Ulid, _req: LeaseRenewRequest) -> Result<Lease, CoreError> {
-        Err(CoreError::RunNotFound(id))
-    }
-    async fn release_lease(&self, id: Ulid, _req: LeaseReleaseRequest) -> Result<(), CoreError> {
-        found(id)
-    }
     async fn exec(&self, id: Ulid, _req: ExecRequest) -> Result<ExecStream, CoreError> {
         found(id)?;
         let events = vec![
@@ -736,6 +556,293 @@ impl RunService for Stub {
     }
     async fn delete_image(&self, name: String) -> Result<(), CoreError> {
         Err(CoreError::ImageNotFound(name))
+    }
+}
+
+/// What the stub answers each request addressed to a run with.
+impl Stub {
+    async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
+        found(id)
+    }
+
+    async fn pause(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(Run {
+            status: RunStatus::Paused,
+            ..run()
+        })
+    }
+
+    async fn resume(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(run())
+    }
+
+    async fn hibernate(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(Run {
+            status: RunStatus::Hibernated,
+            ..run()
+        })
+    }
+
+    async fn archive(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(Run {
+            status: RunStatus::Archived,
+            ..run()
+        })
+    }
+
+    async fn wake(&self, id: Ulid) -> Result<Run, CoreError> {
+        found(id)?;
+        Ok(run())
+    }
+
+    async fn renew(&self, id: Ulid, _ttl_sec: u64) -> Result<Run, CoreError> {
+        found(id).map(|()| run())
+    }
+
+    async fn update_egress(
+        &self,
+        id: Ulid,
+        _req: runbox_types::UpdateEgressRequest,
+    ) -> Result<Run, CoreError> {
+        found(id).map(|()| run())
+    }
+
+    async fn acquire_lease(&self, id: Ulid, _req: LeaseRequest) -> Result<Lease, CoreError> {
+        found(id)?;
+        Err(CoreError::RunFailed(id, "its init exited".into()))
+    }
+
+    async fn renew_lease(&self, id: Ulid, _req: LeaseRenewRequest) -> Result<Lease, CoreError> {
+        Err(CoreError::RunNotFound(id))
+    }
+
+    async fn release_lease(&self, id: Ulid, _req: LeaseReleaseRequest) -> Result<(), CoreError> {
+        found(id)
+    }
+
+    async fn fork(
+        &self,
+        id: Ulid,
+        req: runbox_types::ForkRequest,
+    ) -> Result<runbox_types::ForkResponse, CoreError> {
+        found(id)?;
+        Ok(runbox_types::ForkResponse {
+            runs: (0..req.count).map(|_| run()).collect(),
+            volumes_excluded: Vec::new(),
+        })
+    }
+
+    async fn snapshot(
+        &self,
+        id: Ulid,
+        req: runbox_types::SnapshotRequest,
+    ) -> Result<runbox_types::Snapshot, CoreError> {
+        found(id)?;
+        Ok(runbox_types::Snapshot {
+            image: req.name.unwrap_or_else(|| "snap-x".into()),
+            parent: "base".into(),
+            run: id,
+            layer: "sha256:00".into(),
+            layer_bytes: 0,
+            frozen_ms: 0.1,
+            elapsed_ms: 1.0,
+            volumes_excluded: Vec::new(),
+        })
+    }
+
+    async fn checkpoint(
+        &self,
+        id: Ulid,
+        _req: runbox_types::CheckpointRequest,
+    ) -> Result<runbox_types::Checkpoint, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::CheckpointStoreUnavailable,
+            message: "the checkpoint store (s3://bucket) failed while uploading".into(),
+        })
+    }
+
+    async fn warm_commit(
+        &self,
+        id: Ulid,
+        _req: runbox_types::WarmCommitRequest,
+    ) -> Result<runbox_types::WarmCommit, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::RunNotWarm,
+            message: "no warm volume".into(),
+        })
+    }
+
+    async fn warm_status(&self, id: Ulid) -> Result<runbox_types::WarmStatus, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::RunNotWarm,
+            message: "no warm volume".into(),
+        })
+    }
+
+    async fn stat_path(
+        &self,
+        id: Ulid,
+        _scope: Scope,
+        path: Option<String>,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        found(id)?;
+        // The real path rules, so the router tests see bad paths refused.
+        runbox_core::validate::work_path(path.as_deref().unwrap_or("x"))?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::FileNotFound,
+            "no such file",
+        ))
+    }
+
+    async fn list_path(
+        &self,
+        id: Ulid,
+        _scope: Scope,
+        _query: runbox_types::FsQuery,
+    ) -> Result<runbox_types::FileList, CoreError> {
+        found(id)?;
+        Ok(runbox_types::FileList {
+            entries: Vec::new(),
+            truncated: false,
+        })
+    }
+
+    async fn make_dir(
+        &self,
+        id: Ulid,
+        _scope: Scope,
+        req: runbox_types::MakeDirRequest,
+        _user: Option<String>,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        found(id)?;
+        runbox_core::validate::work_path(&req.path)?;
+        Err(CoreError::invalid(
+            runbox_types::ErrorCode::PathEscape,
+            "leads outside",
+        ))
+    }
+
+    async fn move_path(
+        &self,
+        id: Ulid,
+        _scope: Scope,
+        _req: runbox_types::MoveRequest,
+    ) -> Result<runbox_types::FileInfo, CoreError> {
+        found(id)?;
+        Err(CoreError::Conflict {
+            code: runbox_types::ErrorCode::FileExists,
+            message: "exists".into(),
+        })
+    }
+
+    async fn remove_path(
+        &self,
+        id: Ulid,
+        _scope: Scope,
+        _req: runbox_types::RemoveRequest,
+    ) -> Result<runbox_types::RemoveReply, CoreError> {
+        found(id)?;
+        Ok(runbox_types::RemoveReply { removed: 1 })
+    }
+
+    async fn start_process(
+        &self,
+        id: Ulid,
+        req: ExecRequest,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        let mut process = stub_process();
+        process.cmd = req.cmd;
+        process.tag = req.tag;
+        Ok(process)
+    }
+
+    async fn processes(&self, id: Ulid) -> Result<runbox_types::ProcessList, CoreError> {
+        found(id)?;
+        Ok(runbox_types::ProcessList {
+            processes: vec![stub_process()],
+        })
+    }
+
+    async fn wait_process(
+        &self,
+        id: Ulid,
+        process: String,
+        limit: std::time::Duration,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        let mut out = stub_process();
+        // Shows what arrived.
+        out.cwd = format!("waited {}s", limit.as_secs());
+        Ok(out)
+    }
+
+    async fn signal_process(
+        &self,
+        id: Ulid,
+        process: String,
+        req: runbox_types::SignalRequest,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        let number = req.signal.number().ok_or_else(|| {
+            CoreError::invalid(runbox_types::ErrorCode::BadSignal, "not a signal")
+        })?;
+        let mut out = stub_process();
+        out.cwd = format!("signal {number}");
+        Ok(out)
+    }
+
+    async fn send_input(
+        &self,
+        id: Ulid,
+        process: String,
+        credential: LeaseCredential,
+        data: bytes::Bytes,
+        close: bool,
+    ) -> Result<runbox_types::Process, CoreError> {
+        found(id)?;
+        runbox_core::validate::process_ref(&process)?;
+        let mut out = stub_process();
+        out.cwd = format!(
+            "{} bytes close={close} owner={:?}",
+            data.len(),
+            credential.map(|c| c.0)
+        );
+        Ok(out)
+    }
+
+    async fn resize_process(
+        &self,
+        id: Ulid,
+        _process: String,
+        _rows: u32,
+        _cols: u32,
+    ) -> Result<(), CoreError> {
+        found(id)
+    }
+
+    async fn mint_preview(
+        &self,
+        id: Ulid,
+        req: runbox_types::PreviewRequest,
+    ) -> Result<runbox_types::Preview, CoreError> {
+        found(id)?;
+        Ok(runbox_types::Preview {
+            url: format!("http://preview/p/t{}/", req.port),
+            token: format!("t{}", req.port),
+            run: id,
+            port: req.port as u16,
+            expires_at: time::OffsetDateTime::UNIX_EPOCH,
+        })
     }
 }
 

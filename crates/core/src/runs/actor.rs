@@ -20,7 +20,8 @@
 //!    init exits: [`crate::lane::Sandbox::watch_exit`]);
 //! 3. tear the sandbox down under the shared teardown budget, retrying with
 //!    backoff until it is gone ([`super::reaper`]); delete the record;
-//!    leave the registry. Only then is the capacity slot free.
+//!    leave the registry, then the ledger. Only then is the capacity slot
+//!    free.
 //!
 //! Cancellation: nothing here runs inside a request's future, so a client
 //! that disconnects cannot stop a lane call or a commit half-way. A

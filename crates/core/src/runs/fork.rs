@@ -114,7 +114,7 @@ impl Manager {
             .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
         let trust_pem = self.context.proxy_trust(parent.network);
         // The parent's warm generation, pinned until the children are in
-        // the registry (their records hold it from then on).
+        // the ledger (their entries hold it from then on).
         let (warm_mount, _warm_pin) = match &parent.warm {
             Some(volume) => {
                 let (mount, pin) = self.warm_for_fork(volume)?;

@@ -37,7 +37,8 @@ pub const MAX_LIST_DEPTH: u32 = 16;
 const MAX_AGENT_PATH: usize = 4096;
 
 /// Where a file operation's paths are.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Scope {
     /// Relative to the run's `/work`: the runbox API.
     #[default]

@@ -1,4 +1,5 @@
-//! The run registry and lifecycle: create, list, renew, delete and leases.
+//! The runs of this node and their lifecycle: create, list, renew, delete
+//! and leases.
 //!
 //! Each run has one owner, a task ([`actor`]) holding its record, lease fence
 //! and [`phase::Phase`]; the [`Manager`] keeps the registry of their handles
@@ -13,15 +14,18 @@
 //!
 //! Invariants (checked by the tests in [`phase`] and the end-to-end suite):
 //! * a run is in exactly one phase, held by its owner only;
-//! * capacity used = runs in the registry, whatever their phase; a run
-//!   leaves the registry only once its sandbox is destroyed;
+//! * capacity used = runs on the ledger ([`crate::ledger`]) but idle pool
+//!   members and sleepers; a run leaves the registry and the ledger only
+//!   once its sandbox is destroyed;
 //! * a run that is stopping or gone never answers an operation again.
 //!
 //! Persistence: a record is written as `Creating` before any resource exists,
 //! so a crash at any point leaves something reconciliation can find.
 
 pub mod actor;
+mod answer;
 mod checkpoint;
+mod context;
 mod egress_policy;
 mod fork;
 mod fs;
@@ -47,7 +51,7 @@ use runbox_agent_proto::pb;
 use runbox_agent_proto::AgentClient;
 use runbox_types::{
     CreateRunRequest, ErrorCode, ExitReason, LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest,
-    NetworkTier, Run,
+    Run,
 };
 use time::OffsetDateTime;
 use tokio::sync::Semaphore;
@@ -59,11 +63,12 @@ use crate::config::Config;
 use crate::egress;
 use crate::error::CoreError;
 use crate::images::ImageStore;
-use crate::lane::{EgressDoor, Lane, SandboxSpec};
+use crate::lane::{Lane, SandboxSpec};
 use crate::lease::Lease;
 use crate::store::{Idempotency, RunRecord, Store};
 use crate::validate;
 
+pub(crate) use self::context::{door_refused, RunContext};
 pub use self::fs::{Scope, WriteOptions, MAX_LIST_DEPTH, MAX_LIST_ENTRIES};
 pub use self::ports::RunConnection;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
@@ -98,8 +103,9 @@ pub struct Manager {
     /// The one budget of lane work in the background: refills, forks
     /// and teardowns (see [`reaper`]).
     pub(crate) budget: Arc<Semaphore>,
-    /// The warm pools' bookkeeping (see [`crate::pools`]); taken after
-    /// the registry lock and before the ledger's, never the other way.
+    /// The warm pools' bookkeeping (see [`crate::pools`]); taken under the
+    /// ledger's lock (a claim takes members off it there), never the other
+    /// way, and never with the registry's.
     pub(crate) pools: Arc<Mutex<crate::pools::Pools>>,
     /// Wakes the pool controller (a claim, a refill done, a new set).
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
@@ -114,235 +120,6 @@ pub struct Manager {
     pub(crate) volumes: Arc<crate::volumes::Volumes>,
     /// Serialises volume creates and deletes.
     pub(crate) volume_lock: tokio::sync::Mutex<()>,
-}
-
-/// What a run's owner needs from the daemon, and all it gets: the store,
-/// the lane, the settings, the background budget, the ledger it reports
-/// its transitions to, and the registry it leaves once its run is
-/// destroyed. An owner never calls back into the [`Manager`].
-pub(crate) struct RunContext {
-    config: Arc<ArcSwap<Config>>,
-    pub lane: Arc<dyn Lane>,
-    pub store: Store,
-    pub budget: Arc<Semaphore>,
-    pub teardown_gate: Arc<Semaphore>,
-    registry: Arc<Mutex<HashMap<Ulid, Arc<RunHandle>>>>,
-    /// The facts that span runs: capacity, quotas, keys, holds.
-    pub(crate) ledger: Arc<dyn crate::ledger::Ledger>,
-    pools: Arc<Mutex<crate::pools::Pools>>,
-    /// Where a booting run's image layers are found.
-    images: ImageStore,
-    /// Where a booting run's warm template is found.
-    warm: Option<Arc<crate::warm::WarmCache>>,
-    /// Serialises restores from the checkpoint store, so that creates from
-    /// one checkpoint download it once.
-    pub(crate) restore_lock: tokio::sync::Mutex<()>,
-    /// The tenant set: whose policy a wake or a fork counts against.
-    pub(crate) tenants: Arc<dyn crate::tenants::TenantStore>,
-    /// Where usage events go.
-    pub(crate) usage: Arc<dyn crate::accounting::UsageSink>,
-    /// Where timings and counts go, once the server has given a sink.
-    telemetry: std::sync::OnceLock<Arc<dyn Telemetry>>,
-}
-
-/// A hibernated run's capacity slot while it is being woken; the run
-/// counts as a running one once it runs, so the slot goes when dropped.
-pub(crate) struct Slot(Arc<dyn crate::ledger::Ledger>, Ulid);
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.end_wake(self.1);
-    }
-}
-
-impl RunContext {
-    /// The settings as they are now. A reload may swap them between two
-    /// calls, so read once what must agree.
-    pub(crate) fn config(&self) -> arc_swap::Guard<Arc<Config>> {
-        self.config.load()
-    }
-
-    /// Reports to the telemetry sink, if there is one.
-    pub(crate) fn report(&self, f: impl FnOnce(&dyn Telemetry)) {
-        if let Some(sink) = self.telemetry.get() {
-            f(sink.as_ref());
-        }
-    }
-
-    /// Takes a capacity slot for waking hibernated run `id`, or refuses
-    /// with 429 when there is none.
-    pub(crate) async fn take_slot(&self, id: Ulid) -> Result<Slot, CoreError> {
-        self.ledger.wake(id, self.config().max_runs).await?;
-        Ok(Slot(self.ledger.clone(), id))
-    }
-
-    /// The owner a run stamped with `tenant` counts against: a tenant
-    /// since deleted has no policy left, so no quota.
-    pub(crate) fn owner_of(&self, tenant: Option<&str>) -> crate::tenants::Owner {
-        crate::tenants::Owner(tenant.and_then(|t| self.tenants.get(t)))
-    }
-
-    /// What the lane needs to boot run `record` again on its disk: what
-    /// its create asked for, from its record (the layers it mounts, the
-    /// warm generation it holds), and the pin that keeps that generation
-    /// while the boot runs.
-    pub(crate) async fn boot_spec(
-        &self,
-        record: &RunRecord,
-    ) -> Result<(SandboxSpec, Option<crate::warm::Pin>), CoreError> {
-        let images = self.images.clone();
-        let layers = record.layers.clone();
-        let image_layers = tokio::task::spawn_blocking(move || images.layer_dirs(&layers))
-            .await
-            .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??;
-        let (warm, pin) = match &record.warm {
-            Some(volume) => {
-                let (mount, pin) = warm::pinned_mount(self.warm.as_ref(), volume)?;
-                (Some(mount), pin)
-            }
-            None => (None, None),
-        };
-        let trust_pem = self.proxy_trust(record.network);
-        let spec = SandboxSpec {
-            id: record.id,
-            image_layers,
-            limits: record.limits,
-            network: record.network,
-            trust_pem,
-            seed: None,
-            warm,
-            volumes: volumes::binds(&record.volumes, &self.config().datasets),
-        };
-        Ok((spec, pin))
-    }
-
-    /// Removes a destroyed run from the registry and the ledger; called
-    /// by its owner last.
-    fn forget(&self, id: Ulid) {
-        lock(&self.registry).remove(&id);
-        if let Some(gone) = self.ledger.release(id) {
-            let catalog = &self.config().datasets;
-            volumes::release_datasets(&self.lane, catalog, id, &gone.volumes);
-        }
-        lock(&self.pools).remove(id);
-    }
-
-    /// The API view of a run: its record plus live counters.
-    pub(crate) fn view(&self, handle: &RunHandle) -> Run {
-        let mut run = handle.snapshot().record.to_run(&self.config().server_id);
-        run.egress = handle.egress().map(|meter| meter.stats());
-        run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
-        run
-    }
-
-    /// The interception CA a sandbox on `network` trusts: every
-    /// `allowlist` run's, so that secrets given at create, by a pool claim
-    /// or by a later `PATCH .../egress` are usable; other tiers have no
-    /// proxy to trust.
-    pub(crate) fn proxy_trust(&self, network: NetworkTier) -> Option<String> {
-        match &self.config().egress {
-            Some(config) if network == NetworkTier::Allowlist => Some(config.ca_pem()),
-            _ => None,
-        }
-    }
-
-    /// Serves an `allowlist` run's proxy on a listener its sandbox binds in
-    /// the run's network namespace. Other tiers: nothing.
-    pub(crate) async fn start_egress(
-        &self,
-        handle: &RunHandle,
-        record: &RunRecord,
-        stop: tokio_util::sync::CancellationToken,
-    ) -> Result<(), CoreError> {
-        if record.network != NetworkTier::Allowlist {
-            return Ok(());
-        }
-        let config = self.config().egress.clone().ok_or_else(|| {
-            CoreError::invalid(
-                ErrorCode::NetworkUnsupported,
-                "this server has no egress proxy; use network \"none\"",
-            )
-        })?;
-        let sandbox = self.lane.sandbox(record.id);
-        let sandbox = &sandbox;
-        let bind = |door| async move {
-            sandbox
-                .egress_listener(door)
-                .await
-                .map_err(|e| door_refused(door, e))
-        };
-        let http = bind(EgressDoor::Http).await?;
-        let socks5 = match record.egress.socks5 {
-            true => Some(bind(EgressDoor::Socks5).await?),
-            false => None,
-        };
-        // Each connection's bytes become a usage event of the run's tenant
-        // (the tenant a claim stamped: a pool member's proxy starts at its
-        // claim).
-        let on_close: Option<crate::egress::ConnectionBytes> =
-            self.config().egress_usage_bytes.then(|| {
-                let usage = self.usage.clone();
-                let (id, tenant, size) = (record.id, record.tenant.clone(), record.size);
-                Arc::new(move |bytes: u64| {
-                    let mut event = crate::accounting::UsageEvent::now(
-                        crate::accounting::UsageKind::Egress,
-                        id,
-                        tenant.clone(),
-                    );
-                    event.size = size;
-                    event.egress_bytes = Some(bytes);
-                    usage.record(event);
-                }) as crate::egress::ConnectionBytes
-            });
-        let brought = record
-            .egress
-            .open_brought(record.id, self.config().sealer.as_deref());
-        let upstream = record
-            .egress
-            .open_upstream(record.id, self.config().sealer.as_deref());
-        // Its own token, so a change of tier can stop it alone.
-        let meter = config
-            .start(
-                record.id,
-                &record.egress,
-                brought,
-                upstream,
-                crate::egress::EgressListeners { http, socks5 },
-                stop.child_token(),
-                on_close,
-            )
-            .map_err(|e| {
-                CoreError::Lane(crate::lane::LaneError::Failed(format!(
-                    "starting the run's egress proxy: {e}"
-                )))
-            })?;
-        *handle.egress.lock().unwrap_or_else(|p| p.into_inner()) = Some(meter);
-        Ok(())
-    }
-}
-
-/// Why a door of a run's proxy could not be bound: a 409 naming the
-/// address when a process of the run holds it already.
-pub(crate) fn door_refused(door: EgressDoor, e: crate::lane::LaneError) -> CoreError {
-    match e {
-        crate::lane::LaneError::Io { source, .. }
-            if source.kind() == std::io::ErrorKind::AddrInUse =>
-        {
-            CoreError::invalid(
-                ErrorCode::PortInUse,
-                format!(
-                    "a process of the run listens on {} already, where runbox's {} would; \
-                     stop it and ask again",
-                    door.addr(),
-                    match door {
-                        EgressDoor::Http => "egress proxy",
-                        EgressDoor::Socks5 => "SOCKS5 door",
-                    }
-                ),
-            )
-        }
-        e => e.into(),
-    }
 }
 
 impl Manager {
@@ -684,7 +461,7 @@ impl Manager {
                 return Ok(served);
             }
         }
-        // Holding the image lock until the run is in the registry means a
+        // Holding the image lock until the run is on the ledger means a
         // concurrent image delete either sees this run or runs first.
         let image_guard = self.image_lock.lock().await;
         let (layers, image_layers, image_config) = {
@@ -694,7 +471,7 @@ impl Manager {
                 .await
                 .map_err(|e| CoreError::Store(format!("image lookup task failed: {e}")))??
         };
-        // Pinned until the run is in the registry; its record holds the
+        // Pinned until the run is on the ledger; its entry holds the
         // generation from then on.
         let (warm, warm_mount, _warm_pin) = match warm {
             Some((repo, path)) => {
@@ -939,7 +716,7 @@ impl Manager {
         None
     }
 
-    /// Capacity in use: every run in the registry, in any phase but gone
+    /// Capacity in use: every run on the ledger, in any phase but gone
     /// (runs still being created or torn down included), idle pool members
     /// excepted.
     pub fn capacity_used(&self) -> usize {

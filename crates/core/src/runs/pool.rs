@@ -6,8 +6,8 @@
 //! under the shared budget, with its record marked as an idle member of
 //! its pool: hidden from the API and not counted against `--max-runs`. A
 //! create whose image, network and size tier match a pool takes a ready
-//! member under the registry lock (the capacity check and the idempotency
-//! key lookup are the same step as for a cold create) and its owner
+//! member in one step of the ledger's (the capacity check and the
+//! idempotency key lookup are the same as for a cold create) and its owner
 //! applies the create's environment, TTL, egress entries, secrets and
 //! labels; from then on it is the create's run and never returns to a pool.
 

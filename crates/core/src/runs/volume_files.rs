@@ -11,7 +11,7 @@
 //! Reads go on whoever holds the volume. A write is a writer like a run
 //! mounting it `rw`: it is refused while any run holds the volume, and a
 //! run asking to mount it is refused while a write is under way (both
-//! decided under the registry lock). Files are stored with the ids runs
+//! decided by the ledger, in one step each). Files are stored with the ids runs
 //! see; what the API makes is owned by the run's root unless the call
 //! names other ids.
 

@@ -43,7 +43,7 @@ impl Manager {
     }
 
     /// What a warm create by `tenant` mounts: its current template of the
-    /// repository, pinned until the run is in the registry, or an empty
+    /// repository, pinned until the run is on the ledger, or an empty
     /// volume.
     pub(crate) fn warm_for_create(
         &self,

@@ -119,8 +119,8 @@ pub fn join_dir(path: &str, subdir: &str) -> String {
     }
 }
 
-/// A generation held for a create until its run is in the registry (from
-/// then on the run's record holds it). Dropping it lets go.
+/// A generation held for a create until its run is on the ledger (from
+/// then on the run's entry holds it). Dropping it lets go.
 pub struct Pin {
     /// The template pinned.
     pub template: WarmTemplate,
@@ -853,7 +853,7 @@ mod tests {
         assert!(cache.tree("acme/a", ga).is_dir());
         assert!(!cache.tree("acme/b", gb).exists());
         drop(pin);
-        // Mounted by a run (the registry says so), it stays too ...
+        // Mounted by a run (the ledger says so), it stays too ...
         let c = cache
             .commit(
                 "acme/c",
