@@ -28,6 +28,8 @@ mod egress;
 mod exec;
 mod fs;
 mod image;
+#[cfg(feature = "daemon")]
+mod join;
 mod lease;
 #[cfg(feature = "daemon")]
 mod logging;
@@ -156,6 +158,9 @@ enum Command {
     Info(pools::ShowArgs),
     /// Cordon the node (refuse new runs, empty the pools), or --off
     Drain(pools::DrainArgs),
+    /// The fleet: its nodes, where each stands, how full
+    #[command(subcommand)]
+    Cluster(pools::ClusterCommand),
     /// Take, renew or release a run's writable lease
     #[command(subcommand)]
     Lease(lease::LeaseCommand),
@@ -244,6 +249,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Fs(command) => fs::run(command).await,
         Command::Info(args) => pools::info(args).await,
         Command::Drain(args) => pools::drain(args).await,
+        Command::Cluster(command) => pools::cluster(command).await,
         Command::Image(command) => image::run(command).await,
         Command::Health(args) => runs::health(args).await,
         Command::Mcp(args) => mcp::run(args).await,

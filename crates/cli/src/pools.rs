@@ -1,5 +1,5 @@
-//! `runbox pools`, `runbox info` and `runbox drain`: the node's warm pools,
-//! its capacity, and cordoning it.
+//! `runbox pools`, `runbox info`, `runbox drain` and `runbox cluster`: the
+//! node's warm pools, its capacity, cordoning it, and the fleet it is in.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -163,6 +163,58 @@ pub async fn drain(args: DrainArgs) -> anyhow::Result<ExitCode> {
         } else {
             "serving: new runs are taken and the pools refill"
         }
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `runbox cluster ...`.
+#[derive(Debug, Subcommand)]
+pub enum ClusterCommand {
+    /// Each node of the fleet: where it stands, how full, its address
+    Status(ShowArgs),
+}
+
+/// Runs one `runbox cluster` subcommand.
+pub async fn cluster(command: ClusterCommand) -> anyhow::Result<ExitCode> {
+    let ClusterCommand::Status(args) = command;
+    let conn = args.conn.connect()?;
+    let status = conn.check(conn.client.cluster().await)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let rows: Vec<Vec<String>> = status
+        .nodes
+        .iter()
+        .map(|n| {
+            vec![
+                match n.local {
+                    true => format!("{} *", n.id),
+                    false => n.id.clone(),
+                },
+                n.state.as_str().to_owned(),
+                format!("{}/{}", n.runs, n.capacity),
+                n.pools_ready.to_string(),
+                format!("{:.1}s", n.last_seen_sec),
+                n.advertise.clone().unwrap_or_else(|| "-".into()),
+                format!("{} {}", n.version, n.lane),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table::render(
+            &[
+                "NODE",
+                "STATE",
+                "RUNS",
+                "POOLED",
+                "SEEN",
+                "ADVERTISE",
+                "VERSION"
+            ],
+            &rows
+        )
     );
     Ok(ExitCode::SUCCESS)
 }

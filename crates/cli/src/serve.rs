@@ -293,6 +293,57 @@ pub struct ServeArgs {
         value_name = "NAME"
     )]
     pub nft_table: String,
+    /// Join the fleet whose shared state is in this PostgreSQL database
+    /// (postgres://user@host:port/database; the password is better given
+    /// with RUNBOX_CLUSTER_DB_PASSWORD or --cluster-db-password-file).
+    /// Needs --node-id, --advertise and the cluster key
+    #[arg(
+        long,
+        env = "RUNBOX_CLUSTER_DB",
+        hide_env_values = true,
+        value_name = "URL",
+        requires_all = ["node_id", "advertise"]
+    )]
+    pub cluster_db: Option<String>,
+    /// A file holding the cluster database's password
+    #[arg(long, value_name = "FILE", requires = "cluster_db")]
+    pub cluster_db_password_file: Option<PathBuf>,
+    /// This node's id in the fleet (1-32 of a-z, 0-9 and -, starting with a
+    /// letter or digit); also its server id
+    #[arg(
+        long,
+        env = "RUNBOX_NODE_ID",
+        value_name = "ID",
+        requires = "cluster_db"
+    )]
+    pub node_id: Option<String>,
+    /// Where the other nodes of the fleet reach this one (host:port)
+    #[arg(
+        long,
+        env = "RUNBOX_ADVERTISE",
+        value_name = "HOST:PORT",
+        requires = "cluster_db"
+    )]
+    pub advertise: Option<String>,
+    /// Where clients may reach this node directly (an http or https
+    /// origin); answers name it beside the run's node
+    #[arg(
+        long,
+        env = "RUNBOX_CLIENT_ADVERTISE",
+        value_name = "URL",
+        requires = "cluster_db"
+    )]
+    pub client_advertise: Option<String>,
+    /// A file holding the cluster key (at least 32 bytes), the same on every
+    /// node [default: RUNBOX_CLUSTER_KEY]
+    #[arg(long, value_name = "FILE", requires = "cluster_db")]
+    pub cluster_key_file: Option<PathBuf>,
+    /// Seconds without a heartbeat after which a node is suspect
+    #[arg(long, default_value_t = 10, value_name = "SECS")]
+    pub cluster_suspect_sec: u64,
+    /// Seconds without a heartbeat after which a node is gone
+    #[arg(long, default_value_t = 60, value_name = "SECS")]
+    pub cluster_gone_sec: u64,
     /// Destroy every run of this state directory and exit (for tests and
     /// uninstalling); does not start the API.
     #[arg(long, hide = true)]
@@ -334,9 +385,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!(listen = %args.listen, "listening on a non-loopback address; anyone who can reach it and has the token controls every run");
     }
     let token = load_or_mint_token(&state_dir.join("token"))?;
-    let server_id = match args.server_id.clone() {
-        Some(id) => id,
-        None => load_or_mint(&state_dir.join("server-id"), || {
+    let cluster = crate::join::options(&args)?;
+    let server_id = match (args.server_id.clone(), &cluster) {
+        (Some(id), Some(cluster)) if id != cluster.node => bail!(
+            "--server-id {id:?} and --node-id {:?} differ; in a cluster the node id is the server id, leave --server-id out",
+            cluster.node
+        ),
+        (_, Some(cluster)) => cluster.node.clone(),
+        (Some(id), None) => id,
+        (None, None) => load_or_mint(&state_dir.join("server-id"), || {
             ulid::Ulid::new().to_string()
         })?,
     };
@@ -344,6 +401,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         runbox_runtime::agent_binary::locate(args.agent.as_deref()).map_err(anyhow::Error::msg)?;
     let runtime = runbox_runtime::select(args.runtime.as_deref(), &state_dir, &agent).await?;
     tracing::info!(runtime = %runtime.path.display(), agent = %agent.display(), "using runtime");
+    // Joined before anything else starts: a node that cannot reach the
+    // fleet's database says so and exits.
+    let cluster = match cluster {
+        Some(options) => Some(
+            runbox_fleet::Cluster::join(
+                options,
+                runbox_fleet::Facts {
+                    version: env!("CARGO_PKG_VERSION").to_owned(),
+                    lane: runtime.name.clone(),
+                    capacity: u32::try_from(args.max_runs).unwrap_or(u32::MAX),
+                },
+            )
+            .await?,
+        ),
+        None => None,
+    };
     let mut options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
     let storage_gb = match (args.storage_gb, args.no_disk_limits) {
         (Some(0), _) | (None, true) => None,
@@ -532,6 +605,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     )
     .await?;
 
+    if let Some(cluster) = &cluster {
+        manager.set_fleet(cluster.clone());
+        let node = manager.clone();
+        cluster.spawn_heartbeat(Arc::new(move || {
+            let info = node.info();
+            runbox_fleet::Load {
+                runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
+                pools_ready: u32::try_from(info.capacity.pooled).unwrap_or(u32::MAX),
+                draining: info.draining,
+            }
+        }));
+    }
     let shutdown = CancellationToken::new();
     // Tests and scripts that ask for port 0 read the real address here.
     // Written then renamed, so a reader never sees a half-written file.
@@ -643,6 +728,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         () = grace => tracing::warn!("open streams did not finish within {grace_period:?}; stopping anyway"),
     }
     shutdown.cancel();
+    if let Some(cluster) = cluster {
+        cluster.leave().await;
+    }
     // What is still in the usage journal's batch reaches the disk.
     let _ = tokio::task::spawn_blocking(move || usage.flush()).await;
     Ok(())

@@ -509,6 +509,13 @@ impl Client {
         json(resp).await
     }
 
+    /// `GET /v1/cluster`: the fleet's nodes (the node alone without a
+    /// cluster).
+    pub async fn cluster(&self) -> Result<runbox_types::ClusterStatus, ClientError> {
+        let resp = self.send(self.request(Method::GET, "/v1/cluster")).await?;
+        json(resp).await
+    }
+
     /// `POST /v1/tenants`: the tenant and its token (shown this once).
     pub async fn create_tenant(
         &self,

@@ -20,6 +20,7 @@ pub mod datasets;
 mod durable;
 pub mod egress;
 pub mod error;
+pub mod fleet;
 pub mod images;
 pub mod lane;
 pub mod lease;

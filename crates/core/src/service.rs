@@ -478,6 +478,30 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn set_draining(&self, draining: bool) -> runbox_types::PoolList;
     /// What the node is and how full.
     fn info(&self) -> runbox_types::Info;
+    /// The fleet's nodes (this one alone when it has no cluster).
+    fn cluster(
+        &self,
+    ) -> impl Future<Output = Result<runbox_types::ClusterStatus, CoreError>> + Send {
+        let info = self.info();
+        async move {
+            Ok(runbox_types::ClusterStatus {
+                nodes: vec![runbox_types::ClusterNode {
+                    id: info.server,
+                    advertise: None,
+                    client_origin: None,
+                    version: info.version,
+                    lane: info.runtime,
+                    state: runbox_types::NodeState::Active,
+                    capacity: u32::try_from(info.capacity.max).unwrap_or(u32::MAX),
+                    runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
+                    pools_ready: 0,
+                    last_seen_sec: 0.0,
+                    started_at: time::OffsetDateTime::UNIX_EPOCH,
+                    local: true,
+                }],
+            })
+        }
+    }
     /// Whether new runs get a user namespace of their own (what
     /// [`RunService::info`] reports as `userns`, without the rest).
     fn user_namespaces(&self) -> bool {
@@ -777,6 +801,19 @@ impl RunService for Arc<Manager> {
 
     fn info(&self) -> runbox_types::Info {
         Manager::info(self)
+    }
+
+    async fn cluster(&self) -> Result<runbox_types::ClusterStatus, CoreError> {
+        let Some(fleet) = self.fleet.get() else {
+            return Ok(runbox_types::ClusterStatus {
+                nodes: vec![self.lone_node()],
+            });
+        };
+        let mut nodes = fleet.nodes().await?;
+        for node in &mut nodes {
+            node.local = node.id == self.server_id;
+        }
+        Ok(runbox_types::ClusterStatus { nodes })
     }
 
     fn user_namespaces(&self) -> bool {

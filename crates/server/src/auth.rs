@@ -138,8 +138,8 @@ pub fn rule(method: &Method, path: &str) -> Rule {
     let Some(rest) = path.strip_prefix(RUN_ROUTE) else {
         return match path {
             "/v1/tenants" | "/v1/tenants/{name}" | "/v1/tenants/{name}/rotate" => Rule::Root,
-            "/v1/pools" | "/v1/drain" | "/v1/info" | "/v1/config/reload" | "/metrics"
-            | "/v1/audit" => Rule::Root,
+            "/v1/pools" | "/v1/drain" | "/v1/info" | "/v1/cluster" | "/v1/config/reload"
+            | "/metrics" | "/v1/audit" => Rule::Root,
             // An import is the operator's; a delete of a shared image is
             // refused to tenants by the handler.
             "/v1/images/{name}" if method == Method::POST => Rule::Root,
@@ -362,6 +362,7 @@ mod tests {
     fn routes_have_the_rules_the_table_in_api_md_gives() {
         use Method as M;
         assert_eq!(rule(&M::GET, "/v1/info"), Rule::Root);
+        assert_eq!(rule(&M::GET, "/v1/cluster"), Rule::Root);
         assert_eq!(rule(&M::POST, "/v1/tenants"), Rule::Root);
         assert_eq!(rule(&M::POST, "/v1/images/{name}"), Rule::Root);
         assert_eq!(rule(&M::DELETE, "/v1/images/{name}"), Rule::Tenant);

@@ -14,6 +14,9 @@ const RETRY_CAPACITY_SECS: u32 = 1;
 /// `Retry-After` of a `503 draining`, in seconds.
 const RETRY_DRAINING_SECS: u32 = 30;
 
+/// `Retry-After` of a `503 cluster_unavailable`, in seconds.
+const RETRY_CLUSTER_SECS: u32 = 2;
+
 /// An error response.
 #[derive(Debug)]
 pub struct ApiError {
@@ -59,7 +62,9 @@ impl From<CoreError> for ApiError {
                 }
                 // A service runbox depends on: the message is what the
                 // user needs.
-                ErrorCode::RegistryError | ErrorCode::CheckpointStoreUnavailable => {
+                ErrorCode::RegistryError
+                | ErrorCode::CheckpointStoreUnavailable
+                | ErrorCode::ClusterUnavailable => {
                     tracing::warn!(error = %chain, code = %code, "request failed");
                     return ApiError {
                         code,
@@ -102,6 +107,7 @@ impl IntoResponse for ApiError {
         let retry = match self.code {
             ErrorCode::Capacity | ErrorCode::TenantQuota => Some(RETRY_CAPACITY_SECS),
             ErrorCode::Draining => Some(RETRY_DRAINING_SECS),
+            ErrorCode::ClusterUnavailable => Some(RETRY_CLUSTER_SECS),
             ErrorCode::CheckpointStoreUnavailable => {
                 Some(runbox_core::checkpoints::RETRY_AFTER.as_secs() as u32)
             }

@@ -1175,6 +1175,14 @@ pub async fn info<S: RunService>(State(state): State<AppState<S>>) -> Json<runbo
     Json(state.service.info())
 }
 
+/// `GET /v1/cluster`: the fleet's nodes (this one alone without a
+/// cluster).
+pub async fn cluster<S: RunService>(
+    State(state): State<AppState<S>>,
+) -> Result<Json<runbox_types::ClusterStatus>, ApiError> {
+    Ok(Json(state.service.cluster().await?))
+}
+
 /// `POST /v1/runs/{id}/lease`: grants the run's writable lease.
 pub async fn acquire_lease<S: RunService>(
     State(state): State<AppState<S>>,

@@ -164,6 +164,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             post(handlers::drain::<S>).delete(handlers::undrain::<S>),
         )
         .route("/v1/info", get(handlers::info::<S>))
+        .route("/v1/cluster", get(handlers::cluster::<S>))
         .route("/v1/audit", get(handlers::audit::<S>))
         .route(
             "/v1/warmcache/{owner}/{name}",

@@ -276,6 +276,9 @@ codes! {
     /// The checkpoint store could not be reached or refused the request;
     /// nothing was changed, retry after `Retry-After`.
     CheckpointStoreUnavailable = "checkpoint_store_unavailable", 503;
+    /// The cluster database could not be reached; what needs it waits,
+    /// retry after `Retry-After` (the node goes on serving its own runs).
+    ClusterUnavailable = "cluster_unavailable", 503;
     /// The sandbox's agent did not answer as it should.
     AgentUnavailable = "agent_unavailable", 502;
     /// A fault in runbox itself; the detail is in the server log.

@@ -12,11 +12,13 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+mod cluster;
 mod egress;
 pub mod error;
 mod tenants;
 mod volumes;
 
+pub use cluster::{ClusterNode, ClusterStatus, NodeState};
 pub use egress::{
     BroughtSecret, EgressEntry, EgressRule, PortSpec, SecretRequest, SecretValue,
     UpdateEgressRequest,

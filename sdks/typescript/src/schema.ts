@@ -108,6 +108,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/cluster": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The fleet's nodes and where each stands
+         * @description Takes the root token (a tenant's is 403).
+         */
+        get: operations["cluster"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/config/reload": {
         parameters: {
             query?: never;
@@ -1580,6 +1600,56 @@ export interface components {
              */
             sizeMb?: number | null;
         };
+        /** @description One node of the fleet. */
+        ClusterNode: {
+            /**
+             * @description Where the other nodes reach it (`--advertise`, host:port); none for
+             *     a node without a cluster.
+             */
+            advertise?: string | null;
+            /**
+             * Format: uint32
+             * @description Its `--max-runs`.
+             */
+            capacity: number;
+            /** @description Where clients may reach it directly (`--client-advertise`). */
+            clientOrigin?: string | null;
+            /** @description Its id (`--node-id`; a single node's is its server id). */
+            id: string;
+            /** @description Its runtime lane. */
+            lane: string;
+            /**
+             * Format: double
+             * @description Seconds since its last heartbeat, by the database's clock.
+             */
+            lastSeenSec: number;
+            /** @description Whether it is the node that answered. */
+            local?: boolean;
+            /**
+             * Format: uint32
+             * @description Ready warm pool members, as of its last heartbeat.
+             */
+            poolsReady: number;
+            /**
+             * Format: uint32
+             * @description Runs it counts against that, as of its last heartbeat.
+             */
+            runs: number;
+            /**
+             * Format: date-time
+             * @description When it joined (this incarnation).
+             */
+            startedAt: string;
+            /** @description Where it stands. */
+            state: components["schemas"]["NodeState"];
+            /** @description The runbox version it runs. */
+            version: string;
+        };
+        /** @description `GET /v1/cluster`. */
+        ClusterStatus: {
+            /** @description Every node, by id; nodes gone are listed until they are cleaned up. */
+            nodes: components["schemas"]["ClusterNode"][];
+        };
         /**
          * @description `POST /v1/config/reload` (and SIGHUP): what a reload of the config file
          *     found and did.
@@ -2294,6 +2364,11 @@ export interface components {
          * @enum {string}
          */
         NetworkTier: "none" | "allowlist" | "open";
+        /**
+         * @description Where a node stands, by its row in the cluster database.
+         * @enum {string}
+         */
+        NodeState: "active" | "draining" | "suspect" | "gone";
         /**
          * @description What happens to a run when its TTL passes.
          * @enum {string}
@@ -3569,6 +3644,44 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content?: never;
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    cluster: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ClusterStatus"];
+                };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
             "4XX": {

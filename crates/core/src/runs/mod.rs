@@ -120,6 +120,10 @@ pub struct Manager {
     pub(crate) volumes: Arc<crate::volumes::Volumes>,
     /// Serialises volume creates and deletes.
     pub(crate) volume_lock: tokio::sync::Mutex<()>,
+    /// The fleet this node belongs to, once the daemon has joined one.
+    pub(crate) fleet: std::sync::OnceLock<Arc<dyn crate::fleet::Fleet>>,
+    /// When this manager started.
+    pub(crate) started_at: OffsetDateTime,
 }
 
 impl Manager {
@@ -132,6 +136,36 @@ impl Manager {
     /// only the first sink given is kept.
     pub fn set_telemetry(&self, sink: Arc<dyn Telemetry>) {
         let _ = self.context.telemetry.set(sink);
+    }
+
+    /// The fleet this node belongs to from now on (see [`crate::fleet`]);
+    /// only the first one given is kept.
+    pub fn set_fleet(&self, fleet: Arc<dyn crate::fleet::Fleet>) {
+        let _ = self.fleet.set(fleet);
+    }
+
+    /// This node alone, as `GET /v1/cluster` shows a node without a
+    /// cluster.
+    pub fn lone_node(&self) -> runbox_types::ClusterNode {
+        let info = self.info();
+        let draining = info.draining;
+        runbox_types::ClusterNode {
+            id: info.server,
+            advertise: None,
+            client_origin: None,
+            version: info.version,
+            lane: info.runtime,
+            state: match draining {
+                true => runbox_types::NodeState::Draining,
+                false => runbox_types::NodeState::Active,
+            },
+            capacity: u32::try_from(info.capacity.max).unwrap_or(u32::MAX),
+            runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
+            pools_ready: u32::try_from(info.capacity.pooled).unwrap_or(u32::MAX),
+            last_seen_sec: 0.0,
+            started_at: self.started_at,
+            local: true,
+        }
     }
 
     /// Replaces the settings with what `update` makes of them, all at once:
@@ -209,6 +243,8 @@ impl Manager {
             context,
             volumes,
             volume_lock: tokio::sync::Mutex::new(()),
+            fleet: std::sync::OnceLock::new(),
+            started_at: OffsetDateTime::now_utc(),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found
         // where the lane says, before any run mounts one.

@@ -1,0 +1,308 @@
+//! The fleet's membership on a real PostgreSQL server (Debian's, started
+//! by the harness in a temporary directory): several daemons on this
+//! machine, each with its own state directory, address and node id, join
+//! through `--cluster-db`, list each other in `GET /v1/cluster` with where
+//! each stands by the database's clock, survive the database going away,
+//! and are refused with a reason when they cannot join.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use runbox_e2e::{
+    agent_bin, eventually_async, free_port, runbox_bin, runtimes, PgServer, TestDaemon,
+};
+use runbox_types::NodeState;
+
+/// The cluster key of the tests' fleets.
+const KEY: &str = "a-cluster-key-of-more-than-32-bytes-for-the-tests";
+
+/// Starts node `id` of the fleet in `pg`, listening on (and advertising)
+/// a loopback port of its own; `extra` are more `serve` arguments.
+async fn node(pg: &PgServer, id: &str, extra: &[&str]) -> TestDaemon {
+    let listen = format!("127.0.0.1:{}", free_port());
+    let url = pg.url();
+    let mut args = vec![
+        "--cluster-db",
+        &url,
+        "--node-id",
+        id,
+        "--advertise",
+        &listen,
+        "--cluster-suspect-sec",
+        "2",
+        "--cluster-gone-sec",
+        "5",
+    ];
+    args.extend_from_slice(extra);
+    let runtime = runtimes().into_iter().next();
+    TestDaemon::start_listening(
+        runtime.as_deref(),
+        &listen,
+        &args,
+        &[
+            ("RUNBOX_CLUSTER_KEY", KEY),
+            ("RUNBOX_CLUSTER_DB_PASSWORD", &pg.password),
+        ],
+    )
+    .await
+}
+
+/// `(id, state)` of each node `daemon` lists, by id.
+async fn states(daemon: &TestDaemon) -> Vec<(String, NodeState)> {
+    let status = daemon.client.cluster().await.expect("GET /v1/cluster");
+    status.nodes.into_iter().map(|n| (n.id, n.state)).collect()
+}
+
+/// Waits up to `limit` for `daemon` to list node `id` as `state`.
+async fn sees(daemon: &TestDaemon, id: &str, state: NodeState, limit: Duration) -> bool {
+    eventually_async(limit, || async {
+        states(daemon)
+            .await
+            .iter()
+            .any(|(n, s)| n == id && *s == state)
+    })
+    .await
+}
+
+/// `runbox serve` with `args` and `env` that must fail: its stderr.
+fn serve_fails(args: &[&str], env: &[(&str, &str)]) -> String {
+    let state = tempfile::tempdir().expect("state dir");
+    let out = Command::new(runbox_bin())
+        .arg("serve")
+        .arg("--state-dir")
+        .arg(state.path())
+        .arg("--listen")
+        .arg("127.0.0.1:0")
+        .arg("--agent")
+        .arg(agent_bin())
+        .args(args)
+        .env_remove("RUNBOX_CLUSTER_KEY")
+        .env_remove("RUNBOX_CLUSTER_DB_PASSWORD")
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .expect("running runbox serve");
+    assert!(!out.status.success(), "serve {args:?} should have failed");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nodes_starting_at_once_on_an_empty_database_join_and_list_each_other() {
+    let pg = PgServer::start();
+    // Both migrate and join at the same moment: the schema is made once.
+    let (a, b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM _sqlx_migrations WHERE success"),
+        "1"
+    );
+    for (daemon, me) in [(&a, "n1"), (&b, "n2")] {
+        let status = daemon.client.cluster().await.expect("GET /v1/cluster");
+        let ids: Vec<&str> = status.nodes.iter().map(|n| n.id.as_str()).collect();
+        assert_eq!(ids, ["n1", "n2"]);
+        for n in &status.nodes {
+            assert_eq!(n.state, NodeState::Active, "{n:?}");
+            assert_eq!(n.local, n.id == me, "{n:?}");
+            assert_eq!(n.capacity, 256);
+            assert!(n.last_seen_sec < 2.0, "{n:?}");
+            assert_eq!(n.version, env!("CARGO_PKG_VERSION"));
+        }
+        let own = status.nodes.iter().find(|n| n.local).expect("itself");
+        assert_eq!(
+            own.advertise.as_deref(),
+            Some(daemon.url.trim_start_matches("http://"))
+        );
+    }
+    // The node id is the server id on answers, and heartbeats carry load.
+    let run = b.create().await;
+    assert_eq!(run.server, "n2");
+    let loaded = eventually_async(Duration::from_secs(10), || async {
+        let status = a.client.cluster().await.expect("GET /v1/cluster");
+        status.nodes.iter().any(|n| n.id == "n2" && n.runs == 1)
+    })
+    .await;
+    assert!(loaded, "n1 never saw n2's run in its heartbeat");
+    // The CLI shows the fleet.
+    let out = Command::new(runbox_bin())
+        .args(["cluster", "status"])
+        .env("RUNBOX_URL", &a.url)
+        .env("RUNBOX_TOKEN", &a.token)
+        .output()
+        .expect("runbox cluster status");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(table.contains("n1 *") && table.contains("n2"), "{table}");
+    assert!(table.contains("active"), "{table}");
+    b.client
+        .delete_run(&run.id.to_string())
+        .await
+        .expect("delete");
+    // The database password is in no log.
+    for daemon in [&a, &b] {
+        assert!(!daemon.log().contains(&pg.password), "{}", daemon.log());
+        assert!(
+            daemon.log().contains("joined the cluster"),
+            "{}",
+            daemon.log()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_node_is_suspect_then_gone_and_a_stopped_one_gone_at_once() {
+    let pg = PgServer::start();
+    let a = node(&pg, "n1", &[]).await;
+    let mut b = node(&pg, "n2", &[]).await;
+    let mut c = node(&pg, "n3", &[]).await;
+    assert!(sees(&a, "n2", NodeState::Active, Duration::from_secs(5)).await);
+    b.kill9();
+    assert!(
+        sees(&a, "n2", NodeState::Suspect, Duration::from_secs(10)).await,
+        "{:?}",
+        states(&a).await
+    );
+    assert!(
+        sees(&a, "n2", NodeState::Gone, Duration::from_secs(15)).await,
+        "{:?}",
+        states(&a).await
+    );
+    // A clean stop says so in the database: gone without waiting.
+    c.terminate();
+    assert!(
+        sees(&a, "n3", NodeState::Gone, Duration::from_secs(2)).await,
+        "{:?}",
+        states(&a).await
+    );
+    // A node that comes back at its address takes its row over at once.
+    b.spawn().await;
+    assert!(sees(&a, "n2", NodeState::Active, Duration::from_secs(5)).await);
+    // A cordoned node is listed as draining.
+    b.client.set_draining(true).await.expect("drain");
+    assert!(sees(&a, "n2", NodeState::Draining, Duration::from_secs(5)).await);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn without_its_database_a_node_serves_its_runs_and_says_503_for_the_fleet() {
+    let pg = PgServer::start();
+    let a = node(&pg, "n1", &[]).await;
+    let run = a.create().await;
+    let id = run.id.to_string();
+    pg.stop();
+    let err = a.client.cluster().await.expect_err("the database is down");
+    let message = err.to_string();
+    assert!(message.contains("cluster_unavailable"), "{message}");
+    let answer = reqwest::Client::new()
+        .get(format!("{}/v1/cluster", a.url))
+        .bearer_auth(&a.token)
+        .send()
+        .await
+        .expect("GET /v1/cluster");
+    assert_eq!(answer.status().as_u16(), 503);
+    assert_eq!(
+        answer.headers().get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"2"[..])
+    );
+    let text = answer.text().await.expect("body");
+    assert!(text.contains("cluster_unavailable"), "{text}");
+    assert!(!text.contains(&pg.password), "{text}");
+    // Its own runs go on.
+    let out = a.sh(&id, "echo still here").await;
+    assert_eq!(out.stdout, b"still here\n");
+    let more = a.create().await;
+    // Back: the fleet answers again, and the heartbeat resumes.
+    pg.start_again();
+    let back = eventually_async(Duration::from_secs(15), || async {
+        a.client.cluster().await.is_ok_and(|s| {
+            s.nodes
+                .iter()
+                .any(|n| n.id == "n1" && n.state == NodeState::Active && n.runs == 2)
+        })
+    })
+    .await;
+    assert!(back, "the fleet never answered again: {}", a.log());
+    assert!(a.log().contains("answers again"), "{}", a.log());
+    for id in [id, more.id.to_string()] {
+        a.client.delete_run(&id).await.expect("delete");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_that_cannot_join_says_why_and_exits() {
+    let pg = PgServer::start();
+    let url = pg.url();
+    let auth = [
+        ("RUNBOX_CLUSTER_KEY", KEY),
+        ("RUNBOX_CLUSTER_DB_PASSWORD", pg.password.as_str()),
+    ];
+    let cluster = |node: &'static str, advertise: &'static str| {
+        vec![
+            "--cluster-db",
+            url.as_str(),
+            "--node-id",
+            node,
+            "--advertise",
+            advertise,
+        ]
+    };
+    // Nothing listens on the database's address.
+    let closed = format!("postgres://runbox@127.0.0.1:{}/postgres", free_port());
+    let stderr = serve_fails(
+        &[
+            "--cluster-db",
+            &closed,
+            "--node-id",
+            "n1",
+            "--advertise",
+            "127.0.0.1:9",
+        ],
+        &auth,
+    );
+    assert!(
+        stderr.contains("cannot reach the cluster database at 127.0.0.1:"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains(&pg.password), "{stderr}");
+    // A wrong password is refused by the database, and not shown.
+    let stderr = serve_fails(
+        &cluster("n1", "127.0.0.1:9"),
+        &[
+            ("RUNBOX_CLUSTER_KEY", KEY),
+            ("RUNBOX_CLUSTER_DB_PASSWORD", "not-the-password"),
+        ],
+    );
+    assert!(
+        stderr.contains("cannot reach the cluster database"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("not-the-password"), "{stderr}");
+    // Flags checked before anything is reached.
+    for (args, env, says) in [
+        (cluster("N_1", "127.0.0.1:9"), &auth[..], "--node-id"),
+        (cluster("n1", "nowhere"), &auth[..], "--advertise"),
+        (cluster("n1", "127.0.0.1:9"), &auth[1..], "cluster key"),
+    ] {
+        let stderr = serve_fails(&args, env);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let stderr = serve_fails(&["--cluster-db", url.as_str(), "--node-id", "n1"], &auth);
+    assert!(stderr.contains("--advertise"), "{stderr}");
+    // A fleet made with one key refuses a node with another.
+    let a = node(&pg, "n1", &[]).await;
+    let stderr = serve_fails(
+        &cluster("n2", "127.0.0.1:9"),
+        &[
+            (
+                "RUNBOX_CLUSTER_KEY",
+                "another-key-of-more-than-32-bytes-long!!",
+            ),
+            ("RUNBOX_CLUSTER_DB_PASSWORD", pg.password.as_str()),
+        ],
+    );
+    assert!(
+        stderr.contains("cluster key is not the fleet's"),
+        "{stderr}"
+    );
+    // A live node's id is its own.
+    let stderr = serve_fails(&cluster("n1", "127.0.0.1:9"), &auth);
+    assert!(stderr.contains("belongs to a live node at"), "{stderr}");
+    assert_eq!(states(&a).await, [("n1".to_owned(), NodeState::Active)]);
+}

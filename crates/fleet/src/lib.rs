@@ -1,0 +1,447 @@
+//! runbox's fleet state on PostgreSQL.
+//!
+//! A node started with `--cluster-db` joins the fleet whose state lives in
+//! that database: it brings the schema up to date (versioned migrations,
+//! under PostgreSQL's advisory lock, so nodes starting at once take turns),
+//! checks that it holds the fleet's cluster key, keeps a row of its own
+//! with a heartbeat stamped by the database's clock, and reads the others'
+//! rows to say where each stands ([`Cluster`], which is core's
+//! [`runbox_core::fleet::Fleet`]). No node trusts another's clock, and
+//! there is no consensus of our own: the database is the one place.
+
+use std::borrow::Cow;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use hmac::{Hmac, Mac};
+use runbox_core::fleet::{unavailable, Fleet};
+use runbox_core::CoreError;
+use runbox_types::{ClusterNode, NodeState};
+use sha2::Sha256;
+use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::Row;
+
+/// The schema, in order. Each file is applied once, in its own
+/// transaction, and never changed after it shipped (its checksum is kept).
+const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    1,
+    "membership",
+    include_str!("../migrations/0001_membership.sql"),
+)];
+
+/// The schema files built into the binary, as sqlx's migrator takes them.
+/// (Its `migrate!` macro does the same at compile time through a
+/// procedural macro; this keeps that macro and its build out of the
+/// daemon.)
+#[derive(Debug)]
+struct Embedded;
+
+impl MigrationSource<'static> for Embedded {
+    fn resolve(
+        self,
+    ) -> futures::future::BoxFuture<'static, Result<Vec<Migration>, sqlx::error::BoxDynError>> {
+        Box::pin(async {
+            Ok(MIGRATIONS
+                .iter()
+                .map(|(version, description, sql)| {
+                    Migration::new(
+                        *version,
+                        Cow::Borrowed(*description),
+                        MigrationType::Simple,
+                        Cow::Borrowed(*sql),
+                        false,
+                    )
+                })
+                .collect())
+        })
+    }
+}
+
+/// How long a query waits for a connection: while the database cannot be
+/// reached, what needs it is refused after this (a 503), not held.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How a node joins the fleet.
+#[derive(Clone)]
+pub struct Options {
+    /// The database, as `postgres://user@host:port/database` (a password
+    /// in it is taken, but [`Options::password`] is the better place).
+    pub url: String,
+    /// The database password, from the environment or a file.
+    pub password: Option<String>,
+    /// This node's id.
+    pub node: String,
+    /// Where the other nodes reach this one (host:port).
+    pub advertise: String,
+    /// Where clients may reach this node directly (an origin URL).
+    pub client_advertise: Option<String>,
+    /// The cluster key every node of the fleet is given.
+    pub key: Vec<u8>,
+    /// How often the node stamps its heartbeat.
+    pub heartbeat: Duration,
+    /// A node not heard from for this long is suspect.
+    pub suspect_after: Duration,
+    /// A node not heard from for this long is gone.
+    pub gone_after: Duration,
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Neither the password nor the key, whatever logs this.
+        f.debug_struct("Options")
+            .field("node", &self.node)
+            .field("advertise", &self.advertise)
+            .field("client_advertise", &self.client_advertise)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a node tells the fleet about itself when it joins.
+#[derive(Clone, Debug)]
+pub struct Facts {
+    /// The runbox version.
+    pub version: String,
+    /// Its runtime lane.
+    pub lane: String,
+    /// Its `--max-runs`.
+    pub capacity: u32,
+}
+
+/// How full a node is, stamped with each heartbeat.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Load {
+    /// Runs counted against its capacity.
+    pub runs: u32,
+    /// Ready warm pool members.
+    pub pools_ready: u32,
+    /// Whether it is cordoned.
+    pub draining: bool,
+}
+
+/// Why a node could not join.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    /// The URL is not one the driver reads.
+    #[error("--cluster-db is not a PostgreSQL URL (postgres://user@host:port/database): {0}")]
+    BadUrl(String),
+    /// The database could not be reached or refused the login.
+    #[error("cannot reach the cluster database at {target}: {why}")]
+    Unreachable {
+        /// host:port/database.
+        target: String,
+        /// The driver's reason.
+        why: String,
+    },
+    /// The schema could not be brought up to date.
+    #[error("the cluster database's schema could not be brought up to date: {0}")]
+    Migrate(String),
+    /// Another cluster key made this fleet.
+    #[error(
+        "this node's cluster key is not the fleet's: the nodes already in the database were \
+         given another; give every node the same key (RUNBOX_CLUSTER_KEY or --cluster-key-file)"
+    )]
+    KeyMismatch,
+    /// A live node has this id.
+    #[error(
+        "node id {id:?} belongs to a live node at {advertise} (heard from {seen_sec:.1}s ago); \
+         give this node another --node-id, or stop that one first"
+    )]
+    IdInUse {
+        /// The id.
+        id: String,
+        /// Where that node is.
+        advertise: String,
+        /// How long ago it was heard from.
+        seen_sec: f64,
+    },
+    /// A query failed while joining.
+    #[error("the cluster database failed while this node joined: {0}")]
+    Query(String),
+}
+
+/// This node's membership of the fleet.
+pub struct Cluster {
+    pool: PgPool,
+    options: Options,
+    /// This start of the node: a restart is a new incarnation of it.
+    incarnation: String,
+    target: String,
+}
+
+/// What the key check stored in the database is: a keyed hash of a fixed
+/// text, which shows whether two nodes hold the same key and nothing of
+/// the key.
+fn key_check(key: &[u8]) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(b"runbox cluster key check v1");
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+impl Cluster {
+    /// Joins the fleet: connects, brings the schema up to date, checks the
+    /// key and takes this node's row. Nothing is written before the key
+    /// has been checked but the schema.
+    pub async fn join(options: Options, facts: Facts) -> Result<Arc<Cluster>, JoinError> {
+        let mut connect = PgConnectOptions::from_str(&options.url)
+            .map_err(|e| JoinError::BadUrl(e.to_string()))?;
+        if let Some(password) = &options.password {
+            connect = connect.password(password);
+        }
+        connect = connect.application_name(&format!("runbox {}", options.node));
+        let target = format!(
+            "{}:{}/{}",
+            connect.get_host(),
+            connect.get_port(),
+            connect.get_database().unwrap_or("")
+        );
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(connect)
+            .await
+            .map_err(|e| JoinError::Unreachable {
+                target: target.clone(),
+                why: e.to_string(),
+            })?;
+        let migrator = Migrator::new(Embedded)
+            .await
+            .map_err(|e| JoinError::Migrate(e.to_string()))?;
+        migrator
+            .run(&pool)
+            .await
+            .map_err(|e| JoinError::Migrate(e.to_string()))?;
+        let check = key_check(&options.key);
+        sqlx::query("INSERT INTO runbox_cluster (key_check) VALUES ($1) ON CONFLICT DO NOTHING")
+            .bind(&check)
+            .execute(&pool)
+            .await
+            .map_err(query)?;
+        let fleet: String = sqlx::query_scalar("SELECT key_check FROM runbox_cluster")
+            .fetch_one(&pool)
+            .await
+            .map_err(query)?;
+        if fleet != check {
+            return Err(JoinError::KeyMismatch);
+        }
+        let incarnation = ulid::Ulid::new().to_string();
+        // The row is this node's unless a live node with another address
+        // holds it; a restart at the same address takes it over at once.
+        let mut tx = pool.begin().await.map_err(query)?;
+        let held = sqlx::query(
+            "SELECT advertise, EXTRACT(EPOCH FROM now() - heartbeat)::float8 AS silent, \
+             left_at IS NOT NULL AS left FROM runbox_nodes WHERE id = $1 FOR UPDATE",
+        )
+        .bind(&options.node)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(query)?;
+        if let Some(row) = held {
+            let advertise: String = row.get("advertise");
+            let silent: f64 = row.get("silent");
+            let left: bool = row.get("left");
+            if !left
+                && advertise != options.advertise
+                && silent < options.suspect_after.as_secs_f64()
+            {
+                return Err(JoinError::IdInUse {
+                    id: options.node.clone(),
+                    advertise,
+                    seen_sec: silent,
+                });
+            }
+        }
+        sqlx::query(
+            "INSERT INTO runbox_nodes (id, advertise, client_origin, version, lane, incarnation, capacity) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7) \
+             ON CONFLICT (id) DO UPDATE SET advertise = $2, client_origin = $3, version = $4, \
+             lane = $5, incarnation = $6, capacity = $7, runs = 0, pools_ready = 0, \
+             draining = false, left_at = NULL, started_at = now(), heartbeat = now()",
+        )
+        .bind(&options.node)
+        .bind(&options.advertise)
+        .bind(&options.client_advertise)
+        .bind(&facts.version)
+        .bind(&facts.lane)
+        .bind(&incarnation)
+        .bind(i32::try_from(facts.capacity).unwrap_or(i32::MAX))
+        .execute(&mut *tx)
+        .await
+        .map_err(query)?;
+        tx.commit().await.map_err(query)?;
+        tracing::info!(node = %options.node, advertise = %options.advertise, database = %target, "joined the cluster");
+        Ok(Arc::new(Cluster {
+            pool,
+            options,
+            incarnation,
+            target,
+        }))
+    }
+
+    /// The database as logs name it: host:port/database, no password.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    /// Stamps this node's heartbeat and load every [`Options::heartbeat`]
+    /// until the cluster is dropped; `load` says how full the node is.
+    /// A database that cannot be reached is logged once per outage; the
+    /// node goes on serving its own runs meanwhile.
+    pub fn spawn_heartbeat(self: &Arc<Self>, load: Arc<dyn Fn() -> Load + Send + Sync>) {
+        let weak = Arc::downgrade(self);
+        let every = self.options.heartbeat;
+        tokio::spawn(async move {
+            let mut down = false;
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(cluster) = weak.upgrade() else {
+                    return;
+                };
+                match cluster.beat(load()).await {
+                    Ok(()) if down => {
+                        down = false;
+                        tracing::info!(database = %cluster.target, "the cluster database answers again");
+                    }
+                    Ok(()) => {}
+                    Err(e) if !down => {
+                        down = true;
+                        tracing::warn!(database = %cluster.target, error = %e, "the cluster database cannot be reached; this node goes on serving its runs");
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    }
+
+    /// One heartbeat: the row's stamp (the database's clock) and load. A
+    /// row another incarnation has taken over is left alone.
+    async fn beat(&self, load: Load) -> Result<(), sqlx::Error> {
+        sqlx::query(
+            "UPDATE runbox_nodes SET heartbeat = now(), runs = $3, pools_ready = $4, draining = $5 \
+             WHERE id = $1 AND incarnation = $2",
+        )
+        .bind(&self.options.node)
+        .bind(&self.incarnation)
+        .bind(i32::try_from(load.runs).unwrap_or(i32::MAX))
+        .bind(i32::try_from(load.pools_ready).unwrap_or(i32::MAX))
+        .bind(load.draining)
+        .execute(&self.pool)
+        .await
+        .map(|_| ())
+    }
+
+    /// Leaves the fleet cleanly: the row says so at once (the others see
+    /// the node gone without waiting for its heartbeat to age).
+    pub async fn leave(&self) {
+        let left = sqlx::query(
+            "UPDATE runbox_nodes SET left_at = now() WHERE id = $1 AND incarnation = $2",
+        )
+        .bind(&self.options.node)
+        .bind(&self.incarnation)
+        .execute(&self.pool)
+        .await;
+        if let Err(e) = left {
+            tracing::warn!(database = %self.target, error = %e, "could not record this node's leaving; the others will see it gone once its heartbeat ages");
+        }
+        self.pool.close().await;
+    }
+}
+
+fn query(e: sqlx::Error) -> JoinError {
+    JoinError::Query(e.to_string())
+}
+
+#[async_trait]
+impl Fleet for Cluster {
+    async fn nodes(&self) -> Result<Vec<ClusterNode>, CoreError> {
+        let rows = sqlx::query(
+            "SELECT id, advertise, client_origin, version, lane, capacity, runs, pools_ready, \
+             draining, left_at IS NOT NULL AS left, started_at, \
+             EXTRACT(EPOCH FROM now() - heartbeat)::float8 AS silent \
+             FROM runbox_nodes ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        let suspect = self.options.suspect_after.as_secs_f64();
+        let gone = self.options.gone_after.as_secs_f64();
+        Ok(rows
+            .iter()
+            .map(|row| {
+                let silent: f64 = row.get("silent");
+                let state = if row.get::<bool, _>("left") || silent >= gone {
+                    NodeState::Gone
+                } else if silent >= suspect {
+                    NodeState::Suspect
+                } else if row.get::<bool, _>("draining") {
+                    NodeState::Draining
+                } else {
+                    NodeState::Active
+                };
+                let count = |name: &str| u32::try_from(row.get::<i32, _>(name)).unwrap_or(0);
+                ClusterNode {
+                    id: row.get("id"),
+                    advertise: Some(row.get("advertise")),
+                    client_origin: row.get("client_origin"),
+                    version: row.get("version"),
+                    lane: row.get("lane"),
+                    state,
+                    capacity: count("capacity"),
+                    runs: count("runs"),
+                    pools_ready: count("pools_ready"),
+                    last_seen_sec: silent.max(0.0),
+                    started_at: row.get("started_at"),
+                    local: false,
+                }
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_check_tells_keys_apart_and_shows_nothing_of_them() {
+        let a = key_check(b"first key");
+        assert_eq!(a, key_check(b"first key"));
+        assert_ne!(a, key_check(b"second key"));
+        assert_eq!(a.len(), 64);
+        assert!(!a.contains("first"));
+    }
+
+    #[test]
+    fn options_never_print_the_password_or_the_key() {
+        let options = Options {
+            url: "postgres://runbox:hunter2@db:5432/runbox".into(),
+            password: Some("hunter2".into()),
+            node: "n1".into(),
+            advertise: "10.0.0.1:8080".into(),
+            client_advertise: None,
+            key: b"secret-key".to_vec(),
+            heartbeat: Duration::from_secs(2),
+            suspect_after: Duration::from_secs(10),
+            gone_after: Duration::from_secs(60),
+        };
+        let shown = format!("{options:?}");
+        assert!(
+            !shown.contains("hunter2") && !shown.contains("secret-key"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn migrations_are_numbered_in_order_from_one() {
+        for (i, (version, _, sql)) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(*version, i as i64 + 1);
+            assert!(!sql.trim().is_empty());
+        }
+    }
+}
