@@ -277,22 +277,15 @@ pub struct ServeArgs {
     pub preview_url: Option<String>,
     /// IPv4 network `open` runs take a /30 each from; must not overlap a
     /// network the host uses. Two daemons on one host need different pools
-    #[arg(
-        long,
-        env = "RUNBOX_OPEN_POOL",
-        default_value = "10.231.0.0/16",
-        value_name = "CIDR"
-    )]
-    pub open_pool: String,
+    /// [default: 10.231.0.0/16; a node of a fleet: a /20 of 10.224.0.0/12
+    /// chosen by its node id]
+    #[arg(long, env = "RUNBOX_OPEN_POOL", value_name = "CIDR")]
+    pub open_pool: Option<String>,
     /// nftables table (family inet) for the `open` tier's rules; two daemons
-    /// on one host need different tables
-    #[arg(
-        long,
-        env = "RUNBOX_NFT_TABLE",
-        default_value = "runbox",
-        value_name = "NAME"
-    )]
-    pub nft_table: String,
+    /// on one host need different tables [default: runbox; a node of a
+    /// fleet: runbox_<node id>]
+    #[arg(long, env = "RUNBOX_NFT_TABLE", value_name = "NAME")]
+    pub nft_table: Option<String>,
     /// Join the fleet whose shared state is in this PostgreSQL database
     /// (postgres://user@host:port/database; the password is better given
     /// with RUNBOX_CLUSTER_DB_PASSWORD or --cluster-db-password-file).
@@ -384,8 +377,20 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         tracing::warn!(listen = %args.listen, "listening on a non-loopback address; anyone who can reach it and has the token controls every run");
     }
-    let token = load_or_mint_token(&state_dir.join("token"))?;
     let cluster = crate::join::options(&args)?;
+    // In a fleet the secrets a client or a run holds (the root token, and
+    // the run tokens and preview URLs made with keys) are the same on
+    // every node: derived from the cluster key.
+    let cluster_key = cluster.as_ref().map(|c| c.key.clone());
+    let shared = |purpose: &str| {
+        cluster_key
+            .as_ref()
+            .map(|key| runbox_fleet::shared_secret(key, purpose))
+    };
+    let token = match shared("root-token") {
+        Some(token) => store_token(&state_dir.join("token"), &token)?,
+        None => load_or_mint_token(&state_dir.join("token"))?,
+    };
     let server_id = match (args.server_id.clone(), &cluster) {
         (Some(id), Some(cluster)) if id != cluster.node => bail!(
             "--server-id {id:?} and --node-id {:?} differ; in a cluster the node id is the server id, leave --server-id out",
@@ -417,7 +422,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let mut options = network_options(&state_dir, Some((&args.open_pool, &args.nft_table)))?;
+    // Host-wide names: a node of a fleet derives its own from its id, so
+    // several nodes on one host need no flags to keep apart.
+    let node = cluster.is_some().then_some(server_id.as_str());
+    let open_pool = args
+        .open_pool
+        .clone()
+        .unwrap_or_else(|| default_open_pool(node));
+    let nft_table = args
+        .nft_table
+        .clone()
+        .unwrap_or_else(|| default_nft_table(node));
+    let mut options = network_options(&state_dir, Some((&open_pool, &nft_table)))?;
     let storage_gb = match (args.storage_gb, args.no_disk_limits) {
         (Some(0), _) | (None, true) => None,
         (Some(gb), _) => Some(gb),
@@ -548,11 +564,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("listening for previews on {addr}"))?;
-            let key = match &args.preview_secret {
-                Some(secret) => runbox_core::preview::PreviewKey::from_secret(secret)
+            let key = match (&args.preview_secret, shared("preview-key")) {
+                (Some(secret), _) => runbox_core::preview::PreviewKey::from_secret(secret)
                     .map_err(anyhow::Error::msg)
                     .context("--preview-secret")?,
-                None => {
+                (None, Some(fleet)) => runbox_core::preview::PreviewKey::from_secret(&fleet)
+                    .map_err(anyhow::Error::msg)?,
+                (None, None) => {
                     runbox_core::preview::PreviewKey::load_or_create(&state_dir.join("preview.key"))
                         .context("the preview key (<state-dir>/preview.key)")?
                 }
@@ -570,9 +588,28 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.egress = Some(egress.config.clone());
     // The key that seals the values of secrets callers bring; see
     // runbox_core::sealed.
-    let sealer = runbox_core::sealed::KeyFileSealer::open_or_create(&state_dir.join("secrets.key"))
-        .map_err(|e| anyhow::anyhow!("the secret sealing key: {e}"))?;
-    config.sealer = Some(Arc::new(sealer));
+    let key_file = state_dir.join("secrets.key");
+    let sealer: Arc<dyn runbox_core::sealed::Sealer> = match shared("sealing-key") {
+        // The fleet's key seals; the node's own, if it sealed values before
+        // it joined, still opens them.
+        Some(fleet) => {
+            use runbox_core::sealed::{KeyFileSealer, Keyring};
+            let older = match key_file.exists() {
+                true => vec![KeyFileSealer::open_or_create(&key_file)
+                    .map_err(|e| anyhow::anyhow!("the secret sealing key: {e}"))?],
+                false => Vec::new(),
+            };
+            Arc::new(Keyring::new(
+                KeyFileSealer::from_key(fleet.as_bytes()),
+                older,
+            ))
+        }
+        None => Arc::new(
+            runbox_core::sealed::KeyFileSealer::open_or_create(&key_file)
+                .map_err(|e| anyhow::anyhow!("the secret sealing key: {e}"))?,
+        ),
+    };
+    config.sealer = Some(sealer);
     let store = Store::open(&state_dir.join("runbox.db"))?;
     let images = ImageStore::open(state_dir.join("images"), config.max_image_bytes)?;
     if userns {
@@ -1136,6 +1173,33 @@ fn lock_state_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
 }
 
 /// Reads the token file, or mints a random token into it (mode 0600).
+/// Keeps `token` (the fleet's root token) in `path`, where the CLI on this
+/// host reads it, replacing what was there; the token.
+fn store_token(path: &Path, token: &str) -> anyhow::Result<String> {
+    match std::fs::read_to_string(path) {
+        Ok(existing) if existing.trim() == token => return Ok(token.to_owned()),
+        Ok(_) => tracing::info!(
+            path = %path.display(),
+            "the root token is now the fleet's (derived from the cluster key), the same on every node"
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+    let tmp = path.with_extension("tmp");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("creating {}", tmp.display()))?;
+    writeln!(file, "{token}").with_context(|| format!("writing {}", tmp.display()))?;
+    file.sync_all()
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(token.to_owned())
+}
+
 fn load_or_mint_token(path: &Path) -> anyhow::Result<String> {
     load_or_mint(path, || {
         let mut bytes = [0u8; 32];
@@ -1161,6 +1225,35 @@ fn load_or_mint(path: &Path, mint: impl FnOnce() -> String) -> anyhow::Result<St
         .with_context(|| format!("creating {}", path.display()))?;
     writeln!(file, "{value}").with_context(|| format!("writing {}", path.display()))?;
     Ok(value)
+}
+
+/// The open tier's pool when `--open-pool` is not given: a node of a fleet
+/// takes a /20 of 10.224.0.0/12 chosen by a hash of its id (256 of them:
+/// nodes sharing a host should still check theirs differ, or give the
+/// flag), any other daemon 10.231.0.0/16.
+fn default_open_pool(node: Option<&str>) -> String {
+    match node {
+        Some(node) => {
+            // FNV-1a: a hash that stays the same across builds and
+            // releases, which std's hasher does not promise.
+            let hash = node.bytes().fold(0x811c_9dc5_u32, |h, b| {
+                (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+            });
+            let slot = (hash % 256) as u8;
+            format!("10.{}.{}.0/20", 224 + slot / 16, (slot % 16) * 16)
+        }
+        None => "10.231.0.0/16".to_owned(),
+    }
+}
+
+/// The open tier's nftables table when `--nft-table` is not given:
+/// `runbox`, or `runbox_<node id>` for a node of a fleet (a node id's `-`
+/// as `_`).
+fn default_nft_table(node: Option<&str>) -> String {
+    match node {
+        Some(node) => format!("runbox_{}", node.replace('-', "_")),
+        None => "runbox".to_owned(),
+    }
 }
 
 /// The open tier's pool and nftables table. `given` (from the flags) is
@@ -1251,6 +1344,30 @@ async fn teardown(state_dir: &Path) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fleet_node_derives_its_own_host_wide_names() {
+        assert_eq!(default_nft_table(None), "runbox");
+        assert_eq!(default_open_pool(None), "10.231.0.0/16");
+        assert_eq!(default_nft_table(Some("node-1")), "runbox_node_1");
+        let pools: std::collections::HashSet<String> = ["n1", "n2", "n3"]
+            .iter()
+            .map(|n| default_open_pool(Some(n)))
+            .collect();
+        assert_eq!(pools.len(), 3, "{pools:?}");
+        for pool in &pools {
+            let parsed: Result<runbox_runtime::OpenPool, _> = pool.parse();
+            assert!(parsed.is_ok(), "{pool}");
+            let second: u8 = pool.split('.').nth(1).unwrap().parse().unwrap();
+            assert!(
+                pool.starts_with("10.") && (224..240).contains(&second),
+                "{pool}"
+            );
+            assert!(pool.ends_with("/20"), "{pool}");
+        }
+        // Stable: the same id, the same pool, on every build.
+        assert_eq!(default_open_pool(Some("n1")), default_open_pool(Some("n1")));
+    }
     use clap::{Args, FromArgMatches};
 
     fn args(cli: &[&str]) -> ServeArgs {

@@ -11,7 +11,10 @@
 //! (their requests carry the placeholder, never a value).
 //!
 //! The [`Sealer`] trait is what the rest of the core sees, so a fleet can
-//! put the key in a key service without the records changing shape.
+//! put the key in a key service without the records changing shape. In a
+//! fleet the key is derived from the cluster key, the same on every node;
+//! a node that sealed values under its own file before it joined still
+//! opens them ([`Keyring`]).
 
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
@@ -110,7 +113,8 @@ impl KeyFileSealer {
         Ok(KeyFileSealer::from_key(&key))
     }
 
-    /// A sealer from key material (tests).
+    /// A sealer from key material: 32 bytes of a key file, or a key derived
+    /// from the cluster key.
     pub fn from_key(key: &[u8]) -> KeyFileSealer {
         let cipher = derive(key, "runbox secret sealing v1");
         let aead = LessSafeKey::new(
@@ -181,9 +185,64 @@ impl Sealer for KeyFileSealer {
     }
 }
 
+/// Seals under one key and opens under it or any older one: a node that
+/// joined a fleet seals under the fleet's key and still opens what it
+/// sealed under its own before.
+#[derive(Debug)]
+pub struct Keyring {
+    /// Seals, opens first and fingerprints.
+    current: KeyFileSealer,
+    /// Opened with when the current key does not open a value.
+    older: Vec<KeyFileSealer>,
+}
+
+impl Keyring {
+    /// A ring that seals under `current` and also opens under `older`.
+    pub fn new(current: KeyFileSealer, older: Vec<KeyFileSealer>) -> Keyring {
+        Keyring { current, older }
+    }
+}
+
+impl Sealer for Keyring {
+    fn seal(&self, context: &str, value: &[u8]) -> Result<String, String> {
+        self.current.seal(context, value)
+    }
+
+    fn open(&self, context: &str, sealed: &str) -> Result<Vec<u8>, String> {
+        let first = match self.current.open(context, sealed) {
+            Ok(value) => return Ok(value),
+            Err(why) => why,
+        };
+        self.older
+            .iter()
+            .find_map(|key| key.open(context, sealed).ok())
+            .ok_or(first)
+    }
+
+    fn fingerprint(&self, value: &[u8]) -> String {
+        self.current.fingerprint(value)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_keyring_seals_under_its_current_key_and_opens_under_any() {
+        let own = KeyFileSealer::from_key(&[3; 32]);
+        let before = own.seal("GH", b"old").unwrap();
+        let ring = Keyring::new(KeyFileSealer::from_key(&[4; 32]), vec![own]);
+        assert_eq!(ring.open("GH", &before).unwrap(), b"old");
+        let after = ring.seal("GH", b"new").unwrap();
+        assert_eq!(ring.open("GH", &after).unwrap(), b"new");
+        // Sealed under the fleet's key: another node of the fleet opens it.
+        let peer = KeyFileSealer::from_key(&[4; 32]);
+        assert_eq!(peer.open("GH", &after).unwrap(), b"new");
+        assert!(peer.open("GH", &before).is_err());
+        assert_eq!(ring.fingerprint(b"x"), peer.fingerprint(b"x"));
+        assert!(ring.open("OTHER", &after).is_err());
+    }
 
     #[test]
     fn values_round_trip_only_under_their_context_and_key() {

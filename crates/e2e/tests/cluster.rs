@@ -112,6 +112,10 @@ async fn nodes_starting_at_once_on_an_empty_database_join_and_list_each_other() 
             Some(daemon.url.trim_start_matches("http://"))
         );
     }
+    // The root token is the fleet's (derived from the cluster key): one
+    // token opens every node.
+    assert_eq!(a.token, b.token);
+    assert!(a.client.info().await.is_ok() && b.client.info().await.is_ok());
     // The node id is the server id on answers, and heartbeats carry load.
     let run = b.create().await;
     assert_eq!(run.server, "n2");

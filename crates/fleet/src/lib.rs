@@ -171,6 +171,21 @@ pub struct Cluster {
     target: String,
 }
 
+/// A secret the nodes of a fleet share, derived from the cluster key for
+/// one `purpose` (the root token, the preview key, the sealing key), as
+/// 64 hexadecimal characters: every node derives the same, and none can be
+/// worked back to the key or to another purpose's.
+pub fn shared_secret(key: &[u8], purpose: &str) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(b"runbox fleet secret v1\0");
+    mac.update(purpose.as_bytes());
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// What the key check stored in the database is: a keyed hash of a fixed
 /// text, which shows whether two nodes hold the same key and nothing of
 /// the key.
@@ -415,6 +430,16 @@ mod tests {
         assert_ne!(a, key_check(b"second key"));
         assert_eq!(a.len(), 64);
         assert!(!a.contains("first"));
+    }
+
+    #[test]
+    fn shared_secrets_differ_by_purpose_and_key_and_not_by_node() {
+        let root = shared_secret(b"k1", "root-token");
+        assert_eq!(root, shared_secret(b"k1", "root-token"));
+        assert_ne!(root, shared_secret(b"k1", "preview-key"));
+        assert_ne!(root, shared_secret(b"k2", "root-token"));
+        assert_ne!(root, key_check(b"k1"));
+        assert_eq!(root.len(), 64);
     }
 
     #[test]
