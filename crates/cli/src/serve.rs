@@ -616,10 +616,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         keep_state_private(&state_dir)?;
     }
     let tenants = runbox_core::tenants::FileTenants::open(state_dir.join("tenants.json"))?;
-    tracing::info!(
-        tenants = runbox_core::tenants::TenantStore::list(&tenants).len(),
-        "tenant set loaded"
-    );
+    // In a fleet the tenant set is the fleet's (the node's own tenants from
+    // before it joined are added to it).
+    let tenants: Arc<dyn runbox_core::tenants::TenantStore> = match &cluster {
+        Some(cluster) => {
+            let local = runbox_core::tenants::TenantStore::list(&tenants);
+            cluster.tenants(&local).await?
+        }
+        None => Arc::new(tenants),
+    };
+    tracing::info!(tenants = tenants.list().len(), "tenant set loaded");
     let usage: Arc<dyn runbox_core::accounting::UsageSink> = if args.no_usage {
         tracing::info!("usage accounting is off (--no-usage)");
         Arc::new(runbox_core::accounting::NoUsage)
@@ -632,15 +638,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             .context("opening usage.jsonl")?,
         )
     };
-    let manager = Manager::start(
-        config,
-        lane,
-        store,
-        images,
-        Arc::new(tenants),
-        usage.clone(),
-    )
-    .await?;
+    let manager = Manager::start(config, lane, store, images, tenants, usage.clone()).await?;
 
     if let Some(cluster) = &cluster {
         manager.set_fleet(cluster.clone());

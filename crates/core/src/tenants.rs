@@ -50,6 +50,56 @@ pub struct TenantEntry {
 }
 
 impl TenantEntry {
+    /// A new tenant as `req` asks, checked, and its token (which is not
+    /// kept: the entry holds its hash).
+    pub fn make(req: CreateTenantRequest) -> Result<(TenantEntry, String), CoreError> {
+        check_name(&req.name)?;
+        let policy = req.policy();
+        check_policy(&policy)?;
+        let token = mint_token()?;
+        let now = OffsetDateTime::now_utc();
+        let entry = TenantEntry {
+            name: req.name,
+            token_sha256: token_sha256(&token),
+            policy,
+            created_at: now,
+            updated_at: now,
+        };
+        Ok((entry, token))
+    }
+
+    /// This tenant with the settings `req` gives, checked.
+    pub fn updated(&self, req: UpdateTenantRequest) -> Result<TenantEntry, CoreError> {
+        let mut entry = self.clone();
+        if let Some(max_runs) = req.max_runs {
+            entry.policy.max_runs = max_runs;
+        }
+        if let Some(images) = req.images {
+            entry.policy.images = images;
+        }
+        if let Some(networks) = req.networks {
+            entry.policy.networks = networks;
+        }
+        if let Some(sizes) = req.sizes {
+            entry.policy.sizes = sizes;
+        }
+        if let Some(class) = req.egress_class {
+            entry.policy.egress_class = (!class.is_empty()).then_some(class);
+        }
+        check_policy(&entry.policy)?;
+        entry.updated_at = OffsetDateTime::now_utc();
+        Ok(entry)
+    }
+
+    /// This tenant with a new token, and the token.
+    pub fn rotated(&self) -> Result<(TenantEntry, String), CoreError> {
+        let token = mint_token()?;
+        let mut entry = self.clone();
+        entry.token_sha256 = token_sha256(&token);
+        entry.updated_at = OffsetDateTime::now_utc();
+        Ok((entry, token))
+    }
+
     /// The API's view, with its live run count.
     pub fn view(&self, runs: usize) -> runbox_types::Tenant {
         runbox_types::Tenant {
@@ -208,33 +258,14 @@ impl TenantStore for FileTenants {
     }
 
     fn create(&self, req: CreateTenantRequest) -> Result<(Arc<TenantEntry>, String), CoreError> {
-        check_name(&req.name)?;
-        let policy = req.policy();
-        check_policy(&policy)?;
-        let token = mint_token()?;
-        let now = OffsetDateTime::now_utc();
-        let entry = Arc::new(TenantEntry {
-            name: req.name,
-            token_sha256: token_sha256(&token),
-            policy,
-            created_at: now,
-            updated_at: now,
-        });
+        let (entry, token) = TenantEntry::make(req)?;
+        let entry = Arc::new(entry);
         self.change(|set| {
             if set.by_name.contains_key(&entry.name) {
-                return Err(CoreError::Conflict {
-                    code: ErrorCode::TenantExists,
-                    message: format!(
-                        "a tenant named {:?} exists already; pick another name, or rotate its token",
-                        entry.name
-                    ),
-                });
+                return Err(exists(&entry.name));
             }
             if set.by_name.len() >= MAX_TENANTS {
-                return Err(CoreError::invalid(
-                    ErrorCode::BadTenant,
-                    format!("this node keeps at most {MAX_TENANTS} tenants; delete some first"),
-                ));
+                return Err(too_many());
             }
             set.insert(entry.clone());
             Ok(())
@@ -245,42 +276,20 @@ impl TenantStore for FileTenants {
     fn update(&self, name: &str, req: UpdateTenantRequest) -> Result<Arc<TenantEntry>, CoreError> {
         self.change(|set| {
             let old = set.by_name.get(name).ok_or_else(|| not_found(name))?;
-            let mut entry = (**old).clone();
-            if let Some(max_runs) = req.max_runs {
-                entry.policy.max_runs = max_runs;
-            }
-            if let Some(images) = req.images {
-                entry.policy.images = images;
-            }
-            if let Some(networks) = req.networks {
-                entry.policy.networks = networks;
-            }
-            if let Some(sizes) = req.sizes {
-                entry.policy.sizes = sizes;
-            }
-            if let Some(class) = req.egress_class {
-                entry.policy.egress_class = (!class.is_empty()).then_some(class);
-            }
-            check_policy(&entry.policy)?;
-            entry.updated_at = OffsetDateTime::now_utc();
-            let entry = Arc::new(entry);
+            let entry = Arc::new(old.updated(req)?);
             set.insert(entry.clone());
             Ok(entry)
         })
     }
 
     fn rotate(&self, name: &str) -> Result<(Arc<TenantEntry>, String), CoreError> {
-        let token = mint_token()?;
-        let entry = self.change(|set| {
+        self.change(|set| {
             let old = set.by_name.get(name).ok_or_else(|| not_found(name))?;
-            let mut entry = (**old).clone();
-            entry.token_sha256 = token_sha256(&token);
-            entry.updated_at = OffsetDateTime::now_utc();
+            let (entry, token) = old.rotated()?;
             let entry = Arc::new(entry);
             set.insert(entry.clone());
-            Ok(entry)
-        })?;
-        Ok((entry, token))
+            Ok((entry, token))
+        })
     }
 
     fn delete(&self, name: &str) -> Result<(), CoreError> {
@@ -304,7 +313,26 @@ fn mint_token() -> Result<String, CoreError> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
-fn not_found(name: &str) -> CoreError {
+/// A create of a name that is taken.
+pub fn exists(name: &str) -> CoreError {
+    CoreError::Conflict {
+        code: ErrorCode::TenantExists,
+        message: format!(
+            "a tenant named {name:?} exists already; pick another name, or rotate its token"
+        ),
+    }
+}
+
+/// A create past [`MAX_TENANTS`].
+pub fn too_many() -> CoreError {
+    CoreError::invalid(
+        ErrorCode::BadTenant,
+        format!("at most {MAX_TENANTS} tenants are kept; delete some first"),
+    )
+}
+
+/// No tenant named `name`.
+pub fn not_found(name: &str) -> CoreError {
     CoreError::invalid(
         ErrorCode::TenantNotFound,
         format!(

@@ -91,9 +91,12 @@ async fn nodes_starting_at_once_on_an_empty_database_join_and_list_each_other() 
     let pg = PgServer::start();
     // Both migrate and join at the same moment: the schema is made once.
     let (a, b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let shipped = std::fs::read_dir(runbox_e2e::workspace_root().join("crates/fleet/migrations"))
+        .expect("the migrations")
+        .count();
     assert_eq!(
         pg.psql("SELECT count(*) FROM _sqlx_migrations WHERE success"),
-        "1"
+        shipped.to_string()
     );
     for (daemon, me) in [(&a, "n1"), (&b, "n2")] {
         let status = daemon.client.cluster().await.expect("GET /v1/cluster");
@@ -309,4 +312,105 @@ async fn a_node_that_cannot_join_says_why_and_exits() {
     let stderr = serve_fails(&cluster("n1", "127.0.0.1:9"), &auth);
     assert!(stderr.contains("belongs to a live node at"), "{stderr}");
     assert_eq!(states(&a).await, [("n1".to_owned(), NodeState::Active)]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_tenant_made_on_one_node_is_every_nodes() {
+    use runbox_types::{CreateTenantRequest, UpdateTenantRequest};
+    let pg = PgServer::start();
+    let (a, b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let made = a
+        .client
+        .create_tenant(&CreateTenantRequest {
+            name: "acme".into(),
+            max_runs: 3,
+            ..Default::default()
+        })
+        .await
+        .expect("tenant made on n1");
+    // Its token opens n2, whose copy hears of the change within moments.
+    let on_b = runbox_client::Client::new(&b.url, made.token.clone()).expect("client");
+    let known = eventually_async(Duration::from_secs(10), || async {
+        on_b.list_runs().await.is_ok()
+    })
+    .await;
+    assert!(known, "n2 never knew acme: {}", b.log());
+    let run = on_b
+        .create_run(&runbox_types::CreateRunRequest {
+            image: "base".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("acme's run on n2");
+    assert_eq!(run.tenant.as_deref(), Some("acme"));
+    assert_eq!(run.server, "n2");
+    // A name is the fleet's once.
+    let err = b
+        .client
+        .create_tenant(&CreateTenantRequest {
+            name: "acme".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("acme exists");
+    assert!(err.to_string().contains("tenant_exists"), "{err}");
+    // Rotated on n2: the old token stops opening n1, the new one opens it.
+    let rotated = b.client.rotate_tenant("acme").await.expect("rotate");
+    let on_a_old = runbox_client::Client::new(&a.url, made.token.clone()).expect("client");
+    let on_a_new = runbox_client::Client::new(&a.url, rotated.token.clone()).expect("client");
+    let switched = eventually_async(Duration::from_secs(10), || async {
+        on_a_old.list_runs().await.is_err() && on_a_new.list_runs().await.is_ok()
+    })
+    .await;
+    assert!(switched, "n1 kept the old token: {}", a.log());
+    // Settings changed on n1 are n2's.
+    a.client
+        .update_tenant(
+            "acme",
+            &UpdateTenantRequest {
+                max_runs: Some(7),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("update");
+    let updated = eventually_async(Duration::from_secs(10), || async {
+        b.client
+            .get_tenant("acme")
+            .await
+            .is_ok_and(|t| t.policy.max_runs == 7)
+    })
+    .await;
+    assert!(updated);
+    // While the database is down, changes are refused and tokens still
+    // open the node (from its copy).
+    pg.stop();
+    let err = a
+        .client
+        .create_tenant(&CreateTenantRequest {
+            name: "later".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("the database is down");
+    assert!(err.to_string().contains("cluster_unavailable"), "{err}");
+    assert!(on_a_new.list_runs().await.is_ok());
+    pg.start_again();
+    // Deleted on n1 (its run first): gone on n2 as well.
+    let on_b_new = runbox_client::Client::new(&b.url, rotated.token.clone()).expect("client");
+    on_b_new
+        .delete_run(&run.id.to_string())
+        .await
+        .expect("delete the run");
+    let deleted = eventually_async(Duration::from_secs(15), || async {
+        a.client.delete_tenant("acme").await.is_ok()
+    })
+    .await;
+    assert!(deleted, "{}", a.log());
+    let gone = eventually_async(Duration::from_secs(10), || async {
+        b.client.get_tenant("acme").await.is_err() && on_b_new.list_runs().await.is_err()
+    })
+    .await;
+    assert!(gone, "n2 kept acme");
+    assert_eq!(pg.psql("SELECT count(*) FROM runbox_tenants"), "0");
 }

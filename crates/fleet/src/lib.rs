@@ -24,13 +24,20 @@ use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Row;
 
+mod tenants;
+
+pub use tenants::PgTenants;
+
 /// The schema, in order. Each file is applied once, in its own
 /// transaction, and never changed after it shipped (its checksum is kept).
-const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    1,
-    "membership",
-    include_str!("../migrations/0001_membership.sql"),
-)];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        1,
+        "membership",
+        include_str!("../migrations/0001_membership.sql"),
+    ),
+    (2, "tenants", include_str!("../migrations/0002_tenants.sql")),
+];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
 /// (Its `migrate!` macro does the same at compile time through a
@@ -302,6 +309,18 @@ impl Cluster {
     /// The database as logs name it: host:port/database, no password.
     pub fn target(&self) -> &str {
         &self.target
+    }
+
+    /// The fleet's tenant set ([`PgTenants`]), loaded, and kept fresh from
+    /// now on; the tenants of `local` (the node's own set from before it
+    /// joined) that the fleet does not have are added first.
+    pub async fn tenants(
+        self: &Arc<Self>,
+        local: &[Arc<runbox_core::tenants::TenantEntry>],
+    ) -> Result<Arc<PgTenants>, JoinError> {
+        PgTenants::open(self.pool.clone(), self.target.clone(), local)
+            .await
+            .map_err(query)
     }
 
     /// Stamps this node's heartbeat and load every [`Options::heartbeat`]
