@@ -98,6 +98,13 @@ pub trait RunService: Clone + Send + Sync + 'static {
     }
     /// Every run the API shows, ordered by id.
     fn list(&self) -> Vec<Run>;
+    /// Every run of the fleet, ordered by id: [`RunService::list`] without
+    /// a fleet; with one, the other nodes' too, from the fleet's catalog
+    /// (`503 cluster_unavailable` while it cannot be read).
+    fn list_fleet(&self) -> impl Future<Output = Result<Vec<Run>, CoreError>> + Send {
+        let runs = self.list();
+        async move { Ok(runs) }
+    }
     /// One run.
     fn get(&self, id: Ulid) -> Result<Run, CoreError>;
     /// The parts of a run's image config runbox honours (its user and
@@ -614,6 +621,10 @@ impl RunService for Arc<Manager> {
         Manager::list(self)
     }
 
+    async fn list_fleet(&self) -> Result<Vec<Run>, CoreError> {
+        Manager::list_fleet(self).await
+    }
+
     fn get(&self, id: Ulid) -> Result<Run, CoreError> {
         Manager::get(self, id)
     }
@@ -804,7 +815,7 @@ impl RunService for Arc<Manager> {
     }
 
     async fn cluster(&self) -> Result<runbox_types::ClusterStatus, CoreError> {
-        let Some(fleet) = self.fleet.get() else {
+        let Some(fleet) = self.fleet() else {
             return Ok(runbox_types::ClusterStatus {
                 nodes: vec![self.lone_node()],
             });

@@ -142,21 +142,42 @@ struct TenantFile {
 
 const FILE_VERSION: u32 = 1;
 
-#[derive(Default)]
-struct Set {
-    by_name: BTreeMap<String, Arc<TenantEntry>>,
-    by_hash: HashMap<String, Arc<TenantEntry>>,
+/// A tenant set in memory, by name and by the hash of each token (what
+/// every [`TenantStore`] authenticates from).
+#[derive(Clone, Default)]
+pub struct TenantIndex {
+    /// By name.
+    pub by_name: BTreeMap<String, Arc<TenantEntry>>,
+    /// By `sha256:<hex>` of the token.
+    pub by_hash: HashMap<String, Arc<TenantEntry>>,
 }
 
-impl Set {
-    fn insert(&mut self, entry: Arc<TenantEntry>) {
+impl TenantIndex {
+    /// The index of `entries`.
+    pub fn of(entries: impl IntoIterator<Item = TenantEntry>) -> TenantIndex {
+        let mut index = TenantIndex::default();
+        for entry in entries {
+            index.insert(Arc::new(entry));
+        }
+        index
+    }
+
+    /// The tenant whose token is `token`. The index is keyed by the
+    /// token's hash, so the lookup's timing says nothing of the token.
+    pub fn authenticate(&self, token: &str) -> Option<Arc<TenantEntry>> {
+        self.by_hash.get(&token_sha256(token)).cloned()
+    }
+
+    /// Adds `entry`, or replaces the tenant of its name (and its token).
+    pub fn insert(&mut self, entry: Arc<TenantEntry>) {
         if let Some(old) = self.by_name.insert(entry.name.clone(), entry.clone()) {
             self.by_hash.remove(&old.token_sha256);
         }
         self.by_hash.insert(entry.token_sha256.clone(), entry);
     }
 
-    fn remove(&mut self, name: &str) -> Option<Arc<TenantEntry>> {
+    /// Removes tenant `name`; it, if it was there.
+    pub fn remove(&mut self, name: &str) -> Option<Arc<TenantEntry>> {
         let old = self.by_name.remove(name)?;
         self.by_hash.remove(&old.token_sha256);
         Some(old)
@@ -166,7 +187,7 @@ impl Set {
 /// The tenant set in `<state>/tenants.json` (mode 0600), or in memory.
 pub struct FileTenants {
     path: Option<PathBuf>,
-    set: Mutex<Set>,
+    set: Mutex<TenantIndex>,
 }
 
 impl FileTenants {
@@ -189,7 +210,7 @@ impl FileTenants {
                 file.version
             )));
         }
-        let mut set = Set::default();
+        let mut set = TenantIndex::default();
         for entry in file.tenants {
             set.insert(Arc::new(entry));
         }
@@ -203,16 +224,16 @@ impl FileTenants {
     pub fn in_memory() -> FileTenants {
         FileTenants {
             path: None,
-            set: Mutex::new(Set::default()),
+            set: Mutex::new(TenantIndex::default()),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Set> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, TenantIndex> {
         self.set.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Writes `set` whole, aside and renamed over the old file.
-    fn save(&self, set: &Set) -> Result<(), CoreError> {
+    fn save(&self, set: &TenantIndex) -> Result<(), CoreError> {
         let Some(path) = &self.path else {
             return Ok(());
         };
@@ -228,13 +249,10 @@ impl FileTenants {
     /// makes it the set: a failed write changes nothing.
     fn change<T>(
         &self,
-        change: impl FnOnce(&mut Set) -> Result<T, CoreError>,
+        change: impl FnOnce(&mut TenantIndex) -> Result<T, CoreError>,
     ) -> Result<T, CoreError> {
         let mut set = self.lock();
-        let mut next = Set {
-            by_name: set.by_name.clone(),
-            by_hash: set.by_hash.clone(),
-        };
+        let mut next = set.clone();
         let answer = change(&mut next)?;
         self.save(&next)?;
         *set = next;
@@ -244,9 +262,7 @@ impl FileTenants {
 
 impl TenantStore for FileTenants {
     fn authenticate(&self, token: &str) -> Option<Arc<TenantEntry>> {
-        // The map is keyed by the token's hash, so the lookup's timing
-        // says nothing about the token itself.
-        self.lock().by_hash.get(&token_sha256(token)).cloned()
+        self.lock().authenticate(token)
     }
 
     fn get(&self, name: &str) -> Option<Arc<TenantEntry>> {

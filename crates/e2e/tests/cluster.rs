@@ -394,7 +394,9 @@ async fn a_tenant_made_on_one_node_is_every_nodes() {
         .await
         .expect_err("the database is down");
     assert!(err.to_string().contains("cluster_unavailable"), "{err}");
-    assert!(on_a_new.list_runs().await.is_ok());
+    // (Run lists are the fleet's and wait for the database; images are the
+    // node's.)
+    assert!(on_a_new.list_images().await.is_ok());
     pg.start_again();
     // Deleted on n1 (its run first): gone on n2 as well.
     let on_b_new = runbox_client::Client::new(&b.url, rotated.token.clone()).expect("client");
@@ -413,4 +415,119 @@ async fn a_tenant_made_on_one_node_is_every_nodes() {
     .await;
     assert!(gone, "n2 kept acme");
     assert_eq!(pg.psql("SELECT count(*) FROM runbox_tenants"), "0");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_node_lists_the_fleets_runs_from_the_catalog() {
+    use runbox_types::{CreateRunRequest, CreateTenantRequest};
+    let pg = PgServer::start();
+    let (a, mut b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let mine = a.create().await;
+    let theirs = b
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            labels: Some([("team".to_owned(), "blue".to_owned())].into()),
+            ..Default::default()
+        })
+        .await;
+    // Each node lists both, each with the node that holds it.
+    let expected = [(mine.id, "n1"), (theirs.id, "n2")];
+    for daemon in [&a, &b] {
+        let listed = eventually_async(Duration::from_secs(10), || async {
+            daemon.client.list_runs().await.is_ok_and(|list| {
+                let got: Vec<_> = list
+                    .runs
+                    .iter()
+                    .map(|r| (r.id, r.server.as_str()))
+                    .collect();
+                got == expected
+            })
+        })
+        .await;
+        assert!(listed, "{:?}", daemon.client.list_runs().await);
+    }
+    // The label selector and a tenant's view hold over the fleet's list.
+    let blue = a
+        .client
+        .list_runs_labelled(&["team=blue"])
+        .await
+        .expect("selector");
+    assert_eq!(
+        blue.runs.iter().map(|r| r.id).collect::<Vec<_>>(),
+        [theirs.id]
+    );
+    let acme = a
+        .client
+        .create_tenant(&CreateTenantRequest {
+            name: "acme".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("tenant");
+    let acme_on_b = runbox_client::Client::new(&b.url, acme.token.clone()).expect("client");
+    let acme_run = eventually_async(Duration::from_secs(10), || async {
+        acme_on_b.list_runs().await.is_ok()
+    })
+    .await;
+    assert!(acme_run);
+    let owned = acme_on_b
+        .create_run(&CreateRunRequest {
+            image: "base".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("acme's run");
+    let acme_on_a = runbox_client::Client::new(&a.url, acme.token.clone()).expect("client");
+    let sees_own = eventually_async(Duration::from_secs(10), || async {
+        acme_on_a
+            .list_runs()
+            .await
+            .is_ok_and(|l| l.runs.iter().map(|r| r.id).collect::<Vec<_>>() == [owned.id])
+    })
+    .await;
+    assert!(sees_own, "{:?}", acme_on_a.list_runs().await);
+    // Deleted on n2: gone from n1's list.
+    acme_on_b
+        .delete_run(&owned.id.to_string())
+        .await
+        .expect("delete");
+    let gone = eventually_async(Duration::from_secs(10), || async {
+        a.client
+            .list_runs()
+            .await
+            .is_ok_and(|l| l.runs.iter().all(|r| r.id != owned.id))
+    })
+    .await;
+    assert!(gone);
+    // A node killed: its runs are still its (on its disk), and listed so.
+    b.kill9();
+    let list = a.client.list_runs().await.expect("list");
+    assert!(list
+        .runs
+        .iter()
+        .any(|r| r.id == theirs.id && r.server == "n2"));
+    // Without the database the fleet's list cannot be made: 503.
+    pg.stop();
+    let err = a
+        .client
+        .list_runs()
+        .await
+        .expect_err("the database is down");
+    assert!(err.to_string().contains("cluster_unavailable"), "{err}");
+    pg.start_again();
+    // n2 back: it tells the catalog what it holds.
+    b.spawn().await;
+    b.client
+        .delete_run(&theirs.id.to_string())
+        .await
+        .expect("delete");
+    a.client
+        .delete_run(&mine.id.to_string())
+        .await
+        .expect("delete");
+    let empty = eventually_async(Duration::from_secs(10), || async {
+        a.client.list_runs().await.is_ok_and(|l| l.runs.is_empty())
+    })
+    .await;
+    assert!(empty, "{:?}", a.client.list_runs().await);
 }

@@ -24,6 +24,7 @@ use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Row;
 
+mod catalog;
 mod tenants;
 
 pub use tenants::PgTenants;
@@ -37,6 +38,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0001_membership.sql"),
     ),
     (2, "tenants", include_str!("../migrations/0002_tenants.sql")),
+    (3, "runs", include_str!("../migrations/0003_runs.sql")),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -176,6 +178,8 @@ pub struct Cluster {
     /// This start of the node: a restart is a new incarnation of it.
     incarnation: String,
     target: String,
+    /// This node's side of the run catalog.
+    catalog: catalog::Catalog,
 }
 
 /// A secret the nodes of a fleet share, derived from the cluster key for
@@ -298,11 +302,13 @@ impl Cluster {
         .map_err(query)?;
         tx.commit().await.map_err(query)?;
         tracing::info!(node = %options.node, advertise = %options.advertise, database = %target, "joined the cluster");
+        let catalog = catalog::Catalog::start(pool.clone(), options.node.clone(), target.clone());
         Ok(Arc::new(Cluster {
             pool,
             options,
             incarnation,
             target,
+            catalog,
         }))
     }
 
@@ -393,6 +399,18 @@ fn query(e: sqlx::Error) -> JoinError {
 
 #[async_trait]
 impl Fleet for Cluster {
+    fn record_run(&self, id: ulid::Ulid, run: Option<runbox_types::Run>) {
+        self.catalog.record(id, run);
+    }
+
+    fn resync_runs(&self, runs: Vec<runbox_types::Run>) {
+        self.catalog.resync(runs);
+    }
+
+    async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {
+        self.catalog.runs().await
+    }
+
     async fn nodes(&self) -> Result<Vec<ClusterNode>, CoreError> {
         let rows = sqlx::query(
             "SELECT id, advertise, client_origin, version, lane, capacity, runs, pools_ready, \

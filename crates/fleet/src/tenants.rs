@@ -8,14 +8,13 @@
 //! connection was down). The node that made a change has it at once; the
 //! others within moments.
 
-use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use runbox_core::error::CoreError;
 use runbox_core::fleet::unavailable;
 use runbox_core::tenants::{
-    exists, not_found, token_sha256, too_many, TenantEntry, TenantStore, MAX_TENANTS,
+    exists, not_found, too_many, TenantEntry, TenantIndex, TenantStore, MAX_TENANTS,
 };
 use runbox_types::{CreateTenantRequest, UpdateTenantRequest};
 use sqlx::postgres::{PgListener, PgPool};
@@ -27,41 +26,11 @@ const CHANNEL: &str = "runbox_tenants";
 /// How often a node reloads the set whatever it heard.
 const RELOAD_EVERY: Duration = Duration::from_secs(5);
 
-/// The set as a node holds it.
-#[derive(Default)]
-struct Copy {
-    by_name: BTreeMap<String, Arc<TenantEntry>>,
-    by_hash: HashMap<String, Arc<TenantEntry>>,
-}
-
-impl Copy {
-    fn of(entries: Vec<TenantEntry>) -> Copy {
-        let mut copy = Copy::default();
-        for entry in entries {
-            copy.insert(Arc::new(entry));
-        }
-        copy
-    }
-
-    fn insert(&mut self, entry: Arc<TenantEntry>) {
-        if let Some(old) = self.by_name.insert(entry.name.clone(), entry.clone()) {
-            self.by_hash.remove(&old.token_sha256);
-        }
-        self.by_hash.insert(entry.token_sha256.clone(), entry);
-    }
-
-    fn remove(&mut self, name: &str) {
-        if let Some(old) = self.by_name.remove(name) {
-            self.by_hash.remove(&old.token_sha256);
-        }
-    }
-}
-
 /// The fleet's tenants, shared by every node through the database.
 pub struct PgTenants {
     pool: PgPool,
     target: String,
-    copy: RwLock<Copy>,
+    copy: RwLock<TenantIndex>,
 }
 
 impl PgTenants {
@@ -94,7 +63,7 @@ impl PgTenants {
         let tenants = Arc::new(PgTenants {
             pool,
             target,
-            copy: RwLock::new(Copy::default()),
+            copy: RwLock::new(TenantIndex::default()),
         });
         tenants.reload().await?;
         tenants.follow();
@@ -111,7 +80,7 @@ impl PgTenants {
             let sqlx::types::Json(entry): sqlx::types::Json<TenantEntry> = row.try_get("entry")?;
             entries.push(entry);
         }
-        *self.copy.write().unwrap_or_else(|p| p.into_inner()) = Copy::of(entries);
+        *self.copy.write().unwrap_or_else(|p| p.into_inner()) = TenantIndex::of(entries);
         Ok(())
     }
 
@@ -179,7 +148,7 @@ impl PgTenants {
         tokio::task::block_in_place(|| handle.block_on(change))
     }
 
-    fn copy(&self) -> std::sync::RwLockReadGuard<'_, Copy> {
+    fn copy(&self) -> std::sync::RwLockReadGuard<'_, TenantIndex> {
         self.copy.read().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -241,7 +210,7 @@ async fn announce(
 
 impl TenantStore for PgTenants {
     fn authenticate(&self, token: &str) -> Option<Arc<TenantEntry>> {
-        self.copy().by_hash.get(&token_sha256(token)).cloned()
+        self.copy().authenticate(token)
     }
 
     fn get(&self, name: &str) -> Option<Arc<TenantEntry>> {
@@ -313,7 +282,8 @@ impl TenantStore for PgTenants {
             announce(&mut tx, name).await?;
             tx.commit().await.map_err(unavailable)
         })?;
-        self.copy
+        let _ = self
+            .copy
             .write()
             .unwrap_or_else(|p| p.into_inner())
             .remove(name);

@@ -398,7 +398,7 @@ pub async fn list_runs<S: RunService>(
     RawQuery(query): RawQuery,
 ) -> Result<Json<RunList>, ApiError> {
     let selector = LabelSelector::parse(query.as_deref())?;
-    let mut runs = state.service.list();
+    let mut runs = state.service.list_fleet().await?;
     runs.retain(|r| caller.sees(r.tenant.as_deref()) && selector.matches(&r.labels));
     Ok(Json(RunList {
         server: state.service.server_id().to_owned(),

@@ -558,6 +558,7 @@ impl RunActor {
         self.context
             .ledger
             .report(self.record.id, super::entry(&self.record, &self.phase));
+        self.context.catalog(&self.record, &self.phase);
         self.publish.send_replace(Snapshot {
             phase: self.phase.clone(),
             record: Arc::new(self.record.clone()),

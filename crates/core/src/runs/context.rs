@@ -42,6 +42,9 @@ pub(crate) struct RunContext {
     pub(crate) tenants: Arc<dyn crate::tenants::TenantStore>,
     /// Where usage events go.
     pub(crate) usage: Arc<dyn crate::accounting::UsageSink>,
+    /// The fleet this node belongs to, once the daemon has joined one:
+    /// each published run goes to its catalog.
+    pub(super) fleet: std::sync::OnceLock<Arc<dyn crate::fleet::Fleet>>,
     /// Where timings and counts go, once the server has given a sink.
     pub(super) telemetry: std::sync::OnceLock<Arc<dyn Telemetry>>,
 }
@@ -126,6 +129,22 @@ impl RunContext {
             volumes::release_datasets(&self.lane, catalog, id, &gone.volumes);
         }
         lock(&self.pools).remove(id);
+    }
+
+    /// Tells the fleet's catalog (when there is one) where run `record`
+    /// stands now: its view while the API shows it, gone once it stops.
+    pub(crate) fn catalog(&self, record: &RunRecord, phase: &super::phase::Phase) {
+        let Some(fleet) = self.fleet.get() else {
+            return;
+        };
+        if record.is_idle_member() || self.ledger.idle(record.id) {
+            return;
+        }
+        if phase.visible() {
+            fleet.record_run(record.id, Some(record.to_run(&self.config().server_id)));
+        } else if !matches!(phase, super::phase::Phase::Pooled) {
+            fleet.record_run(record.id, None);
+        }
     }
 
     /// The API view of a run: its record plus live counters.

@@ -120,8 +120,6 @@ pub struct Manager {
     pub(crate) volumes: Arc<crate::volumes::Volumes>,
     /// Serialises volume creates and deletes.
     pub(crate) volume_lock: tokio::sync::Mutex<()>,
-    /// The fleet this node belongs to, once the daemon has joined one.
-    pub(crate) fleet: std::sync::OnceLock<Arc<dyn crate::fleet::Fleet>>,
     /// When this manager started.
     pub(crate) started_at: OffsetDateTime,
 }
@@ -141,7 +139,36 @@ impl Manager {
     /// The fleet this node belongs to from now on (see [`crate::fleet`]);
     /// only the first one given is kept.
     pub fn set_fleet(&self, fleet: Arc<dyn crate::fleet::Fleet>) {
-        let _ = self.fleet.set(fleet);
+        if self.context.fleet.set(fleet.clone()).is_ok() {
+            // What this node holds now; from here on each run's owner
+            // reports its changes.
+            fleet.resync_runs(self.list());
+        }
+    }
+
+    /// The fleet this node belongs to.
+    pub(crate) fn fleet(&self) -> Option<&Arc<dyn crate::fleet::Fleet>> {
+        self.context.fleet.get()
+    }
+
+    /// Every run of the fleet (this node's alone without one), by id: this
+    /// node's as they are now, the others' as the catalog has them.
+    pub async fn list_fleet(&self) -> Result<Vec<Run>, CoreError> {
+        let mut runs = self.list();
+        let Some(fleet) = self.fleet() else {
+            return Ok(runs);
+        };
+        let here: std::collections::HashSet<Ulid> = runs.iter().map(|r| r.id).collect();
+        let server = self.config().server_id.clone();
+        runs.extend(
+            fleet
+                .runs()
+                .await?
+                .into_iter()
+                .filter(|r| !here.contains(&r.id) && r.server != server),
+        );
+        runs.sort_by_key(|r| r.id);
+        Ok(runs)
     }
 
     /// This node alone, as `GET /v1/cluster` shows a node without a
@@ -225,6 +252,7 @@ impl Manager {
             restore_lock: tokio::sync::Mutex::new(()),
             tenants,
             usage,
+            fleet: std::sync::OnceLock::new(),
             telemetry: std::sync::OnceLock::new(),
         });
         let manager = Arc::new(Manager {
@@ -243,7 +271,6 @@ impl Manager {
             context,
             volumes,
             volume_lock: tokio::sync::Mutex::new(()),
-            fleet: std::sync::OnceLock::new(),
             started_at: OffsetDateTime::now_utc(),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found

@@ -497,15 +497,20 @@ fn listed<S: RunService>(state: &AppState<S>, run: &Run, detail: bool) -> Listed
 
 /// Runs the E2B surface shows: running, paused, hibernated and archived ones (a
 /// failed or stopping run is no sandbox any more).
-/// The caller's sandboxes that are running or asleep.
-fn live<S: RunService>(state: &AppState<S>, caller: &crate::auth::Caller) -> Vec<Run> {
-    state
+/// The caller's sandboxes that are running or asleep, on every node of the
+/// fleet.
+async fn live<S: RunService>(
+    state: &AppState<S>,
+    caller: &crate::auth::Caller,
+) -> Result<Vec<Run>, E2bError> {
+    Ok(state
         .service
-        .list()
+        .list_fleet()
+        .await?
         .into_iter()
         .filter(|r| r.status == RunStatus::Running || asleep(r))
         .filter(|r| caller.sees(r.tenant.as_deref()))
-        .collect()
+        .collect())
 }
 
 async fn detail<S: RunService>(
@@ -697,6 +702,7 @@ async fn list<S: RunService>(
 ) -> Result<Response, E2bError> {
     let q = list_query(raw.as_deref())?;
     let mut runs: Vec<Run> = live(&state, &caller)
+        .await?
         .into_iter()
         .filter(|r| q.states.is_empty() || q.states.iter().any(|s| s == e2b_state(r)))
         .filter(|r| q.admits(r))
@@ -754,6 +760,7 @@ async fn list_v1<S: RunService>(
     let q = list_query(raw.as_deref())?;
     // The first API lists running sandboxes only.
     let mut runs: Vec<Run> = live(&state, &caller)
+        .await?
         .into_iter()
         .filter(|r| r.status == RunStatus::Running && q.admits(r))
         .collect();

@@ -1,0 +1,233 @@
+//! The fleet's run catalog: where every run is and how it stood when its
+//! owner last published it, written behind by each node for its own runs.
+//!
+//! A run's owner reports every transition without waiting
+//! ([`Catalog::record`]); a writer task keeps the latest report of each run
+//! and writes them, each with a generation that only grows (so a late or
+//! repeated write never replaces a newer one), and keeps them while the
+//! database is away, writing them once it is back.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::Duration;
+
+use runbox_core::fleet::unavailable;
+use runbox_core::CoreError;
+use runbox_types::Run;
+use sqlx::postgres::PgPool;
+use sqlx::Row;
+use tokio::sync::mpsc;
+use ulid::Ulid;
+
+/// What the writer is told.
+enum Change {
+    /// Run `id` stands so now (None: it is gone).
+    Run(Ulid, i64, Option<Box<Run>>),
+    /// This node's runs are these and no others.
+    Resync(i64, Vec<Run>),
+}
+
+/// This node's side of the catalog.
+pub(crate) struct Catalog {
+    changes: mpsc::UnboundedSender<Change>,
+    /// The next generation: microseconds since the epoch at start, then one
+    /// more per report, so a restarted node's reports are newer than its
+    /// last incarnation's.
+    generation: AtomicI64,
+    pool: PgPool,
+}
+
+impl Catalog {
+    /// Starts the writer for node `node`.
+    pub(crate) fn start(pool: PgPool, node: String, target: String) -> Catalog {
+        let (changes, rx) = mpsc::unbounded_channel();
+        let start = time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1000;
+        tokio::spawn(write_behind(pool.clone(), node, target, rx));
+        Catalog {
+            changes,
+            generation: AtomicI64::new(i64::try_from(start).unwrap_or(i64::MAX / 2)),
+            pool,
+        }
+    }
+
+    fn next(&self) -> i64 {
+        self.generation.fetch_add(1, Ordering::SeqCst)
+    }
+
+    /// Run `id` stands as `run` now (None: gone).
+    pub(crate) fn record(&self, id: Ulid, run: Option<Run>) {
+        let _ = self
+            .changes
+            .send(Change::Run(id, self.next(), run.map(Box::new)));
+    }
+
+    /// This node's runs are `runs`.
+    pub(crate) fn resync(&self, runs: Vec<Run>) {
+        let _ = self.changes.send(Change::Resync(self.next(), runs));
+    }
+
+    /// Every run the catalog lists, by id.
+    pub(crate) async fn runs(&self) -> Result<Vec<Run>, CoreError> {
+        let rows = sqlx::query("SELECT run FROM runbox_runs WHERE status <> 'gone' ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        let mut runs = Vec::with_capacity(rows.len());
+        for row in rows {
+            let sqlx::types::Json(run): sqlx::types::Json<Run> =
+                row.try_get("run").map_err(unavailable)?;
+            runs.push(run);
+        }
+        Ok(runs)
+    }
+}
+
+/// The writer: takes every change waiting, keeps the latest of each run,
+/// writes them; on a failure waits and tries again with what it has (and
+/// whatever came meanwhile).
+async fn write_behind(
+    pool: PgPool,
+    node: String,
+    target: String,
+    mut rx: mpsc::UnboundedReceiver<Change>,
+) {
+    let mut pending: HashMap<Ulid, (i64, Option<Box<Run>>)> = HashMap::new();
+    let mut resync: Option<(i64, Vec<Run>)> = None;
+    let mut down = false;
+    loop {
+        if pending.is_empty() && resync.is_none() {
+            match rx.recv().await {
+                Some(change) => take(change, &mut pending, &mut resync),
+                None => return,
+            }
+        }
+        while let Ok(change) = rx.try_recv() {
+            take(change, &mut pending, &mut resync);
+        }
+        let written = write(&pool, &node, &mut pending, &mut resync).await;
+        match written {
+            Ok(()) if down => {
+                down = false;
+                tracing::info!(database = %target, "the run catalog is written again");
+            }
+            Ok(()) => {}
+            Err(e) => {
+                if !down {
+                    down = true;
+                    tracing::warn!(database = %target, error = %e, "the run catalog cannot be written; this node's changes wait");
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
+fn take(
+    change: Change,
+    pending: &mut HashMap<Ulid, (i64, Option<Box<Run>>)>,
+    resync: &mut Option<(i64, Vec<Run>)>,
+) {
+    match change {
+        Change::Run(id, generation, run) => {
+            pending.insert(id, (generation, run));
+        }
+        Change::Resync(generation, runs) => {
+            *resync = Some((generation, runs));
+        }
+    }
+}
+
+/// Writes what waits; what was written leaves `pending` (and `resync`).
+async fn write(
+    pool: &PgPool,
+    node: &str,
+    pending: &mut HashMap<Ulid, (i64, Option<Box<Run>>)>,
+    resync: &mut Option<(i64, Vec<Run>)>,
+) -> Result<(), sqlx::Error> {
+    if let Some((generation, runs)) = resync.as_ref() {
+        let mut tx = pool.begin().await?;
+        let ids: Vec<String> = runs.iter().map(|r| r.id.to_string()).collect();
+        sqlx::query(
+            "UPDATE runbox_runs SET status = 'gone', generation = $3, updated_at = now() \
+             WHERE node = $1 AND status <> 'gone' AND NOT (id = ANY($2)) AND generation < $3",
+        )
+        .bind(node)
+        .bind(&ids)
+        .bind(generation)
+        .execute(&mut *tx)
+        .await?;
+        for run in runs {
+            upsert(&mut tx, node, *generation, run).await?;
+        }
+        tx.commit().await?;
+        *resync = None;
+    }
+    let ids: Vec<Ulid> = pending.keys().copied().collect();
+    for id in ids {
+        let (generation, run) = &pending[&id];
+        match run {
+            Some(run) => {
+                let mut tx = pool.begin().await?;
+                upsert(&mut tx, node, *generation, run).await?;
+                tx.commit().await?;
+            }
+            None => {
+                sqlx::query(
+                    "UPDATE runbox_runs SET status = 'gone', generation = $2, updated_at = now() \
+                     WHERE id = $1 AND generation < $2",
+                )
+                .bind(id.to_string())
+                .bind(generation)
+                .execute(pool)
+                .await?;
+            }
+        }
+        pending.remove(&id);
+    }
+    Ok(())
+}
+
+async fn upsert(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    node: &str,
+    generation: i64,
+    run: &Run,
+) -> Result<(), sqlx::Error> {
+    let status = serde_json::to_value(run.status)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    sqlx::query(
+        "INSERT INTO runbox_runs (id, node, tenant, generation, status, run) \
+         VALUES ($1, $2, $3, $4, $5, $6) \
+         ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, tenant = EXCLUDED.tenant, \
+         generation = EXCLUDED.generation, status = EXCLUDED.status, run = EXCLUDED.run, \
+         updated_at = now() WHERE runbox_runs.generation < EXCLUDED.generation",
+    )
+    .bind(run.id.to_string())
+    .bind(node)
+    .bind(&run.tenant)
+    .bind(generation)
+    .bind(status)
+    .bind(sqlx::types::Json(run))
+    .execute(&mut **tx)
+    .await
+    .map(drop)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_latest_report_of_a_run_is_the_one_kept() {
+        let mut pending = HashMap::new();
+        let mut resync = None;
+        let id = Ulid::new();
+        take(Change::Run(id, 1, None), &mut pending, &mut resync);
+        take(Change::Run(id, 2, None), &mut pending, &mut resync);
+        assert_eq!(pending[&id].0, 2);
+        take(Change::Resync(3, Vec::new()), &mut pending, &mut resync);
+        assert_eq!(resync.as_ref().map(|r| r.0), Some(3));
+    }
+}
