@@ -29,6 +29,45 @@ pub trait Fleet: Send + Sync {
     /// Every run of the fleet the catalog lists, by id: each as its owner
     /// last published it.
     async fn runs(&self) -> Result<Vec<Run>, CoreError>;
+
+    /// Where run `id` is when another node holds it (None: no node does,
+    /// or this one).
+    async fn locate(&self, id: Ulid) -> Result<Option<Located>, CoreError>;
+
+    /// This node's proof that it sends `what` (a request line), for the
+    /// node it sends it to.
+    fn prove(&self, what: &str) -> String;
+
+    /// Whether `proof` is a node of the fleet's proof of `what`, made in
+    /// the last minute.
+    fn proven(&self, what: &str, proof: &str) -> bool;
+}
+
+/// Where a run another node holds is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Located {
+    /// The node.
+    pub node: String,
+    /// Where the nodes reach it (host:port).
+    pub advertise: String,
+    /// The tenant the run is stamped with.
+    pub tenant: Option<String>,
+    /// Whether the node is gone (unseen for the gone time, or left).
+    pub gone: bool,
+    /// Seconds since the node was last heard from.
+    pub silent_sec: f64,
+}
+
+/// The run's node is gone: a 503 that names it.
+pub fn node_gone(id: Ulid, at: &Located) -> CoreError {
+    CoreError::Conflict {
+        code: runbox_types::ErrorCode::NodeUnavailable,
+        message: format!(
+            "run {id} is on node {} ({}), which has not been heard from for {:.0}s; \
+             the run answers again when that node is back",
+            at.node, at.advertise, at.silent_sec
+        ),
+    }
 }
 
 /// The cluster database cannot be reached (or refused): a 503 with

@@ -485,6 +485,25 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn set_draining(&self, draining: bool) -> runbox_types::PoolList;
     /// What the node is and how full.
     fn info(&self) -> runbox_types::Info;
+    /// Where run `id` is when another node of the fleet holds it.
+    fn locate(
+        &self,
+        id: Ulid,
+    ) -> impl Future<Output = Result<Option<crate::fleet::Located>, CoreError>> + Send {
+        let _ = id;
+        async { Ok(None) }
+    }
+    /// This node's proof that it sends `what` to another node (None: no
+    /// fleet).
+    fn prove(&self, what: &str) -> Option<String> {
+        let _ = what;
+        None
+    }
+    /// Whether `proof` is a node of the fleet's proof of `what`.
+    fn proven(&self, what: &str, proof: &str) -> bool {
+        let _ = (what, proof);
+        false
+    }
     /// The fleet's nodes (this one alone when it has no cluster).
     fn cluster(
         &self,
@@ -812,6 +831,24 @@ impl RunService for Arc<Manager> {
 
     fn info(&self) -> runbox_types::Info {
         Manager::info(self)
+    }
+
+    async fn locate(&self, id: Ulid) -> Result<Option<crate::fleet::Located>, CoreError> {
+        match self.fleet() {
+            Some(fleet) => Ok(fleet
+                .locate(id)
+                .await?
+                .filter(|at| at.node != self.server_id)),
+            None => Ok(None),
+        }
+    }
+
+    fn prove(&self, what: &str) -> Option<String> {
+        self.fleet().map(|fleet| fleet.prove(what))
+    }
+
+    fn proven(&self, what: &str, proof: &str) -> bool {
+        self.fleet().is_some_and(|fleet| fleet.proven(what, proof))
     }
 
     async fn cluster(&self) -> Result<runbox_types::ClusterStatus, CoreError> {

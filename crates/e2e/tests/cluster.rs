@@ -531,3 +531,98 @@ async fn every_node_lists_the_fleets_runs_from_the_catalog() {
     .await;
     assert!(empty, "{:?}", a.client.list_runs().await);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn any_node_answers_for_a_run_another_node_holds() {
+    let pg = PgServer::start();
+    let (a, mut b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let run = b.create().await;
+    let id = run.id.to_string();
+    // Known to the catalog (written behind) within moments.
+    let found = eventually_async(Duration::from_secs(10), || async {
+        a.client.get_run(&id).await.is_ok()
+    })
+    .await;
+    assert!(found, "n1 never answered for n2's run");
+    let got = a.client.get_run(&id).await.expect("get through n1");
+    assert_eq!(got.server, "n2");
+    // Exec (an event stream), files both ways and a port tunnel (an
+    // upgraded connection), all through n1.
+    let out = a.sh(&id, "echo via-n1; hostname > /work/h").await;
+    assert_eq!(out.stdout, b"via-n1\n");
+    a.client
+        .put_file(&id, "up.txt", runbox_e2e::body(b"carried".to_vec()))
+        .await
+        .expect("upload through n1");
+    let back = b.sh(&id, "cat /work/up.txt").await;
+    assert_eq!(back.stdout, b"carried");
+    let down = a.client.get_file(&id, "up.txt").await.expect("download");
+    let bytes: Vec<u8> = {
+        use futures::TryStreamExt;
+        down.into_stream()
+            .try_fold(Vec::new(), |mut all, chunk| async move {
+                all.extend_from_slice(&chunk);
+                Ok(all)
+            })
+            .await
+            .expect("download body")
+    };
+    assert_eq!(bytes, b"carried");
+    let _tunnel = a.echo_tunnel(&id, 7001).await;
+    // A forged node proof is refused, whatever the token.
+    let forged = reqwest::Client::new()
+        .get(format!("{}/v1/runs/{id}", b.url))
+        .bearer_auth(&b.token)
+        .header("runbox-node-proof", "n1 0 00")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(forged.status().as_u16(), 401);
+    // A tenant reaches its run through any node; another tenant does not.
+    // (The operator's run here: a tenant token is refused as for a run
+    // that does not exist.)
+    let acme = a
+        .client
+        .create_tenant(&runbox_types::CreateTenantRequest {
+            name: "acme".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("tenant");
+    let acme_on_a = runbox_client::Client::new(&a.url, acme.token.clone()).expect("client");
+    let refused = eventually_async(Duration::from_secs(10), || async {
+        acme_on_a
+            .get_run(&id)
+            .await
+            .is_err_and(|e| e.to_string().contains("run_not_found"))
+    })
+    .await;
+    assert!(refused);
+    // Deleted through n1.
+    let doomed = b.create().await;
+    let doomed_id = doomed.id.to_string();
+    let reached = eventually_async(Duration::from_secs(10), || async {
+        a.client.get_run(&doomed_id).await.is_ok()
+    })
+    .await;
+    assert!(reached);
+    a.client
+        .delete_run(&doomed_id)
+        .await
+        .expect("delete through n1");
+    assert!(b.client.get_run(&doomed_id).await.is_err());
+    // Its node killed: once it is gone, its run answers a clear 503.
+    b.kill9();
+    let said = eventually_async(Duration::from_secs(15), || async {
+        a.client
+            .get_run(&id)
+            .await
+            .is_err_and(|e| e.to_string().contains("node_unavailable"))
+    })
+    .await;
+    assert!(said, "{:?}", a.client.get_run(&id).await);
+    let err = a.client.get_run(&id).await.expect_err("n2 is gone");
+    assert!(err.to_string().contains("n2"), "{err}");
+    b.spawn().await;
+    b.client.delete_run(&id).await.expect("delete");
+}

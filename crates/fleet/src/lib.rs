@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use runbox_core::fleet::{unavailable, Fleet};
+use runbox_core::fleet::{unavailable, Fleet, Located};
 use runbox_core::CoreError;
 use runbox_types::{ClusterNode, NodeState};
 use sha2::Sha256;
@@ -180,6 +180,8 @@ pub struct Cluster {
     target: String,
     /// This node's side of the run catalog.
     catalog: catalog::Catalog,
+    /// The key node-to-node proofs are made with.
+    proof_key: Vec<u8>,
 }
 
 /// A secret the nodes of a fleet share, derived from the cluster key for
@@ -190,6 +192,25 @@ pub fn shared_secret(key: &[u8], purpose: &str) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
     mac.update(b"runbox fleet secret v1\0");
     mac.update(purpose.as_bytes());
+    mac.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// How long a node's proof of a request holds: clocks of the nodes may
+/// differ by this much (the proof is a request's, sent at once).
+const PROOF_LIFETIME_SECS: i64 = 60;
+
+/// The MAC of a request `what` that node `node` sends at `at`.
+fn proof_mac(key: &[u8], node: &str, at: i64, what: &str) -> String {
+    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
+    mac.update(node.as_bytes());
+    mac.update(b"\0");
+    mac.update(at.to_string().as_bytes());
+    mac.update(b"\0");
+    mac.update(what.as_bytes());
     mac.finalize()
         .into_bytes()
         .iter()
@@ -303,12 +324,14 @@ impl Cluster {
         tx.commit().await.map_err(query)?;
         tracing::info!(node = %options.node, advertise = %options.advertise, database = %target, "joined the cluster");
         let catalog = catalog::Catalog::start(pool.clone(), options.node.clone(), target.clone());
+        let proof_key = shared_secret(&options.key, "node-proof").into_bytes();
         Ok(Arc::new(Cluster {
             pool,
             options,
             incarnation,
             target,
             catalog,
+            proof_key,
         }))
     }
 
@@ -409,6 +432,60 @@ impl Fleet for Cluster {
 
     async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {
         self.catalog.runs().await
+    }
+
+    async fn locate(&self, id: ulid::Ulid) -> Result<Option<Located>, CoreError> {
+        let row = sqlx::query(
+            "SELECT r.node, r.tenant, n.advertise, n.left_at IS NOT NULL AS left, \
+             EXTRACT(EPOCH FROM now() - n.heartbeat)::float8 AS silent \
+             FROM runbox_runs r JOIN runbox_nodes n ON n.id = r.node \
+             WHERE r.id = $1 AND r.status <> 'gone'",
+        )
+        .bind(id.to_string())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        Ok(row.map(|row| {
+            let silent: f64 = row.get("silent");
+            Located {
+                node: row.get("node"),
+                advertise: row.get("advertise"),
+                tenant: row.get("tenant"),
+                gone: row.get::<bool, _>("left") || silent >= self.options.gone_after.as_secs_f64(),
+                silent_sec: silent.max(0.0),
+            }
+        }))
+    }
+
+    fn prove(&self, what: &str) -> String {
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        format!(
+            "{} {now} {}",
+            self.options.node,
+            proof_mac(&self.proof_key, &self.options.node, now, what)
+        )
+    }
+
+    fn proven(&self, what: &str, proof: &str) -> bool {
+        let mut parts = proof.splitn(3, ' ');
+        let (Some(node), Some(at), Some(mac)) = (parts.next(), parts.next(), parts.next()) else {
+            return false;
+        };
+        let Ok(at) = at.parse::<i64>() else {
+            return false;
+        };
+        let now = time::OffsetDateTime::now_utc().unix_timestamp();
+        if (now - at).abs() > PROOF_LIFETIME_SECS {
+            return false;
+        }
+        let expected = proof_mac(&self.proof_key, node, at, what);
+        // Compared in constant time.
+        expected.len() == mac.len()
+            && expected
+                .bytes()
+                .zip(mac.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
     }
 
     async fn nodes(&self) -> Result<Vec<ClusterNode>, CoreError> {

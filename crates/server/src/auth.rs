@@ -238,6 +238,61 @@ pub(crate) async fn require<S: RunService>(
     } else {
         None
     };
+    // A run another node of the fleet holds: admitted here against the
+    // tenant the fleet's catalog has for it, then answered by its node.
+    // A request another node sent on (with its proof) is never sent on
+    // again; a proof that does not hold is refused.
+    let subject = crate::forward::proof_subject(&request);
+    let sent_on = match request.headers().get(crate::forward::NODE_PROOF) {
+        Some(proof) => {
+            let holds = proof
+                .to_str()
+                .is_ok_and(|proof| state.service.proven(&subject, proof));
+            if !holds {
+                return ApiError::new(
+                    ErrorCode::Unauthorized,
+                    "a node proof that does not hold (another cluster key, or too old)",
+                )
+                .into_response();
+            }
+            true
+        }
+        None => false,
+    };
+    if let (Some(id), false) = (run, sent_on) {
+        if matches!(
+            state.service.tenant_of(id),
+            Err(runbox_core::CoreError::RunNotFound(_))
+        ) {
+            match state.service.locate(id).await {
+                Ok(Some(at)) => {
+                    let stamp = Some(at.tenant.clone());
+                    if let Err(refused) =
+                        admit_as(&state, &caller, request.method(), &route, run, stamp)
+                    {
+                        return refused.into_response();
+                    }
+                    if at.gone {
+                        return ApiError::from(runbox_core::fleet::node_gone(id, &at))
+                            .into_response();
+                    }
+                    let Some(proof) = state.service.prove(&subject) else {
+                        return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
+                            .into_response();
+                    };
+                    let mut response = crate::forward::forward(id, &at, proof, request).await;
+                    response
+                        .extensions_mut()
+                        .insert(AuditCaller(caller.audit_name()));
+                    response.extensions_mut().insert(AdmittedRun(id));
+                    response.extensions_mut().insert(AuditTenant(at.tenant));
+                    return response;
+                }
+                Ok(None) => {}
+                Err(e) => return ApiError::from(e).into_response(),
+            }
+        }
+    }
     if let Err(refused) = admit(&state, &caller, request.method(), &route, run) {
         return refused.into_response();
     }
@@ -288,6 +343,19 @@ pub(crate) fn admit<S: RunService>(
     route: &str,
     run: Option<Ulid>,
 ) -> Result<(), ApiError> {
+    admit_as(state, caller, method, route, run, None)
+}
+
+/// [`admit`], with the run's tenant stamp given (`stamp`, for a run
+/// another node holds) instead of read from this node.
+fn admit_as<S: RunService>(
+    state: &AppState<S>,
+    caller: &Caller,
+    method: &Method,
+    route: &str,
+    run: Option<Ulid>,
+    stamp: Option<Option<String>>,
+) -> Result<(), ApiError> {
     let rule = rule(method, route);
     let forbidden = |what: &str| Err(ApiError::new(ErrorCode::Forbidden, what.to_owned()));
     match (caller, rule) {
@@ -313,7 +381,7 @@ pub(crate) fn admit<S: RunService>(
                     "a run token drives its run (exec, files, processes, sessions, previews); \
                      its lifecycle takes the root or its tenant's token",
                 ),
-                Caller::Tenant(t) => match state.service.tenant_of(id) {
+                Caller::Tenant(t) => match stamp.map_or_else(|| state.service.tenant_of(id), Ok) {
                     Ok(stamp) if stamp.as_deref() == Some(t.name.as_str()) => Ok(()),
                     // Another tenant's run is as absent as one that never was.
                     _ => Err(runbox_core::CoreError::RunNotFound(id).into()),

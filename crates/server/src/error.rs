@@ -64,7 +64,8 @@ impl From<CoreError> for ApiError {
                 // user needs.
                 ErrorCode::RegistryError
                 | ErrorCode::CheckpointStoreUnavailable
-                | ErrorCode::ClusterUnavailable => {
+                | ErrorCode::ClusterUnavailable
+                | ErrorCode::NodeUnavailable => {
                     tracing::warn!(error = %chain, code = %code, "request failed");
                     return ApiError {
                         code,
@@ -107,7 +108,7 @@ impl IntoResponse for ApiError {
         let retry = match self.code {
             ErrorCode::Capacity | ErrorCode::TenantQuota => Some(RETRY_CAPACITY_SECS),
             ErrorCode::Draining => Some(RETRY_DRAINING_SECS),
-            ErrorCode::ClusterUnavailable => Some(RETRY_CLUSTER_SECS),
+            ErrorCode::ClusterUnavailable | ErrorCode::NodeUnavailable => Some(RETRY_CLUSTER_SECS),
             ErrorCode::CheckpointStoreUnavailable => {
                 Some(runbox_core::checkpoints::RETRY_AFTER.as_secs() as u32)
             }

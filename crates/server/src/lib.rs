@@ -12,6 +12,7 @@ pub mod auth;
 mod conn;
 pub mod e2b;
 mod error;
+mod forward;
 mod handlers;
 pub mod metrics;
 pub mod openapi;

@@ -279,6 +279,9 @@ codes! {
     /// The cluster database could not be reached; what needs it waits,
     /// retry after `Retry-After` (the node goes on serving its own runs).
     ClusterUnavailable = "cluster_unavailable", 503;
+    /// The run is on a node of the fleet that is gone or cannot be
+    /// reached; retry after `Retry-After`.
+    NodeUnavailable = "node_unavailable", 503;
     /// The sandbox's agent did not answer as it should.
     AgentUnavailable = "agent_unavailable", 502;
     /// A fault in runbox itself; the detail is in the server log.

@@ -1,0 +1,124 @@
+//! Requests for a run another node of the fleet holds: sent on to that
+//! node as they came, bytes streamed both ways without buffering (exec
+//! output, file bodies), and an upgraded connection (a WebSocket session,
+//! a port tunnel) joined end to end.
+//!
+//! The receiving node checks the caller itself (tokens are the fleet's),
+//! and the request carries this node's proof (`Runbox-Node-Proof`, a MAC
+//! under a key derived from the cluster key), so it is never sent on again
+//! and a client cannot pose as a node.
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::TokioIo;
+use runbox_core::fleet::Located;
+use runbox_types::ErrorCode;
+use ulid::Ulid;
+
+use crate::error::ApiError;
+
+/// The header a node's proof travels in.
+pub(crate) const NODE_PROOF: &str = "runbox-node-proof";
+
+/// How long reaching the other node may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a proof covers: the request's method and its path with the query.
+pub(crate) fn proof_subject(request: &Request) -> String {
+    let path = request
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    format!("{} {path}", request.method())
+}
+
+/// The node holding run `id` cannot be reached: a 503 that names it.
+fn unreachable(id: Ulid, at: &Located, why: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        ErrorCode::NodeUnavailable,
+        format!(
+            "run {id} is on node {} ({}), which cannot be reached from here ({why}); retry shortly",
+            at.node, at.advertise
+        ),
+    )
+}
+
+/// Sends `request` (for run `id`) to the node at `at`, with `proof`, and
+/// answers with what that node answers.
+pub(crate) async fn forward(
+    id: Ulid,
+    at: &Located,
+    proof: String,
+    mut request: Request,
+) -> Response {
+    let stream = match tokio::time::timeout(
+        CONNECT_TIMEOUT,
+        tokio::net::TcpStream::connect(at.advertise.as_str()),
+    )
+    .await
+    {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => return unreachable(id, at, e).into_response(),
+        Err(_) => return unreachable(id, at, "no connection within 5s").into_response(),
+    };
+    let _ = stream.set_nodelay(true);
+    let (mut sender, connection) =
+        match hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream)).await {
+            Ok(handshake) => handshake,
+            Err(e) => return unreachable(id, at, e).into_response(),
+        };
+    tokio::spawn(async move {
+        // Upgraded connections live on past the response.
+        if let Err(e) = connection.with_upgrades().await {
+            tracing::debug!(error = %e, "a connection to another node ended");
+        }
+    });
+    // An upgrade asked for by the client is joined to the one the other
+    // node grants.
+    let inbound = request
+        .headers()
+        .contains_key(axum::http::header::UPGRADE)
+        .then(|| hyper::upgrade::on(&mut request));
+    let (mut parts, body) = request.into_parts();
+    parts.uri = parts
+        .uri
+        .path_and_query()
+        .map(|p| Uri::from(p.clone()))
+        .unwrap_or_else(|| Uri::from_static("/"));
+    if let Ok(host) = HeaderValue::from_str(&at.advertise) {
+        parts.headers.insert(axum::http::header::HOST, host);
+    }
+    match HeaderValue::from_str(&proof) {
+        Ok(value) => {
+            parts.headers.insert(NODE_PROOF, value);
+        }
+        Err(_) => {
+            return ApiError::new(ErrorCode::Internal, "a node proof that is no header")
+                .into_response()
+        }
+    }
+    let outbound = Request::from_parts(parts, body);
+    let mut response = match sender.send_request(outbound).await {
+        Ok(response) => response,
+        Err(e) => return unreachable(id, at, e).into_response(),
+    };
+    if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if let Some(inbound) = inbound {
+            let outbound = hyper::upgrade::on(&mut response);
+            tokio::spawn(async move {
+                let (Ok(inbound), Ok(outbound)) = (inbound.await, outbound.await) else {
+                    return;
+                };
+                let mut inbound = TokioIo::new(inbound);
+                let mut outbound = TokioIo::new(outbound);
+                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+            });
+        }
+    }
+    response.map(Body::new)
+}
