@@ -77,6 +77,31 @@ impl Daemon {
         extra: &[String],
         prepare: impl FnOnce(&Path) -> anyhow::Result<()>,
     ) -> anyhow::Result<Daemon> {
+        Daemon::start_full(runbox, agent, runtime, "127.0.0.1:0", extra, &[], prepare).await
+    }
+
+    /// [`Daemon::start_with`] listening on `listen`, with `env` added to
+    /// its environment.
+    pub async fn start_listening(
+        runbox: &Path,
+        agent: &Path,
+        runtime: &str,
+        listen: &str,
+        extra: &[String],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Daemon> {
+        Daemon::start_full(runbox, agent, runtime, listen, extra, env, |_| Ok(())).await
+    }
+
+    async fn start_full(
+        runbox: &Path,
+        agent: &Path,
+        runtime: &str,
+        listen: &str,
+        extra: &[String],
+        env: &[(&str, &str)],
+        prepare: impl FnOnce(&Path) -> anyhow::Result<()>,
+    ) -> anyhow::Result<Daemon> {
         let state = tempfile::Builder::new()
             .prefix(&format!("runbox-bench-{runtime}-"))
             .tempdir_in("/tmp")
@@ -87,7 +112,7 @@ impl Daemon {
         let child = Command::new(runbox)
             .arg("serve")
             .arg("--listen")
-            .arg("127.0.0.1:0")
+            .arg(listen)
             .arg("--state-dir")
             .arg(state.path())
             .arg("--agent")
@@ -100,6 +125,7 @@ impl Daemon {
             // The interactive phase's preview URLs.
             .args(["--preview-listen", "127.0.0.1:0"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

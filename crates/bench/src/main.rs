@@ -60,6 +60,7 @@ mod checkpoints;
 mod daemon;
 mod docker;
 mod egress;
+mod fleet;
 mod image_tables;
 mod images;
 mod interactive;
@@ -198,6 +199,7 @@ enum PhaseName {
     Sleep,
     Checkpoints,
     Tenants,
+    Fleet,
     Userns,
     Volumes,
 }
@@ -236,6 +238,8 @@ struct Plan {
     sleep_iterations: Option<usize>,
     checkpoint_iterations: Option<usize>,
     tenant_iterations: Option<usize>,
+    /// The fleet phase's (exec, create) iterations.
+    fleet_iterations: Option<(usize, usize)>,
     /// The userns phase's (create and fork, exec) iterations.
     userns_iterations: Option<(usize, usize)>,
     /// The volumes phase's (reads, creates) iterations.
@@ -335,6 +339,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             sleep_iterations: None,
             checkpoint_iterations: None,
             tenant_iterations: None,
+            fleet_iterations: None,
             userns_iterations: None,
             volume_iterations: None,
         });
@@ -453,6 +458,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Tenants)
             .then_some(exec_iterations),
+        fleet_iterations: args
+            .phases
+            .contains(&PhaseName::Fleet)
+            .then_some((exec_iterations, create_iterations)),
         userns_iterations: args
             .phases
             .contains(&PhaseName::Userns)
@@ -567,6 +576,7 @@ impl Bench {
                 sleep: None,
                 checkpoints: None,
                 tenants: None,
+                fleet: None,
                 userns: None,
                 volumes: None,
             });
@@ -718,6 +728,24 @@ impl Bench {
             }
             None => None,
         };
+        let fleet = match plan.fleet_iterations {
+            Some((n, creates)) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(
+                    fleet::measure(
+                        &mut self.daemons[i],
+                        &plan.runbox,
+                        &plan.agent,
+                        tar.clone(),
+                        n,
+                        creates,
+                        plan.warmup,
+                    )
+                    .await?,
+                )
+            }
+            None => None,
+        };
         let userns = match plan.userns_iterations {
             Some((n, exec_n)) => {
                 let mut runtimes = Vec::new();
@@ -765,6 +793,7 @@ impl Bench {
         Ok(Report {
             host: host_info(plan),
             tenants,
+            fleet,
             userns,
             volumes,
             phases,

@@ -171,6 +171,9 @@ pub struct Report {
     /// The tenants phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tenants: Option<crate::tenants::TenantsReport>,
+    /// The fleet phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<crate::fleet::FleetReport>,
     /// The userns phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub userns: Option<crate::userns::UsernsReport>,
@@ -420,6 +423,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(tenants) = &report.tenants {
         out.push_str(&crate::tenants::markdown(tenants));
     }
+    if let Some(fleet) = &report.fleet {
+        out.push_str(&crate::fleet::markdown(fleet));
+    }
     if let Some(userns) = &report.userns {
         out.push_str(&crate::userns::markdown(userns));
     }
@@ -591,6 +597,7 @@ mod tests {
             sleep: None,
             checkpoints: None,
             tenants: None,
+            fleet: None,
             userns: None,
             volumes: None,
         });
@@ -660,6 +667,7 @@ mod tests {
             sleep: None,
             checkpoints: None,
             tenants: None,
+            fleet: None,
             userns: None,
             volumes: None,
         });

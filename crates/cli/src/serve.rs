@@ -319,7 +319,7 @@ pub struct ServeArgs {
     )]
     pub advertise: Option<String>,
     /// Where clients may reach this node directly (an http or https
-    /// origin); answers name it beside the run's node
+    /// origin); `GET /v1/cluster` lists it as the node's clientOrigin
     #[arg(
         long,
         env = "RUNBOX_CLIENT_ADVERTISE",

@@ -26,6 +26,8 @@ use sqlx::Row;
 
 mod catalog;
 mod tenants;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use tenants::PgTenants;
 
