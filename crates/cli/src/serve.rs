@@ -621,7 +621,18 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let tenants: Arc<dyn runbox_core::tenants::TenantStore> = match &cluster {
         Some(cluster) => {
             let local = runbox_core::tenants::TenantStore::list(&tenants);
-            cluster.tenants(&local).await?
+            let fleet = cluster.tenants(&local).await?;
+            // The fleet's set is the one from now on: the node's file is
+            // kept aside, never read again (a later start would offer its
+            // stale tokens to the fleet).
+            let file = state_dir.join("tenants.json");
+            if file.exists() {
+                let aside = state_dir.join("tenants.json.joined");
+                std::fs::rename(&file, &aside)
+                    .with_context(|| format!("moving {} to {}", file.display(), aside.display()))?;
+                tracing::info!(file = %aside.display(), "this node's tenants are the fleet's now; its own file is kept aside");
+            }
+            fleet
         }
         None => Arc::new(tenants),
     };

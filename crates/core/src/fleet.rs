@@ -22,9 +22,11 @@ pub trait Fleet: Send + Sync {
     /// away.
     fn record_run(&self, id: Ulid, run: Option<Run>);
 
-    /// This node's runs are `runs`, and no others (at start, so the
-    /// catalog forgets what this node destroyed while it was down).
-    fn resync_runs(&self, runs: Vec<Run>);
+    /// This node's runs are what `list` answers, and no others (at start,
+    /// so the catalog forgets what this node destroyed while it was down);
+    /// `list` is called after the resync's generation is taken, so a
+    /// report made meanwhile is never older than the list.
+    fn resync_runs(&self, list: &dyn Fn() -> Vec<Run>);
 
     /// Every run of the fleet the catalog lists, by id: each as its owner
     /// last published it.

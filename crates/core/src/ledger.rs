@@ -281,6 +281,9 @@ struct Book {
     runs: HashMap<Ulid, Line>,
     /// Volumes being written through the file API, and by how many calls.
     writers: HashMap<Ulid, usize>,
+    /// Tenants being removed: their runs are refused meanwhile (the
+    /// removal may wait for a database, and the book is not held for it).
+    retiring: std::collections::HashSet<String>,
 }
 
 impl Book {
@@ -381,7 +384,7 @@ impl LocalLedger {
             return Err(CoreError::Capacity(ask.max_runs));
         }
         if let Some(tenant) = ask.owner.tenant() {
-            if self.tenants.get(tenant).is_none() {
+            if self.tenants.get(tenant).is_none() || book.retiring.contains(tenant) {
                 return Err(CoreError::invalid(
                     ErrorCode::Unauthorized,
                     format!("tenant {tenant:?} was deleted"),
@@ -579,21 +582,28 @@ impl Ledger for LocalLedger {
         name: &str,
         remove: &mut dyn FnMut() -> Result<(), CoreError>,
     ) -> Result<(), CoreError> {
-        let book = self.book();
-        let runs = book
-            .runs
-            .values()
-            .filter(|l| !l.idle() && l.tenant() == Some(name))
-            .count();
-        if runs > 0 {
-            return Err(CoreError::Conflict {
-                code: ErrorCode::TenantHasRuns,
-                message: format!(
-                    "tenant {name:?} still has {runs} runs; delete them first (rotating its token shuts it out at once)"
-                ),
-            });
+        {
+            let mut book = self.book();
+            let runs = book
+                .runs
+                .values()
+                .filter(|l| !l.idle() && l.tenant() == Some(name))
+                .count();
+            if runs > 0 {
+                return Err(CoreError::Conflict {
+                    code: ErrorCode::TenantHasRuns,
+                    message: format!(
+                        "tenant {name:?} still has {runs} runs; delete them first (rotating its token shuts it out at once)"
+                    ),
+                });
+            }
+            // From here no run of its is reserved; the book is let go
+            // while the removal runs.
+            book.retiring.insert(name.to_owned());
         }
-        remove()
+        let removed = remove();
+        self.book().retiring.remove(name);
+        removed
     }
 
     fn enter(&self, id: Ulid, entry: Entry) {
@@ -857,8 +867,16 @@ mod tests {
             .unwrap_err();
         assert_eq!(busy.code(), ErrorCode::TenantHasRuns);
         f.ledger.release(run);
+        // The book is not held while the removal runs (a database may be
+        // waited for): the ledger answers meanwhile, and the tenant's
+        // creates are refused.
         f.ledger
-            .retire_tenant("acme", &mut || f.tenants.delete("acme"))
+            .retire_tenant("acme", &mut || {
+                assert_eq!(f.ledger.tally().counted, 0);
+                let during = futures::executor::block_on(f.create(&acme, None, &[], 10));
+                assert_eq!(during.unwrap_err().code(), ErrorCode::Unauthorized);
+                f.tenants.delete("acme")
+            })
             .unwrap();
         let gone = f.create(&acme, None, &[], 10).await.unwrap_err();
         assert_eq!(gone.code(), ErrorCode::Unauthorized);

@@ -61,9 +61,11 @@ impl Catalog {
             .send(Change::Run(id, self.next(), run.map(Box::new)));
     }
 
-    /// This node's runs are `runs`.
-    pub(crate) fn resync(&self, runs: Vec<Run>) {
-        let _ = self.changes.send(Change::Resync(self.next(), runs));
+    /// This node's runs are what `list` answers (called after the
+    /// generation is taken).
+    pub(crate) fn resync(&self, list: &dyn Fn() -> Vec<Run>) {
+        let generation = self.next();
+        let _ = self.changes.send(Change::Resync(generation, list()));
     }
 
     /// Every run the catalog lists, by id.
@@ -145,46 +147,73 @@ async fn write(
     resync: &mut Option<(i64, Vec<Run>)>,
 ) -> Result<(), sqlx::Error> {
     if let Some((generation, runs)) = resync.as_ref() {
-        let mut tx = pool.begin().await?;
-        let ids: Vec<String> = runs.iter().map(|r| r.id.to_string()).collect();
-        sqlx::query(
-            "UPDATE runbox_runs SET status = 'gone', generation = $3, updated_at = now() \
-             WHERE node = $1 AND status <> 'gone' AND NOT (id = ANY($2)) AND generation < $3",
-        )
-        .bind(node)
-        .bind(&ids)
-        .bind(generation)
-        .execute(&mut *tx)
-        .await?;
-        for run in runs {
-            upsert(&mut tx, node, *generation, run).await?;
+        match resync_rows(pool, node, *generation, runs).await {
+            Ok(()) => {}
+            Err(sqlx::Error::Database(e)) => {
+                tracing::warn!(error = %e, "the run catalog refused this node's resync; its runs are written as they change");
+            }
+            Err(e) => return Err(e),
         }
-        tx.commit().await?;
         *resync = None;
     }
     let ids: Vec<Ulid> = pending.keys().copied().collect();
     for id in ids {
         let (generation, run) = &pending[&id];
-        match run {
+        let written = match run {
             Some(run) => {
                 let mut tx = pool.begin().await?;
-                upsert(&mut tx, node, *generation, run).await?;
-                tx.commit().await?;
+                match upsert(&mut tx, node, *generation, run).await {
+                    Ok(()) => tx.commit().await,
+                    Err(e) => Err(e),
+                }
             }
-            None => {
-                sqlx::query(
-                    "UPDATE runbox_runs SET status = 'gone', generation = $2, updated_at = now() \
-                     WHERE id = $1 AND generation < $2",
-                )
-                .bind(id.to_string())
-                .bind(generation)
-                .execute(pool)
-                .await?;
+            None => sqlx::query(
+                "UPDATE runbox_runs SET status = 'gone', generation = $2, updated_at = now() \
+                 WHERE id = $1 AND generation < $2",
+            )
+            .bind(id.to_string())
+            .bind(generation)
+            .execute(pool)
+            .await
+            .map(drop),
+        };
+        match written {
+            Ok(()) => {}
+            // The database refused this row itself (not the connection):
+            // it is dropped, so it never holds up the others.
+            Err(sqlx::Error::Database(e)) => {
+                tracing::warn!(run = %id, error = %e, "the run catalog refused this run's row; it is left out");
             }
+            Err(e) => return Err(e),
         }
         pending.remove(&id);
     }
     Ok(())
+}
+
+/// This node's runs are `runs`: the others it had in the catalog are
+/// gone, these are written; one transaction.
+async fn resync_rows(
+    pool: &PgPool,
+    node: &str,
+    generation: i64,
+    runs: &[Run],
+) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    let ids: Vec<String> = runs.iter().map(|r| r.id.to_string()).collect();
+    sqlx::query(
+        "UPDATE runbox_runs SET status = 'gone', generation = $3, updated_at = now() \
+         WHERE node = $1 AND status <> 'gone' AND NOT (id = ANY($2)) AND generation < $3",
+    )
+    .bind(node)
+    .bind(&ids)
+    .bind(generation)
+    .execute(&mut *tx)
+    .await?;
+    for run in runs {
+        upsert(&mut tx, node, generation, run).await?;
+    }
+    tx.commit().await
 }
 
 async fn upsert(

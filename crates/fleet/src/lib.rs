@@ -168,6 +168,9 @@ pub enum JoinError {
         /// How long ago it was heard from.
         seen_sec: f64,
     },
+    /// A tenant of the node is not the fleet's.
+    #[error("{0}")]
+    Tenant(String),
     /// A query failed while joining.
     #[error("the cluster database failed while this node joined: {0}")]
     Query(String),
@@ -203,7 +206,7 @@ pub fn shared_secret(key: &[u8], purpose: &str) -> String {
 
 /// How long a node's proof of a request holds: clocks of the nodes may
 /// differ by this much (the proof is a request's, sent at once).
-const PROOF_LIFETIME_SECS: i64 = 60;
+const PROOF_LIFETIME_SECS: u64 = 60;
 
 /// The MAC of a request `what` that node `node` sends at `at`.
 fn proof_mac(key: &[u8], node: &str, at: i64, what: &str) -> String {
@@ -243,7 +246,11 @@ impl Cluster {
         if let Some(password) = &options.password {
             connect = connect.password(password);
         }
-        connect = connect.application_name(&format!("runbox {}", options.node));
+        connect = connect
+            .application_name(&format!("runbox {}", options.node))
+            // No query holds a connection for long: a database that
+            // stops answering is an error within this, not a hang.
+            .options([("statement_timeout", "5000")]);
         let target = format!(
             "{}:{}/{}",
             connect.get_host(),
@@ -259,9 +266,13 @@ impl Cluster {
                 target: target.clone(),
                 why: e.to_string(),
             })?;
-        let migrator = Migrator::new(Embedded)
+        let mut migrator = Migrator::new(Embedded)
             .await
             .map_err(|e| JoinError::Migrate(e.to_string()))?;
+        // A newer node may have brought the schema further: an older one
+        // still joins (migrations only add), so a fleet upgrades node by
+        // node.
+        migrator.set_ignore_missing(true);
         migrator
             .run(&pool)
             .await
@@ -351,7 +362,10 @@ impl Cluster {
     ) -> Result<Arc<PgTenants>, JoinError> {
         PgTenants::open(self.pool.clone(), self.target.clone(), local)
             .await
-            .map_err(query)
+            .map_err(|e| match e {
+                tenants::Refused::Query(e) => query(e),
+                conflict => JoinError::Tenant(conflict.to_string()),
+            })
     }
 
     /// Stamps this node's heartbeat and load every [`Options::heartbeat`]
@@ -428,8 +442,8 @@ impl Fleet for Cluster {
         self.catalog.record(id, run);
     }
 
-    fn resync_runs(&self, runs: Vec<runbox_types::Run>) {
-        self.catalog.resync(runs);
+    fn resync_runs(&self, list: &dyn Fn() -> Vec<runbox_types::Run>) {
+        self.catalog.resync(list);
     }
 
     async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {
@@ -477,7 +491,7 @@ impl Fleet for Cluster {
             return false;
         };
         let now = time::OffsetDateTime::now_utc().unix_timestamp();
-        if (now - at).abs() > PROOF_LIFETIME_SECS {
+        if now.abs_diff(at) > PROOF_LIFETIME_SECS {
             return false;
         }
         let expected = proof_mac(&self.proof_key, node, at, what);

@@ -26,6 +26,21 @@ const CHANNEL: &str = "runbox_tenants";
 /// How often a node reloads the set whatever it heard.
 const RELOAD_EVERY: Duration = Duration::from_secs(5);
 
+/// Why the tenant set could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum Refused {
+    /// A query failed.
+    #[error("{0}")]
+    Query(#[from] sqlx::Error),
+    /// A tenant of this node is not the fleet's tenant of that name.
+    #[error(
+        "this node's tenant {0:?} is not the fleet's tenant of that name (another token, or the \
+         token is another tenant's); runs are stamped by name, so rename or delete one of them \
+         before this node joins"
+    )]
+    Conflict(String),
+}
+
 /// The fleet's tenants, shared by every node through the database.
 pub struct PgTenants {
     pool: PgPool,
@@ -34,13 +49,15 @@ pub struct PgTenants {
 }
 
 impl PgTenants {
-    /// Loads the set (after adding the entries of `local` whose name and
-    /// token the fleet does not have yet) and follows its changes.
+    /// Loads the set (after adding the entries of `local` the fleet does
+    /// not have yet) and follows its changes. A local tenant whose name the
+    /// fleet gives another token is refused: runs are stamped by name, so
+    /// the fleet's tenant would get this node's runs.
     pub(crate) async fn open(
         pool: PgPool,
         target: String,
         local: &[Arc<TenantEntry>],
-    ) -> Result<Arc<PgTenants>, sqlx::Error> {
+    ) -> Result<Arc<PgTenants>, Refused> {
         for entry in local {
             let added = sqlx::query(
                 "INSERT INTO runbox_tenants (name, token_sha256, entry) VALUES ($1, $2, $3) \
@@ -51,13 +68,17 @@ impl PgTenants {
             .bind(sqlx::types::Json(&**entry))
             .execute(&pool)
             .await?;
-            match added.rows_affected() {
-                1 => {
-                    tracing::info!(tenant = %entry.name, "this node's tenant joined the fleet's set")
-                }
-                _ => {
-                    tracing::warn!(tenant = %entry.name, "the fleet has a tenant of this name (or this token) already; the fleet's is kept, this node's is not used")
-                }
+            if added.rows_affected() == 1 {
+                tracing::info!(tenant = %entry.name, "this node's tenant joined the fleet's set");
+                continue;
+            }
+            let fleet: Option<String> =
+                sqlx::query_scalar("SELECT token_sha256 FROM runbox_tenants WHERE name = $1")
+                    .bind(&entry.name)
+                    .fetch_optional(&pool)
+                    .await?;
+            if fleet.as_deref() != Some(entry.token_sha256.as_str()) {
+                return Err(Refused::Conflict(entry.name.clone()));
             }
         }
         let tenants = Arc::new(PgTenants {

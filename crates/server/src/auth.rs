@@ -259,6 +259,13 @@ pub(crate) async fn require<S: RunService>(
         }
         None => false,
     };
+    // A run token names its run: for another id it is refused here,
+    // before anything is looked up.
+    if let (Some(id), Caller::Run(own)) = (run, &caller) {
+        if id != *own {
+            return ApiError::from(runbox_core::CoreError::RunNotFound(id)).into_response();
+        }
+    }
     if let (Some(id), false) = (run, sent_on) {
         if matches!(
             state.service.tenant_of(id),

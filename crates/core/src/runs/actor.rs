@@ -558,11 +558,13 @@ impl RunActor {
         self.context
             .ledger
             .report(self.record.id, super::entry(&self.record, &self.phase));
-        self.context.catalog(&self.record, &self.phase);
         self.publish.send_replace(Snapshot {
             phase: self.phase.clone(),
             record: Arc::new(self.record.clone()),
         });
+        // After the snapshot: a resync that lists the runs after this
+        // report's generation was taken sees this state.
+        self.context.catalog(&self.record, &self.phase);
     }
 
     /// Moves the run to `Stopping`: nothing new is admitted, in-flight

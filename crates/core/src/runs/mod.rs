@@ -142,7 +142,7 @@ impl Manager {
         if self.context.fleet.set(fleet.clone()).is_ok() {
             // What this node holds now; from here on each run's owner
             // reports its changes.
-            fleet.resync_runs(self.list());
+            fleet.resync_runs(&|| self.list());
         }
     }
 
