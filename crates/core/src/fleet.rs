@@ -72,6 +72,29 @@ pub fn node_gone(id: Ulid, at: &Located) -> CoreError {
     }
 }
 
+/// A node without a cluster as `GET /v1/cluster` lists it: `info` of it,
+/// up since `started_at`.
+pub fn lone_node(info: runbox_types::Info, started_at: time::OffsetDateTime) -> ClusterNode {
+    let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    ClusterNode {
+        id: info.server,
+        advertise: None,
+        client_origin: None,
+        version: info.version,
+        lane: info.runtime,
+        state: match info.draining {
+            true => runbox_types::NodeState::Draining,
+            false => runbox_types::NodeState::Active,
+        },
+        capacity: count(info.capacity.max),
+        runs: count(info.capacity.live),
+        pools_ready: count(info.capacity.pooled),
+        last_seen_sec: 0.0,
+        started_at,
+        local: true,
+    }
+}
+
 /// The cluster database cannot be reached (or refused): a 503 with
 /// `Retry-After` that says what to look at. `why` must not carry a
 /// password (drivers' messages do not).

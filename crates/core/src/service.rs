@@ -493,6 +493,10 @@ pub trait RunService: Clone + Send + Sync + 'static {
         let _ = id;
         async { Ok(None) }
     }
+    /// Whether this node belongs to a fleet (other nodes may hold runs).
+    fn in_fleet(&self) -> bool {
+        false
+    }
     /// This node's proof that it sends `what` to another node (None: no
     /// fleet).
     fn prove(&self, what: &str) -> Option<String> {
@@ -508,25 +512,8 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn cluster(
         &self,
     ) -> impl Future<Output = Result<runbox_types::ClusterStatus, CoreError>> + Send {
-        let info = self.info();
-        async move {
-            Ok(runbox_types::ClusterStatus {
-                nodes: vec![runbox_types::ClusterNode {
-                    id: info.server,
-                    advertise: None,
-                    client_origin: None,
-                    version: info.version,
-                    lane: info.runtime,
-                    state: runbox_types::NodeState::Active,
-                    capacity: u32::try_from(info.capacity.max).unwrap_or(u32::MAX),
-                    runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
-                    pools_ready: 0,
-                    last_seen_sec: 0.0,
-                    started_at: time::OffsetDateTime::UNIX_EPOCH,
-                    local: true,
-                }],
-            })
-        }
+        let node = crate::fleet::lone_node(self.info(), time::OffsetDateTime::UNIX_EPOCH);
+        async move { Ok(runbox_types::ClusterStatus { nodes: vec![node] }) }
     }
     /// Whether new runs get a user namespace of their own (what
     /// [`RunService::info`] reports as `userns`, without the rest).
@@ -843,6 +830,10 @@ impl RunService for Arc<Manager> {
         }
     }
 
+    fn in_fleet(&self) -> bool {
+        self.fleet().is_some()
+    }
+
     fn prove(&self, what: &str) -> Option<String> {
         self.fleet().map(|fleet| fleet.prove(what))
     }
@@ -853,9 +844,8 @@ impl RunService for Arc<Manager> {
 
     async fn cluster(&self) -> Result<runbox_types::ClusterStatus, CoreError> {
         let Some(fleet) = self.fleet() else {
-            return Ok(runbox_types::ClusterStatus {
-                nodes: vec![self.lone_node()],
-            });
+            let node = crate::fleet::lone_node(Manager::info(self), self.started_at);
+            return Ok(runbox_types::ClusterStatus { nodes: vec![node] });
         };
         let mut nodes = fleet.nodes().await?;
         for node in &mut nodes {

@@ -194,9 +194,15 @@ pub struct Cluster {
 /// 64 hexadecimal characters: every node derives the same, and none can be
 /// worked back to the key or to another purpose's.
 pub fn shared_secret(key: &[u8], purpose: &str) -> String {
+    mac_hex(key, &[b"runbox fleet secret v1\0", purpose.as_bytes()])
+}
+
+/// HMAC-SHA256 under `key` of `parts` in order, as hexadecimal.
+fn mac_hex(key: &[u8], parts: &[&[u8]]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    mac.update(b"runbox fleet secret v1\0");
-    mac.update(purpose.as_bytes());
+    for part in parts {
+        mac.update(part);
+    }
     mac.finalize()
         .into_bytes()
         .iter()
@@ -210,30 +216,24 @@ const PROOF_LIFETIME_SECS: u64 = 60;
 
 /// The MAC of a request `what` that node `node` sends at `at`.
 fn proof_mac(key: &[u8], node: &str, at: i64, what: &str) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    mac.update(node.as_bytes());
-    mac.update(b"\0");
-    mac.update(at.to_string().as_bytes());
-    mac.update(b"\0");
-    mac.update(what.as_bytes());
-    mac.finalize()
-        .into_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    let at = at.to_string();
+    mac_hex(
+        key,
+        &[
+            node.as_bytes(),
+            b"\0",
+            at.as_bytes(),
+            b"\0",
+            what.as_bytes(),
+        ],
+    )
 }
 
 /// What the key check stored in the database is: a keyed hash of a fixed
 /// text, which shows whether two nodes hold the same key and nothing of
 /// the key.
 fn key_check(key: &[u8]) -> String {
-    let mut mac = Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes keys of any length");
-    mac.update(b"runbox cluster key check v1");
-    mac.finalize()
-        .into_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    mac_hex(key, &[b"runbox cluster key check v1"])
 }
 
 impl Cluster {

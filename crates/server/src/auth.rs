@@ -242,9 +242,9 @@ pub(crate) async fn require<S: RunService>(
     // tenant the fleet's catalog has for it, then answered by its node.
     // A request another node sent on (with its proof) is never sent on
     // again; a proof that does not hold is refused.
-    let subject = crate::forward::proof_subject(&request);
     let sent_on = match request.headers().get(crate::forward::NODE_PROOF) {
         Some(proof) => {
+            let subject = crate::forward::proof_subject(&request);
             let holds = proof
                 .to_str()
                 .is_ok_and(|proof| state.service.proven(&subject, proof));
@@ -266,7 +266,7 @@ pub(crate) async fn require<S: RunService>(
             return ApiError::from(runbox_core::CoreError::RunNotFound(id)).into_response();
         }
     }
-    if let (Some(id), false) = (run, sent_on) {
+    if let (Some(id), false, true) = (run, sent_on, state.service.in_fleet()) {
         if matches!(
             state.service.tenant_of(id),
             Err(runbox_core::CoreError::RunNotFound(_))
@@ -283,6 +283,7 @@ pub(crate) async fn require<S: RunService>(
                         return ApiError::from(runbox_core::fleet::node_gone(id, &at))
                             .into_response();
                     }
+                    let subject = crate::forward::proof_subject(&request);
                     let Some(proof) = state.service.prove(&subject) else {
                         return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
                             .into_response();

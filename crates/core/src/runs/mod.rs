@@ -171,30 +171,6 @@ impl Manager {
         Ok(runs)
     }
 
-    /// This node alone, as `GET /v1/cluster` shows a node without a
-    /// cluster.
-    pub fn lone_node(&self) -> runbox_types::ClusterNode {
-        let info = self.info();
-        let draining = info.draining;
-        runbox_types::ClusterNode {
-            id: info.server,
-            advertise: None,
-            client_origin: None,
-            version: info.version,
-            lane: info.runtime,
-            state: match draining {
-                true => runbox_types::NodeState::Draining,
-                false => runbox_types::NodeState::Active,
-            },
-            capacity: u32::try_from(info.capacity.max).unwrap_or(u32::MAX),
-            runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
-            pools_ready: u32::try_from(info.capacity.pooled).unwrap_or(u32::MAX),
-            last_seen_sec: 0.0,
-            started_at: self.started_at,
-            local: true,
-        }
-    }
-
     /// Replaces the settings with what `update` makes of them, all at once:
     /// every request after it reads the new ones, none sees half of them.
     /// What is read only at start (the lane, the stores, the pools' budget)
