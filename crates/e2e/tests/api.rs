@@ -355,6 +355,33 @@ async fn images_are_listed_protected_while_used_and_removed() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Some(ErrorCode::ImageExists));
+    // That refusal came before the body was read: the answer says the
+    // connection ends, so no client reuses it for a request that would
+    // then fail with a broken pipe. A refusal after reading the whole
+    // body keeps the connection.
+    let http = reqwest::Client::new();
+    let refused = http
+        .post(format!("{}/v1/images/base", daemon.url))
+        .bearer_auth(&daemon.token)
+        .body(runbox_e2e::busybox_tar())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 409);
+    assert_eq!(
+        refused.headers().get("connection").map(|v| v.to_str().unwrap()),
+        Some("close")
+    );
+    let read = http
+        .post(format!("{}/v1/runs", daemon.url))
+        .bearer_auth(&daemon.token)
+        .header("content-type", "application/json")
+        .body(r#"{"image": 7}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(read.status(), 400);
+    assert_eq!(read.headers().get("connection"), None);
     // A second image, a run from it, and the image is protected.
     daemon
         .client

@@ -148,3 +148,73 @@ impl Connected<IncomingStream<'_, SeverableListener>> for Severable {
         Severable(Arc::clone(&stream.io().reset), *stream.remote_addr())
     }
 }
+
+/// Marks an answer given before its request's body was read to the end with
+/// `Connection: close`.
+///
+/// A handler may refuse a request from its head alone (an image name that
+/// exists, a bad token) and leave the body unread. hyper then closes the
+/// connection after the answer, but the answer itself still reads as
+/// keep-alive, so a client that finished writing the body returns the
+/// connection to its pool and its next request there fails with a broken
+/// pipe. Saying `close` in the answer lets every client know the connection
+/// ends. HTTP/2 needs none of this: an unread stream is reset alone.
+pub async fn close_unread(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::http::{header, HeaderValue, Version};
+    if request.version() >= Version::HTTP_2 {
+        return next.run(request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let read = Arc::new(AtomicBool::new(http_body::Body::is_end_stream(&body)));
+    let body = axum::body::Body::new(ReadToEnd {
+        inner: body,
+        read: Arc::clone(&read),
+    });
+    let mut response = next
+        .run(axum::extract::Request::from_parts(parts, body))
+        .await;
+    let switching = response.status() == axum::http::StatusCode::SWITCHING_PROTOCOLS;
+    if !switching && !read.load(Ordering::Acquire) {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
+}
+
+/// A request body that notes when it has been read to its end.
+struct ReadToEnd {
+    inner: axum::body::Body,
+    read: Arc<AtomicBool>,
+}
+
+impl http_body::Body for ReadToEnd {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(None) = polled {
+            self.read.store(true, Ordering::Release);
+        } else if let Poll::Ready(Some(Ok(_))) = polled {
+            if self.inner.is_end_stream() {
+                self.read.store(true, Ordering::Release);
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}

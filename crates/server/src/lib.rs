@@ -411,6 +411,7 @@ pub async fn serve_preview(
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
         }
     });
+    let router = router.layer(middleware::from_fn(conn::close_unread));
     axum::serve(
         listener,
         router.into_make_service_with_connect_info::<std::net::SocketAddr>(),
@@ -425,6 +426,7 @@ pub async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let router = router.layer(middleware::from_fn(conn::close_unread));
     axum::serve(
         conn::SeverableListener(listener),
         router.into_make_service_with_connect_info::<conn::Severable>(),
