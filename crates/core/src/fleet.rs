@@ -32,6 +32,12 @@ pub trait Fleet: Send + Sync {
     /// last published it.
     async fn runs(&self) -> Result<Vec<Run>, CoreError>;
 
+    /// Run `id` as the catalog has it, when another node holds it.
+    async fn run(&self, id: Ulid) -> Result<Option<Run>, CoreError>;
+
+    /// The fleet's part of the ledger ([`crate::ledger::Shared`]).
+    fn ledger(&self) -> std::sync::Arc<dyn crate::ledger::Shared>;
+
     /// Where run `id` is when another node holds it (None: no node does,
     /// or this one).
     async fn locate(&self, id: Ulid) -> Result<Option<Located>, CoreError>;

@@ -12,12 +12,16 @@
 //!
 //! [`LocalLedger`] keeps the facts in memory for one node (they are
 //! rebuilt at start from the run records, as each run is adopted again).
+//! On a node of a fleet it also tells the fleet's [`Shared`] book what
+//! spans nodes: how many runs of each tenant it counts (so a tenant's
+//! `maxRuns` holds across the fleet) and the idempotency keys its creates
+//! took (so a repeat sent to another node finds the run).
 //! The steps that decide (a reservation, a claim, a wake's slot, a volume
 //! writer) are `async`, so that a ledger shared by several nodes can take
 //! them in a database transaction; the reports and reads are not.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use async_trait::async_trait;
 use runbox_types::{ErrorCode, VolumeHolder, VolumeMode};
@@ -218,6 +222,46 @@ pub trait Ledger: Send + Sync {
 
     /// Where parked member `id` stands and the layers it mounts.
     fn member(&self, id: Ulid) -> Option<(Standing, Vec<String>)>;
+
+    /// From now on this node's ledger is part of the fleet's: `shared` is
+    /// told every count (starting with all of them) and asked too.
+    fn share(&self, shared: Arc<dyn Shared>);
+}
+
+/// The part of the ledger the nodes of a fleet share (kept by
+/// `runbox-fleet` in PostgreSQL).
+///
+/// Each node tells how many runs of each tenant it counts, every change
+/// with a sequence number that only grows, so a late write never replaces
+/// a newer one; a create of a tenant's is admitted against the sum over
+/// the fleet's nodes in one transaction with the node's new count, so two
+/// nodes never both take the last run of a quota.
+#[async_trait]
+pub trait Shared: Send + Sync {
+    /// This node counts `count` runs of `tenant` from now (as of `seq`),
+    /// more than before: refused with the tenant's quota error when the
+    /// fleet's count would pass `max_runs` (0: no limit), as deleted when
+    /// the fleet has no such tenant; `503 cluster_unavailable` without the
+    /// database.
+    async fn admit(
+        &self,
+        tenant: &str,
+        max_runs: u32,
+        count: usize,
+        seq: u64,
+    ) -> Result<(), CoreError>;
+
+    /// This node's counts of every tenant's runs are `counts` as of `seq`
+    /// (tenants not named: none). Never waits: written behind.
+    fn counted(&self, counts: HashMap<String, usize>, seq: u64);
+
+    /// Takes idempotency key `key` for run `run` across the fleet: the run
+    /// an earlier create of any node made with it, or a conflict when that
+    /// create asked for something else.
+    async fn take_key(&self, key: &Idempotency, run: Ulid) -> Result<Option<Ulid>, CoreError>;
+
+    /// Run `run` no longer answers for its key (written behind).
+    fn free_key(&self, run: Ulid);
 }
 
 /// What a create that took a pool member brings to it: held from the
@@ -274,6 +318,8 @@ pub struct LocalLedger {
     lines: Mutex<Book>,
     tenants: Arc<dyn TenantStore>,
     volumes: Arc<Volumes>,
+    /// The fleet's book, on a node of a fleet.
+    shared: OnceLock<Arc<dyn Shared>>,
 }
 
 #[derive(Default)]
@@ -284,9 +330,26 @@ struct Book {
     /// Tenants being removed: their runs are refused meanwhile (the
     /// removal may wait for a database, and the book is not held for it).
     retiring: std::collections::HashSet<String>,
+    /// The counts by tenant the fleet was last told, and the sequence
+    /// number they were told with (microseconds since the epoch at start,
+    /// then one more per change, so a restarted node's are newer).
+    told: HashMap<String, usize>,
+    seq: u64,
 }
 
 impl Book {
+    /// The counts by tenant and their sequence number when they changed
+    /// since the fleet was last told.
+    fn news(&mut self) -> Option<(HashMap<String, usize>, u64)> {
+        let now = self.tally().by_tenant;
+        if now == self.told {
+            return None;
+        }
+        self.told = now.clone();
+        self.seq += 1;
+        Some((now, self.seq))
+    }
+
     fn tally(&self) -> Tally {
         let mut tally = Tally::default();
         for line in self.runs.values().filter(|l| l.counts()) {
@@ -357,10 +420,86 @@ impl LocalLedger {
     /// An empty ledger; `tenants` and `volumes` say which tenants and
     /// volumes exist.
     pub(crate) fn new(tenants: Arc<dyn TenantStore>, volumes: Arc<Volumes>) -> LocalLedger {
+        let start = time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1000;
         LocalLedger {
-            lines: Mutex::new(Book::default()),
+            lines: Mutex::new(Book {
+                seq: u64::try_from(start).unwrap_or(0),
+                ..Book::default()
+            }),
             tenants,
             volumes,
+            shared: OnceLock::new(),
+        }
+    }
+
+    fn start_sharing(&self, shared: Arc<dyn Shared>) {
+        if self.shared.set(shared.clone()).is_err() {
+            return;
+        }
+        let mut book = self.book();
+        book.seq += 1;
+        book.told = book.tally().by_tenant;
+        shared.counted(book.told.clone(), book.seq);
+    }
+
+    /// Tells the fleet the counts when they changed.
+    fn tell(&self, book: &mut Book) {
+        if let Some(shared) = self.shared.get() {
+            if let Some((counts, seq)) = book.news() {
+                shared.counted(counts, seq);
+            }
+        }
+    }
+
+    /// Takes runs `ids` off the book again (a reservation the fleet
+    /// refused).
+    fn undo(&self, ids: &[Ulid]) {
+        let mut book = self.book();
+        for id in ids {
+            book.runs.remove(id);
+        }
+        self.tell(&mut book);
+    }
+
+    /// The fleet's part of a reservation the book has entered (`run` the
+    /// first of its runs): the key across the fleet, then the tenant's
+    /// count. None: admitted; an earlier run: the key's.
+    async fn admit_shared(&self, ask: &Ask<'_>, run: Ulid) -> Result<Option<Ulid>, CoreError> {
+        let Some(shared) = self.shared.get() else {
+            return Ok(None);
+        };
+        if let Some(key) = ask.key {
+            if let Some(earlier) = shared.take_key(key, run).await? {
+                return Ok(Some(earlier));
+            }
+        }
+        let Some(tenant) = ask.owner.tenant() else {
+            return Ok(None);
+        };
+        let (count, seq) = self.told(tenant);
+        if let Err(e) = shared.admit(tenant, ask.owner.max_runs(), count, seq).await {
+            if ask.key.is_some() {
+                shared.free_key(run);
+            }
+            return Err(e);
+        }
+        Ok(None)
+    }
+
+    /// `tenant`'s count as the fleet is told it now, with its sequence
+    /// number.
+    fn told(&self, tenant: &str) -> (usize, u64) {
+        let mut book = self.book();
+        self.tell(&mut book);
+        (book.told.get(tenant).copied().unwrap_or(0), book.seq)
+    }
+
+    /// Frees run `line`'s key across the fleet, if it took one.
+    fn free_key(&self, id: Ulid, line: &Line) {
+        let keyed =
+            line.entry.key.is_some() || line.taken.as_ref().is_some_and(|t| t.key.is_some());
+        if let (true, Some(shared)) = (keyed, self.shared.get()) {
+            shared.free_key(id);
         }
     }
 
@@ -458,21 +597,37 @@ pub(crate) fn being_written(name: &str) -> CoreError {
 #[async_trait]
 impl Ledger for LocalLedger {
     async fn reserve(&self, ask: Ask<'_>, runs: Vec<(Ulid, Entry)>) -> Result<Reserved, CoreError> {
-        let mut book = self.book();
-        if let Some(earlier) = self.admit(&book, &ask)? {
-            return Ok(Reserved::Earlier(earlier));
+        let ids: Vec<Ulid> = runs.iter().map(|(id, _)| *id).collect();
+        {
+            let mut book = self.book();
+            if let Some(earlier) = self.admit(&book, &ask)? {
+                return Ok(Reserved::Earlier(earlier));
+            }
+            for (id, entry) in runs {
+                book.runs.insert(
+                    id,
+                    Line {
+                        entry,
+                        taken: None,
+                        waking: false,
+                    },
+                );
+            }
         }
-        for (id, entry) in runs {
-            book.runs.insert(
-                id,
-                Line {
-                    entry,
-                    taken: None,
-                    waking: false,
-                },
-            );
+        let Some(first) = ids.first() else {
+            return Ok(Reserved::Entered);
+        };
+        match self.admit_shared(&ask, *first).await {
+            Ok(None) => Ok(Reserved::Entered),
+            Ok(Some(earlier)) => {
+                self.undo(&ids);
+                Ok(Reserved::Earlier(earlier))
+            }
+            Err(e) => {
+                self.undo(&ids);
+                Err(e)
+            }
         }
-        Ok(Reserved::Entered)
     }
 
     async fn claim(
@@ -480,48 +635,82 @@ impl Ledger for LocalLedger {
         ask: Ask<'_>,
         next: &mut (dyn FnMut() -> Option<Ulid> + Send),
     ) -> Result<Claimed, CoreError> {
-        let mut book = self.book();
-        if let Some(earlier) = self.admit(&book, &ask)? {
-            return Ok(Claimed::Earlier(earlier));
-        }
-        while let Some(id) = next() {
-            let Some(line) = book.runs.get_mut(&id) else {
-                continue;
-            };
-            if line.entry.standing != Standing::Pooled || line.taken.is_some() {
-                continue;
+        let taken = {
+            let mut book = self.book();
+            if let Some(earlier) = self.admit(&book, &ask)? {
+                return Ok(Claimed::Earlier(earlier));
             }
-            line.taken = Some(Taken {
-                key: ask.key.cloned(),
-                tenant: ask.owner.tenant().map(str::to_owned),
-                volumes: ask.volumes.to_vec(),
-            });
-            return Ok(Claimed::Member(id));
+            let mut taken = None;
+            while let Some(id) = next() {
+                let Some(line) = book.runs.get_mut(&id) else {
+                    continue;
+                };
+                if line.entry.standing != Standing::Pooled || line.taken.is_some() {
+                    continue;
+                }
+                line.taken = Some(Taken {
+                    key: ask.key.cloned(),
+                    tenant: ask.owner.tenant().map(str::to_owned),
+                    volumes: ask.volumes.to_vec(),
+                });
+                taken = Some(id);
+                break;
+            }
+            taken
+        };
+        let Some(id) = taken else {
+            return Ok(Claimed::Empty);
+        };
+        let shared = self.admit_shared(&ask, id).await;
+        if !matches!(shared, Ok(None)) {
+            // The member goes back to the pool, untaken.
+            let mut book = self.book();
+            if let Some(line) = book.runs.get_mut(&id) {
+                line.taken = None;
+            }
+            self.tell(&mut book);
         }
-        Ok(Claimed::Empty)
+        match shared? {
+            None => Ok(Claimed::Member(id)),
+            Some(earlier) => Ok(Claimed::Earlier(earlier)),
+        }
     }
 
     async fn wake(&self, id: Ulid, max_runs: usize) -> Result<(), CoreError> {
-        let mut book = self.book();
-        let tally = book.tally();
-        if tally.counted >= max_runs {
-            return Err(CoreError::Capacity(max_runs));
-        }
-        let Some(line) = book.runs.get_mut(&id) else {
-            return Err(CoreError::RunNotFound(id));
+        let owner = {
+            let mut book = self.book();
+            let tally = book.tally();
+            if tally.counted >= max_runs {
+                return Err(CoreError::Capacity(max_runs));
+            }
+            let Some(line) = book.runs.get_mut(&id) else {
+                return Err(CoreError::RunNotFound(id));
+            };
+            // A tenant since deleted has no policy left, so no quota.
+            let owner = Owner(line.tenant().and_then(|t| self.tenants.get(t)));
+            if let Some(tenant) = owner.tenant() {
+                owner.check_quota(tally.of(tenant), 1)?;
+            }
+            line.waking = true;
+            owner
         };
-        // A tenant since deleted has no policy left, so no quota.
-        if let Some(tenant) = line.tenant() {
-            Owner(self.tenants.get(tenant)).check_quota(tally.of(tenant), 1)?;
+        let (Some(shared), Some(tenant)) = (self.shared.get(), owner.tenant()) else {
+            return Ok(());
+        };
+        let (count, seq) = self.told(tenant);
+        if let Err(e) = shared.admit(tenant, owner.max_runs(), count, seq).await {
+            self.end_wake(id);
+            return Err(e);
         }
-        line.waking = true;
         Ok(())
     }
 
     fn end_wake(&self, id: Ulid) {
-        if let Some(line) = self.book().runs.get_mut(&id) {
+        let mut book = self.book();
+        if let Some(line) = book.runs.get_mut(&id) {
             line.waking = false;
         }
+        self.tell(&mut book);
     }
 
     async fn write_volume(&self, volume: Ulid, name: &str) -> Result<(), CoreError> {
@@ -607,7 +796,8 @@ impl Ledger for LocalLedger {
     }
 
     fn enter(&self, id: Ulid, entry: Entry) {
-        self.book().runs.insert(
+        let mut book = self.book();
+        book.runs.insert(
             id,
             Line {
                 entry,
@@ -615,12 +805,22 @@ impl Ledger for LocalLedger {
                 waking: false,
             },
         );
+        self.tell(&mut book);
     }
 
     fn report(&self, id: Ulid, entry: Entry) {
-        if let Some(line) = self.book().runs.get_mut(&id) {
-            line.entry = entry;
+        let mut book = self.book();
+        let Some(line) = book.runs.get_mut(&id) else {
+            return;
+        };
+        let ending = entry.standing == Standing::Ending && line.entry.standing != Standing::Ending;
+        line.entry = entry;
+        // A run being removed no longer answers for its key.
+        if ending {
+            let line = line.clone();
+            self.free_key(id, &line);
         }
+        self.tell(&mut book);
     }
 
     fn forgo_volumes(&self, id: Ulid) {
@@ -630,7 +830,11 @@ impl Ledger for LocalLedger {
     }
 
     fn release(&self, id: Ulid) -> Option<Entry> {
-        self.book().runs.remove(&id).map(|line| line.entry)
+        let mut book = self.book();
+        let line = book.runs.remove(&id)?;
+        self.free_key(id, &line);
+        self.tell(&mut book);
+        Some(line.entry)
     }
 
     fn tally(&self) -> Tally {
@@ -683,6 +887,10 @@ impl Ledger for LocalLedger {
             .values()
             .filter_map(|l| l.entry.warm)
             .collect()
+    }
+
+    fn share(&self, shared: Arc<dyn Shared>) {
+        self.start_sharing(shared);
     }
 
     fn member(&self, id: Ulid) -> Option<(Standing, Vec<String>)> {
@@ -1018,5 +1226,92 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(gone.code(), ErrorCode::VolumeNotFound);
+    }
+
+    /// A fleet's book in memory: admits up to `room` runs of a tenant over
+    /// all it was told, answers keys from its map.
+    #[derive(Default)]
+    struct FleetBook {
+        room: usize,
+        told: Mutex<Vec<(HashMap<String, usize>, u64)>>,
+        keys: Mutex<HashMap<String, Ulid>>,
+        freed: Mutex<Vec<Ulid>>,
+    }
+
+    #[async_trait]
+    impl Shared for FleetBook {
+        async fn admit(
+            &self,
+            tenant: &str,
+            max: u32,
+            count: usize,
+            _: u64,
+        ) -> Result<(), CoreError> {
+            match count > self.room {
+                true => Err(CoreError::TenantQuota {
+                    tenant: tenant.into(),
+                    max,
+                }),
+                false => Ok(()),
+            }
+        }
+        fn counted(&self, counts: HashMap<String, usize>, seq: u64) {
+            self.told.lock().unwrap().push((counts, seq));
+        }
+        async fn take_key(&self, key: &Idempotency, run: Ulid) -> Result<Option<Ulid>, CoreError> {
+            let mut keys = self.keys.lock().unwrap();
+            match keys.get(&key.key) {
+                Some(earlier) => Ok(Some(*earlier)),
+                None => {
+                    keys.insert(key.key.clone(), run);
+                    Ok(None)
+                }
+            }
+        }
+        fn free_key(&self, run: Ulid) {
+            self.freed.lock().unwrap().push(run);
+        }
+    }
+
+    #[tokio::test]
+    async fn the_fleets_refusal_or_earlier_run_takes_the_reservation_back() {
+        let f = fixture();
+        let acme = f.tenant("acme", 5);
+        let fleet = Arc::new(FleetBook {
+            room: 1,
+            ..Default::default()
+        });
+        f.ledger.share(fleet.clone());
+        let (first, _) = f.create(&acme, None, &[], 10).await.unwrap();
+        // The fleet refuses the second: the book is as before it.
+        let err = f.create(&acme, None, &[], 10).await.unwrap_err();
+        assert_eq!(err.code(), ErrorCode::TenantQuota);
+        assert_eq!(f.ledger.tally().of("acme"), 1);
+        // A key another node took answers with that node's run.
+        let elsewhere = Ulid::new();
+        fleet.keys.lock().unwrap().insert("k".into(), elsewhere);
+        let key = Idempotency {
+            key: "k".into(),
+            request: "r".into(),
+            tenant: None,
+        };
+        let (_, reserved) = f.create(&Owner::root(), Some(&key), &[], 10).await.unwrap();
+        assert_eq!(reserved, Reserved::Earlier(elsewhere));
+        assert_eq!(f.ledger.tally().counted, 1);
+        // Every change was told, newest last, and the release frees keys.
+        f.ledger.release(first);
+        let told = fleet.told.lock().unwrap().clone();
+        assert!(told.windows(2).all(|w| w[0].1 < w[1].1), "{told:?}");
+        assert_eq!(told.last().map(|t| t.0.get("acme").copied()), Some(None));
+        let fresh = Idempotency {
+            key: "fresh".into(),
+            ..key
+        };
+        let (keyed, _) = f
+            .create(&Owner::root(), Some(&fresh), &[], 10)
+            .await
+            .unwrap();
+        f.ledger.release(keyed);
+        assert_eq!(*fleet.freed.lock().unwrap(), vec![keyed]);
     }
 }

@@ -452,6 +452,11 @@ impl Owner {
         self.0.as_deref().map(|t| t.name.as_str())
     }
 
+    /// The tenant's `maxRuns` (0: no limit; the operator has none).
+    pub fn max_runs(&self) -> u32 {
+        self.0.as_deref().map_or(0, |t| t.policy.max_runs)
+    }
+
     /// The egress class the tenant's runs are bound to, if any.
     pub fn egress_class(&self) -> Option<&str> {
         self.0

@@ -369,7 +369,10 @@ async fn images_are_listed_protected_while_used_and_removed() {
         .unwrap();
     assert_eq!(refused.status(), 409);
     assert_eq!(
-        refused.headers().get("connection").map(|v| v.to_str().unwrap()),
+        refused
+            .headers()
+            .get("connection")
+            .map(|v| v.to_str().unwrap()),
         Some("close")
     );
     let read = http

@@ -214,20 +214,55 @@ async fn without_its_database_a_node_serves_its_runs_and_says_503_for_the_fleet(
     // Its own runs go on.
     let out = a.sh(&id, "echo still here").await;
     assert_eq!(out.stdout, b"still here\n");
-    let more = a.create().await;
-    // Back: the fleet answers again, and the heartbeat resumes.
+    // A create takes its idempotency key (every client sends one) and its
+    // tenant's count from the fleet's ledger: refused meanwhile, with
+    // Retry-After; one without a key or tenant is this node's alone.
+    let base = runbox_types::CreateRunRequest {
+        image: "base".into(),
+        ..Default::default()
+    };
+    let err = a
+        .client
+        .create_run_with_key(&base, "while-down")
+        .await
+        .expect_err("the database is down");
+    assert!(err.to_string().contains("cluster_unavailable"), "{err}");
+    let unkeyed = reqwest::Client::new()
+        .post(format!("{}/v1/runs", a.url))
+        .bearer_auth(&a.token)
+        .json(&base)
+        .send()
+        .await
+        .expect("POST /v1/runs");
+    assert_eq!(unkeyed.status().as_u16(), 201, "{}", a.log());
+    let unkeyed: runbox_types::Run = unkeyed.json().await.expect("a run");
+    // Back: the fleet answers again, the heartbeat resumes, and keyed
+    // creates are served.
     pg.start_again();
+    let more = eventually_async(Duration::from_secs(15), || async {
+        a.client
+            .create_run_with_key(&base, "while-down")
+            .await
+            .is_ok()
+    })
+    .await;
+    assert!(more, "creates never came back: {}", a.log());
+    let more = a
+        .client
+        .create_run_with_key(&base, "while-down")
+        .await
+        .expect("the repeat answers with the run");
     let back = eventually_async(Duration::from_secs(15), || async {
         a.client.cluster().await.is_ok_and(|s| {
             s.nodes
                 .iter()
-                .any(|n| n.id == "n1" && n.state == NodeState::Active && n.runs == 2)
+                .any(|n| n.id == "n1" && n.state == NodeState::Active && n.runs == 3)
         })
     })
     .await;
     assert!(back, "the fleet never answered again: {}", a.log());
     assert!(a.log().contains("answers again"), "{}", a.log());
-    for id in [id, more.id.to_string()] {
+    for id in [id, more.id.to_string(), unkeyed.id.to_string()] {
         a.client.delete_run(&id).await.expect("delete");
     }
 }
@@ -415,6 +450,117 @@ async fn a_tenant_made_on_one_node_is_every_nodes() {
     .await;
     assert!(gone, "n2 kept acme");
     assert_eq!(pg.psql("SELECT count(*) FROM runbox_tenants"), "0");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quotas_keys_and_tenant_deletes_hold_across_the_fleet() {
+    use runbox_types::{CreateRunRequest, CreateTenantRequest, ErrorCode};
+    let pg = PgServer::start();
+    let (a, b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let made = a
+        .client
+        .create_tenant(&CreateTenantRequest {
+            name: "acme".into(),
+            max_runs: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("tenant made on n1");
+    let on_a = runbox_client::Client::new(&a.url, made.token.clone()).expect("client");
+    let on_b = runbox_client::Client::new(&b.url, made.token.clone()).expect("client");
+    let known = eventually_async(Duration::from_secs(10), || async {
+        on_b.list_runs().await.is_ok()
+    })
+    .await;
+    assert!(known, "n2 never knew acme: {}", b.log());
+    let base = CreateRunRequest {
+        image: "base".into(),
+        ..Default::default()
+    };
+    // maxRuns is the fleet's: one run on each node fills it, and a third
+    // is refused by either node.
+    let first = on_a.create_run(&base).await.expect("acme's run on n1");
+    let second = on_b.create_run(&base).await.expect("acme's run on n2");
+    assert_eq!(
+        (first.server.as_str(), second.server.as_str()),
+        ("n1", "n2")
+    );
+    for (node, client) in [("n1", &on_a), ("n2", &on_b)] {
+        let err = client
+            .create_run(&base)
+            .await
+            .expect_err("the quota is full");
+        assert_eq!(err.code(), Some(ErrorCode::TenantQuota), "{node}: {err}");
+    }
+    // A run ended on n1 frees a place on n2 (the count falls behind); n1
+    // holds none of acme's runs now, but the tenant cannot be deleted
+    // there while n2 holds one.
+    on_a.delete_run(&first.id.to_string())
+        .await
+        .expect("delete on n1");
+    let err = a
+        .client
+        .delete_tenant("acme")
+        .await
+        .expect_err("n2 has a run");
+    assert_eq!(err.code(), Some(ErrorCode::TenantHasRuns), "{err}");
+    assert!(err.to_string().contains("node n2"), "{err}");
+    let again = eventually_async(Duration::from_secs(10), || async {
+        on_b.create_run(&base).await.is_ok()
+    })
+    .await;
+    assert!(again, "n2 never saw the place n1 freed: {}", b.log());
+    // An idempotency key is the fleet's: the repeat sent to n2 answers
+    // with n1's run, another request with it is refused.
+    let key = "fleet-wide-key";
+    let made_on_a = a
+        .client
+        .create_run_with_key(&base, key)
+        .await
+        .expect("keyed create on n1");
+    let repeat = b
+        .client
+        .create_run_with_key(&base, key)
+        .await
+        .expect("the repeat on n2");
+    assert_eq!((repeat.id, repeat.server.as_str()), (made_on_a.id, "n1"));
+    let other = CreateRunRequest {
+        image: "base".into(),
+        labels: Some([("other".to_string(), "request".to_string())].into()),
+        ..Default::default()
+    };
+    let err = b
+        .client
+        .create_run_with_key(&other, key)
+        .await
+        .expect_err("another request with the key");
+    assert_eq!(err.code(), Some(ErrorCode::IdempotencyKeyReused), "{err}");
+    // Once its run is deleted, the key makes a new run anywhere.
+    a.client
+        .delete_run(&made_on_a.id.to_string())
+        .await
+        .expect("delete the keyed run");
+    let fresh = eventually_async(Duration::from_secs(10), || async {
+        b.client
+            .create_run_with_key(&base, key)
+            .await
+            .is_ok_and(|run| run.id != made_on_a.id && run.server == "n2")
+    })
+    .await;
+    assert!(fresh, "{}", b.log());
+    // With acme's runs gone from every node, the delete goes through.
+    for run in on_b.list_runs().await.expect("acme's runs").runs {
+        on_b.delete_run(&run.id.to_string()).await.expect("delete");
+    }
+    let deleted = eventually_async(Duration::from_secs(15), || async {
+        a.client.delete_tenant("acme").await.is_ok()
+    })
+    .await;
+    assert!(deleted, "{}", a.log());
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM runbox_tenant_runs WHERE tenant = 'acme'"),
+        "0"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -68,6 +68,21 @@ impl Catalog {
         let _ = self.changes.send(Change::Resync(generation, list()));
     }
 
+    /// Run `id` as the catalog lists it, if it does.
+    pub(crate) async fn run(&self, id: Ulid) -> Result<Option<Run>, CoreError> {
+        let row = sqlx::query("SELECT run FROM runbox_runs WHERE id = $1 AND status <> 'gone'")
+            .bind(id.to_string())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        row.map(|row| {
+            row.try_get::<sqlx::types::Json<Run>, _>("run")
+                .map(|json| json.0)
+                .map_err(unavailable)
+        })
+        .transpose()
+    }
+
     /// Every run the catalog lists, by id.
     pub(crate) async fn runs(&self) -> Result<Vec<Run>, CoreError> {
         let rows = sqlx::query("SELECT run FROM runbox_runs WHERE status <> 'gone' ORDER BY id")

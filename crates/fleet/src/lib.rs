@@ -24,6 +24,7 @@ use sqlx::migrate::{Migration, MigrationSource, MigrationType, Migrator};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::Row;
 
+mod book;
 mod catalog;
 mod tenants;
 #[cfg(feature = "testing")]
@@ -41,6 +42,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     ),
     (2, "tenants", include_str!("../migrations/0002_tenants.sql")),
     (3, "runs", include_str!("../migrations/0003_runs.sql")),
+    (4, "ledger", include_str!("../migrations/0004_ledger.sql")),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -185,6 +187,8 @@ pub struct Cluster {
     target: String,
     /// This node's side of the run catalog.
     catalog: catalog::Catalog,
+    /// This node's side of the fleet's ledger.
+    book: Arc<book::Book>,
     /// The key node-to-node proofs are made with.
     proof_key: Vec<u8>,
 }
@@ -338,12 +342,19 @@ impl Cluster {
         tracing::info!(node = %options.node, advertise = %options.advertise, database = %target, "joined the cluster");
         let catalog = catalog::Catalog::start(pool.clone(), options.node.clone(), target.clone());
         let proof_key = shared_secret(&options.key, "node-proof").into_bytes();
+        let book = Arc::new(book::Book::start(
+            pool.clone(),
+            options.node.clone(),
+            target.clone(),
+            options.gone_after,
+        ));
         Ok(Arc::new(Cluster {
             pool,
             options,
             incarnation,
             target,
             catalog,
+            book,
             proof_key,
         }))
     }
@@ -360,12 +371,17 @@ impl Cluster {
         self: &Arc<Self>,
         local: &[Arc<runbox_core::tenants::TenantEntry>],
     ) -> Result<Arc<PgTenants>, JoinError> {
-        PgTenants::open(self.pool.clone(), self.target.clone(), local)
-            .await
-            .map_err(|e| match e {
-                tenants::Refused::Query(e) => query(e),
-                conflict => JoinError::Tenant(conflict.to_string()),
-            })
+        PgTenants::open(
+            self.pool.clone(),
+            self.target.clone(),
+            self.options.node.clone(),
+            local,
+        )
+        .await
+        .map_err(|e| match e {
+            tenants::Refused::Query(e) => query(e),
+            conflict => JoinError::Tenant(conflict.to_string()),
+        })
     }
 
     /// Stamps this node's heartbeat and load every [`Options::heartbeat`]
@@ -448,6 +464,14 @@ impl Fleet for Cluster {
 
     async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {
         self.catalog.runs().await
+    }
+
+    async fn run(&self, id: ulid::Ulid) -> Result<Option<runbox_types::Run>, CoreError> {
+        self.catalog.run(id).await
+    }
+
+    fn ledger(&self) -> Arc<dyn runbox_core::ledger::Shared> {
+        self.book.clone()
     }
 
     async fn locate(&self, id: ulid::Ulid) -> Result<Option<Located>, CoreError> {

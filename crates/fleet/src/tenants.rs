@@ -45,6 +45,8 @@ pub enum Refused {
 pub struct PgTenants {
     pool: PgPool,
     target: String,
+    /// This node: its own runs of a tenant are the ledger's to check.
+    node: String,
     copy: RwLock<TenantIndex>,
 }
 
@@ -56,6 +58,7 @@ impl PgTenants {
     pub(crate) async fn open(
         pool: PgPool,
         target: String,
+        node: String,
         local: &[Arc<TenantEntry>],
     ) -> Result<Arc<PgTenants>, Refused> {
         for entry in local {
@@ -84,6 +87,7 @@ impl PgTenants {
         let tenants = Arc::new(PgTenants {
             pool,
             target,
+            node,
             copy: RwLock::new(TenantIndex::default()),
         });
         tenants.reload().await?;
@@ -292,6 +296,41 @@ impl TenantStore for PgTenants {
     fn delete(&self, name: &str) -> Result<(), CoreError> {
         self.wait(async {
             let mut tx = self.pool.begin().await.map_err(unavailable)?;
+            // The row's lock keeps every node's creates of the tenant out
+            // while its runs elsewhere are counted.
+            sqlx::query("SELECT 1 FROM runbox_tenants WHERE name = $1 FOR UPDATE")
+                .bind(name)
+                .execute(&mut *tx)
+                .await
+                .map_err(unavailable)?;
+            let elsewhere: Option<(String, i64)> = sqlx::query_as(
+                "SELECT node, sum(n)::bigint FROM ( \
+                   SELECT node, runs::bigint AS n FROM runbox_tenant_runs \
+                   WHERE tenant = $1 AND node <> $2 AND runs > 0 \
+                   UNION ALL \
+                   SELECT node, count(*) FROM runbox_runs \
+                   WHERE tenant = $1 AND node <> $2 AND status <> 'gone' GROUP BY node \
+                 ) held GROUP BY node ORDER BY node LIMIT 1",
+            )
+            .bind(name)
+            .bind(&self.node)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(unavailable)?;
+            if let Some((node, _)) = elsewhere {
+                return Err(CoreError::Conflict {
+                    code: runbox_types::ErrorCode::TenantHasRuns,
+                    message: format!(
+                        "tenant {name:?} still has runs on node {node}; delete them first \
+                         (rotating its token shuts it out at once)"
+                    ),
+                });
+            }
+            sqlx::query("DELETE FROM runbox_tenant_runs WHERE tenant = $1")
+                .bind(name)
+                .execute(&mut *tx)
+                .await
+                .map_err(unavailable)?;
             let gone = sqlx::query("DELETE FROM runbox_tenants WHERE name = $1")
                 .bind(name)
                 .execute(&mut *tx)

@@ -143,6 +143,7 @@ impl Manager {
             // What this node holds now; from here on each run's owner
             // reports its changes.
             fleet.resync_runs(&|| self.list());
+            self.context.ledger.share(fleet.ledger());
         }
     }
 
@@ -728,7 +729,7 @@ impl Manager {
     /// The answer to a repeated create: earlier run `id` once it is made.
     async fn answer_repeat(&self, id: Ulid) -> Result<Run, CoreError> {
         let Some(earlier) = self.entered_handle(id).await else {
-            return Err(gone_with_key(id));
+            return self.answer_repeat_elsewhere(id).await;
         };
         earlier.settled().await;
         // A pool member taken by the earlier create: once it is applied.
@@ -738,6 +739,29 @@ impl Manager {
             // The earlier create failed or its run is being deleted.
             _ => Err(gone_with_key(id)),
         }
+    }
+
+    /// The answer to a repeated create whose earlier run another node of
+    /// the fleet made: that run as the catalog has it, once its node has
+    /// written it there (a moment after it took the key).
+    async fn answer_repeat_elsewhere(&self, id: Ulid) -> Result<Run, CoreError> {
+        let Some(fleet) = self.fleet() else {
+            return Err(gone_with_key(id));
+        };
+        // As a repeat on the same node waits for the earlier create to
+        // settle, so does this one (bounded: a create answers well within).
+        let started = std::time::Instant::now();
+        let mut seen = false;
+        while started.elapsed() < std::time::Duration::from_secs(60) {
+            match fleet.run(id).await? {
+                Some(run) if run.status != runbox_types::RunStatus::Creating => return Ok(run),
+                Some(_) => seen = true,
+                None if seen || started.elapsed() > std::time::Duration::from_secs(3) => break,
+                None => {}
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        Err(gone_with_key(id))
     }
 
     /// The handle of run `id`, which the ledger has: a run entered a
