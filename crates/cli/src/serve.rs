@@ -656,10 +656,27 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let node = manager.clone();
         cluster.spawn_heartbeat(Arc::new(move || {
             let info = node.info();
+            let mut images = Vec::new();
+            for image in runbox_core::RunService::list_images(&node).unwrap_or_default() {
+                images.push(image.name);
+                if !image.source.is_empty() {
+                    images.push(image.source);
+                }
+            }
+            images.sort();
+            images.dedup();
+            let pooled = runbox_core::RunService::pools(&node)
+                .pools
+                .into_iter()
+                .filter(|p| p.ready > 0)
+                .map(|p| p.image)
+                .collect();
             runbox_fleet::Load {
                 runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
                 pools_ready: u32::try_from(info.capacity.pooled).unwrap_or(u32::MAX),
                 draining: info.draining,
+                images,
+                pooled,
             }
         }));
     }

@@ -38,6 +38,10 @@ pub trait Fleet: Send + Sync {
     /// The fleet's part of the ledger ([`crate::ledger::Shared`]).
     fn ledger(&self) -> std::sync::Arc<dyn crate::ledger::Shared>;
 
+    /// The node a create of `want` is best made on (see `runbox-fleet`'s
+    /// placement); None keeps it on this node.
+    async fn place(&self, want: &Want) -> Result<Option<Located>, CoreError>;
+
     /// Where run `id` is when another node holds it (None: no node does,
     /// or this one).
     async fn locate(&self, id: Ulid) -> Result<Option<Located>, CoreError>;
@@ -49,6 +53,22 @@ pub trait Fleet: Send + Sync {
     /// Whether `proof` is a node of the fleet's proof of `what`, made in
     /// the last minute.
     fn proven(&self, what: &str, proof: &str) -> bool;
+}
+
+/// What placement weighs of a create.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Want {
+    /// The names its image goes by: as the create wrote it, and as a
+    /// normalised reference when it is one.
+    pub images: Vec<String>,
+    /// Whether a node without the image may pull it.
+    pub pullable: bool,
+    /// Whose run it is.
+    pub tenant: Option<String>,
+    /// The node that received the create.
+    pub here: String,
+    /// Whether that node is full (so never it).
+    pub here_full: bool,
 }
 
 /// Where a run another node holds is.

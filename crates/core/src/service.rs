@@ -493,6 +493,17 @@ pub trait RunService: Clone + Send + Sync + 'static {
         let _ = id;
         async { Ok(None) }
     }
+    /// The node of the fleet a create of `req` by `owner` is best made on,
+    /// when it is another (never this node when `here_full`).
+    fn place(
+        &self,
+        req: &runbox_types::CreateRunRequest,
+        owner: &crate::tenants::Owner,
+        here_full: bool,
+    ) -> impl Future<Output = Result<Option<crate::fleet::Located>, CoreError>> + Send {
+        let _ = (req, owner, here_full);
+        async { Ok(None) }
+    }
     /// Whether this node belongs to a fleet (other nodes may hold runs).
     fn in_fleet(&self) -> bool {
         false
@@ -828,6 +839,15 @@ impl RunService for Arc<Manager> {
                 .filter(|at| at.node != self.server_id)),
             None => Ok(None),
         }
+    }
+
+    async fn place(
+        &self,
+        req: &runbox_types::CreateRunRequest,
+        owner: &crate::tenants::Owner,
+        here_full: bool,
+    ) -> Result<Option<crate::fleet::Located>, CoreError> {
+        Manager::place(self, req, owner, here_full).await
     }
 
     fn in_fleet(&self) -> bool {

@@ -564,6 +564,51 @@ async fn quotas_keys_and_tenant_deletes_hold_across_the_fleet() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_full() {
+    use runbox_types::{CreateRunRequest, ErrorCode};
+    let pg = PgServer::start();
+    let (a, b) = tokio::join!(
+        node(&pg, "n1", &["--max-runs", "1"]),
+        node(&pg, "n2", &["--max-runs", "2"])
+    );
+    b.import("only2", runbox_e2e::busybox_tar()).await;
+    let listed = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT 'only2' = ANY(images) FROM runbox_nodes WHERE id = 'n2'") == "t"
+    })
+    .await;
+    assert!(listed, "n2's heartbeat never named its image");
+    let create = |image: &str| CreateRunRequest {
+        image: image.into(),
+        ..Default::default()
+    };
+    // An image only n2 stores: made there, whichever node is asked.
+    let first = a.client.create_run(&create("only2")).await.expect("create via n1");
+    assert_eq!(first.server, "n2");
+    // Room on both: it stays on the node asked.
+    let second = a.client.create_run(&create("base")).await.expect("create via n1");
+    assert_eq!(second.server, "n1");
+    // n1 is full: sent to n2 instead of a 429.
+    let third = a.client.create_run(&create("base")).await.expect("n1 full, n2 not");
+    assert_eq!(third.server, "n2");
+    // Its answer is the run's, with a token that works through any node.
+    let token = third.token.clone().expect("the run's token");
+    let as_run = runbox_client::Client::new(&a.url, token).expect("client");
+    assert_eq!(as_run.get_run(&third.id.to_string()).await.expect("get").server, "n2");
+    // The fleet is full: 429 from either node.
+    for daemon in [&a, &b] {
+        let err = daemon
+            .client
+            .create_run(&create("base"))
+            .await
+            .expect_err("no room anywhere");
+        assert_eq!(err.code(), Some(ErrorCode::Capacity), "{err}");
+    }
+    for run in [first, second, third] {
+        a.client.delete_run(&run.id.to_string()).await.expect("delete");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn every_node_lists_the_fleets_runs_from_the_catalog() {
     use runbox_types::{CreateRunRequest, CreateTenantRequest};
     let pg = PgServer::start();

@@ -26,6 +26,7 @@ use sqlx::Row;
 
 mod book;
 mod catalog;
+mod place;
 mod tenants;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -43,6 +44,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "tenants", include_str!("../migrations/0002_tenants.sql")),
     (3, "runs", include_str!("../migrations/0003_runs.sql")),
     (4, "ledger", include_str!("../migrations/0004_ledger.sql")),
+    (
+        5,
+        "placement",
+        include_str!("../migrations/0005_placement.sql"),
+    ),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -124,7 +130,7 @@ pub struct Facts {
 }
 
 /// How full a node is, stamped with each heartbeat.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Load {
     /// Runs counted against its capacity.
     pub runs: u32,
@@ -132,6 +138,11 @@ pub struct Load {
     pub pools_ready: u32,
     /// Whether it is cordoned.
     pub draining: bool,
+    /// The images it stores: local names and the references they came
+    /// from.
+    pub images: Vec<String>,
+    /// The images its warm pools have ready members of.
+    pub pooled: Vec<String>,
 }
 
 /// Why a node could not join.
@@ -393,8 +404,12 @@ impl Cluster {
         let every = self.options.heartbeat;
         tokio::spawn(async move {
             let mut down = false;
+            let mut first = true;
             loop {
-                tokio::time::sleep(every).await;
+                // The first beat at once: placement reads what it says.
+                if !std::mem::take(&mut first) {
+                    tokio::time::sleep(every).await;
+                }
                 let Some(cluster) = weak.upgrade() else {
                     return;
                 };
@@ -418,14 +433,16 @@ impl Cluster {
     /// row another incarnation has taken over is left alone.
     async fn beat(&self, load: Load) -> Result<(), sqlx::Error> {
         sqlx::query(
-            "UPDATE runbox_nodes SET heartbeat = now(), runs = $3, pools_ready = $4, draining = $5 \
-             WHERE id = $1 AND incarnation = $2",
+            "UPDATE runbox_nodes SET heartbeat = now(), runs = $3, pools_ready = $4, draining = $5, \
+             images = $6, pooled = $7 WHERE id = $1 AND incarnation = $2",
         )
         .bind(&self.options.node)
         .bind(&self.incarnation)
         .bind(i32::try_from(load.runs).unwrap_or(i32::MAX))
         .bind(i32::try_from(load.pools_ready).unwrap_or(i32::MAX))
         .bind(load.draining)
+        .bind(&load.images)
+        .bind(&load.pooled)
         .execute(&self.pool)
         .await
         .map(|_| ())
@@ -472,6 +489,10 @@ impl Fleet for Cluster {
 
     fn ledger(&self) -> Arc<dyn runbox_core::ledger::Shared> {
         self.book.clone()
+    }
+
+    async fn place(&self, want: &runbox_core::fleet::Want) -> Result<Option<Located>, CoreError> {
+        place::place(&self.pool, want, self.options.suspect_after.as_secs_f64()).await
     }
 
     async fn locate(&self, id: ulid::Ulid) -> Result<Option<Located>, CoreError> {

@@ -37,12 +37,13 @@ pub(crate) fn proof_subject(request: &Request) -> String {
     format!("{} {path}", request.method())
 }
 
-/// The node holding run `id` cannot be reached: a 503 that names it.
-fn unreachable(id: Ulid, at: &Located, why: impl std::fmt::Display) -> ApiError {
+/// The node at `at` cannot be reached: a 503 that names it after `what`
+/// ("run X is on").
+fn unreachable(what: &str, at: &Located, why: impl std::fmt::Display) -> ApiError {
     ApiError::new(
         ErrorCode::NodeUnavailable,
         format!(
-            "run {id} is on node {} ({}), which cannot be reached from here ({why}); retry shortly",
+            "{what} node {} ({}), which cannot be reached from here ({why}); retry shortly",
             at.node, at.advertise
         ),
     )
@@ -50,8 +51,14 @@ fn unreachable(id: Ulid, at: &Located, why: impl std::fmt::Display) -> ApiError 
 
 /// Sends `request` (for run `id`) to the node at `at`, with `proof`, and
 /// answers with what that node answers.
-pub(crate) async fn forward(
-    id: Ulid,
+pub(crate) async fn forward(id: Ulid, at: &Located, proof: String, request: Request) -> Response {
+    send_on(&format!("run {id} is on"), at, proof, request).await
+}
+
+/// Sends `request` (about `what`, for messages) to the node at `at`, with
+/// `proof`, and answers with what that node answers.
+pub(crate) async fn send_on(
+    what: &str,
     at: &Located,
     proof: String,
     mut request: Request,
@@ -63,14 +70,14 @@ pub(crate) async fn forward(
     .await
     {
         Ok(Ok(stream)) => stream,
-        Ok(Err(e)) => return unreachable(id, at, e).into_response(),
-        Err(_) => return unreachable(id, at, "no connection within 5s").into_response(),
+        Ok(Err(e)) => return unreachable(what, at, e).into_response(),
+        Err(_) => return unreachable(what, at, "no connection within 5s").into_response(),
     };
     let _ = stream.set_nodelay(true);
     let (mut sender, connection) =
         match hyper::client::conn::http1::handshake::<_, Body>(TokioIo::new(stream)).await {
             Ok(handshake) => handshake,
-            Err(e) => return unreachable(id, at, e).into_response(),
+            Err(e) => return unreachable(what, at, e).into_response(),
         };
     tokio::spawn(async move {
         // Upgraded connections live on past the response.
@@ -105,7 +112,7 @@ pub(crate) async fn forward(
     let outbound = Request::from_parts(parts, body);
     let mut response = match sender.send_request(outbound).await {
         Ok(response) => response,
-        Err(e) => return unreachable(id, at, e).into_response(),
+        Err(e) => return unreachable(what, at, e).into_response(),
     };
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         if let Some(inbound) = inbound {

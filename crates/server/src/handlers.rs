@@ -316,8 +316,38 @@ pub async fn create_run<S: RunService>(
         },
         network: req.network.unwrap_or_default().as_str().to_owned(),
     };
-    let run = match state.service.create(req, key, caller.owner()).await {
+    // On a node of a fleet, a create sent here by a client may be made on
+    // another node (placement), and one this node has no room for is sent
+    // to a node that has; one another node sent on is made here.
+    let placeable = state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF);
+    let owner = caller.owner();
+    if placeable {
+        match state.service.place(&req, &owner, false).await {
+            Ok(Some(at)) => {
+                return Ok(audited(
+                    action,
+                    Ok(create_on(&state, &at, &headers, &req).await),
+                ))
+            }
+            Ok(None) => {}
+            // Placement is a preference: without the database the create
+            // is made here (and the ledger says whether it may be).
+            Err(e) => tracing::debug!(error = %e, "no placement; the create is made here"),
+        }
+    }
+    let again = placeable.then(|| req.clone());
+    let run = match state.service.create(req, key, owner.clone()).await {
         Ok(run) => run,
+        Err(runbox_core::CoreError::Capacity(max)) if again.is_some() => {
+            let req = again.unwrap_or_default();
+            return Ok(audited(
+                action,
+                match state.service.place(&req, &owner, true).await {
+                    Ok(Some(at)) => Ok(create_on(&state, &at, &headers, &req).await),
+                    _ => Err(ApiError::from(runbox_core::CoreError::Capacity(max))),
+                },
+            ));
+        }
         Err(e) => return Ok(audited(action, Err::<(), _>(e.into()))),
     };
     // The record names the run made, and its tenant.
@@ -330,6 +360,40 @@ pub async fn create_run<S: RunService>(
     response.extensions_mut().insert(admitted);
     response.extensions_mut().insert(tenant);
     Ok(response)
+}
+
+/// Sends create `req` (with the caller's credentials and idempotency key
+/// from `headers`) to the node at `at`, which makes it there.
+async fn create_on<S: RunService>(
+    state: &AppState<S>,
+    at: &runbox_core::fleet::Located,
+    headers: &HeaderMap,
+    req: &CreateRunRequest,
+) -> Response {
+    let subject = "POST /v1/runs";
+    let (Some(proof), Ok(body)) = (state.service.prove(subject), serde_json::to_vec(req)) else {
+        return ApiError::new(ErrorCode::Internal, "a create that cannot be sent on")
+            .into_response();
+    };
+    let mut request = axum::http::Request::post("/v1/runs");
+    for name in [
+        axum::http::header::AUTHORIZATION,
+        axum::http::HeaderName::from_static(IDEMPOTENCY_KEY),
+    ] {
+        if let Some(value) = headers.get(&name) {
+            request = request.header(name, value);
+        }
+    }
+    match request
+        .header(axum::http::header::CONTENT_TYPE, "application/json")
+        .body(Body::from(body))
+    {
+        Ok(request) => {
+            let what = "the create was placed on";
+            crate::forward::send_on(what, at, proof, request).await
+        }
+        Err(e) => ApiError::new(ErrorCode::Internal, e.to_string()).into_response(),
+    }
 }
 
 /// `run` with its run token, for the caller that made or owns it.

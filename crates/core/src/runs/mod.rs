@@ -152,6 +152,37 @@ impl Manager {
         self.context.fleet.get()
     }
 
+    /// The node of the fleet a create of `req` is best made on, when it is
+    /// another. A create that names what only this node has (a checkpoint
+    /// record, volumes, a warm template) stays here.
+    pub async fn place(
+        &self,
+        req: &runbox_types::CreateRunRequest,
+        owner: &crate::tenants::Owner,
+        here_full: bool,
+    ) -> Result<Option<crate::fleet::Located>, CoreError> {
+        let Some(fleet) = self.fleet() else {
+            return Ok(None);
+        };
+        let local = req.checkpoint.is_some()
+            || req.warm.is_some()
+            || req.volumes.as_ref().is_some_and(|v| !v.is_empty());
+        if local {
+            return Ok(None);
+        }
+        let mut images = vec![req.image.clone()];
+        let reference = runbox_image::pull::normalise(&req.image).ok();
+        images.extend(reference.clone());
+        let want = crate::fleet::Want {
+            images,
+            pullable: reference.is_some() && req.pull != Some(runbox_types::PullPolicy::Never),
+            tenant: owner.tenant().map(str::to_owned),
+            here: self.config().server_id.clone(),
+            here_full,
+        };
+        fleet.place(&want).await
+    }
+
     /// Every run of the fleet (this node's alone without one), by id: this
     /// node's as they are now, the others' as the catalog has them.
     pub async fn list_fleet(&self) -> Result<Vec<Run>, CoreError> {
