@@ -510,20 +510,24 @@ async fn quotas_keys_and_tenant_deletes_hold_across_the_fleet() {
     })
     .await;
     assert!(again, "n2 never saw the place n1 freed: {}", b.log());
-    // An idempotency key is the fleet's: the repeat sent to n2 answers
-    // with n1's run, another request with it is refused.
+    // An idempotency key is the fleet's: the repeat sent to the other node
+    // answers with the first run, another request with it is refused.
     let key = "fleet-wide-key";
     let made_on_a = a
         .client
         .create_run_with_key(&base, key)
         .await
-        .expect("keyed create on n1");
-    let repeat = b
+        .expect("keyed create through n1");
+    let other_node = if made_on_a.server == "n1" { &b } else { &a };
+    let repeat = other_node
         .client
         .create_run_with_key(&base, key)
         .await
-        .expect("the repeat on n2");
-    assert_eq!((repeat.id, repeat.server.as_str()), (made_on_a.id, "n1"));
+        .expect("the repeat through the other node");
+    assert_eq!(
+        (repeat.id, repeat.server.as_str()),
+        (made_on_a.id, made_on_a.server.as_str())
+    );
     let other = CreateRunRequest {
         image: "base".into(),
         labels: Some([("other".to_string(), "request".to_string())].into()),
@@ -544,7 +548,7 @@ async fn quotas_keys_and_tenant_deletes_hold_across_the_fleet() {
         b.client
             .create_run_with_key(&base, key)
             .await
-            .is_ok_and(|run| run.id != made_on_a.id && run.server == "n2")
+            .is_ok_and(|run| run.id != made_on_a.id)
     })
     .await;
     assert!(fresh, "{}", b.log());
@@ -816,4 +820,116 @@ async fn any_node_answers_for_a_run_another_node_holds() {
     assert!(err.to_string().contains("n2"), "{err}");
     b.spawn().await;
     b.client.delete_run(&id).await.expect("delete");
+}
+
+/// The unmodified E2B Python SDK (pinned in compat/e2b), in the virtual
+/// environment `scripts/test-e2b` makes: made here when it is not there yet.
+fn e2b_python() -> std::path::PathBuf {
+    let root = runbox_e2e::workspace_root();
+    let venv = root.join("target/e2benv");
+    let python = venv.join("bin/python");
+    let run = |cmd: &mut Command| {
+        let status = cmd.status().expect("running a setup command");
+        assert!(status.success(), "{cmd:?} failed");
+    };
+    if !python.exists() {
+        run(Command::new("python3").arg("-m").arg("venv").arg(&venv));
+    }
+    let has_sdk = Command::new(&python)
+        .args(["-c", "import e2b"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_sdk {
+        run(Command::new(venv.join("bin/pip"))
+            .args(["install", "-q", "--disable-pip-version-check", "-r"])
+            .arg(root.join("compat/e2b/python/requirements.txt")));
+    }
+    python
+}
+
+/// Runs `script` with the E2B SDK against the node at `url`: its stdout.
+fn e2b_script(python: &std::path::Path, url: &str, token: &str, script: &str) -> String {
+    let out = Command::new(python)
+        .args(["-c", script])
+        .env("E2B_API_KEY", token)
+        .env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running the E2B SDK");
+    assert!(
+        out.status.success(),
+        "the E2B SDK failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_e2b_sdk_reaches_a_sandbox_through_a_node_that_does_not_hold_it() {
+    let python = e2b_python();
+    let pg = PgServer::start();
+    let (a, b) = tokio::join!(node(&pg, "n1", &["--max-runs", "1"]), node(&pg, "n2", &[]));
+    // Made through n1 (and kept there: room on both is a tie).
+    let id = e2b_script(
+        &python,
+        &a.url,
+        &a.token,
+        "from e2b import Sandbox\nprint(Sandbox.create(timeout=300).sandbox_id)",
+    );
+    let run = a.client.get_run(&id).await.expect("the sandbox is n1's run");
+    assert_eq!(run.server, "n1");
+    // Everything else through n2: connect (control plane), commands and
+    // files (envd, by the E2b-Sandbox-Id header), a server in it by host
+    // name, its metrics, then kill.
+    let script = format!(
+        r#"
+from e2b import Sandbox
+s = Sandbox.connect("{id}")
+r = s.commands.run("echo hello from the sandbox")
+assert r.stdout == "hello from the sandbox\n", r
+s.files.write("/tmp/through.txt", "written through n2")
+assert s.files.read("/tmp/through.txt") == "written through n2"
+s.commands.run("mkdir -p /tmp/www && echo served > /tmp/www/index.html")
+s.commands.run("httpd -f -p 8080 -h /tmp/www", background=True)
+assert s.is_running()
+print("ok")
+"#
+    );
+    assert_eq!(e2b_script(&python, &b.url, &b.token, &script), "ok");
+    let by_host = eventually_async(Duration::from_secs(10), || async {
+        let answer = reqwest::Client::new()
+            .get(format!("{}/index.html", b.url))
+            .header("host", format!("8080-{id}.e2b.test"))
+            .send()
+            .await;
+        match answer {
+            Ok(answer) => answer.text().await.is_ok_and(|t| t == "served\n"),
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(by_host, "the sandbox's port never answered through n2: {}", b.log());
+    // A create through n1, which is full, lands on n2.
+    let second = e2b_script(
+        &python,
+        &a.url,
+        &a.token,
+        "from e2b import Sandbox\nprint(Sandbox.create(timeout=300).sandbox_id)",
+    );
+    let placed = a.client.get_run(&second).await.expect("the second sandbox");
+    assert_eq!(placed.server, "n2");
+    let kill = format!(
+        "from e2b import Sandbox\nfor i in ['{id}', '{second}']:\n    assert Sandbox.connect(i).kill()\nprint('killed')"
+    );
+    assert_eq!(e2b_script(&python, &b.url, &b.token, &kill), "killed");
+    assert_eq!(
+        b.client.get_run(&second).await.map(|r| r.server).ok(),
+        None,
+        "the second sandbox is gone"
+    );
+    let gone = a.client.get_run(&id).await.expect_err("killed through n2");
+    assert!(gone.to_string().contains("not_found"), "{gone}");
 }

@@ -5,7 +5,8 @@
 //! with a ready pool member for the image first, then those that store
 //! it, the rest in random order, plus the node that received the create;
 //! of those the best is the one with a ready member, then the image, then
-//! the most room (in quarters of its capacity, so small differences tie),
+//! the most room (in quarters of its capacity, rounded up, so small
+//! differences tie),
 //! then the fewest of the tenant's runs. A tie keeps the create on the
 //! node that received it, so a fleet with room everywhere sends nothing
 //! on.
@@ -34,12 +35,15 @@ pub(crate) struct Candidate {
 impl Candidate {
     /// How good a home it is (greater is better); None: it cannot take
     /// the create.
-    fn score(&self, want: &Want) -> Option<(bool, bool, i32, i32)> {
+    fn score(&self, want: &Want) -> Option<(bool, bool, i64, i32)> {
         let free = self.capacity - self.runs;
         if free <= 0 || (!self.has_image && !want.pullable) {
             return None;
         }
-        let quarters = free * 4 / self.capacity.max(1);
+        // Rounded up: a node whose least-filled quarter still has room
+        // ties with an empty one.
+        let capacity = i64::from(self.capacity.max(1));
+        let quarters = (i64::from(free) * 4 + capacity - 1) / capacity;
         Some((self.has_pool, self.has_image, quarters, -self.tenant_runs))
     }
 }

@@ -49,6 +49,36 @@ fn unreachable(what: &str, at: &Located, why: impl std::fmt::Display) -> ApiErro
     )
 }
 
+/// A request for run `id` that another node of the fleet holds, sent on
+/// to that node (or the 503 that says the node is gone); the request back
+/// when it is this node's to answer: no fleet, a request another node sent
+/// on, a run this node holds or no node does. For routes whose caller the
+/// run's node checks (E2B's); runbox's own admit the caller here first.
+pub(crate) async fn elsewhere<S: runbox_core::RunService>(
+    service: &S,
+    id: Ulid,
+    request: Request,
+) -> Result<Response, Request> {
+    if !service.in_fleet() || request.headers().contains_key(NODE_PROOF) {
+        return Err(request);
+    }
+    if !matches!(service.tenant_of(id), Err(runbox_core::CoreError::RunNotFound(_))) {
+        return Err(request);
+    }
+    let at = match service.locate(id).await {
+        Ok(Some(at)) => at,
+        Ok(None) => return Err(request),
+        Err(e) => return Ok(ApiError::from(e).into_response()),
+    };
+    if at.gone {
+        return Ok(ApiError::from(runbox_core::fleet::node_gone(id, &at)).into_response());
+    }
+    match service.prove(&proof_subject(&request)) {
+        Some(proof) => Ok(forward(id, &at, proof, request).await),
+        None => Err(request),
+    }
+}
+
 /// Sends `request` (for run `id`) to the node at `at`, with `proof`, and
 /// answers with what that node answers.
 pub(crate) async fn forward(id: Ulid, at: &Located, proof: String, request: Request) -> Response {
@@ -97,8 +127,12 @@ pub(crate) async fn send_on(
         .path_and_query()
         .map(|p| Uri::from(p.clone()))
         .unwrap_or_else(|| Uri::from_static("/"));
-    if let Ok(host) = HeaderValue::from_str(&at.advertise) {
-        parts.headers.insert(axum::http::header::HOST, host);
+    // The Host a client sent is kept: E2B's `<port>-<id>.<domain>` names
+    // the sandbox there.
+    if !parts.headers.contains_key(axum::http::header::HOST) {
+        if let Ok(host) = HeaderValue::from_str(&at.advertise) {
+            parts.headers.insert(axum::http::header::HOST, host);
+        }
     }
     match HeaderValue::from_str(&proof) {
         Ok(value) => {

@@ -370,16 +370,32 @@ async fn create_on<S: RunService>(
     headers: &HeaderMap,
     req: &CreateRunRequest,
 ) -> Response {
-    let subject = "POST /v1/runs";
-    let (Some(proof), Ok(body)) = (state.service.prove(subject), serde_json::to_vec(req)) else {
-        return ApiError::new(ErrorCode::Internal, "a create that cannot be sent on")
-            .into_response();
+    match serde_json::to_vec(req) {
+        Ok(body) => create_elsewhere(state, at, headers, "/v1/runs", body).await,
+        Err(e) => ApiError::new(ErrorCode::Internal, e.to_string()).into_response(),
+    }
+}
+
+/// Sends a create (JSON `body` to `path`, with the caller's credentials
+/// and idempotency key from `headers`) to the node at `at`, with this
+/// node's proof, and answers with what that node answers.
+pub(crate) async fn create_elsewhere<S: RunService>(
+    state: &AppState<S>,
+    at: &runbox_core::fleet::Located,
+    headers: &HeaderMap,
+    path: &str,
+    body: Vec<u8>,
+) -> Response {
+    let Some(proof) = state.service.prove(&format!("POST {path}")) else {
+        return ApiError::new(ErrorCode::Internal, "a fleet without proofs").into_response();
     };
-    let mut request = axum::http::Request::post("/v1/runs");
-    for name in [
+    let mut request = axum::http::Request::post(path);
+    let carried = [
         axum::http::header::AUTHORIZATION,
+        axum::http::HeaderName::from_static("x-api-key"),
         axum::http::HeaderName::from_static(IDEMPOTENCY_KEY),
-    ] {
+    ];
+    for name in carried {
         if let Some(value) = headers.get(&name) {
             request = request.header(name, value);
         }
@@ -389,8 +405,7 @@ async fn create_on<S: RunService>(
         .body(Body::from(body))
     {
         Ok(request) => {
-            let what = "the create was placed on";
-            crate::forward::send_on(what, at, proof, request).await
+            crate::forward::send_on("the create was placed on", at, proof, request).await
         }
         Err(e) => ApiError::new(ErrorCode::Internal, e.to_string()).into_response(),
     }

@@ -250,6 +250,12 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
     // E2B's control plane checks the same token, and answers in E2B's shape.
     let e2b_control = e2b::control_routes::<S>()
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
+        // A sandbox of another node's: sent there once the key is known
+        // to be the fleet's (its node checks it again, with the sandbox).
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            e2b::fleet_hop::<S>,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             e2b::require_api_key::<S>,

@@ -316,6 +316,7 @@ async fn create<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
     headers: HeaderMap,
+    uri: axum::http::Uri,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
     let req: NewSandbox = body(&bytes)?;
@@ -398,7 +399,33 @@ async fn create<S: RunService>(
                 .to_owned(),
         ),
     };
-    let run = state.service.create(create, key, caller.owner()).await?;
+    // On a node of a fleet: made where placement says, and sent to a node
+    // with room when this one has none (as runbox's own creates are).
+    let owner = caller.owner();
+    let placeable =
+        state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF);
+    let elsewhere = |at: runbox_core::fleet::Located| {
+        let (state, headers, path) = (&state, &headers, uri.path());
+        let body = bytes.to_vec();
+        async move { crate::handlers::create_elsewhere(state, &at, headers, path, body).await }
+    };
+    if placeable {
+        if let Ok(Some(at)) = state.service.place(&create, &owner, false).await {
+            return Ok(elsewhere(at).await);
+        }
+    }
+    let again = placeable.then(|| create.clone());
+    let run = match state.service.create(create, key, owner.clone()).await {
+        Ok(run) => run,
+        Err(runbox_core::CoreError::Capacity(max)) if again.is_some() => {
+            let create = again.unwrap_or_default();
+            return match state.service.place(&create, &owner, true).await {
+                Ok(Some(at)) => Ok(elsewhere(at).await),
+                _ => Err(runbox_core::CoreError::Capacity(max).into()),
+            };
+        }
+        Err(e) => return Err(e.into()),
+    };
     Ok((StatusCode::CREATED, Json(sandbox(&state, &run))).into_response())
 }
 

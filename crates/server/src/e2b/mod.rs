@@ -124,6 +124,35 @@ pub struct Dispatch<S> {
     pub app: AppState<S>,
 }
 
+/// Sends a control-plane request for a sandbox another node of the fleet
+/// holds (`/sandboxes/{id}...`, `/v2/sandboxes/{id}...`) to that node,
+/// which checks the caller's key itself; the rest go on.
+pub(crate) async fn fleet_hop<S: RunService>(
+    State(app): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let named = {
+        let mut segments = request.uri().path().trim_start_matches('/').split('/');
+        let first = segments.next();
+        let sandboxes = match first {
+            Some("v2") => segments.next(),
+            other => other,
+        };
+        match (sandboxes, segments.next()) {
+            (Some("sandboxes"), Some(id)) => runbox_types::parse_id(id),
+            _ => None,
+        }
+    };
+    let Some(id) = named else {
+        return next.run(request).await;
+    };
+    match crate::forward::elsewhere(&app.service, id, request).await {
+        Ok(answered) => answered,
+        Err(request) => next.run(request).await,
+    }
+}
+
 /// Sends a request that names a sandbox to envd, and a signed file URL
 /// that names none (the SDKs' URLs when `E2B_SANDBOX_URL` is set) to the
 /// sandbox whose access token signed it; the rest go on.
@@ -132,6 +161,13 @@ pub(crate) async fn dispatch<S: RunService>(
     mut request: Request,
     next: Next,
 ) -> Response {
+    // A sandbox another node of the fleet holds: its node answers.
+    if let Some(Ok((id, _))) = named_sandbox(request.headers()) {
+        request = match crate::forward::elsewhere(&d.app.service, id, request).await {
+            Ok(answered) => return answered,
+            Err(request) => request,
+        };
+    }
     let id = match named_sandbox(request.headers()) {
         Some(Ok((id, ENVD_PORT))) => id,
         Some(Ok((id, port))) => return port_request(&d.app, id, port, request).await,
