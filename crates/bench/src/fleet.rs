@@ -37,7 +37,101 @@ pub struct FleetReport {
     pub list_fleet: Summary,
     /// `GET /v1/runs` of a node alone.
     pub list_alone: Summary,
+    /// The database's part of a create by a tenant with an idempotency
+    /// key: placement, the key and the tenant's count, one after another.
+    pub db_create: Summary,
+    /// Of that, the placement query (two nodes).
+    pub db_place: Summary,
+    /// Of that, taking the key.
+    pub db_key: Summary,
+    /// Of that, the tenant's count.
+    pub db_admit: Summary,
+    /// Placement with this many more nodes' rows in the database.
+    pub many_nodes: usize,
+    /// The placement query with [`FleetReport::many_nodes`] rows.
+    pub db_place_many: Summary,
 }
+
+/// The database's part of a create, measured on a node joined here (no
+/// daemon): placement, the idempotency key and the tenant's count, each
+/// timed, `iterations` times; then placement again with `many` more
+/// nodes' rows (fresh, with room, a third storing the image).
+async fn database_share(
+    pg: &PgServer,
+    tenant: &str,
+    iterations: usize,
+    many: usize,
+) -> anyhow::Result<[Vec<Duration>; 5]> {
+    use runbox_core::fleet::{Fleet, Want};
+    let options = runbox_fleet::Options {
+        url: pg.url(),
+        password: Some(pg.password.clone()),
+        node: "probe".into(),
+        advertise: "127.0.0.1:9".into(),
+        client_advertise: None,
+        key: KEY.as_bytes().to_vec(),
+        heartbeat: Duration::from_secs(2),
+        suspect_after: Duration::from_secs(10),
+        gone_after: Duration::from_secs(60),
+    };
+    let facts = runbox_fleet::Facts {
+        version: "bench".into(),
+        lane: "bench".into(),
+        capacity: 1_000_000,
+    };
+    let cluster = runbox_fleet::Cluster::join(options, facts)
+        .await
+        .map_err(|e| anyhow::anyhow!("joining the probe node: {e}"))?;
+    let want = Want {
+        images: vec!["bench".into(), "docker.io/library/bench:latest".into()],
+        pullable: true,
+        tenant: Some(tenant.to_owned()),
+        here: "probe".into(),
+        here_full: false,
+    };
+    let ledger = cluster.ledger();
+    let mut out: [Vec<Duration>; 5] = Default::default();
+    // Newer than any count a node wrote before.
+    let seq0 = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_micros(),
+    )?;
+    for i in 0..iterations {
+        let run = ulid::Ulid::new();
+        let key = runbox_core::store::Idempotency {
+            key: format!("bench-{run}"),
+            request: "digest".into(),
+            tenant: Some(tenant.to_owned()),
+        };
+        let started = Instant::now();
+        cluster.place(&want).await?;
+        let placed = started.elapsed();
+        ledger.take_key(&key, run).await?;
+        let keyed = started.elapsed();
+        ledger.admit(tenant, 1_000_000, 1, seq0 + i as u64).await?;
+        let admitted = started.elapsed();
+        out[0].push(admitted);
+        out[1].push(placed);
+        out[2].push(keyed - placed);
+        out[3].push(admitted - keyed);
+    }
+    let add = format!(
+        "INSERT INTO runbox_nodes (id, advertise, version, lane, incarnation, capacity, runs,          heartbeat, images) SELECT 'many-' || g, '127.0.0.1:9', 'bench', 'bench', 'bench', 256,          g % 200, now() + interval '1 hour',          CASE WHEN g % 3 = 0 THEN ARRAY['bench'] ELSE ARRAY['other'] END          FROM generate_series(1, {many}) g"
+    );
+    pg.psql(&add);
+    for _ in 0..iterations {
+        let started = Instant::now();
+        cluster.place(&want).await?;
+        out[4].push(started.elapsed());
+    }
+    pg.psql("DELETE FROM runbox_nodes WHERE id LIKE 'many-%'");
+    cluster.leave().await;
+    Ok(out)
+}
+
+/// How many nodes' rows placement is measured over.
+const MANY_NODES: usize = 1000;
 
 /// The cluster key of the phase's fleet.
 const KEY: &str = "runbox-bench-fleet-key-of-at-least-32-bytes";
@@ -148,6 +242,16 @@ pub async fn measure(
             }
         }
         holder.delete_run(run.id).await?;
+        let tenant = "bench";
+        holder
+            .client
+            .create_tenant(&runbox_types::CreateTenantRequest {
+                name: tenant.into(),
+                max_runs: 1_000_000,
+                ..Default::default()
+            })
+            .await?;
+        let db = database_share(&pg, tenant, iterations, MANY_NODES).await?;
         let summary = |s: &[Duration]| summarize(s).context("no samples");
         Ok::<_, anyhow::Error>(FleetReport {
             runtime: runtime.clone(),
@@ -159,6 +263,12 @@ pub async fn measure(
             create_alone: summary(&create[1])?,
             list_fleet: summary(&list[0])?,
             list_alone: summary(&list[1])?,
+            db_create: summary(&db[0])?,
+            db_place: summary(&db[1])?,
+            db_key: summary(&db[2])?,
+            db_admit: summary(&db[3])?,
+            many_nodes: MANY_NODES,
+            db_place_many: summary(&db[4])?,
         })
     }
     .await;
@@ -229,6 +339,32 @@ pub fn markdown(r: &FleetReport) -> String {
             s.p95_ms,
             s.p50_ms - base.p50_ms,
             s.p50_ms / base.p50_ms
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nThe database's part of a create by a tenant with an idempotency key (every SDK \
+         create), on loopback, measured on a node joined in the benchmark's own process: \
+         placement, the key, the tenant's count, one after another (targets: ≤ 2 ms for the \
+         three, ≤ 5 ms for placement over {} nodes' rows).\n",
+        r.many_nodes
+    );
+    let _ = writeln!(
+        out,
+        "| database step | n | p50 ms | p95 ms |\n|---|--:|--:|--:|"
+    );
+    let many = format!("placement, {} more nodes' rows", r.many_nodes);
+    for (name, s) in [
+        ("placement, two nodes", &r.db_place),
+        ("the idempotency key", &r.db_key),
+        ("the tenant's count (row lock, sum, upsert)", &r.db_admit),
+        ("all three", &r.db_create),
+        (many.as_str(), &r.db_place_many),
+    ] {
+        let _ = writeln!(
+            out,
+            "| {name} | {} | {:.2} | {:.2} |",
+            s.n, s.p50_ms, s.p95_ms
         );
     }
     out

@@ -586,18 +586,37 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
         ..Default::default()
     };
     // An image only n2 stores: made there, whichever node is asked.
-    let first = a.client.create_run(&create("only2")).await.expect("create via n1");
+    let first = a
+        .client
+        .create_run(&create("only2"))
+        .await
+        .expect("create via n1");
     assert_eq!(first.server, "n2");
     // Room on both: it stays on the node asked.
-    let second = a.client.create_run(&create("base")).await.expect("create via n1");
+    let second = a
+        .client
+        .create_run(&create("base"))
+        .await
+        .expect("create via n1");
     assert_eq!(second.server, "n1");
     // n1 is full: sent to n2 instead of a 429.
-    let third = a.client.create_run(&create("base")).await.expect("n1 full, n2 not");
+    let third = a
+        .client
+        .create_run(&create("base"))
+        .await
+        .expect("n1 full, n2 not");
     assert_eq!(third.server, "n2");
     // Its answer is the run's, with a token that works through any node.
     let token = third.token.clone().expect("the run's token");
     let as_run = runbox_client::Client::new(&a.url, token).expect("client");
-    assert_eq!(as_run.get_run(&third.id.to_string()).await.expect("get").server, "n2");
+    assert_eq!(
+        as_run
+            .get_run(&third.id.to_string())
+            .await
+            .expect("get")
+            .server,
+        "n2"
+    );
     // The fleet is full: 429 from either node.
     for daemon in [&a, &b] {
         let err = daemon
@@ -608,7 +627,10 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
         assert_eq!(err.code(), Some(ErrorCode::Capacity), "{err}");
     }
     for run in [first, second, third] {
-        a.client.delete_run(&run.id.to_string()).await.expect("delete");
+        a.client
+            .delete_run(&run.id.to_string())
+            .await
+            .expect("delete");
     }
 }
 
@@ -879,7 +901,11 @@ async fn the_e2b_sdk_reaches_a_sandbox_through_a_node_that_does_not_hold_it() {
         &a.token,
         "from e2b import Sandbox\nprint(Sandbox.create(timeout=300).sandbox_id)",
     );
-    let run = a.client.get_run(&id).await.expect("the sandbox is n1's run");
+    let run = a
+        .client
+        .get_run(&id)
+        .await
+        .expect("the sandbox is n1's run");
     assert_eq!(run.server, "n1");
     // Everything else through n2: connect (control plane), commands and
     // files (envd, by the E2b-Sandbox-Id header), a server in it by host
@@ -911,7 +937,11 @@ print("ok")
         }
     })
     .await;
-    assert!(by_host, "the sandbox's port never answered through n2: {}", b.log());
+    assert!(
+        by_host,
+        "the sandbox's port never answered through n2: {}",
+        b.log()
+    );
     // A create through n1, which is full, lands on n2.
     let second = e2b_script(
         &python,

@@ -62,7 +62,10 @@ pub(crate) async fn elsewhere<S: runbox_core::RunService>(
     if !service.in_fleet() || request.headers().contains_key(NODE_PROOF) {
         return Err(request);
     }
-    if !matches!(service.tenant_of(id), Err(runbox_core::CoreError::RunNotFound(_))) {
+    if !matches!(
+        service.tenant_of(id),
+        Err(runbox_core::CoreError::RunNotFound(_))
+    ) {
         return Err(request);
     }
     let at = match service.locate(id).await {

@@ -402,8 +402,7 @@ async fn create<S: RunService>(
     // On a node of a fleet: made where placement says, and sent to a node
     // with room when this one has none (as runbox's own creates are).
     let owner = caller.owner();
-    let placeable =
-        state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF);
+    let placeable = state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF);
     let elsewhere = |at: runbox_core::fleet::Located| {
         let (state, headers, path) = (&state, &headers, uri.path());
         let body = bytes.to_vec();
