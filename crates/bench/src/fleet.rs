@@ -88,6 +88,7 @@ async fn database_share(
         tenant: Some(tenant.to_owned()),
         here: "probe".into(),
         here_full: false,
+        here_has: (false, false),
     };
     let ledger = cluster.ledger();
     let mut out: [Vec<Duration>; 5] = Default::default();

@@ -42,6 +42,15 @@ pub trait Fleet: Send + Sync {
     /// placement); None keeps it on this node.
     async fn place(&self, want: &Want) -> Result<Option<Located>, CoreError>;
 
+    /// Takes (or keeps) the fleet's lease on `work` for `hold`, if no
+    /// other node holds it: its fencing number, which grows with every
+    /// change of holder. None: another node does the work now.
+    async fn singleton(
+        &self,
+        work: &str,
+        hold: std::time::Duration,
+    ) -> Result<Option<u64>, CoreError>;
+
     /// Where run `id` is when another node holds it (None: no node does,
     /// or this one).
     async fn locate(&self, id: Ulid) -> Result<Option<Located>, CoreError>;
@@ -69,6 +78,9 @@ pub struct Want {
     pub here: String,
     /// Whether that node is full (so never it).
     pub here_full: bool,
+    /// Whether that node stores the image and has a ready pool member of
+    /// it now (its row says what it had at its last heartbeat).
+    pub here_has: (bool, bool),
 }
 
 /// Where a run another node holds is.

@@ -963,3 +963,54 @@ print("ok")
     let gone = a.client.get_run(&id).await.expect_err("killed through n2");
     assert!(gone.to_string().contains("not_found"), "{gone}");
 }
+
+/// Joins the fleet in `pg` as node `node` from this process (no daemon).
+async fn probe(pg: &PgServer, node: &str) -> std::sync::Arc<runbox_fleet::Cluster> {
+    let options = runbox_fleet::Options {
+        url: pg.url(),
+        password: Some(pg.password.clone()),
+        node: node.into(),
+        advertise: "127.0.0.1:9".into(),
+        client_advertise: None,
+        key: KEY.as_bytes().to_vec(),
+        heartbeat: Duration::from_secs(2),
+        suspect_after: Duration::from_secs(10),
+        gone_after: Duration::from_secs(60),
+    };
+    let facts = runbox_fleet::Facts {
+        version: "test".into(),
+        lane: "test".into(),
+        capacity: 1,
+    };
+    runbox_fleet::Cluster::join(options, facts)
+        .await
+        .unwrap_or_else(|e| panic!("{node} could not join: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn singleton_work_has_one_holder_at_a_time_and_a_growing_fence() {
+    use runbox_fleet::Fleet;
+    let pg = PgServer::start();
+    let (p1, p2) = tokio::join!(probe(&pg, "p1"), probe(&pg, "p2"));
+    let hold = Duration::from_secs(1);
+    let take = |node: &std::sync::Arc<runbox_fleet::Cluster>| {
+        let node = node.clone();
+        async move { node.singleton("a sweep", hold).await.expect("the database") }
+    };
+    assert_eq!(take(&p1).await, Some(1));
+    assert_eq!(take(&p2).await, None, "p1 holds it");
+    assert_eq!(
+        take(&p1).await,
+        Some(1),
+        "the holder keeps it and its number"
+    );
+    // Once p1 stops taking it, it runs out and p2 takes it, fenced anew.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(take(&p2).await, Some(2));
+    assert_eq!(take(&p1).await, None, "p2 holds it now");
+    // Each node's catalog sweep took its own lease at start: one holder.
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM runbox_singletons WHERE name = 'catalog sweep'"),
+        "1"
+    );
+}

@@ -26,10 +26,7 @@ use ulid::Ulid;
 
 /// How long a key whose run the catalog does not list stays taken: the
 /// run's node writes the catalog a moment after the key.
-const KEY_GRACE_SECS: f64 = 30.0;
-
-/// How often the writer sweeps keys whose runs are gone.
-const SWEEP_EVERY: Duration = Duration::from_secs(60);
+pub(crate) const KEY_GRACE_SECS: f64 = 30.0;
 
 /// What the writer is told.
 enum Change {
@@ -197,9 +194,9 @@ impl Shared for Book {
 }
 
 /// The writer: the latest counts and every freed key, written in order;
-/// on a failure it waits and tries again with what it has. Keys whose runs
-/// are gone from the catalog (a node that died holding them) are swept
-/// now and then.
+/// on a failure it waits and tries again with what it has. (Keys whose
+/// runs are gone from the catalog, a node that died holding them, are the
+/// catalog sweep's.)
 async fn write_behind(
     pool: PgPool,
     node: String,
@@ -209,20 +206,11 @@ async fn write_behind(
     let mut counts: Option<(HashMap<String, usize>, u64)> = None;
     let mut freed: HashSet<Ulid> = HashSet::new();
     let mut down = false;
-    let mut sweep = tokio::time::interval(SWEEP_EVERY);
     loop {
         if counts.is_none() && freed.is_empty() {
-            tokio::select! {
-                change = rx.recv() => match change {
-                    Some(change) => take(change, &mut counts, &mut freed),
-                    None => return,
-                },
-                _ = sweep.tick() => {
-                    if let Err(e) = sweep_keys(&pool).await {
-                        tracing::debug!(error = %e, "the sweep of idempotency keys waits for the database");
-                    }
-                    continue;
-                }
+            match rx.recv().await {
+                Some(change) => take(change, &mut counts, &mut freed),
+                None => return,
             }
         }
         while let Ok(change) = rx.try_recv() {
@@ -298,19 +286,6 @@ async fn write(
         freed.clear();
     }
     Ok(())
-}
-
-/// Removes keys whose runs the catalog lists as gone or not at all (past
-/// the grace a new run's catalog row takes to appear).
-async fn sweep_keys(pool: &PgPool) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "DELETE FROM runbox_keys k WHERE k.taken_at < now() - make_interval(secs => $1) \
-         AND NOT EXISTS (SELECT 1 FROM runbox_runs r WHERE r.id = k.run AND r.status <> 'gone')",
-    )
-    .bind(KEY_GRACE_SECS)
-    .execute(pool)
-    .await
-    .map(drop)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use runbox_core::fleet::{unavailable, Fleet, Located};
+use runbox_core::fleet::{unavailable, Located};
 use runbox_core::CoreError;
 use runbox_types::{ClusterNode, NodeState};
 use sha2::Sha256;
@@ -27,10 +27,12 @@ use sqlx::Row;
 mod book;
 mod catalog;
 mod place;
+mod singleton;
 mod tenants;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use runbox_core::fleet::Fleet;
 pub use tenants::PgTenants;
 
 /// The schema, in order. Each file is applied once, in its own
@@ -48,6 +50,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         5,
         "placement",
         include_str!("../migrations/0005_placement.sql"),
+    ),
+    (
+        6,
+        "singletons",
+        include_str!("../migrations/0006_singletons.sql"),
     ),
 ];
 
@@ -359,6 +366,7 @@ impl Cluster {
             target.clone(),
             options.gone_after,
         ));
+        singleton::spawn_catalog_sweep(pool.clone(), options.node.clone());
         Ok(Arc::new(Cluster {
             pool,
             options,
@@ -493,6 +501,10 @@ impl Fleet for Cluster {
 
     async fn place(&self, want: &runbox_core::fleet::Want) -> Result<Option<Located>, CoreError> {
         place::place(&self.pool, want, self.options.suspect_after.as_secs_f64()).await
+    }
+
+    async fn singleton(&self, work: &str, hold: Duration) -> Result<Option<u64>, CoreError> {
+        singleton::take(&self.pool, &self.options.node, work, hold).await
     }
 
     async fn locate(&self, id: ulid::Ulid) -> Result<Option<Located>, CoreError> {
@@ -643,5 +655,12 @@ mod tests {
             assert_eq!(*version, i as i64 + 1);
             assert!(!sql.trim().is_empty());
         }
+        // Every file in migrations/ is built in, none forgotten.
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations");
+        let files = std::fs::read_dir(dir)
+            .unwrap()
+            .filter(|e| e.as_ref().unwrap().path().extension() == Some("sql".as_ref()))
+            .count();
+        assert_eq!(files, MIGRATIONS.len());
     }
 }

@@ -89,7 +89,7 @@ pub(crate) async fn place(
     .fetch_all(pool)
     .await
     .map_err(unavailable)?;
-    let candidates: Vec<Candidate> = rows
+    let mut candidates: Vec<Candidate> = rows
         .iter()
         .map(|row| Candidate {
             node: row.get("id"),
@@ -102,6 +102,12 @@ pub(crate) async fn place(
             silent_sec: row.get("silent"),
         })
         .collect();
+    // The receiving node knows what it stores now; its row, only what it
+    // had at its last heartbeat.
+    for here in candidates.iter_mut().filter(|c| c.node == want.here) {
+        here.has_image |= want.here_has.0;
+        here.has_pool |= want.here_has.1;
+    }
     Ok(choose(&candidates, want)
         .filter(|c| c.node != want.here)
         .map(|c| Located {
@@ -137,6 +143,7 @@ mod tests {
             tenant: None,
             here: "n1".into(),
             here_full: false,
+            here_has: (true, false),
         }
     }
 

@@ -262,6 +262,33 @@ impl Manager {
         }
     }
 
+    /// Whether this node sweeps the checkpoint store now: always alone,
+    /// and on a node of a fleet whose store is a bucket (which the nodes
+    /// may share) only while it holds the fleet's lease on that bucket's
+    /// sweep, so one node at a time sweeps it.
+    async fn sweeps_checkpoints(&self) -> bool {
+        let (Some(fleet), Some(store)) = (self.fleet(), self.config().checkpoints.clone()) else {
+            return true;
+        };
+        if !store.location().starts_with("s3://") {
+            return true;
+        }
+        let work = format!("checkpoint sweep {}", store.location());
+        // Held past the next tick, so the holder keeps it while it lives.
+        let hold = crate::checkpoints::ORPHAN_AGE + crate::checkpoints::ORPHAN_AGE / 2;
+        match fleet.singleton(&work, hold).await {
+            Ok(Some(fence)) => {
+                tracing::debug!(fence, store = %store.location(), "this node sweeps the checkpoint store");
+                true
+            }
+            Ok(None) => false,
+            Err(e) => {
+                tracing::info!(error = %e, "the checkpoint sweep waits for the cluster database");
+                false
+            }
+        }
+    }
+
     /// Sweeps the checkpoint store now and every hour.
     pub(crate) fn spawn_checkpoint_sweep(self: &Arc<Self>) {
         if self.config().checkpoints.is_none() {
@@ -275,7 +302,9 @@ impl Manager {
                 let Some(manager) = weak.upgrade() else {
                     return;
                 };
-                manager.sweep_checkpoints().await;
+                if manager.sweeps_checkpoints().await {
+                    manager.sweep_checkpoints().await;
+                }
             }
         });
     }

@@ -173,12 +173,32 @@ impl Manager {
         let mut images = vec![req.image.clone()];
         let reference = runbox_image::pull::normalise(&req.image).ok();
         images.extend(reference.clone());
+        // Only what cannot be a local name is pulled on demand (as at
+        // create): a bare word goes only where it is stored.
+        let reference_like = req.image.contains([':', '/', '@']);
+        let stored = {
+            let images = self.images.clone();
+            let wanted = req.image.clone();
+            tokio::task::spawn_blocking(move || images.resolve(&wanted).ok().flatten())
+                .await
+                .ok()
+                .flatten()
+        };
+        let pooled = stored.as_ref().is_some_and(|name| {
+            self.pools()
+                .pools
+                .iter()
+                .any(|p| &p.image == name && p.ready > 0)
+        });
         let want = crate::fleet::Want {
             images,
-            pullable: reference.is_some() && req.pull != Some(runbox_types::PullPolicy::Never),
+            pullable: reference_like
+                && reference.is_some()
+                && req.pull != Some(runbox_types::PullPolicy::Never),
             tenant: owner.tenant().map(str::to_owned),
             here: self.config().server_id.clone(),
             here_full,
+            here_has: (stored.is_some(), pooled),
         };
         fleet.place(&want).await
     }
