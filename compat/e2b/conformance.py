@@ -6,7 +6,12 @@ the suite at it the way docs/e2b.md says, runs it, and afterwards checks
 that the suite left nothing behind: no run, no snapshot image.
 
     python compat/e2b/conformance.py --repo E2B_CHECKOUT --image e2b-base.tar \
-        [--js] [-- extra test-runner args]
+        [--js] [--fleet] [-- extra test-runner args]
+
+With --fleet the suite talks to a node of a two-node fleet (a private
+PostgreSQL server started here) that has no room for runs of its own, so
+every sandbox is made on the other node and every call reaches it through
+the first.
 
 The suite is not part of this repository: scripts/e2b-conformance fetches
 nothing, it runs a checkout the caller points at. docs/e2b.md records the
@@ -18,9 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -42,22 +50,85 @@ def leftovers(d: Daemon) -> list[str]:
     return runs + images
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Postgres:
+    """A private PostgreSQL server (Debian's) in a temporary directory, on a
+    loopback port, with a password login for `runbox`."""
+
+    def __init__(self) -> None:
+        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+        if not bins:
+            raise RuntimeError("PostgreSQL is missing: scripts/deps --test installs it")
+        self.bin = bins[-1].parent
+        self.dir = Path(tempfile.mkdtemp(prefix="runbox-pg-", dir="/tmp"))
+        pg = pwd.getpwnam("postgres")
+        os.chown(self.dir, pg.pw_uid, pg.pw_gid)
+        self.password = f"pw-{os.getpid()}"
+        (self.dir / "pw").write_text(self.password)
+        os.chown(self.dir / "pw", pg.pw_uid, pg.pw_gid)
+        self.port = free_port()
+        self._as_postgres("initdb", "-D", str(self.dir / "data"), "-U", "runbox", "-A", "scram-sha-256",
+                          "--no-sync", "--no-instructions", f"--pwfile={self.dir / 'pw'}")
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._as_postgres("pg_ctl", "-D", str(self.dir / "data"), "-w", "-o", options,
+                          "-l", str(self.dir / "log"), "start")
+        self.url = f"postgres://runbox@127.0.0.1:{self.port}/postgres"
+
+    def _as_postgres(self, tool: str, *args: str) -> None:
+        subprocess.run(["runuser", "-u", "postgres", "--", str(self.bin / tool), *args],
+                       check=True, stdout=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        self._as_postgres("pg_ctl", "-D", str(self.dir / "data"), "-m", "immediate", "stop")
+        subprocess.run(["rm", "-rf", str(self.dir)])
+
+
+def fleet(image: Path) -> tuple[Postgres, Daemon, Daemon]:
+    """A fleet of two nodes: `holder` makes the runs, `front` (no room of
+    its own) is the one the suite is pointed at."""
+    pg = Postgres()
+    env = {"RUNBOX_CLUSTER_KEY": f"conformance-fleet-key-{os.getpid():032d}",
+           "RUNBOX_CLUSTER_DB_PASSWORD": pg.password}
+    nodes = []
+    try:
+        for name, octet, extra in (("e2bholder", 238, ()), ("e2bfront", 239, ("--max-runs", "0"))):
+            listen = f"127.0.0.1:{free_port()}"
+            args = ("--cluster-db", pg.url, "--node-id", name, "--advertise", listen, *extra)
+            nodes.append(Daemon(name=name, octet=octet, base=image, args=args, listen=listen, env=env))
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        pg.stop()
+        raise
+    return pg, nodes[0], nodes[1]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repo", required=True, type=Path, help="a checkout of e2b-dev/E2B")
     ap.add_argument("--image", required=True, type=Path, help="scripts/mkimage-e2b's archive")
     ap.add_argument("--js", action="store_true", help="the JavaScript SDK's suite instead of Python's")
     ap.add_argument("--python", default=sys.executable, help="the interpreter with the SDK installed")
+    ap.add_argument("--fleet", action="store_true", help="through a node of a fleet that holds no sandbox")
     ap.add_argument("rest", nargs="*", help="passed to the test runner")
     args = ap.parse_args()
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    d = Daemon(name="e2bconf", octet=238, base=args.image.resolve())
+    pg = None
+    if args.fleet:
+        pg, d, front = fleet(args.image.resolve())
+    else:
+        d = front = Daemon(name="e2bconf", octet=238, base=args.image.resolve())
     env = dict(os.environ)
     env.update(
-        E2B_API_KEY=f"e2b_{d.token}",
-        E2B_API_URL=d.url,
-        E2B_SANDBOX_URL=d.url,
+        E2B_API_KEY=f"e2b_{front.token}",
+        E2B_API_URL=front.url,
+        E2B_SANDBOX_URL=front.url,
         E2B_DOMAIN="runbox.localhost",
     )
     status = 1
@@ -77,6 +148,9 @@ def main() -> int:
             print("the suite left nothing behind")
     finally:
         d.stop()
+        if pg is not None:
+            front.stop()
+            pg.stop()
     return status
 
 

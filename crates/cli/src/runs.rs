@@ -567,16 +567,22 @@ pub async fn ls(args: LsArgs) -> anyhow::Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&list)?);
     } else {
-        print!("{}", runs_table(&list.runs, OffsetDateTime::now_utc()));
+        print!(
+            "{}",
+            runs_table(&list.runs, &list.server, OffsetDateTime::now_utc())
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
 
-fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
+/// The runs as a table; a NODE column when any of them is on a node other
+/// than `here` (the node that answered, in a fleet).
+fn runs_table(runs: &[Run], here: &str, now: OffsetDateTime) -> String {
+    let fleet = runs.iter().any(|run| run.server != here);
     let rows: Vec<Vec<String>> = runs
         .iter()
         .map(|run| {
-            vec![
+            let mut row = vec![
                 run.id.to_string(),
                 run.image.clone(),
                 status_name(run.status).to_owned(),
@@ -591,15 +597,20 @@ fn runs_table(runs: &[Run], now: OffsetDateTime) -> String {
                 },
                 // The operator's own runs have none.
                 run.tenant.clone().unwrap_or_else(|| "-".to_owned()),
-            ]
+            ];
+            if fleet {
+                row.push(run.server.clone());
+            }
+            row
         })
         .collect();
-    table::render(
-        &[
-            "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "DISK", "EXPIRES", "LEASE", "TENANT",
-        ],
-        &rows,
-    )
+    let mut headers = vec![
+        "ID", "IMAGE", "STATUS", "NETWORK", "CPUS", "MEM", "DISK", "EXPIRES", "LEASE", "TENANT",
+    ];
+    if fleet {
+        headers.push("NODE");
+    }
+    table::render(&headers, &rows)
 }
 
 fn status_name(status: RunStatus) -> &'static str {
@@ -927,6 +938,7 @@ mod tests {
         let run = Run {
             id: "01JABCDEFGHJKMNPQRSTVWXYZ0".parse().unwrap(),
             server: "node".to_owned(),
+            server_origin: None,
             image: "base".to_owned(),
             network: NetworkTier::None,
             limits: Limits {
@@ -969,8 +981,16 @@ mod tests {
             tenant: Some("acme".to_owned()),
             token: None,
         };
-        let text = runs_table(&[run], now);
+        let text = runs_table(std::slice::from_ref(&run), "node", now);
         assert!(text.lines().next().unwrap().ends_with("TENANT"), "{text}");
+        // A run of another node of the fleet: the NODE column says where.
+        let elsewhere = runs_table(std::slice::from_ref(&run), "other", now);
+        let head = elsewhere.lines().next().unwrap();
+        assert!(head.ends_with("NODE"), "{elsewhere}");
+        assert!(
+            elsewhere.lines().nth(1).unwrap().ends_with("node"),
+            "{elsewhere}"
+        );
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 2);
         assert!(lines[0].starts_with("ID "));

@@ -319,7 +319,8 @@ pub struct ServeArgs {
     )]
     pub advertise: Option<String>,
     /// Where clients may reach this node directly (an http or https
-    /// origin); `GET /v1/cluster` lists it as the node's clientOrigin
+    /// origin); `GET /v1/cluster` lists it as the node's clientOrigin, and
+    /// its runs' answers as their serverOrigin
     #[arg(
         long,
         env = "RUNBOX_CLIENT_ADVERTISE",
@@ -515,6 +516,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = Config::new(server_id);
     config.max_limits.disk_mb = (!args.no_disk_limits).then_some(args.max_disk_mb);
     let mut config = live_settings(&config, &args);
+    config.client_origin = args.client_advertise.clone();
     config.datasets = args.datasets.clone();
     config.warm_cache = warm_cache_config(&args, &state_dir)?;
     let checkpoint_store = match &args.checkpoint_store {

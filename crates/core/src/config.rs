@@ -9,6 +9,9 @@ use runbox_types::Limits;
 pub struct Config {
     /// This node's id, shown as `server` on every response.
     pub server_id: String,
+    /// Where clients may reach this node directly (`--client-advertise`,
+    /// on a node of a fleet), shown as a run's `serverOrigin`.
+    pub client_origin: Option<String>,
     /// Limits a run gets when it asks for none.
     pub default_limits: Limits,
     /// The most a run may ask for.
@@ -126,6 +129,7 @@ impl Config {
     pub fn new(server_id: impl Into<String>) -> Config {
         Config {
             server_id: server_id.into(),
+            client_origin: None,
             default_limits: Limits {
                 cpus: 1.0,
                 memory_mb: 1024,

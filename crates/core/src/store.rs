@@ -179,6 +179,7 @@ impl RunRecord {
         Run {
             id: self.id,
             server: server.to_owned(),
+            server_origin: None,
             image: self.image.clone(),
             network: self.network,
             limits: self.limits,

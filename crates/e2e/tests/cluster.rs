@@ -573,7 +573,16 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
     let pg = PgServer::start();
     let (a, b) = tokio::join!(
         node(&pg, "n1", &["--max-runs", "1"]),
-        node(&pg, "n2", &["--max-runs", "2"])
+        node(
+            &pg,
+            "n2",
+            &[
+                "--max-runs",
+                "2",
+                "--client-advertise",
+                "https://n2.example.com"
+            ]
+        )
     );
     b.import("only2", runbox_e2e::busybox_tar()).await;
     let listed = eventually_async(Duration::from_secs(10), || async {
@@ -607,6 +616,13 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
         .expect("n1 full, n2 not");
     assert_eq!(third.server, "n2");
     // Its answer is the run's, with a token that works through any node.
+    // Each answer names where its node may be reached directly, when the
+    // node says.
+    assert_eq!(
+        third.server_origin.as_deref(),
+        Some("https://n2.example.com")
+    );
+    assert_eq!(second.server_origin, None);
     let token = third.token.clone().expect("the run's token");
     let as_run = runbox_client::Client::new(&a.url, token).expect("client");
     assert_eq!(
@@ -889,6 +905,38 @@ fn e2b_script(python: &std::path::Path, url: &str, token: &str, script: &str) ->
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// Runs ES module `script` with the E2B JavaScript SDK (compat/e2b/js's,
+/// installed as `scripts/test-e2b` installs it) against the node at `url`,
+/// with `SANDBOX_ID` set to `id`: its stdout.
+fn e2b_js(url: &str, token: &str, id: &str, script: &str) -> String {
+    let dir = runbox_e2e::workspace_root().join("compat/e2b/js");
+    if !dir.join("node_modules/e2b").exists() {
+        let status = Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund", "--loglevel=error"])
+            .current_dir(&dir)
+            .status()
+            .expect("running npm ci");
+        assert!(status.success(), "npm ci failed");
+    }
+    let out = Command::new("node")
+        .args(["--input-type=module", "-e", script])
+        .current_dir(&dir)
+        .env("E2B_API_KEY", token)
+        .env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("SANDBOX_ID", id)
+        .stdin(Stdio::null())
+        .output()
+        .expect("running node");
+    assert!(
+        out.status.success(),
+        "the E2B JavaScript SDK failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_e2b_sdk_reaches_a_sandbox_through_a_node_that_does_not_hold_it() {
     let python = e2b_python();
@@ -907,9 +955,9 @@ async fn the_e2b_sdk_reaches_a_sandbox_through_a_node_that_does_not_hold_it() {
         .await
         .expect("the sandbox is n1's run");
     assert_eq!(run.server, "n1");
-    // Everything else through n2: connect (control plane), commands and
-    // files (envd, by the E2b-Sandbox-Id header), a server in it by host
-    // name, its metrics, then kill.
+    // Everything else through n2, with both SDKs: connect (control
+    // plane), commands and files (envd, by the E2b-Sandbox-Id header), a
+    // server in it by host name, then kill.
     let script = format!(
         r#"
 from e2b import Sandbox
@@ -925,6 +973,17 @@ print("ok")
 "#
     );
     assert_eq!(e2b_script(&python, &b.url, &b.token, &script), "ok");
+    // The JavaScript SDK likewise.
+    let js = r#"
+import { Sandbox } from "e2b";
+const s = await Sandbox.connect(process.env.SANDBOX_ID);
+const r = await s.commands.run("echo from javascript");
+if (r.stdout !== "from javascript\n") throw new Error(JSON.stringify(r));
+await s.files.write("/tmp/js.txt", "javascript through n2");
+if ((await s.files.read("/tmp/js.txt")) !== "javascript through n2") throw new Error("read");
+console.log("ok");
+"#;
+    assert_eq!(e2b_js(&b.url, &b.token, &id, js), "ok");
     let by_host = eventually_async(Duration::from_secs(10), || async {
         let answer = reqwest::Client::new()
             .get(format!("{}/index.html", b.url))

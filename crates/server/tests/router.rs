@@ -42,6 +42,7 @@ fn run() -> Run {
     Run {
         id: known(),
         server: "node".into(),
+        server_origin: None,
         image: "base".into(),
         network: NetworkTier::None,
         limits: Limits {

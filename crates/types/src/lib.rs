@@ -543,6 +543,11 @@ pub struct Run {
     pub id: Ulid,
     /// The node that hosts the run.
     pub server: String,
+    /// Where clients may reach the node that hosts the run directly (its
+    /// `--client-advertise` origin), on a node of a fleet that gives one.
+    /// Any node answers for the run either way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_origin: Option<String>,
     /// The image the run was created from.
     pub image: String,
     /// The network tier in force.

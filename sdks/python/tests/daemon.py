@@ -22,12 +22,19 @@ AGENT = Path(os.environ.get("RUNBOX_AGENT_BIN", TARGET / "x86_64-unknown-linux-g
 
 class Daemon:
     def __init__(
-        self, name: str = "py", octet: int = 233, base: Path | None = None, args: tuple[str, ...] = ()
+        self,
+        name: str = "py",
+        octet: int = 233,
+        base: Path | None = None,
+        args: tuple[str, ...] = (),
+        listen: str = "127.0.0.1:0",
+        env: dict[str, str] | None = None,
     ) -> None:
         """`name` tells its nftables table and state directory apart from
         other test daemons'; `octet` its address pool (10.<octet>.x.0/24);
         `base` an image archive to import as `base` instead of busybox;
-        `args` more `runbox serve` arguments."""
+        `args` more `runbox serve` arguments; `listen` its address; `env`
+        more environment variables (a fleet node's key and password)."""
         for binary, how in ((RUNBOX, "cargo build -p runbox-cli"), (AGENT, "scripts/build-agent")):
             if not binary.exists():
                 raise RuntimeError(f"{binary} is missing: run `{how}` first (scripts/test does)")
@@ -37,7 +44,7 @@ class Daemon:
         self.proc = subprocess.Popen(
             [
                 str(RUNBOX), "serve",
-                "--listen", "127.0.0.1:0",
+                "--listen", listen,
                 "--state-dir", str(self.state),
                 "--agent", str(AGENT),
                 "--storage-gb", "8",
@@ -49,6 +56,7 @@ class Daemon:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=log,
+            env={**os.environ, **(env or {})},
         )
         addr_file = self.state / "serve.addr"
         deadline = time.monotonic() + 60

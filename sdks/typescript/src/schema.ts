@@ -2814,6 +2814,12 @@ export interface components {
             secrets?: string[];
             /** @description The node that hosts the run. */
             server: string;
+            /**
+             * @description Where clients may reach the node that hosts the run directly (its
+             *     `--client-advertise` origin), on a node of a fleet that gives one.
+             *     Any node answers for the run either way.
+             */
+            serverOrigin?: string | null;
             size?: null | components["schemas"]["SizeTier"];
             /** @description Lifecycle status. */
             status: components["schemas"]["RunStatus"];

@@ -149,7 +149,9 @@ impl RunContext {
 
     /// The API view of a run: its record plus live counters.
     pub(crate) fn view(&self, handle: &RunHandle) -> Run {
-        let mut run = handle.snapshot().record.to_run(&self.config().server_id);
+        let config = self.config();
+        let mut run = handle.snapshot().record.to_run(&config.server_id);
+        run.server_origin = config.client_origin.clone();
         run.egress = handle.egress().map(|meter| meter.stats());
         run.disk_used_bytes = self.lane.sandbox(run.id).disk_used();
         run
