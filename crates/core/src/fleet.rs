@@ -22,6 +22,11 @@ pub trait Fleet: Send + Sync {
     /// away.
     fn record_run(&self, id: Ulid, run: Option<Run>);
 
+    /// Writes run `id` of this node to the catalog now, as `run` (a
+    /// create's answer), so that any node finds it as soon as the caller
+    /// learns its id.
+    async fn record_run_now(&self, run: &Run) -> Result<(), CoreError>;
+
     /// This node's runs are what `list` answers, and no others (at start,
     /// so the catalog forgets what this node destroyed while it was down);
     /// `list` is called after the resync's generation is taken, so a

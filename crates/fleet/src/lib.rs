@@ -483,6 +483,10 @@ impl Fleet for Cluster {
         self.catalog.record(id, run);
     }
 
+    async fn record_run_now(&self, run: &runbox_types::Run) -> Result<(), CoreError> {
+        self.catalog.record_now(&self.options.node, run).await
+    }
+
     fn resync_runs(&self, list: &dyn Fn() -> Vec<runbox_types::Run>) {
         self.catalog.resync(list);
     }

@@ -51,12 +51,26 @@ impl Candidate {
 /// The best of `candidates` for `want`, the receiving node winning ties
 /// (and left out when `want.here_full`).
 pub(crate) fn choose(candidates: &[Candidate], want: &Want) -> Option<Candidate> {
-    candidates
-        .iter()
-        .filter(|c| !(want.here_full && c.node == want.here))
-        .filter_map(|c| c.score(want).map(|score| (score, c.node == want.here, c)))
-        .max_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
-        .map(|(_, _, c)| c.clone())
+    let best = |want: &Want| {
+        candidates
+            .iter()
+            .filter(|c| !(want.here_full && c.node == want.here))
+            .filter_map(|c| c.score(want).map(|score| (score, c.node == want.here, c)))
+            .max_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)))
+            .map(|(_, _, c)| c.clone())
+    };
+    best(want).or_else(|| {
+        // No row says it stores the image, and it cannot be pulled: rows
+        // are as of each node's last heartbeat, so an image made since (a
+        // snapshot a moment ago) is looked for on the others with room;
+        // the node asked knows it has not got it.
+        let elsewhere = Want {
+            pullable: true,
+            here_full: true,
+            ..want.clone()
+        };
+        best(&elsewhere).filter(|_| !want.pullable)
+    })
 }
 
 /// Reads the candidates for `want` and chooses; None keeps the create on
@@ -178,6 +192,13 @@ mod tests {
         bare.has_image = false;
         let nodes = [node("n1", 100, 99), bare.clone()];
         assert_eq!(choose(&nodes, &want).unwrap().node, "n1");
+        // Unless no node says it stores it (rows lag behind): then another
+        // node with room is asked, never the one that knows it has not.
+        let mut lacking = node("n1", 100, 0);
+        lacking.has_image = false;
+        let nodes = [lacking.clone(), bare.clone()];
+        assert_eq!(choose(&nodes, &want).unwrap().node, "n2");
+        assert!(choose(&[lacking], &want).is_none());
         // One that can pull goes where the image is first, room equal.
         let pull = Want {
             pullable: true,

@@ -118,6 +118,17 @@ pub(crate) async fn send_on(
             tracing::debug!(error = %e, "a connection to another node ended");
         }
     });
+    // A stream the other node breaks off (a sandbox killed under a
+    // command) breaks this connection the same way, so the client sees
+    // what it would have seen from the run's node.
+    let sever = crate::conn::severable(
+        request
+            .extensions()
+            .get::<axum::extract::ConnectInfo<crate::conn::Severable>>()
+            .cloned()
+            .map(axum::Extension),
+        request.version(),
+    );
     // An upgrade asked for by the client is joined to the one the other
     // node grants.
     let inbound = request
@@ -164,5 +175,13 @@ pub(crate) async fn send_on(
             });
         }
     }
-    response.map(Body::new)
+    response.map(|body| {
+        use http_body_util::BodyExt;
+        Body::new(body.map_err(move |e| {
+            if let Some(flag) = &sever {
+                flag.arm();
+            }
+            e
+        }))
+    })
 }

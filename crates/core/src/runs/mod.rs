@@ -647,6 +647,19 @@ impl Manager {
         let run = answer
             .await
             .map_err(|_| CoreError::Agent("the run's owner ended without an answer".into()))?;
+        // On a node of a fleet the catalog has the run before the caller
+        // has its id, so the next call finds it through any node (the
+        // write behind would come a moment later). Best effort: without
+        // the database the run is still made, and written when it is back.
+        if let (Ok(made), Some(fleet)) = (&run, self.fleet()) {
+            let now = tokio::time::timeout(
+                std::time::Duration::from_secs(1),
+                fleet.record_run_now(made),
+            );
+            if !matches!(now.await, Ok(Ok(()))) {
+                tracing::info!(run = %made.id, "the run catalog is written later");
+            }
+        }
         // Held: from here the answer is the caller's (no await follows).
         let _ = delivered.send(());
         run

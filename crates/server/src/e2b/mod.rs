@@ -174,8 +174,16 @@ pub(crate) async fn dispatch<S: RunService>(
         Some(Err(message)) => return envd_error(StatusCode::BAD_REQUEST, message),
         None => match signed_file_url(&request) {
             None => return next.run(request).await,
-            Some(signed) => match signer(&d.app, &signed) {
-                Some(id) => id,
+            Some(signed) => match signer(&d.app, &signed).await {
+                Some(id) => {
+                    // Signed by a sandbox another node holds: its node
+                    // answers (and finds the signer itself).
+                    request = match crate::forward::elsewhere(&d.app.service, id, request).await {
+                        Ok(answered) => return answered,
+                        Err(request) => request,
+                    };
+                    id
+                }
                 None => return envd_error(StatusCode::UNAUTHORIZED, "invalid signature"),
             },
         },
@@ -320,13 +328,22 @@ fn takes_traffic(run: &runbox_types::Run) -> bool {
 
 /// The running sandbox whose access token signed `signed`: one SHA-256
 /// per running sandbox, so a URL needs no sandbox name.
-fn signer<S: RunService>(app: &AppState<S>, signed: &SignedFileUrl) -> Option<Ulid> {
-    app.service
-        .list()
-        .into_iter()
-        .filter(takes_traffic)
-        .map(|r| r.id)
-        .find(|id| signed_by(&app.token, *id, signed))
+async fn signer<S: RunService>(app: &AppState<S>, signed: &SignedFileUrl) -> Option<Ulid> {
+    let find = |runs: Vec<runbox_types::Run>| {
+        runs.into_iter()
+            .filter(takes_traffic)
+            .map(|r| r.id)
+            .find(|id| signed_by(&app.token, *id, signed))
+    };
+    if let Some(id) = find(app.service.list()) {
+        return Some(id);
+    }
+    // On a node of a fleet, the other nodes' sandboxes (from the catalog;
+    // access tokens are the fleet's, so any node checks a signature).
+    if !app.service.in_fleet() {
+        return None;
+    }
+    find(app.service.list_fleet().await.ok()?)
 }
 
 /// The answer to a signed file URL that must be refused, if it must: a
