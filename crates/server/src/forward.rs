@@ -185,3 +185,101 @@ pub(crate) async fn send_on(
         }))
     })
 }
+
+/// The other nodes of the fleet that are heard from (not gone), as
+/// places to send to.
+async fn other_nodes<S: runbox_core::RunService>(service: &S) -> Vec<Located> {
+    let Ok(cluster) = service.cluster().await else {
+        return Vec::new();
+    };
+    cluster
+        .nodes
+        .into_iter()
+        .filter(|n| !n.local && n.state != runbox_types::NodeState::Gone)
+        .filter_map(|n| {
+            Some(Located {
+                advertise: n.advertise?,
+                node: n.id,
+                tenant: None,
+                gone: false,
+                silent_sec: n.last_seen_sec,
+            })
+        })
+        .collect()
+}
+
+/// The most a node's answer to a fleet-wide read may hold.
+const FAN_OUT_MAX_BYTES: usize = 64 << 20;
+
+/// `GET path` (runbox's own API) on every other node of the fleet heard
+/// from, with the fleet's root token (`token`) and this node's proof: each
+/// answer that is a 200 with a `T`. A node that cannot be reached or
+/// answers otherwise is left out (logged), so a list is the reachable
+/// fleet's. The caller filters what its caller may see.
+pub(crate) async fn read_others<S, T>(service: &S, token: &str, path: &str) -> Vec<T>
+where
+    S: runbox_core::RunService,
+    T: serde::de::DeserializeOwned,
+{
+    let subject = format!("GET {path}");
+    let nodes = other_nodes(service).await;
+    let reads = nodes.iter().map(|at| {
+        let subject = subject.clone();
+        async move {
+            let proof = service.prove(&subject)?;
+            let request = axum::http::Request::get(path)
+                .header(axum::http::header::AUTHORIZATION, format!("Bearer {token}"))
+                .body(Body::empty())
+                .ok()?;
+            let response = send_on("the list's part", at, proof, request).await;
+            let status = response.status();
+            let body = axum::body::to_bytes(response.into_body(), FAN_OUT_MAX_BYTES)
+                .await
+                .ok()?;
+            if status != StatusCode::OK {
+                tracing::info!(node = %at.node, %status, path, "a node's part of a fleet-wide list is left out");
+                return None;
+            }
+            serde_json::from_slice::<T>(&body).ok()
+        }
+    });
+    futures::future::join_all(reads)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Sends `request` (bodiless) to each other node of the fleet in turn
+/// until one answers with something other than 404: that answer, or None
+/// when every node says 404 (or none could be reached). For an object
+/// whose node the catalog does not record (an image, a snapshot).
+pub(crate) async fn ask_others<S: runbox_core::RunService>(
+    service: &S,
+    method: &axum::http::Method,
+    uri: &Uri,
+    headers: &axum::http::HeaderMap,
+) -> Option<Response> {
+    if !service.in_fleet() || headers.contains_key(NODE_PROOF) {
+        return None;
+    }
+    let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    let subject = format!("{method} {path}");
+    for at in other_nodes(service).await {
+        let proof = service.prove(&subject)?;
+        let mut copy = axum::http::Request::builder()
+            .method(method.clone())
+            .uri(uri.clone());
+        for (name, value) in headers {
+            copy = copy.header(name, value);
+        }
+        let Ok(copy) = copy.body(Body::empty()) else {
+            continue;
+        };
+        let response = send_on("the object", &at, proof, copy).await;
+        if response.status() != StatusCode::NOT_FOUND {
+            return Some(response);
+        }
+    }
+    None
+}

@@ -1008,9 +1008,18 @@ fn page_limit(raw: &str) -> Result<usize, E2bError> {
 async fn list_snapshots<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
+    headers: HeaderMap,
     RawQuery(raw): RawQuery,
 ) -> Result<Response, E2bError> {
     let q = snapshot_query(raw.as_deref())?;
+    let mut images = state.service.list_images()?;
+    // A snapshot is an image of the node that took it: on a node of a
+    // fleet, the other nodes' are read too (asked here, not by a node).
+    if state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF) {
+        let others: Vec<runbox_types::ImageList> =
+            crate::forward::read_others(&state.service, &state.token, "/v1/images").await;
+        images.extend(others.into_iter().flat_map(|list| list.images));
+    }
     // Newest first; images made in the same instant (times are kept to the
     // second or so) by name, descending, which for generated names
     // (`snap-<ulid>`) is newest first too.
@@ -1020,9 +1029,7 @@ async fn list_snapshots<S: RunService>(
             std::cmp::Reverse(i.name.clone()),
         )
     };
-    let mut snaps: Vec<runbox_types::Image> = state
-        .service
-        .list_images()?
+    let mut snaps: Vec<runbox_types::Image> = images
         .into_iter()
         .filter(|i| i.is_snapshot() && caller.sees(i.tenant.as_deref()))
         .filter(|i| {
@@ -1056,9 +1063,19 @@ async fn delete_template<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
     Path(id): Path<String>,
-) -> Result<StatusCode, E2bError> {
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+) -> Result<Response, E2bError> {
     let name = id.strip_suffix(":default").unwrap_or(&id).to_owned();
-    let image = visible_image(&state, &caller, &name)?;
+    let image = match visible_image(&state, &caller, &name) {
+        Ok(image) => image,
+        // Another node's snapshot, on a node of a fleet: its node deletes it.
+        Err(e) => match crate::forward::ask_others(&state.service, &method, &uri, &headers).await {
+            Some(answered) => return Ok(answered),
+            None => return Err(e),
+        },
+    };
     if !image.is_snapshot() || !caller.sees(image.tenant.as_deref()) {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,
@@ -1066,7 +1083,7 @@ async fn delete_template<S: RunService>(
         ));
     }
     state.service.delete_image(name).await?;
-    Ok(StatusCode::NO_CONTENT)
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 /// Image `name` if the caller may see it (shared, or its own snapshot).
