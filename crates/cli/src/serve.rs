@@ -586,6 +586,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // On a node of a fleet the interception CA is the fleet's: made here
+    // first (as alone), then shared through the cluster database.
+    if let (Some(cluster), Some(key)) = (&cluster, shared("interception-ca")) {
+        let dir = state_dir.join("ca");
+        runbox_proxy::tls::Authority::load_or_create(&dir)
+            .context("loading or creating the interception CA")?;
+        let sealer = runbox_core::sealed::KeyFileSealer::from_key(key.as_bytes());
+        cluster.share_authority(&dir, &sealer).await?;
+    }
     let egress = args.egress.build(&state_dir, bound)?;
     config.egress = Some(egress.config.clone());
     // The key that seals the values of secrets callers bring; see

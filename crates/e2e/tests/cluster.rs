@@ -116,8 +116,18 @@ async fn nodes_starting_at_once_on_an_empty_database_join_and_list_each_other() 
         );
     }
     // The root token is the fleet's (derived from the cluster key): one
-    // token opens every node.
+    // token opens every node. The interception CA is the fleet's too (made
+    // by the first node, stored sealed), so a run trusts every node's proxy.
     assert_eq!(a.token, b.token);
+    let ca =
+        |d: &TestDaemon| std::fs::read_to_string(d.state.path().join("ca/ca.pem")).expect("ca.pem");
+    assert_eq!(ca(&a), ca(&b));
+    assert_eq!(pg.psql("SELECT count(*) FROM runbox_shared"), "1");
+    assert!(
+        !pg.psql("SELECT sealed FROM runbox_shared")
+            .contains("BEGIN"),
+        "stored sealed"
+    );
     assert!(a.client.info().await.is_ok() && b.client.info().await.is_ok());
     // The node id is the server id on answers, and heartbeats carry load.
     let run = b.create().await;
@@ -608,6 +618,14 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
         .await
         .expect("create via n1");
     assert_eq!(second.server, "n1");
+    // The catalog has a run before its caller has the id: the other node
+    // finds it at once.
+    let found = b
+        .client
+        .get_run(&second.id.to_string())
+        .await
+        .expect("at once through n2");
+    assert_eq!(found.server, "n1");
     // n1 is full: sent to n2 instead of a 429.
     let third = a
         .client
@@ -768,7 +786,12 @@ async fn every_node_lists_the_fleets_runs_from_the_catalog() {
 #[tokio::test(flavor = "multi_thread")]
 async fn any_node_answers_for_a_run_another_node_holds() {
     let pg = PgServer::start();
-    let (a, mut b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let preview = ["--preview-listen", "127.0.0.1:0"];
+    let (a, mut b, c) = tokio::join!(
+        node(&pg, "n1", &[]),
+        node(&pg, "n2", &preview),
+        node(&pg, "n3", &preview)
+    );
     let run = b.create().await;
     let id = run.id.to_string();
     // Known to the catalog (written behind) within moments.
@@ -802,6 +825,45 @@ async fn any_node_answers_for_a_run_another_node_holds() {
     };
     assert_eq!(bytes, b"carried");
     let _tunnel = a.echo_tunnel(&id, 7001).await;
+    // Through a third node: an exec, and a preview URL minted there (the
+    // preview key is the fleet's) and opened on its preview listener.
+    let out = c
+        .sh(
+            &id,
+            "mkdir -p /tmp/www && echo via-n3 > /tmp/www/index.html && httpd -p 8080 -h /tmp/www",
+        )
+        .await;
+    assert_eq!(
+        out.exit.exit_code,
+        0,
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let minted = c
+        .client
+        .mint_preview(&id, 8080, Some(600))
+        .await
+        .expect("a preview minted through n3");
+    let listener = std::fs::read_to_string(c.state.path().join("preview.addr"))
+        .expect("n3's preview listener");
+    let opened = eventually_async(Duration::from_secs(10), || async {
+        let page = reqwest::get(format!(
+            "http://{}/p/{}/index.html",
+            listener.trim(),
+            minted.token
+        ))
+        .await;
+        match page {
+            Ok(page) => page.text().await.is_ok_and(|t| t == "via-n3\n"),
+            Err(_) => false,
+        }
+    })
+    .await;
+    assert!(
+        opened,
+        "n3's preview listener never served n2's run: {}",
+        c.log()
+    );
     // A forged node proof is refused, whatever the token.
     let forged = reqwest::Client::new()
         .get(format!("{}/v1/runs/{id}", b.url))
@@ -969,6 +1031,12 @@ assert s.files.read("/tmp/through.txt") == "written through n2"
 s.commands.run("mkdir -p /tmp/www && echo served > /tmp/www/index.html")
 s.commands.run("httpd -f -p 8080 -h /tmp/www", background=True)
 assert s.is_running()
+# A snapshot is taken on n1; n2 lists it with the fleet's and deletes it.
+snap = s.create_snapshot()
+listed = lambda: [x.snapshot_id for x in Sandbox.list_snapshots(sandbox_id="{id}").next_items()]
+assert snap.snapshot_id in listed(), listed()
+Sandbox.delete_snapshot(snap.snapshot_id)
+assert snap.snapshot_id not in listed(), listed()
 print("ok")
 "#
     );

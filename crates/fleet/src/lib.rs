@@ -56,6 +56,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "singletons",
         include_str!("../migrations/0006_singletons.sql"),
     ),
+    (7, "shared", include_str!("../migrations/0007_shared.sql")),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -376,6 +377,87 @@ impl Cluster {
             book,
             proof_key,
         }))
+    }
+
+    /// Makes the egress interception CA in `dir` (`ca.pem`, `ca.key`, as
+    /// `runbox_proxy` keeps them; made there already) the fleet's: the
+    /// first node to join stores its pair, sealed with `sealer`; a node
+    /// whose pair differs takes the fleet's, moving its own to
+    /// `<dir>.joined`. So a run's trust of the CA holds whichever node's
+    /// proxy intercepts for it.
+    pub async fn share_authority(
+        &self,
+        dir: &std::path::Path,
+        sealer: &dyn runbox_core::sealed::Sealer,
+    ) -> Result<(), JoinError> {
+        const NAME: &str = "interception-ca";
+        let read = |file: &str| {
+            std::fs::read_to_string(dir.join(file))
+                .map_err(|e| JoinError::Query(format!("reading {}: {e}", dir.join(file).display())))
+        };
+        let local = serde_json::json!({ "cert": read("ca.pem")?, "key": read("ca.key")? });
+        let sealed = sealer
+            .seal(NAME, local.to_string().as_bytes())
+            .map_err(JoinError::Query)?;
+        sqlx::query(
+            "INSERT INTO runbox_shared (name, sealed) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        )
+        .bind(NAME)
+        .bind(&sealed)
+        .execute(&self.pool)
+        .await
+        .map_err(query)?;
+        let stored: String = sqlx::query_scalar("SELECT sealed FROM runbox_shared WHERE name = $1")
+            .bind(NAME)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(query)?;
+        let opened = sealer.open(NAME, &stored).map_err(|e| {
+            JoinError::Query(format!(
+                "the fleet's interception CA cannot be opened with this node's cluster key: {e}"
+            ))
+        })?;
+        let fleet: serde_json::Value = serde_json::from_slice(&opened).map_err(|e| {
+            JoinError::Query(format!("the fleet's interception CA is malformed: {e}"))
+        })?;
+        if fleet == local {
+            return Ok(());
+        }
+        let (Some(cert), Some(key)) = (fleet["cert"].as_str(), fleet["key"].as_str()) else {
+            return Err(JoinError::Query(
+                "the fleet's interception CA is malformed".into(),
+            ));
+        };
+        let aside = dir.with_extension("joined");
+        let write = || -> std::io::Result<()> {
+            use std::io::Write as _;
+            use std::os::unix::fs::OpenOptionsExt as _;
+            let _ = std::fs::remove_dir_all(&aside);
+            std::fs::create_dir_all(&aside)?;
+            for file in ["ca.pem", "ca.key"] {
+                std::fs::copy(dir.join(file), aside.join(file))?;
+            }
+            // The key first and the certificate last, as the proxy writes
+            // them: a pair is whole once its certificate is there.
+            std::fs::remove_file(dir.join("ca.pem"))?;
+            let mut out = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(dir.join("ca.key"))?;
+            out.write_all(key.as_bytes())?;
+            out.sync_all()?;
+            std::fs::write(dir.join("ca.pem"), cert)
+        };
+        write().map_err(|e| {
+            JoinError::Query(format!(
+                "taking the fleet's interception CA into {}: {e}",
+                dir.display()
+            ))
+        })?;
+        tracing::info!(dir = %dir.display(), aside = %aside.display(), "this node's interception CA is the fleet's now; its own is kept aside");
+        Ok(())
     }
 
     /// The database as logs name it: host:port/database, no password.

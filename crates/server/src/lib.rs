@@ -270,6 +270,11 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
     );
     Router::new()
         .route("/health", get(handlers::health::<S>))
+        // Checks the node proof itself: no client token comes with it.
+        .route(
+            &format!("{}/{{*rest}}", preview::FLEET_PREVIEW_PREFIX),
+            axum::routing::any(preview::from_another_node::<S>),
+        )
         .merge(e2b_control)
         .merge(e2b_volumes)
         .route("/v1/openapi.json", get(openapi::serve))

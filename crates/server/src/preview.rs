@@ -195,6 +195,16 @@ async fn proxy<S: RunService>(
         Err(e) => return ApiError::from(e).into_response(),
     };
     let path = located.path.clone();
+    // A run another node of the fleet holds: that node's API listener
+    // serves the request (the preview key is the fleet's, so the token
+    // was checked here as it would be there).
+    let request = match elsewhere(&state, grant.run, request).await {
+        Ok(response) => {
+            audit_access(&state, grant, method, &path, response.status(), peer);
+            return response;
+        }
+        Err(request) => request,
+    };
     let response = if located.in_path && located.path.is_empty() {
         // `/p/{token}` itself: relative links need the trailing slash.
         let query = request
@@ -215,6 +225,102 @@ async fn proxy<S: RunService>(
     };
     audit_access(&state, grant, method, &path, response.status(), peer);
     response
+}
+
+/// Where the API listener takes a preview request another node of the
+/// fleet sent on (with its proof): the rest of the path is the preview
+/// path as the client sent it.
+pub(crate) const FLEET_PREVIEW_PREFIX: &str = "/v1/fleet/preview";
+
+/// Sends preview `request` for run `id` to the run's node when another
+/// node of the fleet holds it; the request back when this node serves it.
+async fn elsewhere<S: RunService>(
+    state: &PreviewState<S>,
+    id: ulid::Ulid,
+    request: Request,
+) -> Result<Response, Request> {
+    if !state.service.in_fleet() {
+        return Err(request);
+    }
+    if !matches!(
+        state.service.tenant_of(id),
+        Err(runbox_core::CoreError::RunNotFound(_))
+    ) {
+        return Err(request);
+    }
+    let at = match state.service.locate(id).await {
+        Ok(Some(at)) if at.gone => {
+            return Ok(ApiError::from(runbox_core::fleet::node_gone(id, &at)).into_response())
+        }
+        Ok(Some(at)) => at,
+        Ok(None) => return Err(request),
+        Err(e) => return Ok(ApiError::from(e).into_response()),
+    };
+    let (mut parts, body) = request.into_parts();
+    let original = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let Ok(uri) = format!("{FLEET_PREVIEW_PREFIX}{original}").parse::<Uri>() else {
+        return Ok(
+            ApiError::new(ErrorCode::BadRequest, "a preview path that is no URI").into_response(),
+        );
+    };
+    parts.uri = uri;
+    let request = Request::from_parts(parts, body);
+    let Some(proof) = state
+        .service
+        .prove(&crate::forward::proof_subject(&request))
+    else {
+        return Err(request);
+    };
+    Ok(crate::forward::forward(id, &at, proof, request).await)
+}
+
+/// The API listener's side of [`elsewhere`]: a preview request another
+/// node sent on, served here when its node proof holds.
+pub(crate) async fn from_another_node<S: RunService>(
+    State(app): State<AppState<S>>,
+    request: Request,
+) -> Response {
+    let subject = crate::forward::proof_subject(&request);
+    let proven = request
+        .headers()
+        .get(crate::forward::NODE_PROOF)
+        .and_then(|p| p.to_str().ok())
+        .is_some_and(|p| app.service.proven(&subject, p));
+    let Some(peer) = crate::conn::peer(&request).filter(|_| proven) else {
+        return ApiError::new(
+            ErrorCode::Unauthorized,
+            "this route takes preview requests another node of the fleet sends on, with its proof",
+        )
+        .into_response();
+    };
+    let (mut parts, body) = request.into_parts();
+    let original = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .and_then(|p| p.strip_prefix(FLEET_PREVIEW_PREFIX))
+        .unwrap_or("/")
+        .to_owned();
+    let Ok(uri) = original.parse::<Uri>() else {
+        return ApiError::new(ErrorCode::BadRequest, "a preview path that is no URI")
+            .into_response();
+    };
+    parts.uri = uri;
+    parts.headers.remove(crate::forward::NODE_PROOF);
+    let state = PreviewState {
+        service: app.service.clone(),
+        audit: app.audit.clone(),
+    };
+    proxy(
+        State(state),
+        ConnectInfo(peer),
+        Request::from_parts(parts, body),
+    )
+    .await
 }
 
 /// Records one access to a run's port in the audit log, if there is one.
