@@ -19,6 +19,13 @@ pub fn options(args: &ServeArgs) -> anyhow::Result<Option<runbox_fleet::Options>
         bail!("--cluster-db needs --node-id and --advertise");
     };
     check_node_id(&node)?;
+    if let Some(cell) = &args.cell {
+        check_node_id(cell).map_err(|_| {
+            anyhow::anyhow!(
+                "--cell {cell:?}: use 1-32 of a-z, 0-9 and -, starting with a letter or a digit"
+            )
+        })?;
+    }
     check_advertise(&advertise)?;
     if let Some(origin) = &args.client_advertise {
         check_origin(origin)?;

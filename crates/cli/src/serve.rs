@@ -338,6 +338,15 @@ pub struct ServeArgs {
     /// Seconds without a heartbeat after which a node is gone
     #[arg(long, default_value_t = 60, value_name = "SECS")]
     pub cluster_gone_sec: u64,
+    /// The cell this node of a fleet belongs to: the warm-pool set PUT
+    /// /v1/pools applies is the cell's, the same on every node of it
+    #[arg(
+        long,
+        env = "RUNBOX_CELL",
+        value_name = "NAME",
+        requires = "cluster_db"
+    )]
+    pub cell: Option<String>,
     /// Destroy every run of this state directory and exit (for tests and
     /// uninstalling); does not start the API.
     #[arg(long, hide = true)]
@@ -662,6 +671,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let manager = Manager::start(config, lane, store, images, tenants, usage.clone()).await?;
 
+    if let (Some(cluster), Some(cell)) = (&cluster, &args.cell) {
+        let pools = cluster.cell_pools(cell);
+        // The cell's set, once one was applied, stands over the node's own
+        // (--pools, pools.json) from the start.
+        match pools.current().await {
+            Ok(Some(set)) => {
+                tracing::info!(cell = %cell, pools = set.pools.len(), "using the cell's warm pools");
+                manager.apply_cell_pools(set);
+            }
+            Ok(None) => {}
+            Err(e) => bail!("reading cell {cell:?}'s warm pools: {e}"),
+        }
+        manager.set_cell_pools(pools.clone());
+        let node = manager.clone();
+        pools.follow(Arc::new(move |set| node.apply_cell_pools(set)));
+    }
     if let Some(cluster) = &cluster {
         manager.set_fleet(cluster.clone());
         let node = manager.clone();

@@ -69,6 +69,15 @@ pub trait Fleet: Send + Sync {
     fn proven(&self, what: &str, proof: &str) -> bool;
 }
 
+/// The warm-pool set a node's cell shares (`--cell`): `PUT /v1/pools`
+/// stores it here instead of in the node's `pools.json`, and every node of
+/// the cell applies it.
+#[async_trait]
+pub trait SharedPools: Send + Sync {
+    /// Stores `set` as the cell's (every node of the cell hears of it).
+    async fn store(&self, set: &runbox_types::PoolSet) -> Result<(), CoreError>;
+}
+
 /// What placement weighs of a create.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Want {

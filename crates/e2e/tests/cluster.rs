@@ -1141,3 +1141,64 @@ async fn singleton_work_has_one_holder_at_a_time_and_a_growing_fence() {
         "1"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cells_pool_set_is_every_node_of_the_cells() {
+    use runbox_types::{PoolSet, PoolSpec};
+    let pg = PgServer::start();
+    let (a, b, c) = tokio::join!(
+        node(&pg, "n1", &["--cell", "blue"]),
+        node(&pg, "n2", &["--cell", "blue"]),
+        node(&pg, "n3", &[])
+    );
+    let set = PoolSet {
+        pools: vec![PoolSpec {
+            image: "base".into(),
+            network: None,
+            size: None,
+            warm: Some(1),
+            warm_max: None,
+            warmup: None,
+        }],
+    };
+    a.client.set_pools(&set).await.expect("PUT /v1/pools on n1");
+    // n2, of the same cell, takes it; n3, of none, keeps its own (none).
+    let images = |list: runbox_types::PoolList| -> Vec<String> {
+        list.pools.into_iter().map(|p| p.image).collect()
+    };
+    let taken = eventually_async(Duration::from_secs(15), || async {
+        b.client.pools().await.is_ok_and(|l| images(l) == ["base"])
+    })
+    .await;
+    assert!(taken, "n2 never took its cell's pools: {}", b.log());
+    assert!(images(c.client.pools().await.expect("n3's pools")).is_empty());
+    // Emptied on n2: n1 follows.
+    b.client
+        .set_pools(&PoolSet { pools: Vec::new() })
+        .await
+        .expect("PUT /v1/pools on n2");
+    let emptied = eventually_async(Duration::from_secs(15), || async {
+        a.client.pools().await.is_ok_and(|l| l.pools.is_empty())
+    })
+    .await;
+    assert!(emptied, "n1 kept its pools: {}", a.log());
+    assert_eq!(
+        pg.psql("SELECT generation FROM runbox_pool_sets WHERE cell = 'blue'"),
+        "2"
+    );
+    // A bad cell name stops the start before anything is reached.
+    let err = serve_fails(
+        &[
+            "--cluster-db",
+            &pg.url(),
+            "--node-id",
+            "n9",
+            "--advertise",
+            "127.0.0.1:9",
+            "--cell",
+            "Blue!",
+        ],
+        &[("RUNBOX_CLUSTER_KEY", KEY)],
+    );
+    assert!(err.contains("--cell"), "{err}");
+}

@@ -26,12 +26,14 @@ use sqlx::Row;
 
 mod book;
 mod catalog;
+mod cell;
 mod place;
 mod singleton;
 mod tenants;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use cell::CellPools;
 pub use runbox_core::fleet::Fleet;
 pub use tenants::PgTenants;
 
@@ -57,6 +59,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0006_singletons.sql"),
     ),
     (7, "shared", include_str!("../migrations/0007_shared.sql")),
+    (
+        8,
+        "pool sets",
+        include_str!("../migrations/0008_pool_sets.sql"),
+    ),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -458,6 +465,11 @@ impl Cluster {
         })?;
         tracing::info!(dir = %dir.display(), aside = %aside.display(), "this node's interception CA is the fleet's now; its own is kept aside");
         Ok(())
+    }
+
+    /// Cell `cell`'s warm-pool set ([`CellPools`]).
+    pub fn cell_pools(&self, cell: &str) -> Arc<CellPools> {
+        CellPools::new(self.pool.clone(), cell.to_owned())
     }
 
     /// The database as logs name it: host:port/database, no password.

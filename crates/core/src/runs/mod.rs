@@ -109,6 +109,8 @@ pub struct Manager {
     pub(crate) pools: Arc<Mutex<crate::pools::Pools>>,
     /// Wakes the pool controller (a claim, a refill done, a new set).
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
+    /// Where `PUT /v1/pools` stores the set on a node of a cell.
+    pub(crate) cell_pools: std::sync::OnceLock<Arc<dyn crate::fleet::SharedPools>>,
     /// The size of `budget`.
     pub(crate) budget_size: usize,
     /// The warm repo cache, when it is on.
@@ -294,6 +296,7 @@ impl Manager {
             budget: context.budget.clone(),
             pools: context.pools.clone(),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
+            cell_pools: std::sync::OnceLock::new(),
             budget_size: budget,
             warm,
             context,

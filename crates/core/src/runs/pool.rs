@@ -424,7 +424,14 @@ impl Manager {
     /// pools file), then applies it; pools left out drain.
     pub async fn set_pools(&self, set: PoolSet) -> Result<PoolList, CoreError> {
         let configs = self.check_pools(&set)?;
-        if let Some(path) = self.config().pools_file.clone() {
+        if let Some(cell) = self.cell_pools.get() {
+            // The cell's, stored for every node of it (this one applies it
+            // at once; the others when they hear of it).
+            let canonical = PoolSet {
+                pools: configs.iter().map(PoolConfig::to_spec).collect(),
+            };
+            cell.store(&canonical).await?;
+        } else if let Some(path) = self.config().pools_file.clone() {
             let canonical = PoolSet {
                 pools: configs.iter().map(PoolConfig::to_spec).collect(),
             };
@@ -437,6 +444,29 @@ impl Manager {
         lock(&self.pools).set(configs);
         self.pool_wake.notify_one();
         Ok(self.pools())
+    }
+
+    /// Applies a set another node of this node's cell stored (checked as a
+    /// PUT's is; one this node cannot take is logged and left).
+    pub fn apply_cell_pools(&self, set: PoolSet) {
+        match self.check_pools(&set) {
+            Ok(configs) => {
+                tracing::info!(
+                    pools = configs.len(),
+                    "warm pools replaced by the cell's set"
+                );
+                lock(&self.pools).set(configs);
+                self.pool_wake.notify_one();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "this node cannot take its cell's pool set; it keeps its pools");
+            }
+        }
+    }
+
+    /// From now on `PUT /v1/pools` stores the set as the node's cell's.
+    pub fn set_cell_pools(&self, cell: Arc<dyn crate::fleet::SharedPools>) {
+        let _ = self.cell_pools.set(cell);
     }
 
     /// `POST /v1/drain` (true) and `DELETE /v1/drain` (false).
