@@ -526,6 +526,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.max_limits.disk_mb = (!args.no_disk_limits).then_some(args.max_disk_mb);
     let mut config = live_settings(&config, &args);
     config.client_origin = args.client_advertise.clone();
+    config.joins_fleet = cluster.is_some();
     config.datasets = args.datasets.clone();
     config.warm_cache = warm_cache_config(&args, &state_dir)?;
     let checkpoint_store = match &args.checkpoint_store {

@@ -12,6 +12,10 @@ pub struct Config {
     /// Where clients may reach this node directly (`--client-advertise`,
     /// on a node of a fleet), shown as a run's `serverOrigin`.
     pub client_origin: Option<String>,
+    /// Whether this node joins a fleet (its `Fleet` is handed over once
+    /// the manager has started): work shared with the other nodes waits
+    /// for it.
+    pub joins_fleet: bool,
     /// Limits a run gets when it asks for none.
     pub default_limits: Limits,
     /// The most a run may ask for.
@@ -130,6 +134,7 @@ impl Config {
         Config {
             server_id: server_id.into(),
             client_origin: None,
+            joins_fleet: false,
             default_limits: Limits {
                 cpus: 1.0,
                 memory_mb: 1024,

@@ -19,6 +19,11 @@ const KEY: &str = "a-cluster-key-of-more-than-32-bytes-for-the-tests";
 /// Starts node `id` of the fleet in `pg`, listening on (and advertising)
 /// a loopback port of its own; `extra` are more `serve` arguments.
 async fn node(pg: &PgServer, id: &str, extra: &[&str]) -> TestDaemon {
+    node_with(pg, id, extra, &[]).await
+}
+
+/// [`node`] with more environment variables.
+async fn node_with(pg: &PgServer, id: &str, extra: &[&str], env: &[(&str, &str)]) -> TestDaemon {
     let listen = format!("127.0.0.1:{}", free_port());
     let url = pg.url();
     let mut args = vec![
@@ -40,9 +45,13 @@ async fn node(pg: &PgServer, id: &str, extra: &[&str]) -> TestDaemon {
         &listen,
         &args,
         &[
-            ("RUNBOX_CLUSTER_KEY", KEY),
-            ("RUNBOX_CLUSTER_DB_PASSWORD", &pg.password),
-        ],
+            &[
+                ("RUNBOX_CLUSTER_KEY", KEY),
+                ("RUNBOX_CLUSTER_DB_PASSWORD", pg.password.as_str()),
+            ],
+            env,
+        ]
+        .concat(),
     )
     .await
 }
@@ -1201,4 +1210,48 @@ async fn a_cells_pool_set_is_every_node_of_the_cells() {
         &[("RUNBOX_CLUSTER_KEY", KEY)],
     );
     assert!(err.contains("--cell"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_checkpoint_in_a_shared_bucket_is_made_into_a_run_by_any_node() {
+    use runbox_types::{CheckpointRequest, CreateRunRequest};
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let location = format!("s3://{}/fleet/checkpoints", s3.bucket);
+    let env = s3.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let store = ["--checkpoint-store", location.as_str()];
+    let (a, b) = tokio::join!(
+        node_with(&pg, "n1", &store, &env),
+        node_with(&pg, "n2", &store, &env)
+    );
+    let parent = a.create().await.id.to_string();
+    let wrote = a.sh(&parent, "echo kept-in-s3 > /work/blob.txt").await;
+    assert_eq!(wrote.exit.exit_code, 0);
+    let checkpoint = a
+        .client
+        .checkpoint_run(&parent, &CheckpointRequest::default())
+        .await
+        .expect("a checkpoint on n1");
+    // Through n2: the bucket is the fleet's, so n2 makes the run itself.
+    let run = b
+        .client
+        .create_run(&CreateRunRequest {
+            checkpoint: Some(checkpoint.id),
+            ..Default::default()
+        })
+        .await
+        .expect("a run from n1's checkpoint, through n2");
+    assert_eq!(run.server, "n2");
+    let out = b.sh(&run.id.to_string(), "cat /work/blob.txt").await;
+    assert_eq!(out.stdout, b"kept-in-s3\n");
+    // One node at a time sweeps the shared bucket.
+    let swept = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT count(*) FROM runbox_singletons WHERE name LIKE 'checkpoint sweep%'") == "1"
+    })
+    .await;
+    assert!(swept);
+    for (daemon, id) in [(&a, parent), (&b, run.id.to_string())] {
+        daemon.client.delete_run(&id).await.expect("delete");
+    }
 }

@@ -267,12 +267,25 @@ impl Manager {
     /// may share) only while it holds the fleet's lease on that bucket's
     /// sweep, so one node at a time sweeps it.
     async fn sweeps_checkpoints(&self) -> bool {
-        let (Some(fleet), Some(store)) = (self.fleet(), self.config().checkpoints.clone()) else {
+        let Some(store) = self.config().checkpoints.clone() else {
             return true;
         };
         if !store.location().starts_with("s3://") {
             return true;
         }
+        // A node that joins a fleet is handed it a moment after it starts:
+        // its first sweep waits for it (bounded), never sweeping alone.
+        let mut fleet = self.fleet().cloned();
+        for _ in 0..100 {
+            if fleet.is_some() || !self.config().joins_fleet {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            fleet = self.fleet().cloned();
+        }
+        let Some(fleet) = fleet else {
+            return !self.config().joins_fleet;
+        };
         let work = format!("checkpoint sweep {}", store.location());
         // Held past the next tick, so the holder keeps it while it lives.
         let hold = crate::checkpoints::ORPHAN_AGE + crate::checkpoints::ORPHAN_AGE / 2;

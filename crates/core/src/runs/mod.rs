@@ -202,7 +202,15 @@ impl Manager {
             here_full,
             here_has: (stored.is_some(), pooled),
         };
-        fleet.place(&want).await
+        // A preference, so bounded: a database slow to answer (or away)
+        // leaves the create on this node instead of holding it up.
+        match tokio::time::timeout(std::time::Duration::from_millis(500), fleet.place(&want)).await
+        {
+            Ok(placed) => placed,
+            Err(_) => Err(crate::fleet::unavailable(
+                "placement took longer than 500 ms",
+            )),
+        }
     }
 
     /// Every run of the fleet (this node's alone without one), by id: this
