@@ -706,6 +706,30 @@ async fn every_node_lists_the_fleets_runs_from_the_catalog() {
         .await;
         assert!(listed, "{:?}", daemon.client.list_runs().await);
     }
+    // Snapshots are the fleet's too: one taken of n2's run through n1 is
+    // listed by n1 (its `server` says n2), and deleted through n1.
+    let snap = a
+        .client
+        .snapshot_run(&theirs.id.to_string(), Some("fleet-snap"))
+        .await
+        .expect("a snapshot of n2's run through n1");
+    let names = |list: runbox_types::SnapshotList| -> Vec<(String, String)> {
+        list.snapshots
+            .into_iter()
+            .map(|i| (i.name, i.server))
+            .collect()
+    };
+    let listed = names(a.client.list_snapshots().await.expect("n1's list"));
+    assert_eq!(
+        listed,
+        [("fleet-snap".to_owned(), "n2".to_owned())],
+        "{snap:?}"
+    );
+    a.client
+        .delete_snapshot("fleet-snap")
+        .await
+        .expect("deleted through n1");
+    assert!(names(b.client.list_snapshots().await.expect("n2's list")).is_empty());
     // The label selector and a tenant's view hold over the fleet's list.
     let blue = a
         .client

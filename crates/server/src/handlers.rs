@@ -1534,14 +1534,23 @@ fn visible_image<S: RunService>(
 pub async fn list_snapshots<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
+    headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Json<runbox_types::SnapshotList>, ApiError> {
     let selector = LabelSelector::parse(query.as_deref())?;
+    let mut images = state.service.list_images()?;
+    // A snapshot is an image of the node that took it (its `server`): on
+    // a node of a fleet the list is the fleet's, the other nodes' read
+    // with the fleet's root token, filtered here.
+    if state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF) {
+        let others: Vec<ImageList> =
+            crate::forward::read_others(&state.service, &state.token, "/v1/images").await;
+        images.extend(others.into_iter().flat_map(|list| list.images));
+        images.sort_by(|a, b| (&a.name, &a.server).cmp(&(&b.name, &b.server)));
+    }
     Ok(Json(runbox_types::SnapshotList {
         server: state.service.server_id().to_owned(),
-        snapshots: state
-            .service
-            .list_images()?
+        snapshots: images
             .into_iter()
             .filter(|i| {
                 i.is_snapshot() && caller.sees(i.tenant.as_deref()) && selector.matches(&i.labels)
@@ -1555,8 +1564,22 @@ pub async fn delete_snapshot<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
     AppPath(name): AppPath<String>,
-) -> Result<StatusCode, ApiError> {
-    remove_snapshot(&state, &caller, name).await
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    match remove_snapshot(&state, &caller, name).await {
+        Ok(done) => Ok(done.into_response()),
+        // Another node's snapshot, on a node of a fleet: its node deletes
+        // it (and checks the caller again).
+        Err(e) if e.code() == ErrorCode::ImageNotFound => {
+            match crate::forward::ask_others(&state.service, &method, &uri, &headers).await {
+                Some(answered) => Ok(answered),
+                None => Err(e),
+            }
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// `DELETE /v1/snapshots?image=NAME`.
