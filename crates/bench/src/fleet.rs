@@ -89,6 +89,8 @@ async fn database_share(
         here: "probe".into(),
         here_full: false,
         here_has: (false, false),
+        volumes: Vec::new(),
+        here_has_volumes: true,
     };
     let ledger = cluster.ledger();
     let mut out: [Vec<Duration>; 5] = Default::default();

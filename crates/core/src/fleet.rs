@@ -95,6 +95,11 @@ pub struct Want {
     /// Whether that node stores the image and has a ready pool member of
     /// it now (its row says what it had at its last heartbeat).
     pub here_has: (bool, bool),
+    /// The volumes and datasets the create mounts, by name: only a node
+    /// that holds them all can take it.
+    pub volumes: Vec<String>,
+    /// Whether the node asked holds them all now.
+    pub here_has_volumes: bool,
 }
 
 /// Where a run another node holds is.

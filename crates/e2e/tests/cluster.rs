@@ -660,6 +660,44 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
             .server,
         "n2"
     );
+    // A create that mounts a volume goes where the volume is.
+    b.client
+        .create_volume(&runbox_types::CreateVolumeRequest {
+            name: "data".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("a volume on n2");
+    let listed = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT 'data' = ANY(volumes) FROM runbox_nodes WHERE id = 'n2'") == "t"
+    })
+    .await;
+    assert!(listed, "n2's heartbeat never named its volume");
+    b.client
+        .delete_run(&first.id.to_string())
+        .await
+        .expect("room on n2");
+    // (Placement reads the other nodes' load from their heartbeats.)
+    let room = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT runs FROM runbox_nodes WHERE id = 'n2'") == "1"
+    })
+    .await;
+    assert!(room, "n2's heartbeat never showed the room");
+    let mounting = a
+        .client
+        .create_run(&CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(vec![runbox_types::VolumeMountRequest {
+                name: "data".into(),
+                path: None,
+                mode: None,
+            }]),
+            ..Default::default()
+        })
+        .await
+        .expect("a run mounting n2's volume, through n1");
+    assert_eq!(mounting.server, "n2");
+    let first = mounting;
     // The fleet is full: 429 from either node.
     for daemon in [&a, &b] {
         let err = daemon

@@ -64,6 +64,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "pool sets",
         include_str!("../migrations/0008_pool_sets.sql"),
     ),
+    (
+        9,
+        "node volumes",
+        include_str!("../migrations/0009_node_volumes.sql"),
+    ),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -158,6 +163,8 @@ pub struct Load {
     pub images: Vec<String>,
     /// The images its warm pools have ready members of.
     pub pooled: Vec<String>,
+    /// The volumes it holds and the datasets it serves, by name.
+    pub volumes: Vec<String>,
 }
 
 /// Why a node could not join.
@@ -536,7 +543,7 @@ impl Cluster {
     async fn beat(&self, load: Load) -> Result<(), sqlx::Error> {
         sqlx::query(
             "UPDATE runbox_nodes SET heartbeat = now(), runs = $3, pools_ready = $4, draining = $5, \
-             images = $6, pooled = $7 WHERE id = $1 AND incarnation = $2",
+             images = $6, pooled = $7, volumes = $8 WHERE id = $1 AND incarnation = $2",
         )
         .bind(&self.options.node)
         .bind(&self.incarnation)
@@ -545,6 +552,7 @@ impl Cluster {
         .bind(load.draining)
         .bind(&load.images)
         .bind(&load.pooled)
+        .bind(&load.volumes)
         .execute(&self.pool)
         .await
         .map(|_| ())

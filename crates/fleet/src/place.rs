@@ -28,6 +28,7 @@ pub(crate) struct Candidate {
     pub(crate) runs: i32,
     pub(crate) has_image: bool,
     pub(crate) has_pool: bool,
+    pub(crate) has_volumes: bool,
     pub(crate) tenant_runs: i32,
     pub(crate) silent_sec: f64,
 }
@@ -37,7 +38,7 @@ impl Candidate {
     /// the create.
     fn score(&self, want: &Want) -> Option<(bool, bool, i64, i32)> {
         let free = self.capacity - self.runs;
-        if free <= 0 || (!self.has_image && !want.pullable) {
+        if free <= 0 || (!self.has_image && !want.pullable) || !self.has_volumes {
             return None;
         }
         // Rounded up: a node whose least-filled quarter still has room
@@ -84,6 +85,7 @@ pub(crate) async fn place(
         "WITH live AS ( \
            SELECT n.id, n.advertise, n.capacity, n.runs, \
                   n.images && $1::text[] AS has_image, n.pooled && $1::text[] AS has_pool, \
+                  n.volumes @> $6::text[] AS has_volumes, \
                   coalesce(t.runs, 0) AS tenant_runs, \
                   EXTRACT(EPOCH FROM now() - n.heartbeat)::float8 AS silent \
            FROM runbox_nodes n \
@@ -92,7 +94,7 @@ pub(crate) async fn place(
              AND n.heartbeat > now() - make_interval(secs => $3) \
          ) \
          (SELECT * FROM live WHERE id <> $4 \
-          ORDER BY has_pool DESC, has_image DESC, random() LIMIT $5) \
+          ORDER BY has_volumes DESC, has_pool DESC, has_image DESC, random() LIMIT $5) \
          UNION ALL (SELECT * FROM live WHERE id = $4)",
     )
     .bind(&want.images)
@@ -100,6 +102,7 @@ pub(crate) async fn place(
     .bind(fresh_sec)
     .bind(&want.here)
     .bind(CHOICES)
+    .bind(&want.volumes)
     .fetch_all(pool)
     .await
     .map_err(unavailable)?;
@@ -112,6 +115,7 @@ pub(crate) async fn place(
             runs: row.get("runs"),
             has_image: row.get("has_image"),
             has_pool: row.get("has_pool"),
+            has_volumes: row.get("has_volumes"),
             tenant_runs: row.get("tenant_runs"),
             silent_sec: row.get("silent"),
         })
@@ -121,6 +125,7 @@ pub(crate) async fn place(
     for here in candidates.iter_mut().filter(|c| c.node == want.here) {
         here.has_image |= want.here_has.0;
         here.has_pool |= want.here_has.1;
+        here.has_volumes = want.here_has_volumes;
     }
     Ok(choose(&candidates, want)
         .filter(|c| c.node != want.here)
@@ -145,6 +150,7 @@ mod tests {
             runs,
             has_image: true,
             has_pool: false,
+            has_volumes: true,
             tenant_runs: 0,
             silent_sec: 0.0,
         }
@@ -158,6 +164,8 @@ mod tests {
             here: "n1".into(),
             here_full: false,
             here_has: (true, false),
+            volumes: Vec::new(),
+            here_has_volumes: true,
         }
     }
 
@@ -178,6 +186,19 @@ mod tests {
         let nodes = [node("n1", 100, 0), node("n2", 100, 99)];
         assert_eq!(choose(&nodes, &full).unwrap().node, "n2");
         assert!(choose(&[node("n1", 4, 0)], &full).is_none());
+    }
+
+    #[test]
+    fn a_create_that_mounts_volumes_goes_only_where_they_are() {
+        let want = Want {
+            volumes: vec!["data".into()],
+            ..want()
+        };
+        let mut without = node("n1", 100, 0);
+        without.has_volumes = false;
+        let nodes = [without.clone(), node("n2", 100, 90)];
+        assert_eq!(choose(&nodes, &want).unwrap().node, "n2");
+        assert!(choose(&[without], &want).is_none());
     }
 
     #[test]

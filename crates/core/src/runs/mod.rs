@@ -166,12 +166,25 @@ impl Manager {
         let Some(fleet) = self.fleet() else {
             return Ok(None);
         };
-        let local = req.checkpoint.is_some()
-            || req.warm.is_some()
-            || req.volumes.as_ref().is_some_and(|v| !v.is_empty());
-        if local {
+        if req.checkpoint.is_some() || req.warm.is_some() {
             return Ok(None);
         }
+        // Volumes and datasets are a node's: the create goes where they all
+        // are (this node when it holds them).
+        let volumes: Vec<String> = req
+            .volumes
+            .iter()
+            .flatten()
+            .map(|m| m.name.clone())
+            .collect();
+        let here_has_volumes = volumes.iter().all(|name| {
+            self.volumes.find(owner.tenant(), name).is_some()
+                || self
+                    .config()
+                    .datasets
+                    .iter()
+                    .any(|d| &d.name == name && d.admits(owner.tenant()))
+        });
         let mut images = vec![req.image.clone()];
         let reference = runbox_image::pull::normalise(&req.image).ok();
         images.extend(reference.clone());
@@ -201,6 +214,8 @@ impl Manager {
             here: self.config().server_id.clone(),
             here_full,
             here_has: (stored.is_some(), pooled),
+            volumes,
+            here_has_volumes,
         };
         // A preference, so bounded: a database slow to answer (or away)
         // leaves the create on this node instead of holding it up.
