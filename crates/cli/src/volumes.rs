@@ -213,6 +213,7 @@ mod tests {
         let volume = runbox_types::Volume {
             id: ulid::Ulid::nil(),
             name: "data".into(),
+            server: "node".into(),
             size_mb: 1024,
             used_bytes: Some(3 << 20),
             holders: vec![runbox_types::VolumeHolder {

@@ -673,6 +673,32 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
     })
     .await;
     assert!(listed, "n2's heartbeat never named its volume");
+    // Any node answers for it: listed by n1 with its node, read and
+    // written through n1.
+    let volumes = a.client.list_volumes().await.expect("n1's list");
+    let named: Vec<(&str, &str)> = volumes
+        .volumes
+        .iter()
+        .map(|v| (v.name.as_str(), v.server.as_str()))
+        .collect();
+    assert_eq!(named, [("data", "n2")]);
+    assert_eq!(
+        a.client
+            .get_volume("data")
+            .await
+            .expect("through n1")
+            .server,
+        "n2"
+    );
+    a.client
+        .put_volume_file(
+            "data",
+            "note.txt",
+            &Default::default(),
+            runbox_e2e::body(b"through n1".to_vec()),
+        )
+        .await
+        .expect("a file written into n2's volume through n1");
     b.client
         .delete_run(&first.id.to_string())
         .await
@@ -697,6 +723,10 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
         .await
         .expect("a run mounting n2's volume, through n1");
     assert_eq!(mounting.server, "n2");
+    let read = a
+        .sh(&mounting.id.to_string(), "cat /volumes/data/note.txt")
+        .await;
+    assert_eq!(read.stdout, b"through n1");
     let first = mounting;
     // The fleet is full: 429 from either node.
     for daemon in [&a, &b] {

@@ -283,3 +283,75 @@ pub(crate) async fn ask_others<S: runbox_core::RunService>(
     }
     None
 }
+
+/// The routes that name a volume.
+const VOLUME_ROUTE: &str = "/v1/volumes/{name}";
+
+/// Sends a `/v1/volumes/{name}...` request for a volume this node does not
+/// hold (for its caller) to the node of the fleet that does: found by
+/// asking the other nodes for the volume with the caller's own
+/// credentials, then sent there whole, its body streamed. The rest go on.
+pub(crate) async fn volume_elsewhere<S: runbox_core::RunService>(
+    axum::extract::State(state): axum::extract::State<crate::AppState<S>>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let named = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .is_some_and(|p| p.as_str().starts_with(VOLUME_ROUTE));
+    if !named || !state.service.in_fleet() || request.headers().contains_key(NODE_PROOF) {
+        return next.run(request).await;
+    }
+    let Some(owner) = request
+        .extensions()
+        .get::<crate::auth::Caller>()
+        .map(crate::auth::Caller::owner)
+    else {
+        return next.run(request).await;
+    };
+    let (mut parts, body) = request.into_parts();
+    let name = {
+        use axum::extract::FromRequestParts;
+        crate::handlers::AppPath::<Vec<(String, String)>>::from_request_parts(&mut parts, &state)
+            .await
+            .ok()
+            .and_then(|crate::handlers::AppPath(params)| {
+                params
+                    .into_iter()
+                    .find(|(k, _)| k == "name")
+                    .map(|(_, v)| v)
+            })
+    };
+    let request = Request::from_parts(parts, body);
+    let Some(name) = name.filter(|name| state.service.get_volume(name, &owner).is_err()) else {
+        return next.run(request).await;
+    };
+    let probe = format!(
+        "{VOLUME_ROUTE_PREFIX}{}",
+        form_urlencoded::byte_serialize(name.as_bytes()).collect::<String>()
+    );
+    for at in other_nodes(&state.service).await {
+        let Some(proof) = state.service.prove(&format!("GET {probe}")) else {
+            break;
+        };
+        let mut ask = axum::http::Request::get(&probe);
+        if let Some(auth) = request.headers().get(axum::http::header::AUTHORIZATION) {
+            ask = ask.header(axum::http::header::AUTHORIZATION, auth);
+        }
+        let Ok(ask) = ask.body(Body::empty()) else {
+            break;
+        };
+        if send_on("the volume", &at, proof, ask).await.status() != StatusCode::OK {
+            continue;
+        }
+        let Some(proof) = state.service.prove(&proof_subject(&request)) else {
+            break;
+        };
+        return send_on(&format!("volume {name:?} is on"), &at, proof, request).await;
+    }
+    next.run(request).await
+}
+
+/// Where a volume's routes begin.
+const VOLUME_ROUTE_PREFIX: &str = "/v1/volumes/";

@@ -746,10 +746,27 @@ pub async fn clone_volume<S: RunService>(
 pub async fn list_volumes<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
+    headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Json<runbox_types::VolumeList>, ApiError> {
     let selector = LabelSelector::parse(query.as_deref())?;
     let mut list = state.service.list_volumes(&caller.owner());
+    // A volume is one node's (its `server`): on a node of a fleet the list
+    // is the fleet's, the other nodes' read with the fleet's root token and
+    // filtered here as this node's are.
+    if state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF) {
+        let others: Vec<runbox_types::VolumeList> =
+            crate::forward::read_others(&state.service, &state.token, "/v1/volumes").await;
+        let owner = caller.owner();
+        list.volumes.extend(
+            others
+                .into_iter()
+                .flat_map(|l| l.volumes)
+                .filter(|v| owner.tenant().is_none() || v.tenant.as_deref() == owner.tenant()),
+        );
+        list.volumes
+            .sort_by(|a, b| (&a.name, &a.server).cmp(&(&b.name, &b.server)));
+    }
     list.volumes.retain(|v| selector.matches(&v.labels));
     Ok(Json(list))
 }

@@ -238,6 +238,12 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/metrics", get(metrics::scrape::<S>))
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
         .merge(streaming)
+        // A volume another node of the fleet holds: sent there once the
+        // caller is known (its node checks the caller again).
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            forward::volume_elsewhere::<S>,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require::<S>,

@@ -204,6 +204,10 @@ pub struct Volume {
     pub id: Ulid,
     /// Its name.
     pub name: String,
+    /// The node that holds it (a volume is one node's; in a fleet the
+    /// list is every node's).
+    #[serde(default)]
+    pub server: String,
     /// The MiB it may hold.
     pub size_mb: u64,
     /// Bytes it holds, as the quota counts them (updated within about

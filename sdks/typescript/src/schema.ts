@@ -3214,6 +3214,11 @@ export interface components {
             /** @description Its name. */
             name: string;
             /**
+             * @description The node that holds it (a volume is one node's; in a fleet the
+             *     list is every node's).
+             */
+            server?: string;
+            /**
              * Format: uint64
              * @description The MiB it may hold.
              */

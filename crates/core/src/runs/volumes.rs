@@ -191,7 +191,13 @@ impl Manager {
                 .datasets
                 .iter()
                 .filter(|d| d.admits(tenant))
-                .map(|d| dataset_view(d, held.remove(&d.id()).unwrap_or_default())),
+                .map(|d| {
+                    dataset_view(
+                        d,
+                        held.remove(&d.id()).unwrap_or_default(),
+                        &self.config().server_id,
+                    )
+                }),
         );
         runbox_types::VolumeList { volumes }
     }
@@ -205,7 +211,7 @@ impl Manager {
         let Some(record) = self.volumes.find(tenant, name) else {
             let dataset = self.dataset(name, tenant).ok_or_else(|| not_found(name))?;
             let holders = self.holders_of(dataset.id());
-            return Ok(dataset_view(&dataset, holders));
+            return Ok(dataset_view(&dataset, holders, &self.config().server_id));
         };
         let holders = self.holders_of(record.id);
         Ok(self.volume_view(&record, holders))
@@ -241,6 +247,7 @@ impl Manager {
         runbox_types::Volume {
             id: record.id,
             name: record.name.clone(),
+            server: self.config().server_id.clone(),
             size_mb: record.size_mb,
             used_bytes: self.lane.volume_used(record.id),
             holders,
@@ -426,10 +433,12 @@ pub(crate) fn release_datasets(
 fn dataset_view(
     entry: &crate::datasets::DatasetEntry,
     holders: Vec<runbox_types::VolumeHolder>,
+    server: &str,
 ) -> runbox_types::Volume {
     runbox_types::Volume {
         id: entry.id(),
         name: entry.name.clone(),
+        server: server.to_owned(),
         size_mb: entry.size_mb(),
         used_bytes: None,
         holders,
