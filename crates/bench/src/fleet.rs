@@ -63,23 +63,8 @@ async fn database_share(
     many: usize,
 ) -> anyhow::Result<[Vec<Duration>; 5]> {
     use runbox_core::fleet::{Fleet, Want};
-    let options = runbox_fleet::Options {
-        url: pg.url(),
-        password: Some(pg.password.clone()),
-        node: "probe".into(),
-        advertise: "127.0.0.1:9".into(),
-        client_advertise: None,
-        key: KEY.as_bytes().to_vec(),
-        heartbeat: Duration::from_secs(2),
-        suspect_after: Duration::from_secs(10),
-        gone_after: Duration::from_secs(60),
-    };
-    let facts = runbox_fleet::Facts {
-        version: "bench".into(),
-        lane: "bench".into(),
-        capacity: 1_000_000,
-    };
-    let cluster = runbox_fleet::Cluster::join(options, facts)
+    let cluster = pg
+        .probe("probe", KEY.as_bytes(), 1_000_000)
         .await
         .map_err(|e| anyhow::anyhow!("joining the probe node: {e}"))?;
     let want = Want {

@@ -974,6 +974,21 @@ async fn any_node_answers_for_a_run_another_node_holds() {
         .await
         .expect("request");
     assert_eq!(forged.status().as_u16(), 401);
+    // The route previews come to from other nodes takes no client token:
+    // without a node proof that holds, nothing reaches the run.
+    for proof in [None, Some("n3 0 00")] {
+        let mut relayed = reqwest::Client::new()
+            .get(format!(
+                "{}/v1/fleet/preview/p/{}/index.html",
+                b.url, minted.token
+            ))
+            .bearer_auth(&b.token);
+        if let Some(proof) = proof {
+            relayed = relayed.header("runbox-node-proof", proof);
+        }
+        let refused = relayed.send().await.expect("request");
+        assert_eq!(refused.status().as_u16(), 401, "{proof:?}");
+    }
     // A tenant reaches its run through any node; another tenant does not.
     // (The operator's run here: a tenant token is refused as for a run
     // that does not exist.)
@@ -1192,34 +1207,17 @@ console.log("ok");
     assert!(gone.to_string().contains("not_found"), "{gone}");
 }
 
-/// Joins the fleet in `pg` as node `node` from this process (no daemon).
-async fn probe(pg: &PgServer, node: &str) -> std::sync::Arc<runbox_fleet::Cluster> {
-    let options = runbox_fleet::Options {
-        url: pg.url(),
-        password: Some(pg.password.clone()),
-        node: node.into(),
-        advertise: "127.0.0.1:9".into(),
-        client_advertise: None,
-        key: KEY.as_bytes().to_vec(),
-        heartbeat: Duration::from_secs(2),
-        suspect_after: Duration::from_secs(10),
-        gone_after: Duration::from_secs(60),
-    };
-    let facts = runbox_fleet::Facts {
-        version: "test".into(),
-        lane: "test".into(),
-        capacity: 1,
-    };
-    runbox_fleet::Cluster::join(options, facts)
-        .await
-        .unwrap_or_else(|e| panic!("{node} could not join: {e}"))
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn singleton_work_has_one_holder_at_a_time_and_a_growing_fence() {
     use runbox_fleet::Fleet;
     let pg = PgServer::start();
-    let (p1, p2) = tokio::join!(probe(&pg, "p1"), probe(&pg, "p2"));
+    let pg = &pg;
+    let join = |node: &'static str| async move {
+        pg.probe(node, KEY.as_bytes(), 1)
+            .await
+            .unwrap_or_else(|e| panic!("{node} could not join: {e}"))
+    };
+    let (p1, p2) = tokio::join!(join("p1"), join("p2"));
     let hold = Duration::from_secs(1);
     let take = |node: &std::sync::Arc<runbox_fleet::Cluster>| {
         let node = node.clone();

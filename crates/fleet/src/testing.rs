@@ -39,6 +39,34 @@ fn pg_bin() -> PathBuf {
 }
 
 impl PgServer {
+    /// Joins this server's fleet as node `node` from this process (no
+    /// daemon, no heartbeat), with cluster key `key` and capacity
+    /// `capacity`: for tests and benchmarks of the fleet's queries.
+    pub async fn probe(
+        &self,
+        node: &str,
+        key: &[u8],
+        capacity: u32,
+    ) -> Result<std::sync::Arc<crate::Cluster>, crate::JoinError> {
+        let options = crate::Options {
+            url: self.url(),
+            password: Some(self.password.clone()),
+            node: node.into(),
+            advertise: "127.0.0.1:9".into(),
+            client_advertise: None,
+            key: key.to_vec(),
+            heartbeat: std::time::Duration::from_secs(2),
+            suspect_after: std::time::Duration::from_secs(10),
+            gone_after: std::time::Duration::from_secs(60),
+        };
+        let facts = crate::Facts {
+            version: "probe".into(),
+            lane: "probe".into(),
+            capacity,
+        };
+        crate::Cluster::join(options, facts).await
+    }
+
     /// Initialises and starts a server; about a second.
     pub fn start() -> PgServer {
         let dir = tempfile::Builder::new()
