@@ -1227,8 +1227,17 @@ async fn relay(
 pub use runbox_fleet::testing::PgServer;
 
 /// A loopback port free now (a daemon told to listen on it and advertise
-/// it takes it a moment later).
+/// it takes it a moment later), never handed out before in this process:
+/// two nodes started at once must not both be told the same one.
 pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
-    l.local_addr().expect("probe address").port()
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("probe port");
+        let port = l.local_addr().expect("probe address").port();
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
