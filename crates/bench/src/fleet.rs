@@ -76,6 +76,7 @@ async fn database_share(
         here_has: (false, false),
         volumes: Vec::new(),
         here_has_volumes: true,
+        checkpoint_store: None,
     };
     let ledger = cluster.ledger();
     let mut out: [Vec<Duration>; 5] = Default::default();

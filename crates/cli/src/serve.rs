@@ -708,14 +708,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .filter(|p| p.ready > 0)
                 .map(|p| p.image)
                 .collect();
-            let volumes =
-                runbox_core::RunService::list_volumes(&node, &runbox_core::tenants::Owner::root())
-                    .volumes
-                    .into_iter()
-                    .map(|v| v.name)
-                    .collect();
+            let volumes = node.volumes_held();
             runbox_fleet::Load {
                 volumes,
+                checkpoint_store: node
+                    .config()
+                    .checkpoints
+                    .as_ref()
+                    .map(|s| s.location().to_owned())
+                    .filter(|l| l.starts_with("s3://")),
                 runs: u32::try_from(info.capacity.live).unwrap_or(u32::MAX),
                 pools_ready: u32::try_from(info.capacity.pooled).unwrap_or(u32::MAX),
                 draining: info.draining,

@@ -489,6 +489,7 @@ mod usage_tests {
             since: None,
             until: time::OffsetDateTime::UNIX_EPOCH,
             tenants: [("".to_owned(), totals.clone()), ("acme".to_owned(), totals)].into(),
+            nodes: Vec::new(),
         };
         let out = render_usage(&report);
         let lines: Vec<&str> = out.lines().collect();

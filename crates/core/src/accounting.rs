@@ -324,7 +324,26 @@ pub fn summarize(
         since,
         until,
         tenants: totals,
+        nodes: Vec::new(),
     }
+}
+
+/// Adds another node's report of the same window to `report`: seconds,
+/// bytes and events summed, the peak the greater of the two.
+pub fn add_report(report: &mut UsageReport, other: UsageReport) {
+    for (tenant, theirs) in other.tenants {
+        let ours = report.tenants.entry(tenant).or_default();
+        for (size, seconds) in theirs.run_seconds {
+            *ours.run_seconds.entry(size).or_default() += seconds;
+        }
+        ours.cpu_seconds += theirs.cpu_seconds;
+        ours.peak_memory_bytes = ours.peak_memory_bytes.max(theirs.peak_memory_bytes);
+        ours.egress_bytes += theirs.egress_bytes;
+        for (kind, count) in theirs.events {
+            *ours.events.entry(kind).or_default() += count;
+        }
+    }
+    report.nodes.extend(other.nodes);
 }
 
 /// A window's start as a caller writes it: RFC 3339

@@ -95,9 +95,14 @@ pub struct Want {
     /// Whether that node stores the image and has a ready pool member of
     /// it now (its row says what it had at its last heartbeat).
     pub here_has: (bool, bool),
-    /// The volumes and datasets the create mounts, by name: only a node
-    /// that holds them all can take it.
+    /// The volumes and datasets the create mounts, each as
+    /// `tenant/name` (`/name` for the operator's; see
+    /// [`crate::runs::Manager::volumes_held`]): only a node that holds
+    /// them all can take it.
     pub volumes: Vec<String>,
+    /// The bucket the checkpoint the create starts from is in: only a node
+    /// whose checkpoint store is that bucket can take it.
+    pub checkpoint_store: Option<String>,
     /// Whether the node asked holds them all now.
     pub here_has_volumes: bool,
 }

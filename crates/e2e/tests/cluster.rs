@@ -669,7 +669,7 @@ async fn creates_go_where_the_image_and_room_are_and_429_only_when_the_fleet_is_
         .await
         .expect("a volume on n2");
     let listed = eventually_async(Duration::from_secs(10), || async {
-        pg.psql("SELECT 'data' = ANY(volumes) FROM runbox_nodes WHERE id = 'n2'") == "t"
+        pg.psql("SELECT '/data' = ANY(volumes) FROM runbox_nodes WHERE id = 'n2'") == "t"
     })
     .await;
     assert!(listed, "n2's heartbeat never named its volume");
@@ -1311,9 +1311,10 @@ async fn a_checkpoint_in_a_shared_bucket_is_made_into_a_run_by_any_node() {
     let env = s3.env();
     let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let store = ["--checkpoint-store", location.as_str()];
+    let small = [&store[..], &["--max-runs", "1"]].concat();
     let (a, b) = tokio::join!(
         node_with(&pg, "n1", &store, &env),
-        node_with(&pg, "n2", &store, &env)
+        node_with(&pg, "n2", &small, &env)
     );
     let parent = a.create().await.id.to_string();
     let wrote = a.sh(&parent, "echo kept-in-s3 > /work/blob.txt").await;
@@ -1335,6 +1336,37 @@ async fn a_checkpoint_in_a_shared_bucket_is_made_into_a_run_by_any_node() {
     assert_eq!(run.server, "n2");
     let out = b.sh(&run.id.to_string(), "cat /work/blob.txt").await;
     assert_eq!(out.stdout, b"kept-in-s3\n");
+    // Each node's row names the bucket, and the two list the checkpoint
+    // once each.
+    let named = eventually_async(Duration::from_secs(10), || async {
+        pg.psql(&format!(
+            "SELECT count(*) FROM runbox_nodes WHERE checkpoint_store = '{location}'"
+        )) == "2"
+    })
+    .await;
+    assert!(named, "the nodes' rows never named their bucket");
+    for daemon in [&a, &b] {
+        let listed = daemon.client.list_checkpoints().await.expect("list");
+        let ids: Vec<_> = listed.checkpoints.iter().map(|c| c.id).collect();
+        assert_eq!(ids, [checkpoint.id]);
+    }
+    // n2 is full now: a second run from the checkpoint, asked of n2, is
+    // made on n1, which shares the bucket.
+    let second = b
+        .client
+        .create_run(&CreateRunRequest {
+            checkpoint: Some(checkpoint.id),
+            ..Default::default()
+        })
+        .await
+        .expect("a run from the checkpoint, n2 full");
+    assert_eq!(second.server, "n1");
+    let out = b.sh(&second.id.to_string(), "cat /work/blob.txt").await;
+    assert_eq!(out.stdout, b"kept-in-s3\n");
+    a.client
+        .delete_run(&second.id.to_string())
+        .await
+        .expect("delete");
     // One node at a time sweeps the shared bucket.
     let swept = eventually_async(Duration::from_secs(10), || async {
         pg.psql("SELECT count(*) FROM runbox_singletons WHERE name LIKE 'checkpoint sweep%'") == "1"
@@ -1342,6 +1374,159 @@ async fn a_checkpoint_in_a_shared_bucket_is_made_into_a_run_by_any_node() {
     .await;
     assert!(swept);
     for (daemon, id) in [(&a, parent), (&b, run.id.to_string())] {
+        daemon.client.delete_run(&id).await.expect("delete");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn checkpoints_usage_and_e2b_volumes_of_one_node_are_answered_by_any() {
+    use runbox_types::{CheckpointRequest, CreateRunRequest, ErrorCode};
+    let pg = PgServer::start();
+    // Each node's checkpoint store is a directory of its own.
+    let (a, b) = tokio::join!(node(&pg, "n1", &[]), node(&pg, "n2", &[]));
+    let parent = a.create().await.id.to_string();
+    let other = b.create().await.id.to_string();
+    // Usage sums every node's journal, through either node.
+    for daemon in [&a, &b] {
+        let report = daemon.client.usage(Some("1h"), None).await.expect("usage");
+        assert_eq!(report.nodes, ["n1", "n2"]);
+        let operator = report.tenants.get("").expect("the operator's usage");
+        assert_eq!(operator.events.get("create"), Some(&2), "{report:?}");
+        let none = daemon
+            .client
+            .usage(None, Some("nobody"))
+            .await
+            .expect("usage of a tenant without runs");
+        assert!(
+            none.tenants.values().all(|t| t.events.is_empty()),
+            "{none:?}"
+        );
+    }
+    // A checkpoint in n1's store: listed, read, made into a run and
+    // deleted through n2.
+    let wrote = a.sh(&parent, "echo on-n1 > /work/blob.txt").await;
+    assert_eq!(wrote.exit.exit_code, 0);
+    let checkpoint = a
+        .client
+        .checkpoint_run(&parent, &CheckpointRequest::default())
+        .await
+        .expect("a checkpoint on n1");
+    let listed = b.client.list_checkpoints().await.expect("n2's list");
+    let named: Vec<_> = listed
+        .checkpoints
+        .iter()
+        .map(|c| (c.id, c.server.as_str()))
+        .collect();
+    assert_eq!(named, [(checkpoint.id, "n1")]);
+    let id = checkpoint.id.to_string();
+    assert_eq!(
+        b.client
+            .get_checkpoint(&id)
+            .await
+            .expect("through n2")
+            .server,
+        "n1"
+    );
+    let run = b
+        .client
+        .create_run(&CreateRunRequest {
+            checkpoint: Some(checkpoint.id),
+            ..Default::default()
+        })
+        .await
+        .expect("a run from n1's checkpoint, asked of n2");
+    assert_eq!(run.server, "n1");
+    let out = b.sh(&run.id.to_string(), "cat /work/blob.txt").await;
+    assert_eq!(out.stdout, b"on-n1\n");
+    b.client.delete_checkpoint(&id).await.expect("through n2");
+    let gone = a.client.get_checkpoint(&id).await.expect_err("deleted");
+    assert_eq!(gone.code(), Some(ErrorCode::CheckpointNotFound), "{gone}");
+    let gone = b.client.get_checkpoint(&id).await.expect_err("deleted");
+    assert_eq!(gone.code(), Some(ErrorCode::CheckpointNotFound), "{gone}");
+    // E2B's volumes: made on n1, listed, read, written and destroyed
+    // through n2, with the volume's own token for its content.
+    let http = reqwest::Client::new();
+    let made: serde_json::Value = http
+        .post(format!("{}/volumes", a.url))
+        .header("X-API-Key", &a.token)
+        .json(&serde_json::json!({"name": "shared"}))
+        .send()
+        .await
+        .expect("create")
+        .json()
+        .await
+        .expect("json");
+    let volume = made["volumeID"].as_str().expect("an id").to_owned();
+    let token = made["token"].as_str().expect("a token").to_owned();
+    let listed: serde_json::Value = http
+        .get(format!("{}/volumes", b.url))
+        .header("X-API-Key", &b.token)
+        .send()
+        .await
+        .expect("list")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(
+        listed,
+        serde_json::json!([{"volumeID": volume, "name": "shared"}])
+    );
+    let info: serde_json::Value = http
+        .get(format!("{}/volumes/{volume}", b.url))
+        .header("X-API-Key", &b.token)
+        .send()
+        .await
+        .expect("info")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(info["token"].as_str(), Some(token.as_str()));
+    let put = http
+        .put(format!(
+            "{}/volumecontent/{volume}/file?path=/hello.txt",
+            b.url
+        ))
+        .bearer_auth(&token)
+        .body("written through n2")
+        .send()
+        .await
+        .expect("write");
+    assert!(put.status().is_success(), "{}", put.status());
+    let wrong = http
+        .get(format!(
+            "{}/volumecontent/{volume}/file?path=/hello.txt",
+            b.url
+        ))
+        .bearer_auth("not-the-token")
+        .send()
+        .await
+        .expect("read");
+    assert_eq!(wrong.status(), reqwest::StatusCode::UNAUTHORIZED);
+    let read = http
+        .get(format!(
+            "{}/volumecontent/{volume}/file?path=/hello.txt",
+            a.url
+        ))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .expect("read");
+    assert_eq!(read.text().await.expect("body"), "written through n2");
+    let destroyed = http
+        .delete(format!("{}/volumes/{volume}", b.url))
+        .header("X-API-Key", &b.token)
+        .send()
+        .await
+        .expect("destroy");
+    assert_eq!(destroyed.status(), reqwest::StatusCode::NO_CONTENT);
+    let missing = http
+        .get(format!("{}/volumes/{volume}", a.url))
+        .header("X-API-Key", &a.token)
+        .send()
+        .await
+        .expect("info");
+    assert_eq!(missing.status(), reqwest::StatusCode::NOT_FOUND);
+    for (daemon, id) in [(&a, parent), (&b, other), (&a, run.id.to_string())] {
         daemon.client.delete_run(&id).await.expect("delete");
     }
 }

@@ -69,6 +69,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "node volumes",
         include_str!("../migrations/0009_node_volumes.sql"),
     ),
+    (
+        10,
+        "node stores",
+        include_str!("../migrations/0010_node_stores.sql"),
+    ),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -163,8 +168,13 @@ pub struct Load {
     pub images: Vec<String>,
     /// The images its warm pools have ready members of.
     pub pooled: Vec<String>,
-    /// The volumes it holds and the datasets it serves, by name.
+    /// The volumes it holds and the datasets it serves, each as
+    /// `tenant/name` (`/name`: the operator's; `*/name`: a dataset any
+    /// tenant may mount).
     pub volumes: Vec<String>,
+    /// Its checkpoint store when that is a bucket (`s3://bucket/prefix`),
+    /// which other nodes may share.
+    pub checkpoint_store: Option<String>,
 }
 
 /// Why a node could not join.
@@ -543,7 +553,8 @@ impl Cluster {
     async fn beat(&self, load: Load) -> Result<(), sqlx::Error> {
         sqlx::query(
             "UPDATE runbox_nodes SET heartbeat = now(), runs = $3, pools_ready = $4, draining = $5, \
-             images = $6, pooled = $7, volumes = $8 WHERE id = $1 AND incarnation = $2",
+             images = $6, pooled = $7, volumes = $8, checkpoint_store = $9 \
+             WHERE id = $1 AND incarnation = $2",
         )
         .bind(&self.options.node)
         .bind(&self.incarnation)
@@ -553,6 +564,7 @@ impl Cluster {
         .bind(&load.images)
         .bind(&load.pooled)
         .bind(&load.volumes)
+        .bind(&load.checkpoint_store)
         .execute(&self.pool)
         .await
         .map(|_| ())

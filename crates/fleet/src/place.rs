@@ -85,13 +85,17 @@ pub(crate) async fn place(
         "WITH live AS ( \
            SELECT n.id, n.advertise, n.capacity, n.runs, \
                   n.images && $1::text[] AS has_image, n.pooled && $1::text[] AS has_pool, \
-                  n.volumes @> $6::text[] AS has_volumes, \
+                  NOT EXISTS (SELECT 1 FROM unnest($6::text[]) AS m(own) \
+                              WHERE NOT (m.own = ANY(n.volumes) \
+                                         OR '*' || substr(m.own, strpos(m.own, '/')) = ANY(n.volumes))) \
+                    AS has_volumes, \
                   coalesce(t.runs, 0) AS tenant_runs, \
                   EXTRACT(EPOCH FROM now() - n.heartbeat)::float8 AS silent \
            FROM runbox_nodes n \
            LEFT JOIN runbox_tenant_runs t ON t.node = n.id AND t.tenant = $2 \
            WHERE n.left_at IS NULL AND NOT n.draining AND n.runs < n.capacity \
              AND n.heartbeat > now() - make_interval(secs => $3) \
+             AND ($7::text IS NULL OR n.checkpoint_store = $7) \
          ) \
          (SELECT * FROM live WHERE id <> $4 \
           ORDER BY has_volumes DESC, has_pool DESC, has_image DESC, random() LIMIT $5) \
@@ -103,6 +107,7 @@ pub(crate) async fn place(
     .bind(&want.here)
     .bind(CHOICES)
     .bind(&want.volumes)
+    .bind(&want.checkpoint_store)
     .fetch_all(pool)
     .await
     .map_err(unavailable)?;
@@ -166,6 +171,7 @@ mod tests {
             here_has: (true, false),
             volumes: Vec::new(),
             here_has_volumes: true,
+            checkpoint_store: None,
         }
     }
 

@@ -208,6 +208,18 @@ async fn other_nodes<S: runbox_core::RunService>(service: &S) -> Vec<Located> {
         .collect()
 }
 
+/// The other node of the fleet called `name` (an object's `server`), if
+/// it is heard from.
+pub(crate) async fn node_named<S: runbox_core::RunService>(
+    service: &S,
+    name: &str,
+) -> Option<Located> {
+    other_nodes(service)
+        .await
+        .into_iter()
+        .find(|n| n.node == name)
+}
+
 /// The most a node's answer to a fleet-wide read may hold.
 const FAN_OUT_MAX_BYTES: usize = 64 << 20;
 
@@ -284,6 +296,39 @@ pub(crate) async fn ask_others<S: runbox_core::RunService>(
     None
 }
 
+/// The headers a client's credentials travel in.
+const CREDENTIALS: [&str; 2] = ["authorization", "x-api-key"];
+
+/// The other node of the fleet that holds an object this one does not:
+/// the first that answers `GET probe` (the object's own route) with 200
+/// for the caller's own credentials (from `headers`), so a node never
+/// reveals to a caller what its caller may not see. None: no node does.
+pub(crate) async fn holder<S: runbox_core::RunService>(
+    service: &S,
+    probe: &str,
+    headers: &axum::http::HeaderMap,
+) -> Option<Located> {
+    if !service.in_fleet() || headers.contains_key(NODE_PROOF) {
+        return None;
+    }
+    for at in other_nodes(service).await {
+        let proof = service.prove(&format!("GET {probe}"))?;
+        let mut ask = axum::http::Request::get(probe);
+        for name in CREDENTIALS {
+            if let Some(value) = headers.get(name) {
+                ask = ask.header(name, value);
+            }
+        }
+        let Ok(ask) = ask.body(Body::empty()) else {
+            return None;
+        };
+        if send_on("the object", &at, proof, ask).await.status() == StatusCode::OK {
+            return Some(at);
+        }
+    }
+    None
+}
+
 /// The routes that name a volume.
 const VOLUME_ROUTE: &str = "/v1/volumes/{name}";
 
@@ -331,24 +376,10 @@ pub(crate) async fn volume_elsewhere<S: runbox_core::RunService>(
         "{VOLUME_ROUTE_PREFIX}{}",
         form_urlencoded::byte_serialize(name.as_bytes()).collect::<String>()
     );
-    for at in other_nodes(&state.service).await {
-        let Some(proof) = state.service.prove(&format!("GET {probe}")) else {
-            break;
-        };
-        let mut ask = axum::http::Request::get(&probe);
-        if let Some(auth) = request.headers().get(axum::http::header::AUTHORIZATION) {
-            ask = ask.header(axum::http::header::AUTHORIZATION, auth);
+    if let Some(at) = holder(&state.service, &probe, request.headers()).await {
+        if let Some(proof) = state.service.prove(&proof_subject(&request)) {
+            return send_on(&format!("volume {name:?} is on"), &at, proof, request).await;
         }
-        let Ok(ask) = ask.body(Body::empty()) else {
-            break;
-        };
-        if send_on("the volume", &at, proof, ask).await.status() != StatusCode::OK {
-            continue;
-        }
-        let Some(proof) = state.service.prove(&proof_subject(&request)) else {
-            break;
-        };
-        return send_on(&format!("volume {name:?} is on"), &at, proof, request).await;
     }
     next.run(request).await
 }

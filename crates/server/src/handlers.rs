@@ -322,6 +322,24 @@ pub async fn create_run<S: RunService>(
     let placeable = state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF);
     let owner = caller.owner();
     if placeable {
+        // A checkpoint this node's store does not hold is made on the node
+        // whose store does (asked with the caller's own credentials).
+        if let Some(checkpoint) = req.checkpoint {
+            if let Err(e) = state.service.get_checkpoint(checkpoint).await {
+                let probe = format!("/v1/checkpoints/{checkpoint}");
+                match crate::forward::holder(&state.service, &probe, &headers).await {
+                    Some(at) => {
+                        return Ok(audited(
+                            action,
+                            Ok(create_on(&state, &at, &headers, &req).await),
+                        ))
+                    }
+                    None => {
+                        tracing::debug!(error = %e, %checkpoint, "no node holds the checkpoint")
+                    }
+                }
+            }
+        }
         match state.service.place(&req, &owner, false).await {
             Ok(Some(at)) => {
                 return Ok(audited(
@@ -604,10 +622,22 @@ pub async fn checkpoint_run<S: RunService>(
 pub async fn list_checkpoints<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
+    headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Json<runbox_types::CheckpointList>, ApiError> {
     let selector = LabelSelector::parse(query.as_deref())?;
     let mut checkpoints = state.service.list_checkpoints().await?;
+    // Each node's store holds what its runs checkpointed: on a node of a
+    // fleet the list is every store's, read from the other nodes with the
+    // fleet's root token and filtered here. Nodes that share a bucket list
+    // the same checkpoints, each shown once.
+    if state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF) {
+        let others: Vec<runbox_types::CheckpointList> =
+            crate::forward::read_others(&state.service, &state.token, "/v1/checkpoints").await;
+        checkpoints.extend(others.into_iter().flat_map(|l| l.checkpoints));
+        checkpoints.sort_by_key(|c| (c.created_at, c.id));
+        checkpoints.dedup_by_key(|c| c.id);
+    }
     checkpoints.retain(|c| caller.sees(c.tenant.as_deref()) && selector.matches(&c.labels));
     Ok(Json(runbox_types::CheckpointList { checkpoints }))
 }
@@ -634,8 +664,12 @@ pub async fn get_checkpoint<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
     CheckpointId(id): CheckpointId,
-) -> Result<Json<runbox_types::Checkpoint>, ApiError> {
-    Ok(Json(own_checkpoint(&state, &caller, id).await?))
+    request: ElsewhereRequest,
+) -> Result<Response, ApiError> {
+    match own_checkpoint(&state, &caller, id).await {
+        Ok(checkpoint) => Ok(Json(checkpoint).into_response()),
+        Err(e) => request.or_elsewhere(&state, e).await,
+    }
 }
 
 /// `DELETE /v1/checkpoints/{id}`.
@@ -643,10 +677,56 @@ pub async fn delete_checkpoint<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
     CheckpointId(id): CheckpointId,
-) -> Result<StatusCode, ApiError> {
-    own_checkpoint(&state, &caller, id).await?;
+    request: ElsewhereRequest,
+) -> Result<Response, ApiError> {
+    if let Err(e) = own_checkpoint(&state, &caller, id).await {
+        return request.or_elsewhere(&state, e).await;
+    }
     state.service.delete_checkpoint(id).await?;
-    Ok(StatusCode::NO_CONTENT)
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// A bodiless request for an object of one node's (a checkpoint in its
+/// store, a snapshot image), kept so that on a node of a fleet it can be
+/// sent to the node that holds the object when this one answers 404.
+pub struct ElsewhereRequest {
+    method: axum::http::Method,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for ElsewhereRequest {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(ElsewhereRequest {
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            headers: parts.headers.clone(),
+        })
+    }
+}
+
+impl ElsewhereRequest {
+    /// `missing` (this node's "no such object") as it is, or, on a node of
+    /// a fleet, the answer of the first other node that has the object
+    /// (its node checks the caller again).
+    pub(crate) async fn or_elsewhere<S: RunService>(
+        self,
+        state: &AppState<S>,
+        missing: ApiError,
+    ) -> Result<Response, ApiError> {
+        if missing.code().status() != 404 {
+            return Err(missing);
+        }
+        self.ask(state).await.ok_or(missing)
+    }
+
+    /// The answer of the first other node of the fleet that has the
+    /// object (None alone, or when none has it).
+    pub(crate) async fn ask<S: RunService>(self, state: &AppState<S>) -> Option<Response> {
+        crate::forward::ask_others(&state.service, &self.method, &self.uri, &self.headers).await
+    }
 }
 
 /// `POST /v1/runs/{id}/fork`: new runs starting from the run's filesystem.
@@ -1581,21 +1661,13 @@ pub async fn delete_snapshot<S: RunService>(
     State(state): State<AppState<S>>,
     caller: Caller,
     AppPath(name): AppPath<String>,
-    method: axum::http::Method,
-    uri: axum::http::Uri,
-    headers: HeaderMap,
+    request: ElsewhereRequest,
 ) -> Result<Response, ApiError> {
     match remove_snapshot(&state, &caller, name).await {
         Ok(done) => Ok(done.into_response()),
         // Another node's snapshot, on a node of a fleet: its node deletes
         // it (and checks the caller again).
-        Err(e) if e.code() == ErrorCode::ImageNotFound => {
-            match crate::forward::ask_others(&state.service, &method, &uri, &headers).await {
-                Some(answered) => Ok(answered),
-                None => Err(e),
-            }
-        }
-        Err(e) => Err(e),
+        Err(e) => request.or_elsewhere(&state, e).await,
     }
 }
 

@@ -170,6 +170,7 @@ pub struct UsageQuery {
 pub async fn usage<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
+    headers: axum::http::HeaderMap,
     query: Result<axum::extract::Query<UsageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<runbox_types::UsageReport>, ApiError> {
     let axum::extract::Query(query) = query.map_err(|e| {
@@ -190,7 +191,34 @@ pub async fn usage<S: RunService>(
         Some(own) => Some(own.to_owned()),
         None => query.tenant,
     };
-    Ok(Json(state.service.usage_report(since, tenant).await?))
+    let mut report = state.service.usage_report(since, tenant.clone()).await?;
+    // Each node journals its own runs: on a node of a fleet the report
+    // sums every node's over the same window (the others read with the
+    // fleet's root token, for the tenant this caller may see).
+    if state.service.in_fleet() {
+        report.nodes = vec![state.service.server_id().to_owned()];
+    }
+    if state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF) {
+        let path = {
+            let mut query = form_urlencoded::Serializer::new(String::new());
+            if let Some(since) = report.since {
+                if let Ok(since) = since.format(&time::format_description::well_known::Rfc3339) {
+                    query.append_pair("since", &since);
+                }
+            }
+            if let Some(tenant) = &tenant {
+                query.append_pair("tenant", tenant);
+            }
+            format!("/v1/usage?{}", query.finish())
+        };
+        let others: Vec<runbox_types::UsageReport> =
+            crate::forward::read_others(&state.service, &state.token, &path).await;
+        for other in others {
+            runbox_core::accounting::add_report(&mut report, other);
+        }
+        report.nodes.sort();
+    }
+    Ok(Json(report))
 }
 
 /// `POST /v1/config/reload`: reads the config file again, as SIGHUP does.

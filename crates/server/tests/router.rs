@@ -209,6 +209,7 @@ impl RunService for Stub {
             since,
             until: time::OffsetDateTime::UNIX_EPOCH,
             tenants: Default::default(),
+            nodes: Vec::new(),
         })
     }
     async fn create(

@@ -185,6 +185,11 @@ pub struct UsageReport {
     pub until: OffsetDateTime,
     /// Per tenant ("" for the operator's own runs).
     pub tenants: std::collections::BTreeMap<String, UsageTotals>,
+    /// On a node of a fleet: the nodes whose journals it sums (each node
+    /// keeps its runs' journal; one that cannot be reached is left out,
+    /// and missing here). Empty alone.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
 }
 
 /// One tenant's usage in a window.

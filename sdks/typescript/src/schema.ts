@@ -3147,6 +3147,12 @@ export interface components {
          */
         UsageReport: {
             /**
+             * @description On a node of a fleet: the nodes whose journals it sums (each node
+             *     keeps its runs' journal; one that cannot be reached is left out,
+             *     and missing here). Empty alone.
+             */
+            nodes?: string[];
+            /**
              * Format: date-time
              * @description The window's start (absent: the journal's beginning).
              */

@@ -155,8 +155,8 @@ impl Manager {
     }
 
     /// The node of the fleet a create of `req` is best made on, when it is
-    /// another. A create that names what only this node has (a checkpoint
-    /// record, volumes, a warm template) stays here.
+    /// another. A create that names what only this node has (a warm
+    /// template, a checkpoint in a store of its own) stays here.
     pub async fn place(
         &self,
         req: &runbox_types::CreateRunRequest,
@@ -166,8 +166,36 @@ impl Manager {
         let Some(fleet) = self.fleet() else {
             return Ok(None);
         };
-        if req.checkpoint.is_some() || req.warm.is_some() {
+        if req.warm.is_some() {
             return Ok(None);
+        }
+        // A checkpoint in a bucket other nodes share may be made on any
+        // of them (it carries its layers; no image is needed).
+        if let Some(checkpoint) = req.checkpoint {
+            let Some(store) = self
+                .config()
+                .checkpoints
+                .as_ref()
+                .map(|s| s.location().to_owned())
+                .filter(|l| l.starts_with("s3://"))
+            else {
+                return Ok(None);
+            };
+            if self.get_checkpoint(checkpoint).await.is_err() {
+                return Ok(None);
+            }
+            let want = crate::fleet::Want {
+                images: Vec::new(),
+                pullable: true,
+                tenant: owner.tenant().map(str::to_owned),
+                here: self.config().server_id.clone(),
+                here_full,
+                here_has: (false, false),
+                volumes: Vec::new(),
+                here_has_volumes: true,
+                checkpoint_store: Some(store),
+            };
+            return bounded(fleet.place(&want)).await;
         }
         // Volumes and datasets are a node's: the create goes where they all
         // are (this node when it holds them).
@@ -175,15 +203,15 @@ impl Manager {
             .volumes
             .iter()
             .flatten()
-            .map(|m| m.name.clone())
+            .map(|m| format!("{}/{}", owner.tenant().unwrap_or(""), m.name))
             .collect();
-        let here_has_volumes = volumes.iter().all(|name| {
-            self.volumes.find(owner.tenant(), name).is_some()
+        let here_has_volumes = req.volumes.iter().flatten().all(|m| {
+            self.volumes.find(owner.tenant(), &m.name).is_some()
                 || self
                     .config()
                     .datasets
                     .iter()
-                    .any(|d| &d.name == name && d.admits(owner.tenant()))
+                    .any(|d| d.name == m.name && d.admits(owner.tenant()))
         });
         let mut images = vec![req.image.clone()];
         let reference = runbox_image::pull::normalise(&req.image).ok();
@@ -216,16 +244,39 @@ impl Manager {
             here_has: (stored.is_some(), pooled),
             volumes,
             here_has_volumes,
+            checkpoint_store: None,
         };
-        // A preference, so bounded: a database slow to answer (or away)
-        // leaves the create on this node instead of holding it up.
-        match tokio::time::timeout(std::time::Duration::from_millis(500), fleet.place(&want)).await
-        {
-            Ok(placed) => placed,
-            Err(_) => Err(crate::fleet::unavailable(
-                "placement took longer than 500 ms",
-            )),
+        bounded(fleet.place(&want)).await
+    }
+
+    /// The volumes this node holds and the datasets it serves, as the
+    /// fleet's placement matches a create's mounts against them:
+    /// `tenant/name` (`/name` for the operator's), and a dataset as
+    /// `*/name` when any tenant may mount it, else once for the operator
+    /// and once for each tenant it admits.
+    pub fn volumes_held(&self) -> Vec<String> {
+        let mut held: Vec<String> = self
+            .volumes
+            .all()
+            .iter()
+            .map(|v| format!("{}/{}", v.tenant.as_deref().unwrap_or(""), v.name))
+            .collect();
+        for dataset in &self.config().datasets {
+            if dataset.tenants.is_empty() {
+                held.push(format!("*/{}", dataset.name));
+            } else {
+                held.push(format!("/{}", dataset.name));
+                held.extend(
+                    dataset
+                        .tenants
+                        .iter()
+                        .map(|t| format!("{t}/{}", dataset.name)),
+                );
+            }
         }
+        held.sort();
+        held.dedup();
+        held
     }
 
     /// Every run of the fleet (this node's alone without one), by id: this
@@ -1075,6 +1126,19 @@ impl Manager {
 }
 
 /// A repeat of a create whose run is gone.
+/// A placement, bounded: it is a preference, so a database slow to answer
+/// (or away) leaves the create on this node instead of holding it up.
+async fn bounded(
+    place: impl std::future::Future<Output = Result<Option<crate::fleet::Located>, CoreError>>,
+) -> Result<Option<crate::fleet::Located>, CoreError> {
+    match tokio::time::timeout(std::time::Duration::from_millis(500), place).await {
+        Ok(placed) => placed,
+        Err(_) => Err(crate::fleet::unavailable(
+            "placement took longer than 500 ms",
+        )),
+    }
+}
+
 fn gone_with_key(id: Ulid) -> CoreError {
     CoreError::Conflict {
         code: ErrorCode::IdempotencyKeyReused,

@@ -159,32 +159,49 @@ async fn create<S: RunService>(
 async fn list<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
+    headers: axum::http::HeaderMap,
 ) -> Json<Vec<E2bVolume>> {
-    let volumes = own(&state, &caller.owner())
-        .iter()
-        .map(|v| shown(&state, v, false))
-        .collect();
-    Json(volumes)
+    let owner = caller.owner();
+    let mut volumes = own(&state, &owner);
+    volumes.extend(own_elsewhere(&state, &owner, &headers).await);
+    Json(volumes.iter().map(|v| shown(&state, v, false)).collect())
 }
 
 async fn info<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
     Path(id): Path<String>,
-) -> Result<Json<E2bVolume>, E2bError> {
-    let volume = by_id(&state, &caller.owner(), &id)?;
-    Ok(Json(shown(&state, &volume, true)))
+    request: crate::handlers::ElsewhereRequest,
+) -> Result<Response, E2bError> {
+    match by_id(&state, &caller.owner(), &id) {
+        Ok(volume) => Ok(Json(shown(&state, &volume, true)).into_response()),
+        Err(missing) => elsewhere(&state, request, missing).await,
+    }
 }
 
 async fn destroy<S: RunService>(
     State(state): State<AppState<S>>,
     caller: crate::auth::Caller,
     Path(id): Path<String>,
-) -> Result<StatusCode, E2bError> {
+    request: crate::handlers::ElsewhereRequest,
+) -> Result<Response, E2bError> {
     let owner = caller.owner();
-    let volume = by_id(&state, &owner, &id)?;
+    let volume = match by_id(&state, &owner, &id) {
+        Ok(volume) => volume,
+        Err(missing) => return elsewhere(&state, request, missing).await,
+    };
     state.service.delete_volume(volume.name, owner).await?;
-    Ok(StatusCode::NO_CONTENT)
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// `missing` (this node's 404) as it is, or, on a node of a fleet, the
+/// answer of the node that holds the volume (it checks the key again).
+async fn elsewhere<S: RunService>(
+    state: &AppState<S>,
+    request: crate::handlers::ElsewhereRequest,
+    missing: E2bError,
+) -> Result<Response, E2bError> {
+    request.ask(state).await.ok_or(missing)
 }
 
 /// Checks `Authorization: Bearer <token>` against the token of the volume
@@ -220,7 +237,62 @@ async fn require_volume_token<S: RunService>(
         .into_response();
     };
     request.extensions_mut().insert(AdmittedVolume(id));
+    // A volume another node of the fleet holds: its node answers (the
+    // token is the fleet's, so it checks it again).
+    if let Some(at) = volume_node(&state, id, request.headers()).await {
+        if let Some(proof) = state
+            .service
+            .prove(&crate::forward::proof_subject(&request))
+        {
+            return crate::forward::send_on(&format!("volume {id} is on"), &at, proof, request)
+                .await;
+        }
+    }
     next.run(request).await
+}
+
+/// The other node of the fleet that holds volume `id`, when this one does
+/// not (None alone, or for a request another node sent on).
+async fn volume_node<S: RunService>(
+    state: &AppState<S>,
+    id: Ulid,
+    headers: &axum::http::HeaderMap,
+) -> Option<runbox_core::fleet::Located> {
+    if !state.service.in_fleet() || headers.contains_key(crate::forward::NODE_PROOF) {
+        return None;
+    }
+    let here = state.service.list_volumes(&Owner::root()).volumes;
+    if here.iter().any(|v| v.id == id) {
+        return None;
+    }
+    let others: Vec<runbox_types::VolumeList> =
+        crate::forward::read_others(&state.service, &state.token, "/v1/volumes").await;
+    let server = others
+        .into_iter()
+        .flat_map(|l| l.volumes)
+        .find(|v| v.id == id)?
+        .server;
+    crate::forward::node_named(&state.service, &server).await
+}
+
+/// The caller's own volumes on the other nodes of the fleet (none alone,
+/// or for a request another node sent on), read with the fleet's root
+/// token and filtered as [`own`] filters this node's.
+async fn own_elsewhere<S: RunService>(
+    state: &AppState<S>,
+    owner: &Owner,
+    headers: &axum::http::HeaderMap,
+) -> Vec<runbox_types::Volume> {
+    if !state.service.in_fleet() || headers.contains_key(crate::forward::NODE_PROOF) {
+        return Vec::new();
+    }
+    let others: Vec<runbox_types::VolumeList> =
+        crate::forward::read_others(&state.service, &state.token, "/v1/volumes").await;
+    others
+        .into_iter()
+        .flat_map(|l| l.volumes)
+        .filter(|v| v.tenant.as_deref() == owner.tenant() && v.dataset.is_none())
+        .collect()
 }
 
 /// The volume a `/volumecontent/{id}/...` request was admitted to by

@@ -1,0 +1,7 @@
+-- The checkpoint store a node uses when it is a bucket (s3://bucket/prefix),
+-- so a create from a checkpoint in a bucket several nodes share may be made
+-- on any of them; volumes and datasets are now named with their tenant
+-- (tenant/name, /name for the operator's, */name for a dataset every
+-- tenant may mount), which needs no change of column.
+
+ALTER TABLE runbox_nodes ADD COLUMN checkpoint_store text;
