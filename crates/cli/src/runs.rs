@@ -956,6 +956,7 @@ mod tests {
                 generation: 4,
                 expires_at: now + time::Duration::minutes(5),
             }),
+            lease_generation: Some(4),
             egress_allow: Vec::new(),
             egress_defaults: None,
             egress_socks5: None,

@@ -188,6 +188,7 @@ impl RunRecord {
             expires_at: self.expires_at,
             status: self.status,
             lease: self.lease.active(OffsetDateTime::now_utc()).cloned(),
+            lease_generation: (self.lease.generation > 0).then_some(self.lease.generation),
             egress_allow: self.egress.allow.clone(),
             egress_defaults: self.egress.no_defaults.then_some(false),
             egress_socks5: self.egress.socks5.then_some(true),

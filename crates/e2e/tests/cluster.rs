@@ -1526,6 +1526,42 @@ async fn checkpoints_usage_and_e2b_volumes_of_one_node_are_answered_by_any() {
         .await
         .expect("info");
     assert_eq!(missing.status(), reqwest::StatusCode::NOT_FOUND);
+    // Lease generations: taken and given up through n1 on n2's run, the
+    // catalog keeps the highest ever issued, and n1 answers with it.
+    let first = a
+        .client
+        .acquire_lease(&other, "alice", None)
+        .await
+        .expect("a lease through n1");
+    a.client
+        .release_lease(&other, &(&first).into())
+        .await
+        .expect("released through n1");
+    let second = a
+        .client
+        .acquire_lease(&other, "bob", None)
+        .await
+        .expect("a lease through n1");
+    assert_eq!(second.generation, first.generation + 1);
+    a.client
+        .release_lease(&other, &(&second).into())
+        .await
+        .expect("released through n1");
+    let kept = eventually_async(Duration::from_secs(10), || async {
+        pg.psql(&format!(
+            "SELECT lease_generation FROM runbox_runs WHERE id = '{other}'"
+        )) == second.generation.to_string()
+    })
+    .await;
+    assert!(kept, "the catalog never kept the lease generation");
+    let listed = a.client.list_runs().await.expect("n1's list");
+    let seen = listed
+        .runs
+        .iter()
+        .find(|r| r.id.to_string() == other)
+        .expect("listed");
+    assert_eq!(seen.lease_generation, Some(second.generation));
+    assert_eq!(seen.lease, None);
     for (daemon, id) in [(&a, parent), (&b, other), (&a, run.id.to_string())] {
         daemon.client.delete_run(&id).await.expect("delete");
     }

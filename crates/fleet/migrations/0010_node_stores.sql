@@ -5,3 +5,7 @@
 -- tenant may mount), which needs no change of column.
 
 ALTER TABLE runbox_nodes ADD COLUMN checkpoint_store text;
+
+-- The highest lease generation ever published for each run: a fencing
+-- number never goes back, whichever node publishes the run next.
+ALTER TABLE runbox_runs ADD COLUMN lease_generation bigint NOT NULL DEFAULT 0;

@@ -80,33 +80,39 @@ impl Catalog {
 
     /// Run `id` as the catalog lists it, if it does.
     pub(crate) async fn run(&self, id: Ulid) -> Result<Option<Run>, CoreError> {
-        let row = sqlx::query("SELECT run FROM runbox_runs WHERE id = $1 AND status <> 'gone'")
-            .bind(id.to_string())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        row.map(|row| {
-            row.try_get::<sqlx::types::Json<Run>, _>("run")
-                .map(|json| json.0)
-                .map_err(unavailable)
-        })
-        .transpose()
+        let row = sqlx::query(
+            "SELECT run, lease_generation FROM runbox_runs WHERE id = $1 AND status <> 'gone'",
+        )
+        .bind(id.to_string())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        row.as_ref().map(listed).transpose()
     }
 
     /// Every run the catalog lists, by id.
     pub(crate) async fn runs(&self) -> Result<Vec<Run>, CoreError> {
-        let rows = sqlx::query("SELECT run FROM runbox_runs WHERE status <> 'gone' ORDER BY id")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(unavailable)?;
-        let mut runs = Vec::with_capacity(rows.len());
-        for row in rows {
-            let sqlx::types::Json(run): sqlx::types::Json<Run> =
-                row.try_get("run").map_err(unavailable)?;
-            runs.push(run);
-        }
-        Ok(runs)
+        let rows = sqlx::query(
+            "SELECT run, lease_generation FROM runbox_runs WHERE status <> 'gone' ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        rows.iter().map(listed).collect()
     }
+}
+
+/// A catalog row's run, with the highest lease generation ever published
+/// for it.
+fn listed(row: &sqlx::postgres::PgRow) -> Result<Run, CoreError> {
+    let sqlx::types::Json(mut run): sqlx::types::Json<Run> =
+        row.try_get("run").map_err(unavailable)?;
+    let highest: i64 = row.try_get("lease_generation").map_err(unavailable)?;
+    let highest = u64::try_from(highest).unwrap_or(0);
+    if highest > run.lease_generation.unwrap_or(0) {
+        run.lease_generation = Some(highest);
+    }
+    Ok(run)
 }
 
 /// The writer: takes every change waiting, keeps the latest of each run,
@@ -252,10 +258,11 @@ async fn upsert(
         .and_then(|v| v.as_str().map(str::to_owned))
         .unwrap_or_default();
     sqlx::query(
-        "INSERT INTO runbox_runs (id, node, tenant, generation, status, run) \
-         VALUES ($1, $2, $3, $4, $5, $6) \
+        "INSERT INTO runbox_runs (id, node, tenant, generation, status, run, lease_generation) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7) \
          ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, tenant = EXCLUDED.tenant, \
          generation = EXCLUDED.generation, status = EXCLUDED.status, run = EXCLUDED.run, \
+         lease_generation = GREATEST(runbox_runs.lease_generation, EXCLUDED.lease_generation), \
          updated_at = now() WHERE runbox_runs.generation < EXCLUDED.generation",
     )
     .bind(run.id.to_string())
@@ -264,6 +271,7 @@ async fn upsert(
     .bind(generation)
     .bind(status)
     .bind(sqlx::types::Json(run))
+    .bind(i64::try_from(run.lease_generation.unwrap_or(0)).unwrap_or(i64::MAX))
     .execute(&mut **tx)
     .await
     .map(drop)

@@ -56,6 +56,7 @@ fn run() -> Run {
         expires_at: now,
         status: RunStatus::Running,
         lease: None,
+        lease_generation: None,
         egress_allow: Vec::new(),
         egress_defaults: None,
         egress_socks5: None,

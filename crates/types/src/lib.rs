@@ -567,6 +567,12 @@ pub struct Run {
     /// The writable lease in force, if any (a lapsed lease is not shown).
     #[serde(default)]
     pub lease: Option<Lease>,
+    /// The last lease generation issued on the run (absent: none ever
+    /// was): a credential with a lower one is superseded. On a node of a
+    /// fleet the catalog keeps the highest ever published, so it never
+    /// goes back wherever the run is answered from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_generation: Option<u64>,
     /// The run's own allowlist entries, canonical (`allowlist` tier).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub egress_allow: Vec<EgressEntry>,

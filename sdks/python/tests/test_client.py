@@ -301,6 +301,9 @@ def test_leases_fence_writes(rb: Runbox, run_id: str):
     rb.write_file(run_id, "leased.txt", "x", lease=held)
     rb.release_lease(run_id, "alice", lease.generation)
     assert rb.run(run_id, "cat /work/leased.txt").stdout == b"x"
+    # Released, the run still says which generation was issued last.
+    after = rb.get_run(run_id)
+    assert after.lease is None and after.lease_generation == lease.generation
 
 
 def test_checkpoints(rb: Runbox, run_id: str):

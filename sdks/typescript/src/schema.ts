@@ -2778,6 +2778,14 @@ export interface components {
                 [key: string]: string;
             };
             lease?: null | components["schemas"]["Lease"];
+            /**
+             * Format: uint64
+             * @description The last lease generation issued on the run (absent: none ever
+             *     was): a credential with a lower one is superseded. On a node of a
+             *     fleet the catalog keeps the highest ever published, so it never
+             *     goes back wherever the run is answered from.
+             */
+            leaseGeneration?: number | null;
             /** @description The limits in force. */
             limits: components["schemas"]["Limits"];
             /** @description The network tier in force. */

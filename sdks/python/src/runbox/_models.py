@@ -76,6 +76,7 @@ class Run:
     failure: Optional[str] = None
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
+    lease_generation: int = 0
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "Run":
@@ -89,6 +90,7 @@ class Run:
             created_at=_time(d.get("createdAt")),
             expires_at=_time(d.get("expiresAt")),
             lease=Lease.from_json(lease) if lease else None,
+            lease_generation=int(d.get("leaseGeneration") or 0),
             labels=dict(d.get("labels") or {}),
             pooled=bool(d.get("pooled", False)),
             raw=d,
