@@ -33,6 +33,10 @@ pub struct FleetReport {
     pub create_fleet: Summary,
     /// Create and delete on a node alone.
     pub create_alone: Summary,
+    /// Create sent to a third node of the fleet without room
+    /// (`--max-runs 0`), which places it on one of the others and relays
+    /// the answer.
+    pub create_relayed: Summary,
     /// `GET /v1/runs` of a node of the fleet (the catalog read).
     pub list_fleet: Summary,
     /// `GET /v1/runs` of a node alone.
@@ -46,6 +50,8 @@ pub struct FleetReport {
     pub db_key: Summary,
     /// Of that, the tenant's count.
     pub db_admit: Summary,
+    /// Of that, the run's catalog row, written before the create answers.
+    pub db_catalog: Summary,
     /// Placement with this many more nodes' rows in the database.
     pub many_nodes: usize,
     /// The placement query with [`FleetReport::many_nodes`] rows.
@@ -53,15 +59,16 @@ pub struct FleetReport {
 }
 
 /// The database's part of a create, measured on a node joined here (no
-/// daemon): placement, the idempotency key and the tenant's count, each
-/// timed, `iterations` times; then placement again with `many` more
+/// daemon): placement, the idempotency key, the tenant's count and the
+/// run's catalog row (a copy of `sample` under a new id), each timed, `iterations` times; then placement again with `many` more
 /// nodes' rows (fresh, with room, a third storing the image).
 async fn database_share(
     pg: &PgServer,
     tenant: &str,
+    sample: &runbox_types::Run,
     iterations: usize,
     many: usize,
-) -> anyhow::Result<[Vec<Duration>; 5]> {
+) -> anyhow::Result<[Vec<Duration>; 6]> {
     use runbox_core::fleet::{Fleet, Want};
     let cluster = pg
         .probe("probe", KEY.as_bytes(), 1_000_000)
@@ -79,7 +86,7 @@ async fn database_share(
         checkpoint_store: None,
     };
     let ledger = cluster.ledger();
-    let mut out: [Vec<Duration>; 5] = Default::default();
+    let mut out: [Vec<Duration>; 6] = Default::default();
     // Newer than any count a node wrote before.
     let seq0 = u64::try_from(
         std::time::SystemTime::now()
@@ -100,10 +107,17 @@ async fn database_share(
         let keyed = started.elapsed();
         ledger.admit(tenant, 1_000_000, 1, seq0 + i as u64).await?;
         let admitted = started.elapsed();
-        out[0].push(admitted);
+        let made = runbox_types::Run {
+            id: run,
+            ..sample.clone()
+        };
+        cluster.record_run_now(&made).await?;
+        let recorded = started.elapsed();
+        out[0].push(recorded);
         out[1].push(placed);
         out[2].push(keyed - placed);
         out[3].push(admitted - keyed);
+        out[5].push(recorded - admitted);
     }
     let add = format!(
         "INSERT INTO runbox_nodes (id, advertise, version, lane, incarnation, capacity, runs,          heartbeat, images) SELECT 'many-' || g, '127.0.0.1:9', 'bench', 'bench', 'bench', 256,          g % 200, now() + interval '1 hour',          CASE WHEN g % 3 = 0 THEN ARRAY['bench'] ELSE ARRAY['other'] END          FROM generate_series(1, {many}) g"
@@ -132,6 +146,7 @@ async fn join(
     agent: &Path,
     runtime: &str,
     node: &str,
+    extra: &[&str],
 ) -> anyhow::Result<Daemon> {
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").context("a probe port")?;
@@ -147,6 +162,7 @@ async fn join(
         &listen,
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
     .collect();
     let env = [
@@ -181,11 +197,20 @@ pub async fn measure(
     let pg = tokio::task::spawn_blocking(PgServer::start)
         .await
         .context("starting PostgreSQL")?;
-    let mut holder = join(&pg, runbox, agent, &runtime, "n1").await?;
-    let other = match join(&pg, runbox, agent, &runtime, "n2").await {
+    let mut holder = join(&pg, runbox, agent, &runtime, "n1", &[]).await?;
+    let other = match join(&pg, runbox, agent, &runtime, "n2", &[]).await {
         Ok(other) => other,
         Err(e) => {
             holder.shutdown().await;
+            return Err(e);
+        }
+    };
+    // No room of its own: every create sent to it is made on n1 or n2.
+    let mut relay = match join(&pg, runbox, agent, &runtime, "n3", &["--max-runs", "0"]).await {
+        Ok(relay) => relay,
+        Err(e) => {
+            holder.shutdown().await;
+            other.shutdown().await;
             return Err(e);
         }
     };
@@ -215,10 +240,15 @@ pub async fn measure(
                 }
             }
         }
-        let mut create = [Vec::new(), Vec::new()];
-        let mut list = [Vec::new(), Vec::new()];
+        let mut create = [Vec::new(), Vec::new(), Vec::new()];
+        let mut list = [Vec::new(), Vec::new(), Vec::new()];
         for round in 0..warmup.min(3) + create_iterations {
-            for (k, daemon) in [&mut holder, &mut *alone].into_iter().enumerate() {
+            // Each goes first in turn, so none always follows the same
+            // other's delete.
+            let mut cases: Vec<(usize, &mut Daemon)> =
+                vec![(0, &mut holder), (1, &mut *alone), (2, &mut relay)];
+            cases.rotate_left(round % 3);
+            for (k, daemon) in cases {
                 let started = Instant::now();
                 let made = daemon.create_run().await?;
                 let took = started.elapsed();
@@ -240,7 +270,7 @@ pub async fn measure(
                 ..Default::default()
             })
             .await?;
-        let db = database_share(&pg, tenant, iterations, MANY_NODES).await?;
+        let db = database_share(&pg, tenant, &run, iterations, MANY_NODES).await?;
         let summary = |s: &[Duration]| summarize(s).context("no samples");
         Ok::<_, anyhow::Error>(FleetReport {
             runtime: runtime.clone(),
@@ -250,12 +280,14 @@ pub async fn measure(
             get_through: summary(&get[1])?,
             create_fleet: summary(&create[0])?,
             create_alone: summary(&create[1])?,
+            create_relayed: summary(&create[2])?,
             list_fleet: summary(&list[0])?,
             list_alone: summary(&list[1])?,
             db_create: summary(&db[0])?,
             db_place: summary(&db[1])?,
             db_key: summary(&db[2])?,
             db_admit: summary(&db[3])?,
+            db_catalog: summary(&db[5])?,
             many_nodes: MANY_NODES,
             db_place_many: summary(&db[4])?,
         })
@@ -263,6 +295,7 @@ pub async fn measure(
     .await;
     holder.shutdown().await;
     other.shutdown().await;
+    relay.shutdown().await;
     drop(pg);
     measured
 }
@@ -275,8 +308,9 @@ pub fn markdown(r: &FleetReport) -> String {
         out,
         "Two daemons on one PostgreSQL server (both on this machine, loopback); the run is on \
          node 1. Requests sent to node 1 directly and through node 2 are interleaved in one \
-         loop; creates (each followed by its delete, untimed) on node 1 and on a daemon without \
-         a cluster likewise, each followed by a timed `GET /v1/runs`.\n"
+         loop; creates (each followed by its delete, untimed) on node 1, on a daemon without \
+         a cluster and through a third node with `--max-runs 0` (placed on node 1 or 2) \
+         likewise, each followed by a timed `GET /v1/runs`.\n"
     );
     let _ = writeln!(
         out,
@@ -310,6 +344,11 @@ pub fn markdown(r: &FleetReport) -> String {
             &r.create_alone,
         ),
         (
+            "create, through a node without room (made on another)",
+            &r.create_relayed,
+            &r.create_alone,
+        ),
+        (
             "`GET /v1/runs`, a daemon alone",
             &r.list_alone,
             &r.list_alone,
@@ -334,8 +373,9 @@ pub fn markdown(r: &FleetReport) -> String {
         out,
         "\nThe database's part of a create by a tenant with an idempotency key (every SDK \
          create), on loopback, measured on a node joined in the benchmark's own process: \
-         placement, the key, the tenant's count, one after another (targets: ≤ 2 ms for the \
-         three, ≤ 5 ms for placement over {} nodes' rows).\n",
+         placement, the key, the tenant's count and the run's catalog row (written before the \
+         create answers), one after another (targets: ≤ 2 ms for the four, ≤ 5 ms for placement \
+         over {} nodes' rows).\n",
         r.many_nodes
     );
     let _ = writeln!(
@@ -347,7 +387,8 @@ pub fn markdown(r: &FleetReport) -> String {
         ("placement, two nodes", &r.db_place),
         ("the idempotency key", &r.db_key),
         ("the tenant's count (row lock, sum, upsert)", &r.db_admit),
-        ("all three", &r.db_create),
+        ("the run's catalog row (one upsert)", &r.db_catalog),
+        ("all four", &r.db_create),
         (many.as_str(), &r.db_place_many),
     ] {
         let _ = writeln!(

@@ -64,11 +64,10 @@ impl Catalog {
     /// Writes `run` now, newer than every report made before.
     pub(crate) async fn record_now(&self, node: &str, run: &Run) -> Result<(), CoreError> {
         let generation = self.next();
-        let mut tx = self.pool.begin().await.map_err(unavailable)?;
-        upsert(&mut tx, node, generation, run)
+        // One statement, so one round trip on the create's path.
+        upsert(&self.pool, node, generation, run)
             .await
-            .map_err(unavailable)?;
-        tx.commit().await.map_err(unavailable)
+            .map_err(unavailable)
     }
 
     /// This node's runs are what `list` answers (called after the
@@ -191,13 +190,7 @@ async fn write(
     for id in ids {
         let (generation, run) = &pending[&id];
         let written = match run {
-            Some(run) => {
-                let mut tx = pool.begin().await?;
-                match upsert(&mut tx, node, *generation, run).await {
-                    Ok(()) => tx.commit().await,
-                    Err(e) => Err(e),
-                }
-            }
+            Some(run) => upsert(pool, node, *generation, run).await,
             None => sqlx::query(
                 "UPDATE runbox_runs SET status = 'gone', generation = $2, updated_at = now() \
                  WHERE id = $1 AND generation < $2",
@@ -242,13 +235,13 @@ async fn resync_rows(
     .execute(&mut *tx)
     .await?;
     for run in runs {
-        upsert(&mut tx, node, generation, run).await?;
+        upsert(&mut *tx, node, generation, run).await?;
     }
     tx.commit().await
 }
 
 async fn upsert(
-    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    db: impl sqlx::PgExecutor<'_>,
     node: &str,
     generation: i64,
     run: &Run,
@@ -272,7 +265,7 @@ async fn upsert(
     .bind(status)
     .bind(sqlx::types::Json(run))
     .bind(i64::try_from(run.lease_generation.unwrap_or(0)).unwrap_or(i64::MAX))
-    .execute(&mut **tx)
+    .execute(db)
     .await
     .map(drop)
 }
