@@ -1022,8 +1022,57 @@ async fn any_node_answers_for_a_run_another_node_holds() {
         .await
         .expect("delete through n1");
     assert!(b.client.get_run(&doomed_id).await.is_err());
-    // Its node killed: once it is gone, its run answers a clear 503.
+    // An exec streaming through n1 when n2 dies: the client's stream
+    // breaks (the relay resets it) instead of ending as if it were whole.
+    let mut stream = reqwest::Client::new()
+        .post(format!("{}/v1/runs/{id}/exec", a.url))
+        .bearer_auth(&a.token)
+        .header("accept", "text/event-stream")
+        .json(&serde_json::json!({"cmd": ["sh", "-c", "echo started; sleep 60"]}))
+        .send()
+        .await
+        .expect("an exec through n1");
+    assert!(stream.status().is_success(), "{}", stream.status());
+    let mut seen = Vec::new();
+    while !String::from_utf8_lossy(&seen).contains("started") {
+        let chunk = tokio::time::timeout(Duration::from_secs(10), stream.chunk())
+            .await
+            .expect("the exec's first output in time")
+            .expect("the stream")
+            .expect("more of the stream");
+        seen.extend_from_slice(&chunk);
+    }
+    // Its node killed: the stream breaks, and once the node is gone its
+    // run answers a clear 503.
     b.kill9();
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match stream.chunk().await {
+                Ok(Some(chunk)) => seen.extend_from_slice(&chunk),
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    })
+    .await
+    .expect("the stream ends once n2 is killed");
+    // A reset, as a client connected to n2 itself would have seen (not a
+    // close: a half-read chunked body is an error either way, but the
+    // SDKs tell a vanished peer by the reset).
+    let broken = ended.expect_err("the stream through n1 ended cleanly after n2 died");
+    let reset = {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&broken);
+        let mut found = false;
+        while let Some(e) = source {
+            found |= e
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionReset);
+            source = e.source();
+        }
+        found
+    };
+    assert!(reset, "not a reset: {broken:?}");
+    assert!(!String::from_utf8_lossy(&seen).contains("event: exit"));
     let said = eventually_async(Duration::from_secs(15), || async {
         a.client
             .get_run(&id)
@@ -1125,7 +1174,7 @@ async fn the_e2b_sdk_reaches_a_sandbox_through_a_node_that_does_not_hold_it() {
         &python,
         &a.url,
         &a.token,
-        "from e2b import Sandbox\nprint(Sandbox.create(timeout=300).sandbox_id)",
+        "from e2b import Sandbox\nprint(Sandbox.create(timeout=300, secure=True).sandbox_id)",
     );
     let run = a
         .client
@@ -1144,6 +1193,18 @@ r = s.commands.run("echo hello from the sandbox")
 assert r.stdout == "hello from the sandbox\n", r
 s.files.write("/tmp/through.txt", "written through n2")
 assert s.files.read("/tmp/through.txt") == "written through n2"
+# A signed URL names no sandbox: n2 finds the one whose token signed it
+# (n1's) and sends it there.
+import urllib.request
+url = s.download_url("/tmp/through.txt")
+assert "signature=" in url, url
+assert urllib.request.urlopen(url).read() == b"written through n2", url
+forged = url.replace("signature=v1_", "signature=v1_x")
+try:
+    urllib.request.urlopen(forged)
+    raise AssertionError("a forged signature was accepted")
+except urllib.error.HTTPError as e:
+    assert e.code == 401, e.code
 s.commands.run("mkdir -p /tmp/www && echo served > /tmp/www/index.html")
 s.commands.run("httpd -f -p 8080 -h /tmp/www", background=True)
 assert s.is_running()
