@@ -56,6 +56,19 @@ async fn node_with(pg: &PgServer, id: &str, extra: &[&str], env: &[(&str, &str)]
     .await
 }
 
+/// `daemon`'s metrics document.
+async fn metrics(daemon: &TestDaemon) -> String {
+    reqwest::Client::new()
+        .get(format!("{}/metrics", daemon.url))
+        .bearer_auth(&daemon.token)
+        .send()
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("the metrics")
+}
+
 /// `(id, state)` of each node `daemon` lists, by id.
 async fn states(daemon: &TestDaemon) -> Vec<(String, NodeState)> {
     let status = daemon.client.cluster().await.expect("GET /v1/cluster");
@@ -230,6 +243,10 @@ async fn without_its_database_a_node_serves_its_runs_and_says_503_for_the_fleet(
     let text = answer.text().await.expect("body");
     assert!(text.contains("cluster_unavailable"), "{text}");
     assert!(!text.contains(&pg.password), "{text}");
+    // Its metrics say so.
+    let down = metrics(&a).await;
+    assert!(down.contains("runbox_fleet_database_up 0"), "{down}");
+    assert!(!down.contains("runbox_fleet_nodes{"), "{down}");
     // Its own runs go on.
     let out = a.sh(&id, "echo still here").await;
     assert_eq!(out.stdout, b"still here\n");
@@ -280,6 +297,12 @@ async fn without_its_database_a_node_serves_its_runs_and_says_503_for_the_fleet(
     })
     .await;
     assert!(back, "the fleet never answered again: {}", a.log());
+    let up = metrics(&a).await;
+    assert!(up.contains("runbox_fleet_database_up 1"), "{up}");
+    assert!(
+        up.contains(r#"runbox_fleet_nodes{state="active"} 1"#),
+        "{up}"
+    );
     assert!(a.log().contains("answers again"), "{}", a.log());
     for id in [id, more.id.to_string(), unkeyed.id.to_string()] {
         a.client.delete_run(&id).await.expect("delete");
@@ -926,6 +949,24 @@ async fn any_node_answers_for_a_run_another_node_holds() {
     };
     assert_eq!(bytes, b"carried");
     let _tunnel = a.echo_tunnel(&id, 7001).await;
+    // n1's metrics count what it sent on to n2, and say which node they
+    // are from; a node alone in nothing of this.
+    let counted = metrics(&a).await;
+    assert!(
+        counted.contains(r#"runbox_node_info{node="n1",version=""#),
+        "{counted}"
+    );
+    assert!(
+        counted.contains(r#"runbox_fleet_nodes{state="active"} 3"#),
+        "{counted}"
+    );
+    let relayed: u64 = counted
+        .lines()
+        .find(|l| l.starts_with(r#"runbox_fleet_relayed_total{node="n2",outcome="answered"}"#))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(relayed >= 5, "{counted}");
     // Through a third node: an exec, and a preview URL minted there (the
     // preview key is the fleet's) and opened on its preview listener.
     let out = c

@@ -90,12 +90,19 @@ pub(crate) async fn forward(id: Ulid, at: &Located, proof: String, request: Requ
 
 /// Sends `request` (about `what`, for messages) to the node at `at`, with
 /// `proof`, and answers with what that node answers.
-pub(crate) async fn send_on(
-    what: &str,
-    at: &Located,
-    proof: String,
-    mut request: Request,
-) -> Response {
+pub(crate) async fn send_on(what: &str, at: &Located, proof: String, request: Request) -> Response {
+    let mut response = relay(what, at, proof, request).await;
+    response.extensions_mut().insert(Relayed(at.node.clone()));
+    response
+}
+
+/// An answer another node gave (or the 503 saying it could not be
+/// reached): the node, for the metrics.
+#[derive(Clone, Debug)]
+pub(crate) struct Relayed(pub(crate) String);
+
+/// [`send_on`]'s work.
+async fn relay(what: &str, at: &Located, proof: String, mut request: Request) -> Response {
     let stream = match tokio::time::timeout(
         CONNECT_TIMEOUT,
         tokio::net::TcpStream::connect(at.advertise.as_str()),

@@ -302,6 +302,10 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         ))
         .layer(middleware::from_fn_with_state(
             state.clone(),
+            metrics::count_relayed::<S>,
+        ))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
             audit_calls::<S>,
         ))
         .layer(TraceLayer::new_for_http())

@@ -9,8 +9,9 @@
 //! code; the core reports creates, claims, forks, wakes, exec starts and
 //! restarts as they happen ([`runbox_core::telemetry::Telemetry`]), the
 //! audit log every egress decision; the node's state (runs by phase,
-//! capacity, pools, storage, tenants) is read from the service at each
-//! scrape.
+//! capacity, pools, storage, tenants, and on a node of a fleet the fleet's
+//! nodes as the cluster database lists them) is read at each scrape, and
+//! requests sent on to another node are counted by that node.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -86,6 +87,29 @@ struct PoolLabels {
     size: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeLabels {
+    node: String,
+    version: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeStateLabels {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RelayLabels {
+    /// The node the request was sent to.
+    node: String,
+    /// `answered` (the node answered, whatever it said) or `unreachable`.
+    outcome: String,
+}
+
+/// A series without labels that is absent until it is first set.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NoLabels {}
+
 type Latency = Family<RouteLabels, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
@@ -118,6 +142,12 @@ pub struct Metrics {
     pool_target: Family<PoolLabels, Gauge>,
     pool_claims: Family<PoolLabels, Gauge>,
     storage_used: Gauge,
+    node: Family<NodeLabels, Gauge>,
+    fleet_nodes: Family<NodeStateLabels, Gauge>,
+    /// Without labels, and set only on a node of a fleet (a node alone
+    /// shows no value rather than a database that is down).
+    fleet_database_up: Family<NoLabels, Gauge>,
+    relayed: Family<RelayLabels, Counter>,
     storage_total: Gauge,
     tenants: Gauge,
     draining: Gauge,
@@ -264,6 +294,30 @@ impl Metrics {
         );
         let tenants = gauge(&mut registry, "tenants", "Tenants the node holds");
         let draining = gauge(&mut registry, "draining", "1 while the node is cordoned");
+        let node = Family::<NodeLabels, Gauge>::default();
+        registry.register(
+            "node_info",
+            "1, labelled with this node's id (its server id) and version",
+            node.clone(),
+        );
+        let fleet_nodes = Family::<NodeStateLabels, Gauge>::default();
+        registry.register(
+            "fleet_nodes",
+            "On a node of a fleet: the fleet's nodes in each state, as the cluster database lists them",
+            fleet_nodes.clone(),
+        );
+        let fleet_database_up = Family::<NoLabels, Gauge>::default();
+        registry.register(
+            "fleet_database_up",
+            "On a node of a fleet: 1 while the cluster database answers, 0 while it does not",
+            fleet_database_up.clone(),
+        );
+        let relayed = Family::<RelayLabels, Counter>::default();
+        registry.register(
+            "fleet_relayed",
+            "Requests this node answered by sending them on to another node of the fleet",
+            relayed.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -289,6 +343,10 @@ impl Metrics {
             storage_total,
             tenants,
             draining,
+            node,
+            fleet_nodes,
+            fleet_database_up,
+            relayed,
             scrape: Mutex::new(()),
             on: true,
         }
@@ -342,10 +400,45 @@ impl Metrics {
         }
     }
 
-    /// The document, with the node's state read from `service` now.
-    pub fn render<S: RunService>(&self, service: &S) -> String {
+    /// The document, with the node's state read from `service` now, and
+    /// on a node of a fleet what the cluster database says of the fleet
+    /// (`fleet`: its nodes, or None while it does not answer).
+    pub fn render<S: RunService>(
+        &self,
+        service: &S,
+        fleet: Option<Option<&[runbox_types::ClusterNode]>>,
+    ) -> String {
         let _one = self.scrape.lock().unwrap_or_else(|p| p.into_inner());
         let info = service.info();
+        self.node
+            .get_or_create(&NodeLabels {
+                node: service.server_id().to_owned(),
+                version: env!("CARGO_PKG_VERSION").to_owned(),
+            })
+            .set(1);
+        self.fleet_nodes.clear();
+        match fleet {
+            None => {}
+            Some(None) => {
+                self.fleet_database_up.get_or_create(&NoLabels {}).set(0);
+            }
+            Some(Some(nodes)) => {
+                self.fleet_database_up.get_or_create(&NoLabels {}).set(1);
+                for state in [
+                    runbox_types::NodeState::Active,
+                    runbox_types::NodeState::Draining,
+                    runbox_types::NodeState::Suspect,
+                    runbox_types::NodeState::Gone,
+                ] {
+                    let count = nodes.iter().filter(|n| n.state == state).count();
+                    self.fleet_nodes
+                        .get_or_create(&NodeStateLabels {
+                            state: state.as_str().to_owned(),
+                        })
+                        .set(i64::try_from(count).unwrap_or(i64::MAX));
+                }
+            }
+        }
         self.runs.clear();
         for run in service.list() {
             self.runs
@@ -439,7 +532,7 @@ impl Telemetry for Metrics {
 }
 
 /// The answer to a scrape.
-fn document<S: RunService>(state: &AppState<S>) -> Response {
+async fn document<S: RunService>(state: &AppState<S>) -> Response {
     if !state.metrics.on {
         return crate::ApiError::new(
             ErrorCode::NotFound,
@@ -447,7 +540,12 @@ fn document<S: RunService>(state: &AppState<S>) -> Response {
         )
         .into_response();
     }
-    let body = state.metrics.render(&state.service);
+    let nodes = match state.service.in_fleet() {
+        true => Some(state.service.cluster().await.ok().map(|c| c.nodes)),
+        false => None,
+    };
+    let fleet = nodes.as_ref().map(|n| n.as_deref());
+    let body = state.metrics.render(&state.service, fleet);
     (
         StatusCode::OK,
         [(
@@ -461,7 +559,36 @@ fn document<S: RunService>(state: &AppState<S>) -> Response {
 
 /// `GET /metrics` on the API listener (root token: see `auth::rule`).
 pub async fn scrape<S: RunService>(State(state): State<AppState<S>>) -> Response {
-    document(&state)
+    document(&state).await
+}
+
+/// Counts the requests this node answered by sending them on to another
+/// node of the fleet (`forward::send_on` marks the answer with
+/// [`crate::forward::Relayed`]). Outside every route, so E2B's envd and
+/// host-named requests count too.
+pub(crate) async fn count_relayed<S: RunService>(
+    State(state): State<AppState<S>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let response = next.run(request).await;
+    if state.metrics.on {
+        if let Some(relayed) = response.extensions().get::<crate::forward::Relayed>() {
+            let outcome = match response.extensions().get::<ErrorCode>() {
+                Some(ErrorCode::NodeUnavailable) => "unreachable",
+                _ => "answered",
+            };
+            state
+                .metrics
+                .relayed
+                .get_or_create(&RelayLabels {
+                    node: relayed.0.clone(),
+                    outcome: outcome.to_owned(),
+                })
+                .inc();
+        }
+    }
+    response
 }
 
 /// Counts every answered API request by its route pattern.
@@ -501,7 +628,7 @@ pub fn metrics_router<S: RunService>(state: AppState<S>) -> axum::Router {
         "/metrics",
         axum::routing::get(move || {
             let state = state.clone();
-            async move { document(&state) }
+            async move { document(&state).await }
         }),
     )
 }
@@ -529,6 +656,30 @@ mod tests {
         assert!(
             out.contains("# TYPE runbox_capacity_max_runs gauge"),
             "{out}"
+        );
+    }
+
+    #[test]
+    fn the_fleets_database_is_said_only_on_a_node_of_a_fleet() {
+        let metrics = Metrics::new();
+        let encode = |metrics: &Metrics| {
+            let mut out = String::new();
+            prometheus_client::encoding::prometheus_text::encode(&mut out, &metrics.registry)
+                .unwrap();
+            out
+        };
+        let alone = encode(&metrics);
+        assert!(
+            !alone
+                .lines()
+                .any(|l| l.starts_with("runbox_fleet_database_up")),
+            "{alone}"
+        );
+        metrics.fleet_database_up.get_or_create(&NoLabels {}).set(1);
+        let fleet = encode(&metrics);
+        assert!(
+            fleet.lines().any(|l| l == "runbox_fleet_database_up 1"),
+            "{fleet}"
         );
     }
 
