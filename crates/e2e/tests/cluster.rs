@@ -981,6 +981,67 @@ async fn any_node_answers_for_a_run_another_node_holds() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A WebSocket shell with a terminal, through n3: input in, output
+    // and the exit out.
+    let session = c
+        .client
+        .exec_session(
+            &id,
+            &runbox_types::ExecRequest {
+                cmd: vec!["sh".into()],
+                pty: Some(runbox_types::PtySpec {
+                    rows: 24,
+                    cols: 80,
+                    term: None,
+                }),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("a shell through n3");
+    session
+        .writer
+        .stdin(&b"echo via-ws-$((6*7)); exit 5\r"[..])
+        .await
+        .expect("input through n3");
+    let shell = tokio::time::timeout(Duration::from_secs(20), session.events.collect_output())
+        .await
+        .expect("the shell ends")
+        .expect("the shell's stream");
+    assert!(
+        String::from_utf8_lossy(&shell.stdout).contains("via-ws-42"),
+        "{:?}",
+        String::from_utf8_lossy(&shell.stdout)
+    );
+    assert_eq!(shell.exit.exit_code, 5);
+    drop(session.writer);
+    // A client that hangs up on an exec through n1 stops the command on
+    // n2, as it would on n2 itself.
+    let mut hung_up = reqwest::Client::new()
+        .post(format!("{}/v1/runs/{id}/exec", a.url))
+        .bearer_auth(&a.token)
+        .header("accept", "text/event-stream")
+        .json(&serde_json::json!({"cmd": ["sh", "-c", "echo begun; exec sleep 987"]}))
+        .send()
+        .await
+        .expect("an exec through n1");
+    let first = tokio::time::timeout(Duration::from_secs(10), hung_up.chunk())
+        .await
+        .expect("the exec's output in time")
+        .expect("the stream");
+    assert!(first.is_some());
+    let sleeping = "ps -o args | grep -c '^sleep 987'";
+    let started = eventually_async(Duration::from_secs(10), || async {
+        b.sh(&id, sleeping).await.stdout == b"1\n"
+    })
+    .await;
+    assert!(started, "the command never ran on n2");
+    drop(hung_up);
+    let stopped = eventually_async(Duration::from_secs(10), || async {
+        b.sh(&id, sleeping).await.stdout == b"0\n"
+    })
+    .await;
+    assert!(stopped, "the command outlived its client's hang-up");
     let minted = c
         .client
         .mint_preview(&id, 8080, Some(600))
