@@ -428,6 +428,10 @@ pub async fn usage(args: UsageArgs) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", render_usage(&report));
+        // A fleet's report sums the nodes that answered: say which.
+        if !report.nodes.is_empty() {
+            eprintln!("summed over nodes: {}", report.nodes.join(", "));
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
