@@ -711,6 +711,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let volumes = node.volumes_held();
             runbox_fleet::Load {
                 volumes,
+                capabilities: node.capabilities(),
                 checkpoint_store: node
                     .config()
                     .checkpoints

@@ -136,7 +136,11 @@ pub fn node_gone(id: Ulid, at: &Located) -> CoreError {
 
 /// A node without a cluster as `GET /v1/cluster` lists it: `info` of it,
 /// up since `started_at`.
-pub fn lone_node(info: runbox_types::Info, started_at: time::OffsetDateTime) -> ClusterNode {
+pub fn lone_node(
+    info: runbox_types::Info,
+    capabilities: Vec<String>,
+    started_at: time::OffsetDateTime,
+) -> ClusterNode {
     let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     ClusterNode {
         id: info.server,
@@ -144,6 +148,7 @@ pub fn lone_node(info: runbox_types::Info, started_at: time::OffsetDateTime) -> 
         client_origin: None,
         version: info.version,
         lane: info.runtime,
+        capabilities,
         state: match info.draining {
             true => runbox_types::NodeState::Draining,
             false => runbox_types::NodeState::Active,

@@ -218,6 +218,28 @@ impl Capabilities {
         }
     }
 
+    /// The names of what the lane can do, as a fleet's node row and
+    /// `GET /v1/cluster` list them.
+    pub fn names(&self) -> Vec<String> {
+        [
+            ("allowlist", &self.allowlist),
+            ("open", &self.open),
+            ("diskLimit", &self.disk_limit),
+            ("warmVolumes", &self.warm_volumes),
+            ("capture", &self.capture),
+            ("exitWatch", &self.exit_watch),
+            ("dial", &self.dial),
+            ("suspend", &self.suspend),
+            ("hibernate", &self.hibernate),
+            ("layers", &self.layers),
+            ("userNamespaces", &self.user_namespaces),
+        ]
+        .into_iter()
+        .filter(|(_, support)| support.yes())
+        .map(|(name, _)| name.to_owned())
+        .collect()
+    }
+
     /// Whether runs of `tier` can be made.
     pub fn network(&self, tier: NetworkTier) -> Result<(), &str> {
         match tier {

@@ -523,7 +523,8 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn cluster(
         &self,
     ) -> impl Future<Output = Result<runbox_types::ClusterStatus, CoreError>> + Send {
-        let node = crate::fleet::lone_node(self.info(), time::OffsetDateTime::UNIX_EPOCH);
+        let node =
+            crate::fleet::lone_node(self.info(), Vec::new(), time::OffsetDateTime::UNIX_EPOCH);
         async move { Ok(runbox_types::ClusterStatus { nodes: vec![node] }) }
     }
     /// Whether new runs get a user namespace of their own (what
@@ -864,12 +865,17 @@ impl RunService for Arc<Manager> {
 
     async fn cluster(&self) -> Result<runbox_types::ClusterStatus, CoreError> {
         let Some(fleet) = self.fleet() else {
-            let node = crate::fleet::lone_node(Manager::info(self), self.started_at);
+            let node =
+                crate::fleet::lone_node(Manager::info(self), self.capabilities(), self.started_at);
             return Ok(runbox_types::ClusterStatus { nodes: vec![node] });
         };
         let mut nodes = fleet.nodes().await?;
         for node in &mut nodes {
             node.local = node.id == self.server_id;
+            // This node knows what its lane can do now.
+            if node.local {
+                node.capabilities = self.capabilities();
+            }
         }
         Ok(runbox_types::ClusterStatus { nodes })
     }

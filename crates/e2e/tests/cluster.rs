@@ -160,6 +160,13 @@ async fn nodes_starting_at_once_on_an_empty_database_join_and_list_each_other() 
     })
     .await;
     assert!(loaded, "n1 never saw n2's run in its heartbeat");
+    // Each row says what its node's lane can do, as the node says itself.
+    let own = b.client.cluster().await.expect("GET /v1/cluster");
+    let own = own.nodes.iter().find(|n| n.local).expect("itself");
+    assert!(own.capabilities.iter().any(|c| c == "allowlist"), "{own:?}");
+    let seen = a.client.cluster().await.expect("GET /v1/cluster");
+    let seen = seen.nodes.iter().find(|n| n.id == "n2").expect("n2");
+    assert_eq!(seen.capabilities, own.capabilities);
     // The CLI shows the fleet.
     let out = Command::new(runbox_bin())
         .args(["cluster", "status"])

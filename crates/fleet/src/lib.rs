@@ -71,8 +71,8 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     ),
     (
         10,
-        "node stores",
-        include_str!("../migrations/0010_node_stores.sql"),
+        "node facts",
+        include_str!("../migrations/0010_node_facts.sql"),
     ),
 ];
 
@@ -175,6 +175,8 @@ pub struct Load {
     /// Its checkpoint store when that is a bucket (`s3://bucket/prefix`),
     /// which other nodes may share.
     pub checkpoint_store: Option<String>,
+    /// What its lane can do, by name.
+    pub capabilities: Vec<String>,
 }
 
 /// Why a node could not join.
@@ -553,7 +555,7 @@ impl Cluster {
     async fn beat(&self, load: Load) -> Result<(), sqlx::Error> {
         sqlx::query(
             "UPDATE runbox_nodes SET heartbeat = now(), runs = $3, pools_ready = $4, draining = $5, \
-             images = $6, pooled = $7, volumes = $8, checkpoint_store = $9 \
+             images = $6, pooled = $7, volumes = $8, checkpoint_store = $9, capabilities = $10 \
              WHERE id = $1 AND incarnation = $2",
         )
         .bind(&self.options.node)
@@ -565,6 +567,7 @@ impl Cluster {
         .bind(&load.pooled)
         .bind(&load.volumes)
         .bind(&load.checkpoint_store)
+        .bind(&load.capabilities)
         .execute(&self.pool)
         .await
         .map(|_| ())
@@ -681,8 +684,8 @@ impl Fleet for Cluster {
 
     async fn nodes(&self) -> Result<Vec<ClusterNode>, CoreError> {
         let rows = sqlx::query(
-            "SELECT id, advertise, client_origin, version, lane, capacity, runs, pools_ready, \
-             draining, left_at IS NOT NULL AS left, started_at, \
+            "SELECT id, advertise, client_origin, version, lane, capabilities, capacity, runs, \
+             pools_ready, draining, left_at IS NOT NULL AS left, started_at, \
              EXTRACT(EPOCH FROM now() - heartbeat)::float8 AS silent \
              FROM runbox_nodes ORDER BY id",
         )
@@ -711,6 +714,7 @@ impl Fleet for Cluster {
                     client_origin: row.get("client_origin"),
                     version: row.get("version"),
                     lane: row.get("lane"),
+                    capabilities: row.get("capabilities"),
                     state,
                     capacity: count("capacity"),
                     runs: count("runs"),

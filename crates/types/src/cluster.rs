@@ -48,6 +48,12 @@ pub struct ClusterNode {
     pub version: String,
     /// Its runtime lane.
     pub lane: String,
+    /// What that lane can do on its host, by name: `allowlist`, `open`,
+    /// `diskLimit`, `warmVolumes`, `capture`, `exitWatch`, `dial`,
+    /// `suspend`, `hibernate`, `layers`, `userNamespaces` (as of its last
+    /// heartbeat on a node of a fleet; empty until the first).
+    #[serde(default)]
+    pub capabilities: Vec<String>,
     /// Where it stands.
     pub state: NodeState,
     /// Its `--max-runs`.

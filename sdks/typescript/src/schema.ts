@@ -1608,6 +1608,13 @@ export interface components {
              */
             advertise?: string | null;
             /**
+             * @description What that lane can do on its host, by name: `allowlist`, `open`,
+             *     `diskLimit`, `warmVolumes`, `capture`, `exitWatch`, `dial`,
+             *     `suspend`, `hibernate`, `layers`, `userNamespaces` (as of its last
+             *     heartbeat on a node of a fleet; empty until the first).
+             */
+            capabilities?: string[];
+            /**
              * Format: uint32
              * @description Its `--max-runs`.
              */

@@ -249,6 +249,11 @@ impl Manager {
         bounded(fleet.place(&want)).await
     }
 
+    /// What this node's lane can do, by name ([`crate::lane::Capabilities::names`]).
+    pub fn capabilities(&self) -> Vec<String> {
+        self.lane.capabilities().names()
+    }
+
     /// The volumes this node holds and the datasets it serves, as the
     /// fleet's placement matches a create's mounts against them:
     /// `tenant/name` (`/name` for the operator's), and a dataset as

@@ -9,3 +9,7 @@ ALTER TABLE runbox_nodes ADD COLUMN checkpoint_store text;
 -- The highest lease generation ever published for each run: a fencing
 -- number never goes back, whichever node publishes the run next.
 ALTER TABLE runbox_runs ADD COLUMN lease_generation bigint NOT NULL DEFAULT 0;
+
+-- What each node's lane can do (allowlist, open, suspend, hibernate, ...),
+-- as its heartbeat says.
+ALTER TABLE runbox_nodes ADD COLUMN capabilities text[] NOT NULL DEFAULT '{}';
