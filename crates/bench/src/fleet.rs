@@ -84,6 +84,8 @@ async fn database_share(
         volumes: Vec::new(),
         here_has_volumes: true,
         checkpoint_store: None,
+        needs: Vec::new(),
+        here_can: true,
     };
     let ledger = cluster.ledger();
     let mut out: [Vec<Duration>; 6] = Default::default();

@@ -103,6 +103,12 @@ pub struct Want {
     /// The bucket the checkpoint the create starts from is in: only a node
     /// whose checkpoint store is that bucket can take it.
     pub checkpoint_store: Option<String>,
+    /// What the create needs a node's lane to do, by capability name
+    /// ([`crate::lane::Capabilities::names`]: its network tier, for one):
+    /// only a node whose lane can do all of it can take it.
+    pub needs: Vec<String>,
+    /// Whether the node asked can, now.
+    pub here_can: bool,
     /// Whether the node asked holds them all now.
     pub here_has_volumes: bool,
 }

@@ -29,6 +29,8 @@ pub(crate) struct Candidate {
     pub(crate) has_image: bool,
     pub(crate) has_pool: bool,
     pub(crate) has_volumes: bool,
+    /// Its lane can make what the create asks for.
+    pub(crate) can: bool,
     pub(crate) tenant_runs: i32,
     pub(crate) silent_sec: f64,
 }
@@ -38,7 +40,7 @@ impl Candidate {
     /// the create.
     fn score(&self, want: &Want) -> Option<(bool, bool, i64, i32)> {
         let free = self.capacity - self.runs;
-        if free <= 0 || (!self.has_image && !want.pullable) || !self.has_volumes {
+        if free <= 0 || (!self.has_image && !want.pullable) || !self.has_volumes || !self.can {
             return None;
         }
         // Rounded up: a node whose least-filled quarter still has room
@@ -89,6 +91,7 @@ pub(crate) async fn place(
                               WHERE NOT (m.own = ANY(n.volumes) \
                                          OR '*' || substr(m.own, strpos(m.own, '/')) = ANY(n.volumes))) \
                     AS has_volumes, \
+                  n.capabilities @> $8::text[] AS can, \
                   coalesce(t.runs, 0) AS tenant_runs, \
                   EXTRACT(EPOCH FROM now() - n.heartbeat)::float8 AS silent \
            FROM runbox_nodes n \
@@ -98,7 +101,7 @@ pub(crate) async fn place(
              AND ($7::text IS NULL OR n.checkpoint_store = $7) \
          ) \
          (SELECT * FROM live WHERE id <> $4 \
-          ORDER BY has_volumes DESC, has_pool DESC, has_image DESC, random() LIMIT $5) \
+          ORDER BY has_volumes AND can DESC, has_pool DESC, has_image DESC, random() LIMIT $5) \
          UNION ALL (SELECT * FROM live WHERE id = $4)",
     )
     .bind(&want.images)
@@ -108,6 +111,7 @@ pub(crate) async fn place(
     .bind(CHOICES)
     .bind(&want.volumes)
     .bind(&want.checkpoint_store)
+    .bind(&want.needs)
     .fetch_all(pool)
     .await
     .map_err(unavailable)?;
@@ -121,6 +125,7 @@ pub(crate) async fn place(
             has_image: row.get("has_image"),
             has_pool: row.get("has_pool"),
             has_volumes: row.get("has_volumes"),
+            can: row.get("can"),
             tenant_runs: row.get("tenant_runs"),
             silent_sec: row.get("silent"),
         })
@@ -131,6 +136,7 @@ pub(crate) async fn place(
         here.has_image |= want.here_has.0;
         here.has_pool |= want.here_has.1;
         here.has_volumes = want.here_has_volumes;
+        here.can = want.here_can;
     }
     Ok(choose(&candidates, want)
         .filter(|c| c.node != want.here)
@@ -156,6 +162,7 @@ mod tests {
             has_image: true,
             has_pool: false,
             has_volumes: true,
+            can: true,
             tenant_runs: 0,
             silent_sec: 0.0,
         }
@@ -172,6 +179,8 @@ mod tests {
             volumes: Vec::new(),
             here_has_volumes: true,
             checkpoint_store: None,
+            needs: Vec::new(),
+            here_can: true,
         }
     }
 
@@ -192,6 +201,17 @@ mod tests {
         let nodes = [node("n1", 100, 0), node("n2", 100, 99)];
         assert_eq!(choose(&nodes, &full).unwrap().node, "n2");
         assert!(choose(&[node("n1", 4, 0)], &full).is_none());
+    }
+
+    #[test]
+    fn a_create_goes_only_where_the_lane_can_make_it() {
+        let mut without = node("n1", 100, 0);
+        without.can = false;
+        let nodes = [without, node("n2", 100, 90)];
+        assert_eq!(choose(&nodes, &want()).unwrap().node, "n2");
+        let mut alone = node("n1", 100, 0);
+        alone.can = false;
+        assert!(choose(&[alone], &want()).is_none());
     }
 
     #[test]

@@ -194,6 +194,8 @@ impl Manager {
                 volumes: Vec::new(),
                 here_has_volumes: true,
                 checkpoint_store: Some(store),
+                needs: self.needs(req),
+                here_can: self.can(req),
             };
             return bounded(fleet.place(&want)).await;
         }
@@ -245,8 +247,26 @@ impl Manager {
             volumes,
             here_has_volumes,
             checkpoint_store: None,
+            needs: self.needs(req),
+            here_can: self.can(req),
         };
         bounded(fleet.place(&want)).await
+    }
+
+    /// What a create of `req` needs a node's lane to do, by capability
+    /// name: its network tier when that is not `none`.
+    fn needs(&self, req: &runbox_types::CreateRunRequest) -> Vec<String> {
+        match req.network {
+            Some(runbox_types::NetworkTier::Allowlist) => vec!["allowlist".to_owned()],
+            Some(runbox_types::NetworkTier::Open) => vec!["open".to_owned()],
+            _ => Vec::new(),
+        }
+    }
+
+    /// Whether this node's lane can make a create of `req`.
+    fn can(&self, req: &runbox_types::CreateRunRequest) -> bool {
+        let here = self.capabilities();
+        self.needs(req).iter().all(|need| here.contains(need))
     }
 
     /// What this node's lane can do, by name ([`crate::lane::Capabilities::names`]).
