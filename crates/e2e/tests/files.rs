@@ -95,6 +95,17 @@ async fn traversal_and_symlink_escapes_are_refused() {
         let err = daemon.client.get_file(&id, path).await.unwrap_err();
         assert_eq!(err.code(), Some(ErrorCode::PathEscape), "{path}: {err}");
     }
+    // An upload the agent refuses while its body is still arriving: the
+    // refusal is the answer, never the closed stream it leaves behind
+    // (which side the daemon notices first varies, so many times over).
+    for _ in 0..20 {
+        let err = daemon
+            .client
+            .put_file(&id, "etc-link/big", runbox_e2e::body(vec![7u8; 2 << 20]))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(ErrorCode::PathEscape), "{err}");
+    }
     // Nothing was written outside /work.
     let out = daemon
         .sh(

@@ -462,7 +462,10 @@ impl Manager {
             Ok::<u64, CoreError>(total)
         };
         // The agent may refuse early (a bad path) while the body is still
-        // arriving; whichever side finishes first decides.
+        // arriving: its answer says why, whichever side is seen first. A
+        // pump that finds the agent no longer reading waits for that
+        // answer (bounded) rather than report the closed channel, which
+        // is only the refusal's echo.
         let sent = tokio::select! {
             reply = &mut call => {
                 return match reply {
@@ -470,7 +473,16 @@ impl Manager {
                     Err(status) => Err(file_error(status)),
                 };
             }
-            sent = pump => sent?,
+            sent = pump => match sent {
+                Ok(sent) => sent,
+                Err(stopped @ CoreError::Agent(_)) => {
+                    return match tokio::time::timeout(AGENT_CALL_TIMEOUT, &mut call).await {
+                        Ok(Err(status)) => Err(file_error(status)),
+                        Ok(Ok(_)) | Err(_) => Err(stopped),
+                    };
+                }
+                Err(e) => return Err(e),
+            },
         };
         drop(tx);
         let reply = tokio::time::timeout(AGENT_CALL_TIMEOUT, call)
