@@ -45,6 +45,11 @@ pub const FORMAT_VERSION: u32 = 1;
 /// How old an uncommitted generation must be before the sweep removes it.
 pub const ORPHAN_AGE: Duration = Duration::from_secs(60 * 60);
 
+/// How long a generation stays readable after a newer one superseded it
+/// (counted from the newer one's commit), so a restore that began from it
+/// (on another node of a fleet sharing the bucket) finishes.
+pub const SUPERSEDED_GRACE: Duration = Duration::from_secs(60 * 60);
+
 /// The label that marks a checkpoint as an archived run's disk: its life is
 /// the run's, so the TTL sweep leaves it alone.
 pub const ARCHIVE_LABEL: &str = "runbox.archive";
@@ -531,8 +536,9 @@ impl CheckpointStore {
     }
 
     /// Removes checkpoints older than `ttl` (when given), generations a
-    /// newer one superseded, and uncommitted data older than
-    /// [`ORPHAN_AGE`] that this daemon is not writing.
+    /// newer one superseded more than [`SUPERSEDED_GRACE`] ago, and
+    /// uncommitted data older than [`ORPHAN_AGE`] that this daemon is not
+    /// writing.
     pub async fn sweep(
         &self,
         now: OffsetDateTime,
@@ -548,18 +554,22 @@ impl CheckpointStore {
             .into_iter()
             .collect::<Result<_, _>>()
             .map_err(self.unavailable("sweeping checkpoints"))?;
-        let mut committed: HashMap<Ulid, BTreeMap<u64, ObjectPath>> = HashMap::new();
+        // Each generation's commit object and when it was written.
+        let mut committed: HashMap<Ulid, BTreeMap<u64, (ObjectPath, OffsetDateTime)>> =
+            HashMap::new();
         for meta in metas {
             if let Some((id, generation)) = parse_commit_path(&commits_prefix, &meta.location) {
+                let written = OffsetDateTime::from_unix_timestamp(meta.last_modified.timestamp())
+                    .unwrap_or(OffsetDateTime::UNIX_EPOCH);
                 committed
                     .entry(id)
                     .or_default()
-                    .insert(generation, meta.location);
+                    .insert(generation, (meta.location, written));
             }
         }
         let mut live: HashSet<(Ulid, u64)> = HashSet::new();
         for (id, generations) in &committed {
-            let Some((&newest, path)) = generations.iter().next_back() else {
+            let Some((&newest, (path, _))) = generations.iter().next_back() else {
                 continue;
             };
             if let Some(ttl) = ttl {
@@ -580,12 +590,21 @@ impl CheckpointStore {
                     Err(e) => return Err(e),
                 }
             }
-            for (&generation, path) in generations.iter() {
-                if generation == newest {
-                    live.insert((*id, generation));
-                } else {
-                    // Superseded: its data goes with the data sweep below.
-                    self.remove(path).await?;
+            for (&generation, (path, _)) in generations.iter() {
+                // When the next generation superseded this one.
+                let superseded_at = generations
+                    .range(generation + 1..)
+                    .next()
+                    .map(|(_, (_, written))| *written);
+                match superseded_at {
+                    Some(at) if at + SUPERSEDED_GRACE <= now => {
+                        // Its data goes with the data sweep below.
+                        self.remove(path).await?;
+                    }
+                    // The newest, or superseded a moment ago: kept whole.
+                    _ => {
+                        live.insert((*id, generation));
+                    }
                 }
             }
         }
@@ -789,14 +808,9 @@ impl Upload<'_> {
             .put(&path, PutPayload::from(commit_bytes))
             .await
             .map_err(store.unavailable(doing))?;
-        // Older generations: best effort; the sweep finishes what fails.
-        if let Ok(generations) = store.committed(self.id).await {
-            for (&generation, old) in generations.range(..self.generation) {
-                if store.remove(old).await.is_ok() {
-                    let _ = store.remove_data(self.id, generation).await;
-                }
-            }
-        }
+        // Older generations stay readable for SUPERSEDED_GRACE (a restore
+        // from one may be under way on another node sharing the store);
+        // the sweep removes them after that.
         Ok(commit)
     }
 
@@ -1333,6 +1347,71 @@ mod tests {
         assert!(valid_object_name("layer-12.tar.zst"));
         assert!(!valid_object_name("../record.json"));
         assert!(!valid_object_name("layer-.tar.zst"));
+    }
+
+    /// A generation a newer one superseded stays whole (commit and data)
+    /// for [`SUPERSEDED_GRACE`] after the newer one's commit, then goes;
+    /// the newest is what readers see throughout.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_superseded_generation_stays_readable_for_its_grace() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(dir.path().to_str().unwrap()).unwrap();
+        let id = Ulid::new();
+        for generation in [1, 2] {
+            let mut upload = store.begin(id, generation);
+            let layer = upload
+                .put_layer(move |out| out.write_all(&[generation as u8; 1000]))
+                .await
+                .unwrap();
+            let record = CheckpointRecord {
+                version: FORMAT_VERSION,
+                id,
+                generation,
+                run: id,
+                image: "base".into(),
+                pull: None,
+                base: vec![],
+                layers: upload.layers().to_vec(),
+                config: serde_json::json!({}),
+                settings: Default::default(),
+            };
+            let summary = runbox_types::Checkpoint {
+                id,
+                run: id,
+                image: "base".into(),
+                created_at: OffsetDateTime::now_utc(),
+                expires_at: None,
+                stored_bytes: 0,
+                disk_bytes: layer.tar_bytes,
+                labels: Default::default(),
+                server: "test".into(),
+                tenant: None,
+                volumes_excluded: Vec::new(),
+                secrets_excluded: Vec::new(),
+            };
+            upload.commit(&record, summary).await.unwrap();
+        }
+        let first = dir.path().join(format!("data/{id}/{}", generation_name(1)));
+        let first_commit = dir
+            .path()
+            .join(format!("commits/{id}/{}.json", generation_name(1)));
+        assert!(first.exists() && first_commit.exists());
+        assert_eq!(store.get(id).await.unwrap().generation, 2);
+        // Within the grace: nothing goes.
+        let soon = OffsetDateTime::now_utc() + SUPERSEDED_GRACE - Duration::from_secs(60);
+        assert_eq!(store.sweep(soon, None).await.unwrap(), Swept::default());
+        assert!(first.exists() && first_commit.exists());
+        assert_eq!(store.get(id).await.unwrap().generation, 2);
+        // Past it: the superseded generation goes, the newest stays.
+        let later = OffsetDateTime::now_utc() + SUPERSEDED_GRACE + Duration::from_secs(60);
+        store.sweep(later, None).await.unwrap();
+        assert!(!first.exists() && !first_commit.exists());
+        assert!(dir
+            .path()
+            .join(format!("data/{id}/{}", generation_name(2)))
+            .exists());
+        assert_eq!(store.get(id).await.unwrap().generation, 2);
+        assert_eq!(store.list().await.unwrap().len(), 1);
     }
 
     /// A checkpoint written to a directory store reads back whole; a
