@@ -1349,6 +1349,42 @@ mod tests {
         assert!(!valid_object_name("layer-.tar.zst"));
     }
 
+    /// A generation's record and the summary its commit shows, for tests.
+    fn described(
+        id: Ulid,
+        generation: u64,
+        layers: Vec<StoredLayer>,
+        disk_bytes: u64,
+    ) -> (CheckpointRecord, runbox_types::Checkpoint) {
+        let record = CheckpointRecord {
+            version: FORMAT_VERSION,
+            id,
+            generation,
+            run: Ulid::new(),
+            image: "base".into(),
+            pull: None,
+            base: vec![],
+            layers,
+            config: serde_json::json!({}),
+            settings: Default::default(),
+        };
+        let summary = runbox_types::Checkpoint {
+            id,
+            run: record.run,
+            image: "base".into(),
+            created_at: OffsetDateTime::now_utc(),
+            expires_at: None,
+            stored_bytes: 0,
+            disk_bytes,
+            labels: Default::default(),
+            server: "test".into(),
+            tenant: None,
+            volumes_excluded: Vec::new(),
+            secrets_excluded: Vec::new(),
+        };
+        (record, summary)
+    }
+
     /// A generation a newer one superseded stays whole (commit and data)
     /// for [`SUPERSEDED_GRACE`] after the newer one's commit, then goes;
     /// the newest is what readers see throughout.
@@ -1363,32 +1399,8 @@ mod tests {
                 .put_layer(move |out| out.write_all(&[generation as u8; 1000]))
                 .await
                 .unwrap();
-            let record = CheckpointRecord {
-                version: FORMAT_VERSION,
-                id,
-                generation,
-                run: id,
-                image: "base".into(),
-                pull: None,
-                base: vec![],
-                layers: upload.layers().to_vec(),
-                config: serde_json::json!({}),
-                settings: Default::default(),
-            };
-            let summary = runbox_types::Checkpoint {
-                id,
-                run: id,
-                image: "base".into(),
-                created_at: OffsetDateTime::now_utc(),
-                expires_at: None,
-                stored_bytes: 0,
-                disk_bytes: layer.tar_bytes,
-                labels: Default::default(),
-                server: "test".into(),
-                tenant: None,
-                volumes_excluded: Vec::new(),
-                secrets_excluded: Vec::new(),
-            };
+            let (record, summary) =
+                described(id, generation, upload.layers().to_vec(), layer.tar_bytes);
             upload.commit(&record, summary).await.unwrap();
         }
         let first = dir.path().join(format!("data/{id}/{}", generation_name(1)));
@@ -1431,32 +1443,7 @@ mod tests {
             .unwrap();
         assert_eq!(layer.tar_bytes, payload.len() as u64);
         assert_eq!(layer.diff_id, sha256_of(&payload));
-        let record = CheckpointRecord {
-            version: FORMAT_VERSION,
-            id,
-            generation: 1,
-            run: Ulid::new(),
-            image: "base".into(),
-            pull: None,
-            base: vec![],
-            layers: upload.layers().to_vec(),
-            config: serde_json::json!({}),
-            settings: Default::default(),
-        };
-        let summary = runbox_types::Checkpoint {
-            id,
-            run: record.run,
-            image: "base".into(),
-            created_at: OffsetDateTime::now_utc(),
-            expires_at: None,
-            stored_bytes: 0,
-            disk_bytes: layer.tar_bytes,
-            labels: Default::default(),
-            server: "test".into(),
-            tenant: None,
-            volumes_excluded: Vec::new(),
-            secrets_excluded: Vec::new(),
-        };
+        let (record, summary) = described(id, 1, upload.layers().to_vec(), layer.tar_bytes);
         // Not committed yet: nothing to see.
         assert!(store.list().await.unwrap().is_empty());
         let commit = upload.commit(&record, summary).await.unwrap();

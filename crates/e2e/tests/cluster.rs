@@ -1615,83 +1615,55 @@ async fn checkpoints_usage_and_e2b_volumes_of_one_node_are_answered_by_any() {
     assert_eq!(gone.code(), Some(ErrorCode::CheckpointNotFound), "{gone}");
     // E2B's volumes: made on n1, listed, read, written and destroyed
     // through n2, with the volume's own token for its content.
+    use reqwest::Method;
     let http = reqwest::Client::new();
-    let made: serde_json::Value = http
-        .post(format!("{}/volumes", a.url))
-        .header("X-API-Key", &a.token)
-        .json(&serde_json::json!({"name": "shared"}))
-        .send()
-        .await
-        .expect("create")
-        .json()
-        .await
-        .expect("json");
+    // E2B's control plane, with the API key; the content API, with a token.
+    let control = |d: &TestDaemon, method: Method, path: &str| {
+        http.request(method, format!("{}{path}", d.url))
+            .header("X-API-Key", &d.token)
+    };
+    let json = |request: reqwest::RequestBuilder| async move {
+        let answer = request.send().await.expect("an answer");
+        answer.json::<serde_json::Value>().await.expect("json")
+    };
+    let made =
+        json(control(&a, Method::POST, "/volumes").json(&serde_json::json!({"name": "shared"})))
+            .await;
     let volume = made["volumeID"].as_str().expect("an id").to_owned();
     let token = made["token"].as_str().expect("a token").to_owned();
-    let listed: serde_json::Value = http
-        .get(format!("{}/volumes", b.url))
-        .header("X-API-Key", &b.token)
-        .send()
-        .await
-        .expect("list")
-        .json()
-        .await
-        .expect("json");
+    let file = |d: &TestDaemon, method: Method, token: &str| {
+        http.request(
+            method,
+            format!("{}/volumecontent/{volume}/file?path=/hello.txt", d.url),
+        )
+        .bearer_auth(token)
+    };
+    let listed = json(control(&b, Method::GET, "/volumes")).await;
     assert_eq!(
         listed,
         serde_json::json!([{"volumeID": volume, "name": "shared"}])
     );
-    let info: serde_json::Value = http
-        .get(format!("{}/volumes/{volume}", b.url))
-        .header("X-API-Key", &b.token)
-        .send()
-        .await
-        .expect("info")
-        .json()
-        .await
-        .expect("json");
+    let info = json(control(&b, Method::GET, &format!("/volumes/{volume}"))).await;
     assert_eq!(info["token"].as_str(), Some(token.as_str()));
-    let put = http
-        .put(format!(
-            "{}/volumecontent/{volume}/file?path=/hello.txt",
-            b.url
-        ))
-        .bearer_auth(&token)
+    let put = file(&b, Method::PUT, &token)
         .body("written through n2")
         .send()
         .await
         .expect("write");
     assert!(put.status().is_success(), "{}", put.status());
-    let wrong = http
-        .get(format!(
-            "{}/volumecontent/{volume}/file?path=/hello.txt",
-            b.url
-        ))
-        .bearer_auth("not-the-token")
+    let wrong = file(&b, Method::GET, "not-the-token")
         .send()
         .await
         .expect("read");
     assert_eq!(wrong.status(), reqwest::StatusCode::UNAUTHORIZED);
-    let read = http
-        .get(format!(
-            "{}/volumecontent/{volume}/file?path=/hello.txt",
-            a.url
-        ))
-        .bearer_auth(&token)
-        .send()
-        .await
-        .expect("read");
+    let read = file(&a, Method::GET, &token).send().await.expect("read");
     assert_eq!(read.text().await.expect("body"), "written through n2");
-    let destroyed = http
-        .delete(format!("{}/volumes/{volume}", b.url))
-        .header("X-API-Key", &b.token)
+    let destroyed = control(&b, Method::DELETE, &format!("/volumes/{volume}"))
         .send()
         .await
         .expect("destroy");
     assert_eq!(destroyed.status(), reqwest::StatusCode::NO_CONTENT);
-    let missing = http
-        .get(format!("{}/volumes/{volume}", a.url))
-        .header("X-API-Key", &a.token)
+    let missing = control(&a, Method::GET, &format!("/volumes/{volume}"))
         .send()
         .await
         .expect("info");

@@ -269,6 +269,21 @@ where
         .collect()
 }
 
+/// Every volume the other nodes of the fleet hold (read with the fleet's
+/// root token `token`, for the caller to filter); none alone, or for a
+/// request another node sent on (`headers` has its proof).
+pub(crate) async fn volumes_elsewhere<S: runbox_core::RunService>(
+    service: &S,
+    token: &str,
+    headers: &axum::http::HeaderMap,
+) -> Vec<runbox_types::Volume> {
+    if !service.in_fleet() || headers.contains_key(NODE_PROOF) {
+        return Vec::new();
+    }
+    let lists: Vec<runbox_types::VolumeList> = read_others(service, token, "/v1/volumes").await;
+    lists.into_iter().flat_map(|l| l.volumes).collect()
+}
+
 /// Sends `request` (bodiless) to each other node of the fleet in turn
 /// until one answers with something other than 404: that answer, or None
 /// when every node says 404 (or none could be reached). For an object

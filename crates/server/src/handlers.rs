@@ -834,14 +834,12 @@ pub async fn list_volumes<S: RunService>(
     // A volume is one node's (its `server`): on a node of a fleet the list
     // is the fleet's, the other nodes' read with the fleet's root token and
     // filtered here as this node's are.
-    if state.service.in_fleet() && !headers.contains_key(crate::forward::NODE_PROOF) {
-        let others: Vec<runbox_types::VolumeList> =
-            crate::forward::read_others(&state.service, &state.token, "/v1/volumes").await;
+    let others = crate::forward::volumes_elsewhere(&state.service, &state.token, &headers).await;
+    if !others.is_empty() {
         let owner = caller.owner();
         list.volumes.extend(
             others
                 .into_iter()
-                .flat_map(|l| l.volumes)
                 .filter(|v| owner.tenant().is_none() || v.tenant.as_deref() == owner.tenant()),
         );
         list.volumes

@@ -170,8 +170,10 @@ impl Manager {
             return Ok(None);
         }
         // A checkpoint in a bucket other nodes share may be made on any
-        // of them (it carries its layers; no image is needed).
-        if let Some(checkpoint) = req.checkpoint {
+        // of them (it carries its layers; no image is needed). Whether the
+        // bucket holds it is not asked again here: a node sharing the
+        // bucket answers for a missing one as this node would.
+        if req.checkpoint.is_some() {
             let Some(store) = self
                 .config()
                 .checkpoints
@@ -181,9 +183,6 @@ impl Manager {
             else {
                 return Ok(None);
             };
-            if self.get_checkpoint(checkpoint).await.is_err() {
-                return Ok(None);
-            }
             let want = crate::fleet::Want {
                 images: Vec::new(),
                 pullable: true,

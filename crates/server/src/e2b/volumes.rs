@@ -258,18 +258,16 @@ async fn volume_node<S: RunService>(
     id: Ulid,
     headers: &axum::http::HeaderMap,
 ) -> Option<runbox_core::fleet::Located> {
-    if !state.service.in_fleet() || headers.contains_key(crate::forward::NODE_PROOF) {
+    if !state.service.in_fleet() {
         return None;
     }
     let here = state.service.list_volumes(&Owner::root()).volumes;
     if here.iter().any(|v| v.id == id) {
         return None;
     }
-    let others: Vec<runbox_types::VolumeList> =
-        crate::forward::read_others(&state.service, &state.token, "/v1/volumes").await;
-    let server = others
+    let server = crate::forward::volumes_elsewhere(&state.service, &state.token, headers)
+        .await
         .into_iter()
-        .flat_map(|l| l.volumes)
         .find(|v| v.id == id)?
         .server;
     crate::forward::node_named(&state.service, &server).await
@@ -283,14 +281,9 @@ async fn own_elsewhere<S: RunService>(
     owner: &Owner,
     headers: &axum::http::HeaderMap,
 ) -> Vec<runbox_types::Volume> {
-    if !state.service.in_fleet() || headers.contains_key(crate::forward::NODE_PROOF) {
-        return Vec::new();
-    }
-    let others: Vec<runbox_types::VolumeList> =
-        crate::forward::read_others(&state.service, &state.token, "/v1/volumes").await;
-    others
+    crate::forward::volumes_elsewhere(&state.service, &state.token, headers)
+        .await
         .into_iter()
-        .flat_map(|l| l.volumes)
         .filter(|v| v.tenant.as_deref() == owner.tenant() && v.dataset.is_none())
         .collect()
 }
