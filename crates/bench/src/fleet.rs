@@ -109,9 +109,14 @@ async fn database_share(
         let keyed = started.elapsed();
         ledger.admit(tenant, 1_000_000, 1, seq0 + i as u64).await?;
         let admitted = started.elapsed();
-        let made = runbox_types::Run {
-            id: run,
-            ..sample.clone()
+        // With a sealed record of the size a run's record seals to (about
+        // 2 KiB of JSON, base64 after the cipher).
+        let made = runbox_core::fleet::Published {
+            run: runbox_types::Run {
+                id: run,
+                ..sample.clone()
+            },
+            record: Some(format!("v1:{}", "A".repeat(2800))),
         };
         cluster.record_run_now(&made).await?;
         let recorded = started.elapsed();

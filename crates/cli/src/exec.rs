@@ -186,6 +186,10 @@ pub(crate) fn exit_outcome(exit: &ExitEvent, timeout: Option<u64>) -> (u8, Optio
         ExitReason::RunDeleted => {
             Some("the run was deleted while the command was running".to_owned())
         }
+        ExitReason::RunMoved => Some(
+            "the run moved to another node while the command was running (its processes ended)"
+                .to_owned(),
+        ),
         ExitReason::AgentLost => {
             Some("lost contact with the run's agent; the command's fate is unknown".to_owned())
         }

@@ -119,6 +119,10 @@ enum Command {
     /// Send runs' disks to the checkpoint store and drop them on the node
     /// (running runs are hibernated first; the next call restores them)
     Archive(runs::IdsArgs),
+    /// Move runs to another node of the fleet, under the same id, token,
+    /// settings and lease (an awake run is hibernated, archived and booted
+    /// there: its processes end)
+    Move(runs::MoveArgs),
     /// Record a run's filesystem as a new image (the run keeps running)
     Snapshot(runs::SnapshotArgs),
     /// Start new runs from a run's filesystem as it is now
@@ -235,6 +239,7 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Hibernate(args) => runs::hibernate(args).await,
         Command::Wake(args) => runs::wake(args).await,
         Command::Archive(args) => runs::archive(args).await,
+        Command::Move(args) => runs::move_runs(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
         Command::Checkpoint(args) => checkpoints::checkpoint(args).await,

@@ -43,8 +43,13 @@ pub struct SetArgs {
 #[derive(Debug, Args)]
 pub struct DrainArgs {
     /// Uncordon instead: take new runs again and refill the pools
-    #[arg(long)]
+    #[arg(long, conflicts_with = "migrate")]
     pub off: bool,
+    /// Move every run off the node too, to the other nodes of its fleet
+    /// (each under the same id; awake runs are booted there, their
+    /// processes end)
+    #[arg(long)]
+    pub migrate: bool,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -155,7 +160,10 @@ pub async fn info(args: ShowArgs) -> anyhow::Result<ExitCode> {
 /// `runbox drain`.
 pub async fn drain(args: DrainArgs) -> anyhow::Result<ExitCode> {
     let conn = args.conn.connect()?;
-    let list = conn.check(conn.client.set_draining(!args.off).await)?;
+    let list = match args.migrate {
+        true => conn.check(conn.client.drain_migrate().await)?,
+        false => conn.check(conn.client.set_draining(!args.off).await)?,
+    };
     println!(
         "{}",
         if list.draining {
@@ -164,7 +172,27 @@ pub async fn drain(args: DrainArgs) -> anyhow::Result<ExitCode> {
             "serving: new runs are taken and the pools refill"
         }
     );
-    Ok(ExitCode::SUCCESS)
+    let Some(migrated) = list.migrated else {
+        return Ok(ExitCode::SUCCESS);
+    };
+    for moved in &migrated.moved {
+        println!("{} moved to {}", moved.id, moved.node);
+    }
+    for failed in &migrated.failed {
+        eprintln!(
+            "runbox: {} stays: {} ({})",
+            failed.id, failed.error.message, failed.error.code
+        );
+    }
+    println!(
+        "{} run(s) moved, {} stayed",
+        migrated.moved.len(),
+        migrated.failed.len()
+    );
+    Ok(match migrated.failed.is_empty() {
+        true => ExitCode::SUCCESS,
+        false => ExitCode::FAILURE,
+    })
 }
 
 /// `runbox cluster ...`.

@@ -687,6 +687,40 @@ pub async fn archive(args: IdsArgs) -> anyhow::Result<ExitCode> {
     .await
 }
 
+/// `runbox move`.
+#[derive(Debug, Args)]
+pub struct MoveArgs {
+    /// The runs' ids
+    #[arg(required = true)]
+    pub ids: Vec<String>,
+    /// The node to move them to (`runbox cluster status` lists them);
+    /// default: the best node that can take each
+    #[arg(long, value_name = "NODE")]
+    pub node: Option<String>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox move`: moves every run given, printing `<id> <status> <node>`.
+pub async fn move_runs(args: MoveArgs) -> anyhow::Result<ExitCode> {
+    let conn = args.conn.connect()?;
+    let mut failed = false;
+    for id in args.ids {
+        match conn.check(conn.client.move_run(&id, args.node.clone()).await) {
+            Ok(run) => println!("{} {} {}", run.id, status_name(run.status), run.server),
+            Err(err) => {
+                eprintln!("runbox: cannot move {id}: {err:#}");
+                failed = true;
+            }
+        }
+    }
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
 /// `runbox wake`: wakes every run given, as `pause` does.
 pub async fn wake(args: IdsArgs) -> anyhow::Result<ExitCode> {
     each_run(args, "wake", |client, id| async move {

@@ -690,6 +690,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(cluster) = &cluster {
         manager.set_fleet(cluster.clone());
+        // Before it serves: a run that moved to another node while this
+        // one was away is that node's, and ends here.
+        match manager.fence().await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                runs = n,
+                "ended this node's copies of runs other nodes hold now"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not ask the fleet which runs moved away; asking again in the background")
+            }
+        }
+        manager.spawn_fence();
         let node = manager.clone();
         cluster.spawn_heartbeat(Arc::new(move || {
             let info = node.info();

@@ -265,6 +265,19 @@ impl Client {
         json(self.send(self.request(Method::POST, &path)).await?).await
     }
 
+    /// `POST /v1/runs/{id}/move`: moves the run to node `node` of the
+    /// fleet (the best node that can take it when None); the run as its
+    /// new node answers for it.
+    pub async fn move_run(&self, id: &str, node: Option<String>) -> Result<Run, ClientError> {
+        let path = format!("{}/move", run_path(id)?);
+        let req = runbox_types::RunMoveRequest { node };
+        json(
+            self.send(self.request(Method::POST, &path).json(&req))
+                .await?,
+        )
+        .await
+    }
+
     /// `POST /v1/runs/{id}/wake`: boots a hibernated or failed run again
     /// on its disk (resumes a paused one).
     pub async fn wake_run(&self, id: &str) -> Result<Run, ClientError> {
@@ -500,6 +513,17 @@ impl Client {
             Method::DELETE
         };
         let resp = self.send(self.request(method, "/v1/drain")).await?;
+        json(resp).await
+    }
+
+    /// `POST /v1/drain {"migrate": true}`: cordons the node and moves its
+    /// runs to other nodes of the fleet; what became of each is in the
+    /// answer's `migrated`.
+    pub async fn drain_migrate(&self) -> Result<runbox_types::PoolList, ClientError> {
+        let req = runbox_types::DrainRequest { migrate: true };
+        let resp = self
+            .send(self.request(Method::POST, "/v1/drain").json(&req))
+            .await?;
         json(resp).await
     }
 

@@ -19,19 +19,38 @@ pub trait Fleet: Send + Sync {
     /// Run `id` of this node as its owner published it now (`None`: it is
     /// gone), for the fleet's run catalog. Never waits: the catalog is
     /// written behind, latest first, and kept trying while the database is
-    /// away.
-    fn record_run(&self, id: Ulid, run: Option<Run>);
+    /// away. Only the run's owner (the node the catalog names) writes its
+    /// row: a node whose run moved away writes nothing more of it.
+    fn record_run(&self, id: Ulid, run: Option<Published>);
 
     /// Writes run `id` of this node to the catalog now, as `run` (a
     /// create's answer), so that any node finds it as soon as the caller
     /// learns its id.
-    async fn record_run_now(&self, run: &Run) -> Result<(), CoreError>;
+    async fn record_run_now(&self, run: &Published) -> Result<(), CoreError>;
 
     /// This node's runs are what `list` answers, and no others (at start,
     /// so the catalog forgets what this node destroyed while it was down);
     /// `list` is called after the resync's generation is taken, so a
     /// report made meanwhile is never older than the list.
-    fn resync_runs(&self, list: &dyn Fn() -> Vec<Run>);
+    fn resync_runs(&self, list: &dyn Fn() -> Vec<Published>);
+
+    /// Run `id` of this node is about to be restored here: the catalog
+    /// says so first (so no other node takes it over meanwhile). The node
+    /// that holds it instead when it moved away from this one.
+    async fn hold_run(&self, id: Ulid) -> Result<Option<String>, CoreError>;
+
+    /// Takes run `id` over for this node when `how` allows it (the run is
+    /// asleep, its disk in a bucket this node shares, and its node gone or
+    /// not answering), or finds it handed to this node: its sealed record.
+    /// None when it is not this node's to take.
+    async fn take_run(&self, id: Ulid, how: Takeover) -> Result<Option<String>, CoreError>;
+
+    /// Hands archived run `id` of this node to node `to`, with its sealed
+    /// `record`: false when it is not this node's (any more).
+    async fn hand_off_run(&self, id: Ulid, to: &str, record: &str) -> Result<bool, CoreError>;
+
+    /// Of `ids` (runs this node holds), those that moved to another node.
+    async fn superseded_runs(&self, ids: &[Ulid]) -> Result<Vec<Ulid>, CoreError>;
 
     /// Every run of the fleet the catalog lists, by id: each as its owner
     /// last published it.
@@ -76,6 +95,36 @@ pub trait Fleet: Send + Sync {
 pub trait SharedPools: Send + Sync {
     /// Stores `set` as the cell's (every node of the cell hears of it).
     async fn store(&self, set: &runbox_types::PoolSet) -> Result<(), CoreError>;
+}
+
+/// A run as its owner publishes it to the catalog: its API view, and its
+/// whole record sealed under the fleet's sealing key (None without one), so
+/// another node can make it again.
+#[derive(Clone, Debug)]
+pub struct Published {
+    /// What lists and answers from the catalog show.
+    pub run: Run,
+    /// [`crate::store::RunRecord`] as JSON, sealed.
+    pub record: Option<String>,
+}
+
+/// When a node may take over an asleep run another node owns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Takeover {
+    /// Its node is gone (left, or not heard from for the gone time).
+    Gone,
+    /// Its node did not answer a request sent to it just now.
+    Unreachable,
+}
+
+impl Takeover {
+    /// The reason a move records.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Takeover::Gone => "node gone",
+            Takeover::Unreachable => "node unreachable",
+        }
+    }
 }
 
 /// What placement weighs of a create.
@@ -126,6 +175,13 @@ pub struct Located {
     pub gone: bool,
     /// Seconds since the node was last heard from.
     pub silent_sec: f64,
+    /// Whether the run is asleep with its disk in the checkpoint store
+    /// (archived, or being restored by a node that is gone).
+    pub archived: bool,
+    /// Whether this node could make the run from the catalog: its record
+    /// is there and its node's checkpoint store is a bucket this node
+    /// uses too.
+    pub portable: bool,
 }
 
 /// The run's node is gone: a 503 that names it.
@@ -136,6 +192,18 @@ pub fn node_gone(id: Ulid, at: &Located) -> CoreError {
             "run {id} is on node {} ({}), which has not been heard from for {:.0}s; \
              the run answers again when that node is back",
             at.node, at.advertise, at.silent_sec
+        ),
+    }
+}
+
+/// A call that waited for run `id` while it moved to another node: a 503
+/// the same call, sent again, gets past (any node sends it on to the run's
+/// new node).
+pub fn moved(id: Ulid) -> CoreError {
+    CoreError::Conflict {
+        code: runbox_types::ErrorCode::RunMoved,
+        message: format!(
+            "run {id} moved to another node of the fleet while this call waited for it; send it again"
         ),
     }
 }
@@ -155,6 +223,7 @@ pub fn lone_node(
         version: info.version,
         lane: info.runtime,
         capabilities,
+        checkpoint_store: None,
         state: match info.draining {
             true => runbox_types::NodeState::Draining,
             false => runbox_types::NodeState::Active,

@@ -197,6 +197,10 @@ pub trait Ledger: Send + Sync {
     /// Run `id` is destroyed: it leaves the ledger; what it held then.
     fn release(&self, id: Ulid) -> Option<Entry>;
 
+    /// Run `id` moved to another node: its idempotency key is that node's
+    /// to answer for now, so its end here does not free it.
+    fn keep_key(&self, id: Ulid);
+
     /// How many runs count against capacity, in all and by tenant.
     fn tally(&self) -> Tally;
 
@@ -835,6 +839,15 @@ impl Ledger for LocalLedger {
         self.free_key(id, &line);
         self.tell(&mut book);
         Some(line.entry)
+    }
+
+    fn keep_key(&self, id: Ulid) {
+        if let Some(line) = self.book().runs.get_mut(&id) {
+            line.entry.key = None;
+            if let Some(taken) = line.taken.as_mut() {
+                taken.key = None;
+            }
+        }
     }
 
     fn tally(&self) -> Tally {

@@ -485,13 +485,39 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn set_draining(&self, draining: bool) -> runbox_types::PoolList;
     /// What the node is and how full.
     fn info(&self) -> runbox_types::Info;
-    /// Where run `id` is when another node of the fleet holds it.
+    /// Where run `id` is when another node of the fleet holds it. None
+    /// when this node answers for it: it holds it, no node does, or it
+    /// has just made it its own — handed here by a move, or asleep in a
+    /// shared bucket on a node that is gone or does not answer, when this
+    /// node is the best to restore it on (or the request was `relayed`
+    /// here by another node, which chose this one); else the best node.
     fn locate(
         &self,
         id: Ulid,
+        relayed: bool,
     ) -> impl Future<Output = Result<Option<crate::fleet::Located>, CoreError>> + Send {
-        let _ = id;
+        let _ = (id, relayed);
         async { Ok(None) }
+    }
+    /// The runs this node holds (not those of other nodes), by id: what
+    /// a drain that moves them away goes through.
+    fn held_runs(&self) -> Vec<Ulid> {
+        Vec::new()
+    }
+    /// Moves run `id` to node `to` (the best that can take it when None);
+    /// see [`crate::runs::Manager::move_run`].
+    fn move_run(
+        &self,
+        id: Ulid,
+        to: Option<String>,
+    ) -> impl Future<Output = Result<(crate::fleet::Located, bool), CoreError>> + Send {
+        let _ = to;
+        async move {
+            Err(CoreError::Conflict {
+                code: runbox_types::ErrorCode::NotMovable,
+                message: format!("run {id} cannot move: this node is not part of a fleet"),
+            })
+        }
     }
     /// The node of the fleet a create of `req` by `owner` is best made on,
     /// when it is another (never this node when `here_full`).
@@ -832,14 +858,24 @@ impl RunService for Arc<Manager> {
         Manager::info(self)
     }
 
-    async fn locate(&self, id: Ulid) -> Result<Option<crate::fleet::Located>, CoreError> {
-        match self.fleet() {
-            Some(fleet) => Ok(fleet
-                .locate(id)
-                .await?
-                .filter(|at| at.node != self.server_id)),
-            None => Ok(None),
-        }
+    async fn locate(
+        &self,
+        id: Ulid,
+        relayed: bool,
+    ) -> Result<Option<crate::fleet::Located>, CoreError> {
+        Manager::locate(self, id, relayed).await
+    }
+
+    async fn move_run(
+        &self,
+        id: Ulid,
+        to: Option<String>,
+    ) -> Result<(crate::fleet::Located, bool), CoreError> {
+        Manager::move_run(self, id, to).await
+    }
+
+    fn held_runs(&self) -> Vec<Ulid> {
+        Manager::list(self).into_iter().map(|run| run.id).collect()
     }
 
     async fn place(

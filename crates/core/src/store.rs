@@ -139,6 +139,11 @@ pub struct RunRecord {
     /// while it runs.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub proxy_ca: bool,
+    /// It came to this node by a move and has not been restored here yet:
+    /// its restore keeps its TTL (a wake of an archived run gives a fresh
+    /// one).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub moved: bool,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -395,6 +400,7 @@ mod tests {
             allow_privilege_escalation: false,
             volumes: Vec::new(),
             proxy_ca: false,
+            moved: false,
         }
     }
 

@@ -1708,3 +1708,342 @@ async fn checkpoints_usage_and_e2b_volumes_of_one_node_are_answered_by_any() {
         daemon.client.delete_run(&id).await.expect("delete");
     }
 }
+
+/// Three nodes sharing a SeaweedFS bucket as their checkpoint store;
+/// `extra[i]` are node `n{i+1}`'s own arguments.
+async fn bucket_fleet(
+    pg: &PgServer,
+    s3: &runbox_e2e::S3Server,
+    extra: [&[&str]; 3],
+) -> (TestDaemon, TestDaemon, TestDaemon) {
+    let location = format!("s3://{}/fleet/checkpoints", s3.bucket);
+    let env = s3.env();
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let args = |i: usize| [&["--checkpoint-store", location.as_str()][..], extra[i]].concat();
+    let (a0, a1, a2) = (args(0), args(1), args(2));
+    tokio::join!(
+        node_with(pg, "n1", &a0, &env),
+        node_with(pg, "n2", &a1, &env),
+        node_with(pg, "n3", &a2, &env)
+    )
+}
+
+/// The node the catalog names as run `id`'s owner.
+fn owner(pg: &PgServer, id: &str) -> String {
+    pg.psql(&format!("SELECT node FROM runbox_runs WHERE id = '{id}'"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_run_moves_to_another_node_with_its_files_token_lease_and_ttl() {
+    use runbox_types::CreateRunRequest;
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
+    let made = a
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            labels: Some([("team".to_owned(), "infra".to_owned())].into()),
+            ..Default::default()
+        })
+        .await;
+    assert_eq!(made.server, "n1");
+    let id = made.id.to_string();
+    let wrote = a
+        .sh(
+            &id,
+            "mkdir -p /work/tree/sub && echo one > /work/tree/a && echo two > /work/tree/sub/b \
+             && chown 1000:1000 /work/tree/sub/b && chmod 640 /work/tree/sub/b \
+             && ln -s sub/b /work/tree/link && echo changed > /etc/motd",
+        )
+        .await;
+    assert_eq!(
+        wrote.exit.exit_code,
+        0,
+        "{}",
+        String::from_utf8_lossy(&wrote.stderr)
+    );
+    let lease = a
+        .client
+        .acquire_lease(&id, "alice", Some(600))
+        .await
+        .expect("a lease");
+    let before = a.client.get_run(&id).await.expect("get");
+    // Asked of n3, which does not hold it: sent to n1, moved to n2.
+    let moved = c
+        .client
+        .move_run(&id, Some("n2".into()))
+        .await
+        .expect("a move to n2");
+    assert_eq!(moved.server, "n2");
+    assert_eq!(moved.status, runbox_types::RunStatus::Running);
+    assert_eq!(owner(&pg, &id), "n2");
+    assert_eq!(
+        pg.psql(&format!(
+            "SELECT from_node || '>' || to_node || ':' || reason FROM runbox_moves WHERE run = '{id}'"
+        )),
+        "n1>n2:move"
+    );
+    let after = b.client.get_run(&id).await.expect("get on n2");
+    assert_eq!(after.labels, before.labels);
+    assert_eq!(after.expires_at, before.expires_at);
+    assert_eq!(after.lease.as_ref().map(|l| &l.holder), Some(&lease.holder));
+    assert_eq!(after.lease_generation, before.lease_generation);
+    // Its lease, labels and TTL came along; the lease's holder renews it
+    // on the new node.
+    let credential = (&lease).into();
+    b.client
+        .renew_lease(&id, &credential, Some(600))
+        .await
+        .expect("the lease, renewed on the new node");
+    b.client
+        .release_lease(&id, &credential)
+        .await
+        .expect("the lease, released");
+    // Its files, owners, modes and links too.
+    let out = b
+        .sh(
+            &id,
+            "cat /work/tree/a /work/tree/link /etc/motd && stat -c '%u:%g %a' /work/tree/sub/b \
+             && readlink /work/tree/link",
+        )
+        .await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "one\ntwo\nchanged\n1000:1000 640\nsub/b\n"
+    );
+    // The run's own token drives it through any node, n1 included.
+    let token = made.token.clone().expect("a run token");
+    let by_token = runbox_client::Client::new(&a.url, token).expect("client");
+    let got = by_token
+        .get_run(&id)
+        .await
+        .expect("the run, by its token, via n1");
+    assert_eq!(got.server, "n2");
+    // n1 kept nothing of it: its list (the catalog's) names n2 once.
+    let listed = a.client.list_runs().await.expect("list");
+    let found: Vec<_> = listed.runs.iter().filter(|r| r.id == made.id).collect();
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].server, "n2");
+    assert!(a
+        .log()
+        .contains("this node's copy of a run that moved is gone"));
+    // Bad moves say why.
+    let to_self = b.client.move_run(&id, Some("n2".into())).await.unwrap_err();
+    assert_eq!(
+        to_self.code(),
+        Some(runbox_types::ErrorCode::BadRequest),
+        "{to_self}"
+    );
+    let nowhere = b.client.move_run(&id, Some("n9".into())).await.unwrap_err();
+    assert_eq!(
+        nowhere.code(),
+        Some(runbox_types::ErrorCode::NotMovable),
+        "{nowhere}"
+    );
+    let tenantless = runbox_client::Client::new(&b.url, made.token.clone().unwrap()).unwrap();
+    let refused = tenantless.move_run(&id, None).await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(runbox_types::ErrorCode::Forbidden),
+        "{refused}"
+    );
+    // And back, to whichever node placement picks (n2 is not a choice).
+    let back = c.client.move_run(&id, None).await.expect("a move anywhere");
+    assert_ne!(back.server, "n2");
+    let out = c.sh(&id, "cat /work/tree/sub/b").await;
+    assert_eq!(out.stdout, b"two\n");
+    c.client.delete_run(&id).await.expect("delete");
+    let gone = eventually_async(Duration::from_secs(10), || async {
+        pg.psql(&format!("SELECT status FROM runbox_runs WHERE id = '{id}'")) == "gone"
+    })
+    .await;
+    assert!(gone, "the moved run's delete never reached the catalog");
+}
+
+/// Lets a stopped process go on when dropped (a failed test included).
+struct Continue(String);
+
+impl Drop for Continue {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-CONT", &self.0]).status();
+    }
+}
+
+/// Creates a run on `node`, leaves `kept` (owned by uid 1000) in /work,
+/// and archives it: its id.
+async fn archived_run(node: &TestDaemon, kept: &str) -> String {
+    let made = node.create().await;
+    let id = made.id.to_string();
+    let wrote = node
+        .sh(
+            &id,
+            &format!("echo {kept} > /work/kept && chown 1000:1000 /work/kept"),
+        )
+        .await;
+    assert_eq!(wrote.exit.exit_code, 0);
+    let archived = node.client.archive_run(&id).await.expect("archive");
+    assert_eq!(archived.status, runbox_types::RunStatus::Archived);
+    id
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archived_run_of_a_dead_node_wakes_on_the_best_node_and_its_old_node_ends_its_copy() {
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (mut a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &["--max-runs", "0"]]).await;
+    let id = archived_run(&a, "from-n1").await;
+    assert_eq!(owner(&pg, &id), "n1");
+    assert_eq!(
+        pg.psql(&format!(
+            "SELECT record IS NOT NULL AND record NOT LIKE '%from-n1%' FROM runbox_runs WHERE id = '{id}'"
+        )),
+        "t",
+        "the catalog carries the run's record, sealed"
+    );
+    a.kill9();
+    assert!(sees(&b, "n1", NodeState::Gone, Duration::from_secs(20)).await);
+    // Asked of n3, which has no room: restored on n2, the best node that
+    // shares the bucket; nothing waits for n1.
+    let out = c.sh(&id, "cat /work/kept && stat -c %u /work/kept").await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from-n1\n1000\n");
+    assert_eq!(owner(&pg, &id), "n2");
+    assert_eq!(
+        pg.psql(&format!(
+            "SELECT from_node || '>' || to_node || ':' || reason FROM runbox_moves WHERE run = '{id}'"
+        )),
+        "n1>n2:node gone"
+    );
+    // n1 comes back: before it serves, it finds the run is n2's and ends
+    // its own copy; asked for the run, it sends the call to n2.
+    a.spawn().await;
+    assert!(
+        a.log()
+            .contains("ended this node's copies of runs other nodes hold now"),
+        "{}",
+        a.log()
+    );
+    let got = a.client.get_run(&id).await.expect("the run, via n1");
+    assert_eq!(got.server, "n2");
+    assert_eq!(got.status, runbox_types::RunStatus::Running);
+    let listed = a.client.list_runs().await.expect("list");
+    assert_eq!(
+        listed
+            .runs
+            .iter()
+            .filter(|r| r.id.to_string() == id)
+            .count(),
+        1
+    );
+    a.client.delete_run(&id).await.expect("delete, via n1");
+    drop(c);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_node_that_was_away_does_not_restore_an_archived_run_another_node_took_over() {
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &["--max-runs", "0"]]).await;
+    let id = archived_run(&a, "still-here").await;
+    // n1 stops answering without dying (a pause, a partition): once it is
+    // gone to the others, n2 takes the run over.
+    let pid = a.pid().to_string();
+    let stopped = Command::new("kill").args(["-STOP", &pid]).status();
+    assert!(stopped.is_ok_and(|s| s.success()));
+    let resume = Continue(pid);
+    assert!(sees(&b, "n1", NodeState::Gone, Duration::from_secs(20)).await);
+    let out = c.sh(&id, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"still-here\n");
+    assert_eq!(owner(&pg, &id), "n2");
+    drop(resume);
+    // n1 still lists its copy until it looks; a wake sent to it directly
+    // finds the run another node's (a retryable 503, the copy ended) or is
+    // sent on to n2. Never restored on n1.
+    match a.client.wake_run(&id).await {
+        Ok(run) => assert_eq!(run.server, "n2"),
+        Err(e) => assert_eq!(e.code(), Some(runbox_types::ErrorCode::RunMoved), "{e}"),
+    }
+    let settled = eventually_async(Duration::from_secs(20), || async {
+        a.client
+            .get_run(&id)
+            .await
+            .is_ok_and(|run| run.server == "n2")
+    })
+    .await;
+    assert!(settled, "n1 never sent the run's calls on to n2");
+    assert!(!a.log().contains("run restored"), "{}", a.log());
+    let out = a.sh(&id, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"still-here\n");
+    b.client.delete_run(&id).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn drain_with_migrate_moves_every_run_off_the_node() {
+    use runbox_types::{CreateRunRequest, CreateVolumeRequest, VolumeMountRequest};
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
+    // Ten runs on n1, each with a file of its own; one of them asleep.
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        let id = a.create().await.id.to_string();
+        let wrote = a.sh(&id, &format!("echo run-{i} > /work/own")).await;
+        assert_eq!(wrote.exit.exit_code, 0);
+        ids.push(id);
+    }
+    a.client.hibernate_run(&ids[9]).await.expect("hibernate");
+    // And one that mounts a volume of n1's, which stays.
+    a.client
+        .create_volume(&CreateVolumeRequest {
+            name: "local".into(),
+            size_mb: None,
+            labels: None,
+        })
+        .await
+        .expect("a volume");
+    let pinned = a
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(vec![VolumeMountRequest {
+                name: "local".into(),
+                path: None,
+                mode: None,
+            }]),
+            ..Default::default()
+        })
+        .await
+        .id;
+    let drained = a.client.drain_migrate().await.expect("drain --migrate");
+    assert!(drained.draining);
+    let report = drained.migrated.expect("what the drain moved");
+    assert_eq!(report.moved.len(), 10, "{report:?}");
+    assert!(report
+        .moved
+        .iter()
+        .all(|m| m.node == "n2" || m.node == "n3"));
+    assert_eq!(report.failed.len(), 1, "{report:?}");
+    assert_eq!(report.failed[0].id, pinned);
+    assert_eq!(report.failed[0].error.code, "not_movable");
+    assert!(report.failed[0].error.message.contains("local"));
+    // Every moved run answers with its own file through any node, n1
+    // included, and n1 holds only the pinned one.
+    for (i, id) in ids.iter().enumerate() {
+        let out = a.sh(id, "cat /work/own").await;
+        assert_eq!(out.stdout, format!("run-{i}\n").as_bytes());
+    }
+    let run = c.client.get_run(&ids[0]).await.expect("get");
+    assert_ne!(run.server, "n1");
+    assert_eq!(
+        pg.psql("SELECT count(*) FROM runbox_runs WHERE node = 'n1' AND status <> 'gone'"),
+        "1"
+    );
+    // n1 takes no new runs: a create asked of it is made elsewhere.
+    let made = a.create().await;
+    assert_ne!(made.server, "n1");
+    for id in ids.iter().chain([&made.id.to_string()]) {
+        b.client.delete_run(id).await.expect("delete");
+    }
+    a.client
+        .delete_run(&pinned.to_string())
+        .await
+        .expect("delete");
+}

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use runbox_core::fleet::unavailable;
+use runbox_core::fleet::{unavailable, Published, Takeover};
 use runbox_core::CoreError;
 use runbox_types::Run;
 use sqlx::postgres::PgPool;
@@ -22,9 +22,9 @@ use ulid::Ulid;
 /// What the writer is told.
 enum Change {
     /// Run `id` stands so now (None: it is gone).
-    Run(Ulid, i64, Option<Box<Run>>),
+    Run(Ulid, i64, Option<Box<Published>>),
     /// This node's runs are these and no others.
-    Resync(i64, Vec<Run>),
+    Resync(i64, Vec<Published>),
 }
 
 /// This node's side of the catalog.
@@ -54,15 +54,22 @@ impl Catalog {
         self.generation.fetch_add(1, Ordering::SeqCst)
     }
 
+    /// Reports from here on are newer than generation `seen` (a row this
+    /// node takes over was written by another node's counter).
+    fn pass(&self, seen: i64) {
+        self.generation
+            .fetch_max(seen.saturating_add(1), Ordering::SeqCst);
+    }
+
     /// Run `id` stands as `run` now (None: gone).
-    pub(crate) fn record(&self, id: Ulid, run: Option<Run>) {
+    pub(crate) fn record(&self, id: Ulid, run: Option<Published>) {
         let _ = self
             .changes
             .send(Change::Run(id, self.next(), run.map(Box::new)));
     }
 
     /// Writes `run` now, newer than every report made before.
-    pub(crate) async fn record_now(&self, node: &str, run: &Run) -> Result<(), CoreError> {
+    pub(crate) async fn record_now(&self, node: &str, run: &Published) -> Result<(), CoreError> {
         let generation = self.next();
         // One statement, so one round trip on the create's path.
         upsert(&self.pool, node, generation, run)
@@ -72,7 +79,7 @@ impl Catalog {
 
     /// This node's runs are what `list` answers (called after the
     /// generation is taken).
-    pub(crate) fn resync(&self, list: &dyn Fn() -> Vec<Run>) {
+    pub(crate) fn resync(&self, list: &dyn Fn() -> Vec<Published>) {
         let generation = self.next();
         let _ = self.changes.send(Change::Resync(generation, list()));
     }
@@ -101,6 +108,193 @@ impl Catalog {
     }
 }
 
+impl Catalog {
+    /// Run `id` is about to get its disk back on node `node` (a restore):
+    /// the row says `restoring`, with a newer generation, while it is still
+    /// this node's, so no other node takes it over meanwhile. The node
+    /// that holds it now when it is another's (the run moved away while
+    /// this node was not looking); None when it is this node's or the
+    /// catalog does not list it.
+    pub(crate) async fn hold(&self, node: &str, id: Ulid) -> Result<Option<String>, CoreError> {
+        let generation = self.next();
+        let held = sqlx::query(
+            "UPDATE runbox_runs SET status = 'restoring', generation = $3, updated_at = now() \
+             WHERE id = $1 AND node = $2 RETURNING 1",
+        )
+        .bind(id.to_string())
+        .bind(node)
+        .bind(generation)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        if held.is_some() {
+            return Ok(None);
+        }
+        let owner: Option<String> =
+            sqlx::query_scalar("SELECT node FROM runbox_runs WHERE id = $1")
+                .bind(id.to_string())
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(unavailable)?;
+        Ok(owner.filter(|owner| owner != node))
+    }
+
+    /// Takes run `id` for node `node` when the rules allow (see
+    /// [`Takeover`]): its sealed record, or None when the run is not this
+    /// node's to take. One transaction, the row locked: of two nodes taking
+    /// it at once one gets it.
+    pub(crate) async fn take(
+        &self,
+        node: &str,
+        id: Ulid,
+        how: Takeover,
+        gone_after: Duration,
+    ) -> Result<Option<String>, CoreError> {
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let row = sqlx::query(
+            "SELECT r.node, r.status, r.generation, r.record, \
+             (n.left_at IS NOT NULL OR now() - n.heartbeat >= make_interval(secs => $3)) AS gone, \
+             (n.checkpoint_store LIKE 's3://%' AND n.checkpoint_store = \
+               (SELECT checkpoint_store FROM runbox_nodes WHERE id = $2)) AS shared \
+             FROM runbox_runs r LEFT JOIN runbox_nodes n ON n.id = r.node \
+             WHERE r.id = $1 FOR UPDATE OF r",
+        )
+        .bind(id.to_string())
+        .bind(node)
+        .bind(gone_after.as_secs_f64())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let owner: String = row.get("node");
+        let status: String = row.get("status");
+        let generation: i64 = row.get("generation");
+        let record: Option<String> = row.get("record");
+        let gone: bool = row
+            .try_get::<Option<bool>, _>("gone")
+            .ok()
+            .flatten()
+            .unwrap_or(true);
+        let shared: bool = row
+            .try_get::<Option<bool>, _>("shared")
+            .ok()
+            .flatten()
+            .unwrap_or(false);
+        let Some(record) = record else {
+            return Ok(None);
+        };
+        self.pass(generation);
+        if owner == node {
+            // Handed to this node: it makes the run from its record.
+            return Ok((status != "gone").then_some(record));
+        }
+        let asleep = status == "archived" || (status == "restoring" && gone);
+        let allowed = match how {
+            Takeover::Gone => gone,
+            Takeover::Unreachable => true,
+        };
+        if !(asleep && shared && allowed) {
+            return Ok(None);
+        }
+        let generation = self.next();
+        sqlx::query(
+            "UPDATE runbox_runs SET node = $2, generation = $3, status = 'archived', \
+             run = jsonb_set(run, '{server}', to_jsonb($2::text)), updated_at = now() WHERE id = $1",
+        )
+        .bind(id.to_string())
+        .bind(node)
+        .bind(generation)
+        .execute(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+        moved(&mut *tx, id, &owner, node, how.reason()).await?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(Some(record))
+    }
+
+    /// Hands archived run `id` of node `from` to node `to`, with its sealed
+    /// `record`: false when the row is not `from`'s (any more).
+    pub(crate) async fn hand_off(
+        &self,
+        from: &str,
+        id: Ulid,
+        to: &str,
+        record: &str,
+    ) -> Result<bool, CoreError> {
+        let generation = self.next();
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let handed = sqlx::query(
+            "UPDATE runbox_runs SET node = $3, generation = $4, status = 'archived', record = $5, \
+             run = jsonb_set(run, '{server}', to_jsonb($3::text)), updated_at = now() \
+             WHERE id = $1 AND node = $2 RETURNING 1",
+        )
+        .bind(id.to_string())
+        .bind(from)
+        .bind(to)
+        .bind(generation)
+        .bind(record)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+        if handed.is_none() {
+            return Ok(false);
+        }
+        moved(&mut *tx, id, from, to, "move").await?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(true)
+    }
+
+    /// Of `ids` (runs node `node` holds), those another node holds now:
+    /// the row names another node, or (the row cleaned up) the last move
+    /// of the run took it elsewhere.
+    pub(crate) async fn superseded(
+        &self,
+        node: &str,
+        ids: &[Ulid],
+    ) -> Result<Vec<Ulid>, CoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = ids.iter().map(Ulid::to_string).collect();
+        let rows: Vec<String> = sqlx::query_scalar(
+            "SELECT id FROM runbox_runs WHERE id = ANY($1) AND node <> $2 \
+             UNION \
+             SELECT m.run FROM (SELECT DISTINCT ON (run) run, to_node FROM runbox_moves \
+                                WHERE run = ANY($1) ORDER BY run, seq DESC) m \
+             WHERE m.to_node <> $2 AND NOT EXISTS (SELECT 1 FROM runbox_runs r WHERE r.id = m.run)",
+        )
+        .bind(&ids)
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        Ok(rows.iter().filter_map(|id| id.parse().ok()).collect())
+    }
+}
+
+/// Keeps the change of run `id`'s owner from `from` to `to`.
+async fn moved(
+    db: impl sqlx::PgExecutor<'_>,
+    id: Ulid,
+    from: &str,
+    to: &str,
+    reason: &str,
+) -> Result<(), CoreError> {
+    sqlx::query(
+        "INSERT INTO runbox_moves (run, from_node, to_node, reason) VALUES ($1, $2, $3, $4)",
+    )
+    .bind(id.to_string())
+    .bind(from)
+    .bind(to)
+    .bind(reason)
+    .execute(db)
+    .await
+    .map_err(unavailable)
+    .map(drop)
+}
+
 /// A catalog row's run, with the highest lease generation ever published
 /// for it.
 fn listed(row: &sqlx::postgres::PgRow) -> Result<Run, CoreError> {
@@ -123,8 +317,8 @@ async fn write_behind(
     target: String,
     mut rx: mpsc::UnboundedReceiver<Change>,
 ) {
-    let mut pending: HashMap<Ulid, (i64, Option<Box<Run>>)> = HashMap::new();
-    let mut resync: Option<(i64, Vec<Run>)> = None;
+    let mut pending: HashMap<Ulid, (i64, Option<Box<Published>>)> = HashMap::new();
+    let mut resync: Option<(i64, Vec<Published>)> = None;
     let mut down = false;
     loop {
         if pending.is_empty() && resync.is_none() {
@@ -156,8 +350,8 @@ async fn write_behind(
 
 fn take(
     change: Change,
-    pending: &mut HashMap<Ulid, (i64, Option<Box<Run>>)>,
-    resync: &mut Option<(i64, Vec<Run>)>,
+    pending: &mut HashMap<Ulid, (i64, Option<Box<Published>>)>,
+    resync: &mut Option<(i64, Vec<Published>)>,
 ) {
     match change {
         Change::Run(id, generation, run) => {
@@ -173,8 +367,8 @@ fn take(
 async fn write(
     pool: &PgPool,
     node: &str,
-    pending: &mut HashMap<Ulid, (i64, Option<Box<Run>>)>,
-    resync: &mut Option<(i64, Vec<Run>)>,
+    pending: &mut HashMap<Ulid, (i64, Option<Box<Published>>)>,
+    resync: &mut Option<(i64, Vec<Published>)>,
 ) -> Result<(), sqlx::Error> {
     if let Some((generation, runs)) = resync.as_ref() {
         match resync_rows(pool, node, *generation, runs).await {
@@ -191,12 +385,15 @@ async fn write(
         let (generation, run) = &pending[&id];
         let written = match run {
             Some(run) => upsert(pool, node, *generation, run).await,
+            // Only the owner ends a row: a node whose run moved away
+            // ends its own copy, never the run.
             None => sqlx::query(
-                "UPDATE runbox_runs SET status = 'gone', generation = $2, updated_at = now() \
-                 WHERE id = $1 AND generation < $2",
+                "UPDATE runbox_runs SET status = 'gone', generation = $2, record = NULL, \
+                 updated_at = now() WHERE id = $1 AND generation < $2 AND node = $3",
             )
             .bind(id.to_string())
             .bind(generation)
+            .bind(node)
             .execute(pool)
             .await
             .map(drop),
@@ -221,12 +418,12 @@ async fn resync_rows(
     pool: &PgPool,
     node: &str,
     generation: i64,
-    runs: &[Run],
+    runs: &[Published],
 ) -> Result<(), sqlx::Error> {
     let mut tx = pool.begin().await?;
-    let ids: Vec<String> = runs.iter().map(|r| r.id.to_string()).collect();
+    let ids: Vec<String> = runs.iter().map(|r| r.run.id.to_string()).collect();
     sqlx::query(
-        "UPDATE runbox_runs SET status = 'gone', generation = $3, updated_at = now() \
+        "UPDATE runbox_runs SET status = 'gone', generation = $3, record = NULL, updated_at = now() \
          WHERE node = $1 AND status <> 'gone' AND NOT (id = ANY($2)) AND generation < $3",
     )
     .bind(node)
@@ -240,23 +437,27 @@ async fn resync_rows(
     tx.commit().await
 }
 
+/// Writes `published` as node `node`'s, if the row is that node's (or
+/// new) and older.
 async fn upsert(
     db: impl sqlx::PgExecutor<'_>,
     node: &str,
     generation: i64,
-    run: &Run,
+    published: &Published,
 ) -> Result<(), sqlx::Error> {
+    let run = &published.run;
     let status = serde_json::to_value(run.status)
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))
         .unwrap_or_default();
     sqlx::query(
-        "INSERT INTO runbox_runs (id, node, tenant, generation, status, run, lease_generation) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7) \
-         ON CONFLICT (id) DO UPDATE SET node = EXCLUDED.node, tenant = EXCLUDED.tenant, \
+        "INSERT INTO runbox_runs (id, node, tenant, generation, status, run, lease_generation, record) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+         ON CONFLICT (id) DO UPDATE SET tenant = EXCLUDED.tenant, \
          generation = EXCLUDED.generation, status = EXCLUDED.status, run = EXCLUDED.run, \
          lease_generation = GREATEST(runbox_runs.lease_generation, EXCLUDED.lease_generation), \
-         updated_at = now() WHERE runbox_runs.generation < EXCLUDED.generation",
+         record = EXCLUDED.record, updated_at = now() \
+         WHERE runbox_runs.generation < EXCLUDED.generation AND runbox_runs.node = EXCLUDED.node",
     )
     .bind(run.id.to_string())
     .bind(node)
@@ -265,6 +466,7 @@ async fn upsert(
     .bind(status)
     .bind(sqlx::types::Json(run))
     .bind(i64::try_from(run.lease_generation.unwrap_or(0)).unwrap_or(i64::MAX))
+    .bind(&published.record)
     .execute(db)
     .await
     .map(drop)

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use runbox_core::fleet::{unavailable, Located};
+use runbox_core::fleet::{unavailable, Located, Published, Takeover};
 use runbox_core::CoreError;
 use runbox_types::{ClusterNode, NodeState};
 use sha2::Sha256;
@@ -74,6 +74,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "node facts",
         include_str!("../migrations/0010_node_facts.sql"),
     ),
+    (11, "moves", include_str!("../migrations/0011_moves.sql")),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -596,16 +597,41 @@ fn query(e: sqlx::Error) -> JoinError {
 
 #[async_trait]
 impl Fleet for Cluster {
-    fn record_run(&self, id: ulid::Ulid, run: Option<runbox_types::Run>) {
+    fn record_run(&self, id: ulid::Ulid, run: Option<Published>) {
         self.catalog.record(id, run);
     }
 
-    async fn record_run_now(&self, run: &runbox_types::Run) -> Result<(), CoreError> {
+    async fn record_run_now(&self, run: &Published) -> Result<(), CoreError> {
         self.catalog.record_now(&self.options.node, run).await
     }
 
-    fn resync_runs(&self, list: &dyn Fn() -> Vec<runbox_types::Run>) {
+    fn resync_runs(&self, list: &dyn Fn() -> Vec<Published>) {
         self.catalog.resync(list);
+    }
+
+    async fn hold_run(&self, id: ulid::Ulid) -> Result<Option<String>, CoreError> {
+        self.catalog.hold(&self.options.node, id).await
+    }
+
+    async fn take_run(&self, id: ulid::Ulid, how: Takeover) -> Result<Option<String>, CoreError> {
+        self.catalog
+            .take(&self.options.node, id, how, self.options.gone_after)
+            .await
+    }
+
+    async fn hand_off_run(
+        &self,
+        id: ulid::Ulid,
+        to: &str,
+        record: &str,
+    ) -> Result<bool, CoreError> {
+        self.catalog
+            .hand_off(&self.options.node, id, to, record)
+            .await
+    }
+
+    async fn superseded_runs(&self, ids: &[ulid::Ulid]) -> Result<Vec<ulid::Ulid>, CoreError> {
+        self.catalog.superseded(&self.options.node, ids).await
     }
 
     async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {
@@ -630,23 +656,35 @@ impl Fleet for Cluster {
 
     async fn locate(&self, id: ulid::Ulid) -> Result<Option<Located>, CoreError> {
         let row = sqlx::query(
-            "SELECT r.node, r.tenant, n.advertise, n.left_at IS NOT NULL AS left, \
-             EXTRACT(EPOCH FROM now() - n.heartbeat)::float8 AS silent \
+            "SELECT r.node, r.tenant, r.status, n.advertise, n.left_at IS NOT NULL AS left, \
+             EXTRACT(EPOCH FROM now() - n.heartbeat)::float8 AS silent, \
+             (r.record IS NOT NULL AND n.checkpoint_store LIKE 's3://%' AND n.checkpoint_store = \
+               (SELECT checkpoint_store FROM runbox_nodes WHERE id = $2)) AS portable \
              FROM runbox_runs r JOIN runbox_nodes n ON n.id = r.node \
              WHERE r.id = $1 AND r.status <> 'gone'",
         )
         .bind(id.to_string())
+        .bind(&self.options.node)
         .fetch_optional(&self.pool)
         .await
         .map_err(unavailable)?;
         Ok(row.map(|row| {
             let silent: f64 = row.get("silent");
+            let gone =
+                row.get::<bool, _>("left") || silent >= self.options.gone_after.as_secs_f64();
+            let status: String = row.get("status");
             Located {
                 node: row.get("node"),
                 advertise: row.get("advertise"),
                 tenant: row.get("tenant"),
-                gone: row.get::<bool, _>("left") || silent >= self.options.gone_after.as_secs_f64(),
+                gone,
                 silent_sec: silent.max(0.0),
+                archived: status == "archived" || (status == "restoring" && gone),
+                portable: row
+                    .try_get::<Option<bool>, _>("portable")
+                    .ok()
+                    .flatten()
+                    .unwrap_or(false),
             }
         }))
     }
@@ -684,8 +722,8 @@ impl Fleet for Cluster {
 
     async fn nodes(&self) -> Result<Vec<ClusterNode>, CoreError> {
         let rows = sqlx::query(
-            "SELECT id, advertise, client_origin, version, lane, capabilities, capacity, runs, \
-             pools_ready, draining, left_at IS NOT NULL AS left, started_at, \
+            "SELECT id, advertise, client_origin, version, lane, capabilities, checkpoint_store, \
+             capacity, runs, pools_ready, draining, left_at IS NOT NULL AS left, started_at, \
              EXTRACT(EPOCH FROM now() - heartbeat)::float8 AS silent \
              FROM runbox_nodes ORDER BY id",
         )
@@ -715,6 +753,7 @@ impl Fleet for Cluster {
                     version: row.get("version"),
                     lane: row.get("lane"),
                     capabilities: row.get("capabilities"),
+                    checkpoint_store: row.get("checkpoint_store"),
                     state,
                     capacity: count("capacity"),
                     runs: count("runs"),

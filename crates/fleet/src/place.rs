@@ -146,6 +146,8 @@ pub(crate) async fn place(
             tenant: want.tenant.clone(),
             gone: false,
             silent_sec: c.silent_sec.max(0.0),
+            archived: false,
+            portable: false,
         }))
 }
 

@@ -19,6 +19,9 @@ const CATALOG_SWEEP_EVERY: Duration = Duration::from_secs(600);
 /// node that was away to hear of the end of its runs.
 const TOMBSTONE_SECS: f64 = 3600.0;
 
+/// How long a change of a run's owner is remembered after its row is gone.
+const MOVES_SECS: f64 = 30.0 * 86400.0;
+
 use crate::book::KEY_GRACE_SECS;
 
 /// Takes (or keeps) lease `work` for node `node` for `hold`: its fencing
@@ -85,6 +88,13 @@ async fn sweep_catalog(pool: &PgPool) -> Result<(u64, u64), sqlx::Error> {
     .execute(pool)
     .await?
     .rows_affected();
+    // A node away for longer than this finds its moved runs by their rows
+    // or, once those are gone, not at all: it adopts nothing it no longer
+    // has a record of anyway (see the catalog's fencing).
+    sqlx::query("DELETE FROM runbox_moves WHERE at < now() - make_interval(secs => $1)")
+        .bind(MOVES_SECS)
+        .execute(pool)
+        .await?;
     let keys = sqlx::query(
         "DELETE FROM runbox_keys k WHERE k.taken_at < now() - make_interval(secs => $1) \
          AND NOT EXISTS (SELECT 1 FROM runbox_runs r WHERE r.id = k.run AND r.status <> 'gone')",

@@ -155,6 +155,10 @@ pub fn rule(method: &Method, path: &str) -> Rule {
         "/preview",
         "/ports/",
     ];
+    if rest == "/move" {
+        // Where a run lives is the operator's to choose.
+        return Rule::Root;
+    }
     if rest.is_empty() {
         if method == Method::GET {
             Rule::Run
@@ -266,12 +270,15 @@ pub(crate) async fn require<S: RunService>(
             return ApiError::from(runbox_core::CoreError::RunNotFound(id)).into_response();
         }
     }
-    if let (Some(id), false, true) = (run, sent_on, state.service.in_fleet()) {
+    if let (Some(id), true) = (run, state.service.in_fleet()) {
         if matches!(
             state.service.tenant_of(id),
             Err(runbox_core::CoreError::RunNotFound(_))
         ) {
-            match state.service.locate(id).await {
+            // A request another node sent here is answered here (a run
+            // handed or left to this node is made here first).
+            match state.service.locate(id, sent_on).await {
+                Ok(Some(_)) if sent_on => {}
                 Ok(Some(at)) => {
                     let stamp = Some(at.tenant.clone());
                     if let Err(refused) =
@@ -452,6 +459,7 @@ mod tests {
             Rule::Run
         );
         assert_eq!(rule(&M::POST, "/v1/runs/{id}/fork"), Rule::RunOwner);
+        assert_eq!(rule(&M::POST, "/v1/runs/{id}/move"), Rule::Root);
         assert_eq!(rule(&M::POST, "/v1/runs/{id}/lease"), Rule::RunOwner);
     }
 }

@@ -38,6 +38,14 @@ impl ApiError {
         self.code
     }
 
+    /// The error as an API body carries it.
+    pub fn detail(&self) -> ErrorDetail {
+        ErrorDetail {
+            code: self.code.as_str().to_owned(),
+            message: self.message.clone(),
+        }
+    }
+
     /// The message for the client.
     pub fn message(&self) -> &str {
         &self.message
@@ -108,7 +116,9 @@ impl IntoResponse for ApiError {
         let retry = match self.code {
             ErrorCode::Capacity | ErrorCode::TenantQuota => Some(RETRY_CAPACITY_SECS),
             ErrorCode::Draining => Some(RETRY_DRAINING_SECS),
-            ErrorCode::ClusterUnavailable | ErrorCode::NodeUnavailable => Some(RETRY_CLUSTER_SECS),
+            ErrorCode::ClusterUnavailable | ErrorCode::NodeUnavailable | ErrorCode::RunMoved => {
+                Some(RETRY_CLUSTER_SECS)
+            }
             ErrorCode::CheckpointStoreUnavailable => {
                 Some(runbox_core::checkpoints::RETRY_AFTER.as_secs() as u32)
             }

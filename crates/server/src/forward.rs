@@ -59,7 +59,7 @@ pub(crate) async fn elsewhere<S: runbox_core::RunService>(
     id: Ulid,
     request: Request,
 ) -> Result<Response, Request> {
-    if !service.in_fleet() || request.headers().contains_key(NODE_PROOF) {
+    if !service.in_fleet() {
         return Err(request);
     }
     if !matches!(
@@ -68,7 +68,20 @@ pub(crate) async fn elsewhere<S: runbox_core::RunService>(
     ) {
         return Err(request);
     }
-    let at = match service.locate(id).await {
+    // Sent here by another node: answered here (a run handed or left to
+    // this node is made here first), never sent on again.
+    let relayed = request
+        .headers()
+        .get(NODE_PROOF)
+        .and_then(|p| p.to_str().ok())
+        .is_some_and(|p| service.proven(&proof_subject(&request), p));
+    if relayed || request.headers().contains_key(NODE_PROOF) {
+        return match service.locate(id, relayed).await {
+            Err(e) if relayed => Ok(ApiError::from(e).into_response()),
+            _ => Err(request),
+        };
+    }
+    let at = match service.locate(id, false).await {
         Ok(Some(at)) => at,
         Ok(None) => return Err(request),
         Err(e) => return Ok(ApiError::from(e).into_response()),
@@ -210,6 +223,8 @@ async fn other_nodes<S: runbox_core::RunService>(service: &S) -> Vec<Located> {
                 tenant: None,
                 gone: false,
                 silent_sec: n.last_seen_sec,
+                archived: false,
+                portable: false,
             })
         })
         .collect()

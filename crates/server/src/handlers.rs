@@ -589,6 +589,110 @@ pub async fn archive_run<S: RunService>(
     Ok(Json(state.service.archive(id).await?).into_response())
 }
 
+/// `POST /v1/runs/{id}/move`: moves the run to another node of the fleet
+/// (archived here, handed over, restored there when it was awake);
+/// answers as the new node answers for the run.
+pub async fn move_run<S: RunService>(
+    State(state): State<AppState<S>>,
+    RunId(id): RunId,
+    headers: axum::http::HeaderMap,
+    OptionalJson(req): OptionalJson<runbox_types::RunMoveRequest>,
+) -> Result<Response, ApiError> {
+    let (target, awake) = state.service.move_run(id, req.node).await?;
+    arrive(
+        &state,
+        id,
+        &target,
+        awake,
+        headers.get(axum::http::header::AUTHORIZATION),
+    )
+    .await
+}
+
+/// Tells node `target` that run `id` moved there (with the caller's
+/// `authorization`): it makes the run from the catalog when it is first
+/// asked for it, so a wake when the run was `awake`, else a read; that
+/// node's answer.
+async fn arrive<S: RunService>(
+    state: &AppState<S>,
+    id: ulid::Ulid,
+    target: &runbox_core::fleet::Located,
+    awake: bool,
+    authorization: Option<&axum::http::HeaderValue>,
+) -> Result<Response, ApiError> {
+    let (method, path) = match awake {
+        true => (axum::http::Method::POST, format!("/v1/runs/{id}/wake")),
+        false => (axum::http::Method::GET, format!("/v1/runs/{id}")),
+    };
+    let mut request = axum::extract::Request::new(axum::body::Body::empty());
+    *request.method_mut() = method;
+    *request.uri_mut() = path
+        .parse()
+        .map_err(|_| ApiError::new(ErrorCode::Internal, "a run path that is no URI"))?;
+    if let Some(token) = authorization {
+        request
+            .headers_mut()
+            .insert(axum::http::header::AUTHORIZATION, token.clone());
+    }
+    let proof = state
+        .service
+        .prove(&crate::forward::proof_subject(&request))
+        .ok_or_else(|| ApiError::new(ErrorCode::Internal, "a fleet without proofs"))?;
+    Ok(crate::forward::send_on(&format!("run {id} moved to"), target, proof, request).await)
+}
+
+/// How many runs a drain moves at once.
+const MIGRATE_AT_ONCE: usize = 4;
+
+/// Moves every run this node holds away, [`MIGRATE_AT_ONCE`] at a time,
+/// each to the best node that can take it: what became of each.
+async fn migrate<S: RunService>(
+    state: &AppState<S>,
+    authorization: Option<&axum::http::HeaderValue>,
+) -> runbox_types::DrainMigration {
+    use futures::StreamExt;
+    let outcomes: Vec<(ulid::Ulid, Result<String, runbox_types::ErrorDetail>)> =
+        futures::stream::iter(state.service.held_runs())
+            .map(|id| async move {
+                let moved = async {
+                    let (target, awake) = state.service.move_run(id, None).await?;
+                    let answer = arrive(state, id, &target, awake, authorization).await?;
+                    if !answer.status().is_success() {
+                        let body = axum::body::to_bytes(answer.into_body(), 64 << 10)
+                            .await
+                            .unwrap_or_default();
+                        let detail = serde_json::from_slice::<runbox_types::ErrorBody>(&body)
+                            .map(|b| b.error)
+                            .unwrap_or_else(|_| runbox_types::ErrorDetail {
+                                code: ErrorCode::Internal.as_str().to_owned(),
+                                message: format!("node {} did not take the run", target.node),
+                            });
+                        return Ok(Err(detail));
+                    }
+                    Ok::<_, ApiError>(Ok(target.node))
+                }
+                .await;
+                let outcome = match moved {
+                    Ok(outcome) => outcome,
+                    Err(e) => Err(e.detail()),
+                };
+                (id, outcome)
+            })
+            .buffer_unordered(MIGRATE_AT_ONCE)
+            .collect()
+            .await;
+    let mut report = runbox_types::DrainMigration::default();
+    for (id, outcome) in outcomes {
+        match outcome {
+            Ok(node) => report.moved.push(runbox_types::MovedRun { id, node }),
+            Err(error) => report.failed.push(runbox_types::UnmovedRun { id, error }),
+        }
+    }
+    report.moved.sort_by_key(|m| m.id);
+    report.failed.sort_by_key(|m| m.id);
+    report
+}
+
 /// `POST /v1/runs/{id}/wake`: boots a hibernated or failed run again.
 pub async fn wake_run<S: RunService>(
     State(state): State<AppState<S>>,
@@ -1330,11 +1434,25 @@ pub async fn set_pools<S: RunService>(
     Ok(Json(state.service.set_pools(set).await?))
 }
 
-/// `POST /v1/drain`: cordons the node.
+/// `POST /v1/drain`: cordons the node; with `migrate`, moves its runs
+/// to other nodes of the fleet too.
 pub async fn drain<S: RunService>(
     State(state): State<AppState<S>>,
+    headers: axum::http::HeaderMap,
+    OptionalJson(req): OptionalJson<runbox_types::DrainRequest>,
 ) -> Json<runbox_types::PoolList> {
-    Json(state.service.set_draining(true))
+    let mut list = state.service.set_draining(true);
+    if req.migrate {
+        let authorization = headers.get(axum::http::header::AUTHORIZATION);
+        let report = migrate(&state, authorization).await;
+        tracing::info!(
+            moved = report.moved.len(),
+            failed = report.failed.len(),
+            "drain moved the node's runs away"
+        );
+        list.migrated = Some(report);
+    }
+    Json(list)
 }
 
 /// `DELETE /v1/drain`: uncordons it.

@@ -103,6 +103,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
         .route("/v1/runs/{id}/archive", post(handlers::archive_run::<S>))
+        .route("/v1/runs/{id}/move", post(handlers::move_run::<S>))
         .route(
             "/v1/runs/{id}/checkpoint",
             post(handlers::checkpoint_run::<S>),

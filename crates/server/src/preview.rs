@@ -248,7 +248,7 @@ async fn elsewhere<S: RunService>(
     ) {
         return Err(request);
     }
-    let at = match state.service.locate(id).await {
+    let at = match state.service.locate(id, false).await {
         Ok(Some(at)) if at.gone => {
             return Ok(ApiError::from(runbox_core::fleet::node_gone(id, &at)).into_response())
         }

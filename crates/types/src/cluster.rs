@@ -54,6 +54,10 @@ pub struct ClusterNode {
     /// heartbeat on a node of a fleet; empty until the first).
     #[serde(default)]
     pub capabilities: Vec<String>,
+    /// Its checkpoint store when that is a bucket (`s3://bucket/prefix`),
+    /// which nodes may share: runs move only between nodes that share one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_store: Option<String>,
     /// Where it stands.
     pub state: NodeState,
     /// Its `--max-runs`.

@@ -260,6 +260,10 @@ codes! {
     LeaseExpired = "lease_expired", 409;
     /// No lease with that generation is held.
     NotLeased = "not_leased", 409;
+    /// The run cannot move to another node: the message says why (no
+    /// fleet, no checkpoint store the nodes share, a volume it mounts, a
+    /// target node that cannot take it).
+    NotMovable = "not_movable", 409;
     /// A body or file is larger than the server accepts.
     TooLarge = "too_large", 413;
     /// The server is at its run capacity (`--max-runs`); retry after the
@@ -282,6 +286,10 @@ codes! {
     /// The run is on a node of the fleet that is gone or cannot be
     /// reached; retry after `Retry-After`.
     NodeUnavailable = "node_unavailable", 503;
+    /// The run moved to another node of the fleet while this call waited
+    /// for it; the same call again reaches it there (retry after
+    /// `Retry-After`).
+    RunMoved = "run_moved", 503;
     /// The sandbox's agent did not answer as it should.
     AgentUnavailable = "agent_unavailable", 502;
     /// A fault in runbox itself; the detail is in the server log.

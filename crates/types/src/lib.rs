@@ -774,6 +774,17 @@ pub struct RenewRequest {
     pub ttl_sec: u64,
 }
 
+/// `POST /v1/runs/{id}/move`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RunMoveRequest {
+    /// The node to move the run to (its id in `GET /v1/cluster`); default:
+    /// the best node that can take it, as placement picks for a create.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
 /// `POST /v1/runs/{id}/snapshot`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -1175,6 +1186,9 @@ pub enum ExitReason {
     RunExpired,
     /// The run was deleted under the command.
     RunDeleted,
+    /// The run moved to another node of the fleet under the command (its
+    /// processes ended with the hibernation a move begins with).
+    RunMoved,
     /// The run's agent stopped answering; the command's fate is unknown.
     AgentLost,
 }
@@ -1503,6 +1517,55 @@ pub struct PoolList {
     pub pools: Vec<PoolStatus>,
     /// Whether the node is cordoned (pools drained, creates refused).
     pub draining: bool,
+    /// What a drain that moved the node's runs away did with each
+    /// (`POST /v1/drain` with `migrate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrated: Option<DrainMigration>,
+}
+
+/// `POST /v1/drain`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DrainRequest {
+    /// Move every run off the node as well (each as `POST
+    /// /v1/runs/{id}/move` would, a few at a time), after cordoning it;
+    /// default: cordon only, the runs stay.
+    #[serde(default)]
+    pub migrate: bool,
+}
+
+/// The runs a drain moved away, and those it could not.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct DrainMigration {
+    /// Each run moved, and its node now.
+    pub moved: Vec<MovedRun>,
+    /// Each run that stayed, and why.
+    pub failed: Vec<UnmovedRun>,
+}
+
+/// A run a drain moved.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct MovedRun {
+    /// The run.
+    pub id: Ulid,
+    /// The node it is on now.
+    pub node: String,
+}
+
+/// A run a drain could not move.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct UnmovedRun {
+    /// The run.
+    pub id: Ulid,
+    /// Why (the error a move of it answered).
+    pub error: ErrorDetail,
 }
 
 /// Run counts of `GET /v1/info`.

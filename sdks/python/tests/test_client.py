@@ -197,6 +197,11 @@ def test_errors_carry_the_stable_code(rb: Runbox, run_id: str):
     assert e.value.code == "path_escape"
     with pytest.raises(ValueError):
         rb.get_run("..")
+    # A node alone has nowhere to move a run to, and says so.
+    with pytest.raises(runbox.RunboxError) as e:
+        rb.move_run(run_id)
+    assert (e.value.code, e.value.status) == ("not_movable", 409)
+    assert "not part of a fleet" in str(e.value)
     bad = Runbox(rb.url, "wrong-token")
     with pytest.raises(runbox.Unauthorized):
         bad.list_runs()

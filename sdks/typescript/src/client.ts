@@ -477,6 +477,13 @@ export class Runbox {
     return this.call({ method: "POST", path: `${runPath(runId)}/archive`, timeoutMs: Math.max(this.timeoutMs, 600_000) });
   }
 
+  /** Moves the run to another node of the fleet (`node`, or the best one
+   * that can take it), under the same id, token, settings and lease; the
+   * run as its new node answers. Root only. */
+  async moveRun(runId: string, node?: string): Promise<Run> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/move`, json: compact({ node }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
   /** Boots a hibernated or failed run again on its disk. */
   async wakeRun(runId: string): Promise<Run> {
     return this.call({ method: "POST", path: `${runPath(runId)}/wake` });

@@ -158,7 +158,7 @@ export interface paths {
         get?: never;
         put?: never;
         /**
-         * Cordon the node
+         * Cordon the node; with migrate, move its runs to other nodes of the fleet
          * @description Takes the root token (a tenant's is 403).
          */
         post: operations["drain"];
@@ -690,6 +690,26 @@ export interface paths {
          * @description Takes the root token or the run's tenant's (a run token is 403).
          */
         post: operations["renewLease"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/move": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Move a run to another node of the fleet (root)
+         * @description Takes the root token (a tenant's is 403).
+         */
+        post: operations["moveRun"];
         delete?: never;
         options?: never;
         head?: never;
@@ -1619,6 +1639,11 @@ export interface components {
              * @description Its `--max-runs`.
              */
             capacity: number;
+            /**
+             * @description Its checkpoint store when that is a bucket (`s3://bucket/prefix`),
+             *     which nodes may share: runs move only between nodes that share one.
+             */
+            checkpointStore?: string | null;
             /** @description Where clients may reach it directly (`--client-advertise`). */
             clientOrigin?: string | null;
             /** @description Its id (`--node-id`; a single node's is its server id). */
@@ -1842,6 +1867,22 @@ export interface components {
              */
             writable: boolean;
         };
+        /** @description The runs a drain moved away, and those it could not. */
+        DrainMigration: {
+            /** @description Each run that stayed, and why. */
+            failed: components["schemas"]["UnmovedRun"][];
+            /** @description Each run moved, and its node now. */
+            moved: components["schemas"]["MovedRun"][];
+        };
+        /** @description `POST /v1/drain`. */
+        DrainRequest: {
+            /**
+             * @description Move every run off the node as well (each as `POST
+             *     /v1/runs/{id}/move` would, a few at a time), after cordoning it;
+             *     default: cordon only, the runs stay.
+             */
+            migrate?: boolean;
+        };
         /** @description The egress features of a server. */
         EgressCatalog: {
             /** @description The egress classes tenants can be bound to, by name. */
@@ -2012,7 +2053,7 @@ export interface components {
          * @description Why an exec stream ended.
          * @enum {string}
          */
-        ExitReason: "exited" | "signaled" | "timeout" | "run_expired" | "run_deleted" | "agent_lost";
+        ExitReason: "exited" | "signaled" | "timeout" | "run_expired" | "run_deleted" | "run_moved" | "agent_lost";
         /** @description One path in a run's `/work`, as `stat` and `list` describe it. */
         FileInfo: {
             /**
@@ -2366,6 +2407,16 @@ export interface components {
             /** @description Relative to `/work`; its parent must exist. */
             to: string;
         } & (unknown & unknown);
+        /** @description A run a drain moved. */
+        MovedRun: {
+            /**
+             * Format: ulid
+             * @description The run.
+             */
+            id: string;
+            /** @description The node it is on now. */
+            node: string;
+        };
         /**
          * @description What a run may reach on the network.
          * @enum {string}
@@ -2412,6 +2463,7 @@ export interface components {
         PoolList: {
             /** @description Whether the node is cordoned (pools drained, creates refused). */
             draining: boolean;
+            migrated?: null | components["schemas"]["DrainMigration"];
             /** @description Every pool, by image, network and size. */
             pools: components["schemas"]["PoolStatus"][];
         };
@@ -2857,6 +2909,14 @@ export interface components {
             /** @description The node that answered. */
             server: string;
         };
+        /** @description `POST /v1/runs/{id}/move`. */
+        RunMoveRequest: {
+            /**
+             * @description The node to move the run to (its id in `GET /v1/cluster`); default:
+             *     the best node that can take it, as placement picks for a create.
+             */
+            node?: string | null;
+        };
         /**
          * @description Where a run is in its life.
          * @enum {string}
@@ -3110,6 +3170,16 @@ export interface components {
              *     `E2B_API_KEY=e2b_<token>`.
              */
             token: string;
+        };
+        /** @description A run a drain could not move. */
+        UnmovedRun: {
+            /** @description Why (the error a move of it answered). */
+            error: components["schemas"]["ErrorDetail"];
+            /**
+             * Format: ulid
+             * @description The run.
+             */
+            id: string;
         };
         /**
          * @description `PATCH /v1/runs/{id}/egress`: a run's egress policy replaced while it
@@ -3780,7 +3850,11 @@ export interface operations {
             path?: never;
             cookie?: never;
         };
-        requestBody?: never;
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["DrainRequest"];
+            };
+        };
         responses: {
             /** @description done */
             200: {
@@ -5151,6 +5225,51 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["LeaseResponse"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    moveRun: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["RunMoveRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Run"];
                 };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */

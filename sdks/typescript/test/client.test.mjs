@@ -240,6 +240,8 @@ test("errors carry the API's stable code", () =>
     await rejectsWith(rb.stat(id, "../etc"), BadRequest, "bad_path");
     await rb.run(id, "ln -sf /etc /work/etc-link");
     await rejectsWith(rb.readFile(id, "etc-link/passwd"), Forbidden, "path_escape");
+    // A node alone has nowhere to move a run to.
+    await assert.rejects(rb.moveRun(id), (e) => e instanceof RunboxError && e.code === "not_movable" && e.status === 409);
     // Segments that would become another route are refused before sending.
     await assert.rejects(rb.getRun(".."), (e) => e instanceof RunboxError && e.code === "bad_request");
     await rejectsWith(new Runbox({ url: daemon.url, token: "wrong-token" }).listRuns(), Unauthorized, "unauthorized");

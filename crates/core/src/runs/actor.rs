@@ -146,6 +146,15 @@ pub(crate) enum Command {
     /// Send the run's disk to the checkpoint store and drop it here
     /// (hibernating the run first).
     Archive { reply: Reply<()> },
+    /// The run is another node's now (it moved, or the fleet's catalog
+    /// says another node took it over): end this node's copy and nothing
+    /// that is the run's own elsewhere (its archive, its key, its row).
+    Relinquish { reply: Reply<()> },
+    /// Move the run to node `to`: archive it (hibernating it first), hand
+    /// it to `to` in the fleet's catalog, end this node's copy; one
+    /// command, so no call restores it here in between. Answers whether
+    /// it was awake (the new node boots it then).
+    MoveOut { to: String, reply: Reply<bool> },
     /// Put a new egress policy in force (checked by the manager).
     Egress {
         req: Box<runbox_types::UpdateEgressRequest>,
@@ -295,10 +304,17 @@ impl RunHandle {
     /// already ended is gone: [`CoreError::RunNotFound`].
     pub async fn ask<T>(&self, make: impl FnOnce(Reply<T>) -> Command) -> Result<T, CoreError> {
         let (reply, answer) = oneshot::channel();
-        self.commands
-            .send(make(reply))
-            .map_err(|_| CoreError::RunNotFound(self.id))?;
-        answer.await.map_err(|_| CoreError::RunNotFound(self.id))?
+        self.commands.send(make(reply)).map_err(|_| self.ended())?;
+        answer.await.map_err(|_| self.ended())?
+    }
+
+    /// What a call to a run whose owner ended gets: the run moved to
+    /// another node (a retry reaches it there), or it is gone.
+    pub(crate) fn ended(&self) -> CoreError {
+        match self.end_reason.get() {
+            Some(ExitReason::RunMoved) => crate::fleet::moved(self.id),
+            _ => CoreError::RunNotFound(self.id),
+        }
     }
 
     /// Tells the owner an admitted operation ended; never blocks.
@@ -587,6 +603,52 @@ impl RunActor {
         self.end(Event::Stop(reason), reason);
     }
 
+    /// See [`Command::MoveOut`]. A failure before the hand-off leaves the
+    /// run here (archived once the archive committed: the next call
+    /// restores it here); the hand-off is one compare-and-set in the
+    /// catalog, so the run is never two nodes' at once.
+    async fn move_out(&mut self, to: &str) -> Result<bool, CoreError> {
+        let id = self.record.id;
+        let fleet = self
+            .context
+            .fleet
+            .get()
+            .cloned()
+            .ok_or_else(|| super::moves::not_movable(id, "this node is not part of a fleet"))?;
+        let awake = matches!(self.phase, Phase::Running | Phase::Paused);
+        if self.phase != Phase::Archived {
+            self.archive().await?;
+        }
+        let mut record = self.record.clone();
+        record.moved = true;
+        let sealed = self.context.seal_record(&record).ok_or_else(|| {
+            super::moves::not_movable(id, "this node has no sealing key for the run's record")
+        })?;
+        let handed = fleet.hand_off_run(id, to, &sealed).await?;
+        self.relinquish();
+        match handed {
+            true => {
+                tracing::info!(run = %id, node = %to, "run moved");
+                Ok(awake)
+            }
+            // Another node took it over meanwhile: it is that node's.
+            false => Err(crate::fleet::moved(id)),
+        }
+    }
+
+    /// Ends this node's copy of a run another node holds now: no usage
+    /// event (the run goes on), its key kept for the fleet, and its
+    /// archive, if it has one, left to the node that holds it.
+    fn relinquish(&mut self) {
+        if matches!(self.phase, Phase::Stopping(_) | Phase::Gone) {
+            return;
+        }
+        tracing::info!(run = %self.record.id, "the run is another node's now; ending this node's copy");
+        self.record.idempotency = None;
+        self.context.ledger.keep_key(self.record.id);
+        self.end(Event::Stop(ExitReason::RunMoved), ExitReason::RunMoved);
+    }
+
     /// Applies an event that ends the run (stop, failed create) and tells
     /// in-flight operations why.
     fn end(&mut self, event: Event, reason: ExitReason) {
@@ -756,6 +818,11 @@ impl RunActor {
         }
         self.context.forget(self.record.id);
         let reason = self.handle.end_reason.get().copied();
+        if reason == Some(ExitReason::RunMoved) {
+            tracing::info!(run = %self.record.id, "this node's copy of a run that moved is gone");
+            return;
+        }
+        self.context.remember_ended(self.record.id);
         tracing::info!(run = %self.record.id, ?reason, "run destroyed");
     }
 
@@ -1171,6 +1238,41 @@ impl RunActor {
         let id = self.record.id;
         let store = self.context.checkpoint_store()?.clone();
         let _slot = self.context.take_slot(id).await?;
+        // On a node of a fleet the catalog says first that this node
+        // restores the run, so no other node takes it over meanwhile; a
+        // run another node took over while this one was away is its copy
+        // no more.
+        if let Some(fleet) = self.context.fleet.get() {
+            match fleet.hold_run(id).await {
+                Ok(None) => {}
+                Ok(Some(owner)) => {
+                    tracing::warn!(run = %id, node = %owner, "an archived run this node kept was taken over by another node");
+                    self.relinquish();
+                    return Err(crate::fleet::moved(id));
+                }
+                // Without the database no node takes a run over; but a
+                // run whose archive is in a bucket other nodes share may
+                // have been taken over before it went away: that waits.
+                Err(e) if store.location().starts_with("s3://") => return Err(e),
+                Err(e) => {
+                    tracing::debug!(run = %id, error = %e, "restoring without the catalog's say: no other node can reach this run's archive");
+                }
+            }
+        }
+        let restored = self.restore_held(&store).await;
+        if restored.is_err() {
+            // Archived as before, for the catalog too.
+            self.publish();
+        }
+        restored
+    }
+
+    /// [`RunActor::restore`] once the run is this node's to restore.
+    async fn restore_held(
+        &mut self,
+        store: &crate::checkpoints::CheckpointStore,
+    ) -> Result<(), CoreError> {
+        let id = self.record.id;
         let started = std::time::Instant::now();
         let layers = {
             let _restoring = self.context.restore_lock.lock().await;
@@ -1191,7 +1293,7 @@ impl RunActor {
                     ),
                 ));
             }
-            self.context.restore_layers(&store, &archive).await?
+            self.context.restore_layers(store, &archive).await?
         };
         let mut restored = self.record.clone();
         restored.layers = layers;
@@ -1206,12 +1308,16 @@ impl RunActor {
         self.apply(Event::Restored);
         self.note(UsageKind::Restore);
         self.record.archived_at = None;
-        let ttl = match self.record.ttl_sec {
-            0 => self.context.config().default_ttl,
-            secs => Duration::from_secs(secs),
-        };
-        self.record.expired = false;
-        self.record.expires_at = OffsetDateTime::now_utc() + ttl;
+        if std::mem::take(&mut self.record.moved) {
+            // Moved here from another node: its TTL goes on as it was.
+        } else {
+            let ttl = match self.record.ttl_sec {
+                0 => self.context.config().default_ttl,
+                secs => Duration::from_secs(secs),
+            };
+            self.record.expired = false;
+            self.record.expires_at = OffsetDateTime::now_utc() + ttl;
+        }
         if let Err(e) = self.context.store.put_async(self.record.clone()).await {
             tracing::warn!(run = %id, error = %e, "could not store the run's restore");
         }
@@ -1366,6 +1472,19 @@ impl RunActor {
                 tracing::debug!(run = %id, ?reason, "stopping the run");
                 self.stop(reason);
                 self.stop_waiters.push(reply);
+            }
+            Command::Relinquish { reply } => {
+                self.relinquish();
+                self.stop_waiters.push(reply);
+            }
+            Command::MoveOut { to, reply } => {
+                let answer = match &self.phase {
+                    Phase::Running | Phase::Paused | Phase::Hibernated | Phase::Archived => {
+                        self.move_out(&to).await
+                    }
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
             }
             Command::Pause { reply } => {
                 let answer = match &self.phase {
@@ -1697,8 +1816,8 @@ impl RunActor {
             | Phase::Hibernated
             | Phase::Archived
             | Phase::Pooled
-            | Phase::Stopping(_)
             | Phase::Gone => CoreError::RunNotFound(self.record.id),
+            Phase::Stopping(_) => self.handle.ended(),
         }
     }
 
@@ -1780,7 +1899,8 @@ impl RunActor {
                 }
             }
         }
-        if self.record.archived_at.is_some() {
+        let moved = self.handle.end_reason.get() == Some(&ExitReason::RunMoved);
+        if self.record.archived_at.is_some() && !moved {
             if let Some(store) = &self.context.config().checkpoints {
                 match store.delete(id).await {
                     Ok(()) => {}
@@ -1814,12 +1934,14 @@ impl RunActor {
             tokio::select! {
                 () = tokio::time::sleep_until(until) => return,
                 command = self.commands.recv() => {
-                    let gone = CoreError::RunNotFound(self.record.id);
+                    let gone = self.handle.ended();
                     match command {
                         Some(Command::Admit { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Renew { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Lease { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Stop { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Relinquish { reply }) => { let _ = reply.send(Ok(())); }
+                        Some(Command::MoveOut { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Claim { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::Pause { reply })
                         | Some(Command::Resume { reply })

@@ -38,6 +38,12 @@ pub(crate) struct RunContext {
     /// Serialises restores from the checkpoint store, so that creates from
     /// one checkpoint download it once.
     pub(crate) restore_lock: tokio::sync::Mutex<()>,
+    /// Serialises takeovers of runs from the fleet's catalog, so one run
+    /// is made here once.
+    pub(crate) adopt_lock: tokio::sync::Mutex<()>,
+    /// Runs this node destroyed lately, newest last (see
+    /// [`RunContext::ended_here`]).
+    pub(crate) ended: Mutex<std::collections::VecDeque<Ulid>>,
     /// The tenant set: whose policy a wake or a fork counts against.
     pub(crate) tenants: Arc<dyn crate::tenants::TenantStore>,
     /// Where usage events go.
@@ -131,6 +137,21 @@ impl RunContext {
         lock(&self.pools).remove(id);
     }
 
+    /// Remembers that this node destroyed run `id`.
+    pub(super) fn remember_ended(&self, id: Ulid) {
+        let mut ended = lock(&self.ended);
+        if ended.len() >= ENDED_REMEMBERED {
+            ended.pop_front();
+        }
+        ended.push_back(id);
+    }
+
+    /// Whether this node destroyed run `id` lately: a takeover never makes
+    /// it again from a catalog row its end has not reached yet.
+    pub(super) fn ended_here(&self, id: Ulid) -> bool {
+        lock(&self.ended).contains(&id)
+    }
+
     /// Tells the fleet's catalog (when there is one) where run `record`
     /// stands now: its view while the API shows it, gone once it stops.
     pub(crate) fn catalog(&self, record: &RunRecord, phase: &super::phase::Phase) {
@@ -141,10 +162,56 @@ impl RunContext {
             return;
         }
         if phase.visible() {
-            fleet.record_run(record.id, Some(record.to_run(&self.config().server_id)));
+            fleet.record_run(record.id, Some(self.published(record)));
         } else if !matches!(phase, super::phase::Phase::Pooled) {
             fleet.record_run(record.id, None);
         }
+    }
+
+    /// Run `record` as the catalog keeps it: its view, and the record
+    /// itself sealed, so another node can make the run again from it.
+    pub(crate) fn published(&self, record: &RunRecord) -> crate::fleet::Published {
+        crate::fleet::Published {
+            run: record.to_run(&self.config().server_id),
+            record: self.seal_record(record),
+        }
+    }
+
+    /// `record` as JSON sealed under the node's sealing key (the fleet's,
+    /// on a node of one), bound to the run's id; None without a key.
+    pub(crate) fn seal_record(&self, record: &RunRecord) -> Option<String> {
+        let sealer = self.config().sealer.clone()?;
+        let json = serde_json::to_vec(record).ok()?;
+        match sealer.seal(&record_context(record.id), &json) {
+            Ok(sealed) => Some(sealed),
+            Err(e) => {
+                tracing::warn!(run = %record.id, error = %e, "could not seal the run's record for the catalog");
+                None
+            }
+        }
+    }
+
+    /// Run `id`'s record from its `sealed` form (see
+    /// [`Context::seal_record`]).
+    pub(crate) fn open_record(&self, id: Ulid, sealed: &str) -> Result<RunRecord, CoreError> {
+        let sealer = self.config().sealer.clone().ok_or_else(|| {
+            CoreError::Store("this node has no sealing key to open a run's record with".into())
+        })?;
+        let json = sealer.open(&record_context(id), sealed).map_err(|e| {
+            CoreError::Store(format!(
+                "run {id}'s record in the catalog cannot be opened: {e}"
+            ))
+        })?;
+        let record: RunRecord = serde_json::from_slice(&json).map_err(|e| {
+            CoreError::Store(format!("run {id}'s record in the catalog is not one: {e}"))
+        })?;
+        if record.id != id {
+            return Err(CoreError::Store(format!(
+                "the catalog's record of run {id} is of run {}",
+                record.id
+            )));
+        }
+        Ok(record)
     }
 
     /// The API view of a run: its record plus live counters.
@@ -265,4 +332,12 @@ pub(crate) fn door_refused(door: EgressDoor, e: crate::lane::LaneError) -> CoreE
         }
         e => e.into(),
     }
+}
+
+/// How many runs this node destroyed lately it remembers.
+const ENDED_REMEMBERED: usize = 4096;
+
+/// What a run's sealed record is bound to: it opens as that run's only.
+fn record_context(id: Ulid) -> String {
+    format!("runbox run record {id}")
 }

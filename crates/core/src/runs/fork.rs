@@ -147,6 +147,7 @@ impl Manager {
                     // volumes (a writer's volume has one holder).
                     volumes: Vec::new(),
                     proxy_ca: trust_pem.is_some(),
+                    moved: false,
                     ..parent.clone()
                 };
                 let spec = SandboxSpec {

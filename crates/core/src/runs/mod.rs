@@ -29,6 +29,7 @@ mod context;
 mod egress_policy;
 mod fork;
 mod fs;
+mod moves;
 pub mod phase;
 mod pool;
 mod ports;
@@ -144,7 +145,7 @@ impl Manager {
         if self.context.fleet.set(fleet.clone()).is_ok() {
             // What this node holds now; from here on each run's owner
             // reports its changes.
-            fleet.resync_runs(&|| self.list());
+            fleet.resync_runs(&|| self.published());
             self.context.ledger.share(fleet.ledger());
         }
     }
@@ -378,6 +379,8 @@ impl Manager {
             images: images.clone(),
             warm: warm.clone(),
             restore_lock: tokio::sync::Mutex::new(()),
+            adopt_lock: tokio::sync::Mutex::new(()),
+            ended: Mutex::new(std::collections::VecDeque::new()),
             tenants,
             usage,
             fleet: std::sync::OnceLock::new(),
@@ -708,6 +711,7 @@ impl Manager {
             allow_privilege_escalation,
             volumes: run_volumes.clone(),
             proxy_ca: false,
+            moved: false,
         };
         let trust_pem = self.context.proxy_trust(record.network);
         let record = RunRecord {
@@ -753,9 +757,16 @@ impl Manager {
         // write behind would come a moment later). Best effort: without
         // the database the run is still made, and written when it is back.
         if let (Ok(made), Some(fleet)) = (&run, self.fleet()) {
+            let published = crate::fleet::Published {
+                run: made.clone(),
+                record: self
+                    .handle(made.id)
+                    .ok()
+                    .and_then(|h| self.context.seal_record(&h.snapshot().record)),
+            };
             let now = tokio::time::timeout(
                 std::time::Duration::from_secs(1),
-                fleet.record_run_now(made),
+                fleet.record_run_now(&published),
             );
             if !matches!(now.await, Ok(Ok(()))) {
                 tracing::info!(run = %made.id, "the run catalog is written later");
@@ -975,6 +986,23 @@ impl Manager {
             .map(|h| self.view(h))
             .collect();
         runs.sort_by_key(|r| r.id);
+        runs
+    }
+
+    /// Every run the API shows, ordered by id, as the catalog keeps them.
+    fn published(&self) -> Vec<crate::fleet::Published> {
+        let handles: Vec<Arc<RunHandle>> = self.registry().values().cloned().collect();
+        let ledger = &self.context.ledger;
+        let mut runs: Vec<crate::fleet::Published> = handles
+            .iter()
+            .filter(|h| !ledger.idle(h.id) && h.snapshot().phase.visible())
+            .map(|h| {
+                let mut published = self.context.published(&h.snapshot().record);
+                published.run = self.view(h);
+                published
+            })
+            .collect();
+        runs.sort_by_key(|r| r.run.id);
         runs
     }
 

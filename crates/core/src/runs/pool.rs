@@ -217,6 +217,7 @@ impl Manager {
             allow_privilege_escalation: false,
             volumes: Vec::new(),
             proxy_ca: self.context.proxy_trust(key.network).is_some(),
+            moved: false,
         };
         let spec = SandboxSpec {
             id,
@@ -417,6 +418,7 @@ impl Manager {
         PoolList {
             pools: pools.status(),
             draining: pools.draining(),
+            migrated: None,
         }
     }
 

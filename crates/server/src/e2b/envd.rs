@@ -453,7 +453,10 @@ fn events(
                 // The sandbox went from under the command: envd would be
                 // gone with it, so the stream breaks rather than ends.
                 ExecEvent::Exit(exit)
-                    if matches!(exit.reason, ExitReason::RunDeleted | ExitReason::RunExpired) =>
+                    if matches!(
+                        exit.reason,
+                        ExitReason::RunDeleted | ExitReason::RunExpired | ExitReason::RunMoved
+                    ) =>
                 {
                     return futures::future::ready(Some(Err(RpcError::severed(
                         "the sandbox was killed under the process",

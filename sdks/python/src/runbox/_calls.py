@@ -157,6 +157,12 @@ def archive_run(run_id: str) -> Call[Run]:
     return Call("POST", f"{run_path(run_id)}/archive", parse=Run.from_json)
 
 
+def move_run(run_id: str, node: Optional[str] = None) -> Call[Run]:
+    return Call(
+        "POST", f"{run_path(run_id)}/move", json=compact(node=node), parse=Run.from_json
+    )
+
+
 def wake_run(run_id: str) -> Call[Run]:
     return Call("POST", f"{run_path(run_id)}/wake", parse=Run.from_json)
 

@@ -115,7 +115,7 @@ class Exit:
     """How a command ended: ``exit_code`` (128 + signal when a signal ended
     it, -1 when unknown), ``signal``, ``timed_out``, and ``reason``
     (``exited``, ``signaled``, ``timeout``, ``run_expired``, ``run_deleted``,
-    ``agent_lost``)."""
+    ``run_moved``, ``agent_lost``)."""
 
     exit_code: int
     timed_out: bool

@@ -256,6 +256,13 @@ class AsyncRunbox:
         on the node; the next call that reaches it restores it."""
         return await self._do(calls.archive_run(run_id))
 
+    async def move_run(self, run_id: str, node: Optional[str] = None) -> Run:
+        """Moves the run to another node of the fleet (``node``, or the best
+        one that can take it) under the same id, token, settings and lease;
+        an awake run is hibernated first (its processes end) and booted
+        there. Root only."""
+        return await self._do(calls.move_run(run_id, node))
+
     async def wake_run(self, run_id: str) -> Run:
         """Boots a hibernated or failed run again on its disk."""
         return await self._do(calls.wake_run(run_id))

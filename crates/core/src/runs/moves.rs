@@ -1,0 +1,342 @@
+//! Runs that change nodes in a fleet.
+//!
+//! A run's row in the fleet's catalog names its owner, and only the owner
+//! writes the row. A run changes owner in one compare-and-set on that
+//! row: handed to another node by its owner once it is archived (a move),
+//! or taken over by another node when it is archived and its owner is
+//! gone or does not answer. The new owner makes the run from the record
+//! the row carries (sealed under the fleet's key) and restores it, when it
+//! is next called, from the archive in the checkpoint bucket both nodes
+//! use. An old owner that finds one of its runs is another node's ends its
+//! own copy (fencing): at start before it serves, every [`FENCE_EVERY`],
+//! and whenever it is about to restore one.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use runbox_types::{ErrorCode, NetworkTier, Run, RunStatus};
+use ulid::Ulid;
+
+use super::actor::{Adopted, Command, RunActor};
+use super::phase::Phase;
+use super::{error_chain, lock, Manager};
+use crate::error::CoreError;
+use crate::fleet::{Located, Takeover, Want};
+
+/// How often a node of a fleet looks for its runs that other nodes hold.
+const FENCE_EVERY: Duration = Duration::from_secs(10);
+
+/// Run `id` cannot move, for `why`.
+pub(crate) fn not_movable(id: Ulid, why: &str) -> CoreError {
+    CoreError::Conflict {
+        code: ErrorCode::NotMovable,
+        message: format!("run {id} cannot move: {why}"),
+    }
+}
+
+/// What a node's lane must do for a run on `network`, by capability name.
+fn needs(network: NetworkTier) -> Vec<String> {
+    match network {
+        NetworkTier::Allowlist => vec!["allowlist".to_owned()],
+        NetworkTier::Open => vec!["open".to_owned()],
+        _ => Vec::new(),
+    }
+}
+
+impl Manager {
+    /// This node's checkpoint store when it is a bucket other nodes may
+    /// share.
+    fn shared_bucket(&self) -> Option<String> {
+        self.config()
+            .checkpoints
+            .as_ref()
+            .map(|s| s.location().to_owned())
+            .filter(|l| l.starts_with("s3://"))
+    }
+
+    /// Makes run `id` this node's from the fleet's catalog when it may
+    /// (see [`crate::fleet::Fleet::take_run`]): handed to this node by a
+    /// move, or asleep on a node that is gone (or did not answer, `how`).
+    /// The run is made archived; the call that brought it here restores
+    /// it. Whether this node holds the run now.
+    pub async fn adopt(self: &Arc<Self>, id: Ulid, how: Takeover) -> Result<bool, CoreError> {
+        let Some(fleet) = self.fleet().cloned() else {
+            return Ok(false);
+        };
+        let _one = self.context.adopt_lock.lock().await;
+        if self.registry().contains_key(&id) {
+            return Ok(true);
+        }
+        if self.context.ended_here(id) {
+            return Ok(false);
+        }
+        let Some(sealed) = fleet.take_run(id, how).await? else {
+            return Ok(false);
+        };
+        let mut record = self.context.open_record(id, &sealed)?;
+        // What was the other node's own: its sandbox, its layer keys, its
+        // pool. The run's files are in its archive.
+        record.status = RunStatus::Archived;
+        record.runtime.clear();
+        record.agent_socket = Default::default();
+        record.layers.clear();
+        record.warm = None;
+        record.pool = None;
+        record.proxy_ca = false;
+        record.failure = None;
+        record.archive_error = None;
+        record
+            .archived_at
+            .get_or_insert_with(time::OffsetDateTime::now_utc);
+        if !record.volumes.is_empty() {
+            let names: Vec<&str> = record.volumes.iter().map(|v| v.name.as_str()).collect();
+            tracing::warn!(run = %id, volumes = ?names, "a run taken over from another node comes back without the volumes it mounted there");
+            record.volumes.clear();
+        }
+        self.store.put_async(record.clone()).await?;
+        self.context
+            .ledger
+            .enter(id, super::entry(&record, &Phase::Archived));
+        let actor = RunActor::new(self.context.clone(), record.clone(), Phase::Archived);
+        self.registry().insert(id, actor.handle().clone());
+        let _ = actor.spawn_adopted(Adopted::Archived).await;
+        self.context.catalog(&record, &Phase::Archived);
+        tracing::info!(run = %id, "run made here from the fleet's catalog (moved or taken over)");
+        Ok(true)
+    }
+
+    /// Ends this node's copies of runs the fleet's catalog says another
+    /// node holds now; how many.
+    pub async fn fence(&self) -> Result<usize, CoreError> {
+        let Some(fleet) = self.fleet().cloned() else {
+            return Ok(0);
+        };
+        let ids: Vec<Ulid> = self.registry().keys().copied().collect();
+        let superseded = fleet.superseded_runs(&ids).await?;
+        for id in &superseded {
+            let handle = self.registry().get(id).cloned();
+            if let Some(handle) = handle {
+                tracing::warn!(run = %id, "another node holds this run now; ending this node's copy");
+                if let Err(e) = handle.ask(|reply| Command::Relinquish { reply }).await {
+                    tracing::warn!(run = %id, error = %error_chain(&e), "could not end this node's copy of a run another node holds");
+                }
+            }
+        }
+        Ok(superseded.len())
+    }
+
+    /// Fences every [`FENCE_EVERY`] (see [`Manager::fence`]).
+    pub fn spawn_fence(self: &Arc<Self>) {
+        let manager = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(FENCE_EVERY);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(manager) = manager.upgrade() else {
+                    return;
+                };
+                if let Err(e) = manager.fence().await {
+                    tracing::debug!(error = %error_chain(&e), "could not look for runs other nodes hold");
+                }
+            }
+        });
+    }
+
+    /// Moves run `id` to node `to` (the best node that can take it when
+    /// None): archived here, handed over in the catalog, this node's copy
+    /// ended. The node it went to, and whether it was awake (that node
+    /// boots it then); the caller tells that node.
+    pub async fn move_run(
+        self: &Arc<Self>,
+        id: Ulid,
+        to: Option<String>,
+    ) -> Result<(Located, bool), CoreError> {
+        let Some(fleet) = self.fleet().cloned() else {
+            return Err(not_movable(id, "this node is not part of a fleet"));
+        };
+        let Some(bucket) = self.shared_bucket() else {
+            return Err(not_movable(
+                id,
+                "its node's checkpoint store is not a bucket other nodes can share \
+                 (--checkpoint-store s3://...)",
+            ));
+        };
+        let handle = self.handle(id)?;
+        let record = handle.snapshot().record.clone();
+        if !record.volumes.is_empty() {
+            let names: Vec<&str> = record.volumes.iter().map(|v| v.name.as_str()).collect();
+            return Err(not_movable(
+                id,
+                &format!(
+                    "it mounts volume(s) {}, which stay on this node; delete it and create it \
+                     on the other node, or move the volumes first",
+                    names.join(", ")
+                ),
+            ));
+        }
+        if self.config().sealer.is_none() {
+            return Err(not_movable(
+                id,
+                "this node has no sealing key for the run's record",
+            ));
+        }
+        let here = self.config().server_id.clone();
+        let target = match to {
+            Some(node) if node == here => {
+                return Err(CoreError::invalid(
+                    ErrorCode::BadRequest,
+                    format!("run {id} is on node {node} already"),
+                ))
+            }
+            Some(node) => {
+                let nodes = fleet.nodes().await?;
+                let Some(found) = nodes.into_iter().find(|n| n.id == node) else {
+                    return Err(not_movable(
+                        id,
+                        &format!("the fleet has no node {node:?} (GET /v1/cluster lists them)"),
+                    ));
+                };
+                let why = if found.state != runbox_types::NodeState::Active {
+                    Some(format!("node {node} is {:?}", found.state).to_lowercase())
+                } else if found.checkpoint_store.as_deref() != Some(bucket.as_str()) {
+                    Some(format!(
+                        "node {node} does not use this node's checkpoint bucket {bucket}"
+                    ))
+                } else if !needs(record.network)
+                    .iter()
+                    .all(|n| found.capabilities.contains(n))
+                {
+                    Some(format!("node {node} cannot make {:?} runs", record.network))
+                } else if found.runs >= found.capacity {
+                    Some(format!("node {node} is full ({} runs)", found.runs))
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return Err(not_movable(id, &why));
+                }
+                Located {
+                    advertise: found.advertise.unwrap_or_default(),
+                    node: found.id,
+                    tenant: record.tenant.clone(),
+                    gone: false,
+                    silent_sec: found.last_seen_sec,
+                    archived: false,
+                    portable: true,
+                }
+            }
+            None => {
+                let want = Want {
+                    images: vec![record.image.clone()],
+                    pullable: true,
+                    tenant: record.tenant.clone(),
+                    here: here.clone(),
+                    here_full: true,
+                    here_has: (false, false),
+                    volumes: Vec::new(),
+                    here_has_volumes: true,
+                    checkpoint_store: Some(bucket),
+                    needs: needs(record.network),
+                    here_can: false,
+                };
+                fleet.place(&want).await?.ok_or_else(|| {
+                    not_movable(
+                        id,
+                        "no other node of the fleet can take it now (none heard from shares \
+                         this node's checkpoint bucket and has room)",
+                    )
+                })?
+            }
+        };
+        let to = target.node.clone();
+        let awake = handle.ask(|reply| Command::MoveOut { to, reply }).await?;
+        Ok((target, awake))
+    }
+
+    /// The node an asleep run of a node that is gone is best restored on,
+    /// when it is another than this one (None: this one).
+    pub async fn place_asleep(&self, run: &Run) -> Result<Option<Located>, CoreError> {
+        let (Some(fleet), Some(bucket)) = (self.fleet(), self.shared_bucket()) else {
+            return Ok(None);
+        };
+        let here_full = self.context.ledger.tally().counted >= self.config().max_runs
+            || lock(&self.context.pools).draining();
+        let want = Want {
+            images: vec![run.image.clone()],
+            pullable: true,
+            tenant: run.tenant.clone(),
+            here: self.config().server_id.clone(),
+            here_full,
+            here_has: (
+                self.images.resolve(&run.image).ok().flatten().is_some(),
+                false,
+            ),
+            volumes: Vec::new(),
+            here_has_volumes: true,
+            checkpoint_store: Some(bucket),
+            needs: needs(run.network),
+            here_can: needs(run.network)
+                .iter()
+                .all(|n| self.capabilities().contains(n)),
+        };
+        fleet.place(&want).await
+    }
+
+    /// See [`crate::RunService::locate`].
+    pub async fn locate(
+        self: &Arc<Self>,
+        id: Ulid,
+        relayed: bool,
+    ) -> Result<Option<Located>, CoreError> {
+        let Some(fleet) = self.fleet().cloned() else {
+            return Ok(None);
+        };
+        let Some(at) = fleet.locate(id).await? else {
+            return Ok(None);
+        };
+        if at.node == self.config().server_id {
+            // Handed here by a move: made here from the catalog.
+            self.adopt(id, Takeover::Gone).await?;
+            return Ok(None);
+        }
+        if !(at.archived && at.portable) {
+            return Ok(Some(at));
+        }
+        // Nothing of an archived run is on its node: it never waits for a
+        // node that is gone or does not answer.
+        let how = if at.gone {
+            Takeover::Gone
+        } else if !answers(&at.advertise).await {
+            Takeover::Unreachable
+        } else {
+            return Ok(Some(at));
+        };
+        if !relayed {
+            if let Some(run) = fleet.run(id).await? {
+                if let Some(best) = self.place_asleep(&run).await? {
+                    return Ok(Some(Located {
+                        tenant: at.tenant.clone(),
+                        ..best
+                    }));
+                }
+            }
+        }
+        match self.adopt(id, how).await? {
+            true => Ok(None),
+            false => Ok(Some(at)),
+        }
+    }
+}
+
+/// Whether a node's API at `advertise` takes a connection within a second.
+async fn answers(advertise: &str) -> bool {
+    matches!(
+        tokio::time::timeout(
+            Duration::from_secs(1),
+            tokio::net::TcpStream::connect(advertise)
+        )
+        .await,
+        Ok(Ok(_))
+    )
+}
