@@ -2047,3 +2047,117 @@ async fn drain_with_migrate_moves_every_run_off_the_node() {
         .await
         .expect("delete");
 }
+
+/// Whether an API error says "send the same call again": the run moved,
+/// its node or the database is away for a moment, or it is being woken.
+fn retryable(e: &runbox_client::ClientError) -> bool {
+    use runbox_types::ErrorCode as C;
+    matches!(
+        e.code(),
+        Some(C::RunMoved | C::NodeUnavailable | C::ClusterUnavailable | C::RunNotRunning)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_under_a_stream_of_execs_loses_none_and_runs_none_twice() {
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
+    let id = a.create().await.id.to_string();
+    const EXECS: usize = 40;
+    // One client appends numbered lines through n3, one exec at a time,
+    // sending an exec again only when the answer says to.
+    let client = c.client.clone();
+    let run = id.clone();
+    let writer = tokio::spawn(async move {
+        let mut retried = 0;
+        for i in 0..EXECS {
+            loop {
+                let req = runbox_types::ExecRequest {
+                    cmd: vec!["sh".into(), "-c".into(), format!("echo {i} >> /work/log")],
+                    ..Default::default()
+                };
+                let answer = match client.exec(&run, &req).await {
+                    Ok(stream) => stream.collect_output().await,
+                    Err(e) => Err(e),
+                };
+                match answer {
+                    Ok(out) => {
+                        assert_eq!(out.exit.exit_code, 0, "exec {i}: {:?}", out.exit);
+                        break;
+                    }
+                    Err(e) if retryable(&e) => {
+                        retried += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(e) => panic!("exec {i}: {e}"),
+                }
+            }
+        }
+        retried
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!writer.is_finished(), "the execs ended before the move began");
+    let moved = b.client.move_run(&id, Some("n2".into())).await.expect("move");
+    assert_eq!(moved.server, "n2");
+    let retried = writer.await.expect("the writer");
+    let out = b.sh(&id, "cat /work/log").await;
+    let expected: String = (0..EXECS).map(|i| format!("{i}\n")).collect();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        expected,
+        "{retried} execs were sent again"
+    );
+    a.client.delete_run(&id).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_move_without_its_bucket_or_its_database_leaves_the_run_where_it_was() {
+    let pg = PgServer::start();
+    let mut s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, _c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
+    let id = a.create().await.id.to_string();
+    let wrote = a.sh(&id, "echo stays > /work/kept").await;
+    assert_eq!(wrote.exit.exit_code, 0);
+    // The bucket cannot be reached: the archive fails, the run stays on
+    // n1 (asleep, its disk there) and answers there.
+    s3.stop();
+    let err = b.client.move_run(&id, Some("n2".into())).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(runbox_types::ErrorCode::CheckpointStoreUnavailable),
+        "{err}"
+    );
+    assert_eq!(owner(&pg, &id), "n1");
+    let out = b.sh(&id, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"stays\n");
+    assert_eq!(b.client.get_run(&id).await.expect("get").server, "n1");
+    s3.spawn().await;
+    // The database is away: nothing moves, nothing is archived.
+    pg.stop();
+    let err = a.client.move_run(&id, None).await.unwrap_err();
+    assert_eq!(
+        err.code(),
+        Some(runbox_types::ErrorCode::ClusterUnavailable),
+        "{err}"
+    );
+    let out = a.sh(&id, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"stays\n");
+    assert_eq!(
+        a.client.get_run(&id).await.expect("get").status,
+        runbox_types::RunStatus::Running
+    );
+    pg.start_again();
+    // And once both are back, the move goes through.
+    let moved = eventually_async(Duration::from_secs(20), || async {
+        a.client
+            .move_run(&id, Some("n2".into()))
+            .await
+            .is_ok_and(|run| run.server == "n2")
+    })
+    .await;
+    assert!(moved, "the move never went through once the database was back");
+    let out = a.sh(&id, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"stays\n");
+    b.client.delete_run(&id).await.expect("delete");
+}

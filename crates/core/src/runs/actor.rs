@@ -103,6 +103,10 @@ pub(crate) struct Admitted {
     pub busy: Busy,
 }
 
+/// How long a move waits for the calls open on an awake run to end before
+/// it hibernates the run (what is still open then ends with it).
+const MOVE_GRACE: Duration = Duration::from_secs(10);
+
 /// What others ask of a run's owner.
 pub(crate) enum Command {
     /// Admit an operation on the run: the one door every exec, file,
@@ -616,6 +620,14 @@ impl RunActor {
             .cloned()
             .ok_or_else(|| super::moves::not_movable(id, "this node is not part of a fleet"))?;
         let awake = matches!(self.phase, Phase::Running | Phase::Paused);
+        if awake {
+            // Calls that arrive now wait behind this command; those open
+            // (an exec, a transfer) get a moment to end first.
+            let until = tokio::time::Instant::now() + MOVE_GRACE;
+            while self.handle.activity.open() > 0 && tokio::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         if self.phase != Phase::Archived {
             self.archive().await?;
         }
