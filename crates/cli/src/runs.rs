@@ -57,6 +57,16 @@ pub enum OnExpireArg {
     Archive,
 }
 
+/// What becomes of a run when its node of a fleet is declared gone.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum OnNodeLossArg {
+    /// It comes back on another node from its latest checkpoint (lost
+    /// when it has none)
+    Restore,
+    /// It is marked lost
+    Lost,
+}
+
 /// When a create pulls its image.
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum PullArg {
@@ -163,6 +173,10 @@ pub struct CreateArgs {
     /// What happens at the run's TTL [default: delete]
     #[arg(long, value_enum)]
     pub on_expire: Option<OnExpireArg>,
+    /// What becomes of the run when its node of a fleet is declared gone
+    /// [default: the server's --on-node-loss]
+    #[arg(long, value_enum)]
+    pub on_node_loss: Option<OnNodeLossArg>,
     /// Pause the run after this many seconds nobody uses it (0: off)
     /// [default: the server's --idle-pause-sec]
     #[arg(long, value_name = "SECS")]
@@ -236,6 +250,10 @@ impl CreateArgs {
                 OnExpireArg::Pause => runbox_types::OnExpire::Pause,
                 OnExpireArg::Archive => runbox_types::OnExpire::Archive,
                 OnExpireArg::Hibernate => runbox_types::OnExpire::Hibernate,
+            }),
+            on_node_loss: self.on_node_loss.map(|o| match o {
+                OnNodeLossArg::Restore => runbox_types::OnNodeLoss::Restore,
+                OnNodeLossArg::Lost => runbox_types::OnNodeLoss::Lost,
             }),
             idle: (self.idle_pause.is_some() || self.idle_hibernate.is_some()).then_some(
                 runbox_types::IdlePolicy {
@@ -622,6 +640,7 @@ fn status_name(status: RunStatus) -> &'static str {
         RunStatus::Archived => "archived",
         RunStatus::Stopping => "stopping",
         RunStatus::Failed => "failed",
+        RunStatus::Lost => "lost",
     }
 }
 
@@ -1006,6 +1025,8 @@ mod tests {
             public_ports: false,
             auto_resume: true,
             on_expire: Default::default(),
+            on_node_loss: Default::default(),
+            recovered: None,
             idle: Default::default(),
             restarts: 0,
             allow_privilege_escalation: false,

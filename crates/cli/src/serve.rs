@@ -41,6 +41,15 @@ fn parse_userns_range(text: &str) -> Result<String, String> {
     runbox_core::userns::IdRanges::parse(text).map(|_| text.to_owned())
 }
 
+/// `--on-node-loss`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnNodeLossArg {
+    /// Bring the run back on another node from its latest checkpoint
+    Restore,
+    /// Mark the run lost
+    Lost,
+}
+
 /// `--restart-policy`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum RestartPolicyArg {
@@ -162,6 +171,13 @@ pub struct ServeArgs {
     /// failed.
     #[arg(long, value_enum, default_value_t = RestartPolicyArg::Cold)]
     pub restart_policy: RestartPolicyArg,
+    /// What becomes of a run of this node, when the node is declared gone
+    /// in its fleet, unless its create says otherwise (`onNodeLoss`):
+    /// `restore` brings it back on another node from its latest checkpoint
+    /// in the bucket the nodes share (`lost` when it has none), `lost`
+    /// marks it lost. An archived run always wakes on another node.
+    #[arg(long, value_enum, default_value_t = OnNodeLossArg::Restore)]
+    pub on_node_loss: OnNodeLossArg,
     /// Where checkpoints go: an absolute directory [default:
     /// <state-dir>/checkpoints], or an S3-compatible bucket as
     /// `s3://bucket/prefix`, reached with the standard AWS environment
@@ -703,6 +719,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             }
         }
         manager.spawn_fence();
+        manager.spawn_node_loss();
         let node = manager.clone();
         cluster.spawn_heartbeat(Arc::new(move || {
             let info = node.info();
@@ -1060,6 +1077,7 @@ pub const LIVE_KEYS: &[&str] = &[
     "max_ttl",
     "max_upload_bytes",
     "paused_retention_sec",
+    "on_node_loss",
     "restart_policy",
     "volume_default_mb",
     "volume_max_mb",
@@ -1099,6 +1117,10 @@ fn live_settings(current: &Config, args: &ServeArgs) -> Config {
     config.idle = runbox_types::IdlePolicy {
         pause_after_sec: (args.idle_pause_sec > 0).then_some(args.idle_pause_sec),
         hibernate_after_sec: (args.idle_hibernate_sec > 0).then_some(args.idle_hibernate_sec),
+    };
+    config.on_node_loss = match args.on_node_loss {
+        OnNodeLossArg::Restore => runbox_types::OnNodeLoss::Restore,
+        OnNodeLossArg::Lost => runbox_types::OnNodeLoss::Lost,
     };
     config.restart_policy = match args.restart_policy {
         RestartPolicyArg::Cold => runbox_core::config::RestartPolicy::Cold,

@@ -79,6 +79,9 @@ pub struct Config {
     /// Archive runs hibernated this long (None: only when asked, or at
     /// their TTL with `onExpire: archive`).
     pub archive_after: Option<Duration>,
+    /// What becomes of a run whose create names no `onNodeLoss` when its
+    /// node is declared gone (`--on-node-loss`).
+    pub on_node_loss: runbox_types::OnNodeLoss,
     /// Record the bytes of each allowed egress connection in the usage
     /// journal when it closes (`--egress-usage-bytes`).
     pub egress_usage_bytes: bool,
@@ -173,6 +176,7 @@ impl Config {
             checkpoints: None,
             checkpoint_ttl: None,
             archive_after: None,
+            on_node_loss: runbox_types::OnNodeLoss::Restore,
             archive_retention: Duration::from_secs(30 * 24 * 60 * 60),
             egress_usage_bytes: false,
         }

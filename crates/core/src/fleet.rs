@@ -49,8 +49,26 @@ pub trait Fleet: Send + Sync {
     /// `record`: false when it is not this node's (any more).
     async fn hand_off_run(&self, id: Ulid, to: &str, record: &str) -> Result<bool, CoreError>;
 
-    /// Of `ids` (runs this node holds), those that moved to another node.
+    /// Of `ids` (runs this node holds), those that moved to another node
+    /// (or were ended by the fleet while this node was gone).
     async fn superseded_runs(&self, ids: &[Ulid]) -> Result<Vec<Ulid>, CoreError>;
+
+    /// Runs of nodes gone (by their heartbeat) that were awake or asleep
+    /// there, not archived, lost or gone: at most `limit`.
+    async fn orphans(&self, limit: usize) -> Result<Vec<Orphan>, CoreError>;
+
+    /// Writes what the node-loss policy decided for `orphan` (its new
+    /// view, and its new sealed record when it comes back from a
+    /// checkpoint), if its row is as it was read.
+    async fn settle_orphan(
+        &self,
+        orphan: &Orphan,
+        run: &Run,
+        record: Option<&str>,
+    ) -> Result<bool, CoreError>;
+
+    /// Ends lost run `id` (its delete); false when it is not lost.
+    async fn end_lost_run(&self, id: Ulid) -> Result<bool, CoreError>;
 
     /// Every run of the fleet the catalog lists, by id: each as its owner
     /// last published it.
@@ -106,6 +124,25 @@ pub struct Published {
     pub run: Run,
     /// [`crate::store::RunRecord`] as JSON, sealed.
     pub record: Option<String>,
+}
+
+/// A run of a node that is gone, as the catalog has it: what the
+/// node-loss policy decides on.
+#[derive(Clone, Debug)]
+pub struct Orphan {
+    /// The run.
+    pub id: Ulid,
+    /// Its node (gone).
+    pub node: String,
+    /// Its row's generation when read: a decision is written only if the
+    /// row is still so.
+    pub generation: i64,
+    /// Its view.
+    pub run: Run,
+    /// Its sealed record, if the catalog has one.
+    pub record: Option<String>,
+    /// Its node's checkpoint store (a bucket, when it is one).
+    pub store: Option<String>,
 }
 
 /// When a node may take over an asleep run another node owns.
@@ -178,6 +215,8 @@ pub struct Located {
     /// Whether the run is asleep with its disk in the checkpoint store
     /// (archived, or being restored by a node that is gone).
     pub archived: bool,
+    /// Whether the run was lost with its node (only a delete works).
+    pub lost: bool,
     /// Whether this node could make the run from the catalog: its record
     /// is there and its node's checkpoint store is a bucket this node
     /// uses too.

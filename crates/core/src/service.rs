@@ -499,6 +499,15 @@ pub trait RunService: Clone + Send + Sync + 'static {
         let _ = (id, relayed);
         async { Ok(None) }
     }
+    /// Run `id` as the fleet's catalog has it (another node's, or lost
+    /// with its node).
+    fn catalog_run(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        async move { Err(CoreError::RunNotFound(id)) }
+    }
+    /// Deletes run `id`, lost with its node.
+    fn end_lost(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send {
+        async move { Err(CoreError::RunNotFound(id)) }
+    }
     /// The runs this node holds (not those of other nodes), by id: what
     /// a drain that moves them away goes through.
     fn held_runs(&self) -> Vec<Ulid> {
@@ -876,6 +885,14 @@ impl RunService for Arc<Manager> {
 
     fn held_runs(&self) -> Vec<Ulid> {
         Manager::list(self).into_iter().map(|run| run.id).collect()
+    }
+
+    async fn catalog_run(&self, id: Ulid) -> Result<Run, CoreError> {
+        Manager::catalog_run(self, id).await
+    }
+
+    async fn end_lost(&self, id: Ulid) -> Result<(), CoreError> {
+        Manager::end_lost(self, id).await
     }
 
     async fn place(

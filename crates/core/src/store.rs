@@ -144,6 +144,16 @@ pub struct RunRecord {
     /// one).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub moved: bool,
+    /// What becomes of it when its node of a fleet is declared gone.
+    #[serde(default)]
+    pub on_node_loss: runbox_types::OnNodeLoss,
+    /// It came back on another node after its node was lost: from what.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovered: Option<runbox_types::Recovered>,
+    /// Its next restore reads this checkpoint (one of its own, taken
+    /// before its node was lost) instead of its archive.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_from: Option<Ulid>,
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -211,6 +221,8 @@ impl RunRecord {
             public_ports: self.public_ports,
             auto_resume: self.auto_resume,
             on_expire: self.on_expire,
+            on_node_loss: self.on_node_loss,
+            recovered: self.recovered.clone(),
             idle: self.idle,
             restarts: self.restarts,
             allow_privilege_escalation: self.allow_privilege_escalation,
@@ -401,6 +413,9 @@ mod tests {
             volumes: Vec::new(),
             proxy_ca: false,
             moved: false,
+            on_node_loss: Default::default(),
+            recovered: None,
+            restore_from: None,
         }
     }
 

@@ -2097,8 +2097,15 @@ async fn a_move_under_a_stream_of_execs_loses_none_and_runs_none_twice() {
         retried
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!writer.is_finished(), "the execs ended before the move began");
-    let moved = b.client.move_run(&id, Some("n2".into())).await.expect("move");
+    assert!(
+        !writer.is_finished(),
+        "the execs ended before the move began"
+    );
+    let moved = b
+        .client
+        .move_run(&id, Some("n2".into()))
+        .await
+        .expect("move");
     assert_eq!(moved.server, "n2");
     let retried = writer.await.expect("the writer");
     let out = b.sh(&id, "cat /work/log").await;
@@ -2156,8 +2163,139 @@ async fn a_move_without_its_bucket_or_its_database_leaves_the_run_where_it_was()
             .is_ok_and(|run| run.server == "n2")
     })
     .await;
-    assert!(moved, "the move never went through once the database was back");
+    assert!(
+        moved,
+        "the move never went through once the database was back"
+    );
     let out = a.sh(&id, "cat /work/kept").await;
     assert_eq!(out.stdout, b"stays\n");
     b.client.delete_run(&id).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dead_nodes_runs_end_as_their_policy_says_and_none_comes_back_twice() {
+    use runbox_types::{CheckpointRequest, CreateRunRequest, ErrorCode, OnNodeLoss, RunStatus};
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (mut a, b, _c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
+    // n1 holds an archived run; a running one with a checkpoint; a running
+    // one whose policy is `lost`; a hibernated one with no checkpoint.
+    let archived = archived_run(&a, "archived").await;
+    let saved = a.create().await.id.to_string();
+    assert_eq!(
+        a.sh(&saved, "echo before > /work/f").await.exit.exit_code,
+        0
+    );
+    let checkpoint = a
+        .client
+        .checkpoint_run(&saved, &CheckpointRequest::default())
+        .await
+        .expect("a checkpoint");
+    assert_eq!(a.sh(&saved, "echo after > /work/g").await.exit.exit_code, 0);
+    let doomed = a
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            on_node_loss: Some(OnNodeLoss::Lost),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    let sleeper = a.create().await.id.to_string();
+    a.client.hibernate_run(&sleeper).await.expect("hibernate");
+    a.kill9();
+    let status = |id: &str| pg.psql(&format!("SELECT status FROM runbox_runs WHERE id = '{id}'"));
+    let decided = eventually_async(Duration::from_secs(40), || async {
+        status(&saved) == "archived" && status(&doomed) == "lost" && status(&sleeper) == "lost"
+    })
+    .await;
+    assert!(
+        decided,
+        "saved {}, doomed {}, sleeper {}",
+        status(&saved),
+        status(&doomed),
+        status(&sleeper)
+    );
+    assert_eq!(status(&archived), "archived");
+    // The lost read so, with the reason; only a delete works.
+    let lost = b.client.get_run(&doomed).await.expect("a lost run");
+    assert_eq!(lost.status, RunStatus::Lost);
+    assert!(
+        lost.failure
+            .as_deref()
+            .unwrap_or("")
+            .contains("onNodeLoss is lost"),
+        "{lost:?}"
+    );
+    let asleep = b.client.get_run(&sleeper).await.expect("a lost run");
+    assert_eq!(asleep.status, RunStatus::Lost);
+    assert!(
+        asleep
+            .failure
+            .as_deref()
+            .unwrap_or("")
+            .contains("no checkpoint"),
+        "{asleep:?}"
+    );
+    let refused = b.client.wake_run(&doomed).await.unwrap_err();
+    assert_eq!(refused.code(), Some(ErrorCode::RunLost), "{refused}");
+    let listed = b.client.list_runs().await.expect("list");
+    assert!(listed
+        .runs
+        .iter()
+        .any(|r| r.id.to_string() == doomed && r.status == RunStatus::Lost));
+    // The checkpointed run came back from its checkpoint, elsewhere: what
+    // it wrote after that is gone, and it says so.
+    let out = b
+        .sh(&saved, "cat /work/f; test -e /work/g && echo g-too")
+        .await;
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "before\n");
+    let back = b.client.get_run(&saved).await.expect("the run");
+    assert_ne!(back.server, "n1");
+    let recovered = back.recovered.expect("how it came back");
+    assert_eq!(recovered.checkpoint, checkpoint.id);
+    assert_eq!(recovered.node, "n1");
+    // The archived one wakes anywhere, as always.
+    let out = b.sh(&archived, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"archived\n");
+    // A lost run is deleted through any node.
+    b.client
+        .delete_run(&doomed)
+        .await
+        .expect("delete a lost run");
+    assert_eq!(status(&doomed), "gone");
+    // n1 comes back with copies of all of them: those that came back
+    // elsewhere or were deleted end on it before it serves; the lost one
+    // it still has comes back as it was, once.
+    a.spawn().await;
+    let log = a.log();
+    for id in [&saved, &doomed] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains(id.as_str()) && l.contains("ending this node's copy")),
+            "n1 kept its copy of {id}:\n{log}"
+        );
+    }
+    let got = a.client.get_run(&saved).await.expect("via n1");
+    assert_ne!(got.server, "n1");
+    let gone = a.client.get_run(&doomed).await.unwrap_err();
+    assert_eq!(gone.code(), Some(ErrorCode::RunNotFound), "{gone}");
+    let revived = eventually_async(Duration::from_secs(10), || async {
+        status(&sleeper) == "hibernated"
+    })
+    .await;
+    assert!(
+        revived,
+        "the hibernated run n1 kept is {}",
+        status(&sleeper)
+    );
+    let kept = a.client.get_run(&sleeper).await.expect("the run n1 kept");
+    assert_eq!(
+        (kept.server.as_str(), kept.status),
+        ("n1", RunStatus::Hibernated)
+    );
+    for id in [&saved, &archived] {
+        b.client.delete_run(id).await.expect("delete");
+    }
+    a.client.delete_run(&sleeper).await.expect("delete");
 }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
-use runbox_core::fleet::{unavailable, Published, Takeover};
+use runbox_core::fleet::{unavailable, Orphan, Published, Takeover};
 use runbox_core::CoreError;
 use runbox_types::Run;
 use sqlx::postgres::PgPool;
@@ -274,6 +274,102 @@ impl Catalog {
     }
 }
 
+impl Catalog {
+    /// The runs of nodes not heard from for `gone_after` that were awake
+    /// or asleep on their node (not archived: those wake anywhere; not
+    /// lost or gone), at most `limit`.
+    pub(crate) async fn orphans(
+        &self,
+        gone_after: Duration,
+        limit: i64,
+    ) -> Result<Vec<Orphan>, CoreError> {
+        let rows = sqlx::query(
+            "SELECT r.id, r.node, r.generation, r.run, r.lease_generation, r.record, \
+             n.checkpoint_store \
+             FROM runbox_runs r JOIN runbox_nodes n ON n.id = r.node \
+             WHERE r.status IN ('creating', 'running', 'paused', 'hibernated', 'failed', 'stopping') \
+             AND now() - n.heartbeat >= make_interval(secs => $1) \
+             ORDER BY r.id LIMIT $2",
+        )
+        .bind(gone_after.as_secs_f64())
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        rows.iter()
+            .map(|row| {
+                let id: String = row.get("id");
+                Ok(Orphan {
+                    id: id
+                        .parse()
+                        .map_err(|e| unavailable(format!("a run id {id:?}: {e}")))?,
+                    node: row.get("node"),
+                    generation: row.get("generation"),
+                    run: listed(row)?,
+                    record: row.get("record"),
+                    store: row.get("checkpoint_store"),
+                })
+            })
+            .collect()
+    }
+
+    /// Writes what the node-loss policy decided for `orphan`: its new view
+    /// (`lost`, or `archived` to come back from a checkpoint) and, for the
+    /// latter, its new sealed record; only if the row is as it was read.
+    pub(crate) async fn settle(
+        &self,
+        orphan: &Orphan,
+        run: &Run,
+        record: Option<&str>,
+    ) -> Result<bool, CoreError> {
+        let status = serde_json::to_value(run.status)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let settled = sqlx::query(
+            "UPDATE runbox_runs SET status = $4, run = $5, record = COALESCE($6, record), \
+             generation = generation + 1, updated_at = now() \
+             WHERE id = $1 AND node = $2 AND generation = $3 RETURNING 1",
+        )
+        .bind(orphan.id.to_string())
+        .bind(&orphan.node)
+        .bind(orphan.generation)
+        .bind(status)
+        .bind(sqlx::types::Json(run))
+        .bind(record)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        Ok(settled.is_some())
+    }
+
+    /// Ends lost run `id` (a delete of it): its row is a tombstone no node
+    /// owns, so a node that comes back with a copy ends that copy, and its
+    /// idempotency key is freed. False when it is not lost (any more).
+    pub(crate) async fn end_lost(&self, id: Ulid) -> Result<bool, CoreError> {
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let ended = sqlx::query(
+            "UPDATE runbox_runs SET status = 'gone', node = '-', record = NULL, \
+             generation = generation + 1, updated_at = now() \
+             WHERE id = $1 AND status = 'lost' RETURNING 1",
+        )
+        .bind(id.to_string())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+        if ended.is_none() {
+            return Ok(false);
+        }
+        sqlx::query("DELETE FROM runbox_keys WHERE run = $1")
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await
+            .map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(true)
+    }
+}
+
 /// Keeps the change of run `id`'s owner from `from` to `to`.
 async fn moved(
     db: impl sqlx::PgExecutor<'_>,
@@ -413,7 +509,9 @@ async fn write(
 }
 
 /// This node's runs are `runs`: the others it had in the catalog are
-/// gone, these are written; one transaction.
+/// gone (but for runs the fleet brought back from a checkpoint after this
+/// node was lost, which wait for a node to restore them), these are
+/// written; one transaction.
 async fn resync_rows(
     pool: &PgPool,
     node: &str,
@@ -424,7 +522,8 @@ async fn resync_rows(
     let ids: Vec<String> = runs.iter().map(|r| r.run.id.to_string()).collect();
     sqlx::query(
         "UPDATE runbox_runs SET status = 'gone', generation = $3, record = NULL, updated_at = now() \
-         WHERE node = $1 AND status <> 'gone' AND NOT (id = ANY($2)) AND generation < $3",
+         WHERE node = $1 AND status <> 'gone' AND NOT (id = ANY($2)) AND generation < $3 \
+         AND NOT (status = 'archived' AND run ? 'recovered')",
     )
     .bind(node)
     .bind(&ids)

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use runbox_core::fleet::{unavailable, Located, Published, Takeover};
+use runbox_core::fleet::{unavailable, Located, Orphan, Published, Takeover};
 use runbox_core::CoreError;
 use runbox_types::{ClusterNode, NodeState};
 use sha2::Sha256;
@@ -634,6 +634,24 @@ impl Fleet for Cluster {
         self.catalog.superseded(&self.options.node, ids).await
     }
 
+    async fn orphans(&self, limit: usize) -> Result<Vec<Orphan>, CoreError> {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        self.catalog.orphans(self.options.gone_after, limit).await
+    }
+
+    async fn settle_orphan(
+        &self,
+        orphan: &Orphan,
+        run: &runbox_types::Run,
+        record: Option<&str>,
+    ) -> Result<bool, CoreError> {
+        self.catalog.settle(orphan, run, record).await
+    }
+
+    async fn end_lost_run(&self, id: ulid::Ulid) -> Result<bool, CoreError> {
+        self.catalog.end_lost(id).await
+    }
+
     async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {
         self.catalog.runs().await
     }
@@ -680,6 +698,7 @@ impl Fleet for Cluster {
                 gone,
                 silent_sec: silent.max(0.0),
                 archived: status == "archived" || (status == "restoring" && gone),
+                lost: status == "lost",
                 portable: row
                     .try_get::<Option<bool>, _>("portable")
                     .ok()

@@ -147,6 +147,7 @@ pub(crate) async fn place(
             gone: false,
             silent_sec: c.silent_sec.max(0.0),
             archived: false,
+            lost: false,
             portable: false,
         }))
 }

@@ -286,6 +286,16 @@ pub(crate) async fn require<S: RunService>(
                     {
                         return refused.into_response();
                     }
+                    if at.lost {
+                        let mut response =
+                            crate::handlers::lost_run(&state, id, request.method(), &route).await;
+                        response
+                            .extensions_mut()
+                            .insert(AuditCaller(caller.audit_name()));
+                        response.extensions_mut().insert(AdmittedRun(id));
+                        response.extensions_mut().insert(AuditTenant(at.tenant));
+                        return response;
+                    }
                     if at.gone {
                         return ApiError::from(runbox_core::fleet::node_gone(id, &at))
                             .into_response();

@@ -86,6 +86,11 @@ pub(crate) async fn elsewhere<S: runbox_core::RunService>(
         Ok(None) => return Err(request),
         Err(e) => return Ok(ApiError::from(e).into_response()),
     };
+    if at.lost {
+        // Lost with its node: E2B's surface does not show it (runbox's
+        // API reads and deletes it), so it is a sandbox that is not found.
+        return Err(request);
+    }
     if at.gone {
         return Ok(ApiError::from(runbox_core::fleet::node_gone(id, &at)).into_response());
     }
@@ -224,6 +229,7 @@ async fn other_nodes<S: runbox_core::RunService>(service: &S) -> Vec<Located> {
                 gone: false,
                 silent_sec: n.last_seen_sec,
                 archived: false,
+                lost: false,
                 portable: false,
             })
         })

@@ -641,6 +641,38 @@ async fn arrive<S: RunService>(
     Ok(crate::forward::send_on(&format!("run {id} moved to"), target, proof, request).await)
 }
 
+/// A call for run `id`, lost with its node (`route` and `method` say
+/// which): a read answers with the run as the catalog has it, a delete
+/// ends it, anything else is `409 run_lost` with the reason.
+pub(crate) async fn lost_run<S: RunService>(
+    state: &AppState<S>,
+    id: ulid::Ulid,
+    method: &axum::http::Method,
+    route: &str,
+) -> Response {
+    let answer = async {
+        match (method.as_str(), route) {
+            ("GET", "/v1/runs/{id}") => {
+                Ok(Json(state.service.catalog_run(id).await?).into_response())
+            }
+            ("DELETE", "/v1/runs/{id}") => {
+                state.service.end_lost(id).await?;
+                Ok(StatusCode::NO_CONTENT.into_response())
+            }
+            _ => {
+                let run = state.service.catalog_run(id).await?;
+                Err(ApiError::new(
+                    ErrorCode::RunLost,
+                    run.failure
+                        .unwrap_or_else(|| format!("run {id} was lost with its node; delete it")),
+                ))
+            }
+        }
+    }
+    .await;
+    answer.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
 /// How many runs a drain moves at once.
 const MIGRATE_AT_ONCE: usize = 4;
 

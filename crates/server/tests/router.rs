@@ -72,6 +72,8 @@ fn run() -> Run {
         public_ports: false,
         auto_resume: true,
         on_expire: Default::default(),
+        on_node_loss: Default::default(),
+        recovered: None,
         idle: Default::default(),
         restarts: 0,
         allow_privilege_escalation: false,

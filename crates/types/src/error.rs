@@ -264,6 +264,10 @@ codes! {
     /// fleet, no checkpoint store the nodes share, a volume it mounts, a
     /// target node that cannot take it).
     NotMovable = "not_movable", 409;
+    /// The run was lost with its node of a fleet (its `onNodeLoss` is
+    /// `lost`, or there was nothing to bring it back from): only reading
+    /// and deleting it work.
+    RunLost = "run_lost", 409;
     /// A body or file is larger than the server accepts.
     TooLarge = "too_large", 413;
     /// The server is at its run capacity (`--max-runs`); retry after the

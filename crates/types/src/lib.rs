@@ -280,6 +280,11 @@ pub struct CreateRunRequest {
     /// What happens at the run's TTL (default `delete`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_expire: Option<OnExpire>,
+    /// What becomes of the run when its node of a fleet is declared gone
+    /// (default: the server's `--on-node-loss`, itself `restore` by
+    /// default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_node_loss: Option<OnNodeLoss>,
     /// Pause or hibernate the run when nobody uses it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle: Option<IdlePolicy>,
@@ -297,6 +302,37 @@ pub struct CreateRunRequest {
     /// disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volumes: Option<Vec<VolumeMountRequest>>,
+}
+
+/// What becomes of a run when its node of a fleet is declared gone
+/// (`onNodeLoss`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum OnNodeLoss {
+    /// It comes back on another node from its latest checkpoint in the
+    /// bucket the nodes share (`recovered` says from what, and what was
+    /// lost); with none, it is `lost`.
+    #[default]
+    Restore,
+    /// It is `lost`: it reads so with the reason, and only a delete works.
+    Lost,
+}
+
+/// Where a run that came back after its node was lost came back from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct Recovered {
+    /// The node that was lost.
+    pub node: String,
+    /// The checkpoint its files came back from.
+    pub checkpoint: Ulid,
+    /// When that checkpoint was taken: what the run wrote after it is gone.
+    #[serde(with = "time::serde::rfc3339")]
+    pub state_at: OffsetDateTime,
+    /// What was lost, in words.
+    pub lost: String,
 }
 
 /// What happens to a run when its TTL passes.
@@ -526,6 +562,10 @@ pub enum RunStatus {
     Archived,
     /// Being destroyed.
     Stopping,
+    /// Its node of a fleet was declared gone and it could not come back
+    /// (its `onNodeLoss` is `lost`, or there was nothing to restore it
+    /// from); `failure` says why. Only a delete works.
+    Lost,
     /// The sandbox died on its own (its init process exited) and the
     /// restart policy did not bring it back, or a wake failed; `failure`
     /// says why. It keeps its disk until it is deleted or its TTL passes;
@@ -628,6 +668,13 @@ pub struct Run {
     /// What happens at its TTL.
     #[serde(default)]
     pub on_expire: OnExpire,
+    /// What becomes of it when its node is declared gone.
+    #[serde(default)]
+    pub on_node_loss: OnNodeLoss,
+    /// It came back on another node after its node was lost: from what,
+    /// and what was lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovered: Option<Recovered>,
     /// When it pauses or hibernates on its own for want of use (the
     /// server's defaults filled in; 0 is off).
     #[serde(default)]

@@ -121,6 +121,8 @@ export interface CreateRunOptions {
   autoResume?: boolean;
   /** What happens at the TTL: `delete` (default), `pause` or `hibernate`. */
   onExpire?: CreateRunRequest["onExpire"];
+  /** What becomes of the run when its node of a fleet is declared gone. */
+  onNodeLoss?: CreateRunRequest["onNodeLoss"];
   /** Pause and hibernate the run after this many idle seconds (0: off). */
   idle?: { pauseAfterSec?: number; hibernateAfterSec?: number };
   /** Let setuid programs such as sudo work in the run (only on servers
@@ -415,6 +417,7 @@ export class Runbox {
         egressUpstream: options.egressUpstream,
         autoResume: options.autoResume,
         onExpire: options.onExpire,
+        onNodeLoss: options.onNodeLoss,
         idle: options.idle ? compact(options.idle) : undefined,
         allowPrivilegeEscalation: options.allowPrivilegeEscalation,
         volumes: options.volumes,

@@ -1773,6 +1773,7 @@ export interface components {
             limits?: null | components["schemas"]["LimitsRequest"];
             network?: null | components["schemas"]["NetworkTier"];
             onExpire?: null | components["schemas"]["OnExpire"];
+            onNodeLoss?: null | components["schemas"]["OnNodeLoss"];
             /**
              * @description Serve the run's ports, without a token, to requests that name them
              *     by host (`<port>-<run id>.<domain>`, E2B's addressing; see
@@ -2432,6 +2433,12 @@ export interface components {
          * @enum {string}
          */
         OnExpire: "delete" | "pause" | "hibernate" | "archive";
+        /**
+         * @description What becomes of a run when its node of a fleet is declared gone
+         *     (`onNodeLoss`).
+         * @enum {string}
+         */
+        OnNodeLoss: "restore" | "lost";
         /** @description What survives a run's sleep and what can be copied from it. */
         PersistenceCatalog: {
             /**
@@ -2731,6 +2738,23 @@ export interface components {
             /** @description Registry user for basic or token auth. */
             username?: string | null;
         };
+        /** @description Where a run that came back after its node was lost came back from. */
+        Recovered: {
+            /**
+             * Format: ulid
+             * @description The checkpoint its files came back from.
+             */
+            checkpoint: string;
+            /** @description What was lost, in words. */
+            lost: string;
+            /** @description The node that was lost. */
+            node: string;
+            /**
+             * Format: date-time
+             * @description When that checkpoint was taken: what the run wrote after it is gone.
+             */
+            stateAt: string;
+        };
         /** @description The answer to a remove. */
         RemoveReply: {
             /**
@@ -2851,6 +2875,8 @@ export interface components {
             network: components["schemas"]["NetworkTier"];
             /** @description What happens at its TTL. */
             onExpire?: components["schemas"]["OnExpire"];
+            /** @description What becomes of it when its node is declared gone. */
+            onNodeLoss?: components["schemas"]["OnNodeLoss"];
             /**
              * @description Whether the create was served by a warm pool (the run was made
              *     ahead of time and handed out; everything per-create applied then).
@@ -2861,6 +2887,7 @@ export interface components {
              *     (`publicPorts` at create).
              */
             publicPorts?: boolean;
+            recovered?: null | components["schemas"]["Recovered"];
             /**
              * Format: date-time
              * @description When it was last booted again by the restart policy.
@@ -2921,7 +2948,7 @@ export interface components {
          * @description Where a run is in its life.
          * @enum {string}
          */
-        RunStatus: "creating" | "running" | "paused" | "hibernated" | "archived" | "stopping" | "failed";
+        RunStatus: "creating" | "running" | "paused" | "hibernated" | "archived" | "stopping" | "lost" | "failed";
         /** @description A volume a run mounts, as the run shows it. */
         RunVolume: {
             /** @description How. */

@@ -177,6 +177,7 @@ pub(crate) struct Claim {
     pub public_ports: bool,
     pub auto_resume: bool,
     pub on_expire: runbox_types::OnExpire,
+    pub on_node_loss: runbox_types::OnNodeLoss,
     pub idle: runbox_types::IdlePolicy,
     pub idempotency: Option<crate::store::Idempotency>,
     pub allow_privilege_escalation: bool,
@@ -1286,12 +1287,19 @@ impl RunActor {
     ) -> Result<(), CoreError> {
         let id = self.record.id;
         let started = std::time::Instant::now();
+        // Its own archive, or (back after its node was lost) one of its
+        // checkpoints.
+        let source = self.record.restore_from.unwrap_or(id);
         let layers = {
             let _restoring = self.context.restore_lock.lock().await;
-            let commit = store.get(id).await.map_err(|e| match e.code() {
-                ErrorCode::CheckpointNotFound => CoreError::invalid(
+            let commit = store.get(source).await.map_err(|e| match e.code() {
+                ErrorCode::CheckpointNotFound if source == id => CoreError::invalid(
                     ErrorCode::CheckpointNotFound,
                     format!("run {id} is archived, but its archive is no longer in the checkpoint store; delete the run"),
+                ),
+                ErrorCode::CheckpointNotFound => CoreError::invalid(
+                    ErrorCode::CheckpointNotFound,
+                    format!("run {id} was to come back from checkpoint {source}, which is no longer in the checkpoint store; delete the run"),
                 ),
                 _ => e,
             })?;
@@ -1320,6 +1328,7 @@ impl RunActor {
         self.apply(Event::Restored);
         self.note(UsageKind::Restore);
         self.record.archived_at = None;
+        self.record.restore_from = None;
         if std::mem::take(&mut self.record.moved) {
             // Moved here from another node: its TTL goes on as it was.
         } else {
@@ -1334,8 +1343,11 @@ impl RunActor {
             tracing::warn!(run = %id, error = %e, "could not store the run's restore");
         }
         self.publish();
-        // The run has its disk again; its archive is of no more use.
-        if let Err(e) = store.delete(id).await {
+        // The run has its disk again; its archive is of no more use (a
+        // checkpoint it came back from is the caller's, and stays).
+        if source != id {
+            // Nothing to delete.
+        } else if let Err(e) = store.delete(id).await {
             tracing::warn!(run = %id, error = %error_chain(&e), "could not delete a restored run's archive; delete it with DELETE /v1/checkpoints/{id}");
         }
         tracing::info!(run = %id, elapsed_ms = started.elapsed().as_millis() as u64, "run restored");
@@ -1595,6 +1607,7 @@ impl RunActor {
         self.record.public_ports = claim.public_ports;
         self.record.auto_resume = claim.auto_resume;
         self.record.on_expire = claim.on_expire;
+        self.record.on_node_loss = claim.on_node_loss;
         self.record.idle = claim.idle;
         self.record.ttl_sec = claim.ttl.as_secs();
         self.record.idempotency = claim.idempotency;

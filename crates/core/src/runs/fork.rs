@@ -148,6 +148,8 @@ impl Manager {
                     volumes: Vec::new(),
                     proxy_ca: trust_pem.is_some(),
                     moved: false,
+                    recovered: None,
+                    restore_from: None,
                     ..parent.clone()
                 };
                 let spec = SandboxSpec {

@@ -647,6 +647,7 @@ impl Manager {
                 public_ports: req.public_ports.unwrap_or(false),
                 auto_resume: req.auto_resume.unwrap_or(true),
                 on_expire: req.on_expire.unwrap_or_default(),
+                on_node_loss: req.on_node_loss.unwrap_or(self.config().on_node_loss),
                 idle,
                 idempotency: idempotency.clone(),
                 allow_privilege_escalation,
@@ -712,6 +713,9 @@ impl Manager {
             volumes: run_volumes.clone(),
             proxy_ca: false,
             moved: false,
+            on_node_loss: req.on_node_loss.unwrap_or(self.config().on_node_loss),
+            recovered: None,
+            restore_from: None,
         };
         let trust_pem = self.context.proxy_trust(record.network);
         let record = RunRecord {

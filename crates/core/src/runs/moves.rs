@@ -26,6 +26,13 @@ use crate::fleet::{Located, Takeover, Want};
 /// How often a node of a fleet looks for its runs that other nodes hold.
 const FENCE_EVERY: Duration = Duration::from_secs(10);
 
+/// How often the node that holds the fleet's node-loss lease decides on
+/// the runs of nodes that are gone.
+const NODE_LOSS_EVERY: Duration = Duration::from_secs(5);
+
+/// How many such runs one round decides on.
+const NODE_LOSS_BATCH: usize = 200;
+
 /// Run `id` cannot move, for `why`.
 pub(crate) fn not_movable(id: Ulid, why: &str) -> CoreError {
     CoreError::Conflict {
@@ -223,6 +230,7 @@ impl Manager {
                     gone: false,
                     silent_sec: found.last_seen_sec,
                     archived: false,
+                    lost: false,
                     portable: true,
                 }
             }
@@ -339,4 +347,167 @@ async fn answers(advertise: &str) -> bool {
         .await,
         Ok(Ok(_))
     )
+}
+
+impl Manager {
+    /// Every [`NODE_LOSS_EVERY`], on the node that holds the fleet's lease
+    /// on it: decides on the runs of nodes that are gone
+    /// ([`Manager::settle_orphans`]).
+    pub fn spawn_node_loss(self: &Arc<Self>) {
+        let manager = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(NODE_LOSS_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(manager) = manager.upgrade() else {
+                    return;
+                };
+                let Some(fleet) = manager.fleet().cloned() else {
+                    return;
+                };
+                match fleet.singleton("node loss", NODE_LOSS_EVERY * 3).await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::debug!(error = %error_chain(&e), "could not take the fleet's node-loss lease");
+                        continue;
+                    }
+                }
+                match manager.settle_orphans().await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(runs = n, "decided on runs of nodes that are gone"),
+                    Err(e) => {
+                        tracing::warn!(error = %error_chain(&e), "could not decide on the runs of nodes that are gone")
+                    }
+                }
+            }
+        });
+    }
+
+    /// Decides on each run of a node that is gone, by its `onNodeLoss`:
+    /// `restore` makes it an archived run that comes back from its latest
+    /// checkpoint in the bucket the nodes share (on the node its next call
+    /// reaches, as any archived run of a gone node), `lost` (or nothing to
+    /// come back from) marks it lost with the reason. Archived runs need
+    /// nothing: they wake anywhere. How many were decided.
+    pub(crate) async fn settle_orphans(&self) -> Result<usize, CoreError> {
+        let Some(fleet) = self.fleet().cloned() else {
+            return Ok(0);
+        };
+        let orphans = fleet.orphans(NODE_LOSS_BATCH).await?;
+        if orphans.is_empty() {
+            return Ok(0);
+        }
+        let bucket = self.shared_bucket();
+        let shares = |orphan: &crate::fleet::Orphan| {
+            bucket.is_some() && orphan.store.as_deref() == bucket.as_deref()
+        };
+        let checkpoints = match orphans.iter().any(shares) {
+            true => self
+                .checkpoint_store()?
+                .list()
+                .await?
+                .into_iter()
+                .map(|commit| commit.checkpoint)
+                .collect(),
+            false => Vec::new(),
+        };
+        let mut settled = 0;
+        for orphan in &orphans {
+            let record = orphan
+                .record
+                .as_deref()
+                .map(|sealed| self.context.open_record(orphan.id, sealed));
+            let record = match record {
+                Some(Ok(record)) => Some(record),
+                Some(Err(e)) => {
+                    tracing::warn!(run = %orphan.id, error = %error_chain(&e), "a run of a node that is gone has a record this node cannot open");
+                    None
+                }
+                None => None,
+            };
+            let latest = checkpoints
+                .iter()
+                .filter(|c| c.run == orphan.id && shares(orphan))
+                .max_by_key(|c| c.created_at);
+            let (run, sealed) =
+                match (record, latest) {
+                    (Some(record), Some(checkpoint))
+                        if record.on_node_loss == runbox_types::OnNodeLoss::Restore =>
+                    {
+                        let mut record = record;
+                        let state_at = checkpoint.created_at;
+                        record.status = RunStatus::Archived;
+                        record.restore_from = Some(checkpoint.id);
+                        record.archived_at = Some(time::OffsetDateTime::now_utc());
+                        record.failure = None;
+                        record.recovered = Some(runbox_types::Recovered {
+                            node: orphan.node.clone(),
+                            checkpoint: checkpoint.id,
+                            state_at,
+                            lost: format!(
+                                "its processes and memory, and what it wrote after checkpoint {} \
+                             was taken at {}",
+                                checkpoint.id,
+                                state_at
+                                    .format(&time::format_description::well_known::Rfc3339)
+                                    .unwrap_or_default()
+                            ),
+                        });
+                        let Some(sealed) = self.context.seal_record(&record) else {
+                            continue;
+                        };
+                        let mut run = record.to_run(&orphan.node);
+                        run.lease_generation = orphan.run.lease_generation;
+                        (run, Some(sealed))
+                    }
+                    (record, latest) => {
+                        let why = match (&record, latest) {
+                        (None, _) => "the fleet's catalog has no record of it to bring it back from"
+                            .to_owned(),
+                        (Some(r), _) if r.on_node_loss == runbox_types::OnNodeLoss::Lost => {
+                            "its onNodeLoss is lost".to_owned()
+                        }
+                        _ => "it had no checkpoint in the bucket the nodes share to come back from"
+                            .to_owned(),
+                    };
+                        let mut run = orphan.run.clone();
+                        run.status = RunStatus::Lost;
+                        run.failure = Some(format!(
+                            "run {} was lost with node {}, which is gone: {why}; delete it",
+                            orphan.id, orphan.node
+                        ));
+                        (run, None)
+                    }
+                };
+            if fleet.settle_orphan(orphan, &run, sealed.as_deref()).await? {
+                tracing::info!(run = %orphan.id, node = %orphan.node, status = ?run.status, "decided on a run of a node that is gone");
+                settled += 1;
+            }
+        }
+        Ok(settled)
+    }
+
+    /// Run `id` as the fleet's catalog has it (another node's, or lost).
+    pub async fn catalog_run(&self, id: Ulid) -> Result<Run, CoreError> {
+        let Some(fleet) = self.fleet() else {
+            return Err(CoreError::RunNotFound(id));
+        };
+        fleet.run(id).await?.ok_or(CoreError::RunNotFound(id))
+    }
+
+    /// Deletes run `id`, lost with its node: its row in the catalog ends.
+    pub async fn end_lost(&self, id: Ulid) -> Result<(), CoreError> {
+        let Some(fleet) = self.fleet() else {
+            return Err(CoreError::RunNotFound(id));
+        };
+        match fleet.end_lost_run(id).await? {
+            true => {
+                tracing::info!(run = %id, "a lost run was deleted");
+                Ok(())
+            }
+            false => Err(CoreError::RunNotFound(id)),
+        }
+    }
 }

@@ -218,6 +218,9 @@ impl Manager {
             volumes: Vec::new(),
             proxy_ca: self.context.proxy_trust(key.network).is_some(),
             moved: false,
+            on_node_loss: self.config().on_node_loss,
+            recovered: None,
+            restore_from: None,
         };
         let spec = SandboxSpec {
             id,

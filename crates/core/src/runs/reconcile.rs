@@ -105,7 +105,9 @@ impl Manager {
                         RunStatus::Failed => {
                             Phase::Failed(record.failure.clone().unwrap_or_default())
                         }
-                        RunStatus::Running | RunStatus::Stopping => Phase::Running,
+                        RunStatus::Running | RunStatus::Stopping | RunStatus::Lost => {
+                            Phase::Running
+                        }
                         RunStatus::Paused => Phase::Paused,
                         RunStatus::Hibernated => Phase::Hibernated,
                         RunStatus::Archived => Phase::Archived,
@@ -188,7 +190,9 @@ impl Manager {
             RunStatus::Archived => return Adopted::Archived,
             RunStatus::Running => false,
             RunStatus::Paused => true,
-            RunStatus::Creating | RunStatus::Stopping => {
+            // A node never stores a run as lost (only the fleet's
+            // catalog says so); such a record is ended.
+            RunStatus::Creating | RunStatus::Stopping | RunStatus::Lost => {
                 return Adopted::Doomed(ExitReason::RunDeleted)
             }
         };

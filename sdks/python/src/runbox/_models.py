@@ -65,6 +65,10 @@ class Run:
     raw: Dict[str, Any] = field(repr=False)
     auto_resume: bool = True
     on_expire: str = "delete"
+    on_node_loss: str = "restore"
+    #: Set when the run came back on another node after its node was lost:
+    #: ``node``, ``checkpoint``, ``stateAt`` and what was ``lost``.
+    recovered: Optional[Dict[str, Any]] = None
     idle: Dict[str, int] = field(default_factory=dict)
     restarts: int = 0
     allow_privilege_escalation: bool = False
@@ -96,6 +100,8 @@ class Run:
             raw=d,
             auto_resume=bool(d.get("autoResume", True)),
             on_expire=d.get("onExpire", "delete"),
+            on_node_loss=d.get("onNodeLoss", "restore"),
+            recovered=d.get("recovered"),
             idle=dict(d.get("idle") or {}),
             restarts=int(d.get("restarts", 0)),
             allow_privilege_escalation=bool(d.get("allowPrivilegeEscalation", False)),

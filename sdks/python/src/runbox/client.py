@@ -163,6 +163,8 @@ class Runbox:
         (a SOCKS5 door at ``127.0.0.1:1080`` named by ``ALL_PROXY``),
         ``upstream`` (an upstream proxy URL the server admits),
         ``auto_resume``, ``on_expire`` (``delete``, ``pause``, ``hibernate``, ``archive``),
+        ``on_node_loss`` (``restore`` or ``lost``: what becomes of the run when
+        its node of a fleet is declared gone),
         ``idle_pause_after`` and ``idle_hibernate_after`` (seconds; 0 is off),
         ``allow_privilege_escalation`` (setuid programs such as sudo work;
         only where runs have a user namespace), ``volumes`` (a list of
