@@ -65,6 +65,7 @@ mod image_tables;
 mod images;
 mod interactive;
 mod loopback;
+mod moves;
 mod pools;
 mod raw;
 mod report;
@@ -179,6 +180,11 @@ struct Args {
     /// also runs a daemon whose store is that bucket.
     #[arg(long, default_value_t = 3)]
     checkpoint_iterations: usize,
+    /// Measured rounds of the moves phase (a move and a cold create, two
+    /// wakes of archived runs); needs `RUNBOX_BENCH_S3_STORE`
+    /// (`scripts/bench-s3`).
+    #[arg(long, default_value_t = 5)]
+    move_iterations: usize,
     /// Measured reads per case of the volumes phase (each reads 1 GiB).
     #[arg(long, default_value_t = 5)]
     volume_reads: usize,
@@ -202,6 +208,7 @@ enum PhaseName {
     Fleet,
     Userns,
     Volumes,
+    Moves,
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -240,6 +247,8 @@ struct Plan {
     tenant_iterations: Option<usize>,
     /// The fleet phase's (exec, create) iterations.
     fleet_iterations: Option<(usize, usize)>,
+    /// The moves phase's rounds.
+    move_iterations: Option<usize>,
     /// The userns phase's (create and fork, exec) iterations.
     userns_iterations: Option<(usize, usize)>,
     /// The volumes phase's (reads, creates) iterations.
@@ -340,6 +349,7 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             checkpoint_iterations: None,
             tenant_iterations: None,
             fleet_iterations: None,
+            move_iterations: None,
             userns_iterations: None,
             volume_iterations: None,
         });
@@ -462,6 +472,10 @@ fn plan(args: &Args) -> anyhow::Result<Plan> {
             .phases
             .contains(&PhaseName::Fleet)
             .then_some((exec_iterations, create_iterations)),
+        move_iterations: args
+            .phases
+            .contains(&PhaseName::Moves)
+            .then_some(args.move_iterations.max(1)),
         userns_iterations: args
             .phases
             .contains(&PhaseName::Userns)
@@ -577,6 +591,7 @@ impl Bench {
                 checkpoints: None,
                 tenants: None,
                 fleet: None,
+                moves: None,
                 userns: None,
                 volumes: None,
             });
@@ -746,6 +761,23 @@ impl Bench {
             }
             None => None,
         };
+        let moves = match plan.move_iterations {
+            Some(n) => {
+                let i = plan.runtimes.iter().position(|r| r == "crun").unwrap_or(0);
+                Some(
+                    moves::measure(
+                        &plan.runbox,
+                        &plan.agent,
+                        &plan.runtimes[i],
+                        tar.clone(),
+                        n,
+                        plan.warmup,
+                    )
+                    .await?,
+                )
+            }
+            None => None,
+        };
         let userns = match plan.userns_iterations {
             Some((n, exec_n)) => {
                 let mut runtimes = Vec::new();
@@ -794,6 +826,7 @@ impl Bench {
             host: host_info(plan),
             tenants,
             fleet,
+            moves,
             userns,
             volumes,
             phases,

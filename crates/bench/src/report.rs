@@ -174,6 +174,9 @@ pub struct Report {
     /// The fleet phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fleet: Option<crate::fleet::FleetReport>,
+    /// The moves phase, when it ran.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub moves: Option<crate::moves::MovesReport>,
     /// The userns phase, when it ran.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub userns: Option<crate::userns::UsernsReport>,
@@ -426,6 +429,9 @@ pub fn markdown(report: &Report) -> String {
     if let Some(fleet) = &report.fleet {
         out.push_str(&crate::fleet::markdown(fleet));
     }
+    if let Some(moves) = &report.moves {
+        out.push_str(&crate::moves::markdown(moves));
+    }
     if let Some(userns) = &report.userns {
         out.push_str(&crate::userns::markdown(userns));
     }
@@ -598,6 +604,7 @@ mod tests {
             checkpoints: None,
             tenants: None,
             fleet: None,
+            moves: None,
             userns: None,
             volumes: None,
         });
@@ -668,6 +675,7 @@ mod tests {
             checkpoints: None,
             tenants: None,
             fleet: None,
+            moves: None,
             userns: None,
             volumes: None,
         });

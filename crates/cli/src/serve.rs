@@ -683,7 +683,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 state_dir.join("usage.jsonl"),
                 args.usage_max_mb << 20,
             )
-            .context("opening usage.jsonl")?,
+            .context("opening usage.jsonl")?
+            .for_node(cluster.as_ref().map(|_| config.server_id.clone())),
         )
     };
     let manager = Manager::start(config, lane, store, images, tenants, usage.clone()).await?;

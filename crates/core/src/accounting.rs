@@ -121,6 +121,10 @@ pub struct UsageEvent {
     /// Payload bytes of one egress connection, both ways (on `egress`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_bytes: Option<u64>,
+    /// The node of a fleet that recorded it (runs move between nodes, so
+    /// one run's events may be in several nodes' journals).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 impl UsageEvent {
@@ -137,6 +141,7 @@ impl UsageEvent {
             cpu_sec: None,
             peak_memory_bytes: None,
             egress_bytes: None,
+            node: None,
         }
     }
 }
@@ -171,6 +176,8 @@ enum Message {
 /// `<state>/usage.jsonl`, written by one thread in batches.
 pub struct UsageJournal {
     path: PathBuf,
+    /// The node of a fleet this is, stamped on each event.
+    node: Option<String>,
     sender: Mutex<mpsc::Sender<Message>>,
 }
 
@@ -185,8 +192,15 @@ impl UsageJournal {
             .spawn(move || write_batches(&journal, &receiver))?;
         Ok(UsageJournal {
             path,
+            node: None,
             sender: Mutex::new(sender),
         })
+    }
+
+    /// Stamps each event with node `node` (a node of a fleet).
+    pub fn for_node(mut self, node: Option<String>) -> UsageJournal {
+        self.node = node;
+        self
     }
 
     fn send(&self, message: Message) -> bool {
@@ -234,7 +248,10 @@ fn write_batches(journal: &runbox_journal::Journal, receiver: &mpsc::Receiver<Me
 }
 
 impl UsageSink for UsageJournal {
-    fn record(&self, event: UsageEvent) {
+    fn record(&self, mut event: UsageEvent) {
+        if event.node.is_none() {
+            event.node = self.node.clone();
+        }
         if !self.send(Message::Event(Box::new(event))) {
             tracing::warn!("the usage journal's writer has stopped; an event is lost");
         }

@@ -1827,6 +1827,21 @@ async fn a_run_moves_to_another_node_with_its_files_token_lease_and_ttl() {
     assert!(a
         .log()
         .contains("this node's copy of a run that moved is gone"));
+    // Each node's usage journal has its part, named by node.
+    for (daemon, event, node) in [(&a, "archive", "n1"), (&b, "restore", "n2")] {
+        let journal = eventually_async(Duration::from_secs(5), || async {
+            std::fs::read_to_string(daemon.state.path().join("usage.jsonl"))
+                .unwrap_or_default()
+                .lines()
+                .any(|l| {
+                    l.contains(&id)
+                        && l.contains(&format!("\"event\":\"{event}\""))
+                        && l.contains(&format!("\"node\":\"{node}\""))
+                })
+        })
+        .await;
+        assert!(journal, "no {event} event of {node} in its usage journal");
+    }
     // Bad moves say why.
     let to_self = b.client.move_run(&id, Some("n2".into())).await.unwrap_err();
     assert_eq!(
