@@ -197,6 +197,9 @@ pub async fn measure(
                 report.failed.len()
             );
             source.client.set_draining(false).await?;
+            for moved in &report.moved {
+                source.client.delete_run(&moved.id.to_string()).await?;
+            }
         }
         for daemon in [&from, &to] {
             for run in daemon.client.list_runs().await?.runs {

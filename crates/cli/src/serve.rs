@@ -707,6 +707,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(cluster) = &cluster {
         manager.set_fleet(cluster.clone());
+        if let Err(e) = manager.check_ownership().await {
+            if e.code() != runbox_types::ErrorCode::ClusterUnavailable {
+                bail!("{e}");
+            }
+        }
         // Before it serves: a run that moved to another node while this
         // one was away is that node's, and ends here.
         match manager.fence().await {

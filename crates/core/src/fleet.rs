@@ -53,6 +53,11 @@ pub trait Fleet: Send + Sync {
     /// (or were ended by the fleet while this node was gone).
     async fn superseded_runs(&self, ids: &[Ulid]) -> Result<Vec<Ulid>, CoreError>;
 
+    /// Of `ids` (runs this node holds), those the catalog has as another
+    /// node's that never were this node's (this state directory was
+    /// another node's), with that node.
+    async fn stranger_runs(&self, ids: &[Ulid]) -> Result<Vec<(Ulid, String)>, CoreError>;
+
     /// Runs of nodes gone (by their heartbeat) that were awake or asleep
     /// there, not archived, lost or gone: at most `limit`.
     async fn orphans(&self, limit: usize) -> Result<Vec<Orphan>, CoreError>;

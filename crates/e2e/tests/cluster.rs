@@ -89,10 +89,15 @@ async fn sees(daemon: &TestDaemon, id: &str, state: NodeState, limit: Duration) 
 /// `runbox serve` with `args` and `env` that must fail: its stderr.
 fn serve_fails(args: &[&str], env: &[(&str, &str)]) -> String {
     let state = tempfile::tempdir().expect("state dir");
+    serve_fails_in(state.path(), args, env)
+}
+
+/// [`serve_fails`] on state directory `state`.
+fn serve_fails_in(state: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> String {
     let out = Command::new(runbox_bin())
         .arg("serve")
         .arg("--state-dir")
-        .arg(state.path())
+        .arg(state)
         .arg("--listen")
         .arg("127.0.0.1:0")
         .arg("--agent")
@@ -2313,4 +2318,75 @@ async fn a_dead_nodes_runs_end_as_their_policy_says_and_none_comes_back_twice() 
         b.client.delete_run(id).await.expect("delete");
     }
     a.client.delete_run(&sleeper).await.expect("delete");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_e2b_sdk_resumes_a_paused_sandbox_on_another_node_when_its_node_is_gone() {
+    let python = e2b_python();
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (mut a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &["--max-runs", "0"]]).await;
+    // Made and paused through n1, whose disk then goes to the bucket (as
+    // `--archive-after-sec` would send it).
+    let id = e2b_script(
+        &python,
+        &a.url,
+        &a.token,
+        "from e2b import Sandbox\ns = Sandbox.create(timeout=300)\n\
+         s.files.write('/tmp/kept.txt', 'kept across nodes')\ns.pause()\nprint(s.sandbox_id)",
+    );
+    let archived = a.client.archive_run(&id).await.expect("archive");
+    assert_eq!(archived.status, runbox_types::RunStatus::Archived);
+    a.kill9();
+    assert!(sees(&b, "n1", NodeState::Gone, Duration::from_secs(20)).await);
+    // Resumed with the SDK through n3, which has no room: n2 restores it.
+    let script = format!(
+        "from e2b import Sandbox\ns = Sandbox.connect('{id}')\n\
+         assert s.files.read('/tmp/kept.txt') == 'kept across nodes'\n\
+         print(s.commands.run('echo resumed').stdout.strip())"
+    );
+    assert_eq!(e2b_script(&python, &c.url, &c.token, &script), "resumed");
+    let run = b.client.get_run(&id).await.expect("the sandbox");
+    assert_eq!(run.server, "n2");
+    let kill = format!("from e2b import Sandbox\nassert Sandbox.kill('{id}')\nprint('killed')");
+    assert_eq!(e2b_script(&python, &c.url, &c.token, &kill), "killed");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_state_directory_started_under_another_node_id_is_refused() {
+    let pg = PgServer::start();
+    let mut a = node(&pg, "n1", &[]).await;
+    let id = a.create().await.id.to_string();
+    let listed = eventually_async(Duration::from_secs(10), || async {
+        owner(&pg, &id) == "n1"
+    })
+    .await;
+    assert!(listed);
+    a.terminate();
+    let url = pg.url();
+    let advertise = format!("127.0.0.1:{}", free_port());
+    let stderr = serve_fails_in(
+        a.state.path(),
+        &[
+            "--cluster-db",
+            &url,
+            "--node-id",
+            "n9",
+            "--advertise",
+            &advertise,
+        ],
+        &[
+            ("RUNBOX_CLUSTER_KEY", KEY),
+            ("RUNBOX_CLUSTER_DB_PASSWORD", pg.password.as_str()),
+        ],
+    );
+    assert!(
+        stderr.contains("start this node with --node-id n1"),
+        "{stderr}"
+    );
+    // Under its own id it serves its run again.
+    a.spawn().await;
+    let out = a.sh(&id, "echo back").await;
+    assert_eq!(out.stdout, b"back\n");
+    a.client.delete_run(&id).await.expect("delete");
 }

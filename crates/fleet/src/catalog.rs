@@ -187,8 +187,10 @@ impl Catalog {
         };
         self.pass(generation);
         if owner == node {
-            // Handed to this node: it makes the run from its record.
-            return Ok((status != "gone").then_some(record));
+            // Handed to this node (a move leaves it archived): it makes the
+            // run from its record. A row of this node's in any other state
+            // is a run this node ended or never had: nothing to make.
+            return Ok((status == "archived").then_some(record));
         }
         let asleep = status == "archived" || (status == "restoring" && gone);
         let allowed = match how {
@@ -258,8 +260,14 @@ impl Catalog {
             return Ok(Vec::new());
         }
         let ids: Vec<String> = ids.iter().map(Ulid::to_string).collect();
+        // Another node's now only by a change of owner away from this
+        // node (or a delete of it, lost, while this node was gone): a row
+        // that never was this node's is not fenced here (see
+        // `strangers`).
         let rows: Vec<String> = sqlx::query_scalar(
-            "SELECT id FROM runbox_runs WHERE id = ANY($1) AND node <> $2 \
+            "SELECT r.id FROM runbox_runs r WHERE r.id = ANY($1) AND r.node <> $2 \
+             AND (r.node = '-' OR EXISTS (SELECT 1 FROM runbox_moves m \
+                                          WHERE m.run = r.id AND m.from_node = $2)) \
              UNION \
              SELECT m.run FROM (SELECT DISTINCT ON (run) run, to_node FROM runbox_moves \
                                 WHERE run = ANY($1) ORDER BY run, seq DESC) m \
@@ -275,6 +283,37 @@ impl Catalog {
 }
 
 impl Catalog {
+    /// Of `ids` (runs node `node` holds), those the catalog has as another
+    /// node's that never were this node's: the state directory is another
+    /// node's (started with another `--node-id`). Each with its node.
+    pub(crate) async fn strangers(
+        &self,
+        node: &str,
+        ids: &[Ulid],
+    ) -> Result<Vec<(Ulid, String)>, CoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<String> = ids.iter().map(Ulid::to_string).collect();
+        let rows = sqlx::query(
+            "SELECT r.id, r.node FROM runbox_runs r WHERE r.id = ANY($1) AND r.node <> $2 \
+             AND r.node <> '-' AND r.status <> 'gone' \
+             AND NOT EXISTS (SELECT 1 FROM runbox_moves m WHERE m.run = r.id AND m.from_node = $2)",
+        )
+        .bind(&ids)
+        .bind(node)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        Ok(rows
+            .iter()
+            .filter_map(|row| {
+                let id: String = row.get("id");
+                Some((id.parse().ok()?, row.get("node")))
+            })
+            .collect())
+    }
+
     /// The runs of nodes not heard from for `gone_after` that were awake
     /// or asleep on their node (not archived: those wake anywhere; not
     /// lost or gone), at most `limit`.

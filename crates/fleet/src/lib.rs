@@ -634,6 +634,13 @@ impl Fleet for Cluster {
         self.catalog.superseded(&self.options.node, ids).await
     }
 
+    async fn stranger_runs(
+        &self,
+        ids: &[ulid::Ulid],
+    ) -> Result<Vec<(ulid::Ulid, String)>, CoreError> {
+        self.catalog.strangers(&self.options.node, ids).await
+    }
+
     async fn orphans(&self, limit: usize) -> Result<Vec<Orphan>, CoreError> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         self.catalog.orphans(self.options.gone_after, limit).await

@@ -132,6 +132,28 @@ impl Manager {
         Ok(superseded.len())
     }
 
+    /// Refuses a state directory whose runs the fleet's catalog has as
+    /// another node's that they never moved from this one to: it was that
+    /// node's (started here with another `--node-id`), and serving its runs
+    /// under this id would fight that node's rows.
+    pub async fn check_ownership(&self) -> Result<(), CoreError> {
+        let Some(fleet) = self.fleet().cloned() else {
+            return Ok(());
+        };
+        let ids: Vec<Ulid> = self.registry().keys().copied().collect();
+        let strangers = fleet.stranger_runs(&ids).await?;
+        let Some((id, node)) = strangers.first() else {
+            return Ok(());
+        };
+        Err(CoreError::invalid(
+            ErrorCode::BadRequest,
+            format!(
+                "this state directory holds {} run(s) the fleet's catalog has as node {node:?}'s                  (run {id}, among others): start this node with --node-id {node}",
+                strangers.len()
+            ),
+        ))
+    }
+
     /// Fences every [`FENCE_EVERY`] (see [`Manager::fence`]).
     pub fn spawn_fence(self: &Arc<Self>) {
         let manager = Arc::downgrade(self);
