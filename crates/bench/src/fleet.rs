@@ -147,7 +147,7 @@ const MANY_NODES: usize = 1000;
 const KEY: &str = "runbox-bench-fleet-key-of-at-least-32-bytes";
 
 /// A node of the fleet in `pg` named `node`.
-async fn join(
+pub(crate) async fn join(
     pg: &PgServer,
     runbox: &Path,
     agent: &Path,

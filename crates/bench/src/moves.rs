@@ -45,10 +45,8 @@ pub struct MovesReport {
     pub drain: Summary,
 }
 
-/// The cluster key of the phase's fleet.
-const KEY: &str = "the-benchmark-fleet-key-of-more-than-32-bytes";
-
-/// Starts node `node` on `pg` with checkpoint store `store`.
+/// Starts node `node` on `pg` with checkpoint store `store` (the fleet
+/// phase's nodes, with the bucket).
 async fn join(
     pg: &PgServer,
     runbox: &Path,
@@ -57,29 +55,15 @@ async fn join(
     node: &str,
     store: &str,
 ) -> anyhow::Result<Daemon> {
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").context("a probe port")?;
-        l.local_addr()?.port()
-    };
-    let listen = format!("127.0.0.1:{port}");
-    let flags: Vec<String> = [
-        "--cluster-db",
-        &pg.url(),
-        "--node-id",
+    crate::fleet::join(
+        pg,
+        runbox,
+        agent,
+        runtime,
         node,
-        "--advertise",
-        &listen,
-        "--checkpoint-store",
-        store,
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let env = [
-        ("RUNBOX_CLUSTER_KEY", KEY),
-        ("RUNBOX_CLUSTER_DB_PASSWORD", pg.password.as_str()),
-    ];
-    Daemon::start_listening(runbox, agent, runtime, &listen, &flags, &env).await
+        &["--checkpoint-store", store],
+    )
+    .await
 }
 
 /// A run on `daemon` that has written [`CHANGED_MIB`] MiB to its disk.

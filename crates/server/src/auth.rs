@@ -286,26 +286,19 @@ pub(crate) async fn require<S: RunService>(
                     {
                         return refused.into_response();
                     }
-                    if at.lost {
-                        let mut response =
-                            crate::handlers::lost_run(&state, id, request.method(), &route).await;
-                        response
-                            .extensions_mut()
-                            .insert(AuditCaller(caller.audit_name()));
-                        response.extensions_mut().insert(AdmittedRun(id));
-                        response.extensions_mut().insert(AuditTenant(at.tenant));
-                        return response;
-                    }
-                    if at.gone {
+                    let mut response = if at.lost {
+                        crate::handlers::lost_run(&state, id, request.method(), &route).await
+                    } else if at.gone {
                         return ApiError::from(runbox_core::fleet::node_gone(id, &at))
                             .into_response();
-                    }
-                    let subject = crate::forward::proof_subject(&request);
-                    let Some(proof) = state.service.prove(&subject) else {
-                        return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
-                            .into_response();
+                    } else {
+                        let subject = crate::forward::proof_subject(&request);
+                        let Some(proof) = state.service.prove(&subject) else {
+                            return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
+                                .into_response();
+                        };
+                        crate::forward::forward(id, &at, proof, request).await
                     };
-                    let mut response = crate::forward::forward(id, &at, proof, request).await;
                     response
                         .extensions_mut()
                         .insert(AuditCaller(caller.audit_name()));

@@ -256,11 +256,7 @@ impl Manager {
     /// What a create of `req` needs a node's lane to do, by capability
     /// name: its network tier when that is not `none`.
     fn needs(&self, req: &runbox_types::CreateRunRequest) -> Vec<String> {
-        match req.network {
-            Some(runbox_types::NetworkTier::Allowlist) => vec!["allowlist".to_owned()],
-            Some(runbox_types::NetworkTier::Open) => vec!["open".to_owned()],
-            _ => Vec::new(),
-        }
+        req.network.map(moves::needs).unwrap_or_default()
     }
 
     /// Whether this node's lane can make a create of `req`.
@@ -1000,10 +996,9 @@ impl Manager {
         let mut runs: Vec<crate::fleet::Published> = handles
             .iter()
             .filter(|h| !ledger.idle(h.id) && h.snapshot().phase.visible())
-            .map(|h| {
-                let mut published = self.context.published(&h.snapshot().record);
-                published.run = self.view(h);
-                published
+            .map(|h| crate::fleet::Published {
+                run: self.view(h),
+                record: self.context.seal_record(&h.snapshot().record),
             })
             .collect();
         runs.sort_by_key(|r| r.run.id);

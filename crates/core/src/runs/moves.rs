@@ -42,7 +42,7 @@ pub(crate) fn not_movable(id: Ulid, why: &str) -> CoreError {
 }
 
 /// What a node's lane must do for a run on `network`, by capability name.
-fn needs(network: NetworkTier) -> Vec<String> {
+pub(super) fn needs(network: NetworkTier) -> Vec<String> {
     match network {
         NetworkTier::Allowlist => vec!["allowlist".to_owned()],
         NetworkTier::Open => vec!["open".to_owned()],
