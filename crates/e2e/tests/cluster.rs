@@ -1202,8 +1202,15 @@ async fn any_node_answers_for_a_run_another_node_holds() {
 }
 
 /// The unmodified E2B Python SDK (pinned in compat/e2b), in the virtual
-/// environment `scripts/test-e2b` makes: made here when it is not there yet.
+/// environment `scripts/test-e2b` makes: made here when it is not there yet,
+/// once per test process (two tests of this file use it, and a venv half
+/// made by one has its `python` before its `pip`).
 fn e2b_python() -> std::path::PathBuf {
+    static PYTHON: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    PYTHON.get_or_init(make_e2b_python).clone()
+}
+
+fn make_e2b_python() -> std::path::PathBuf {
     let root = runbox_e2e::workspace_root();
     let venv = root.join("target/e2benv");
     let python = venv.join("bin/python");
