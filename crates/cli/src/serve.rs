@@ -726,6 +726,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
         manager.spawn_fence();
         manager.spawn_node_loss();
+        // Volume moves a crash or an outage left unsettled: before it
+        // serves when the database answers, else in the background.
+        manager.settle_volume_moves().await;
+        manager.spawn_volume_settle();
         let node = manager.clone();
         cluster.spawn_heartbeat(Arc::new(move || {
             let info = node.info();

@@ -18,6 +18,8 @@ pub enum VolumesCommand {
     Show(NameArgs),
     /// Make a new volume holding what a volume holds now (constant time)
     Clone(CloneArgs),
+    /// Move a volume no run mounts to another node of the fleet
+    Move(MoveArgs),
     /// Delete volumes no run mounts, and everything in them
     Rm(RmArgs),
 }
@@ -51,6 +53,19 @@ pub struct CloneArgs {
     /// Its size in MiB [default: the source's]
     #[arg(long, value_name = "MIB")]
     pub size_mb: Option<u64>,
+    #[command(flatten)]
+    pub conn: ConnectOpts,
+}
+
+/// `runbox volumes move`.
+#[derive(Debug, Args)]
+pub struct MoveArgs {
+    /// The volume
+    pub name: String,
+    /// The node to move it to [default: the one with the most room that
+    /// shares this node's checkpoint bucket]
+    #[arg(long, value_name = "NODE")]
+    pub node: Option<String>,
     #[command(flatten)]
     pub conn: ConnectOpts,
 }
@@ -134,6 +149,11 @@ pub async fn run(command: VolumesCommand) -> anyhow::Result<ExitCode> {
             };
             let volume = conn.check(conn.client.clone_volume(&args.source, &req).await)?;
             println!("{}", volume.name);
+        }
+        VolumesCommand::Move(args) => {
+            let conn = args.conn.connect()?;
+            let volume = conn.check(conn.client.move_volume(&args.name, args.node).await)?;
+            println!("{} {}", volume.name, volume.server);
         }
         VolumesCommand::Rm(args) => {
             let conn = args.conn.connect()?;

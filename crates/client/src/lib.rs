@@ -637,6 +637,23 @@ impl Client {
         json(resp).await
     }
 
+    /// `POST /v1/volumes/{name}/move`: moves the volume (no run may mount
+    /// it) to node `node` of the fleet (the best one when None): the
+    /// volume on its new node.
+    pub async fn move_volume(
+        &self,
+        name: &str,
+        node: Option<String>,
+    ) -> Result<runbox_types::Volume, ClientError> {
+        let path = format!("{}/move", volume_path(name)?);
+        let req = runbox_types::VolumeNodeMoveRequest { node };
+        json(
+            self.send(self.request(Method::POST, &path).json(&req))
+                .await?,
+        )
+        .await
+    }
+
     /// `DELETE /v1/volumes/{name}`.
     pub async fn delete_volume(&self, name: &str) -> Result<(), ClientError> {
         let path = volume_path(name)?;

@@ -435,12 +435,68 @@ impl CheckpointStore {
         &self,
         record: &CheckpointRecord,
         layer: &StoredLayer,
+        sink: impl FnMut(&[u8]) -> io::Result<()>,
+    ) -> Result<(), CoreError> {
+        self.read_stored(record.id, record.generation, layer, sink)
+            .await
+    }
+
+    /// Writes `bytes` as object `name` beside the layers of generation
+    /// `generation` of `id`, which is never committed: for what passes
+    /// between nodes (a volume on its way to another node), not what is
+    /// kept. No listing shows it; the sweep removes it with the
+    /// generation's other objects once the newest is [`ORPHAN_AGE`] old,
+    /// if [`CheckpointStore::discard`] did not first.
+    pub async fn put_note(
+        &self,
+        id: Ulid,
+        generation: u64,
+        name: &str,
+        bytes: Vec<u8>,
+    ) -> Result<(), CoreError> {
+        let path = self.data_of(id, generation).join(name);
+        self.objects
+            .put(&path, PutPayload::from(bytes))
+            .await
+            .map(|_| ())
+            .map_err(self.unavailable("writing to the checkpoint store"))
+    }
+
+    /// Object `name` [`CheckpointStore::put_note`] wrote; None when there
+    /// is none.
+    pub async fn read_note(
+        &self,
+        id: Ulid,
+        generation: u64,
+        name: &str,
+    ) -> Result<Option<Bytes>, CoreError> {
+        let path = self.data_of(id, generation).join(name);
+        match self
+            .read_small(&path, "reading from the checkpoint store")
+            .await
+        {
+            Ok(bytes) => Ok(Some(bytes)),
+            Err(None) => Ok(None),
+            Err(Some(e)) => Err(e),
+        }
+    }
+
+    /// Removes every object of uncommitted generation `generation` of
+    /// `id` (what is left is the sweep's).
+    pub async fn discard(&self, id: Ulid, generation: u64) -> Result<(), CoreError> {
+        self.remove_data(id, generation).await
+    }
+
+    /// Streams layer `layer` of generation `generation` of `id` into
+    /// `sink`, at most its recorded size; the sink verifies the digests.
+    pub async fn read_stored(
+        &self,
+        id: Ulid,
+        generation: u64,
+        layer: &StoredLayer,
         mut sink: impl FnMut(&[u8]) -> io::Result<()>,
     ) -> Result<(), CoreError> {
-        let id = record.id;
-        let path = self
-            .data_of(id, record.generation)
-            .join(layer.object.as_str());
+        let path = self.data_of(id, generation).join(layer.object.as_str());
         if let Some(dir) = &self.local {
             return read_local_layer(&dir.join(path.as_ref()), id, layer, sink);
         }

@@ -75,6 +75,27 @@ pub trait Fleet: Send + Sync {
     /// Ends lost run `id` (its delete); false when it is not lost.
     async fn end_lost_run(&self, id: Ulid) -> Result<bool, CoreError>;
 
+    /// Starts move `id` of volume `volume` from this node to node `to`:
+    /// false when another move of it is under way.
+    async fn begin_volume_move(&self, volume: Ulid, id: Ulid, to: &str) -> Result<bool, CoreError>;
+
+    /// Ends move `id` of volume `volume` as `end` unless it ended already
+    /// (`Arrived` only by the node it goes to): how it ended, which both
+    /// nodes act on.
+    async fn end_volume_move(
+        &self,
+        volume: Ulid,
+        id: Ulid,
+        end: VolumeMove,
+    ) -> Result<VolumeMove, CoreError>;
+
+    /// The nodes that hold any of `volumes` (as [`Want::volumes`] names
+    /// them), each with why it cannot take a create now (None: it can).
+    async fn volume_nodes(
+        &self,
+        volumes: &[String],
+    ) -> Result<Vec<(String, Option<String>)>, CoreError>;
+
     /// Every run of the fleet the catalog lists, by id: each as its owner
     /// last published it.
     async fn runs(&self) -> Result<Vec<Run>, CoreError>;
@@ -148,6 +169,17 @@ pub struct Orphan {
     pub record: Option<String>,
     /// Its node's checkpoint store (a bucket, when it is one).
     pub store: Option<String>,
+}
+
+/// Where a volume's move stands in the fleet's database.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VolumeMove {
+    /// Under way.
+    Moving,
+    /// The node it went to holds it.
+    Arrived,
+    /// It did not get there: the node it left keeps it.
+    Back,
 }
 
 /// When a node may take over an asleep run another node owns.

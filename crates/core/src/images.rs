@@ -849,30 +849,41 @@ impl runbox_image::pull::LayerSink for StoreSink {
         &self,
         layer: &runbox_image::pull::LayerInfo,
     ) -> io::Result<Box<dyn runbox_image::pull::LayerWriter>> {
-        let (tx, rx) = std::sync::mpsc::sync_channel::<io::Result<Vec<u8>>>(8);
         let store = self.store.clone();
         let digest = layer.digest.clone();
         let diff_id = layer.diff_id.clone();
-        let thread = std::thread::Builder::new()
-            .name("runbox-unpack".into())
-            .spawn(move || {
-                let reader = ChannelReader {
-                    rx,
-                    current: Vec::new(),
-                    at: 0,
-                };
-                store
-                    .add_layer_checked(&digest, diff_id.as_deref(), reader)
-                    .map(|_| ())
-            })?;
-        Ok(Box::new(StoreWriter {
-            tx: Some(tx),
-            thread: Some(thread),
-        }))
+        Ok(Box::new(unpacker(move |reader| {
+            store
+                .add_layer_checked(&digest, diff_id.as_deref(), reader)
+                .map(|_| ())
+        })?))
     }
 }
 
-struct StoreWriter {
+/// A writer whose bytes `unpack` reads on a thread of its own, through a
+/// bounded channel (a blob is unpacked while it downloads, never held
+/// whole); `unpack`'s error is the writer's.
+pub(crate) fn unpacker(
+    unpack: impl FnOnce(&mut dyn Read) -> Result<(), StoreError> + Send + 'static,
+) -> io::Result<StoreWriter> {
+    let (tx, rx) = std::sync::mpsc::sync_channel::<io::Result<Vec<u8>>>(8);
+    let thread = std::thread::Builder::new()
+        .name("runbox-unpack".into())
+        .spawn(move || {
+            let mut reader = ChannelReader {
+                rx,
+                current: Vec::new(),
+                at: 0,
+            };
+            unpack(&mut reader)
+        })?;
+    Ok(StoreWriter {
+        tx: Some(tx),
+        thread: Some(thread),
+    })
+}
+
+pub(crate) struct StoreWriter {
     tx: Option<std::sync::mpsc::SyncSender<io::Result<Vec<u8>>>>,
     thread: Option<std::thread::JoinHandle<Result<(), StoreError>>>,
 }

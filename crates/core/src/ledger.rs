@@ -552,6 +552,9 @@ impl LocalLedger {
             if !mount.dataset && !self.volumes.exists(mount.id) {
                 return Err(crate::runs::volume_not_found(&mount.name));
             }
+            if let Some(moving) = self.volumes.moving(mount.id) {
+                return Err(in_motion(&mount.name, &moving));
+            }
             if book.writers.contains_key(&mount.id) {
                 return Err(being_written(&mount.name));
             }
@@ -586,6 +589,17 @@ impl LocalLedger {
 /// A [`Ask::dataset_ready`] for asks without datasets.
 pub fn no_datasets(_: &RunVolumeRecord) -> Result<(), CoreError> {
     Ok(())
+}
+
+/// A use of a volume refused while it moves between nodes.
+pub(crate) fn in_motion(name: &str, moving: &crate::volumes::VolumeMoving) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::VolumeBusy,
+        format!(
+            "volume {name:?} is moving to node {}; retry when the move ends (through any node)",
+            moving.to
+        ),
+    )
 }
 
 /// A mount refused while the volume is written through its file API.
@@ -719,6 +733,10 @@ impl Ledger for LocalLedger {
 
     async fn write_volume(&self, volume: Ulid, name: &str) -> Result<(), CoreError> {
         let mut book = self.book();
+        // Under the book, as a move's start is: one of them sees the other.
+        if let Some(moving) = self.volumes.moving(volume) {
+            return Err(in_motion(name, &moving));
+        }
         if let Some(holder) = book.holders().remove(&volume).unwrap_or_default().first() {
             let how = match holder.mode {
                 VolumeMode::Rw => "a writer has it to itself",
@@ -766,6 +784,9 @@ impl Ledger for LocalLedger {
         }
         if book.writers.contains_key(&volume) {
             return Err(being_written(name));
+        }
+        if let Some(moving) = self.volumes.moving(volume) {
+            return Err(in_motion(name, &moving));
         }
         remove()
     }
@@ -976,6 +997,7 @@ mod tests {
 
         fn volume(&self, name: &str) -> Ulid {
             let record = VolumeRecord {
+                moving: None,
                 id: Ulid::new(),
                 name: name.into(),
                 tenant: None,

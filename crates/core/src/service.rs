@@ -513,6 +513,47 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn held_runs(&self) -> Vec<Ulid> {
         Vec::new()
     }
+    /// Starts moving `owner`'s volume `name` to node `to`; see
+    /// [`crate::runs::Manager::leave_volume`].
+    fn leave_volume(
+        &self,
+        name: &str,
+        owner: &crate::tenants::Owner,
+        to: Option<String>,
+    ) -> impl Future<Output = Result<crate::runs::VolumeDeparture, CoreError>> + Send {
+        let _ = (owner, to);
+        let name = name.to_owned();
+        async move {
+            Err(CoreError::Conflict {
+                code: runbox_types::ErrorCode::NotMovable,
+                message: format!("volume {name:?} cannot move: this node is not part of a fleet"),
+            })
+        }
+    }
+    /// Ends the move of volume `volume` this node started; see
+    /// [`crate::runs::Manager::finish_volume_move`].
+    fn finish_volume_move(
+        &self,
+        volume: Ulid,
+    ) -> impl Future<Output = Result<crate::fleet::VolumeMove, CoreError>> + Send {
+        let _ = volume;
+        async { Ok(crate::fleet::VolumeMove::Back) }
+    }
+    /// Makes the volume move `key` brings this node's, for `owner`; see
+    /// [`crate::runs::Manager::arrive_volume`].
+    fn arrive_volume(
+        &self,
+        key: &str,
+        owner: &crate::tenants::Owner,
+    ) -> impl Future<Output = Result<runbox_types::Volume, CoreError>> + Send {
+        let _ = (key, owner);
+        async {
+            Err(CoreError::invalid(
+                runbox_types::ErrorCode::BadRequest,
+                "this node is not part of a fleet",
+            ))
+        }
+    }
     /// Moves run `id` to node `to` (the best that can take it when None);
     /// see [`crate::runs::Manager::move_run`].
     fn move_run(
@@ -881,6 +922,30 @@ impl RunService for Arc<Manager> {
         to: Option<String>,
     ) -> Result<(crate::fleet::Located, bool), CoreError> {
         Manager::move_run(self, id, to).await
+    }
+
+    async fn leave_volume(
+        &self,
+        name: &str,
+        owner: &crate::tenants::Owner,
+        to: Option<String>,
+    ) -> Result<crate::runs::VolumeDeparture, CoreError> {
+        Manager::leave_volume(self, name, owner.tenant(), to).await
+    }
+
+    async fn finish_volume_move(
+        &self,
+        volume: Ulid,
+    ) -> Result<crate::fleet::VolumeMove, CoreError> {
+        Manager::finish_volume_move(self, volume).await
+    }
+
+    async fn arrive_volume(
+        &self,
+        key: &str,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::Volume, CoreError> {
+        Manager::arrive_volume(self, key, owner.tenant()).await
     }
 
     fn held_runs(&self) -> Vec<Ulid> {

@@ -38,6 +38,25 @@ pub struct VolumeRecord {
     /// Its labels.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub labels: std::collections::BTreeMap<String, String>,
+    /// A move of it to or from another node of the fleet that has not
+    /// ended: no run mounts it, nothing writes or deletes it meanwhile.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moving: Option<VolumeMoving>,
+}
+
+/// A volume's move between nodes, as its record keeps it until the move
+/// ends (see `runbox_core::runs` `volume_moves`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMoving {
+    /// The move (its objects in the checkpoint bucket are under it).
+    pub id: Ulid,
+    /// The node it goes to.
+    pub to: String,
+    /// This node is that node (the volume is not its own until the move
+    /// ends as arrived; until then nothing finds it here).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub arriving: bool,
 }
 
 /// A volume a run mounts, as the run's record keeps it.
@@ -217,6 +236,10 @@ pub fn overlaps(a: &str, b: &str) -> bool {
     within(a, b) || within(b, a)
 }
 
+fn arriving(record: &VolumeRecord) -> bool {
+    record.moving.as_ref().is_some_and(|m| m.arriving)
+}
+
 /// The node's volume records, read once at start and kept in step with the
 /// store. Lookups are by owner and name.
 pub(crate) struct Volumes {
@@ -238,11 +261,12 @@ impl Volumes {
         self.known.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The volume `tenant` (None: the operator) has under `name`.
+    /// The volume `tenant` (None: the operator) has under `name` (not one
+    /// still arriving from another node).
     pub fn find(&self, tenant: Option<&str>, name: &str) -> Option<VolumeRecord> {
         self.known()
             .iter()
-            .find(|v| v.tenant.as_deref() == tenant && v.name == name)
+            .find(|v| v.tenant.as_deref() == tenant && v.name == name && !arriving(v))
             .cloned()
     }
 
@@ -256,11 +280,47 @@ impl Volumes {
         self.known().iter().any(|v| v.id == id)
     }
 
-    /// Every record, by owner and name.
+    /// The node volume `id` is moving to or from, when a move of it has
+    /// not ended.
+    pub fn moving(&self, id: Ulid) -> Option<VolumeMoving> {
+        self.known()
+            .iter()
+            .find(|v| v.id == id)
+            .and_then(|v| v.moving.clone())
+    }
+
+    /// Every record, by owner and name (not those still arriving).
     pub fn all(&self) -> Vec<VolumeRecord> {
-        let mut all = self.known().clone();
+        let mut all: Vec<VolumeRecord> = self
+            .known()
+            .iter()
+            .filter(|v| !arriving(v))
+            .cloned()
+            .collect();
         all.sort_by(|a, b| (&a.tenant, &a.name).cmp(&(&b.tenant, &b.name)));
         all
+    }
+
+    /// The records of volumes whose moves have not ended.
+    pub fn in_motion(&self) -> Vec<VolumeRecord> {
+        self.known()
+            .iter()
+            .filter(|v| v.moving.is_some())
+            .cloned()
+            .collect()
+    }
+
+    /// Sets (or clears) volume `id`'s move, durably.
+    pub fn set_moving(&self, id: Ulid, moving: Option<VolumeMoving>) -> Result<(), CoreError> {
+        let mut known = self.known();
+        let Some(record) = known.iter_mut().find(|v| v.id == id) else {
+            return Err(CoreError::Store(format!("volume {id} is not on record")));
+        };
+        let mut changed = record.clone();
+        changed.moving = moving;
+        self.store.put(&changed)?;
+        *record = changed;
+        Ok(())
     }
 
     /// Every id on record.
@@ -364,6 +424,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("db")).unwrap();
         let record = |name: &str, tenant: Option<&str>| VolumeRecord {
+            moving: None,
             id: Ulid::new(),
             name: name.into(),
             tenant: tenant.map(str::to_owned),

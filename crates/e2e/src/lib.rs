@@ -588,6 +588,36 @@ pub fn cgroup_exists(id: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// Sets extended attribute `name` of `path` (not following a symlink) to
+/// `value`, from the host: busybox has no setfattr.
+pub fn set_xattr(path: &Path, name: &str, value: &[u8]) {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    // SAFETY: both strings are NUL-terminated and live across the call.
+    let rc = unsafe {
+        libc::lsetxattr(
+            c.as_ptr(),
+            n.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    assert_eq!(rc, 0, "setting xattr {name} on {}", path.display());
+}
+
+/// Extended attribute `name` of `path` (not following a symlink), if it
+/// has one (of at most 64 bytes).
+pub fn xattr(path: &Path, name: &str) -> Option<Vec<u8>> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let n = std::ffi::CString::new(name).ok()?;
+    let mut buf = [0u8; 64];
+    // SAFETY: NUL-terminated strings; buf is writable for its length.
+    let got =
+        unsafe { libc::lgetxattr(c.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    (got >= 0).then(|| buf[..got as usize].to_vec())
+}
+
 /// An upload body of `data`, with its length.
 pub fn body(data: Vec<u8>) -> runbox_client::UploadBody {
     let len = data.len() as u64;

@@ -37,19 +37,7 @@ async fn write_files(daemon: &TestDaemon, id: &str) {
         .join("runs")
         .join(id)
         .join("disk/upper/work/a.txt");
-    let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
-    let (name, value) = (c"user.runbox", b"kept");
-    // SAFETY: both strings are NUL-terminated and live across the call.
-    let rc = unsafe {
-        libc::lsetxattr(
-            c.as_ptr(),
-            name.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    assert_eq!(rc, 0, "setting an xattr on {}", path.display());
+    runbox_e2e::set_xattr(&path, "user.runbox", b"kept");
 }
 
 /// The xattr [`write_files`] set, read from run `id`'s image layers or
@@ -67,26 +55,10 @@ fn xattr_of(daemon: &TestDaemon, id: &str) -> Option<Vec<u8>> {
     {
         candidates.push(entry.path().join("work/a.txt"));
     }
-    for path in candidates {
-        if !path.exists() {
-            continue;
-        }
-        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
-        let mut buf = [0u8; 64];
-        // SAFETY: NUL-terminated strings; buf is writable for its length.
-        let n = unsafe {
-            libc::lgetxattr(
-                c.as_ptr(),
-                c"user.runbox".as_ptr(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-            )
-        };
-        if n >= 0 {
-            return Some(buf[..n as usize].to_vec());
-        }
-    }
-    None
+    candidates
+        .iter()
+        .filter(|path| path.exists())
+        .find_map(|path| runbox_e2e::xattr(path, "user.runbox"))
 }
 
 async fn listing(daemon: &TestDaemon, id: &str) -> String {

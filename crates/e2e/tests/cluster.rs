@@ -2397,3 +2397,288 @@ async fn a_state_directory_started_under_another_node_id_is_refused() {
     assert_eq!(out.stdout, b"back\n");
     a.client.delete_run(&id).await.expect("delete");
 }
+
+/// Where `daemon` keeps volume `id`'s files.
+fn volume_dir(daemon: &TestDaemon, id: &ulid::Ulid) -> std::path::PathBuf {
+    daemon
+        .state
+        .path()
+        .join("runs/.volumes")
+        .join(id.to_string())
+}
+
+/// A mount of volume `name` at /volumes/`name`.
+fn mount(name: &str) -> Vec<runbox_types::VolumeMountRequest> {
+    vec![runbox_types::VolumeMountRequest {
+        name: name.into(),
+        path: None,
+        mode: None,
+    }]
+}
+
+/// How volume `id`'s latest move ended, as the database has it.
+fn volume_move(pg: &PgServer, id: &ulid::Ulid) -> String {
+    pg.psql(&format!(
+        "SELECT from_node || '>' || to_node || ':' || state FROM runbox_volume_moves WHERE volume = '{id}'"
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_moves_to_another_node_with_its_files_and_creates_follow_it() {
+    use runbox_types::{CreateRunRequest, CreateVolumeRequest, ErrorCode};
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &["--max-runs", "0"]]).await;
+    let volume = a
+        .client
+        .create_volume(&CreateVolumeRequest {
+            name: "data".into(),
+            size_mb: Some(64),
+            ..Default::default()
+        })
+        .await
+        .expect("a volume on n1");
+    let writer = a
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(mount("data")),
+            ..Default::default()
+        })
+        .await;
+    let wid = writer.id.to_string();
+    let wrote = a
+        .sh(
+            &wid,
+            "set -e; cd /volumes/data; echo kept > a.txt; chown 1000:1000 a.txt; chmod 640 a.txt; \
+             mkdir -p deep/er; echo deep > deep/er/f; ln -s a.txt link; ln a.txt hard; \
+             head -c 3000000 /dev/urandom > bin.dat; md5sum bin.dat > sum",
+        )
+        .await;
+    assert_eq!(wrote.exit.exit_code, 0, "{:?}", wrote.stderr);
+    runbox_e2e::set_xattr(
+        &volume_dir(&a, &volume.id).join("a.txt"),
+        "user.runbox",
+        b"kept",
+    );
+    // Mounted: it stays.
+    let err = c
+        .client
+        .move_volume("data", Some("n2".into()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::VolumeBusy), "{err}");
+    a.client.delete_run(&wid).await.expect("delete the writer");
+    // Nowhere it cannot go.
+    for (node, code, says) in [
+        ("n1", ErrorCode::BadRequest, "on node n1 already"),
+        ("n9", ErrorCode::NotMovable, "no node \"n9\""),
+        ("n3", ErrorCode::NotMovable, "node n3 is full"),
+    ] {
+        let err = a
+            .client
+            .move_volume("data", Some(node.into()))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Some(code), "{node}: {err}");
+        assert!(err.to_string().contains(says), "{node}: {err}");
+    }
+    // Asked of n3, which does not hold it (sent on to n1), to n2.
+    let moved = c
+        .client
+        .move_volume("data", Some("n2".into()))
+        .await
+        .expect("move");
+    assert_eq!((moved.server.as_str(), moved.id), ("n2", volume.id));
+    assert_eq!(volume_move(&pg, &volume.id), "n1>n2:arrived");
+    assert!(!volume_dir(&a, &volume.id).exists(), "n1 kept its copy");
+    assert_eq!(
+        runbox_e2e::xattr(&volume_dir(&b, &volume.id).join("a.txt"), "user.runbox").as_deref(),
+        Some(&b"kept"[..])
+    );
+    let listed = a.client.list_volumes().await.expect("list");
+    let named: Vec<(&str, &str)> = listed
+        .volumes
+        .iter()
+        .map(|v| (v.name.as_str(), v.server.as_str()))
+        .collect();
+    assert_eq!(named, [("data", "n2")]);
+    // A create through n1 that mounts it goes to n2, and finds every file
+    // as it was.
+    let listed = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT '/data' = ANY(volumes) FROM runbox_nodes WHERE id = 'n2'") == "t"
+    })
+    .await;
+    assert!(listed, "n2's heartbeat never named the volume");
+    let reader = a
+        .client
+        .create_run(&CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(mount("data")),
+            ..Default::default()
+        })
+        .await
+        .expect("a create mounting the moved volume");
+    assert_eq!(reader.server, "n2");
+    let out = a
+        .sh(
+            &reader.id.to_string(),
+            "cd /volumes/data && stat -c '%n %u:%g %a %h' a.txt hard && readlink link && \
+             cat a.txt deep/er/f && md5sum -c sum",
+        )
+        .await;
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "a.txt 1000:1000 640 2\nhard 1000:1000 640 2\na.txt\nkept\ndeep\nbin.dat: OK\n"
+    );
+    a.client
+        .delete_run(&reader.id.to_string())
+        .await
+        .expect("delete");
+    // A node that has a volume of that name already does not take it; it
+    // stays where it is, whole.
+    a.client
+        .create_volume(&CreateVolumeRequest {
+            name: "data".into(),
+            size_mb: Some(8),
+            ..Default::default()
+        })
+        .await
+        .expect("another volume named data, on n1");
+    let err = b
+        .client
+        .move_volume("data", Some("n1".into()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::NotMovable), "{err}");
+    assert!(err.to_string().contains("has a volume named"), "{err}");
+    assert_eq!(volume_move(&pg, &volume.id), "n2>n1:back");
+    assert!(volume_dir(&b, &volume.id).join("bin.dat").exists());
+    assert_eq!(
+        b.client.get_volume("data").await.expect("still n2's").id,
+        volume.id
+    );
+    // A create mounting a volume whose node cannot take it says which
+    // node and why.
+    c.client
+        .create_volume(&CreateVolumeRequest {
+            name: "full".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("a volume on n3");
+    let listed = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT '/full' = ANY(volumes) FROM runbox_nodes WHERE id = 'n3'") == "t"
+    })
+    .await;
+    assert!(listed, "n3's heartbeat never named its volume");
+    let err = a
+        .client
+        .create_run(&CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(mount("full")),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::Capacity), "{err}");
+    assert!(
+        err.to_string().contains("on node n3, and it is full"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_volume_move_broken_off_by_either_node_leaves_the_volume_on_one() {
+    use runbox_types::{CreateRunRequest, CreateVolumeRequest, ErrorCode};
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (mut a, mut b, _c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
+    let volume = a
+        .client
+        .create_volume(&CreateVolumeRequest {
+            name: "big".into(),
+            size_mb: Some(1024),
+            ..Default::default()
+        })
+        .await
+        .expect("a volume on n1");
+    let writer = a
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(mount("big")),
+            ..Default::default()
+        })
+        .await;
+    let wrote = a
+        .sh(
+            &writer.id.to_string(),
+            "head -c 300000000 /dev/urandom > /volumes/big/blob && md5sum /volumes/big/blob > /volumes/big/sum",
+        )
+        .await;
+    assert_eq!(wrote.exit.exit_code, 0, "{:?}", wrote.stderr);
+    a.client
+        .delete_run(&writer.id.to_string())
+        .await
+        .expect("delete");
+    // The node it goes to dies while it unpacks the volume: the move is
+    // called off, the volume is n1's, and what n2 made is gone when it
+    // is back.
+    let arriving = volume_dir(&b, &volume.id);
+    let (moved, killed) = tokio::join!(a.client.move_volume("big", Some("n2".into())), async {
+        let seen = runbox_e2e::eventually(Duration::from_secs(60), || arriving.exists()).await;
+        b.kill9();
+        seen
+    });
+    assert!(killed, "n2 never began to make the volume");
+    let err = moved.unwrap_err();
+    assert_eq!(err.code(), Some(ErrorCode::NotMovable), "{err}");
+    assert_eq!(volume_move(&pg, &volume.id), "n1>n2:back");
+    b.spawn().await;
+    assert!(!arriving.exists(), "n2 kept a half-made volume");
+    let check = |d: &TestDaemon| {
+        let d = d.client.clone();
+        async move {
+            let run = d
+                .create_run(&CreateRunRequest {
+                    image: "base".into(),
+                    volumes: Some(mount("big")),
+                    ..Default::default()
+                })
+                .await
+                .expect("a run mounting the volume");
+            (run.server.clone(), run.id.to_string())
+        }
+    };
+    let (server, id) = check(&a).await;
+    assert_eq!(server, "n1");
+    let out = a.sh(&id, "md5sum -c /volumes/big/sum").await;
+    assert_eq!(out.stdout, b"/volumes/big/blob: OK\n");
+    a.client.delete_run(&id).await.expect("delete");
+    // The node it leaves dies once the other node holds it, before it
+    // hears so: the move ended as arrived, and n1 ends its copy when it
+    // is back.
+    let leaving = volume_dir(&a, &volume.id);
+    let arriving = volume_dir(&b, &volume.id);
+    let client = a.client.clone();
+    let (moved, stopped) = tokio::join!(client.move_volume("big", Some("n2".into())), async {
+        let seen = runbox_e2e::eventually(Duration::from_secs(60), || arriving.exists()).await;
+        let pid = a.pid().to_string();
+        let _ = Command::new("kill").args(["-STOP", &pid]).status();
+        let arrived = eventually_async(Duration::from_secs(60), || async {
+            volume_move(&pg, &volume.id) == "n1>n2:arrived"
+        })
+        .await;
+        a.kill9();
+        seen && arrived
+    });
+    assert!(stopped, "the move never arrived on n2 while n1 was stopped");
+    assert!(moved.is_err(), "n1 answered while stopped: {moved:?}");
+    assert!(leaving.exists(), "n1's copy went before it was back");
+    a.spawn().await;
+    assert!(!leaving.exists(), "n1 kept its copy of a volume that moved");
+    let (server, id) = check(&a).await;
+    assert_eq!(server, "n2");
+    let out = a.sh(&id, "md5sum -c /volumes/big/sum").await;
+    assert_eq!(out.stdout, b"/volumes/big/blob: OK\n");
+    a.client.delete_run(&id).await.expect("delete");
+}

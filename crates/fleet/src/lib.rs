@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use runbox_core::fleet::{unavailable, Located, Orphan, Published, Takeover};
+use runbox_core::fleet::{unavailable, Located, Orphan, Published, Takeover, VolumeMove};
 use runbox_core::CoreError;
 use runbox_types::{ClusterNode, NodeState};
 use sha2::Sha256;
@@ -32,6 +32,7 @@ mod singleton;
 mod tenants;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod volume_moves;
 
 pub use cell::CellPools;
 pub use runbox_core::fleet::Fleet;
@@ -75,6 +76,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("../migrations/0010_node_facts.sql"),
     ),
     (11, "moves", include_str!("../migrations/0011_moves.sql")),
+    (
+        12,
+        "volume moves",
+        include_str!("../migrations/0012_volume_moves.sql"),
+    ),
 ];
 
 /// The schema files built into the binary, as sqlx's migrator takes them.
@@ -657,6 +663,36 @@ impl Fleet for Cluster {
 
     async fn end_lost_run(&self, id: ulid::Ulid) -> Result<bool, CoreError> {
         self.catalog.end_lost(id).await
+    }
+
+    async fn begin_volume_move(
+        &self,
+        volume: ulid::Ulid,
+        id: ulid::Ulid,
+        to: &str,
+    ) -> Result<bool, CoreError> {
+        volume_moves::begin(&self.pool, volume, id, &self.options.node, to).await
+    }
+
+    async fn end_volume_move(
+        &self,
+        volume: ulid::Ulid,
+        id: ulid::Ulid,
+        end: VolumeMove,
+    ) -> Result<VolumeMove, CoreError> {
+        volume_moves::end(&self.pool, volume, id, end, &self.options.node).await
+    }
+
+    async fn volume_nodes(
+        &self,
+        volumes: &[String],
+    ) -> Result<Vec<(String, Option<String>)>, CoreError> {
+        volume_moves::holders(
+            &self.pool,
+            volumes,
+            self.options.suspect_after.as_secs_f64(),
+        )
+        .await
     }
 
     async fn runs(&self) -> Result<Vec<runbox_types::Run>, CoreError> {

@@ -483,56 +483,7 @@ impl Store {
         dir: &Path,
     ) -> Result<LayerRecord, StoreError> {
         fs::create_dir(dir).map_err(io_err(format!("creating {}", dir.display())))?;
-        let mut hashing = HashingReader {
-            inner: blob,
-            hasher: Sha256::new(),
-        };
-        let (stats, actual_diff_id) = {
-            let reader = unpack::decompressed(&mut hashing)
-                .map_err(io_err(format!("reading layer {digest}")))?;
-            let mut tar = HashingReader {
-                inner: reader,
-                hasher: Sha256::new(),
-            };
-            let stats = unpack::unpack_layer(&mut tar, dir, &self.limits).map_err(|source| {
-                StoreError::Unpack {
-                    digest: digest.to_owned(),
-                    source,
-                }
-            })?;
-            // The diff_id covers the whole uncompressed stream, the zero
-            // blocks after the tar's end marker included; bounded, so a
-            // small blob cannot make us inflate and hash gigabytes of it.
-            let trailer = io::copy(&mut (&mut tar).take(MAX_TRAILER + 1), &mut io::sink())
-                .map_err(io_err(format!("reading layer {digest}")))?;
-            if trailer > MAX_TRAILER {
-                return Err(StoreError::BadLayer {
-                    digest: digest.to_owned(),
-                    why: format!("more than {MAX_TRAILER} bytes follow the archive's end"),
-                });
-            }
-            (stats, format!("sha256:{}", hex(&tar.hasher.finalize())))
-        };
-        // The tar end marker may come before the end of the blob (padding,
-        // compression trailer): hash everything that is left.
-        io::copy(&mut hashing, &mut io::sink())
-            .map_err(io_err(format!("reading layer {digest}")))?;
-        let actual = format!("sha256:{}", hex(&hashing.hasher.finalize()));
-        if actual != digest {
-            return Err(StoreError::DigestMismatch {
-                expected: digest.to_owned(),
-                actual,
-            });
-        }
-        if let Some(expected) = diff_id {
-            if expected != actual_diff_id {
-                return Err(StoreError::DiffIdMismatch {
-                    blob: digest.to_owned(),
-                    expected: expected.to_owned(),
-                    actual: actual_diff_id,
-                });
-            }
-        }
+        let (stats, actual_diff_id) = unpack_checked(digest, diff_id, blob, dir, &self.limits)?;
         Ok(LayerRecord {
             digest: actual_diff_id.clone(),
             diff_id: Some(actual_diff_id),
@@ -797,6 +748,68 @@ impl<W: io::Write> io::Write for HashingWriter<W> {
     fn flush(&mut self) -> io::Result<()> {
         self.inner.flush()
     }
+}
+
+/// Unpacks layer blob `blob` (compressed or not) into `dir`, an existing
+/// empty directory, checking that the blob hashes to `digest` and, given
+/// one, that its uncompressed tar hashes to `diff_id`: what was unpacked,
+/// and the tar's digest. On error `dir` is left half-filled. Blocking.
+pub fn unpack_checked(
+    digest: &str,
+    diff_id: Option<&str>,
+    blob: impl Read,
+    dir: &Path,
+    limits: &UnpackLimits,
+) -> Result<(unpack::UnpackStats, String), StoreError> {
+    let mut hashing = HashingReader {
+        inner: blob,
+        hasher: Sha256::new(),
+    };
+    let (stats, actual_diff_id) = {
+        let reader = unpack::decompressed(&mut hashing)
+            .map_err(io_err(format!("reading layer {digest}")))?;
+        let mut tar = HashingReader {
+            inner: reader,
+            hasher: Sha256::new(),
+        };
+        let stats =
+            unpack::unpack_layer(&mut tar, dir, limits).map_err(|source| StoreError::Unpack {
+                digest: digest.to_owned(),
+                source,
+            })?;
+        // The diff_id covers the whole uncompressed stream, the zero
+        // blocks after the tar's end marker included; bounded, so a
+        // small blob cannot make us inflate and hash gigabytes of it.
+        let trailer = io::copy(&mut (&mut tar).take(MAX_TRAILER + 1), &mut io::sink())
+            .map_err(io_err(format!("reading layer {digest}")))?;
+        if trailer > MAX_TRAILER {
+            return Err(StoreError::BadLayer {
+                digest: digest.to_owned(),
+                why: format!("more than {MAX_TRAILER} bytes follow the archive's end"),
+            });
+        }
+        (stats, format!("sha256:{}", hex(&tar.hasher.finalize())))
+    };
+    // The tar end marker may come before the end of the blob (padding,
+    // compression trailer): hash everything that is left.
+    io::copy(&mut hashing, &mut io::sink()).map_err(io_err(format!("reading layer {digest}")))?;
+    let actual = format!("sha256:{}", hex(&hashing.hasher.finalize()));
+    if actual != digest {
+        return Err(StoreError::DigestMismatch {
+            expected: digest.to_owned(),
+            actual,
+        });
+    }
+    if let Some(expected) = diff_id {
+        if expected != actual_diff_id {
+            return Err(StoreError::DiffIdMismatch {
+                blob: digest.to_owned(),
+                expected: expected.to_owned(),
+                actual: actual_diff_id,
+            });
+        }
+    }
+    Ok((stats, actual_diff_id))
 }
 
 struct HashingReader<R> {

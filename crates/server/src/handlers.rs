@@ -8,7 +8,7 @@ use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequest, FromRequestParts, Path, RawQuery, State};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::request::Parts;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -350,7 +350,11 @@ pub async fn create_run<S: RunService>(
             Ok(None) => {}
             // Placement is a preference: without the database the create
             // is made here (and the ledger says whether it may be).
-            Err(e) => tracing::debug!(error = %e, "no placement; the create is made here"),
+            Err(e) if e.code() == ErrorCode::ClusterUnavailable => {
+                tracing::debug!(error = %e, "no placement; the create is made here")
+            }
+            // The volumes it mounts are on a node that cannot take it.
+            Err(e) => return Ok(audited(action, Err::<(), _>(e.into()))),
         }
     }
     let again = placeable.then(|| req.clone());
@@ -956,6 +960,127 @@ pub async fn clone_volume<S: RunService>(
         .clone_volume(name, req, caller.owner())
         .await?;
     Ok((StatusCode::CREATED, Json(volume)).into_response())
+}
+
+/// The header in which a node that moves a volume tells the node it goes
+/// to which move it is (`<volume>/<move>`), with its node proof.
+const VOLUME_ARRIVAL: &str = "runbox-volume-arrival";
+
+/// `POST /v1/volumes/{name}/move`: moves the caller's volume, unmounted,
+/// to another node of the fleet through the checkpoint bucket (see
+/// `runbox_core::runs::Manager::leave_volume`); the volume as its new node
+/// answers. From another node, with [`VOLUME_ARRIVAL`]: that node's move
+/// of the volume to this one. Each runs to its end however the caller
+/// goes, so a disconnect leaves the volume on one node.
+pub async fn move_volume<S: RunService>(
+    State(state): State<AppState<S>>,
+    caller: Caller,
+    AppPath(name): AppPath<String>,
+    headers: HeaderMap,
+    OptionalJson(req): OptionalJson<runbox_types::VolumeNodeMoveRequest>,
+) -> Result<Response, ApiError> {
+    let owner = caller.owner().clone();
+    if let Some(key) = headers.get(VOLUME_ARRIVAL) {
+        if !headers.contains_key(crate::forward::NODE_PROOF) {
+            return Err(ApiError::new(
+                ErrorCode::BadRequest,
+                format!("{VOLUME_ARRIVAL} is for the nodes of a fleet; leave it out"),
+            ));
+        }
+        let key = key
+            .to_str()
+            .map_err(|_| ApiError::new(ErrorCode::BadRequest, "a volume move that is no text"))?
+            .to_owned();
+        let service = state.service.clone();
+        let arrived = tokio::spawn(async move { service.arrive_volume(&key, &owner).await })
+            .await
+            .map_err(|e| {
+                ApiError::new(ErrorCode::Internal, format!("volume arrival task: {e}"))
+            })??;
+        return Ok(Json(arrived).into_response());
+    }
+    let credentials: Vec<(HeaderName, HeaderValue)> = ["authorization", "x-api-key"]
+        .into_iter()
+        .filter_map(|h| {
+            headers
+                .get(h)
+                .map(|v| (HeaderName::from_static(h), v.clone()))
+        })
+        .collect();
+    let task = tokio::spawn(async move {
+        let departure = state.service.leave_volume(&name, &owner, req.node).await?;
+        let answer = tell_volume(&state, &name, &departure, &credentials).await;
+        let response = answer.unwrap_or_else(IntoResponse::into_response);
+        let status = response.status();
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap_or_default();
+        let end = state.service.finish_volume_move(departure.volume).await?;
+        match end {
+            runbox_core::fleet::VolumeMove::Arrived => {
+                let volume = serde_json::from_slice::<runbox_types::Volume>(&body)
+                    .ok()
+                    .filter(|_| status.is_success())
+                    .unwrap_or(runbox_types::Volume {
+                        server: departure.target.node.clone(),
+                        holders: Vec::new(),
+                        ..departure.view
+                    });
+                Ok(Json(volume).into_response())
+            }
+            _ => {
+                let why = serde_json::from_slice::<runbox_types::ErrorBody>(&body)
+                    .map(|b| b.error.message)
+                    .unwrap_or_else(|_| format!("it answered {status}"));
+                Err(ApiError::new(
+                    ErrorCode::NotMovable,
+                    format!(
+                        "volume {name:?} stays on node {}: node {} did not take it: {why}",
+                        state.service.server_id(),
+                        departure.target.node
+                    ),
+                ))
+            }
+        }
+    });
+    task.await
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("volume move task: {e}")))?
+}
+
+/// Tells the node `departure` goes to of the move, with the caller's
+/// `credentials`: its answer.
+async fn tell_volume<S: RunService>(
+    state: &AppState<S>,
+    name: &str,
+    departure: &runbox_core::runs::VolumeDeparture,
+    credentials: &[(HeaderName, HeaderValue)],
+) -> Result<Response, ApiError> {
+    let path = format!(
+        "/v1/volumes/{}/move",
+        form_urlencoded::byte_serialize(name.as_bytes()).collect::<String>()
+    );
+    let mut request = axum::extract::Request::new(axum::body::Body::empty());
+    *request.method_mut() = axum::http::Method::POST;
+    *request.uri_mut() = path
+        .parse()
+        .map_err(|_| ApiError::new(ErrorCode::Internal, "a volume path that is no URI"))?;
+    for (name, value) in credentials {
+        request.headers_mut().insert(name.clone(), value.clone());
+    }
+    let key = HeaderValue::from_str(&departure.key)
+        .map_err(|_| ApiError::new(ErrorCode::Internal, "a volume move key that is no header"))?;
+    request.headers_mut().insert(VOLUME_ARRIVAL, key);
+    let proof = state
+        .service
+        .prove(&crate::forward::proof_subject(&request))
+        .ok_or_else(|| ApiError::new(ErrorCode::Internal, "a fleet without proofs"))?;
+    Ok(crate::forward::send_on(
+        &format!("volume {name:?} moves to"),
+        &departure.target,
+        proof,
+        request,
+    )
+    .await)
 }
 
 /// `GET /v1/volumes[?label=...]`: the caller's volumes (root: every one).

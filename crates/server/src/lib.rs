@@ -137,6 +137,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             "/v1/volumes/{name}/clone",
             post(handlers::clone_volume::<S>),
         )
+        .route("/v1/volumes/{name}/move", post(handlers::move_volume::<S>))
         .route(
             "/v1/volumes/{name}/fs/stat",
             get(handlers::volume_stat::<S>),

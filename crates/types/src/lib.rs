@@ -832,6 +832,19 @@ pub struct RunMoveRequest {
     pub node: Option<String>,
 }
 
+/// `POST /v1/volumes/{name}/move` (to another node; a file's move within a
+/// volume is [`VolumeMoveRequest`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VolumeNodeMoveRequest {
+    /// The node to move the volume to (its id in `GET /v1/cluster`);
+    /// default: the node with the most room that shares this node's
+    /// checkpoint bucket and can make volumes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+}
+
 /// `POST /v1/runs/{id}/snapshot`.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

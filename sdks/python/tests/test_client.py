@@ -202,6 +202,11 @@ def test_errors_carry_the_stable_code(rb: Runbox, run_id: str):
         rb.move_run(run_id)
     assert (e.value.code, e.value.status) == ("not_movable", 409)
     assert "not part of a fleet" in str(e.value)
+    rb.create_volume("stays")
+    with pytest.raises(runbox.RunboxError) as e:
+        rb.move_volume("stays", "n2")
+    assert (e.value.code, e.value.status) == ("not_movable", 409)
+    rb.delete_volume("stays")
     bad = Runbox(rb.url, "wrong-token")
     with pytest.raises(runbox.Unauthorized):
         bad.list_runs()

@@ -762,6 +762,16 @@ export class Runbox {
     });
   }
 
+  /** Moves the volume (no run may mount it) to another node of the fleet (`node`, or the best one): the volume on its new node. */
+  async moveVolume(name: string, node?: string): Promise<Volume> {
+    return this.call({
+      method: "POST",
+      path: `/v1/volumes/${segment("volume name", name)}/move`,
+      json: compact({ node }),
+      timeoutMs: Math.max(this.timeoutMs, 600_000),
+    });
+  }
+
   /** Deletes the volume and all it holds; refused while a run mounts it. */
   async deleteVolume(name: string): Promise<void> {
     await this.call({ method: "DELETE", path: `/v1/volumes/${segment("volume name", name)}` });

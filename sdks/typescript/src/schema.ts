@@ -1368,6 +1368,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/volumes/{name}/move": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Move an unmounted volume to another node of the fleet
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["moveVolume"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/warmcache": {
         parameters: {
             query?: never;
@@ -3411,6 +3431,18 @@ export interface components {
             overwrite?: boolean | null;
             /** @description From the volume's top; its parent must exist. */
             to: string;
+        };
+        /**
+         * @description `POST /v1/volumes/{name}/move` (to another node; a file's move within a
+         *     volume is [`VolumeMoveRequest`]).
+         */
+        VolumeNodeMoveRequest: {
+            /**
+             * @description The node to move the volume to (its id in `GET /v1/cluster`);
+             *     default: the node with the most room that shares this node's
+             *     checkpoint bucket and can make volumes.
+             */
+            node?: string | null;
         };
         /** @description `POST /v1/volumes/{name}/fs/remove`. */
         VolumeRemoveRequest: {
@@ -6999,6 +7031,51 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["FileInfo"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    moveVolume: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description an image or snapshot name */
+                name: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["VolumeNodeMoveRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Volume"];
                 };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */

@@ -242,6 +242,9 @@ test("errors carry the API's stable code", () =>
     await rejectsWith(rb.readFile(id, "etc-link/passwd"), Forbidden, "path_escape");
     // A node alone has nowhere to move a run to.
     await assert.rejects(rb.moveRun(id), (e) => e instanceof RunboxError && e.code === "not_movable" && e.status === 409);
+    await rb.createVolume("stays");
+    await assert.rejects(rb.moveVolume("stays", "n2"), (e) => e instanceof RunboxError && e.code === "not_movable" && e.status === 409);
+    await rb.deleteVolume("stays");
     // Segments that would become another route are refused before sending.
     await assert.rejects(rb.getRun(".."), (e) => e instanceof RunboxError && e.code === "bad_request");
     await rejectsWith(new Runbox({ url: daemon.url, token: "wrong-token" }).listRuns(), Unauthorized, "unauthorized");

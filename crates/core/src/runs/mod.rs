@@ -39,6 +39,7 @@ mod reconcile;
 pub mod relay;
 mod usage;
 mod volume_files;
+mod volume_moves;
 mod volumes;
 mod warm;
 
@@ -76,6 +77,7 @@ pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
 pub use self::usage::{UsageSample, KEEP as USAGE_KEEP, SAMPLE_EVERY as USAGE_SAMPLE_EVERY};
 pub use self::volume_files::{VolumeFiles, VolumeKey, VolumeWrite};
+pub use self::volume_moves::VolumeDeparture;
 pub(crate) use self::volumes::not_found as volume_not_found;
 
 /// Locks a mutex, recovering from poisoning: every critical section here is
@@ -123,6 +125,8 @@ pub struct Manager {
     pub(crate) volumes: Arc<crate::volumes::Volumes>,
     /// Serialises volume creates and deletes.
     pub(crate) volume_lock: tokio::sync::Mutex<()>,
+    /// Volumes whose moves a call of this daemon is making now.
+    pub(crate) volume_moves: std::sync::Mutex<std::collections::HashSet<Ulid>>,
     /// When this manager started.
     pub(crate) started_at: OffsetDateTime,
 }
@@ -250,7 +254,13 @@ impl Manager {
             needs: self.needs(req),
             here_can: self.can(req),
         };
-        bounded(fleet.place(&want)).await
+        let placed = bounded(fleet.place(&want)).await?;
+        if placed.is_none() && !want.here_has_volumes {
+            if let Some(e) = unplaceable(fleet.as_ref(), &want).await {
+                return Err(e);
+            }
+        }
+        Ok(placed)
     }
 
     /// What a create of `req` needs a node's lane to do, by capability
@@ -399,6 +409,7 @@ impl Manager {
             context,
             volumes,
             volume_lock: tokio::sync::Mutex::new(()),
+            volume_moves: Default::default(),
             started_at: OffsetDateTime::now_utc(),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found
@@ -1179,6 +1190,37 @@ impl Manager {
 /// A repeat of a create whose run is gone.
 /// A placement, bounded: it is a preference, so a database slow to answer
 /// (or away) leaves the create on this node instead of holding it up.
+/// Why a create that mounts volumes this node does not hold cannot go to
+/// the node that holds them (`want` found none that can take it): None
+/// when no node holds them (the create then says the volume is not found).
+async fn unplaceable(
+    fleet: &dyn crate::fleet::Fleet,
+    want: &crate::fleet::Want,
+) -> Option<CoreError> {
+    let holders = fleet.volume_nodes(&want.volumes).await.ok()?;
+    let (node, why) = holders
+        .into_iter()
+        .find_map(|(node, why)| why.map(|w| (node, w)))?;
+    let names: Vec<&str> = want
+        .volumes
+        .iter()
+        .map(|v| v.split_once('/').map_or(v.as_str(), |(_, name)| name))
+        .collect();
+    let code = match why.as_str() {
+        "it is full" => ErrorCode::Capacity,
+        "it is draining" => ErrorCode::Draining,
+        _ => ErrorCode::NodeUnavailable,
+    };
+    Some(CoreError::Conflict {
+        code,
+        message: format!(
+            "the run mounts volume(s) {}, which are on node {node}, and {why}; \
+             retry later, or move the volume to another node (POST /v1/volumes/{{name}}/move)",
+            names.join(", ")
+        ),
+    })
+}
+
 async fn bounded(
     place: impl std::future::Future<Output = Result<Option<crate::fleet::Located>, CoreError>>,
 ) -> Result<Option<crate::fleet::Located>, CoreError> {

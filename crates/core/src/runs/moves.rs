@@ -50,10 +50,28 @@ pub(super) fn needs(network: NetworkTier) -> Vec<String> {
     }
 }
 
+/// What a move asks of the node it goes to.
+pub(super) struct Destination<'a> {
+    /// The node the caller named, if any.
+    pub(super) to: Option<String>,
+    /// The checkpoint bucket it must share.
+    pub(super) bucket: String,
+    /// What its lane must do, by capability name.
+    pub(super) needs: Vec<String>,
+    /// The images it would best have.
+    pub(super) images: Vec<String>,
+    /// Whose it is.
+    pub(super) tenant: Option<String>,
+    /// What moves, for messages (`run <id>`).
+    pub(super) what: &'a str,
+    /// The refusal for a reason.
+    pub(super) refuse: &'a (dyn Fn(&str) -> CoreError + Sync),
+}
+
 impl Manager {
     /// This node's checkpoint store when it is a bucket other nodes may
     /// share.
-    fn shared_bucket(&self) -> Option<String> {
+    pub(super) fn shared_bucket(&self) -> Option<String> {
         self.config()
             .checkpoints
             .as_ref()
@@ -210,78 +228,108 @@ impl Manager {
                 "this node has no sealing key for the run's record",
             ));
         }
+        let target = self
+            .destination(
+                &fleet,
+                Destination {
+                    to,
+                    bucket,
+                    needs: needs(record.network),
+                    images: vec![record.image.clone()],
+                    tenant: record.tenant.clone(),
+                    what: &format!("run {id}"),
+                    refuse: &|why| not_movable(id, why),
+                },
+            )
+            .await?;
+        let to = target.node.clone();
+        let awake = handle.ask(|reply| Command::MoveOut { to, reply }).await?;
+        Ok((target, awake))
+    }
+
+    /// The node a move goes to: `dest.to` when that node can take it, else
+    /// the node placement picks among those that share the bucket.
+    pub(super) async fn destination(
+        &self,
+        fleet: &Arc<dyn crate::fleet::Fleet>,
+        dest: Destination<'_>,
+    ) -> Result<Located, CoreError> {
         let here = self.config().server_id.clone();
-        let target = match to {
-            Some(node) if node == here => {
-                return Err(CoreError::invalid(
-                    ErrorCode::BadRequest,
-                    format!("run {id} is on node {node} already"),
-                ))
-            }
+        let refuse = dest.refuse;
+        match dest.to {
+            Some(node) if node == here => Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!("{} is on node {node} already", dest.what),
+            )),
             Some(node) => {
                 let nodes = fleet.nodes().await?;
                 let Some(found) = nodes.into_iter().find(|n| n.id == node) else {
-                    return Err(not_movable(
-                        id,
-                        &format!("the fleet has no node {node:?} (GET /v1/cluster lists them)"),
-                    ));
+                    return Err(refuse(&format!(
+                        "the fleet has no node {node:?} (GET /v1/cluster lists them)"
+                    )));
                 };
+                let bucket = &dest.bucket;
+                let lacks: Vec<&String> = dest
+                    .needs
+                    .iter()
+                    .filter(|n| !found.capabilities.contains(n))
+                    .collect();
                 let why = if found.state != runbox_types::NodeState::Active {
                     Some(format!("node {node} is {:?}", found.state).to_lowercase())
                 } else if found.checkpoint_store.as_deref() != Some(bucket.as_str()) {
                     Some(format!(
                         "node {node} does not use this node's checkpoint bucket {bucket}"
                     ))
-                } else if !needs(record.network)
-                    .iter()
-                    .all(|n| found.capabilities.contains(n))
-                {
-                    Some(format!("node {node} cannot make {:?} runs", record.network))
+                } else if !lacks.is_empty() {
+                    Some(format!(
+                        "node {node} cannot do what it needs ({})",
+                        lacks
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
                 } else if found.runs >= found.capacity {
                     Some(format!("node {node} is full ({} runs)", found.runs))
                 } else {
                     None
                 };
                 if let Some(why) = why {
-                    return Err(not_movable(id, &why));
+                    return Err(refuse(&why));
                 }
-                Located {
+                Ok(Located {
                     advertise: found.advertise.unwrap_or_default(),
                     node: found.id,
-                    tenant: record.tenant.clone(),
+                    tenant: dest.tenant,
                     gone: false,
                     silent_sec: found.last_seen_sec,
                     archived: false,
                     lost: false,
                     portable: true,
-                }
+                })
             }
             None => {
                 let want = Want {
-                    images: vec![record.image.clone()],
+                    images: dest.images,
                     pullable: true,
-                    tenant: record.tenant.clone(),
-                    here: here.clone(),
+                    tenant: dest.tenant,
+                    here,
                     here_full: true,
                     here_has: (false, false),
                     volumes: Vec::new(),
                     here_has_volumes: true,
-                    checkpoint_store: Some(bucket),
-                    needs: needs(record.network),
+                    checkpoint_store: Some(dest.bucket),
+                    needs: dest.needs,
                     here_can: false,
                 };
                 fleet.place(&want).await?.ok_or_else(|| {
-                    not_movable(
-                        id,
+                    refuse(
                         "no other node of the fleet can take it now (none heard from shares \
-                         this node's checkpoint bucket and has room)",
+                         this node's checkpoint bucket, can do what it needs and has room)",
                     )
-                })?
+                })
             }
-        };
-        let to = target.node.clone();
-        let awake = handle.ask(|reply| Command::MoveOut { to, reply }).await?;
-        Ok((target, awake))
+        }
     }
 
     /// The node an asleep run of a node that is gone is best restored on,

@@ -132,6 +132,7 @@ impl Manager {
             ));
         }
         let record = VolumeRecord {
+            moving: None,
             id: Ulid::new(),
             name,
             tenant: tenant.map(str::to_owned),
@@ -239,7 +240,7 @@ impl Manager {
     }
 
     /// The API view of a volume: its record, `holders` and usage.
-    fn volume_view(
+    pub(super) fn volume_view(
         &self,
         record: &VolumeRecord,
         holders: Vec<runbox_types::VolumeHolder>,

@@ -409,8 +409,14 @@ async fn create<S: RunService>(
         async move { crate::handlers::create_elsewhere(state, &at, headers, path, body).await }
     };
     if placeable {
-        if let Ok(Some(at)) = state.service.place(&create, &owner, false).await {
-            return Ok(elsewhere(at).await);
+        match state.service.place(&create, &owner, false).await {
+            Ok(Some(at)) => return Ok(elsewhere(at).await),
+            // The volumes it mounts are on a node that cannot take it;
+            // without the database, the create is made here.
+            Err(e) if e.code() != runbox_types::ErrorCode::ClusterUnavailable => {
+                return Err(e.into())
+            }
+            _ => {}
         }
     }
     let again = placeable.then(|| create.clone());

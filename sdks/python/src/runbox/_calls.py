@@ -381,6 +381,10 @@ def clone_volume(name: str, new_name: str, size_mb: Optional[int] = None) -> Cal
     return Call("POST", f"/v1/volumes/{segment('volume name', name)}/clone", json=body)
 
 
+def move_volume(name: str, node: Optional[str] = None) -> Call[Dict[str, Any]]:
+    return Call("POST", f"/v1/volumes/{segment('volume name', name)}/move", json=compact(node=node))
+
+
 def delete_volume(name: str) -> Call[None]:
     return Call("DELETE", f"/v1/volumes/{segment('volume name', name)}", empty=True)
 

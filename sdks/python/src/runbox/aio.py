@@ -429,6 +429,11 @@ class AsyncRunbox:
         """A new volume holding what ``name`` holds now (constant time)."""
         return await self._do(calls.clone_volume(name, new_name, size_mb))
 
+    async def move_volume(self, name: str, node: Optional[str] = None) -> Dict[str, Any]:
+        """Moves the volume (no run may mount it) to another node of the
+        fleet (``node``, or the best one): the volume on its new node."""
+        return await self._do(calls.move_volume(name, node))
+
     async def delete_volume(self, name: str) -> None:
         """Deletes the volume and all it holds; refused while a run mounts it."""
         await self._do(calls.delete_volume(name))

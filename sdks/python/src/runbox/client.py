@@ -424,6 +424,11 @@ class Runbox:
         """A new volume holding what ``name`` holds now (constant time)."""
         return self._do(calls.clone_volume(name, new_name, size_mb))
 
+    def move_volume(self, name: str, node: Optional[str] = None) -> Dict[str, Any]:
+        """Moves the volume (no run may mount it) to another node of the
+        fleet (``node``, or the best one): the volume on its new node."""
+        return self._do(calls.move_volume(name, node))
+
     def delete_volume(self, name: str) -> None:
         """Deletes the volume and all it holds; refused while a run mounts it."""
         self._do(calls.delete_volume(name))
