@@ -1896,8 +1896,8 @@ impl Drop for Continue {
     }
 }
 
-/// Creates a run on `node`, leaves `kept` (owned by uid 1000) in /work,
-/// and archives it: its id.
+/// Creates a run on `node`, leaves `kept` (owned by uid 1000, with xattr
+/// `user.kept`) in /work, and archives it: its id.
 async fn archived_run(node: &TestDaemon, kept: &str) -> String {
     let made = node.create().await;
     let id = made.id.to_string();
@@ -1908,6 +1908,8 @@ async fn archived_run(node: &TestDaemon, kept: &str) -> String {
         )
         .await;
     assert_eq!(wrote.exit.exit_code, 0);
+    let upper = node.state.path().join("runs").join(&id).join("disk/upper");
+    runbox_e2e::set_xattr(&upper.join("work/kept"), "user.kept", kept.as_bytes());
     let archived = node.client.archive_run(&id).await.expect("archive");
     assert_eq!(archived.status, runbox_types::RunStatus::Archived);
     id
@@ -1934,6 +1936,22 @@ async fn an_archived_run_of_a_dead_node_wakes_on_the_best_node_and_its_old_node_
     let out = c.sh(&id, "cat /work/kept && stat -c %u /work/kept").await;
     assert_eq!(String::from_utf8_lossy(&out.stdout), "from-n1\n1000\n");
     assert_eq!(owner(&pg, &id), "n2");
+    // Its xattr came with it: in the restored run's layers on n2.
+    let layers = std::fs::read_dir(b.state.path().join("images/layers"))
+        .expect("n2's layers")
+        .flatten()
+        .map(|e| e.path().join("work/kept"));
+    let upper = b
+        .state
+        .path()
+        .join("runs")
+        .join(&id)
+        .join("disk/upper/work/kept");
+    let xattr = std::iter::once(upper)
+        .chain(layers)
+        .filter(|p| p.exists())
+        .find_map(|p| runbox_e2e::xattr(&p, "user.kept"));
+    assert_eq!(xattr.as_deref(), Some(&b"from-n1"[..]));
     assert_eq!(
         pg.psql(&format!(
             "SELECT from_node || '>' || to_node || ':' || reason FROM runbox_moves WHERE run = '{id}'"
