@@ -9,7 +9,17 @@
 //! data/<id>/<generation>/layer-<n>.tar.zst   layers, zstd-compressed OCI layer tars
 //! data/<id>/<generation>/record.json         what the run was (CheckpointRecord)
 //! commits/<id>/<generation>.json             the commit point, written last
+//! layers/<hex>.tar.zst                       a layer checkpoints share, by its blob's digest
+//! layers/<hex>.refs/<id>-<generation>        a generation that uses it
 //! ```
+//!
+//! The layers below a run's disk that a registry cannot give back (an
+//! imported image's, a snapshot's) are stored once per store and shared by
+//! every checkpoint that needs them (a checkpoint of a run made from the
+//! same image uploads only its disk). A generation marks each shared layer
+//! it uses before it uses it; the sweep removes a shared layer once no
+//! committed generation marks it, and its marks of generations that are
+//! gone.
 //!
 //! Only a generation with a commit object exists for readers: a crash (or a
 //! store outage) before the commit leaves data objects no listing shows,
@@ -39,8 +49,9 @@ use ulid::Ulid;
 
 use crate::error::CoreError;
 
-/// The version of the record and commit formats this daemon writes.
-pub const FORMAT_VERSION: u32 = 1;
+/// The version of the record and commit formats this daemon writes (2:
+/// layers may be shared between checkpoints).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// How old an uncommitted generation must be before the sweep removes it.
 pub const ORPHAN_AGE: Duration = Duration::from_secs(60 * 60);
@@ -91,6 +102,10 @@ pub struct StoredLayer {
     /// run's disk: a node that still has it uses it instead of a download.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
+    /// Stored once for every checkpoint that uses it (`layers/<object>`),
+    /// not in the generation's data.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
 }
 
 /// Everything needed to bring a checkpointed run back.
@@ -147,6 +162,8 @@ pub struct Swept {
     pub expired: usize,
     /// Uncommitted or superseded generations.
     pub orphans: usize,
+    /// Shared layers no generation uses any more.
+    pub shared: usize,
 }
 
 /// A checkpoint store.
@@ -161,6 +178,10 @@ pub struct CheckpointStore {
     writing: Mutex<HashSet<String>>,
     /// A directory store's directory.
     local: Option<std::path::PathBuf>,
+    /// The shared form of this node's layers uploaded or hashed so far, by
+    /// layer key: a later checkpoint that needs one only checks that the
+    /// store still has it.
+    shared: Mutex<HashMap<String, StoredLayer>>,
 }
 
 impl std::fmt::Debug for CheckpointStore {
@@ -215,6 +236,7 @@ impl CheckpointStore {
             location: location.to_owned(),
             writing: Mutex::new(HashSet::new()),
             local: None,
+            shared: Mutex::new(HashMap::new()),
         }
     }
 
@@ -233,6 +255,20 @@ impl CheckpointStore {
             .join("data")
             .join(id.to_string())
             .join(generation_name(generation))
+    }
+
+    /// Where shared layer object `object` (`<hex>.tar.zst`) is.
+    fn shared_of(&self, object: &str) -> ObjectPath {
+        self.root.clone().join("layers").join(object)
+    }
+
+    /// Where the marks of the generations that use shared layer `object`
+    /// are.
+    fn refs_of(&self, object: &str) -> ObjectPath {
+        self.root
+            .clone()
+            .join("layers")
+            .join(format!("{}.refs", object.trim_end_matches(".tar.zst")))
     }
 
     fn unavailable(&self, doing: &str) -> impl FnOnce(object_store::Error) -> CoreError + '_ {
@@ -419,7 +455,11 @@ impl CheckpointStore {
             return Err(corrupt(id, "its record names another checkpoint"));
         }
         for layer in &record.layers {
-            if !valid_object_name(&layer.object) {
+            let valid = match layer.shared {
+                true => shared_object_name(&layer.digest).as_deref() == Some(layer.object.as_str()),
+                false => valid_object_name(&layer.object),
+            };
+            if !valid {
                 return Err(corrupt(
                     id,
                     format!("its record names object {:?}", layer.object),
@@ -496,7 +536,10 @@ impl CheckpointStore {
         layer: &StoredLayer,
         mut sink: impl FnMut(&[u8]) -> io::Result<()>,
     ) -> Result<(), CoreError> {
-        let path = self.data_of(id, generation).join(layer.object.as_str());
+        let path = match layer.shared {
+            true => self.shared_of(&layer.object),
+            false => self.data_of(id, generation).join(layer.object.as_str()),
+        };
         if let Some(dir) = &self.local {
             return read_local_layer(&dir.join(path.as_ref()), id, layer, sink);
         }
@@ -706,6 +749,7 @@ impl CheckpointStore {
             tracing::info!(checkpoint = %id, generation, "uncommitted checkpoint data removed");
             swept.orphans += 1;
         }
+        swept.shared = self.sweep_shared(now, &live, &writing).await?;
         if let Some(dir) = &self.local {
             let (data, cutoff) = (dir.join("data"), now - ORPHAN_AGE);
             swept.orphans +=
@@ -715,6 +759,191 @@ impl CheckpointStore {
         }
         Ok(swept)
     }
+}
+
+impl CheckpointStore {
+    /// Uploads what `produce` writes (an uncompressed layer tar, made on a
+    /// blocking thread) to `path`, compressed, hashed and sent in parts as
+    /// it is made; nothing is spooled to disk. The blob's digest and size,
+    /// and the tar's.
+    async fn upload(
+        &self,
+        path: &ObjectPath,
+        produce: impl FnOnce(&mut dyn Write) -> io::Result<()> + Send + 'static,
+    ) -> Result<(String, u64, String, u64), CoreError> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(PARTS_IN_FLIGHT);
+        let producer = tokio::task::spawn_blocking(move || {
+            let sink = ChunkWriter {
+                tx,
+                buf: Vec::with_capacity(CHUNK),
+            };
+            compress(sink, produce, |sink| sink.send_rest())
+        });
+        let doing = "uploading a checkpoint layer";
+        let sent = async {
+            let upload = self
+                .objects
+                .put_multipart(path)
+                .await
+                .map_err(self.unavailable(doing))?;
+            let mut writer = WriteMultipart::new_with_chunk_size(upload, PART);
+            while let Some(chunk) = rx.recv().await {
+                if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
+                    let _ = writer.abort().await;
+                    return Err(self.unavailable(doing)(e));
+                }
+                writer.put(chunk);
+            }
+            Ok(writer)
+        }
+        .await;
+        // Whatever happened above, the producer stops at its next write.
+        drop(rx);
+        let produced = producer
+            .await
+            .map_err(|e| CoreError::Store(format!("checkpoint layer task failed: {e}")))?;
+        let writer = sent?;
+        let done = match produced {
+            Ok(done) => done,
+            Err(e) => {
+                let _ = writer.abort().await;
+                return Err(CoreError::io("writing the run's disk as a layer")(e));
+            }
+        };
+        writer.finish().await.map_err(self.unavailable(doing))?;
+        Ok(done)
+    }
+
+    /// What [`CheckpointStore::upload`] would store of `produce`'s tar:
+    /// its digests and sizes, nothing sent.
+    async fn hash(
+        &self,
+        produce: impl FnOnce(&mut dyn Write) -> io::Result<()> + Send + 'static,
+    ) -> Result<(String, u64, String, u64), CoreError> {
+        tokio::task::spawn_blocking(move || compress(io::sink(), produce, |_| Ok(())))
+            .await
+            .map_err(|e| CoreError::Store(format!("checkpoint layer task failed: {e}")))?
+            .map_err(CoreError::io("reading a layer"))
+    }
+
+    /// Whether the store has shared layer `layer`, whole.
+    async fn has_shared(&self, layer: &StoredLayer) -> Result<bool, CoreError> {
+        match self.objects.head(&self.shared_of(&layer.object)).await {
+            Ok(meta) => Ok(meta.size == layer.size),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(self.unavailable("looking for a shared checkpoint layer")(e)),
+        }
+    }
+}
+
+/// Compresses the tar `produce` writes into `sink` (zstd), hashing both:
+/// the blob's digest and size, and the tar's. `finish` flushes the sink.
+fn compress<W: Write>(
+    sink: W,
+    produce: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+    finish: impl FnOnce(&mut W) -> io::Result<()>,
+) -> io::Result<(String, u64, String, u64)> {
+    let blob = HashingWriter::new(sink);
+    let mut encoder = zstd::stream::Encoder::new(blob, ZSTD_LEVEL)?;
+    let mut tar = HashingWriter::new(&mut encoder);
+    produce(&mut tar)?;
+    let (diff_id, tar_bytes) = (tar.digest(), tar.count);
+    let mut blob = encoder.finish()?;
+    finish(&mut blob.inner)?;
+    Ok((blob.digest(), blob.count, diff_id, tar_bytes))
+}
+
+impl CheckpointStore {
+    /// Removes the marks of generations that are gone (neither `live` nor
+    /// being written nor made in the last [`ORPHAN_AGE`]), then every
+    /// shared layer older than that left without marks: how many layers.
+    async fn sweep_shared(
+        &self,
+        now: OffsetDateTime,
+        live: &HashSet<(Ulid, u64)>,
+        writing: &HashSet<String>,
+    ) -> Result<usize, CoreError> {
+        let prefix = self.root.clone().join("layers");
+        let doing = "sweeping shared checkpoint layers";
+        let metas: Vec<object_store::ObjectMeta> = self
+            .objects
+            .list(Some(&prefix))
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(self.unavailable(doing))?;
+        let modified = |meta: &object_store::ObjectMeta| {
+            OffsetDateTime::from_unix_timestamp(meta.last_modified.timestamp())
+                .unwrap_or(OffsetDateTime::UNIX_EPOCH)
+        };
+        let kept = |meta: &object_store::ObjectMeta| -> bool {
+            let Some((id, generation)) = parse_mark(&prefix, &meta.location) else {
+                return false;
+            };
+            live.contains(&(id, generation))
+                || writing.contains(&format!("{id}/{}", generation_name(generation)))
+                || modified(meta) + ORPHAN_AGE > now
+        };
+        let mut blobs = Vec::new();
+        let mut marked: HashSet<String> = HashSet::new();
+        for meta in &metas {
+            let Some(mut parts) = meta.location.prefix_match(&prefix) else {
+                continue;
+            };
+            let Some(first) = parts.next() else { continue };
+            let first = first.as_ref().to_owned();
+            match first.strip_suffix(".refs") {
+                Some(hex) if kept(meta) => {
+                    marked.insert(format!("{hex}.tar.zst"));
+                }
+                Some(_) => self.remove(&meta.location).await?,
+                None if first.ends_with(".tar.zst") && parts.next().is_none() => {
+                    blobs.push((first, modified(meta)));
+                }
+                None => {}
+            }
+        }
+        let mut removed = 0;
+        for (object, written) in blobs {
+            if marked.contains(&object) || written + ORPHAN_AGE > now {
+                continue;
+            }
+            // Looked at again just before it goes: a generation that marked
+            // it since the listing keeps it.
+            let marks: Vec<object_store::ObjectMeta> = self
+                .objects
+                .list(Some(&self.refs_of(&object)))
+                .collect::<Vec<_>>()
+                .await
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .map_err(self.unavailable(doing))?;
+            if marks.iter().any(kept) {
+                continue;
+            }
+            self.remove(&self.shared_of(&object)).await?;
+            tracing::info!(layer = %object, "shared checkpoint layer no checkpoint uses removed");
+            removed += 1;
+        }
+        Ok(removed)
+    }
+}
+
+/// `<layers>/<hex>.refs/<id>-<generation>` → (id, generation).
+fn parse_mark(prefix: &ObjectPath, path: &ObjectPath) -> Option<(Ulid, u64)> {
+    let mut parts = path.prefix_match(prefix)?;
+    parts.next()?.as_ref().strip_suffix(".refs")?;
+    let (id, generation) = parts
+        .next()?
+        .as_ref()
+        .split_once('-')
+        .map(|(a, b)| (a.to_owned(), b.to_owned()))?;
+    parts
+        .next()
+        .is_none()
+        .then_some(())
+        .and_then(|()| Some((id.parse().ok()?, generation.parse().ok()?)))
 }
 
 /// One generation being written; see [`CheckpointStore::begin`].
@@ -745,57 +974,7 @@ impl Upload<'_> {
             .store
             .data_of(self.id, self.generation)
             .join(object.as_str());
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(PARTS_IN_FLIGHT);
-        let producer = tokio::task::spawn_blocking(move || -> io::Result<_> {
-            let sink = ChunkWriter {
-                tx,
-                buf: Vec::with_capacity(CHUNK),
-            };
-            let blob = HashingWriter::new(sink);
-            let mut encoder = zstd::stream::Encoder::new(blob, ZSTD_LEVEL)?;
-            let mut tar = HashingWriter::new(&mut encoder);
-            produce(&mut tar)?;
-            let (diff_id, tar_bytes) = (tar.digest(), tar.count);
-            let mut blob = encoder.finish()?;
-            blob.inner.send_rest()?;
-            Ok((blob.digest(), blob.count, diff_id, tar_bytes))
-        });
-        let doing = "uploading a checkpoint layer";
-        let sent = async {
-            let upload = self
-                .store
-                .objects
-                .put_multipart(&path)
-                .await
-                .map_err(self.store.unavailable(doing))?;
-            let mut writer = WriteMultipart::new_with_chunk_size(upload, PART);
-            while let Some(chunk) = rx.recv().await {
-                if let Err(e) = writer.wait_for_capacity(PARTS_IN_FLIGHT).await {
-                    let _ = writer.abort().await;
-                    return Err(self.store.unavailable(doing)(e));
-                }
-                writer.put(chunk);
-            }
-            Ok(writer)
-        }
-        .await;
-        // Whatever happened above, the producer stops at its next write.
-        drop(rx);
-        let produced = producer
-            .await
-            .map_err(|e| CoreError::Store(format!("checkpoint layer task failed: {e}")))?;
-        let writer = sent?;
-        let (digest, size, diff_id, tar_bytes) = match produced {
-            Ok(done) => done,
-            Err(e) => {
-                let _ = writer.abort().await;
-                return Err(CoreError::io("writing the run's disk as a layer")(e));
-            }
-        };
-        writer
-            .finish()
-            .await
-            .map_err(self.store.unavailable(doing))?;
+        let (digest, size, diff_id, tar_bytes) = self.store.upload(&path, produce).await?;
         let layer = StoredLayer {
             object,
             digest,
@@ -803,7 +982,66 @@ impl Upload<'_> {
             size,
             tar_bytes,
             key: None,
+            shared: false,
         };
+        self.layers.push(layer.clone());
+        Ok(layer)
+    }
+
+    /// Adds this node's layer `key` (one below the run's disk) as a layer
+    /// the store's checkpoints share: uploaded only when the store does not
+    /// have it yet. `produce` writes its tar, the same bytes every time
+    /// for the same layer (it is hashed first, the first time this daemon
+    /// needs it, to find its name).
+    pub async fn put_shared_layer(
+        &mut self,
+        key: &str,
+        produce: impl Fn(&mut dyn Write) -> io::Result<()> + Send + Sync + Clone + 'static,
+    ) -> Result<StoredLayer, CoreError> {
+        let store = self.store;
+        let known = lock(&store.shared).get(key).cloned();
+        let layer = match known {
+            Some(layer) => layer,
+            None => {
+                let (digest, size, diff_id, tar_bytes) = store.hash(produce.clone()).await?;
+                let object = shared_object_name(&digest)
+                    .ok_or_else(|| CoreError::Store(format!("a layer digest {digest:?}")))?;
+                StoredLayer {
+                    object,
+                    digest,
+                    diff_id,
+                    size,
+                    tar_bytes,
+                    key: Some(key.to_owned()),
+                    shared: true,
+                }
+            }
+        };
+        // Marked before it is looked for: the sweep keeps a layer a
+        // generation marks, committed or being written.
+        let mark = store.refs_of(&layer.object).join(format!(
+            "{}-{}",
+            self.id,
+            generation_name(self.generation)
+        ));
+        store
+            .objects
+            .put(&mark, PutPayload::from_static(b""))
+            .await
+            .map_err(store.unavailable("marking a shared checkpoint layer"))?;
+        if !store.has_shared(&layer).await? {
+            let path = store.shared_of(&layer.object);
+            let (digest, ..) = store.upload(&path, produce).await?;
+            if digest != layer.digest {
+                lock(&store.shared).remove(key);
+                let _ = store.objects.delete(&path).await;
+                return Err(CoreError::Store(format!(
+                    "layer {key} wrote other bytes on a second reading ({digest}, not {})",
+                    layer.digest
+                )));
+            }
+        }
+        lock(&store.shared).insert(key.to_owned(), layer.clone());
         self.layers.push(layer.clone());
         Ok(layer)
     }
@@ -820,13 +1058,6 @@ impl Upload<'_> {
         self.layers.pop();
     }
 
-    /// Notes that the last layer uploaded is layer `key` of this node.
-    pub fn set_last_key(&mut self, key: String) {
-        if let Some(last) = self.layers.last_mut() {
-            last.key = Some(key);
-        }
-    }
-
     /// Writes the record, then the commit object that makes the generation
     /// exist, then removes the generations before it.
     pub async fn commit(
@@ -835,6 +1066,21 @@ impl Upload<'_> {
         mut checkpoint: runbox_types::Checkpoint,
     ) -> Result<Commit, CoreError> {
         let store = self.store;
+        // A shared layer this generation found in the store before a sweep
+        // that had not seen its mark removed it: refused, not committed
+        // without it.
+        for layer in self.layers.iter().filter(|l| l.shared) {
+            if !store.has_shared(layer).await? {
+                lock(&store.shared).retain(|_, known| known.object != layer.object);
+                return Err(CoreError::Conflict {
+                    code: ErrorCode::CheckpointStoreUnavailable,
+                    message: format!(
+                        "shared layer {} left the checkpoint store while the checkpoint was written; try again",
+                        layer.object
+                    ),
+                });
+            }
+        }
         let record_bytes = serde_json::to_vec_pretty(record)
             .map_err(|e| CoreError::Store(format!("encoding a checkpoint record: {e}")))?;
         let data = store.data_of(self.id, self.generation);
@@ -1160,6 +1406,16 @@ fn parse_data_path(prefix: &ObjectPath, path: &ObjectPath) -> Option<(Ulid, u64)
     Some((id, generation))
 }
 
+/// The object name of a shared layer whose blob has `digest`.
+fn shared_object_name(digest: &str) -> Option<String> {
+    let hex = digest.strip_prefix("sha256:")?;
+    (hex.len() == 64
+        && hex
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+    .then(|| format!("{hex}.tar.zst"))
+}
+
 /// A layer object's name as this daemon writes them.
 fn valid_object_name(name: &str) -> bool {
     name.strip_prefix("layer-")
@@ -1482,6 +1738,85 @@ mod tests {
         assert_eq!(store.list().await.unwrap().len(), 1);
     }
 
+    /// A layer below the disk is stored once for every checkpoint that
+    /// needs it (the second one neither hashes nor uploads it again), reads
+    /// back through each, and goes with the sweep once no checkpoint uses
+    /// it.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn checkpoints_share_a_base_layer_until_neither_uses_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::open(dir.path().to_str().unwrap()).unwrap();
+        let base = |out: &mut dyn Write| out.write_all(&[7u8; 50_000]);
+        let (a, b) = (Ulid::new(), Ulid::new());
+        let mut objects = Vec::new();
+        for (n, id) in [a, b].into_iter().enumerate() {
+            let mut upload = store.begin(id, 1);
+            let shared = match n {
+                0 => upload.put_shared_layer("sha256:base", base).await.unwrap(),
+                // Known already: its tar is not read again.
+                _ => upload
+                    .put_shared_layer("sha256:base", |_: &mut dyn Write| {
+                        Err(io::Error::other("read again"))
+                    })
+                    .await
+                    .unwrap(),
+            };
+            assert!(shared.shared && shared.key.as_deref() == Some("sha256:base"));
+            objects.push(shared.object.clone());
+            let disk = upload
+                .put_layer(move |out| out.write_all(&[n as u8; 1000]))
+                .await
+                .unwrap();
+            let (record, summary) = described(id, 1, upload.layers().to_vec(), disk.tar_bytes);
+            upload.commit(&record, summary).await.unwrap();
+        }
+        assert_eq!(objects[0], objects[1]);
+        let blob = dir.path().join("layers").join(&objects[0]);
+        assert!(blob.exists());
+        // Each generation's own data holds its disk alone.
+        for id in [a, b] {
+            let own =
+                std::fs::read_dir(dir.path().join(format!("data/{id}/{}", generation_name(1))))
+                    .unwrap()
+                    .count();
+            assert_eq!(own, 2, "a disk layer and a record");
+            let record = store.record(&store.get(id).await.unwrap()).await.unwrap();
+            let mut read = Vec::new();
+            store
+                .read_layer(&record, &record.layers[0], |chunk| {
+                    read.extend_from_slice(chunk);
+                    Ok(())
+                })
+                .await
+                .unwrap();
+            let mut tar = Vec::new();
+            std::io::Read::read_to_end(
+                &mut zstd::stream::read::Decoder::new(&read[..]).unwrap(),
+                &mut tar,
+            )
+            .unwrap();
+            assert_eq!(tar, [7u8; 50_000]);
+        }
+        let later = OffsetDateTime::now_utc() + ORPHAN_AGE + Duration::from_secs(60);
+        assert_eq!(store.sweep(later, None).await.unwrap().shared, 0);
+        store.delete(a).await.unwrap();
+        assert_eq!(store.sweep(later, None).await.unwrap().shared, 0);
+        assert!(blob.exists(), "b still uses it");
+        store.delete(b).await.unwrap();
+        assert_eq!(store.sweep(later, None).await.unwrap().shared, 1);
+        assert!(!blob.exists());
+        // Its marks went with it.
+        let left = std::fs::read_dir(dir.path().join("layers"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| std::fs::read_dir(e.path()).map_or(true, |mut d| d.next().is_some()))
+            .count();
+        assert_eq!(left, 0);
+        // A record naming a shared object that is not its digest's is refused.
+        assert_eq!(shared_object_name("sha256:AB"), None);
+    }
+
     /// A checkpoint written to a directory store reads back whole; a
     /// changed byte in a layer or in the record is refused; an uncommitted
     /// generation is invisible, and the sweep removes it once it is old.
@@ -1558,7 +1893,8 @@ mod tests {
             store.sweep(later, None).await.unwrap(),
             Swept {
                 expired: 0,
-                orphans: 1
+                orphans: 1,
+                shared: 0
             }
         );
         assert!(!dir.path().join(format!("data/{other}")).exists());
@@ -1570,7 +1906,8 @@ mod tests {
                 .unwrap(),
             Swept {
                 expired: 1,
-                orphans: 0
+                orphans: 0,
+                shared: 0
             }
         );
         assert!(store.list().await.unwrap().is_empty());

@@ -249,17 +249,21 @@ async fn a_damaged_checkpoint_is_refused_and_never_booted() {
         .await
         .unwrap();
     let generation = generation_dir(&daemon, checkpoint.id);
-    // The base image was imported, so it travels too: the run's disk is the
-    // last layer.
-    let mut layers: Vec<_> = std::fs::read_dir(&generation)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.to_string_lossy().ends_with(".tar.zst"))
-        .collect();
-    layers.sort();
-    assert_eq!(layers.len(), 2, "{layers:?}");
-    let disk = layers.last().unwrap().clone();
+    // The base image was imported, so it travels too, as a layer the
+    // store's checkpoints share: the generation holds the run's disk.
+    let tars = |dir: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.to_string_lossy().ends_with(".tar.zst"))
+            .collect()
+    };
+    let layers = tars(&generation);
+    assert_eq!(layers.len(), 1, "{layers:?}");
+    let shared = tars(&daemon.state.path().join("checkpoints/layers"));
+    assert_eq!(shared.len(), 1, "{shared:?}");
+    let disk = layers[0].clone();
     let original = std::fs::read(&disk).unwrap();
     let runs_before = daemon.client.list_runs().await.unwrap().runs.len();
 

@@ -374,17 +374,17 @@ impl super::RunContext {
         };
         let mut upload = store.begin(checkpoint, generation);
         let uploaded = async {
+            // Stored once in the store for every checkpoint that needs them.
             for key in carried {
                 let images = self.images.clone();
                 let from = key.clone();
                 upload
-                    .put_layer(move |out| {
+                    .put_shared_layer(&key, move |out| {
                         images
                             .write_layer(&from, out)
                             .map_err(|e| std::io::Error::other(super::error_chain(&e)))
                     })
                     .await?;
-                upload.set_last_key(key);
             }
             let upper = capture.upper.clone();
             let skip = capture.injected.clone();
