@@ -314,6 +314,13 @@ impl Daemon {
     /// cleanup must get as far as it can.
     pub async fn shutdown(mut self) {
         for id in self.runs.clone() {
+            // One deleted another way (through another node) is gone already.
+            let gone = self.client.get_run(&id.to_string()).await.is_err_and(|e| {
+                e.code() == Some(runbox_types::ErrorCode::RunNotFound)
+            });
+            if gone {
+                continue;
+            }
             if let Err(e) = self.delete_run(id).await {
                 eprintln!("runbox-bench: {e:#}");
             }
