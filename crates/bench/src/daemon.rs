@@ -315,9 +315,11 @@ impl Daemon {
     pub async fn shutdown(mut self) {
         for id in self.runs.clone() {
             // One deleted another way (through another node) is gone already.
-            let gone = self.client.get_run(&id.to_string()).await.is_err_and(|e| {
-                e.code() == Some(runbox_types::ErrorCode::RunNotFound)
-            });
+            let gone = self
+                .client
+                .get_run(&id.to_string())
+                .await
+                .is_err_and(|e| e.code() == Some(runbox_types::ErrorCode::RunNotFound));
             if gone {
                 continue;
             }

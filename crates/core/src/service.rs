@@ -513,6 +513,16 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn held_runs(&self) -> Vec<Ulid> {
         Vec::new()
     }
+    /// Moves archived run `id` of this node to a node with room when this
+    /// one has none to wake it; see
+    /// [`crate::runs::Manager::relocate_asleep`].
+    fn relocate_asleep(
+        &self,
+        id: Ulid,
+    ) -> impl Future<Output = Result<Option<crate::fleet::Located>, CoreError>> + Send {
+        let _ = id;
+        async { Ok(None) }
+    }
     /// Starts moving `owner`'s volume `name` to node `to`; see
     /// [`crate::runs::Manager::leave_volume`].
     fn leave_volume(
@@ -922,6 +932,10 @@ impl RunService for Arc<Manager> {
         to: Option<String>,
     ) -> Result<(crate::fleet::Located, bool), CoreError> {
         Manager::move_run(self, id, to).await
+    }
+
+    async fn relocate_asleep(&self, id: Ulid) -> Result<Option<crate::fleet::Located>, CoreError> {
+        Manager::relocate_asleep(self, id).await
     }
 
     async fn leave_volume(

@@ -2700,3 +2700,53 @@ async fn a_volume_move_broken_off_by_either_node_leaves_the_volume_on_one() {
     assert_eq!(out.stdout, b"/volumes/big/blob: OK\n");
     a.client.delete_run(&id).await.expect("delete");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_archived_run_whose_node_has_no_room_wakes_on_a_node_that_has() {
+    let pg = PgServer::start();
+    let s3 = runbox_e2e::S3Server::start().await;
+    let (a, b, _c) =
+        bucket_fleet(&pg, &s3, [&["--max-runs", "1"], &[], &["--max-runs", "0"]]).await;
+    let asleep = archived_run(&a, "roomless").await;
+    let third = archived_run(&a, "stays").await;
+    // (Placement reads n1's load from its heartbeat, as the others do.)
+    let room = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT runs FROM runbox_nodes WHERE id = 'n1'") == "0"
+    })
+    .await;
+    assert!(room, "n1's heartbeat never showed its room");
+    let awake = a.create().await.id.to_string();
+    // n1 is full: the exec sent to n1 wakes the run on n2.
+    assert_eq!(a.client.get_run(&awake).await.expect("get").server, "n1");
+    let out = a.sh(&asleep, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"roomless\n");
+    assert_eq!(owner(&pg, &asleep), "n2");
+    assert_eq!(
+        pg.psql(&format!(
+            "SELECT from_node || '>' || to_node || ':' || reason FROM runbox_moves WHERE run = '{asleep}'"
+        )),
+        "n1>n2:move"
+    );
+    // Cordoned, with room: the same.
+    a.client.delete_run(&awake).await.expect("delete");
+    let room = eventually_async(Duration::from_secs(10), || async {
+        pg.psql("SELECT runs FROM runbox_nodes WHERE id = 'n1'") == "0"
+    })
+    .await;
+    assert!(room, "n1's heartbeat never showed its room");
+    let second = archived_run(&a, "cordoned").await;
+    a.client.set_draining(true).await.expect("drain");
+    let out = a.sh(&second, "cat /work/kept").await;
+    assert_eq!(out.stdout, b"cordoned\n");
+    assert_eq!(owner(&pg, &second), "n2");
+    // A read or a delete does not move an archived run.
+    let got = a.client.get_run(&third).await.expect("get");
+    assert_eq!(
+        (got.server.as_str(), got.status),
+        ("n1", runbox_types::RunStatus::Archived)
+    );
+    a.client.delete_run(&third).await.expect("delete");
+    for id in [&asleep, &second] {
+        b.client.delete_run(id).await.expect("delete");
+    }
+}

@@ -309,6 +309,36 @@ pub(crate) async fn require<S: RunService>(
                 Ok(None) => {}
                 Err(e) => return ApiError::from(e).into_response(),
             }
+        } else if wakes(&route) {
+            // An archived run of this node that this node has no room to
+            // wake: moved to a node that has, and the call sent there (one
+            // another node sent here is answered `run_moved`: that node
+            // sends it again, to the run's new node).
+            if let Err(refused) = admit(&state, &caller, request.method(), &route, run) {
+                return refused.into_response();
+            }
+            match state.service.relocate_asleep(id).await {
+                Ok(Some(_)) if sent_on => {
+                    return ApiError::from(runbox_core::fleet::moved(id)).into_response()
+                }
+                Ok(Some(at)) => {
+                    let subject = crate::forward::proof_subject(&request);
+                    let Some(proof) = state.service.prove(&subject) else {
+                        return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
+                            .into_response();
+                    };
+                    let tenant = at.tenant.clone();
+                    let mut response = crate::forward::forward(id, &at, proof, request).await;
+                    response
+                        .extensions_mut()
+                        .insert(AuditCaller(caller.audit_name()));
+                    response.extensions_mut().insert(AdmittedRun(id));
+                    response.extensions_mut().insert(AuditTenant(tenant));
+                    return response;
+                }
+                Ok(None) => {}
+                Err(e) => return ApiError::from(e).into_response(),
+            }
         }
     }
     if let Err(refused) = admit(&state, &caller, request.method(), &route, run) {
@@ -337,6 +367,25 @@ pub(crate) async fn require<S: RunService>(
         response.extensions_mut().insert(AuditTenant(tenant));
     }
     response
+}
+
+/// Whether a call on `route` wakes an asleep run (runs commands or reads
+/// or writes its files), where reading, deleting or leasing it does not.
+fn wakes(route: &str) -> bool {
+    let Some(rest) = route.strip_prefix(RUN_ROUTE) else {
+        return false;
+    };
+    [
+        "/exec",
+        "/files/",
+        "/fs/",
+        "/processes",
+        "/ports/",
+        "/wake",
+        "/resume",
+    ]
+    .iter()
+    .any(|p| rest.starts_with(p))
 }
 
 /// The routes of one run; their `{id}` is checked by [`require`].

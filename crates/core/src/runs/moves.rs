@@ -361,6 +361,41 @@ impl Manager {
         fleet.place(&want).await
     }
 
+    /// Moves archived run `id` of this node, about to be woken, to the
+    /// node placement picks when this node has no room for it now (full,
+    /// or cordoned): that node (the call goes there). None: it wakes here
+    /// (room here, not archived or not in a bucket another node shares,
+    /// or no other node can take it). Nothing of an archived run is on
+    /// this node but its record, so the move is a hand-off in the catalog.
+    pub async fn relocate_asleep(self: &Arc<Self>, id: Ulid) -> Result<Option<Located>, CoreError> {
+        if self.fleet().is_none() || self.shared_bucket().is_none() {
+            return Ok(None);
+        }
+        let handle = self.handle(id)?;
+        if handle.snapshot().record.status != RunStatus::Archived {
+            return Ok(None);
+        }
+        let full = self.context.ledger.tally().counted >= self.config().max_runs
+            || lock(&self.context.pools).draining();
+        if !full {
+            return Ok(None);
+        }
+        let run = self.view(&handle);
+        let Some(best) = self.place_asleep(&run).await? else {
+            return Ok(None);
+        };
+        match self.move_run(id, Some(best.node)).await {
+            Ok((target, _)) => {
+                tracing::info!(run = %id, node = %target.node, "archived run moved to wake where there is room");
+                Ok(Some(target))
+            }
+            // A run that mounts volumes (or a target that filled up in the
+            // meantime): it wakes here or says why not.
+            Err(e) if e.code() == ErrorCode::NotMovable => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// See [`crate::RunService::locate`].
     pub async fn locate(
         self: &Arc<Self>,
