@@ -77,6 +77,13 @@ def test_which_answers_are_sent_again(call: Call[Any], status: int, retry_after:
     assert POLICY.after_answer(call, status, retry_after, 0) == wait
 
 
+def test_a_call_that_met_a_moving_run_is_sent_again_whatever_its_method():
+    assert POLICY.after_answer(EXEC, 503, "1", 0, "run_moved") == 1.0
+    assert POLICY.after_answer(EXEC, 503, "1", 0, "draining") is None
+    assert POLICY.after_answer(STREAMED, 503, "1", 0, "run_moved") is None
+    assert POLICY.after_answer(EXEC, 409, "1", 0, "run_moved") is None
+
+
 def test_retry_after_may_be_a_date():
     now = datetime(2030, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
     assert retry_after_seconds(format_datetime(now + timedelta(seconds=7), usegmt=True), now) == 7.0

@@ -306,7 +306,7 @@ export class Runbox {
         // Read here, so that an answer lost halfway is a failure to retry.
         if (response.status < 300) return await read(response);
         error = errorFrom(response.status, await response.text(), response.statusText);
-        wait = this.retry.afterAnswer(request, response.status, response.headers.get("Retry-After"), retries);
+        wait = this.retry.afterAnswer(request, response.status, response.headers.get("Retry-After"), retries, error.code);
       } catch (e) {
         if (timedOut()) throw new RunboxError(0, "timeout", `${call.method} ${call.path} took longer than ${call.timeoutMs ?? this.timeoutMs} ms`);
         if (signal?.aborted) throw signal.reason;

@@ -139,12 +139,21 @@ export class RetryPolicy {
 
   /**
    * The wait (ms) before sending `request` again when the server answered
-   * it with `status` (and this `Retry-After`), after `retries` retries so
-   * far; undefined: do not.
+   * it with `status` (its error `code`, and this `Retry-After`), after
+   * `retries` retries so far; undefined: do not. A `503 run_moved` is sent
+   * again whatever the method.
    */
-  afterAnswer(request: RetryRequest, status: number, retryAfter: string | null | undefined, retries: number): number | undefined {
+  afterAnswer(
+    request: RetryRequest,
+    status: number,
+    retryAfter: string | null | undefined,
+    retries: number,
+    code?: string,
+  ): number | undefined {
     if (retries >= this.maxRetries || (status !== 429 && status !== 503)) return undefined;
-    if (!repeatable(request) || !replayable(request.body)) return undefined;
+    // The run moved to another node of the fleet before the call did anything.
+    const moved = status === 503 && code === "run_moved";
+    if (!(moved || repeatable(request)) || !replayable(request.body)) return undefined;
     const wait = retryAfterMs(retryAfter);
     return wait === undefined ? undefined : Math.min(wait, this.maxWaitMs);
   }

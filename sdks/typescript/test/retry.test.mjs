@@ -119,6 +119,14 @@ test("which failures are sent again", () => {
   }
 });
 
+test("a call that met a moving run is sent again whatever its method", () => {
+  const policy = new RetryPolicy();
+  assert.equal(policy.afterAnswer(EXEC, 503, "1", 0, "run_moved"), 1000);
+  assert.equal(policy.afterAnswer(EXEC, 503, "1", 0, "draining"), undefined);
+  assert.equal(policy.afterAnswer(STREAMED, 503, "1", 0, "run_moved"), undefined);
+  assert.equal(policy.afterAnswer(EXEC, 409, "1", 0, "run_moved"), undefined);
+});
+
 test("backoff doubles and retries are bounded", () => {
   const policy = new RetryPolicy();
   assert.deepEqual([0, 1, 2, 3].map((n) => policy.afterFailure(EXEC, "connect", n)), [200, 400, 800, undefined]);

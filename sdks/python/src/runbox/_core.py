@@ -178,7 +178,8 @@ class RetryPolicy:
     - a ``429`` or ``503`` carrying ``Retry-After`` (``capacity``,
       ``tenant_quota``, ``draining``; the server changed nothing): GET,
       HEAD, DELETE and keyed creates, after ``Retry-After``, each wait
-      capped at ``max_wait`` seconds.
+      capped at ``max_wait`` seconds; ``503 run_moved`` (the run moved to
+      another node of the fleet first): any request.
 
     A body that cannot be replayed (a stream) is never sent again.
     """
@@ -193,13 +194,23 @@ class RetryPolicy:
         if self.max_wait < 0:
             raise ValueError(f"the longest retry wait must be 0 or more, not {self.max_wait}")
 
-    def after_answer(self, call: "Call[Any]", status: int, retry_after: Optional[str], retries: int) -> Optional[float]:
+    def after_answer(
+        self,
+        call: "Call[Any]",
+        status: int,
+        retry_after: Optional[str],
+        retries: int,
+        code: Optional[str] = None,
+    ) -> Optional[float]:
         """The wait before sending ``call`` again when the server answered it
-        with ``status`` (and this ``Retry-After``), after ``retries``
-        retries so far; None: do not."""
+        with ``status`` (its error ``code``, and this ``Retry-After``), after
+        ``retries`` retries so far; None: do not. A ``run_moved`` answer
+        (the run moved to another node before the call did anything) is
+        sent again whatever the method."""
         if retries >= self.max_retries or status not in (429, 503):
             return None
-        if not repeatable(call.method, call.path, call.headers) or not replayable(call.content):
+        moved = status == 503 and code == "run_moved"
+        if not (moved or repeatable(call.method, call.path, call.headers)) or not replayable(call.content):
             return None
         wait = retry_after_seconds(retry_after)
         if wait is None:

@@ -173,9 +173,12 @@ class AsyncRunbox:
                         await response.aread()
                     finally:
                         await response.aclose()
-                wait = self._retry.after_answer(call, response.status_code, response.headers.get("Retry-After"), retries)
+                error = error_from(response.status_code, response.content, response.reason_phrase)
+                wait = self._retry.after_answer(
+                    call, response.status_code, response.headers.get("Retry-After"), retries, error.code
+                )
                 if wait is None:
-                    raise error_from(response.status_code, response.content, response.reason_phrase)
+                    raise error
             retries += 1
             await asyncio.sleep(wait)
 

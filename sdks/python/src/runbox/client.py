@@ -111,9 +111,12 @@ class Runbox:
                         response.read()
                     finally:
                         response.close()
-                wait = self._retry.after_answer(call, response.status_code, response.headers.get("Retry-After"), retries)
+                error = error_from(response.status_code, response.content, response.reason_phrase)
+                wait = self._retry.after_answer(
+                    call, response.status_code, response.headers.get("Retry-After"), retries, error.code
+                )
                 if wait is None:
-                    raise error_from(response.status_code, response.content, response.reason_phrase)
+                    raise error
             retries += 1
             time.sleep(wait)
 
