@@ -2373,6 +2373,31 @@ async fn the_e2b_sdk_resumes_a_paused_sandbox_on_another_node_when_its_node_is_g
     assert_eq!(e2b_script(&python, &c.url, &c.token, &script), "resumed");
     let run = b.client.get_run(&id).await.expect("the sandbox");
     assert_eq!(run.server, "n2");
+    // The JavaScript SDK: paused through n3, archived on n2, and resumed
+    // through n3 again, answered by n2.
+    let pause = r#"
+import { Sandbox } from "e2b";
+const s = await Sandbox.connect(process.env.SANDBOX_ID);
+await s.files.write("/tmp/js.txt", "javascript across nodes");
+if ((await s.pause()) !== true) throw new Error("not paused");
+console.log("paused");
+"#;
+    assert_eq!(e2b_js(&c.url, &c.token, &id, pause), "paused");
+    let archived = b.client.archive_run(&id).await.expect("archive on n2");
+    assert_eq!(archived.status, runbox_types::RunStatus::Archived);
+    let resume = r#"
+import { Sandbox } from "e2b";
+const s = await Sandbox.connect(process.env.SANDBOX_ID);
+if ((await s.files.read("/tmp/js.txt")) !== "javascript across nodes") throw new Error("read");
+if ((await s.files.read("/tmp/kept.txt")) !== "kept across nodes") throw new Error("read");
+const r = await s.commands.run("echo resumed");
+console.log(r.stdout.trim());
+"#;
+    assert_eq!(e2b_js(&c.url, &c.token, &id, resume), "resumed");
+    assert_eq!(
+        b.client.get_run(&id).await.expect("the sandbox").status,
+        runbox_types::RunStatus::Running
+    );
     let kill = format!("from e2b import Sandbox\nassert Sandbox.kill('{id}')\nprint('killed')");
     assert_eq!(e2b_script(&python, &c.url, &c.token, &kill), "killed");
 }
