@@ -1019,6 +1019,41 @@ impl Upload<'_> {
         };
         // Marked before it is looked for: the sweep keeps a layer a
         // generation marks, committed or being written.
+        self.mark(&layer).await?;
+        if !store.has_shared(&layer).await? {
+            // Written under a name of its own, and put in place only when
+            // its bytes are the ones its name says.
+            let staged = store
+                .root
+                .clone()
+                .join("layers")
+                .join(format!("staged-{}.tar.zst", Ulid::new()));
+            let (digest, ..) = store.upload(&staged, produce).await?;
+            if digest != layer.digest {
+                lock(&store.shared).remove(key);
+                let _ = store.objects.delete(&staged).await;
+                return Err(CoreError::Store(format!(
+                    "layer {key} wrote other bytes on a second reading ({digest}, not {})",
+                    layer.digest
+                )));
+            }
+            let doing = "storing a shared checkpoint layer";
+            let placed = store
+                .objects
+                .copy(&staged, &store.shared_of(&layer.object))
+                .await
+                .map_err(store.unavailable(doing));
+            let _ = store.objects.delete(&staged).await;
+            placed?;
+        }
+        lock(&store.shared).insert(key.to_owned(), layer.clone());
+        self.layers.push(layer.clone());
+        Ok(layer)
+    }
+
+    /// Marks shared layer `layer` as used by this generation.
+    async fn mark(&self, layer: &StoredLayer) -> Result<(), CoreError> {
+        let store = self.store;
         let mark = store.refs_of(&layer.object).join(format!(
             "{}-{}",
             self.id,
@@ -1028,22 +1063,8 @@ impl Upload<'_> {
             .objects
             .put(&mark, PutPayload::from_static(b""))
             .await
-            .map_err(store.unavailable("marking a shared checkpoint layer"))?;
-        if !store.has_shared(&layer).await? {
-            let path = store.shared_of(&layer.object);
-            let (digest, ..) = store.upload(&path, produce).await?;
-            if digest != layer.digest {
-                lock(&store.shared).remove(key);
-                let _ = store.objects.delete(&path).await;
-                return Err(CoreError::Store(format!(
-                    "layer {key} wrote other bytes on a second reading ({digest}, not {})",
-                    layer.digest
-                )));
-            }
-        }
-        lock(&store.shared).insert(key.to_owned(), layer.clone());
-        self.layers.push(layer.clone());
-        Ok(layer)
+            .map(|_| ())
+            .map_err(store.unavailable("marking a shared checkpoint layer"))
     }
 
     /// The layers uploaded so far, in order.
@@ -1070,6 +1091,9 @@ impl Upload<'_> {
         // that had not seen its mark removed it: refused, not committed
         // without it.
         for layer in self.layers.iter().filter(|l| l.shared) {
+            // Marked again first: a sweep on another node drops marks of
+            // uncommitted generations an hour old (a long upload).
+            self.mark(layer).await?;
             if !store.has_shared(layer).await? {
                 lock(&store.shared).retain(|_, known| known.object != layer.object);
                 return Err(CoreError::Conflict {

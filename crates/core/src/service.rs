@@ -544,9 +544,9 @@ pub trait RunService: Clone + Send + Sync + 'static {
     /// [`crate::runs::Manager::finish_volume_move`].
     fn finish_volume_move(
         &self,
-        volume: Ulid,
+        departure: &crate::runs::VolumeDeparture,
     ) -> impl Future<Output = Result<crate::fleet::VolumeMove, CoreError>> + Send {
-        let _ = volume;
+        let _ = departure;
         async { Ok(crate::fleet::VolumeMove::Back) }
     }
     /// Makes the volume move `key` brings this node's, for `owner`; see
@@ -949,9 +949,9 @@ impl RunService for Arc<Manager> {
 
     async fn finish_volume_move(
         &self,
-        volume: Ulid,
+        departure: &crate::runs::VolumeDeparture,
     ) -> Result<crate::fleet::VolumeMove, CoreError> {
-        Manager::finish_volume_move(self, volume).await
+        Manager::finish_volume_move(self, departure).await
     }
 
     async fn arrive_volume(

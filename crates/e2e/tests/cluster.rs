@@ -1389,16 +1389,18 @@ console.log("ok");
     assert!(gone.to_string().contains("not_found"), "{gone}");
 }
 
+/// Node `node` of `pg`'s fleet joined from this process (no daemon).
+async fn probe(pg: &PgServer, node: &str) -> std::sync::Arc<runbox_fleet::Cluster> {
+    pg.probe(node, KEY.as_bytes(), 1)
+        .await
+        .unwrap_or_else(|e| panic!("{node} could not join: {e}"))
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn singleton_work_has_one_holder_at_a_time_and_a_growing_fence() {
     use runbox_fleet::Fleet;
     let pg = PgServer::start();
-    let pg = &pg;
-    let join = |node: &'static str| async move {
-        pg.probe(node, KEY.as_bytes(), 1)
-            .await
-            .unwrap_or_else(|e| panic!("{node} could not join: {e}"))
-    };
+    let join = |node: &'static str| probe(&pg, node);
     let (p1, p2) = tokio::join!(join("p1"), join("p2"));
     let hold = Duration::from_secs(1);
     let take = |node: &std::sync::Arc<runbox_fleet::Cluster>| {
@@ -2462,7 +2464,8 @@ fn mount(name: &str) -> Vec<runbox_types::VolumeMountRequest> {
 /// How volume `id`'s latest move ended, as the database has it.
 fn volume_move(pg: &PgServer, id: &ulid::Ulid) -> String {
     pg.psql(&format!(
-        "SELECT from_node || '>' || to_node || ':' || state FROM runbox_volume_moves WHERE volume = '{id}'"
+        "SELECT from_node || '>' || to_node || ':' || state FROM runbox_volume_moves \
+         WHERE volume = '{id}' ORDER BY started_at DESC, move_id DESC LIMIT 1"
     ))
 }
 
@@ -2774,4 +2777,59 @@ async fn an_archived_run_whose_node_has_no_room_wakes_on_a_node_that_has() {
     for id in [&asleep, &second] {
         b.client.delete_run(id).await.expect("delete");
     }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_volume_move_is_decided_once_and_later_moves_never_undo_it() {
+    use runbox_fleet::{Fleet, VolumeMove};
+    let pg = PgServer::start();
+    let join = |node: &'static str| probe(&pg, node);
+    let (n1, n2) = tokio::join!(join("n1"), join("n2"));
+    let volume = ulid::Ulid::new();
+    let (a, b) = (ulid::Ulid::new(), ulid::Ulid::new());
+    assert!(n1.begin_volume_move(volume, a, "n2").await.unwrap());
+    assert!(
+        !n2.begin_volume_move(volume, b, "n1").await.unwrap(),
+        "one move of a volume at a time"
+    );
+    let ends = |node: &std::sync::Arc<runbox_fleet::Cluster>, id: ulid::Ulid, end: VolumeMove| {
+        let node = node.clone();
+        async move { node.end_volume_move(volume, id, end).await.unwrap() }
+    };
+    // Only the node it goes to ends it as arrived; then nothing changes it.
+    assert_eq!(ends(&n1, a, VolumeMove::Arrived).await, VolumeMove::Moving);
+    assert_eq!(ends(&n2, a, VolumeMove::Arrived).await, VolumeMove::Arrived);
+    assert_eq!(ends(&n1, a, VolumeMove::Back).await, VolumeMove::Arrived);
+    // A later move of it (from n2) leaves how the first ended as it was,
+    // for a node that settles it late.
+    assert!(n2.begin_volume_move(volume, b, "n1").await.unwrap());
+    assert_eq!(ends(&n1, a, VolumeMove::Back).await, VolumeMove::Arrived);
+    assert_eq!(ends(&n2, b, VolumeMove::Back).await, VolumeMove::Back);
+    // A move the database never heard of did not happen.
+    assert_eq!(
+        ends(&n1, ulid::Ulid::new(), VolumeMove::Back).await,
+        VolumeMove::Back
+    );
+    // Both nodes ending one move at once read the same end.
+    for _ in 0..10 {
+        let id = ulid::Ulid::new();
+        assert!(n2.begin_volume_move(volume, id, "n1").await.unwrap());
+        let (x, y) = tokio::join!(
+            ends(&n1, id, VolumeMove::Arrived),
+            ends(&n2, id, VolumeMove::Back)
+        );
+        assert_eq!(x, y);
+        assert_ne!(x, VolumeMove::Moving);
+    }
+    // A move its node gave up before telling anyone is ended by its next.
+    let stale = ulid::Ulid::new();
+    assert!(n1.begin_volume_move(volume, stale, "n2").await.unwrap());
+    assert!(n1
+        .begin_volume_move(volume, ulid::Ulid::new(), "n2")
+        .await
+        .unwrap());
+    assert_eq!(
+        ends(&n2, stale, VolumeMove::Arrived).await,
+        VolumeMove::Back
+    );
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use hmac::{Hmac, Mac};
-use runbox_core::fleet::{unavailable, Located, Orphan, Published, Takeover, VolumeMove};
+use runbox_core::fleet::{unavailable, Located, Orphan, Published, Takeover};
 use runbox_core::CoreError;
 use runbox_types::{ClusterNode, NodeState};
 use sha2::Sha256;
@@ -35,7 +35,7 @@ pub mod testing;
 mod volume_moves;
 
 pub use cell::CellPools;
-pub use runbox_core::fleet::Fleet;
+pub use runbox_core::fleet::{Fleet, VolumeMove};
 pub use tenants::PgTenants;
 
 /// The schema, in order. Each file is applied once, in its own

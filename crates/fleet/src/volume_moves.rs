@@ -20,7 +20,10 @@ fn state_name(state: VolumeMove) -> &'static str {
 }
 
 /// Starts move `id` of volume `volume` from node `from` to node `to`:
-/// false when another move of it is under way.
+/// false when another move of it is under way. A move of it from `from`
+/// still `moving` is one that node gave up before it told the node it
+/// went to (the volume is marked moving on its node until its move ends,
+/// so a new one starts only after): it ends as `back` first.
 pub(crate) async fn begin(
     pool: &PgPool,
     volume: Ulid,
@@ -28,28 +31,36 @@ pub(crate) async fn begin(
     from: &str,
     to: &str,
 ) -> Result<bool, CoreError> {
-    let started = sqlx::query(
-        "INSERT INTO runbox_volume_moves (volume, move_id, from_node, to_node, state) \
-         VALUES ($1, $2, $3, $4, 'moving') \
-         ON CONFLICT (volume) DO UPDATE SET move_id = EXCLUDED.move_id, \
-           from_node = EXCLUDED.from_node, to_node = EXCLUDED.to_node, state = 'moving', \
-           started_at = now(), settled_at = NULL \
-         WHERE runbox_volume_moves.state <> 'moving' \
-         RETURNING 1",
+    let mut tx = pool.begin().await.map_err(unavailable)?;
+    sqlx::query(
+        "UPDATE runbox_volume_moves SET state = 'back', settled_at = now() \
+         WHERE volume = $1 AND state = 'moving' AND from_node = $2",
     )
     .bind(volume.to_string())
-    .bind(id.to_string())
     .bind(from)
-    .bind(to)
-    .fetch_optional(pool)
+    .execute(&mut *tx)
     .await
     .map_err(unavailable)?;
+    let started = sqlx::query(
+        "INSERT INTO runbox_volume_moves (move_id, volume, from_node, to_node, state) \
+         VALUES ($1, $2, $3, $4, 'moving') ON CONFLICT DO NOTHING RETURNING 1",
+    )
+    .bind(id.to_string())
+    .bind(volume.to_string())
+    .bind(from)
+    .bind(to)
+    .fetch_optional(&mut *tx)
+    .await
+    .map_err(unavailable)?;
+    tx.commit().await.map_err(unavailable)?;
     Ok(started.is_some())
 }
 
 /// Ends move `id` of volume `volume` as `end` (`arrived` only by node
 /// `node`, the one it goes to), if nothing ended it before: how it ended.
-/// A move the database never heard of did not happen (`back`).
+/// A move the database never heard of did not happen (`back`). The row is
+/// locked while it is read and written, so two nodes ending one move at
+/// once both read how the first ended it.
 pub(crate) async fn end(
     pool: &PgPool,
     volume: Ulid,
@@ -57,27 +68,38 @@ pub(crate) async fn end(
     end: VolumeMove,
     node: &str,
 ) -> Result<VolumeMove, CoreError> {
+    let mut tx = pool.begin().await.map_err(unavailable)?;
     let row = sqlx::query(
-        "WITH ended AS ( \
-           UPDATE runbox_volume_moves SET state = $3, settled_at = now() \
-           WHERE volume = $1 AND move_id = $2 AND state = 'moving' \
-             AND ($3 <> 'arrived' OR to_node = $4) \
-           RETURNING state) \
-         SELECT state FROM ended \
-         UNION ALL \
-         SELECT state FROM runbox_volume_moves WHERE volume = $1 AND move_id = $2 \
-           AND NOT EXISTS (SELECT 1 FROM ended)",
+        "SELECT state, to_node FROM runbox_volume_moves \
+         WHERE move_id = $1 AND volume = $2 FOR UPDATE",
     )
-    .bind(volume.to_string())
     .bind(id.to_string())
-    .bind(state_name(end))
-    .bind(node)
-    .fetch_optional(pool)
+    .bind(volume.to_string())
+    .fetch_optional(&mut *tx)
     .await
     .map_err(unavailable)?;
-    Ok(match row.map(|r| r.get::<String, _>("state")).as_deref() {
-        Some("arrived") => VolumeMove::Arrived,
-        Some("moving") => VolumeMove::Moving,
+    let Some(row) = row else {
+        return Ok(VolumeMove::Back);
+    };
+    let (state, to): (String, String) = (row.get("state"), row.get("to_node"));
+    let may = state == "moving" && (end != VolumeMove::Arrived || to == node);
+    let state = if may {
+        sqlx::query(
+            "UPDATE runbox_volume_moves SET state = $2, settled_at = now() WHERE move_id = $1",
+        )
+        .bind(id.to_string())
+        .bind(state_name(end))
+        .execute(&mut *tx)
+        .await
+        .map_err(unavailable)?;
+        state_name(end).to_owned()
+    } else {
+        state
+    };
+    tx.commit().await.map_err(unavailable)?;
+    Ok(match state.as_str() {
+        "arrived" => VolumeMove::Arrived,
+        "moving" => VolumeMove::Moving,
         _ => VolumeMove::Back,
     })
 }

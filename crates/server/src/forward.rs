@@ -421,6 +421,12 @@ pub(crate) async fn volume_elsewhere<S: runbox_core::RunService>(
     );
     if let Some(at) = holder(&state.service, &probe, request.headers()).await {
         if let Some(proof) = state.service.prove(&proof_subject(&request)) {
+            // What only nodes send each other never travels with a
+            // client's request under this node's proof.
+            let mut request = request;
+            request
+                .headers_mut()
+                .remove(crate::handlers::VOLUME_ARRIVAL);
             return send_on(&format!("volume {name:?} is on"), &at, proof, request).await;
         }
     }

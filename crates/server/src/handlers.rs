@@ -964,7 +964,7 @@ pub async fn clone_volume<S: RunService>(
 
 /// The header in which a node that moves a volume tells the node it goes
 /// to which move it is (`<volume>/<move>`), with its node proof.
-const VOLUME_ARRIVAL: &str = "runbox-volume-arrival";
+pub(crate) const VOLUME_ARRIVAL: &str = "runbox-volume-arrival";
 
 /// `POST /v1/volumes/{name}/move`: moves the caller's volume, unmounted,
 /// to another node of the fleet through the checkpoint bucket (see
@@ -1009,13 +1009,24 @@ pub async fn move_volume<S: RunService>(
         .collect();
     let task = tokio::spawn(async move {
         let departure = state.service.leave_volume(&name, &owner, req.node).await?;
-        let answer = tell_volume(&state, &name, &departure, &credentials).await;
-        let response = answer.unwrap_or_else(IntoResponse::into_response);
-        let status = response.status();
-        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+        // A target that hangs is given up on (the compare-and-set turns
+        // away an arrival after that): two minutes, and a second for every
+        // 5 MiB of the volume's files.
+        let deadline = Duration::from_secs(120 + departure.bytes / (5 << 20));
+        let told = async {
+            let response = tell_volume(&state, &name, &departure, &credentials)
+                .await
+                .unwrap_or_else(IntoResponse::into_response);
+            let status = response.status();
+            let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+                .await
+                .unwrap_or_default();
+            (status, body)
+        };
+        let (status, body) = tokio::time::timeout(deadline, told)
             .await
-            .unwrap_or_default();
-        let end = state.service.finish_volume_move(departure.volume).await?;
+            .unwrap_or((StatusCode::GATEWAY_TIMEOUT, Default::default()));
+        let end = state.service.finish_volume_move(&departure).await?;
         match end {
             runbox_core::fleet::VolumeMove::Arrived => {
                 let volume = serde_json::from_slice::<runbox_types::Volume>(&body)

@@ -381,18 +381,27 @@ impl Manager {
             return Ok(None);
         }
         let run = self.view(&handle);
-        let Some(best) = self.place_asleep(&run).await? else {
-            return Ok(None);
+        let best = match self.place_asleep(&run).await {
+            Ok(Some(best)) => best,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                tracing::warn!(run = %id, error = %error_chain(&e), "no placement for an archived run this node has no room to wake");
+                return Ok(None);
+            }
         };
         match self.move_run(id, Some(best.node)).await {
             Ok((target, _)) => {
                 tracing::info!(run = %id, node = %target.node, "archived run moved to wake where there is room");
                 Ok(Some(target))
             }
-            // A run that mounts volumes (or a target that filled up in the
-            // meantime): it wakes here or says why not.
-            Err(e) if e.code() == ErrorCode::NotMovable => Ok(None),
-            Err(e) => Err(e),
+            // A run that mounts volumes, a target that filled up in the
+            // meantime, the database or the bucket away: it wakes here if
+            // it can, or says why not (a copy that did move answers
+            // run_moved).
+            Err(e) => {
+                tracing::warn!(run = %id, error = %error_chain(&e), "an archived run this node has no room to wake did not move");
+                Ok(None)
+            }
         }
     }
 

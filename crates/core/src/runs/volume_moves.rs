@@ -72,8 +72,12 @@ struct Parcel {
 pub struct VolumeDeparture {
     /// The volume.
     pub volume: Ulid,
+    /// The move.
+    pub id: Ulid,
     /// What the node it goes to is told: `<volume>/<move>`.
     pub key: String,
+    /// The bytes of its files in the bucket (compressed).
+    pub bytes: u64,
     /// That node.
     pub target: Located,
     /// The volume as this node shows it, for the answer when the node it
@@ -97,10 +101,20 @@ struct Underway<'a> {
 }
 
 impl<'a> Underway<'a> {
-    fn new(manager: &'a Manager, volume: Ulid) -> Underway<'a> {
-        lock(&manager.volume_moves).insert(volume);
-        Underway { manager, volume }
+    /// None when a call of this daemon is moving `volume` already.
+    fn new(manager: &'a Manager, volume: Ulid) -> Option<Underway<'a>> {
+        lock(&manager.volume_moves)
+            .insert(volume)
+            .then_some(Underway { manager, volume })
     }
+}
+
+/// A second move of a volume while one is under way.
+fn in_motion(name: &str) -> CoreError {
+    CoreError::invalid(
+        ErrorCode::VolumeBusy,
+        format!("volume {name:?} is moving already; retry when that move ends"),
+    )
 }
 
 impl Drop for Underway<'_> {
@@ -162,7 +176,7 @@ impl Manager {
             to: target.node.clone(),
             arriving: false,
         };
-        let underway = Underway::new(self, record.id);
+        let underway = Underway::new(self, record.id).ok_or_else(|| in_motion(name))?;
         {
             let _one = self.volume_lock.lock().await;
             let (volumes, id, marked) = (self.volumes.clone(), record.id, moving.clone());
@@ -199,37 +213,48 @@ impl Manager {
             };
             let note = serde_json::to_vec_pretty(&parcel)
                 .map_err(|e| CoreError::Store(format!("encoding a volume's move: {e}")))?;
-            store.put_note(moving.id, PARCEL, NOTE, note).await
+            store.put_note(moving.id, PARCEL, NOTE, note).await?;
+            Ok(parcel.files)
         }
         .await;
-        if let Err(e) = sent {
-            // The node it goes to was not told: nothing can have arrived,
-            // so the volume is this node's again whatever the database
-            // says (a new move of it from here replaces the row).
-            let _ = fleet
-                .end_volume_move(record.id, moving.id, VolumeMove::Back)
-                .await;
-            self.volumes.set_moving(record.id, None)?;
-            let _ = store.discard(moving.id, PARCEL).await;
-            return Err(e);
-        }
+        let files = match sent {
+            Ok(files) => files,
+            Err(e) => {
+                // The node it goes to was not told: nothing can have
+                // arrived, so the volume is this node's again whatever the
+                // database says (a new move of it from here ends a row
+                // left `moving` first).
+                let _ = fleet
+                    .end_volume_move(record.id, moving.id, VolumeMove::Back)
+                    .await;
+                self.volumes.set_moving(record.id, None)?;
+                let _ = store.discard(moving.id, PARCEL).await;
+                return Err(e);
+            }
+        };
         // Still under way: finish_volume_move ends the mark.
         std::mem::forget(underway);
         let holders = self.holders_of(record.id);
         Ok(VolumeDeparture {
             volume: record.id,
+            id: moving.id,
             key: format!("{}/{}", record.id, moving.id),
+            bytes: files.size,
             target,
             view: self.volume_view(&record, holders),
         })
     }
 
-    /// Ends the move [`Manager::leave_volume`] started of volume `volume`,
+    /// Ends the move [`Manager::leave_volume`] started (`departure`),
     /// after the node it goes to answered (or did not): as that node ended
     /// it, or as `back` if it did not. Arrived, this node's copy is
     /// deleted; back, the volume is this node's again. A database that
     /// does not answer leaves it to the settling.
-    pub async fn finish_volume_move(&self, volume: Ulid) -> Result<VolumeMove, CoreError> {
+    pub async fn finish_volume_move(
+        &self,
+        departure: &VolumeDeparture,
+    ) -> Result<VolumeMove, CoreError> {
+        let volume = departure.volume;
         let _underway = Underway {
             manager: self,
             volume,
@@ -237,7 +262,11 @@ impl Manager {
         let record = self
             .volumes
             .get(volume)
-            .filter(|r| r.moving.as_ref().is_some_and(|m| !m.arriving))
+            .filter(|r| {
+                r.moving
+                    .as_ref()
+                    .is_some_and(|m| !m.arriving && m.id == departure.id)
+            })
             .ok_or_else(|| CoreError::Store(format!("volume {volume} is not leaving")))?;
         self.settle_volume_move(&record).await
     }
@@ -287,7 +316,8 @@ impl Manager {
         {
             return Err(gone());
         }
-        let _underway = Underway::new(self, volume);
+        let _underway =
+            Underway::new(self, volume).ok_or_else(|| in_motion(&parcel.volume.name))?;
         let record = VolumeRecord {
             moving: Some(VolumeMoving {
                 id,
@@ -339,6 +369,16 @@ impl Manager {
                 }
                 return Err(e);
             }
+        }
+        // On disk before the node it left deletes its copy.
+        if let Some(dir) = self.lane.volume_dir(volume) {
+            tokio::task::spawn_blocking(move || {
+                let dir = std::fs::File::open(&dir)?;
+                rustix::fs::syncfs(&dir).map_err(std::io::Error::from)
+            })
+            .await
+            .map_err(|e| CoreError::Store(format!("volume sync task failed: {e}")))?
+            .map_err(CoreError::io("flushing an arrived volume to disk"))?;
         }
         match self.settle_arrival(&fleet, &record).await? {
             VolumeMove::Arrived => {
