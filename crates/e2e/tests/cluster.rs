@@ -2461,6 +2461,32 @@ fn mount(name: &str) -> Vec<runbox_types::VolumeMountRequest> {
     }]
 }
 
+/// Volume `name` of `size_mb` made on `node`, and a run there that mounts
+/// it (to write into it).
+async fn volume_and_writer(
+    node: &TestDaemon,
+    name: &str,
+    size_mb: u64,
+) -> (runbox_types::Volume, runbox_types::Run) {
+    let volume = node
+        .client
+        .create_volume(&runbox_types::CreateVolumeRequest {
+            name: name.into(),
+            size_mb: Some(size_mb),
+            ..Default::default()
+        })
+        .await
+        .expect("a volume");
+    let writer = node
+        .create_with(runbox_types::CreateRunRequest {
+            image: "base".into(),
+            volumes: Some(mount(name)),
+            ..Default::default()
+        })
+        .await;
+    (volume, writer)
+}
+
 /// How volume `id`'s latest move ended, as the database has it.
 fn volume_move(pg: &PgServer, id: &ulid::Ulid) -> String {
     pg.psql(&format!(
@@ -2475,22 +2501,7 @@ async fn a_volume_moves_to_another_node_with_its_files_and_creates_follow_it() {
     let pg = PgServer::start();
     let s3 = runbox_e2e::S3Server::start().await;
     let (a, b, c) = bucket_fleet(&pg, &s3, [&[], &[], &["--max-runs", "0"]]).await;
-    let volume = a
-        .client
-        .create_volume(&CreateVolumeRequest {
-            name: "data".into(),
-            size_mb: Some(64),
-            ..Default::default()
-        })
-        .await
-        .expect("a volume on n1");
-    let writer = a
-        .create_with(CreateRunRequest {
-            image: "base".into(),
-            volumes: Some(mount("data")),
-            ..Default::default()
-        })
-        .await;
+    let (volume, writer) = volume_and_writer(&a, "data", 64).await;
     let wid = writer.id.to_string();
     let wrote = a
         .sh(
@@ -2635,26 +2646,11 @@ async fn a_volume_moves_to_another_node_with_its_files_and_creates_follow_it() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_volume_move_broken_off_by_either_node_leaves_the_volume_on_one() {
-    use runbox_types::{CreateRunRequest, CreateVolumeRequest, ErrorCode};
+    use runbox_types::{CreateRunRequest, ErrorCode};
     let pg = PgServer::start();
     let s3 = runbox_e2e::S3Server::start().await;
     let (mut a, mut b, _c) = bucket_fleet(&pg, &s3, [&[], &[], &[]]).await;
-    let volume = a
-        .client
-        .create_volume(&CreateVolumeRequest {
-            name: "big".into(),
-            size_mb: Some(1024),
-            ..Default::default()
-        })
-        .await
-        .expect("a volume on n1");
-    let writer = a
-        .create_with(CreateRunRequest {
-            image: "base".into(),
-            volumes: Some(mount("big")),
-            ..Default::default()
-        })
-        .await;
+    let (volume, writer) = volume_and_writer(&a, "big", 1024).await;
     let wrote = a
         .sh(
             &writer.id.to_string(),

@@ -286,25 +286,15 @@ pub(crate) async fn require<S: RunService>(
                     {
                         return refused.into_response();
                     }
-                    let mut response = if at.lost {
+                    let response = if at.lost {
                         crate::handlers::lost_run(&state, id, request.method(), &route).await
                     } else if at.gone {
                         return ApiError::from(runbox_core::fleet::node_gone(id, &at))
                             .into_response();
                     } else {
-                        let subject = crate::forward::proof_subject(&request);
-                        let Some(proof) = state.service.prove(&subject) else {
-                            return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
-                                .into_response();
-                        };
-                        crate::forward::forward(id, &at, proof, request).await
+                        send_to(&state, id, &at, request).await
                     };
-                    response
-                        .extensions_mut()
-                        .insert(AuditCaller(caller.audit_name()));
-                    response.extensions_mut().insert(AdmittedRun(id));
-                    response.extensions_mut().insert(AuditTenant(at.tenant));
-                    return response;
+                    return admitted(response, &caller, id, at.tenant);
                 }
                 Ok(None) => {}
                 Err(e) => return ApiError::from(e).into_response(),
@@ -322,19 +312,8 @@ pub(crate) async fn require<S: RunService>(
                     return ApiError::from(runbox_core::fleet::moved(id)).into_response()
                 }
                 Ok(Some(at)) => {
-                    let subject = crate::forward::proof_subject(&request);
-                    let Some(proof) = state.service.prove(&subject) else {
-                        return ApiError::new(ErrorCode::Internal, "a fleet without proofs")
-                            .into_response();
-                    };
-                    let tenant = at.tenant.clone();
-                    let mut response = crate::forward::forward(id, &at, proof, request).await;
-                    response
-                        .extensions_mut()
-                        .insert(AuditCaller(caller.audit_name()));
-                    response.extensions_mut().insert(AdmittedRun(id));
-                    response.extensions_mut().insert(AuditTenant(tenant));
-                    return response;
+                    let response = send_to(&state, id, &at, request).await;
+                    return admitted(response, &caller, id, at.tenant);
                 }
                 Ok(None) => {}
                 Err(e) => return ApiError::from(e).into_response(),
@@ -366,6 +345,37 @@ pub(crate) async fn require<S: RunService>(
     if response.extensions().get::<AuditTenant>().is_none() {
         response.extensions_mut().insert(AuditTenant(tenant));
     }
+    response
+}
+
+/// Sends `request` for run `id` on to the node at `at`, with this node's
+/// proof: that node's answer.
+async fn send_to<S: RunService>(
+    state: &AppState<S>,
+    id: ulid::Ulid,
+    at: &runbox_core::fleet::Located,
+    request: Request,
+) -> Response {
+    let subject = crate::forward::proof_subject(&request);
+    match state.service.prove(&subject) {
+        Some(proof) => crate::forward::forward(id, at, proof, request).await,
+        None => ApiError::new(ErrorCode::Internal, "a fleet without proofs").into_response(),
+    }
+}
+
+/// `response`, answered here for `caller` on run `id` of `tenant`, as the
+/// audit log records it.
+fn admitted(
+    mut response: Response,
+    caller: &Caller,
+    id: ulid::Ulid,
+    tenant: Option<String>,
+) -> Response {
+    response
+        .extensions_mut()
+        .insert(AuditCaller(caller.audit_name()));
+    response.extensions_mut().insert(AdmittedRun(id));
+    response.extensions_mut().insert(AuditTenant(tenant));
     response
 }
 

@@ -268,7 +268,7 @@ impl Manager {
                     .is_some_and(|m| !m.arriving && m.id == departure.id)
             })
             .ok_or_else(|| CoreError::Store(format!("volume {volume} is not leaving")))?;
-        self.settle_volume_move(&record).await
+        self.settle(&record, VolumeMove::Back).await
     }
 
     /// Makes the volume that move `key` (`<volume>/<move>`) brings from
@@ -291,9 +291,9 @@ impl Manager {
             volume.parse::<Ulid>().map_err(|_| bad())?,
             id.parse::<Ulid>().map_err(|_| bad())?,
         );
-        let Some(fleet) = self.fleet().cloned() else {
+        if self.fleet().is_none() {
             return Err(bad());
-        };
+        }
         let store = self.checkpoint_store()?;
         let here = self.config().server_id.clone();
         let gone = || {
@@ -380,7 +380,7 @@ impl Manager {
             .map_err(|e| CoreError::Store(format!("volume sync task failed: {e}")))?
             .map_err(CoreError::io("flushing an arrived volume to disk"))?;
         }
-        match self.settle_arrival(&fleet, &record).await? {
+        match self.settle(&record, VolumeMove::Arrived).await? {
             VolumeMove::Arrived => {
                 tracing::info!(volume = %volume, name = %record.name, from = %parcel.from, "volume arrived from another node");
                 let holders = self.holders_of(volume);
@@ -450,29 +450,15 @@ impl Manager {
         }
     }
 
-    /// Ends arriving volume `record`'s move as arrived unless it ended
-    /// already, and acts on how it ended: arrived, the volume is this
-    /// node's; back, what arrived is deleted. A database that does not
-    /// answer leaves it to the settling.
-    async fn settle_arrival(
+    /// Ends volume `record`'s move as `end` (arrived, by the node it goes
+    /// to; back, by either) unless it ended already, and acts on how it
+    /// ended: the volume is kept, or what is here of it deleted. A
+    /// database that does not answer leaves it to the settling.
+    async fn settle(
         &self,
-        fleet: &Arc<dyn crate::fleet::Fleet>,
         record: &VolumeRecord,
+        end: VolumeMove,
     ) -> Result<VolumeMove, CoreError> {
-        let moving = record
-            .moving
-            .as_ref()
-            .ok_or_else(|| CoreError::Store(format!("volume {} is not arriving", record.id)))?;
-        let end = fleet
-            .end_volume_move(record.id, moving.id, VolumeMove::Arrived)
-            .await?;
-        self.act_on(record, end).await?;
-        Ok(end)
-    }
-
-    /// Ends leaving volume `record`'s move as back unless it ended
-    /// already, and acts on how it ended.
-    async fn settle_volume_move(&self, record: &VolumeRecord) -> Result<VolumeMove, CoreError> {
         let fleet = self
             .fleet()
             .cloned()
@@ -481,9 +467,7 @@ impl Manager {
             .moving
             .as_ref()
             .ok_or_else(|| CoreError::Store(format!("volume {} is not moving", record.id)))?;
-        let end = fleet
-            .end_volume_move(record.id, moving.id, VolumeMove::Back)
-            .await?;
+        let end = fleet.end_volume_move(record.id, moving.id, end).await?;
         self.act_on(record, end).await?;
         Ok(end)
     }
@@ -535,13 +519,11 @@ impl Manager {
             if lock(&self.volume_moves).contains(&record.id) {
                 continue;
             }
-            let settled = match record.moving.as_ref().is_some_and(|m| m.arriving) {
-                true => match self.fleet().cloned() {
-                    Some(fleet) => self.settle_arrival(&fleet, &record).await,
-                    None => Err(CoreError::Store("no fleet".to_owned())),
-                },
-                false => self.settle_volume_move(&record).await,
+            let end = match record.moving.as_ref().is_some_and(|m| m.arriving) {
+                true => VolumeMove::Arrived,
+                false => VolumeMove::Back,
             };
+            let settled = self.settle(&record, end).await;
             if let Err(e) = settled {
                 tracing::warn!(volume = %record.id, error = %error_chain(&e), "a volume move is not settled yet");
                 left += 1;
