@@ -171,6 +171,7 @@ impl Bundle {
             volume: None,
             volumes: &[],
             userns: None,
+            seccomp_bpf: None,
         };
         let mut spec = spec::build(&params).context("building the bundle config")?;
         spec.process_mut()

@@ -392,6 +392,16 @@ pub trait Sandbox: Send + Sync {
     /// there is nothing left to destroy.
     async fn destroy(&self) -> Result<(), LaneError>;
 
+    /// Ends every process of it, and returns once they are gone; what the
+    /// lane made for it stays for [`Sandbox::destroy`]. Succeeds when none
+    /// is running. A lane that cannot do this apart from the rest says so
+    /// (the default), and then a delete waits for the whole teardown.
+    async fn halt(&self) -> Result<(), LaneError> {
+        Err(LaneError::Unsupported(
+            "this lane ends a sandbox's processes only with the rest of it".into(),
+        ))
+    }
+
     /// A future that resolves when its init process exits, so the core
     /// notices a run that died on its own. Called once the run is up, and
     /// again for a run re-adopted after a restart.

@@ -291,11 +291,18 @@ impl Line {
         self.taken.is_none() && self.entry.idle_member
     }
 
-    /// Whether it counts against `--max-runs`: every run but idle pool
-    /// members and asleep runs (which hold only their disk) not being
-    /// woken.
+    /// Whether it counts against `--max-runs` and its tenant's quota:
+    /// every run but idle pool members, asleep runs (which hold only their
+    /// disk) not being woken, and runs being torn down (whose processes
+    /// are the first thing a teardown ends, and which a delete may answer
+    /// for before the rest of it).
     fn counts(&self) -> bool {
-        !self.idle() && (self.entry.standing != Standing::Asleep || self.waking)
+        !self.idle()
+            && match self.entry.standing {
+                Standing::Asleep => self.waking,
+                Standing::Ending => false,
+                _ => true,
+            }
     }
 
     /// The tenant it counts against: the claiming create's once a create
@@ -1079,9 +1086,9 @@ mod tests {
         let (c, _) = f.create(&operator, None, &[], 2).await.unwrap();
         let refused = f.ledger.wake(a, 2).await.unwrap_err();
         assert!(matches!(refused, CoreError::Capacity(2)), "{refused:?}");
-        // Being torn down still takes its slot, until it is released.
+        // Being torn down, its processes ended first, it takes no slot.
         f.ledger.report(c, entry(Standing::Ending));
-        assert_eq!(f.ledger.tally().counted, 2);
+        assert_eq!(f.ledger.tally().counted, 1);
         assert!(f.ledger.release(c).is_some());
         f.ledger.wake(a, 2).await.unwrap();
         assert_eq!(f.ledger.tally().counted, 2);

@@ -31,8 +31,11 @@ use crate::service::LeaseCredential;
 pub enum RunRequest {
     /// The run as the API shows it.
     Get,
-    /// Destroy it.
+    /// Destroy it; answered once nothing of it is left.
     Delete,
+    /// Destroy it; answered once its processes are gone, the rest of the
+    /// teardown following (see [`crate::runs::Manager::kill`]).
+    Kill,
     /// Freeze its processes.
     Pause,
     /// Let a paused run go on; wake a hibernated one.
@@ -108,6 +111,7 @@ impl RunRequest {
         match self {
             RunRequest::Get => "get",
             RunRequest::Delete => "delete",
+            RunRequest::Kill => "kill",
             RunRequest::Pause => "pause",
             RunRequest::Resume => "resume",
             RunRequest::Hibernate => "hibernate",

@@ -120,9 +120,13 @@ pub trait RunService: Clone + Send + Sync + 'static {
     ) -> Result<Vec<crate::runs::UsageSample>, CoreError>;
     /// What a running run uses now (None where it is not measured).
     fn usage(&self, id: Ulid) -> Result<Option<crate::lane::Usage>, CoreError>;
-    /// Destroys a run.
+    /// Destroys a run; answers once nothing of it is left.
     fn delete(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send {
         crate::request::ask(self.call(id, RunRequest::Delete))
+    }
+    /// Destroys a run; answers once its processes are gone.
+    fn kill(&self, id: Ulid) -> impl Future<Output = Result<(), CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Kill))
     }
     /// Pauses a run (its processes frozen, memory kept).
     fn pause(&self, id: Ulid) -> impl Future<Output = Result<Run, CoreError>> + Send {

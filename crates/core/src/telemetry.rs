@@ -72,3 +72,52 @@ pub trait Telemetry: Send + Sync {
     /// A run booted again after its init exited on its own.
     fn restarted(&self);
 }
+
+/// The steps of one piece of work and how long each took, for a debug log
+/// line that says where the time of a create (or a boot) went.
+#[derive(Debug)]
+pub struct Laps {
+    last: std::time::Instant,
+    laps: Vec<(&'static str, Duration)>,
+}
+
+impl Default for Laps {
+    fn default() -> Laps {
+        Laps::new()
+    }
+}
+
+impl Laps {
+    /// Starts the clock.
+    pub fn new() -> Laps {
+        Laps {
+            last: std::time::Instant::now(),
+            laps: Vec::with_capacity(12),
+        }
+    }
+
+    /// Ends step `name` now; the next step starts.
+    pub fn lap(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.laps.push((name, now - self.last));
+        self.last = now;
+    }
+
+    /// Records step `name` that ran beside the others and took `took`.
+    pub fn beside(&mut self, name: &'static str, took: Duration) {
+        self.laps.push((name, took));
+    }
+}
+
+impl std::fmt::Display for Laps {
+    /// `name=1.23ms name=0.40ms …`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, (name, took)) in self.laps.iter().enumerate() {
+            if i > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{name}={:.2}ms", took.as_secs_f64() * 1e3)?;
+        }
+        Ok(())
+    }
+}

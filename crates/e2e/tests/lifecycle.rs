@@ -552,3 +552,85 @@ async fn the_read_only_paths_are_read_only_on_every_runtime() {
         daemon.client.delete_run(&id).await.unwrap();
     }
 }
+
+/// The init's host pid of run `id`.
+fn init_pid(daemon: &TestDaemon, id: &str) -> i32 {
+    std::fs::read_to_string(daemon.state.path().join(format!("runs/{id}/init.pid")))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// E2B's kill answers once the sandbox's processes are gone and the API
+/// no longer shows it; the rest of the teardown follows, leaving nothing.
+/// Meanwhile the killed run takes no slot (`--max-runs 1`: the next create
+/// is served at once). A run that mounts a volume is answered for only
+/// once the volume is free: the next create mounts it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_e2b_kill_answers_once_the_processes_are_gone() {
+    let daemon = TestDaemon::start_with(None, &["--max-runs", "1"], &[]).await;
+    let kill = |id: String| {
+        let (url, token) = (daemon.url.clone(), daemon.token.clone());
+        async move {
+            runbox_e2e::raw_request(&url, "DELETE", &format!("/sandboxes/{id}"), &token, b"").await
+        }
+    };
+    for _ in 0..3 {
+        let id = daemon.create().await.id.to_string();
+        let pid = init_pid(&daemon, &id);
+        let (status, body) = kill(id.clone()).await;
+        assert_eq!(status, 204, "{body}");
+        // Gone, or a zombie its parent has not reaped yet.
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(") ").map(|(_, rest)| &rest[..1]);
+        assert!(
+            matches!(state, None | Some("Z")),
+            "the run's init (pid {pid}) outlived the kill's answer: {stat}"
+        );
+        let err = daemon.client.get_run(&id).await.unwrap_err();
+        assert_eq!(err.status(), Some(404));
+        let (status, _) = kill(id.clone()).await;
+        assert_eq!(status, 404, "a killed sandbox is gone");
+        let next = daemon.create().await.id.to_string();
+        let gone = runbox_e2e::eventually(Duration::from_secs(20), || {
+            !daemon.state.path().join("runs").join(&id).exists()
+                && !netns_exists(&id)
+                && !cgroup_exists(&id)
+        })
+        .await;
+        assert!(
+            gone,
+            "the killed run's teardown did not finish\n{}",
+            daemon.log()
+        );
+        daemon.client.delete_run(&next).await.unwrap();
+    }
+    assert!(mounts_under(daemon.state.path()).is_empty());
+
+    daemon
+        .client
+        .create_volume(&runbox_types::CreateVolumeRequest {
+            name: "kept".into(),
+            size_mb: None,
+            labels: None,
+        })
+        .await
+        .unwrap();
+    let with_volume = || CreateRunRequest {
+        image: "base".into(),
+        volumes: Some(vec![runbox_types::VolumeMountRequest {
+            name: "kept".into(),
+            path: Some("/data".into()),
+            mode: None,
+        }]),
+        ..Default::default()
+    };
+    let first = daemon.create_with(with_volume()).await.id.to_string();
+    daemon.sh(&first, "echo one > /data/f").await;
+    let (status, body) = kill(first.clone()).await;
+    assert_eq!(status, 204, "{body}");
+    let second = daemon.create_with(with_volume()).await.id.to_string();
+    assert_eq!(daemon.sh(&second, "cat /data/f").await.stdout, b"one\n");
+    daemon.client.delete_run(&second).await.unwrap();
+}

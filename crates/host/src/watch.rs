@@ -72,6 +72,24 @@ impl InitWatch {
             .is_ok()
     }
 
+    /// Sends SIGKILL to the init, as [`InitWatch::kill`], and returns once
+    /// it is gone (an init that exited already is); an error when the
+    /// signal could not be sent or the init outlived `limit`.
+    pub async fn end(&self, limit: std::time::Duration) -> io::Result<()> {
+        match rustix::process::pidfd_send_signal(self.fd.get_ref(), rustix::process::Signal::KILL) {
+            Ok(()) => {}
+            Err(rustix::io::Errno::SRCH) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        }
+        match tokio::time::timeout(limit, self.fd.readable()).await {
+            Ok(ready) => ready.map(drop),
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("pid {} was still alive {limit:?} after SIGKILL", self.pid),
+            )),
+        }
+    }
+
     /// Waits for the init to exit, then says what is known about why.
     pub async fn exited(self) -> String {
         // Readable means exited; an error from the reactor means the fd is

@@ -74,6 +74,7 @@ use runbox_core::lane::{
     Support, VolumeBind,
 };
 use runbox_core::runs::error_chain;
+use runbox_core::telemetry::Laps;
 use runbox_types::NetworkTier;
 use tokio::process::Command;
 use ulid::Ulid;
@@ -181,6 +182,9 @@ struct Shared {
     freezes: std::sync::Mutex<std::collections::HashMap<Ulid, Arc<tokio::sync::Mutex<()>>>>,
     /// Catalog datasets mounted on the host, and who holds each.
     datasets: runbox_host::datasets::Datasets,
+    /// The seccomp profile compiled once, for a runtime that takes it
+    /// ready-made (crun; see [`crate::seccomp::compile`]).
+    seccomp_bpf: Option<String>,
 }
 
 /// One sandbox of the OCI lane, by its run's id: everything about it is
@@ -252,7 +256,17 @@ impl OciLane {
             },
         };
         let datasets = runbox_host::datasets::Datasets::new(&state_dir.join("runs"));
+        let seccomp_bpf = (runtime.name == "crun")
+            .then(|| crate::seccomp::compile(&crate::seccomp::default_profile()))
+            .and_then(|compiled| match compiled {
+                Ok(program) => Some(crate::spec::seccomp_bpf_data(&program)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not compile the seccomp profile ahead; crun compiles it for every run");
+                    None
+                }
+            });
         Ok(OciLane(Arc::new(Shared {
+            seccomp_bpf,
             datasets,
             runtime,
             state_dir,
@@ -351,6 +365,7 @@ impl Shared {
     async fn create_steps(&self, spec: &SandboxSpec, boot: bool) -> Result<(), LaneError> {
         let id = spec.id;
         let dir = self.run_dir(id);
+        let mut laps = Laps::new();
         // Fail closed before anything exists: never a different tier.
         if spec.network == NetworkTier::Open {
             if let Some(why) = self.open.unsupported() {
@@ -372,6 +387,7 @@ impl Shared {
         }
         write(&dir.join("runtime"), self.runtime.name.as_bytes())?;
         write(&dir.join("network"), spec.network.as_str().as_bytes())?;
+        laps.lap("dir");
         // The run's user namespace: its range is recorded before anything
         // uses it, so a crash cannot hand it out twice.
         let userns = self.user_namespace(id, &dir, boot)?;
@@ -392,10 +408,18 @@ impl Shared {
         // side by side: the namespace is made on a blocking thread while
         // this one mounts. Both finish before either error is returned, so
         // the caller's cleanup sees everything that was made.
+        laps.lap("userns");
         let ns_fd = userns.as_ref().map(|u| u.fd.clone());
-        let (netns, root) = tokio::join!(create_netns(id, ns_fd), async {
-            self.make_root(spec, &dir, boot, userns.as_ref())
-        });
+        let (netns, root) = tokio::join!(
+            async {
+                let started = std::time::Instant::now();
+                (create_netns(id, ns_fd).await, started.elapsed())
+            },
+            async { self.make_root(spec, &dir, boot, userns.as_ref(), &mut laps) }
+        );
+        let (netns, netns_took) = netns;
+        laps.lap("root+netns");
+        laps.beside("netns", netns_took);
         let (rootfs, trust_files, volume) = root?;
         let netns = netns?;
         let volume_sources = self.volume_sources(spec, &dir, userns.as_ref())?;
@@ -403,6 +427,7 @@ impl Shared {
             NetworkTier::None | NetworkTier::Allowlist => None,
             NetworkTier::Open => Some(self.open.setup(id, &dir, &netns_name(id)).await?),
         };
+        laps.lap("volumes+net");
         // 4. The agent's socket.
         let socket = dir.join("agent.sock");
         remove_if_present(&socket)?;
@@ -463,12 +488,14 @@ impl Shared {
                 path: &u.pinned,
                 base: u.base,
             }),
+            seccomp_bpf: self.seccomp_bpf.as_deref(),
         };
         let config = spec::build(&params)
             .map_err(|e| LaneError::Failed(format!("building the OCI config: {e}")))?;
         let json =
             serde_json::to_vec_pretty(&config).map_err(|e| LaneError::Failed(e.to_string()))?;
         write(&dir.join("config.json"), &json)?;
+        laps.lap("config");
         // 6. Start it, handing over the socket.
         let log = dir.join("runtime.log");
         let mut cmd = self
@@ -482,6 +509,8 @@ impl Shared {
         pass_fd_as_3(&mut cmd, listener.as_raw_fd());
         run_checked(cmd, &log, "starting the container").await?;
         drop(listener);
+        laps.lap("runtime");
+        tracing::debug!(run = %id, boot, steps = %laps, "sandbox started");
         Ok(())
     }
 
@@ -755,6 +784,7 @@ impl Shared {
         dir: &Path,
         boot: bool,
         userns: Option<&RunUserns>,
+        laps: &mut Laps,
     ) -> Result<(PathBuf, Option<trust::TrustFiles>, Option<PathBuf>), LaneError> {
         let limit = spec.limits.disk_mb.map(|mb| mb << 20);
         let rootfs = dir.join("rootfs");
@@ -785,6 +815,7 @@ impl Shared {
             }
             None => self.storage.create(dir, limit)?,
         };
+        laps.lap("disk");
         // A disk that already holds a layer (a fork's, a hibernated run's)
         // has these directories; overlayfs clears its scratch itself.
         let existing = boot || spec.seed.is_some();
@@ -845,11 +876,14 @@ impl Shared {
                     std::os::unix::fs::lchown(d, Some(userns.base), Some(userns.base))
                         .map_err(LaneError::io(format!("handing {} to the run", d.display())))?;
                 }
-                self.mapped_layers(&spec.image_layers, dir, userns)?
+                let lowers = self.mapped_layers(&spec.image_layers, dir, userns)?;
+                laps.lap("mapped-layers");
+                lowers
             }
             None => spec.image_layers.clone(),
         };
         mount_overlay(&lowers, &upper, &work, &rootfs)?;
+        laps.lap("overlay");
         // Read from the merged root, so the run's own layer cannot matter
         // yet (it is empty) and every image layer does.
         let trust_files = match &spec.trust_pem {
@@ -1459,6 +1493,30 @@ impl Sandbox for OciSandbox {
 
     async fn destroy(&self) -> Result<(), LaneError> {
         self.lane.destroy_steps(self.id).await
+    }
+
+    /// SIGKILL to the init through its pidfd (thawed first: a frozen
+    /// process does not die), which as PID 1 of the run's pid namespace
+    /// takes every process of the run with it; the pidfd turns readable
+    /// only once the namespace is empty. No init (none was started, it
+    /// exited, the run is asleep): nothing runs.
+    async fn halt(&self) -> Result<(), LaneError> {
+        if let Ok(freezer) = crate::freezer::Freezer::of(self.id) {
+            let _ = freezer.thaw();
+        }
+        let init = match crate::watch::open(&self.lane.run_dir(self.id), self.id) {
+            Ok(init) => init,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::NotFound
+                    || e.raw_os_error() == Some(libc::ESRCH) =>
+            {
+                return Ok(())
+            }
+            Err(e) => return Err(LaneError::io(format!("watching run {}'s init", self.id))(e)),
+        };
+        init.end(Duration::from_secs(5))
+            .await
+            .map_err(LaneError::io(format!("ending run {}'s processes", self.id)))
     }
 
     /// A pidfd on the container's init ([`crate::watch`]).

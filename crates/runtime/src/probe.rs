@@ -230,6 +230,7 @@ async fn probe_in(
         volume: None,
         volumes: &[],
         userns: None,
+        seccomp_bpf: None,
     };
     let config = spec::build(&params).map_err(|e| format!("building the probe config: {e}"))?;
     let json = serde_json::to_vec(&config).map_err(|e| e.to_string())?;

@@ -164,6 +164,22 @@ pub struct SpecParams<'a> {
     pub volumes: &'a [BindMount<'a>],
     /// The run's own user namespace, joined by path; None: the host's.
     pub userns: Option<UserNamespace<'a>>,
+    /// The seccomp profile already compiled ([`seccomp_bpf_data`] of
+    /// [`seccomp::compile`]), for a runtime that takes it so (crun): the
+    /// config then carries it as [`SECCOMP_BPF_ANNOTATION`] beside the
+    /// profile it was compiled from. None: the runtime compiles the profile.
+    pub seccomp_bpf: Option<&'a str>,
+}
+
+/// crun's annotation for a seccomp program given ready-made (base64 of the
+/// program's bytes); crun then loads it instead of compiling the config's
+/// `linux.seccomp`. Other runtimes ignore it.
+pub const SECCOMP_BPF_ANNOTATION: &str = "run.oci.seccomp_bpf_data";
+
+/// A compiled seccomp program as [`SECCOMP_BPF_ANNOTATION`] carries it.
+pub fn seccomp_bpf_data(program: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(program)
 }
 
 /// A run's user namespace as the runtime joins it.
@@ -269,7 +285,7 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
         .no_new_privileges(params.userns.is_none())
         .build()?;
 
-    let spec = SpecBuilder::default()
+    let mut spec = SpecBuilder::default()
         .version(OCI_VERSION)
         .root(
             RootBuilder::default()
@@ -318,6 +334,11 @@ pub fn build(params: &SpecParams) -> Result<Spec, SpecError> {
                 .build()?,
         )
         .build()?;
+    if let Some(data) = params.seccomp_bpf {
+        spec.set_annotations(Some(
+            [(SECCOMP_BPF_ANNOTATION.to_owned(), data.to_owned())].into(),
+        ));
+    }
     Ok(spec)
 }
 
@@ -686,6 +707,7 @@ mod tests {
                 volume: None,
                 volumes: &[],
                 userns: None,
+                seccomp_bpf: None,
             }
         }
     }
@@ -1050,6 +1072,142 @@ mod tests {
             build_json(&f, |p| p.agent_args = &args),
             Err(SpecError::NulByte(_))
         ));
+    }
+
+    /// What [`seccomp::compile`] makes of the profile is, byte for byte,
+    /// the program crun compiles from the config's seccomp section; and a
+    /// container given it through crun's annotation runs under it: `unshare
+    /// -U`, which needs no capability, is refused by the filter alone.
+    ///
+    /// Needs root, `crun` and a static `/bin/busybox`; it returns early,
+    /// passing, when any is missing.
+    #[test]
+    fn crun_is_given_the_program_it_would_compile() {
+        use std::process::{Command, Stdio};
+
+        let busybox = Path::new("/bin/busybox");
+        let crun_found = Command::new("crun")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !rustix::process::geteuid().is_root() || !crun_found || !busybox.exists() {
+            eprintln!("skipping: needs root, crun and /bin/busybox");
+            return;
+        }
+        let base = format!("runbox-bpftest-{}", std::process::id());
+        let dir = std::env::temp_dir().join(&base);
+        let root = dir.join("crun-root");
+        // Removes both containers, their cgroups and the files even when an
+        // assertion fails.
+        struct Cleanup {
+            root: PathBuf,
+            dir: PathBuf,
+            ids: [String; 2],
+        }
+        impl Drop for Cleanup {
+            fn drop(&mut self) {
+                for id in &self.ids {
+                    let _ = Command::new("crun")
+                        .arg("--root")
+                        .arg(&self.root)
+                        .args(["delete", "--force", id])
+                        .stderr(Stdio::null())
+                        .status();
+                    if let Ok(controllers) = std::fs::read_dir("/sys/fs/cgroup") {
+                        for c in controllers.flatten() {
+                            let parent = c.path().join("runbox-spectest");
+                            let _ = std::fs::remove_dir(parent.join(id));
+                            // Fails harmlessly while another test uses it.
+                            let _ = std::fs::remove_dir(parent);
+                        }
+                    }
+                }
+                let _ = std::fs::remove_dir_all(&self.dir);
+            }
+        }
+        let ids = [format!("{base}-compiled"), format!("{base}-given")];
+        let _cleanup = Cleanup {
+            root: root.clone(),
+            dir: dir.clone(),
+            ids: ids.clone(),
+        };
+        let (rootfs, bundle) = (dir.join("rootfs"), dir.join("bundle"));
+        for d in [rootfs.join("bin"), bundle.clone(), root.clone()] {
+            std::fs::create_dir_all(d).expect("create test dirs");
+        }
+        std::fs::copy(busybox, rootfs.join("bin/busybox")).expect("copy busybox");
+        let agent = dir.join("agent");
+        std::fs::write(&agent, "not executed\n").expect("write agent stand-in");
+        let log = dir.join("crun.log");
+        let crun = |command: &str, id: &str| {
+            // A created container's init keeps what it was given open until
+            // it is started: only a run's output is read; errors are in
+            // crun's log.
+            let piped = || match command {
+                "run" => Stdio::piped(),
+                _ => Stdio::null(),
+            };
+            Command::new("crun")
+                .arg("--root")
+                .arg(&root)
+                .arg("--log")
+                .arg(&log)
+                .args([command, "--bundle"])
+                .arg(&bundle)
+                .arg(id)
+                .stdin(Stdio::null())
+                .stdout(piped())
+                .stderr(piped())
+                .output()
+                .expect("run crun")
+        };
+        let log_text = || std::fs::read_to_string(&log).unwrap_or_default();
+        let f = Fixture::new();
+        let config = |id: &str, annotation: Option<String>| {
+            let cgroup = format!("/runbox-spectest/{id}");
+            let mut params = f.params();
+            params.rootfs = &rootfs;
+            params.agent_binary = &agent;
+            params.cgroups_path = &cgroup;
+            let mut spec = build(&params).expect("spec builds");
+            let script = "/bin/busybox unshare -U /bin/busybox true 2>/dev/null \
+                && echo userns-allowed || echo userns-denied";
+            spec.process_mut()
+                .as_mut()
+                .expect("spec has a process")
+                .set_args(Some(
+                    ["/bin/busybox", "sh", "-c", script]
+                        .map(String::from)
+                        .to_vec(),
+                ));
+            if let Some(data) = annotation {
+                spec.set_annotations(Some([(SECCOMP_BPF_ANNOTATION.to_owned(), data)].into()));
+            }
+            spec.save(bundle.join("config.json"))
+                .expect("write config.json");
+        };
+
+        // crun compiles the section when the container is created.
+        config(&ids[0], None);
+        let out = crun("create", &ids[0]);
+        assert!(out.status.success(), "crun create: {}", log_text());
+        let by_crun = std::fs::read(root.join(&ids[0]).join("seccomp.bpf"))
+            .expect("crun keeps the program it compiled");
+        let ours = seccomp::compile(&seccomp::default_profile()).expect("the profile compiles");
+        assert_eq!(ours.len(), by_crun.len(), "program lengths differ");
+        assert!(ours == by_crun, "the programs differ");
+
+        // Given ready-made, it is the filter the container runs under.
+        config(&ids[1], Some(seccomp_bpf_data(&ours)));
+        let out = crun("run", &ids[1]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "crun run: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(stdout.trim(), "userns-denied");
     }
 
     /// Starts a real container from [`build`]'s output with runc and checks

@@ -120,7 +120,7 @@ impl RunService for Stub {
         use RunRequest as Q;
         Ok(match req {
             Q::Get => A::Run(Box::new(self.get(id)?)),
-            Q::Delete => {
+            Q::Delete | Q::Kill => {
                 Stub::delete(self, id).await?;
                 A::Done
             }

@@ -133,6 +133,9 @@ pub(crate) enum Command {
     Stop {
         reason: ExitReason,
         reply: Reply<()>,
+        /// Answer once its processes are gone, before the rest of the
+        /// teardown (see `RunActor::halted_for_delete`).
+        halted: bool,
     },
     /// Hand an idle pool member out to a create: apply what the create
     /// asked for and start serving it as the create's run.
@@ -381,6 +384,9 @@ pub(crate) struct RunActor {
     agent: Option<(AgentClient, u32)>,
     /// Deletes waiting for the first teardown attempt.
     stop_waiters: Vec<Reply<()>>,
+    /// Callers of a stop content to hear once the run's processes are
+    /// gone (answered with the others if that comes no sooner).
+    halt_waiters: Vec<Reply<()>>,
     /// Cancelled when the current sandbox stops (hibernate, death, end):
     /// its egress proxy goes with it.
     incarnation: CancellationToken,
@@ -425,6 +431,7 @@ impl RunActor {
             exit: None,
             agent: None,
             stop_waiters: Vec::new(),
+            halt_waiters: Vec::new(),
             incarnation: token,
             restarts: VecDeque::new(),
             archive_retry: None,
@@ -720,6 +727,7 @@ impl RunActor {
         reply: &oneshot::Sender<Result<Run, CoreError>>,
     ) -> Result<(), CoreError> {
         let context = self.context.clone();
+        let mut laps = crate::telemetry::Laps::new();
         // Written as `Creating` before any resource exists, without waiting
         // for the disk: a crash before the durable `Running` commit below
         // may forget it, and then the start-up sweep still finds what the
@@ -737,7 +745,9 @@ impl RunActor {
         if let Some(e) = gone(reply) {
             return Err(e);
         }
+        laps.lap("record");
         let sandbox = context.lane.create(spec).await?;
+        laps.lap("sandbox");
         self.record.runtime = sandbox.runtime();
         let endpoint = sandbox.agent();
         self.record.agent_socket = match &endpoint {
@@ -757,6 +767,7 @@ impl RunActor {
             CoreError::Agent(format!("the new run's agent did not become ready: {e}"))
         })?;
         stored?;
+        laps.lap("ready+stored");
         if let Some(e) = gone(reply) {
             return Err(e);
         }
@@ -773,8 +784,11 @@ impl RunActor {
         } else {
             Event::Started
         });
+        laps.lap("egress");
         self.watch().await;
         self.publish();
+        laps.lap("watch");
+        tracing::debug!(run = %id, steps = %laps, "run built");
         Ok(())
     }
 
@@ -1492,10 +1506,17 @@ impl RunActor {
                 };
                 let _ = reply.send(answer);
             }
-            Command::Stop { reason, reply } => {
+            Command::Stop {
+                reason,
+                reply,
+                halted,
+            } => {
                 tracing::debug!(run = %id, ?reason, "stopping the run");
                 self.stop(reason);
-                self.stop_waiters.push(reply);
+                match halted {
+                    true => self.halt_waiters.push(reply),
+                    false => self.stop_waiters.push(reply),
+                }
             }
             Command::Relinquish { reply } => {
                 self.relinquish();
@@ -1897,8 +1918,17 @@ impl RunActor {
     /// command meanwhile as a run that is gone.
     async fn teardown(&mut self) {
         let id = self.record.id;
-        if let Err(e) = self.context.store.put_async(self.record.clone()).await {
-            tracing::warn!(run = %id, error = %e, "could not mark the run as stopping");
+        match self.context.store.put_async(self.record.clone()).await {
+            Ok(()) => {
+                if self.halted_for_delete().await {
+                    for waiter in self.halt_waiters.drain(..) {
+                        let _ = waiter.send(Ok(()));
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(run = %id, error = %e, "could not mark the run as stopping")
+            }
         }
         let mut attempt = 0u32;
         loop {
@@ -1946,8 +1976,38 @@ impl RunActor {
         self.answer_stop_waiters();
     }
 
+    /// Whether a deleted run can be answered for before the rest of its
+    /// teardown, and if so its processes ended. Called once its record
+    /// says it is stopping, durably: the API shows it no more, a crash from
+    /// here finishes the teardown at the next start (reconcile), and once
+    /// its processes are gone it does nothing a caller could notice. The
+    /// rest (mounts, namespace, cgroups, disk) follows in the background;
+    /// meanwhile it counts against no limit (see [`crate::ledger`]). Not a
+    /// run with volumes: another create may want them the moment the
+    /// delete answers, and they are free only once unmounted.
+    async fn halted_for_delete(&mut self) -> bool {
+        if !matches!(self.phase, Phase::Stopping(ExitReason::RunDeleted))
+            || self.halt_waiters.is_empty()
+            || !self.record.volumes.is_empty()
+        {
+            return false;
+        }
+        match self.context.lane.sandbox(self.record.id).halt().await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::debug!(run = %self.record.id, error = %error_chain(&e),
+                    "the delete waits for the whole teardown");
+                false
+            }
+        }
+    }
+
     fn answer_stop_waiters(&mut self) {
-        for waiter in self.stop_waiters.drain(..) {
+        for waiter in self
+            .stop_waiters
+            .drain(..)
+            .chain(self.halt_waiters.drain(..))
+        {
             let _ = waiter.send(Ok(()));
         }
     }

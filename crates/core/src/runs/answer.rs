@@ -27,6 +27,10 @@ impl Manager {
                 self.delete(id).await?;
                 A::Done
             }
+            Q::Kill => {
+                self.kill(id).await?;
+                A::Done
+            }
             Q::Pause => run(self.pause(id).await?),
             Q::Resume => run(self.resume(id).await?),
             Q::Hibernate => run(self.hibernate(id).await?),

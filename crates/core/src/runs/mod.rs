@@ -1126,6 +1126,24 @@ impl Manager {
             .ask(|reply| Command::Stop {
                 reason: ExitReason::RunDeleted,
                 reply,
+                halted: false,
+            })
+            .await
+    }
+
+    /// Destroys a run like [`Manager::delete`], but answers as soon as
+    /// the run's record durably says it is being destroyed (no call finds
+    /// it from then on, and a crash finishes the job at the next start)
+    /// and its processes are gone; the rest of the teardown (mounts,
+    /// namespace, cgroups, disk) follows. A run that mounts volumes is
+    /// answered for only once they are free, as a delete is. E2B's kill.
+    pub async fn kill(&self, id: Ulid) -> Result<(), CoreError> {
+        let handle = self.handle(id)?;
+        handle
+            .ask(|reply| Command::Stop {
+                reason: ExitReason::RunDeleted,
+                reply,
+                halted: true,
             })
             .await
     }

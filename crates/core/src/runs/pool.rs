@@ -302,6 +302,7 @@ impl Manager {
                 .ask(|reply| Command::Stop {
                     reason: ExitReason::RunDeleted,
                     reply,
+                    halted: false,
                 })
                 .await;
         });

@@ -557,7 +557,7 @@ async fn kill<S: RunService>(
     State(state): State<AppState<S>>,
     SandboxPath(id): SandboxPath,
 ) -> Result<StatusCode, E2bError> {
-    state.service.delete(id).await?;
+    state.service.kill(id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
