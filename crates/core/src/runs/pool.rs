@@ -44,6 +44,10 @@ const WARMUP_TIMEOUT_SECS: u64 = 120;
 /// The most of a refill error kept for `GET /v1/pools`.
 const MAX_ERROR: usize = 1024;
 
+/// How long a refill waits for the creates being built to finish before
+/// it makes its member beside them (see `refill`).
+const REFILL_YIELD: Duration = Duration::from_secs(2);
+
 impl Manager {
     /// Checks a pool set against this server: image names, networks it can
     /// give, tiers within its maxima.
@@ -309,8 +313,17 @@ impl Manager {
     }
 
     /// Makes one member for `config` under the budget and reports back.
+    /// Creates come first: while any is being built, a refill waits (up
+    /// to [`REFILL_YIELD`]), since a member made beside them takes the
+    /// CPUs they are waiting for (a burst bigger than a pool is served
+    /// cold, and its refills can follow it).
     async fn refill(self: Arc<Self>, config: PoolConfig) {
         let started = Instant::now();
+        let yield_until = tokio::time::Instant::now() + REFILL_YIELD;
+        while self.context.ledger.tally().creating > 0 && tokio::time::Instant::now() < yield_until
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let made = match self.budget.clone().acquire_owned().await {
             Ok(_permit) => self.make_member(&config).await,
             Err(_) => Err(CoreError::Store("the background budget is closed".into())),
