@@ -112,6 +112,9 @@ pub struct Manager {
     pub(crate) pools: Arc<Mutex<crate::pools::Pools>>,
     /// Wakes the pool controller (a claim, a refill done, a new set).
     pub(crate) pool_wake: Arc<tokio::sync::Notify>,
+    /// When a create last took a pool member (refills give way to the
+    /// claimed run's first commands, see `refill`).
+    pub(crate) last_claim: Mutex<Option<tokio::time::Instant>>,
     /// Where `PUT /v1/pools` stores the set on a node of a cell.
     pub(crate) cell_pools: std::sync::OnceLock<Arc<dyn crate::fleet::SharedPools>>,
     /// The size of `budget`.
@@ -403,6 +406,7 @@ impl Manager {
             budget: context.budget.clone(),
             pools: context.pools.clone(),
             pool_wake: Arc::new(tokio::sync::Notify::new()),
+            last_claim: Mutex::new(None),
             cell_pools: std::sync::OnceLock::new(),
             budget_size: budget,
             warm,

@@ -48,6 +48,10 @@ const MAX_ERROR: usize = 1024;
 /// it makes its member beside them (see `refill`).
 const REFILL_YIELD: Duration = Duration::from_secs(2);
 
+/// How long after a claim refills wait, for the claimed run's first
+/// commands (see `refill`).
+const CLAIM_QUIET: Duration = Duration::from_millis(50);
+
 impl Manager {
     /// Checks a pool set against this server: image names, networks it can
     /// give, tiers within its maxima.
@@ -117,6 +121,9 @@ impl Manager {
             let pools = self.pools.clone();
             let mut next = || lock(&pools).take(key, Instant::now());
             let taken = self.context.ledger.claim(ask, &mut next).await?;
+            if matches!(taken, Claimed::Member(_)) {
+                *lock(&self.last_claim) = Some(tokio::time::Instant::now());
+            }
             self.pool_wake.notify_one();
             let member = match taken {
                 Claimed::Earlier(earlier) => return self.answer_repeat(earlier).await.map(Some),
@@ -313,15 +320,20 @@ impl Manager {
     }
 
     /// Makes one member for `config` under the budget and reports back.
-    /// Creates come first: while any is being built, a refill waits (up
-    /// to [`REFILL_YIELD`]), since a member made beside them takes the
-    /// CPUs they are waiting for (a burst bigger than a pool is served
-    /// cold, and its refills can follow it).
+    /// Callers come first: while a create is being built, or within
+    /// [`CLAIM_QUIET`] of a claim (when the claimed run's first commands
+    /// come), a refill waits (up to [`REFILL_YIELD`]), since a member
+    /// made beside them takes the CPUs they are waiting for (a burst
+    /// bigger than a pool is served cold, and its refills can follow it).
     async fn refill(self: Arc<Self>, config: PoolConfig) {
         let started = Instant::now();
         let yield_until = tokio::time::Instant::now() + REFILL_YIELD;
-        while self.context.ledger.tally().creating > 0 && tokio::time::Instant::now() < yield_until
-        {
+        let busy = || {
+            let claimed = *lock(&self.last_claim);
+            self.context.ledger.tally().creating > 0
+                || claimed.is_some_and(|at| at.elapsed() < CLAIM_QUIET)
+        };
+        while busy() && tokio::time::Instant::now() < yield_until {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let made = match self.budget.clone().acquire_owned().await {
