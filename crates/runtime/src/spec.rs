@@ -1074,6 +1074,36 @@ mod tests {
         ));
     }
 
+    /// Whether this host can start a real container with `runtime`: root,
+    /// the runtime, and a static `/bin/busybox` to run in it.
+    fn can_run_containers(runtime: &str) -> bool {
+        use std::process::{Command, Stdio};
+        let found = Command::new(runtime)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        let ok =
+            rustix::process::geteuid().is_root() && found && Path::new("/bin/busybox").exists();
+        if !ok {
+            eprintln!("skipping: needs root, {runtime} and /bin/busybox");
+        }
+        ok
+    }
+
+    /// Under `dir`: a root with busybox (`rootfs/`), an empty bundle
+    /// directory (`bundle/`) and a stand-in for the agent binary, which
+    /// the tests' configs mount but never run.
+    fn busybox_bundle(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+        let (rootfs, bundle, agent) = (dir.join("rootfs"), dir.join("bundle"), dir.join("agent"));
+        for d in [rootfs.join("bin"), bundle.clone()] {
+            std::fs::create_dir_all(d).expect("create test dirs");
+        }
+        std::fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("copy busybox");
+        std::fs::write(&agent, "not executed\n").expect("write agent stand-in");
+        (rootfs, bundle, agent)
+    }
+
     /// What [`seccomp::compile`] makes of the profile is, byte for byte,
     /// the program crun compiles from the config's seccomp section; and a
     /// container given it through crun's annotation runs under it: `unshare
@@ -1085,14 +1115,7 @@ mod tests {
     fn crun_is_given_the_program_it_would_compile() {
         use std::process::{Command, Stdio};
 
-        let busybox = Path::new("/bin/busybox");
-        let crun_found = Command::new("crun")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !rustix::process::geteuid().is_root() || !crun_found || !busybox.exists() {
-            eprintln!("skipping: needs root, crun and /bin/busybox");
+        if !can_run_containers("crun") {
             return;
         }
         let base = format!("runbox-bpftest-{}", std::process::id());
@@ -1132,13 +1155,8 @@ mod tests {
             dir: dir.clone(),
             ids: ids.clone(),
         };
-        let (rootfs, bundle) = (dir.join("rootfs"), dir.join("bundle"));
-        for d in [rootfs.join("bin"), bundle.clone(), root.clone()] {
-            std::fs::create_dir_all(d).expect("create test dirs");
-        }
-        std::fs::copy(busybox, rootfs.join("bin/busybox")).expect("copy busybox");
-        let agent = dir.join("agent");
-        std::fs::write(&agent, "not executed\n").expect("write agent stand-in");
+        let (rootfs, bundle, agent) = busybox_bundle(&dir);
+        std::fs::create_dir_all(&root).expect("create crun's root");
         let log = dir.join("crun.log");
         let crun = |command: &str, id: &str| {
             // A created container's init keeps what it was given open until
@@ -1222,14 +1240,7 @@ mod tests {
         use std::process::{Command, Stdio};
         use std::time::{Duration, Instant};
 
-        let busybox = Path::new("/bin/busybox");
-        let runc_found = Command::new("runc")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !rustix::process::geteuid().is_root() || !runc_found || !busybox.exists() {
-            eprintln!("skipping: needs root, runc and /bin/busybox");
+        if !can_run_containers("runc") {
             return;
         }
 
@@ -1266,14 +1277,8 @@ mod tests {
             id: id.clone(),
         };
 
-        let rootfs = dir.join("rootfs");
-        let bundle = dir.join("bundle");
-        for d in [rootfs.join("bin"), bundle.clone(), dir.join("runc-root")] {
-            std::fs::create_dir_all(d).expect("create test dirs");
-        }
-        std::fs::copy(busybox, rootfs.join("bin/busybox")).expect("copy busybox");
-        let agent = dir.join("agent");
-        std::fs::write(&agent, "not executed\n").expect("write agent stand-in");
+        let (rootfs, bundle, agent) = busybox_bundle(&dir);
+        std::fs::create_dir_all(dir.join("runc-root")).expect("create runc's root");
 
         let f = Fixture::new();
         let mut params = f.params();

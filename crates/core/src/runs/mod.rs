@@ -1125,14 +1125,7 @@ impl Manager {
     /// Cancellation: the teardown is the run owner's; dropping this future
     /// only stops waiting for it.
     pub async fn delete(&self, id: Ulid) -> Result<(), CoreError> {
-        let handle = self.handle(id)?;
-        handle
-            .ask(|reply| Command::Stop {
-                reason: ExitReason::RunDeleted,
-                reply,
-                halted: false,
-            })
-            .await
+        self.destroy(id, false).await
     }
 
     /// Destroys a run like [`Manager::delete`], but answers as soon as
@@ -1142,12 +1135,18 @@ impl Manager {
     /// namespace, cgroups, disk) follows. A run that mounts volumes is
     /// answered for only once they are free, as a delete is. E2B's kill.
     pub async fn kill(&self, id: Ulid) -> Result<(), CoreError> {
+        self.destroy(id, true).await
+    }
+
+    /// Asks run `id`'s owner to destroy it; answered once its processes
+    /// are gone (`halted`) or once nothing of it is left.
+    async fn destroy(&self, id: Ulid, halted: bool) -> Result<(), CoreError> {
         let handle = self.handle(id)?;
         handle
             .ask(|reply| Command::Stop {
                 reason: ExitReason::RunDeleted,
                 reply,
-                halted: true,
+                halted,
             })
             .await
     }
