@@ -430,6 +430,14 @@ impl TestDaemon {
         }
     }
 
+    /// The host pid of run `id`'s init (its agent), as its runtime
+    /// recorded it.
+    pub fn init_pid(&self, id: &str) -> i32 {
+        let path = self.state.path().join("runs").join(id).join("init.pid");
+        let text = std::fs::read_to_string(&path).expect("init.pid");
+        text.trim().parse().expect("a pid")
+    }
+
     /// Creates a run of `base` with default settings.
     pub async fn create(&self) -> Run {
         self.create_with(CreateRunRequest {

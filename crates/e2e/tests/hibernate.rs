@@ -44,15 +44,9 @@ fn held(daemon: &TestDaemon, id: &str) -> Held {
     }
 }
 
-/// The host pid of run `id`'s init (its agent).
-fn init_pid(daemon: &TestDaemon, id: &str) -> i32 {
-    let text = std::fs::read_to_string(run_dir(daemon, id).join("init.pid")).expect("init.pid");
-    text.trim().parse().expect("a pid")
-}
-
 /// Kills run `id`'s init from the host, as a crash or an OOM would.
 fn kill_init(daemon: &TestDaemon, id: &str) {
-    let pid = init_pid(daemon, id);
+    let pid = daemon.init_pid(id);
     // SAFETY: kill(2) on the pid the run's runtime recorded for its init.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0, "kill {pid}");
 }
@@ -270,7 +264,7 @@ async fn a_daemon_killed_around_a_hibernation_finds_the_run_as_recorded() {
     // A run whose sandbox died while the daemon was down is booted again
     // by the restart policy (default cold) on its own disk.
     daemon.sh(&awake, "echo mine > /work/mine").await;
-    let pid = init_pid(&daemon, &awake);
+    let pid = daemon.init_pid(&awake);
     daemon.kill9();
     // SAFETY: kill(2) on the run's init, recorded by its runtime.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
@@ -287,7 +281,7 @@ async fn a_run_whose_init_dies_is_booted_again_until_its_budget_is_spent() {
     let id = daemon.create().await.id.to_string();
     daemon.sh(&id, "echo kept > /work/kept").await;
     for n in 1..=3u32 {
-        let pid = init_pid(&daemon, &id);
+        let pid = daemon.init_pid(&id);
         kill_init(&daemon, &id);
         let restarted = eventually_async(Duration::from_secs(20), || async {
             daemon
@@ -300,7 +294,7 @@ async fn a_run_whose_init_dies_is_booted_again_until_its_budget_is_spent() {
         assert!(restarted, "restart {n}: {}", daemon.log());
         let run = daemon.client.get_run(&id).await.unwrap();
         assert!(run.restarted_at.is_some());
-        assert_ne!(init_pid(&daemon, &id), pid, "a new init");
+        assert_ne!(daemon.init_pid(&id), pid, "a new init");
         assert_eq!(daemon.sh(&id, "cat /work/kept").await.stdout, b"kept\n");
     }
     // A fourth death within ten minutes: failed, with the reason.

@@ -502,11 +502,7 @@ async fn a_container_the_runtime_has_no_state_for_is_still_destroyed() {
     // processes, but no runtime state (yet) naming them.
     let daemon = TestDaemon::start(None).await;
     let id = daemon.create().await.id.to_string();
-    let pid: i32 = std::fs::read_to_string(daemon.state.path().join(format!("runs/{id}/init.pid")))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = daemon.init_pid(&id);
     let oci = daemon.state.path().join("oci");
     for runtime in std::fs::read_dir(&oci).unwrap().flatten() {
         let _ = std::fs::remove_dir_all(runtime.path().join(format!("runbox-{id}")));
@@ -553,15 +549,6 @@ async fn the_read_only_paths_are_read_only_on_every_runtime() {
     }
 }
 
-/// The init's host pid of run `id`.
-fn init_pid(daemon: &TestDaemon, id: &str) -> i32 {
-    std::fs::read_to_string(daemon.state.path().join(format!("runs/{id}/init.pid")))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap()
-}
-
 /// E2B's kill answers once the sandbox's processes are gone and the API
 /// no longer shows it; the rest of the teardown follows, leaving nothing.
 /// Meanwhile the killed run takes no slot (`--max-runs 1`: the next create
@@ -578,7 +565,7 @@ async fn an_e2b_kill_answers_once_the_processes_are_gone() {
     };
     for _ in 0..3 {
         let id = daemon.create().await.id.to_string();
-        let pid = init_pid(&daemon, &id);
+        let pid = daemon.init_pid(&id);
         let (status, body) = kill(id.clone()).await;
         assert_eq!(status, 204, "{body}");
         // Gone, or a zombie its parent has not reaped yet.
