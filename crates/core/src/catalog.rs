@@ -5,6 +5,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use runbox_types::{ErrorCode, Image, PullEvent, PullPolicy, PullRequest};
 use tokio::sync::mpsc;
@@ -12,6 +13,10 @@ use tokio::sync::mpsc;
 use crate::error::CoreError;
 use crate::runs::Manager;
 use crate::validate;
+
+/// How long an image delete waits for the runs being torn down that still
+/// use the image (see [`Manager::delete_image`]).
+const ENDING_WAIT: Duration = Duration::from_secs(30);
 
 /// At most 64 characters of `s`, for messages.
 fn bounded(s: &str) -> String {
@@ -531,6 +536,14 @@ impl Manager {
         let manager = self.clone();
         tokio::spawn(async move {
             let images = manager.images.clone();
+            // A run being torn down still mounts the image for a moment
+            // (E2B's kill answers before its teardown ends): wait for it,
+            // so the image's layers go with its record.
+            let until = tokio::time::Instant::now() + ENDING_WAIT;
+            while manager.context.ledger.image_ending(&name) && tokio::time::Instant::now() < until
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
             {
                 let _guard = manager.image_lock.lock().await;
                 if manager.image_in_use(&name) {

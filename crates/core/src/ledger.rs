@@ -221,6 +221,10 @@ pub trait Ledger: Send + Sync {
     /// `name`.
     fn image_in_use(&self, name: &str) -> bool;
 
+    /// Whether the runs that use image `name` are all being torn down
+    /// (and there is one): they let go of it in a moment.
+    fn image_ending(&self, name: &str) -> bool;
+
     /// The warm generations runs mount, in any phase.
     fn warm_in_use(&self) -> HashSet<Ulid>;
 
@@ -922,6 +926,16 @@ impl Ledger for LocalLedger {
             .any(|l| !l.idle() && l.entry.image == name)
     }
 
+    fn image_ending(&self, name: &str) -> bool {
+        let book = self.book();
+        let mut users = book
+            .runs
+            .values()
+            .filter(|l| !l.idle() && l.entry.image == name)
+            .peekable();
+        users.peek().is_some() && users.all(|l| l.entry.standing == Standing::Ending)
+    }
+
     fn warm_in_use(&self) -> HashSet<Ulid> {
         self.book()
             .runs
@@ -1161,6 +1175,23 @@ mod tests {
         f.ledger.release(run);
         let (_, fresh) = f.create(&operator, Some(&first), &[], 2).await.unwrap();
         assert_eq!(fresh, Reserved::Entered);
+    }
+
+    #[tokio::test]
+    async fn an_image_only_runs_being_torn_down_use_is_ending() {
+        let f = fixture();
+        let operator = Owner(None);
+        assert!(!f.ledger.image_ending("base"), "no run uses it");
+        let (a, _) = f.create(&operator, None, &[], 3).await.unwrap();
+        let (b, _) = f.create(&operator, None, &[], 3).await.unwrap();
+        f.ledger.report(a, entry(Standing::Ending));
+        assert!(!f.ledger.image_ending("base"), "b still runs from it");
+        f.ledger.report(b, entry(Standing::Ending));
+        assert!(f.ledger.image_ending("base"));
+        assert!(f.ledger.image_in_use("base"));
+        f.ledger.release(a);
+        f.ledger.release(b);
+        assert!(!f.ledger.image_ending("base") && !f.ledger.image_in_use("base"));
     }
 
     #[tokio::test]

@@ -595,6 +595,21 @@ async fn an_e2b_kill_answers_once_the_processes_are_gone() {
     }
     assert!(mounts_under(daemon.state.path()).is_empty());
 
+    // The image of a killed run can be deleted at once: the delete waits
+    // for the teardown that still mounts it, and its layers go with it.
+    daemon.import("other", runbox_e2e::busybox_tar()).await;
+    let id = daemon
+        .create_with(CreateRunRequest {
+            image: "other".into(),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    let (status, body) = kill(id.clone()).await;
+    assert_eq!(status, 204, "{body}");
+    daemon.client.delete_image("other").await.unwrap();
+
     daemon
         .client
         .create_volume(&runbox_types::CreateVolumeRequest {
