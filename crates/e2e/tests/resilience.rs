@@ -411,6 +411,13 @@ async fn a_create_retried_with_its_idempotency_key_makes_one_run() {
             eventually(Duration::from_secs(20), || daemon_lists(&daemon) == 1).await,
             "the first attempt made no run"
         );
+        // The answer is written (it waits in the socket): a run is listed
+        // a moment before its answer goes out, and a client gone before
+        // that is one the server destroys the run for.
+        tokio::time::timeout(Duration::from_secs(20), stream.readable())
+            .await
+            .expect("the first attempt was answered")
+            .unwrap();
         // Dropped unread.
     }
     let retried = daemon
