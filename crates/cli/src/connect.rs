@@ -12,14 +12,10 @@ use runbox_client::{Client, ClientError};
 #[derive(Clone, Debug, clap::Args)]
 #[command(next_help_heading = "Connection")]
 pub struct ConnectOpts {
-    /// URL of the runbox daemon
-    #[arg(
-        long,
-        env = "RUNBOX_URL",
-        default_value = "http://127.0.0.1:7439",
-        value_name = "URL"
-    )]
-    pub url: String,
+    /// URL of the runbox daemon [default: the address `runbox serve` wrote
+    /// to <state-dir>/serve.addr, else http://127.0.0.1:7439]
+    #[arg(long, env = "RUNBOX_URL", value_name = "URL")]
+    pub url: Option<String>,
 
     /// API token [default: read from <state-dir>/token]. Prefer RUNBOX_TOKEN
     /// or the token file: other local users can see command-line arguments
@@ -68,10 +64,11 @@ impl ConnectOpts {
                 (read_token_file(&path)?, path.display().to_string())
             }
         };
-        let client = Client::new(&self.url, token.clone()).context("bad --url / RUNBOX_URL")?;
+        let url = self.url();
+        let client = Client::new(&url, token.clone()).context("bad --url / RUNBOX_URL")?;
         Ok(Conn {
             client,
-            url: self.url.clone(),
+            url,
             token,
             token_source,
         })
@@ -79,15 +76,36 @@ impl ConnectOpts {
 
     /// A client without a token, for the routes that need none (`/health`).
     pub fn connect_anonymous(&self) -> anyhow::Result<Conn> {
-        let client = Client::anonymous(&self.url).context("bad --url / RUNBOX_URL")?;
+        let url = self.url();
+        let client = Client::anonymous(&url).context("bad --url / RUNBOX_URL")?;
         Ok(Conn {
             client,
-            url: self.url.clone(),
+            url,
             token: String::new(),
             token_source: "no token".to_owned(),
         })
     }
 }
+
+impl ConnectOpts {
+    /// `--url` / `RUNBOX_URL`; else the address the daemon of `--state-dir`
+    /// is serving on (it writes it to `serve.addr` when it starts, so a
+    /// daemon on another port or on `--listen 127.0.0.1:0` is found); else
+    /// the default port on loopback.
+    fn url(&self) -> String {
+        if let Some(url) = &self.url {
+            return url.clone();
+        }
+        std::fs::read_to_string(self.state_dir.join("serve.addr"))
+            .ok()
+            .map(|addr| addr.trim().to_owned())
+            .filter(|addr| !addr.is_empty() && !addr.contains('/'))
+            .map_or_else(|| DEFAULT_URL.to_owned(), |addr| format!("http://{addr}"))
+    }
+}
+
+/// Where a daemon started with the default `--listen` serves.
+pub const DEFAULT_URL: &str = "http://127.0.0.1:7439";
 
 impl Conn {
     /// The API token this connection authenticates with (empty for an
@@ -149,7 +167,7 @@ mod tests {
 
     fn opts(state_dir: &Path, token: Option<&str>) -> ConnectOpts {
         ConnectOpts {
-            url: "http://127.0.0.1:7439".to_owned(),
+            url: Some(DEFAULT_URL.to_owned()),
             token: token.map(str::to_owned),
             state_dir: state_dir.to_owned(),
         }
@@ -175,6 +193,23 @@ mod tests {
         let err = format!("{:#}", opts(dir.path(), None).connect().err().unwrap());
         assert!(err.contains("is empty"), "{err}");
         assert!(opts(dir.path(), Some(" ")).connect().is_err());
+    }
+
+    #[test]
+    fn the_url_is_the_flag_else_the_state_dirs_daemon_else_the_default() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut opts = opts(dir.path(), None);
+        opts.url = None;
+        assert_eq!(opts.url(), DEFAULT_URL);
+        std::fs::write(dir.path().join("serve.addr"), "127.0.0.1:36463\n").unwrap();
+        assert_eq!(opts.url(), "http://127.0.0.1:36463");
+        std::fs::write(dir.path().join("serve.addr"), "[::1]:7000").unwrap();
+        assert_eq!(opts.url(), "http://[::1]:7000");
+        // Not an address: ignored.
+        std::fs::write(dir.path().join("serve.addr"), "  \n").unwrap();
+        assert_eq!(opts.url(), DEFAULT_URL);
+        opts.url = Some("http://example.test:1".to_owned());
+        assert_eq!(opts.url(), "http://example.test:1");
     }
 
     #[test]

@@ -226,6 +226,11 @@ async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
             // The server's verdict is the most precise when it gave one; a
             // tar error after it is only the broken pipe it caused.
             (Err(err @ ClientError::Api { .. }), _) => return Err(conn.explain(err)),
+            // The archive stopped because the upload did: the upload's own
+            // error says why (the daemon unreachable, the connection cut).
+            (Err(err), Err(tar)) if tar.kind() == io::ErrorKind::BrokenPipe => {
+                return Err(conn.explain(err))
+            }
             (_, Err(err)) => {
                 return Err(err).with_context(|| format!("cannot archive {}", source.display()))
             }

@@ -99,3 +99,45 @@ fn bad_env_arguments_are_usage_errors() {
     assert_eq!(out.status.code(), Some(2));
     assert!(text(&out.stderr).contains("NAME=VALUE"));
 }
+
+#[test]
+fn an_import_to_an_unreachable_daemon_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("file"), "x").unwrap();
+    let tree = dir.path().to_str().unwrap();
+    let out = runbox(&[
+        "image",
+        "import",
+        "img",
+        tree,
+        "--url",
+        "http://127.0.0.1:1",
+        "--token",
+        "t",
+    ]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    // The archive stops because the upload did; the upload's reason wins.
+    assert!(
+        err.contains("cannot reach the runbox daemon at http://127.0.0.1:1"),
+        "{err}"
+    );
+    assert!(!err.contains("the upload stopped"), "{err}");
+}
+
+#[test]
+fn without_a_url_the_daemon_of_the_state_dir_is_asked() {
+    let state = tempfile::tempdir().unwrap();
+    std::fs::write(state.path().join("token"), "t\n").unwrap();
+    std::fs::write(state.path().join("serve.addr"), "127.0.0.1:1\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_runbox"))
+        .args(["ls", "--state-dir", state.path().to_str().unwrap()])
+        .env_remove("RUNBOX_TOKEN")
+        .env_remove("RUNBOX_URL")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("runbox runs");
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(err.contains("http://127.0.0.1:1"), "{err}");
+}
