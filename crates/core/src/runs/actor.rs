@@ -134,7 +134,7 @@ pub(crate) enum Command {
         reason: ExitReason,
         reply: Reply<()>,
         /// Answer once its processes are gone, before the rest of the
-        /// teardown (see `RunActor::halted_for_delete`).
+        /// teardown (see `RunActor::may_halt_for_delete`).
         halted: bool,
     },
     /// Hand an idle pool member out to a create: apply what the create
@@ -1918,14 +1918,25 @@ impl RunActor {
     /// command meanwhile as a run that is gone.
     async fn teardown(&mut self) {
         let id = self.record.id;
-        match self.context.store.put_async(self.record.clone()).await {
-            Ok(()) => {
-                if self.halted_for_delete().await {
-                    for waiter in self.halt_waiters.drain(..) {
-                        let _ = waiter.send(Ok(()));
-                    }
+        // A kill ends the processes while the stopping record is written,
+        // and is answered once both are done. A crash in between leaves a
+        // record that says running over a dead init, which the next start
+        // judges as any run whose init died; the caller had no answer yet.
+        let halt = self.may_halt_for_delete().then(|| self.halt_processes());
+        let store = self.context.store.clone();
+        let (stored, halted) = tokio::join!(store.put_async(self.record.clone()), async {
+            match halt {
+                Some(halt) => halt.await,
+                None => false,
+            }
+        });
+        match stored {
+            Ok(()) if halted => {
+                for waiter in self.halt_waiters.drain(..) {
+                    let _ = waiter.send(Ok(()));
                 }
             }
+            Ok(()) => {}
             Err(e) => {
                 tracing::warn!(run = %id, error = %e, "could not mark the run as stopping")
             }
@@ -1977,27 +1988,32 @@ impl RunActor {
     }
 
     /// Whether a deleted run can be answered for before the rest of its
-    /// teardown, and if so its processes ended. Called once its record
-    /// says it is stopping, durably: the API shows it no more, a crash from
-    /// here finishes the teardown at the next start (reconcile), and once
-    /// its processes are gone it does nothing a caller could notice. The
+    /// teardown: once its record says it is stopping, durably (the API
+    /// shows it no more, a crash from there finishes the teardown at the
+    /// next start), and its processes are gone, it does nothing a caller
+    /// could notice. The
     /// rest (mounts, namespace, cgroups, disk) follows in the background;
     /// meanwhile it counts against no limit (see [`crate::ledger`]). Not a
     /// run with volumes: another create may want them the moment the
     /// delete answers, and they are free only once unmounted.
-    async fn halted_for_delete(&mut self) -> bool {
-        if !matches!(self.phase, Phase::Stopping(ExitReason::RunDeleted))
-            || self.halt_waiters.is_empty()
-            || !self.record.volumes.is_empty()
-        {
-            return false;
-        }
-        match self.context.lane.sandbox(self.record.id).halt().await {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::debug!(run = %self.record.id, error = %error_chain(&e),
-                    "the delete waits for the whole teardown");
-                false
+    fn may_halt_for_delete(&self) -> bool {
+        matches!(self.phase, Phase::Stopping(ExitReason::RunDeleted))
+            && !self.halt_waiters.is_empty()
+            && self.record.volumes.is_empty()
+    }
+
+    /// Ends the run's processes ([`Sandbox::halt`]); whether they are gone.
+    fn halt_processes(&self) -> impl std::future::Future<Output = bool> + Send + 'static {
+        let id = self.record.id;
+        let sandbox = self.context.lane.sandbox(id);
+        async move {
+            match sandbox.halt().await {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!(run = %id, error = %error_chain(&e),
+                        "the delete waits for the whole teardown");
+                    false
+                }
             }
         }
     }
