@@ -1,0 +1,176 @@
+//! What an image build does, as values: a base and the steps after it.
+//!
+//! A build is planned before anything runs: a Dockerfile
+//! ([`dockerfile::plan`]) or a caller's step list becomes a [`Plan`] whose
+//! every value is final (build arguments and `$variables` substituted,
+//! relative working directories resolved), so the executor only runs steps
+//! and each step's cache key is a function of the plan alone.
+//!
+//! Nothing here touches a run or a file: this crate is the pure part of the
+//! builder, tested on its own.
+
+pub mod context;
+pub mod dockerfile;
+pub mod words;
+
+use std::fmt;
+
+/// A build: where it starts and what it does, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The base image reference, as a create or pull takes it.
+    pub base: String,
+    /// The steps, each with where it came from.
+    pub steps: Vec<Located>,
+    /// What the build ignores and says so (`VOLUME`, unused arguments).
+    pub warnings: Vec<String>,
+}
+
+/// A step and where it came from, for logs and errors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Located {
+    /// 1-based line of the Dockerfile (or 1-based index in a step list).
+    pub line: usize,
+    /// The instruction as written (one line, shortened), for progress.
+    pub text: String,
+    /// What it does.
+    pub step: Step,
+}
+
+/// One step of a build.
+///
+/// Steps that change files ([`Step::Run`], [`Step::Copy`],
+/// [`Step::Workdir`]) run in the build run and are captured as a layer;
+/// the others change only the image's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// Run a command.
+    Run {
+        /// The program and its arguments (a shell form is already wrapped
+        /// in the shell, `/bin/sh -c` unless `SHELL` changed it).
+        argv: Vec<String>,
+        /// Variables set for this command only: the build arguments in
+        /// scope, which are not kept in the image.
+        env: Vec<(String, String)>,
+    },
+    /// Copy files from the build context.
+    Copy {
+        /// Paths (or `*`/`?`/`[...]` patterns) relative to the context root.
+        sources: Vec<String>,
+        /// Where, absolute (a relative one is resolved against the working
+        /// directory when planned); a trailing `/` means "into this
+        /// directory".
+        dest: String,
+        /// `--chown`: `user[:group]`, names or numbers.
+        chown: Option<String>,
+        /// `--chmod`: the mode every copied file and directory gets.
+        chmod: Option<u32>,
+        /// `ADD`: a local tar archive source is unpacked at the
+        /// destination instead of copied.
+        unpack_archives: bool,
+    },
+    /// Set variables in the image's environment (and for later steps).
+    Env(Vec<(String, String)>),
+    /// Change (and create) the working directory: absolute.
+    Workdir(String),
+    /// Change the user later steps and the image run as.
+    User(String),
+    /// The image's default command.
+    Cmd(Vec<String>),
+    /// The image's entrypoint (it also clears an inherited `Cmd`).
+    Entrypoint(Vec<String>),
+    /// Ports the image says it listens on (`80`, `53/udp`): recorded only.
+    Expose(Vec<String>),
+    /// Labels of the image.
+    Label(Vec<(String, String)>),
+}
+
+impl Step {
+    /// Whether the step changes files (and so is run and captured).
+    pub fn changes_files(&self) -> bool {
+        matches!(
+            self,
+            Step::Run { .. } | Step::Copy { .. } | Step::Workdir(_)
+        )
+    }
+}
+
+impl fmt::Display for Located {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}: {}", self.line, self.text)
+    }
+}
+
+/// Why a build could not be planned: what is wrong and where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{message}", line.map(|l| format!("line {l}: ")).unwrap_or_default())]
+pub struct PlanError {
+    /// 1-based line, when the error belongs to one.
+    pub line: Option<usize>,
+    /// What to fix.
+    pub message: String,
+}
+
+impl PlanError {
+    pub(crate) fn at(line: usize, message: impl Into<String>) -> Self {
+        Self {
+            line: Some(line),
+            message: message.into(),
+        }
+    }
+
+    pub(crate) fn whole(message: impl Into<String>) -> Self {
+        Self {
+            line: None,
+            message: message.into(),
+        }
+    }
+}
+
+/// Joins `path` onto the working directory `cwd` (absolute), as `WORKDIR`
+/// and relative `COPY` destinations do; `.` and `..` are resolved without
+/// leaving `/`. A trailing `/` is kept.
+pub fn resolve(cwd: &str, path: &str) -> String {
+    let joined = if path.starts_with('/') {
+        path.to_owned()
+    } else {
+        format!("{}/{}", cwd.trim_end_matches('/'), path)
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for part in joined.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    let mut out = format!("/{}", parts.join("/"));
+    let trailing = path.ends_with('/') || path.ends_with("/.") || path == ".";
+    if trailing && out != "/" {
+        out.push('/');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_resolve_against_the_working_directory() {
+        assert_eq!(resolve("/", "app"), "/app");
+        assert_eq!(resolve("/app", "src/"), "/app/src/");
+        assert_eq!(resolve("/app", "/etc"), "/etc");
+        assert_eq!(resolve("/app", "../../.."), "/");
+        assert_eq!(resolve("/app", "."), "/app/");
+        assert_eq!(resolve("/a/b", "./c/../d"), "/a/b/d");
+    }
+
+    #[test]
+    fn errors_name_their_line() {
+        assert_eq!(PlanError::at(3, "bad").to_string(), "line 3: bad");
+        assert_eq!(PlanError::whole("bad").to_string(), "bad");
+    }
+}
