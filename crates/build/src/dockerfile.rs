@@ -421,6 +421,7 @@ impl<'a> Parsed<'a> {
                         .iter()
                         .map(|(k, v)| (k.clone(), v.clone()))
                         .collect(),
+                    user: None,
                 })
             }
             Instruction::Cmd(cmd) => Some(Step::Cmd(self.command(&cmd.arguments, state, line)?)),
@@ -593,6 +594,7 @@ impl<'a> Parsed<'a> {
             ));
         }
         Ok(Step::Copy {
+            context: None,
             sources: paths,
             dest: resolve(&state.workdir, &dest),
             chown,
@@ -807,6 +809,7 @@ mod tests {
         assert_eq!(
             steps[1],
             Step::Copy {
+                context: None,
                 sources: strings(&["requirements.txt"]),
                 dest: "/app/".into(),
                 chown: None,
@@ -815,7 +818,7 @@ mod tests {
             }
         );
         assert!(
-            matches!(&steps[2], Step::Run { argv, env } if argv[..2] == ["/bin/sh", "-c"] && env.is_empty())
+            matches!(&steps[2], Step::Run { argv, env, .. } if argv[..2] == ["/bin/sh", "-c"] && env.is_empty())
         );
         assert!(
             matches!(&steps[3], Step::Copy { sources, dest, chown: Some(c), .. } if sources == &["src"] && dest == "/app/src/" && c == "app:app")
@@ -858,7 +861,8 @@ mod tests {
             steps[1],
             Step::Run {
                 argv: sh("echo $GREETING"),
-                env: vec![("TAG".into(), "3.20".into()), ("WHO".into(), "you".into())]
+                env: vec![("TAG".into(), "3.20".into()), ("WHO".into(), "you".into())],
+                user: None,
             }
         );
         assert_eq!(steps[2], Step::Workdir("/srv/you".into()));
@@ -898,14 +902,16 @@ mod tests {
             s[0],
             Step::Run {
                 argv: strings(&["/bin/bash", "-o", "pipefail", "-c", "echo a | cat"]),
-                env: vec![]
+                env: vec![],
+                user: None,
             }
         );
         assert_eq!(
             s[1],
             Step::Run {
                 argv: strings(&["/bin/echo", "b"]),
-                env: vec![]
+                env: vec![],
+                user: None,
             }
         );
         assert!(matches!(&s[2], Step::Run { argv, .. } if argv[4].contains("echo one\necho two")));

@@ -52,9 +52,15 @@ pub enum Step {
         /// Variables set for this command only: the build arguments in
         /// scope, which are not kept in the image.
         env: Vec<(String, String)>,
+        /// The user for this command only (else the build's current
+        /// `USER`).
+        user: Option<String>,
     },
     /// Copy files from the build context.
     Copy {
+        /// Which context: None for the build's own; else the digest of an
+        /// archive uploaded for this step (E2B's per-step file uploads).
+        context: Option<String>,
         /// Paths (or `*`/`?`/`[...]` patterns) relative to the context root.
         sources: Vec<String>,
         /// Where, absolute (a relative one is resolved against the working
@@ -93,6 +99,114 @@ impl Step {
             Step::Run { .. } | Step::Copy { .. } | Step::Workdir(_)
         )
     }
+
+    /// The step as bytes that differ whenever the step would do something
+    /// else: every field, each length-prefixed so no two steps encode
+    /// alike.
+    fn encode(&self, out: &mut Vec<u8>) {
+        fn field(out: &mut Vec<u8>, bytes: &[u8]) {
+            out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            out.extend_from_slice(bytes);
+        }
+        fn list(out: &mut Vec<u8>, items: &[String]) {
+            field(out, &(items.len() as u64).to_le_bytes());
+            for item in items {
+                field(out, item.as_bytes());
+            }
+        }
+        fn pairs(out: &mut Vec<u8>, items: &[(String, String)]) {
+            field(out, &(items.len() as u64).to_le_bytes());
+            for (k, v) in items {
+                field(out, k.as_bytes());
+                field(out, v.as_bytes());
+            }
+        }
+        fn optional(out: &mut Vec<u8>, value: Option<&str>) {
+            match value {
+                Some(v) => {
+                    field(out, b"1");
+                    field(out, v.as_bytes());
+                }
+                None => field(out, b"0"),
+            }
+        }
+        match self {
+            Step::Run { argv, env, user } => {
+                field(out, b"run");
+                list(out, argv);
+                pairs(out, env);
+                optional(out, user.as_deref());
+            }
+            Step::Copy {
+                context,
+                sources,
+                dest,
+                chown,
+                chmod,
+                unpack_archives,
+            } => {
+                field(out, b"copy");
+                optional(out, context.as_deref());
+                list(out, sources);
+                field(out, dest.as_bytes());
+                optional(out, chown.as_deref());
+                optional(out, chmod.map(|m| format!("{m:o}")).as_deref());
+                field(out, &[u8::from(*unpack_archives)]);
+            }
+            Step::Env(env) => {
+                field(out, b"env");
+                pairs(out, env);
+            }
+            Step::Workdir(dir) => {
+                field(out, b"workdir");
+                field(out, dir.as_bytes());
+            }
+            Step::User(user) => {
+                field(out, b"user");
+                field(out, user.as_bytes());
+            }
+            Step::Cmd(argv) => {
+                field(out, b"cmd");
+                list(out, argv);
+            }
+            Step::Entrypoint(argv) => {
+                field(out, b"entrypoint");
+                list(out, argv);
+            }
+            Step::Expose(ports) => {
+                field(out, b"expose");
+                list(out, ports);
+            }
+            Step::Label(labels) => {
+                field(out, b"label");
+                pairs(out, labels);
+            }
+        }
+    }
+}
+
+/// The cache key of the state after `step`, reached from the state keyed
+/// `parent` (for the first step, the base image's digest or a name that
+/// pins it); `inputs` are the digests of what the step reads from outside
+/// the plan (a `COPY`'s files), in order. Equal keys mean equal files and
+/// configuration, so a build can start from a cached state instead of
+/// running the steps up to it. Lowercase hex SHA-256.
+pub fn cache_key(parent: &str, step: &Step, inputs: &[String]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(b"runbox-build-step-1\0");
+    bytes.extend_from_slice(&(parent.len() as u64).to_le_bytes());
+    bytes.extend_from_slice(parent.as_bytes());
+    step.encode(&mut bytes);
+    bytes.extend_from_slice(&(inputs.len() as u64).to_le_bytes());
+    for input in inputs {
+        bytes.extend_from_slice(&(input.len() as u64).to_le_bytes());
+        bytes.extend_from_slice(input.as_bytes());
+    }
+    Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 impl fmt::Display for Located {
@@ -166,6 +280,47 @@ mod tests {
         assert_eq!(resolve("/app", "../../.."), "/");
         assert_eq!(resolve("/app", "."), "/app/");
         assert_eq!(resolve("/a/b", "./c/../d"), "/a/b/d");
+    }
+
+    #[test]
+    fn cache_keys_change_with_anything_that_changes_the_result() {
+        let run = |cmd: &str| Step::Run {
+            argv: vec!["/bin/sh".into(), "-c".into(), cmd.into()],
+            env: vec![],
+            user: None,
+        };
+        let key = cache_key("sha256:base", &run("make"), &[]);
+        assert_eq!(key.len(), 64);
+        assert_eq!(key, cache_key("sha256:base", &run("make"), &[]));
+        assert_ne!(key, cache_key("sha256:other", &run("make"), &[]));
+        assert_ne!(key, cache_key("sha256:base", &run("make "), &[]));
+        assert_ne!(
+            key,
+            cache_key("sha256:base", &run("make"), &["sha256:ctx".into()])
+        );
+        // Field boundaries count: ["ab","c"] is not ["a","bc"].
+        let argv = |a: &[&str]| Step::Cmd(a.iter().map(|s| s.to_string()).collect());
+        assert_ne!(
+            cache_key("p", &argv(&["ab", "c"]), &[]),
+            cache_key("p", &argv(&["a", "bc"]), &[])
+        );
+        let user = Step::Run {
+            argv: vec!["id".into()],
+            env: vec![],
+            user: Some("root".into()),
+        };
+        assert_ne!(
+            cache_key("p", &user, &[]),
+            cache_key(
+                "p",
+                &Step::Run {
+                    argv: vec!["id".into()],
+                    env: vec![],
+                    user: None,
+                },
+                &[]
+            )
+        );
     }
 
     #[test]
