@@ -37,9 +37,15 @@ impl Ignore {
             )));
         }
         let mut rules = Vec::new();
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         for (index, line) in text.lines().enumerate() {
+            // As Docker reads it: a comment starts the line; a `#` after
+            // spaces is part of a pattern.
+            if line.starts_with('#') {
+                continue;
+            }
             let line = line.trim();
-            if line.is_empty() || line.starts_with('#') {
+            if line.is_empty() {
                 continue;
             }
             let (keep, pattern) = match line.strip_prefix('!') {
@@ -88,7 +94,9 @@ pub fn is_pattern(source: &str) -> bool {
 }
 
 fn glob(pattern: &str) -> Result<GlobMatcher, globset::Error> {
-    let glob: Glob = GlobBuilder::new(pattern)
+    // Braces are plain characters to Docker, alternatives to globset.
+    let pattern = pattern.replace('{', "\\{").replace('}', "\\}");
+    let glob: Glob = GlobBuilder::new(&pattern)
         .literal_separator(true)
         .backslash_escape(true)
         .build()?;
@@ -107,11 +115,17 @@ fn ancestors_and_self(path: &str) -> impl Iterator<Item = &str> {
 
 /// Anchors a pattern at the root and drops `.` parts and repeated `/`.
 fn clean(pattern: &str) -> String {
-    pattern
-        .split('/')
-        .filter(|part| !part.is_empty() && *part != ".")
-        .collect::<Vec<_>>()
-        .join("/")
+    let mut parts: Vec<&str> = Vec::new();
+    for part in pattern.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            part => parts.push(part),
+        }
+    }
+    parts.join("/")
 }
 
 #[cfg(test)]
@@ -139,6 +153,15 @@ mod tests {
         ] {
             assert_eq!(ignore.excludes(path), excluded, "{path}");
         }
+    }
+
+    #[test]
+    fn docker_reading_of_odd_lines() {
+        let ignore = Ignore::parse("\u{feff}secret\n  #not-a-comment\na/../b\n{x}\n").unwrap();
+        assert!(ignore.excludes("secret"));
+        assert!(ignore.excludes("#not-a-comment"));
+        assert!(ignore.excludes("b"));
+        assert!(ignore.excludes("{x}"));
     }
 
     #[test]
@@ -211,6 +234,9 @@ pub fn check_archive(
     let corrupt = |e: std::io::Error| ContextError::Corrupt(e.to_string());
     let mut archive = tar::Archive::new(reader);
     let mut stats = ContextStats::default();
+    // Symbolic links seen so far: no later entry may be beneath one (it
+    // would be written wherever the link points).
+    let mut links = std::collections::BTreeSet::<String>::new();
     for entry in archive.entries().map_err(corrupt)? {
         let entry = entry.map_err(corrupt)?;
         stats.entries += 1;
@@ -235,6 +261,15 @@ pub fn check_archive(
             _ => return Err(refuse("is of a kind a build context cannot hold")),
         }
         check_name(&path).map_err(refuse)?;
+        let normalised = normal(&path);
+        if beneath_link(&links, &normalised) {
+            return Err(refuse("is beneath a symbolic link of the context"));
+        }
+        if kind == T::Symlink {
+            links.insert(normalised);
+        } else {
+            links.remove(&normalised);
+        }
         if kind == T::Link {
             let target = entry
                 .link_name_bytes()
@@ -242,6 +277,11 @@ pub fn check_archive(
                 .unwrap_or_default();
             check_name(&target)
                 .map_err(|_| refuse("is a hard link to a path outside the context"))?;
+            if beneath_link(&links, &normal(&target)) {
+                return Err(refuse(
+                    "is a hard link through a symbolic link of the context",
+                ));
+            }
         }
         stats.bytes = stats
             .bytes
@@ -251,6 +291,19 @@ pub fn check_archive(
         }
     }
     Ok(stats)
+}
+
+/// `path` without `.` and empty parts.
+fn normal(path: &str) -> String {
+    path.split('/')
+        .filter(|p| !p.is_empty() && *p != ".")
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Whether a parent directory of `path` is one of `links`.
+fn beneath_link(links: &std::collections::BTreeSet<String>, path: &str) -> bool {
+    ancestors_and_self(path).skip(1).any(|p| links.contains(p))
 }
 
 /// The naming rules of [`check_archive`] for one path.
@@ -336,6 +389,27 @@ mod archive_tests {
             (vec![("pipe", T::Fifo, &b""[..])], "fifo"),
             (vec![("d/.wh.gone", T::Regular, &b""[..])], ".wh."),
             (vec![("h", T::Link, &b"../../etc/shadow"[..])], "hard link"),
+            (
+                vec![
+                    ("l", T::Symlink, &b"/etc"[..]),
+                    ("l/passwd", T::Regular, &b"x"[..]),
+                ],
+                "beneath a symbolic link",
+            ),
+            (
+                vec![
+                    ("l", T::Symlink, &b"/etc"[..]),
+                    ("./l/x/y", T::Directory, &b""[..]),
+                ],
+                "beneath a symbolic link",
+            ),
+            (
+                vec![
+                    ("l", T::Symlink, &b"/etc"[..]),
+                    ("h", T::Link, &b"l/shadow"[..]),
+                ],
+                "through a symbolic link",
+            ),
         ] {
             let err = check_archive(archive(&entries).as_slice(), &LIMITS).unwrap_err();
             assert!(err.to_string().contains(needle), "{err}");

@@ -64,7 +64,11 @@ pub fn plan(text: &str, options: &Options, base: &BaseConfig) -> Result<Plan, Pl
     let unused: Vec<&str> = options
         .build_args
         .keys()
-        .filter(|name| !state.consumed.contains(*name))
+        .filter(|name| {
+            !state.consumed.contains(*name)
+                && !file.global_names.contains(name)
+                && !PROXY_ARGS.contains(&name.as_str())
+        })
         .map(String::as_str)
         .collect();
     if !unused.is_empty() {
@@ -88,6 +92,8 @@ struct Parsed<'a> {
     escape: char,
     /// The global `ARG`s (before the first `FROM`) with their values.
     globals: Vars,
+    /// Every global `ARG`'s name, valued or not.
+    global_names: Vec<String>,
 }
 
 /// One stage: its `FROM` and instructions, by index into the file.
@@ -105,7 +111,7 @@ impl<'a> Parsed<'a> {
             )));
         }
         let file = parse_dockerfile::parse(text).map_err(|e| PlanError {
-            line: Some(e.line()),
+            line: Some(e.line()).filter(|&l| l > 0),
             message: format!("cannot parse the Dockerfile: {e}"),
         })?;
         let escape = file
@@ -119,12 +125,21 @@ impl<'a> Parsed<'a> {
             options,
             escape,
             globals: Vars::new(),
+            global_names: Vec::new(),
         };
         let mut globals = Vars::new();
+        let predefined = predefined();
         for arg in parsed.file.global_args() {
             let line = parsed.line_of(arg.arg.span.start);
             for (name, default) in parsed.arg_pairs(&arg.arguments.value, &globals, line)? {
-                if let Some(value) = options.build_args.get(&name).cloned().or(default) {
+                parsed.global_names.push(name.clone());
+                let value = options
+                    .build_args
+                    .get(&name)
+                    .cloned()
+                    .or(default)
+                    .or_else(|| predefined.get(&name).cloned());
+                if let Some(value) = value {
                     globals.insert(name, value);
                 }
             }
@@ -158,6 +173,17 @@ impl<'a> Parsed<'a> {
     /// The indexes of the stages the target is built from, first to last.
     fn chain(&self) -> Result<Vec<usize>, PlanError> {
         let stages = self.stages();
+        let mut seen = std::collections::BTreeSet::new();
+        for stage in &stages {
+            if let Some(name) = &stage.name {
+                if !seen.insert(name.clone()) {
+                    return Err(PlanError::at(
+                        self.line_of(stage.from.from.span.start),
+                        format!("the stage name {name:?} is used twice (names ignore case)"),
+                    ));
+                }
+            }
+        }
         if stages.is_empty() {
             return Err(PlanError::whole(
                 "the Dockerfile has no FROM instruction: it must start from an image",
@@ -266,7 +292,7 @@ impl<'a> Parsed<'a> {
             return Err(PlanError::at(line, format!("{what} needs name=value")));
         };
         if !first.contains('=') {
-            if what != "ENV" || raw.len() < 2 {
+            if raw.len() < 2 {
                 return Err(PlanError::at(
                     line,
                     format!("{what} needs name=value pairs (got {first:?})"),
@@ -331,7 +357,8 @@ impl<'a> Parsed<'a> {
                         .get(&name)
                         .cloned()
                         .or(default)
-                        .or_else(|| self.globals.get(&name).cloned());
+                        .or_else(|| self.globals.get(&name).cloned())
+                        .or_else(|| predefined().get(&name).cloned());
                     match value {
                         Some(value) => {
                             state.args.insert(name, value);
@@ -394,14 +421,23 @@ impl<'a> Parsed<'a> {
                     (Command::Exec(list), []) => {
                         list.value.iter().map(|s| s.value.to_string()).collect()
                     }
-                    (Command::Shell(command), []) => state.shell_form(command.value),
+                    (Command::Shell(command), []) => {
+                        state.shell_form(&join_continuations(command.value, self.escape))
+                    }
                     // `RUN <<EOF` alone: the document is the script.
                     (Command::Shell(command), [doc]) if command.value.trim().is_empty() => {
+                        if doc.value.starts_with("#!") {
+                            return Err(PlanError::at(
+                                line,
+                                "a here-document script with its own #! interpreter is not supported: name the interpreter (RUN <<EOF python3)",
+                            ));
+                        }
                         state.shell_form(&doc.value)
                     }
-                    // `RUN python3 <<EOF ...`: the shell reads the
-                    // documents itself, so it gets the text as written,
-                    // through the last document's end line.
+                    // `RUN <<EOF python3`: the shell reads the documents
+                    // itself, so it gets the text as written, through the
+                    // last document's end line. (The parser knows a
+                    // document only as RUN's first word.)
                     (Command::Shell(_), [.., last]) => {
                         let end = last.span.end.min(self.text.len());
                         let end = self.text[end..]
@@ -414,13 +450,22 @@ impl<'a> Parsed<'a> {
                 if argv.is_empty() {
                     return Err(PlanError::at(line, "RUN needs a command"));
                 }
+                // An ENV wins over an ARG of the same name; proxy
+                // arguments come without an ARG.
+                let mut env: Vars = state
+                    .args
+                    .iter()
+                    .filter(|(k, _)| !state.env.contains_key(*k))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                for name in PROXY_ARGS {
+                    if let Some(value) = self.options.build_args.get(name) {
+                        env.entry(name.to_owned()).or_insert_with(|| value.clone());
+                    }
+                }
                 Some(Step::Run {
                     argv,
-                    env: state
-                        .args
-                        .iter()
-                        .map(|(k, v)| (k.clone(), v.clone()))
-                        .collect(),
+                    env: env.into_iter().collect(),
                     user: None,
                 })
             }
@@ -476,7 +521,7 @@ impl<'a> Parsed<'a> {
                         .map_err(|e| word_error(line, e))?
                     {
                         check_port(&port, line)?;
-                        ports.push(port);
+                        ports.push(port.to_ascii_lowercase());
                     }
                 }
                 Some(Step::Expose(ports))
@@ -518,7 +563,9 @@ impl<'a> Parsed<'a> {
     ) -> Result<Vec<String>, PlanError> {
         match command {
             Command::Exec(list) => Ok(list.value.iter().map(|s| s.value.to_string()).collect()),
-            Command::Shell(text) => Ok(state.shell_form(text.value)),
+            Command::Shell(text) => {
+                Ok(state.shell_form(&join_continuations(text.value, self.escape)))
+            }
             _ => Err(PlanError::at(line, "this form of command is not supported")),
         }
     }
@@ -537,7 +584,7 @@ impl<'a> Parsed<'a> {
             let value = flag.value.as_ref().map_or("", |v| v.value.as_ref());
             match flag.name.value.as_ref() {
                 "chown" => chown = Some(self.word(value, vars, line)?),
-                "chmod" => chmod = Some(parse_mode(value, line)?),
+                "chmod" => chmod = Some(parse_mode(&self.word(value, vars, line)?, line)?),
                 "link" => {}
                 "from" => {
                     return Err(PlanError::at(
@@ -564,12 +611,13 @@ impl<'a> Parsed<'a> {
         state: &State,
         line: usize,
     ) -> Result<Step, PlanError> {
+        let what = if unpack_archives { "ADD" } else { "COPY" };
         let mut paths = Vec::new();
         for source in sources {
             let Source::Path(path) = source else {
                 return Err(PlanError::at(
                     line,
-                    "a here-document as a COPY source is not supported: put the file in the build context",
+                    format!("a here-document as a {what} source is not supported: put the file in the build context"),
                 ));
             };
             let path = self.word(&path.value, vars, line)?;
@@ -583,7 +631,7 @@ impl<'a> Parsed<'a> {
         }
         let dest = self.word(dest, vars, line)?;
         if dest.is_empty() {
-            return Err(PlanError::at(line, "COPY needs a destination"));
+            return Err(PlanError::at(line, format!("{what} needs a destination")));
         }
         if paths.len() > 1 && !dest.ends_with('/') {
             return Err(PlanError::at(
@@ -698,26 +746,94 @@ fn word_error(line: usize, e: WordError) -> PlanError {
     PlanError::at(line, e.to_string())
 }
 
+/// A variable's name, as Docker takes it: anything but empty (names such
+/// as `spring.profiles.active` or `node-version` are common).
 fn check_name(name: &str, what: &str, line: usize) -> Result<(), PlanError> {
-    let ok = name
-        .chars()
-        .next()
-        .is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
-        && name.chars().all(|c| c == '_' || c.is_ascii_alphanumeric());
-    if ok {
-        Ok(())
-    } else {
+    if name.is_empty() || name.contains(['\0', '$']) {
         Err(PlanError::at(
             line,
-            format!("{what} name {name:?} is not a variable name (letters, digits, _; not starting with a digit)"),
+            format!("{what} name {name:?} is empty or holds $ or a NUL byte"),
         ))
+    } else {
+        Ok(())
     }
+}
+
+/// The arguments every build has without declaring them, as Docker
+/// defines them: the platform (always the host's: a build runs here), and
+/// the proxy variables, which reach `RUN` when given without an `ARG`.
+fn predefined() -> Vars {
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        other => other,
+    };
+    let mut vars = Vars::new();
+    for side in ["TARGET", "BUILD"] {
+        vars.insert(format!("{side}PLATFORM"), format!("linux/{arch}"));
+        vars.insert(format!("{side}OS"), "linux".to_owned());
+        vars.insert(format!("{side}ARCH"), arch.to_owned());
+        vars.insert(format!("{side}VARIANT"), String::new());
+    }
+    vars
+}
+
+/// Build arguments that reach `RUN` without an `ARG` and are never
+/// reported unused.
+const PROXY_ARGS: [&str; 10] = [
+    "HTTP_PROXY",
+    "http_proxy",
+    "HTTPS_PROXY",
+    "https_proxy",
+    "FTP_PROXY",
+    "ftp_proxy",
+    "NO_PROXY",
+    "no_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+];
+
+/// A shell-form command as Docker hands it to the shell: each escape at a
+/// line's end (spaces and tabs after it allowed), its line break, and the
+/// blank and comment lines that follow it inside the continuation are
+/// removed, so the lines join into one.
+fn join_continuations(text: &str, escape: char) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut lines = text.split('\n').peekable();
+    while let Some(line) = lines.next() {
+        let line = line.strip_suffix('\r').unwrap_or(line);
+        let trimmed = line.trim_end_matches([' ', '\t']);
+        match trimmed.strip_suffix(escape) {
+            Some(joined) if lines.peek().is_some() => {
+                out.push_str(joined);
+                // Blank and comment lines inside a continuation are not
+                // part of the command.
+                while let Some(next) = lines.peek() {
+                    let next = next.trim();
+                    if next.is_empty() || next.starts_with('#') {
+                        lines.next();
+                    } else {
+                        break;
+                    }
+                }
+            }
+            _ => {
+                out.push_str(line);
+                if lines.peek().is_some() {
+                    out.push('\n');
+                }
+            }
+        }
+    }
+    out
 }
 
 fn parse_mode(value: &str, line: usize) -> Result<u32, PlanError> {
     u32::from_str_radix(value, 8)
         .ok()
-        .filter(|&m| m <= 0o7777 && !value.is_empty())
+        .filter(|&m| {
+            m <= 0o7777 && !value.is_empty() && value.bytes().all(|b| (b'0'..=b'7').contains(&b))
+        })
         .ok_or_else(|| {
             PlanError::at(
                 line,
@@ -738,7 +854,7 @@ fn check_port(port: &str, line: usize) -> Result<(), PlanError> {
     } else {
         Err(PlanError::at(
             line,
-            format!("EXPOSE {port}: give a port (1-65535), a range, and optionally /tcp or /udp"),
+            format!("EXPOSE {port}: give a port (1-65535) or a range, optionally with /tcp, /udp or /sctp"),
         ))
     }
 }
@@ -979,7 +1095,15 @@ mod tests {
             ("FROM x\nADD https://example.com/f /f\n", Some(2), "URL"),
             ("FROM x\nCOPY --chmod=999 a /a\n", Some(2), "octal"),
             ("FROM x\nEXPOSE 70000\n", Some(2), "EXPOSE"),
-            ("FROM x\nENV 1A=b\n", Some(2), "not a variable name"),
+            ("FROM x\nENV =b\n", Some(2), "empty"),
+            ("", None, "FROM"),
+            ("FROM a AS Build\nFROM b AS build\n", Some(2), "used twice"),
+            (
+                "FROM x\nRUN <<EOF\n#!/usr/bin/env python3\nprint(1)\nEOF\n",
+                Some(2),
+                "#!",
+            ),
+            ("FROM x\nCOPY --chmod=+755 a /a\n", Some(2), "octal"),
             ("FROM x\nLABEL justaword\n", Some(2), "name=value"),
             ("FROM x\n\nWORKDIR ${A:?set A}\n", Some(3), "set A"),
             ("FROM x\nONBUILD RUN x\n", Some(2), "ONBUILD"),
@@ -990,6 +1114,64 @@ mod tests {
             assert_eq!(err.line, line, "{text:?}: {err}");
             assert!(err.to_string().contains(needle), "{text:?}: {err}");
         }
+    }
+
+    #[test]
+    fn what_docker_accepts_is_accepted() {
+        let text = "ARG TAG=1\nFROM x:$TAG\nENV spring.profiles.active=prod V=env\nARG V=arg\nARG TARGETARCH\nARG MODE=640\nLABEL legacy label value\nEXPOSE 53/UDP\nCOPY --chmod=$MODE a /a\nRUN apt-get install -y \\\n    # the tools\n\n    curl \\  \n    jq\nCMD echo a \\\n  b\n";
+        let mut options = Options::default();
+        options.build_args.insert("TAG".into(), "2".into());
+        options
+            .build_args
+            .insert("HTTP_PROXY".into(), "http://proxy:3128".into());
+        assert_eq!(base(text, &options).unwrap(), "x:2");
+        let plan = plan(text, &options, &BaseConfig::default()).unwrap();
+        // Neither the global TAG nor the proxy is reported unused.
+        assert!(plan.warnings.is_empty(), "{:?}", plan.warnings);
+        let steps: Vec<Step> = plan.steps.into_iter().map(|l| l.step).collect();
+        assert_eq!(
+            steps[0],
+            Step::Env(vec![
+                ("spring.profiles.active".into(), "prod".into()),
+                ("V".into(), "env".into())
+            ])
+        );
+        assert_eq!(
+            steps[1],
+            Step::Label(vec![("legacy".into(), "label value".into())])
+        );
+        assert_eq!(steps[2], Step::Expose(strings(&["53/udp"])));
+        assert!(
+            matches!(
+                &steps[3],
+                Step::Copy {
+                    chmod: Some(0o640),
+                    ..
+                }
+            ),
+            "{:?}",
+            steps[3]
+        );
+        let arch = match std::env::consts::ARCH {
+            "x86_64" => "amd64",
+            "aarch64" => "arm64",
+            other => other,
+        };
+        assert_eq!(
+            steps[4],
+            Step::Run {
+                argv: sh("apt-get install -y     curl     jq"),
+                // V is the ENV's (an ENV wins over an ARG); the proxy
+                // comes without an ARG.
+                env: vec![
+                    ("HTTP_PROXY".into(), "http://proxy:3128".into()),
+                    ("MODE".into(), "640".into()),
+                    ("TARGETARCH".into(), arch.into()),
+                ],
+                user: None,
+            }
+        );
+        assert_eq!(steps[5], Step::Cmd(sh("echo a   b")));
     }
 
     #[test]
