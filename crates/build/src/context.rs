@@ -84,7 +84,12 @@ impl Ignore {
 /// A `COPY` source as a matcher: `*`, `?` and `[...]` within one path
 /// part, as Docker reads them.
 pub fn source(pattern: &str) -> Result<GlobMatcher, PlanError> {
-    glob(&clean(pattern))
+    // Docker matches sources part by part, so `**` is no more than `*`.
+    let mut pattern = clean(pattern);
+    while pattern.contains("**") {
+        pattern = pattern.replace("**", "*");
+    }
+    glob(&pattern)
         .map_err(|e| PlanError::whole(format!("bad COPY source pattern {pattern:?}: {e}")))
 }
 
@@ -177,6 +182,8 @@ mod tests {
         assert!(!m.is_match("folder/sub/a.txt"));
         assert!(is_pattern("*.txt") && !is_pattern("a.txt"));
         assert!(source("./a/./b").unwrap().is_match("a/b"));
+        let m = source("**/x").unwrap();
+        assert!(m.is_match("a/x") && !m.is_match("a/b/x") && !m.is_match("x"));
     }
 }
 
