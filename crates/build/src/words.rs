@@ -227,22 +227,33 @@ impl<'a> Lexer<'a> {
             .chars()
             .next()
             .is_some_and(|c| c == '_' || c.is_ascii_alphabetic());
-        // The rest up to the matching brace (nested `${...}` included).
+        // The rest up to the matching brace: nested `${...}`, quoted text
+        // and escaped characters do not end it.
         let mut rest = String::new();
         let mut depth = 0usize;
+        let mut quote: Option<char> = None;
         loop {
-            match self.chars.next() {
-                None => return Err(WordError::UnterminatedBrace),
-                Some('}') if depth == 0 => break,
-                Some(c) => {
-                    if c == '}' {
-                        depth -= 1;
-                    } else if c == '{' && rest.ends_with('$') {
-                        depth += 1;
-                    }
+            let Some(c) = self.chars.next() else {
+                return Err(WordError::UnterminatedBrace);
+            };
+            match (quote, c) {
+                (None, '}') if depth == 0 => break,
+                (Some('\''), '\'') | (Some('"'), '"') => quote = None,
+                (None, '\'' | '"') => quote = Some(c),
+                (Some('\''), _) => {}
+                (_, c) if c == self.escape => {
                     rest.push(c);
+                    match self.chars.next() {
+                        Some(next) => rest.push(next),
+                        None => return Err(WordError::UnterminatedBrace),
+                    }
+                    continue;
                 }
+                (None, '}') => depth -= 1,
+                (None, '{') if rest.ends_with('$') => depth += 1,
+                _ => {}
             }
+            rest.push(c);
         }
         if !valid {
             return Err(WordError::BadName(format!("${{{name}{rest}}}")));
@@ -314,6 +325,10 @@ mod tests {
             "alt  alt "
         );
         assert_eq!(one("${UNSET:-${SET}x}").unwrap(), "vx");
+        // Quoted and escaped braces belong to the word.
+        assert_eq!(one(r#"${UNSET:-"}"}"#).unwrap(), "}");
+        assert_eq!(one(r"${UNSET:-\}}").unwrap(), "}");
+        assert_eq!(one("${UNSET:-'a}b'}").unwrap(), "a}b");
         assert_eq!(one(r"\$SET $ $1 a$").unwrap(), "$SET $ $1 a$");
         assert_eq!(one("${SET:?}").unwrap(), "v");
         assert!(
