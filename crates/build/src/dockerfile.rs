@@ -828,7 +828,7 @@ fn join_continuations(text: &str, escape: char) -> String {
     out
 }
 
-fn parse_mode(value: &str, line: usize) -> Result<u32, PlanError> {
+pub(crate) fn parse_mode(value: &str, line: usize) -> Result<u32, PlanError> {
     u32::from_str_radix(value, 8)
         .ok()
         .filter(|&m| {
@@ -861,7 +861,7 @@ fn check_port(port: &str, line: usize) -> Result<(), PlanError> {
 
 /// A source path as a path inside the build context: a leading `/` is the
 /// context's root (as Docker reads it), and it may not climb out.
-fn context_path(path: &str, line: usize) -> Result<String, PlanError> {
+pub(crate) fn context_path(path: &str, line: usize) -> Result<String, PlanError> {
     let mut parts: Vec<&str> = Vec::new();
     for part in path.split('/') {
         match part {

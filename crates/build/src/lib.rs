@@ -11,6 +11,7 @@
 
 pub mod context;
 pub mod dockerfile;
+pub mod list;
 pub mod words;
 
 use std::fmt;
