@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use parse_dockerfile::{Command, Instruction, Source};
 
 use crate::words::{self, Vars, WordError};
-use crate::{resolve, Located, Plan, PlanError, Step};
+use crate::{resolve, resolve_dir, Located, Plan, PlanError, Step};
 
 /// The largest Dockerfile accepted.
 pub const MAX_BYTES: usize = 1 << 20;
@@ -392,11 +392,7 @@ impl<'a> Parsed<'a> {
                 if path.is_empty() {
                     return Err(PlanError::at(line, "WORKDIR needs a path"));
                 }
-                let resolved = resolve(&state.workdir, &path);
-                let resolved = match resolved.len() {
-                    1 => resolved,
-                    _ => resolved.trim_end_matches('/').to_owned(),
-                };
+                let resolved = resolve_dir(&state.workdir, &path);
                 state.workdir = resolved.clone();
                 Some(Step::Workdir(resolved))
             }

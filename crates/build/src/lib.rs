@@ -269,6 +269,15 @@ pub fn resolve(cwd: &str, path: &str) -> String {
     out
 }
 
+/// [`resolve`] for a directory: no trailing `/` (but `/` itself).
+pub fn resolve_dir(cwd: &str, path: &str) -> String {
+    let resolved = resolve(cwd, path);
+    match resolved.len() {
+        1 => resolved,
+        _ => resolved.trim_end_matches('/').to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -281,6 +290,8 @@ mod tests {
         assert_eq!(resolve("/app", "../../.."), "/");
         assert_eq!(resolve("/app", "."), "/app/");
         assert_eq!(resolve("/a/b", "./c/../d"), "/a/b/d");
+        assert_eq!(resolve_dir("/app", "src/"), "/app/src");
+        assert_eq!(resolve_dir("/app", ".."), "/");
     }
 
     #[test]

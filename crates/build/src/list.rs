@@ -5,7 +5,7 @@
 //! `ENV [name, value, ...]`, `WORKDIR [path]`, `USER [user]`.
 
 use crate::words::{self, Vars};
-use crate::{resolve, Located, Plan, PlanError, Step};
+use crate::{resolve, resolve_dir, Located, Plan, PlanError, Step};
 
 /// One step as sent.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -137,11 +137,7 @@ pub fn plan(base: &str, steps: &[ListStep], options: &ListOptions) -> Result<Pla
                 if args[0].is_empty() {
                     return Err(PlanError::at(line, "WORKDIR needs a path"));
                 }
-                let resolved = resolve(&workdir, &args[0]);
-                workdir = match resolved.len() {
-                    1 => resolved,
-                    _ => resolved.trim_end_matches('/').to_owned(),
-                };
+                workdir = resolve_dir(&workdir, &args[0]);
                 Step::Workdir(workdir.clone())
             }
             "USER" => {
