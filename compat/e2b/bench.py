@@ -3,6 +3,7 @@ runbox Python SDK and raw HTTP, cold and from a warm pool, against a daemon
 of its own (scripts/bench-e2b runs it on the release build).
 
     scripts/bench-e2b [ITERATIONS]
+    E2B_BENCH_PARTS=1 scripts/bench-e2b [ITERATIONS]   (also each call's p50 in the E2B lane)
 
 Prints one line per lane: p50 and p95 in milliseconds. Between warm
 iterations it waits until the pool is full again, so every warm create
@@ -25,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sdks" / "python" /
 from daemon import Daemon  # noqa: E402
 
 WARM = 4
+# The E2B lane's (create, commands.run, kill) times, for E2B_BENCH_PARTS=1.
+PARTS: List[tuple] = []
 
 
 def quantile(samples: List[float], q: float) -> float:
@@ -38,10 +41,14 @@ def e2b_lane(size: str) -> Callable[[], None]:
     del size  # E2B creates take the smallest pooled tier by themselves
 
     def once() -> None:
+        start = time.perf_counter()
         sbx = Sandbox.create(timeout=120)
+        created = time.perf_counter()
         result = sbx.commands.run("echo hi")
+        ran = time.perf_counter()
         assert result.stdout == "hi\n", result
         sbx.kill()
+        PARTS.append((created - start, ran - created, time.perf_counter() - ran))
 
     return once
 
@@ -116,7 +123,12 @@ def main() -> None:
             set_pools(d, [{"image": "base", "size": "small", "warm": WARM}] if size else [])
             if size:
                 wait_full(d)
+            PARTS.clear()
             measure(f"e2b SDK, {label}", e2b_lane(size), n, between)
+            if os.environ.get("E2B_BENCH_PARTS") == "1":
+                parts = PARTS[1:]  # not the warm-up call
+                create, run, kill = (statistics.median(p[i] for p in parts) * 1000 for i in range(3))
+                print(f"  of which p50: create {create:.1f} ms, commands.run {run:.1f} ms, kill {kill:.1f} ms", flush=True)
             measure(f"runbox SDK, {label}", runbox_lane(d, size), n, between)
             measure(f"raw HTTP, {label}", http_lane(d, size), n, between)
         set_pools(d, [])
