@@ -268,7 +268,7 @@ pub fn check_archive(
             _ => return Err(refuse("is of a kind a build context cannot hold")),
         }
         check_name(&path).map_err(refuse)?;
-        let normalised = normal(&path);
+        let normalised = clean(&path);
         if beneath_link(&links, &normalised) {
             return Err(refuse("is beneath a symbolic link of the context"));
         }
@@ -284,7 +284,7 @@ pub fn check_archive(
                 .unwrap_or_default();
             check_name(&target)
                 .map_err(|_| refuse("is a hard link to a path outside the context"))?;
-            if beneath_link(&links, &normal(&target)) {
+            if beneath_link(&links, &clean(&target)) {
                 return Err(refuse(
                     "is a hard link through a symbolic link of the context",
                 ));
@@ -298,14 +298,6 @@ pub fn check_archive(
         }
     }
     Ok(stats)
-}
-
-/// `path` without `.` and empty parts.
-fn normal(path: &str) -> String {
-    path.split('/')
-        .filter(|p| !p.is_empty() && *p != ".")
-        .collect::<Vec<_>>()
-        .join("/")
 }
 
 /// Whether a parent directory of `path` is one of `links`.

@@ -23,9 +23,6 @@ use crate::{resolve, resolve_dir, Located, Plan, PlanError, Step};
 /// The largest Dockerfile accepted.
 pub const MAX_BYTES: usize = 1 << 20;
 
-/// The longest step text kept for progress lines.
-const TEXT_CHARS: usize = 120;
-
 /// What the caller gives besides the text.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -661,10 +658,7 @@ impl<'a> Parsed<'a> {
             }
             text.push(' ');
         }
-        if text.chars().count() > TEXT_CHARS {
-            text = text.chars().take(TEXT_CHARS - 1).collect::<String>() + "…";
-        }
-        text
+        crate::shorten(text)
     }
 }
 

@@ -269,6 +269,18 @@ pub fn resolve(cwd: &str, path: &str) -> String {
     out
 }
 
+/// The longest step text kept for progress lines, in characters.
+const TEXT_CHARS: usize = 120;
+
+/// `text` cut to [`TEXT_CHARS`] characters, an ellipsis marking the cut.
+pub(crate) fn shorten(text: String) -> String {
+    if text.chars().count() > TEXT_CHARS {
+        text.chars().take(TEXT_CHARS - 1).collect::<String>() + "…"
+    } else {
+        text
+    }
+}
+
 /// [`resolve`] for a directory: no trailing `/` (but `/` itself).
 pub fn resolve_dir(cwd: &str, path: &str) -> String {
     let resolved = resolve(cwd, path);

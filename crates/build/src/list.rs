@@ -178,10 +178,7 @@ fn text_of(kind: &str, args: &[String]) -> String {
         text.push(' ');
         text.push_str(&arg.replace('\n', " "));
     }
-    if text.chars().count() > 120 {
-        text = text.chars().take(119).collect::<String>() + "…";
-    }
-    text
+    crate::shorten(text)
 }
 
 #[cfg(test)]
