@@ -23,7 +23,7 @@ pub mod pb {
 }
 
 /// The protocol revision this build speaks; see `proto/agent.proto`.
-pub const PROTOCOL: u32 = 7;
+pub const PROTOCOL: u32 = 8;
 
 /// The oldest revision the daemon works with: runs started by an older
 /// build keep working after an upgrade, and the RPCs added since answer

@@ -4,7 +4,7 @@
 //! and starts it as the container's init, handing it a listening Unix socket
 //! as an inherited descriptor. Over that socket it serves the protocol of
 //! `runbox-agent-proto`: run commands, write and read files below the work
-//! directory.
+//! directory, and unpack archives for image builds.
 //!
 //! Start-up, in order:
 //!
@@ -35,6 +35,7 @@ mod procs;
 mod reaper;
 mod service;
 mod term;
+mod unpack;
 mod user;
 mod watch;
 

@@ -13,7 +13,8 @@ use runbox_agent_proto::pb::{
     ExecInput, FileInfo, HelloReply, HelloRequest, ListDirReply, ListDirRequest,
     ListProcessesReply, ListProcessesRequest, MakeDirRequest, MoveRequest, ProcessInfo,
     ReadFileRequest, RemoveReply, RemoveRequest, SendInputRequest, SignalProcessRequest,
-    StatRequest, WaitProcessRequest, WatchRequest, WriteFileChunk, WriteFileReply,
+    StatRequest, UnpackChunk, UnpackReply, WaitProcessRequest, WatchRequest, WriteFileChunk,
+    WriteFileReply,
 };
 use runbox_agent_proto::PROTOCOL;
 use tonic::{Request, Response, Status, Streaming};
@@ -21,7 +22,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::confine::WorkDir;
 use crate::procs::Table;
 use crate::reaper::Reaper;
-use crate::{exec, files, fsops, procs, watch};
+use crate::{exec, files, fsops, procs, unpack, watch};
 
 /// The agent's implementation of the protocol.
 #[derive(Debug, Clone)]
@@ -87,6 +88,15 @@ impl Agent for AgentService {
         )
         .await?;
         Ok(Response::new(WriteFileReply { bytes_written }))
+    }
+
+    async fn unpack(
+        &self,
+        request: Request<Streaming<UnpackChunk>>,
+    ) -> Result<Response<UnpackReply>, Status> {
+        Ok(Response::new(
+            unpack::unpack(Arc::clone(&self.file_system), request.into_inner()).await?,
+        ))
     }
 
     type ReadFileStream = files::ReadStream;

@@ -119,7 +119,7 @@ fn ancestors_and_self(path: &str) -> impl Iterator<Item = &str> {
 }
 
 /// Anchors a pattern at the root and drops `.` parts and repeated `/`.
-fn clean(pattern: &str) -> String {
+pub(crate) fn clean(pattern: &str) -> String {
     let mut parts: Vec<&str> = Vec::new();
     for part in pattern.split('/') {
         match part {

@@ -10,6 +10,7 @@
 //! builder, tested on its own.
 
 pub mod context;
+pub mod copy;
 pub mod dockerfile;
 pub mod list;
 pub mod words;

@@ -36,6 +36,8 @@ pub enum ImageCommand {
     Import(ImportArgs),
     /// Pull an image from a registry, with a progress bar per layer
     Pull(PullArgs),
+    /// Build an image from a Dockerfile, step by step in a run
+    Build(crate::image_build::BuildArgs),
     /// Show one image with its config
     Inspect(InspectArgs),
     /// List images
@@ -107,6 +109,7 @@ pub async fn run(command: ImageCommand) -> anyhow::Result<ExitCode> {
     match command {
         ImageCommand::Import(args) => import(args).await,
         ImageCommand::Pull(args) => pull(args).await,
+        ImageCommand::Build(args) => crate::image_build::build(args).await,
         ImageCommand::Inspect(args) => inspect(args).await,
         ImageCommand::Ls(args) => ls(args).await,
         ImageCommand::Rm(args) => rm(args).await,
@@ -323,6 +326,17 @@ impl Write for ChannelWriter {
 /// relative to `root` (which itself is not an entry), each directory before
 /// its contents, in name order so that the same tree gives the same archive.
 fn write_tree_tar<W: Write>(root: &Path, out: W) -> io::Result<W> {
+    write_tree_tar_with(root, &|_, _| true, out)
+}
+
+/// [`write_tree_tar`] of the entries `keep` (given each entry's relative
+/// path and whether it is a directory) says to archive; a directory it
+/// leaves out is not entered.
+pub(crate) fn write_tree_tar_with<W: Write>(
+    root: &Path,
+    keep: &dyn Fn(&Path, bool) -> bool,
+    out: W,
+) -> io::Result<W> {
     let mut builder = tar::Builder::new(out);
     builder.follow_symlinks(false);
     builder.mode(tar::HeaderMode::Complete);
@@ -338,6 +352,9 @@ fn write_tree_tar<W: Write>(root: &Path, out: W) -> io::Result<W> {
             let path = entry.path();
             let name = rel_dir.join(entry.file_name());
             let kind = entry.file_type().map_err(|err| at(&path, err))?;
+            if !keep(&name, kind.is_dir()) {
+                continue;
+            }
             if kind.is_socket() {
                 // A socket is only meaningful to the process that bound it.
                 tracing::warn!(path = %path.display(), "skipping a socket");

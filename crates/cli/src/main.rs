@@ -28,6 +28,7 @@ mod egress;
 mod exec;
 mod fs;
 mod image;
+mod image_build;
 #[cfg(feature = "daemon")]
 mod join;
 mod lease;

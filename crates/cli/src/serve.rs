@@ -41,6 +41,17 @@ fn parse_userns_range(text: &str) -> Result<String, String> {
     runbox_core::userns::IdRanges::parse(text).map(|_| text.to_owned())
 }
 
+/// `--build-network`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BuildNetworkArg {
+    /// No network: steps that download fail
+    None,
+    /// The allowlist proxy, with the default allowlist (package registries)
+    Allowlist,
+    /// Open egress, private and host addresses refused
+    Open,
+}
+
 /// `--on-node-loss`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum OnNodeLossArg {
@@ -271,6 +282,12 @@ pub struct ServeArgs {
     /// them per tenant
     #[arg(long, conflicts_with = "no_usage")]
     pub egress_usage_bytes: bool,
+    /// The egress tier of image builds' runs
+    #[arg(long, value_enum, default_value_t = BuildNetworkArg::Open)]
+    pub build_network: BuildNetworkArg,
+    /// How many cached build steps are kept; past it the oldest go
+    #[arg(long, value_name = "N", default_value_t = 256)]
+    pub build_cache_entries: usize,
     /// The key preview URLs are signed with, at least 32 bytes [default: a
     /// random key kept in <state-dir>/preview.key]. Changing it ends every
     /// preview URL minted before
@@ -1071,6 +1088,8 @@ fn default_store_gb(state_dir: &Path) -> Option<u64> {
 pub const LIVE_KEYS: &[&str] = &[
     "archive_after_sec",
     "archive_delete_after_sec",
+    "build_cache_entries",
+    "build_network",
     "checkpoint_ttl_hours",
     "egress_class",
     "hibernated_retention_sec",
@@ -1137,6 +1156,12 @@ fn live_settings(current: &Config, args: &ServeArgs) -> Config {
         RestartPolicyArg::None => runbox_core::config::RestartPolicy::None,
     };
     config.max_upload_bytes = args.max_upload_bytes;
+    config.build_network = match args.build_network {
+        BuildNetworkArg::None => runbox_types::NetworkTier::None,
+        BuildNetworkArg::Allowlist => runbox_types::NetworkTier::Allowlist,
+        BuildNetworkArg::Open => runbox_types::NetworkTier::Open,
+    };
+    config.build_cache_entries = args.build_cache_entries;
     config.volume_default_mb = args.volume_default_mb;
     config.volume_max_mb = args.volume_max_mb;
     config.insecure_registries = args.insecure_registries.clone();

@@ -29,6 +29,7 @@
 //! ```
 
 mod body;
+mod build;
 mod error;
 mod exec;
 mod paths;
@@ -70,6 +71,7 @@ impl From<&Lease> for LeaseCredential {
 }
 
 pub use body::{FileDownload, UploadBody};
+pub use build::{decode_build_events, BuildStream, BuildUpdate};
 pub use error::{BoxError, ClientError};
 pub use exec::{decode_event, decode_exec_events, ExecEvent, ExecOutput, ExecStream};
 pub use pull::{decode_pull_events, PullStream, PullUpdate};
@@ -1198,6 +1200,67 @@ impl Client {
         let path = format!("/v1/images/{}", paths::segment("image name", name)?);
         self.send(self.request(Method::DELETE, &path)).await?;
         Ok(())
+    }
+
+    /// `PUT /v1/build-contexts/{digest}`: uploads a build context (a tar,
+    /// plain or gzip) whose bytes hash to `digest` (`sha256:<hex>`).
+    pub async fn put_build_context(
+        &self,
+        digest: &str,
+        tar: UploadBody,
+    ) -> Result<runbox_types::BuildContext, ClientError> {
+        let path = format!(
+            "/v1/build-contexts/{}",
+            paths::segment("context digest", digest)?
+        );
+        let request = self.request(Method::PUT, &path);
+        json(
+            self.send(with_body(request, tar, "application/x-tar"))
+                .await?,
+        )
+        .await
+    }
+
+    /// `POST /v1/builds`: starts a build; it goes on in the background.
+    pub async fn start_build(
+        &self,
+        req: &runbox_types::BuildRequest,
+    ) -> Result<runbox_types::Build, ClientError> {
+        let request = self.request(Method::POST, "/v1/builds").json(req);
+        json(self.send(request).await?).await
+    }
+
+    /// `GET /v1/builds`: the caller's builds, newest first.
+    pub async fn list_builds(&self) -> Result<runbox_types::BuildList, ClientError> {
+        json(self.send(self.request(Method::GET, "/v1/builds")).await?).await
+    }
+
+    /// `GET /v1/builds/{id}`.
+    pub async fn get_build(&self, id: &str) -> Result<runbox_types::Build, ClientError> {
+        let path = format!("/v1/builds/{}", paths::segment("build id", id)?);
+        json(self.send(self.request(Method::GET, &path)).await?).await
+    }
+
+    /// `GET /v1/builds/{id}/events`: the build's steps and log (from log
+    /// line `offset`) as they happen; ends with [`BuildUpdate::Done`].
+    pub async fn build_events(&self, id: &str, offset: u64) -> Result<BuildStream, ClientError> {
+        let path = format!(
+            "/v1/builds/{}/events?offset={offset}",
+            paths::segment("build id", id)?
+        );
+        let request = self
+            .request(Method::GET, &path)
+            .header(ACCEPT, HeaderValue::from_static("text/event-stream"));
+        let resp = self.send(request).await?;
+        Ok(decode_build_events(
+            resp.bytes_stream().map_err(ClientError::Http),
+        ))
+    }
+
+    /// `POST /v1/builds/{id}/cancel`: answers once the build has ended.
+    pub async fn cancel_build(&self, id: &str) -> Result<runbox_types::Build, ClientError> {
+        let path = format!("/v1/builds/{}/cancel", paths::segment("build id", id)?);
+        json(self.send(self.request(Method::POST, &path)).await?).await
     }
 
     /// A request to `path` (already encoded), with the bearer token if any.

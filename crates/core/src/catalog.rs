@@ -210,87 +210,30 @@ impl Manager {
             });
         }
         let manager = self.clone();
+        let base = crate::images::SnapshotBase {
+            parent: record.image.clone(),
+            config: self
+                .images
+                .config_if_layers(&record.image, &record.layers)
+                .unwrap_or_else(|| record.image_config.to_oci()),
+            layers: record.layers.clone(),
+            run: id,
+            tenant: record.tenant.clone(),
+            labels,
+            source: None,
+        };
         let taken = tokio::spawn(async move {
-            let capture = manager.capture(id, "snapshotted").await?;
-            let frozen = capture.frozen;
-            let snapshot = |image: runbox_types::Image, layer: String, bytes: u64| {
-                runbox_types::Snapshot {
-                    image: image.name,
-                    parent: record.image.clone(),
-                    run: id,
-                    layer,
-                    layer_bytes: bytes,
-                    frozen_ms: frozen.as_secs_f64() * 1000.0,
-                    elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
-                    volumes_excluded: record.volumes.iter().map(|v| v.name.clone()).collect(),
-                }
-            };
-            let images = manager.images.clone();
-            let server = manager.config().server_id.clone();
-            let base = crate::images::SnapshotBase {
+            let (image, layer, bytes, frozen) = manager.capture_image(id, &name, base).await?;
+            Ok(runbox_types::Snapshot {
+                image: image.name,
                 parent: record.image.clone(),
-                config: images
-                    .config_if_layers(&record.image, &record.layers)
-                    .unwrap_or_else(|| record.image_config.to_oci()),
-                layers: record.layers.clone(),
                 run: id,
-                tenant: record.tenant.clone(),
-                labels: labels.clone(),
-            };
-            // Where the storage can, the capture itself becomes the new
-            // layer, in constant time: no tar is written or unpacked. A
-            // warm volume is grafted at its path by writing a layer.
-            if manager.lane.capabilities().layers.yes() && capture.warm_upper.is_none() {
-                let (image, layer, bytes) =
-                    manager.keep_snapshot(&name, &base, &capture).await?;
-                drop(capture);
-                return Ok(snapshot(image, layer, bytes));
-            }
-            // The warm volume was mounted over its path: its files go there.
-            let volume = match (&record.warm, &capture.warm_upper) {
-                (Some(volume), Some(upper)) => {
-                    let cache = manager.warm.clone().ok_or_else(|| {
-                        CoreError::invalid(
-                            ErrorCode::WarmCacheDisabled,
-                            "this run's warm volume cannot be snapshotted while the warm cache is off",
-                        )
-                    })?;
-                    Some((cache, volume.clone(), upper.clone()))
-                }
-                _ => None,
-            };
-            let (image, layer, bytes) = tokio::task::spawn_blocking(move || {
-                let flat = volume
-                    .map(|(cache, volume, upper)| {
-                        cache
-                            .flatten_volume(&volume, &upper)
-                            .map(|(scratch, tree)| (scratch, tree, volume.path))
-                    })
-                    .transpose()?;
-                let at = flat
-                    .as_ref()
-                    .map(|(_, _, path)| PathBuf::from(path.trim_start_matches('/')));
-                let graft = match (&flat, &at) {
-                    (Some((_, tree, _)), Some(at)) => Some(runbox_image::capture::Graft {
-                        at,
-                        dir: tree,
-                    }),
-                    _ => None,
-                };
-                let recorded = images.record_snapshot(
-                    &name,
-                    &base,
-                    &capture.upper,
-                    &capture.injected,
-                    graft,
-                    &server,
-                );
-                drop(capture);
-                recorded
+                layer,
+                layer_bytes: bytes,
+                frozen_ms: frozen.as_secs_f64() * 1000.0,
+                elapsed_ms: started.elapsed().as_secs_f64() * 1000.0,
+                volumes_excluded: record.volumes.iter().map(|v| v.name.clone()).collect(),
             })
-            .await
-            .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))??;
-            Ok(snapshot(image, layer, bytes))
         })
         .await
         .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))?;
@@ -304,6 +247,86 @@ impl Manager {
                 ));
         }
         taken
+    }
+
+    /// Captures run `id` (frozen for a moment, see
+    /// [`crate::lane::Sandbox::capture`]) and records image `name` of
+    /// `base` plus one layer with everything the run changed. Returns the
+    /// image, the new layer's key and bytes, and how long the run was
+    /// frozen. Callers run it in a task of their own when a hang-up must
+    /// not cut it short.
+    pub(crate) async fn capture_image(
+        self: &Arc<Self>,
+        id: ulid::Ulid,
+        name: &str,
+        base: crate::images::SnapshotBase,
+    ) -> Result<(runbox_types::Image, String, u64, std::time::Duration), CoreError> {
+        let capture = self.capture(id, "snapshotted").await?;
+        let frozen = capture.frozen;
+        // Where the storage can, the capture itself becomes the new
+        // layer, in constant time: no tar is written or unpacked. A
+        // warm volume is grafted at its path by writing a layer.
+        if self.lane.capabilities().layers.yes() && capture.warm_upper.is_none() {
+            let (image, layer, bytes) = self.keep_snapshot(name, &base, &capture).await?;
+            drop(capture);
+            return Ok((image, layer, bytes, frozen));
+        }
+        let warm = match capture.warm_upper.is_some() {
+            true => self
+                .admit(id, crate::runs::actor::Access::Open)
+                .await?
+                .record
+                .warm
+                .clone(),
+            false => None,
+        };
+        // The warm volume was mounted over its path: its files go there.
+        let volume = match (&warm, &capture.warm_upper) {
+            (Some(volume), Some(upper)) => {
+                let cache = self.warm.clone().ok_or_else(|| {
+                    CoreError::invalid(
+                        ErrorCode::WarmCacheDisabled,
+                        "this run's warm volume cannot be snapshotted while the warm cache is off",
+                    )
+                })?;
+                Some((cache, volume.clone(), upper.clone()))
+            }
+            _ => None,
+        };
+        let images = self.images.clone();
+        let server = self.config().server_id.clone();
+        let name = name.to_owned();
+        let (image, layer, bytes) = tokio::task::spawn_blocking(move || {
+            let flat = volume
+                .map(|(cache, volume, upper)| {
+                    cache
+                        .flatten_volume(&volume, &upper)
+                        .map(|(scratch, tree)| (scratch, tree, volume.path))
+                })
+                .transpose()?;
+            let at = flat
+                .as_ref()
+                .map(|(_, _, path)| PathBuf::from(path.trim_start_matches('/')));
+            let graft = match (&flat, &at) {
+                (Some((_, tree, _)), Some(at)) => {
+                    Some(runbox_image::capture::Graft { at, dir: tree })
+                }
+                _ => None,
+            };
+            let recorded = images.record_snapshot(
+                &name,
+                &base,
+                &capture.upper,
+                &capture.injected,
+                graft,
+                &server,
+            );
+            drop(capture);
+            recorded
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("snapshot task failed: {e}")))??;
+        Ok((image, layer, bytes, frozen))
     }
 
     /// Keeps `capture` as a local layer and records image `name` of `base`

@@ -88,6 +88,12 @@ pub struct Config {
     /// How long a run archived at its TTL (`onExpire: archive`) is kept
     /// before it is destroyed with its archive.
     pub archive_retention: Duration,
+    /// The egress tier of build runs (`--build-network`; default open,
+    /// with the guard that keeps runs off private and host addresses).
+    pub build_network: runbox_types::NetworkTier,
+    /// How many cached build steps are kept (`--build-cache-entries`);
+    /// past it the oldest go after each build.
+    pub build_cache_entries: usize,
 }
 
 /// What the daemon does when a run's init exits on its own.
@@ -179,6 +185,8 @@ impl Config {
             on_node_loss: runbox_types::OnNodeLoss::Restore,
             archive_retention: Duration::from_secs(30 * 24 * 60 * 60),
             egress_usage_bytes: false,
+            build_network: runbox_types::NetworkTier::Open,
+            build_cache_entries: 256,
         }
     }
 }

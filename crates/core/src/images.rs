@@ -135,6 +135,10 @@ pub struct SnapshotBase {
     pub tenant: Option<String>,
     /// The snapshot's labels.
     pub labels: std::collections::BTreeMap<String, String>,
+    /// Where the image says it came from; None: `snapshot:<run>:<parent>`
+    /// (an image a build keeps says `build…:` instead, and so stays out of
+    /// the snapshot lists).
+    pub source: Option<String>,
 }
 
 /// The image directory.
@@ -246,13 +250,15 @@ impl ImageStore {
             .map(|r| r.name))
     }
 
-    /// Every image, ordered by name.
+    /// Every image, ordered by name, but a build's cached steps (see
+    /// [`crate::builds`]), which are the builder's own.
     pub fn list(&self, server: &str) -> Result<Vec<Image>, CoreError> {
         Ok(self
             .store
             .images()
             .map_err(store_error)?
             .into_iter()
+            .filter(|r| !r.source.starts_with(crate::builds::CACHE_SOURCE_PREFIX))
             .map(|r| to_image(r, server, false))
             .collect())
     }
@@ -460,9 +466,49 @@ impl ImageStore {
         Ok(())
     }
 
+    /// Where image builds keep their records and contexts.
+    pub fn builds_dir(&self) -> PathBuf {
+        self.spool.with_file_name("builds")
+    }
+
+    /// Records image `name` a build made: stored layers `layers` (base
+    /// first) with OCI config `config`, replacing an image of that name
+    /// (runs of the old one keep its layers). Blocking.
+    pub fn record_built(
+        &self,
+        name: &str,
+        source: String,
+        layers: Vec<String>,
+        config: &serde_json::Value,
+        tenant: Option<String>,
+        labels: std::collections::BTreeMap<String, String>,
+    ) -> Result<Image, CoreError> {
+        validate::image_name(name)?;
+        let _shared = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
+        let record = self.layered_record(name, source, layers, config, tenant, labels)?;
+        let record = self.store.replace_image(record).map_err(store_error)?;
+        tracing::info!(image = name, source = %record.source, layers = record.layers.len(), "built image recorded");
+        Ok(to_image(record, "", false))
+    }
+
     /// Records image `name` of stored layers `layers` (base first), with
     /// `config` (its `rootfs` set to them) and `source`.
     fn put_layered_image(
+        &self,
+        name: &str,
+        source: String,
+        layers: Vec<String>,
+        config: &serde_json::Value,
+        tenant: Option<String>,
+        labels: std::collections::BTreeMap<String, String>,
+    ) -> Result<ImageRecord, CoreError> {
+        let record = self.layered_record(name, source, layers, config, tenant, labels)?;
+        self.store.put_image(record).map_err(store_error)
+    }
+
+    /// The record of image `name` of stored layers `layers`, with `config`
+    /// (its `rootfs` set to them).
+    fn layered_record(
         &self,
         name: &str,
         source: String,
@@ -482,18 +528,16 @@ impl ImageStore {
                 serde_json::json!({"type": "layers", "diff_ids": layers}),
             );
         }
-        self.store
-            .put_image(ImageRecord {
-                name: name.to_owned(),
-                source,
-                config,
-                layers,
-                size_bytes: size,
-                created_unix: OffsetDateTime::now_utc().unix_timestamp(),
-                tenant,
-                labels,
-            })
-            .map_err(store_error)
+        Ok(ImageRecord {
+            name: name.to_owned(),
+            source,
+            config,
+            layers,
+            size_bytes: size,
+            created_unix: OffsetDateTime::now_utc().unix_timestamp(),
+            tenant,
+            labels,
+        })
     }
 
     /// Records image `name` of `base`'s layers and `layer` on top.
@@ -505,7 +549,10 @@ impl ImageStore {
     ) -> Result<ImageRecord, CoreError> {
         let mut layers = base.layers.clone();
         layers.push(layer.to_owned());
-        let source = format!("snapshot:{}:{}", base.run, base.parent);
+        let source = base
+            .source
+            .clone()
+            .unwrap_or_else(|| format!("snapshot:{}:{}", base.run, base.parent));
         self.put_layered_image(
             name,
             source,

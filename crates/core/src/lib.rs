@@ -13,6 +13,7 @@
 //! It does not own sockets to clients, HTTP, or any runtime binary.
 
 pub mod accounting;
+pub mod builds;
 mod catalog;
 pub mod checkpoints;
 pub mod config;

@@ -642,6 +642,70 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn get_image(&self, name: &str) -> Result<Image, CoreError>;
     /// Removes an image no run uses.
     fn delete_image(&self, name: String) -> impl Future<Output = Result<(), CoreError>> + Send;
+    /// Stores a build context for `owner` (see [`crate::builds`]).
+    fn put_build_context(
+        &self,
+        owner: crate::tenants::Owner,
+        digest: String,
+        body: UploadStream,
+    ) -> impl Future<Output = Result<runbox_types::BuildContext, CoreError>> + Send {
+        let _ = (owner, digest, body);
+        async { Err(no_builds()) }
+    }
+    /// Starts a build (see [`crate::builds`]).
+    fn start_build(
+        &self,
+        req: runbox_types::BuildRequest,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<runbox_types::Build, CoreError>> + Send {
+        let _ = (req, owner);
+        async { Err(no_builds()) }
+    }
+    /// Build `id`, if `owner` may see it.
+    fn get_build(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::Build, CoreError> {
+        let _ = (id, owner);
+        Err(no_builds())
+    }
+    /// The builds `owner` may see, newest first.
+    fn list_builds(
+        &self,
+        owner: &crate::tenants::Owner,
+    ) -> Result<Vec<runbox_types::Build>, CoreError> {
+        let _ = owner;
+        Err(no_builds())
+    }
+    /// Build `id`'s events, its log from `offset` (see
+    /// [`crate::builds::BuildEvent`]).
+    fn build_events(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+        offset: u64,
+    ) -> Result<BoxStream<'static, crate::builds::BuildEvent>, CoreError> {
+        let _ = (id, owner, offset);
+        Err(no_builds())
+    }
+    /// Cancels build `id`; answers once it has ended.
+    fn cancel_build(
+        &self,
+        id: Ulid,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<runbox_types::Build, CoreError>> + Send {
+        let _ = (id, owner);
+        async { Err(no_builds()) }
+    }
+}
+
+/// What a service without builds answers.
+fn no_builds() -> CoreError {
+    CoreError::invalid(
+        runbox_types::ErrorCode::BadRequest,
+        "image builds are not available on this server",
+    )
 }
 
 impl RunService for Arc<Manager> {
@@ -1059,5 +1123,55 @@ impl RunService for Arc<Manager> {
 
     async fn delete_image(&self, name: String) -> Result<(), CoreError> {
         Manager::delete_image(self, name).await
+    }
+
+    async fn put_build_context(
+        &self,
+        owner: crate::tenants::Owner,
+        digest: String,
+        body: UploadStream,
+    ) -> Result<runbox_types::BuildContext, CoreError> {
+        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(body));
+        Manager::put_build_context(self, owner, digest, reader).await
+    }
+
+    async fn start_build(
+        &self,
+        req: runbox_types::BuildRequest,
+        owner: crate::tenants::Owner,
+    ) -> Result<runbox_types::Build, CoreError> {
+        Manager::start_build(self, req, owner).await
+    }
+
+    fn get_build(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+    ) -> Result<runbox_types::Build, CoreError> {
+        Manager::get_build(self, id, owner)
+    }
+
+    fn list_builds(
+        &self,
+        owner: &crate::tenants::Owner,
+    ) -> Result<Vec<runbox_types::Build>, CoreError> {
+        Manager::list_builds(self, owner)
+    }
+
+    fn build_events(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+        offset: u64,
+    ) -> Result<BoxStream<'static, crate::builds::BuildEvent>, CoreError> {
+        Manager::build_events(self, id, owner, offset)
+    }
+
+    async fn cancel_build(
+        &self,
+        id: Ulid,
+        owner: crate::tenants::Owner,
+    ) -> Result<runbox_types::Build, CoreError> {
+        Manager::cancel_build(self, id, &owner).await
     }
 }

@@ -175,6 +175,13 @@ impl Agent for FakeAgent {
         Err(Status::unimplemented("not modelled"))
     }
 
+    async fn unpack(
+        &self,
+        _: Request<Streaming<pb::UnpackChunk>>,
+    ) -> Result<Response<pb::UnpackReply>, Status> {
+        Err(Status::unimplemented("not modelled"))
+    }
+
     type AttachStream = OutStream<pb::ExecOutput>;
 
     async fn attach(

@@ -9,6 +9,7 @@
 //! `X-API-Key`; E2B envd requests (see [`e2b`]) carry a run token instead.
 
 pub mod auth;
+mod builds;
 mod conn;
 pub mod e2b;
 mod error;
@@ -76,6 +77,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
                 .delete(handlers::delete_image::<S>)
                 .get(handlers::get_image::<S>),
         )
+        .route("/v1/build-contexts/{digest}", put(builds::put_context::<S>))
         // File and image bodies stream; their own maxima are enforced while
         // streaming, not by buffering.
         .layer(DefaultBodyLimit::disable());
@@ -224,6 +226,13 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
             axum::routing::delete(handlers::delete_snapshot::<S>),
         )
         .route("/v1/images/pull", post(handlers::pull_image::<S>))
+        .route(
+            "/v1/builds",
+            post(builds::start::<S>).get(builds::list::<S>),
+        )
+        .route("/v1/builds/{id}", get(builds::get::<S>))
+        .route("/v1/builds/{id}/events", get(builds::events::<S>))
+        .route("/v1/builds/{id}/cancel", post(builds::cancel::<S>))
         .route(
             "/v1/tenants",
             post(tenants::create::<S>).get(tenants::list::<S>),

@@ -68,6 +68,13 @@ codes! {
     BadGeneration = "bad_generation", 400;
     /// An image name breaks the naming rules.
     BadImageName = "bad_image_name", 400;
+    /// A build's Dockerfile or step list cannot be run as written; the
+    /// message names the line.
+    BadDockerfile = "bad_dockerfile", 400;
+    /// A build context that cannot be used: an archive refused (a path out
+    /// of the context, a device node, too large), a digest that does not
+    /// match, or one never uploaded.
+    BadBuildContext = "bad_build_context", 400;
     /// An archive could not be unpacked.
     BadArchive = "bad_archive", 400;
     /// An image reference does not parse.
@@ -227,6 +234,8 @@ codes! {
     RunNotFound = "run_not_found", 404;
     /// No such image.
     ImageNotFound = "image_not_found", 404;
+    /// No build with this id (or not one the caller may see).
+    BuildNotFound = "build_not_found", 404;
     /// No checkpoint with this id in the checkpoint store.
     CheckpointNotFound = "checkpoint_not_found", 404;
     /// No such file in the run.
@@ -248,6 +257,8 @@ codes! {
     ImageExists = "image_exists", 409;
     /// The image is used by a run.
     ImageInUse = "image_in_use", 409;
+    /// Another build of the same image name is running.
+    BuildInProgress = "build_in_progress", 409;
     /// Another owner holds the run's writable lease (or no credential was given).
     Leased = "leased", 409;
     /// The lease generation presented was replaced by a later grant.

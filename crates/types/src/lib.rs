@@ -12,12 +12,17 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use ulid::Ulid;
 
+pub mod builds;
 mod cluster;
 mod egress;
 pub mod error;
 mod tenants;
 mod volumes;
 
+pub use builds::{
+    build_sse, Build, BuildContext, BuildFailure, BuildList, BuildLog, BuildRequest, BuildStatus,
+    BuildStep, BuildStepSpec, BuildStepStatus,
+};
 pub use cluster::{ClusterNode, ClusterStatus, NodeState};
 pub use egress::{
     BroughtSecret, EgressEntry, EgressRule, PortSpec, SecretRequest, SecretValue,

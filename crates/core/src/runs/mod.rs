@@ -132,6 +132,8 @@ pub struct Manager {
     pub(crate) volume_moves: std::sync::Mutex<std::collections::HashSet<Ulid>>,
     /// When this manager started.
     pub(crate) started_at: OffsetDateTime,
+    /// Image builds (see [`crate::builds`]), once opened at start.
+    pub(crate) builds: std::sync::OnceLock<Arc<crate::builds::Builds>>,
 }
 
 impl Manager {
@@ -415,6 +417,7 @@ impl Manager {
             volume_lock: tokio::sync::Mutex::new(()),
             volume_moves: Default::default(),
             started_at: OffsetDateTime::now_utc(),
+            builds: std::sync::OnceLock::new(),
         });
         // Local layers (snapshots kept where the lane keeps runs) are found
         // where the lane says, before any run mounts one.
@@ -422,6 +425,9 @@ impl Manager {
             manager.images.store().set_local_root(root);
         }
         manager.reconcile().await?;
+        // After reconcile: the runs of builds a previous daemon ran are
+        // among the runs it found.
+        manager.open_builds().await?;
         // After reconcile: the runs it re-adopted hold their generations.
         manager.spawn_warm_tick();
         manager.spawn_usage_sampler();

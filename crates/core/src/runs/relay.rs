@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{Stream, StreamExt};
-use runbox_agent_proto::pb::{self, exec_input, exec_output, read_file_chunk, write_file_chunk};
+use runbox_agent_proto::pb::{
+    self, exec_input, exec_output, read_file_chunk, unpack_chunk, write_file_chunk,
+};
 use runbox_agent_proto::{AgentClient, CHUNK_SIZE};
 use runbox_types::{Env, ErrorCode, ExecRequest, ExitEvent, ExitReason};
 use tokio::sync::mpsc;
@@ -69,6 +71,15 @@ pub struct FileDownload {
     pub size: u64,
     /// The contents.
     pub body: std::pin::Pin<Box<dyn Stream<Item = Result<Bytes, CoreError>> + Send>>,
+}
+
+/// What a [`Manager::unpack`] wrote, as the run's agent counted it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnpackStats {
+    /// Entries written: files, directories, symlinks and hard links.
+    pub entries: u64,
+    /// Bytes of file contents written (at most the archive's size).
+    pub bytes: u64,
 }
 
 /// An operation its run's owner admitted: what the caller needs to go on.
@@ -499,6 +510,123 @@ impl Manager {
         Ok(sent)
     }
 
+    /// Unpacks a tar archive (uncompressed) into `dest`, a directory of
+    /// run `id`'s root filesystem that the agent makes with its missing
+    /// parents: an image build's COPY. `body` is the archive, its names
+    /// relative to `dest`. Every entry written, and every directory the
+    /// call makes, belongs to `user` (as an exec's; None: root, whatever
+    /// the image's `User`); a non-zero `mode` gives files and directories
+    /// exactly those bits (`COPY --chmod`), else each keeps the archive's.
+    /// Needs an agent of protocol 8 ([`AgentFeature::Unpack`]).
+    ///
+    /// Admitted open, not under the lease: the builder owns the run it
+    /// unpacks into and no one else holds it.
+    ///
+    /// Cancellation: not all-or-nothing. The agent writes entries as they
+    /// arrive; an error, or dropping the future (which cancels the agent
+    /// call), leaves those written so far in the run, which the builder
+    /// then throws away.
+    pub(crate) async fn unpack<S, E>(
+        &self,
+        id: Ulid,
+        dest: &str,
+        user: Option<String>,
+        mode: u32,
+        body: S,
+    ) -> Result<UnpackStats, CoreError>
+    where
+        S: Stream<Item = Result<Bytes, E>> + Send,
+        E: std::fmt::Display,
+    {
+        let dest = validate::root_path(dest, true)?;
+        let user = user.map(validate::user).transpose()?;
+        if mode & !0o7777 != 0 {
+            return Err(CoreError::invalid(
+                ErrorCode::BadRequest,
+                format!("mode {mode:o} has bits beyond the permission, set-id and sticky bits"),
+            ));
+        }
+        let Admission {
+            mut agent,
+            protocol,
+            busy: _busy,
+            ..
+        } = self.admit(id, Access::Open).await?;
+        AgentFeature::Unpack.check(protocol)?;
+        let (tx, rx) = mpsc::channel::<pb::UnpackChunk>(4);
+        let header = pb::UnpackHeader {
+            dest,
+            user: user.unwrap_or_default(),
+            mode,
+        };
+        tx.send(unpack_chunk(unpack_chunk::Kind::Header(header)))
+            .await
+            .map_err(|_| CoreError::Agent("unpack channel closed".into()))?;
+        let call = agent.unpack(ReceiverStream::new(rx));
+        tokio::pin!(call);
+        let pump = async {
+            let mut body = std::pin::pin!(body);
+            let mut total = 0u64;
+            while let Some(piece) = body.next().await {
+                let piece = piece.map_err(|e| {
+                    CoreError::invalid(ErrorCode::BadRequest, format!("the archive broke off: {e}"))
+                })?;
+                total += piece.len() as u64;
+                for part in piece.chunks(CHUNK_SIZE) {
+                    tx.send(unpack_chunk(unpack_chunk::Kind::Data(part.to_vec())))
+                        .await
+                        .map_err(|_| {
+                            CoreError::Agent("the agent stopped reading the archive".into())
+                        })?;
+                }
+            }
+            tx.send(unpack_chunk(unpack_chunk::Kind::Commit(
+                pb::WriteFileCommit {},
+            )))
+            .await
+            .map_err(|_| CoreError::Agent("the agent stopped reading the archive".into()))?;
+            Ok::<u64, CoreError>(total)
+        };
+        // As for put_file: the agent may refuse an entry while the archive
+        // is still arriving, and its answer says why.
+        let sent = tokio::select! {
+            reply = &mut call => {
+                return match reply {
+                    Ok(_) => Err(CoreError::Agent("the agent finished the unpack before it was committed".into())),
+                    Err(status) => Err(file_error(status)),
+                };
+            }
+            sent = pump => match sent {
+                Ok(sent) => sent,
+                Err(stopped @ CoreError::Agent(_)) => {
+                    return match tokio::time::timeout(AGENT_CALL_TIMEOUT, &mut call).await {
+                        Ok(Err(status)) => Err(file_error(status)),
+                        Ok(Ok(_)) | Err(_) => Err(stopped),
+                    };
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        drop(tx);
+        let reply = tokio::time::timeout(AGENT_CALL_TIMEOUT, call)
+            .await
+            .map_err(|_| CoreError::Agent("the agent did not confirm the unpack in time".into()))?
+            .map_err(file_error)?
+            .into_inner();
+        // Contents are a part of the archive; the agent's count is not
+        // trusted beyond that.
+        if reply.bytes > sent {
+            return Err(CoreError::Agent(format!(
+                "the agent reported {} bytes written from an archive of {sent}",
+                reply.bytes
+            )));
+        }
+        Ok(UnpackStats {
+            entries: reply.entries,
+            bytes: reply.bytes,
+        })
+    }
+
     /// Reads `/work/<path>` out of a run as a stream of exactly `size` bytes.
     pub async fn get_file(
         &self,
@@ -583,6 +711,10 @@ impl Manager {
 
 fn chunk(kind: write_file_chunk::Kind) -> pb::WriteFileChunk {
     pb::WriteFileChunk { kind: Some(kind) }
+}
+
+fn unpack_chunk(kind: unpack_chunk::Kind) -> pb::UnpackChunk {
+    pb::UnpackChunk { kind: Some(kind) }
 }
 
 fn too_large(max: u64) -> CoreError {
@@ -734,6 +866,8 @@ pub(crate) enum AgentFeature {
     RootScope,
     /// File metadata kept as extended attributes.
     Metadata,
+    /// Unpacking an archive into the run (image builds' COPY).
+    Unpack,
 }
 
 impl AgentFeature {
@@ -743,6 +877,7 @@ impl AgentFeature {
             AgentFeature::Processes => 3,
             AgentFeature::Resize | AgentFeature::RootScope => 4,
             AgentFeature::Metadata => 5,
+            AgentFeature::Unpack => 8,
         }
     }
 
@@ -753,6 +888,7 @@ impl AgentFeature {
             AgentFeature::Resize => "resizing a terminal outside a session",
             AgentFeature::RootScope => "paths outside /work",
             AgentFeature::Metadata => "file metadata",
+            AgentFeature::Unpack => "unpacking archives for image builds",
         };
         CoreError::invalid(
             ErrorCode::AgentTooOld,
@@ -893,6 +1029,7 @@ mod tests {
             (AgentFeature::Resize, 4),
             (AgentFeature::RootScope, 4),
             (AgentFeature::Metadata, 5),
+            (AgentFeature::Unpack, 8),
         ] {
             assert!(feature.check(first).is_ok(), "{feature:?}");
             assert!(feature.check(first + 1).is_ok(), "{feature:?}");

@@ -1,0 +1,98 @@
+//! The build event stream (`GET /v1/builds/{id}/events`).
+
+use std::pin::Pin;
+
+use bytes::Bytes;
+use eventsource_stream::Eventsource as _;
+use futures::{Stream, StreamExt as _};
+use runbox_types::{build_sse, Build, BuildLog, BuildStep};
+
+use crate::ClientError;
+
+/// One item of a build's event stream.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BuildUpdate {
+    /// A step's status changed.
+    Step(BuildStep),
+    /// A line of output.
+    Log(BuildLog),
+    /// The build ended (ready, failed or cancelled); always the last item.
+    Done(Box<Build>),
+}
+
+/// The items of one build's events.
+pub type BuildStream = Pin<Box<dyn Stream<Item = Result<BuildUpdate, ClientError>> + Send>>;
+
+/// Decodes an events response body into [`BuildUpdate`]s. Unknown event
+/// names are skipped; nothing is read after `done`.
+pub fn decode_build_events<S>(body: S) -> BuildStream
+where
+    S: Stream<Item = Result<Bytes, ClientError>> + Send + 'static,
+{
+    let events = Box::pin(body.eventsource());
+    Box::pin(futures::stream::unfold(
+        (events, false),
+        |(mut events, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                let item = match events.next().await {
+                    None => Err(ClientError::StreamEnded),
+                    Some(Err(e)) => Err(ClientError::MalformedStream(e.to_string())),
+                    Some(Ok(event)) => {
+                        let malformed = |e: serde_json::Error| ClientError::MalformedEvent {
+                            event: event.event.clone(),
+                            source: e.into(),
+                        };
+                        match event.event.as_str() {
+                            build_sse::STEP => serde_json::from_str(&event.data)
+                                .map(BuildUpdate::Step)
+                                .map_err(malformed),
+                            build_sse::LOG => serde_json::from_str(&event.data)
+                                .map(BuildUpdate::Log)
+                                .map_err(malformed),
+                            build_sse::DONE => serde_json::from_str(&event.data)
+                                .map(|b| BuildUpdate::Done(Box::new(b)))
+                                .map_err(malformed),
+                            _ => continue,
+                        }
+                    }
+                };
+                let done = !matches!(item, Ok(BuildUpdate::Step(_) | BuildUpdate::Log(_)));
+                return Some((item, (events, done)));
+            }
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn decodes_steps_logs_then_done() {
+        let body = concat!(
+            "event: step\ndata: {\"index\":1,\"line\":2,\"text\":\"RUN true\",\"status\":\"running\"}\n\n",
+            "event: log\ndata: {\"offset\":0,\"step\":1,\"stream\":\"stdout\",\"text\":\"hi\"}\n\n",
+            "event: unknown\ndata: {}\n\n",
+            "event: done\ndata: {\"id\":\"01HZZZZZZZZZZZZZZZZZZZZZZZ\",\"name\":\"x\",\"status\":\"ready\",\"from\":\"base\",\"steps\":[],\"createdAt\":\"2026-01-01T00:00:00Z\",\"server\":\"n\"}\n\n",
+            "event: log\ndata: {}\n\n",
+        );
+        let stream = futures::stream::iter(vec![Ok(Bytes::from(body))]);
+        let items: Vec<_> = decode_build_events(stream).collect().await;
+        assert_eq!(items.len(), 3, "{items:?}");
+        assert!(matches!(&items[0], Ok(BuildUpdate::Step(s)) if s.index == 1));
+        assert!(matches!(&items[1], Ok(BuildUpdate::Log(l)) if l.text == "hi"));
+        assert!(matches!(&items[2], Ok(BuildUpdate::Done(b)) if b.name == "x"));
+    }
+
+    #[tokio::test]
+    async fn a_stream_cut_before_done_is_an_error() {
+        let body =
+            "event: log\ndata: {\"offset\":0,\"step\":0,\"stream\":\"build\",\"text\":\"x\"}\n\n";
+        let stream = futures::stream::iter(vec![Ok(Bytes::from(body))]);
+        let items: Vec<_> = decode_build_events(stream).collect().await;
+        assert!(matches!(items.last(), Some(Err(ClientError::StreamEnded))));
+    }
+}

@@ -1,0 +1,758 @@
+//! Image builds: a Dockerfile (or a step list) run step by step in one
+//! build run, each file-changing step captured as an image of its own (the
+//! step cache), the last of them recorded under the build's name with the
+//! configuration the steps set.
+//!
+//! The parts:
+//! - the plan comes from `runbox-build` (parsing, word rules, `COPY`
+//!   selection); this module runs it ([`steps`]);
+//! - contexts (what `COPY` reads) are uploaded first, content-addressed
+//!   per tenant, checked once on arrival (`contexts/<owner>/<hex>.tar`);
+//! - a build's record and log are files (`records/<id>.json`, `.log`),
+//!   written as it goes, so a build outlives a restart as a record: one
+//!   the daemon was running when it stopped is marked failed at the next
+//!   start, and its run (labelled [`BUILD_LABEL`]) is deleted;
+//! - the step cache is images whose source starts [`CACHE_SOURCE_PREFIX`]:
+//!   hidden from image lists, stamped with the tenant, kept from garbage
+//!   collection like any image, and the oldest dropped past
+//!   [`crate::config::Config::build_cache_entries`].
+//!
+//! Crash rule: the image is recorded last, in one write; a build cut short
+//! anywhere before leaves no image, only whole cache entries (each also
+//! one write after its layer) and a run the next start deletes.
+
+mod steps;
+
+use std::collections::HashMap;
+use std::io::{self, BufRead, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use runbox_types::{
+    Build, BuildContext, BuildFailure, BuildLog, BuildRequest, BuildStatus, BuildStep, ErrorCode,
+};
+use sha2::{Digest, Sha256};
+use time::OffsetDateTime;
+use tokio_util::sync::CancellationToken;
+use ulid::Ulid;
+
+use crate::error::CoreError;
+use crate::runs::Manager;
+use crate::tenants::Owner;
+
+/// What the `source` of a cached step's image starts with.
+pub const CACHE_SOURCE_PREFIX: &str = "build-cache:";
+/// What the `source` of a built image starts with: `build:<id>`.
+pub const BUILD_SOURCE_PREFIX: &str = "build:";
+/// The label a build run carries: the build's id.
+pub const BUILD_LABEL: &str = "runbox.build";
+
+/// Finished builds kept (the newest), and for how long.
+const KEEP_FINISHED: usize = 200;
+const KEEP_FOR: time::Duration = time::Duration::days(1);
+/// Unused contexts are removed after this long.
+const CONTEXT_KEEP_FOR: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+/// The most log text a build keeps; past it, one line says so and the
+/// rest goes only to the step's tail (shown when it fails).
+const MAX_LOG_BYTES: usize = 8 << 20;
+/// The longest log line kept, in bytes; longer ones are cut.
+const MAX_LINE_BYTES: usize = 16 << 10;
+/// How many of a failed step's last lines its failure shows.
+const TAIL_LINES: usize = 20;
+/// The most entries a context holds.
+const MAX_CONTEXT_ENTRIES: u64 = 200_000;
+
+/// What a build's event stream carries.
+#[derive(Clone, Debug)]
+pub enum BuildEvent {
+    /// A step's status changed.
+    Step(BuildStep),
+    /// A line of output.
+    Log(BuildLog),
+    /// The build ended; the last event.
+    Done(Box<Build>),
+}
+
+/// The builds of this node: running ones in memory, all as files.
+pub(crate) struct Builds {
+    records: PathBuf,
+    contexts: PathBuf,
+    spool: PathBuf,
+    live: Mutex<HashMap<Ulid, Arc<Live>>>,
+}
+
+/// A running build: its view, its events so far, and how to stop it.
+pub(crate) struct Live {
+    state: Mutex<LiveState>,
+    /// How many events there are; subscribers wait for it to change.
+    count: tokio::sync::watch::Sender<usize>,
+    cancel: CancellationToken,
+}
+
+struct LiveState {
+    build: Build,
+    events: Vec<BuildEvent>,
+    next_offset: u64,
+    log_bytes: usize,
+    log: Option<io::BufWriter<std::fs::File>>,
+    /// The last lines of the step running now.
+    tail: std::collections::VecDeque<String>,
+}
+
+impl Builds {
+    /// Opens (or creates) the build directory `dir`. Builds a previous
+    /// daemon left running are marked failed. Blocking.
+    pub(crate) fn open(dir: &Path) -> Result<Builds, CoreError> {
+        let records = dir.join("records");
+        let contexts = dir.join("contexts");
+        let spool = dir.join("spool");
+        let _ = std::fs::remove_dir_all(&spool);
+        for d in [&records, &contexts, &spool] {
+            std::fs::create_dir_all(d)
+                .map_err(CoreError::io(format!("creating {}", d.display())))?;
+        }
+        let builds = Builds {
+            records,
+            contexts,
+            spool,
+            live: Mutex::new(HashMap::new()),
+        };
+        builds.settle_unfinished();
+        builds.sweep();
+        Ok(builds)
+    }
+
+    fn record_path(&self, id: Ulid) -> PathBuf {
+        self.records.join(format!("{id}.json"))
+    }
+
+    fn log_path(&self, id: Ulid) -> PathBuf {
+        self.records.join(format!("{id}.log"))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Ulid, Arc<Live>>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every build on file, newest first.
+    fn on_file(&self) -> Vec<Build> {
+        let mut builds: Vec<Build> = std::fs::read_dir(&self.records)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|bytes| serde_json::from_slice::<Build>(&bytes).ok())
+            .collect();
+        builds.sort_by_key(|b| std::cmp::Reverse(b.id));
+        builds
+    }
+
+    /// Marks builds that were running when the daemon stopped as failed.
+    fn settle_unfinished(&self) {
+        for mut build in self.on_file() {
+            if build.status.is_final() {
+                continue;
+            }
+            build.status = BuildStatus::Failed;
+            build.finished_at = Some(OffsetDateTime::now_utc());
+            build.error = Some(BuildFailure {
+                code: "daemon_restarted".into(),
+                message:
+                    "the daemon stopped while this build ran; nothing was recorded, build again"
+                        .into(),
+                step: None,
+                exit_code: None,
+                output: Vec::new(),
+            });
+            build.run = None;
+            for step in &mut build.steps {
+                if step.status == runbox_types::BuildStepStatus::Running {
+                    step.status = runbox_types::BuildStepStatus::Failed;
+                }
+            }
+            tracing::warn!(build = %build.id, "a build the daemon was running when it stopped is failed");
+            self.persist(&build);
+        }
+    }
+
+    /// Removes finished builds past [`KEEP_FINISHED`] or older than
+    /// [`KEEP_FOR`], and contexts unused for [`CONTEXT_KEEP_FOR`].
+    fn sweep(&self) {
+        let now = OffsetDateTime::now_utc();
+        let live: Vec<Ulid> = self.lock().keys().copied().collect();
+        let finished = self
+            .on_file()
+            .into_iter()
+            .filter(|b| b.status.is_final() && !live.contains(&b.id));
+        for (index, build) in finished.enumerate() {
+            let old = build.finished_at.is_some_and(|at| now - at > KEEP_FOR);
+            if index >= KEEP_FINISHED || old {
+                let _ = std::fs::remove_file(self.record_path(build.id));
+                let _ = std::fs::remove_file(self.log_path(build.id));
+            }
+        }
+        for owner in std::fs::read_dir(&self.contexts)
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for file in std::fs::read_dir(owner.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let unused = file
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|at| at.elapsed().ok())
+                    .is_some_and(|age| age > CONTEXT_KEEP_FOR);
+                if unused {
+                    let _ = std::fs::remove_file(file.path());
+                }
+            }
+        }
+    }
+
+    /// Writes `build`'s record (whole, by rename). A failure is logged: the
+    /// build goes on, its record is only behind.
+    fn persist(&self, build: &Build) {
+        if let Err(e) = crate::durable::write_json(&self.record_path(build.id), build) {
+            tracing::warn!(build = %build.id, error = %e, "could not write the build's record");
+        }
+    }
+
+    /// The directory of `owner`'s contexts.
+    fn context_dir(&self, owner: &Owner) -> PathBuf {
+        match owner.tenant() {
+            Some(tenant) => self.contexts.join(format!("t-{tenant}")),
+            None => self.contexts.join("root"),
+        }
+    }
+
+    /// Where `owner`'s context `digest` (`sha256:<hex>` or the bare hex)
+    /// is, once checked, when it is there.
+    pub(crate) fn context_file(&self, owner: &Owner, digest: &str) -> Result<PathBuf, CoreError> {
+        let hex = context_hex(digest)?;
+        let path = self.context_dir(owner).join(format!("{hex}.tar"));
+        if !path.is_file() {
+            return Err(CoreError::invalid(
+                ErrorCode::BadBuildContext,
+                format!(
+                    "no build context sha256:{hex} was uploaded (or it was swept after a day unused); upload it with PUT /v1/build-contexts/sha256:{hex}"
+                ),
+            ));
+        }
+        // Used: kept another day.
+        let _ = std::fs::File::options()
+            .append(true)
+            .open(&path)
+            .and_then(|f| f.set_modified(std::time::SystemTime::now()));
+        Ok(path)
+    }
+
+    /// Stores a context archive: `body` (a tar, plain or gzip) must hash to
+    /// `digest`; it is checked entry by entry and kept as a plain tar.
+    /// Uploading a stored one again reads the body through and keeps the
+    /// first. Blocking.
+    pub(crate) fn put_context(
+        &self,
+        owner: &Owner,
+        digest: &str,
+        body: impl Read,
+        max_bytes: u64,
+    ) -> Result<BuildContext, CoreError> {
+        let hex = context_hex(digest)?.to_owned();
+        let dir = self.context_dir(owner);
+        std::fs::create_dir_all(&dir).map_err(CoreError::io("creating the context directory"))?;
+        let spooled = tempfile::NamedTempFile::new_in(&self.spool)
+            .map_err(CoreError::io("creating the context spool"))?;
+        let mut hasher = Sha256::new();
+        let mut written = 0u64;
+        {
+            let mut out = io::BufWriter::new(spooled.as_file());
+            let mut body = body;
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = match body.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        return Err(CoreError::invalid(
+                            ErrorCode::BadRequest,
+                            format!("the context upload broke off: {e}"),
+                        ))
+                    }
+                };
+                written += n as u64;
+                if written > max_bytes {
+                    return Err(CoreError::invalid(
+                        ErrorCode::TooLarge,
+                        format!("a build context may be at most {max_bytes} bytes (the server's upload maximum); leave out what the build does not need with .dockerignore"),
+                    ));
+                }
+                hasher.update(&buf[..n]);
+                out.write_all(&buf[..n])
+                    .map_err(CoreError::io("writing the context spool"))?;
+            }
+            out.flush()
+                .map_err(CoreError::io("writing the context spool"))?;
+        }
+        let got = format!("{:x}", hasher.finalize());
+        if got != hex {
+            return Err(CoreError::invalid(
+                ErrorCode::BadBuildContext,
+                format!(
+                    "the uploaded bytes hash to sha256:{got}, not the sha256:{hex} the path names"
+                ),
+            ));
+        }
+        let meta_path = dir.join(format!("{hex}.json"));
+        let final_path = dir.join(format!("{hex}.tar"));
+        if final_path.is_file() {
+            if let Ok(known) = std::fs::read(&meta_path)
+                .map_err(|e| e.to_string())
+                .and_then(|b| serde_json::from_slice::<BuildContext>(&b).map_err(|e| e.to_string()))
+            {
+                let _ = self.context_file(owner, &hex);
+                return Ok(known);
+            }
+        }
+        // A gzip body is kept decompressed: COPY reads it once per step.
+        let plain = {
+            let mut magic = [0u8; 2];
+            let mut file = spooled
+                .reopen()
+                .map_err(CoreError::io("reading the context spool"))?;
+            let n = file
+                .read(&mut magic)
+                .map_err(CoreError::io("reading the context spool"))?;
+            if n == 2 && magic == [0x1f, 0x8b] {
+                let unzipped = tempfile::NamedTempFile::new_in(&self.spool)
+                    .map_err(CoreError::io("creating the context spool"))?;
+                let source = spooled
+                    .reopen()
+                    .map_err(CoreError::io("reading the context spool"))?;
+                let mut decoder = flate2::read::GzDecoder::new(io::BufReader::new(source))
+                    .take(max_bytes.saturating_add(1 << 20));
+                let mut out = io::BufWriter::new(unzipped.as_file());
+                io::copy(&mut decoder, &mut out).map_err(|e| {
+                    CoreError::invalid(
+                        ErrorCode::BadBuildContext,
+                        format!("the build context is not a readable gzip stream: {e}"),
+                    )
+                })?;
+                out.flush()
+                    .map_err(CoreError::io("writing the context spool"))?;
+                drop(out);
+                unzipped
+            } else {
+                spooled
+            }
+        };
+        let limits = runbox_build::context::ContextLimits {
+            max_bytes,
+            max_entries: MAX_CONTEXT_ENTRIES,
+        };
+        let reader = io::BufReader::new(
+            plain
+                .reopen()
+                .map_err(CoreError::io("reading the context spool"))?,
+        );
+        let stats = runbox_build::context::check_archive(reader, &limits)
+            .map_err(|e| CoreError::invalid(ErrorCode::BadBuildContext, e.to_string()))?;
+        let context = BuildContext {
+            digest: format!("sha256:{hex}"),
+            entries: stats.entries,
+            bytes: stats.bytes,
+        };
+        crate::durable::write_json(&meta_path, &context)
+            .map_err(CoreError::io("writing the context's record"))?;
+        plain
+            .persist(&final_path)
+            .map_err(|e| CoreError::io("storing the context")(e.error))?;
+        tracing::info!(digest = %context.digest, entries = stats.entries, bytes = stats.bytes, "build context stored");
+        Ok(context)
+    }
+
+    /// A scratch file for a build's step (removed when dropped).
+    fn scratch(&self) -> Result<tempfile::NamedTempFile, CoreError> {
+        tempfile::NamedTempFile::new_in(&self.spool)
+            .map_err(CoreError::io("creating a build spool"))
+    }
+}
+
+/// The hex of a context digest, `sha256:<64 hex>` or the bare hex.
+fn context_hex(digest: &str) -> Result<&str, CoreError> {
+    let hex = digest.strip_prefix("sha256:").unwrap_or(digest);
+    if hex.len() == 64
+        && hex
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return Ok(hex);
+    }
+    Err(CoreError::invalid(
+        ErrorCode::BadBuildContext,
+        format!("{digest:?} is not a context digest: write sha256: and 64 lowercase hex digits"),
+    ))
+}
+
+impl Live {
+    fn new(build: Build, log: Option<std::fs::File>) -> Arc<Live> {
+        let (count, _) = tokio::sync::watch::channel(0);
+        Arc::new(Live {
+            state: Mutex::new(LiveState {
+                build,
+                events: Vec::new(),
+                next_offset: 0,
+                log_bytes: 0,
+                log: log.map(io::BufWriter::new),
+                tail: Default::default(),
+            }),
+            count,
+            cancel: CancellationToken::new(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LiveState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(&self, state: &mut LiveState, event: BuildEvent) {
+        state.events.push(event);
+        let n = state.events.len();
+        self.count.send_replace(n);
+    }
+
+    /// The build as it is now.
+    pub(crate) fn build(&self) -> Build {
+        self.lock().build.clone()
+    }
+
+    /// Changes step `index` (1-based) and reports it.
+    fn step(&self, index: usize, change: impl FnOnce(&mut BuildStep)) {
+        let mut state = self.lock();
+        let Some(step) = state.build.steps.get_mut(index.wrapping_sub(1)) else {
+            return;
+        };
+        change(step);
+        let step = step.clone();
+        if step.status == runbox_types::BuildStepStatus::Running {
+            state.tail.clear();
+        }
+        if let Some(log) = state.log.as_mut() {
+            let _ = log.flush();
+        }
+        self.push(&mut state, BuildEvent::Step(step));
+    }
+
+    /// Adds a line of output of step `step` (`stream`: stdout, stderr or
+    /// build).
+    fn line(&self, step: usize, stream: &str, text: &str) {
+        let mut text = text.trim_end_matches('\r').to_owned();
+        if text.len() > MAX_LINE_BYTES {
+            let mut cut = MAX_LINE_BYTES;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+            text.push('…');
+        }
+        let mut state = self.lock();
+        if step > 0 && stream != "build" {
+            if state.tail.len() == TAIL_LINES {
+                state.tail.pop_front();
+            }
+            state.tail.push_back(text.clone());
+        }
+        if state.log_bytes > MAX_LOG_BYTES {
+            return;
+        }
+        state.log_bytes += text.len();
+        let (stream, text) = if state.log_bytes > MAX_LOG_BYTES {
+            (
+                "build".to_owned(),
+                format!("(the build's log reached {MAX_LOG_BYTES} bytes; the rest of its output is not kept)"),
+            )
+        } else {
+            (stream.to_owned(), text)
+        };
+        let entry = BuildLog {
+            offset: state.next_offset,
+            step,
+            stream,
+            text,
+        };
+        state.next_offset += 1;
+        if let Some(log) = state.log.as_mut() {
+            if let Ok(line) = serde_json::to_string(&entry) {
+                let _ = writeln!(log, "{line}");
+            }
+        }
+        self.push(&mut state, BuildEvent::Log(entry));
+    }
+
+    /// The running step's last lines.
+    fn tail(&self) -> Vec<String> {
+        self.lock().tail.iter().cloned().collect()
+    }
+}
+
+/// Reads a finished build's log from `path`, from `offset` on.
+fn read_log(path: &Path, offset: u64) -> Vec<BuildLog> {
+    let Ok(file) = std::fs::File::open(path) else {
+        return Vec::new();
+    };
+    io::BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| serde_json::from_str::<BuildLog>(&line).ok())
+        .filter(|l| l.offset >= offset)
+        .collect()
+}
+
+impl Manager {
+    fn builds(&self) -> Result<&Arc<Builds>, CoreError> {
+        self.builds.get().ok_or_else(|| {
+            CoreError::invalid(
+                ErrorCode::BadRequest,
+                "image builds are not available on this server",
+            )
+        })
+    }
+
+    /// Opens the build directory beside the image store; called once at
+    /// start, after the runs are reconciled. A build run a previous daemon
+    /// left is deleted.
+    pub(crate) async fn open_builds(self: &Arc<Self>) -> Result<(), CoreError> {
+        let dir = self.images.builds_dir();
+        let builds = tokio::task::spawn_blocking(move || Builds::open(&dir))
+            .await
+            .map_err(|e| CoreError::Store(format!("build directory task failed: {e}")))??;
+        let _ = self.builds.set(Arc::new(builds));
+        let leftover: Vec<Ulid> = self
+            .list()
+            .into_iter()
+            .filter(|r| r.labels.contains_key(BUILD_LABEL))
+            .map(|r| r.id)
+            .collect();
+        for id in leftover {
+            tracing::info!(run = %id, "deleting the run of a build the daemon stopped");
+            let manager = self.clone();
+            tokio::spawn(async move {
+                if let Err(e) = manager.delete(id).await {
+                    tracing::warn!(run = %id, error = %e, "could not delete a build's run");
+                }
+            });
+        }
+        Ok(())
+    }
+
+    /// Stores a build context for `owner` (see [`Builds::put_context`]).
+    pub async fn put_build_context(
+        &self,
+        owner: Owner,
+        digest: String,
+        body: impl Read + Send + 'static,
+    ) -> Result<BuildContext, CoreError> {
+        let builds = self.builds()?.clone();
+        let max = self.config().max_upload_bytes;
+        tokio::task::spawn_blocking(move || builds.put_context(&owner, &digest, body, max))
+            .await
+            .map_err(|e| CoreError::Store(format!("context task failed: {e}")))?
+    }
+
+    /// Whether `owner` has context `digest` stored.
+    pub fn has_build_context(&self, owner: &Owner, digest: &str) -> Result<bool, CoreError> {
+        match self.builds()?.context_file(owner, digest) {
+            Ok(_) => Ok(true),
+            Err(CoreError::Invalid {
+                code: ErrorCode::BadBuildContext,
+                ..
+            }) if context_hex(digest).is_ok() => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Starts a build; answers at once with it (status `building`). The
+    /// plan is checked first: a Dockerfile that cannot be built, a missing
+    /// context, a name another build is building are refused here.
+    pub async fn start_build(
+        self: &Arc<Self>,
+        req: BuildRequest,
+        owner: Owner,
+    ) -> Result<Build, CoreError> {
+        let builds = self.builds()?.clone();
+        let job = steps::Job::check(self, &builds, req, &owner)?;
+        let id = Ulid::new();
+        let build = Build {
+            id,
+            name: job.name.clone(),
+            status: BuildStatus::Building,
+            from: job.from.clone(),
+            steps: Vec::new(),
+            run: None,
+            error: None,
+            warnings: job.warnings.clone(),
+            tenant: owner.tenant().map(str::to_owned),
+            created_at: OffsetDateTime::now_utc(),
+            finished_at: None,
+            server: self.server_id.clone(),
+        };
+        let log = std::fs::File::create(builds.log_path(id))
+            .map_err(CoreError::io("creating the build's log"))?;
+        let live = Live::new(build.clone(), Some(log));
+        {
+            let mut all = builds.lock();
+            let other = all.values().map(|l| l.build()).find(|b| b.name == job.name);
+            if let Some(other) = other {
+                return Err(CoreError::Conflict {
+                    code: ErrorCode::BuildInProgress,
+                    message: format!(
+                        "build {} is building image {:?} now; wait for it or cancel it (POST /v1/builds/{}/cancel)",
+                        other.id, job.name, other.id
+                    ),
+                });
+            }
+            all.insert(id, live.clone());
+        }
+        builds.persist(&build);
+        let manager = self.clone();
+        tokio::spawn(async move {
+            manager.drive(builds, live, job, owner).await;
+        });
+        Ok(build)
+    }
+
+    /// Build `id`, if `owner` may see it.
+    pub fn get_build(&self, id: Ulid, owner: &Owner) -> Result<Build, CoreError> {
+        let builds = self.builds()?;
+        let build = match builds.lock().get(&id) {
+            Some(live) => live.build(),
+            None => std::fs::read(builds.record_path(id))
+                .ok()
+                .and_then(|b| serde_json::from_slice::<Build>(&b).ok())
+                .ok_or_else(|| no_build(id))?,
+        };
+        if !owner.sees(build.tenant.as_deref()) {
+            return Err(no_build(id));
+        }
+        Ok(build)
+    }
+
+    /// The builds `owner` may see, newest first.
+    pub fn list_builds(&self, owner: &Owner) -> Result<Vec<Build>, CoreError> {
+        let builds = self.builds()?;
+        let live: HashMap<Ulid, Build> = builds
+            .lock()
+            .iter()
+            .map(|(id, l)| (*id, l.build()))
+            .collect();
+        let mut all: Vec<Build> = builds
+            .on_file()
+            .into_iter()
+            .map(|b| live.get(&b.id).cloned().unwrap_or(b))
+            .filter(|b| owner.sees(b.tenant.as_deref()))
+            .collect();
+        all.sort_by_key(|b| std::cmp::Reverse(b.id));
+        Ok(all)
+    }
+
+    /// Build `id`'s events: every step as it is now, the log from
+    /// `offset`, then what happens until it ends, then
+    /// [`BuildEvent::Done`].
+    pub fn build_events(
+        &self,
+        id: Ulid,
+        owner: &Owner,
+        offset: u64,
+    ) -> Result<futures::stream::BoxStream<'static, BuildEvent>, CoreError> {
+        use futures::StreamExt;
+        let builds = self.builds()?.clone();
+        let build = self.get_build(id, owner)?;
+        let live = builds.lock().get(&id).cloned();
+        let Some(live) = live else {
+            let mut events: Vec<BuildEvent> =
+                build.steps.iter().cloned().map(BuildEvent::Step).collect();
+            events.extend(
+                read_log(&builds.log_path(id), offset)
+                    .into_iter()
+                    .map(BuildEvent::Log),
+            );
+            events.push(BuildEvent::Done(Box::new(build)));
+            return Ok(futures::stream::iter(events).boxed());
+        };
+        let count = live.count.subscribe();
+        let first: Vec<BuildEvent> = {
+            let state = live.lock();
+            state
+                .build
+                .steps
+                .iter()
+                .cloned()
+                .map(BuildEvent::Step)
+                .collect()
+        };
+        // Events are replayed from the start (steps as they were, which
+        // the current ones then overtake); log lines before `offset` are
+        // skipped.
+        let stream = futures::stream::unfold(
+            (live, count, 0usize, false),
+            move |(live, mut count, seen, done)| async move {
+                if done {
+                    return None;
+                }
+                loop {
+                    let fresh: Vec<BuildEvent> = {
+                        let state = live.lock();
+                        state.events[seen.min(state.events.len())..].to_vec()
+                    };
+                    if !fresh.is_empty() {
+                        let seen = seen + fresh.len();
+                        let done = fresh.iter().any(|e| matches!(e, BuildEvent::Done(_)));
+                        let fresh: Vec<BuildEvent> = fresh
+                            .into_iter()
+                            .filter(|e| !matches!(e, BuildEvent::Log(l) if l.offset < offset))
+                            .collect();
+                        return Some((fresh, (live, count, seen, done)));
+                    }
+                    if count.changed().await.is_err() {
+                        return None;
+                    }
+                }
+            },
+        )
+        .flat_map(futures::stream::iter);
+        Ok(futures::stream::iter(first).chain(stream).boxed())
+    }
+
+    /// Cancels build `id`: its running step is killed, its run deleted,
+    /// nothing recorded. Answers with the build once it has ended.
+    pub async fn cancel_build(&self, id: Ulid, owner: &Owner) -> Result<Build, CoreError> {
+        let build = self.get_build(id, owner)?;
+        let live = self.builds()?.lock().get(&id).cloned();
+        let Some(live) = live else {
+            return Ok(build);
+        };
+        let mut count = live.count.subscribe();
+        live.cancel.cancel();
+        loop {
+            if let Some(done) = live.lock().events.iter().rev().find_map(|e| match e {
+                BuildEvent::Done(b) => Some((**b).clone()),
+                _ => None,
+            }) {
+                return Ok(done);
+            }
+            if count.changed().await.is_err() {
+                return self.get_build(id, owner);
+            }
+        }
+    }
+}
+
+fn no_build(id: Ulid) -> CoreError {
+    CoreError::invalid(ErrorCode::BuildNotFound, format!("no build {id}"))
+}
