@@ -74,7 +74,7 @@ mod tests {
     async fn decodes_steps_logs_then_done() {
         let body = concat!(
             "event: step\ndata: {\"index\":1,\"line\":2,\"text\":\"RUN true\",\"status\":\"running\"}\n\n",
-            "event: log\ndata: {\"offset\":0,\"step\":1,\"stream\":\"stdout\",\"text\":\"hi\"}\n\n",
+            "event: log\ndata: {\"offset\":0,\"step\":1,\"stream\":\"stdout\",\"text\":\"hi\",\"time\":\"2026-01-01T00:00:00Z\"}\n\n",
             "event: unknown\ndata: {}\n\n",
             "event: done\ndata: {\"id\":\"01HZZZZZZZZZZZZZZZZZZZZZZZ\",\"name\":\"x\",\"status\":\"ready\",\"from\":\"base\",\"steps\":[],\"createdAt\":\"2026-01-01T00:00:00Z\",\"server\":\"n\"}\n\n",
             "event: log\ndata: {}\n\n",
@@ -90,7 +90,7 @@ mod tests {
     #[tokio::test]
     async fn a_stream_cut_before_done_is_an_error() {
         let body =
-            "event: log\ndata: {\"offset\":0,\"step\":0,\"stream\":\"build\",\"text\":\"x\"}\n\n";
+            "event: log\ndata: {\"offset\":0,\"step\":0,\"stream\":\"build\",\"text\":\"x\",\"time\":\"2026-01-01T00:00:00Z\"}\n\n";
         let stream = futures::stream::iter(vec![Ok(Bytes::from(body))]);
         let items: Vec<_> = decode_build_events(stream).collect().await;
         assert!(matches!(items.last(), Some(Err(ClientError::StreamEnded))));

@@ -186,7 +186,7 @@ impl Manager {
         validate::labels(&labels)?;
         let name = match req.name {
             Some(name) => {
-                validate::image_name(&name)?;
+                validate::new_image_name(&name)?;
                 name
             }
             None => format!(
@@ -520,7 +520,7 @@ impl Manager {
             .name
             .clone()
             .unwrap_or_else(|| crate::images::default_name(reference));
-        validate::image_name(&name)?;
+        validate::new_image_name(&name)?;
         if let Ok(existing) = self.images.get(&name, &self.config().server_id, false) {
             // The same reference again is a refresh; anything else under
             // that name is another image.

@@ -485,6 +485,18 @@ impl ImageStore {
     ) -> Result<Image, CoreError> {
         validate::image_name(name)?;
         let _shared = self.gc_lock.read().unwrap_or_else(|p| p.into_inner());
+        // Checked again as it is replaced: another caller may have made an
+        // image of that name while the build ran.
+        if let Ok(existing) = self.store.image(name) {
+            let theirs = tenant.is_some() && existing.tenant != tenant;
+            if theirs
+                || existing
+                    .source
+                    .starts_with(crate::builds::CACHE_SOURCE_PREFIX)
+            {
+                return Err(exists(name));
+            }
+        }
         let record = self.layered_record(name, source, layers, config, tenant, labels)?;
         let record = self.store.replace_image(record).map_err(store_error)?;
         tracing::info!(image = name, source = %record.source, layers = record.layers.len(), "built image recorded");
@@ -627,7 +639,7 @@ impl ImageStore {
         max_bytes: u64,
         server: &str,
     ) -> Result<Image, CoreError> {
-        validate::image_name(name)?;
+        validate::new_image_name(name)?;
         if self.store.image(name).is_ok() {
             return Err(exists(name));
         }

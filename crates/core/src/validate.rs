@@ -434,6 +434,23 @@ fn bounded_text(text: &str) -> String {
     text.chars().take(40).collect()
 }
 
+/// What the names of the builder's cached steps start with; no caller may
+/// name an image so.
+pub const BUILD_CACHE_PREFIX: &str = "build-cache-";
+
+/// [`image_name`] for a name a caller gives a new image (an import, a
+/// pull, a snapshot, a build): the builder's own prefix is refused too.
+pub fn new_image_name(name: &str) -> Result<(), CoreError> {
+    image_name(name)?;
+    if name.starts_with(BUILD_CACHE_PREFIX) {
+        return Err(CoreError::invalid(
+            ErrorCode::BadImageName,
+            format!("image names starting {BUILD_CACHE_PREFIX:?} are the image builder's; pick another name"),
+        ));
+    }
+    Ok(())
+}
+
 /// Checks an image name: 1-64 characters of `[a-z0-9._-]`, starting with a
 /// letter or digit (so it is always a safe directory name).
 pub fn image_name(name: &str) -> Result<(), CoreError> {

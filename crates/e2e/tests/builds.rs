@@ -617,3 +617,70 @@ async fn the_cli_builds_a_directory_with_its_dockerignore() {
     assert!(!out.status.success());
     assert!(stderr.contains("exited with code 7"), "{stderr}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_later_step_removes_stays_removed_and_no_cache_makes_fresh_layers() {
+    let daemon = TestDaemon::start(None).await;
+    let client = &daemon.client;
+    let text = "FROM base\nRUN echo s3cret > /key && mkdir /d && echo old > /d/old\n\
+                RUN rm /key && rm -rf /d && mkdir /d && echo new > /d/new\n\
+                RUN cat /proc/sys/kernel/random/uuid > /u\n";
+    let (done, _) = build(&daemon, &dockerfile("clean", text, None)).await;
+    assert_eq!(done.status, BuildStatus::Ready, "{done:?}");
+    let base_layers = client.get_image("base").await.unwrap().layers.len();
+    let image = client.get_image("clean").await.unwrap();
+    assert_eq!(
+        image.layers.len(),
+        base_layers + 1,
+        "one build run, one layer of all it changed: {:?}",
+        image.layers
+    );
+    let out = run_of(
+        &daemon,
+        "clean",
+        "ls /d; test -e /key && echo key-back; cat /u",
+    )
+    .await;
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("new"), "{out}");
+    let first_u = lines.next().unwrap().to_owned();
+    assert!(!out.contains("key-back"), "{out}");
+
+    // Cached: the same layers; --no-cache: fresh ones, which the next
+    // cached build then uses.
+    let (cached, _) = build(&daemon, &dockerfile("clean", text, None)).await;
+    assert!(cached
+        .steps
+        .iter()
+        .all(|s| s.status == BuildStepStatus::Cached));
+    assert_eq!(run_of(&daemon, "clean", "cat /u").await.trim(), first_u);
+    let mut fresh = dockerfile("clean", text, None);
+    fresh.no_cache = true;
+    let (rebuilt, _) = build(&daemon, &fresh).await;
+    assert!(rebuilt
+        .steps
+        .iter()
+        .all(|s| s.status == BuildStepStatus::Done));
+    let second_u = run_of(&daemon, "clean", "cat /u").await.trim().to_owned();
+    assert_ne!(second_u, first_u, "--no-cache ran the step again");
+    let (after, _) = build(&daemon, &dockerfile("clean", text, None)).await;
+    assert!(after
+        .steps
+        .iter()
+        .all(|s| s.status == BuildStepStatus::Cached));
+    assert_eq!(run_of(&daemon, "clean", "cat /u").await.trim(), second_u);
+
+    // The cache's names are the builder's alone.
+    let e = client
+        .start_build(&dockerfile("build-cache-mine", "FROM base\n", None))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadImageName), "{e}");
+    let run = daemon.create().await.id.to_string();
+    let e = client
+        .snapshot_run(&run, Some("build-cache-0123"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::BadImageName), "{e}");
+    client.delete_run(&run).await.unwrap();
+}

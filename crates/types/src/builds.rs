@@ -220,6 +220,9 @@ pub struct BuildLog {
     pub stream: String,
     /// The line, without its newline.
     pub text: String,
+    /// When the builder had it.
+    #[serde(with = "time::serde::rfc3339")]
+    pub time: OffsetDateTime,
 }
 
 /// What `PUT /v1/build-contexts/{digest}` stored.

@@ -101,8 +101,13 @@ struct LiveState {
 
 impl Builds {
     /// Opens (or creates) the build directory `dir`. Builds a previous
-    /// daemon left running are marked failed. Blocking.
-    pub(crate) fn open(dir: &Path) -> Result<Builds, CoreError> {
+    /// daemon left running are marked failed, or ready when an image of
+    /// theirs is recorded (`built`: the sources of the stored images);
+    /// returns the ids of those it settled. Blocking.
+    pub(crate) fn open(
+        dir: &Path,
+        built: &std::collections::HashSet<String>,
+    ) -> Result<(Builds, Vec<Ulid>), CoreError> {
         let records = dir.join("records");
         let contexts = dir.join("contexts");
         let spool = dir.join("spool");
@@ -117,9 +122,9 @@ impl Builds {
             spool,
             live: Mutex::new(HashMap::new()),
         };
-        builds.settle_unfinished();
+        let failed = builds.settle_unfinished(built);
         builds.sweep();
-        Ok(builds)
+        Ok((builds, failed))
     }
 
     fn record_path(&self, id: Ulid) -> PathBuf {
@@ -148,10 +153,24 @@ impl Builds {
         builds
     }
 
-    /// Marks builds that were running when the daemon stopped as failed.
-    fn settle_unfinished(&self) {
+    /// Settles builds that were running when the daemon stopped: ready
+    /// when their image was recorded (the stop came after that, before
+    /// the record said so), else failed; returns their ids.
+    fn settle_unfinished(&self, built: &std::collections::HashSet<String>) -> Vec<Ulid> {
+        let mut settled = Vec::new();
         for mut build in self.on_file() {
             if build.status.is_final() {
+                continue;
+            }
+            settled.push(build.id);
+            build.run = None;
+            build.finished_at = Some(OffsetDateTime::now_utc());
+            if built.contains(&format!("{BUILD_SOURCE_PREFIX}{}", build.id)) {
+                build.status = BuildStatus::Ready;
+                for step in &mut build.steps {
+                    step.status = runbox_types::BuildStepStatus::Done;
+                }
+                self.persist(&build);
                 continue;
             }
             build.status = BuildStatus::Failed;
@@ -174,6 +193,7 @@ impl Builds {
             tracing::warn!(build = %build.id, "a build the daemon was running when it stopped is failed");
             self.persist(&build);
         }
+        settled
     }
 
     /// Removes finished builds past [`KEEP_FINISHED`] or older than
@@ -485,6 +505,7 @@ impl Live {
             step,
             stream,
             text,
+            time: OffsetDateTime::now_utc(),
         };
         state.next_offset += 1;
         if let Some(log) = state.log.as_mut() {
@@ -529,14 +550,32 @@ impl Manager {
     /// left is deleted.
     pub(crate) async fn open_builds(self: &Arc<Self>) -> Result<(), CoreError> {
         let dir = self.images.builds_dir();
-        let builds = tokio::task::spawn_blocking(move || Builds::open(&dir))
-            .await
-            .map_err(|e| CoreError::Store(format!("build directory task failed: {e}")))??;
+        let images = self.images.clone();
+        let (builds, settled) = tokio::task::spawn_blocking(move || {
+            let built: std::collections::HashSet<String> = images
+                .store()
+                .images()
+                .map_err(crate::images::store_error)?
+                .into_iter()
+                .map(|r| r.source)
+                .filter(|s| s.starts_with(BUILD_SOURCE_PREFIX))
+                .collect();
+            Builds::open(&dir, &built)
+        })
+        .await
+        .map_err(|e| CoreError::Store(format!("build directory task failed: {e}")))??;
         let _ = self.builds.set(Arc::new(builds));
+        // Only the runs of the builds just settled: the label is the
+        // build's id, and a run of any other label value is not ours.
         let leftover: Vec<Ulid> = self
             .list()
             .into_iter()
-            .filter(|r| r.labels.contains_key(BUILD_LABEL))
+            .filter(|r| {
+                r.labels
+                    .get(BUILD_LABEL)
+                    .and_then(|v| runbox_types::parse_id(v))
+                    .is_some_and(|b| settled.contains(&b))
+            })
             .map(|r| r.id)
             .collect();
         for id in leftover {
@@ -609,12 +648,23 @@ impl Manager {
             let mut all = builds.lock();
             let other = all.values().map(|l| l.build()).find(|b| b.name == job.name);
             if let Some(other) = other {
-                return Err(CoreError::Conflict {
-                    code: ErrorCode::BuildInProgress,
-                    message: format!(
+                drop(all);
+                let _ = std::fs::remove_file(builds.log_path(id));
+                // Another tenant's build is not named to this caller.
+                let message = if owner.sees(other.tenant.as_deref()) {
+                    format!(
                         "build {} is building image {:?} now; wait for it or cancel it (POST /v1/builds/{}/cancel)",
                         other.id, job.name, other.id
-                    ),
+                    )
+                } else {
+                    format!(
+                        "another build is building an image named {:?} now; wait for it, or pick another name",
+                        job.name
+                    )
+                };
+                return Err(CoreError::Conflict {
+                    code: ErrorCode::BuildInProgress,
+                    message,
                 });
             }
             all.insert(id, live.clone());
@@ -630,7 +680,10 @@ impl Manager {
     /// Build `id`, if `owner` may see it.
     pub fn get_build(&self, id: Ulid, owner: &Owner) -> Result<Build, CoreError> {
         let builds = self.builds()?;
-        let build = match builds.lock().get(&id) {
+        // Taken out of the map first: the file read below is not done
+        // under its lock.
+        let live = builds.lock().get(&id).cloned();
+        let build = match live {
             Some(live) => live.build(),
             None => std::fs::read(builds.record_path(id))
                 .ok()
@@ -672,9 +725,12 @@ impl Manager {
     ) -> Result<futures::stream::BoxStream<'static, BuildEvent>, CoreError> {
         use futures::StreamExt;
         let builds = self.builds()?.clone();
-        let build = self.get_build(id, owner)?;
+        // Only a build the caller may see.
+        self.get_build(id, owner)?;
         let live = builds.lock().get(&id).cloned();
         let Some(live) = live else {
+            // Ended: its record as written at the end.
+            let build = self.get_build(id, owner)?;
             let mut events: Vec<BuildEvent> =
                 build.steps.iter().cloned().map(BuildEvent::Step).collect();
             events.extend(
@@ -686,18 +742,8 @@ impl Manager {
             return Ok(futures::stream::iter(events).boxed());
         };
         let count = live.count.subscribe();
-        let first: Vec<BuildEvent> = {
-            let state = live.lock();
-            state
-                .build
-                .steps
-                .iter()
-                .cloned()
-                .map(BuildEvent::Step)
-                .collect()
-        };
-        // Events are replayed from the start (steps as they were, which
-        // the current ones then overtake); log lines before `offset` are
+        // Every event since the build started, in order (so a step's
+        // status never seems to go back); log lines before `offset` are
         // skipped.
         let stream = futures::stream::unfold(
             (live, count, 0usize, false),
@@ -726,7 +772,7 @@ impl Manager {
             },
         )
         .flat_map(futures::stream::iter);
-        Ok(futures::stream::iter(first).chain(stream).boxed())
+        Ok(stream.boxed())
     }
 
     /// Cancels build `id`: its running step is killed, its run deleted,
@@ -735,7 +781,12 @@ impl Manager {
         let build = self.get_build(id, owner)?;
         let live = self.builds()?.lock().get(&id).cloned();
         let Some(live) = live else {
-            return Ok(build);
+            // Ended, perhaps a moment ago: as its record says now.
+            return if build.status.is_final() {
+                Ok(build)
+            } else {
+                self.get_build(id, owner)
+            };
         };
         let mut count = live.count.subscribe();
         live.cancel.cancel();

@@ -88,7 +88,7 @@ impl Job {
         req: BuildRequest,
         owner: &Owner,
     ) -> Result<Job, CoreError> {
-        validate::image_name(&req.name)?;
+        validate::new_image_name(&req.name)?;
         let labels = req.labels.unwrap_or_default();
         validate::labels(&labels)?;
         let max_ttl = manager.config().max_ttl;
@@ -261,6 +261,8 @@ struct Config {
     env: Vec<(String, String)>,
     workdir: Option<String>,
     user: Option<String>,
+    /// Whether the build set `CMD` (an `ENTRYPOINT` then keeps it).
+    cmd_set: bool,
 }
 
 impl Config {
@@ -275,6 +277,7 @@ impl Config {
                 .collect(),
             workdir: base.working_dir.clone(),
             user: base.user.clone(),
+            cmd_set: false,
         }
     }
 
@@ -297,12 +300,18 @@ impl Config {
             Step::Env(pairs) => self.set_env(pairs),
             Step::Workdir(dir) => self.workdir = Some(dir.clone()),
             Step::User(user) => self.user = Some(user.clone()),
-            Step::Cmd(argv) => config["Cmd"] = argv.clone().into(),
+            Step::Cmd(argv) => {
+                config["Cmd"] = argv.clone().into();
+                self.cmd_set = true;
+            }
             Step::Entrypoint(argv) => {
                 config["Entrypoint"] = argv.clone().into();
-                // An entrypoint set here drops the inherited command.
-                if let Some(c) = config.as_object_mut() {
-                    c.remove("Cmd");
+                // An entrypoint set here drops the base's command, not
+                // one this build set.
+                if !self.cmd_set {
+                    if let Some(c) = config.as_object_mut() {
+                        c.remove("Cmd");
+                    }
                 }
             }
             Step::Expose(ports) => {
@@ -359,11 +368,20 @@ impl Config {
     }
 }
 
+/// What a build's steps left: the image to record.
+struct Finished {
+    layers: Vec<String>,
+    doc: serde_json::Value,
+}
+
 /// Where the build stands while its steps run.
 struct Progress {
-    /// The image the build run starts from, and its layers.
+    /// The image the build run starts from.
     image: String,
+    /// The layers of every step so far (what the image is made of).
     layers: Vec<String>,
+    /// The layers the build run was made from.
+    start: Vec<String>,
     /// The build run, once made.
     run: Option<Ulid>,
 }
@@ -391,6 +409,23 @@ impl Manager {
                 message: format!("the build took longer than its {} s timeout", job.timeout.as_secs()),
                 step: None, exit_code: None, output: live.tail(),
             }),
+        };
+        let outcome = match outcome {
+            Ok(finished) if !live.cancel.is_cancelled() => {
+                let recorded = self.record_image(id, &job, &owner, finished).await;
+                if recorded.is_ok() {
+                    live.line(0, "build", &format!("recorded image {}", job.name));
+                }
+                recorded
+            }
+            Ok(_) => Err(Failure {
+                code: "cancelled".into(),
+                message: "the build was cancelled".into(),
+                step: None,
+                exit_code: None,
+                output: Vec::new(),
+            }),
+            Err(failure) => Err(failure),
         };
         // The run goes whatever happened: it holds nothing the image needs.
         if let Some(run) = live.build().run {
@@ -460,7 +495,7 @@ impl Manager {
         live: &Arc<Live>,
         job: &Job,
         owner: &Owner,
-    ) -> Result<(), Failure> {
+    ) -> Result<Finished, Failure> {
         let id = live.build().id;
         let deadline = Instant::now() + job.timeout;
         let server = self.config().server_id.clone();
@@ -523,6 +558,10 @@ impl Manager {
             root.update(owner.tenant().unwrap_or("").as_bytes());
             root.update(b"\0");
             root.update(base_image.layers.join("\n").as_bytes());
+            root.update(b"\0");
+            // RUN reads the base's Env, User and WorkingDir: images of
+            // equal layers and other configurations are other states.
+            root.update(doc["config"].to_string().as_bytes());
             format!("{:x}", root.finalize())
         };
         for (index, located) in plan.steps.iter().enumerate() {
@@ -559,6 +598,7 @@ impl Manager {
         let mut progress = Progress {
             image: base.clone(),
             layers: base_image.layers.clone(),
+            start: Vec::new(),
             run: None,
         };
         let mut first = 0;
@@ -606,6 +646,15 @@ impl Manager {
                             .await
                             .map_err(|e| Failure::of(e, Some(index + 1)))?;
                         progress.run = Some(run);
+                        // Every capture of this run is all it changed,
+                        // on what it was made from.
+                        progress.start = self
+                            .admit(run, crate::runs::actor::Access::Open)
+                            .await
+                            .map_err(|e| Failure::of(e, Some(index + 1)))?
+                            .record
+                            .layers
+                            .clone();
                         run
                     }
                 };
@@ -625,9 +674,13 @@ impl Manager {
                 )
                 .await?;
                 let name = cache_name(&keys[index]);
+                if job.no_cache {
+                    // Run again on purpose: the fresh capture is the entry.
+                    self.forget_cache_entry(&name, owner).await;
+                }
                 let base = crate::images::SnapshotBase {
                     parent: progress.image.clone(),
-                    layers: progress.layers.clone(),
+                    layers: progress.start.clone(),
                     config: config.document(),
                     run,
                     tenant: owner.tenant().map(str::to_owned),
@@ -637,16 +690,25 @@ impl Manager {
                 let kept = self.capture_image(run, &name, base).await;
                 let layers = match kept {
                     Ok((image, ..)) => image.layers,
-                    // Another build keeps the same state: take its layers.
+                    // Another build of the tenant's kept the same state
+                    // meanwhile: its entry stands for this step.
                     Err(CoreError::Conflict {
                         code: ErrorCode::ImageExists,
                         ..
-                    }) => self
-                        .images
-                        .store()
-                        .image(&name)
-                        .map(|r| r.layers)
-                        .map_err(|e| Failure::of(crate::images::store_error(e), Some(index + 1)))?,
+                    }) => match self.images.store().image(&name) {
+                        Ok(r)
+                            if r.source.starts_with(CACHE_SOURCE_PREFIX)
+                                && r.tenant.as_deref() == owner.tenant() =>
+                        {
+                            r.layers
+                        }
+                        _ => return Err(Failure::of(
+                            CoreError::Store(format!(
+                                "the cache entry {name} could not be recorded: the name is taken"
+                            )),
+                            Some(index + 1),
+                        )),
+                    },
                     Err(e) => return Err(Failure::of(e, Some(index + 1))),
                 };
                 // The layers of the last capture stand for every step so
@@ -660,23 +722,44 @@ impl Manager {
             });
             builds.persist(&live.build());
         }
-        // The image: every layer so far, with the configuration the steps
-        // set. One write; whatever failed before it left no image.
+        Ok(Finished {
+            layers: progress.layers,
+            doc: config.document(),
+        })
+    }
+
+    /// Records the image a build finished: every layer of its steps, with
+    /// the configuration they set. One write, which a cancel does not cut
+    /// (it is the build's last act); whatever failed before it left no
+    /// image.
+    async fn record_image(
+        &self,
+        id: Ulid,
+        job: &Job,
+        owner: &Owner,
+        finished: Finished,
+    ) -> Result<(), Failure> {
         let images = self.images.clone();
-        let (name, layers, doc) = (job.name.clone(), progress.layers.clone(), config.document());
+        let name = job.name.clone();
         let (source, tenant, labels) = (
             format!("{BUILD_SOURCE_PREFIX}{id}"),
             owner.tenant().map(str::to_owned),
             job.labels.clone(),
         );
         tokio::task::spawn_blocking(move || {
-            images.record_built(&name, source, layers, &doc, tenant, labels)
+            images.record_built(
+                &name,
+                source,
+                finished.layers,
+                &finished.doc,
+                tenant,
+                labels,
+            )
         })
         .await
         .map_err(|e| Failure::of(CoreError::Store(e.to_string()), None))?
-        .map_err(|e| Failure::of(e, None))?;
-        live.line(0, "build", &format!("recorded image {}", job.name));
-        Ok(())
+        .map(|_| ())
+        .map_err(|e| Failure::of(e, None))
     }
 
     /// Makes the build run from `image`.
@@ -998,9 +1081,26 @@ impl Manager {
         .map_err(|e| CoreError::Store(format!("copy selection task failed: {e}")))?
     }
 
+    /// Forgets cache entry `name` when it is `owner`'s (its layers stay
+    /// while a run or an image uses them).
+    async fn forget_cache_entry(&self, name: &str, owner: &Owner) {
+        let _guard = self.image_lock.lock().await;
+        let ours = self.images.store().image(name).is_ok_and(|r| {
+            r.source.starts_with(CACHE_SOURCE_PREFIX) && r.tenant.as_deref() == owner.tenant()
+        });
+        if ours {
+            let _ = self.images.forget(name);
+        }
+    }
+
     /// Drops the oldest cached steps past the configured count (those no
-    /// run uses), then the layers only they held.
+    /// run uses), then the layers only they held. Nothing is dropped
+    /// while a build runs: it may be about to start from an entry, or
+    /// record on one.
     pub(crate) async fn sweep_build_cache(self: &Arc<Self>) -> Result<(), CoreError> {
+        if self.builds.get().is_some_and(|b| !b.lock().is_empty()) {
+            return Ok(());
+        }
         let keep = self.config().build_cache_entries;
         let mut cached: Vec<runbox_image::store::ImageRecord> = {
             let images = self.images.clone();
@@ -1039,7 +1139,7 @@ impl Manager {
 
 /// The image name of a cached state.
 fn cache_name(key: &str) -> String {
-    format!("build-cache-{}", &key[..40])
+    format!("{}{}", validate::BUILD_CACHE_PREFIX, &key[..40])
 }
 
 /// Whether `source` names what `ADD` would unpack.
@@ -1127,6 +1227,14 @@ mod tests {
         assert!(
             c.get("Cmd").is_none(),
             "an entrypoint drops the inherited command"
+        );
+        let mut again = config.clone();
+        again.apply(&Step::Cmd(vec!["--port".into(), "80".into()]));
+        again.apply(&Step::Entrypoint(vec!["/srv".into()]));
+        assert_eq!(
+            again.document()["config"]["Cmd"],
+            serde_json::json!(["--port", "80"]),
+            "a command this build set stays"
         );
         assert_eq!(
             c["ExposedPorts"],
