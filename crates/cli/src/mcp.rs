@@ -266,6 +266,20 @@ pub struct Fork {
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
+pub struct BuildImage {
+    /// The image to record (1-64 of a-z, 0-9, '.', '_', '-')
+    pub name: String,
+    /// The Dockerfile's text (FROM, RUN, COPY, ENV, WORKDIR, USER, CMD, ...)
+    pub dockerfile: String,
+    /// Files COPY may read, by path relative to the build context: their text
+    pub files: Option<std::collections::BTreeMap<String, String>>,
+    /// Build arguments (ARG values)
+    pub build_args: Option<std::collections::BTreeMap<String, String>>,
+    /// Run every step again, even those a cached layer stands for
+    pub no_cache: Option<bool>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
 pub struct StartProcess {
     /// The run's id
     pub run: String,
@@ -510,6 +524,49 @@ impl Tools {
         )
     }
 
+    #[tool(
+        description = "Build an image from a Dockerfile, step by step in a run, and wait for it (each step is cached). Answers the build: its steps, and on failure the failing step, its exit code and last output lines. Runs created with the image name start from it."
+    )]
+    async fn build_image(&self, Parameters(p): Parameters<BuildImage>) -> Result<String, String> {
+        use futures::StreamExt as _;
+        let context = match p.files.filter(|f| !f.is_empty()) {
+            None => None,
+            Some(files) => {
+                let tar = context_tar(&files).map_err(|e| format!("bad_request: {e}"))?;
+                let digest = format!("sha256:{:x}", <sha2::Sha256 as sha2::Digest>::digest(&tar));
+                let body = runbox_client::UploadBody::from_stream(
+                    futures::stream::once(async move { Ok::<_, std::io::Error>(tar) }),
+                    None,
+                );
+                self.client
+                    .put_build_context(&digest, body)
+                    .await
+                    .map_err(refused)?;
+                Some(digest)
+            }
+        };
+        let req = runbox_types::BuildRequest {
+            name: p.name,
+            dockerfile: Some(p.dockerfile),
+            context,
+            build_args: p.build_args,
+            no_cache: p.no_cache.unwrap_or(false),
+            ..Default::default()
+        };
+        let build = self.client.start_build(&req).await.map_err(refused)?;
+        let mut events = self
+            .client
+            .build_events(&build.id.to_string(), 0)
+            .await
+            .map_err(refused)?;
+        while let Some(event) = events.next().await {
+            if let runbox_client::BuildUpdate::Done(build) = event.map_err(refused)? {
+                return to_json(&build);
+            }
+        }
+        Err("unreachable: the build's event stream ended before the build did".to_owned())
+    }
+
     #[tool(description = "Mint a signed, expiring URL that reaches a port inside a run.")]
     async fn preview_url(&self, Parameters(p): Parameters<Preview>) -> Result<String, String> {
         to_json(
@@ -532,4 +589,29 @@ impl ServerHandler for Tools {
                  move files under /work, and delete it when done (it also ends at its TTL).",
             )
     }
+}
+
+/// A build context of `files` (relative path: text), as a tar.
+fn context_tar(files: &std::collections::BTreeMap<String, String>) -> std::io::Result<Vec<u8>> {
+    let mut builder = tar::Builder::new(Vec::new());
+    for (path, text) in files {
+        let clean = path.trim_start_matches("./");
+        if clean.is_empty()
+            || clean.starts_with('/')
+            || clean.split('/').any(|p| p == ".." || p.is_empty())
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "file path {path:?} must be relative, inside the context, without .. parts"
+                ),
+            ));
+        }
+        let mut header = tar::Header::new_gnu();
+        header.set_mode(0o644);
+        header.set_size(text.len() as u64);
+        header.set_mtime(0);
+        builder.append_data(&mut header, clean, text.as_bytes())?;
+    }
+    builder.into_inner()
 }

@@ -84,6 +84,7 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     assert_eq!(
         tools,
         [
+            "build_image",
             "checkpoint_run",
             "create_run",
             "delete_run",
@@ -264,6 +265,40 @@ async fn a_stdio_session_drives_runs_end_to_end() {
         .await;
         assert_eq!(out["stdout"], "alpha\n", "{child}");
     }
+
+    // An image built from a Dockerfile and files given inline.
+    let built = ok(
+        &session,
+        "build_image",
+        json!({"name": "mcp-built", "dockerfile": "FROM base\nCOPY app/x.txt /x.txt\nRUN cat /x.txt\n",
+               "files": {"app/x.txt": "inline\n"}}),
+    )
+    .await;
+    assert_eq!(built["status"], "ready", "{built}");
+    let from_built = ok(&session, "create_run", json!({"image": "mcp-built"})).await;
+    let built_id = from_built["id"].as_str().unwrap().to_owned();
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": built_id, "command": "cat /x.txt"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "inline\n");
+    let failed = ok(
+        &session,
+        "build_image",
+        json!({"name": "mcp-broken", "dockerfile": "FROM base\nRUN exit 9\n"}),
+    )
+    .await;
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert_eq!(failed["error"]["exitCode"], 9, "{failed}");
+    let msg = refused(
+        &session,
+        "build_image",
+        json!({"name": "mcp-x", "dockerfile": "FROM base\n", "files": {"../up": "x"}}),
+    )
+    .await;
+    assert!(msg.starts_with("bad_request:"), "{msg}");
 
     // Bad input is a tool error naming runbox's code, never a crash.
     let msg = refused(

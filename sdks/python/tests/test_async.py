@@ -65,3 +65,15 @@ async def test_the_async_client_reaches_volume_files(daemon):
             assert await rb.volume_remove("pyasyncfiles", "e", recursive=True) == 2
         finally:
             await rb.delete_volume("pyasyncfiles")
+
+
+async def test_the_async_client_builds_images(daemon):
+    async with AsyncRunbox(daemon.url, daemon.token) as rb:
+        build = await rb.build_image("sdk-async-built", "FROM base\nRUN echo async > /made\n")
+        try:
+            assert build["status"] == "ready"
+            assert (await rb.get_build(build["id"]))["name"] == "sdk-async-built"
+            events = [e async for e in rb.build_events(build["id"])]
+            assert events[-1]["event"] == "done" and events[-1]["status"] == "ready"
+        finally:
+            await rb.delete_image("sdk-async-built")

@@ -404,3 +404,54 @@ def test_tenants_tokens_and_usage(rb: Runbox, daemon):
     rb.delete_tenant(name)
     with pytest.raises(runbox.NotFound):
         rb.get_tenant(name)
+
+
+def test_an_image_is_built_from_a_dockerfile_and_a_directory(rb: Runbox, tmp_path):
+    (tmp_path / "Dockerfile").write_text("FROM base\nCOPY app/ /app/\nRUN cat /app/hello.txt > /app/copied\n")
+    (tmp_path / ".dockerignore").write_text("app/skip.txt\n")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "hello.txt").write_text("hello from the context\n")
+    (tmp_path / "app" / "skip.txt").write_text("left out\n")
+    lines = []
+    build = rb.build_image(
+        "sdk-built",
+        (tmp_path / "Dockerfile").read_text(),
+        context=tmp_path,
+        on_log=lambda line: lines.append(line["text"]),
+        labels={"team": "sdk"},
+    )
+    try:
+        assert build["status"] == "ready"
+        assert [s["status"] for s in build["steps"]] == ["done", "done"]
+        assert any("RUN cat" in text for text in lines), lines
+        assert rb.get_build(build["id"])["status"] == "ready"
+        assert build["id"] in [b["id"] for b in rb.list_builds()]
+        run = rb.create_run("sdk-built")
+        try:
+            out = rb.run(run.id, "cat /app/copied; ls /app")
+            assert out.stdout == b"hello from the context\ncopied\nhello.txt\n"
+        finally:
+            rb.delete_run(run.id)
+        # A failing step: BuildFailed with the step, its code and output.
+        with pytest.raises(runbox.BuildFailed) as failed:
+            rb.build_image("sdk-broken", "FROM base\nRUN echo nope >&2; exit 4\n")
+        error = failed.value.build["error"]
+        assert (failed.value.code, error["step"], error["exitCode"], error["output"]) == (
+            "step_failed",
+            1,
+            4,
+            ["nope"],
+        )
+        # A step list instead of a Dockerfile; bad input is a BadRequest.
+        listed = rb.build_image(
+            "sdk-steps",
+            steps=[{"type": "ENV", "args": ["A", "1"]}, {"type": "RUN", "args": ["echo $A > /a"]}],
+            from_image="base",
+        )
+        assert listed["status"] == "ready"
+        with pytest.raises(runbox.BadRequest) as bad:
+            rb.build_image("sdk-bad", "FROM base\nNOPE x\n")
+        assert bad.value.code == "bad_dockerfile"
+    finally:
+        for name in ("sdk-built", "sdk-steps"):
+            rb.delete_image(name)

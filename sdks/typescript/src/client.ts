@@ -1,5 +1,5 @@
 /** The client: one object per daemon, every call a method. */
-import { RunboxError, StreamEnded, errorFrom } from "./errors.js";
+import { BuildFailed, RunboxError, StreamEnded, errorFrom } from "./errors.js";
 import {
   DEFAULT_MAX_RETRIES,
   DEFAULT_MAX_RETRY_WAIT_MS,
@@ -13,6 +13,11 @@ import { openSession, webSocketClass, type Session, type WebSocketConstructor } 
 import { SseDecoder, execEvent } from "./sse.js";
 import {
   OutputCollector,
+  type Build,
+  type BuildEvent,
+  type BuildLog,
+  type BuildStep,
+  type BuildStepSpec,
   type CreateRunRequest,
   type ExecEvent,
   type ExecResult,
@@ -689,6 +694,100 @@ export class Runbox {
 
   async deleteImage(name: string): Promise<void> {
     await this.call({ method: "DELETE", path: `/v1/images/${segment("image name", name)}` });
+  }
+
+  /** Uploads a build context (a tar, plain or gzip) under its digest; resolves to the digest. */
+  async putBuildContext(tar: Uint8Array | Blob): Promise<string> {
+    // Copied into an ArrayBuffer of its own: what digest() and fetch take.
+    const body = new Uint8Array(tar instanceof Blob ? await tar.arrayBuffer() : tar);
+    const hash = new Uint8Array(await crypto.subtle.digest("SHA-256", body.buffer));
+    const digest = `sha256:${Array.from(hash, (b) => b.toString(16).padStart(2, "0")).join("")}`;
+    await this.call({
+      method: "PUT",
+      path: `/v1/build-contexts/${segment("context digest", digest)}`,
+      body: body.buffer,
+      headers: { "Content-Type": "application/x-tar" },
+      timeoutMs: Math.max(this.timeoutMs, 600_000),
+    });
+    return digest;
+  }
+
+  /**
+   * Builds image `name` from a Dockerfile's text (or `steps` on
+   * `fromImage`) and waits for it; resolves to the ended build. `context`
+   * (a tar) is uploaded first: what COPY reads. `onLog` sees each log line.
+   * Rejects with `BuildFailed` when the build ends without its image.
+   */
+  async buildImage(
+    name: string,
+    options: {
+      dockerfile?: string;
+      steps?: BuildStepSpec[];
+      fromImage?: string;
+      context?: Uint8Array | Blob;
+      buildArgs?: Record<string, string>;
+      target?: string;
+      noCache?: boolean;
+      timeoutSec?: number;
+      labels?: Record<string, string>;
+      onLog?: (line: BuildLog) => void;
+      signal?: AbortSignal;
+    } = {},
+  ): Promise<Build> {
+    const context = options.context === undefined ? undefined : await this.putBuildContext(options.context);
+    const json = compact({
+      name,
+      dockerfile: options.dockerfile,
+      steps: options.steps,
+      from: options.fromImage,
+      context,
+      buildArgs: options.buildArgs,
+      target: options.target,
+      noCache: options.noCache || undefined,
+      timeoutSec: options.timeoutSec,
+      labels: options.labels,
+    });
+    const started = await this.call<Build>({ method: "POST", path: "/v1/builds", json });
+    for await (const event of this.buildEvents(started.id, { signal: options.signal })) {
+      if (event.type === "log") options.onLog?.(event.log);
+      else if (event.type === "done") {
+        if (event.build.status !== "ready") throw new BuildFailed(event.build);
+        return event.build;
+      }
+    }
+    throw new StreamEnded("the build's event stream ended before the build did");
+  }
+
+  /** A build's steps and log as they happen (the log from line `offset`), then `done`. */
+  buildEvents(buildId: string, options: { offset?: number; signal?: AbortSignal } = {}): AsyncGenerator<BuildEvent> {
+    const call = () => ({ method: "GET", path: `/v1/builds/${segment("build id", buildId)}/events`, query: { offset: options.offset ?? 0 } });
+    const decode = (raw: { name: string; data: string }): BuildEvent | undefined => {
+      switch (raw.name) {
+        case "step":
+          return { type: "step", step: JSON.parse(raw.data) as BuildStep };
+        case "log":
+          return { type: "log", log: JSON.parse(raw.data) as BuildLog };
+        case "done":
+          return { type: "done", build: JSON.parse(raw.data) as Build };
+        default:
+          return undefined;
+      }
+    };
+    return this.stream(call, decode, (event) => event.type === "done", options.signal);
+  }
+
+  async getBuild(buildId: string): Promise<Build> {
+    return this.call({ method: "GET", path: `/v1/builds/${segment("build id", buildId)}` });
+  }
+
+  /** The caller's builds, newest first. */
+  async listBuilds(): Promise<Build[]> {
+    return (await this.call<{ builds: Build[] }>({ method: "GET", path: "/v1/builds" })).builds;
+  }
+
+  /** Cancels a build; resolves once it has ended. */
+  async cancelBuild(buildId: string): Promise<Build> {
+    return this.call({ method: "POST", path: `/v1/builds/${segment("build id", buildId)}/cancel` });
   }
 
   /** Saves the run's files as an image that new runs can start from. */

@@ -35,6 +35,19 @@ export class TooLarge extends RunboxError {}
 export class Unavailable extends RunboxError {}
 
 /**
+ * An image build ended without its image: a step failed (`build.error` has
+ * the step, its exit code and last lines of output), it timed out, or it
+ * was cancelled.
+ */
+export class BuildFailed extends RunboxError {
+  readonly build: import("./types.js").Build;
+  constructor(build: import("./types.js").Build) {
+    super(0, build.error?.code ?? "build_failed", build.error?.message ?? "the build failed");
+    this.build = build;
+  }
+}
+
+/**
  * An exec or session stream ended without its exit: the connection broke,
  * and the command's fate is unknown.
  */

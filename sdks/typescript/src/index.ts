@@ -16,6 +16,7 @@ export {
   TooLarge,
   Unavailable,
   StreamEnded,
+  BuildFailed,
 } from "./errors.js";
 export { ExecResult } from "./types.js";
 export type * from "./types.js";

@@ -64,6 +64,110 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/build-contexts/{digest}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        /**
+         * Upload a build context: a tar (plain or gzip) whose bytes hash to the digest
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        put: operations["putBuildContext"];
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/builds": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The caller's builds, newest first
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["listBuilds"];
+        put?: never;
+        /**
+         * Build an image from a Dockerfile or a step list; answers at once, the build goes on
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["startBuild"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/builds/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * One build
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["getBuild"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/builds/{id}/cancel": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Cancel a build; answers once it has ended
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        post: operations["cancelBuild"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/builds/{id}/events": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * A build's steps and log as server-sent events, then done
+         * @description Takes the root token or a tenant's (a tenant sees and changes its own things only).
+         */
+        get: operations["buildEvents"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/checkpoints": {
         parameters: {
             query?: never;
@@ -1475,6 +1579,182 @@ export interface components {
              */
             value: components["schemas"]["SecretValue"];
         };
+        /** @description A build. */
+        Build: {
+            /**
+             * Format: date-time
+             * @description When it was asked for.
+             */
+            createdAt: string;
+            error?: null | components["schemas"]["BuildFailure"];
+            /**
+             * Format: date-time
+             * @description When it ended.
+             */
+            finishedAt?: string | null;
+            /** @description The base image. */
+            from: string;
+            /** @description The build's id. */
+            id: string;
+            /** @description The image it records. */
+            name: string;
+            /** @description The run the steps run in, while there is one. */
+            run?: string | null;
+            /** @description The node that builds it. */
+            server: string;
+            /** @description Where it is. */
+            status: components["schemas"]["BuildStatus"];
+            /** @description The steps, in order. */
+            steps: components["schemas"]["BuildStep"][];
+            /** @description The tenant it belongs to (none: the operator's). */
+            tenant?: string | null;
+            /** @description What the plan noticed and went on with. */
+            warnings?: string[];
+        };
+        /** @description What `PUT /v1/build-contexts/{digest}` stored. */
+        BuildContext: {
+            /**
+             * Format: uint64
+             * @description Bytes of file content in it.
+             */
+            bytes: number;
+            /** @description `sha256:<hex>` of the bytes as uploaded. */
+            digest: string;
+            /**
+             * Format: uint64
+             * @description Entries in the archive.
+             */
+            entries: number;
+        };
+        /** @description Why a build failed. */
+        BuildFailure: {
+            /** @description The error code (as in error bodies). */
+            code: string;
+            /**
+             * Format: int32
+             * @description That step's exit code, when its command ended.
+             */
+            exitCode?: number | null;
+            /** @description What went wrong and what to fix. */
+            message: string;
+            /** @description Its last lines of output. */
+            output?: string[];
+            /** @description The step that failed, when one did. */
+            step?: number | null;
+        };
+        /** @description `GET /v1/builds`. */
+        BuildList: {
+            /**
+             * @description The caller's builds, newest first (running ones, and those ended
+             *     within a day, the newest 200).
+             */
+            builds: components["schemas"]["Build"][];
+            /** @description The node that answered. */
+            server: string;
+        };
+        /** @description One line of a build's output. */
+        BuildLog: {
+            /**
+             * Format: uint64
+             * @description Its position in the build's log, from 0: a client that lost the
+             *     stream asks again from the next one (`?offset=`).
+             */
+            offset: number;
+            /** @description The step it belongs to (0: the build itself). */
+            step: number;
+            /** @description `stdout`, `stderr` or `build` (what the builder says). */
+            stream: string;
+            /** @description The line, without its newline. */
+            text: string;
+            /**
+             * Format: date-time
+             * @description When the builder had it.
+             */
+            time: string;
+        };
+        /**
+         * @description `POST /v1/builds`: what to build and what to call it. Exactly one of
+         *     `dockerfile` and `steps`.
+         */
+        BuildRequest: {
+            /** @description `ARG` values (`--build-arg`). */
+            buildArgs?: {
+                [key: string]: string;
+            } | null;
+            /**
+             * @description The digest (`sha256:<hex>`) of a context uploaded with
+             *     `PUT /v1/build-contexts/{digest}`: what `COPY` and `ADD` read.
+             */
+            context?: string | null;
+            /** @description The Dockerfile's text. */
+            dockerfile?: string | null;
+            /** @description The base image of `steps` (a stored name or a registry reference). */
+            from?: string | null;
+            /** @description Labels of the built image (the run label rules). */
+            labels?: {
+                [key: string]: string;
+            } | null;
+            limits?: null | components["schemas"]["LimitsRequest"];
+            /**
+             * @description The image to record (image name rules). An image of that name made
+             *     by an earlier build is replaced once this one succeeds.
+             */
+            name: string;
+            /** @description Run every step, even those a cached layer could stand for. */
+            noCache?: boolean;
+            /** @description Steps instead of a Dockerfile, run on `from`. */
+            steps?: components["schemas"]["BuildStepSpec"][] | null;
+            /** @description The Dockerfile stage to build (default: the last). */
+            target?: string | null;
+            /**
+             * Format: uint64
+             * @description How long the whole build may take; default and maximum the
+             *     server's run TTL bounds.
+             */
+            timeoutSec?: number | null;
+        };
+        /**
+         * @description Where a build is.
+         * @enum {string}
+         */
+        BuildStatus: "building" | "ready" | "failed" | "cancelled";
+        /** @description One step of a build, as the build reports it. */
+        BuildStep: {
+            /**
+             * Format: double
+             * @description How long it took, once done.
+             */
+            elapsedMs?: number | null;
+            /** @description 1-based, in the order the steps run. */
+            index: number;
+            /** @description The Dockerfile line (or step list position) it comes from. */
+            line: number;
+            /** @description Where it is. */
+            status: components["schemas"]["BuildStepStatus"];
+            /** @description The instruction, shortened. */
+            text: string;
+        };
+        /** @description One step of a step list: a kind and its arguments. */
+        BuildStepSpec: {
+            /** @description The arguments, laid out per kind. */
+            args?: string[];
+            /**
+             * @description For `COPY`: the digest of an uploaded context the source is read
+             *     from (default: the build's `context`).
+             */
+            files?: string | null;
+            /**
+             * @description `RUN` (`[command, user?]`), `COPY` (`[source, destination, owner?,
+             *     mode?]`), `ENV` (`[name, value, ...]`), `WORKDIR` (`[path]`) or
+             *     `USER` (`[user]`).
+             */
+            type: string;
+        };
+        /**
+         * @description Where one step is.
+         * @enum {string}
+         */
+        BuildStepStatus: "pending" | "running" | "done" | "cached" | "failed";
         /** @description Run counts of `GET /v1/info`. */
         Capacity: {
             /** @description Of those, runs being created. */
@@ -3683,6 +3963,256 @@ export interface operations {
                 };
                 content: {
                     "application/x-ndjson": unknown;
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    putBuildContext: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                digest: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/x-tar": unknown;
+            };
+        };
+        responses: {
+            /** @description done */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["BuildContext"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    listBuilds: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["BuildList"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    startBuild: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["BuildRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            202: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Build"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getBuild: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Build"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    cancelBuild: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Build"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    buildEvents: {
+        parameters: {
+            query?: {
+                /** @description the first log line wanted */
+                offset?: number;
+            };
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description server-sent events: step (BuildStep), log (BuildLog), then one done (Build) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "text/event-stream": unknown;
                 };
             };
             /** @description an error: its code is stable (see docs/api.md), its message says what to fix */

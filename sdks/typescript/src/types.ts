@@ -33,6 +33,17 @@ export type Preview = Schemas["Preview"];
 export type Info = Schemas["Info"];
 export type Health = Schemas["Health"];
 export type PullEvent = Schemas["PullEvent"];
+export type Build = Schemas["Build"];
+export type BuildStep = Schemas["BuildStep"];
+export type BuildLog = Schemas["BuildLog"];
+export type BuildRequest = Schemas["BuildRequest"];
+export type BuildStepSpec = Schemas["BuildStepSpec"];
+export type BuildContext = Schemas["BuildContext"];
+/** One event of a build's stream; `done` is the last. */
+export type BuildEvent =
+  | { type: "step"; step: BuildStep }
+  | { type: "log"; log: BuildLog }
+  | { type: "done"; build: Build };
 export type CreateRunRequest = Schemas["CreateRunRequest"];
 export type NetworkTier = Schemas["NetworkTier"];
 export type SizeTier = Schemas["SizeTier"];

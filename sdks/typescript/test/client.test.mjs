@@ -399,3 +399,44 @@ test("tenants, run tokens and usage", async () => {
   await rb.deleteTenant(name);
   await rejectsWith(rb.getTenant(name), NotFound, "tenant_not_found");
 });
+
+test("images are built from a Dockerfile and a context", async () => {
+  const { execFileSync } = await import("node:child_process");
+  const { mkdtempSync, writeFileSync, rmSync } = await import("node:fs");
+  const { tmpdir } = await import("node:os");
+  const { join } = await import("node:path");
+  const dir = mkdtempSync(join(tmpdir(), "runbox-ts-build-"));
+  try {
+    writeFileSync(join(dir, "hello.txt"), "hello from ts\n");
+    const tar = new Uint8Array(execFileSync("tar", ["-c", "-C", dir, "hello.txt"]));
+    const lines = [];
+    const build = await rb.buildImage("ts-built", {
+      dockerfile: "FROM base\nCOPY hello.txt /h.txt\nRUN cat /h.txt\n",
+      context: tar,
+      onLog: (line) => lines.push(line.text),
+    });
+    assert.equal(build.status, "ready");
+    assert.deepEqual(build.steps.map((s) => s.status), ["done", "done"]);
+    assert.ok(lines.includes("hello from ts"), JSON.stringify(lines));
+    assert.equal((await rb.getBuild(build.id)).status, "ready");
+    assert.ok((await rb.listBuilds()).some((b) => b.id === build.id));
+    const run = await rb.createRun("ts-built");
+    try {
+      assert.equal((await rb.run(run.id, "cat /h.txt")).text, "hello from ts\n");
+    } finally {
+      await rb.deleteRun(run.id);
+    }
+    // A failing step rejects with BuildFailed: the step, its exit code, its output.
+    await assert.rejects(rb.buildImage("ts-broken", { dockerfile: "FROM base\nRUN echo no >&2; exit 5\n" }), (e) => {
+      assert.equal(e.name === "BuildFailed" || e.constructor.name === "BuildFailed", true);
+      assert.equal(e.code, "step_failed");
+      assert.equal(e.build.error.exitCode, 5);
+      assert.deepEqual(e.build.error.output, ["no"]);
+      return true;
+    });
+    await rejectsWith(rb.buildImage("ts-bad", { dockerfile: "FROM base\nNOPE\n" }), BadRequest, "bad_dockerfile");
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+    await rb.deleteImage("ts-built").catch(() => {});
+  }
+});

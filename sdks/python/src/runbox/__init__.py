@@ -13,6 +13,7 @@ subclasses by HTTP status), carrying the API's stable ``code``.
 
 from ._errors import (
     BadRequest,
+    BuildFailed,
     Conflict,
     Forbidden,
     NotFound,
@@ -46,6 +47,7 @@ __all__ = [
     "AsyncRunbox",
     "AsyncSession",
     "BadRequest",
+    "BuildFailed",
     "Conflict",
     "ExecResult",
     "Exit",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import os
+import tarfile
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from ._core import (
@@ -478,3 +482,86 @@ def delete_image(name: str) -> Call[None]:
 
 def info() -> Call[Dict[str, Any]]:
     return Call("GET", "/v1/info")
+
+
+# -- image builds ---------------------------------------------------------
+
+
+def context_tar(context: Union[bytes, str, "os.PathLike[str]"]) -> bytes:
+    """A build context as the bytes of a tar: given bytes as they are, a
+    directory archived whole (the daemon leaves out what its
+    ``.dockerignore`` excludes when COPY reads it)."""
+    if isinstance(context, (bytes, bytearray)):
+        return bytes(context)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        root = os.fspath(context)
+        if not os.path.isdir(root):
+            raise ValueError(f"the build context {root!r} is not a directory")
+        for name in sorted(os.listdir(root)):
+            tar.add(os.path.join(root, name), arcname=name, recursive=True)
+    return buf.getvalue()
+
+
+def context_digest(tar: bytes) -> str:
+    return "sha256:" + hashlib.sha256(tar).hexdigest()
+
+
+def put_build_context(digest: str, tar: bytes) -> Call[Dict[str, Any]]:
+    return Call(
+        "PUT",
+        f"/v1/build-contexts/{segment('context digest', digest)}",
+        content=tar,
+        headers={"Content-Type": "application/x-tar"},
+    )
+
+
+def build_body(
+    name: str,
+    dockerfile: Optional[str] = None,
+    *,
+    steps: Optional[List[Dict[str, Any]]] = None,
+    from_image: Optional[str] = None,
+    context: Optional[str] = None,
+    build_args: Optional[Dict[str, str]] = None,
+    target: Optional[str] = None,
+    no_cache: bool = False,
+    timeout: Optional[int] = None,
+    labels: Optional[Dict[str, str]] = None,
+) -> Dict[str, Any]:
+    """The body of ``POST /v1/builds``. ``steps``: dicts of ``type``,
+    ``args`` and (for COPY) ``files``."""
+    body = compact(
+        name=name,
+        dockerfile=dockerfile,
+        steps=steps,
+        context=context,
+        buildArgs=build_args,
+        target=target,
+        noCache=no_cache or None,
+        timeoutSec=timeout,
+        labels=labels,
+    )
+    if from_image is not None:
+        body["from"] = from_image
+    return body
+
+
+def start_build(body: Dict[str, Any]) -> Call[Dict[str, Any]]:
+    return Call("POST", "/v1/builds", json=body)
+
+
+def get_build(build_id: str) -> Call[Dict[str, Any]]:
+    return Call("GET", f"/v1/builds/{segment('build id', build_id)}")
+
+
+def list_builds() -> Call[List[Dict[str, Any]]]:
+    return Call("GET", "/v1/builds", parse=lambda body: body["builds"])
+
+
+def cancel_build(build_id: str) -> Call[Dict[str, Any]]:
+    return Call("POST", f"/v1/builds/{segment('build id', build_id)}/cancel")
+
+
+def build_events_path(build_id: str) -> str:
+    return f"/v1/builds/{segment('build id', build_id)}/events"

@@ -49,6 +49,17 @@ class Unavailable(RunboxError):
     """A 429, 502, 503 or 507: capacity, the run's agent, draining, storage."""
 
 
+class BuildFailed(RunboxError):
+    """An image build ended without its image: a step failed (``build``
+    holds the build with its ``error``: the step, its exit code and last
+    lines of output), it timed out, or it was cancelled."""
+
+    def __init__(self, build: dict) -> None:
+        error = build.get("error") or {}
+        super().__init__(0, error.get("code", "build_failed"), error.get("message", "the build failed"))
+        self.build = build
+
+
 class StreamEnded(RunboxError):
     """An exec or session stream ended without its exit: the connection
     broke, and the command's fate is unknown."""

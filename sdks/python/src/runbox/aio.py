@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Tuple, Union
 
 import httpx
 
@@ -24,7 +24,7 @@ from ._core import (
     resolve,
     run_path,
 )
-from ._errors import RunboxError, StreamEnded, error_from
+from ._errors import BuildFailed, RunboxError, StreamEnded, error_from
 from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
 from ._session import MAX_MESSAGE, control, decode_frame, headers, ws_url
 
@@ -376,6 +376,49 @@ class AsyncRunbox:
 
     async def delete_image(self, name: str) -> None:
         await self._do(calls.delete_image(name))
+
+    async def build_image(
+        self,
+        name: str,
+        dockerfile: Optional[str] = None,
+        *,
+        context: Any = None,
+        on_log: Optional[Callable[[Dict[str, Any]], None]] = None,
+        **kwargs: Any,
+    ) -> Dict[str, Any]:
+        """:meth:`runbox.Runbox.build_image`, awaited."""
+        digest = None
+        if context is not None:
+            tar = await asyncio.to_thread(calls.context_tar, context)
+            digest = calls.context_digest(tar)
+            await self._do(calls.put_build_context(digest, tar))
+        build = await self._do(calls.start_build(calls.build_body(name, dockerfile, context=digest, **kwargs)))
+        async for event in self.build_events(build["id"]):
+            if event.get("event") == "log" and on_log is not None:
+                on_log(event)
+            elif event.get("event") == "done":
+                event.pop("event", None)
+                if event.get("status") != "ready":
+                    raise BuildFailed(event)
+                return event
+        raise StreamEnded("the build's event stream ended before the build did")
+
+    def build_events(self, build_id: str, offset: int = 0) -> AsyncIterator[Dict[str, Any]]:
+        """A build's events as dicts (``event``: ``step``, ``log`` or the
+        last, ``done``), from log line ``offset``."""
+        return self._stream(
+            "GET", calls.build_events_path(build_id), JsonEventDecoder(), params={"offset": offset}
+        )
+
+    async def get_build(self, build_id: str) -> Dict[str, Any]:
+        return await self._do(calls.get_build(build_id))
+
+    async def list_builds(self) -> List[Dict[str, Any]]:
+        return await self._do(calls.list_builds())
+
+    async def cancel_build(self, build_id: str) -> Dict[str, Any]:
+        """Cancel a build; answers once it has ended."""
+        return await self._do(calls.cancel_build(build_id))
 
     async def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
         return await self._do(calls.snapshot(run_id, name))

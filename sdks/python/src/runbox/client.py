@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import httpx
 
@@ -21,7 +21,7 @@ from ._core import (
     resolve,
     run_path,
 )
-from ._errors import RunboxError, StreamEnded, error_from
+from ._errors import BuildFailed, RunboxError, StreamEnded, error_from
 from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
 from ._session import Session, open_session
 
@@ -371,6 +371,55 @@ class Runbox:
 
     def delete_image(self, name: str) -> None:
         self._do(calls.delete_image(name))
+
+    def build_image(
+        self,
+        name: str,
+        dockerfile: Optional[str] = None,
+        *,
+        context: Any = None,
+        on_log: Optional[Callable[[Dict[str, Any]], None]] = None,
+        **kwargs: Any,
+    ) -> Dict[str, Any]:
+        """Build image ``name`` from a Dockerfile's text (or ``steps`` with
+        ``from_image``) and wait for it; returns the ended build. ``context``:
+        a directory or a tar's bytes, uploaded first (what COPY reads).
+        ``on_log`` gets each log line (``step``, ``stream``, ``text``).
+        Other keyword arguments: ``steps``, ``from_image``, ``build_args``,
+        ``target``, ``no_cache``, ``timeout``, ``labels``. Raises
+        :class:`BuildFailed` when the build ends without its image."""
+        digest = None
+        if context is not None:
+            tar = calls.context_tar(context)
+            digest = calls.context_digest(tar)
+            self._do(calls.put_build_context(digest, tar))
+        build = self._do(calls.start_build(calls.build_body(name, dockerfile, context=digest, **kwargs)))
+        for event in self.build_events(build["id"]):
+            if event.get("event") == "log" and on_log is not None:
+                on_log(event)
+            elif event.get("event") == "done":
+                event.pop("event", None)
+                if event.get("status") != "ready":
+                    raise BuildFailed(event)
+                return event
+        raise StreamEnded("the build's event stream ended before the build did")
+
+    def build_events(self, build_id: str, offset: int = 0) -> Iterator[Dict[str, Any]]:
+        """A build's events as dicts (``event``: ``step``, ``log`` or the
+        last, ``done``), from log line ``offset``."""
+        return self._stream(
+            "GET", calls.build_events_path(build_id), JsonEventDecoder(), params={"offset": offset}
+        )
+
+    def get_build(self, build_id: str) -> Dict[str, Any]:
+        return self._do(calls.get_build(build_id))
+
+    def list_builds(self) -> List[Dict[str, Any]]:
+        return self._do(calls.list_builds())
+
+    def cancel_build(self, build_id: str) -> Dict[str, Any]:
+        """Cancel a build; answers once it has ended."""
+        return self._do(calls.cancel_build(build_id))
 
     def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
         return self._do(calls.snapshot(run_id, name))
