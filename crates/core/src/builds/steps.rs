@@ -702,12 +702,7 @@ impl Manager {
                         {
                             r.layers
                         }
-                        _ => return Err(Failure::of(
-                            CoreError::Store(format!(
-                                "the cache entry {name} could not be recorded: the name is taken"
-                            )),
-                            Some(index + 1),
-                        )),
+                        _ => return Err(Failure::of(taken(&name), Some(index + 1))),
                     },
                     Err(e) => return Err(Failure::of(e, Some(index + 1))),
                 };
@@ -1135,6 +1130,13 @@ impl Manager {
         }
         Ok(())
     }
+}
+
+/// Why a cache entry could not be recorded: its name is another's.
+fn taken(name: &str) -> CoreError {
+    CoreError::Store(format!(
+        "the cache entry {name} could not be recorded: the name is taken"
+    ))
 }
 
 /// The image name of a cached state.
