@@ -426,7 +426,8 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
         "depth" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_DEPTH)),
         "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
         "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
-        "generation" => schema.minimum(Some(0.0)),
+        "generation" | "offset" => schema.minimum(Some(0.0)),
+        "digest" => schema.pattern(Some("^sha256:[0-9a-f]{64}$")),
         "run" => schema.pattern(Some(RUN_ID)),
         "path" => schema.pattern(Some(FILE_PATH)),
         "owner" => schema
