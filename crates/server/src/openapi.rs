@@ -426,7 +426,9 @@ fn parameter_schema(name: &str, path: &str, kind: Kind) -> ObjectBuilder {
         "depth" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_DEPTH)),
         "limit" => range(schema, 1.0, f64::from(runbox_core::runs::MAX_LIST_ENTRIES)),
         "timeoutSec" => range(schema, 0.0, runbox_core::runs::MAX_WAIT.as_secs() as f64),
-        "generation" | "offset" => schema.minimum(Some(0.0)),
+        "generation" => schema.minimum(Some(0.0)),
+        // A log line's number: JavaScript's largest exact integer bounds it.
+        "offset" => range(schema, 0.0, 9_007_199_254_740_991.0),
         "digest" => schema.pattern(Some("^sha256:[0-9a-f]{64}$")),
         "run" => schema.pattern(Some(RUN_ID)),
         "path" => schema.pattern(Some(FILE_PATH)),
