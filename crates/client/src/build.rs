@@ -3,8 +3,7 @@
 use std::pin::Pin;
 
 use bytes::Bytes;
-use eventsource_stream::Eventsource as _;
-use futures::{Stream, StreamExt as _};
+use futures::Stream;
 use runbox_types::{build_sse, Build, BuildLog, BuildStep};
 
 use crate::ClientError;
@@ -29,45 +28,22 @@ pub fn decode_build_events<S>(body: S) -> BuildStream
 where
     S: Stream<Item = Result<Bytes, ClientError>> + Send + 'static,
 {
-    let events = Box::pin(body.eventsource());
-    Box::pin(futures::stream::unfold(
-        (events, false),
-        |(mut events, done)| async move {
-            if done {
-                return None;
-            }
-            loop {
-                let item = match events.next().await {
-                    None => Err(ClientError::StreamEnded),
-                    Some(Err(e)) => Err(ClientError::MalformedStream(e.to_string())),
-                    Some(Ok(event)) => {
-                        let malformed = |e: serde_json::Error| ClientError::MalformedEvent {
-                            event: event.event.clone(),
-                            source: e.into(),
-                        };
-                        match event.event.as_str() {
-                            build_sse::STEP => serde_json::from_str(&event.data)
-                                .map(BuildUpdate::Step)
-                                .map_err(malformed),
-                            build_sse::LOG => serde_json::from_str(&event.data)
-                                .map(BuildUpdate::Log)
-                                .map_err(malformed),
-                            build_sse::DONE => serde_json::from_str(&event.data)
-                                .map(|b| BuildUpdate::Done(Box::new(b)))
-                                .map_err(malformed),
-                            _ => continue,
-                        }
-                    }
-                };
-                let done = !matches!(item, Ok(BuildUpdate::Step(_) | BuildUpdate::Log(_)));
-                return Some((item, (events, done)));
-            }
+    crate::sse::decode(
+        body,
+        |event| match event.name() {
+            build_sse::STEP => Some(event.json().map(BuildUpdate::Step)),
+            build_sse::LOG => Some(event.json().map(BuildUpdate::Log)),
+            build_sse::DONE => Some(event.json().map(|b| BuildUpdate::Done(Box::new(b)))),
+            _ => None,
         },
-    ))
+        |item| !matches!(item, Ok(BuildUpdate::Step(_) | BuildUpdate::Log(_))),
+    )
 }
 
 #[cfg(test)]
 mod tests {
+    use futures::StreamExt as _;
+
     use super::*;
 
     #[tokio::test]

@@ -35,6 +35,7 @@ mod exec;
 mod paths;
 mod pull;
 mod session;
+mod sse;
 
 use std::time::Duration;
 

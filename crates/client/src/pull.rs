@@ -3,8 +3,7 @@
 use std::pin::Pin;
 
 use bytes::Bytes;
-use eventsource_stream::Eventsource as _;
-use futures::{Stream, StreamExt as _};
+use futures::Stream;
 use runbox_types::{pull_sse, ErrorDetail, Image, PullEvent};
 
 use crate::ClientError;
@@ -27,53 +26,28 @@ pub fn decode_pull_events<S>(body: S) -> PullStream
 where
     S: Stream<Item = Result<Bytes, ClientError>> + Send + 'static,
 {
-    let events = Box::pin(body.eventsource());
-    Box::pin(futures::stream::unfold(
-        (events, false),
-        |(mut events, done)| async move {
-            if done {
-                return None;
-            }
-            loop {
-                let item = match events.next().await {
-                    None => Err(ClientError::StreamEnded),
-                    Some(Err(e)) => Err(ClientError::MalformedStream(e.to_string())),
-                    Some(Ok(event)) => {
-                        let malformed = |e: serde_json::Error| ClientError::MalformedEvent {
-                            event: event.event.clone(),
-                            source: e.into(),
-                        };
-                        match event.event.as_str() {
-                            pull_sse::PROGRESS => serde_json::from_str(&event.data)
-                                .map(PullUpdate::Progress)
-                                .map_err(malformed),
-                            pull_sse::DONE => serde_json::from_str(&event.data)
-                                .map(PullUpdate::Done)
-                                .map_err(malformed),
-                            pull_sse::ERROR => {
-                                match serde_json::from_str::<ErrorDetail>(&event.data) {
-                                    Ok(detail) => Err(ClientError::Api {
-                                        status: runbox_types::ErrorCode::parse(&detail.code)
-                                            .map_or(0, |c| c.status()),
-                                        code: detail.code,
-                                        message: detail.message,
-                                    }),
-                                    Err(e) => Err(malformed(e)),
-                                }
-                            }
-                            _ => continue,
-                        }
-                    }
-                };
-                let done = !matches!(item, Ok(PullUpdate::Progress(_)));
-                return Some((item, (events, done)));
-            }
+    crate::sse::decode(
+        body,
+        |event| match event.name() {
+            pull_sse::PROGRESS => Some(event.json().map(PullUpdate::Progress)),
+            pull_sse::DONE => Some(event.json().map(PullUpdate::Done)),
+            pull_sse::ERROR => Some(event.json::<ErrorDetail>().and_then(|detail| {
+                Err(ClientError::Api {
+                    status: runbox_types::ErrorCode::parse(&detail.code).map_or(0, |c| c.status()),
+                    code: detail.code,
+                    message: detail.message,
+                })
+            })),
+            _ => None,
         },
-    ))
+        |item| !matches!(item, Ok(PullUpdate::Progress(_))),
+    )
 }
 
 #[cfg(test)]
 mod tests {
+    use futures::StreamExt as _;
+
     use super::*;
 
     #[tokio::test]

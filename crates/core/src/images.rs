@@ -734,11 +734,10 @@ enum Shape {
     Rootfs,
 }
 
-/// Copies `reader` to `path`, at most `max` bytes, and returns its sha256.
 /// A writer that hashes what passes through it.
-struct HashingWriter<W> {
-    inner: W,
-    hasher: Sha256,
+pub(crate) struct HashingWriter<W> {
+    pub(crate) inner: W,
+    pub(crate) hasher: Sha256,
 }
 
 impl<W: Write> Write for HashingWriter<W> {
@@ -756,9 +755,21 @@ fn hex_of(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn spool(mut reader: impl Read, path: &Path, max: u64) -> Result<String, CoreError> {
-    let mut file = File::create(path).map_err(CoreError::io("creating the import spool"))?;
-    let mut hasher = Sha256::new();
+/// Copies an uploaded body into `out`, at most `max` bytes (past that,
+/// `too_large`'s error), and returns the byte count and the body's
+/// sha256 in hex. A read error is the upload breaking off (a 400 naming
+/// `what`).
+pub(crate) fn copy_hashed(
+    mut reader: impl Read,
+    out: impl Write,
+    max: u64,
+    what: &str,
+    too_large: impl FnOnce() -> CoreError,
+) -> Result<(u64, String), CoreError> {
+    let mut out = HashingWriter {
+        inner: io::BufWriter::new(out),
+        hasher: Sha256::new(),
+    };
     let mut buf = vec![0u8; 256 * 1024];
     let mut total = 0u64;
     loop {
@@ -769,37 +780,38 @@ fn spool(mut reader: impl Read, path: &Path, max: u64) -> Result<String, CoreErr
             Err(e) => {
                 return Err(CoreError::invalid(
                     ErrorCode::BadRequest,
-                    format!("the upload broke off: {e}"),
+                    format!("the {what} broke off: {e}"),
                 ))
             }
         };
         total += n as u64;
         if total > max {
-            return Err(CoreError::invalid(
-                ErrorCode::TooLarge,
-                format!("the archive is larger than this server's image maximum of {max} bytes"),
-            ));
+            return Err(too_large());
         }
-        hasher.update(&buf[..n]);
-        file.write_all(&buf[..n])
-            .map_err(CoreError::io("writing the import spool"))?;
+        out.write_all(&buf[..n])
+            .map_err(CoreError::io("writing the upload spool"))?;
     }
+    out.flush()
+        .map_err(CoreError::io("writing the upload spool"))?;
+    Ok((total, hex_of(&out.hasher.finalize())))
+}
+
+/// Copies `reader` to `path`, at most `max` bytes, and returns its sha256.
+fn spool(reader: impl Read, path: &Path, max: u64) -> Result<String, CoreError> {
+    let file = File::create(path).map_err(CoreError::io("creating the import spool"))?;
+    let (total, hex) = copy_hashed(reader, file, max, "upload", || {
+        CoreError::invalid(
+            ErrorCode::TooLarge,
+            format!("the archive is larger than this server's image maximum of {max} bytes"),
+        )
+    })?;
     if total == 0 {
         return Err(CoreError::invalid(
             ErrorCode::BadArchive,
             "the archive is empty",
         ));
     }
-    file.flush()
-        .map_err(CoreError::io("writing the import spool"))?;
-    Ok(format!(
-        "sha256:{}",
-        hasher
-            .finalize()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect::<String>()
-    ))
+    Ok(format!("sha256:{hex}"))
 }
 
 /// Tells an image archive from a root filesystem by its top-level names.

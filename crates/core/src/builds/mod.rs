@@ -31,7 +31,6 @@ use std::sync::{Arc, Mutex};
 use runbox_types::{
     Build, BuildContext, BuildFailure, BuildLog, BuildRequest, BuildStatus, BuildStep, ErrorCode,
 };
-use sha2::{Digest, Sha256};
 use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use ulid::Ulid;
@@ -288,39 +287,18 @@ impl Builds {
         std::fs::create_dir_all(&dir).map_err(CoreError::io("creating the context directory"))?;
         let spooled = tempfile::NamedTempFile::new_in(&self.spool)
             .map_err(CoreError::io("creating the context spool"))?;
-        let mut hasher = Sha256::new();
-        let mut written = 0u64;
-        {
-            let mut out = io::BufWriter::new(spooled.as_file());
-            let mut body = body;
-            let mut buf = vec![0u8; 64 << 10];
-            loop {
-                let n = match body.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => n,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => {
-                        return Err(CoreError::invalid(
-                            ErrorCode::BadRequest,
-                            format!("the context upload broke off: {e}"),
-                        ))
-                    }
-                };
-                written += n as u64;
-                if written > max_bytes {
-                    return Err(CoreError::invalid(
-                        ErrorCode::TooLarge,
-                        format!("a build context may be at most {max_bytes} bytes (the server's upload maximum); leave out what the build does not need with .dockerignore"),
-                    ));
-                }
-                hasher.update(&buf[..n]);
-                out.write_all(&buf[..n])
-                    .map_err(CoreError::io("writing the context spool"))?;
-            }
-            out.flush()
-                .map_err(CoreError::io("writing the context spool"))?;
-        }
-        let got = format!("{:x}", hasher.finalize());
+        let (_, got) = crate::images::copy_hashed(
+            body,
+            spooled.as_file(),
+            max_bytes,
+            "context upload",
+            || {
+                CoreError::invalid(
+                ErrorCode::TooLarge,
+                format!("a build context may be at most {max_bytes} bytes (the server's upload maximum); leave out what the build does not need with .dockerignore"),
+            )
+            },
+        )?;
         if got != hex {
             return Err(CoreError::invalid(
                 ErrorCode::BadBuildContext,

@@ -546,7 +546,11 @@ impl Manager {
             live.line(0, "build", &format!("warning: {warning}"));
         }
 
-        // The cache keys: each state's from the one before it.
+        // The cache keys: each state's from the one before it. A COPY's
+        // key reads its selection's digest here, and the step reads the
+        // context again to write the archive: whether the destination is
+        // a directory is known only in the run, and reading twice keeps
+        // no scratch file per COPY alive for the whole build.
         let ignore = match &job.source {
             Source::Dockerfile { .. } => self.context_ignore(job.context.clone()).await?,
             Source::List(_) => None,
@@ -1046,31 +1050,21 @@ impl Manager {
                 runbox_build::copy::CopyError::Io(e) => CoreError::io("selecting files to copy")(e),
                 other => CoreError::invalid(ErrorCode::BadDockerfile, other.to_string()),
             };
-            if keep {
-                let scratch = builds.scratch()?;
-                let out = std::io::BufWriter::new(scratch.as_file());
-                let selection = runbox_build::copy::select(
-                    std::io::BufReader::new(context),
-                    ignore.as_deref(),
-                    &sources,
-                    &dest,
-                    dest_is_dir,
-                    out,
-                )
-                .map_err(user)?;
-                Ok((selection, Some(scratch)))
-            } else {
-                let selection = runbox_build::copy::select(
-                    std::io::BufReader::new(context),
-                    ignore.as_deref(),
-                    &sources,
-                    &dest,
-                    dest_is_dir,
-                    std::io::sink(),
-                )
-                .map_err(user)?;
-                Ok((selection, None))
-            }
+            let scratch = keep.then(|| builds.scratch()).transpose()?;
+            let out: Box<dyn std::io::Write> = match &scratch {
+                Some(scratch) => Box::new(std::io::BufWriter::new(scratch.as_file())),
+                None => Box::new(std::io::sink()),
+            };
+            let selection = runbox_build::copy::select(
+                std::io::BufReader::new(context),
+                ignore.as_deref(),
+                &sources,
+                &dest,
+                dest_is_dir,
+                out,
+            )
+            .map_err(user)?;
+            Ok((selection, scratch))
         })
         .await
         .map_err(|e| CoreError::Store(format!("copy selection task failed: {e}")))?

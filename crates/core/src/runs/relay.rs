@@ -442,65 +442,16 @@ impl Manager {
             .await
             .map_err(|_| CoreError::Agent("upload channel closed".into()))?;
         let call = agent.write_file(ReceiverStream::new(rx));
-        tokio::pin!(call);
-        let pump = async {
-            let mut body = std::pin::pin!(body);
-            let mut total = 0u64;
-            while let Some(piece) = body.next().await {
-                let piece = piece.map_err(|e| {
-                    CoreError::invalid(
-                        ErrorCode::BadRequest,
-                        format!("the upload body broke off: {e}"),
-                    )
-                })?;
-                total += piece.len() as u64;
-                if total > max {
-                    return Err(too_large(max));
-                }
-                for part in piece.chunks(CHUNK_SIZE) {
-                    tx.send(chunk(write_file_chunk::Kind::Data(part.to_vec())))
-                        .await
-                        .map_err(|_| {
-                            CoreError::Agent("the agent stopped reading the upload".into())
-                        })?;
-                }
-            }
-            tx.send(chunk(write_file_chunk::Kind::Commit(
-                pb::WriteFileCommit {},
-            )))
-            .await
-            .map_err(|_| CoreError::Agent("the agent stopped reading the upload".into()))?;
-            Ok::<u64, CoreError>(total)
-        };
-        // The agent may refuse early (a bad path) while the body is still
-        // arriving: its answer says why, whichever side is seen first. A
-        // pump that finds the agent no longer reading waits for that
-        // answer (bounded) rather than report the closed channel, which
-        // is only the refusal's echo.
-        let sent = tokio::select! {
-            reply = &mut call => {
-                return match reply {
-                    Ok(_) => Err(CoreError::Agent("the agent finished the upload before it was committed".into())),
-                    Err(status) => Err(file_error(status)),
-                };
-            }
-            sent = pump => match sent {
-                Ok(sent) => sent,
-                Err(stopped @ CoreError::Agent(_)) => {
-                    return match tokio::time::timeout(AGENT_CALL_TIMEOUT, &mut call).await {
-                        Ok(Err(status)) => Err(file_error(status)),
-                        Ok(Ok(_)) | Err(_) => Err(stopped),
-                    };
-                }
-                Err(e) => return Err(e),
-            },
-        };
-        drop(tx);
-        let reply = tokio::time::timeout(AGENT_CALL_TIMEOUT, call)
-            .await
-            .map_err(|_| CoreError::Agent("the agent did not confirm the upload in time".into()))?
-            .map_err(file_error)?
-            .into_inner();
+        let (sent, reply) = stream_to_agent(
+            tx,
+            call,
+            body,
+            "upload",
+            Some(max),
+            |data| chunk(write_file_chunk::Kind::Data(data)),
+            chunk(write_file_chunk::Kind::Commit(pb::WriteFileCommit {})),
+        )
+        .await?;
         if reply.bytes_written != sent {
             return Err(CoreError::Agent(format!(
                 "the agent wrote {} bytes of {sent}",
@@ -563,56 +514,16 @@ impl Manager {
             .await
             .map_err(|_| CoreError::Agent("unpack channel closed".into()))?;
         let call = agent.unpack(ReceiverStream::new(rx));
-        tokio::pin!(call);
-        let pump = async {
-            let mut body = std::pin::pin!(body);
-            let mut total = 0u64;
-            while let Some(piece) = body.next().await {
-                let piece = piece.map_err(|e| {
-                    CoreError::invalid(ErrorCode::BadRequest, format!("the archive broke off: {e}"))
-                })?;
-                total += piece.len() as u64;
-                for part in piece.chunks(CHUNK_SIZE) {
-                    tx.send(unpack_chunk(unpack_chunk::Kind::Data(part.to_vec())))
-                        .await
-                        .map_err(|_| {
-                            CoreError::Agent("the agent stopped reading the archive".into())
-                        })?;
-                }
-            }
-            tx.send(unpack_chunk(unpack_chunk::Kind::Commit(
-                pb::WriteFileCommit {},
-            )))
-            .await
-            .map_err(|_| CoreError::Agent("the agent stopped reading the archive".into()))?;
-            Ok::<u64, CoreError>(total)
-        };
-        // As for put_file: the agent may refuse an entry while the archive
-        // is still arriving, and its answer says why.
-        let sent = tokio::select! {
-            reply = &mut call => {
-                return match reply {
-                    Ok(_) => Err(CoreError::Agent("the agent finished the unpack before it was committed".into())),
-                    Err(status) => Err(file_error(status)),
-                };
-            }
-            sent = pump => match sent {
-                Ok(sent) => sent,
-                Err(stopped @ CoreError::Agent(_)) => {
-                    return match tokio::time::timeout(AGENT_CALL_TIMEOUT, &mut call).await {
-                        Ok(Err(status)) => Err(file_error(status)),
-                        Ok(Ok(_)) | Err(_) => Err(stopped),
-                    };
-                }
-                Err(e) => return Err(e),
-            },
-        };
-        drop(tx);
-        let reply = tokio::time::timeout(AGENT_CALL_TIMEOUT, call)
-            .await
-            .map_err(|_| CoreError::Agent("the agent did not confirm the unpack in time".into()))?
-            .map_err(file_error)?
-            .into_inner();
+        let (sent, reply) = stream_to_agent(
+            tx,
+            call,
+            body,
+            "archive",
+            None,
+            |data| unpack_chunk(unpack_chunk::Kind::Data(data)),
+            unpack_chunk(unpack_chunk::Kind::Commit(pb::WriteFileCommit {})),
+        )
+        .await?;
         // Contents are a part of the archive; the agent's count is not
         // trusted beyond that.
         if reply.bytes > sent {
@@ -707,6 +618,79 @@ impl Manager {
             body: Box::pin(body),
         })
     }
+}
+
+/// Streams `body` to an agent call that takes it as `data` messages
+/// (already sent its header on `tx`) and ends it with `commit`; `what`
+/// names the body in errors ("upload", "archive"); past `max` bytes the
+/// transfer stops as too large. Returns the bytes sent and the agent's
+/// reply.
+///
+/// The agent may refuse early (a bad path, a bad entry) while the body
+/// is still arriving: its answer says why, whichever side is seen first.
+/// A pump that finds the agent no longer reading waits for that answer
+/// (bounded) rather than report the closed channel, which is only the
+/// refusal's echo.
+async fn stream_to_agent<M, S, E, R>(
+    tx: mpsc::Sender<M>,
+    call: impl std::future::Future<Output = Result<tonic::Response<R>, tonic::Status>>,
+    body: S,
+    what: &str,
+    max: Option<u64>,
+    data: impl Fn(Vec<u8>) -> M,
+    commit: M,
+) -> Result<(u64, R), CoreError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send,
+    E: std::fmt::Display,
+{
+    tokio::pin!(call);
+    let stopped = || CoreError::Agent(format!("the agent stopped reading the {what}"));
+    let pump = async {
+        let mut body = std::pin::pin!(body);
+        let mut total = 0u64;
+        while let Some(piece) = body.next().await {
+            let piece = piece.map_err(|e| {
+                CoreError::invalid(ErrorCode::BadRequest, format!("the {what} broke off: {e}"))
+            })?;
+            total += piece.len() as u64;
+            if let Some(max) = max.filter(|&max| total > max) {
+                return Err(too_large(max));
+            }
+            for part in piece.chunks(CHUNK_SIZE) {
+                tx.send(data(part.to_vec())).await.map_err(|_| stopped())?;
+            }
+        }
+        tx.send(commit).await.map_err(|_| stopped())?;
+        Ok::<u64, CoreError>(total)
+    };
+    let sent = tokio::select! {
+        reply = &mut call => {
+            return match reply {
+                Ok(_) => Err(CoreError::Agent(format!(
+                    "the agent finished the {what} before it was committed"
+                ))),
+                Err(status) => Err(file_error(status)),
+            };
+        }
+        sent = pump => match sent {
+            Ok(sent) => sent,
+            Err(stopped @ CoreError::Agent(_)) => {
+                return match tokio::time::timeout(AGENT_CALL_TIMEOUT, &mut call).await {
+                    Ok(Err(status)) => Err(file_error(status)),
+                    Ok(Ok(_)) | Err(_) => Err(stopped),
+                };
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    drop(tx);
+    let reply = tokio::time::timeout(AGENT_CALL_TIMEOUT, call)
+        .await
+        .map_err(|_| CoreError::Agent(format!("the agent did not confirm the {what} in time")))?
+        .map_err(file_error)?
+        .into_inner();
+    Ok((sent, reply))
 }
 
 fn chunk(kind: write_file_chunk::Kind) -> pb::WriteFileChunk {

@@ -6,7 +6,7 @@ import hashlib
 import io
 import os
 import tarfile
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ._core import (
     Call,
@@ -23,6 +23,7 @@ from ._core import (
     run_path,
     segment,
 )
+from ._errors import BuildFailed
 from ._models import FileInfo, Image, Lease, Preview, Process, Run
 
 Lease_ = Optional[Tuple[str, int]]
@@ -565,3 +566,17 @@ def cancel_build(build_id: str) -> Call[Dict[str, Any]]:
 
 def build_events_path(build_id: str) -> str:
     return f"/v1/builds/{segment('build id', build_id)}/events"
+
+
+def build_event(event: Dict[str, Any], on_log: Optional[Callable[[Dict[str, Any]], None]]) -> Optional[Dict[str, Any]]:
+    """One build event seen by ``build_image``: a log line goes to
+    ``on_log``; ``done`` is the ended build, returned when it is ready and
+    raised as :class:`BuildFailed` when not; anything else is None."""
+    if event.get("event") == "log" and on_log is not None:
+        on_log(event)
+    elif event.get("event") == "done":
+        event.pop("event", None)
+        if event.get("status") != "ready":
+            raise BuildFailed(event)
+        return event
+    return None

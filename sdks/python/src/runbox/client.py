@@ -21,7 +21,7 @@ from ._core import (
     resolve,
     run_path,
 )
-from ._errors import BuildFailed, RunboxError, StreamEnded, error_from
+from ._errors import RunboxError, StreamEnded, error_from
 from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
 from ._session import Session, open_session
 
@@ -395,13 +395,9 @@ class Runbox:
             self._do(calls.put_build_context(digest, tar))
         build = self._do(calls.start_build(calls.build_body(name, dockerfile, context=digest, **kwargs)))
         for event in self.build_events(build["id"]):
-            if event.get("event") == "log" and on_log is not None:
-                on_log(event)
-            elif event.get("event") == "done":
-                event.pop("event", None)
-                if event.get("status") != "ready":
-                    raise BuildFailed(event)
-                return event
+            done = calls.build_event(event, on_log)
+            if done is not None:
+                return done
         raise StreamEnded("the build's event stream ended before the build did")
 
     def build_events(self, build_id: str, offset: int = 0) -> Iterator[Dict[str, Any]]:
