@@ -171,8 +171,14 @@ fn is_digest(text: &str) -> bool {
     text.len() == 64 && text.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
 }
 
-/// `RUN apt-get update`, shortened, for progress lines.
+/// `RUN apt-get update`, shortened, for progress lines; a `RUN` with a
+/// user is `RUN <command> (as <user>)`.
 fn text_of(kind: &str, args: &[String]) -> String {
+    if let ("RUN", [command, user]) = (kind, args) {
+        if !user.is_empty() {
+            return crate::shorten(format!("RUN {} (as {user})", command.replace('\n', " ")));
+        }
+    }
     let mut text = kind.to_owned();
     for arg in args.iter().filter(|a| !a.is_empty()) {
         text.push(' ');
@@ -249,7 +255,7 @@ mod tests {
         );
         assert_eq!(steps[3], Step::Workdir("/home/user/app".into()));
         assert_eq!(steps[4], Step::User("user".into()));
-        assert_eq!(plan.steps[1].text, "RUN cat folder/test.txt root");
+        assert_eq!(plan.steps[1].text, "RUN cat folder/test.txt (as root)");
     }
 
     #[test]

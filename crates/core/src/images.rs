@@ -1043,6 +1043,13 @@ impl Read for ChannelReader {
     }
 }
 
+/// Whether an image's `source` is image reference `reference` (as a pull
+/// records it, normalised: `busybox` and `docker.io/library/busybox:latest`
+/// are one).
+pub fn same_reference(source: &str, reference: &str) -> bool {
+    runbox_image::pull::normalise(reference).is_ok_and(|n| n == source)
+}
+
 /// The default local name for a pulled reference: the repository's last
 /// component, plus the tag unless it is `latest`, made to fit the naming rules.
 pub fn default_name(reference: &str) -> String {

@@ -646,19 +646,71 @@ pub trait RunService: Clone + Send + Sync + 'static {
     fn put_build_context(
         &self,
         owner: crate::tenants::Owner,
+        kind: crate::builds::ContextKind,
         digest: String,
         body: UploadStream,
     ) -> impl Future<Output = Result<runbox_types::BuildContext, CoreError>> + Send {
-        let _ = (owner, digest, body);
+        let _ = (owner, kind, digest, body);
         async { Err(no_builds()) }
+    }
+    /// Whether `owner` has a build context stored under `digest`.
+    fn has_build_context(
+        &self,
+        owner: &crate::tenants::Owner,
+        kind: crate::builds::ContextKind,
+        digest: &str,
+    ) -> Result<bool, CoreError> {
+        let _ = (owner, kind, digest);
+        Err(no_builds())
+    }
+    /// Reserves a build id for a build started later, with a note of what
+    /// was asked (see [`Manager::reserve_build`]).
+    fn reserve_build(
+        &self,
+        owner: &crate::tenants::Owner,
+        request: serde_json::Value,
+    ) -> Result<Ulid, CoreError> {
+        let _ = (owner, request);
+        Err(no_builds())
+    }
+    /// The note of reserved, unstarted build `id`, if `owner`'s.
+    fn reserved_build(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+    ) -> Result<Option<serde_json::Value>, CoreError> {
+        let _ = (id, owner);
+        Err(no_builds())
     }
     /// Starts a build (see [`crate::builds`]).
     fn start_build(
         &self,
         req: runbox_types::BuildRequest,
         owner: crate::tenants::Owner,
+        options: crate::builds::BuildOptions,
     ) -> impl Future<Output = Result<runbox_types::Build, CoreError>> + Send {
-        let _ = (req, owner);
+        let _ = (req, owner, options);
+        async { Err(no_builds()) }
+    }
+    /// Up to `limit` lines of build `id`'s log from line `offset`.
+    fn build_log(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+        offset: u64,
+        limit: usize,
+    ) -> Result<Vec<runbox_types::BuildLog>, CoreError> {
+        let _ = (id, owner, offset, limit);
+        Err(no_builds())
+    }
+    /// Names built image `from` also `to` (see [`Manager::tag_built_image`]).
+    fn tag_built_image(
+        &self,
+        from: String,
+        to: String,
+        owner: crate::tenants::Owner,
+    ) -> impl Future<Output = Result<Image, CoreError>> + Send {
+        let _ = (from, to, owner);
         async { Err(no_builds()) }
     }
     /// Build `id`, if `owner` may see it.
@@ -1128,19 +1180,65 @@ impl RunService for Arc<Manager> {
     async fn put_build_context(
         &self,
         owner: crate::tenants::Owner,
+        kind: crate::builds::ContextKind,
         digest: String,
         body: UploadStream,
     ) -> Result<runbox_types::BuildContext, CoreError> {
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(body));
-        Manager::put_build_context(self, owner, digest, reader).await
+        Manager::put_build_context(self, owner, kind, digest, reader).await
+    }
+
+    fn has_build_context(
+        &self,
+        owner: &crate::tenants::Owner,
+        kind: crate::builds::ContextKind,
+        digest: &str,
+    ) -> Result<bool, CoreError> {
+        Manager::has_build_context(self, owner, kind, digest)
+    }
+
+    fn reserve_build(
+        &self,
+        owner: &crate::tenants::Owner,
+        request: serde_json::Value,
+    ) -> Result<Ulid, CoreError> {
+        Manager::reserve_build(self, owner, request)
+    }
+
+    fn reserved_build(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+    ) -> Result<Option<serde_json::Value>, CoreError> {
+        Manager::reserved_build(self, id, owner)
     }
 
     async fn start_build(
         &self,
         req: runbox_types::BuildRequest,
         owner: crate::tenants::Owner,
+        options: crate::builds::BuildOptions,
     ) -> Result<runbox_types::Build, CoreError> {
-        Manager::start_build(self, req, owner).await
+        Manager::start_build_with(self, req, owner, options).await
+    }
+
+    fn build_log(
+        &self,
+        id: Ulid,
+        owner: &crate::tenants::Owner,
+        offset: u64,
+        limit: usize,
+    ) -> Result<Vec<runbox_types::BuildLog>, CoreError> {
+        Manager::build_log(self, id, owner, offset, limit)
+    }
+
+    async fn tag_built_image(
+        &self,
+        from: String,
+        to: String,
+        owner: crate::tenants::Owner,
+    ) -> Result<Image, CoreError> {
+        Manager::tag_built_image(self, &from, &to, &owner).await
     }
 
     fn get_build(

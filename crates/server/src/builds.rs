@@ -47,7 +47,12 @@ pub async fn put_context<S: RunService>(
         .boxed();
     let context = state
         .service
-        .put_build_context(caller.owner(), digest, stream)
+        .put_build_context(
+            caller.owner(),
+            runbox_core::builds::ContextKind::Digest,
+            digest,
+            stream,
+        )
         .await?;
     Ok((StatusCode::CREATED, Json(context)).into_response())
 }
@@ -59,7 +64,10 @@ pub async fn start<S: RunService>(
     caller: Caller,
     AppJson(req): AppJson<BuildRequest>,
 ) -> Result<Response, ApiError> {
-    let build = state.service.start_build(req, caller.owner()).await?;
+    let build = state
+        .service
+        .start_build(req, caller.owner(), Default::default())
+        .await?;
     Ok((StatusCode::ACCEPTED, Json(build)).into_response())
 }
 

@@ -285,6 +285,10 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
     let e2b_volumes = e2b::volume_content_routes::<S>(state.clone()).route_layer(
         middleware::from_fn_with_state(state.clone(), metrics::count::<S>),
     );
+    // E2B's template file uploads carry a signed link, no API key.
+    let e2b_uploads = e2b::template_upload_routes::<S>().route_layer(
+        middleware::from_fn_with_state(state.clone(), metrics::count::<S>),
+    );
     Router::new()
         .route("/health", get(handlers::health::<S>))
         // Checks the node proof itself: no client token comes with it.
@@ -294,6 +298,7 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         )
         .merge(e2b_control)
         .merge(e2b_volumes)
+        .merge(e2b_uploads)
         .route("/v1/openapi.json", get(openapi::serve))
         .merge(api)
         .fallback(|| async { ApiError::new(ErrorCode::NotFound, "no such route; see docs/api.md") })

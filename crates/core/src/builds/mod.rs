@@ -75,6 +75,8 @@ pub enum BuildEvent {
 /// The builds of this node: running ones in memory, all as files.
 pub(crate) struct Builds {
     records: PathBuf,
+    /// Builds requested but not started yet (E2B's two-call builds).
+    requests: PathBuf,
     contexts: PathBuf,
     spool: PathBuf,
     live: Mutex<HashMap<Ulid, Arc<Live>>>,
@@ -108,15 +110,17 @@ impl Builds {
         built: &std::collections::HashSet<String>,
     ) -> Result<(Builds, Vec<Ulid>), CoreError> {
         let records = dir.join("records");
+        let requests = dir.join("requests");
         let contexts = dir.join("contexts");
         let spool = dir.join("spool");
         let _ = std::fs::remove_dir_all(&spool);
-        for d in [&records, &contexts, &spool] {
+        for d in [&records, &requests, &contexts, &spool] {
             std::fs::create_dir_all(d)
                 .map_err(CoreError::io(format!("creating {}", d.display())))?;
         }
         let builds = Builds {
             records,
+            requests,
             contexts,
             spool,
             live: Mutex::new(HashMap::new()),
@@ -128,6 +132,10 @@ impl Builds {
 
     fn record_path(&self, id: Ulid) -> PathBuf {
         self.records.join(format!("{id}.json"))
+    }
+
+    fn request_path(&self, id: Ulid) -> PathBuf {
+        self.requests.join(format!("{id}.json"))
     }
 
     fn log_path(&self, id: Ulid) -> PathBuf {
@@ -211,16 +219,13 @@ impl Builds {
                 let _ = std::fs::remove_file(self.log_path(build.id));
             }
         }
-        for owner in std::fs::read_dir(&self.contexts)
+        let owners = std::fs::read_dir(&self.contexts)
             .into_iter()
             .flatten()
             .flatten()
-        {
-            for file in std::fs::read_dir(owner.path())
-                .into_iter()
-                .flatten()
-                .flatten()
-            {
+            .map(|e| e.path());
+        for dir in owners.chain([self.requests.clone()]) {
+            for file in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
                 let unused = file
                     .metadata()
                     .and_then(|m| m.modified())
@@ -253,14 +258,31 @@ impl Builds {
     /// Where `owner`'s context `digest` (`sha256:<hex>` or the bare hex)
     /// is, once checked, when it is there.
     pub(crate) fn context_file(&self, owner: &Owner, digest: &str) -> Result<PathBuf, CoreError> {
+        self.context_file_in(owner, ContextKind::Digest, digest)
+    }
+
+    /// [`Builds::context_file`] for contexts of `kind`.
+    fn context_file_in(
+        &self,
+        owner: &Owner,
+        kind: ContextKind,
+        digest: &str,
+    ) -> Result<PathBuf, CoreError> {
         let hex = context_hex(digest)?;
-        let path = self.context_dir(owner).join(format!("{hex}.tar"));
+        let path = self
+            .context_dir(owner)
+            .join(format!("{}{hex}.tar", kind.prefix()));
         if !path.is_file() {
             return Err(CoreError::invalid(
                 ErrorCode::BadBuildContext,
-                format!(
-                    "no build context sha256:{hex} was uploaded (or it was swept after a day unused); upload it with PUT /v1/build-contexts/sha256:{hex}"
-                ),
+                match kind {
+                    ContextKind::Digest => format!(
+                        "no build context sha256:{hex} was uploaded (or it was swept after a day unused); upload it with PUT /v1/build-contexts/sha256:{hex}"
+                    ),
+                    ContextKind::Keyed => format!(
+                        "no files were uploaded for hash {hex} (or they were swept after a day unused); upload them to the link GET /templates/{{templateID}}/files/{hex} gives"
+                    ),
+                },
             ));
         }
         // Used: kept another day.
@@ -275,14 +297,18 @@ impl Builds {
     /// `digest`; it is checked entry by entry and kept as a plain tar.
     /// Uploading a stored one again reads the body through and keeps the
     /// first. Blocking.
+    /// A [`ContextKind::Keyed`] upload is stored under its key unchecked
+    /// against its bytes.
     pub(crate) fn put_context(
         &self,
         owner: &Owner,
+        kind: ContextKind,
         digest: &str,
         body: impl Read,
         max_bytes: u64,
     ) -> Result<BuildContext, CoreError> {
         let hex = context_hex(digest)?.to_owned();
+        let prefix = kind.prefix();
         let dir = self.context_dir(owner);
         std::fs::create_dir_all(&dir).map_err(CoreError::io("creating the context directory"))?;
         let spooled = tempfile::NamedTempFile::new_in(&self.spool)
@@ -299,7 +325,7 @@ impl Builds {
             )
             },
         )?;
-        if got != hex {
+        if kind == ContextKind::Digest && got != hex {
             return Err(CoreError::invalid(
                 ErrorCode::BadBuildContext,
                 format!(
@@ -307,14 +333,16 @@ impl Builds {
                 ),
             ));
         }
-        let meta_path = dir.join(format!("{hex}.json"));
-        let final_path = dir.join(format!("{hex}.tar"));
-        if final_path.is_file() {
+        let meta_path = dir.join(format!("{prefix}{hex}.json"));
+        let final_path = dir.join(format!("{prefix}{hex}.tar"));
+        // A keyed upload may replace what its key held (E2B's forced
+        // uploads); a digest's content is fixed.
+        if kind == ContextKind::Digest && final_path.is_file() {
             if let Ok(known) = std::fs::read(&meta_path)
                 .map_err(|e| e.to_string())
                 .and_then(|b| serde_json::from_slice::<BuildContext>(&b).map_err(|e| e.to_string()))
             {
-                let _ = self.context_file(owner, &hex);
+                let _ = self.context_file_in(owner, kind, &hex);
                 return Ok(known);
             }
         }
@@ -379,6 +407,43 @@ impl Builds {
     fn scratch(&self) -> Result<tempfile::NamedTempFile, CoreError> {
         tempfile::NamedTempFile::new_in(&self.spool)
             .map_err(CoreError::io("creating a build spool"))
+    }
+}
+
+/// How a build reads what it is given, beyond its request.
+#[derive(Clone, Debug, Default)]
+pub struct BuildOptions {
+    /// The id the build takes: one [`Manager::reserve_build`] gave, else
+    /// a new one.
+    pub id: Option<Ulid>,
+    /// The shell a step list's `RUN` commands are given to (default
+    /// `/bin/sh -c`; E2B's templates use `/bin/bash -l -c`).
+    pub shell: Option<Vec<String>>,
+    /// How a step list's `COPY` steps name their files.
+    pub files: ContextKind,
+    /// More names the image is recorded under besides the request's
+    /// (E2B's tags), each checked as the name is.
+    pub also: Vec<String>,
+}
+
+/// How a stored context is named.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ContextKind {
+    #[default]
+    /// By the sha256 of its bytes, checked on upload (runbox's own).
+    Digest,
+    /// By a key the uploader chose (E2B's files hash, computed over the
+    /// files' names, modes and contents, not the archive): stored apart
+    /// from digests, so a key never stands for another content's digest.
+    Keyed,
+}
+
+impl ContextKind {
+    fn prefix(self) -> &'static str {
+        match self {
+            ContextKind::Digest => "",
+            ContextKind::Keyed => "keyed-",
+        }
     }
 }
 
@@ -572,19 +637,25 @@ impl Manager {
     pub async fn put_build_context(
         &self,
         owner: Owner,
+        kind: ContextKind,
         digest: String,
         body: impl Read + Send + 'static,
     ) -> Result<BuildContext, CoreError> {
         let builds = self.builds()?.clone();
         let max = self.config().max_upload_bytes;
-        tokio::task::spawn_blocking(move || builds.put_context(&owner, &digest, body, max))
+        tokio::task::spawn_blocking(move || builds.put_context(&owner, kind, &digest, body, max))
             .await
             .map_err(|e| CoreError::Store(format!("context task failed: {e}")))?
     }
 
-    /// Whether `owner` has context `digest` stored.
-    pub fn has_build_context(&self, owner: &Owner, digest: &str) -> Result<bool, CoreError> {
-        match self.builds()?.context_file(owner, digest) {
+    /// Whether `owner` has context `digest` of `kind` stored.
+    pub fn has_build_context(
+        &self,
+        owner: &Owner,
+        kind: ContextKind,
+        digest: &str,
+    ) -> Result<bool, CoreError> {
+        match self.builds()?.context_file_in(owner, kind, digest) {
             Ok(_) => Ok(true),
             Err(CoreError::Invalid {
                 code: ErrorCode::BadBuildContext,
@@ -594,17 +665,149 @@ impl Manager {
         }
     }
 
-    /// Starts a build; answers at once with it (status `building`). The
-    /// plan is checked first: a Dockerfile that cannot be built, a missing
-    /// context, a name another build is building are refused here.
+    /// Reserves a build id for a build that starts later (E2B asks for a
+    /// build, uploads its files, then starts it): `request` is the
+    /// caller's note of what was asked, given back by
+    /// [`Manager::reserved_build`]. A reservation not started is swept
+    /// after a day.
+    pub fn reserve_build(
+        &self,
+        owner: &Owner,
+        request: serde_json::Value,
+    ) -> Result<Ulid, CoreError> {
+        let builds = self.builds()?;
+        let id = Ulid::new();
+        let record = serde_json::json!({ "tenant": owner.tenant(), "request": request });
+        crate::durable::write_json(&builds.request_path(id), &record)
+            .map_err(CoreError::io("writing a build reservation"))?;
+        Ok(id)
+    }
+
+    /// The note of reserved build `id`, if it is reserved (not started)
+    /// and `owner`'s.
+    pub fn reserved_build(
+        &self,
+        id: Ulid,
+        owner: &Owner,
+    ) -> Result<Option<serde_json::Value>, CoreError> {
+        let builds = self.builds()?;
+        let Ok(bytes) = std::fs::read(builds.request_path(id)) else {
+            return Ok(None);
+        };
+        let mut record: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| CoreError::Store(format!("build reservation {id} is unreadable: {e}")))?;
+        if !owner.sees(record["tenant"].as_str()) {
+            return Ok(None);
+        }
+        Ok(Some(record["request"].take()))
+    }
+
+    /// Up to `limit` lines of build `id`'s log from line `offset`, as far
+    /// as it has been written.
+    pub fn build_log(
+        &self,
+        id: Ulid,
+        owner: &Owner,
+        offset: u64,
+        limit: usize,
+    ) -> Result<Vec<BuildLog>, CoreError> {
+        let builds = self.builds()?;
+        self.get_build(id, owner)?;
+        let live = builds.lock().get(&id).cloned();
+        let lines = match live {
+            Some(live) => live
+                .lock()
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    BuildEvent::Log(l) if l.offset >= offset => Some(l.clone()),
+                    _ => None,
+                })
+                .take(limit)
+                .collect(),
+            None => {
+                let mut lines = read_log(&builds.log_path(id), offset);
+                lines.truncate(limit);
+                lines
+            }
+        };
+        Ok(lines)
+    }
+
+    /// Names built image `from` also `to` (a tag: the same layers and
+    /// configuration, as one more image record). `to` may replace only a
+    /// built image of the same owner; `from` must be one `owner` sees.
+    pub async fn tag_built_image(
+        &self,
+        from: &str,
+        to: &str,
+        owner: &Owner,
+    ) -> Result<runbox_types::Image, CoreError> {
+        crate::validate::new_image_name(to)?;
+        let _guard = self.image_lock.lock().await;
+        let store = self.images.store();
+        let source = store
+            .image(from)
+            .ok()
+            .filter(|r| r.source.starts_with(BUILD_SOURCE_PREFIX))
+            .filter(|r| r.tenant.is_none() || owner.sees(r.tenant.as_deref()))
+            .ok_or_else(|| CoreError::ImageNotFound(from.to_owned()))?;
+        if let Ok(existing) = store.image(to) {
+            let built = existing.source.starts_with(BUILD_SOURCE_PREFIX);
+            if !built || existing.tenant.as_deref() != owner.tenant() {
+                return Err(CoreError::Conflict {
+                    code: ErrorCode::ImageExists,
+                    message: format!(
+                        "an image named {to:?} exists and is not a build of yours to replace; pick another tag"
+                    ),
+                });
+            }
+        }
+        let mut image = self.images.record_built(
+            to,
+            source.source,
+            source.layers,
+            &source.config,
+            owner.tenant().map(str::to_owned),
+            source.labels,
+        )?;
+        image.server = self.server_id.clone();
+        Ok(image)
+    }
+
+    /// Starts a build (see [`Manager::start_build_with`]) as runbox's API
+    /// asks for it.
     pub async fn start_build(
         self: &Arc<Self>,
         req: BuildRequest,
         owner: Owner,
     ) -> Result<Build, CoreError> {
+        self.start_build_with(req, owner, BuildOptions::default())
+            .await
+    }
+
+    /// Starts a build; answers at once with it (status `building`). The
+    /// plan is checked first: a Dockerfile that cannot be built, a missing
+    /// context, a name another build is building are refused here.
+    pub async fn start_build_with(
+        self: &Arc<Self>,
+        req: BuildRequest,
+        owner: Owner,
+        options: BuildOptions,
+    ) -> Result<Build, CoreError> {
         let builds = self.builds()?.clone();
-        let job = steps::Job::check(self, &builds, req, &owner)?;
-        let id = Ulid::new();
+        let reserved = options.id;
+        if let Some(id) = reserved {
+            if self.reserved_build(id, &owner)?.is_none() {
+                return Err(no_build(id));
+            }
+        }
+        let job = steps::Job::check(self, &builds, req, &owner, &options)?;
+        // Not `unwrap_or_default`: a default Ulid is the nil id.
+        let id = match reserved {
+            Some(id) => id,
+            None => Ulid::new(),
+        };
         let build = Build {
             id,
             name: job.name.clone(),
@@ -648,6 +851,9 @@ impl Manager {
             all.insert(id, live.clone());
         }
         builds.persist(&build);
+        if reserved.is_some() {
+            let _ = std::fs::remove_file(builds.request_path(id));
+        }
         let manager = self.clone();
         tokio::spawn(async move {
             manager.drive(builds, live, job, owner).await;

@@ -40,6 +40,12 @@ pub(crate) struct Job {
     timeout: Duration,
     limits: Option<runbox_types::LimitsRequest>,
     labels: std::collections::BTreeMap<String, String>,
+    /// The shell a step list's `RUN` is given to.
+    shell: Vec<String>,
+    /// How a step list's `COPY` names its files.
+    files: super::ContextKind,
+    /// More names the image is recorded under.
+    also: Vec<String>,
 }
 
 enum Source {
@@ -87,6 +93,7 @@ impl Job {
         builds: &Builds,
         req: BuildRequest,
         owner: &Owner,
+        options: &super::BuildOptions,
     ) -> Result<Job, CoreError> {
         validate::new_image_name(&req.name)?;
         let labels = req.labels.unwrap_or_default();
@@ -178,7 +185,7 @@ impl Job {
                         ..
                     } = &step.step
                     {
-                        builds.context_file(owner, files)?;
+                        builds.context_file_in(owner, options.files, files)?;
                     }
                 }
                 (Source::List(steps), from, plan.warnings)
@@ -190,19 +197,21 @@ impl Job {
                 ))
             }
         };
-        if let Ok(existing) = manager.images.store().image(&req.name) {
-            let theirs = match owner.tenant() {
-                None => false,
-                Some(tenant) => existing.tenant.as_deref() != Some(tenant),
-            };
-            if theirs || existing.source.starts_with(CACHE_SOURCE_PREFIX) {
-                return Err(CoreError::Conflict {
-                    code: ErrorCode::ImageExists,
-                    message: format!(
-                        "an image named {:?} exists and is not yours to replace; pick another name",
-                        req.name
-                    ),
-                });
+        for name in std::iter::once(&req.name).chain(&options.also) {
+            validate::new_image_name(name)?;
+            if let Ok(existing) = manager.images.store().image(name) {
+                let theirs = match owner.tenant() {
+                    None => false,
+                    Some(tenant) => existing.tenant.as_deref() != Some(tenant),
+                };
+                if theirs || existing.source.starts_with(CACHE_SOURCE_PREFIX) {
+                    return Err(CoreError::Conflict {
+                        code: ErrorCode::ImageExists,
+                        message: format!(
+                            "an image named {name:?} exists and is not yours to replace; pick another name"
+                        ),
+                    });
+                }
             }
         }
         Ok(Job {
@@ -215,6 +224,12 @@ impl Job {
             timeout,
             limits: req.limits,
             labels,
+            shell: options
+                .shell
+                .clone()
+                .unwrap_or_else(|| LIST_SHELL.iter().map(|s| (*s).to_owned()).collect()),
+            files: options.files,
+            also: options.also.clone(),
         })
     }
 
@@ -239,7 +254,7 @@ impl Job {
                 &self.from,
                 steps,
                 &runbox_build::list::ListOptions {
-                    shell: LIST_SHELL.iter().map(|s| (*s).to_owned()).collect(),
+                    shell: self.shell.clone(),
                     workdir: base.working_dir.clone().unwrap_or_else(|| "/".to_owned()),
                     env,
                 },
@@ -739,25 +754,32 @@ impl Manager {
         finished: Finished,
     ) -> Result<(), Failure> {
         let images = self.images.clone();
-        let name = job.name.clone();
+        let names: Vec<String> = std::iter::once(&job.name)
+            .chain(&job.also)
+            .cloned()
+            .collect();
         let (source, tenant, labels) = (
             format!("{BUILD_SOURCE_PREFIX}{id}"),
             owner.tenant().map(str::to_owned),
             job.labels.clone(),
         );
         tokio::task::spawn_blocking(move || {
-            images.record_built(
-                &name,
-                source,
-                finished.layers,
-                &finished.doc,
-                tenant,
-                labels,
-            )
+            // The build's name first: a build whose record is there is
+            // ready (see `Builds::settle_unfinished`).
+            for name in names.iter().rev() {
+                images.record_built(
+                    name,
+                    source.clone(),
+                    finished.layers.clone(),
+                    &finished.doc,
+                    tenant.clone(),
+                    labels.clone(),
+                )?;
+            }
+            Ok(())
         })
         .await
         .map_err(|e| Failure::of(CoreError::Store(e.to_string()), None))?
-        .map(|_| ())
         .map_err(|e| Failure::of(e, None))
     }
 
@@ -962,7 +984,7 @@ impl Manager {
         context: Option<&str>,
     ) -> Result<PathBuf, CoreError> {
         match context {
-            Some(digest) => builds.context_file(owner, digest),
+            Some(digest) => builds.context_file_in(owner, job.files, digest),
             None => job.context.clone().ok_or_else(|| {
                 CoreError::invalid(
                     ErrorCode::BadBuildContext,

@@ -116,6 +116,7 @@ pub fn routes<S: RunService>() -> Router<AppState<S>> {
         .route("/sandboxes/{id}/logs", get(logs))
         .route("/v2/sandboxes/{id}/logs", get(logs))
         .merge(super::volumes::control_routes())
+        .merge(super::templates::routes())
 }
 
 /// A JSON body, checked; an empty body is `{}`.
@@ -319,7 +320,7 @@ async fn create<S: RunService>(
     uri: axum::http::Uri,
     bytes: Bytes,
 ) -> Result<Response, E2bError> {
-    let req: NewSandbox = body(&bytes)?;
+    let mut req: NewSandbox = body(&bytes)?;
     if let Some(name) = req.other.keys().next() {
         return Err(E2bError::bad(format!("unknown field {name:?}")));
     }
@@ -347,6 +348,8 @@ async fn create<S: RunService>(
     if req.template_id.is_empty() {
         return Err(E2bError::bad("templateID is empty; name an image"));
     }
+    // `alias:tag` names a template's tag (see [`super::templates`]).
+    req.template_id = super::templates::template_image(&req.template_id);
     let empty = serde_json::Map::new();
     let egress = super::network::egress(
         req.allow_internet_access,
@@ -431,6 +434,14 @@ async fn create<S: RunService>(
         }
         Err(e) => return Err(e.into()),
     };
+    // A template's start command runs, and its ready command is waited
+    // for, before the sandbox is handed over.
+    if let Ok(image) = state.service.get_image(&run.image) {
+        if let Err(e) = super::templates::start_template_commands(&state, run.id, &image).await {
+            let _ = state.service.delete(run.id).await;
+            return Err(e);
+        }
+    }
     Ok((StatusCode::CREATED, Json(sandbox(&state, &run))).into_response())
 }
 
@@ -1073,7 +1084,7 @@ async fn delete_template<S: RunService>(
     uri: axum::http::Uri,
     headers: HeaderMap,
 ) -> Result<Response, E2bError> {
-    let name = id.strip_suffix(":default").unwrap_or(&id).to_owned();
+    let name = super::templates::template_image(&id);
     let image = match visible_image(&state, &caller, &name) {
         Ok(image) => image,
         // Another node's snapshot, on a node of a fleet: its node deletes it.
@@ -1082,6 +1093,15 @@ async fn delete_template<S: RunService>(
             None => return Err(e),
         },
     };
+    // A template built here goes with its tags.
+    if super::templates::is_template(&image) && caller.sees(image.tenant.as_deref()) {
+        let owner = caller.owner();
+        for tag in super::templates::other_tags(&state, &owner, &name) {
+            state.service.delete_image(tag).await?;
+        }
+        state.service.delete_image(name).await?;
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
     if !image.is_snapshot() || !caller.sees(image.tenant.as_deref()) {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,
@@ -1112,8 +1132,8 @@ async fn template_alias<S: RunService>(
     caller: crate::auth::Caller,
     Path(alias): Path<String>,
 ) -> Result<Json<Value>, E2bError> {
-    let name = alias.strip_suffix(":default").unwrap_or(&alias);
-    let image = visible_image(&state, &caller, name)?;
+    let name = super::templates::template_image(&alias);
+    let image = visible_image(&state, &caller, &name)?;
     Ok(Json(
         serde_json::json!({ "templateID": image.name, "public": false }),
     ))

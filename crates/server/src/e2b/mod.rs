@@ -20,6 +20,7 @@ mod connect;
 mod control;
 mod envd;
 mod network;
+mod templates;
 mod volumes;
 mod wire;
 
@@ -40,6 +41,7 @@ use ulid::Ulid;
 use crate::AppState;
 
 pub use control::routes as control_routes;
+pub use templates::upload_routes as template_upload_routes;
 pub use volumes::content_routes as volume_content_routes;
 
 /// The port E2B's SDKs address envd on, in a sandbox's host name.
