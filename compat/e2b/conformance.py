@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sdks" / "python" / "tests"))
 
-from daemon import Daemon  # noqa: E402
+from daemon import RUNBOX, Daemon  # noqa: E402
 
 
 def _get(d: Daemon, path: str) -> dict:
@@ -43,10 +43,30 @@ def _get(d: Daemon, path: str) -> dict:
         return json.load(r)
 
 
+# Images the suite's template builds start from, by the local name a pull
+# of their reference would get: `ubuntu:22.04` is `ubuntu-22.04` (the same
+# E2B-like Debian image, as no registry is reachable here); `e2bdev/base`
+# is `base`.
+PRELOADED = ("ubuntu-22.04",)
+
+
+def preload(d: Daemon, image: Path) -> None:
+    for name in PRELOADED:
+        subprocess.run([str(RUNBOX), "image", "import", name, str(image), "--url", d.url, "--token", d.token],
+                       check=True, stdout=subprocess.DEVNULL)
+
+
 def leftovers(d: Daemon) -> list[str]:
-    """What the suite left on the daemon: runs, and images other than base."""
+    """What the suite left on the daemon: runs, and images other than base
+    and the preloaded ones. Templates the suite built stay, as they do on
+    E2B (its tests never delete them): they are counted, not flagged."""
     runs = [f"run {r['id']} {r.get('labels', {})}" for r in _get(d, "/v1/runs")["runs"]]
-    images = [f"image {i['name']}" for i in _get(d, "/v1/images")["images"] if i["name"] != "base"]
+    listed = _get(d, "/v1/images")["images"]
+    built = [i for i in listed if i.get("source", "").startswith("build:")]
+    if built:
+        print(f"the suite built {len(built)} template images (kept, as E2B keeps them)")
+    images = [f"image {i['name']}" for i in listed
+              if i["name"] != "base" and i["name"] not in PRELOADED and i not in built]
     return runs + images
 
 
@@ -124,6 +144,7 @@ def main() -> int:
         pg, d, front = fleet(args.image.resolve())
     else:
         d = front = Daemon(name="e2bconf", octet=238, base=args.image.resolve())
+    preload(d, args.image.resolve())
     env = dict(os.environ)
     env.update(
         E2B_API_KEY=f"e2b_{front.token}",
