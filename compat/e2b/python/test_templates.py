@@ -149,3 +149,30 @@ def test_upload_links_are_signed(daemon, context: Path) -> None:
     assert again.json()["present"] is False
     # Without the API key, the template routes refuse.
     assert httpx.post(f"{daemon.url}/v3/templates", json={"name": "x"}).status_code == 401
+
+
+def test_tenants_build_their_own_templates(daemon, context: Path) -> None:
+    root = {"Authorization": f"Bearer {daemon.token}"}
+    keys = {}
+    for tenant in ("tpl-acme", "tpl-other"):
+        made = httpx.post(f"{daemon.url}/v1/tenants", json={"name": tenant}, headers=root)
+        assert made.status_code == 201, made.text
+        keys[tenant] = made.json()["token"]
+    acme, other = keys["tpl-acme"], keys["tpl-other"]
+    name = unique("tenant")
+    template = Template().from_image("base").run_cmd("echo acme > /home/user/owner")
+    Template.build(template, name, api_key=acme)
+    assert Template.exists(name, api_key=acme)
+    # Another tenant neither sees it nor builds over it.
+    assert not Template.exists(name, api_key=other)
+    with pytest.raises(Exception) as refused:
+        Template.build(template, name, api_key=other)
+    assert "403" in str(refused.value) or "already used" in str(refused.value)
+    # The image is the tenant's.
+    image = httpx.get(f"{daemon.url}/v1/images/{name}", headers=root).json()
+    assert image["tenant"] == "tpl-acme"
+    # An upload link is for its tenant: files another tenant uploads are
+    # not present for this one.
+    headers = {"X-API-Key": other}
+    link = httpx.get(f"{daemon.url}/templates/{name}/files/{'d' * 64}", headers=headers).json()
+    assert link["present"] is False
