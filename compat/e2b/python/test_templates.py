@@ -4,6 +4,7 @@ words, tags, background builds and the signed upload link."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -112,6 +113,11 @@ def test_tags_name_builds_and_exists_answers(context: Path) -> None:
         Template.assign_tags(f"{name}:v1", ":bad-tag")
     with pytest.raises(Exception):
         Template.assign_tags(f"{name}:missing", "x")
+    # Deleting the template (as Sandbox.delete_snapshot's route) takes every tag.
+    api = {"X-API-Key": os.environ["E2B_API_KEY"]}
+    assert httpx.delete(f"{os.environ['E2B_API_URL']}/templates/{name}", headers=api).status_code == 204
+    assert not Template.exists(f"{name}:v1")
+    assert not Template.exists(f"{name}:prod")
 
 
 def test_a_background_build_reports_building_then_ready(context: Path) -> None:

@@ -1085,6 +1085,14 @@ async fn delete_template<S: RunService>(
     headers: HeaderMap,
 ) -> Result<Response, E2bError> {
     let name = super::templates::template_image(&id);
+    // A template built here goes whole: every tag the caller may delete.
+    let built = super::templates::template_images(&state, &caller, &id);
+    if !built.is_empty() {
+        for image in built {
+            state.service.delete_image(image).await?;
+        }
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
     let image = match visible_image(&state, &caller, &name) {
         Ok(image) => image,
         // Another node's snapshot, on a node of a fleet: its node deletes it.
@@ -1093,15 +1101,6 @@ async fn delete_template<S: RunService>(
             None => return Err(e),
         },
     };
-    // A template built here goes with its tags.
-    if super::templates::is_template(&image) && caller.sees(image.tenant.as_deref()) {
-        let owner = caller.owner();
-        for tag in super::templates::other_tags(&state, &owner, &name) {
-            state.service.delete_image(tag).await?;
-        }
-        state.service.delete_image(name).await?;
-        return Ok(StatusCode::NO_CONTENT.into_response());
-    }
     if !image.is_snapshot() || !caller.sees(image.tenant.as_deref()) {
         return Err(E2bError::new(
             StatusCode::NOT_FOUND,

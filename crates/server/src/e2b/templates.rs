@@ -751,6 +751,14 @@ fn reason(build: &Build) -> Value {
     };
     let step = match error.step {
         Some(index) => e2b_step(index),
+        // Before any step ran: the base (its pull, its plan).
+        None if build
+            .steps
+            .iter()
+            .all(|s| s.status == runbox_types::BuildStepStatus::Pending) =>
+        {
+            "base".to_owned()
+        }
         None if build.status == BuildStatus::Cancelled => "base".to_owned(),
         None => "finalize".to_owned(),
     };
@@ -1049,22 +1057,27 @@ async fn list_tags<S: RunService>(
     Ok(Json(tags).into_response())
 }
 
-/// The tags of template `alias` besides the default, for its delete.
-pub(super) fn other_tags<S: RunService>(
+/// The images of template `id` (every tag, the default last) that
+/// `caller` may delete: its own, or any for the operator. None for an id
+/// with a tag, or one that names no template built here.
+pub(super) fn template_images<S: RunService>(
     state: &AppState<S>,
-    owner: &runbox_core::tenants::Owner,
-    alias: &str,
+    caller: &crate::auth::Caller,
+    id: &str,
 ) -> Vec<String> {
-    tagged(state, owner, alias)
+    let Ok(template) = TemplateName::parse(id) else {
+        return Vec::new();
+    };
+    if id.contains(':') {
+        return Vec::new();
+    }
+    let owner = caller.owner();
+    let mut images: Vec<(String, Image)> = tagged(state, &owner, &template.alias)
         .into_iter()
-        .filter(|(tag, i)| tag != DEFAULT_TAG && i.tenant.as_deref() == owner.tenant())
-        .map(|(_, i)| i.name)
-        .collect()
-}
-
-/// Whether `image` was built from a template (and so is deleted as one).
-pub(super) fn is_template(image: &Image) -> bool {
-    image_build(image).is_some()
+        .filter(|(_, i)| owner.tenant().is_none() || i.tenant.as_deref() == owner.tenant())
+        .collect();
+    images.sort_by_key(|(tag, _)| tag == DEFAULT_TAG);
+    images.into_iter().map(|(_, i)| i.name).collect()
 }
 
 // ---------------------------------------------------------------------
