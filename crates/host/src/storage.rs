@@ -861,6 +861,119 @@ fn limit_subvolume(sub: &File, bytes: u64) -> io::Result<()> {
     unsafe { ioctl(sub, linux_raw_sys::ioctl::BTRFS_IOC_QGROUP_LIMIT, &mut args) }
 }
 
+/// The transaction subvolume `path` was made in (its `otransid`): for a
+/// snapshot, the point after which a change to its source is newer.
+pub fn created_transid(path: &Path) -> io::Result<u64> {
+    let dir = open_dir(path)?;
+    // SAFETY: all zeroes is a valid btrfs_ioctl_get_subvol_info_args
+    // (plain data).
+    let mut args: sys::btrfs_ioctl_get_subvol_info_args = unsafe { std::mem::zeroed() };
+    // SAFETY: GET_SUBVOL_INFO fills `args` for the fd's subvolume.
+    unsafe {
+        ioctl(
+            &dir,
+            linux_raw_sys::ioctl::BTRFS_IOC_GET_SUBVOL_INFO,
+            &mut args,
+        )
+    }?;
+    Ok(args.otransid)
+}
+
+/// Whether anything in subvolume `path` was changed in a transaction
+/// after `transid`: a file's data (an extent's generation), an inode (its
+/// contents, size, mode, owner, links or times: the inode item's
+/// transid), a name or an extended attribute (a directory or xattr
+/// item's transid). Meant for a read-only snapshot (committed, so nothing
+/// is pending in memory), against the transid its predecessor was made
+/// in ([`created_transid`]): `false` means the two hold the same files.
+///
+/// Cost: the search skips every tree block older than `transid`, so it
+/// reads what changed (and the blocks on the way to it), not the whole
+/// tree, and stops at the first change. Reading a file can update its
+/// access time, which counts as a change (relatime: at most once a day
+/// per file, or when it was modified since).
+pub fn changed_since(path: &Path, transid: u64) -> io::Result<bool> {
+    let dir = open_dir(path)?;
+    // The item's own transid, where its layout has one.
+    let item_transid = |kind: u32, data: &[u8]| -> Option<u64> {
+        let at = match kind {
+            sys::BTRFS_INODE_ITEM_KEY => 8,
+            sys::BTRFS_EXTENT_DATA_KEY => 0,
+            sys::BTRFS_DIR_ITEM_KEY | sys::BTRFS_DIR_INDEX_KEY | sys::BTRFS_XATTR_ITEM_KEY => 17,
+            _ => return None,
+        };
+        let bytes = data.get(at..at + 8)?;
+        Some(u64::from_le_bytes(bytes.try_into().ok()?))
+    };
+    // SAFETY: all zeroes is a valid btrfs_ioctl_search_args (plain data).
+    let mut args: sys::btrfs_ioctl_search_args = unsafe { std::mem::zeroed() };
+    let key = &mut args.key;
+    key.tree_id = 0; // the fd's own subvolume
+    key.max_objectid = u64::MAX;
+    key.max_offset = u64::MAX;
+    key.max_type = u32::MAX;
+    key.min_transid = transid.saturating_add(1);
+    key.max_transid = u64::MAX;
+    loop {
+        args.key.nr_items = 4096;
+        // SAFETY: TREE_SEARCH reads the key and writes at most `buf`'s
+        // length of headers and items into `buf`, and the count into
+        // `key.nr_items`.
+        unsafe { ioctl(&dir, linux_raw_sys::ioctl::BTRFS_IOC_TREE_SEARCH, &mut args) }?;
+        let found = args.key.nr_items;
+        if found == 0 {
+            return Ok(false);
+        }
+        // SAFETY: `buf` is plain bytes; c_char and u8 have one layout.
+        let buf: &[u8] =
+            unsafe { std::slice::from_raw_parts(args.buf.as_ptr().cast::<u8>(), args.buf.len()) };
+        let header_len = std::mem::size_of::<sys::btrfs_ioctl_search_header>();
+        let mut at = 0usize;
+        let mut last = (0u64, 0u32, 0u64);
+        for _ in 0..found {
+            let Some(raw) = buf.get(at..at + header_len) else {
+                return Err(io::Error::other(
+                    "a tree search answer ended inside a header",
+                ));
+            };
+            let field = |from: usize| {
+                u64::from_ne_bytes(raw[from..from + 8].try_into().unwrap_or_default())
+            };
+            let half = |from: usize| {
+                u32::from_ne_bytes(raw[from..from + 4].try_into().unwrap_or_default())
+            };
+            let (objectid, offset, kind, len) = (field(8), field(16), half(24), half(28) as usize);
+            let Some(data) = buf.get(at + header_len..at + header_len + len) else {
+                return Err(io::Error::other(
+                    "a tree search answer ended inside an item",
+                ));
+            };
+            if item_transid(kind, data).is_some_and(|t| t > transid) {
+                return Ok(true);
+            }
+            last = (objectid, kind, offset);
+            at += header_len + len;
+        }
+        // Go on after the last item seen.
+        let (objectid, kind, offset) = last;
+        let key = &mut args.key;
+        match offset.checked_add(1) {
+            Some(next) => {
+                (key.min_objectid, key.min_type, key.min_offset) = (objectid, kind, next);
+            }
+            None => match kind.checked_add(1) {
+                Some(next) => {
+                    (key.min_objectid, key.min_type, key.min_offset) = (objectid, next, 0)
+                }
+                None => match objectid.checked_add(1) {
+                    Some(next) => (key.min_objectid, key.min_type, key.min_offset) = (next, 0, 0),
+                    None => return Ok(false),
+                },
+            },
+        }
+    }
+}
+
 /// One btrfs ioctl on `fd`.
 ///
 /// # Safety
@@ -939,6 +1052,68 @@ mod tests {
         storage.remove(&other).unwrap();
         // Removing what is gone succeeds.
         storage.remove(&other).unwrap();
+    }
+
+    #[test]
+    fn a_snapshot_tells_whether_anything_changed_since_the_last() {
+        let store = Store::new();
+        let storage = RunStorage::detect(&store.runs());
+        let run = store.runs().join("r1");
+        std::fs::create_dir(&run).unwrap();
+        let disk = storage.create(&run, None).unwrap();
+        std::fs::write(disk.join("a"), b"one").unwrap();
+        std::fs::create_dir(disk.join("d")).unwrap();
+        std::fs::write(disk.join("d/b"), vec![1u8; 300 << 10]).unwrap();
+        let mut n = 0;
+        let mut snap = || {
+            n += 1;
+            storage
+                .snapshot_disk(&run, &store.runs(), &format!("p{n}"))
+                .unwrap()
+        };
+        let mut previous = snap();
+        let mut changed = |change: &dyn Fn()| {
+            change();
+            let next = snap();
+            let answer = changed_since(&next, created_transid(&previous).unwrap()).unwrap();
+            previous = next;
+            answer
+        };
+        assert!(!changed(&|| {}), "nothing changed");
+        assert!(
+            changed(&|| std::fs::write(disk.join("new"), b"x").unwrap()),
+            "a new file"
+        );
+        assert!(!changed(&|| {}), "nothing changed again");
+        assert!(
+            changed(&|| {
+                use std::os::unix::fs::FileExt;
+                File::options()
+                    .write(true)
+                    .open(disk.join("d/b"))
+                    .unwrap()
+                    .write_all_at(b"zz", 4096)
+                    .unwrap();
+            }),
+            "an overwrite inside a file"
+        );
+        assert!(
+            changed(&|| std::fs::remove_file(disk.join("a")).unwrap()),
+            "a removal"
+        );
+        assert!(
+            changed(&|| {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(disk.join("new"), std::fs::Permissions::from_mode(0o600))
+                    .unwrap();
+            }),
+            "a chmod"
+        );
+        assert!(
+            changed(&|| std::fs::rename(disk.join("new"), disk.join("d/moved")).unwrap()),
+            "a rename"
+        );
+        assert!(!changed(&|| {}), "and nothing after all that");
     }
 
     #[test]
