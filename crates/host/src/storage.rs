@@ -224,25 +224,49 @@ impl RunStorage {
         runs: &Path,
         name: &str,
     ) -> Result<PathBuf, LaneError> {
+        self.snapshot_disk_into(run_dir, &runs.join(CAPTURES_DIR), name)
+    }
+
+    /// Keeps `<run_dir>/disk` as history point `point` of run `run`: a
+    /// read-only snapshot in `<runs>/.history/<run>/<point>`, sharing every
+    /// block with the run until either side changes. Constant time. Needs
+    /// btrfs. [`changed_since`] tells whether it differs from the point
+    /// before it.
+    pub fn point_disk(
+        &self,
+        run_dir: &Path,
+        runs: &Path,
+        run: &str,
+        point: &str,
+    ) -> Result<PathBuf, LaneError> {
+        self.snapshot_disk_into(run_dir, &runs.join(HISTORY_DIR).join(run), point)
+    }
+
+    /// A read-only snapshot of `<run_dir>/disk` as `dir/name` (`dir` made
+    /// when missing).
+    fn snapshot_disk_into(
+        &self,
+        run_dir: &Path,
+        dir: &Path,
+        name: &str,
+    ) -> Result<PathBuf, LaneError> {
         if matches!(self.kind, Kind::Plain { .. }) {
             return Err(LaneError::Unsupported(
                 "snapshots need the btrfs run store (start the daemon with --storage-gb N)".into(),
             ));
         }
-        let captures = runs.join(CAPTURES_DIR);
         std::fs::DirBuilder::new()
             .mode(0o700)
             .recursive(true)
-            .create(&captures)
-            .map_err(LaneError::io(format!("creating {}", captures.display())))?;
+            .create(dir)
+            .map_err(LaneError::io(format!("creating {}", dir.display())))?;
         let source = run_dir.join(DISK_DIR);
         let sub =
             open_dir(&source).map_err(LaneError::io(format!("opening {}", source.display())))?;
-        let parent = open_dir(&captures)
-            .map_err(LaneError::io(format!("opening {}", captures.display())))?;
+        let parent = open_dir(dir).map_err(LaneError::io(format!("opening {}", dir.display())))?;
         snapshot_subvolume(&sub, &parent, OsStr::new(name))
             .map_err(LaneError::io(format!("snapshotting {}", source.display())))?;
-        Ok(captures.join(name))
+        Ok(dir.join(name))
     }
 
     /// Makes `<run_dir>/disk` a writable snapshot of the capture `seed` (a
@@ -484,16 +508,18 @@ fn remove_subvolume_in(dir: &Path, id: &str, what: &str) -> Result<(), LaneError
     }
 }
 
-/// The names of the entries of `dir` (none when it is missing).
+/// The names of the entries of `dir`, sorted (none when it is missing).
 fn names_in(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
+    let mut names: Vec<String> = std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .flatten()
                 .filter_map(|e| e.file_name().to_str().map(str::to_owned))
                 .collect()
         })
-        .unwrap_or_default()
+        .unwrap_or_default();
+    names.sort();
+    names
 }
 
 /// Bytes of file data and entries below `dir`, not following links: what a
@@ -532,16 +558,42 @@ fn set_readonly(sub: &File) -> io::Result<()> {
 /// Deletes a snapshot [`RunStorage::snapshot_disk`] made; nothing to do
 /// when it is gone.
 pub fn remove_capture(runs: &Path, name: &str) -> Result<(), LaneError> {
-    let captures = runs.join(CAPTURES_DIR);
-    let parent = match open_dir(&captures) {
-        Ok(parent) => parent,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(LaneError::io(format!("opening {}", captures.display()))(e)),
-    };
-    match destroy_subvolume(&parent, OsStr::new(name)) {
+    remove_subvolume_in(&runs.join(CAPTURES_DIR), name, "capture")
+}
+
+/// Where runs' history points are kept in the run store:
+/// `.history/<run>/<point>`, read-only snapshots of the run's disk
+/// ([`RunStorage::point_disk`]), outside the run's directory so removing
+/// that never meets a read-only subvolume.
+pub const HISTORY_DIR: &str = ".history";
+
+/// Deletes point `point` of run `run`; nothing to do when it is gone.
+pub fn remove_point(runs: &Path, run: &str, point: &str) -> Result<(), LaneError> {
+    remove_subvolume_in(&runs.join(HISTORY_DIR).join(run), point, "history point")
+}
+
+/// The points kept for run `run`, by name, sorted (point names are ULIDs,
+/// so oldest first).
+pub fn point_ids(runs: &Path, run: &str) -> Vec<String> {
+    names_in(&runs.join(HISTORY_DIR).join(run))
+}
+
+/// The runs that have a history directory.
+pub fn history_runs(runs: &Path) -> Vec<String> {
+    names_in(&runs.join(HISTORY_DIR))
+}
+
+/// Deletes every point of run `run`, then its history directory; nothing
+/// to do when it has none.
+pub fn remove_history(runs: &Path, run: &str) -> Result<(), LaneError> {
+    for point in point_ids(runs, run) {
+        remove_point(runs, run, &point)?;
+    }
+    let dir = runs.join(HISTORY_DIR).join(run);
+    match std::fs::remove_dir(&dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(LaneError::io(format!("deleting capture {name}"))(e)),
+        Err(e) => Err(LaneError::io(format!("removing {}", dir.display()))(e)),
     }
 }
 
@@ -1114,6 +1166,38 @@ mod tests {
             "a rename"
         );
         assert!(!changed(&|| {}), "and nothing after all that");
+    }
+
+    #[test]
+    fn history_points_are_kept_listed_and_removed() {
+        let store = Store::new();
+        let storage = RunStorage::detect(&store.runs());
+        let run = store.runs().join("r1");
+        std::fs::create_dir(&run).unwrap();
+        let disk = storage.create(&run, None).unwrap();
+        std::fs::write(disk.join("a"), b"one").unwrap();
+        let first = storage.point_disk(&run, &store.runs(), "r1", "p1").unwrap();
+        std::fs::write(disk.join("a"), b"two").unwrap();
+        let second = storage.point_disk(&run, &store.runs(), "r1", "p2").unwrap();
+        assert_eq!(std::fs::read(first.join("a")).unwrap(), b"one");
+        assert_eq!(std::fs::read(second.join("a")).unwrap(), b"two");
+        assert!(changed_since(&second, created_transid(&first).unwrap()).unwrap());
+        assert!(
+            std::fs::write(first.join("b"), b"x").is_err(),
+            "a point is read-only"
+        );
+        assert_eq!(point_ids(&store.runs(), "r1"), ["p1", "p2"]);
+        assert_eq!(history_runs(&store.runs()), ["r1"]);
+        remove_point(&store.runs(), "r1", "p1").unwrap();
+        remove_point(&store.runs(), "r1", "p1").unwrap();
+        assert_eq!(point_ids(&store.runs(), "r1"), ["p2"]);
+        // The run's own removal never meets a read-only point.
+        storage.remove(&run).unwrap();
+        std::fs::remove_dir_all(&run).unwrap();
+        remove_history(&store.runs(), "r1").unwrap();
+        remove_history(&store.runs(), "r1").unwrap();
+        assert!(history_runs(&store.runs()).is_empty());
+        assert!(point_ids(&store.runs(), "r1").is_empty());
     }
 
     #[test]

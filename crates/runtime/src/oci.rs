@@ -1001,6 +1001,8 @@ impl Shared {
         // A disk stored with another range's ids (a fork's) holds that one.
         let stored = recorded_base(&dir.join(crate::storage::DISK_DIR)).unwrap_or(0);
         self.storage.remove(&dir)?;
+        // Its history points (kept beside the run directory) go with it.
+        crate::storage::remove_history(&self.state_dir.join("runs"), &id.to_string())?;
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -1354,6 +1356,15 @@ impl Lane for OciLane {
         let runs = lane.state_dir.join("runs");
         // Captures a dead daemon left half-used; none is in progress yet.
         crate::storage::remove_all_captures(&runs);
+        // History points of runs nobody claims.
+        for run in crate::storage::history_runs(&runs) {
+            let claimed = Ulid::from_string(&run).is_ok_and(|id| keep.contains(&id));
+            if !claimed {
+                if let Err(e) = crate::storage::remove_history(&runs, &run) {
+                    tracing::warn!(run = %run, error = %e, "could not remove a gone run's history");
+                }
+            }
+        }
         for entry in std::fs::read_dir(&runs)
             .map_err(LaneError::io(format!("reading {}", runs.display())))?
         {
@@ -1371,6 +1382,7 @@ impl Lane for OciLane {
                     || entry.file_name() == crate::storage::WARM_CACHE_DIR
                     || entry.file_name() == crate::storage::LAYERS_DIR
                     || entry.file_name() == crate::storage::VOLUMES_DIR
+                    || entry.file_name() == crate::storage::HISTORY_DIR
                     || entry.file_name() == runbox_host::datasets::DATASETS_DIR => {}
                 None => {
                     tracing::warn!(path = %entry.path().display(), "ignoring a stray entry in the runs directory")
