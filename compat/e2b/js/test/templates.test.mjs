@@ -2,10 +2,10 @@
 // a build with files, commands, a workdir and start/ready commands; a
 // failure in E2B's words; tags; a background build.
 import assert from "node:assert/strict";
-import { mkdirSync, mkdtempSync, symlinkSync, writeFileSync } from "node:fs";
+import { mkdirSync, mkdtempSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { test } from "node:test";
+import { after, test } from "node:test";
 
 import { Sandbox, Template } from "e2b";
 
@@ -15,8 +15,13 @@ useDaemon({ name: "e2bjst", octet: 243 });
 
 const unique = (prefix) => `${prefix}-${Math.random().toString(16).slice(2, 10)}`;
 
+// Every context made here is removed after the file's tests, pass or fail.
+const contexts = [];
+after(() => contexts.forEach((dir) => rmSync(dir, { recursive: true, force: true })));
+
 function context() {
   const dir = mkdtempSync(join(tmpdir(), "e2b-template-"));
+  contexts.push(dir);
   mkdirSync(join(dir, "folder"));
   writeFileSync(join(dir, "folder", "test.txt"), "This is a test file.");
   symlinkSync("test.txt", join(dir, "folder", "symlink.txt"));
