@@ -254,6 +254,11 @@ fn image_build(image: &Image) -> Option<String> {
         .map(build_uuid)
 }
 
+/// Whether `owner` may use `image`: a shared one (the operator's) or its own.
+fn visible(owner: &runbox_core::tenants::Owner, image: &Image) -> bool {
+    image.tenant.is_none() || owner.sees(image.tenant.as_deref())
+}
+
 /// A JSON body, read leniently (E2B's SDKs send fields runbox ignores).
 fn json_body<T: for<'de> Deserialize<'de>>(bytes: &Bytes) -> Result<T, E2bError> {
     serde_json::from_slice(bytes).map_err(|e| E2bError::bad(format!("Invalid request body: {e}")))
@@ -619,7 +624,7 @@ fn base_of<S: RunService>(
             .service
             .get_image(name)
             .ok()
-            .filter(|i| i.tenant.is_none() || owner.sees(i.tenant.as_deref()))
+            .filter(|i| visible(owner, i))
     };
     match (&body.from_template, &body.from_image) {
         (Some(template), _) => {
@@ -900,7 +905,7 @@ fn tagged<S: RunService>(
         .list_images()
         .unwrap_or_default()
         .into_iter()
-        .filter(|i| i.tenant.is_none() || owner.sees(i.tenant.as_deref()))
+        .filter(|i| visible(owner, i))
         .filter(|i| image_build(i).is_some())
         .filter_map(|i| {
             let tag = if i.name == alias {
@@ -938,9 +943,7 @@ async fn assign_tags<S: RunService>(
         .service
         .get_image(&source)
         .ok()
-        .filter(|i| {
-            (i.tenant.is_none() || owner.sees(i.tenant.as_deref())) && image_build(i).is_some()
-        })
+        .filter(|i| visible(&owner, i) && image_build(i).is_some())
         .ok_or_else(|| {
             E2bError::new(
                 StatusCode::NOT_FOUND,
