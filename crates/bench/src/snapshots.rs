@@ -282,6 +282,7 @@ pub async fn measure(
                     &ForkRequest {
                         count,
                         ttl_sec: None,
+                        point: None,
                     },
                 )
                 .await?;

@@ -204,6 +204,7 @@ mod tests {
 
     fn exit(exit_code: i32, reason: ExitReason) -> ExitEvent {
         ExitEvent {
+            point: None,
             exit_code,
             timed_out: reason == ExitReason::Timeout,
             signal: None,

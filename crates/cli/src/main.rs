@@ -27,6 +27,7 @@ mod cp;
 mod egress;
 mod exec;
 mod fs;
+mod history;
 mod image;
 mod image_build;
 #[cfg(feature = "daemon")]
@@ -126,8 +127,18 @@ enum Command {
     Move(runs::MoveArgs),
     /// Record a run's filesystem as a new image (the run keeps running)
     Snapshot(runs::SnapshotArgs),
-    /// Start new runs from a run's filesystem as it is now
+    /// Start new runs from a run's filesystem as it is now (or at a
+    /// history point, --point)
     Fork(runs::ForkArgs),
+    /// List a run's history points (runs created with --history N): one
+    /// after every command and file change that changed a file
+    History(history::HistoryArgs),
+    /// Show what a history point changed: paths added, modified, removed
+    /// (--patch for text diffs)
+    Diff(history::DiffArgs),
+    /// Return a run's files to a history point (its processes end, as at
+    /// a wake; later points are kept until the next change)
+    Rollback(history::RollbackArgs),
     /// Send a run's disk and settings to the server's checkpoint store (the
     /// run keeps running); `runbox run create --checkpoint ID` starts runs
     /// from it
@@ -243,6 +254,9 @@ async fn dispatch(command: Command) -> anyhow::Result<ExitCode> {
         Command::Move(args) => runs::move_runs(args).await,
         Command::Snapshot(args) => runs::snapshot(args).await,
         Command::Fork(args) => runs::fork(args).await,
+        Command::History(args) => history::history(args).await,
+        Command::Diff(args) => history::diff(args).await,
+        Command::Rollback(args) => history::rollback(args).await,
         Command::Checkpoint(args) => checkpoints::checkpoint(args).await,
         Command::Checkpoints(command) => checkpoints::run(command).await,
         Command::Lease(command) => lease::run(command).await,

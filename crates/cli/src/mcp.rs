@@ -498,6 +498,7 @@ impl Tools {
         let req = ForkRequest {
             count: p.count.unwrap_or(1),
             ttl_sec: p.ttl_sec,
+            point: None,
         };
         to_json(&self.client.fork_run(&p.run, &req).await.map_err(refused)?)
     }

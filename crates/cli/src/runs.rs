@@ -193,11 +193,21 @@ pub struct CreateArgs {
     /// path /volumes/NAME, default mode rw; repeatable, up to 8)
     #[arg(long = "volume", short = 'v', value_name = "NAME[:PATH][:ro]", value_parser = parse_volume)]
     pub volumes: Vec<runbox_types::VolumeMountRequest>,
+    /// Keep a history point after every command and file change, the
+    /// newest N of them, to diff and roll back to (0: none) [default: the
+    /// server's --history-keep]
+    #[arg(long, value_name = "N")]
+    pub history: Option<u32>,
     /// Print the whole run as JSON instead of its id
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
     pub conn: ConnectOpts,
+}
+
+/// A history point's id (a ULID).
+fn parse_point(raw: &str) -> Result<ulid::Ulid, String> {
+    runbox_types::parse_id(raw).ok_or_else(|| format!("{raw:?} is not a point id (a ULID)"))
 }
 
 impl CreateArgs {
@@ -263,6 +273,9 @@ impl CreateArgs {
             ),
             allow_privilege_escalation: self.allow_privilege_escalation.then_some(true),
             volumes: (!self.volumes.is_empty()).then(|| self.volumes.clone()),
+            history: self
+                .history
+                .map(|keep| runbox_types::HistorySettings { keep }),
         }
     }
 }
@@ -521,6 +534,9 @@ pub struct SnapshotArgs {
     /// Image name for the snapshot [default: a generated snap-…]
     #[arg(long)]
     pub name: Option<String>,
+    /// Snapshot the run's files as they were at this history point
+    #[arg(long, value_name = "POINT", value_parser = parse_point)]
+    pub point: Option<ulid::Ulid>,
     /// A label of the snapshot (repeatable), for GET /v1/snapshots?label=
     #[arg(long = "label", short = 'l', value_name = "K=V", value_parser = parse_env_var)]
     pub labels: Vec<EnvVar>,
@@ -542,6 +558,9 @@ pub struct ForkArgs {
     /// Each child's time to live in seconds [default: the server's]
     #[arg(long, value_name = "SECS")]
     pub ttl: Option<u64>,
+    /// Fork the run's files as they were at this history point
+    #[arg(long, value_name = "POINT", value_parser = parse_point)]
+    pub point: Option<ulid::Ulid>,
     /// Print the children as JSON instead of their ids
     #[arg(long)]
     pub json: bool,
@@ -785,6 +804,7 @@ pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
                 .map(|l| (l.name.clone(), l.value.clone()))
                 .collect()
         }),
+        point: args.point,
     };
     let snapshot = conn.check(conn.client.snapshot_run_with(&args.id, &req).await)?;
     if args.json {
@@ -801,6 +821,7 @@ pub async fn fork(args: ForkArgs) -> anyhow::Result<ExitCode> {
     let req = runbox_types::ForkRequest {
         count: args.count,
         ttl_sec: args.ttl,
+        point: args.point,
     };
     let forked = conn.check(conn.client.fork_run(&args.id, &req).await)?;
     if args.json {
@@ -1028,6 +1049,7 @@ mod tests {
             on_node_loss: Default::default(),
             recovered: None,
             idle: Default::default(),
+            history: None,
             restarts: 0,
             allow_privilege_escalation: false,
             volumes: Vec::new(),

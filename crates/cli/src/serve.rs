@@ -104,6 +104,13 @@ pub struct ServeArgs {
     /// Most children one fork may make.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=1024))]
     pub max_fork_count: u64,
+    /// History points a run keeps when its create names no `history`
+    /// (0: runs keep none unless they ask).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=10_000))]
+    pub history_keep: u32,
+    /// Most history points a create may ask a run to keep.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub max_history: u32,
     /// Most processes one run may ask for.
     #[arg(long, default_value_t = 32768)]
     pub max_pids: u64,
@@ -1093,6 +1100,7 @@ pub const LIVE_KEYS: &[&str] = &[
     "checkpoint_ttl_hours",
     "egress_class",
     "hibernated_retention_sec",
+    "history_keep",
     "idle_hibernate_sec",
     "idle_pause_sec",
     "insecure_registry",
@@ -1100,6 +1108,7 @@ pub const LIVE_KEYS: &[&str] = &[
     "max_cpus",
     "max_disk_mb",
     "max_fork_count",
+    "max_history",
     "max_memory_mb",
     "max_pids",
     "max_runs",
@@ -1120,6 +1129,8 @@ fn live_settings(current: &Config, args: &ServeArgs) -> Config {
     let mut config = current.clone();
     config.max_runs = args.max_runs;
     config.max_fork_count = args.max_fork_count as usize;
+    config.history_keep = args.history_keep;
+    config.max_history = args.max_history;
     config.max_limits = runbox_types::Limits {
         cpus: args.max_cpus,
         memory_mb: args.max_memory_mb,

@@ -236,6 +236,7 @@ mod tests {
             ExecEvent::Stdout(Bytes::from_static(b"hello\n")),
             ExecEvent::Stderr(Bytes::from_static(&[0xff, 0x00])),
             ExecEvent::Exit(ExitEvent {
+                point: None,
                 exit_code: 3,
                 timed_out: false,
                 signal: None,

@@ -298,6 +298,7 @@ impl Client {
         let req = runbox_types::SnapshotRequest {
             name: name.map(str::to_owned),
             labels: None,
+            point: None,
         };
         self.snapshot_run_with(id, &req).await
     }
@@ -369,6 +370,49 @@ impl Client {
             .send(self.request(Method::POST, &path).json(req))
             .await?;
         json(resp).await
+    }
+
+    /// `GET /v1/runs/{id}/history`: the run's history points, newest first.
+    pub async fn history(&self, id: &str) -> Result<runbox_types::HistoryList, ClientError> {
+        let path = format!("{}/history", run_path(id)?);
+        json(self.send(self.request(Method::GET, &path)).await?).await
+    }
+
+    /// `GET /v1/runs/{id}/history/{point}/diff`: what `point` changed
+    /// (against its parent, or `query.against`).
+    pub async fn history_diff(
+        &self,
+        id: &str,
+        point: &str,
+        query: &runbox_types::HistoryDiffQuery,
+    ) -> Result<runbox_types::HistoryDiff, ClientError> {
+        let mut route = format!(
+            "{}/history/{}/diff?limit={}",
+            run_path(id)?,
+            paths::segment("history point", point)?,
+            query.limit.unwrap_or(1000)
+        );
+        if let Some(against) = query.against {
+            route.push_str(&format!("&against={against}"));
+        }
+        if query.patch == Some(true) {
+            route.push_str("&patch=true");
+        }
+        json(self.send(self.request(Method::GET, &route)).await?).await
+    }
+
+    /// `POST /v1/runs/{id}/rollback`: returns the run's files to `point`.
+    pub async fn rollback(
+        &self,
+        id: &str,
+        req: &runbox_types::RollbackRequest,
+    ) -> Result<Run, ClientError> {
+        let path = format!("{}/rollback", run_path(id)?);
+        json(
+            self.send(self.request(Method::POST, &path).json(req))
+                .await?,
+        )
+        .await
     }
 
     /// `POST /v1/runs/{id}/warm-commit`: publishes the run's warm volume

@@ -223,7 +223,8 @@ impl Manager {
             source: None,
         };
         let taken = tokio::spawn(async move {
-            let (image, layer, bytes, frozen) = manager.capture_image(id, &name, base).await?;
+            let (image, layer, bytes, frozen) =
+                manager.capture_image(id, req.point, &name, base).await?;
             Ok(runbox_types::Snapshot {
                 image: image.name,
                 parent: record.image.clone(),
@@ -258,10 +259,14 @@ impl Manager {
     pub(crate) async fn capture_image(
         self: &Arc<Self>,
         id: ulid::Ulid,
+        point: Option<ulid::Ulid>,
         name: &str,
         base: crate::images::SnapshotBase,
     ) -> Result<(runbox_types::Image, String, u64, std::time::Duration), CoreError> {
-        let capture = self.capture(id, "snapshotted").await?;
+        let capture = match point {
+            Some(point) => self.point_capture(id, point).await?,
+            None => self.capture(id, "snapshotted").await?,
+        };
         let frozen = capture.frozen;
         // Where the storage can, the capture itself becomes the new
         // layer, in constant time: no tar is written or unpacked. A

@@ -32,6 +32,11 @@ pub struct Config {
     pub hibernated_retention: Duration,
     /// A run's idle policy when its create names none (zero: off).
     pub idle: runbox_types::IdlePolicy,
+    /// How many history points a run keeps when its create names no
+    /// `history` (0: none).
+    pub history_keep: u32,
+    /// The most history points a create may ask a run to keep.
+    pub max_history: u32,
     /// What happens to a run whose init exits on its own.
     pub restart_policy: RestartPolicy,
     /// How many runs may exist at once. runs may exist at once.
@@ -161,6 +166,8 @@ impl Config {
             paused_retention: Duration::from_secs(7 * 24 * 60 * 60),
             hibernated_retention: Duration::from_secs(7 * 24 * 60 * 60),
             idle: runbox_types::IdlePolicy::default(),
+            history_keep: 0,
+            max_history: 100,
             restart_policy: RestartPolicy::Cold,
             max_runs: 256,
             max_fork_count: 16,

@@ -308,6 +308,38 @@ impl std::fmt::Debug for Capture {
     }
 }
 
+/// Where a run's changes are counted from ([`Sandbox::keep_point`]): a
+/// storage transaction, and a time taken before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Since {
+    /// Changes in later transactions count.
+    pub transid: u64,
+    /// A time no later than that transaction: an inode whose change time
+    /// is earlier changed only its access time.
+    pub at: std::time::SystemTime,
+}
+
+/// A history point a lane kept ([`Sandbox::keep_point`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeptPoint {
+    /// The point.
+    pub id: Ulid,
+    /// The transaction it was made in: changes after it are newer.
+    pub transid: u64,
+    /// What the core said of it.
+    pub meta: Vec<u8>,
+}
+
+/// A run's history as its lane keeps it ([`Sandbox::points`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct History {
+    /// Its points, oldest first.
+    pub points: Vec<KeptPoint>,
+    /// The point its disk was last returned to, while later points are
+    /// kept; None: the newest.
+    pub head: Option<Ulid>,
+}
+
 /// What a local layer holds ([`Lane::keep_layer`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LayerSize {
@@ -484,6 +516,78 @@ pub trait Sandbox: Send + Sync {
     /// Lets a suspended run's processes go on.
     async fn resume(&self) -> Result<(), LaneError> {
         Err(LaneError::unsupported("resume a run"))
+    }
+
+    /// Keeps the run's disk as it is now as history point `point` of the
+    /// run, described by `meta` (the core's bytes, kept beside it), unless
+    /// nothing in the run's files changed after `since` (a point's
+    /// [`KeptPoint::transid`] or [`Sandbox::settle_history`]'s answer):
+    /// then nothing is kept and the answer is None. Constant time where the
+    /// storage snapshots; the run is not frozen (a point is the files as
+    /// they are at one instant).
+    async fn keep_point(
+        &self,
+        point: Ulid,
+        since: Option<Since>,
+        meta: Vec<u8>,
+    ) -> Result<Option<KeptPoint>, LaneError> {
+        let _ = (point, since, meta);
+        Err(LaneError::unsupported("keep history points"))
+    }
+
+    /// Commits what the run's disk holds now and answers the transaction
+    /// after which a change is the run's own: called when a run with
+    /// history comes up (the lane's own writes while booting are not the
+    /// run's changes).
+    async fn settle_history(&self) -> Result<u64, LaneError> {
+        Err(LaneError::unsupported("keep history points"))
+    }
+
+    /// The run's history points, oldest first (half-made ones left out),
+    /// and the point its disk was last returned to while later ones are
+    /// kept.
+    fn points(&self) -> History {
+        History::default()
+    }
+
+    /// Replaces what is said of point `point`.
+    fn describe_point(&self, point: Ulid, meta: Vec<u8>) -> Result<(), LaneError> {
+        let _ = (point, meta);
+        Err(LaneError::unsupported("keep history points"))
+    }
+
+    /// Records the point the run's disk was last returned to (None: the
+    /// newest).
+    fn set_history_head(&self, point: Option<Ulid>) -> Result<(), LaneError> {
+        let _ = point;
+        Err(LaneError::unsupported("keep history points"))
+    }
+
+    /// Deletes point `point`; nothing to do when it is gone.
+    async fn drop_point(&self, point: Ulid) -> Result<(), LaneError> {
+        let _ = point;
+        Err(LaneError::unsupported("keep history points"))
+    }
+
+    /// Point `point` as a [`Capture`] (for a snapshot or a fork of it):
+    /// nothing is frozen or copied, and dropping it keeps the point.
+    fn point_capture(&self, point: Ulid) -> Result<Capture, LaneError> {
+        let _ = point;
+        Err(LaneError::unsupported("keep history points"))
+    }
+
+    /// Bytes the run's history holds beyond its disk (what its points
+    /// alone keep), where that is counted.
+    fn history_bytes(&self) -> Option<u64> {
+        None
+    }
+
+    /// Makes a hibernated run's disk what it was at point `point` (the
+    /// point is kept). Crash-safe: the old disk is replaced only once the
+    /// new one is whole. The run is booted with [`Lane::boot`] after.
+    async fn restore_point(&self, point: Ulid) -> Result<(), LaneError> {
+        let _ = point;
+        Err(LaneError::unsupported("roll a run back"))
     }
 
     /// Stops the run down to its disk: its processes (suspended or not),

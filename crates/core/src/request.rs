@@ -13,10 +13,10 @@
 use async_trait::async_trait;
 use runbox_types::{
     Checkpoint, CheckpointRequest, ExecRequest, FileInfo, FileList, ForkRequest, ForkResponse,
-    FsQuery, Lease, LeaseReleaseRequest, LeaseRenewRequest, LeaseRequest, MakeDirRequest,
-    MoveRequest, Preview, PreviewRequest, Process, ProcessList, RemoveReply, RemoveRequest, Run,
-    SignalRequest, Snapshot, SnapshotRequest, UpdateEgressRequest, WarmCommit, WarmCommitRequest,
-    WarmStatus,
+    FsQuery, HistoryDiff, HistoryDiffQuery, HistoryList, Lease, LeaseReleaseRequest,
+    LeaseRenewRequest, LeaseRequest, MakeDirRequest, MoveRequest, Preview, PreviewRequest, Process,
+    ProcessList, RemoveReply, RemoveRequest, RollbackRequest, Run, SignalRequest, Snapshot,
+    SnapshotRequest, UpdateEgressRequest, WarmCommit, WarmCommitRequest, WarmStatus,
 };
 use serde::{Deserialize, Serialize};
 use ulid::Ulid;
@@ -103,6 +103,15 @@ pub enum RunRequest {
     },
     /// Mint a preview URL for a port.
     MintPreview { req: PreviewRequest },
+    /// Its history points.
+    History,
+    /// What one of its history points changed.
+    HistoryDiff {
+        point: Ulid,
+        query: HistoryDiffQuery,
+    },
+    /// Return its files to a history point.
+    Rollback { req: RollbackRequest },
 }
 
 impl RunRequest {
@@ -139,6 +148,9 @@ impl RunRequest {
             RunRequest::SendInput { .. } => "sendInput",
             RunRequest::ResizeProcess { .. } => "resizeProcess",
             RunRequest::MintPreview { .. } => "mintPreview",
+            RunRequest::History => "history",
+            RunRequest::HistoryDiff { .. } => "historyDiff",
+            RunRequest::Rollback { .. } => "rollback",
         }
     }
 }
@@ -162,6 +174,8 @@ pub enum RunReply {
     Process(Box<Process>),
     Processes(ProcessList),
     Preview(Preview),
+    History(HistoryList),
+    HistoryDiff(Box<HistoryDiff>),
 }
 
 /// A value a [`RunReply`] carries, taken out of it.
@@ -206,6 +220,8 @@ from_reply! {
     Process => Process(Box),
     ProcessList => Processes,
     Preview => Preview,
+    HistoryList => History,
+    HistoryDiff => HistoryDiff(Box),
 }
 
 impl FromReply for () {

@@ -216,6 +216,30 @@ pub trait RunService: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<runbox_types::ForkResponse, CoreError>> + Send {
         crate::request::ask(self.call(id, RunRequest::Fork { req }))
     }
+    /// A run's history points, newest first.
+    fn history(
+        &self,
+        id: Ulid,
+    ) -> impl Future<Output = Result<runbox_types::HistoryList, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::History))
+    }
+    /// What a history point changed.
+    fn history_diff(
+        &self,
+        id: Ulid,
+        point: Ulid,
+        query: runbox_types::HistoryDiffQuery,
+    ) -> impl Future<Output = Result<runbox_types::HistoryDiff, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::HistoryDiff { point, query }))
+    }
+    /// Returns a run's files to a history point.
+    fn rollback(
+        &self,
+        id: Ulid,
+        req: runbox_types::RollbackRequest,
+    ) -> impl Future<Output = Result<Run, CoreError>> + Send {
+        crate::request::ask(self.call(id, RunRequest::Rollback { req }))
+    }
     /// Snapshots a run into a new image.
     fn snapshot(
         &self,

@@ -103,6 +103,9 @@ pub struct RunRecord {
     /// filled in at create; zero is off).
     #[serde(default)]
     pub idle: runbox_types::IdlePolicy,
+    /// Its history settings (None: it keeps no history).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<runbox_types::HistorySettings>,
     /// How many times the restart policy booted it again.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub restarts: u32,
@@ -224,6 +227,7 @@ impl RunRecord {
             on_node_loss: self.on_node_loss,
             recovered: self.recovered.clone(),
             idle: self.idle,
+            history: self.history,
             restarts: self.restarts,
             allow_privilege_escalation: self.allow_privilege_escalation,
             volumes: self.volumes.iter().map(|v| v.to_api()).collect(),
@@ -404,6 +408,7 @@ mod tests {
             expired: false,
             pool: None,
             idle: Default::default(),
+            history: None,
             restarts: 0,
             restarted_at: None,
             archived_at: None,

@@ -304,6 +304,28 @@ pub fn ttl(req: Option<u64>, default: Duration, max: Duration) -> Result<Duratio
 /// The longest idle interval a run may ask for: a year.
 pub const MAX_IDLE_SEC: u64 = 365 * 24 * 3600;
 
+/// A create's history settings: the request's, else the server's
+/// `default` keep; a keep of 0 is none, above `max` refused.
+pub fn history(
+    req: Option<runbox_types::HistorySettings>,
+    default: u32,
+    max: u32,
+) -> Result<Option<runbox_types::HistorySettings>, CoreError> {
+    match req {
+        Some(h) if h.keep > max => Err(CoreError::invalid(
+            ErrorCode::BadHistory,
+            format!(
+                "history.keep must be at most {max} (--max-history), not {}; 0 turns history off",
+                h.keep
+            ),
+        )),
+        Some(h) => Ok((h.keep > 0).then_some(h)),
+        None => Ok((default > 0).then_some(runbox_types::HistorySettings {
+            keep: default.min(max),
+        })),
+    }
+}
+
 /// A create's idle policy with the server's `default` filled in where it
 /// names nothing; zero (off) is kept as nothing.
 pub fn idle(

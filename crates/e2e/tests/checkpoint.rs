@@ -763,6 +763,7 @@ async fn archives_chain_with_warm_volumes_snapshots_forks_and_a_kill_9() {
             &runbox_types::ForkRequest {
                 count: 2,
                 ttl_sec: None,
+                point: None,
             },
         )
         .await

@@ -32,6 +32,7 @@ async fn four_children_start_from_the_parent_and_then_go_their_own_ways() {
             &ForkRequest {
                 count: 4,
                 ttl_sec: Some(600),
+                point: None,
             },
         )
         .await
@@ -111,6 +112,7 @@ async fn bad_forks_are_refused_and_make_nothing() {
                 &ForkRequest {
                     count,
                     ttl_sec: None,
+                    point: None,
                 },
             )
             .await
@@ -124,6 +126,7 @@ async fn bad_forks_are_refused_and_make_nothing() {
             &ForkRequest {
                 count: 1,
                 ttl_sec: None,
+                point: None,
             },
         )
         .await
@@ -138,6 +141,7 @@ async fn bad_forks_are_refused_and_make_nothing() {
             &ForkRequest {
                 count: 3,
                 ttl_sec: None,
+                point: None,
             },
         )
         .await

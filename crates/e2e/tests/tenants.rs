@@ -843,6 +843,7 @@ async fn a_label_selector_lists_exactly_the_runs_it_names() {
                 .map(|(k, v)| ((*k).into(), (*v).into()))
                 .collect(),
         ),
+        point: None,
     };
     let taken = a
         .snapshot_run_with(&mine.id.to_string(), &snap(&[("team", "a")], "snap-a"))

@@ -480,6 +480,7 @@ async fn a_warm_run_forks_and_snapshots_with_its_volume() {
             &runbox_types::ForkRequest {
                 count: 2,
                 ttl_sec: None,
+                point: None,
             },
         )
         .await

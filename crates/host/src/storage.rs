@@ -280,6 +280,17 @@ impl RunStorage {
         run_dir: &Path,
         limit: Option<u64>,
     ) -> Result<PathBuf, LaneError> {
+        self.clone_disk_as(seed, run_dir, DISK_DIR, limit)
+    }
+
+    /// [`RunStorage::clone_disk`] into `<run_dir>/<name>`.
+    fn clone_disk_as(
+        &self,
+        seed: &Path,
+        run_dir: &Path,
+        name: &str,
+        limit: Option<u64>,
+    ) -> Result<PathBuf, LaneError> {
         match (&self.kind, limit) {
             (Kind::Plain { why }, _) | (Kind::Subvolumes { why }, Some(_)) => {
                 return Err(LaneError::Unsupported(why.clone()))
@@ -290,14 +301,10 @@ impl RunStorage {
             open_dir(seed).map_err(LaneError::io(format!("opening {}", seed.display())))?;
         let parent =
             open_dir(run_dir).map_err(LaneError::io(format!("opening {}", run_dir.display())))?;
-        let disk = run_dir.join(DISK_DIR);
-        snapshot_subvolume_with(&source, &parent, OsStr::new(DISK_DIR), 0).map_err(
-            LaneError::io(format!(
-                "cloning {} into {}",
-                seed.display(),
-                disk.display()
-            )),
-        )?;
+        let disk = run_dir.join(name);
+        snapshot_subvolume_with(&source, &parent, OsStr::new(name), 0).map_err(LaneError::io(
+            format!("cloning {} into {}", seed.display(), disk.display()),
+        ))?;
         let fresh = (|| {
             if let Some(bytes) = limit {
                 limit_subvolume(&open_dir(&disk)?, bytes)?;
@@ -311,10 +318,88 @@ impl RunStorage {
             std::fs::create_dir(&work)
         })();
         if let Err(e) = fresh {
-            let _ = destroy_subvolume(&parent, OsStr::new(DISK_DIR));
+            let _ = destroy_subvolume(&parent, OsStr::new(name));
             return Err(LaneError::io(format!("preparing {}", disk.display()))(e));
         }
         Ok(disk)
+    }
+}
+
+/// Where a disk being put in place by [`RunStorage::replace_disk`] is made.
+const NEW_DISK_DIR: &str = "disk.new";
+
+/// Where the disk [`RunStorage::replace_disk`] replaces waits for its
+/// removal.
+const OLD_DISK_DIR: &str = "disk.old";
+
+impl RunStorage {
+    /// Makes `<run_dir>/disk` a writable copy of `seed` (a history point),
+    /// with the limit the old disk had, in constant time. Crash-safe: the
+    /// copy is made beside the disk and swapped in by two renames; a crash
+    /// anywhere leaves either the old disk or the new one, which
+    /// [`RunStorage::settle_disk`] (called first here, and by every boot and
+    /// removal) sorts out.
+    pub fn replace_disk(&self, seed: &Path, run_dir: &Path) -> Result<(), LaneError> {
+        self.settle_disk(run_dir)?;
+        let disk = run_dir.join(DISK_DIR);
+        let limit = self.subvolume_limit(&disk);
+        let (new, old) = (run_dir.join(NEW_DISK_DIR), run_dir.join(OLD_DISK_DIR));
+        self.clone_disk_as(seed, run_dir, NEW_DISK_DIR, limit)?;
+        std::fs::rename(&disk, &old)
+            .map_err(LaneError::io(format!("moving {} aside", disk.display())))?;
+        std::fs::rename(&new, &disk)
+            .map_err(LaneError::io(format!("putting {} in place", new.display())))?;
+        self.settle_disk(run_dir)
+    }
+
+    /// Finishes a [`RunStorage::replace_disk`] a crash cut short: a new
+    /// disk that was whole but not in place yet is put in place; what is
+    /// left of the other is removed.
+    pub fn settle_disk(&self, run_dir: &Path) -> Result<(), LaneError> {
+        let (disk, new) = (run_dir.join(DISK_DIR), run_dir.join(NEW_DISK_DIR));
+        if !disk.exists() && new.exists() {
+            std::fs::rename(&new, &disk)
+                .map_err(LaneError::io(format!("putting {} in place", new.display())))?;
+        }
+        for name in [NEW_DISK_DIR, OLD_DISK_DIR] {
+            let path = run_dir.join(name);
+            match std::fs::symlink_metadata(&path) {
+                Ok(meta) if meta.is_dir() && is_subvolume_root(&meta) => {
+                    let parent = open_dir(run_dir)
+                        .map_err(LaneError::io(format!("opening {}", run_dir.display())))?;
+                    destroy_subvolume(&parent, OsStr::new(name)).map_err(LaneError::io(
+                        format!("deleting the btrfs subvolume {}", path.display()),
+                    ))?;
+                }
+                Ok(_) => std::fs::remove_dir_all(&path)
+                    .map_err(LaneError::io(format!("removing {}", path.display())))?,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(LaneError::io(format!("reading {}", path.display()))(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The limit on the subvolume at `path`'s qgroup, if it has one.
+    fn subvolume_limit(&self, path: &Path) -> Option<u64> {
+        let Kind::Quota { qgroups } = &self.kind else {
+            return None;
+        };
+        let id = subvolume_id(&open_dir(path).ok()?).ok()?;
+        let text = std::fs::read_to_string(qgroups.join(format!("0_{id}/max_referenced"))).ok()?;
+        // "none" when unlimited.
+        text.trim().parse().ok()
+    }
+
+    /// Bytes only the subvolume at `path` holds (what removing it would
+    /// free), as its qgroup counts them; None where nothing counts them.
+    pub fn exclusive_bytes(&self, path: &Path) -> Option<u64> {
+        let Kind::Quota { qgroups } = &self.kind else {
+            return None;
+        };
+        let id = subvolume_id(&open_dir(path).ok()?).ok()?;
+        let text = std::fs::read_to_string(qgroups.join(format!("0_{id}/exclusive"))).ok()?;
+        text.trim().parse().ok()
     }
 }
 
@@ -567,15 +652,81 @@ pub fn remove_capture(runs: &Path, name: &str) -> Result<(), LaneError> {
 /// that never meets a read-only subvolume.
 pub const HISTORY_DIR: &str = ".history";
 
-/// Deletes point `point` of run `run`; nothing to do when it is gone.
+/// The file beside a point holding what the core says of it (its cause,
+/// its summary): `<point>.json`. A point without one is half-made (the
+/// daemon died between the snapshot and this file) and is never listed.
+fn point_meta_path(runs: &Path, run: &str, point: &str) -> PathBuf {
+    runs.join(HISTORY_DIR)
+        .join(run)
+        .join(format!("{point}.json"))
+}
+
+/// Deletes point `point` of run `run` and what is said of it; nothing to
+/// do when it is gone.
 pub fn remove_point(runs: &Path, run: &str, point: &str) -> Result<(), LaneError> {
-    remove_subvolume_in(&runs.join(HISTORY_DIR).join(run), point, "history point")
+    remove_subvolume_in(&runs.join(HISTORY_DIR).join(run), point, "history point")?;
+    let meta = point_meta_path(runs, run, point);
+    match std::fs::remove_file(&meta) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(LaneError::io(format!("removing {}", meta.display()))(e)),
+    }
 }
 
 /// The points kept for run `run`, by name, sorted (point names are ULIDs,
-/// so oldest first).
+/// so oldest first), whether or not their description was written.
 pub fn point_ids(runs: &Path, run: &str) -> Vec<String> {
-    names_in(&runs.join(HISTORY_DIR).join(run))
+    let dir = runs.join(HISTORY_DIR).join(run);
+    names_in(&dir)
+        .into_iter()
+        .filter(|name| !name.contains('.') && dir.join(name).is_dir())
+        .collect()
+}
+
+/// Writes what is said of point `point` (replacing it whole: a reader sees
+/// the old text or the new, never part of one).
+pub fn write_point_meta(runs: &Path, run: &str, point: &str, meta: &[u8]) -> io::Result<()> {
+    let path = point_meta_path(runs, run, point);
+    let partial = path.with_extension("json.partial");
+    std::fs::write(&partial, meta)?;
+    std::fs::rename(&partial, &path)
+}
+
+/// What is said of point `point`; None for a half-made or missing one.
+pub fn point_meta(runs: &Path, run: &str, point: &str) -> Option<Vec<u8>> {
+    std::fs::read(point_meta_path(runs, run, point)).ok()
+}
+
+/// The file naming the point a run's disk was last returned to, while
+/// points after that one are kept (see [`write_history_head`]).
+const HEAD_FILE: &str = "head";
+
+/// Records `point` as the one run `run`'s disk was returned to (None: the
+/// newest point is, the usual case).
+pub fn write_history_head(runs: &Path, run: &str, point: Option<&str>) -> io::Result<()> {
+    let dir = runs.join(HISTORY_DIR).join(run);
+    let path = dir.join(HEAD_FILE);
+    match point {
+        Some(point) => {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .recursive(true)
+                .create(&dir)?;
+            let partial = dir.join("head.partial");
+            std::fs::write(&partial, point)?;
+            std::fs::rename(&partial, &path)
+        }
+        None => match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        },
+    }
+}
+
+/// The point run `run`'s disk was last returned to, if one is recorded.
+pub fn history_head(runs: &Path, run: &str) -> Option<String> {
+    let text = std::fs::read_to_string(runs.join(HISTORY_DIR).join(run).join(HEAD_FILE)).ok()?;
+    Some(text.trim().to_owned())
 }
 
 /// The runs that have a history directory.
@@ -589,8 +740,9 @@ pub fn remove_history(runs: &Path, run: &str) -> Result<(), LaneError> {
     for point in point_ids(runs, run) {
         remove_point(runs, run, &point)?;
     }
+    // What is left is plain files (descriptions, the head).
     let dir = runs.join(HISTORY_DIR).join(run);
-    match std::fs::remove_dir(&dir) {
+    match std::fs::remove_dir_all(&dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(LaneError::io(format!("removing {}", dir.display()))(e)),
@@ -639,7 +791,9 @@ pub fn provision_loop(image: &Path, size: u64, mount_at: &Path) -> Result<(), St
             make_image(image, size)?;
         }
         let out = Command::new("mount")
-            .args(["-t", "btrfs", "-o", "loop"])
+            // No access-time writes: reading a run's files changes
+            // nothing on its disk (its history sees only real changes).
+            .args(["-t", "btrfs", "-o", "loop,noatime"])
             .arg(image)
             .arg(mount_at)
             .output()
@@ -931,6 +1085,31 @@ pub fn created_transid(path: &Path) -> io::Result<u64> {
     Ok(args.otransid)
 }
 
+/// The last transaction that changed subvolume `path`, once everything
+/// written to the filesystem so far is committed: a later
+/// [`changed_since`] of a snapshot of it against this sees only what was
+/// written after this call. Costs a commit of the filesystem (a few ms on
+/// an idle one).
+pub fn settled_transid(path: &Path) -> io::Result<u64> {
+    let dir = open_dir(path)?;
+    // SAFETY: syncfs on a valid descriptor.
+    if unsafe { libc::syncfs(dir.as_raw_fd()) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: all zeroes is a valid btrfs_ioctl_get_subvol_info_args
+    // (plain data).
+    let mut args: sys::btrfs_ioctl_get_subvol_info_args = unsafe { std::mem::zeroed() };
+    // SAFETY: GET_SUBVOL_INFO fills `args` for the fd's subvolume.
+    unsafe {
+        ioctl(
+            &dir,
+            linux_raw_sys::ioctl::BTRFS_IOC_GET_SUBVOL_INFO,
+            &mut args,
+        )
+    }?;
+    Ok(args.generation)
+}
+
 /// Whether anything in subvolume `path` was changed in a transaction
 /// after `transid`: a file's data (an extent's generation), an inode (its
 /// contents, size, mode, owner, links or times: the inode item's
@@ -944,8 +1123,33 @@ pub fn created_transid(path: &Path) -> io::Result<u64> {
 /// tree, and stops at the first change. Reading a file can update its
 /// access time, which counts as a change (relatime: at most once a day
 /// per file, or when it was modified since).
-pub fn changed_since(path: &Path, transid: u64) -> io::Result<bool> {
+///
+/// Items of the inodes in `ignore` do not count (a directory the storage
+/// itself churns, such as overlayfs' scratch directory, and the
+/// subvolume's root, whose only entries are those). With `after` (a
+/// time taken before the predecessor was made), an inode whose change
+/// time is not later does not count either: only its access time moved
+/// (a file or directory read for the first time since it was written,
+/// under `relatime`).
+pub fn changed_since(
+    path: &Path,
+    transid: u64,
+    ignore: &[u64],
+    after: Option<std::time::SystemTime>,
+) -> io::Result<bool> {
     let dir = open_dir(path)?;
+    let after = after.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
+    // An inode item's ctime (a btrfs_timespec at byte 124: seconds, then
+    // nanoseconds), against `after`.
+    let ctime_moved = |data: &[u8]| -> bool {
+        let Some(after) = after else { return true };
+        let (Some(secs), Some(nanos)) = (data.get(124..132), data.get(132..136)) else {
+            return true;
+        };
+        let secs = u64::from_le_bytes(secs.try_into().unwrap_or_default());
+        let nanos = u32::from_le_bytes(nanos.try_into().unwrap_or_default());
+        std::time::Duration::new(secs, nanos.min(999_999_999)) >= after
+    };
     // The item's own transid, where its layout has one.
     let item_transid = |kind: u32, data: &[u8]| -> Option<u64> {
         let at = match kind {
@@ -1000,7 +1204,10 @@ pub fn changed_since(path: &Path, transid: u64) -> io::Result<bool> {
                     "a tree search answer ended inside an item",
                 ));
             };
-            if item_transid(kind, data).is_some_and(|t| t > transid) {
+            let newer = !ignore.contains(&objectid)
+                && item_transid(kind, data).is_some_and(|t| t > transid)
+                && (kind != sys::BTRFS_INODE_ITEM_KEY || ctime_moved(data));
+            if newer {
                 return Ok(true);
             }
             last = (objectid, kind, offset);
@@ -1127,7 +1334,8 @@ mod tests {
         let mut changed = |change: &dyn Fn()| {
             change();
             let next = snap();
-            let answer = changed_since(&next, created_transid(&previous).unwrap()).unwrap();
+            let answer =
+                changed_since(&next, created_transid(&previous).unwrap(), &[], None).unwrap();
             previous = next;
             answer
         };
@@ -1169,6 +1377,82 @@ mod tests {
     }
 
     #[test]
+    fn changes_to_ignored_inodes_and_before_settling_do_not_count() {
+        use std::os::unix::fs::MetadataExt;
+        let store = Store::new();
+        let storage = RunStorage::detect(&store.runs());
+        let run = store.runs().join("r1");
+        std::fs::create_dir(&run).unwrap();
+        let disk = storage.create(&run, None).unwrap();
+        std::fs::create_dir(disk.join("scratch")).unwrap();
+        std::fs::create_dir(disk.join("upper")).unwrap();
+        let first = storage.snapshot_disk(&run, &store.runs(), "p1").unwrap();
+        // Churn in the scratch directory (a file made and removed) and in
+        // the root's entries.
+        std::fs::write(disk.join("scratch/tmp"), b"x").unwrap();
+        std::fs::remove_file(disk.join("scratch/tmp")).unwrap();
+        let ignore = [
+            std::fs::metadata(&disk).unwrap().ino(),
+            std::fs::metadata(disk.join("scratch")).unwrap().ino(),
+        ];
+        let second = storage.snapshot_disk(&run, &store.runs(), "p2").unwrap();
+        let since = created_transid(&first).unwrap();
+        assert!(changed_since(&second, since, &[], None).unwrap());
+        assert!(!changed_since(&second, since, &ignore, None).unwrap());
+        // What was written before a settle is older than it.
+        std::fs::write(disk.join("upper/boot"), b"x").unwrap();
+        let settled = settled_transid(&disk).unwrap();
+        let third = storage.snapshot_disk(&run, &store.runs(), "p3").unwrap();
+        assert!(!changed_since(&third, settled, &ignore, None).unwrap());
+        std::fs::write(disk.join("upper/later"), b"x").unwrap();
+        let fourth = storage.snapshot_disk(&run, &store.runs(), "p4").unwrap();
+        assert!(changed_since(&fourth, settled, &ignore, None).unwrap());
+        for name in ["p1", "p2", "p3", "p4"] {
+            remove_capture(&store.runs(), name).unwrap();
+        }
+    }
+
+    #[test]
+    fn an_access_time_alone_is_no_change() {
+        let store = Store::new();
+        // The store is mounted noatime; here every read writes its access
+        // time, as the first read after a write does under relatime.
+        let remount = Command::new("mount")
+            .args(["-o", "remount,strictatime"])
+            .arg(store.runs())
+            .status()
+            .unwrap();
+        assert!(remount.success());
+        let storage = RunStorage::detect(&store.runs());
+        let run = store.runs().join("r1");
+        std::fs::create_dir(&run).unwrap();
+        let disk = storage.create(&run, None).unwrap();
+        std::fs::create_dir(disk.join("d")).unwrap();
+        std::fs::write(disk.join("d/f"), b"x").unwrap();
+        let before = std::time::SystemTime::now();
+        let first = storage.snapshot_disk(&run, &store.runs(), "p1").unwrap();
+        // First reads since the writes: relatime updates both atimes.
+        let _ = std::fs::read_dir(disk.join("d")).unwrap().count();
+        let _ = std::fs::read(disk.join("d/f")).unwrap();
+        let second = storage.snapshot_disk(&run, &store.runs(), "p2").unwrap();
+        let since = created_transid(&first).unwrap();
+        assert!(
+            changed_since(&second, since, &[], None).unwrap(),
+            "atime moved"
+        );
+        assert!(!changed_since(&second, since, &[], Some(before)).unwrap());
+        // A real change after it still counts.
+        let after = std::time::SystemTime::now();
+        std::fs::write(disk.join("d/f"), b"y").unwrap();
+        let third = storage.snapshot_disk(&run, &store.runs(), "p3").unwrap();
+        let since = created_transid(&second).unwrap();
+        assert!(changed_since(&third, since, &[], Some(after)).unwrap());
+        for name in ["p1", "p2", "p3"] {
+            remove_capture(&store.runs(), name).unwrap();
+        }
+    }
+
+    #[test]
     fn history_points_are_kept_listed_and_removed() {
         let store = Store::new();
         let storage = RunStorage::detect(&store.runs());
@@ -1181,15 +1465,25 @@ mod tests {
         let second = storage.point_disk(&run, &store.runs(), "r1", "p2").unwrap();
         assert_eq!(std::fs::read(first.join("a")).unwrap(), b"one");
         assert_eq!(std::fs::read(second.join("a")).unwrap(), b"two");
-        assert!(changed_since(&second, created_transid(&first).unwrap()).unwrap());
+        assert!(changed_since(&second, created_transid(&first).unwrap(), &[], None).unwrap());
         assert!(
             std::fs::write(first.join("b"), b"x").is_err(),
             "a point is read-only"
         );
+        write_point_meta(&store.runs(), "r1", "p1", b"{\"n\":1}").unwrap();
+        write_history_head(&store.runs(), "r1", Some("p1")).unwrap();
+        assert_eq!(history_head(&store.runs(), "r1").as_deref(), Some("p1"));
+        // Descriptions and the head are not points.
         assert_eq!(point_ids(&store.runs(), "r1"), ["p1", "p2"]);
+        assert_eq!(point_meta(&store.runs(), "r1", "p1").unwrap(), b"{\"n\":1}");
+        assert_eq!(point_meta(&store.runs(), "r1", "p2"), None, "half-made");
         assert_eq!(history_runs(&store.runs()), ["r1"]);
+        write_history_head(&store.runs(), "r1", None).unwrap();
+        write_history_head(&store.runs(), "r1", None).unwrap();
+        assert_eq!(history_head(&store.runs(), "r1"), None);
         remove_point(&store.runs(), "r1", "p1").unwrap();
         remove_point(&store.runs(), "r1", "p1").unwrap();
+        assert_eq!(point_meta(&store.runs(), "r1", "p1"), None);
         assert_eq!(point_ids(&store.runs(), "r1"), ["p2"]);
         // The run's own removal never meets a read-only point.
         storage.remove(&run).unwrap();

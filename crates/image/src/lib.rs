@@ -8,6 +8,7 @@
 //! It owns image bytes on disk and nothing about runs.
 
 pub mod capture;
+pub mod diff;
 pub mod layout;
 pub mod pull;
 pub mod store;

@@ -70,8 +70,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use runbox_core::lane::{
-    AgentEndpoint, Capabilities, Capture, ExitWatch, Lane, LaneError, Sandbox, SandboxSpec,
-    Support, VolumeBind,
+    AgentEndpoint, Capabilities, Capture, ExitWatch, History, KeptPoint, Lane, LaneError, Sandbox,
+    SandboxSpec, Since, Support, VolumeBind,
 };
 use runbox_core::runs::error_chain;
 use runbox_core::telemetry::Laps;
@@ -374,6 +374,8 @@ impl Shared {
         }
         // 1. The directory, which runtime owns the run, and its tier.
         if boot {
+            // A rollback a crash cut short is finished first.
+            self.storage.settle_disk(&dir)?;
             if !dir.join(crate::storage::DISK_DIR).is_dir() {
                 return Err(LaneError::Failed(format!(
                     "run {id}'s disk is gone; it cannot be booted again"
@@ -1000,6 +1002,9 @@ impl Shared {
             .and_then(|t| t.trim().parse::<u32>().ok());
         // A disk stored with another range's ids (a fork's) holds that one.
         let stored = recorded_base(&dir.join(crate::storage::DISK_DIR)).unwrap_or(0);
+        if dir.is_dir() {
+            self.storage.settle_disk(&dir)?;
+        }
         self.storage.remove(&dir)?;
         // Its history points (kept beside the run directory) go with it.
         crate::storage::remove_history(&self.state_dir.join("runs"), &id.to_string())?;
@@ -1363,6 +1368,15 @@ impl Lane for OciLane {
                 if let Err(e) = crate::storage::remove_history(&runs, &run) {
                     tracing::warn!(run = %run, error = %e, "could not remove a gone run's history");
                 }
+                continue;
+            }
+            // Points a dead daemon made but never described: half-made.
+            for point in crate::storage::point_ids(&runs, &run) {
+                if crate::storage::point_meta(&runs, &run, &point).is_none() {
+                    if let Err(e) = crate::storage::remove_point(&runs, &run, &point) {
+                        tracing::warn!(run = %run, point = %point, error = %e, "could not remove a half-made history point");
+                    }
+                }
             }
         }
         for entry in std::fs::read_dir(&runs)
@@ -1467,25 +1481,68 @@ impl OciSandbox {
             let _ = crate::storage::remove_capture(&runs, &name);
             return Err(e);
         }
-        // What the runtime put in the run's layer for the run's own mounts:
-        // the agent's directory always, the files only where they are
-        // mounted (elsewhere the same path is the run's own file).
-        let mut injected = vec![".runbox".to_owned()];
-        if dir.join("trust.pem").exists() {
-            injected.push(TRUST_BUNDLE_PATH.trim_start_matches('/').to_owned());
-        }
-        if dir.join("resolv.conf").exists() {
-            injected.push(RESOLV_CONF_PATH.trim_start_matches('/').to_owned());
-        }
         let warm_upper = copy.join(WARM_DIR).join("upper");
         let warm_upper = warm_upper.is_dir().then_some(warm_upper);
-        Ok(Capture::new(copy.join("upper"), injected, frozen, move || {
-            if let Err(e) = crate::storage::remove_capture(&runs, &name) {
-                tracing::warn!(error = %e, capture = %name, "could not remove a capture");
-            }
-        })
+        Ok(Capture::new(
+            copy.join("upper"),
+            injected_paths(&dir),
+            frozen,
+            move || {
+                if let Err(e) = crate::storage::remove_capture(&runs, &name) {
+                    tracing::warn!(error = %e, capture = %name, "could not remove a capture");
+                }
+            },
+        )
         .with_warm_upper(warm_upper))
     }
+
+    fn runs(&self) -> PathBuf {
+        self.lane.state_dir.join("runs")
+    }
+
+    fn point_dir(&self, point: Ulid) -> PathBuf {
+        self.runs()
+            .join(crate::storage::HISTORY_DIR)
+            .join(self.id.to_string())
+            .join(point.to_string())
+    }
+}
+
+/// What the runtime put in run directory `dir`'s layer for the run's own
+/// mounts: the agent's directory always, the files only where they are
+/// mounted (elsewhere the same path is the run's own file). Never part of
+/// a snapshot or a diff.
+fn injected_paths(dir: &Path) -> Vec<String> {
+    let mut injected = vec![".runbox".to_owned()];
+    if dir.join("trust.pem").exists() {
+        injected.push(TRUST_BUNDLE_PATH.trim_start_matches('/').to_owned());
+    }
+    if dir.join("resolv.conf").exists() {
+        injected.push(RESOLV_CONF_PATH.trim_start_matches('/').to_owned());
+    }
+    injected
+}
+
+/// The inodes of a disk (or a point of it) whose changes are the
+/// storage's, not the run's: the disk's root (whose only entries are the
+/// layers and scratch directories) and overlayfs' scratch directories,
+/// which every copy-up and boot churns.
+fn churned_inodes(disk: &Path) -> Vec<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let warm = disk.join(WARM_DIR);
+    [
+        disk.to_path_buf(),
+        disk.join("ovl-work"),
+        disk.join("ovl-work/work"),
+        disk.join("ovl-work/index"),
+        warm.clone(),
+        warm.join("ovl-work"),
+        warm.join("ovl-work/work"),
+        warm.join("ovl-work/index"),
+    ]
+    .iter()
+    .filter_map(|p| std::fs::symlink_metadata(p).ok().map(|m| m.ino()))
+    .collect()
 }
 
 #[async_trait]
@@ -1660,6 +1717,144 @@ impl Sandbox for OciSandbox {
         crate::freezer::Freezer::of(self.id)?.thaw()
     }
 
+    async fn keep_point(
+        &self,
+        point: Ulid,
+        since: Option<Since>,
+        meta: Vec<u8>,
+    ) -> Result<Option<KeptPoint>, LaneError> {
+        let (lane, id) = (self.lane.clone(), self.id);
+        let runs = self.runs();
+        blocking(move || {
+            let dir = lane.run_dir(id);
+            let (run, name) = (id.to_string(), point.to_string());
+            let path = lane.storage.point_disk(&dir, &runs, &run, &name)?;
+            let kept = (|| {
+                let changed = match since {
+                    Some(since) => crate::storage::changed_since(
+                        &path,
+                        since.transid,
+                        &churned_inodes(&path),
+                        Some(since.at),
+                    )?,
+                    None => true,
+                };
+                if !changed {
+                    return Ok(None);
+                }
+                crate::storage::write_point_meta(&runs, &run, &name, &meta)?;
+                let transid = crate::storage::created_transid(&path)?;
+                Ok::<_, std::io::Error>(Some(transid))
+            })();
+            match kept {
+                Ok(Some(transid)) => Ok(Some(KeptPoint {
+                    id: point,
+                    transid,
+                    meta,
+                })),
+                Ok(None) => {
+                    crate::storage::remove_point(&runs, &run, &name)?;
+                    Ok(None)
+                }
+                Err(e) => {
+                    let _ = crate::storage::remove_point(&runs, &run, &name);
+                    Err(LaneError::io(format!("keeping history point {name}"))(e))
+                }
+            }
+        })
+        .await
+    }
+
+    async fn settle_history(&self) -> Result<u64, LaneError> {
+        let disk = self.lane.run_dir(self.id).join(crate::storage::DISK_DIR);
+        blocking(move || {
+            crate::storage::settled_transid(&disk)
+                .map_err(LaneError::io(format!("settling {}", disk.display())))
+        })
+        .await
+    }
+
+    fn points(&self) -> History {
+        let runs = self.runs();
+        let run = self.id.to_string();
+        let points = crate::storage::point_ids(&runs, &run)
+            .into_iter()
+            .filter_map(|name| {
+                let id = Ulid::from_string(&name).ok()?;
+                let meta = crate::storage::point_meta(&runs, &run, &name)?;
+                let transid = crate::storage::created_transid(&self.point_dir(id)).ok()?;
+                Some(KeptPoint { id, transid, meta })
+            })
+            .collect();
+        let head =
+            crate::storage::history_head(&runs, &run).and_then(|h| Ulid::from_string(&h).ok());
+        History { points, head }
+    }
+
+    fn describe_point(&self, point: Ulid, meta: Vec<u8>) -> Result<(), LaneError> {
+        crate::storage::write_point_meta(
+            &self.runs(),
+            &self.id.to_string(),
+            &point.to_string(),
+            &meta,
+        )
+        .map_err(LaneError::io(format!("describing history point {point}")))
+    }
+
+    fn set_history_head(&self, point: Option<Ulid>) -> Result<(), LaneError> {
+        let point = point.map(|p| p.to_string());
+        crate::storage::write_history_head(&self.runs(), &self.id.to_string(), point.as_deref())
+            .map_err(LaneError::io("recording the run's history head"))
+    }
+
+    async fn drop_point(&self, point: Ulid) -> Result<(), LaneError> {
+        let (runs, run) = (self.runs(), self.id.to_string());
+        blocking(move || crate::storage::remove_point(&runs, &run, &point.to_string())).await
+    }
+
+    fn point_capture(&self, point: Ulid) -> Result<Capture, LaneError> {
+        let dir = self.point_dir(point);
+        if !dir.is_dir() {
+            return Err(LaneError::Failed(format!("history point {point} is gone")));
+        }
+        let warm_upper = dir.join(WARM_DIR).join("upper");
+        let warm_upper = warm_upper.is_dir().then_some(warm_upper);
+        let injected = injected_paths(&self.lane.run_dir(self.id));
+        Ok(Capture::new(
+            dir.join("upper"),
+            injected,
+            std::time::Duration::ZERO,
+            || {},
+        )
+        .with_warm_upper(warm_upper))
+    }
+
+    fn history_bytes(&self) -> Option<u64> {
+        let runs = self.runs();
+        let run = self.id.to_string();
+        let mut total = 0u64;
+        for name in crate::storage::point_ids(&runs, &run) {
+            let dir = runs
+                .join(crate::storage::HISTORY_DIR)
+                .join(&run)
+                .join(&name);
+            total = total.saturating_add(self.lane.storage.exclusive_bytes(&dir)?);
+        }
+        Some(total)
+    }
+
+    async fn restore_point(&self, point: Ulid) -> Result<(), LaneError> {
+        let (lane, id) = (self.lane.clone(), self.id);
+        let seed = self.point_dir(point);
+        blocking(move || {
+            if !seed.is_dir() {
+                return Err(LaneError::Failed(format!("history point {point} is gone")));
+            }
+            lane.storage.replace_disk(&seed, &lane.run_dir(id))
+        })
+        .await
+    }
+
     async fn hibernate(&self) -> Result<(), LaneError> {
         self.lane.hibernate_steps(self.id).await
     }
@@ -1745,6 +1940,15 @@ fn mount_warm(
     check_mount_safe(&lower)?;
     mount_overlay(&[lower], &upper, &work, &merged)?;
     Ok(merged)
+}
+
+/// Runs `work` on a blocking thread (storage calls).
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, LaneError> + Send + 'static,
+) -> Result<T, LaneError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| LaneError::Failed(format!("storage task failed: {e}")))?
 }
 
 /// The OCI container id of run `id`.

@@ -159,6 +159,11 @@ pub fn rule(method: &Method, path: &str) -> Rule {
         // Where a run lives is the operator's to choose.
         return Rule::Root;
     }
+    // A run's history is driven like its files (the agent in it may undo
+    // its own commands); a fork of a point makes runs, as a fork does.
+    if rest.starts_with("/history") && !rest.ends_with("/fork") || rest == "/rollback" {
+        return Rule::Run;
+    }
     if rest.is_empty() {
         if method == Method::GET {
             Rule::Run

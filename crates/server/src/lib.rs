@@ -15,6 +15,7 @@ pub mod e2b;
 mod error;
 mod forward;
 mod handlers;
+mod history;
 pub mod metrics;
 pub mod openapi;
 mod preview;
@@ -104,6 +105,16 @@ pub fn router<S: RunService>(state: AppState<S>) -> Router {
         .route("/v1/runs/{id}/wake", post(handlers::wake_run::<S>))
         .route("/v1/runs/{id}/snapshot", post(handlers::snapshot_run::<S>))
         .route("/v1/runs/{id}/fork", post(handlers::fork_run::<S>))
+        .route("/v1/runs/{id}/history", get(history::list::<S>))
+        .route(
+            "/v1/runs/{id}/history/{point}/diff",
+            get(history::diff::<S>),
+        )
+        .route(
+            "/v1/runs/{id}/history/{point}/fork",
+            post(history::fork::<S>),
+        )
+        .route("/v1/runs/{id}/rollback", post(history::rollback::<S>))
         .route("/v1/runs/{id}/archive", post(handlers::archive_run::<S>))
         .route("/v1/runs/{id}/move", post(handlers::move_run::<S>))
         .route(

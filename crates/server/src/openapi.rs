@@ -65,6 +65,17 @@ use runbox_types as t;
     t::SnapshotList,
     t::ForkRequest,
     t::ForkResponse,
+    t::HistorySettings,
+    t::HistoryList,
+    t::HistoryPoint,
+    t::PointCause,
+    t::PointKind,
+    t::ChangeSummary,
+    t::HistoryDiff,
+    t::PathChange,
+    t::PathChangeKind,
+    t::PathState,
+    t::RollbackRequest,
     t::CheckpointRequest,
     t::Checkpoint,
     t::CheckpointList,
@@ -205,6 +216,20 @@ const VOLUME_WRITE_QUERY: &[Query] = &[
     ),
 ];
 
+const HISTORY_DIFF_QUERY: &[Query] = &[
+    (
+        "against",
+        Kind::Str,
+        "a point id to diff against (default: the point's parent)",
+    ),
+    (
+        "patch",
+        Kind::Bool,
+        "unified diffs of changed text files (default false)",
+    ),
+    ("limit", Kind::Int, "most paths, 1-10000 (default 1000)"),
+];
+
 const FS_QUERY: &[Query] = &[
     (
         "path",
@@ -320,7 +345,11 @@ fn operations() -> Vec<Op> {
         op(Post, "/v1/runs/{id}/preview", "mintPreview", "A signed, expiring URL for a port inside the run (served by --preview-listen)", Body("PreviewRequest"), 201, Json("Preview")),
         Op { query: CREDENTIAL, ..op(Get, "/v1/runs/{id}/ports/{port}/connect", "connectPort", "One TCP connection to a port inside the run, after an upgrade to runbox-tcp", Nothing, 101, Upgrade("runbox-tcp")) },
         op(Post, "/v1/runs/{id}/snapshot", "snapshotRun", "Record the run's filesystem as a new image", Body("SnapshotRequest"), 201, Json("Snapshot")),
-        op(Post, "/v1/runs/{id}/fork", "forkRun", "Start new runs from the run's filesystem", Body("ForkRequest"), 201, Json("ForkResponse")),
+        op(Post, "/v1/runs/{id}/fork", "forkRun", "Start new runs from the run's filesystem (as it is, or at a history point)", Body("ForkRequest"), 201, Json("ForkResponse")),
+        op(Get, "/v1/runs/{id}/history", "history", "The run's history points, newest first (runs created with history)", Nothing, 200, Json("HistoryList")),
+        Op { query: HISTORY_DIFF_QUERY, ..op(Get, "/v1/runs/{id}/history/{point}/diff", "historyDiff", "The paths a history point changed, against its parent or another point", Nothing, 200, Json("HistoryDiff")) },
+        op(Post, "/v1/runs/{id}/history/{point}/fork", "forkPoint", "Start new runs from the run's files as they were at a history point (one by default)", OptionalJson("ForkRequest"), 201, Json("ForkResponse")),
+        op(Post, "/v1/runs/{id}/rollback", "rollback", "Return the run's files to a history point; a running run's processes end (it boots again on them)", Body("RollbackRequest"), 200, Json("Run")),
         op(Post, "/v1/runs/{id}/checkpoint", "checkpointRun", "Send the run's disk and settings to the checkpoint store; the run keeps running", OptionalJson("CheckpointRequest"), 201, Json("Checkpoint")),
         op(Post, "/v1/runs/{id}/warm-commit", "warmCommit", "Publish the run's warm volume as its repository's template", Body("WarmCommitRequest"), 201, Json("WarmCommit")),
         op(Get, "/v1/runs/{id}/warm", "warmStatus", "The run's warm volume and lockfile hashes", Nothing, 200, Json("WarmStatus")),

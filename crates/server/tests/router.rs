@@ -75,6 +75,7 @@ fn run() -> Run {
         on_node_loss: Default::default(),
         recovered: None,
         idle: Default::default(),
+        history: None,
         restarts: 0,
         allow_privilege_escalation: false,
         volumes: Vec::new(),
@@ -188,6 +189,12 @@ impl RunService for Stub {
                 A::Done
             }
             Q::MintPreview { req } => A::Preview(Stub::mint_preview(self, id, req).await?),
+            Q::History | Q::HistoryDiff { .. } | Q::Rollback { .. } => {
+                return Err(CoreError::invalid(
+                    runbox_types::ErrorCode::PointNotFound,
+                    "the stub keeps no history",
+                ))
+            }
         })
     }
     fn tenants(&self) -> std::sync::Arc<dyn runbox_core::tenants::TenantStore> {
@@ -367,6 +374,7 @@ impl RunService for Stub {
         tokio::spawn(async move {
             let _ = out.send(ExecEvent::Started(77)).await;
             let exit = |code, signal| ExitEvent {
+                point: None,
                 exit_code: code,
                 timed_out: false,
                 signal,
@@ -507,6 +515,7 @@ impl RunService for Stub {
             ExecEvent::Started(7),
             ExecEvent::Stdout("hi\n".into()),
             ExecEvent::Exit(ExitEvent {
+                point: None,
                 exit_code: 0,
                 timed_out: false,
                 signal: None,

@@ -68,6 +68,10 @@ codes! {
     BadGeneration = "bad_generation", 400;
     /// An image name breaks the naming rules.
     BadImageName = "bad_image_name", 400;
+    /// A run's `history` settings are out of range (`keep` 1 to the
+    /// server's `--max-history`), or history was asked of a server or run
+    /// that cannot keep it.
+    BadHistory = "bad_history", 400;
     /// A build's Dockerfile or step list cannot be run as written; the
     /// message names the line.
     BadDockerfile = "bad_dockerfile", 400;
@@ -232,6 +236,9 @@ codes! {
     PermissionDenied = "permission_denied", 403;
     /// No such run.
     RunNotFound = "run_not_found", 404;
+    /// No such history point of the run (never made, or dropped as one of
+    /// the oldest beyond the run's `keep`), or the run keeps no history.
+    PointNotFound = "point_not_found", 404;
     /// No such image.
     ImageNotFound = "image_not_found", 404;
     /// No build with this id (or not one the caller may see).

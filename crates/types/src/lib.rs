@@ -307,6 +307,228 @@ pub struct CreateRunRequest {
     /// disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub volumes: Option<Vec<VolumeMountRequest>>,
+    /// Keep a history point after every command and file change, to diff
+    /// and roll back to (default: the server's `--history-keep`, itself
+    /// off). Needs the btrfs run store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<HistorySettings>,
+}
+
+/// A run's history (`history` at create): a point after every command
+/// and file change that changed a file.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HistorySettings {
+    /// How many points to keep, the oldest dropped first (1 to the
+    /// server's `--max-history`); 0 turns history off.
+    pub keep: u32,
+}
+
+/// What made a history point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum PointKind {
+    /// The run as it was made: the point to undo everything to.
+    Create,
+    /// A command (`exec`, a terminal session) that ended.
+    Exec,
+    /// A background process that ended.
+    Process,
+    /// A file call: a write, a directory made, a move or a removal.
+    File,
+    /// The files as they were just before a rollback (what changed since
+    /// the point before, kept so the rollback can be undone).
+    Rollback,
+}
+
+/// What made a history point, in detail.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PointCause {
+    /// What kind of call.
+    pub kind: PointKind,
+    /// A command's argv.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub argv: Option<Vec<String>>,
+    /// A command's exit code (-1 when unknown: the caller hung up, or
+    /// the agent was lost).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The user a command ran as, when one was asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// A file call: `write`, `mkdir`, `move` or `remove`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// A file call's path (for a move, where it went).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+}
+
+/// How many paths a point changed, against the point before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ChangeSummary {
+    /// Paths added.
+    pub added: u64,
+    /// Paths modified (contents, mode, owner, link target).
+    pub modified: u64,
+    /// Paths removed.
+    pub removed: u64,
+    /// Bytes of the files added or modified, as they are now.
+    pub bytes: u64,
+}
+
+/// One point of a run's history: its files as they were right after
+/// what made it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct HistoryPoint {
+    /// Its id (a ULID: later points sort after earlier ones).
+    pub id: Ulid,
+    /// When it was made.
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// The point the run's files were at before it (what its diff is
+    /// against); absent for the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<Ulid>,
+    /// What made it.
+    pub cause: PointCause,
+    /// What it changed against its parent.
+    pub changes: ChangeSummary,
+}
+
+/// `GET /v1/runs/{id}/history`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct HistoryList {
+    /// The points kept, newest first.
+    pub points: Vec<HistoryPoint>,
+    /// The point the run's files are at (or descend from): the newest,
+    /// or the one a rollback returned to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head: Option<Ulid>,
+    /// How many points the run keeps.
+    pub keep: u32,
+    /// Bytes the points hold beyond the run's own disk, where the storage
+    /// counts them (they count against the run's disk limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+}
+
+/// A path's entry on one side of a diff.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PathState {
+    /// What it is.
+    pub kind: FileKind,
+    /// Permission bits (with set-id and sticky bits), as a number.
+    pub mode: u32,
+    /// Owner user id inside the run.
+    pub uid: u32,
+    /// Owner group id inside the run.
+    pub gid: u32,
+    /// Size in bytes.
+    pub size: u64,
+    /// A symlink's target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+/// How a path changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum PathChangeKind {
+    /// It is there after and was not before.
+    Added,
+    /// It is there on both sides and differs.
+    Modified,
+    /// It was there before and is not after.
+    Removed,
+}
+
+/// One changed path.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct PathChange {
+    /// Absolute, as the run sees it.
+    pub path: String,
+    /// How it changed.
+    pub change: PathChangeKind,
+    /// Before (absent when added).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before: Option<PathState>,
+    /// After (absent when removed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<PathState>,
+    /// With `patch=true`, a changed text file's unified diff.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub patch: Option<String>,
+    /// With `patch=true`, true for a file shown without a patch: binary,
+    /// larger than 1 MiB, or past the patch budget of the answer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub binary: bool,
+}
+
+/// `GET /v1/runs/{id}/history/{point}/diff`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct HistoryDiff {
+    /// The point diffed.
+    pub point: Ulid,
+    /// What it is diffed against: `against`, else its parent; absent:
+    /// the run's image as it was made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub against: Option<Ulid>,
+    /// The changed paths, in path order (at most `limit`).
+    pub changes: Vec<PathChange>,
+    /// More paths changed than are listed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+    /// The counts of the changes listed.
+    pub summary: ChangeSummary,
+}
+
+/// `POST /v1/runs/{id}/rollback`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RollbackRequest {
+    /// The point to return the run's files to.
+    pub point: Ulid,
+    /// The lease owner, when the run is leased.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    /// The lease generation, with `owner`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+}
+
+/// The query of `GET /v1/runs/{id}/history/{point}/diff`.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema, utoipa::IntoParams))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HistoryDiffQuery {
+    /// Diff against this point instead of the point's parent.
+    #[serde(default)]
+    pub against: Option<Ulid>,
+    /// Include unified diffs of changed text files (default false).
+    #[serde(default)]
+    pub patch: Option<bool>,
+    /// The most paths to list (1-10000, default 1000).
+    #[serde(default)]
+    pub limit: Option<usize>,
 }
 
 /// What becomes of a run when its node of a fleet is declared gone
@@ -684,6 +906,9 @@ pub struct Run {
     /// server's defaults filled in; 0 is off).
     #[serde(default)]
     pub idle: IdlePolicy,
+    /// Its history settings; absent: it keeps no history.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<HistorySettings>,
     /// How many times the daemon booted it again after its init exited on
     /// its own (the restart policy).
     #[serde(default)]
@@ -864,6 +1089,10 @@ pub struct SnapshotRequest {
     /// `GET /v1/snapshots?label=`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<String, String>>,
+    /// Snapshot the run's files as they were at this history point
+    /// instead of as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<Ulid>,
 }
 
 /// A snapshot: an image made of a run's image layers plus one layer with
@@ -966,6 +1195,10 @@ pub struct ForkRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1))]
     pub ttl_sec: Option<u64>,
+    /// Fork the run's files as they were at this history point instead
+    /// of as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<Ulid>,
 }
 
 /// The answer to a fork: the children, running.
@@ -1266,6 +1499,10 @@ pub struct ExitEvent {
     /// Exit status; 128 + signal when a signal ended the command; -1 when
     /// unknown (`agentLost`).
     pub exit_code: i32,
+    /// The history point the command's changes were kept as (runs with
+    /// `history`; absent when it changed no file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<Ulid>,
     /// True when `timeoutSec` elapsed and the process group was killed.
     pub timed_out: bool,
     /// The signal that ended the command, if any.

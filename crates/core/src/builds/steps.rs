@@ -706,7 +706,7 @@ impl Manager {
                     labels: Default::default(),
                     source: Some(format!("{CACHE_SOURCE_PREFIX}{id}:{}", keys[index])),
                 };
-                let kept = self.capture_image(run, &name, base).await;
+                let kept = self.capture_image(run, None, &name, base).await;
                 let layers = match kept {
                     Ok((image, ..)) => image.layers,
                     // Another build of the tenant's kept the same state

@@ -162,6 +162,14 @@ pub(crate) enum Command {
     /// command, so no call restores it here in between. Answers whether
     /// it was awake (the new node boots it then).
     MoveOut { to: String, reply: Reply<bool> },
+    /// Return the run's files to history point `point` (checked by the
+    /// manager, which holds the run's history meanwhile): hibernate a
+    /// running run, restore the point's files, boot it again.
+    Rollback {
+        point: Ulid,
+        credential: Option<(String, u64)>,
+        reply: Reply<()>,
+    },
     /// Put a new egress policy in force (checked by the manager).
     Egress {
         req: Box<runbox_types::UpdateEgressRequest>,
@@ -182,6 +190,7 @@ pub(crate) struct Claim {
     pub on_expire: runbox_types::OnExpire,
     pub on_node_loss: runbox_types::OnNodeLoss,
     pub idle: runbox_types::IdlePolicy,
+    pub history: Option<runbox_types::HistorySettings>,
     pub idempotency: Option<crate::store::Idempotency>,
     pub allow_privilege_escalation: bool,
     /// Volumes to mount into the member before it is handed out.
@@ -256,6 +265,8 @@ pub(crate) struct RunHandle {
     pub activity: Activity,
     /// What it used lately, sampled by the daemon.
     pub usage: super::usage::History,
+    /// Its history points (runs with `history`).
+    pub history: super::history::HistoryCell,
 }
 
 impl RunHandle {
@@ -418,6 +429,7 @@ impl RunActor {
             egress: Mutex::new(None),
             activity: Activity::default(),
             usage: Default::default(),
+            history: Default::default(),
         });
         let token = handle.ended.child_token();
         RunActor {
@@ -1114,6 +1126,19 @@ impl RunActor {
             AgentEndpoint::Unix(path) => path.clone(),
         };
         self.agent = Some((agent, protocol));
+        // Changes from here on are the run's own, for its history.
+        if self.record.history.is_some() {
+            let at = std::time::SystemTime::now();
+            match sandbox.settle_history().await {
+                Ok(transid) => self
+                    .handle
+                    .history
+                    .booted(crate::lane::Since { transid, at }),
+                Err(e) => {
+                    tracing::warn!(run = %id, error = %error_chain(&e), "could not settle the run's disk for its history")
+                }
+            }
+        }
         self.watch().await;
         // A fresh clock: a woken run is not idle yet.
         self.handle.activity.touch();
@@ -1201,6 +1226,43 @@ impl RunActor {
         }
     }
 
+    /// Returns the run's files to history point `point`: a running or
+    /// paused run is hibernated (its processes end), its disk replaced by
+    /// a copy of the point's, and booted again; a hibernated one stays
+    /// hibernated. The lease is asked first, as for any change. A failed
+    /// restore leaves the run hibernated on its old disk.
+    async fn rollback(
+        &mut self,
+        point: Ulid,
+        credential: Option<(String, u64)>,
+        now: OffsetDateTime,
+    ) -> Result<(), CoreError> {
+        let presented = credential.as_ref().map(|(owner, generation)| Credential {
+            owner,
+            generation: *generation,
+        });
+        self.fence.book.admit(presented, now)?;
+        if let Err(why) = self.context.lane.capabilities().hibernate.check() {
+            return Err(CoreError::invalid(
+                ErrorCode::HibernateUnsupported,
+                format!("this server cannot roll runs back (it cannot stop one down to its disk): {why}"),
+            ));
+        }
+        let awake = matches!(self.phase, Phase::Running | Phase::Paused);
+        if awake {
+            self.hibernate().await?;
+        }
+        self.context
+            .lane
+            .sandbox(self.record.id)
+            .restore_point(point)
+            .await?;
+        if awake {
+            self.wake().await?;
+        }
+        Ok(())
+    }
+
     /// Sends the run's disk to the checkpoint store (as checkpoint `<run
     /// id>`, a new generation each time) and drops the local copy; a
     /// running or paused run is hibernated first. The stored record is the
@@ -1252,6 +1314,8 @@ impl RunActor {
         if let Err(e) = self.context.lane.sandbox(id).destroy().await {
             tracing::warn!(run = %id, error = %error_chain(&e), "run archived, but removing its local disk failed; its restore or delete retries");
         }
+        // Its history points went with its disk.
+        self.handle.history.forget();
         tracing::info!(run = %id, elapsed_ms = started.elapsed().as_millis() as u64, "run archived");
         Ok(())
     }
@@ -1576,6 +1640,23 @@ impl RunActor {
                 };
                 let _ = reply.send(answer);
             }
+            Command::Rollback {
+                point,
+                credential,
+                reply,
+            } => {
+                let answer = match &self.phase {
+                    Phase::Running | Phase::Paused | Phase::Hibernated => {
+                        self.rollback(point, credential, now).await
+                    }
+                    Phase::Archived => Err(CoreError::RunNotRunning(
+                        id,
+                        "archived; wake it (POST /v1/runs/{id}/resume) before rolling it back",
+                    )),
+                    other => Err(self.refusal(other)),
+                };
+                let _ = reply.send(answer);
+            }
             Command::Egress { req, reply } => {
                 let answer = match &self.phase {
                     Phase::Running | Phase::Paused => self.change_egress(&req, true).await,
@@ -1630,6 +1711,7 @@ impl RunActor {
         self.record.on_expire = claim.on_expire;
         self.record.on_node_loss = claim.on_node_loss;
         self.record.idle = claim.idle;
+        self.record.history = claim.history;
         self.record.ttl_sec = claim.ttl.as_secs();
         self.record.idempotency = claim.idempotency;
         self.record.tenant = claim.tenant;
@@ -2049,7 +2131,8 @@ impl RunActor {
                         | Some(Command::Hibernate { reply })
                         | Some(Command::Wake { reply })
                         | Some(Command::Archive { reply })
-                        | Some(Command::Egress { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        | Some(Command::Egress { reply, .. })
+                        | Some(Command::Rollback { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }

@@ -101,6 +101,21 @@ impl Manager {
                 A::Done
             }
             Q::MintPreview { req } => A::Preview(self.mint_preview(id, req).await?),
+            Q::History => A::History(self.history(id).await?),
+            Q::HistoryDiff { point, query } => A::HistoryDiff(Box::new(
+                self.history_diff(
+                    id,
+                    point,
+                    query.against,
+                    query.patch.unwrap_or(false),
+                    query.limit.unwrap_or(super::history::DEFAULT_DIFF_PATHS),
+                )
+                .await?,
+            )),
+            Q::Rollback { req } => {
+                let credential = crate::validate::credential(req.owner.as_deref(), req.generation)?;
+                run(self.rollback(id, req.point, credential).await?)
+            }
         })
     }
 }

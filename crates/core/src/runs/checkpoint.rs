@@ -601,6 +601,9 @@ fn settings_of(record: &RunRecord) -> CreateRunRequest {
         auto_resume: Some(record.auto_resume),
         on_expire: Some(record.on_expire),
         idle: Some(record.idle),
+        // The settings, never the points: a checkpoint holds the files as
+        // they are.
+        history: record.history,
         allow_privilege_escalation: record.allow_privilege_escalation.then_some(true),
         ..Default::default()
     }
@@ -628,6 +631,7 @@ fn merge_settings(req: &mut CreateRunRequest, settings: CreateRunRequest) {
     req.auto_resume = req.auto_resume.or(settings.auto_resume);
     req.on_expire = req.on_expire.or(settings.on_expire);
     req.idle = req.idle.or(settings.idle);
+    req.history = req.history.or(settings.history);
     req.allow_privilege_escalation = req
         .allow_privilege_escalation
         .or(settings.allow_privilege_escalation);

@@ -80,7 +80,8 @@ impl Manager {
             owner.check_quota(tally.of(tenant), count)?;
         }
         let manager = self.clone();
-        tokio::spawn(async move { manager.fork_children(parent, count, ttl).await })
+        let point = req.point;
+        tokio::spawn(async move { manager.fork_children(parent, point, count, ttl).await })
             .await
             .map_err(|e| CoreError::Store(format!("fork task failed: {e}")))?
     }
@@ -88,6 +89,7 @@ impl Manager {
     async fn fork_children(
         self: Arc<Self>,
         parent: RunRecord,
+        point: Option<Ulid>,
         count: usize,
         ttl: std::time::Duration,
     ) -> Result<ForkResponse, CoreError> {
@@ -98,7 +100,11 @@ impl Manager {
             .acquire_many(share)
             .await
             .map_err(|_| CoreError::Store("the background budget is closed".into()))?;
-        let capture = self.capture(parent.id, "forked").await?;
+        // A history point is used as it is: nothing to freeze or copy.
+        let capture = match point {
+            Some(point) => self.point_capture(parent.id, point).await?,
+            None => self.capture(parent.id, "forked").await?,
+        };
         let seed = capture
             .upper
             .parent()

@@ -155,6 +155,15 @@ impl Scope {
         }
     }
 
+    /// A path given to the agent, absolute as the run sees it (what a
+    /// history point names).
+    pub(super) fn absolute(self, agent_path: &str) -> String {
+        match self {
+            Scope::Work => format!("/work/{agent_path}"),
+            Scope::Root => format!("/{}", agent_path.trim_start_matches('/')),
+        }
+    }
+
     /// A path the agent answered (relative to the base) as the API shows it.
     pub(super) fn shown(self, rel: String) -> String {
         match self {
@@ -410,6 +419,7 @@ impl Manager {
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
         let user = user.map(validate::user).transpose()?;
         let Admission {
+            handle,
             mut agent,
             protocol,
             record,
@@ -417,14 +427,18 @@ impl Manager {
             ..
         } = self.admit(id, Access::Fenced(credential)).await?;
         scope.check(protocol)?;
+        let recorder = self.recorder(&handle, &record).await;
         let user = owner(&record, user);
+        let cause = super::history::file_cause("mkdir", &scope.absolute(&path));
         let call = agent.make_dir(pb::MakeDirRequest {
             path,
             mode,
             root: scope.root(),
             user,
         });
-        info(scope, timed(FS_CALL_TIMEOUT, call).await?)
+        let made = info(scope, timed(FS_CALL_TIMEOUT, call).await?)?;
+        super::history::after(recorder, cause).await;
+        Ok(made)
     }
 
     /// Renames a path (fenced by the lease).
@@ -438,12 +452,16 @@ impl Manager {
         let to = scope.agent_path(Some(&req.to), false)?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
         let Admission {
+            handle,
             mut agent,
             protocol,
+            record,
             in_flight: _in_flight,
             ..
         } = self.admit(id, Access::Fenced(credential)).await?;
         scope.check(protocol)?;
+        let recorder = self.recorder(&handle, &record).await;
+        let cause = super::history::file_cause("move", &scope.absolute(&to));
         let call = agent.r#move(pb::MoveRequest {
             from,
             to,
@@ -451,7 +469,9 @@ impl Manager {
             root: scope.root(),
             xattr_prefix: scope.metadata_prefix().to_owned(),
         });
-        info(scope, timed(FS_CALL_TIMEOUT, call).await?)
+        let moved = info(scope, timed(FS_CALL_TIMEOUT, call).await?)?;
+        super::history::after(recorder, cause).await;
+        Ok(moved)
     }
 
     /// Removes a path (fenced by the lease).
@@ -464,18 +484,25 @@ impl Manager {
         let path = scope.agent_path(Some(&req.path), false)?;
         let credential = validate::credential(req.owner.as_deref(), req.generation)?;
         let Admission {
+            handle,
             mut agent,
             protocol,
+            record,
             in_flight: _in_flight,
             ..
         } = self.admit(id, Access::Fenced(credential)).await?;
         scope.check(protocol)?;
+        let recorder = self.recorder(&handle, &record).await;
+        let cause = super::history::file_cause("remove", &scope.absolute(&path));
         let call = agent.remove(pb::RemoveRequest {
             path,
             recursive: req.recursive.unwrap_or(false),
             root: scope.root(),
         });
         let reply = timed(REMOVE_TIMEOUT, call).await?;
+        if reply.removed > 0 {
+            super::history::after(recorder, cause).await;
+        }
         Ok(RemoveReply {
             removed: reply.removed,
         })

@@ -29,6 +29,7 @@ mod context;
 mod egress_policy;
 mod fork;
 mod fs;
+mod history;
 mod moves;
 pub mod phase;
 mod pool;
@@ -72,6 +73,7 @@ use crate::validate;
 
 pub(crate) use self::context::{door_refused, RunContext};
 pub use self::fs::{Scope, WriteOptions, MAX_LIST_DEPTH, MAX_LIST_ENTRIES};
+pub use self::history::{DEFAULT_DIFF_PATHS, MAX_DIFF_PATHS};
 pub use self::ports::RunConnection;
 pub use self::process::{Session, SessionInput, SessionWriter, MAX_WAIT};
 pub use self::relay::{ExecEvent, FileDownload};
@@ -591,6 +593,7 @@ impl Manager {
         )?;
         let idle = validate::idle(req.idle, self.config().idle)?;
         self.check_sleep(idle, req.on_expire)?;
+        let history = self.check_history(req.history)?;
         if limits.disk_mb.is_some() {
             if let Err(why) = self.lane.capabilities().disk_limit.check() {
                 return Err(CoreError::invalid(
@@ -666,6 +669,7 @@ impl Manager {
                 on_expire: req.on_expire.unwrap_or_default(),
                 on_node_loss: req.on_node_loss.unwrap_or(self.config().on_node_loss),
                 idle,
+                history,
                 idempotency: idempotency.clone(),
                 allow_privilege_escalation,
                 volumes: run_volumes.clone(),
@@ -721,6 +725,7 @@ impl Manager {
             expired: false,
             pool: None,
             idle,
+            history,
             restarts: 0,
             restarted_at: None,
             archived_at: None,
@@ -796,6 +801,26 @@ impl Manager {
         // Held: from here the answer is the caller's (no await follows).
         let _ = delivered.send(());
         run
+    }
+
+    /// A create's history settings (see [`validate::history`]): asked of
+    /// a server that cannot keep points, refused saying why; the server's
+    /// default is dropped there instead.
+    fn check_history(
+        &self,
+        req: Option<runbox_types::HistorySettings>,
+    ) -> Result<Option<runbox_types::HistorySettings>, CoreError> {
+        let asked = req.is_some_and(|h| h.keep > 0);
+        let history =
+            validate::history(req, self.config().history_keep, self.config().max_history)?;
+        match self.lane.capabilities().capture.check() {
+            Ok(()) => Ok(history),
+            Err(why) if asked => Err(CoreError::invalid(
+                ErrorCode::BadHistory,
+                format!("this server cannot keep a run's history: {why}"),
+            )),
+            Err(_) => Ok(None),
+        }
     }
 
     /// Refuses an idle policy or `onExpire` that needs what the lane

@@ -220,6 +220,7 @@ impl Manager {
                 claimed: false,
             }),
             idle: Default::default(),
+            history: None,
             restarts: 0,
             restarted_at: None,
             archived_at: None,

@@ -237,6 +237,12 @@ impl Manager {
         if needs_processes {
             AgentFeature::Processes.check(protocol)?;
         }
+        // A command in the foreground leaves a history point when it ends
+        // (the first one of a run keeps the files before it, too).
+        let recorder = match mode {
+            ExecMode::Background => None,
+            ExecMode::Foreground | ExecMode::Session => self.recorder(&handle, &record).await,
+        };
         let image = &record.image_config;
         // An exec without a command runs the image's Entrypoint + Cmd.
         let argv = if req.cmd.is_empty() {
@@ -280,6 +286,14 @@ impl Manager {
         .into_iter()
         .map(|(name, value)| pb::EnvVar { name, value })
         .collect();
+        let history = recorder.map(|recorder| {
+            let cause = runbox_types::PointCause {
+                argv: Some(argv.clone()),
+                user: user.clone(),
+                ..super::history::cause(runbox_types::PointKind::Exec)
+            };
+            (recorder, cause)
+        });
         let start = pb::ExecStart {
             argv,
             cwd: req
@@ -377,6 +391,7 @@ impl Manager {
             deadline: timeout.map(|t| tokio::time::Instant::now() + t + TIMEOUT_GRACE),
             started: Some(pid),
             done: false,
+            history,
             _in_flight: in_flight,
             _busy: busy,
         };
@@ -420,6 +435,7 @@ impl Manager {
         }
         // Counted in flight until this future ends or is dropped.
         let Admission {
+            handle,
             mut agent,
             protocol,
             record,
@@ -429,6 +445,8 @@ impl Manager {
         } = self.admit(id, Access::Fenced(credential)).await?;
         scope.check(protocol)?;
         super::fs::check_metadata(protocol, &xattrs)?;
+        let recorder = self.recorder(&handle, &record).await;
+        let cause = super::history::file_cause("write", &scope.absolute(&path));
         let (tx, rx) = mpsc::channel::<pb::WriteFileChunk>(4);
         let user = super::fs::owner(&record, user);
         let header = pb::WriteFileHeader {
@@ -458,6 +476,7 @@ impl Manager {
                 reply.bytes_written
             )));
         }
+        super::history::after(recorder, cause).await;
         Ok(sent)
     }
 
@@ -907,7 +926,33 @@ pub(super) struct ExecState {
     deadline: Option<tokio::time::Instant>,
     started: Option<u32>,
     done: bool,
+    /// Where the command's changes are kept as a history point when it
+    /// ends, and what the point will say made it (runs with history).
+    history: Option<(super::history::Recorder, runbox_types::PointCause)>,
 }
+
+impl Drop for ExecState {
+    /// A caller that hangs up before the exit still leaves a point: the
+    /// agent ends the command's process group as the call drops, and the
+    /// point is taken a moment after, with the exit code unknown (-1).
+    fn drop(&mut self) {
+        let Some((recorder, mut cause)) = self.history.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        cause.exit_code = Some(-1);
+        runtime.spawn(async move {
+            tokio::time::sleep(HANG_UP_SETTLE).await;
+            recorder.record(cause).await;
+        });
+    }
+}
+
+/// How long after a caller hung up on a command its point is taken: the
+/// agent has ended the process group by then.
+const HANG_UP_SETTLE: Duration = Duration::from_millis(200);
 
 impl ExecState {
     /// The stream of an attach call whose `started` was read.
@@ -927,6 +972,7 @@ impl ExecState {
             deadline: None,
             started: Some(pid),
             done: false,
+            history: None,
             _in_flight: in_flight,
             _busy: busy,
         }
@@ -945,9 +991,11 @@ impl ExecState {
                 None => std::future::pending().await,
             }
         };
-        let event = tokio::select! {
+        let mut event = tokio::select! {
             biased;
             _ = self.ended.cancelled() => {
+                // The run is going: no point of it.
+                self.history = None;
                 let reason = self.handle.end_reason.get().copied().unwrap_or(ExitReason::RunDeleted);
                 exit(137, Some(9), false, reason)
             }
@@ -988,6 +1036,14 @@ impl ExecState {
                 exit(137, Some(9), true, ExitReason::Timeout)
             }
         };
+        // The point is taken before the exit is told: the exit event names
+        // it, and a caller that reads the exit sees its changes kept.
+        if let (Some((recorder, mut cause)), ExecEvent::Exit(exit)) =
+            (self.history.take(), &mut event)
+        {
+            cause.exit_code = Some(exit.exit_code);
+            exit.point = recorder.record(cause).await;
+        }
         self.done = true;
         Some((event, self))
     }
@@ -996,6 +1052,7 @@ impl ExecState {
 fn exit(exit_code: i32, signal: Option<i32>, timed_out: bool, reason: ExitReason) -> ExecEvent {
     ExecEvent::Exit(ExitEvent {
         exit_code,
+        point: None,
         timed_out,
         signal,
         reason,

@@ -936,6 +936,7 @@ async fn fork<S: RunService>(
             runbox_types::ForkRequest {
                 count,
                 ttl_sec: Some(req.timeout.unwrap_or(DEFAULT_TIMEOUT_SEC)),
+                point: None,
             },
         )
         .await?;
@@ -969,6 +970,7 @@ async fn snapshot<S: RunService>(
             runbox_types::SnapshotRequest {
                 name: req.name,
                 labels: None,
+                point: None,
             },
         )
         .await?;
