@@ -17,7 +17,10 @@ use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{Implementation, ServerCapabilities, ServerConfig};
 use rmcp::{tool, tool_handler, tool_router, ServerHandler, ServiceExt};
 use runbox_client::{Client, ClientError};
-use runbox_types::{CreateRunRequest, Env, ErrorCode, ExecRequest, ForkRequest, NetworkTier};
+use runbox_types::{
+    CreateRunRequest, Env, ErrorCode, ExecRequest, ForkRequest, HistoryDiff, HistoryDiffQuery,
+    HistorySettings, NetworkTier, RollbackRequest,
+};
 use schemars::JsonSchema;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -34,6 +37,9 @@ const MAX_READ: usize = 1024 * 1024;
 
 /// `exec`'s timeout when the call names none, in seconds.
 const DEFAULT_EXEC_TIMEOUT: u64 = 120;
+
+/// The most paths `diff` lists when the call names no limit.
+const DEFAULT_DIFF_LIMIT: usize = 200;
 
 /// `runbox mcp`.
 #[derive(Debug, Args)]
@@ -165,6 +171,31 @@ fn work_path(raw: &str) -> Result<String, String> {
         .map_err(|e| invalid(ErrorCode::BadPath, e))
 }
 
+/// A history point's id as a call gave it.
+fn point_id(raw: &str) -> Result<ulid::Ulid, String> {
+    runbox_types::parse_id(raw).ok_or_else(|| {
+        invalid(
+            ErrorCode::BadRequest,
+            format!("point {raw:?} is not a history point id (the history tool lists them)"),
+        )
+    })
+}
+
+/// Leaves out the patches of `diff` past `budget` bytes in all, marking
+/// their files `binary` as the API marks those past its own budget, so one
+/// large diff cannot flood the model's context.
+fn cap_patches(diff: &mut HistoryDiff, mut budget: usize) {
+    for change in &mut diff.changes {
+        let len = change.patch.as_ref().map_or(0, String::len);
+        if len > budget {
+            change.patch = None;
+            change.binary = true;
+        } else {
+            budget -= len;
+        }
+    }
+}
+
 /// A command line as the tools run it: through `sh -c`.
 fn shell(command: String) -> Vec<String> {
     vec!["sh".into(), "-c".into(), command]
@@ -197,6 +228,11 @@ pub struct CreateRun {
     pub size: Option<String>,
     /// Labels to tag the run with
     pub labels: Option<std::collections::BTreeMap<String, String>>,
+    /// Keep a history point (at most this many, e.g. 20) after every
+    /// command and file write that changes a file, so that `history`,
+    /// `diff` and `undo` work on the run (default: the server's, usually
+    /// none)
+    pub history: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -263,6 +299,33 @@ pub struct Fork {
     pub count: Option<usize>,
     /// Their time to live in seconds
     pub ttl_sec: Option<u64>,
+    /// Start them from the run's files as they were at this history point
+    /// (an id the `history` tool lists) instead of as they are now
+    pub point: Option<String>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Diff {
+    /// The run's id
+    pub run: String,
+    /// The history point to show (default: the newest, the last change)
+    pub point: Option<String>,
+    /// Compare with this point instead of the one before it (e.g. the
+    /// `create` point: everything the run changed since it was made)
+    pub against: Option<String>,
+    /// Include unified diffs of changed text files (default false)
+    pub patch: Option<bool>,
+    /// The most paths to list (1-10000, default 200)
+    pub limit: Option<usize>,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+pub struct Undo {
+    /// The run's id
+    pub run: String,
+    /// Return to this history point (an id the `history` tool lists,
+    /// earlier or later) instead of the one before the last change
+    pub point: Option<String>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -325,7 +388,9 @@ impl Tools {
         }
     }
 
-    #[tool(description = "Create a run: an isolated Linux sandbox. Answers the run, with its id.")]
+    #[tool(
+        description = "Create a run: an isolated Linux sandbox. Answers the run, with its id. Give `history` (e.g. 20) to be able to see what each command changed (`diff`) and to undo it (`undo`)."
+    )]
     async fn create_run(&self, Parameters(p): Parameters<CreateRun>) -> Result<String, String> {
         let checkpoint = p
             .checkpoint
@@ -354,6 +419,7 @@ impl Tools {
             env: p.env.map(Env),
             size: parse("size", p.size)?,
             labels: p.labels,
+            history: p.history.map(|keep| HistorySettings { keep }),
             ..Default::default()
         };
         to_json(&self.client.create_run(&req).await.map_err(refused)?)
@@ -397,7 +463,7 @@ impl Tools {
     }
 
     #[tool(
-        description = "Run a shell command in a run and wait for it: answers its exit code, stdout and stderr (each cut at 64 KiB). State persists between commands."
+        description = "Run a shell command in a run and wait for it: answers its exit code, stdout and stderr (each cut at 64 KiB). State persists between commands. In a run created with `history`, `point` names the history point its file changes were kept as (null when it changed no file): `diff` shows them, `undo` takes them back."
     )]
     async fn exec(&self, Parameters(p): Parameters<Exec>) -> Result<String, String> {
         let req = ExecRequest {
@@ -418,6 +484,7 @@ impl Tools {
             "stdout": stdout,
             "stderr": stderr,
             "truncated": stdout_cut || stderr_cut,
+            "point": out.exit.point,
         }))
     }
 
@@ -492,15 +559,103 @@ impl Tools {
     }
 
     #[tool(
-        description = "Fork a run: new runs that start from its files as they are now (not its processes)."
+        description = "Fork a run: new runs that start from its files as they are now, or as they were at a history `point` (not its processes). Use a fork to try something risky without touching the run."
     )]
     async fn fork(&self, Parameters(p): Parameters<Fork>) -> Result<String, String> {
         let req = ForkRequest {
             count: p.count.unwrap_or(1),
             ttl_sec: p.ttl_sec,
-            point: None,
+            point: p.point.as_deref().map(point_id).transpose()?,
         };
         to_json(&self.client.fork_run(&p.run, &req).await.map_err(refused)?)
+    }
+
+    #[tool(
+        description = "List a run's history points, newest first (runs created with `history`): one after every command or file write that changed a file, each with what made it (`cause`: the command's argv and exit code, or the file call) and what it changed (`changes`: paths added, modified, removed). The oldest, kind `create`, is the run before its first change; `head` is the point the files are at now. Use it to find the point to `diff`, `undo` to, or `fork` from."
+    )]
+    async fn history(&self, Parameters(p): Parameters<RunRef>) -> Result<String, String> {
+        to_json(&self.client.history(&p.run).await.map_err(refused)?)
+    }
+
+    #[tool(
+        description = "Show what a history point changed in a run's files (default: the newest point, the last command or file write that changed something): each path added, modified or removed, with its kind, mode, owner and size before and after; `patch: true` adds unified diffs of text files (at most 64 KiB of them in all; a file left out is marked `binary`). `against` compares with another point instead of the one before (the `create` point: everything since the run was made). Use it to check what a command really did before keeping or undoing it."
+    )]
+    async fn diff(&self, Parameters(p): Parameters<Diff>) -> Result<String, String> {
+        let point = match p.point {
+            Some(raw) => point_id(&raw)?,
+            None => {
+                let list = self.client.history(&p.run).await.map_err(refused)?;
+                match list.points.first() {
+                    Some(newest) => newest.id,
+                    None => {
+                        return Err(invalid(
+                            ErrorCode::PointNotFound,
+                            format!(
+                                "run {} has no history points yet: nothing changed a file",
+                                p.run
+                            ),
+                        ))
+                    }
+                }
+            }
+        };
+        let query = HistoryDiffQuery {
+            against: p.against.as_deref().map(point_id).transpose()?,
+            patch: p.patch,
+            limit: Some(p.limit.unwrap_or(DEFAULT_DIFF_LIMIT)),
+        };
+        let mut diff = self
+            .client
+            .history_diff(&p.run, &point.to_string(), &query)
+            .await
+            .map_err(refused)?;
+        cap_patches(&mut diff, MAX_OUTPUT);
+        to_json(&diff)
+    }
+
+    #[tool(
+        description = "Undo the last change to a run's files (runs created with `history`): return them to the history point before the newest one. After a command went wrong (deleted, overwrote or broke files), call undo to return the files to as they were before it; call it again to go further back. With `point` (from `history`), return to that point instead; the points after it stay until the next change, so an undo can itself be undone. The run's processes end (start servers again); files in volumes are not touched. Answers the point returned to, the change undone and the run."
+    )]
+    async fn undo(&self, Parameters(p): Parameters<Undo>) -> Result<String, String> {
+        let (point, undone) = match p.point {
+            Some(raw) => (point_id(&raw)?, None),
+            None => {
+                let list = self.client.history(&p.run).await.map_err(refused)?;
+                let head = list
+                    .head
+                    .or_else(|| list.points.first().map(|point| point.id));
+                let Some(head) = list.points.iter().find(|point| Some(point.id) == head) else {
+                    return Err(invalid(
+                        ErrorCode::PointNotFound,
+                        format!("run {} has no history points yet: nothing to undo", p.run),
+                    ));
+                };
+                let Some(parent) = head
+                    .parent
+                    .filter(|parent| list.points.iter().any(|point| point.id == *parent))
+                else {
+                    return Err(invalid(
+                        ErrorCode::PointNotFound,
+                        format!(
+                            "nothing to undo: point {} is the oldest the run keeps",
+                            head.id
+                        ),
+                    ));
+                };
+                (parent, Some(head.clone()))
+            }
+        };
+        let req = RollbackRequest {
+            point,
+            owner: None,
+            generation: None,
+        };
+        let run = self.client.rollback(&p.run, &req).await.map_err(refused)?;
+        to_json(&json!({
+            "point": point,
+            "undone": undone,
+            "run": run,
+        }))
     }
 
     #[tool(
@@ -587,7 +742,9 @@ impl ServerHandler for Tools {
             .with_server_info(Implementation::new("runbox", env!("CARGO_PKG_VERSION")))
             .with_instructions(
                 "runbox runs isolated, ephemeral Linux sandboxes. Create a run, exec commands in it, \
-                 move files under /work, and delete it when done (it also ends at its TTL).",
+                 move files under /work, and delete it when done (it also ends at its TTL). \
+                 Create it with `history` to see what each command changed (`history`, `diff`) \
+                 and to `undo` a change that went wrong.",
             )
     }
 }

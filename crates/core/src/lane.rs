@@ -569,6 +569,25 @@ pub trait Sandbox: Send + Sync {
         Err(LaneError::unsupported("keep history points"))
     }
 
+    /// [`Sandbox::drop_point`], answered once the storage has freed what
+    /// only the point held and counts it so ([`Sandbox::disk_used`],
+    /// [`Sandbox::history_bytes`] read true after it).
+    async fn drop_point_and_reclaim(&self, point: Ulid) -> Result<(), LaneError> {
+        self.drop_point(point).await
+    }
+
+    /// Makes room in the run's disk limit for its history, `limit` being
+    /// the run's own (`limits.diskMb`): where the storage charges what
+    /// history points hold to the run's disk (simple quotas), the limit
+    /// becomes twice `limit`, so that the blocks the newest point keeps
+    /// while a command overwrites them never make the run's own writes
+    /// fail; points are dropped to keep the run and its history within
+    /// `limit`. Called when a run's history starts.
+    async fn history_room(&self, limit: Option<u64>) -> Result<(), LaneError> {
+        let _ = limit;
+        Ok(())
+    }
+
     /// Point `point` as a [`Capture`] (for a snapshot or a fork of it):
     /// nothing is frozen or copied, and dropping it keeps the point.
     fn point_capture(&self, point: Ulid) -> Result<Capture, LaneError> {

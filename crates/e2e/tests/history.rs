@@ -74,7 +74,9 @@ const LOOK: &str = "cd /work/app && for f in $(find . | sort); do \
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_session_is_diffed_rolled_back_and_forward_again() {
-    let daemon = TestDaemon::start(None).await;
+    // With a user namespace per run: owners are shown and restored as the
+    // run sees them.
+    let daemon = TestDaemon::start_with(None, &["--userns", "on"], &[]).await;
     let id = with_history(&daemon, 20).await;
     // The tree the agent installs.
     let (_, installed) = step(
@@ -390,4 +392,141 @@ async fn file_calls_make_points_and_bad_asks_are_refused() {
     )
     .await;
     assert_eq!(status, 400, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_commands_and_background_processes_each_leave_their_own_point() {
+    let daemon = TestDaemon::start(None).await;
+    let id = with_history(&daemon, 50).await;
+    step(&daemon, &id, "true").await;
+    // Two commands at once: each point names its own command and holds
+    // the files as they were when it ended.
+    let slow = daemon.sh(&id, "sleep 1; echo slow > /work/slow");
+    let fast = daemon.sh(&id, "echo fast > /work/fast");
+    let (slow, fast) = tokio::join!(slow, fast);
+    let (slow_point, fast_point) = (slow.exit.point.unwrap(), fast.exit.point.unwrap());
+    assert!(fast_point < slow_point, "the fast one ended first");
+    let history = daemon.client.history(&id).await.unwrap();
+    let argv = |point: Ulid| {
+        history
+            .points
+            .iter()
+            .find(|p| p.id == point)
+            .and_then(|p| p.cause.argv.clone())
+            .unwrap()
+    };
+    assert!(argv(slow_point)[2].contains("slow"));
+    assert!(argv(fast_point)[2].contains("fast"));
+    let diff = daemon
+        .client
+        .history_diff(&id, &fast_point.to_string(), &HistoryDiffQuery::default())
+        .await
+        .unwrap();
+    let paths: Vec<&str> = diff.changes.iter().map(|c| c.path.as_str()).collect();
+    assert_eq!(paths, ["/work/fast"]);
+    let diff = daemon
+        .client
+        .history_diff(&id, &slow_point.to_string(), &HistoryDiffQuery::default())
+        .await
+        .unwrap();
+    let paths: Vec<&str> = diff.changes.iter().map(|c| c.path.as_str()).collect();
+    assert_eq!(paths, ["/work/slow"]);
+    // A background process's point comes when it ends.
+    let started = daemon
+        .client
+        .start_process(
+            &id,
+            &runbox_types::ExecRequest {
+                cmd: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "sleep 1; echo bg > /work/bg; exit 3".into(),
+                ],
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let found = runbox_e2e::eventually_async(std::time::Duration::from_secs(20), || async {
+        let history = daemon.client.history(&id).await.unwrap();
+        history.points[0].cause.kind == PointKind::Process
+    })
+    .await;
+    assert!(found, "no point for background process {}", started.pid);
+    let history = daemon.client.history(&id).await.unwrap();
+    assert_eq!(history.points[0].cause.exit_code, Some(3));
+    assert_eq!(history.points[0].changes.added, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_stays_within_the_disk_limit_and_survives_a_crash() {
+    let mut daemon = TestDaemon::start(None).await;
+    let id = daemon
+        .create_with(CreateRunRequest {
+            image: "base".into(),
+            history: Some(HistorySettings { keep: 50 }),
+            limits: Some(runbox_types::LimitsRequest {
+                disk_mb: Some(64),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .id
+        .to_string();
+    // Each round replaces 20 MiB: the points hold the old copies, and the
+    // oldest go so that the run and its points stay within 64 MiB. The run
+    // itself never fails for it.
+    for round in 0..6 {
+        step(
+            &daemon,
+            &id,
+            &format!(
+                "head -c 20971520 /dev/urandom > /work/big.tmp && mv /work/big.tmp /work/big && echo {round}"
+            ),
+        )
+        .await;
+    }
+    let history = daemon.client.history(&id).await.unwrap();
+    assert!(
+        history.points.len() < 7,
+        "{} points kept",
+        history.points.len()
+    );
+    assert!(
+        history.points.len() >= 2,
+        "{} points kept",
+        history.points.len()
+    );
+    let run = daemon.client.get_run(&id).await.unwrap();
+    // With simple quotas the run's usage counts what its points hold;
+    // with full qgroups `bytes` does.
+    let held = history.bytes.unwrap_or(0);
+    let used = run.disk_used_bytes.expect("the store counts a run's disk");
+    assert!(
+        used + held <= 64 << 20,
+        "disk {used} + history {held} above the 64 MiB limit"
+    );
+
+    // A point the daemon made but never described (killed between the
+    // snapshot and its description) is swept at the next start, and the
+    // history reads as before.
+    let newest = history.points[0].id;
+    let half = Ulid::new().to_string();
+    let made = std::process::Command::new("btrfs")
+        .args(["subvolume", "snapshot", "-r"])
+        .arg(daemon.state.path().join("runs").join(&id).join("disk"))
+        .arg(history_dir(&daemon, &id).join(&half))
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    daemon.kill9();
+    daemon.spawn().await;
+    assert!(!history_dir(&daemon, &id).join(&half).exists(), "swept");
+    let after = daemon.client.history(&id).await.unwrap();
+    assert_eq!(after.points[0].id, newest);
+    assert_eq!(after.points.len(), history.points.len());
+    // And rolling back still works after the restart.
+    rollback(&daemon, &id, after.points[1].id).await;
+    step(&daemon, &id, "test -f /work/big").await;
 }

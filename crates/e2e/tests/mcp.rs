@@ -88,9 +88,11 @@ async fn a_stdio_session_drives_runs_end_to_end() {
             "checkpoint_run",
             "create_run",
             "delete_run",
+            "diff",
             "exec",
             "fork",
             "hibernate_run",
+            "history",
             "list_files",
             "list_runs",
             "pause_run",
@@ -99,6 +101,7 @@ async fn a_stdio_session_drives_runs_end_to_end() {
             "resume_run",
             "snapshot",
             "start_process",
+            "undo",
             "wake_run",
             "write_file"
         ]
@@ -360,6 +363,201 @@ async fn a_stdio_session_drives_runs_end_to_end() {
     }
     let listed = ok(&session, "list_runs", json!({})).await;
     assert!(!listed.to_string().contains(&id));
+    session.cancel().await.unwrap();
+}
+
+/// A string an answer holds (an id, a path).
+fn string(value: &Value) -> String {
+    value
+        .as_str()
+        .unwrap_or_else(|| panic!("not a string: {value}"))
+        .to_owned()
+}
+
+/// The paths a `diff` answer lists, with how each changed.
+fn changes(diff: &Value) -> Vec<(String, String)> {
+    diff["changes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no changes: {diff}"))
+        .iter()
+        .map(|c| (string(&c["path"]), string(&c["change"])))
+        .collect()
+}
+
+#[tokio::test]
+async fn history_diff_and_undo_take_back_what_a_command_did() {
+    let daemon = TestDaemon::start(None).await;
+    let transport = TokioChildProcess::new(mcp_command(&daemon)).expect("runbox mcp starts");
+    let session = ().serve(transport).await.expect("the MCP session opens");
+
+    let run = ok(
+        &session,
+        "create_run",
+        json!({"image": "base", "history": 10}),
+    )
+    .await;
+    assert_eq!(run["history"]["keep"], 10, "{run}");
+    let id = string(&run["id"]);
+    // Nothing changed yet: nothing to diff or undo.
+    let msg = refused(&session, "diff", json!({"run": id})).await;
+    assert!(msg.starts_with("point_not_found: "), "{msg}");
+    let msg = refused(&session, "undo", json!({"run": id})).await;
+    assert!(msg.starts_with("point_not_found: "), "{msg}");
+
+    // Commands that write leave points, named by exec; one that only reads
+    // leaves none.
+    let wrote = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "mkdir -p /work/src && echo one > /work/src/a.txt"}),
+    )
+    .await;
+    let wrote = string(&wrote["point"]);
+    let read = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "cat /work/src/a.txt"}),
+    )
+    .await;
+    assert_eq!(read["stdout"], "one\n");
+    assert_eq!(read["point"], Value::Null, "{read}");
+    // The mistake.
+    let broke = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "rm -rf /work/src"}),
+    )
+    .await;
+    let broke = string(&broke["point"]);
+
+    // history: newest first, each with what made it, down to the run as made.
+    let history = ok(&session, "history", json!({"run": id})).await;
+    let points = history["points"].as_array().expect("points");
+    let kinds: Vec<&str> = points
+        .iter()
+        .map(|p| p["cause"]["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["exec", "exec", "create"], "{history}");
+    assert_eq!(string(&points[0]["id"]), broke);
+    assert_eq!(
+        points[0]["cause"]["argv"],
+        json!(["sh", "-c", "rm -rf /work/src"])
+    );
+    assert_eq!(string(&points[1]["id"]), wrote);
+    assert_eq!(string(&history["head"]), broke);
+    let created = string(&points[2]["id"]);
+
+    // diff: the newest point by default; patches on request; against
+    // another point.
+    let diff = ok(&session, "diff", json!({"run": id})).await;
+    assert_eq!(string(&diff["point"]), broke);
+    assert_eq!(
+        changes(&diff),
+        [
+            ("/work/src".to_owned(), "removed".to_owned()),
+            ("/work/src/a.txt".to_owned(), "removed".to_owned())
+        ]
+    );
+    let diff = ok(
+        &session,
+        "diff",
+        json!({"run": id, "point": wrote, "patch": true}),
+    )
+    .await;
+    assert_eq!(
+        changes(&diff),
+        [
+            ("/work/src".to_owned(), "added".to_owned()),
+            ("/work/src/a.txt".to_owned(), "added".to_owned())
+        ]
+    );
+    let patch = diff["changes"][1]["patch"].as_str().expect("a text patch");
+    assert!(patch.contains("+one"), "{patch}");
+    let diff = ok(
+        &session,
+        "diff",
+        json!({"run": id, "point": broke, "against": created}),
+    )
+    .await;
+    assert_eq!(diff["changes"], json!([]), "{diff}");
+
+    // undo: the files as they were before the last change, then before the
+    // one before it.
+    let undone = ok(&session, "undo", json!({"run": id})).await;
+    assert_eq!(string(&undone["point"]), wrote, "{undone}");
+    assert_eq!(string(&undone["undone"]["id"]), broke);
+    assert_eq!(undone["run"]["status"], "running");
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "cat /work/src/a.txt"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "one\n");
+    let undone = ok(&session, "undo", json!({"run": id})).await;
+    assert_eq!(string(&undone["point"]), created, "{undone}");
+    assert_eq!(string(&undone["undone"]["id"]), wrote);
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "ls -A /work"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "");
+    let history = ok(&session, "history", json!({"run": id})).await;
+    assert_eq!(string(&history["head"]), created);
+    // Nothing before the run as made.
+    let msg = refused(&session, "undo", json!({"run": id})).await;
+    assert!(msg.starts_with("point_not_found: "), "{msg}");
+    // The later points stayed: an undo is undone by naming one.
+    let redone = ok(&session, "undo", json!({"run": id, "point": wrote})).await;
+    assert_eq!(string(&redone["point"]), wrote);
+    assert_eq!(redone["undone"], Value::Null);
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": id, "command": "cat /work/src/a.txt"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "one\n");
+
+    // A fork of a point: the files as they were then.
+    let forked = ok(&session, "fork", json!({"run": id, "point": created})).await;
+    let fork_id = string(&forked["runs"][0]["id"]);
+    let out = ok(
+        &session,
+        "exec",
+        json!({"run": fork_id, "command": "ls -A /work"}),
+    )
+    .await;
+    assert_eq!(out["stdout"], "");
+
+    // Refusals carry the code: a malformed point, an unknown one, a run
+    // that keeps no history.
+    let msg = refused(&session, "undo", json!({"run": id, "point": "nope"})).await;
+    assert!(msg.starts_with("bad_request: "), "{msg}");
+    let msg = refused(
+        &session,
+        "diff",
+        json!({"run": id, "point": "01ARZ3NDEKTSV4RRFFQ69G5FAV"}),
+    )
+    .await;
+    assert!(msg.starts_with("point_not_found: "), "{msg}");
+    let msg = refused(
+        &session,
+        "fork",
+        json!({"run": id, "point": "01ARZ3NDEKTSV4RRFFQ69G5FAV"}),
+    )
+    .await;
+    assert!(msg.starts_with("point_not_found: "), "{msg}");
+    let plain = ok(&session, "create_run", json!({})).await;
+    let plain = string(&plain["id"]);
+    let msg = refused(&session, "history", json!({"run": plain})).await;
+    assert!(msg.starts_with("point_not_found: "), "{msg}");
+
+    for run in [&fork_id, &plain, &id] {
+        ok(&session, "delete_run", json!({"run": run})).await;
+    }
     session.cancel().await.unwrap();
 }
 

@@ -1812,6 +1812,25 @@ impl Sandbox for OciSandbox {
         blocking(move || crate::storage::remove_point(&runs, &run, &point.to_string())).await
     }
 
+    async fn drop_point_and_reclaim(&self, point: Ulid) -> Result<(), LaneError> {
+        let (runs, run) = (self.runs(), self.id.to_string());
+        blocking(move || crate::storage::remove_point_and_reclaim(&runs, &run, &point.to_string()))
+            .await
+    }
+
+    async fn history_room(&self, limit: Option<u64>) -> Result<(), LaneError> {
+        let Some(limit) = limit else { return Ok(()) };
+        if !self.lane.storage.charges_snapshots() {
+            return Ok(());
+        }
+        let (lane, id) = (self.lane.clone(), self.id);
+        blocking(move || {
+            lane.storage
+                .relimit_disk(&lane.run_dir(id), limit.saturating_mul(2))
+        })
+        .await
+    }
+
     fn point_capture(&self, point: Ulid) -> Result<Capture, LaneError> {
         let dir = self.point_dir(point);
         if !dir.is_dir() {
@@ -1830,6 +1849,10 @@ impl Sandbox for OciSandbox {
     }
 
     fn history_bytes(&self) -> Option<u64> {
+        // With simple quotas the run's disk usage counts them already.
+        if self.lane.storage.charges_snapshots() {
+            return None;
+        }
         let runs = self.runs();
         let run = self.id.to_string();
         let mut total = 0u64;

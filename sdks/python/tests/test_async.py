@@ -77,3 +77,30 @@ async def test_the_async_client_builds_images(daemon):
             assert events[-1]["event"] == "done" and events[-1]["status"] == "ready"
         finally:
             await rb.delete_image("sdk-async-built")
+
+
+async def test_the_async_client_lists_diffs_and_rolls_back_history(daemon):
+    async with AsyncRunbox(daemon.url, daemon.token) as rb:
+        run = await rb.create_run("base", history=5)
+        try:
+            wrote = await rb.run(run.id, "echo async > /work/h.txt")
+            assert wrote.point is not None
+            kept = await rb.history(run.id)
+            assert [p.cause.kind for p in kept.points] == ["exec", "create"]
+            assert kept.head == wrote.point
+            diff = await rb.diff(run.id, patch=True)
+            assert [(c.path, c.change) for c in diff.changes] == [("/work/h.txt", "added")]
+            assert "+async" in diff.changes[0].patch
+            await rb.rollback(run.id, kept.points[1].id)
+            assert (await rb.run(run.id, "cat /work/h.txt")).exit_code != 0
+            forks = await rb.fork(run.id, point=wrote.point)
+            try:
+                assert (await rb.run(forks[0].id, "cat /work/h.txt")).stdout == b"async\n"
+            finally:
+                for f in forks:
+                    await rb.delete_run(f.id)
+            with pytest.raises(runbox.NotFound) as e:
+                await rb.rollback(run.id, "01ARZ3NDEKTSV4RRFFQ69G5FAV")
+            assert e.value.code == "point_not_found"
+        finally:
+            await rb.delete_run(run.id)

@@ -455,3 +455,106 @@ def test_an_image_is_built_from_a_dockerfile_and_a_directory(rb: Runbox, tmp_pat
     finally:
         for name in ("sdk-built", "sdk-steps"):
             rb.delete_image(name)
+
+
+def test_history_diff_rollback_and_points_forked(rb: Runbox):
+    run = rb.create_run("base", history=10)
+    try:
+        assert run.history == {"keep": 10}
+        # A command that changes a file leaves a point, named by its exit.
+        wrote = rb.run(run.id, "mkdir /work/app && echo one > /work/app/a.txt")
+        assert wrote.exit_code == 0 and wrote.point is not None
+        assert wrote.exit.point == wrote.point
+        # One that only reads leaves none.
+        read = rb.run(run.id, "cat /work/app/a.txt")
+        assert (read.stdout, read.point) == (b"one\n", None)
+        kept = rb.history(run.id)
+        assert (kept.keep, kept.head) == (10, wrote.point)
+        assert [p.cause.kind for p in kept.points] == ["exec", "create"]
+        newest, created = kept.points
+        assert newest.id == wrote.point and newest.parent == created.id
+        assert newest.cause.argv == ["sh", "-c", "mkdir /work/app && echo one > /work/app/a.txt"]
+        assert newest.cause.exit_code == 0
+        assert (newest.changes.added, newest.changes.removed) == (2, 0)
+        # The newest point's diff, by default against its parent.
+        diff = rb.diff(run.id)
+        assert (diff.point, diff.against, diff.truncated) == (wrote.point, created.id, False)
+        assert [(c.path, c.change) for c in diff.changes] == [
+            ("/work/app", "added"),
+            ("/work/app/a.txt", "added"),
+        ]
+        a = diff.changes[1]
+        assert a.before is None and (a.after.kind, a.after.size) == ("file", 4)
+        assert a.patch is None and diff.summary.added == 2
+        patched = rb.diff(run.id, wrote.point, patch=True)
+        assert "+one" in patched.changes[1].patch
+        assert len(rb.diff(run.id, wrote.point, limit=1).changes) == 1
+        # A file call leaves a point too.
+        rb.write_file(run.id, "app/a.txt", "two\n")
+        changed = rb.history(run.id).points[0]
+        assert (changed.cause.kind, changed.cause.op, changed.cause.path) == ("file", "write", "/work/app/a.txt")
+        assert changed.parent == wrote.point
+        # Back to before everything: the files go.
+        back = rb.rollback(run.id, created.id)
+        assert back.id == run.id and back.status == "running"
+        gone = rb.run(run.id, "cat /work/app/a.txt")
+        assert gone.exit_code != 0 and gone.point is None
+        assert rb.run(run.id, "ls /work").stdout == b""
+        assert rb.history(run.id).head == created.id
+        # And forward again: the later points stayed.
+        rb.rollback(run.id, wrote.point)
+        assert rb.run(run.id, "cat /work/app/a.txt").stdout == b"one\n"
+        assert rb.diff(run.id, changed.id, against=created.id).summary.added == 2
+        # A fork and a snapshot of a point: the files as they were then.
+        rb.run(run.id, "echo three > /work/app/a.txt")
+        forks = rb.fork(run.id, point=wrote.point)
+        try:
+            assert len(forks) == 1
+            assert rb.run(forks[0].id, "cat /work/app/a.txt").stdout == b"one\n"
+        finally:
+            for f in forks:
+                rb.delete_run(f.id)
+        snap = rb.snapshot(run.id, name=f"py-point-{int(time.time())}", point=created.id)
+        try:
+            child = rb.create_run(snap["image"])
+            try:
+                assert rb.run(child.id, "ls /work").stdout == b""
+            finally:
+                rb.delete_run(child.id)
+        finally:
+            rb.delete_image(snap["image"])
+        assert rb.run(run.id, "cat /work/app/a.txt").stdout == b"three\n"
+        # A point the run does not have.
+        for call in (
+            lambda: rb.diff(run.id, "01ARZ3NDEKTSV4RRFFQ69G5FAV"),
+            lambda: rb.rollback(run.id, "01ARZ3NDEKTSV4RRFFQ69G5FAV"),
+            lambda: rb.fork(run.id, point="01ARZ3NDEKTSV4RRFFQ69G5FAV"),
+        ):
+            with pytest.raises(runbox.NotFound) as e:
+                call()
+            assert (e.value.code, e.value.status) == ("point_not_found", 404)
+    finally:
+        rb.delete_run(run.id)
+
+
+def test_history_refusals(rb: Runbox, run_id: str):
+    # A run without history has no points to list, diff or return to.
+    assert rb.get_run(run_id).history is None
+    rb.run(run_id, "echo x > /work/x")
+    for call in (lambda: rb.history(run_id), lambda: rb.diff(run_id)):
+        with pytest.raises(runbox.NotFound) as e:
+            call()
+        assert e.value.code == "point_not_found"
+    # More points than the server keeps.
+    with pytest.raises(runbox.BadRequest) as e:
+        rb.create_run("base", history=1_000_000)
+    assert e.value.code == "bad_history"
+    # A run with history but no change yet: no newest point to diff.
+    fresh = rb.create_run("base", history=3)
+    try:
+        assert rb.history(fresh.id).points == []
+        with pytest.raises(runbox.NotFound) as e:
+            rb.diff(fresh.id)
+        assert e.value.code == "point_not_found"
+    finally:
+        rb.delete_run(fresh.id)

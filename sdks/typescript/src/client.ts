@@ -1,5 +1,5 @@
 /** The client: one object per daemon, every call a method. */
-import { BuildFailed, RunboxError, StreamEnded, errorFrom } from "./errors.js";
+import { BuildFailed, NotFound, RunboxError, StreamEnded, errorFrom } from "./errors.js";
 import {
   DEFAULT_MAX_RETRIES,
   DEFAULT_MAX_RETRY_WAIT_MS,
@@ -24,6 +24,8 @@ import {
   type FileInfo,
   type FileList,
   type Health,
+  type HistoryDiff,
+  type HistoryList,
   type Image,
   type Info,
   type Lease,
@@ -135,6 +137,9 @@ export interface CreateRunOptions {
   allowPrivilegeEscalation?: boolean;
   /** Volumes to mount (at most 8): `{ name, path?, mode? }`, mode `rw` or `ro`. */
   volumes?: VolumeMountRequest[];
+  /** Keep a history point (at most `keep`) after every command and file
+   * call that changed a file, to diff and roll back to: see {@link Runbox.history}. */
+  history?: { keep: number };
   /**
    * Makes a repeated create return the first run instead of a second one.
    * Default: a fresh key for each call, reused by its retries.
@@ -426,6 +431,7 @@ export class Runbox {
         idle: options.idle ? compact(options.idle) : undefined,
         allowPrivilegeEscalation: options.allowPrivilegeEscalation,
         volumes: options.volumes,
+        history: options.history,
       }),
       // Always keyed, so that it may be sent again (with this key) when its
       // answer was lost or the node was at capacity: the server answers a
@@ -790,9 +796,10 @@ export class Runbox {
     return this.call({ method: "POST", path: `/v1/builds/${segment("build id", buildId)}/cancel` });
   }
 
-  /** Saves the run's files as an image that new runs can start from. */
-  async snapshot(runId: string, name?: string): Promise<Snapshot> {
-    return this.call({ method: "POST", path: `${runPath(runId)}/snapshot`, json: compact({ name }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  /** Saves the run's files (with `point`: as they were at that history
+   * point) as an image that new runs can start from. */
+  async snapshot(runId: string, name?: string, point?: string): Promise<Snapshot> {
+    return this.call({ method: "POST", path: `${runPath(runId)}/snapshot`, json: compact({ name, point }), timeoutMs: Math.max(this.timeoutMs, 600_000) });
   }
 
   /** Sends the run's disk and settings to the server's checkpoint store;
@@ -946,10 +953,47 @@ export class Runbox {
     await this.call({ method: "DELETE", path: `/v1/checkpoints/${segment("checkpoint id", id)}` });
   }
 
-  /** Makes `count` copies of a run, each running. */
-  async fork(runId: string, count = 1, ttlSec?: number): Promise<Run[]> {
-    const json = compact({ count, ttlSec });
+  /** Makes `count` copies of a run, each running: of its files as they
+   * are, or with `point` as they were at that history point. */
+  async fork(runId: string, count = 1, ttlSec?: number, point?: string): Promise<Run[]> {
+    const json = compact({ count, ttlSec, point });
     return (await this.call<{ runs: Run[] }>({ method: "POST", path: `${runPath(runId)}/fork`, json, timeoutMs: Math.max(this.timeoutMs, 600_000) })).runs;
+  }
+
+  // -- history (runs created with `history: { keep }`) ---------------------
+
+  /** The run's history points, newest first: one after every command and
+   * file call that changed a file, and a `create` point (the files before
+   * the first change). `point_not_found` for a run without a history. */
+  async history(runId: string): Promise<HistoryList> {
+    return this.call({ method: "GET", path: `${runPath(runId)}/history` });
+  }
+
+  /**
+   * The paths a history point (default: the newest) changed against its
+   * parent, or against the point `against`; `patch` adds unified diffs of
+   * changed text files; `limit` is the most paths (1-10000, default 1000).
+   */
+  async diff(runId: string, point?: string, options: { against?: string; patch?: boolean; limit?: number } = {}): Promise<HistoryDiff> {
+    if (point === undefined) {
+      const newest = (await this.history(runId)).points[0];
+      if (!newest) throw new NotFound(404, "point_not_found", `run ${runId} has no history points yet`);
+      point = newest.id;
+    }
+    const query = { against: options.against, patch: options.patch ? true : undefined, limit: options.limit };
+    return this.call({ method: "GET", path: `${runPath(runId)}/history/${segment("history point", point)}/diff`, query });
+  }
+
+  /** Returns the run's files to a history point; a running run's processes
+   * end (it boots again on those files). Later points stay, so a rollback
+   * can be undone by rolling forward, until the run's next change. */
+  async rollback(runId: string, point: string, lease?: LeaseCredential): Promise<Run> {
+    return this.call({
+      method: "POST",
+      path: `${runPath(runId)}/rollback`,
+      json: { point, ...leaseFields(lease) },
+      timeoutMs: Math.max(this.timeoutMs, 600_000),
+    });
   }
 
   /** A URL that reaches `port` inside the run through the preview listener. */

@@ -590,7 +590,7 @@ export interface paths {
         get?: never;
         put?: never;
         /**
-         * Start new runs from the run's filesystem
+         * Start new runs from the run's filesystem (as it is, or at a history point)
          * @description Takes the root token or the run's tenant's (a run token is 403).
          */
         post: operations["forkRun"];
@@ -734,6 +734,66 @@ export interface paths {
          * @description Takes the root token or the run's tenant's (a run token is 403).
          */
         post: operations["hibernateRun"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/history": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The run's history points, newest first (runs created with history)
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
+        get: operations["history"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/history/{point}/diff": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The paths a history point changed, against its parent or another point
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
+        get: operations["historyDiff"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/history/{point}/fork": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Start new runs from the run's files as they were at a history point (one by default)
+         * @description Takes the root token or the run's tenant's (a run token is 403).
+         */
+        post: operations["forkPoint"];
         delete?: never;
         options?: never;
         head?: never;
@@ -1058,6 +1118,26 @@ export interface paths {
          * @description Takes the root token or the run's tenant's (a run token is 403).
          */
         post: operations["resumeRun"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/runs/{id}/rollback": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Return the run's files to a history point; a running run's processes end (it boots again on them)
+         * @description Takes the root token, the run's tenant's, or the run's own token.
+         */
+        post: operations["rollback"];
         delete?: never;
         options?: never;
         head?: never;
@@ -1801,6 +1881,29 @@ export interface components {
              */
             sizes: components["schemas"]["SizeCatalog"][];
         };
+        /** @description How many paths a point changed, against the point before it. */
+        ChangeSummary: {
+            /**
+             * Format: uint64
+             * @description Paths added.
+             */
+            added: number;
+            /**
+             * Format: uint64
+             * @description Bytes of the files added or modified, as they are now.
+             */
+            bytes: number;
+            /**
+             * Format: uint64
+             * @description Paths modified (contents, mode, owner, link target).
+             */
+            modified: number;
+            /**
+             * Format: uint64
+             * @description Paths removed.
+             */
+            removed: number;
+        };
         /** @description A run's disk and settings, kept in the checkpoint store. */
         Checkpoint: {
             /**
@@ -2055,6 +2158,7 @@ export interface components {
              */
             egressUpstream?: string | null;
             env?: null | components["schemas"]["Env"];
+            history?: null | components["schemas"]["HistorySettings"];
             idle?: null | components["schemas"]["IdlePolicy"];
             /**
              * @description A stored image's local name, or an image reference as Docker spells
@@ -2340,6 +2444,12 @@ export interface components {
              *     unknown (`agentLost`).
              */
             exitCode: number;
+            /**
+             * Format: ulid
+             * @description The history point the command's changes were kept as (runs with
+             *     `history`; absent when it changed no file).
+             */
+            point?: string | null;
             /** @description Why the stream ended. */
             reason: components["schemas"]["ExitReason"];
             /**
@@ -2406,6 +2516,12 @@ export interface components {
             /** @description How many children (1 to the server's `--max-fork-count`, default 16). */
             count: number;
             /**
+             * Format: ulid
+             * @description Fork the run's files as they were at this history point instead
+             *     of as they are.
+             */
+            point?: string | null;
+            /**
              * Format: uint64
              * @description Each child's time to live (default: the server's default TTL).
              */
@@ -2429,6 +2545,86 @@ export interface components {
             status: string;
             /** @description The daemon's version. */
             version: string;
+        };
+        /** @description `GET /v1/runs/{id}/history/{point}/diff`. */
+        HistoryDiff: {
+            /**
+             * Format: ulid
+             * @description What it is diffed against: `against`, else its parent; absent:
+             *     the run's image as it was made.
+             */
+            against?: string | null;
+            /** @description The changed paths, in path order (at most `limit`). */
+            changes: components["schemas"]["PathChange"][];
+            /**
+             * Format: ulid
+             * @description The point diffed.
+             */
+            point: string;
+            /** @description The counts of the changes listed. */
+            summary: components["schemas"]["ChangeSummary"];
+            /** @description More paths changed than are listed. */
+            truncated?: boolean;
+        };
+        /** @description `GET /v1/runs/{id}/history`. */
+        HistoryList: {
+            /**
+             * Format: uint64
+             * @description Bytes the points hold beyond the run's own disk, where the storage
+             *     counts them (they count against the run's disk limit).
+             */
+            bytes?: number | null;
+            /**
+             * Format: ulid
+             * @description The point the run's files are at (or descend from): the newest,
+             *     or the one a rollback returned to.
+             */
+            head?: string | null;
+            /**
+             * Format: uint32
+             * @description How many points the run keeps.
+             */
+            keep: number;
+            /** @description The points kept, newest first. */
+            points: components["schemas"]["HistoryPoint"][];
+        };
+        /**
+         * @description One point of a run's history: its files as they were right after
+         *     what made it.
+         */
+        HistoryPoint: {
+            /** @description What made it. */
+            cause: components["schemas"]["PointCause"];
+            /** @description What it changed against its parent. */
+            changes: components["schemas"]["ChangeSummary"];
+            /**
+             * Format: date-time
+             * @description When it was made.
+             */
+            createdAt: string;
+            /**
+             * Format: ulid
+             * @description Its id (a ULID: later points sort after earlier ones).
+             */
+            id: string;
+            /**
+             * Format: ulid
+             * @description The point the run's files were at before it (what its diff is
+             *     against); absent for the first.
+             */
+            parent?: string | null;
+        };
+        /**
+         * @description A run's history (`history` at create): a point after every command
+         *     and file change that changed a file.
+         */
+        HistorySettings: {
+            /**
+             * Format: uint32
+             * @description How many points to keep, the oldest dropped first (1 to the
+             *     server's `--max-history`); 0 turns history off.
+             */
+            keep: number;
         };
         /**
          * @description `idle` on `POST /v1/runs`: what happens to a run nobody uses. A run is
@@ -2739,6 +2935,54 @@ export interface components {
          * @enum {string}
          */
         OnNodeLoss: "restore" | "lost";
+        /** @description One changed path. */
+        PathChange: {
+            after?: null | components["schemas"]["PathState"];
+            before?: null | components["schemas"]["PathState"];
+            /**
+             * @description With `patch=true`, true for a file shown without a patch: binary,
+             *     larger than 1 MiB, or past the patch budget of the answer.
+             */
+            binary?: boolean;
+            /** @description How it changed. */
+            change: components["schemas"]["PathChangeKind"];
+            /** @description With `patch=true`, a changed text file's unified diff. */
+            patch?: string | null;
+            /** @description Absolute, as the run sees it. */
+            path: string;
+        };
+        /**
+         * @description How a path changed.
+         * @enum {string}
+         */
+        PathChangeKind: "added" | "modified" | "removed";
+        /** @description A path's entry on one side of a diff. */
+        PathState: {
+            /**
+             * Format: uint32
+             * @description Owner group id inside the run.
+             */
+            gid: number;
+            /** @description What it is. */
+            kind: components["schemas"]["FileKind"];
+            /**
+             * Format: uint32
+             * @description Permission bits (with set-id and sticky bits), as a number.
+             */
+            mode: number;
+            /**
+             * Format: uint64
+             * @description Size in bytes.
+             */
+            size: number;
+            /** @description A symlink's target. */
+            target?: string | null;
+            /**
+             * Format: uint32
+             * @description Owner user id inside the run.
+             */
+            uid: number;
+        };
         /** @description What survives a run's sleep and what can be copied from it. */
         PersistenceCatalog: {
             /**
@@ -2766,6 +3010,30 @@ export interface components {
              */
             retention: string;
         };
+        /** @description What made a history point, in detail. */
+        PointCause: {
+            /** @description A command's argv. */
+            argv?: string[] | null;
+            /**
+             * Format: int32
+             * @description A command's exit code (-1 when unknown: the caller hung up, or
+             *     the agent was lost).
+             */
+            exitCode?: number | null;
+            /** @description What kind of call. */
+            kind: components["schemas"]["PointKind"];
+            /** @description A file call: `write`, `mkdir`, `move` or `remove`. */
+            op?: string | null;
+            /** @description A file call's path (for a move, where it went). */
+            path?: string | null;
+            /** @description The user a command ran as, when one was asked for. */
+            user?: string | null;
+        };
+        /**
+         * @description What made a history point.
+         * @enum {string}
+         */
+        PointKind: "create" | "exec" | "process" | "file" | "rollback";
         /** @description `GET /v1/pools`. */
         PoolList: {
             /** @description Whether the node is cordoned (pools drained, creates refused). */
@@ -3085,6 +3353,21 @@ export interface components {
              */
             ttlSec: number;
         };
+        /** @description `POST /v1/runs/{id}/rollback`. */
+        RollbackRequest: {
+            /**
+             * Format: uint64
+             * @description The lease generation, with `owner`.
+             */
+            generation?: number | null;
+            /** @description The lease owner, when the run is leased. */
+            owner?: string | null;
+            /**
+             * Format: ulid
+             * @description The point to return the run's files to.
+             */
+            point: string;
+        } & (unknown & unknown);
         /** @description A run as the API shows it. */
         Run: {
             /**
@@ -3144,6 +3427,7 @@ export interface components {
             expiresAt: string;
             /** @description Why the run failed (status `failed` only). */
             failure?: string | null;
+            history?: null | components["schemas"]["HistorySettings"];
             /**
              * Format: ulid
              * @description The run's ULID.
@@ -3412,6 +3696,12 @@ export interface components {
              *     default: a generated `snap-<ulid>`.
              */
             name?: string | null;
+            /**
+             * Format: ulid
+             * @description Snapshot the run's files as they were at this history point
+             *     instead of as they are.
+             */
+            point?: string | null;
         };
         /** @description The first event of an exec stream. */
         StartedEvent: {
@@ -5703,6 +5993,142 @@ export interface operations {
             };
         };
     };
+    history: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HistoryList"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    historyDiff: {
+        parameters: {
+            query?: {
+                /** @description a point id to diff against (default: the point's parent) */
+                against?: string;
+                /** @description unified diffs of changed text files (default false) */
+                patch?: boolean;
+                /** @description most paths, 1-10000 (default 1000) */
+                limit?: number;
+            };
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+                point: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["HistoryDiff"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    forkPoint: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+                point: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: {
+            content: {
+                "application/json": components["schemas"]["ForkRequest"];
+            };
+        };
+        responses: {
+            /** @description done */
+            201: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ForkResponse"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     acquireLease: {
         parameters: {
             query?: never;
@@ -6439,6 +6865,51 @@ export interface operations {
             cookie?: never;
         };
         requestBody?: never;
+        responses: {
+            /** @description done */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Run"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "4XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description an error: its code is stable (see docs/api.md), its message says what to fix */
+            "5XX": {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    rollback: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description the run's id (a ULID) */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["RollbackRequest"];
+            };
+        };
         responses: {
             /** @description done */
             200: {

@@ -44,6 +44,16 @@ export type BuildEvent =
   | { type: "step"; step: BuildStep }
   | { type: "log"; log: BuildLog }
   | { type: "done"; build: Build };
+export type HistorySettings = Schemas["HistorySettings"];
+export type HistoryList = Schemas["HistoryList"];
+export type HistoryPoint = Schemas["HistoryPoint"];
+export type PointCause = Schemas["PointCause"];
+export type PointKind = Schemas["PointKind"];
+export type ChangeSummary = Schemas["ChangeSummary"];
+export type HistoryDiff = Schemas["HistoryDiff"];
+export type PathChange = Schemas["PathChange"];
+export type PathChangeKind = Schemas["PathChangeKind"];
+export type PathState = Schemas["PathState"];
 export type CreateRunRequest = Schemas["CreateRunRequest"];
 export type NetworkTier = Schemas["NetworkTier"];
 export type SizeTier = Schemas["SizeTier"];
@@ -74,6 +84,12 @@ export class ExecResult {
 
   get exitCode(): number {
     return this.exit.exitCode;
+  }
+
+  /** The history point the command's changes were kept as (runs with a
+   * history; undefined when it changed no file). */
+  get point(): string | undefined {
+    return this.exit.point ?? undefined;
   }
 
   /** stdout as UTF-8 text. */

@@ -1,5 +1,5 @@
 // The SDK against a live daemon: runs, exec, errors, files, watch,
-// background processes, leases, snapshots, forks and previews.
+// background processes, leases, snapshots, forks, history and previews.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 
@@ -369,6 +369,98 @@ test("snapshots, forks and previews", () =>
     }
     assert.equal(body, "page\n");
   }));
+
+test("history: points, diffs, rollbacks, and forks and snapshots of points", async () => {
+  const run = await rb.createRun("base", { history: { keep: 10 } });
+  const unknown = "01ARZ3NDEKTSV4RRFFQ69G5FAV";
+  try {
+    assert.deepEqual(run.history, { keep: 10 });
+    // A command that changes a file leaves a point, named by its exit.
+    const wrote = await rb.run(run.id, "mkdir /work/app && echo one > /work/app/a.txt");
+    assert.equal(wrote.exitCode, 0);
+    assert.ok(wrote.point);
+    assert.equal(wrote.exit.point, wrote.point);
+    // One that only reads leaves none.
+    const read = await rb.run(run.id, "cat /work/app/a.txt");
+    assert.equal(read.text, "one\n");
+    assert.equal(read.point, undefined);
+    const kept = await rb.history(run.id);
+    assert.equal(kept.keep, 10);
+    assert.equal(kept.head, wrote.point);
+    assert.deepEqual(kept.points.map((p) => p.cause.kind), ["exec", "create"]);
+    const [newest, created] = kept.points;
+    assert.equal(newest.id, wrote.point);
+    assert.equal(newest.parent, created.id);
+    assert.deepEqual(newest.cause.argv, ["sh", "-c", "mkdir /work/app && echo one > /work/app/a.txt"]);
+    assert.equal(newest.cause.exitCode, 0);
+    assert.equal(newest.changes.added, 2);
+    // The newest point's diff, by default against its parent.
+    const diff = await rb.diff(run.id);
+    assert.equal(diff.point, wrote.point);
+    assert.equal(diff.against, created.id);
+    assert.deepEqual(diff.changes.map((c) => [c.path, c.change]), [["/work/app", "added"], ["/work/app/a.txt", "added"]]);
+    assert.equal(diff.changes[1].after.size, 4);
+    assert.equal(diff.changes[1].patch ?? undefined, undefined);
+    const patched = await rb.diff(run.id, wrote.point, { patch: true });
+    assert.match(patched.changes[1].patch, /\+one/);
+    assert.equal((await rb.diff(run.id, wrote.point, { limit: 1 })).changes.length, 1);
+    // A file call leaves a point too.
+    await rb.writeFile(run.id, "app/a.txt", "two\n");
+    const changed = (await rb.history(run.id)).points[0];
+    assert.deepEqual([changed.cause.kind, changed.cause.op, changed.cause.path], ["file", "write", "/work/app/a.txt"]);
+    // Back to before everything: the files go.
+    const back = await rb.rollback(run.id, created.id);
+    assert.equal(back.id, run.id);
+    assert.equal(back.status, "running");
+    assert.notEqual((await rb.run(run.id, "cat /work/app/a.txt")).exitCode, 0);
+    assert.equal((await rb.run(run.id, "ls /work")).text, "");
+    assert.equal((await rb.history(run.id)).head, created.id);
+    // And forward again: the later points stayed.
+    await rb.rollback(run.id, wrote.point);
+    assert.equal((await rb.run(run.id, "cat /work/app/a.txt")).text, "one\n");
+    assert.equal((await rb.diff(run.id, changed.id, { against: created.id })).summary.added, 2);
+    // A fork and a snapshot of a point: the files as they were then.
+    await rb.run(run.id, "echo three > /work/app/a.txt");
+    const forks = await rb.fork(run.id, 1, undefined, wrote.point);
+    try {
+      assert.equal((await rb.run(forks[0].id, "cat /work/app/a.txt")).text, "one\n");
+    } finally {
+      for (const f of forks) await rb.deleteRun(f.id);
+    }
+    const snap = await rb.snapshot(run.id, `ts-point-${Date.now()}`, created.id);
+    try {
+      const child = await rb.createRun(snap.image);
+      try {
+        assert.equal((await rb.run(child.id, "ls /work")).text, "");
+      } finally {
+        await rb.deleteRun(child.id);
+      }
+    } finally {
+      await rb.deleteImage(snap.image);
+    }
+    assert.equal((await rb.run(run.id, "cat /work/app/a.txt")).text, "three\n");
+    // A point the run does not have.
+    await rejectsWith(rb.diff(run.id, unknown), NotFound, "point_not_found");
+    await rejectsWith(rb.rollback(run.id, unknown), NotFound, "point_not_found");
+    await rejectsWith(rb.fork(run.id, 1, undefined, unknown), NotFound, "point_not_found");
+  } finally {
+    await rb.deleteRun(run.id);
+  }
+  // A run without history has no points; nor has one that changed nothing yet.
+  await withRun(async (id) => {
+    await rb.run(id, "echo x > /work/x");
+    await rejectsWith(rb.history(id), NotFound, "point_not_found");
+    await rejectsWith(rb.diff(id), NotFound, "point_not_found");
+  });
+  const fresh = await rb.createRun("base", { history: { keep: 3 } });
+  try {
+    assert.deepEqual((await rb.history(fresh.id)).points, []);
+    await rejectsWith(rb.diff(fresh.id), NotFound, "point_not_found");
+  } finally {
+    await rb.deleteRun(fresh.id);
+  }
+  await rejectsWith(rb.createRun("base", { history: { keep: 1_000_000 } }), BadRequest, "bad_history");
+});
 
 test("tenants, run tokens and usage", async () => {
   const name = `ts${Date.now() % 100000000}`;

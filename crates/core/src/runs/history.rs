@@ -254,7 +254,8 @@ impl Recorder {
             }
             let oldest = book.points.remove(0).id;
             tracing::info!(run = %self.handle.id, point = %oldest, used, held, limit, "history point dropped to keep the run within its disk limit");
-            self.sandbox.drop_point(oldest).await?;
+            // Measured again only once what it held is freed.
+            self.sandbox.drop_point_and_reclaim(oldest).await?;
         }
         Ok(())
     }
@@ -280,6 +281,9 @@ impl Manager {
         let mut book = handle.history.book.lock().await;
         let book = handle.history.open(&mut book, &*recorder.sandbox);
         if book.points.is_empty() {
+            if let Err(e) = recorder.sandbox.history_room(recorder.disk_limit).await {
+                tracing::warn!(run = %handle.id, error = %e, "could not make room in the run's disk limit for its history");
+            }
             let first = recorder.record_locked(book, cause(PointKind::Create)).await;
             if let Err(e) = first {
                 tracing::warn!(run = %handle.id, error = %e, "could not keep a run's first history point");

@@ -196,6 +196,44 @@ async fn timed<T>(
         .map_err(process_error)
 }
 
+/// How long one wait of a background process's history watcher lasts
+/// before it asks again.
+const HISTORY_WAIT: Duration = Duration::from_secs(3600);
+
+/// Waits for background process `pid` to end, then keeps the run's files
+/// as a history point made by it. Gives up when the run ends or its agent
+/// goes (a wake starts a new agent, which no longer has the process).
+async fn watch_for_history(
+    mut agent: runbox_agent_proto::AgentClient,
+    handle: std::sync::Arc<super::actor::RunHandle>,
+    pid: u32,
+    recorder: super::history::Recorder,
+    mut cause: runbox_types::PointCause,
+) {
+    loop {
+        let request = pb::WaitProcessRequest {
+            process: Some(pb::ProcessRef {
+                pid,
+                tag: String::new(),
+            }),
+            timeout_ms: HISTORY_WAIT.as_millis() as u64,
+        };
+        let waited = tokio::select! {
+            reply = timed(agent.wait_process(request), HISTORY_WAIT + CALL_TIMEOUT) => reply,
+            () = handle.ended.cancelled() => return,
+        };
+        match waited {
+            Ok(info) if info.running => continue,
+            Ok(info) => {
+                cause.exit_code = Some(info.exit.map_or(-1, |e| e.exit_code));
+                recorder.record(cause).await;
+                return;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
 impl Manager {
     /// Admits a process call on a run whose agent knows processes.
     async fn process_call(&self, id: Ulid, access: Access) -> Result<Admission, CoreError> {
@@ -207,9 +245,16 @@ impl Manager {
     /// Starts a background process: it outlives this call, is listed, can
     /// be attached to, and its exit status is kept after it ended.
     pub async fn start_process(&self, id: Ulid, req: ExecRequest) -> Result<Process, CoreError> {
-        let opened = self
-            .open_exec(self.handle(id)?, req, ExecMode::Background)
+        let handle = self.handle(id)?;
+        let mut opened = self
+            .open_exec(handle.clone(), req, ExecMode::Background)
             .await?;
+        if let Some((recorder, cause)) = opened.state.take_history() {
+            let agent = opened.agent.clone();
+            tokio::spawn(watch_for_history(
+                agent, handle, opened.pid, recorder, cause,
+            ));
+        }
         let mut agent = opened.agent.clone();
         let request = pb::WaitProcessRequest {
             process: Some(pb::ProcessRef {

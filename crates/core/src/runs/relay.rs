@@ -237,12 +237,10 @@ impl Manager {
         if needs_processes {
             AgentFeature::Processes.check(protocol)?;
         }
-        // A command in the foreground leaves a history point when it ends
-        // (the first one of a run keeps the files before it, too).
-        let recorder = match mode {
-            ExecMode::Background => None,
-            ExecMode::Foreground | ExecMode::Session => self.recorder(&handle, &record).await,
-        };
+        // A command leaves a history point when it ends (the first one of
+        // a run keeps the files before it, too); a background process's is
+        // taken by a watcher ([`Manager::start_process`]).
+        let recorder = self.recorder(&handle, &record).await;
         let image = &record.image_config;
         // An exec without a command runs the image's Entrypoint + Cmd.
         let argv = if req.cmd.is_empty() {
@@ -287,10 +285,14 @@ impl Manager {
         .map(|(name, value)| pb::EnvVar { name, value })
         .collect();
         let history = recorder.map(|recorder| {
+            let kind = match mode {
+                ExecMode::Background => runbox_types::PointKind::Process,
+                ExecMode::Foreground | ExecMode::Session => runbox_types::PointKind::Exec,
+            };
             let cause = runbox_types::PointCause {
                 argv: Some(argv.clone()),
                 user: user.clone(),
-                ..super::history::cause(runbox_types::PointKind::Exec)
+                ..super::history::cause(kind)
             };
             (recorder, cause)
         });
@@ -906,6 +908,16 @@ impl AgentFeature {
         } else {
             Err(self.refusal())
         }
+    }
+}
+
+impl ExecState {
+    /// Takes the history point this command would leave, for a caller
+    /// that watches its end another way (a background process).
+    pub(super) fn take_history(
+        &mut self,
+    ) -> Option<(super::history::Recorder, runbox_types::PointCause)> {
+        self.history.take()
     }
 }
 

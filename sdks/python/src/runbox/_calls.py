@@ -23,8 +23,8 @@ from ._core import (
     run_path,
     segment,
 )
-from ._errors import BuildFailed
-from ._models import FileInfo, Image, Lease, Preview, Process, Run
+from ._errors import BuildFailed, NotFound
+from ._models import FileInfo, History, HistoryDiff, Image, Lease, Preview, Process, Run
 
 Lease_ = Optional[Tuple[str, int]]
 
@@ -68,6 +68,7 @@ def create_run(
     idle_hibernate_after: Optional[int] = None,
     allow_privilege_escalation: Optional[bool] = None,
     volumes: Optional[List[Dict[str, str]]] = None,
+    history: Optional[int] = None,
     idempotency_key: Optional[str] = None,
 ) -> Call[Run]:
     limits = compact(cpus=cpus, memoryMb=memory_mb, pids=pids, diskMb=disk_mb) or None
@@ -92,6 +93,7 @@ def create_run(
         idle=compact(pauseAfterSec=idle_pause_after, hibernateAfterSec=idle_hibernate_after) or None,
         allowPrivilegeEscalation=allow_privilege_escalation,
         volumes=volumes,
+        history=None if history is None else {"keep": history},
     )
     # Always keyed, so that the clients may send it again (with this key)
     # when its answer was lost or the node was at capacity: the server
@@ -294,12 +296,50 @@ def mint_preview(run_id: str, port: int, ttl: Optional[int] = None) -> Call[Prev
     )
 
 
-def snapshot(run_id: str, name: Optional[str] = None) -> Call[Dict[str, Any]]:
-    return Call("POST", f"{run_path(run_id)}/snapshot", json=compact(name=name))
+def snapshot(run_id: str, name: Optional[str] = None, point: Optional[str] = None) -> Call[Dict[str, Any]]:
+    return Call("POST", f"{run_path(run_id)}/snapshot", json=compact(name=name, point=point))
 
 
-def fork(run_id: str, count: int = 1, ttl: Optional[int] = None) -> Call[List[Run]]:
-    return Call("POST", f"{run_path(run_id)}/fork", json=compact(count=count, ttlSec=ttl), parse=parse_runs)
+def fork(run_id: str, count: int = 1, ttl: Optional[int] = None, point: Optional[str] = None) -> Call[List[Run]]:
+    return Call(
+        "POST", f"{run_path(run_id)}/fork", json=compact(count=count, ttlSec=ttl, point=point), parse=parse_runs
+    )
+
+
+def history(run_id: str) -> Call[History]:
+    return Call("GET", f"{run_path(run_id)}/history", parse=History.from_json)
+
+
+def newest_point(run_id: str, kept: History) -> str:
+    """The newest point of a run's history (what ``diff`` shows when it
+    names none); a history with no point yet is ``point_not_found``, as the
+    daemon answers for a point it does not have."""
+    if not kept.points:
+        raise NotFound(404, "point_not_found", f"run {run_id} has no history points yet")
+    return kept.points[0].id
+
+
+def diff(
+    run_id: str,
+    point: str,
+    against: Optional[str] = None,
+    patch: bool = False,
+    limit: Optional[int] = None,
+) -> Call[HistoryDiff]:
+    params = compact(against=against, patch="true" if patch else None, limit=limit)
+    return Call(
+        "GET",
+        f"{run_path(run_id)}/history/{segment('history point', point)}/diff",
+        params=params or None,
+        parse=HistoryDiff.from_json,
+    )
+
+
+def rollback(run_id: str, point: str, lease: Lease_ = None) -> Call[Run]:
+    body: Dict[str, Any] = {"point": point}
+    if lease:
+        body["owner"], body["generation"] = lease
+    return Call("POST", f"{run_path(run_id)}/rollback", json=body, parse=Run.from_json)
 
 
 def checkpoint(run_id: str, labels: Optional[Dict[str, str]] = None) -> Call[Dict[str, Any]]:

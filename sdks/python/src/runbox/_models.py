@@ -81,6 +81,8 @@ class Run:
     tenant: Optional[str] = None
     token: Optional[str] = field(default=None, repr=False)
     lease_generation: int = 0
+    #: ``{"keep": N}`` when the run keeps a history (see :meth:`Runbox.history`).
+    history: Optional[Dict[str, int]] = None
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "Run":
@@ -113,6 +115,7 @@ class Run:
             failure=d.get("failure"),
             tenant=d.get("tenant"),
             token=d.get("token"),
+            history=d.get("history"),
         )
 
 
@@ -121,16 +124,21 @@ class Exit:
     """How a command ended: ``exit_code`` (128 + signal when a signal ended
     it, -1 when unknown), ``signal``, ``timed_out``, and ``reason``
     (``exited``, ``signaled``, ``timeout``, ``run_expired``, ``run_deleted``,
-    ``run_moved``, ``agent_lost``)."""
+    ``run_moved``, ``agent_lost``); in a run with a history, ``point``: the
+    history point the command's changes were kept as (None when it changed
+    no file)."""
 
     exit_code: int
     timed_out: bool
     signal: Optional[int]
     reason: str
+    point: Optional[str] = None
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "Exit":
-        return cls(d["exitCode"], bool(d.get("timedOut")), d.get("signal"), d.get("reason", "exited"))
+        return cls(
+            d["exitCode"], bool(d.get("timedOut")), d.get("signal"), d.get("reason", "exited"), d.get("point")
+        )
 
 
 @dataclass
@@ -145,6 +153,12 @@ class ExecResult:
     @property
     def exit_code(self) -> int:
         return self.exit.exit_code
+
+    @property
+    def point(self) -> Optional[str]:
+        """The history point the command's changes were kept as (runs with a
+        history; None when it changed no file)."""
+        return self.exit.point
 
     @property
     def text(self) -> str:
@@ -263,3 +277,156 @@ class Preview:
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> "Preview":
         return cls(d["url"], d["token"], d["port"], _time(d.get("expiresAt")))
+
+
+@dataclass
+class ChangeSummary:
+    """How many paths a history point changed against the point before it,
+    and ``bytes``: the size of the files added or modified."""
+
+    added: int
+    modified: int
+    removed: int
+    bytes: int
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "ChangeSummary":
+        return cls(d["added"], d["modified"], d["removed"], d["bytes"])
+
+
+@dataclass
+class PointCause:
+    """What made a history point: ``kind`` (``create``, ``exec``,
+    ``process``, ``file``, ``rollback``); a command's ``argv``,
+    ``exit_code`` and ``user``; a file call's ``op`` (``write``, ``mkdir``,
+    ``move``, ``remove``) and ``path``."""
+
+    kind: str
+    argv: Optional[List[str]] = None
+    exit_code: Optional[int] = None
+    user: Optional[str] = None
+    op: Optional[str] = None
+    path: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "PointCause":
+        argv = d.get("argv")
+        return cls(
+            d["kind"],
+            list(argv) if argv is not None else None,
+            d.get("exitCode"),
+            d.get("user"),
+            d.get("op"),
+            d.get("path"),
+        )
+
+
+@dataclass
+class HistoryPoint:
+    """One point of a run's history: its files as they were right after
+    what made it (``cause``); ``parent`` is the point before it."""
+
+    id: str
+    created_at: Optional[datetime]
+    parent: Optional[str]
+    cause: PointCause
+    changes: ChangeSummary
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "HistoryPoint":
+        return cls(
+            d["id"],
+            _time(d.get("createdAt")),
+            d.get("parent"),
+            PointCause.from_json(d["cause"]),
+            ChangeSummary.from_json(d["changes"]),
+        )
+
+
+@dataclass
+class History:
+    """A run's history: its ``points``, newest first; ``head``, the point
+    its files are at (or descend from); how many it ``keep``s; ``bytes``,
+    what the points alone hold on disk (None where the storage does not
+    count it)."""
+
+    points: List[HistoryPoint]
+    head: Optional[str]
+    keep: int
+    bytes: Optional[int]
+    raw: Dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "History":
+        return cls(
+            [HistoryPoint.from_json(p) for p in d["points"]], d.get("head"), d["keep"], d.get("bytes"), d
+        )
+
+
+@dataclass
+class PathState:
+    """A path's entry on one side of a diff (``kind``, ``mode``, ``uid``,
+    ``gid`` as the run sees them, ``size``, a link's ``target``)."""
+
+    kind: str
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    target: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "PathState":
+        return cls(d["kind"], d["mode"], d["uid"], d["gid"], d["size"], d.get("target"))
+
+
+@dataclass
+class PathChange:
+    """One changed path (absolute, as the run sees it): ``change``
+    (``added``, ``modified``, ``removed``), its entry ``before`` and
+    ``after``; with ``patch=True`` a text file's unified diff (``patch``),
+    or ``binary`` for a file shown without one."""
+
+    path: str
+    change: str
+    before: Optional[PathState]
+    after: Optional[PathState]
+    patch: Optional[str] = None
+    binary: bool = False
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "PathChange":
+        before, after = d.get("before"), d.get("after")
+        return cls(
+            d["path"],
+            d["change"],
+            PathState.from_json(before) if before else None,
+            PathState.from_json(after) if after else None,
+            d.get("patch"),
+            bool(d.get("binary", False)),
+        )
+
+
+@dataclass
+class HistoryDiff:
+    """What a history ``point`` changed against ``against`` (its parent, or
+    the point asked for): the ``changes`` in path order, ``truncated`` when
+    more paths changed than are listed, and their ``summary``."""
+
+    point: str
+    against: Optional[str]
+    changes: List[PathChange]
+    truncated: bool
+    summary: ChangeSummary
+    raw: Dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "HistoryDiff":
+        return cls(
+            d["point"],
+            d.get("against"),
+            [PathChange.from_json(c) for c in d["changes"]],
+            bool(d.get("truncated", False)),
+            ChangeSummary.from_json(d["summary"]),
+            d,
+        )

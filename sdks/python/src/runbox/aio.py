@@ -25,7 +25,21 @@ from ._core import (
     run_path,
 )
 from ._errors import RunboxError, StreamEnded, error_from
-from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
+from ._models import (
+    ExecResult,
+    Exit,
+    FileInfo,
+    History,
+    HistoryDiff,
+    Image,
+    Lease,
+    Preview,
+    Process,
+    Run,
+    Started,
+    Stderr,
+    Stdout,
+)
 from ._session import MAX_MESSAGE, control, decode_frame, headers, ws_url
 
 Lease_ = Optional[Tuple[str, int]]
@@ -416,8 +430,11 @@ class AsyncRunbox:
         """Cancel a build; answers once it has ended."""
         return await self._do(calls.cancel_build(build_id))
 
-    async def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
-        return await self._do(calls.snapshot(run_id, name))
+    async def snapshot(self, run_id: str, name: Optional[str] = None, point: Optional[str] = None) -> Dict[str, Any]:
+        """Record the run's files as an image named ``name`` (default:
+        generated); with ``point``, its files as they were at that history
+        point."""
+        return await self._do(calls.snapshot(run_id, name, point))
 
     async def checkpoint(self, run_id: str, labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
         """Send the run's disk and settings to the server's checkpoint store;
@@ -528,8 +545,43 @@ class AsyncRunbox:
     async def delete_checkpoint(self, checkpoint_id: str) -> None:
         await self._do(calls.delete_checkpoint(checkpoint_id))
 
-    async def fork(self, run_id: str, count: int = 1, ttl: Optional[int] = None) -> List[Run]:
-        return await self._do(calls.fork(run_id, count, ttl))
+    async def fork(
+        self, run_id: str, count: int = 1, ttl: Optional[int] = None, point: Optional[str] = None
+    ) -> List[Run]:
+        """Start ``count`` runs from the run's files as they are (with
+        ``point``: as they were at that history point)."""
+        return await self._do(calls.fork(run_id, count, ttl, point))
+
+    # -- history (runs created with ``history=N``) --------------------------
+
+    async def history(self, run_id: str) -> History:
+        """The run's history points, newest first: one after every command
+        and file call that changed a file, and a ``create`` point (the files
+        before the first change). ``point_not_found`` for a run without a
+        history."""
+        return await self._do(calls.history(run_id))
+
+    async def diff(
+        self,
+        run_id: str,
+        point: Optional[str] = None,
+        against: Optional[str] = None,
+        patch: bool = False,
+        limit: Optional[int] = None,
+    ) -> HistoryDiff:
+        """The paths a history point (default: the newest) changed against
+        its parent, or against the point ``against``; ``patch`` adds unified
+        diffs of changed text files; ``limit``: the most paths (1-10000,
+        default 1000)."""
+        if point is None:
+            point = calls.newest_point(run_id, await self._do(calls.history(run_id)))
+        return await self._do(calls.diff(run_id, point, against, patch, limit))
+
+    async def rollback(self, run_id: str, point: str, lease: Lease_ = None) -> Run:
+        """Return the run's files to a history point; a running run's
+        processes end (it boots again on those files). Later points stay, so
+        a rollback can be undone by rolling forward, until the next change."""
+        return await self._do(calls.rollback(run_id, point, lease))
 
     async def mint_preview(self, run_id: str, port: int, ttl: Optional[int] = None) -> Preview:
         return await self._do(calls.mint_preview(run_id, port, ttl))

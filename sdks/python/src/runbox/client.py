@@ -22,7 +22,21 @@ from ._core import (
     run_path,
 )
 from ._errors import RunboxError, StreamEnded, error_from
-from ._models import ExecResult, Exit, FileInfo, Image, Lease, Preview, Process, Run, Started, Stderr, Stdout
+from ._models import (
+    ExecResult,
+    Exit,
+    FileInfo,
+    History,
+    HistoryDiff,
+    Image,
+    Lease,
+    Preview,
+    Process,
+    Run,
+    Started,
+    Stderr,
+    Stdout,
+)
 from ._session import Session, open_session
 
 Lease_ = Optional[Tuple[str, int]]
@@ -172,6 +186,8 @@ class Runbox:
         ``allow_privilege_escalation`` (setuid programs such as sudo work;
         only where runs have a user namespace), ``volumes`` (a list of
         ``{"name", "path"?, "mode"?}``, mode ``rw`` or ``ro``),
+        ``history`` (keep a history point, this many at most, after every
+        command and file call that changed a file: see :meth:`history`),
         ``idempotency_key`` (default: a fresh one, which this call's retries
         reuse); ``checkpoint`` (an id) instead of ``image``
         starts the run from a checkpoint. Without either, the image is
@@ -417,8 +433,11 @@ class Runbox:
         """Cancel a build; answers once it has ended."""
         return self._do(calls.cancel_build(build_id))
 
-    def snapshot(self, run_id: str, name: Optional[str] = None) -> Dict[str, Any]:
-        return self._do(calls.snapshot(run_id, name))
+    def snapshot(self, run_id: str, name: Optional[str] = None, point: Optional[str] = None) -> Dict[str, Any]:
+        """Record the run's files as an image named ``name`` (default:
+        generated); with ``point``, its files as they were at that history
+        point."""
+        return self._do(calls.snapshot(run_id, name, point))
 
     def checkpoint(self, run_id: str, labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
         """Send the run's disk and settings to the server's checkpoint store;
@@ -534,8 +553,43 @@ class Runbox:
     def delete_checkpoint(self, checkpoint_id: str) -> None:
         self._do(calls.delete_checkpoint(checkpoint_id))
 
-    def fork(self, run_id: str, count: int = 1, ttl: Optional[int] = None) -> List[Run]:
-        return self._do(calls.fork(run_id, count, ttl))
+    def fork(
+        self, run_id: str, count: int = 1, ttl: Optional[int] = None, point: Optional[str] = None
+    ) -> List[Run]:
+        """Start ``count`` runs from the run's files as they are (with
+        ``point``: as they were at that history point)."""
+        return self._do(calls.fork(run_id, count, ttl, point))
+
+    # -- history (runs created with ``history=N``) --------------------------
+
+    def history(self, run_id: str) -> History:
+        """The run's history points, newest first: one after every command
+        and file call that changed a file, and a ``create`` point (the files
+        before the first change). ``point_not_found`` for a run without a
+        history."""
+        return self._do(calls.history(run_id))
+
+    def diff(
+        self,
+        run_id: str,
+        point: Optional[str] = None,
+        against: Optional[str] = None,
+        patch: bool = False,
+        limit: Optional[int] = None,
+    ) -> HistoryDiff:
+        """The paths a history point (default: the newest) changed against
+        its parent, or against the point ``against``; ``patch`` adds unified
+        diffs of changed text files; ``limit``: the most paths (1-10000,
+        default 1000)."""
+        if point is None:
+            point = calls.newest_point(run_id, self._do(calls.history(run_id)))
+        return self._do(calls.diff(run_id, point, against, patch, limit))
+
+    def rollback(self, run_id: str, point: str, lease: Lease_ = None) -> Run:
+        """Return the run's files to a history point; a running run's
+        processes end (it boots again on those files). Later points stay, so
+        a rollback can be undone by rolling forward, until the next change."""
+        return self._do(calls.rollback(run_id, point, lease))
 
     def mint_preview(self, run_id: str, port: int, ttl: Optional[int] = None) -> Preview:
         return self._do(calls.mint_preview(run_id, port, ttl))
