@@ -65,7 +65,12 @@ def encoded_ids(d: Daemon, victim: str, examples: int) -> list[str]:
     host = d.url.removeprefix("http://")
     rng = random.Random(38)
     failures = []
-    fills = {"{path}": "f.txt", "{process}": "1", "{port}": "8080"}
+    fills = {
+        "{path}": "f.txt",
+        "{process}": "1",
+        "{port}": "8080",
+        "{point}": "01JF0000000000000000000000",
+    }
     for route, ops in spec["paths"].items():
         if not route.startswith("/v1/runs/{id}"):
             continue

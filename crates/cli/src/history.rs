@@ -50,8 +50,9 @@ pub struct RollbackArgs {
     /// The run's id
     pub id: String,
     /// The point to return the run's files to (`runbox history ID` lists
-    /// them)
-    pub point: String,
+    /// them) [default: the one before the point the files are at: undo
+    /// the last change]
+    pub point: Option<String>,
     /// The lease owner, when the run is leased
     #[arg(long)]
     pub owner: Option<String>,
@@ -111,8 +112,19 @@ pub async fn diff(args: DiffArgs) -> anyhow::Result<ExitCode> {
 /// `runbox rollback`: prints the run's id and status once it is back.
 pub async fn rollback(args: RollbackArgs) -> anyhow::Result<ExitCode> {
     let conn = args.conn.connect()?;
-    let point = runbox_types::parse_id(&args.point)
-        .ok_or_else(|| anyhow::anyhow!("{:?} is not a point id", args.point))?;
+    let point = match &args.point {
+        Some(raw) => runbox_types::parse_id(raw)
+            .ok_or_else(|| anyhow::anyhow!("{raw:?} is not a point id"))?,
+        None => {
+            let list = conn.check(conn.client.history(&args.id).await)?;
+            undo_target(&list).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "run {} has no change to undo (its files are at its first point)",
+                    args.id
+                )
+            })?
+        }
+    };
     let req = runbox_types::RollbackRequest {
         point,
         owner: args.owner,
@@ -125,6 +137,12 @@ pub async fn rollback(args: RollbackArgs) -> anyhow::Result<ExitCode> {
         serde_json::to_value(run.status)?.as_str().unwrap_or("")
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The point an undo returns to: the parent of the point the files are at.
+fn undo_target(list: &runbox_types::HistoryList) -> Option<ulid::Ulid> {
+    let head = list.head?;
+    list.points.iter().find(|p| p.id == head)?.parent
 }
 
 /// What made a point, in a few words.
@@ -214,6 +232,32 @@ mod tests {
                 bytes: 2048,
             },
         }
+    }
+
+    #[test]
+    fn an_undo_returns_to_the_parent_of_the_head() {
+        let mut newest = point(PointKind::Exec);
+        let first = point(PointKind::Create);
+        let first_id = ulid::Ulid::from_string("01JBXG00000000000000000009").unwrap();
+        newest.parent = Some(first_id);
+        let list = runbox_types::HistoryList {
+            points: vec![
+                newest.clone(),
+                HistoryPoint {
+                    id: first_id,
+                    ..first
+                },
+            ],
+            head: Some(newest.id),
+            keep: 20,
+            bytes: None,
+        };
+        assert_eq!(undo_target(&list), Some(first_id));
+        let at_first = runbox_types::HistoryList {
+            head: Some(first_id),
+            ..list
+        };
+        assert_eq!(undo_target(&at_first), None);
     }
 
     #[test]

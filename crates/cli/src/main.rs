@@ -136,8 +136,9 @@ enum Command {
     /// Show what a history point changed: paths added, modified, removed
     /// (--patch for text diffs)
     Diff(history::DiffArgs),
-    /// Return a run's files to a history point (its processes end, as at
-    /// a wake; later points are kept until the next change)
+    /// Return a run's files to a history point, by default the one before
+    /// the last change (its processes end, as at a wake; later points are
+    /// kept until the next change)
     Rollback(history::RollbackArgs),
     /// Send a run's disk and settings to the server's checkpoint store (the
     /// run keeps running); `runbox run create --checkpoint ID` starts runs

@@ -1523,6 +1523,11 @@ fn injected_paths(dir: &Path) -> Vec<String> {
     injected
 }
 
+/// How soon after a point a change may not have moved its file's times
+/// yet (coarse clocks tick every few milliseconds): within it, whether
+/// anything changed is asked of the new snapshot, not the live disk.
+const SAME_TICK: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// The inodes of a disk (or a point of it) whose changes are the
 /// storage's, not the run's: the disk's root (whose only entries are the
 /// layers and scratch directories) and overlayfs' scratch directories,
@@ -1728,16 +1733,34 @@ impl Sandbox for OciSandbox {
         blocking(move || {
             let dir = lane.run_dir(id);
             let (run, name) = (id.to_string(), point.to_string());
+            let changed = |path: &Path, since: Since| {
+                crate::storage::changed_since(
+                    path,
+                    since.transid,
+                    &churned_inodes(path),
+                    Some(since.at),
+                )
+            };
+            // Asked of the live disk first, its metadata committed (no
+            // data flushed, no snapshot): a command that changed nothing
+            // costs a search. A write within a clock tick of the last
+            // point may not have moved its file's times yet; that case is
+            // asked of the snapshot instead, which holds its data.
+            let recent = since.is_some_and(|s| s.at.elapsed().is_ok_and(|age| age < SAME_TICK));
+            if let (Some(since), false) = (since, recent) {
+                let disk = dir.join(crate::storage::DISK_DIR);
+                let live = crate::storage::commit_metadata(&disk)
+                    .and_then(|()| changed(&disk, since))
+                    .map_err(LaneError::io("looking for changes in the run's disk"))?;
+                if !live {
+                    return Ok(None);
+                }
+            }
             let path = lane.storage.point_disk(&dir, &runs, &run, &name)?;
             let kept = (|| {
                 let changed = match since {
-                    Some(since) => crate::storage::changed_since(
-                        &path,
-                        since.transid,
-                        &churned_inodes(&path),
-                        Some(since.at),
-                    )?,
-                    None => true,
+                    Some(since) if recent => changed(&path, since)?,
+                    _ => true,
                 };
                 if !changed {
                     return Ok(None);

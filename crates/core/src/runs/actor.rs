@@ -1765,6 +1765,13 @@ impl RunActor {
         let hibernate = self.record.on_expire == OnExpire::Hibernate
             || matches!(self.phase, Phase::Hibernated | Phase::Archived)
             || archive;
+        if archive && self.phase != Phase::Archived {
+            // Stored and shown with the archive itself: a run that reads
+            // `archived` already shows the retention it is kept for.
+            self.record.expired = true;
+            self.record.expires_at =
+                OffsetDateTime::now_utc() + self.context.config().archive_retention;
+        }
         let slept = match (&self.phase, archive, hibernate) {
             (Phase::Archived, _, _) => Ok(()),
             (_, true, _) => match self.archive().await {

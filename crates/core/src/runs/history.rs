@@ -176,6 +176,8 @@ pub(crate) struct Recorder {
     keep: u32,
     /// The run's disk limit, which its points count against.
     disk_limit: Option<u64>,
+    /// The lane, for how full the run store is.
+    lane: Arc<dyn crate::lane::Lane>,
 }
 
 impl Recorder {
@@ -243,6 +245,12 @@ impl Recorder {
             let oldest = book.points.remove(0).id;
             self.sandbox.drop_point(oldest).await?;
         }
+        // A store running out of room: history is the first thing to give.
+        while book.points.len() > 1 && self.store_short() {
+            let oldest = book.points.remove(0).id;
+            tracing::info!(run = %self.handle.id, point = %oldest, "history point dropped: the run store is nearly full");
+            self.sandbox.drop_point_and_reclaim(oldest).await?;
+        }
         let Some(limit) = self.disk_limit else {
             return Ok(());
         };
@@ -261,6 +269,21 @@ impl Recorder {
     }
 }
 
+impl Recorder {
+    /// Whether the run store has less than [`STORE_RESERVE`] of its size
+    /// free.
+    fn store_short(&self) -> bool {
+        self.lane.storage().is_some_and(|s| {
+            let free = s.total_bytes.saturating_sub(s.used_bytes);
+            free < s.total_bytes / STORE_RESERVE
+        })
+    }
+}
+
+/// History points go, oldest first, while the run store has less than
+/// one part in this many of its size free.
+const STORE_RESERVE: u64 = 10;
+
 impl Manager {
     /// A recorder for run `handle` (whose record is `record`), if it keeps
     /// history. The first one of a run keeps the run's files as they are
@@ -277,6 +300,7 @@ impl Manager {
             sandbox: self.lane.sandbox(handle.id),
             keep,
             disk_limit: record.limits.disk_mb.map(|mb| mb << 20),
+            lane: self.lane.clone(),
         };
         let mut book = handle.history.book.lock().await;
         let book = handle.history.open(&mut book, &*recorder.sandbox);
@@ -471,6 +495,7 @@ impl Manager {
             sandbox: self.lane.sandbox(id),
             keep,
             disk_limit: record.limits.disk_mb.map(|mb| mb << 20),
+            lane: self.lane.clone(),
         };
         let mut book = handle.history.book.lock().await;
         let book = handle.history.open(&mut book, &*recorder.sandbox);
