@@ -1524,9 +1524,10 @@ fn injected_paths(dir: &Path) -> Vec<String> {
 }
 
 /// How soon after a point a change may not have moved its file's times
-/// yet (coarse clocks tick every few milliseconds): within it, whether
-/// anything changed is asked of the new snapshot, not the live disk.
-const SAME_TICK: std::time::Duration = std::time::Duration::from_millis(50);
+/// yet (file times come from a coarse clock that ticks every 1 to 10 ms,
+/// by the kernel's HZ): within it, whether anything changed is asked of
+/// the new snapshot, not the live disk.
+const SAME_TICK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The inodes of a disk (or a point of it) whose changes are the
 /// storage's, not the run's: the disk's root (whose only entries are the
