@@ -314,9 +314,11 @@ impl std::fmt::Debug for Capture {
 pub struct Since {
     /// Changes in later transactions count.
     pub transid: u64,
-    /// A time no later than that transaction: an inode whose change time
-    /// is earlier changed only its access time.
+    /// A time no later than that transaction (how recent it is).
     pub at: std::time::SystemTime,
+    /// The point the files were at then (for an inode, what it was), if
+    /// one is kept.
+    pub point: Option<Ulid>,
 }
 
 /// A history point a lane kept ([`Sandbox::keep_point`]).

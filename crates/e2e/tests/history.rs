@@ -228,6 +228,46 @@ async fn an_agent_session_is_diffed_rolled_back_and_forward_again() {
         Some(&b"kept"[..])
     );
 
+    // A command a rollback cuts short leaves no point of the returned
+    // files under its name.
+    let cut = {
+        let client = daemon.client.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            let req = runbox_types::ExecRequest {
+                cmd: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "sleep 3; echo late > /work/late".into(),
+                ],
+                ..Default::default()
+            };
+            match client.exec(&id, &req).await {
+                Ok(stream) => stream.collect_output().await.ok(),
+                Err(_) => None,
+            }
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    rollback(&daemon, &id, installed).await;
+    let cut = cut.await.unwrap();
+    assert!(
+        cut.is_none_or(|out| out.exit.point.is_none()),
+        "no point for a cut command"
+    );
+    let history = daemon.client.history(&id).await.unwrap();
+    assert!(
+        !history.points.iter().any(|p| p
+            .cause
+            .argv
+            .as_ref()
+            .is_some_and(|a| a.join(" ").contains("late"))),
+        "{:?}",
+        history.points
+    );
+    assert_eq!(history.head, Some(installed));
+    rollback(&daemon, &id, broken).await;
+
     // Back, then a new change: the points after the one returned to go.
     rollback(&daemon, &id, installed).await;
     let (_, third) = step(&daemon, &id, "echo three > /work/app/c.txt").await;

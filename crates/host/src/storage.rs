@@ -33,6 +33,7 @@
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io;
+use std::io::Write as _;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -242,6 +243,19 @@ impl RunStorage {
         self.snapshot_disk_into(run_dir, &runs.join(HISTORY_DIR).join(run), point)
     }
 
+    /// A read-only snapshot of history point `point` (a directory
+    /// [`RunStorage::point_disk`] made) into `<runs>/.captures/<name>`:
+    /// what a fork or snapshot of the point reads, so the point can be
+    /// dropped meanwhile. Constant time.
+    pub fn capture_point(
+        &self,
+        point: &Path,
+        runs: &Path,
+        name: &str,
+    ) -> Result<PathBuf, LaneError> {
+        self.snapshot_into(point, &runs.join(CAPTURES_DIR), name)
+    }
+
     /// A read-only snapshot of `<run_dir>/disk` as `dir/name` (`dir` made
     /// when missing).
     fn snapshot_disk_into(
@@ -250,6 +264,12 @@ impl RunStorage {
         dir: &Path,
         name: &str,
     ) -> Result<PathBuf, LaneError> {
+        self.snapshot_into(&run_dir.join(DISK_DIR), dir, name)
+    }
+
+    /// A read-only snapshot of subvolume `source` as `dir/name` (`dir`
+    /// made when missing).
+    fn snapshot_into(&self, source: &Path, dir: &Path, name: &str) -> Result<PathBuf, LaneError> {
         if matches!(self.kind, Kind::Plain { .. }) {
             return Err(LaneError::Unsupported(
                 "snapshots need the btrfs run store (start the daemon with --storage-gb N)".into(),
@@ -260,9 +280,8 @@ impl RunStorage {
             .recursive(true)
             .create(dir)
             .map_err(LaneError::io(format!("creating {}", dir.display())))?;
-        let source = run_dir.join(DISK_DIR);
         let sub =
-            open_dir(&source).map_err(LaneError::io(format!("opening {}", source.display())))?;
+            open_dir(source).map_err(LaneError::io(format!("opening {}", source.display())))?;
         let parent = open_dir(dir).map_err(LaneError::io(format!("opening {}", dir.display())))?;
         snapshot_subvolume(&sub, &parent, OsStr::new(name))
             .map_err(LaneError::io(format!("snapshotting {}", source.display())))?;
@@ -768,8 +787,14 @@ pub fn point_ids(runs: &Path, run: &str) -> Vec<String> {
 pub fn write_point_meta(runs: &Path, run: &str, point: &str, meta: &[u8]) -> io::Result<()> {
     let path = point_meta_path(runs, run, point);
     let partial = path.with_extension("json.partial");
-    std::fs::write(&partial, meta)?;
-    std::fs::rename(&partial, &path)
+    // Durable before it is renamed into place, and the rename durable
+    // before the call returns: after a power loss the description is the
+    // old one or the new one, never an empty file.
+    let mut file = File::create(&partial)?;
+    file.write_all(meta)?;
+    file.sync_all()?;
+    std::fs::rename(&partial, &path)?;
+    File::open(runs.join(HISTORY_DIR).join(run))?.sync_all()
 }
 
 /// What is said of point `point`; None for a half-made or missing one.
@@ -1232,29 +1257,35 @@ pub fn settled_transid(path: &Path) -> io::Result<u64> {
 ///
 /// Items of the inodes in `ignore` do not count (a directory the storage
 /// itself churns, such as overlayfs' scratch directory, and the
-/// subvolume's root, whose only entries are those). With `after` (a
-/// time taken before the predecessor was made), an inode whose change
-/// time is not later does not count either: only its access time moved
-/// (a file or directory read for the first time since it was written,
-/// under `relatime`).
+/// subvolume's root, whose only entries are those). With `previous` (the
+/// predecessor, a snapshot of the same subvolume, so inode numbers
+/// match), a newer inode item that equals the predecessor's copy in all
+/// but its access time (and bookkeeping) does not count: a file or
+/// directory was only read (overlayfs updates the access times of the
+/// layer below it whatever the store's mount says). Compared field by
+/// field, not by time, so a change in the same clock tick as the
+/// predecessor still counts.
 pub fn changed_since(
     path: &Path,
     transid: u64,
     ignore: &[u64],
-    after: Option<std::time::SystemTime>,
+    previous: Option<&Path>,
 ) -> io::Result<bool> {
     let dir = open_dir(path)?;
-    let after = after.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
-    // An inode item's ctime (a btrfs_timespec at byte 124: seconds, then
-    // nanoseconds), against `after`.
-    let ctime_moved = |data: &[u8]| -> bool {
-        let Some(after) = after else { return true };
-        let (Some(secs), Some(nanos)) = (data.get(124..132), data.get(132..136)) else {
-            return true;
+    let previous = previous.map(open_dir).transpose()?;
+    // Whether an inode item changed more than its access time.
+    let inode_moved = |objectid: u64, data: &[u8]| -> io::Result<bool> {
+        let Some(previous) = &previous else {
+            return Ok(true);
         };
-        let secs = u64::from_le_bytes(secs.try_into().unwrap_or_default());
-        let nanos = u32::from_le_bytes(nanos.try_into().unwrap_or_default());
-        std::time::Duration::new(secs, nanos.min(999_999_999)) >= after
+        let Some(before) = inode_item(previous, objectid)? else {
+            return Ok(true);
+        };
+        // btrfs_inode_item: size, nbytes, block group, nlink, uid, gid,
+        // mode, rdev, flags at 16..72; sequence at 72; atime at 112;
+        // ctime and mtime at 124..148.
+        let same = |range: std::ops::Range<usize>| data.get(range.clone()) == before.get(range);
+        Ok(!(same(16..72) && same(124..148)))
     };
     // The item's own transid, where its layout has one.
     let item_transid = |kind: u32, data: &[u8]| -> Option<u64> {
@@ -1312,7 +1343,7 @@ pub fn changed_since(
             };
             let newer = !ignore.contains(&objectid)
                 && item_transid(kind, data).is_some_and(|t| t > transid)
-                && (kind != sys::BTRFS_INODE_ITEM_KEY || ctime_moved(data));
+                && (kind != sys::BTRFS_INODE_ITEM_KEY || inode_moved(objectid, data)?);
             if newer {
                 return Ok(true);
             }
@@ -1337,6 +1368,35 @@ pub fn changed_since(
             },
         }
     }
+}
+
+/// The inode item of inode `objectid` in the subvolume open at `dir`, if
+/// it has one.
+fn inode_item(dir: &File, objectid: u64) -> io::Result<Option<Vec<u8>>> {
+    // SAFETY: all zeroes is a valid btrfs_ioctl_search_args (plain data).
+    let mut args: sys::btrfs_ioctl_search_args = unsafe { std::mem::zeroed() };
+    let key = &mut args.key;
+    key.tree_id = 0;
+    (key.min_objectid, key.max_objectid) = (objectid, objectid);
+    (key.min_type, key.max_type) = (sys::BTRFS_INODE_ITEM_KEY, sys::BTRFS_INODE_ITEM_KEY);
+    key.max_offset = u64::MAX;
+    key.max_transid = u64::MAX;
+    key.nr_items = 1;
+    // SAFETY: TREE_SEARCH reads the key and writes at most `buf`'s length
+    // of headers and items into `buf`, and the count into `key.nr_items`.
+    unsafe { ioctl(dir, linux_raw_sys::ioctl::BTRFS_IOC_TREE_SEARCH, &mut args) }?;
+    if args.key.nr_items == 0 {
+        return Ok(None);
+    }
+    // SAFETY: `buf` is plain bytes; c_char and u8 have one layout.
+    let buf: &[u8] =
+        unsafe { std::slice::from_raw_parts(args.buf.as_ptr().cast::<u8>(), args.buf.len()) };
+    let header_len = std::mem::size_of::<sys::btrfs_ioctl_search_header>();
+    let len = buf
+        .get(28..32)
+        .map(|b| u32::from_ne_bytes(b.try_into().unwrap_or_default()) as usize)
+        .unwrap_or(0);
+    Ok(buf.get(header_len..header_len + len).map(<[u8]>::to_vec))
 }
 
 /// One btrfs ioctl on `fd`.
@@ -1625,7 +1685,6 @@ mod tests {
         let disk = storage.create(&run, None).unwrap();
         std::fs::create_dir(disk.join("d")).unwrap();
         std::fs::write(disk.join("d/f"), b"x").unwrap();
-        let before = std::time::SystemTime::now();
         let first = storage.snapshot_disk(&run, &store.runs(), "p1").unwrap();
         // First reads since the writes: relatime updates both atimes.
         let _ = std::fs::read_dir(disk.join("d")).unwrap().count();
@@ -1636,14 +1695,19 @@ mod tests {
             changed_since(&second, since, &[], None).unwrap(),
             "atime moved"
         );
-        assert!(!changed_since(&second, since, &[], Some(before)).unwrap());
-        // A real change after it still counts.
-        let after = std::time::SystemTime::now();
-        std::fs::write(disk.join("d/f"), b"y").unwrap();
+        assert!(!changed_since(&second, since, &[], Some(&first)).unwrap());
+        // A real change right after it still counts, in the same clock
+        // tick or not: a chmod (the inode alone), then a write.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(disk.join("d/f"), std::fs::Permissions::from_mode(0o600)).unwrap();
         let third = storage.snapshot_disk(&run, &store.runs(), "p3").unwrap();
         let since = created_transid(&second).unwrap();
-        assert!(changed_since(&third, since, &[], Some(after)).unwrap());
-        for name in ["p1", "p2", "p3"] {
+        assert!(changed_since(&third, since, &[], Some(&second)).unwrap());
+        std::fs::write(disk.join("d/f"), b"y").unwrap();
+        let fourth = storage.snapshot_disk(&run, &store.runs(), "p4").unwrap();
+        let since = created_transid(&third).unwrap();
+        assert!(changed_since(&fourth, since, &[], Some(&third)).unwrap());
+        for name in ["p1", "p2", "p3", "p4"] {
             remove_capture(&store.runs(), name).unwrap();
         }
     }

@@ -168,6 +168,21 @@ pub struct Diff {
     pub truncated: bool,
 }
 
+/// The most paths a [`diff`] looks at (both writable layers' entries,
+/// and what removed directories held): a run can make millions of empty
+/// files within its disk limit, and the daemon must not hold them all.
+pub const MAX_WALK: usize = 500_000;
+
+/// The error a [`diff`] of more than [`MAX_WALK`] paths ends with.
+#[derive(Debug, thiserror::Error)]
+#[error("more than {MAX_WALK} paths to compare")]
+pub struct TooManyPaths;
+
+/// Whether `e` is a [`TooManyPaths`].
+pub fn too_many(e: &io::Error) -> bool {
+    e.get_ref().is_some_and(|inner| inner.is::<TooManyPaths>())
+}
+
 /// The paths whose entries differ between `before` and `after`, in path
 /// order, at most `limit` of them. Paths below any of `skip` (relative,
 /// e.g. `.runbox`) are not the run's own and are left out.
@@ -180,6 +195,7 @@ pub fn diff(before: &Side, after: &Side, skip: &[&str], limit: usize) -> io::Res
             walk_upper(upper, Path::new(""), &mut candidates)?;
         }
     }
+    let mut looked = candidates.len();
     let skipped = |rel: &Path| skip.iter().any(|s| rel.starts_with(s));
     let mut out = Diff::default();
     let mut queue: Vec<PathBuf> = candidates.into_iter().rev().collect();
@@ -199,6 +215,10 @@ pub fn diff(before: &Side, after: &Side, skip: &[&str], limit: usize) -> io::Res
         for (side, entry, other) in [(&mut before, &old, &new), (&mut after, &new, &old)] {
             if is_dir(entry) && (!is_dir(other) || opaque) {
                 for name in side.children(&rel)? {
+                    looked += 1;
+                    if looked > MAX_WALK {
+                        return Err(io::Error::other(TooManyPaths));
+                    }
                     queue.push(rel.join(name));
                 }
             }
@@ -253,6 +273,9 @@ fn walk_upper(root: &Path, rel: &Path, out: &mut BTreeSet<PathBuf>) -> io::Resul
         let entry = entry?;
         let path = rel.join(entry.file_name());
         let is_dir = entry.file_type()?.is_dir();
+        if out.len() >= MAX_WALK {
+            return Err(io::Error::other(TooManyPaths));
+        }
         out.insert(path.clone());
         if is_dir {
             walk_upper(root, &path, out)?;
@@ -461,18 +484,30 @@ fn entry(path: PathBuf, meta: &fs::Metadata, base: u32) -> io::Result<Entry> {
 pub const PATCH_FILE_MAX: u64 = 1 << 20;
 
 /// A file's text for a patch: None when it is binary (a NUL byte, or not
-/// UTF-8) or larger than [`PATCH_FILE_MAX`].
-fn patch_text(entry: Option<&Entry>) -> io::Result<Option<String>> {
+/// UTF-8) or larger than [`PATCH_FILE_MAX`] or `budget`. Opened without
+/// following a link or blocking on a FIFO, and read only if it is still
+/// a regular file (a layer is read-only, but never trusted).
+fn patch_text(entry: Option<&Entry>, budget: u64) -> io::Result<Option<String>> {
+    use std::os::unix::fs::OpenOptionsExt;
     let Some(entry) = entry else {
         return Ok(Some(String::new()));
     };
-    if entry.kind != Kind::File || entry.size > PATCH_FILE_MAX {
+    let max = PATCH_FILE_MAX.min(budget);
+    if entry.kind != Kind::File || entry.size > max {
+        return Ok(None);
+    }
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&entry.host_path)?;
+    if !file.metadata()?.is_file() {
         return Ok(None);
     }
     let mut bytes = Vec::new();
-    fs::File::open(&entry.host_path)?
-        .take(PATCH_FILE_MAX + 1)
-        .read_to_end(&mut bytes)?;
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Ok(None);
+    }
     if bytes.contains(&0) {
         return Ok(None);
     }
@@ -488,21 +523,33 @@ pub enum Patch {
     Binary,
 }
 
+/// How long one file's diff may take before `similar` settles for a
+/// coarser one.
+const PATCH_TIME: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// A unified diff of a changed regular file (from `a/<path>` to
-/// `b/<path>`, 3 lines of context); None for what is not a file on
-/// either side.
-pub fn patch(change: &Changed) -> io::Result<Option<Patch>> {
+/// `b/<path>`, 3 lines of context), reading at most `budget` bytes of
+/// each side; None for what is not a file on either side.
+pub fn patch(change: &Changed, budget: u64) -> io::Result<Option<Patch>> {
     let is_file = |e: &Option<Entry>| e.as_ref().is_some_and(|e| e.kind == Kind::File);
     if !is_file(&change.before) && !is_file(&change.after) {
         return Ok(None);
     }
-    let old = patch_text(change.before.as_ref().filter(|e| e.kind == Kind::File))?;
-    let new = patch_text(change.after.as_ref().filter(|e| e.kind == Kind::File))?;
+    let old = patch_text(
+        change.before.as_ref().filter(|e| e.kind == Kind::File),
+        budget,
+    )?;
+    let new = patch_text(
+        change.after.as_ref().filter(|e| e.kind == Kind::File),
+        budget,
+    )?;
     let (Some(old), Some(new)) = (old, new) else {
         return Ok(Some(Patch::Binary));
     };
     let path = change.path.trim_start_matches('/');
-    let text = similar::TextDiff::from_lines(&old, &new)
+    let text = similar::TextDiff::configure()
+        .timeout(PATCH_TIME)
+        .diff_lines(&old, &new)
         .unified_diff()
         .context_radius(3)
         .header(&format!("a/{path}"), &format!("b/{path}"))
@@ -601,7 +648,7 @@ mod tests {
             (link.kind, link.target.as_deref()),
             (Kind::Symlink, Some("a.txt"))
         );
-        let Some(Patch::Text(text)) = patch(&d.changes[6]).unwrap() else {
+        let Some(Patch::Text(text)) = patch(&d.changes[6], u64::MAX).unwrap() else {
             panic!("a text patch")
         };
         assert!(text.contains("+world"), "{text}");
@@ -649,6 +696,6 @@ mod tests {
         let d = diff(&image, &after, &[], 10).unwrap();
         let bin = d.changes[0].after.as_ref().unwrap();
         assert_eq!((bin.uid, bin.gid), (1000, 5));
-        assert_eq!(patch(&d.changes[0]).unwrap(), Some(Patch::Binary));
+        assert_eq!(patch(&d.changes[0], u64::MAX).unwrap(), Some(Patch::Binary));
     }
 }

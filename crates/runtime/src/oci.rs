@@ -1372,7 +1372,8 @@ impl Lane for OciLane {
             }
             // Points a dead daemon made but never described: half-made.
             for point in crate::storage::point_ids(&runs, &run) {
-                if crate::storage::point_meta(&runs, &run, &point).is_none() {
+                let meta = crate::storage::point_meta(&runs, &run, &point);
+                if meta.is_none_or(|m| m.is_empty()) {
                     if let Err(e) = crate::storage::remove_point(&runs, &run, &point) {
                         tracing::warn!(run = %run, point = %point, error = %e, "could not remove a half-made history point");
                     }
@@ -1391,7 +1392,13 @@ impl Lane for OciLane {
                 Some(id) if !keep.contains(&id) => {
                     doomed.insert(id);
                 }
-                Some(_) => {}
+                // A rollback a crash cut short is finished now, so the
+                // run has its disk before anything reads it.
+                Some(_) => {
+                    if let Err(e) = lane.storage.settle_disk(&entry.path()) {
+                        tracing::warn!(run = ?entry.file_name(), error = %e, "could not finish a rollback a crash cut short");
+                    }
+                }
                 None if entry.file_name() == crate::storage::CAPTURES_DIR
                     || entry.file_name() == crate::storage::WARM_CACHE_DIR
                     || entry.file_name() == crate::storage::LAYERS_DIR
@@ -1735,11 +1742,19 @@ impl Sandbox for OciSandbox {
             let dir = lane.run_dir(id);
             let (run, name) = (id.to_string(), point.to_string());
             let changed = |path: &Path, since: Since| {
+                let previous = since
+                    .point
+                    .map(|p| {
+                        runs.join(crate::storage::HISTORY_DIR)
+                            .join(&run)
+                            .join(p.to_string())
+                    })
+                    .filter(|p| p.is_dir());
                 crate::storage::changed_since(
                     path,
                     since.transid,
                     &churned_inodes(path),
-                    Some(since.at),
+                    previous.as_deref(),
                 )
             };
             // Asked of the live disk first, its metadata committed (no
@@ -1860,14 +1875,23 @@ impl Sandbox for OciSandbox {
         if !dir.is_dir() {
             return Err(LaneError::Failed(format!("history point {point} is gone")));
         }
-        let warm_upper = dir.join(WARM_DIR).join("upper");
+        // A capture of its own (constant time): the point may be dropped
+        // while a fork, snapshot or diff reads this.
+        let runs = self.runs();
+        let name = Ulid::new().to_string();
+        let copy = self.lane.storage.capture_point(&dir, &runs, &name)?;
+        let warm_upper = copy.join(WARM_DIR).join("upper");
         let warm_upper = warm_upper.is_dir().then_some(warm_upper);
         let injected = injected_paths(&self.lane.run_dir(self.id));
         Ok(Capture::new(
-            dir.join("upper"),
+            copy.join("upper"),
             injected,
             std::time::Duration::ZERO,
-            || {},
+            move || {
+                if let Err(e) = crate::storage::remove_capture(&runs, &name) {
+                    tracing::warn!(error = %e, capture = %name, "could not remove a capture");
+                }
+            },
         )
         .with_warm_upper(warm_upper))
     }

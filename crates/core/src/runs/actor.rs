@@ -168,7 +168,9 @@ pub(crate) enum Command {
     Rollback {
         point: Ulid,
         credential: Option<(String, u64)>,
-        reply: Reply<()>,
+        /// Ok once the files are the point's: with the error of the boot
+        /// that followed when the run did not come back up.
+        reply: Reply<Option<CoreError>>,
     },
     /// Put a new egress policy in force (checked by the manager).
     Egress {
@@ -1130,10 +1132,11 @@ impl RunActor {
         if self.record.history.is_some() {
             let at = std::time::SystemTime::now();
             match sandbox.settle_history().await {
-                Ok(transid) => self
-                    .handle
-                    .history
-                    .booted(crate::lane::Since { transid, at }),
+                Ok(transid) => self.handle.history.booted(crate::lane::Since {
+                    transid,
+                    at,
+                    point: None,
+                }),
                 Err(e) => {
                     tracing::warn!(run = %id, error = %error_chain(&e), "could not settle the run's disk for its history")
                 }
@@ -1230,13 +1233,15 @@ impl RunActor {
     /// paused run is hibernated (its processes end), its disk replaced by
     /// a copy of the point's, and booted again; a hibernated one stays
     /// hibernated. The lease is asked first, as for any change. A failed
-    /// restore leaves the run hibernated on its old disk.
+    /// restore leaves the run hibernated on its old disk (an error); a
+    /// failed boot after it leaves the run on the point's disk, as a
+    /// failed wake does (Ok, with the boot's error).
     async fn rollback(
         &mut self,
         point: Ulid,
         credential: Option<(String, u64)>,
         now: OffsetDateTime,
-    ) -> Result<(), CoreError> {
+    ) -> Result<Option<CoreError>, CoreError> {
         let presented = credential.as_ref().map(|(owner, generation)| Credential {
             owner,
             generation: *generation,
@@ -1258,9 +1263,9 @@ impl RunActor {
             .restore_point(point)
             .await?;
         if awake {
-            self.wake().await?;
+            return Ok(self.wake().await.err());
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Sends the run's disk to the checkpoint store (as checkpoint `<run
@@ -2138,8 +2143,8 @@ impl RunActor {
                         | Some(Command::Hibernate { reply })
                         | Some(Command::Wake { reply })
                         | Some(Command::Archive { reply })
-                        | Some(Command::Egress { reply, .. })
-                        | Some(Command::Rollback { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        | Some(Command::Egress { reply, .. }) => { let _ = reply.send(Err(gone)); }
+                        Some(Command::Rollback { reply, .. }) => { let _ = reply.send(Err(gone)); }
                         Some(Command::End) => self.fence.end(),
                         None => {}
                     }

@@ -125,6 +125,9 @@ pub(crate) struct HistoryCell {
     booted: std::sync::Mutex<Option<Since>>,
     /// How many times the lane dropped the run's points with its disk.
     epoch: std::sync::atomic::AtomicU64,
+    /// How many times the run's disk was replaced (rollbacks): a change
+    /// admitted before one is not the replaced disk's to keep.
+    disk: std::sync::atomic::AtomicU64,
 }
 
 impl HistoryCell {
@@ -159,9 +162,14 @@ impl HistoryCell {
         let made = Since {
             transid: point.transid,
             at: point.meta.created_at.into(),
+            point: Some(point.id),
         };
         match *self.booted.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(booted) if booted.transid > made.transid => booted,
+            // The files booted from (or descending from) this point.
+            Some(booted) if booted.transid > made.transid => Since {
+                point: Some(point.id),
+                ..booted
+            },
             _ => made,
         }
     }
@@ -172,6 +180,9 @@ impl HistoryCell {
 #[derive(Clone)]
 pub(crate) struct Recorder {
     handle: Arc<RunHandle>,
+    /// The run's disk ([`HistoryCell::disk`]) when the change was
+    /// admitted.
+    disk: u64,
     sandbox: Arc<dyn Sandbox>,
     keep: u32,
     /// The run's disk limit, which its points count against.
@@ -186,8 +197,19 @@ impl Recorder {
     /// point that cannot be made is logged and skipped.
     pub async fn record(&self, cause: PointCause) -> Option<Ulid> {
         let mut book = self.handle.history.book.lock().await;
+        // A run going away keeps nothing; a change admitted before a
+        // rollback (a command the rollback cut short) is not the returned
+        // files' change.
+        let disk = self
+            .handle
+            .history
+            .disk
+            .load(std::sync::atomic::Ordering::SeqCst);
+        if self.handle.ended.is_cancelled() || disk != self.disk {
+            return None;
+        }
         let book = self.handle.history.open(&mut book, &*self.sandbox);
-        match self.record_locked(book, cause).await {
+        match self.record_locked(book, cause, false).await {
             Ok(point) => point,
             Err(e) => {
                 tracing::warn!(run = %self.handle.id, error = %e, "could not keep a history point");
@@ -196,10 +218,14 @@ impl Recorder {
         }
     }
 
+    /// Keeps a point under the lock. `keep_later`: the points after a
+    /// rolled-back-to head stay (the point kept just before another
+    /// rollback, which may be to one of them).
     async fn record_locked(
         &self,
         book: &mut Book,
         cause: PointCause,
+        keep_later: bool,
     ) -> Result<Option<Ulid>, crate::lane::LaneError> {
         let current = book.current();
         let since = current.map(|p| self.handle.history.since(p));
@@ -214,25 +240,33 @@ impl Recorder {
         let Some(kept) = self.sandbox.keep_point(id, since, bytes).await? else {
             return Ok(None);
         };
-        // A change after a rollback: the points after it go.
-        if let Some(head) = book.head.take() {
+        book.points.push(Point {
+            id,
+            transid: kept.transid,
+            meta,
+        });
+        // Kept just before a rollback: the files are at this point now,
+        // and the points after the old head stay (they may be the
+        // rollback's target).
+        if keep_later && book.head.is_some() {
+            book.head = None;
+            self.sandbox.set_history_head(None)?;
+        }
+        // A change after a rollback: the points after the head go.
+        if let (Some(head), false) = (book.head, keep_later) {
             let later: Vec<Ulid> = book
                 .points
                 .iter()
-                .filter(|p| p.id > head)
+                .filter(|p| p.id > head && p.id != id)
                 .map(|p| p.id)
                 .collect();
             for point in later {
                 self.sandbox.drop_point(point).await?;
                 book.points.retain(|p| p.id != point);
             }
+            book.head = None;
             self.sandbox.set_history_head(None)?;
         }
-        book.points.push(Point {
-            id,
-            transid: kept.transid,
-            meta,
-        });
         self.prune(book).await?;
         Ok(Some(id))
     }
@@ -242,14 +276,15 @@ impl Recorder {
     /// always stays).
     async fn prune(&self, book: &mut Book) -> Result<(), crate::lane::LaneError> {
         while book.points.len() > self.keep.max(1) as usize {
-            let oldest = book.points.remove(0).id;
-            self.sandbox.drop_point(oldest).await?;
+            self.sandbox.drop_point(book.points[0].id).await?;
+            book.points.remove(0);
         }
         // A store running out of room: history is the first thing to give.
         while book.points.len() > 1 && self.store_short() {
-            let oldest = book.points.remove(0).id;
+            let oldest = book.points[0].id;
             tracing::info!(run = %self.handle.id, point = %oldest, "history point dropped: the run store is nearly full");
             self.sandbox.drop_point_and_reclaim(oldest).await?;
+            book.points.remove(0);
         }
         let Some(limit) = self.disk_limit else {
             return Ok(());
@@ -260,10 +295,11 @@ impl Recorder {
             if used.saturating_add(held) <= limit {
                 break;
             }
-            let oldest = book.points.remove(0).id;
+            let oldest = book.points[0].id;
             tracing::info!(run = %self.handle.id, point = %oldest, used, held, limit, "history point dropped to keep the run within its disk limit");
             // Measured again only once what it held is freed.
             self.sandbox.drop_point_and_reclaim(oldest).await?;
+            book.points.remove(0);
         }
         Ok(())
     }
@@ -295,20 +331,27 @@ impl Manager {
         record: &crate::store::RunRecord,
     ) -> Option<Recorder> {
         let keep = record.history?.keep;
+        let mut book = handle.history.book.lock().await;
+        // Read under the lock a rollback holds while it replaces the disk.
         let recorder = Recorder {
+            disk: handle
+                .history
+                .disk
+                .load(std::sync::atomic::Ordering::SeqCst),
             handle: handle.clone(),
             sandbox: self.lane.sandbox(handle.id),
             keep,
             disk_limit: record.limits.disk_mb.map(|mb| mb << 20),
             lane: self.lane.clone(),
         };
-        let mut book = handle.history.book.lock().await;
         let book = handle.history.open(&mut book, &*recorder.sandbox);
         if book.points.is_empty() {
             if let Err(e) = recorder.sandbox.history_room(recorder.disk_limit).await {
                 tracing::warn!(run = %handle.id, error = %e, "could not make room in the run's disk limit for its history");
             }
-            let first = recorder.record_locked(book, cause(PointKind::Create)).await;
+            let first = recorder
+                .record_locked(book, cause(PointKind::Create), false)
+                .await;
             if let Err(e) = first {
                 tracing::warn!(run = %handle.id, error = %e, "could not keep a run's first history point");
             }
@@ -337,7 +380,15 @@ impl Manager {
             {
                 Ok(diff) => diff.summary,
                 // Its parent was dropped before its summary was found.
-                Err(_) => ChangeSummary::default(),
+                Err(CoreError::Invalid {
+                    code: ErrorCode::PointNotFound,
+                    ..
+                }) => ChangeSummary::default(),
+                // Shown as nothing this time, asked again next time.
+                Err(e) => {
+                    tracing::warn!(run = %id, point = %point, error = %e, "could not sum up a point's changes");
+                    continue;
+                }
             };
             if let Some(p) = book.points.iter_mut().find(|p| p.id == point) {
                 p.meta.changes = Some(summary);
@@ -449,8 +500,20 @@ impl Manager {
                 lowers: &lowers,
                 id_base: new_base,
             };
-            let diff = runbox_image::diff::diff(&old, &new, &skip, limit)
-                .map_err(|e| CoreError::Store(format!("diffing point {point}: {e}")))?;
+            let diff = runbox_image::diff::diff(&old, &new, &skip, limit).map_err(|e| {
+                if runbox_image::diff::too_many(&e) {
+                    CoreError::invalid(
+                        ErrorCode::TooLarge,
+                        format!(
+                            "point {point} and the point it is diffed against hold more than {} \
+                             paths between them; diff it against a nearer point (?against=)",
+                            runbox_image::diff::MAX_WALK
+                        ),
+                    )
+                } else {
+                    CoreError::Store(format!("diffing point {point}: {e}"))
+                }
+            })?;
             let summary = runbox_image::diff::Summary::of(&diff.changes);
             let mut budget = PATCH_BUDGET;
             let changes = diff
@@ -491,6 +554,10 @@ impl Manager {
         let (handle, keep) = self.history_handle(id)?;
         let record = handle.snapshot().record.clone();
         let recorder = Recorder {
+            disk: handle
+                .history
+                .disk
+                .load(std::sync::atomic::Ordering::SeqCst),
             handle: handle.clone(),
             sandbox: self.lane.sandbox(id),
             keep,
@@ -502,14 +569,17 @@ impl Manager {
         if book.get(point).is_none() {
             return Err(not_found(id, point));
         }
-        // What changed since the last point is kept first, so the
-        // rollback can be undone without losing it.
+        // What changed since the last point is kept first (the points
+        // after a rolled-back-to head staying), so the rollback can be
+        // undone without losing it.
         if matches!(
             handle.snapshot().phase,
-            super::phase::Phase::Running | super::phase::Phase::Paused
+            super::phase::Phase::Running
+                | super::phase::Phase::Paused
+                | super::phase::Phase::Hibernated
         ) {
             let before = cause(PointKind::Rollback);
-            if let Err(e) = recorder.record_locked(book, before).await {
+            if let Err(e) = recorder.record_locked(book, before, true).await {
                 tracing::warn!(run = %id, error = %e, "could not keep the files before a rollback");
             }
             // The point itself may have been dropped to stay within the
@@ -518,17 +588,26 @@ impl Manager {
                 return Err(not_found(id, point));
             }
         }
-        handle
+        let woken = handle
             .ask(|reply| Command::Rollback {
                 point,
                 credential,
                 reply,
             })
             .await?;
+        // The disk is the point's now, whether or not the run came back
+        // up: changes admitted before are not its to keep.
+        handle
+            .history
+            .disk
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let newest = book.points.last().map(|p| p.id);
         book.head = (newest != Some(point)).then_some(point);
         recorder.sandbox.set_history_head(book.head)?;
         tracing::info!(run = %id, point = %point, "run rolled back");
+        if let Some(failed) = woken {
+            return Err(failed);
+        }
         self.get(id)
     }
 
@@ -627,7 +706,14 @@ fn path_change(
     };
     let (text, binary) = match patch {
         false => (None, false),
-        true => match runbox_image::diff::patch(change) {
+        // Past the budget no file is read.
+        true if *budget == 0 => {
+            let file = |e: &Option<runbox_image::diff::Entry>| {
+                e.as_ref().is_some_and(|e| e.kind == Kind::File)
+            };
+            (None, file(&change.before) || file(&change.after))
+        }
+        true => match runbox_image::diff::patch(change, *budget as u64) {
             Ok(Some(runbox_image::diff::Patch::Text(text))) if text.len() <= *budget => {
                 *budget -= text.len();
                 (Some(text), false)
