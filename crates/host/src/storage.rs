@@ -1264,19 +1264,31 @@ pub fn settled_transid(path: &Path) -> io::Result<u64> {
 /// directory was only read (overlayfs updates the access times of the
 /// layer below it whatever the store's mount says). Compared field by
 /// field, not by time, so a change in the same clock tick as the
-/// predecessor still counts.
+/// predecessor still counts. Without a predecessor, `after` (a time taken
+/// before `transid` was committed) does it less exactly: an inode whose
+/// change time is earlier only had its access time moved.
 pub fn changed_since(
     path: &Path,
     transid: u64,
     ignore: &[u64],
     previous: Option<&Path>,
+    after: Option<std::time::SystemTime>,
 ) -> io::Result<bool> {
     let dir = open_dir(path)?;
     let previous = previous.map(open_dir).transpose()?;
+    let after = after.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok());
     // Whether an inode item changed more than its access time.
     let inode_moved = |objectid: u64, data: &[u8]| -> io::Result<bool> {
         let Some(previous) = &previous else {
-            return Ok(true);
+            // Its ctime (a btrfs_timespec at byte 124: seconds, then
+            // nanoseconds) against `after`.
+            let Some(after) = after else { return Ok(true) };
+            let (Some(secs), Some(nanos)) = (data.get(124..132), data.get(132..136)) else {
+                return Ok(true);
+            };
+            let secs = u64::from_le_bytes(secs.try_into().unwrap_or_default());
+            let nanos = u32::from_le_bytes(nanos.try_into().unwrap_or_default());
+            return Ok(std::time::Duration::new(secs, nanos.min(999_999_999)) >= after);
         };
         let Some(before) = inode_item(previous, objectid)? else {
             return Ok(true);
@@ -1501,7 +1513,7 @@ mod tests {
             change();
             let next = snap();
             let answer =
-                changed_since(&next, created_transid(&previous).unwrap(), &[], None).unwrap();
+                changed_since(&next, created_transid(&previous).unwrap(), &[], None, None).unwrap();
             previous = next;
             answer
         };
@@ -1563,22 +1575,22 @@ mod tests {
         ];
         let second = storage.snapshot_disk(&run, &store.runs(), "p2").unwrap();
         let since = created_transid(&first).unwrap();
-        assert!(changed_since(&second, since, &[], None).unwrap());
-        assert!(!changed_since(&second, since, &ignore, None).unwrap());
+        assert!(changed_since(&second, since, &[], None, None).unwrap());
+        assert!(!changed_since(&second, since, &ignore, None, None).unwrap());
         // A live subvolume, its metadata committed, tells the same
         // without a snapshot.
         std::fs::write(disk.join("upper/live"), b"x").unwrap();
         commit_metadata(&disk).unwrap();
         let newest = created_transid(&second).unwrap();
-        assert!(changed_since(&disk, newest, &ignore, None).unwrap());
+        assert!(changed_since(&disk, newest, &ignore, None, None).unwrap());
         // What was written before a settle is older than it.
         std::fs::write(disk.join("upper/boot"), b"x").unwrap();
         let settled = settled_transid(&disk).unwrap();
         let third = storage.snapshot_disk(&run, &store.runs(), "p3").unwrap();
-        assert!(!changed_since(&third, settled, &ignore, None).unwrap());
+        assert!(!changed_since(&third, settled, &ignore, None, None).unwrap());
         std::fs::write(disk.join("upper/later"), b"x").unwrap();
         let fourth = storage.snapshot_disk(&run, &store.runs(), "p4").unwrap();
-        assert!(changed_since(&fourth, settled, &ignore, None).unwrap());
+        assert!(changed_since(&fourth, settled, &ignore, None, None).unwrap());
         for name in ["p1", "p2", "p3", "p4"] {
             remove_capture(&store.runs(), name).unwrap();
         }
@@ -1692,21 +1704,21 @@ mod tests {
         let second = storage.snapshot_disk(&run, &store.runs(), "p2").unwrap();
         let since = created_transid(&first).unwrap();
         assert!(
-            changed_since(&second, since, &[], None).unwrap(),
+            changed_since(&second, since, &[], None, None).unwrap(),
             "atime moved"
         );
-        assert!(!changed_since(&second, since, &[], Some(&first)).unwrap());
+        assert!(!changed_since(&second, since, &[], Some(&first), None).unwrap());
         // A real change right after it still counts, in the same clock
         // tick or not: a chmod (the inode alone), then a write.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(disk.join("d/f"), std::fs::Permissions::from_mode(0o600)).unwrap();
         let third = storage.snapshot_disk(&run, &store.runs(), "p3").unwrap();
         let since = created_transid(&second).unwrap();
-        assert!(changed_since(&third, since, &[], Some(&second)).unwrap());
+        assert!(changed_since(&third, since, &[], Some(&second), None).unwrap());
         std::fs::write(disk.join("d/f"), b"y").unwrap();
         let fourth = storage.snapshot_disk(&run, &store.runs(), "p4").unwrap();
         let since = created_transid(&third).unwrap();
-        assert!(changed_since(&fourth, since, &[], Some(&third)).unwrap());
+        assert!(changed_since(&fourth, since, &[], Some(&third), None).unwrap());
         for name in ["p1", "p2", "p3", "p4"] {
             remove_capture(&store.runs(), name).unwrap();
         }
@@ -1725,7 +1737,7 @@ mod tests {
         let second = storage.point_disk(&run, &store.runs(), "r1", "p2").unwrap();
         assert_eq!(std::fs::read(first.join("a")).unwrap(), b"one");
         assert_eq!(std::fs::read(second.join("a")).unwrap(), b"two");
-        assert!(changed_since(&second, created_transid(&first).unwrap(), &[], None).unwrap());
+        assert!(changed_since(&second, created_transid(&first).unwrap(), &[], None, None).unwrap());
         assert!(
             std::fs::write(first.join("b"), b"x").is_err(),
             "a point is read-only"

@@ -1755,6 +1755,7 @@ impl Sandbox for OciSandbox {
                     since.transid,
                     &churned_inodes(path),
                     previous.as_deref(),
+                    Some(since.at),
                 )
             };
             // Asked of the live disk first, its metadata committed (no

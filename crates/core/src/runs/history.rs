@@ -165,11 +165,10 @@ impl HistoryCell {
             point: Some(point.id),
         };
         match *self.booted.lock().unwrap_or_else(|p| p.into_inner()) {
-            // The files booted from (or descending from) this point.
-            Some(booted) if booted.transid > made.transid => Since {
-                point: Some(point.id),
-                ..booted
-            },
+            // Booted since: the point is not what the files were at the
+            // boot (the boot touched them), so reads are told apart by
+            // time instead.
+            Some(booted) if booted.transid > made.transid => booted,
             _ => made,
         }
     }
